@@ -1,0 +1,111 @@
+# cohort: build, test, demo.
+#
+#   make            release build into build/ (-O2, -Werror)
+#   make test       installs missing packages, builds the sanitizer build
+#                   into build/asan/ and runs every test against it
+#   make demo       installs missing packages and runs a local cohort
+#
+# Sources are found by directory, so a new module is a new .c/.h pair and
+# nothing more: src/ -> libcohort.a, operator/ sidecar/ cli/ -> binaries,
+# tests/unit/ -> one Criterion binary.
+
+BUILD    ?= build
+ASAN_DIR := $(BUILD)/asan
+PYTHON   ?= /usr/bin/python3
+
+CC       ?= cc
+PKGS     := grpc libprotobuf-c libcjson
+WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+LDLIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lpthread -lm
+OPT_CFLAGS  := -O2
+ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+ASAN_LDFLAGS := -fsanitize=address,undefined
+
+PROTOS     := $(wildcard proto/*.proto)
+LIB_SRCS   := $(wildcard src/*.c)
+OP_SRCS    := $(wildcard operator/*.c)
+SC_SRCS    := $(wildcard sidecar/*.c)
+CLI_SRCS   := $(wildcard cli/*.c)
+UNIT_SRCS  := $(wildcard tests/unit/*.c)
+
+# Generated protobuf-c sources live beside each build's objects.
+gen_srcs = $(patsubst proto/%.proto,$(1)/gen/%.pb-c.c,$(PROTOS))
+objs     = $(patsubst %.c,$(1)/obj/%.o,$(2))
+
+define build_tree
+# $(1): output dir, $(2): extra CFLAGS, $(3): extra LDFLAGS
+$(1)/gen/%.pb-c.c $(1)/gen/%.pb-c.h: proto/%.proto
+	@mkdir -p $(1)/gen
+	protoc-c --proto_path=proto --c_out=$(1)/gen $$<
+
+$(1)/obj/%.o: %.c $(call gen_srcs,$(1))
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(BASE_CFLAGS) $(2) -I$(1)/gen -MMD -MP -c $$< -o $$@
+
+$(1)/obj/gen/%.o: $(1)/gen/%.c
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(BASE_CFLAGS) $(2) -I$(1)/gen -Wno-missing-prototypes -c $$< -o $$@
+
+$(1)/libcohort.a: $(call objs,$(1),$(LIB_SRCS)) $(patsubst $(1)/gen/%.c,$(1)/obj/gen/%.o,$(call gen_srcs,$(1)))
+	@rm -f $$@
+	ar rcs $$@ $$^
+
+$(1)/cohort-operator: $(call objs,$(1),$(OP_SRCS)) $(1)/libcohort.a
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
+$(1)/cohort-sidecar: $(call objs,$(1),$(SC_SRCS)) $(1)/libcohort.a
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
+$(1)/cohortctl: $(call objs,$(1),$(CLI_SRCS)) $(1)/libcohort.a
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
+$(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS) -lcriterion
+
+-include $(shell find $(1)/obj -name '*.d' 2>/dev/null)
+endef
+
+$(eval $(call build_tree,$(BUILD),$(OPT_CFLAGS),))
+$(eval $(call build_tree,$(ASAN_DIR),$(ASAN_CFLAGS),$(ASAN_LDFLAGS)))
+
+BINS = cohort-operator cohort-sidecar cohortctl libcohort.a
+
+# Generated sources are kept: they are inputs to the objects, not temporaries.
+.SECONDARY:
+
+.PHONY: all asan deps test unit proc demo bench clean
+all: $(addprefix $(BUILD)/,$(BINS))
+
+asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(ASAN_DIR)/tests/unit
+
+deps:
+	@scripts/install-deps.sh
+
+# Tests run against the sanitizer build. halt_on_error keeps a sanitizer
+# report from being mistaken for a flaky failure.
+export ASAN_OPTIONS  := detect_leaks=1:abort_on_error=0:halt_on_error=1
+export UBSAN_OPTIONS := print_stacktrace=1:halt_on_error=1
+export LSAN_OPTIONS  := suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0
+
+test: deps
+	$(MAKE) asan
+	$(MAKE) unit proc
+
+unit:
+	$(ASAN_DIR)/tests/unit --jobs=2
+
+proc:
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc
+
+demo: deps
+	$(MAKE) all
+	scripts/demo.sh
+
+bench: deps
+	$(MAKE) all
+	bench/broker.sh
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Installs the Debian packages cohort builds and tests with, only those that
+# are missing, so that a fresh Debian 12 machine needs nothing but `make`.
+set -eu
+
+PKGS="gcc make pkg-config libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
+libcjson-dev libcurl4-openssl-dev libcriterion-dev python3 python3-pytest"
+
+missing=""
+for p in $PKGS; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing="$missing $p"
+    fi
+done
+[ -z "$missing" ] && exit 0
+
+echo "install-deps: installing$missing"
+if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+# shellcheck disable=SC2086
+$SUDO apt-get install -y -qq --no-install-recommends $missing
