@@ -1,0 +1,424 @@
+/* tests/unit/test_rpc.c: the gRPC wrapper between real servers and clients
+ * on loopback, with free ports. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "clock.h"
+#include "cohort.pb-c.h"
+#include "rpc.h"
+
+#define P_STATUS "/cohort.v1.Broker/Status"
+#define P_HEART "/cohort.v1.Broker/Heartbeat"
+#define P_WATCH "/cohort.v1.Broker/Watch"
+#define P_JOIN "/cohort.v1.Broker/Join"
+
+/* ---- a tiny service ---- */
+
+struct fixture {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct rpc_stream *stream;  /* the open Watch, kept by the "service" */
+    int closes;                 /* on_close calls seen */
+    int nested_rc;              /* what rpc_call returned inside a handler */
+    struct rpc_channel *self;   /* for the nested call */
+};
+
+static struct fixture fx = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, NULL };
+
+/* Status echoes the cohort it was asked about; "fail" asks for an error. */
+static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+{
+    const Cohort__V1__StatusRequest *q = (const Cohort__V1__StatusRequest *)req;
+    Cohort__V1__StatusReply rep = COHORT__V1__STATUS_REPLY__INIT;
+    Cohort__V1__CohortStatus cs = COHORT__V1__COHORT_STATUS__INIT;
+    Cohort__V1__CohortStatus *list[1] = { &cs };
+
+    if (strcmp(q->cohort, "fail") == 0) {
+        rpc_reply_error(r, RPC_NOT_FOUND, "unknown cohort \"%s\"", q->cohort);
+        return;
+    }
+    if (strcmp(q->cohort, "nested") == 0) {
+        ProtobufCMessage *out = NULL;
+        fx.nested_rc = rpc_call(fx.self, P_STATUS, req, &cohort__v1__status_reply__descriptor, 1000,
+                                0, &out, NULL);
+    }
+    if (strcmp(q->cohort, "silent") == 0)
+        return;         /* no answer: the module must send INTERNAL */
+    cs.name = q->cohort;
+    cs.epoch = q->protocol_version;
+    rep.n_cohorts = 1;
+    rep.cohorts = list;
+    rpc_reply_ok(r, &rep.base);
+}
+
+static void on_stream_close(void *arg, struct rpc_stream *s)
+{
+    pthread_mutex_lock(&fx.lock);
+    fx.closes++;
+    if (fx.stream == s) {
+        fx.stream = NULL;
+        rpc_stream_unref(s);
+    }
+    pthread_cond_broadcast(&fx.cond);
+    pthread_mutex_unlock(&fx.lock);
+}
+
+static void send_epoch(struct rpc_stream *s, uint64_t n)
+{
+    Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
+    struct rpc_buf *b;
+
+    e.cohort = "c";
+    e.epoch = n;
+    cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
+    cr_assert_eq(rpc_stream_send(s, b), 0);
+    rpc_buf_unref(b);
+}
+
+/* Watch: "three" sends epochs 1..3 and finishes; "keep" keeps the stream
+ * open; "refuse" fails at once. */
+static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+{
+    const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
+
+    if (strcmp(q->cohort, "refuse") == 0) {
+        rpc_stream_finish(s, RPC_NOT_FOUND, "no such member");
+        rpc_stream_unref(s);
+        return;
+    }
+    if (strcmp(q->cohort, "three") == 0) {
+        for (uint64_t i = 1; i <= 3; i++)
+            send_epoch(s, i);
+        rpc_stream_finish(s, RPC_OK, "");
+        rpc_stream_unref(s);
+        return;
+    }
+    rpc_stream_on_close(s, on_stream_close, NULL);
+    pthread_mutex_lock(&fx.lock);
+    fx.stream = s;
+    pthread_cond_broadcast(&fx.cond);
+    pthread_mutex_unlock(&fx.lock);
+    send_epoch(s, 7);
+}
+
+static const struct rpc_method methods[] = {
+    { P_STATUS, &cohort__v1__status_request__descriptor, on_status, NULL, NULL },
+    { P_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch, NULL },
+};
+
+static struct rpc_server *srv;
+static struct rpc_channel *ch;
+static char target[64];
+
+static void start(void)
+{
+    cr_assert_eq(rpc_init(), 0);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, NULL, &srv), 0);
+    cr_assert_gt(rpc_server_port(srv), 0);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", rpc_server_port(srv));
+    cr_assert_eq(rpc_channel_create(target, NULL, &ch), 0);
+    fx.self = ch;
+}
+
+static void stop(void)
+{
+    rpc_channel_destroy(ch);
+    rpc_server_destroy(srv);
+    rpc_shutdown();
+}
+
+static int status_call(const char *cohort, uint32_t version, ProtobufCMessage **out, struct rpc_status *st)
+{
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+
+    q.cohort = (char *)cohort;
+    q.protocol_version = version;
+    return rpc_call(ch, P_STATUS, &q.base, &cohort__v1__status_reply__descriptor, 5000, 0, out, st);
+}
+
+TestSuite(rpc, .init = start, .fini = stop, .timeout = 60);
+
+Test(rpc, unary_round_trip)
+{
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    cr_assert_eq(status_call("alpha", 42, &out, &st), 0);
+    Cohort__V1__StatusReply *rep = (Cohort__V1__StatusReply *)out;
+    cr_assert_eq(rep->n_cohorts, 1);
+    cr_assert_str_eq(rep->cohorts[0]->name, "alpha");
+    cr_assert_eq(rep->cohorts[0]->epoch, 42);
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
+Test(rpc, handler_error_maps_to_errno_with_message)
+{
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    cr_assert_eq(status_call("fail", 1, &out, &st), -ENOENT);
+    cr_assert_eq(st.code, RPC_NOT_FOUND);
+    cr_assert_str_eq(st.message, "unknown cohort \"fail\"");
+    cr_assert_null(out);
+}
+
+Test(rpc, handler_without_answer_is_internal)
+{
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    cr_assert_eq(status_call("silent", 1, &out, &st), -EIO);
+    cr_assert_eq(st.code, RPC_INTERNAL);
+}
+
+Test(rpc, unknown_method_is_unimplemented)
+{
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    cr_assert_eq(rpc_call(ch, "/cohort.v1.Broker/Nope", &q.base, &cohort__v1__status_reply__descriptor,
+                          5000, 0, &out, &st), -ENOSYS);
+    cr_assert_eq(st.code, RPC_UNIMPLEMENTED);
+    /* The server keeps serving. */
+    cr_assert_eq(status_call("after", 1, &out, &st), 0);
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
+Test(rpc, malformed_request_is_invalid_argument)
+{
+    /* A Member has a string where StatusRequest has a varint: field 1 with
+     * the wrong wire type does not parse. */
+    Cohort__V1__Member m = COHORT__V1__MEMBER__INIT;
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    m.id = "not a status request";
+    cr_assert_eq(rpc_call(ch, P_STATUS, &m.base, &cohort__v1__status_reply__descriptor, 5000, 0, &out,
+                          &st), -EINVAL);
+    cr_assert_eq(st.code, RPC_INVALID_ARGUMENT);
+    cr_assert_eq(status_call("after", 1, &out, &st), 0);
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
+Test(rpc, oversized_request_is_resource_exhausted)
+{
+    static char big[128 * 1024];
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    memset(big, 'x', sizeof(big) - 1);
+    cr_assert_eq(status_call(big, 1, &out, &st), -ENOSPC);
+    cr_assert_eq(st.code, RPC_RESOURCE_EXHAUSTED);
+    cr_assert_eq(status_call("after", 1, &out, &st), 0);
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
+Test(rpc, blocking_call_on_completion_thread_is_refused)
+{
+    ProtobufCMessage *out = NULL;
+
+    cr_assert_eq(status_call("nested", 1, &out, NULL), 0);
+    protobuf_c_message_free_unpacked(out, NULL);
+    cr_assert_eq(fx.nested_rc, -EDEADLK);
+}
+
+Test(rpc, dead_port_fails_fast_or_waits_until_deadline)
+{
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    struct rpc_channel *dead;
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+    struct rpc_server *tmp;
+    char addr[64];
+    uint64_t t0;
+
+    /* A port that was free a moment ago and has no listener now. */
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 1, NULL, &tmp), 0);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", rpc_server_port(tmp));
+    rpc_server_destroy(tmp);
+    cr_assert_eq(rpc_channel_create(addr, NULL, &dead), 0);
+    cr_assert_eq(rpc_call(dead, P_STATUS, &q.base, &cohort__v1__status_reply__descriptor, 5000, 0,
+                          &out, &st), -ECONNREFUSED);
+    cr_assert_eq(st.code, RPC_UNAVAILABLE);
+    t0 = clock_now_ms();
+    cr_assert_eq(rpc_call(dead, P_STATUS, &q.base, &cohort__v1__status_reply__descriptor, 300,
+                          RPC_WAIT_FOR_READY, &out, &st), -ETIMEDOUT);
+    cr_assert_geq(clock_now_ms() - t0, 250);
+    rpc_channel_destroy(dead);
+}
+
+Test(rpc, second_server_on_same_port_fails)
+{
+    struct rpc_server *dup = NULL;
+    char addr[64];
+
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", rpc_server_port(srv));
+    cr_assert_eq(rpc_server_create(addr, methods, 2, NULL, &dup), -EADDRINUSE);
+    cr_assert_null(dup);
+}
+
+/* ---- streams ---- */
+
+struct seen {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    uint64_t epochs[16];
+    int n;
+    bool ended;
+    struct rpc_status st;
+};
+
+static void seen_msg(void *arg, ProtobufCMessage *m)
+{
+    struct seen *s = arg;
+
+    pthread_mutex_lock(&s->lock);
+    cr_assert(!s->ended, "a message came after the end");
+    if (s->n < 16)
+        s->epochs[s->n++] = ((Cohort__V1__Epoch *)m)->epoch;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+    protobuf_c_message_free_unpacked(m, NULL);
+}
+
+static void seen_end(void *arg, const struct rpc_status *st)
+{
+    struct seen *s = arg;
+
+    pthread_mutex_lock(&s->lock);
+    cr_assert(!s->ended, "on_end ran twice");
+    s->ended = true;
+    s->st = *st;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* Waits up to 10 s for `cond` to hold under s->lock. */
+#define WAIT_UNTIL(lk, cv, cond)                                                   \
+    do {                                                                           \
+        uint64_t dl_ = clock_now_ms() + 10000;                                     \
+        pthread_mutex_lock(lk);                                                    \
+        while (!(cond) && clock_now_ms() < dl_) {                                  \
+            struct timespec ts_;                                                   \
+            clock_gettime(CLOCK_REALTIME, &ts_);                                   \
+            ts_.tv_nsec += 50 * 1000000;                                           \
+            if (ts_.tv_nsec >= 1000000000) {                                       \
+                ts_.tv_sec++;                                                      \
+                ts_.tv_nsec -= 1000000000;                                         \
+            }                                                                      \
+            pthread_cond_timedwait(cv, lk, &ts_);                                  \
+        }                                                                          \
+        bool ok_ = (cond);                                                         \
+        pthread_mutex_unlock(lk);                                                  \
+        cr_assert(ok_, "timed out waiting for " #cond);                            \
+    } while (0)
+
+static struct rpc_watch *open_watch(const char *cohort, struct seen *s)
+{
+    Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
+    struct rpc_watch *w;
+
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+    q.cohort = (char *)cohort;
+    cr_assert_eq(rpc_watch_open(ch, P_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0, seen_msg,
+                                seen_end, s, &w), 0);
+    return w;
+}
+
+Test(rpc, stream_delivers_latest_in_order_then_ends)
+{
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("three", &s);
+
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_eq(s.st.code, RPC_OK);
+    /* Latest wins: a message may be replaced by a newer one before it is
+     * sent, but the first goes out, order holds and the last arrives. */
+    cr_assert_geq(s.n, 2);
+    cr_assert_eq(s.epochs[0], 1);
+    for (int i = 1; i < s.n; i++)
+        cr_assert_gt(s.epochs[i], s.epochs[i - 1]);
+    cr_assert_eq(s.epochs[s.n - 1], 3);
+    cr_assert_eq(rpc_watch_close(w), 0);
+}
+
+Test(rpc, stream_refused_carries_status)
+{
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("refuse", &s);
+
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_eq(s.st.code, RPC_NOT_FOUND);
+    cr_assert_str_eq(s.st.message, "no such member");
+    cr_assert_eq(s.n, 0);
+    rpc_watch_close(w);
+}
+
+Test(rpc, client_hangup_reaches_server_on_close)
+{
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("keep", &s);
+
+    WAIT_UNTIL(&s.lock, &s.cond, s.n == 1);
+    cr_assert_eq(s.epochs[0], 7);
+    cr_assert_eq(rpc_watch_close(w), 0);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1 && fx.stream == NULL);
+}
+
+Test(rpc, server_pushes_later_and_finish_ends_client)
+{
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("keep", &s);
+    struct rpc_stream *st;
+
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.stream != NULL);
+    pthread_mutex_lock(&fx.lock);
+    st = rpc_stream_ref(fx.stream);
+    pthread_mutex_unlock(&fx.lock);
+    send_epoch(st, 8);
+    WAIT_UNTIL(&s.lock, &s.cond, s.n >= 2 && s.epochs[s.n - 1] == 8);
+    rpc_stream_finish(st, RPC_NOT_FOUND, "evicted");
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_eq(s.st.code, RPC_NOT_FOUND);
+    cr_assert_str_eq(s.st.message, "evicted");
+    /* Finished streams refuse more. */
+    struct rpc_buf *b;
+    Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
+    cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
+    cr_assert_eq(rpc_stream_send(st, b), -EPIPE);
+    rpc_buf_unref(b);
+    rpc_stream_unref(st);
+    rpc_watch_close(w);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1);
+}
+
+Test(rpc, server_destroy_ends_open_streams)
+{
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("keep", &s);
+
+    WAIT_UNTIL(&s.lock, &s.cond, s.n == 1);
+    rpc_server_destroy(srv);
+    srv = NULL;
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_neq(s.st.code, RPC_OK);
+    cr_assert_eq(fx.closes, 1);
+    rpc_watch_close(w);
+}
+
+Test(rpc, code_mapping_round_trips)
+{
+    for (int c = RPC_CANCELLED; c <= RPC_UNAUTHENTICATED; c++) {
+        int e = rpc_code_to_errno((enum rpc_code)c);
+        cr_assert_lt(e, 0);
+        if (c != RPC_UNKNOWN && c != RPC_INTERNAL && c != RPC_DATA_LOSS)
+            cr_assert_eq(rpc_code_from_errno(e), (enum rpc_code)c, "code %d", c);
+    }
+    cr_assert_eq(rpc_code_to_errno(RPC_OK), 0);
+    cr_assert_str_eq(rpc_code_name(RPC_NOT_FOUND), "NOT_FOUND");
+}
