@@ -32,6 +32,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "epoch.h"
+
 struct broker;                          /* opaque */
 
 struct broker_config {
@@ -47,27 +49,8 @@ struct broker_config {
 /* Fills *cfg with the defaults above. */
 void broker_config_default(struct broker_config *cfg);
 
-struct broker_member {
-    char *id;
-    char *address;
-    uint64_t model_version;
-};
-
-/* One published epoch. Immutable once published and shared by reference:
- * holders take broker_epoch_ref() and drop it with broker_epoch_unref().
- * The reference count is atomic, so a reference may be dropped on any
- * thread. */
-struct broker_epoch {
-    char *cohort;
-    uint64_t number;
-    size_t leader;                      /* index into members; 0 when empty */
-    size_t n_members;
-    struct broker_member *members;      /* in member order */
-    int refs;                           /* private: use ref/unref */
-};
-
-struct broker_epoch *broker_epoch_ref(struct broker_epoch *e);
-void broker_epoch_unref(struct broker_epoch *e);        /* NULL is fine */
+/* Epochs are the shared type of epoch.h: published with one reference per
+ * holder, immutable, and dropped with epoch_unref() on any thread. */
 
 /* How the broker talks to the host about watchers. A watcher is the host's
  * handle for one member's membership stream; the broker stores it borrowed
@@ -76,7 +59,7 @@ struct broker_watch_ops {
     /* Deliver `e` to each of the `n` watchers. Called from inside
      * broker_tick() (new epochs) and broker_watch() (the current epoch for
      * a new watcher). The callee takes its own reference if it keeps e. */
-    void (*publish)(void *arg, struct broker_epoch *e, void *const *watchers, size_t n);
+    void (*publish)(void *arg, struct epoch *e, void *const *watchers, size_t n);
     /* The broker forgets `watcher` and will not name it again. err says
      * why: -ETIMEDOUT evicted, -ENOENT left, -EEXIST replaced by a newer
      * watch of the same member, -ESHUTDOWN cohort removed or broker
@@ -164,7 +147,7 @@ struct broker_cohort_status {
     uint32_t heartbeat_ms;
     uint32_t timeout_ms;
     size_t n_members;
-    struct broker_member *members;  /* current members in member order, latest versions */
+    struct epoch_member *members;   /* current members in member order, latest versions */
 };
 
 struct broker_status {

@@ -1,0 +1,10 @@
+/* cli/cli.h: cohortctl's subcommands. Each takes argv from the subcommand
+ * name on and returns the process exit status: 0 success, 1 failure, 2
+ * usage error. */
+#ifndef COHORT_CLI_H
+#define COHORT_CLI_H
+
+int cli_status(int argc, char **argv);
+int cli_bench(int argc, char **argv);
+
+#endif

@@ -1,0 +1,35 @@
+/* cli/main.c: cohortctl, the command line. Dispatches to one function per
+ * subcommand; each lives in its own file under cli/. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char usage[] =
+    "Usage: cohortctl COMMAND [options]\n"
+    "\n"
+    "Commands:\n"
+    "  status      show cohorts, epochs, leaders and members from a broker\n"
+    "  bench       run a benchmark (see 'cohortctl bench --help')\n"
+    "  help        show this text\n"
+    "\n"
+    "Run 'cohortctl COMMAND --help' for a command's options.\n";
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fputs(usage, stderr);
+        return 2;
+    }
+    if (strcmp(argv[1], "status") == 0)
+        return cli_status(argc - 1, argv + 1);
+    if (strcmp(argv[1], "bench") == 0)
+        return cli_bench(argc - 1, argv + 1);
+    if (strcmp(argv[1], "help") == 0 || strcmp(argv[1], "--help") == 0 ||
+        strcmp(argv[1], "-h") == 0) {
+        fputs(usage, stdout);
+        return 0;
+    }
+    fprintf(stderr, "cohortctl: unknown command \"%s\"\n%s", argv[1], usage);
+    return 2;
+}

@@ -1,0 +1,186 @@
+/* cli/status.c: `cohortctl status`: asks a broker for its cohorts and
+ * prints them as tables or as JSON. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli.h"
+#include "cohort.pb-c.h"
+#include "ident.h"
+#include "log.h"
+#include "opt.h"
+#include "rpc.h"
+#include "wire.h"
+
+static const char usage[] =
+    "Usage: cohortctl status --broker ADDR [--cohort NAME] [-o table|json]\n"
+    "\n"
+    "Shows each cohort's epoch, leader and members as the broker sees them.\n"
+    "Model versions are the latest each member reported.\n"
+    "\n"
+    "  --broker ADDR     broker address, host:port (env COHORT_BROKER)\n"
+    "  --cohort NAME     only this cohort (exit status 1 if the broker has none)\n"
+    "  -o, --output FMT  table (default) or json:\n"
+    "                    {\"cohorts\":[{\"name\",\"epoch\",\"leader\",\n"
+    "                      \"members\":[{\"id\",\"address\",\"model_version\"}]}]}\n"
+    "  --timeout DUR     give up after this long (default 5s)\n"
+    "  -h, --help        show this text\n";
+
+static int bad(const char *fmt, const char *what)
+{
+    fprintf(stderr, "cohortctl status: ");
+    fprintf(stderr, fmt, what);
+    fprintf(stderr, "\nTry 'cohortctl status --help'.\n");
+    return 2;
+}
+
+static int print_json(const Cohort__V1__StatusReply *rep)
+{
+    cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "cohorts");
+    char *text;
+
+    for (size_t i = 0; i < rep->n_cohorts; i++) {
+        const Cohort__V1__CohortStatus *c = rep->cohorts[i];
+        cJSON *o = cJSON_CreateObject(), *ms;
+        cJSON_AddStringToObject(o, "name", c->name);
+        cJSON_AddNumberToObject(o, "epoch", (double)c->epoch);
+        if (c->leader[0])
+            cJSON_AddStringToObject(o, "leader", c->leader);
+        else
+            cJSON_AddNullToObject(o, "leader");
+        ms = cJSON_AddArrayToObject(o, "members");
+        for (size_t k = 0; k < c->n_members; k++) {
+            cJSON *m = cJSON_CreateObject();
+            cJSON_AddStringToObject(m, "id", c->members[k]->id);
+            cJSON_AddStringToObject(m, "address", c->members[k]->address);
+            cJSON_AddNumberToObject(m, "model_version", (double)c->members[k]->model_version);
+            cJSON_AddItemToArray(ms, m);
+        }
+        cJSON_AddItemToArray(arr, o);
+    }
+    text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    if (!text)
+        return 1;
+    puts(text);
+    free(text);
+    return 0;
+}
+
+static int width(const char *s, int min)
+{
+    int n = (int)strlen(s);
+    return n > min ? n : min;
+}
+
+static void print_tables(const Cohort__V1__StatusReply *rep)
+{
+    int wn = 6, wl = 6;
+
+    for (size_t i = 0; i < rep->n_cohorts; i++) {
+        wn = width(rep->cohorts[i]->name, wn);
+        wl = width(rep->cohorts[i]->leader, wl);
+    }
+    printf("%-*s  %8s  %-*s  %7s\n", wn, "COHORT", "EPOCH", wl, "LEADER", "MEMBERS");
+    for (size_t i = 0; i < rep->n_cohorts; i++) {
+        const Cohort__V1__CohortStatus *c = rep->cohorts[i];
+        printf("%-*s  %8llu  %-*s  %7zu\n", wn, c->name, (unsigned long long)c->epoch, wl,
+               c->leader[0] ? c->leader : "-", c->n_members);
+    }
+    for (size_t i = 0; i < rep->n_cohorts; i++) {
+        const Cohort__V1__CohortStatus *c = rep->cohorts[i];
+        int wi = 2, wa = 7;
+        if (c->n_members == 0)
+            continue;
+        for (size_t k = 0; k < c->n_members; k++) {
+            wi = width(c->members[k]->id, wi);
+            wa = width(c->members[k]->address, wa);
+        }
+        printf("\n%s:\n  %-*s  %-*s  %13s  %s\n", c->name, wi, "ID", wa, "ADDRESS", "MODEL_VERSION",
+               "LEADER");
+        for (size_t k = 0; k < c->n_members; k++) {
+            const Cohort__V1__Member *m = c->members[k];
+            printf("  %-*s  %-*s  %13llu  %s\n", wi, m->id, wa, m->address,
+                   (unsigned long long)m->model_version, strcmp(m->id, c->leader) == 0 ? "*" : "");
+        }
+    }
+}
+
+int cli_status(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        { "broker", required_argument, NULL, 'b' },
+        { "cohort", required_argument, NULL, 'c' },
+        { "output", required_argument, NULL, 'o' },
+        { "timeout", required_argument, NULL, 't' },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    const char *broker = getenv("COHORT_BROKER"), *cohort = "", *output = "table";
+    struct rpc_channel *ch = NULL;
+    ProtobufCMessage *reply = NULL;
+    struct rpc_status st;
+    uint64_t timeout_ms = 5000;
+    int opt, rc, status = 1;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "o:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'b': broker = optarg; break;
+        case 'c': cohort = optarg; break;
+        case 'o': output = optarg; break;
+        case 't':
+            if (opt_duration_ms(optarg, 3600000, &timeout_ms) < 0 || timeout_ms == 0)
+                return bad("bad --timeout \"%s\"", optarg);
+            break;
+        case 'h':
+            fputs(usage, stdout);
+            return 0;
+        default:
+            fprintf(stderr, "Try 'cohortctl status --help'.\n");
+            return 2;
+        }
+    }
+    if (optind < argc)
+        return bad("unexpected argument \"%s\"", argv[optind]);
+    if (!broker || !*broker)
+        return bad("%s", "--broker is required");
+    if (cohort[0] && !ident_valid_cohort(cohort))
+        return bad("bad --cohort \"%s\"", cohort);
+    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
+        return bad("-o must be table or json, not \"%s\"", output);
+
+    log_set_level(LOG_ERROR);
+    if (rpc_init() < 0) {
+        fprintf(stderr, "cohortctl status: gRPC could not start\n");
+        return 1;
+    }
+    rc = rpc_channel_create(broker, NULL, &ch);
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl status: bad broker address \"%s\"\n", broker);
+        goto out;
+    }
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = (char *)cohort;
+    rc = rpc_call(ch, WIRE_BROKER_STATUS, &q.base, &cohort__v1__status_reply__descriptor,
+                  (uint32_t)timeout_ms, 0, &reply, &st);
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl status: %s: %s (%s)\n", broker, st.message, rpc_code_name(st.code));
+        goto out;
+    }
+    if (strcmp(output, "json") == 0)
+        status = print_json((const Cohort__V1__StatusReply *)reply);
+    else {
+        print_tables((const Cohort__V1__StatusReply *)reply);
+        status = 0;
+    }
+    protobuf_c_message_free_unpacked(reply, NULL);
+out:
+    rpc_channel_destroy(ch);
+    rpc_shutdown();
+    return status;
+}

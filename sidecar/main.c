@@ -1,0 +1,220 @@
+/* sidecar/main.c: cohort-sidecar. Keeps its pod in the cohort: joins the
+ * broker, heartbeats, follows the epochs, leaves on SIGTERM. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <getopt.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "ident.h"
+#include "log.h"
+#include "member.h"
+#include "opt.h"
+#include "rpc.h"
+
+#define PROG "cohort-sidecar"
+#define DURATION_MAX_MS (24ull * 3600 * 1000)
+#define LEAVE_TIMEOUT_MS 2000
+
+static const char usage[] =
+    "Usage: " PROG " --broker ADDR --cohort NAME --id ID [options]\n"
+    "\n"
+    "Keeps this pod in its cohort: joins the broker, heartbeats, follows the\n"
+    "membership epochs and the leader, and leaves on SIGTERM or SIGINT.\n"
+    "\n"
+    "  --broker ADDR             broker address, host:port (env COHORT_BROKER)\n"
+    "  --cohort NAME             cohort to join (env COHORT_COHORT)\n"
+    "  --id ID                   member id, unique in the cohort\n"
+    "                            (env COHORT_ID, else POD_NAME)\n"
+    "  --data-listen ADDR        data-plane listen address (default 127.0.0.1:0,\n"
+    "                            port 0 picks a free one)\n"
+    "  --advertise HOST          host the other members reach this one at (the pod\n"
+    "                            IP; default: the --data-listen host; required when\n"
+    "                            that is 0.0.0.0)\n"
+    "  --model-version N         model version to join with (default 0)\n"
+    "  --heartbeat-interval DUR  ask for this heartbeat (default: the cohort's)\n"
+    "  --member-timeout DUR      ask for this timeout (default: the cohort's)\n"
+    "  --log-format text|json    (default text)\n"
+    "  --log-level LEVEL         debug, info, warn or error (default info)\n"
+    "  -h, --help                show this text\n"
+    "\n"
+    "DUR is a number with a unit: 250ms, 1s, 1.5s, 2m.\n";
+
+static int bad(const char *fmt, const char *what)
+{
+    fprintf(stderr, PROG ": ");
+    fprintf(stderr, fmt, what);
+    fprintf(stderr, "\nTry '" PROG " --help'.\n");
+    return 2;
+}
+
+/* Binds the data-plane socket now, so the advertised port is really ours
+ * for as long as this member lives. Returns the fd or -errno. */
+static int bind_data(const char *listen_addr, char *host, size_t hostlen, int *port)
+{
+    struct addrinfo hints = { .ai_family = AF_INET, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE };
+    struct addrinfo *ai = NULL;
+    struct sockaddr_in sa;
+    socklen_t salen = sizeof(sa);
+    const char *colon = strrchr(listen_addr, ':');
+    char h[256];
+    int fd, one = 1, rc;
+
+    if (!colon || (size_t)(colon - listen_addr) >= sizeof(h))
+        return -EINVAL;
+    memcpy(h, listen_addr, (size_t)(colon - listen_addr));
+    h[colon - listen_addr] = '\0';
+    if (getaddrinfo(h[0] ? h : NULL, colon + 1, &hints, &ai) != 0)
+        return -EINVAL;
+    fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        rc = -errno;
+        goto out;
+    }
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 128) < 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &salen) < 0) {
+        rc = -errno;
+        close(fd);
+        goto out;
+    }
+    snprintf(host, hostlen, "%s", h);
+    *port = ntohs(sa.sin_port);
+    rc = fd;
+out:
+    freeaddrinfo(ai);
+    return rc;
+}
+
+enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL };
+
+int main(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        { "broker", required_argument, NULL, O_BROKER },
+        { "cohort", required_argument, NULL, O_COHORT },
+        { "id", required_argument, NULL, O_ID },
+        { "data-listen", required_argument, NULL, O_LISTEN },
+        { "advertise", required_argument, NULL, O_ADV },
+        { "model-version", required_argument, NULL, O_MV },
+        { "heartbeat-interval", required_argument, NULL, O_HB },
+        { "member-timeout", required_argument, NULL, O_TO },
+        { "log-format", required_argument, NULL, O_LOGF },
+        { "log-level", required_argument, NULL, O_LOGL },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    struct member_config mc = { 0 };
+    const char *listen_addr = "127.0.0.1:0", *advertise = NULL, *logf = NULL, *logl = NULL;
+    char host[256], address[IDENT_ADDRESS_MAX + 1];
+    struct member *m = NULL;
+    uint64_t v;
+    sigset_t sigs;
+    int opt, rc, fd, port = 0, sig = 0;
+
+    mc.broker = getenv("COHORT_BROKER");
+    mc.cohort = getenv("COHORT_COHORT");
+    mc.id = getenv("COHORT_ID") ? getenv("COHORT_ID") : getenv("POD_NAME");
+    while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case O_BROKER: mc.broker = optarg; break;
+        case O_COHORT: mc.cohort = optarg; break;
+        case O_ID: mc.id = optarg; break;
+        case O_LISTEN: listen_addr = optarg; break;
+        case O_ADV: advertise = optarg; break;
+        case O_MV:
+            if (opt_uint(optarg, 0, UINT64_MAX, &mc.model_version) < 0)
+                return bad("bad --model-version \"%s\"", optarg);
+            break;
+        case O_HB:
+            if (opt_duration_ms(optarg, DURATION_MAX_MS, &v) < 0 || v == 0)
+                return bad("bad --heartbeat-interval \"%s\"", optarg);
+            mc.heartbeat_ms = (uint32_t)v;
+            break;
+        case O_TO:
+            if (opt_duration_ms(optarg, DURATION_MAX_MS, &v) < 0 || v == 0)
+                return bad("bad --member-timeout \"%s\"", optarg);
+            mc.timeout_ms = (uint32_t)v;
+            break;
+        case O_LOGF: logf = optarg; break;
+        case O_LOGL: logl = optarg; break;
+        case 'h':
+            fputs(usage, stdout);
+            return 0;
+        default:
+            fprintf(stderr, "Try '" PROG " --help'.\n");
+            return 2;
+        }
+    }
+    if (optind < argc)
+        return bad("unexpected argument \"%s\"", argv[optind]);
+    if (opt_logging(PROG, logf, logl) < 0)
+        return 2;
+    if (!mc.broker || !*mc.broker)
+        return bad("%s", "--broker is required");
+    if (!ident_valid_address(mc.broker) && strncmp(mc.broker, "unix:", 5) != 0 &&
+        strncmp(mc.broker, "dns:", 4) != 0 && strncmp(mc.broker, "ipv4:", 5) != 0)
+        return bad("bad --broker \"%s\": want host:port", mc.broker);
+    if (!mc.cohort || !ident_valid_cohort(mc.cohort))
+        return bad("%s", mc.cohort ? "bad --cohort: letters, digits, '.', '_', '-'" : "--cohort is required");
+    if (!mc.id || !ident_valid_member_id(mc.id))
+        return bad("%s", mc.id ? "bad --id: letters, digits, '.', '_', '-'" : "--id is required");
+    if (mc.heartbeat_ms && mc.timeout_ms && mc.timeout_ms <= mc.heartbeat_ms)
+        return bad("%s", "--member-timeout must be longer than --heartbeat-interval");
+
+    fd = bind_data(listen_addr, host, sizeof(host), &port);
+    if (fd < 0)
+        return bad("cannot listen on --data-listen \"%s\"", listen_addr);
+    if (advertise) {
+        snprintf(host, sizeof(host), "%s", advertise);
+    } else if (strcmp(host, "0.0.0.0") == 0 || host[0] == '\0') {
+        close(fd);
+        return bad("%s", "--advertise is required when --data-listen is on all interfaces");
+    }
+    snprintf(address, sizeof(address), "%s:%d", host, port);
+    if (!ident_valid_address(address)) {
+        close(fd);
+        return bad("bad advertised address \"%s\"", address);
+    }
+    mc.address = address;
+
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (rpc_init() < 0) {
+        log_error("sidecar", "gRPC could not start.");
+        close(fd);
+        return 1;
+    }
+    rc = member_create(&mc, &m);
+    if (rc < 0) {
+        log_error("sidecar", "The member could not be created.", LF_ERR(rc));
+        rpc_shutdown();
+        close(fd);
+        return 1;
+    }
+    log_info("sidecar", "Starting.", LF_S("broker", mc.broker), LF_S("cohort", mc.cohort),
+             LF_S("id", mc.id), LF_S("address", address), LF_U("model_version", mc.model_version));
+    for (;;) {
+        uint32_t wait = member_poll(m, clock_now_ms());
+        struct timespec ts = { .tv_sec = wait / 1000, .tv_nsec = (long)(wait % 1000) * 1000000L };
+        sig = sigtimedwait(&sigs, NULL, &ts);
+        if (sig > 0)
+            break;
+    }
+    log_info("sidecar", "Stopping; leaving the cohort.", LF_S("signal", strsignal(sig)));
+    member_leave(m, LEAVE_TIMEOUT_MS);
+    member_destroy(m);
+    rpc_shutdown();
+    close(fd);
+    return 0;
+}

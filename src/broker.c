@@ -1,0 +1,816 @@
+/* src/broker.c: see broker.h.
+ *
+ * Cohorts live in an array sorted by name and each cohort's members in an
+ * array sorted in member order; both are searched by bisection. Member
+ * order is the order an epoch lists, so forming an epoch is a copy, not a
+ * sort, and a heartbeat costs about log2(members) comparisons. A join or a
+ * leave shifts pointers, which even at the caps is a few kilobytes of
+ * memmove on an event that is rare next to heartbeats.
+ *
+ * Eviction is lazy: each cohort keeps a lower bound on its earliest
+ * eviction deadline, and broker_tick() scans a cohort's members only once
+ * that bound has passed. Heartbeats only push deadlines later, so they
+ * never have to touch the bound; the scan recomputes it exactly.
+ */
+#include "broker.h"
+
+#include "ident.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A joiner's last_epoch is read from the wire. Refusing absurd values keeps
+ * `number + 1` from ever wrapping to 0, which would break "epochs only
+ * grow"; no real cohort forms 2^63 epochs. */
+#define EPOCH_MAX (UINT64_MAX / 2)
+
+#define TICK_MAX_MS 1000
+
+/* One member as the broker holds it ("entry" keeps it apart from
+ * member.h, the member's own side of the protocol). */
+struct entry {
+    char *id;
+    char *address;
+    uint64_t session;
+    uint64_t model_version;
+    uint64_t last_seen;
+    uint32_t heartbeat_ms;
+    uint32_t timeout_ms;
+    void *watcher;              /* borrowed from the host; NULL if none */
+};
+
+struct cohort {
+    char *name;
+    uint32_t heartbeat_ms;      /* for members that join from now on */
+    uint32_t timeout_ms;
+    struct entry **members;     /* member order */
+    size_t n_members, cap_members;
+    struct epoch *cur;   /* latest published (one reference), or NULL */
+    uint64_t floor;             /* highest epoch published or reported by a joiner */
+    uint64_t next_evict;        /* no member is due before this; UINT64_MAX if none */
+    uint64_t pending_since;     /* first change not yet in an epoch */
+    bool pending;
+    bool leader_dirty;          /* a declared version moved the leader */
+};
+
+/* A published epoch plus what only the broker needs to tell whether a new
+ * membership differs from it: a member that restarted keeps its id and
+ * address but not its session. */
+struct epoch_box {
+    struct epoch pub;    /* first: epoch_unref() frees the whole box */
+    uint64_t sessions[];        /* parallel to pub.members */
+};
+
+struct broker {
+    struct broker_config cfg;
+    struct broker_watch_ops ops;
+    uint64_t hold_until;        /* no epoch forms before this */
+    struct cohort **cohorts;    /* sorted by name, in natural order */
+    size_t n_cohorts, cap_cohorts;
+};
+
+void broker_config_default(struct broker_config *cfg)
+{
+    *cfg = (struct broker_config){
+        .heartbeat_ms = 1000,
+        .timeout_ms = 5000,
+        .coalesce_ms = 50,
+        .startup_hold_ms = 2000,
+        .max_members = 4096,
+        .max_cohorts = 1024,
+        .allow_any_cohort = false,
+    };
+}
+
+/* ---- epochs ---- */
+
+/* ---- small helpers ---- */
+
+static uint64_t min_u64(uint64_t a, uint64_t b)
+{
+    return a < b ? a : b;
+}
+
+static uint64_t max_u64(uint64_t a, uint64_t b)
+{
+    return a > b ? a : b;
+}
+
+/* Makes room for `need` elements of `size` bytes; returns the (possibly
+ * moved) array, or NULL with `arr` untouched. */
+static void *grow(void *arr, size_t *cap, size_t need, size_t size)
+{
+    size_t n = *cap ? *cap : 8;
+    void *p;
+
+    if (need <= *cap)
+        return arr;
+    while (n < need)
+        n *= 2;
+    p = reallocarray(arr, n, size);
+    if (p)
+        *cap = n;
+    return p;
+}
+
+/* The first moment at which `m` has been silent for longer than its
+ * timeout. */
+static uint64_t entry_deadline(const struct entry *m)
+{
+    return m->last_seen + m->timeout_ms + 1;
+}
+
+static void entry_free(struct entry *m)
+{
+    if (!m)
+        return;
+    free(m->id);
+    free(m->address);
+    free(m);
+}
+
+static void detach(const struct broker *b, struct entry *m, int err)
+{
+    void *w = m->watcher;
+
+    if (!w)
+        return;
+    m->watcher = NULL;
+    if (b->ops.detach)
+        b->ops.detach(b->ops.arg, w, err);
+}
+
+/* Bisection over an array sorted in natural order: returns the index of
+ * `key`, or where it would be inserted, and says which in *found. */
+static size_t cohort_find(const struct broker *b, const char *name, bool *found)
+{
+    size_t lo = 0, hi = b->n_cohorts;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int r = ident_natural_cmp(b->cohorts[mid]->name, name);
+
+        if (r == 0) {
+            *found = true;
+            return mid;
+        }
+        if (r < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *found = false;
+    return lo;
+}
+
+static size_t entry_find(const struct cohort *c, const char *id, bool *found)
+{
+    size_t lo = 0, hi = c->n_members;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int r = ident_natural_cmp(c->members[mid]->id, id);
+
+        if (r == 0) {
+            *found = true;
+            return mid;
+        }
+        if (r < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *found = false;
+    return lo;
+}
+
+static struct cohort *cohort_get(const struct broker *b, const char *name)
+{
+    bool found;
+    size_t i;
+
+    if (!name)
+        return NULL;
+    i = cohort_find(b, name, &found);
+    return found ? b->cohorts[i] : NULL;
+}
+
+/* The member `id` of `c`, or NULL. A nonzero `session` must also match:
+ * requests from a superseded process must not act for its successor. */
+static struct entry *entry_get(const struct cohort *c, const char *id, uint64_t session)
+{
+    bool found;
+    size_t i;
+
+    if (!c || !id)
+        return NULL;
+    i = entry_find(c, id, &found);
+    if (!found || (session && c->members[i]->session != session))
+        return NULL;
+    return c->members[i];
+}
+
+static void mark_pending(struct cohort *c, uint64_t now)
+{
+    if (!c->pending) {
+        c->pending = true;
+        c->pending_since = now;
+    }
+}
+
+/* Highest model version; ties go to the first in member order. */
+static size_t elect(struct entry *const *ms, size_t n)
+{
+    size_t best = 0;
+
+    for (size_t i = 1; i < n; i++)
+        if (ms[i]->model_version > ms[best]->model_version)
+            best = i;
+    return best;
+}
+
+/* ---- cohorts ---- */
+
+static void cohort_free(const struct broker *b, struct cohort *c, int err)
+{
+    for (size_t i = 0; i < c->n_members; i++) {
+        detach(b, c->members[i], err);
+        entry_free(c->members[i]);
+    }
+    free(c->members);
+    epoch_unref(c->cur);
+    free(c->name);
+    free(c);
+}
+
+static int cohort_add(struct broker *b, const char *name, uint32_t heartbeat_ms,
+                      uint32_t timeout_ms, struct cohort **out)
+{
+    struct cohort **arr, *c;
+    bool found;
+    size_t at;
+
+    if (b->n_cohorts >= b->cfg.max_cohorts)
+        return -ENOSPC;
+    arr = grow(b->cohorts, &b->cap_cohorts, b->n_cohorts + 1, sizeof *arr);
+    if (!arr)
+        return -ENOMEM;
+    b->cohorts = arr;
+    c = calloc(1, sizeof *c);
+    if (!c)
+        return -ENOMEM;
+    c->name = strdup(name);
+    if (!c->name)
+        goto free_cohort;
+    c->heartbeat_ms = heartbeat_ms;
+    c->timeout_ms = timeout_ms;
+    c->next_evict = UINT64_MAX;
+
+    at = cohort_find(b, name, &found);
+    memmove(&arr[at + 1], &arr[at], (b->n_cohorts - at) * sizeof *arr);
+    arr[at] = c;
+    b->n_cohorts++;
+    if (out)
+        *out = c;
+    return 0;
+
+free_cohort:
+    free(c);
+    return -ENOMEM;
+}
+
+/* Unlinks the cohort at index `at` and frees it. */
+static void cohort_drop(struct broker *b, size_t at, int err)
+{
+    struct cohort *c = b->cohorts[at];
+
+    memmove(&b->cohorts[at], &b->cohorts[at + 1],
+            (b->n_cohorts - at - 1) * sizeof *b->cohorts);
+    b->n_cohorts--;
+    cohort_free(b, c, err);
+}
+
+/* Whether the current members are exactly those of the published epoch
+ * (no epoch counts as an empty one). Versions are left out on purpose:
+ * they alone never make an epoch. */
+static bool same_membership(const struct cohort *c)
+{
+    const struct epoch_box *box = (const struct epoch_box *)c->cur;
+    size_t n = c->cur ? c->cur->n_members : 0;
+
+    if (n != c->n_members)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        const struct entry *m = c->members[i];
+        const struct epoch_member *p = &box->pub.members[i];
+
+        if (m->session != box->sessions[i] || strcmp(m->id, p->id) != 0 ||
+            strcmp(m->address, p->address) != 0)
+            return false;
+    }
+    return true;
+}
+
+static struct epoch *build_epoch(const struct cohort *c, size_t leader)
+{
+    size_t n = c->n_members;
+    struct epoch_box *box;
+    struct epoch *e;
+
+    box = calloc(1, sizeof *box + n * sizeof box->sessions[0]);
+    if (!box)
+        return NULL;
+    e = &box->pub;
+    e->refs = 1;
+    e->number = c->floor + 1;
+    e->leader = leader;
+    e->cohort = strdup(c->name);
+    if (!e->cohort)
+        goto free_epoch;
+    e->members = calloc(n ? n : 1, sizeof *e->members);
+    if (!e->members)
+        goto free_epoch;
+    for (size_t i = 0; i < n; i++) {
+        const struct entry *m = c->members[i];
+
+        /* Counted first so that epoch_unref() releases a partial copy. */
+        e->n_members++;
+        e->members[i].model_version = m->model_version;
+        e->members[i].id = strdup(m->id);
+        e->members[i].address = strdup(m->address);
+        if (!e->members[i].id || !e->members[i].address)
+            goto free_epoch;
+        box->sessions[i] = m->session;
+    }
+    return e;
+
+free_epoch:
+    epoch_unref(e);
+    return NULL;
+}
+
+/* Forms the epoch a pending cohort is due, or none when its changes
+ * cancelled out. Returns 0 or -ENOMEM (the cohort stays pending and the
+ * next tick tries again). */
+static int cohort_form(const struct broker *b, struct cohort *c)
+{
+    size_t leader = elect(c->members, c->n_members);
+    struct epoch *e;
+    void **watchers;
+    size_t n = 0;
+
+    /* leader_dirty implies a published epoch: declares only compare
+     * against one. Without a declare the leader is not compared, so that
+     * undeclared versions never force an epoch on their own. */
+    if (same_membership(c) && (!c->leader_dirty || c->cur->leader == leader)) {
+        c->pending = false;
+        c->leader_dirty = false;
+        return 0;
+    }
+    watchers = calloc(c->n_members ? c->n_members : 1, sizeof *watchers);
+    if (!watchers)
+        return -ENOMEM;
+    e = build_epoch(c, leader);
+    if (!e)
+        goto free_watchers;
+    for (size_t i = 0; i < c->n_members; i++)
+        if (c->members[i]->watcher)
+            watchers[n++] = c->members[i]->watcher;
+
+    epoch_unref(c->cur);
+    c->cur = e;
+    c->floor = e->number;
+    c->pending = false;
+    c->leader_dirty = false;
+    /* Published even with no watchers, so that the host sees (and logs)
+     * every epoch in one place. */
+    if (b->ops.publish)
+        b->ops.publish(b->ops.arg, e, watchers, n);
+    free(watchers);
+    return 0;
+
+free_watchers:
+    free(watchers);
+    return -ENOMEM;
+}
+
+/* Evicts the members of `c` that are due at `now` and recomputes the
+ * cohort's eviction bound. */
+static void cohort_evict(const struct broker *b, struct cohort *c, uint64_t now)
+{
+    uint64_t next = UINT64_MAX;
+    size_t keep = 0;
+    bool evicted = false;
+
+    for (size_t i = 0; i < c->n_members; i++) {
+        struct entry *m = c->members[i];
+        uint64_t d = entry_deadline(m);
+
+        if (now >= d) {
+            detach(b, m, -ETIMEDOUT);
+            entry_free(m);
+            evicted = true;
+            continue;
+        }
+        next = min_u64(next, d);
+        c->members[keep++] = m;
+    }
+    c->n_members = keep;
+    c->next_evict = next;
+    if (evicted)
+        mark_pending(c, now);
+}
+
+static uint64_t form_due(const struct broker *b, const struct cohort *c)
+{
+    return max_u64(c->pending_since + b->cfg.coalesce_ms, b->hold_until);
+}
+
+/* ---- the API ---- */
+
+int broker_create(const struct broker_config *cfg, const struct broker_watch_ops *ops,
+                  uint64_t now, struct broker **out)
+{
+    struct broker *b;
+
+    if (!cfg || !out)
+        return -EINVAL;
+    if (cfg->heartbeat_ms == 0 || cfg->timeout_ms <= cfg->heartbeat_ms ||
+        cfg->max_members == 0 || cfg->max_cohorts == 0)
+        return -EINVAL;
+    b = calloc(1, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    b->cfg = *cfg;
+    if (ops)
+        b->ops = *ops;
+    b->hold_until = now + cfg->startup_hold_ms;
+    *out = b;
+    return 0;
+}
+
+void broker_destroy(struct broker *b)
+{
+    if (!b)
+        return;
+    for (size_t i = 0; i < b->n_cohorts; i++)
+        cohort_free(b, b->cohorts[i], -ESHUTDOWN);
+    free(b->cohorts);
+    free(b);
+}
+
+int broker_cohort_declare(struct broker *b, const char *name, uint32_t heartbeat_ms,
+                          uint32_t timeout_ms)
+{
+    struct cohort *c;
+
+    if (!ident_valid_cohort(name))
+        return -EINVAL;
+    if (!heartbeat_ms)
+        heartbeat_ms = b->cfg.heartbeat_ms;
+    if (!timeout_ms)
+        timeout_ms = b->cfg.timeout_ms;
+    if (timeout_ms <= heartbeat_ms)
+        return -EINVAL;
+    c = cohort_get(b, name);
+    if (c) {
+        c->heartbeat_ms = heartbeat_ms;
+        c->timeout_ms = timeout_ms;
+        return 0;
+    }
+    return cohort_add(b, name, heartbeat_ms, timeout_ms, NULL);
+}
+
+int broker_cohort_remove(struct broker *b, const char *name)
+{
+    bool found;
+    size_t at;
+
+    if (!name)
+        return -ENOENT;
+    at = cohort_find(b, name, &found);
+    if (!found)
+        return -ENOENT;
+    cohort_drop(b, at, -ESHUTDOWN);
+    return 0;
+}
+
+/* Adds a new member at index `at` of `c`. */
+static int join_new(const struct broker *b, struct cohort *c, size_t at, uint64_t now,
+                    const struct broker_join *j, uint32_t heartbeat_ms, uint32_t timeout_ms)
+{
+    struct entry **arr, *m;
+
+    if (c->n_members >= b->cfg.max_members)
+        return -ENOSPC;
+    arr = grow(c->members, &c->cap_members, c->n_members + 1, sizeof *arr);
+    if (!arr)
+        return -ENOMEM;
+    c->members = arr;
+    m = calloc(1, sizeof *m);
+    if (!m)
+        return -ENOMEM;
+    m->id = strdup(j->id);
+    m->address = strdup(j->address);
+    if (!m->id || !m->address)
+        goto free_member;
+    m->session = j->session;
+    m->model_version = j->model_version;
+    m->last_seen = now;
+    m->heartbeat_ms = heartbeat_ms;
+    m->timeout_ms = timeout_ms;
+
+    memmove(&arr[at + 1], &arr[at], (c->n_members - at) * sizeof *arr);
+    arr[at] = m;
+    c->n_members++;
+    c->next_evict = min_u64(c->next_evict, entry_deadline(m));
+    mark_pending(c, now);
+    return 0;
+
+free_member:
+    entry_free(m);
+    return -ENOMEM;
+}
+
+/* Refreshes member `m` (same session) or hands its id to a new session
+ * once `m` has fallen silent. */
+static int join_existing(const struct broker *b, struct cohort *c, struct entry *m,
+                         uint64_t now, const struct broker_join *j, uint32_t heartbeat_ms,
+                         uint32_t timeout_ms)
+{
+    bool changed = false;
+
+    if (m->session != j->session) {
+        /* Checked against the clock, not against whether a tick has
+         * evicted it yet, so that the answer does not depend on how
+         * often the host ticks. */
+        if (now < entry_deadline(m))
+            return -EEXIST;
+        changed = true;
+    }
+    if (strcmp(m->address, j->address) != 0) {
+        char *address = strdup(j->address);
+
+        if (!address)
+            return -ENOMEM;
+        free(m->address);
+        m->address = address;
+        changed = true;
+    }
+    if (m->session != j->session) {
+        /* The old process is gone; its stream ends as an eviction would
+         * have ended it. */
+        detach(b, m, -ETIMEDOUT);
+        m->session = j->session;
+    }
+    m->model_version = j->model_version;
+    m->last_seen = max_u64(m->last_seen, now);
+    m->heartbeat_ms = heartbeat_ms;
+    m->timeout_ms = timeout_ms;
+    /* A shorter timeout may bring the deadline earlier than the bound. */
+    c->next_evict = min_u64(c->next_evict, entry_deadline(m));
+    if (changed)
+        mark_pending(c, now);
+    return 0;
+}
+
+int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
+                struct broker_join_result *res)
+{
+    struct cohort *c;
+    uint32_t heartbeat_ms, timeout_ms;
+    bool found, created = false;
+    size_t at;
+    int err;
+
+    if (!j || !ident_valid_cohort(j->cohort) || !ident_valid_member_id(j->id) ||
+        !ident_valid_address(j->address) || j->session == 0 || j->last_epoch > EPOCH_MAX)
+        return -EINVAL;
+    c = cohort_get(b, j->cohort);
+    if (!c && !b->cfg.allow_any_cohort)
+        return -ENOENT;
+    heartbeat_ms = j->heartbeat_ms ? j->heartbeat_ms : c ? c->heartbeat_ms : b->cfg.heartbeat_ms;
+    timeout_ms = j->timeout_ms ? j->timeout_ms : c ? c->timeout_ms : b->cfg.timeout_ms;
+    if (timeout_ms <= heartbeat_ms)
+        return -EINVAL;
+    if (!c) {
+        err = cohort_add(b, j->cohort, b->cfg.heartbeat_ms, b->cfg.timeout_ms, &c);
+        if (err)
+            return err;
+        created = true;
+    }
+
+    at = entry_find(c, j->id, &found);
+    if (found)
+        err = join_existing(b, c, c->members[at], now, j, heartbeat_ms, timeout_ms);
+    else
+        err = join_new(b, c, at, now, j, heartbeat_ms, timeout_ms);
+    if (err)
+        goto drop_cohort;
+
+    c->floor = max_u64(c->floor, j->last_epoch);
+    if (res) {
+        res->heartbeat_ms = heartbeat_ms;
+        res->timeout_ms = timeout_ms;
+        res->epoch = c->cur ? c->cur->number : 0;
+    }
+    return 0;
+
+drop_cohort:
+    if (created)
+        cohort_drop(b, cohort_find(b, j->cohort, &found), -ESHUTDOWN);
+    return err;
+}
+
+int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                     uint64_t session, uint64_t model_version, bool declare, uint64_t *epoch)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+
+    if (!session)
+        return -ENOENT;
+    m = entry_get(c, id, session);
+    if (!m)
+        return -ENOENT;
+    m->last_seen = max_u64(m->last_seen, now);
+    m->model_version = model_version;
+    /* Only a declare may move the leader. Already pending or already
+     * dirty: the election at formation sees this version anyway. */
+    if (declare && c->cur && !c->leader_dirty && c->n_members > 0) {
+        const char *want = c->members[elect(c->members, c->n_members)]->id;
+        const char *have = c->cur->n_members ? c->cur->members[c->cur->leader].id : NULL;
+
+        if (!have || strcmp(want, have) != 0) {
+            c->leader_dirty = true;
+            mark_pending(c, now);
+        }
+    }
+    if (epoch)
+        *epoch = c->cur ? c->cur->number : 0;
+    return 0;
+}
+
+int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                 uint64_t session)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+    bool found;
+    size_t at;
+
+    if (!c || !id || !session)
+        return -ENOENT;
+    at = entry_find(c, id, &found);
+    if (!found || c->members[at]->session != session)
+        return -ENOENT;
+    m = c->members[at];
+    memmove(&c->members[at], &c->members[at + 1],
+            (c->n_members - at - 1) * sizeof *c->members);
+    c->n_members--;
+    if (c->n_members == 0)
+        c->next_evict = UINT64_MAX;
+    detach(b, m, -ENOENT);
+    entry_free(m);
+    mark_pending(c, now);
+    return 0;
+}
+
+int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t session,
+                 void *watcher)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+
+    if (!session)
+        return -ENOENT;
+    m = entry_get(c, id, session);
+    if (!m)
+        return -ENOENT;
+    if (!watcher)
+        return -EINVAL;
+    if (m->watcher != watcher)
+        detach(b, m, -EEXIST);
+    m->watcher = watcher;
+    if (c->cur && b->ops.publish)
+        b->ops.publish(b->ops.arg, c->cur, &watcher, 1);
+    return 0;
+}
+
+void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher)
+{
+    struct entry *m = entry_get(cohort_get(b, cohort), id, 0);
+
+    if (m && watcher && m->watcher == watcher)
+        m->watcher = NULL;
+}
+
+uint32_t broker_tick(struct broker *b, uint64_t now)
+{
+    uint64_t next = UINT64_MAX;
+
+    for (size_t i = 0; i < b->n_cohorts; i++) {
+        struct cohort *c = b->cohorts[i];
+
+        if (now >= c->next_evict)
+            cohort_evict(b, c, now);
+        if (c->pending && now >= form_due(b, c))
+            (void)cohort_form(b, c);
+        if (c->pending)
+            next = min_u64(next, form_due(b, c));
+        next = min_u64(next, c->next_evict);
+    }
+    if (next <= now)
+        return 1;
+    return (uint32_t)min_u64(next - now, TICK_MAX_MS);
+}
+
+/* ---- status ---- */
+
+static void cohort_status_cleanup(struct broker_cohort_status *cs)
+{
+    for (size_t i = 0; i < cs->n_members; i++) {
+        free(cs->members[i].id);
+        free(cs->members[i].address);
+    }
+    free(cs->members);
+    free(cs->leader);
+    free(cs->name);
+}
+
+/* Fills *cs, which starts zeroed; on failure the caller cleans up. */
+static int cohort_status_fill(const struct cohort *c, struct broker_cohort_status *cs)
+{
+    cs->name = strdup(c->name);
+    if (!cs->name)
+        return -ENOMEM;
+    cs->epoch = c->cur ? c->cur->number : 0;
+    if (c->cur && c->cur->n_members) {
+        cs->leader = strdup(c->cur->members[c->cur->leader].id);
+        if (!cs->leader)
+            return -ENOMEM;
+    }
+    cs->heartbeat_ms = c->heartbeat_ms;
+    cs->timeout_ms = c->timeout_ms;
+    cs->members = calloc(c->n_members ? c->n_members : 1, sizeof *cs->members);
+    if (!cs->members)
+        return -ENOMEM;
+    for (size_t i = 0; i < c->n_members; i++) {
+        const struct entry *m = c->members[i];
+
+        cs->n_members++;
+        cs->members[i].model_version = m->model_version;
+        cs->members[i].id = strdup(m->id);
+        cs->members[i].address = strdup(m->address);
+        if (!cs->members[i].id || !cs->members[i].address)
+            return -ENOMEM;
+    }
+    return 0;
+}
+
+int broker_status(const struct broker *b, const char *cohort, struct broker_status **out)
+{
+    struct broker_status *s;
+    size_t first = 0, n = b->n_cohorts;
+    int err;
+
+    if (cohort) {
+        bool found;
+
+        first = cohort_find(b, cohort, &found);
+        if (!found)
+            return -ENOENT;
+        n = 1;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s)
+        return -ENOMEM;
+    s->cohorts = calloc(n ? n : 1, sizeof *s->cohorts);
+    if (!s->cohorts) {
+        err = -ENOMEM;
+        goto free_status;
+    }
+    for (size_t i = 0; i < n; i++) {
+        s->n_cohorts++;
+        err = cohort_status_fill(b->cohorts[first + i], &s->cohorts[i]);
+        if (err)
+            goto free_status;
+    }
+    *out = s;
+    return 0;
+
+free_status:
+    broker_status_free(s);
+    return err;
+}
+
+void broker_status_free(struct broker_status *s)
+{
+    if (!s)
+        return;
+    for (size_t i = 0; i < s->n_cohorts; i++)
+        cohort_status_cleanup(&s->cohorts[i]);
+    free(s->cohorts);
+    free(s);
+}

@@ -1,0 +1,92 @@
+/* src/opt.c: see opt.h. */
+#include "opt.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "log.h"
+
+int opt_uint(const char *s, uint64_t min, uint64_t max, uint64_t *out)
+{
+    uint64_t v = 0;
+
+    if (!s || !*s)
+        return -EINVAL;
+    for (const char *p = s; *p; p++) {
+        if (!isdigit((unsigned char)*p))
+            return -EINVAL;
+        if (v > (UINT64_MAX - (uint64_t)(*p - '0')) / 10)
+            return -ERANGE;
+        v = v * 10 + (uint64_t)(*p - '0');
+    }
+    if (v < min || v > max)
+        return -ERANGE;
+    *out = v;
+    return 0;
+}
+
+int opt_duration_ms(const char *s, uint64_t max_ms, uint64_t *ms)
+{
+    static const struct { const char *unit; uint64_t ms; } units[] = {
+        { "ms", 1 }, { "s", 1000 }, { "m", 60000 }, { "h", 3600000 },
+    };
+    uint64_t whole = 0, frac = 0, frac_div = 1;
+    const char *p = s;
+
+    if (!s || !isdigit((unsigned char)*p))
+        return -EINVAL;
+    for (; isdigit((unsigned char)*p); p++) {
+        if (whole > UINT64_MAX / 10 - 10)
+            return -ERANGE;
+        whole = whole * 10 + (uint64_t)(*p - '0');
+    }
+    if (*p == '.') {
+        p++;
+        if (!isdigit((unsigned char)*p))
+            return -EINVAL;
+        /* Three decimals are as fine as milliseconds get. */
+        for (; isdigit((unsigned char)*p); p++) {
+            if (frac_div < 1000) {
+                frac = frac * 10 + (uint64_t)(*p - '0');
+                frac_div *= 10;
+            }
+        }
+    }
+    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
+        if (strcmp(p, units[i].unit) != 0)
+            continue;
+        if (whole > max_ms / units[i].ms)
+            return -ERANGE;
+        uint64_t v = whole * units[i].ms + frac * units[i].ms / frac_div;
+        if (v > max_ms)
+            return -ERANGE;
+        *ms = v;
+        return 0;
+    }
+    return -EINVAL;
+}
+
+int opt_logging(const char *prog, const char *format, const char *level)
+{
+    enum log_format f;
+    enum log_level l;
+
+    if (format) {
+        if (log_parse_format(format, &f) < 0) {
+            fprintf(stderr, "%s: --log-format must be text or json, not \"%s\"\n", prog, format);
+            return -EINVAL;
+        }
+        log_set_format(f);
+    }
+    if (level) {
+        if (log_parse_level(level, &l) < 0) {
+            fprintf(stderr, "%s: --log-level must be debug, info, warn or error, not \"%s\"\n",
+                    prog, level);
+            return -EINVAL;
+        }
+        log_set_level(l);
+    }
+    return 0;
+}
