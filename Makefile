@@ -17,7 +17,9 @@ CC       ?= cc
 PKGS     := grpc libprotobuf-c libcjson
 WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
-LDLIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lpthread -lm
+# The shared libgrpc pulls in abseil, re2 and the rest itself (see
+# pkg-config --libs grpc for the static list).
+LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lpthread -lm
 OPT_CFLAGS  := -O2
 ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 ASAN_LDFLAGS := -fsanitize=address,undefined

@@ -46,20 +46,13 @@ struct cohort {
     uint32_t timeout_ms;
     struct entry **members;     /* member order */
     size_t n_members, cap_members;
-    struct epoch *cur;   /* latest published (one reference), or NULL */
+    struct epoch *cur;          /* latest published (one reference), or NULL */
+    uint64_t *cur_sessions;     /* parallel to cur->members */
     uint64_t floor;             /* highest epoch published or reported by a joiner */
     uint64_t next_evict;        /* no member is due before this; UINT64_MAX if none */
     uint64_t pending_since;     /* first change not yet in an epoch */
     bool pending;
     bool leader_dirty;          /* a declared version moved the leader */
-};
-
-/* A published epoch plus what only the broker needs to tell whether a new
- * membership differs from it: a member that restarted keeps its id and
- * address but not its session. */
-struct epoch_box {
-    struct epoch pub;    /* first: epoch_unref() frees the whole box */
-    uint64_t sessions[];        /* parallel to pub.members */
 };
 
 struct broker {
@@ -82,8 +75,6 @@ void broker_config_default(struct broker_config *cfg)
         .allow_any_cohort = false,
     };
 }
-
-/* ---- epochs ---- */
 
 /* ---- small helpers ---- */
 
@@ -240,6 +231,7 @@ static void cohort_free(const struct broker *b, struct cohort *c, int err)
     }
     free(c->members);
     epoch_unref(c->cur);
+    free(c->cur_sessions);
     free(c->name);
     free(c);
 }
@@ -292,62 +284,24 @@ static void cohort_drop(struct broker *b, size_t at, int err)
 }
 
 /* Whether the current members are exactly those of the published epoch
- * (no epoch counts as an empty one). Versions are left out on purpose:
- * they alone never make an epoch. */
+ * (no epoch counts as an empty one). Sessions count, because a member that
+ * restarted keeps its id and address but not its session; versions are
+ * left out on purpose, since they alone never make an epoch. */
 static bool same_membership(const struct cohort *c)
 {
-    const struct epoch_box *box = (const struct epoch_box *)c->cur;
     size_t n = c->cur ? c->cur->n_members : 0;
 
     if (n != c->n_members)
         return false;
     for (size_t i = 0; i < n; i++) {
         const struct entry *m = c->members[i];
-        const struct epoch_member *p = &box->pub.members[i];
+        const struct epoch_member *p = &c->cur->members[i];
 
-        if (m->session != box->sessions[i] || strcmp(m->id, p->id) != 0 ||
+        if (m->session != c->cur_sessions[i] || strcmp(m->id, p->id) != 0 ||
             strcmp(m->address, p->address) != 0)
             return false;
     }
     return true;
-}
-
-static struct epoch *build_epoch(const struct cohort *c, size_t leader)
-{
-    size_t n = c->n_members;
-    struct epoch_box *box;
-    struct epoch *e;
-
-    box = calloc(1, sizeof *box + n * sizeof box->sessions[0]);
-    if (!box)
-        return NULL;
-    e = &box->pub;
-    e->refs = 1;
-    e->number = c->floor + 1;
-    e->leader = leader;
-    e->cohort = strdup(c->name);
-    if (!e->cohort)
-        goto free_epoch;
-    e->members = calloc(n ? n : 1, sizeof *e->members);
-    if (!e->members)
-        goto free_epoch;
-    for (size_t i = 0; i < n; i++) {
-        const struct entry *m = c->members[i];
-
-        /* Counted first so that epoch_unref() releases a partial copy. */
-        e->n_members++;
-        e->members[i].model_version = m->model_version;
-        e->members[i].id = strdup(m->id);
-        e->members[i].address = strdup(m->address);
-        if (!e->members[i].id || !e->members[i].address)
-            goto free_epoch;
-        box->sessions[i] = m->session;
-    }
-    return e;
-
-free_epoch:
-    epoch_unref(e);
-    return NULL;
 }
 
 /* Forms the epoch a pending cohort is due, or none when its changes
@@ -355,10 +309,12 @@ free_epoch:
  * next tick tries again). */
 static int cohort_form(const struct broker *b, struct cohort *c)
 {
-    size_t leader = elect(c->members, c->n_members);
+    size_t n = c->n_members, n_watchers = 0, leader = elect(c->members, n);
+    struct epoch_member *view;
     struct epoch *e;
+    uint64_t *sessions;
     void **watchers;
-    size_t n = 0;
+    int err = -ENOMEM;
 
     /* leader_dirty implies a published epoch: declares only compare
      * against one. Without a declare the leader is not compared, so that
@@ -368,31 +324,50 @@ static int cohort_form(const struct broker *b, struct cohort *c)
         c->leader_dirty = false;
         return 0;
     }
-    watchers = calloc(c->n_members ? c->n_members : 1, sizeof *watchers);
-    if (!watchers)
+    /* `view` borrows the entries' strings; epoch_create() copies them. */
+    view = calloc(n ? n : 1, sizeof *view);
+    if (!view)
         return -ENOMEM;
-    e = build_epoch(c, leader);
-    if (!e)
+    sessions = calloc(n ? n : 1, sizeof *sessions);
+    if (!sessions)
+        goto free_view;
+    watchers = calloc(n ? n : 1, sizeof *watchers);
+    if (!watchers)
+        goto free_sessions;
+    for (size_t i = 0; i < n; i++) {
+        const struct entry *m = c->members[i];
+
+        view[i] = (struct epoch_member){
+            .id = m->id, .address = m->address, .model_version = m->model_version,
+        };
+        sessions[i] = m->session;
+        if (m->watcher)
+            watchers[n_watchers++] = m->watcher;
+    }
+    err = epoch_create(c->name, c->floor + 1, leader, view, n, &e);
+    if (err)
         goto free_watchers;
-    for (size_t i = 0; i < c->n_members; i++)
-        if (c->members[i]->watcher)
-            watchers[n++] = c->members[i]->watcher;
 
     epoch_unref(c->cur);
+    free(c->cur_sessions);
     c->cur = e;
+    c->cur_sessions = sessions;
+    sessions = NULL;
     c->floor = e->number;
     c->pending = false;
     c->leader_dirty = false;
     /* Published even with no watchers, so that the host sees (and logs)
      * every epoch in one place. */
     if (b->ops.publish)
-        b->ops.publish(b->ops.arg, e, watchers, n);
-    free(watchers);
-    return 0;
+        b->ops.publish(b->ops.arg, e, watchers, n_watchers);
 
 free_watchers:
     free(watchers);
-    return -ENOMEM;
+free_sessions:
+    free(sessions);
+free_view:
+    free(view);
+    return err;
 }
 
 /* Evicts the members of `c` that are due at `now` and recomputes the

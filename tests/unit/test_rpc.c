@@ -97,11 +97,12 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
         return;
     }
     rpc_stream_on_close(s, on_stream_close, NULL);
+    /* Sent before the stream is shared, so the test's later sends follow. */
+    send_epoch(s, 7);
     pthread_mutex_lock(&fx.lock);
     fx.stream = s;
     pthread_cond_broadcast(&fx.cond);
     pthread_mutex_unlock(&fx.lock);
-    send_epoch(s, 7);
 }
 
 static const struct rpc_method methods[] = {
