@@ -181,6 +181,8 @@ static void log_epoch(const struct member *m, const struct epoch *e)
     char ids[1024];
     size_t off = 0;
 
+    if (!log_enabled(info_level(m)))
+        return;
     ids[0] = '\0';
     for (size_t i = 0; i < e->n_members && off < sizeof(ids); i++) {
         int n = snprintf(ids + off, sizeof(ids) - off, "%s%s", i ? "," : "", e->members[i].id);
