@@ -92,7 +92,7 @@ export UBSAN_OPTIONS := print_stacktrace=1:halt_on_error=1
 export LSAN_OPTIONS  := suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0
 
 test: deps
-	$(MAKE) asan
+	$(MAKE) -j$$(nproc) asan
 	$(MAKE) unit proc
 
 unit:
@@ -102,11 +102,11 @@ proc:
 	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc
 
 demo: deps
-	$(MAKE) all
+	$(MAKE) -j$$(nproc) all
 	scripts/demo.sh
 
 bench: deps
-	$(MAKE) all
+	$(MAKE) -j$$(nproc) all
 	bench/broker.sh
 
 clean:
