@@ -56,6 +56,8 @@ static const char usage[] =
     "  --heartbeat DUR    heartbeat interval (default 1s)\n"
     "  --coalesce DUR     the broker's coalescing window (default 50ms)\n"
     "  -o, --output FMT   table (default) or json\n"
+    "  --log-format text|json  format of log lines on stderr (default text)\n"
+    "  --log-level LEVEL       debug, info, warn or error (default error)\n"
     "  -h, --help         show this text\n";
 
 struct sim {
@@ -426,12 +428,14 @@ int cli_bench(int argc, char **argv)
         { "heartbeat", required_argument, NULL, 'b' },
         { "coalesce", required_argument, NULL, 'q' },
         { "output", required_argument, NULL, 'o' },
+        { "log-format", required_argument, NULL, 'F' },
+        { "log-level", required_argument, NULL, 'L' },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
     struct bench b = { .n_members = 1000, .n_cohorts = 1, .n_changes = 5, .measure_ms = 10000,
                        .heartbeat_ms = 1000, .coalesce_ms = 50 };
-    const char *output = "table";
+    const char *output = "table", *logf = NULL, *logl = "error";
     char self[PATH_MAX], *slash;
     uint64_t v;
     ssize_t n;
@@ -481,6 +485,8 @@ int cli_bench(int argc, char **argv)
                 return bad("bad --coalesce \"%s\"", optarg);
             break;
         case 'o': output = optarg; break;
+        case 'F': logf = optarg; break;
+        case 'L': logl = optarg; break;
         case 'h':
             fputs(usage, stdout);
             return 0;
@@ -502,7 +508,8 @@ int cli_bench(int argc, char **argv)
     slash = strrchr(self, '/');
     if (slash)
         *slash = '\0';
-    log_set_level(LOG_ERROR);
+    if (opt_logging("cohortctl bench broker", logf, logl) < 0)
+        return 2;
     signal(SIGPIPE, SIG_IGN);
     pthread_mutex_init(&b.lock, NULL);
     return run_broker_bench(&b, strcmp(output, "json") == 0, self);

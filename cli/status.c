@@ -27,6 +27,8 @@ static const char usage[] =
     "                    {\"cohorts\":[{\"name\",\"epoch\",\"leader\",\n"
     "                      \"members\":[{\"id\",\"address\",\"model_version\"}]}]}\n"
     "  --timeout DUR     give up after this long (default 5s)\n"
+    "  --log-format text|json  format of log lines on stderr (default text)\n"
+    "  --log-level LEVEL       debug, info, warn or error (default error)\n"
     "  -h, --help        show this text\n";
 
 static int bad(const char *fmt, const char *what)
@@ -116,11 +118,14 @@ int cli_status(int argc, char **argv)
         { "cohort", required_argument, NULL, 'c' },
         { "output", required_argument, NULL, 'o' },
         { "timeout", required_argument, NULL, 't' },
+        { "log-format", required_argument, NULL, 'F' },
+        { "log-level", required_argument, NULL, 'L' },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
     Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
     const char *broker = getenv("COHORT_BROKER"), *cohort = "", *output = "table";
+    const char *logf = NULL, *logl = "error";
     struct rpc_channel *ch = NULL;
     ProtobufCMessage *reply = NULL;
     struct rpc_status st;
@@ -133,6 +138,8 @@ int cli_status(int argc, char **argv)
         case 'b': broker = optarg; break;
         case 'c': cohort = optarg; break;
         case 'o': output = optarg; break;
+        case 'F': logf = optarg; break;
+        case 'L': logl = optarg; break;
         case 't':
             if (opt_duration_ms(optarg, 3600000, &timeout_ms) < 0 || timeout_ms == 0)
                 return bad("bad --timeout \"%s\"", optarg);
@@ -154,7 +161,8 @@ int cli_status(int argc, char **argv)
     if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
         return bad("-o must be table or json, not \"%s\"", output);
 
-    log_set_level(LOG_ERROR);
+    if (opt_logging("cohortctl status", logf, logl) < 0)
+        return 2;
     if (rpc_init() < 0) {
         fprintf(stderr, "cohortctl status: gRPC could not start\n");
         return 1;

@@ -206,6 +206,7 @@ def test_dead_broker_gives_clear_cli_error():
     (["cohortctl", "status"], "--broker is required"),
     (["cohortctl", "status", "--broker", "127.0.0.1:1", "-o", "yaml"], "-o must be"),
     (["cohortctl", "frobnicate"], "unknown command"),
+    (["cohortctl", "status", "--broker", "127.0.0.1:1", "--log-format", "xml"], "--log-format"),
 ])
 def test_bad_flags_are_usage_errors(argv, needle):
     import subprocess
