@@ -12,6 +12,7 @@
 #include "clock.h"
 
 #define LINE_MAX_BYTES 4096     /* longer lines are cut, never split */
+#define VALUE_MAX_BYTES 1024    /* a longer string value is cut and marked */
 
 static _Atomic int cur_level = LOG_INFO;
 static _Atomic int cur_format = LOG_TEXT;
@@ -108,10 +109,15 @@ static void putf(struct line *l, const char *fmt, ...)
         put(l, tmp, (size_t)n < sizeof(tmp) ? (size_t)n : sizeof(tmp) - 1);
 }
 
+/* Values come from the network too (ids, addresses, peers' messages), so
+ * each is cut at VALUE_MAX_BYTES with a marker: one hostile field cannot
+ * crowd out the rest of the line or end it mid-token. */
 static void put_json_string(struct line *l, const char *s)
 {
+    const unsigned char *end = (const unsigned char *)s + strnlen(s, VALUE_MAX_BYTES);
+
     put(l, "\"", 1);
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    for (const unsigned char *p = (const unsigned char *)s; p < end; p++) {
         if (*p == '"' || *p == '\\') {
             char esc[2] = { '\\', (char)*p };
             put(l, esc, 2);
@@ -121,15 +127,17 @@ static void put_json_string(struct line *l, const char *s)
             put(l, (const char *)p, 1);
         }
     }
+    if (*end)
+        puts_(l, "...");
     put(l, "\"", 1);
 }
 
 /* Text values are quoted only when they would otherwise be ambiguous. */
 static void put_text_value(struct line *l, const char *s)
 {
-    bool plain = *s != '\0';
+    bool plain = *s != '\0' && strnlen(s, VALUE_MAX_BYTES) < VALUE_MAX_BYTES;
 
-    for (const char *p = s; *p; p++)
+    for (const char *p = s; plain && *p; p++)
         if (*p == ' ' || *p == '"' || *p == '=' || (unsigned char)*p < 0x20)
             plain = false;
     if (plain)
