@@ -14,12 +14,12 @@ ASAN_DIR := $(BUILD)/asan
 PYTHON   ?= /usr/bin/python3
 
 CC       ?= cc
-PKGS     := grpc libprotobuf-c libcjson
+PKGS     := grpc libprotobuf-c libcjson libcurl yaml-0.1
 WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 # The shared libgrpc pulls in abseil, re2 and the rest itself (see
 # pkg-config --libs grpc for the static list).
-LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lpthread -lm
+LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lcurl -lyaml -lpthread -lm
 OPT_CFLAGS  := -O2
 ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 ASAN_LDFLAGS := -fsanitize=address,undefined

@@ -4,7 +4,7 @@
 set -eu
 
 PKGS="gcc make pkg-config libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
-libcjson-dev libcurl4-openssl-dev libcriterion-dev python3 python3-pytest"
+libcjson-dev libcurl4-openssl-dev libyaml-dev libcriterion-dev python3 python3-pytest"
 
 missing=""
 for p in $PKGS; do
