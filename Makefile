@@ -30,6 +30,7 @@ OP_SRCS    := $(wildcard operator/*.c)
 SC_SRCS    := $(wildcard sidecar/*.c)
 CLI_SRCS   := $(wildcard cli/*.c)
 UNIT_SRCS  := $(wildcard tests/unit/*.c)
+EXAMPLES   := $(patsubst examples/c/%.c,%,$(wildcard examples/c/*.c))
 
 # Generated protobuf-c sources live beside each build's objects.
 gen_srcs = $(patsubst proto/%.proto,$(1)/gen/%.pb-c.c,$(PROTOS))
@@ -62,6 +63,11 @@ $(1)/cohort-sidecar: $(call objs,$(1),$(SC_SRCS)) $(1)/libcohort.a
 $(1)/cohortctl: $(call objs,$(1),$(CLI_SRCS)) $(1)/libcohort.a
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
+# Each examples/c/NAME.c is one trainer: build/examples/NAME.
+$(1)/examples/%: $(1)/obj/examples/c/%.o $(1)/libcohort.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
 $(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS) -lcriterion
@@ -77,10 +83,10 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a
 # Generated sources are kept: they are inputs to the objects, not temporaries.
 .SECONDARY:
 
-.PHONY: all asan deps test unit proc demo bench clean
-all: $(addprefix $(BUILD)/,$(BINS))
+.PHONY: all asan deps test unit proc kube demo bench sandbox clean
+all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES))
 
-asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(ASAN_DIR)/tests/unit
+asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) $(ASAN_DIR)/tests/unit
 
 deps:
 	@scripts/install-deps.sh
@@ -92,14 +98,25 @@ export UBSAN_OPTIONS := print_stacktrace=1:halt_on_error=1
 export LSAN_OPTIONS  := suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0
 
 test: deps
+	scripts/install-kubectl.sh
 	$(MAKE) -j$$(nproc) asan
-	$(MAKE) unit proc
+	$(MAKE) unit proc kube
 
 unit:
 	$(ASAN_DIR)/tests/unit --jobs=2
 
 proc:
 	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc
+
+# The API server stand-in and process kubelet, with the real kubectl.
+kube:
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/kube
+
+# A Kubernetes stand-in in the foreground: kubectl works against it.
+sandbox: deps
+	scripts/install-kubectl.sh
+	$(MAKE) -j$$(nproc) all
+	$(PYTHON) tests/kube/sandbox.py
 
 demo: deps
 	$(MAKE) -j$$(nproc) all

@@ -1,0 +1,180 @@
+#!/usr/bin/python3
+"""A local stand-in cluster to try cohort with kubectl: the API server
+stand-in, the process kubelet and, once it has a Kubernetes mode, the
+cohort operator. Runs in the foreground until Ctrl-C, then stops
+everything it started (the kubelet stops every pod's processes).
+
+    tests/kube/sandbox.py [--port N] [--dir build/sandbox]
+
+It writes DIR/kubeconfig and prints the export line and example kubectl
+commands. Containers run as local processes found on PATH, with build/,
+build/examples/ and build/tools/ put first, so the sidecar and the example
+trainers built by `make` are used. What the stand-in leaves out is listed
+in docs/sandbox.md.
+"""
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+PYTHON = sys.executable
+
+
+def say(msg):
+    sys.stdout.write("sandbox: %s\n" % msg)
+    sys.stdout.flush()
+
+
+def relay(stream, prefix, logfile=None):
+    """Copies a child's output to the terminal (and a file), line by line."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        if logfile:
+            logfile.write(line)
+            logfile.flush()
+        if prefix is not None:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+
+def operator_command(path_env, kubeconfig):
+    """The operator's command line, if the operator can talk to Kubernetes
+    yet (its --help mentions --kubeconfig); None otherwise."""
+    exe = shutil.which("cohort-operator", path=path_env)
+    if not exe:
+        return None, "no cohort-operator on PATH (run make)"
+    try:
+        out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, "cohort-operator --help failed: %s" % e
+    if "--kubeconfig" not in out.stdout + out.stderr:
+        return None, "%s has no Kubernetes mode yet (no --kubeconfig in its --help)" % exe
+    return [exe, "--kubeconfig", kubeconfig], None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Runs the Kubernetes stand-in for trying cohort "
+                                 "with kubectl.")
+    ap.add_argument("--dir", default=os.path.join(ROOT, "build", "sandbox"),
+                    help="where the kubeconfig and logs go (default build/sandbox)")
+    ap.add_argument("--port", type=int, default=0, help="API server port (default: a free one)")
+    ap.add_argument("--token", help="make the API server require this bearer token")
+    ap.add_argument("--no-operator", action="store_true", help="do not start cohort-operator")
+    ap.add_argument("--verbose", action="store_true",
+                    help="also print the API server's request log (always in DIR/apiserver.log)")
+    args = ap.parse_args(argv)
+
+    sandbox = os.path.abspath(args.dir)
+    os.makedirs(sandbox, exist_ok=True)
+    kubeconfig = os.path.join(sandbox, "kubeconfig")
+    port_file = os.path.join(sandbox, "apiserver.port")
+    for stale in (kubeconfig, port_file):
+        if os.path.exists(stale):
+            os.remove(stale)
+    tools = os.path.join(ROOT, "build", "tools")
+    path_env = os.pathsep.join([os.path.join(ROOT, "build"), os.path.join(ROOT, "build",
+                                                                          "examples"),
+                                tools, os.environ.get("PATH", os.defpath)])
+    if not os.access(os.path.join(tools, "kubectl"), os.X_OK):
+        say("installing kubectl into build/tools")
+        subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")])
+
+    children = []
+    stopping = threading.Event()
+
+    def start(name, argv, env=None, prefix=None, logname=None):
+        logfile = open(os.path.join(sandbox, logname), "w") if logname else None
+        # Own sessions: Ctrl-C reaches only this script, which then stops
+        # the children in order (operator, kubelet, API server).
+        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        threading.Thread(target=relay, args=(p.stdout, prefix, logfile), daemon=True).start()
+        children.append((name, p))
+        return p
+
+    def stop_all():
+        stopping.set()
+        for name, p in reversed(children):     # operator, kubelet, then the API server
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    say("%s did not stop; killing it" % name)
+                    p.kill()
+                    p.wait()
+        for f in (kubeconfig, port_file):
+            if os.path.exists(f):
+                os.remove(f)
+
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        api_argv = [PYTHON, os.path.join(HERE, "apiserver.py"), "--port", str(args.port),
+                    "--port-file", port_file, "--kubeconfig", kubeconfig]
+        if args.token:
+            api_argv += ["--token", args.token]
+        api = start("apiserver", api_argv, prefix="" if args.verbose else None,
+                    logname="apiserver.log")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(port_file):
+            if api.poll() is not None or time.monotonic() > deadline:
+                say("the API server did not start; see %s" %
+                    os.path.join(sandbox, "apiserver.log"))
+                return 1
+            time.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+        env = dict(os.environ, PATH=path_env)
+        start("kubelet", [PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig", kubeconfig,
+                          "--logs-dir", os.path.join(sandbox, "logs"),
+                          "--state-dir", os.path.join(sandbox, "state")],
+              env=env, prefix="", logname="kubelet.log")
+        op_note = "not started (--no-operator)"
+        if not args.no_operator:
+            cmd, why = operator_command(path_env, kubeconfig)
+            if cmd:
+                start("cohort-operator", cmd, env=env, prefix="operator: ",
+                      logname="operator.log")
+                op_note = "running: " + " ".join(cmd)
+            else:
+                op_note = "not started: " + why
+        rel = os.path.relpath(sandbox, os.getcwd())
+        print("""
+Kubernetes stand-in is up: API server http://127.0.0.1:%d, node cohort-node.
+cohort-operator: %s
+
+  export KUBECONFIG=%s
+  export PATH=%s:$PATH
+  kubectl apply -f crds/trainingcohorts.cohort.dev.yaml
+  kubectl apply -f examples/k8s/cohort.yaml
+  kubectl get tc,pods -o wide
+  kubectl scale tc/logreg --replicas=5
+  kubectl logs POD -c trainer
+
+Logs: %s/apiserver.log, %s/kubelet.log, containers under %s/logs/.
+Ctrl-C stops everything.
+""" % (port, op_note, kubeconfig, tools, rel, rel, rel))
+        sys.stdout.flush()
+        while not stopping.is_set():
+            for name, p in children:
+                if p.poll() is not None:
+                    say("%s exited with %d; stopping the sandbox" % (name, p.returncode))
+                    return 1
+            stopping.wait(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        say("stopping")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+/* tests/unit/test_kubeops.c: the operator's Kubernetes machinery that needs
+ * real API semantics (reflector, Lease election), against the stand-in API
+ * server in tests/kube/apiserver.py, started per test on a free port. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "kube.h"
+#include "lease.h"
+#include "reflector.h"
+
+static pid_t server;
+static char url[64];
+static struct kube *k;
+
+static void sleep_ms(long ms)
+{
+    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+#define WAIT_FOR(cond, what)                                                   \
+    do {                                                                       \
+        uint64_t end_ = clock_now_ms() + 30000;                                \
+        while (!(cond) && clock_now_ms() < end_)                               \
+            sleep_ms(10);                                                      \
+        cr_assert(cond, "timed out waiting for %s", what);                     \
+    } while (0)
+
+/* Starts the stand-in with extra flags; the port comes back in a file. */
+static void start_server(const char *history, const char *bookmarks)
+{
+    char portfile[] = "/tmp/cohort-apiport-XXXXXX";
+    int fd = mkstemp(portfile), port = 0;
+    char *argv[] = { "python3", "tests/kube/apiserver.py", "--port-file", portfile, "--quiet",
+                     "--history-size", (char *)history, "--bookmark-interval", (char *)bookmarks,
+                     NULL };
+    struct kube_config c = { .namespace = "default" };
+
+    close(fd);
+    unlink(portfile);
+    /* Fork, not spawn: the child asks to die with this test process, so a
+     * test killed at its timeout leaves no server behind; and its output
+     * goes nowhere, so it cannot hold a pipe of the test runner open. */
+    server = fork();
+    cr_assert_geq(server, 0);
+    if (server == 0) {
+        int null = open("/dev/null", O_RDWR);
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        dup2(null, STDIN_FILENO);
+        dup2(null, STDOUT_FILENO);
+        dup2(null, STDERR_FILENO);
+        execvp("python3", argv);
+        _exit(127);
+    }
+    WAIT_FOR(access(portfile, R_OK) == 0, "the stand-in's port file");
+    for (int i = 0; i < 100 && port == 0; i++) {
+        FILE *f = fopen(portfile, "r");
+        if (f) {
+            if (fscanf(f, "%d", &port) != 1)
+                port = 0;
+            fclose(f);
+        }
+        if (!port)
+            sleep_ms(10);
+    }
+    unlink(portfile);
+    cr_assert_gt(port, 0);
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d", port);
+    c.server = url;
+    cr_assert_eq(kube_create(&c, NULL, &k), 0);
+}
+
+static void stop_server(void)
+{
+    kube_destroy(k);
+    k = NULL;
+    if (server > 0) {
+        kill(server, SIGTERM);
+        waitpid(server, NULL, 0);
+    }
+}
+
+#define LEASES "/apis/coordination.k8s.io/v1/namespaces/default/leases"
+
+static int create_lease(const char *name, const char *label)
+{
+    char body[512];
+    snprintf(body, sizeof(body),
+             "{\"apiVersion\":\"coordination.k8s.io/v1\",\"kind\":\"Lease\",\"metadata\":"
+             "{\"name\":\"%s\",\"labels\":{\"app\":\"%s\"}},\"spec\":{\"holderIdentity\":\"x\"}}",
+             name, label);
+    cJSON *o = cJSON_Parse(body);
+    int rc = kube_create_object(k, LEASES, o, NULL);
+    cJSON_Delete(o);
+    return rc;
+}
+
+/* ---- reflector ---- */
+
+struct seen {
+    atomic_int upserts, deletes;
+};
+
+static void on_upsert(void *arg, const char *key, const cJSON *obj)
+{
+    atomic_fetch_add(&((struct seen *)arg)->upserts, 1);
+}
+
+static void on_delete(void *arg, const char *key, const cJSON *obj)
+{
+    atomic_fetch_add(&((struct seen *)arg)->deletes, 1);
+}
+
+static bool cached(struct reflector *r, const char *key)
+{
+    cJSON *o = reflector_get(r, key);
+    bool ok = o != NULL;
+    cJSON_Delete(o);
+    return ok;
+}
+
+Test(kubeops, reflector_lists_then_follows_the_watch, .timeout = 90)
+{
+    struct seen s = { 0 };
+    struct reflector_config rc = { .path = LEASES, .selector = "app=cohort", .watch_timeout_s = 2,
+                                   .on_upsert = on_upsert, .on_delete = on_delete, .arg = &s };
+    struct reflector *r;
+    cJSON *all;
+
+    start_server("1000", "1");
+    cr_assert_eq(create_lease("a", "cohort"), 0);
+    cr_assert_eq(create_lease("other", "else"), 0);
+    rc.kube = k;
+    cr_assert_eq(reflector_start(&rc, &r), 0);
+    cr_assert(reflector_wait_synced(r, 30000));
+    cr_assert(cached(r, "default/a"));
+    cr_assert(!cached(r, "default/other"), "the selector is applied");
+    cr_assert_eq(create_lease("b", "cohort"), 0);
+    WAIT_FOR(cached(r, "default/b"), "the watch to add b");
+    cr_assert_eq(kube_delete(k, LEASES "/a"), 0);
+    WAIT_FOR(!cached(r, "default/a"), "the watch to delete a");
+    cr_assert_geq(atomic_load(&s.deletes), 1);
+    /* The server ends watches every 2 s; the reflector resumes. */
+    struct reflector_stats st;
+    WAIT_FOR((reflector_stats(r, &st), st.watches >= 3), "several watches");
+    cr_assert_eq(create_lease("c", "cohort"), 0);
+    WAIT_FOR(cached(r, "default/c"), "a resumed watch to add c");
+    all = reflector_list(r, "default/");
+    cr_assert_eq(cJSON_GetArraySize(all), 2);
+    cJSON_Delete(all);
+    reflector_destroy(r);
+    stop_server();
+}
+
+Test(kubeops, reflector_keeps_up_through_a_short_history, .timeout = 90)
+{
+    struct seen s = { 0 };
+    struct reflector_config rc = { .path = LEASES, .selector = "app=cohort", .watch_timeout_s = 1,
+                                   .on_upsert = on_upsert, .on_delete = on_delete, .arg = &s };
+    struct reflector *r;
+    struct reflector_stats st;
+
+    /* A history of 5 events: a watcher that resumed from its list version
+     * after this much writing would get 410. The server's bookmarks (sent
+     * when it ends each watch) keep the reflector's version current, so
+     * it resumes cleanly and never needs to list again. */
+    start_server("5", "3600");
+    cr_assert_eq(create_lease("keep", "cohort"), 0);
+    cr_assert_eq(create_lease("gone", "cohort"), 0);
+    rc.kube = k;
+    cr_assert_eq(reflector_start(&rc, &r), 0);
+    cr_assert(reflector_wait_synced(r, 30000));
+    for (int i = 0; i < 20; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "noise-%d", i);
+        cr_assert_eq(create_lease(name, "else"), 0);
+    }
+    WAIT_FOR((reflector_stats(r, &st), st.watches >= 4), "several resumed watches");
+    cr_assert_eq(kube_delete(k, LEASES "/gone"), 0);
+    WAIT_FOR(!cached(r, "default/gone"), "the deletion to reach the cache");
+    cr_assert(cached(r, "default/keep"));
+    reflector_stats(r, &st);
+    cr_assert_eq(st.errors, 0);
+    cr_assert_eq(st.lists, 1, "resumed from bookmarks, never listed again");
+    reflector_destroy(r);
+    stop_server();
+}
+
+/* ---- Lease election ---- */
+
+static struct lease *elector(const char *id)
+{
+    struct lease_config c = { .kube = k, .namespace = "default", .name = "cohort-operator",
+                              .identity = id, .lease_duration_ms = 1500,
+                              .renew_deadline_ms = 1000, .retry_period_ms = 200 };
+    struct lease *l;
+
+    cr_assert_eq(lease_start(&c, &l), 0);
+    return l;
+}
+
+Test(kubeops, exactly_one_leader_and_failover, .timeout = 90)
+{
+    struct lease *a, *b;
+    uint64_t t0;
+
+    start_server("1000", "5");
+    a = elector("op-a");
+    WAIT_FOR(lease_is_leader(a), "op-a to lead");
+    b = elector("op-b");
+    /* op-b keeps trying for a while and never leads while op-a renews. */
+    for (int i = 0; i < 20; i++) {
+        sleep_ms(100);
+        cr_assert(lease_is_leader(a) && !lease_is_leader(b), "two leaders, or none");
+    }
+    /* A crash: no release; op-b must wait out the lease, then lead. */
+    t0 = clock_now_ms();
+    lease_abandon(a);
+    WAIT_FOR(lease_is_leader(b), "op-b to take over");
+    cr_assert_geq(clock_now_ms() - t0, 1000, "took over before the lease could expire");
+    /* A clean stop releases: a successor leads well within a lease. */
+    a = elector("op-a2");
+    t0 = clock_now_ms();
+    lease_destroy(b);
+    WAIT_FOR(lease_is_leader(a), "op-a2 to lead after the release");
+    cr_assert_lt(clock_now_ms() - t0, 1500 + 1000);
+    lease_destroy(a);
+    stop_server();
+}
+
+Test(kubeops, lease_config_is_checked)
+{
+    struct lease_config c = { .kube = (struct kube *)1, .namespace = "default", .name = "x",
+                              .identity = "me", .lease_duration_ms = 1000,
+                              .renew_deadline_ms = 2000, .retry_period_ms = 100 };
+    struct lease *l = NULL;
+
+    cr_assert_eq(lease_start(&c, &l), -EINVAL, "renew deadline past the lease");
+    c.identity = "";
+    c.renew_deadline_ms = 500;
+    cr_assert_eq(lease_start(&c, &l), -EINVAL);
+    cr_assert_null(l);
+}
