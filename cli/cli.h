@@ -5,6 +5,8 @@
 #define COHORT_CLI_H
 
 int cli_status(int argc, char **argv);
+int cli_run(int argc, char **argv);              /* argv[0] is "run" */
 int cli_bench(int argc, char **argv);
+int cli_bench_allreduce(int argc, char **argv);   /* argv[0] is "allreduce" */
 
 #endif

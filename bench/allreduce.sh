@@ -1,0 +1,135 @@
+#!/bin/sh
+# bench/allreduce.sh: cohort's all-reduce against Gloo (torch.distributed,
+# backend gloo) and Open MPI's MPI_Allreduce over loopback TCP, and against
+# B, the single-stream loopback TCP throughput, on the same sizes and peer
+# counts, in the same run. Every system runs REPS times, interleaved, so
+# that a noisy neighbour slows all of them alike; the table shows medians.
+#
+#   bench/allreduce.sh                        # peers 2 4; sizes 4K 64K 1M 16M 64M
+#   PEERS="2 4 8" SIZES="4K 64M" REPS=5 bench/allreduce.sh
+#
+# Environment: PEERS, SIZES, REPS (default 3), DTYPE (default f32),
+# COHORTCTL (default build/cohortctl), SKIP_INSTALL=1 to never apt-get.
+#
+# busbw = algbw * 2(N-1)/N and algbw = bytes / time, as in nccl-tests; GB/s
+# of 10^9 bytes. Gloo and Open MPI each get N processes on 127.0.0.1; Open MPI
+# is limited to its TCP transport (--mca pml ob1 --mca btl tcp,self), so no
+# one uses shared memory.
+set -eu
+
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PEERS=${PEERS:-"2 4"}
+SIZES=${SIZES:-"4K 64K 1M 16M 64M"}
+REPS=${REPS:-3}
+DTYPE=${DTYPE:-f32}
+COHORTCTL=${COHORTCTL:-$ROOT/build/cohortctl}
+PYTHON=/usr/bin/python3         # Debian's, which python3-torch installs into
+OUT=$ROOT/build/bench
+mkdir -p "$OUT"
+
+# --- dependencies -----------------------------------------------------------
+need=""
+for p in python3-torch openmpi-bin libopenmpi-dev; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+        need="$need $p"
+done
+if [ -n "$need" ]; then
+    if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+        echo "allreduce.sh: missing:$need (SKIP_INSTALL=1)" >&2
+        exit 1
+    fi
+    echo "allreduce.sh: installing$need" >&2
+    if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    # shellcheck disable=SC2086
+    $SUDO apt-get install -y -qq --no-install-recommends $need
+fi
+
+# --- builds -----------------------------------------------------------------
+if [ "$COHORTCTL" = "$ROOT/build/cohortctl" ]; then
+    make -j2 all >&2
+fi
+mpicc -O2 -o "$OUT/allreduce_mpi" bench/allreduce_mpi.c
+cc -O2 -Wall -o "$OUT/loopback_tcp" bench/loopback_tcp.c
+
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl tcp,self"
+comma=$(echo "$SIZES" | tr ' ' ',')
+RAW="$OUT/allreduce-raw.jsonl"
+: >"$RAW"
+
+# Tags each JSON line of a command's output with the system and repetition.
+tag() {
+    sys=$1
+    rep=$2
+    shift 2
+    "$@" | sed -n "s/^{\(.*\)}\$/{\"system\":\"$sys\",\"rep\":$rep,\1}/p" >>"$RAW"
+}
+
+echo "allreduce.sh: $REPS repetitions of: B, then for N in $PEERS: cohort, gloo, mpi" >&2
+r=1
+while [ "$r" -le "$REPS" ]; do
+    for chunk in 1048576 4194304; do
+        tag loopback "$r" "$OUT/loopback_tcp" --total 2147483648 --chunk "$chunk" --reps 1
+    done
+    for n in $PEERS; do
+        echo "allreduce.sh: rep $r, $n peers" >&2
+        tag cohort "$r" "$COHORTCTL" bench allreduce --peers "$n" --bytes "$comma" \
+            --dtype "$DTYPE" -o json
+        tag gloo "$r" env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 \
+            "$PYTHON" bench/allreduce_gloo.py --peers "$n" --dtype "$DTYPE" $SIZES
+        # shellcheck disable=SC2086
+        tag mpi "$r" $MPIRUN -np "$n" "$OUT/allreduce_mpi" --dtype "$DTYPE" $SIZES
+    done
+    r=$((r + 1))
+done
+
+# --- the table --------------------------------------------------------------
+"$PYTHON" - "$RAW" "$DTYPE" <<'EOF'
+import json, statistics, sys
+from collections import defaultdict
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+dtype = sys.argv[2]
+med = lambda xs: statistics.median(xs) if xs else float("nan")
+# B: the better of the two chunk sizes in each repetition, then the median.
+per_rep = defaultdict(list)
+for r in rows:
+    if r["system"] == "loopback":
+        per_rep[r["rep"]].append(r["gbs"])
+B = med([max(v) for v in per_rep.values()])
+data = defaultdict(list)
+for r in rows:
+    if r["system"] != "loopback":
+        data[(r["system"], r["peers"], r["bytes"])].append(r)
+keys = sorted({(p, b) for (_, p, b) in data}, key=lambda k: (k[1], k[0]))
+
+def get(sys_, p, b, field):
+    return med([r[field] for r in data.get((sys_, p, b), [])])
+
+def fmt(x, d=3):
+    return "n/a" if x != x else f"{x:.{d}f}"
+
+def size(b):
+    for unit, s in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= s and b % s == 0:
+            return f"{b // s} {unit}"
+    return str(b)
+
+print(f"\nB (single-stream loopback TCP, median of best-of-two chunk sizes): {B:.3f} GB/s; dtype {dtype}\n")
+print("| size | peers | cohort busbw | gloo busbw | mpi busbw | cohort/gloo | cohort/mpi | cohort/(B/N) |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+for p, b in keys:
+    c, g, m = (get(s, p, b, "busbw_gbs") for s in ("cohort", "gloo", "mpi"))
+    print(f"| {size(b)} | {p} | {fmt(c)} | {fmt(g)} | {fmt(m)} | {fmt(c / g, 2)} | {fmt(c / m, 2)} "
+          f"| {fmt(c / (B / p), 2)} |")
+print("\nLatency (time per all-reduce, ms; median):\n")
+print("| size | peers | cohort | gloo | mpi |")
+print("|---:|---:|---:|---:|---:|")
+for p, b in keys:
+    if b <= 65536:
+        print(f"| {size(b)} | {p} | " + " | ".join(fmt(get(s, p, b, "time_ms"), 4)
+                                              for s in ("cohort", "gloo", "mpi")) + " |")
+print(f"\nRaw results: {sys.argv[1]}")
+EOF

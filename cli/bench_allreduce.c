@@ -1,0 +1,445 @@
+/* cli/bench_allreduce.c: `cohortctl bench allreduce`: N local members, each
+ * its own process as real sidecars are, all-reduce over loopback TCP with
+ * the data plane engine, timed per size. Reports time per all-reduce,
+ * algbw = S/t and busbw = algbw * 2(N-1)/N, as nccl-tests defines them. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "allreduce.h"
+#include "cli.h"
+#include "clock.h"
+#include "dtype.h"
+#include "epoch.h"
+#include "log.h"
+#include "opt.h"
+
+#define MAX_PEERS 64
+#define MAX_SIZES 32
+#define MAX_BENCH_BYTES ((uint64_t)4 << 30)
+
+static const char usage[] =
+    "Usage: cohortctl bench allreduce --peers N [options]\n"
+    "\n"
+    "Starts N members on this machine, each its own process with its own\n"
+    "listener on 127.0.0.1, forms one epoch by hand and times in-place\n"
+    "all-reduces for each size. Prints per size: peers, bytes, time_ms (mean\n"
+    "per all-reduce, slowest member), algbw_gbs (bytes/time) and busbw_gbs\n"
+    "(algbw * 2(N-1)/N), in GB/s of 10^9 bytes, as nccl-tests does.\n"
+    "\n"
+    "  --peers N          members (default 2, at most 64)\n"
+    "  --bytes SIZE       buffer size; K, M, G suffixes (powers of 1024); may be\n"
+    "                     repeated or a comma list (default 4K,64K,1M,16M,64M)\n"
+    "  --dtype T          f32 (default), f64, f16, bf16, i32, i64\n"
+    "  --op OP            sum (default), avg, min, max\n"
+    "  --iters K          timed all-reduces per size (default: 1G/size, 10..1000)\n"
+    "  --warmup K         untimed all-reduces before them (default: iters/10, >= 2)\n"
+    "  --segment SIZE     ring segment size (default: the engine's)\n"
+    "  --small SIZE|none  recursive-doubling threshold (default: the engine's)\n"
+    "  --timeout DUR      member timeout (default 30s)\n"
+    "  -o, --output FMT   table (default) or json (one object per line)\n"
+    "  -h, --help         show this text\n";
+
+struct bench {
+    size_t peers;
+    uint64_t sizes[MAX_SIZES];
+    size_t n_sizes;
+    enum dtype type;
+    enum dtype_op op;
+    uint64_t iters, warmup;
+    size_t segment, small;
+    uint64_t timeout_ms;
+    bool json;
+    int listen_fds[MAX_PEERS];
+    char addrs[MAX_PEERS][64];
+    char ids[MAX_PEERS][24];
+};
+
+/* One member's report for one size. */
+struct result {
+    int rc;
+    double mean_ms;
+};
+
+/* "4096", "64K", "1M", "2G" (also "64KiB", "64KB"). */
+static int parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    unsigned long long v;
+    uint64_t mul = 1;
+
+    if (!s || *s < '0' || *s > '9')
+        return -EINVAL;
+    errno = 0;
+    v = strtoull(s, &end, 10);
+    if (errno)
+        return -EINVAL;
+    switch (*end) {
+    case 'K': case 'k': mul = 1ull << 10; end++; break;
+    case 'M': case 'm': mul = 1ull << 20; end++; break;
+    case 'G': case 'g': mul = 1ull << 30; end++; break;
+    default: break;
+    }
+    if (mul > 1 && (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0))
+        end += strlen(end);
+    if (*end || v > MAX_BENCH_BYTES / mul || v * mul == 0)
+        return -EINVAL;
+    *out = v * mul;
+    return 0;
+}
+
+static int add_sizes(struct bench *b, const char *list)
+{
+    char buf[256];
+    char *p = buf;
+
+    if (snprintf(buf, sizeof(buf), "%s", list) >= (int)sizeof(buf))
+        return -EINVAL;
+    for (;;) {
+        char *comma = strchr(p, ',');
+
+        if (comma)
+            *comma = '\0';
+        if (b->n_sizes == MAX_SIZES || parse_size(p, &b->sizes[b->n_sizes]) < 0)
+            return -EINVAL;
+        b->n_sizes++;
+        if (!comma)
+            return 0;
+        p = comma + 1;
+    }
+}
+
+static uint64_t iters_for(const struct bench *b, uint64_t bytes)
+{
+    uint64_t k = ((uint64_t)1 << 30) / bytes;
+
+    if (b->iters)
+        return b->iters;
+    return k < 10 ? 10 : k > 1000 ? 1000 : k;
+}
+
+static uint64_t warmup_for(const struct bench *b, uint64_t bytes)
+{
+    uint64_t k = iters_for(b, bytes) / 10;
+
+    if (b->warmup)
+        return b->warmup;
+    return k < 2 ? 2 : k;
+}
+
+static bool write_all(int fd, const void *p, size_t len)
+{
+    const char *c = p;
+
+    while (len > 0) {
+        ssize_t w = write(fd, c, len);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return false;
+        c += w;
+        len -= (size_t)w;
+    }
+    return true;
+}
+
+static bool read_all(int fd, void *p, size_t len)
+{
+    char *c = p;
+
+    while (len > 0) {
+        ssize_t r = read(fd, c, len);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return false;
+        c += r;
+        len -= (size_t)r;
+    }
+    return true;
+}
+
+static void fill(void *buf, enum dtype t, size_t count, size_t me)
+{
+    for (size_t i = 0; i < count; i++) {
+        double v = (double)((i + me) % 7);
+        switch (t) {
+        case DTYPE_F32: ((float *)buf)[i] = (float)v; break;
+        case DTYPE_F64: ((double *)buf)[i] = v; break;
+        case DTYPE_F16: ((uint16_t *)buf)[i] = dtype_f32_to_f16((float)v); break;
+        case DTYPE_BF16: ((uint16_t *)buf)[i] = dtype_f32_to_bf16((float)v); break;
+        case DTYPE_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+        case DTYPE_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
+        }
+    }
+}
+
+/* A member: runs every size and writes one struct result per size to
+ * `out`. Runs in a forked child; never returns. */
+static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
+{
+    struct allreduce_config cfg = { .cohort = "bench", .member_id = b->ids[me],
+                                    .listen_fd = b->listen_fds[me],
+                                    .member_timeout_ms = (uint32_t)b->timeout_ms,
+                                    .segment_bytes = b->segment, .small_bytes = b->small };
+    struct allreduce *ar = NULL;
+    uint64_t max = 0, round = 0;
+    void *buf = NULL;
+    int h, rc;
+
+    for (size_t i = 0; i < b->n_sizes; i++)
+        max = b->sizes[i] > max ? b->sizes[i] : max;
+    rc = allreduce_create(&cfg, &ar);
+    if (rc == 0)
+        rc = allreduce_set_epoch(ar, e);
+    if (rc == 0 && posix_memalign(&buf, 64, max) != 0)
+        rc = -ENOMEM;
+    h = rc == 0 ? allreduce_register(ar, buf, max) : rc;
+    if (h < 0)
+        rc = h;
+    for (size_t i = 0; i < b->n_sizes; i++) {
+        struct result r = { .rc = rc };
+        size_t count = b->sizes[i] / dtype_size(b->type);
+        uint64_t k = iters_for(b, b->sizes[i]), w = warmup_for(b, b->sizes[i]), t0;
+
+        if (r.rc == 0) {
+            fill(buf, b->type, count, me);
+            for (uint64_t j = 0; j < w && r.rc == 0; j++)
+                r.rc = allreduce_run(ar, h, count, b->type, b->op, 1, ++round);
+            t0 = clock_now_us();
+            for (uint64_t j = 0; j < k && r.rc == 0; j++)
+                r.rc = allreduce_run(ar, h, count, b->type, b->op, 1, ++round);
+            r.mean_ms = (double)(clock_now_us() - t0) / 1000.0 / (double)k;
+        }
+        if (!write_all(out, &r, sizeof(r)))
+            break;
+        rc = r.rc;
+    }
+    /* The parent reads every size before any member leaves, so that no one
+     * sees a peer close in the middle of its last all-reduce. */
+    {
+        char c;
+        if (read(out, &c, 1) < 0) {
+            /* parent gone: leave anyway */
+        }
+    }
+    allreduce_destroy(ar);
+    free(buf);
+    _exit(rc == 0 ? 0 : 1);
+}
+
+static void print_row(const struct bench *b, uint64_t bytes, double ms)
+{
+    double algbw = (double)bytes / (ms / 1000.0) / 1e9;
+    double busbw = algbw * 2.0 * (double)(b->peers - 1) / (double)b->peers;
+
+    if (b->json)
+        printf("{\"peers\":%zu,\"bytes\":%" PRIu64 ",\"time_ms\":%.4f,\"algbw_gbs\":%.4f,"
+               "\"busbw_gbs\":%.4f}\n",
+               b->peers, bytes, ms, algbw, busbw);
+    else
+        printf("%6zu %12" PRIu64 " %11.4f %10.3f %10.3f\n", b->peers, bytes, ms, algbw, busbw);
+    fflush(stdout);
+}
+
+static int parse_args(struct bench *b, int argc, char **argv)
+{
+    static const struct option opts[] = {
+        { "peers", required_argument, NULL, 'n' },   { "bytes", required_argument, NULL, 'b' },
+        { "dtype", required_argument, NULL, 'd' },   { "op", required_argument, NULL, 'p' },
+        { "iters", required_argument, NULL, 'k' },   { "warmup", required_argument, NULL, 'w' },
+        { "segment", required_argument, NULL, 's' }, { "small", required_argument, NULL, 'S' },
+        { "timeout", required_argument, NULL, 't' }, { "output", required_argument, NULL, 'o' },
+        { "help", no_argument, NULL, 'h' },          { NULL, 0, NULL, 0 },
+    };
+    uint64_t v;
+    int c;
+
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "o:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'n':
+            if (opt_uint(optarg, 1, MAX_PEERS, &v) < 0)
+                goto bad;
+            b->peers = (size_t)v;
+            break;
+        case 'b':
+            if (add_sizes(b, optarg) < 0)
+                goto bad;
+            break;
+        case 'd':
+            if (dtype_parse(optarg, &b->type) < 0)
+                goto bad;
+            break;
+        case 'p':
+            if (dtype_parse_op(optarg, &b->op) < 0 || b->op == DTYPE_AVG_BY)
+                goto bad;
+            break;
+        case 'k':
+            if (opt_uint(optarg, 1, 1000000, &b->iters) < 0)
+                goto bad;
+            break;
+        case 'w':
+            if (opt_uint(optarg, 1, 1000000, &b->warmup) < 0)
+                goto bad;
+            break;
+        case 's':
+            if (parse_size(optarg, &v) < 0 || v % 8 != 0)
+                goto bad;
+            b->segment = (size_t)v;
+            break;
+        case 'S':
+            if (strcmp(optarg, "none") == 0)
+                b->small = ALLREDUCE_SMALL_NONE;
+            else if (parse_size(optarg, &v) < 0)
+                goto bad;
+            else
+                b->small = (size_t)v;
+            break;
+        case 't':
+            if (opt_duration_ms(optarg, 3600000, &b->timeout_ms) < 0 || b->timeout_ms == 0)
+                goto bad;
+            break;
+        case 'o':
+            if (strcmp(optarg, "json") == 0)
+                b->json = true;
+            else if (strcmp(optarg, "table") != 0)
+                goto bad;
+            break;
+        case 'h':
+            fputs(usage, stdout);
+            return 1;
+        default:
+            fputs(usage, stderr);
+            return 2;
+        }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "cohortctl bench allreduce: unexpected argument \"%s\"\n", argv[optind]);
+        return 2;
+    }
+    return 0;
+bad:
+    fprintf(stderr, "cohortctl bench allreduce: bad value \"%s\"\n%s", optarg, usage);
+    return 2;
+}
+
+int cli_bench_allreduce(int argc, char **argv)
+{
+    struct bench b = { .peers = 2, .type = DTYPE_F32, .op = DTYPE_SUM, .timeout_ms = 30000 };
+    struct epoch_member members[MAX_PEERS];
+    struct epoch *e = NULL;
+    pid_t pids[MAX_PEERS];
+    int pipes[MAX_PEERS][2];
+    size_t started = 0;
+    int rc, status = 1;
+
+    rc = parse_args(&b, argc, argv);
+    if (rc != 0)
+        return rc == 1 ? 0 : rc;
+    if (b.n_sizes == 0) {
+        static const uint64_t defaults[] = { 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20 };
+        memcpy(b.sizes, defaults, sizeof(defaults));
+        b.n_sizes = sizeof(defaults) / sizeof(defaults[0]);
+    }
+    for (size_t i = 0; i < b.n_sizes; i++)
+        if (b.sizes[i] < dtype_size(b.type)) {
+            fprintf(stderr, "cohortctl bench allreduce: %" PRIu64 " bytes hold no %s element\n",
+                    b.sizes[i], dtype_name(b.type));
+            return 2;
+        }
+    log_set_level(LOG_WARN);
+    /* Listeners first, in the parent, so every member knows every address
+     * before any of them starts, and no port is raced. */
+    for (size_t i = 0; i < b.peers; i++) {
+        snprintf(b.ids[i], sizeof(b.ids[i]), "p-%zu", i);
+        rc = allreduce_listen("127.0.0.1", &b.listen_fds[i], b.addrs[i], sizeof(b.addrs[i]));
+        if (rc < 0) {
+            fprintf(stderr, "cohortctl bench allreduce: cannot listen: %s\n", log_strerror(rc));
+            for (size_t j = 0; j < i; j++)
+                close(b.listen_fds[j]);
+            return 1;
+        }
+        members[i] = (struct epoch_member){ .id = b.ids[i], .address = b.addrs[i] };
+    }
+    rc = epoch_create("bench", 1, 0, members, b.peers, &e);
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl bench allreduce: %s\n", log_strerror(rc));
+        goto out_listeners;
+    }
+    /* Members are forked before this process starts any thread. */
+    for (; started < b.peers; started++) {
+        size_t i = started;
+
+        if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pipes[i]) < 0)
+            goto out_children;
+        pids[i] = fork();
+        if (pids[i] < 0) {
+            close(pipes[i][0]);
+            close(pipes[i][1]);
+            goto out_children;
+        }
+        if (pids[i] == 0) {
+            for (size_t j = 0; j < b.peers; j++)
+                if (j != i)
+                    close(b.listen_fds[j]);
+            for (size_t j = 0; j <= i; j++)
+                close(pipes[j][0]);
+            member_main(&b, e, i, pipes[i][1]);
+        }
+        close(pipes[i][1]);
+    }
+    if (!b.json)
+        printf("%6s %12s %11s %10s %10s\n", "peers", "bytes", "time_ms", "algbw_gbs", "busbw_gbs");
+    status = 0;
+    for (size_t s = 0; s < b.n_sizes; s++) {
+        double worst = 0;
+        int err = 0;
+
+        for (size_t i = 0; i < b.peers; i++) {
+            struct result r;
+
+            if (!read_all(pipes[i][0], &r, sizeof(r)))
+                r.rc = -ECONNRESET;
+            if (r.rc != 0 && err == 0)
+                err = r.rc;
+            worst = r.mean_ms > worst ? r.mean_ms : worst;
+        }
+        if (err) {
+            fprintf(stderr, "cohortctl bench allreduce: %" PRIu64 " bytes failed: %s\n",
+                    b.sizes[s], log_strerror(err));
+            status = 1;
+            break;
+        }
+        print_row(&b, b.sizes[s] / dtype_size(b.type) * dtype_size(b.type), worst);
+    }
+out_children:
+    for (size_t i = 0; i < started; i++) {
+        if (status != 0)
+            kill(pids[i], SIGKILL);
+        close(pipes[i][0]);     /* lets the member leave */
+    }
+    for (size_t i = 0; i < started; i++) {
+        int ws;
+        while (waitpid(pids[i], &ws, 0) < 0 && errno == EINTR) {
+        }
+        if (status == 0 && !(WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
+            status = 1;
+    }
+    if (started < b.peers) {
+        fprintf(stderr, "cohortctl bench allreduce: cannot start members: %s\n", strerror(errno));
+        status = 1;
+    }
+    epoch_unref(e);
+out_listeners:
+    for (size_t i = 0; i < b.peers; i++)
+        close(b.listen_fds[i]);
+    return status;
+}

@@ -1,0 +1,929 @@
+/* tests/unit/test_allreduce.c: the data plane. Members are engines on
+ * loopback, one thread each, except in the tests that kill or stop a
+ * member: those fork real processes. Results are checked against a
+ * reference computed here from the same inputs, and bytewise across
+ * members. Inputs are small integers, so sums are exact in every type and
+ * the reference does not depend on the order of the additions. */
+#include <criterion/criterion.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "allreduce.h"
+#include "clock.h"
+#include "dtype.h"
+#include "epoch.h"
+#include "log.h"
+
+#define MAXP 8
+#define COHORT "test"
+
+struct peer {
+    struct allreduce *ar;
+    int fd;
+    char addr[64];
+    char id[24];
+    void *buf;
+    size_t bytes;
+    int h;
+    /* the call in flight */
+    pthread_t th;
+    size_t count;
+    enum dtype type;
+    enum dtype_op op;
+    double denom;
+    uint64_t round;
+    int rc;
+    uint64_t done_ms;
+};
+
+struct cluster {
+    size_t n;
+    struct peer p[MAXP];
+};
+
+static void quiet(void)
+{
+    log_set_level(LOG_ERROR);
+}
+
+static void sleep_ms(unsigned ms)
+{
+    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+/* Waits until cond(arg) holds, polling every millisecond; false after
+ * deadline_ms. */
+static bool wait_for(bool (*cond)(void *), void *arg, uint64_t deadline_ms)
+{
+    uint64_t end = clock_now_ms() + deadline_ms;
+
+    while (!cond(arg)) {
+        if (clock_now_ms() >= end)
+            return false;
+        sleep_ms(1);
+    }
+    return true;
+}
+
+static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, size_t small,
+                         uint32_t timeout_ms)
+{
+    memset(c, 0, sizeof(*c));
+    c->n = n;
+    for (size_t i = 0; i < n; i++) {
+        struct peer *p = &c->p[i];
+        struct allreduce_config cfg = { .cohort = COHORT, .member_id = p->id,
+                                        .member_timeout_ms = timeout_ms, .segment_bytes = seg,
+                                        .small_bytes = small };
+
+        snprintf(p->id, sizeof(p->id), "m-%zu", i);
+        cr_assert_eq(allreduce_listen("127.0.0.1", &p->fd, p->addr, sizeof(p->addr)), 0);
+        cfg.listen_fd = p->fd;
+        cr_assert_eq(allreduce_create(&cfg, &p->ar), 0);
+        p->bytes = bytes;
+        cr_assert_eq(posix_memalign(&p->buf, 64, bytes ? bytes : 8), 0);
+        p->h = allreduce_register(p->ar, p->buf, bytes);
+        cr_assert_geq(p->h, 0);
+    }
+}
+
+static void cluster_fini(struct cluster *c)
+{
+    for (size_t i = 0; i < c->n; i++) {
+        allreduce_destroy(c->p[i].ar);
+        close(c->p[i].fd);
+        free(c->p[i].buf);
+    }
+}
+
+/* An epoch of this cluster's members, listed in `order` (indexes), or in
+ * creation order when order is NULL. The caller unrefs it. */
+static struct epoch *make_epoch(struct cluster *c, uint64_t number, const size_t *order, size_t n)
+{
+    struct epoch_member m[MAXP];
+    struct epoch *e;
+
+    for (size_t i = 0; i < n; i++) {
+        size_t k = order ? order[i] : i;
+        m[i] = (struct epoch_member){ .id = c->p[k].id, .address = c->p[k].addr };
+    }
+    cr_assert_eq(epoch_create(COHORT, number, 0, m, n, &e), 0);
+    return e;
+}
+
+static void adopt(struct cluster *c, uint64_t number, const size_t *order)
+{
+    struct epoch *e = make_epoch(c, number, order, c->n);
+
+    for (size_t i = 0; i < c->n; i++)
+        cr_assert_eq(allreduce_set_epoch(c->p[i].ar, e), 0);
+    epoch_unref(e);
+}
+
+static void *call_main(void *arg)
+{
+    struct peer *p = arg;
+
+    p->rc = allreduce_run(p->ar, p->h, p->count, p->type, p->op, p->denom, p->round);
+    p->done_ms = clock_now_ms();
+    return NULL;
+}
+
+static void call_start(struct peer *p, size_t count, enum dtype t, enum dtype_op op, double denom,
+                       uint64_t round)
+{
+    p->count = count;
+    p->type = t;
+    p->op = op;
+    p->denom = denom;
+    p->round = round;
+    p->rc = 1;
+    cr_assert_eq(pthread_create(&p->th, NULL, call_main, p), 0);
+}
+
+static void call_join(struct peer *p)
+{
+    pthread_join(p->th, NULL);
+}
+
+/* Every member makes the same call; returns when all have returned. */
+static void call_all(struct cluster *c, size_t count, enum dtype t, enum dtype_op op, double denom,
+                     uint64_t round)
+{
+    for (size_t i = 0; i < c->n; i++)
+        call_start(&c->p[i], count, t, op, denom, round);
+    for (size_t i = 0; i < c->n; i++)
+        call_join(&c->p[i]);
+}
+
+/* --- inputs and the reference ------------------------------------------ */
+
+static double input(size_t peer, size_t i)
+{
+    return (double)((long)((i * 7 + peer * 13 + i / 3) % 17) - 8);
+}
+
+static void put(void *buf, enum dtype t, size_t i, double v)
+{
+    switch (t) {
+    case DTYPE_F32: ((float *)buf)[i] = (float)v; break;
+    case DTYPE_F64: ((double *)buf)[i] = v; break;
+    case DTYPE_F16: ((uint16_t *)buf)[i] = dtype_f32_to_f16((float)v); break;
+    case DTYPE_BF16: ((uint16_t *)buf)[i] = dtype_f32_to_bf16((float)v); break;
+    case DTYPE_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    case DTYPE_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
+    }
+}
+
+static void fill(struct cluster *c, size_t count, enum dtype t)
+{
+    for (size_t k = 0; k < c->n; k++)
+        for (size_t i = 0; i < count; i++)
+            put(c->p[k].buf, t, i, input(k, i));
+}
+
+/* The result the engine promises (dtype.h): exact sums, one division, in
+ * the accumulation type, then rounding to the element type. */
+static void reference(size_t n, size_t count, enum dtype t, enum dtype_op op, double denom,
+                      void *out)
+{
+    double d = op == DTYPE_AVG ? (double)n : denom;
+
+    for (size_t i = 0; i < count; i++) {
+        double sum = 0, lo = INFINITY, hi = -INFINITY, v;
+
+        for (size_t k = 0; k < n; k++) {
+            double x = input(k, i);
+            sum += x;
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+        }
+        v = op == DTYPE_MIN ? lo : op == DTYPE_MAX ? hi : sum;
+        if (op != DTYPE_AVG && op != DTYPE_AVG_BY) {
+            put(out, t, i, v);
+            continue;
+        }
+        switch (t) {
+        case DTYPE_F32: ((float *)out)[i] = (float)sum / (float)d; break;
+        case DTYPE_F64: ((double *)out)[i] = sum / d; break;
+        case DTYPE_F16: ((uint16_t *)out)[i] = dtype_f32_to_f16((float)sum / (float)d); break;
+        case DTYPE_BF16: ((uint16_t *)out)[i] = dtype_f32_to_bf16((float)sum / (float)d); break;
+        case DTYPE_I32: ((int32_t *)out)[i] = (int32_t)((int64_t)sum / (int64_t)d); break;
+        case DTYPE_I64: ((int64_t *)out)[i] = (int64_t)sum / (int64_t)d; break;
+        }
+    }
+}
+
+static void check(struct cluster *c, size_t count, enum dtype t, enum dtype_op op, double denom,
+                  const char *what)
+{
+    size_t esz = dtype_size(t), bytes = count * esz;
+    uint8_t *want = malloc(bytes ? bytes : 1);
+
+    cr_assert_not_null(want);
+    reference(c->n, count, t, op, denom, want);
+    for (size_t k = 0; k < c->n; k++) {
+        cr_assert_eq(c->p[k].rc, 0, "%s: n=%zu count=%zu %s %s: member %zu returned %s", what,
+                     c->n, count, dtype_name(t), dtype_op_name(op), k, log_strerror(c->p[k].rc));
+        if (memcmp(c->p[k].buf, want, bytes) != 0) {
+            size_t i = 0;
+            while (memcmp((uint8_t *)c->p[k].buf + i * esz, want + i * esz, esz) == 0)
+                i++;
+            cr_assert_fail("%s: n=%zu count=%zu %s %s: member %zu differs at element %zu", what,
+                           c->n, count, dtype_name(t), dtype_op_name(op), k, i);
+        }
+        cr_assert_eq(memcmp(c->p[k].buf, c->p[0].buf, bytes), 0);
+    }
+    free(want);
+}
+
+/* Every type and op at every count, for 1..8 members. */
+static void matrix(size_t seg, size_t small, const size_t *counts, size_t n_counts, size_t n_lo,
+                   size_t n_hi, bool reversed, const char *what)
+{
+    size_t maxc = 0;
+
+    for (size_t i = 0; i < n_counts; i++)
+        maxc = counts[i] > maxc ? counts[i] : maxc;
+    for (size_t n = n_lo; n <= n_hi; n++) {
+        struct cluster c;
+        size_t order[MAXP];
+        uint64_t round = 0;
+
+        quiet();
+        cluster_init(&c, n, maxc * 8, seg, small, 30000);
+        /* Listing members in reverse shows the schedule follows the
+         * epoch's order, not creation order or ids. */
+        for (size_t i = 0; i < n; i++)
+            order[i] = reversed ? n - 1 - i : i;
+        adopt(&c, 1, order);
+        for (size_t ci = 0; ci < n_counts; ci++)
+            for (int t = 0; t < DTYPE_COUNT; t++)
+                for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+                    fill(&c, counts[ci], (enum dtype)t);
+                    call_all(&c, counts[ci], (enum dtype)t, (enum dtype_op)op, 3, ++round);
+                    check(&c, counts[ci], (enum dtype)t, (enum dtype_op)op, 3, what);
+                }
+        cluster_fini(&c);
+    }
+}
+
+static const size_t small_counts[] = { 0, 1, 2, 7, 13, 1031 };
+
+Test(allreduce, recursive_doubling_matrix)
+{
+    /* The default threshold sends every one of these through recursive
+     * doubling; 3, 5, 6 and 7 members exercise the non-power-of-two
+     * hand-over. */
+    matrix(0, 0, small_counts, sizeof small_counts / sizeof small_counts[0], 1, MAXP, false,
+           "recursive doubling");
+}
+
+Test(allreduce, ring_matrix_tiny_segments)
+{
+    /* 16-byte segments: many windows, partial windows, and chunks that are
+     * empty when there are fewer elements than members. */
+    matrix(16, ALLREDUCE_SMALL_NONE, small_counts, sizeof small_counts / sizeof small_counts[0],
+           1, MAXP, true, "ring");
+}
+
+Test(allreduce, ring_medium_prime_count)
+{
+    static const size_t counts[] = { 100003 };
+
+    matrix(0, 0, counts, 1, 2, MAXP, false, "ring, medium");
+}
+
+static void big(size_t n, size_t count, enum dtype t, enum dtype_op op, size_t seg)
+{
+    struct cluster c;
+
+    quiet();
+    cluster_init(&c, n, count * dtype_size(t), seg, 0, 60000);
+    adopt(&c, 1, NULL);
+    fill(&c, count, t);
+    call_all(&c, count, t, op, 3, 1);
+    check(&c, count, t, op, 3, "large");
+    cluster_fini(&c);
+}
+
+Test(allreduce, f32_sum_64MiB_plus_one_element_2_peers)
+{
+    big(2, (64u << 20) / 4 + 1, DTYPE_F32, DTYPE_SUM, 0);
+}
+
+Test(allreduce, f32_sum_64MiB_plus_one_element_4_peers)
+{
+    big(4, (64u << 20) / 4 + 1, DTYPE_F32, DTYPE_SUM, 0);
+}
+
+Test(allreduce, bf16_avg_and_f16_sum_over_many_windows)
+{
+    /* float32 partial sums held in staging slots across many windows. */
+    big(3, (3u << 20) + 7, DTYPE_BF16, DTYPE_AVG, 64 << 10);
+    big(5, (3u << 20) + 7, DTYPE_F16, DTYPE_SUM, 64 << 10);
+}
+
+/* NaNs with different payloads and signed zeros: whatever min, max and sum
+ * make of them, every member must hold the same bytes, with the ring (one
+ * member finishes each chunk) and with recursive doubling (everyone
+ * computes, so the operand order must be the same everywhere). */
+Test(allreduce, nan_and_signed_zero_identical_everywhere)
+{
+    static const size_t sizes[] = { 3, 4, 5, 7 };
+    static const size_t smalls[] = { 0, ALLREDUCE_SMALL_NONE };
+
+    quiet();
+    for (size_t si = 0; si < 2; si++)
+        for (size_t ni = 0; ni < 4; ni++) {
+            struct cluster c;
+            uint64_t round = 0;
+            size_t count = 61;
+
+            cluster_init(&c, sizes[ni], count * 4, 16, smalls[si], 30000);
+            adopt(&c, 1, NULL);
+            for (int op = DTYPE_SUM; op <= DTYPE_MAX; op++)
+                for (int t = DTYPE_F32; t <= DTYPE_F16; t += 2) {
+                    for (size_t k = 0; k < c.n; k++)
+                        for (size_t i = 0; i < count; i++) {
+                            uint32_t nan = 0x7fc00000u | (uint32_t)(k * 97 + i);
+                            float v = (i + k) % 3 == 0 ? 0.0f : (i + k) % 3 == 1 ? -0.0f : 1.0f;
+                            if (i % 4 == k % 4)
+                                memcpy(&v, &nan, 4);
+                            if (t == DTYPE_F32)
+                                ((float *)c.p[k].buf)[i] = v;
+                            else
+                                ((uint16_t *)c.p[k].buf)[i] =
+                                    (uint16_t)(0x7e00u | ((k * 31 + i) & 0x1ffu));
+                        }
+                    call_all(&c, count, (enum dtype)t, (enum dtype_op)op, 1, ++round);
+                    for (size_t k = 0; k < c.n; k++) {
+                        cr_assert_eq(c.p[k].rc, 0);
+                        cr_assert_eq(memcmp(c.p[k].buf, c.p[0].buf, count * dtype_size(t)), 0,
+                                     "n=%zu op %d type %d member %zu", c.n, op, t, k);
+                    }
+                }
+            cluster_fini(&c);
+        }
+}
+
+Test(allreduce, connections_survive_switching_algorithms)
+{
+    static const size_t counts[] = { 5, 300000, 9, 1, 300000, 100 };
+    struct cluster c;
+    uint64_t round = 0;
+
+    quiet();
+    for (size_t n = 3; n <= 5; n += 2) {
+        cluster_init(&c, n, 300000 * 8, 0, 1024, 30000);
+        adopt(&c, 1, NULL);
+        for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {
+            fill(&c, counts[i], DTYPE_F64);
+            call_all(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, ++round);
+            check(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, "switching");
+        }
+        cluster_fini(&c);
+    }
+}
+
+/* --- API ---------------------------------------------------------------- */
+
+Test(allreduce, single_member_returns_at_once)
+{
+    struct cluster c;
+    float *f;
+    uint16_t *h;
+
+    quiet();
+    cluster_init(&c, 1, 1024, 0, 0, 1000);
+    adopt(&c, 1, NULL);
+    f = c.p[0].buf;
+    for (int i = 0; i < 10; i++)
+        f[i] = (float)i;
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 10, DTYPE_F32, DTYPE_AVG, 0, 1), 0);
+    cr_assert_eq(f[7], 7.0f, "avg over one member is the input");
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 10, DTYPE_F32, DTYPE_SUM, 0, 2), 0);
+    cr_assert_eq(f[7], 7.0f);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 10, DTYPE_F32, DTYPE_AVG_BY, 2, 3), 0);
+    cr_assert_eq(f[7], 3.5f, "avg by a denominator divides, as mlbench does");
+    h = c.p[0].buf;
+    for (int i = 0; i < 10; i++)
+        h[i] = dtype_f32_to_f16((float)i);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 10, DTYPE_F16, DTYPE_AVG_BY, 4, 4), 0);
+    cr_assert_eq(dtype_f16_to_f32(h[6]), 1.5f);
+    cluster_fini(&c);
+}
+
+Test(allreduce, rejects_misuse)
+{
+    struct cluster c;
+    struct allreduce *ar;
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "x", .listen_fd = -1 };
+    char addr[64];
+    int fd;
+
+    quiet();
+    cr_assert_eq(allreduce_create(&cfg, &ar), -EINVAL, "no listener");
+    cr_assert_eq(allreduce_listen("localhost", &fd, addr, sizeof(addr)), -EINVAL, "not numeric");
+    cr_assert_eq(allreduce_listen("127.0.0.1", &fd, addr, 8), -EINVAL, "address too long");
+    cluster_init(&c, 2, 64, 0, 0, 1000);
+    cfg.listen_fd = c.p[0].fd;
+    cfg.segment_bytes = 12;
+    cr_assert_eq(allreduce_create(&cfg, &ar), -EINVAL, "segment not a multiple of 8");
+    cfg.segment_bytes = 0;
+    cfg.member_id = "bad id";
+    cr_assert_eq(allreduce_create(&cfg, &ar), -EINVAL);
+    cr_assert_eq(allreduce_register(c.p[0].ar, (char *)c.p[0].buf + 4, 16), -EINVAL, "misaligned");
+    cr_assert_eq(allreduce_register(c.p[0].ar, NULL, 16), -EINVAL);
+    cr_assert_eq(allreduce_unregister(c.p[0].ar, 99), -EINVAL);
+    cr_assert_eq(allreduce_run(c.p[0].ar, 99, 1, DTYPE_F32, DTYPE_SUM, 0, 1), -EINVAL);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 17, DTYPE_F32, DTYPE_SUM, 0, 1), -EINVAL,
+                 "count beyond the registration");
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 1, (enum dtype)9, DTYPE_SUM, 0, 1), -EINVAL);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 1, DTYPE_F32, (enum dtype_op)9, 0, 1), -EINVAL);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 1, DTYPE_F32, DTYPE_SUM, 0, 1), -ESTALE,
+                 "no epoch yet");
+    adopt(&c, 1, NULL);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 1, DTYPE_I32, DTYPE_AVG_BY, 2.5, 1), -EINVAL);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 1, DTYPE_F32, DTYPE_AVG_BY, 0, 1), -EINVAL);
+    cr_assert_eq(allreduce_unregister(c.p[0].ar, c.p[0].h), 0);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 1, DTYPE_F32, DTYPE_SUM, 0, 1), -EINVAL);
+    cr_assert_not(allreduce_busy(c.p[0].ar));
+    cluster_fini(&c);
+}
+
+Test(allreduce, set_epoch_rules)
+{
+    struct cluster c;
+    struct epoch *e1, *e2, *other;
+    struct epoch_member m = { .id = "m-0", .address = "127.0.0.1:1" };
+
+    quiet();
+    cluster_init(&c, 2, 64, 0, 0, 1000);
+    e1 = make_epoch(&c, 1, NULL, 2);
+    e2 = make_epoch(&c, 2, NULL, 2);
+    cr_assert_eq(epoch_create("elsewhere", 3, 0, &m, 1, &other), 0);
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, NULL), -EINVAL);
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, other), -EINVAL, "another cohort");
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0);
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0, "the same epoch again");
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e1), -EINVAL, "an older epoch");
+    epoch_unref(e1);
+    epoch_unref(e2);
+    epoch_unref(other);
+    cluster_fini(&c);
+}
+
+Test(allreduce, member_left_out_of_the_epoch_gets_estale)
+{
+    struct cluster c;
+    struct epoch *e;
+    size_t only[] = { 1, 2 };
+
+    quiet();
+    cluster_init(&c, 3, 64, 0, 0, 1000);
+    e = make_epoch(&c, 1, only, 2);
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e), 0);
+    cr_assert_eq(allreduce_run(c.p[0].ar, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0, 1), -ESTALE);
+    epoch_unref(e);
+    cluster_fini(&c);
+}
+
+/* --- epochs --------------------------------------------------------------- */
+
+static bool both_busy(void *arg)
+{
+    struct cluster *c = arg;
+    return allreduce_busy(c->p[0].ar) && allreduce_busy(c->p[1].ar);
+}
+
+Test(allreduce, epoch_change_mid_round_returns_estale_promptly)
+{
+    struct cluster c;
+    size_t count = 4u << 20;
+    uint64_t t0;
+    struct epoch *e2;
+
+    quiet();
+    cluster_init(&c, 3, count * 4, 0, 0, 30000);
+    adopt(&c, 1, NULL);
+    fill(&c, count, DTYPE_F32);
+    call_all(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1);
+    check(&c, count, DTYPE_F32, DTYPE_SUM, 0, "first round");
+    /* Round 2 without member 2: it cannot finish, so it is mid-round for
+     * as long as we like, with data already flowing between 0 and 1. */
+    call_start(&c.p[0], count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    call_start(&c.p[1], count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    cr_assert(wait_for(both_busy, &c, 10000));
+    e2 = make_epoch(&c, 2, NULL, 3);
+    t0 = clock_now_ms();
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0);
+    call_join(&c.p[0]);
+    call_join(&c.p[1]);
+    cr_assert_eq(c.p[0].rc, -ESTALE, "got %s", log_strerror(c.p[0].rc));
+    cr_assert_eq(c.p[1].rc, -ESTALE, "the BYE tells the neighbour: got %s",
+                 log_strerror(c.p[1].rc));
+    cr_assert_lt(c.p[0].done_ms - t0, 2000);
+    cr_assert_lt(c.p[1].done_ms - t0, 2000);
+    /* Everyone in the new epoch: it works again. */
+    cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
+    cr_assert_eq(allreduce_set_epoch(c.p[2].ar, e2), 0);
+    epoch_unref(e2);
+    fill(&c, count, DTYPE_F32);
+    call_all(&c, count, DTYPE_F32, DTYPE_SUM, 0, 3);
+    check(&c, count, DTYPE_F32, DTYPE_SUM, 0, "after the change");
+    cluster_fini(&c);
+}
+
+static bool first_busy(void *arg)
+{
+    struct cluster *c = arg;
+    return allreduce_busy(c->p[0].ar);
+}
+
+/* Member 0 adopts epoch 2 and starts before member 1 has heard of it: 1
+ * holds 0's greeting until its own adoption, then both succeed. */
+Test(allreduce, greeting_from_a_newer_epoch_waits_for_ours)
+{
+    struct cluster c;
+    struct epoch *e2;
+
+    quiet();
+    cluster_init(&c, 2, 4096 * 4, 0, 0, 10000);
+    adopt(&c, 1, NULL);
+    e2 = make_epoch(&c, 2, NULL, 2);
+    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0);
+    fill(&c, 4096, DTYPE_F32);
+    call_start(&c.p[0], 4096, DTYPE_F32, DTYPE_AVG, 0, 1);
+    cr_assert(wait_for(first_busy, &c, 10000));
+    cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
+    call_start(&c.p[1], 4096, DTYPE_F32, DTYPE_AVG, 0, 1);
+    call_join(&c.p[0]);
+    call_join(&c.p[1]);
+    check(&c, 4096, DTYPE_F32, DTYPE_AVG, 0, "late adoption");
+    epoch_unref(e2);
+    cluster_fini(&c);
+}
+
+/* Member 0 still in epoch 1 dials member 1, already in epoch 2: it is told
+ * its epoch is stale and returns -ESTALE at once. */
+Test(allreduce, member_of_an_older_epoch_is_told_so)
+{
+    struct cluster c;
+    struct epoch *e2;
+    uint64_t t0;
+    int rc;
+
+    quiet();
+    cluster_init(&c, 2, 64, 0, 0, 20000);
+    adopt(&c, 1, NULL);
+    e2 = make_epoch(&c, 2, NULL, 2);
+    cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
+    t0 = clock_now_ms();
+    rc = allreduce_run(c.p[0].ar, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0, 1);
+    cr_assert_eq(rc, -ESTALE, "got %s", log_strerror(rc));
+    cr_assert_lt(clock_now_ms() - t0, 5000);
+    epoch_unref(e2);
+    cluster_fini(&c);
+}
+
+/* --- faults ------------------------------------------------------------- */
+
+Test(allreduce, peer_that_stops_reading_times_out)
+{
+    struct cluster c;
+    size_t count = 8u << 20;
+    uint64_t t0;
+
+    quiet();
+    cluster_init(&c, 3, count * 4, 0, 0, 500);
+    adopt(&c, 1, NULL);
+    fill(&c, count, DTYPE_F32);
+    call_all(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1);
+    check(&c, count, DTYPE_F32, DTYPE_SUM, 0, "first round");
+    /* Member 2 keeps its connections open but never reads again. */
+    t0 = clock_now_ms();
+    call_start(&c.p[0], count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    call_start(&c.p[1], count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    call_join(&c.p[0]);
+    call_join(&c.p[1]);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(c.p[k].rc, -ETIMEDOUT, "member %d: %s", k, log_strerror(c.p[k].rc));
+        /* Not before the timeout (it is what ended the call), and not long
+         * after: the silence clock starts when the stall does. */
+        cr_assert_geq(c.p[k].done_ms - t0, 490);
+        cr_assert_lt(c.p[k].done_ms - t0, 500 + 4000, "member %d took %llu ms", k,
+                     (unsigned long long)(c.p[k].done_ms - t0));
+    }
+    cluster_fini(&c);
+}
+
+/* The greeting as allreduce.c documents it. */
+static void hello_bytes(uint8_t *b, uint8_t kind, uint64_t epoch, const char *cohort,
+                        const char *id)
+{
+    memset(b, 0, 536);
+    memcpy(b, "COH1", 4);
+    b[4] = 1;
+    b[6] = kind;
+    for (int i = 0; i < 8; i++)
+        b[8 + i] = (uint8_t)(epoch >> (8 * i));
+    b[16] = (uint8_t)strlen(cohort);
+    b[17] = (uint8_t)strlen(id);
+    memcpy(b + 24, cohort, strlen(cohort));
+    memcpy(b + 280, id, strlen(id));
+}
+
+static int dial(const char *addr)
+{
+    struct sockaddr_in sa = { .sin_family = AF_INET };
+    const char *colon = strrchr(addr, ':');
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+    cr_assert_geq(fd, 0);
+    sa.sin_port = htons((uint16_t)strtoul(colon + 1, NULL, 10));
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    return fd;
+}
+
+/* Reads until the engine closes the connection; returns what came before. */
+static ssize_t read_until_closed(int fd, uint8_t *buf, size_t len, int within_ms)
+{
+    size_t got = 0;
+    uint64_t end = clock_now_ms() + (uint64_t)within_ms;
+
+    for (;;) {
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+        uint64_t now = clock_now_ms();
+        ssize_t r;
+
+        cr_assert_lt(now, end, "the engine did not close the connection in time");
+        if (poll(&p, 1, (int)(end - now)) <= 0)
+            continue;
+        r = recv(fd, buf + got, len - got, 0);
+        if (r <= 0)
+            return (ssize_t)got;
+        got += (size_t)r;
+        cr_assert_lt(got, len, "the engine kept talking");
+    }
+}
+
+struct loop_arg {
+    struct cluster *c;
+    size_t rounds;
+    int failures;
+};
+
+static void *reduce_loop(void *arg)
+{
+    struct loop_arg *l = arg;
+
+    for (size_t r = 1; r <= l->rounds; r++) {
+        fill(l->c, 200003, DTYPE_I64);
+        call_all(l->c, 200003, DTYPE_I64, DTYPE_SUM, 0, r);
+        for (size_t k = 0; k < l->c->n; k++)
+            l->failures += l->c->p[k].rc != 0;
+    }
+    return NULL;
+}
+
+Test(allreduce, strangers_are_closed_and_harmless)
+{
+    struct cluster c;
+    struct loop_arg l = { .c = &c, .rounds = 15 };
+    pthread_t th;
+    uint8_t b[2048], junk[600];
+    int fd;
+
+    quiet();
+    cluster_init(&c, 3, 200003 * 8, 0, 0, 1000);
+    adopt(&c, 4, NULL);
+    cr_assert_eq(pthread_create(&th, NULL, reduce_loop, &l), 0);
+    for (size_t i = 0; i < sizeof junk; i++)
+        junk[i] = (uint8_t)(i * 131 + 7);
+    /* Garbage. */
+    fd = dial(c.p[1].addr);
+    cr_assert_eq(send(fd, junk, sizeof junk, MSG_NOSIGNAL), (ssize_t)sizeof junk);
+    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
+    close(fd);
+    /* A well-formed greeting for another cohort. */
+    fd = dial(c.p[0].addr);
+    hello_bytes(b, 1, 4, "other", "m-1");
+    cr_assert_eq(send(fd, b, 536, MSG_NOSIGNAL), 536);
+    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
+    close(fd);
+    /* Our cohort, but not a member. */
+    fd = dial(c.p[2].addr);
+    hello_bytes(b, 1, 4, COHORT, "intruder");
+    cr_assert_eq(send(fd, b, 536, MSG_NOSIGNAL), 536);
+    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
+    close(fd);
+    /* A member of an older epoch is told the newer number, then closed. */
+    fd = dial(c.p[2].addr);
+    hello_bytes(b, 1, 3, COHORT, "m-0");
+    cr_assert_eq(send(fd, b, 536, MSG_NOSIGNAL), 536);
+    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 536);
+    cr_assert_eq(b[6], 3, "a stale reply");
+    cr_assert_eq(b[8], 4, "naming epoch 4");
+    close(fd);
+    /* Silence: closed after the member timeout. */
+    fd = dial(c.p[0].addr);
+    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
+    close(fd);
+    pthread_join(th, NULL);
+    cr_assert_eq(l.failures, 0, "the strangers disturbed the reductions");
+    check(&c, 200003, DTYPE_I64, DTYPE_SUM, 0, "after strangers");
+    cluster_fini(&c);
+}
+
+Test(allreduce, mismatched_round_fails_fast_then_recovers)
+{
+    struct cluster c;
+    uint64_t t0 = clock_now_ms();
+
+    quiet();
+    cluster_init(&c, 2, 100000 * 4, 0, 0, 20000);
+    adopt(&c, 1, NULL);
+    fill(&c, 100000, DTYPE_I32);
+    call_start(&c.p[0], 100000, DTYPE_I32, DTYPE_MAX, 0, 5);
+    call_start(&c.p[1], 100000, DTYPE_I32, DTYPE_MAX, 0, 6);
+    call_join(&c.p[0]);
+    call_join(&c.p[1]);
+    cr_assert(c.p[0].rc == -EPROTO || c.p[1].rc == -EPROTO, "%s / %s", log_strerror(c.p[0].rc),
+              log_strerror(c.p[1].rc));
+    cr_assert_neq(c.p[0].rc, 0);
+    cr_assert_neq(c.p[1].rc, 0);
+    cr_assert_lt(clock_now_ms() - t0, 5000, "failed fast, not by timeout");
+    fill(&c, 100000, DTYPE_I32);
+    call_all(&c, 100000, DTYPE_I32, DTYPE_MAX, 0, 7);
+    check(&c, 100000, DTYPE_I32, DTYPE_MAX, 0, "after a failed round");
+    cluster_fini(&c);
+}
+
+/* --- real processes ----------------------------------------------------- */
+
+struct note {
+    int32_t round;
+    int32_t finished;           /* 0: about to call, 1: returned rc */
+    int32_t rc;
+};
+
+/* A member in its own process: runs rounds of `count` f32 sums until one
+ * fails, reporting before and after each call. Never returns. */
+static void child_member(int listen_fd, const char *id, struct epoch *e, size_t count,
+                         uint32_t timeout_ms, int out)
+{
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = id, .listen_fd = listen_fd,
+                                    .member_timeout_ms = timeout_ms };
+    struct allreduce *ar;
+    float *buf;
+    int h;
+
+    log_set_level(LOG_ERROR);
+    if (allreduce_create(&cfg, &ar) != 0 || allreduce_set_epoch(ar, e) != 0 ||
+        posix_memalign((void **)&buf, 64, count * 4) != 0)
+        _exit(3);
+    h = allreduce_register(ar, buf, count * 4);
+    for (int32_t round = 1;; round++) {
+        struct note n = { round, 0, 0 };
+
+        for (size_t i = 0; i < count; i++)
+            buf[i] = (float)(i % 5);
+        if (write(out, &n, sizeof(n)) != sizeof(n))
+            _exit(4);
+        n.rc = allreduce_run(ar, h, count, DTYPE_F32, DTYPE_SUM, 0, (uint64_t)round);
+        n.finished = 1;
+        if (n.rc == 0 && buf[count - 1] != 3.0f * (float)((count - 1) % 5))
+            n.rc = -EBADMSG;
+        if (write(out, &n, sizeof(n)) != sizeof(n) || n.rc != 0)
+            _exit(0);
+    }
+}
+
+static struct note read_note(int fd, int within_ms)
+{
+    struct pollfd p = { .fd = fd, .events = POLLIN };
+    struct note n;
+
+    cr_assert_eq(poll(&p, 1, within_ms), 1, "no word from the member in %d ms", within_ms);
+    cr_assert_eq(read(fd, &n, sizeof(n)), (ssize_t)sizeof(n), "the member is gone");
+    return n;
+}
+
+/* Members 1 and 2 are forked before this process starts any thread;
+ * member 0 is this process. Round 1 completes; during round 2 member 2 is
+ * sent `sig`. Returns after checking that the survivors failed with an
+ * error (`want`, or any error if want is 0) within `within_ms` of the
+ * signal. */
+static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t within_ms)
+{
+    struct cluster c = { .n = 3 };
+    struct epoch *e;
+    pid_t pids[3] = { 0 };
+    int pipes[3][2];
+    size_t count = 4u << 20;
+    struct peer *me = &c.p[0];
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
+                                    .member_timeout_ms = timeout_ms };
+    struct note n;
+    uint64_t t_sig;
+
+    quiet();
+    for (size_t i = 0; i < 3; i++) {
+        snprintf(c.p[i].id, sizeof(c.p[i].id), "m-%zu", i);
+        cr_assert_eq(allreduce_listen("127.0.0.1", &c.p[i].fd, c.p[i].addr, sizeof(c.p[i].addr)),
+                     0);
+    }
+    e = make_epoch(&c, 1, NULL, 3);
+    for (size_t i = 1; i < 3; i++) {
+        cr_assert_eq(pipe(pipes[i]), 0);
+        pids[i] = fork();
+        cr_assert_geq(pids[i], 0);
+        if (pids[i] == 0) {
+            close(pipes[i][0]);
+            for (size_t j = 0; j < 3; j++)
+                if (j != i)
+                    close(c.p[j].fd);
+            child_member(c.p[i].fd, c.p[i].id, e, count, timeout_ms, pipes[i][1]);
+        }
+        close(pipes[i][1]);
+    }
+    cfg.listen_fd = me->fd;
+    cr_assert_eq(allreduce_create(&cfg, &me->ar), 0);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e), 0);
+    cr_assert_eq(posix_memalign(&me->buf, 64, count * 4), 0);
+    me->h = allreduce_register(me->ar, me->buf, count * 4);
+    for (size_t i = 0; i < count; i++)
+        ((float *)me->buf)[i] = (float)(i % 5);
+
+    cr_assert_eq(allreduce_run(me->ar, me->h, count, DTYPE_F32, DTYPE_SUM, 0, 1), 0);
+    cr_assert_eq(((float *)me->buf)[count - 1], 3.0f * (float)((count - 1) % 5));
+    for (size_t i = 1; i < 3; i++) {
+        n = read_note(pipes[i][0], 30000);   /* about to run round 1 */
+        n = read_note(pipes[i][0], 30000);
+        cr_assert(n.round == 1 && n.finished && n.rc == 0, "member %zu round 1: %d", i, n.rc);
+    }
+    call_start(me, count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    n = read_note(pipes[2][0], 30000);
+    cr_assert(n.round == 2 && !n.finished);
+    cr_assert(wait_for(first_busy, &c, 10000));
+    t_sig = clock_now_ms();
+    cr_assert_eq(kill(pids[2], sig), 0);
+
+    call_join(me);
+    cr_assert_neq(me->rc, 0, "round 2 cannot have finished without member 2");
+    if (want)
+        cr_assert_eq(me->rc, want, "got %s", log_strerror(me->rc));
+    cr_assert_lt(me->done_ms - t_sig, within_ms, "took %llu ms",
+                 (unsigned long long)(me->done_ms - t_sig));
+    do
+        n = read_note(pipes[1][0], (int)within_ms + 1000);
+    while (!n.finished);
+    cr_assert_eq(n.round, 2);
+    cr_assert_neq(n.rc, 0, "the other survivor failed too");
+    if (want)
+        cr_assert_eq(n.rc, want, "got %s", log_strerror(n.rc));
+    cr_assert_lt(clock_now_ms() - t_sig, within_ms);
+
+    kill(pids[2], SIGKILL);
+    for (size_t i = 1; i < 3; i++) {
+        waitpid(pids[i], NULL, 0);
+        close(pipes[i][0]);
+    }
+    allreduce_destroy(me->ar);
+    free(me->buf);
+    for (size_t i = 0; i < 3; i++)
+        close(c.p[i].fd);
+    epoch_unref(e);
+}
+
+Test(allreduce, sigkilled_peer_process_fails_survivors_within_timeout)
+{
+    /* The kernel closes a killed process's sockets, so its neighbours see
+     * a reset at once, well within the member timeout; the third member
+     * hears of it by BYE or reset. */
+    process_fault(SIGKILL, 0, 3000, 3000);
+}
+
+Test(allreduce, stopped_peer_process_times_out_survivors)
+{
+    /* A stopped process reads nothing and sends nothing, but its sockets
+     * stay open: only the member timeout can end the round. */
+    process_fault(SIGSTOP, -ETIMEDOUT, 1000, 1000 + 4000);
+}

@@ -1,0 +1,416 @@
+/* tests/unit/test_dtype.c: names, the 16-bit conversions (against the
+ * compiler's own _Float16 and a double-precision reference for bfloat16),
+ * and every reduction kernel against a scalar reference, tails included. */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+
+static uint32_t fbits(float f)
+{
+    uint32_t u;
+
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static float bitsf(uint32_t u)
+{
+    float f;
+
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static uint16_t ref_f16(float f)
+{
+    _Float16 h = (_Float16)f;   /* libgcc: correctly rounded, nearest even */
+    uint16_t b;
+
+    memcpy(&b, &h, sizeof(b));
+    return b;
+}
+
+static float ref_f16_to_f32(uint16_t b)
+{
+    _Float16 h;
+
+    memcpy(&h, &b, sizeof(h));
+    return (float)h;
+}
+
+/* bfloat16 by definition: the nearer of the two candidates that keep the
+ * top 16 bits, ties to the even one; overflow past the largest finite
+ * value rounds to infinity the same way. */
+static uint16_t ref_bf16(float f)
+{
+    uint32_t x = fbits(f);
+    uint32_t lo = x & 0xffff0000u, hi = lo + 0x10000u;
+    double dl, dh, v = (double)f;
+
+    if (isnan(f))
+        return (uint16_t)((x >> 16) | 0x40);
+    if ((x & 0xffffu) == 0)
+        return (uint16_t)(x >> 16);
+    /* Past the largest finite value the next candidate is 2^128 (Inf). */
+    dl = fabs(v - (double)bitsf(lo));
+    dh = fabs(((hi & 0x7f800000u) == 0x7f800000u ? copysign(ldexp(1.0, 128), v)
+                                                  : (double)bitsf(hi)) - v);
+    if (dl < dh || (dl == dh && (lo & 0x10000u) == 0))
+        return (uint16_t)(lo >> 16);
+    return (uint16_t)(hi >> 16);
+}
+
+static bool f16_is_nan(uint16_t h)
+{
+    return (h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0;
+}
+
+Test(dtype, names_round_trip)
+{
+    for (int t = 0; t < DTYPE_COUNT; t++) {
+        enum dtype back;
+        cr_assert_eq(dtype_parse(dtype_name((enum dtype)t), &back), 0);
+        cr_assert_eq(back, (enum dtype)t);
+    }
+    for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+        enum dtype_op back;
+        cr_assert_eq(dtype_parse_op(dtype_op_name((enum dtype_op)op), &back), 0);
+        cr_assert_eq(back, (enum dtype_op)op);
+    }
+}
+
+Test(dtype, parse_rejects_unknown)
+{
+    enum dtype t;
+    enum dtype_op op;
+    static const char *const bad[] = { "", "F32", "float", "f8", "f32 ", "i16", "bf" };
+
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        cr_assert_eq(dtype_parse(bad[i], &t), -EINVAL, "%s", bad[i]);
+    cr_assert_eq(dtype_parse(NULL, &t), -EINVAL);
+    cr_assert_eq(dtype_parse_op("prod", &op), -EINVAL);
+    cr_assert_eq(dtype_parse_op("SUM", &op), -EINVAL);
+    cr_assert_eq(dtype_parse_op(NULL, &op), -EINVAL);
+    cr_assert_not(dtype_valid(-1));
+    cr_assert_not(dtype_valid(DTYPE_COUNT));
+    cr_assert_not(dtype_op_valid(DTYPE_OP_COUNT));
+}
+
+Test(dtype, sizes_and_accumulation)
+{
+    cr_assert_eq(dtype_size(DTYPE_F32), 4);
+    cr_assert_eq(dtype_size(DTYPE_F64), 8);
+    cr_assert_eq(dtype_size(DTYPE_F16), 2);
+    cr_assert_eq(dtype_size(DTYPE_BF16), 2);
+    cr_assert_eq(dtype_size(DTYPE_I32), 4);
+    cr_assert_eq(dtype_size(DTYPE_I64), 8);
+    cr_assert_eq(dtype_acc(DTYPE_F16), DTYPE_F32);
+    cr_assert_eq(dtype_acc(DTYPE_BF16), DTYPE_F32);
+    cr_assert_eq(dtype_acc(DTYPE_I64), DTYPE_I64);
+    cr_assert(dtype_is_16bit_float(DTYPE_BF16));
+    cr_assert_not(dtype_is_16bit_float(DTYPE_F32));
+}
+
+/* Every float16 bit pattern widens exactly like the compiler's, and
+ * narrows back to itself (NaNs stay NaNs with their sign). */
+Test(dtype, f16_widen_exhaustive)
+{
+    for (uint32_t h = 0; h <= 0xffff; h++) {
+        float got = dtype_f16_to_f32((uint16_t)h), want = ref_f16_to_f32((uint16_t)h);
+        uint16_t back = dtype_f32_to_f16(got);
+
+        if (f16_is_nan((uint16_t)h)) {
+            cr_assert(isnan(got), "%04x", h);
+            cr_assert(fbits(got) & 0x400000u, "%04x widens to a quiet NaN", h);
+            cr_assert(f16_is_nan(back), "%04x", h);
+            cr_assert_eq(back & 0x8000u, h & 0x8000u);
+            cr_assert(back & 0x200u, "quiet");
+            continue;
+        }
+        cr_assert_eq(fbits(got), fbits(want), "%04x", h);
+        cr_assert_eq(back, h, "%04x -> %08x -> %04x", h, fbits(got), back);
+    }
+}
+
+/* Narrowing against the compiler's correctly rounded conversion, on every
+ * combination of sign, exponent and top mantissa bits with the low bits
+ * set to the patterns that decide rounding (exact, just below, at and just
+ * above a tie, all ones), which covers normals, subnormals, overflow to
+ * infinity and underflow to zero; then a million random patterns. */
+Test(dtype, f16_narrow_matches_reference)
+{
+    static const uint32_t lows[] = { 0x000, 0x001, 0x7ff, 0x800, 0x801, 0xfff };
+    uint64_t seed = 0x9e3779b97f4a7c15ull;
+
+    for (uint32_t hi = 0; hi < (1u << 20); hi++)
+        for (size_t k = 0; k < sizeof lows / sizeof lows[0]; k++) {
+            float f = bitsf(hi << 12 | lows[k]);
+            uint16_t got = dtype_f32_to_f16(f), want = ref_f16(f);
+
+            if (isnan(f))
+                cr_assert(f16_is_nan(got));
+            else if (got != want)
+                cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
+        }
+    for (int i = 0; i < 1000000; i++) {
+        float f;
+        uint16_t got, want;
+
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        f = bitsf((uint32_t)(seed >> 32));
+        got = dtype_f32_to_f16(f);
+        want = ref_f16(f);
+        if (isnan(f))
+            cr_assert(f16_is_nan(got));
+        else if (got != want)
+            cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
+    }
+}
+
+Test(dtype, bf16_conversions)
+{
+    static const uint32_t lows[] = { 0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff };
+    uint64_t seed = 7;
+
+    for (uint32_t h = 0; h <= 0xffff; h++) {
+        float f = dtype_bf16_to_f32((uint16_t)h);
+        cr_assert_eq(fbits(f), h << 16);
+        if (!isnan(f))
+            cr_assert_eq(dtype_f32_to_bf16(f), h);
+        else
+            cr_assert(isnan(dtype_bf16_to_f32(dtype_f32_to_bf16(f))));
+    }
+    for (uint32_t hi = 0; hi <= 0xffff; hi++)
+        for (size_t k = 0; k < sizeof lows / sizeof lows[0]; k++) {
+            float f = bitsf(hi << 16 | lows[k]);
+            uint16_t got = dtype_f32_to_bf16(f), want = ref_bf16(f);
+            if (got != want)
+                cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
+        }
+    for (int i = 0; i < 1000000; i++) {
+        float f;
+        uint16_t got, want;
+
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        f = bitsf((uint32_t)(seed >> 32));
+        got = dtype_f32_to_bf16(f);
+        want = ref_bf16(f);
+        if (got != want)
+            cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
+    }
+    cr_assert_eq(dtype_f32_to_bf16(3.4028235e38f), 0x7f80, "FLT_MAX rounds to infinity");
+    cr_assert_eq(dtype_f32_to_bf16(-0.0f), 0x8000);
+}
+
+/* The bulk conversions (vectorised, or F16C where the CPU has it) agree
+ * bytewise with the scalar ones at every length, NaNs, infinities and
+ * subnormals included, so the blocks and the scalar tails agree. */
+Test(dtype, bulk_conversions_match_scalar)
+{
+    static const uint32_t odd[] = { 0x7f800001, 0xff812345, 0x7fc00001, 0x7f800000, 0x00000001,
+                                    0x33000001, 0x38800000, 0x477ff000, 0x80000000, 0x387fe000 };
+    float f[97], back[97];
+    uint16_t h[97], b[97];
+
+    for (size_t i = 0; i < 97; i++)
+        f[i] = i % 7 == 3 ? bitsf(odd[(i / 7) % 10])
+                          : (float)i * 0.37f - 11.0f + (i % 5 == 0 ? 1e-6f : 0);
+    for (size_t n = 0; n <= 97; n++) {
+        memset(h, 0xaa, sizeof h);
+        dtype_narrow(DTYPE_F16, h, f, n);
+        dtype_narrow(DTYPE_BF16, b, f, n);
+        for (size_t i = 0; i < n; i++) {
+            cr_assert_eq(h[i], dtype_f32_to_f16(f[i]));
+            cr_assert_eq(b[i], dtype_f32_to_bf16(f[i]));
+        }
+        if (n < 97)
+            cr_assert_eq(h[n], 0xaaaa, "no write past n");
+        for (size_t i = 0; i < n; i++)
+            if (i % 11 == 5)
+                h[i] = (uint16_t)(i % 2 ? 0x7c01 + i : 0x0001 + i); /* sNaN, subnormal */
+        dtype_widen(DTYPE_F16, back, h, n);
+        for (size_t i = 0; i < n; i++)
+            cr_assert_eq(fbits(back[i]), fbits(dtype_f16_to_f32(h[i])), "%04x", h[i]);
+        dtype_widen(DTYPE_BF16, back, b, n);
+        for (size_t i = 0; i < n; i++)
+            cr_assert_eq(fbits(back[i]), fbits(dtype_bf16_to_f32(b[i])));
+    }
+}
+
+static float fmin_ref(float a, float b)
+{
+    if (isnan(b))
+        return b;
+    return b < a ? b : a;
+}
+
+static float fmax_ref(float a, float b)
+{
+    if (isnan(b))
+        return b;
+    return b > a ? b : a;
+}
+
+Test(dtype, combine_f32_every_op_and_length)
+{
+    float d[131], s[131], want[131];
+
+    for (size_t n = 0; n <= 131; n += (n < 40 ? 1 : 13))
+        for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+            for (size_t i = 0; i < n; i++) {
+                d[i] = (float)((int)(i * 7 % 11) - 5);
+                s[i] = (float)((int)(i * 5 % 13) - 6);
+                if (i % 17 == 3)
+                    s[i] = NAN;
+                if (i % 19 == 4)
+                    d[i] = NAN;
+                if (i % 23 == 5) {
+                    d[i] = 0.0f;
+                    s[i] = -0.0f;
+                }
+                want[i] = op == DTYPE_MIN ? fmin_ref(d[i], s[i])
+                          : op == DTYPE_MAX ? fmax_ref(d[i], s[i])
+                                            : d[i] + s[i];
+            }
+            dtype_combine(DTYPE_F32, (enum dtype_op)op, d, s, n);
+            for (size_t i = 0; i < n; i++) {
+                if (isnan(want[i]))
+                    cr_assert(isnan(d[i]), "op %d i %zu", op, i);
+                else
+                    cr_assert_eq(fbits(d[i]), fbits(want[i]), "op %d i %zu: %g want %g", op, i,
+                                 (double)d[i], (double)want[i]);
+            }
+        }
+}
+
+Test(dtype, combine_f64_and_ints)
+{
+    enum { N = 53 };
+    double d[N], s[N];
+    int32_t a[N], b[N];
+    int64_t x[N], y[N];
+
+    for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+        for (int i = 0; i < N; i++) {
+            d[i] = i * 0.5 - 7;
+            s[i] = i % 3 ? -d[i] * 2 : NAN;
+            a[i] = i == 0 ? INT32_MAX : i - 20;
+            b[i] = i == 0 ? 1 : 30 - i;
+            x[i] = i == 0 ? INT64_MAX : (int64_t)i << 40;
+            y[i] = i == 0 ? 1 : -((int64_t)i << 39);
+        }
+        dtype_combine(DTYPE_F64, (enum dtype_op)op, d, s, N);
+        dtype_combine(DTYPE_I32, (enum dtype_op)op, a, b, N);
+        dtype_combine(DTYPE_I64, (enum dtype_op)op, x, y, N);
+        for (int i = 0; i < N; i++) {
+            double d0 = i * 0.5 - 7, s0 = i % 3 ? -d0 * 2 : NAN;
+            int64_t a0 = i == 0 ? INT32_MAX : i - 20, b0 = i == 0 ? 1 : 30 - i;
+            int64_t x0 = i == 0 ? INT64_MAX : (int64_t)i << 40;
+            int64_t y0 = i == 0 ? 1 : -((int64_t)i << 39);
+
+            if (op == DTYPE_MIN) {
+                cr_assert(isnan(s0) ? isnan(d[i]) : d[i] == (s0 < d0 ? s0 : d0));
+                cr_assert_eq(a[i], b0 < a0 ? b0 : a0);
+                cr_assert_eq(x[i], y0 < x0 ? y0 : x0);
+            } else if (op == DTYPE_MAX) {
+                cr_assert(isnan(s0) ? isnan(d[i]) : d[i] == (s0 > d0 ? s0 : d0));
+                cr_assert_eq(a[i], b0 > a0 ? b0 : a0);
+                cr_assert_eq(x[i], y0 > x0 ? y0 : x0);
+            } else {
+                cr_assert(isnan(s0) ? isnan(d[i]) : d[i] == d0 + s0);
+                /* sums wrap */
+                cr_assert_eq(a[i], i == 0 ? INT32_MIN : (int32_t)(a0 + b0));
+                cr_assert_eq(x[i], i == 0 ? INT64_MIN : x0 + y0);
+            }
+        }
+    }
+}
+
+Test(dtype, combine_widen_matches_widen_then_combine)
+{
+    enum { N = 77 };
+    uint16_t src[N];
+    float d1[N], d2[N], w[N];
+
+    for (int t = DTYPE_F16; t <= DTYPE_BF16; t++)
+        for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+            for (int i = 0; i < N; i++) {
+                float v = (float)(i % 9) - 4.5f;
+                src[i] = t == DTYPE_F16 ? dtype_f32_to_f16(v * 3) : dtype_f32_to_bf16(v * 3);
+                if (i % 10 == 7)
+                    src[i] = t == DTYPE_F16 ? 0x7e01 : 0x7fc1;        /* NaN */
+                d1[i] = d2[i] = i % 13 == 2 ? NAN : i % 13 == 3 ? -0.0f : v;
+                if (i % 13 == 3)
+                    src[i] = 0;                                     /* +0 against -0 */
+            }
+            dtype_combine_widen((enum dtype)t, (enum dtype_op)op, d1, src, N);
+            dtype_widen((enum dtype)t, w, src, N);
+            dtype_combine(DTYPE_F32, (enum dtype_op)op, d2, w, N);
+            cr_assert_eq(memcmp(d1, d2, sizeof d1), 0, "type %d op %d", t, op);
+        }
+}
+
+Test(dtype, divisor_rules)
+{
+    double d;
+
+    cr_assert_eq(dtype_divisor(DTYPE_F32, DTYPE_SUM, 4, 0, &d), 0);
+    cr_assert_eq(d, 1);
+    cr_assert_eq(dtype_divisor(DTYPE_F32, DTYPE_MAX, 4, 0, &d), 0);
+    cr_assert_eq(d, 1);
+    cr_assert_eq(dtype_divisor(DTYPE_F32, DTYPE_AVG, 4, 123, &d), 0);
+    cr_assert_eq(d, 4);
+    cr_assert_eq(dtype_divisor(DTYPE_F32, DTYPE_AVG_BY, 4, 2.5, &d), 0);
+    cr_assert_eq(d, 2.5);
+    cr_assert_eq(dtype_divisor(DTYPE_F32, DTYPE_AVG_BY, 4, 0, &d), -EINVAL);
+    cr_assert_eq(dtype_divisor(DTYPE_F32, DTYPE_AVG_BY, 4, NAN, &d), -EINVAL);
+    cr_assert_eq(dtype_divisor(DTYPE_F64, DTYPE_AVG_BY, 4, INFINITY, &d), -EINVAL);
+    cr_assert_eq(dtype_divisor(DTYPE_I32, DTYPE_AVG_BY, 4, 2.5, &d), -EINVAL);
+    cr_assert_eq(dtype_divisor(DTYPE_I64, DTYPE_AVG_BY, 4, 1e17, &d), -EINVAL);
+    cr_assert_eq(dtype_divisor(DTYPE_I64, DTYPE_AVG_BY, 4, -3, &d), 0);
+    cr_assert_eq(d, -3);
+}
+
+Test(dtype, scale_floats_and_truncating_ints)
+{
+    float f[19];
+    double g[19];
+    int32_t a[5] = { 7, -7, 8, INT32_MIN, INT32_MAX };
+    int64_t x[4] = { 7, -7, INT64_MIN, INT64_MAX };
+
+    for (int i = 0; i < 19; i++) {
+        f[i] = (float)i;
+        g[i] = i;
+    }
+    dtype_scale(DTYPE_F32, f, 19, 3);
+    dtype_scale(DTYPE_F64, g, 19, 3);
+    for (int i = 0; i < 19; i++) {
+        cr_assert_eq(fbits(f[i]), fbits((float)i / 3.0f));
+        cr_assert_eq(g[i], i / 3.0);
+    }
+    dtype_scale(DTYPE_I32, a, 5, 2);
+    cr_assert_eq(a[0], 3);
+    cr_assert_eq(a[1], -3, "truncation toward zero");
+    cr_assert_eq(a[2], 4);
+    cr_assert_eq(a[3], INT32_MIN / 2);
+    cr_assert_eq(a[4], INT32_MAX / 2);
+    a[0] = INT32_MIN;
+    dtype_scale(DTYPE_I32, a, 1, -1);
+    cr_assert_eq(a[0], INT32_MIN, "wraps like a sum");
+    dtype_scale(DTYPE_I64, x, 4, -1);
+    cr_assert_eq(x[0], -7);
+    cr_assert_eq(x[1], 7);
+    cr_assert_eq(x[2], INT64_MIN, "wraps like a sum");
+    cr_assert_eq(x[3], -INT64_MAX);
+    x[0] = -9;
+    dtype_scale(DTYPE_I64, x, 1, 4);
+    cr_assert_eq(x[0], -2);
+    dtype_scale(DTYPE_F32, f, 19, 1);   /* divisor 1: untouched */
+    cr_assert_eq(fbits(f[3]), fbits(1.0f));
+}
