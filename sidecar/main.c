@@ -18,6 +18,7 @@
 #include "member.h"
 #include "opt.h"
 #include "rpc.h"
+#include "trainerd.h"
 
 #define PROG "cohort-sidecar"
 #define DURATION_MAX_MS (24ull * 3600 * 1000)
@@ -33,6 +34,11 @@ static const char usage[] =
     "  --cohort NAME             cohort to join (env COHORT_COHORT)\n"
     "  --id ID                   member id, unique in the cohort\n"
     "                            (env COHORT_ID, else POD_NAME)\n"
+    "  --socket PATH             serve a trainer on this Unix socket (env\n"
+    "                            COHORT_SOCKET, as PATH or unix:PATH); the member\n"
+    "                            joins once the trainer registers its tensors and\n"
+    "                            leaves when it goes away. Without it the sidecar\n"
+    "                            only keeps a membership.\n"
     "  --data-listen ADDR        data-plane listen address (default 127.0.0.1:0,\n"
     "                            port 0 picks a free one)\n"
     "  --advertise HOST          host the other members reach this one at (the pod\n"
@@ -93,7 +99,36 @@ out:
     return rc;
 }
 
-enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL };
+enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK };
+
+/* Serves a trainer until a signal: the node runs per trainer session. */
+static int serve_trainer(const struct member_config *mc, const char *socket_path, const char *host,
+                         const sigset_t *sigs)
+{
+    struct trainerd_config tc = {
+        .socket_path = socket_path,
+        .node = { .broker = mc->broker, .cohort = mc->cohort, .id = mc->id, .host = host,
+                  .model_version = mc->model_version, .heartbeat_ms = mc->heartbeat_ms,
+                  .timeout_ms = mc->timeout_ms },
+    };
+    struct trainerd *t;
+    int rc, sig;
+
+    rc = trainerd_start(&tc, &t);
+    if (rc < 0) {
+        log_error("sidecar", "The trainer socket could not be served.", LF_S("socket", socket_path),
+                  LF_ERR(rc));
+        return 1;
+    }
+    log_info("sidecar", "Waiting for the trainer.", LF_S("socket", socket_path),
+             LF_S("broker", mc->broker), LF_S("cohort", mc->cohort), LF_S("id", mc->id),
+             LF_S("host", host));
+    while (sigwait(sigs, &sig) != 0)
+        ;
+    log_info("sidecar", "Stopping; leaving the cohort.", LF_S("signal", strsignal(sig)));
+    trainerd_stop(t);
+    return 0;
+}
 
 int main(int argc, char **argv)
 {
@@ -102,6 +137,7 @@ int main(int argc, char **argv)
         { "cohort", required_argument, NULL, O_COHORT },
         { "id", required_argument, NULL, O_ID },
         { "data-listen", required_argument, NULL, O_LISTEN },
+        { "socket", required_argument, NULL, O_SOCK },
         { "advertise", required_argument, NULL, O_ADV },
         { "model-version", required_argument, NULL, O_MV },
         { "heartbeat-interval", required_argument, NULL, O_HB },
@@ -113,6 +149,7 @@ int main(int argc, char **argv)
     };
     struct member_config mc = { 0 };
     const char *listen_addr = "127.0.0.1:0", *advertise = NULL, *logf = NULL, *logl = NULL;
+    const char *socket_path = getenv("COHORT_SOCKET");
     char host[256], address[IDENT_ADDRESS_MAX + 1];
     struct member *m = NULL;
     uint64_t v;
@@ -128,6 +165,7 @@ int main(int argc, char **argv)
         case O_COHORT: mc.cohort = optarg; break;
         case O_ID: mc.id = optarg; break;
         case O_LISTEN: listen_addr = optarg; break;
+        case O_SOCK: socket_path = optarg; break;
         case O_ADV: advertise = optarg; break;
         case O_MV:
             if (opt_uint(optarg, 0, UINT64_MAX, &mc.model_version) < 0)
@@ -169,6 +207,29 @@ int main(int argc, char **argv)
     if (mc.heartbeat_ms && mc.timeout_ms && mc.timeout_ms <= mc.heartbeat_ms)
         return bad("%s", "--member-timeout must be longer than --heartbeat-interval");
 
+    if (socket_path && strncmp(socket_path, "unix:", 5) == 0)
+        socket_path += 5;
+    if (socket_path && *socket_path) {
+        /* The node binds the data plane itself, on the advertised host. */
+        const char *colon = strrchr(listen_addr, ':');
+        snprintf(host, sizeof(host), "%.*s", colon ? (int)(colon - listen_addr) : 0, listen_addr);
+        if (advertise)
+            snprintf(host, sizeof(host), "%s", advertise);
+        if (!host[0] || strcmp(host, "0.0.0.0") == 0)
+            return bad("%s", "--advertise is required when --data-listen is on all interfaces");
+        sigemptyset(&sigs);
+        sigaddset(&sigs, SIGINT);
+        sigaddset(&sigs, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+        signal(SIGPIPE, SIG_IGN);
+        if (rpc_init() < 0) {
+            log_error("sidecar", "gRPC could not start.");
+            return 1;
+        }
+        rc = serve_trainer(&mc, socket_path, host, &sigs);
+        rpc_shutdown();
+        return rc;
+    }
     fd = bind_data(listen_addr, host, sizeof(host), &port);
     if (fd < 0)
         return bad("cannot listen on --data-listen \"%s\"", listen_addr);

@@ -43,6 +43,7 @@ struct member {
     enum state state;
     int inflight;               /* async calls whose callbacks name us */
     bool join_inflight, hb_inflight;
+    bool rejoin_wanted;
     uint64_t next_join_at, next_hb_at, last_ok_at;
 
     struct rpc_watch *watch;
@@ -318,11 +319,47 @@ static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
     return d < cur ? (uint32_t)d : cur;
 }
 
+static int leave_call(struct member *m, uint32_t timeout_ms, struct rpc_status *st)
+{
+    Cohort__V1__LeaveRequest q = COHORT__V1__LEAVE_REQUEST__INIT;
+    ProtobufCMessage *reply = NULL;
+    int rc;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = m->cohort;
+    q.id = m->id;
+    q.session = m->session;
+    rc = rpc_call(m->ch, WIRE_BROKER_LEAVE, &q.base, &cohort__v1__leave_reply__descriptor, timeout_ms,
+                  0, &reply, st);
+    if (reply)
+        protobuf_c_message_free_unpacked(reply, NULL);
+    return rc;
+}
+
 uint32_t member_poll(struct member *m, uint64_t now)
 {
     uint32_t wait = POLL_MAX_MS;
 
     pthread_mutex_lock(&m->lock);
+    if (m->rejoin_wanted && m->state == ST_JOINED && !m->hb_inflight) {
+        struct rpc_watch *w = m->watch;
+        struct rpc_status st;
+        m->rejoin_wanted = false;
+        m->watch = NULL;
+        m->state = ST_JOINING;
+        pthread_mutex_unlock(&m->lock);
+        rpc_watch_close(w);
+        leave_call(m, 1000, &st);
+        pthread_mutex_lock(&m->lock);
+        /* A new session: the broker must see a new member, not a rejoin. */
+        if (getrandom(&m->session, sizeof(m->session), 0) != sizeof(m->session))
+            m->session ^= clock_now_us();
+        if (m->session == 0)
+            m->session = 1;
+        m->next_join_at = now;
+        log_emit(info_level(m), "member", "Rejoining with a new session to resync the cohort.",
+                 LF_S("cohort", m->cohort), LF_S("id", m->id), LOG_END);
+    }
     /* A watch is replaced when it ended, was found behind, or belongs to a
      * session state we left. Closing blocks until its callbacks are done,
      * so it happens without our lock. */
@@ -447,6 +484,16 @@ bool member_in_cohort(struct member *m)
     return in;
 }
 
+uint32_t member_timeout_ms(struct member *m)
+{
+    uint32_t t;
+
+    pthread_mutex_lock(&m->lock);
+    t = m->to_ms ? m->to_ms : 5000;
+    pthread_mutex_unlock(&m->lock);
+    return t;
+}
+
 uint64_t member_joins(struct member *m)
 {
     uint64_t n;
@@ -457,10 +504,15 @@ uint64_t member_joins(struct member *m)
     return n;
 }
 
+void member_rejoin(struct member *m)
+{
+    pthread_mutex_lock(&m->lock);
+    m->rejoin_wanted = true;
+    pthread_mutex_unlock(&m->lock);
+}
+
 int member_leave(struct member *m, uint32_t timeout_ms)
 {
-    Cohort__V1__LeaveRequest q = COHORT__V1__LEAVE_REQUEST__INIT;
-    ProtobufCMessage *reply = NULL;
     struct rpc_watch *w;
     struct rpc_status st;
     bool joined;
@@ -475,14 +527,8 @@ int member_leave(struct member *m, uint32_t timeout_ms)
     rpc_watch_close(w);
     if (!joined)
         return 0;
-    q.protocol_version = WIRE_PROTOCOL_VERSION;
-    q.cohort = m->cohort;
-    q.id = m->id;
-    q.session = m->session;
-    rc = rpc_call(m->ch, WIRE_BROKER_LEAVE, &q.base, &cohort__v1__leave_reply__descriptor, timeout_ms,
-                  0, &reply, &st);
+    rc = leave_call(m, timeout_ms, &st);
     if (rc == 0) {
-        protobuf_c_message_free_unpacked(reply, NULL);
         log_emit(info_level(m), "member", "Left the cohort.", LF_S("cohort", m->cohort),
                  LF_S("id", m->id), LOG_END);
     } else {

@@ -65,8 +65,16 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare);
 struct epoch *member_epoch(struct member *m);
 /* True while the member has joined and its latest epoch lists it. */
 bool member_in_cohort(struct member *m);
+/* The member timeout the broker granted (its default until joined). */
+uint32_t member_timeout_ms(struct member *m);
 /* Counters for tests and benchmarks. */
 uint64_t member_joins(struct member *m);
+
+/* Leaves and joins again with a new session, at the next member_poll():
+ * the broker sees a membership change and publishes a new epoch to every
+ * member. For a data-plane failure that no membership change explains
+ * (a peer timing out, members out of step): moolib's "resync". */
+void member_rejoin(struct member *m);
 
 /* Leaves gracefully: a Leave call bounded by timeout_ms, after which the
  * member stays out until destroyed. Returns 0 or the call's -errno. */

@@ -1,0 +1,179 @@
+/* include/cohort.h: cohort's API for trainer processes: moolib's
+ * Accumulator in C.
+ *
+ * A trainer describes its parameters and buffers once; cohort lays them
+ * out, with one gradient per parameter element, in shared memory that the
+ * sidecar maps too, so tensor bytes never cross a socket. The trainer
+ * computes in place in that memory (cohort_params, cohort_grads,
+ * cohort_buffers) and drives the loop below; every call returns at once.
+ *
+ *   struct cohort *c;
+ *   cohort_create(&cfg, &c);             // parameters: cohort_params(c)
+ *   cohort_connect(c, NULL);             // $COHORT_SOCKET, or $COHORT_BROKER
+ *   for (;;) {
+ *       cohort_update(c);
+ *       if (!cohort_connected(c)) { sleep a little; continue; }
+ *       if (cohort_wants_state(c))   cohort_set_state(c, bytes, len);
+ *       if (cohort_has_new_state(c)) cohort_state(c, &bytes, &len);
+ *       if (cohort_has_gradients(c)) { apply cohort_grads(c); cohort_zero_gradients(c); }
+ *       else if (cohort_wants_gradients(c)) {
+ *           if (have data) { add gradients into cohort_grads(c); cohort_reduce_gradients(c, batch); }
+ *           else cohort_skip_gradients(c);
+ *       }
+ *   }
+ *
+ * Semantics, where moolib's documentation and cohort differ or are silent:
+ * - Gradients accumulate in cohort_grads() until a round commits: add each
+ *   new backward pass into it (as .grad += does) and call reduce_gradients
+ *   with its batch size; cohort does not zero it between contributions.
+ * - A round commits when the batch sizes contributed by all members since
+ *   the last commit reach the virtual batch size (a lower bound; overshoot
+ *   is possible). The result is the sum of every contribution divided by
+ *   the number of reduce_gradients calls in it (not by the number of
+ *   samples): pass a per-batch mean loss. If every member skipped, the
+ *   result is zero.
+ * - model_version counts committed rounds: it is one higher as soon as
+ *   has_gradients becomes true, on every member alike.
+ * - The leader is the member with the highest model version (ties: the
+ *   first in the cohort's member order). A member whose version differs
+ *   from the leader's, or that never had state, receives the leader's
+ *   parameters, buffers and opaque state before it contributes again; the
+ *   leader is asked for the opaque state (wants_state) only then.
+ * - A membership change does not throw pending work away: an interrupted
+ *   round is reduced again in the next epoch with the survivors'
+ *   contributions. Nothing committed is lost or counted twice.
+ * - Misuse is an error return, never an abort: reduce or skip while a
+ *   contribution or a result is pending is -EPERM; zero_gradients with no
+ *   result is -EPERM; a sidecar that is gone is -ENOTCONN.
+ * - A contribution that races the start of a new epoch is kept for after
+ *   it. If this member turns out to be behind the leader, its pending
+ *   contribution is dropped (it is already in the rounds the leader
+ *   committed), has_new_state becomes true, and the next update() zeroes
+ *   the gradients; a reduce in between returns -EAGAIN: compute again.
+ *
+ * All functions return 0 or a negative errno unless they answer a
+ * question. A struct cohort is used from one thread at a time.
+ */
+#ifndef COHORT_H
+#define COHORT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define COHORT_API_VERSION 1
+
+/* Element types of parameters (gradients have the parameters' type). */
+enum cohort_dtype {
+    COHORT_F32 = 0,
+    COHORT_F64 = 1,
+    COHORT_F16 = 2,
+    COHORT_BF16 = 3,
+};
+
+struct cohort_tensor {
+    const char *name;           /* for messages; may be NULL */
+    enum cohort_dtype dtype;    /* all parameters share one dtype */
+    size_t numel;
+};
+
+struct cohort_config {
+    const char *name;                       /* accumulator name, like moolib's */
+    const struct cohort_tensor *parameters; /* copied */
+    size_t n_parameters;
+    const struct cohort_tensor *buffers;    /* not reduced; synced from the leader */
+    size_t n_buffers;
+};
+
+struct cohort;
+
+/* Lays out parameters, gradients and buffers in new shared memory, all
+ * zero. Returns 0, -EINVAL (no parameters, mixed dtypes, sizes), -ENOMEM.
+ * The caller frees with cohort_destroy(). */
+int cohort_create(const struct cohort_config *cfg, struct cohort **out);
+/* Disconnects (the member leaves its cohort) and unmaps. NULL is fine. */
+void cohort_destroy(struct cohort *c);
+
+/* Where each tensor lives: valid until cohort_destroy(). Index i follows
+ * the order of cfg->parameters / cfg->buffers; NULL if out of range. */
+void *cohort_param(struct cohort *c, size_t i);
+void *cohort_grad(struct cohort *c, size_t i);
+void *cohort_buffer(struct cohort *c, size_t i);
+/* All parameters (and all gradients) as one flat array, in order. */
+void *cohort_params(struct cohort *c);
+void *cohort_grads(struct cohort *c);
+size_t cohort_numel(const struct cohort *c);
+
+/* Connects to a sidecar ("unix:/path/to/socket") or to a broker
+ * ("host:port": the node then runs inside this process, with no sidecar).
+ * NULL means $COHORT_SOCKET, else $COHORT_BROKER (with $COHORT_COHORT and
+ * $COHORT_ID naming the cohort and this member). Returns 0, -EINVAL,
+ * -ECONNREFUSED/-ENOENT (no sidecar there), -EPROTO (a sidecar of another
+ * API version), -EALREADY. */
+int cohort_connect(struct cohort *c, const char *address);
+/* Joining a broker directly: the cohort and member id to use. */
+int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *member_id);
+
+/* Refreshes what the questions below answer. Call once per loop. Returns
+ * 0, or -ENOTCONN when the sidecar is gone. */
+int cohort_update(struct cohort *c);
+
+bool cohort_connected(const struct cohort *c);
+bool cohort_wants_state(const struct cohort *c);
+bool cohort_has_new_state(const struct cohort *c);
+bool cohort_wants_gradients(const struct cohort *c);
+bool cohort_has_gradients(const struct cohort *c);
+bool cohort_is_leader(const struct cohort *c);
+/* The leader's member id, or "" when none is known; valid until the next
+ * cohort_update(). */
+const char *cohort_get_leader(const struct cohort *c);
+uint64_t cohort_model_version(const struct cohort *c);
+/* This member's position in the current epoch's member order, and the
+ * number of members: for sharding data. Both change with membership. */
+uint32_t cohort_rank(const struct cohort *c);
+uint32_t cohort_size(const struct cohort *c);
+
+/* Leader, when wants_state: the opaque state (model-independent bytes such
+ * as optimizer state and counters) to send with the parameters. Copied. */
+int cohort_set_state(struct cohort *c, const void *state, size_t len);
+/* When has_new_state: the received opaque state; *state stays valid until
+ * the next cohort_state() or cohort_destroy(). Clears has_new_state. */
+int cohort_state(struct cohort *c, const void **state, size_t *len);
+
+int cohort_reduce_gradients(struct cohort *c, uint64_t batch_size);
+int cohort_skip_gradients(struct cohort *c);
+/* After applying a result: zeroes the gradients, clears has_gradients. */
+int cohort_zero_gradients(struct cohort *c);
+
+/* Declares a model version (after loading a checkpoint): it counts at the
+ * next election. */
+int cohort_set_model_version(struct cohort *c, uint64_t version);
+int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size);
+/* Rounds in flight at once; 1 for now (-ENOTSUP above). */
+int cohort_set_parallel_gradients(struct cohort *c, unsigned n);
+
+struct cohort_gradient_stats {
+    uint64_t batch_size;        /* of the last committed round */
+    uint64_t num_gradients;     /* reduce_gradients calls in it, all members */
+    uint64_t num_skipped;       /* skip_gradients calls in it */
+    uint64_t rounds_committed;  /* since connect */
+    uint64_t rounds_retried;    /* interrupted by a membership change */
+    uint64_t epochs_seen;
+    uint64_t states_received;
+    uint64_t contributions_dropped;  /* already in rounds the leader committed
+                                      * before this member caught up */
+    uint64_t epoch;             /* current */
+};
+int cohort_get_gradient_stats(const struct cohort *c, struct cohort_gradient_stats *out);
+
+/* A whole sentence for an error code returned by this API. */
+const char *cohort_strerror(int err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

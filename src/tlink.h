@@ -1,0 +1,109 @@
+/* src/tlink.h: the wire between a trainer (libcohort, include/cohort.h) and
+ * its sidecar: small fixed-size messages over a Unix SOCK_SEQPACKET socket,
+ * which keeps message boundaries, with file descriptors passed alongside
+ * (SCM_RIGHTS). Tensor bytes never cross it: the trainer's tensors live in
+ * one memfd that both processes map, sent once with REGISTER; opaque state
+ * travels in a memfd too. Every request gets exactly one REPLY carrying
+ * 0 or -errno.
+ *
+ * The registration names the kind of memory of each region, so that GPU
+ * tensors can be registered as CUDA IPC handles in the same message; this
+ * build's sidecar accepts host memory and refuses the rest with
+ * -EOPNOTSUPP.
+ */
+#ifndef COHORT_TLINK_H
+#define COHORT_TLINK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TLINK_MAGIC 0x31686f63u         /* "coh1" */
+#define TLINK_VERSION 1u
+#define TLINK_BODY_MAX 1024             /* no message body is larger */
+#define TLINK_FDS_MAX 2
+#define TLINK_NAME_MAX 64
+
+enum tlink_type {
+    TL_HELLO = 1,
+    TL_REGISTER = 2,
+    TL_VIEW = 3,
+    TL_CONTRIBUTE = 4,
+    TL_CONSUME = 5,
+    TL_SET_STATE = 6,       /* + memfd holding the state */
+    TL_TAKE_STATE = 7,      /* reply + memfd */
+    TL_SET_VERSION = 8,
+    TL_SET_VBS = 9,
+    TL_SET_PARALLEL = 10,
+    TL_REPLY = 100,
+};
+
+struct tlink_hdr {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t type;
+    uint32_t len;           /* body bytes after the header */
+    int32_t status;         /* replies: 0 or -errno */
+};
+
+struct tlink_hello {
+    uint32_t api_version;
+    char name[TLINK_NAME_MAX];      /* accumulator name, NUL-terminated */
+};
+
+enum tlink_mem { TL_MEM_HOST = 0, TL_MEM_CUDA_IPC = 1 };
+
+struct tlink_register {
+    uint32_t mem;               /* enum tlink_mem */
+    uint32_t grad_dtype;        /* enum dtype */
+    uint64_t region_bytes;      /* size of the memfd */
+    uint64_t params_off, params_bytes;
+    uint64_t grads_off, grad_count;
+    uint64_t buffers_off, buffers_bytes;
+    uint8_t cuda_handle[64];    /* cudaIpcMemHandle_t, for TL_MEM_CUDA_IPC */
+    int32_t cuda_device;
+    uint32_t pad;
+};
+
+/* What cohort_update() reads: node_view in fixed-width fields. */
+struct tlink_view {
+    uint8_t connected, wants_state, has_new_state, wants_gradients;
+    uint8_t has_gradients, is_leader, pad[2];
+    uint32_t rank, size;
+    uint64_t model_version, epoch;
+    uint64_t batch_size, num_gradients, num_skipped;
+    uint64_t rounds_committed, rounds_retried, epochs_seen, states_received;
+    uint64_t contributions_dropped;
+    char leader[256];
+};
+
+struct tlink_u64 {
+    uint64_t value;
+};
+
+/* The body size each request type must have exactly (replies: by the
+ * request they answer). Returns -1 for an unknown type. */
+long tlink_body_size(uint16_t type, bool reply);
+
+/* Sends one message with `nfds` descriptors (borrowed). Returns 0 or
+ * -errno (-EPIPE when the peer is gone). */
+int tlink_send(int sock, uint16_t type, int32_t status, const void *body, uint32_t len,
+               const int *fds, int nfds);
+
+/* Receives one message, waiting up to timeout_ms (-1: forever). Checks
+ * magic, version and that the body is exactly `want` bytes (want < 0:
+ * anything up to cap). Received descriptors are returned in fds (caller
+ * closes), at most TLINK_FDS_MAX; on any error none are left open.
+ * Returns 0, -ETIMEDOUT, -ECONNRESET (peer gone), -EPROTO (bad magic,
+ * version, size, or too many descriptors). */
+int tlink_recv(int sock, struct tlink_hdr *h, void *body, uint32_t cap, long want, int *fds,
+               int *nfds, int timeout_ms);
+
+/* A memfd of `len` bytes holding a copy of `data`. Returns the fd or
+ * -errno. */
+int tlink_memfd_from(const char *name, const void *data, size_t len);
+/* Reads up to cap bytes from the start of a memfd whose size is checked
+ * first. Returns 0 and a malloc'd copy in *data, -E2BIG, -EIO, -ENOMEM. */
+int tlink_memfd_read(int fd, size_t cap, void **data, size_t *len);
+
+#endif

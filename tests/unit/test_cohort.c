@@ -1,0 +1,322 @@
+/* tests/unit/test_cohort.c: the trainer API (include/cohort.h) through the
+ * sidecar's service (trainerd) on real Unix sockets with shared memory, and
+ * in-process against a broker; misuse and bad input on the trainer link. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "brokerd.h"
+#include "clock.h"
+#include "cohort.h"
+#include "rpc.h"
+#include "tlink.h"
+#include "trainerd.h"
+
+#define NP 777
+
+static struct brokerd *d;
+static char broker[64], dir[64];
+
+static void start(void)
+{
+    struct brokerd_config cfg = { .listen = "127.0.0.1:0" };
+
+    cr_assert_eq(rpc_init(), 0);
+    broker_config_default(&cfg.broker);
+    cfg.broker.startup_hold_ms = 0;
+    cfg.broker.heartbeat_ms = 200;
+    cfg.broker.timeout_ms = 1500;
+    cfg.broker.coalesce_ms = 20;
+    cr_assert_eq(brokerd_start(&cfg, &d), 0);
+    cr_assert_eq(brokerd_declare(d, "api", 0, 0), 0);
+    snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(d));
+    snprintf(dir, sizeof(dir), "/tmp/cohort-api-XXXXXX");
+    cr_assert_not_null(mkdtemp(dir));
+}
+
+static void stop(void)
+{
+    brokerd_stop(d);
+    rpc_shutdown();
+    rmdir(dir);
+}
+
+TestSuite(cohort, .init = start, .fini = stop, .timeout = 120);
+
+static struct trainerd *sidecar(const char *id, char *path, size_t n)
+{
+    struct trainerd_config tc = { .node = { .broker = broker, .cohort = "api", .id = id,
+                                            .host = "127.0.0.1" } };
+    struct trainerd *t;
+
+    snprintf(path, n, "%s/%s.sock", dir, id);
+    tc.socket_path = path;
+    cr_assert_eq(trainerd_start(&tc, &t), 0);
+    return t;
+}
+
+static struct cohort *trainer(void)
+{
+    struct cohort_tensor p[2] = { { "w", COHORT_F32, NP - 1 }, { "b", COHORT_F32, 1 } };
+    struct cohort_tensor b[1] = { { "steps", COHORT_F64, 1 } };
+    struct cohort_config cfg = { .name = "model", .parameters = p, .n_parameters = 2,
+                                 .buffers = b, .n_buffers = 1 };
+    struct cohort *c;
+
+    cr_assert_eq(cohort_create(&cfg, &c), 0);
+    cr_assert_eq(cohort_numel(c), NP);
+    cr_assert_eq((char *)cohort_param(c, 1) - (char *)cohort_param(c, 0), (NP - 1) * 4);
+    cr_assert_null(cohort_param(c, 2));
+    return c;
+}
+
+struct loop {
+    struct cohort *c;
+    uint64_t target;
+    int index;
+    int rc;
+    unsigned states;
+    pthread_t t;
+};
+
+static void nap(void)
+{
+    struct timespec ts = { 0, 2 * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+/* moolib's loop on the C API. */
+static void *run_loop(void *arg)
+{
+    struct loop *l = arg;
+    struct cohort *c = l->c;
+    float *w = cohort_params(c), *g = cohort_grads(c);
+
+    for (uint64_t spins = 0; spins < 2000000; spins++) {
+        if ((l->rc = cohort_update(c)) < 0)
+            return NULL;
+        if (cohort_model_version(c) >= l->target && !cohort_has_gradients(c))
+            return NULL;
+        if (!cohort_connected(c)) {
+            nap();
+            continue;
+        }
+        if (cohort_wants_state(c))
+            cohort_set_state(c, "opaque", 7);
+        if (cohort_has_new_state(c)) {
+            const void *s;
+            size_t len;
+            if (cohort_state(c, &s, &len) == 0 && len == 7 && strcmp(s, "opaque") == 0)
+                l->states++;
+        }
+        if (cohort_has_gradients(c)) {
+            for (size_t i = 0; i < NP; i++)
+                w[i] -= 0.1f * g[i];
+            cr_assert_eq(cohort_zero_gradients(c), 0);
+        } else if (cohort_wants_gradients(c)) {
+            for (size_t i = 0; i < NP; i++)
+                g[i] += (float)(l->index + 1) + w[i] * 0.01f;
+            cr_assert_eq(cohort_reduce_gradients(c, 4), 0);
+        } else {
+            nap();
+        }
+    }
+    l->rc = -ETIMEDOUT;
+    return NULL;
+}
+
+Test(cohort, trainers_through_sidecars_stay_identical)
+{
+    char p0[128], p1[128];
+    struct trainerd *s0 = sidecar("a-0", p0, sizeof(p0)), *s1 = sidecar("a-1", p1, sizeof(p1));
+    struct loop l[2] = { { .target = 12, .index = 0 }, { .target = 12, .index = 1 } };
+    char addr[160];
+    struct cohort_gradient_stats st;
+
+    for (int i = 0; i < 2; i++) {
+        l[i].c = trainer();
+        float *w = cohort_params(l[i].c);
+        for (size_t k = 0; k < NP; k++)
+            w[k] = (float)(i * 100 + (int)k);           /* different starts */
+        snprintf(addr, sizeof(addr), "unix:%s", i ? p1 : p0);
+        cr_assert_eq(cohort_connect(l[i].c, addr), 0);
+        cr_assert_eq(cohort_connect(l[i].c, addr), -EALREADY);
+        cr_assert_eq(cohort_set_virtual_batch_size(l[i].c, 8), 0);
+        cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 1), 0);
+        cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 2), -ENOTSUP);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&l[i].t, NULL, run_loop, &l[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(l[i].t, NULL);
+        cr_assert_eq(l[i].rc, 0, "trainer %d: %s", i, cohort_strerror(l[i].rc));
+    }
+    cr_assert_eq(memcmp(cohort_params(l[0].c), cohort_params(l[1].c), NP * 4), 0);
+    cr_assert_eq(cohort_model_version(l[1].c), 12);
+    cr_assert_str_eq(cohort_get_leader(l[0].c), "a-0");
+    cr_assert(cohort_is_leader(l[0].c) && !cohort_is_leader(l[1].c));
+    cr_assert_eq(cohort_size(l[0].c), 2);
+    cr_assert_eq(cohort_rank(l[1].c), 1);
+    cr_assert_geq(l[1].states, 1, "the joiner never received the leader's opaque state");
+    cohort_get_gradient_stats(l[0].c, &st);
+    cr_assert_eq(st.batch_size, 8);
+    cr_assert_eq(st.num_gradients, 2);
+    cr_assert_eq(st.rounds_committed, 12);
+    for (int i = 0; i < 2; i++)
+        cohort_destroy(l[i].c);
+    trainerd_stop(s0);
+    trainerd_stop(s1);
+}
+
+Test(cohort, in_process_node_trains_without_a_sidecar)
+{
+    struct loop l[2] = { { .target = 6, .index = 0 }, { .target = 6, .index = 1 } };
+
+    for (int i = 0; i < 2; i++) {
+        char id[16];
+        l[i].c = trainer();
+        snprintf(id, sizeof(id), "p-%d", i);
+        cr_assert_eq(cohort_connect(l[i].c, broker), -EINVAL, "no identity yet");
+        cr_assert_eq(cohort_set_identity(l[i].c, "api", id), 0);
+        cr_assert_eq(cohort_connect(l[i].c, broker), 0);
+        pthread_create(&l[i].t, NULL, run_loop, &l[i]);
+    }
+    for (int i = 0; i < 2; i++) {
+        pthread_join(l[i].t, NULL);
+        cr_assert_eq(l[i].rc, 0);
+    }
+    cr_assert_eq(memcmp(cohort_params(l[0].c), cohort_params(l[1].c), NP * 4), 0);
+    for (int i = 0; i < 2; i++)
+        cohort_destroy(l[i].c);
+}
+
+Test(cohort, misuse_and_a_gone_sidecar_are_errors)
+{
+    char p[128], addr[160];
+    struct trainerd *s = sidecar("m-0", p, sizeof(p));
+    struct cohort *c = trainer(), *other = trainer();
+
+    cr_assert_eq(cohort_connect(c, "unix:/nonexistent/sock"), -ENOENT);
+    snprintf(addr, sizeof(addr), "unix:%s", p);
+    cr_assert_eq(cohort_connect(c, addr), 0);
+    cr_assert_eq(cohort_update(c), 0);
+    /* Alone in the cohort it leads at once; until the epoch is synced it
+     * is not asked for gradients. */
+    uint64_t end = clock_now_ms() + 30000;
+    while (!cohort_wants_gradients(c) && clock_now_ms() < end) {
+        nap();
+        cohort_update(c);
+    }
+    cr_assert(cohort_wants_gradients(c));
+    cr_assert_eq(cohort_zero_gradients(c), -EPERM, "no result to zero");
+    cr_assert_eq(cohort_reduce_gradients(c, 0), -EINVAL);
+    cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
+    cr_assert_eq(cohort_reduce_gradients(c, 1), -EPERM, "a second reduce before the round ends");
+    cr_assert_eq(cohort_set_state(c, "x", 1), -EPERM, "nobody asked for state");
+    /* A second trainer on the same sidecar is turned away. */
+    cr_assert_neq(cohort_connect(other, addr), 0);
+    /* The sidecar goes away: calls say so, and keep saying so. */
+    trainerd_stop(s);
+    cr_assert_eq(cohort_update(c), -ENOTCONN);
+    cr_assert_eq(cohort_reduce_gradients(c, 1), -ENOTCONN);
+    cr_assert_str_eq(cohort_strerror(-ENOTCONN), "the sidecar is gone");
+    cohort_destroy(c);
+    cohort_destroy(other);
+}
+
+static int raw_connect(const char *path)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    return fd;
+}
+
+static int32_t raw_call(int fd, uint16_t type, const void *body, uint32_t len, const int *fds, int nfds)
+{
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int got[TLINK_FDS_MAX], ngot;
+
+    cr_assert_eq(tlink_send(fd, type, 0, body, len, fds, nfds), 0);
+    if (tlink_recv(fd, &h, buf, sizeof(buf), -1, got, &ngot, 10000) < 0)
+        return INT32_MIN;       /* connection closed */
+    return h.status;
+}
+
+Test(cohort, malformed_messages_and_bad_layouts_are_refused)
+{
+    char p[128];
+    struct trainerd *s = sidecar("x-0", p, sizeof(p));
+    struct tlink_hello hello = { .api_version = TLINK_VERSION, .name = "raw" };
+    struct tlink_register r;
+    int fd, mfd;
+    char junk[40];
+
+    /* Garbage instead of a header: the connection is closed. */
+    fd = raw_connect(p);
+    memset(junk, 0x5a, sizeof(junk));
+    cr_assert_eq(send(fd, junk, sizeof(junk), 0), (ssize_t)sizeof(junk));
+    cr_assert_eq(raw_call(fd, TL_VIEW, NULL, 0, NULL, 0), INT32_MIN);
+    close(fd);
+
+    /* A well-framed session with bad requests: refused one by one. */
+    fd = raw_connect(p);
+    cr_assert_eq(raw_call(fd, TL_VIEW, NULL, 0, NULL, 0), -ENODEV, "nothing registered yet");
+    hello.api_version = 99;
+    cr_assert_eq(raw_call(fd, TL_HELLO, &hello, sizeof(hello), NULL, 0), -EPROTO);
+    hello.api_version = TLINK_VERSION;
+    cr_assert_eq(raw_call(fd, TL_HELLO, &hello, sizeof(hello), NULL, 0), 0);
+    mfd = tlink_memfd_from("t", junk, sizeof(junk));
+    memset(&r, 0, sizeof(r));
+    r.mem = TL_MEM_HOST;
+    r.grad_dtype = 0;
+    r.region_bytes = sizeof(junk);
+    r.grads_off = 0;
+    r.grad_count = 1000;                        /* past the end of the memfd */
+    cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EINVAL);
+    r.grad_count = 2;
+    r.region_bytes = 4096;                      /* not the memfd's size */
+    cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EINVAL);
+    r.mem = TL_MEM_CUDA_IPC;
+    cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EOPNOTSUPP);
+    r.mem = TL_MEM_HOST;
+    cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), NULL, 0), -EPROTO, "no descriptor");
+    close(mfd);
+    /* A body of the wrong size ends the session. */
+    cr_assert_eq(raw_call(fd, TL_CONTRIBUTE, junk, 3, NULL, 0), -EPROTO);
+    close(fd);
+    /* The service is still there for a proper trainer. */
+    struct cohort *c = trainer();
+    char addr[160];
+    snprintf(addr, sizeof(addr), "unix:%s", p);
+    cr_assert_eq(cohort_connect(c, addr), 0);
+    cohort_destroy(c);
+    trainerd_stop(s);
+}
+
+Test(cohort, create_refuses_bad_configs)
+{
+    struct cohort_tensor mixed[2] = { { "a", COHORT_F32, 3 }, { "b", COHORT_F64, 3 } };
+    struct cohort_tensor none[1] = { { "a", COHORT_F32, 0 } };
+    struct cohort_config cfg = { .name = "m", .parameters = mixed, .n_parameters = 2 };
+    struct cohort *c = NULL;
+
+    cr_assert_eq(cohort_create(&cfg, &c), -EINVAL, "mixed dtypes");
+    cfg.parameters = none;
+    cfg.n_parameters = 1;
+    cr_assert_eq(cohort_create(&cfg, &c), -EINVAL, "no elements");
+    cfg.n_parameters = 0;
+    cr_assert_eq(cohort_create(&cfg, &c), -EINVAL);
+    cr_assert_null(c);
+    cohort_destroy(NULL);
+}

@@ -1,0 +1,292 @@
+/* tests/unit/test_node.c: the Accumulator's rounds among nodes in one
+ * process, over a real broker and real TCP on loopback. Each simulated
+ * trainer follows moolib's loop; gradients are small integers so every
+ * committed result can be checked exactly. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "brokerd.h"
+#include "clock.h"
+#include "node.h"
+#include "rpc.h"
+
+#define P 1031                  /* parameters: a prime, not a multiple of anything */
+#define MAXN 6
+
+static struct brokerd *d;
+static char broker[64];
+
+static void start(void)
+{
+    struct brokerd_config cfg = { .listen = "127.0.0.1:0" };
+
+    cr_assert_eq(rpc_init(), 0);
+    broker_config_default(&cfg.broker);
+    cfg.broker.startup_hold_ms = 0;
+    cfg.broker.heartbeat_ms = 200;
+    cfg.broker.timeout_ms = 1500;
+    cfg.broker.coalesce_ms = 20;
+    cr_assert_eq(brokerd_start(&cfg, &d), 0);
+    cr_assert_eq(brokerd_declare(d, "train", 0, 0), 0);
+    snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(d));
+}
+
+static void stop(void)
+{
+    brokerd_stop(d);
+    rpc_shutdown();
+}
+
+TestSuite(node, .init = start, .fini = stop, .timeout = 180);
+
+struct trainer {
+    int index;
+    struct node *n;
+    _Alignas(64) float params[P + 1];   /* padded to a multiple of 8 bytes */
+    _Alignas(64) float grads[P];
+    _Alignas(64) double buffers[2];
+    uint64_t target;                    /* stop at this model version */
+    atomic_bool quit;
+    pthread_t t;
+    /* What it saw. */
+    uint64_t applied;                   /* results applied */
+    uint64_t sum_check_failures;
+    uint64_t states;
+};
+
+static void sleep_ms(long ms)
+{
+    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+/* moolib's loop. Each contribution adds (index + 1) to every gradient
+ * element, with batch size 1: a committed result is then exactly the mean
+ * of (index + 1) over the contributions it reduced. */
+static void *trainer_main(void *arg)
+{
+    struct trainer *tr = arg;
+    struct node_view v;
+
+    while (!atomic_load(&tr->quit)) {
+        node_view(tr->n, &v);
+        if (v.model_version >= tr->target && !v.has_gradients)
+            break;
+        if (!v.connected) {
+            sleep_ms(2);
+            continue;
+        }
+        if (v.wants_state) {
+            char s[64];
+            snprintf(s, sizeof(s), "state of %d at %llu", tr->index, (unsigned long long)v.model_version);
+            node_set_state(tr->n, s, strlen(s) + 1);
+        }
+        if (v.has_new_state) {
+            void *s;
+            size_t len;
+            if (node_take_state(tr->n, &s, &len) == 0) {
+                tr->states++;
+                free(s);
+            }
+        }
+        if (v.has_gradients) {
+            /* The mean of (index + 1) over contributions: a multiple of
+             * 1/num_gradients, between 1 and MAXN. */
+            float g = tr->grads[0];
+            double scaled = (double)g * (double)v.num_gradients;
+            if (fabs(scaled - round(scaled)) > 1e-3 || g < 1.0f || g > (float)MAXN)
+                tr->sum_check_failures++;
+            for (int i = 0; i < P; i++) {
+                if (tr->grads[i] != g)
+                    tr->sum_check_failures++;
+                tr->params[i] -= 0.01f * tr->grads[i];
+            }
+            tr->buffers[0] += 1;
+            /* Drift early on, each its own value; the periodic sync (every
+             * 5 commits) must bring everyone back to the leader's. */
+            if (v.model_version < 8)
+                tr->buffers[1] = tr->index;
+            tr->applied++;
+            node_consume(tr->n);
+        } else if (v.wants_gradients) {
+            for (int i = 0; i < P; i++)
+                tr->grads[i] += (float)(tr->index + 1);
+            node_contribute(tr->n, 1);
+        } else {
+            sleep_ms(1);
+        }
+    }
+    return NULL;
+}
+
+static void trainer_start(struct trainer *tr, int index, uint64_t target)
+{
+    struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
+                             .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5 };
+    struct node_tensors t;
+    char id[16];
+
+    memset(tr, 0, sizeof(*tr));
+    tr->index = index;
+    tr->target = target;
+    /* Different initial parameters: state sync must make them equal. */
+    for (int i = 0; i < P; i++)
+        tr->params[i] = (float)(index * 1000 + i);
+    snprintf(id, sizeof(id), "w-%d", index);
+    c.id = id;
+    cr_assert_eq(node_start(&c, &tr->n), 0);
+    t = (struct node_tensors){ .params = tr->params, .params_bytes = sizeof(tr->params),
+                               .grads = tr->grads, .grad_count = P, .grad_type = DTYPE_F32,
+                               .buffers = tr->buffers, .buffers_bytes = sizeof(tr->buffers) };
+    cr_assert_eq(node_register(tr->n, &t), 0);
+    cr_assert_eq(node_register(tr->n, &t), -EBUSY);
+    pthread_create(&tr->t, NULL, trainer_main, tr);
+}
+
+static void trainer_join(struct trainer *tr)
+{
+    pthread_join(tr->t, NULL);
+}
+
+static void set_vbs(struct trainer *trs, int n, uint64_t vbs)
+{
+    for (int i = 0; i < n; i++)
+        node_set_virtual_batch_size(trs[i].n, vbs);
+}
+
+Test(node, three_trainers_commit_identical_rounds)
+{
+    static struct trainer trs[3];
+    struct node_view v0, v;
+
+    for (int i = 0; i < 3; i++)
+        trainer_start(&trs[i], i, 15);
+    set_vbs(trs, 3, 3);         /* one contribution from each per round */
+    for (int i = 0; i < 3; i++)
+        trainer_join(&trs[i]);
+    node_view(trs[0].n, &v0);
+    cr_assert_eq(v0.model_version, 15);
+    for (int i = 0; i < 3; i++) {
+        node_view(trs[i].n, &v);
+        cr_assert_eq(v.model_version, 15, "w-%d at %llu", i, (unsigned long long)v.model_version);
+        cr_assert_eq(trs[i].sum_check_failures, 0, "w-%d got a result that is no mean", i);
+        cr_assert_eq(memcmp(trs[i].params, trs[0].params, sizeof(trs[0].params)), 0,
+                     "w-%d's parameters differ from w-0's", i);
+        cr_assert_str_eq(v.leader, "w-0");
+    }
+    /* With one contribution each per round, each result is exactly 2.0,
+     * the mean of 1, 2 and 3: nothing lost, nothing twice. */
+    cr_assert_eq(v0.num_gradients, 3);
+    cr_assert_eq(v0.batch_size, 3);
+    /* Buffers drifted until version 8; the syncs at commits 10 and 15 of
+     * the epoch gave everyone the leader's (w-0 wrote 0). */
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(trs[i].buffers[1], 0.0, "w-%d's buffers were not synced from the leader", i);
+    cr_assert_eq(trs[0].grads[0], 0.0f, "consumed results are zeroed");
+    for (int i = 1; i < 3; i++)
+        cr_assert_geq(trs[i].states, 1, "w-%d never received the leader's state", i);
+    for (int i = 0; i < 3; i++)
+        node_stop(trs[i].n);
+}
+
+Test(node, virtual_batch_spans_several_contributions)
+{
+    static struct trainer trs[2];
+    struct node_view v;
+
+    for (int i = 0; i < 2; i++)
+        trainer_start(&trs[i], i, 5);
+    set_vbs(trs, 2, 6);         /* three contributions from each per round */
+    for (int i = 0; i < 2; i++)
+        trainer_join(&trs[i]);
+    node_view(trs[1].n, &v);
+    cr_assert_eq(v.model_version, 5);
+    cr_assert_eq(v.batch_size, 6);
+    cr_assert_eq(v.num_gradients, 6);
+    cr_assert_eq(memcmp(trs[0].params, trs[1].params, sizeof(trs[0].params)), 0);
+    /* Each trainer adds index+1 per contribution, three times: the mean
+     * over six contributions of (1,1,1,2,2,2) is 1.5 per element, and the
+     * parameters moved by 0.015 per round. */
+    cr_assert_eq(trs[0].sum_check_failures + trs[1].sum_check_failures, 0);
+    cr_assert_float_eq(trs[0].params[0], 0.0f - 5 * 0.015f, 1e-4);
+    for (int i = 0; i < 2; i++)
+        node_stop(trs[i].n);
+}
+
+Test(node, member_leaves_and_joiner_catches_up)
+{
+    static struct trainer trs[4];
+    struct node_view v;
+
+    for (int i = 0; i < 3; i++)
+        trainer_start(&trs[i], i, 40);
+    set_vbs(trs, 3, 1);
+    /* Let training run, then take w-1 away mid-run. */
+    uint64_t end = clock_now_ms() + 60000;
+    do {
+        node_view(trs[0].n, &v);
+        sleep_ms(5);
+    } while (v.model_version < 10 && clock_now_ms() < end);
+    cr_assert_geq(v.model_version, 10);
+    uint64_t epoch_before = v.epoch;
+    atomic_store(&trs[1].quit, true);
+    trainer_join(&trs[1]);
+    node_stop(trs[1].n);
+    /* A newcomer with other parameters joins and must catch up. */
+    trainer_start(&trs[3], 3, 40);
+    node_set_virtual_batch_size(trs[3].n, 1);
+    trainer_join(&trs[0]);
+    trainer_join(&trs[2]);
+    trainer_join(&trs[3]);
+    for (int i = 0; i < 4; i++) {
+        if (i == 1)
+            continue;
+        node_view(trs[i].n, &v);
+        cr_assert_eq(v.model_version, 40, "w-%d at %llu", i, (unsigned long long)v.model_version);
+        cr_assert_eq(trs[i].sum_check_failures, 0);
+        cr_assert_eq(memcmp(trs[i].params, trs[0].params, sizeof(trs[0].params)), 0,
+                     "w-%d differs: v=%llu applied=%llu states=%llu p0=%.6f vs w-0 applied=%llu "
+                     "states=%llu p0=%.6f; w-2 applied=%llu p0=%.6f", i,
+                     (unsigned long long)v.model_version, (unsigned long long)trs[i].applied,
+                     (unsigned long long)trs[i].states, trs[i].params[0],
+                     (unsigned long long)trs[0].applied, (unsigned long long)trs[0].states,
+                     trs[0].params[0], (unsigned long long)trs[2].applied, trs[2].params[0]);
+    }
+    cr_assert_geq(trs[3].states, 1);
+    /* The leave and the join may share an epoch (coalescing); either way
+     * training went on in a newer one. */
+    node_view(trs[0].n, &v);
+    cr_assert_gt(v.epoch, epoch_before);
+    for (int i = 0; i < 4; i++)
+        if (i != 1)
+            node_stop(trs[i].n);
+}
+
+Test(node, misuse_is_refused)
+{
+    struct node_config c = { .broker = broker, .cohort = "train", .id = "lonely", .host = "127.0.0.1" };
+    struct node *n;
+    struct node_tensors t = { 0 };
+    static float g[8];
+
+    cr_assert_eq(node_start(&c, &n), 0);
+    cr_assert_eq(node_contribute(n, 1), -ENODEV);
+    cr_assert_eq(node_register(n, &t), -EINVAL);
+    t.grads = (char *)g + 4;            /* misaligned */
+    t.grad_count = 1;
+    cr_assert_eq(node_register(n, &t), -EINVAL);
+    t.grads = g;
+    cr_assert_eq(node_register(n, &t), 0);
+    cr_assert_eq(node_consume(n), -EPERM);
+    cr_assert_eq(node_set_state(n, "x", 1), -EPERM);
+    cr_assert_eq(node_set_virtual_batch_size(n, 0), -EINVAL);
+    node_stop(n);
+    c.id = "bad id";
+    cr_assert_eq(node_start(&c, &n), -EINVAL);
+}
