@@ -9,6 +9,10 @@
 # nothing more: src/ -> libcohort.a, operator/ sidecar/ cli/ -> binaries,
 # tests/unit/ -> one Criterion binary.
 
+# `make` alone builds everything; without this the first rule of the
+# generated trees below would be the default.
+.DEFAULT_GOAL := all
+
 BUILD    ?= build
 ASAN_DIR := $(BUILD)/asan
 PYTHON   ?= /usr/bin/python3
@@ -83,7 +87,7 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a
 # Generated sources are kept: they are inputs to the objects, not temporaries.
 .SECONDARY:
 
-.PHONY: all asan deps test unit proc kube demo bench sandbox clean
+.PHONY: all asan deps test unit proc kube demo demo-membership bench sandbox clean
 all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES))
 
 asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) $(ASAN_DIR)/tests/unit
@@ -119,6 +123,11 @@ sandbox: deps
 	$(PYTHON) tests/kube/sandbox.py
 
 demo: deps
+	$(MAKE) -j$$(nproc) all
+	scripts/demo-run.sh
+
+# The control plane alone: a broker and sidecars, an eviction, a leader change.
+demo-membership: deps
 	$(MAKE) -j$$(nproc) all
 	scripts/demo.sh
 

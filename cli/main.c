@@ -9,6 +9,7 @@ static const char usage[] =
     "Usage: cohortctl COMMAND [options]\n"
     "\n"
     "Commands:\n"
+    "  run         run a local cohort: a broker, sidecars and trainers\n"
     "  status      show cohorts, epochs, leaders and members from a broker\n"
     "  bench       run a benchmark (see 'cohortctl bench --help')\n"
     "  help        show this text\n"
@@ -21,6 +22,8 @@ int main(int argc, char **argv)
         fputs(usage, stderr);
         return 2;
     }
+    if (strcmp(argv[1], "run") == 0)
+        return cli_run(argc - 1, argv + 1);
     if (strcmp(argv[1], "status") == 0)
         return cli_status(argc - 1, argv + 1);
     if (strcmp(argv[1], "bench") == 0)
