@@ -101,6 +101,23 @@ out:
 
 enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK };
 
+/* Signals go to the main thread only, which waits for them: blocked
+ * before gRPC starts its threads, so none of those ever receives one.
+ * Returns 0, or -1 after logging that gRPC could not start. */
+static int start_process(sigset_t *sigs)
+{
+    sigemptyset(sigs);
+    sigaddset(sigs, SIGINT);
+    sigaddset(sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (rpc_init() < 0) {
+        log_error("sidecar", "gRPC could not start.");
+        return -1;
+    }
+    return 0;
+}
+
 /* Serves a trainer until a signal: the node runs per trainer session. */
 static int serve_trainer(const struct member_config *mc, const char *socket_path, const char *host,
                          const sigset_t *sigs)
@@ -217,15 +234,8 @@ int main(int argc, char **argv)
             snprintf(host, sizeof(host), "%s", advertise);
         if (!host[0] || strcmp(host, "0.0.0.0") == 0)
             return bad("%s", "--advertise is required when --data-listen is on all interfaces");
-        sigemptyset(&sigs);
-        sigaddset(&sigs, SIGINT);
-        sigaddset(&sigs, SIGTERM);
-        pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-        signal(SIGPIPE, SIG_IGN);
-        if (rpc_init() < 0) {
-            log_error("sidecar", "gRPC could not start.");
+        if (start_process(&sigs) < 0)
             return 1;
-        }
         rc = serve_trainer(&mc, socket_path, host, &sigs);
         rpc_shutdown();
         return rc;
@@ -246,13 +256,7 @@ int main(int argc, char **argv)
     }
     mc.address = address;
 
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
-    if (rpc_init() < 0) {
-        log_error("sidecar", "gRPC could not start.");
+    if (start_process(&sigs) < 0) {
         close(fd);
         return 1;
     }

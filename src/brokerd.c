@@ -373,16 +373,8 @@ static void *tick_main(void *arg)
 
     pthread_mutex_lock(&d->lock);
     while (!d->stopping) {
-        uint32_t wait_ms = broker_tick(d->b, clock_now_ms());
-        struct timespec ts;
+        struct timespec ts = clock_deadline(broker_tick(d->b, clock_now_ms()));
 
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += wait_ms / 1000;
-        ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
         pthread_cond_timedwait(&d->wake, &d->lock, &ts);
     }
     pthread_mutex_unlock(&d->lock);
@@ -393,7 +385,6 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
 {
     struct broker_watch_ops ops = { .publish = publish, .detach = detach, .arg = NULL };
     struct brokerd *d = calloc(1, sizeof(*d));
-    pthread_condattr_t ca;
     int rc;
 
     if (!d)
@@ -407,10 +398,7 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
     };
 
     pthread_mutex_init(&d->lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&d->wake, &ca);
-    pthread_condattr_destroy(&ca);
+    clock_cond_init(&d->wake);
     ops.arg = d;
     rc = broker_create(&cfg->broker, &ops, clock_now_ms(), &d->b);
     if (rc < 0)

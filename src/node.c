@@ -139,12 +139,7 @@ static void *member_main(void *arg)
             wait = member_poll(n->member, clock_now_ms());
             pthread_mutex_lock(&n->lock);
         }
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += (long)(wait > 50 ? 50 : wait) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        ts = clock_deadline(wait > 50 ? 50 : wait);
         pthread_cond_timedwait(&n->cond, &n->lock, &ts);
     }
     pthread_mutex_unlock(&n->lock);
@@ -490,13 +485,7 @@ static void *node_main(void *arg)
             continue;
         }
         {
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            ts.tv_nsec += 20 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
+            struct timespec ts = clock_deadline(20);
             pthread_cond_timedwait(&n->cond, &n->lock, &ts);
         }
     }
@@ -510,7 +499,6 @@ int node_start(const struct node_config *cfg, struct node **out)
 {
     struct member_config mc = { 0 };
     struct allreduce_config ac = { 0 };
-    pthread_condattr_t ca;
     struct node *n;
     int rc;
 
@@ -529,10 +517,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->h_grads_work = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
     n->phase = PH_WAIT_EPOCH;
     pthread_mutex_init(&n->lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&n->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    clock_cond_init(&n->cond);
     if (!n->cohort || !n->id) {
         rc = -ENOMEM;
         goto err;

@@ -201,7 +201,6 @@ failed:
 int reflector_start(const struct reflector_config *cfg, struct reflector **out)
 {
     struct reflector *r;
-    pthread_condattr_t ca;
 
     if (!cfg || !cfg->kube || !cfg->path)
         return -EINVAL;
@@ -217,10 +216,7 @@ int reflector_start(const struct reflector_config *cfg, struct reflector **out)
     if (!r->path || (cfg->selector && !r->selector) || !r->cache)
         goto err;
     pthread_mutex_init(&r->lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&r->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    clock_cond_init(&r->cond);
     if (pthread_create(&r->thread, NULL, reflector_main, r) != 0) {
         pthread_cond_destroy(&r->cond);
         pthread_mutex_destroy(&r->lock);
@@ -266,16 +262,9 @@ bool reflector_synced(struct reflector *r)
 
 bool reflector_wait_synced(struct reflector *r, uint32_t timeout_ms)
 {
-    struct timespec ts;
+    struct timespec ts = clock_deadline(timeout_ms);
     bool s;
 
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
     pthread_mutex_lock(&r->lock);
     while (!r->synced && pthread_cond_timedwait(&r->cond, &r->lock, &ts) == 0)
         ;

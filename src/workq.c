@@ -200,7 +200,6 @@ static struct entry *heap_pop(struct workq *q)
 int workq_create(const struct workq_config *cfg, struct workq **out)
 {
     struct workq *q = calloc(1, sizeof(*q));
-    pthread_condattr_t ca;
 
     if (!q)
         return -ENOMEM;
@@ -214,10 +213,7 @@ int workq_create(const struct workq_config *cfg, struct workq **out)
         return -ENOMEM;
     }
     pthread_mutex_init(&q->lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&q->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    clock_cond_init(&q->cond);
     *out = q;
     return 0;
 }
@@ -382,13 +378,7 @@ int workq_wait(struct workq *q, char *buf, size_t n, uint32_t timeout_ms)
         }
         if ((uint64_t)wait > end - now)
             wait = (uint32_t)(end - now);
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += wait / 1000;
-        ts.tv_nsec += (long)(wait % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        ts = clock_deadline(wait);
         pthread_cond_timedwait(&q->cond, &q->lock, &ts);
     }
     pthread_mutex_unlock(&q->lock);
