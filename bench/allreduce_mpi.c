@@ -45,6 +45,13 @@ int main(int argc, char **argv)
             if (strcmp(t, "f64") == 0) { type = MPI_DOUBLE; esz = 8; }
             else if (strcmp(t, "i32") == 0) { type = MPI_INT32_T; esz = 4; }
             else if (strcmp(t, "i64") == 0) { type = MPI_INT64_T; esz = 8; }
+            else if (strcmp(t, "f32") != 0) {
+                /* MPI has no standard 16-bit float type. */
+                if (rank == 0)
+                    fprintf(stderr, "allreduce_mpi: no MPI type for %s\n", t);
+                MPI_Finalize();
+                return 2;
+            }
         } else if (n_sizes < 64) {
             sizes[n_sizes++] = parse_size(argv[i]);
         }
