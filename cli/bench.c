@@ -443,13 +443,15 @@ int cli_bench(int argc, char **argv)
 
     if (argc >= 2 && strcmp(argv[1], "allreduce") == 0)
         return cli_bench_allreduce(argc - 1, argv + 1);
+    if (argc >= 2 && strcmp(argv[1], "accumulator") == 0)
+        return cli_bench_accumulator(argc - 1, argv + 1);
     if (argc < 2 || strcmp(argv[1], "broker") != 0) {
         if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-            fputs("Usage: cohortctl bench broker|allreduce [options]\n"
+            fputs("Usage: cohortctl bench broker|allreduce|accumulator [options]\n"
                   "Run 'cohortctl bench NAME --help' for a benchmark's options.\n", stdout);
             return 0;
         }
-        fprintf(stderr, "cohortctl bench: want a benchmark name: broker or allreduce\n");
+        fprintf(stderr, "cohortctl bench: want a benchmark name: broker, allreduce or accumulator\n");
         return 2;
     }
     optind = 2;

@@ -1,0 +1,330 @@
+/* cli/bench_accumulator.c: `cohortctl bench accumulator`: what the
+ * Accumulator adds on top of the engine. In one run and one process, N
+ * engines all-reduce a buffer directly, then N trainers do the same rounds
+ * through the trainer API and sidecar services on Unix sockets (count
+ * step, gradient step, shared memory, the trainer link), against an
+ * embedded broker. Prints both times per round, their ratio and the time
+ * added. */
+#include <errno.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "allreduce.h"
+#include "brokerd.h"
+#include "cli.h"
+#include "clock.h"
+#include "cohort.h"
+#include "log.h"
+#include "opt.h"
+#include "rpc.h"
+#include "trainerd.h"
+
+#define MAX_PEERS 8
+#define WARMUP 3
+
+static const char usage[] =
+    "Usage: cohortctl bench accumulator [--peers N] [--bytes LIST] [--rounds K] [-o json]\n"
+    "\n"
+    "Times one round of the Accumulator (reduce_gradients through a sidecar\n"
+    "service, as a trainer sees it) against one all-reduce of the same buffer\n"
+    "by the engine alone, in the same run. float32 gradients.\n"
+    "\n"
+    "  --peers N      members (default 2, at most 8)\n"
+    "  --bytes LIST   gradient sizes, comma-separated, K/M suffixes\n"
+    "                 (default 4K,64M)\n"
+    "  --rounds K     timed rounds per size (default 20; 3 more warm up)\n"
+    "  -o, --output   table (default) or json\n"
+    "  -h, --help     show this text\n";
+
+/* ---- the engine alone ---- */
+
+struct direct {
+    struct allreduce *ar;
+    float *buf;
+    size_t count;
+    int h, rounds, rc;
+    double ms;
+    pthread_t t;
+};
+
+static void *direct_main(void *arg)
+{
+    struct direct *d = arg;
+    uint64_t t0 = 0;
+
+    for (int r = 0; r < WARMUP + d->rounds; r++) {
+        if (r == WARMUP)
+            t0 = clock_now_us();
+        d->rc = allreduce_run(d->ar, d->h, d->count, DTYPE_F32, DTYPE_SUM, 0, (uint64_t)r + 1);
+        if (d->rc < 0)
+            return NULL;
+    }
+    d->ms = (double)(clock_now_us() - t0) / 1000.0 / d->rounds;
+    return NULL;
+}
+
+static int run_direct(int n, size_t bytes, int rounds, double *ms)
+{
+    struct direct d[MAX_PEERS];
+    struct epoch_member m[MAX_PEERS];
+    char ids[MAX_PEERS][16], addrs[MAX_PEERS][64];
+    int fds[MAX_PEERS];
+    struct epoch *e = NULL;
+    int rc = 0;
+
+    memset(d, 0, sizeof(d));
+    for (int i = 0; i < n; i++) {
+        snprintf(ids[i], sizeof(ids[i]), "d-%d", i);
+        if ((rc = allreduce_listen("127.0.0.1", &fds[i], addrs[i], sizeof(addrs[i]))) < 0)
+            return rc;
+        m[i] = (struct epoch_member){ ids[i], addrs[i], 0 };
+    }
+    if ((rc = epoch_create("direct", 1, 0, m, (size_t)n, &e)) < 0)
+        return rc;
+    for (int i = 0; i < n; i++) {
+        struct allreduce_config c = { .cohort = "direct", .member_id = ids[i], .listen_fd = fds[i] };
+        d[i].count = bytes / 4;
+        d[i].rounds = rounds;
+        d[i].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!d[i].buf || allreduce_create(&c, &d[i].ar) < 0)
+            return -ENOMEM;
+        memset(d[i].buf, 0, bytes);
+        allreduce_set_epoch(d[i].ar, e);
+        d[i].h = allreduce_register(d[i].ar, d[i].buf, bytes);
+    }
+    for (int i = 0; i < n; i++)
+        pthread_create(&d[i].t, NULL, direct_main, &d[i]);
+    for (int i = 0; i < n; i++) {
+        pthread_join(d[i].t, NULL);
+        if (d[i].rc < 0)
+            rc = d[i].rc;
+    }
+    *ms = d[0].ms;
+    for (int i = 0; i < n; i++) {
+        allreduce_destroy(d[i].ar);
+        close(fds[i]);
+        free(d[i].buf);
+    }
+    epoch_unref(e);
+    return rc;
+}
+
+/* ---- through the Accumulator ---- */
+
+struct trainer {
+    struct cohort *c;
+    int rounds, rc;
+    double ms;
+    pthread_t t;
+};
+
+/* moolib's loop, polling without sleeps but yielding the core when there
+ * is nothing to do: on two cores a spinning trainer would starve the very
+ * threads it waits for. What is timed is cohort's own latency. */
+static void *trainer_main(void *arg)
+{
+    struct trainer *tr = arg;
+    uint64_t t0 = 0, start_at = 0, target = 0;
+    bool started = false;
+
+    for (uint64_t spins = 0; spins < 2000000000ull; spins++) {
+        if ((tr->rc = cohort_update(tr->c)) < 0)
+            return NULL;
+        if (!cohort_connected(tr->c)) {
+            sched_yield();
+            continue;
+        }
+        if (cohort_wants_state(tr->c))
+            cohort_set_state(tr->c, "", 0);
+        if (cohort_has_new_state(tr->c)) {
+            const void *s;
+            size_t len;
+            cohort_state(tr->c, &s, &len);
+        }
+        if (!started) {
+            start_at = cohort_model_version(tr->c);
+            target = start_at + WARMUP + (uint64_t)tr->rounds;
+            started = true;
+        }
+        if (cohort_model_version(tr->c) == start_at + WARMUP && t0 == 0)
+            t0 = clock_now_us();
+        if (cohort_has_gradients(tr->c)) {
+            cohort_zero_gradients(tr->c);
+            if (cohort_model_version(tr->c) >= target) {
+                tr->ms = (double)(clock_now_us() - t0) / 1000.0 / tr->rounds;
+                return NULL;
+            }
+        } else if (cohort_wants_gradients(tr->c)) {
+            cohort_reduce_gradients(tr->c, 1);
+        } else {
+            sched_yield();
+        }
+    }
+    tr->rc = -ETIMEDOUT;
+    return NULL;
+}
+
+static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
+{
+    struct brokerd_config bc = { .listen = "127.0.0.1:0" };
+    struct trainerd *sd[MAX_PEERS] = { 0 };
+    struct trainer tr[MAX_PEERS];
+    struct brokerd *b = NULL;
+    char dir[] = "/tmp/cohort-benchacc-XXXXXX", broker[64], path[MAX_PEERS][128];
+    int rc;
+
+    memset(tr, 0, sizeof(tr));
+    if (!mkdtemp(dir))
+        return -errno;
+    broker_config_default(&bc.broker);
+    bc.broker.startup_hold_ms = 0;
+    bc.broker.coalesce_ms = 10;
+    if ((rc = brokerd_start(&bc, &b)) < 0)
+        goto out;
+    brokerd_declare(b, "bench", 0, 0);
+    snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(b));
+    for (int i = 0; i < n; i++) {
+        struct trainerd_config tc = { .node = { .broker = broker, .cohort = "bench",
+                                                .host = "127.0.0.1" } };
+        struct cohort_tensor p = { "g", COHORT_F32, bytes / 4 };
+        struct cohort_config cc = { .name = "bench", .parameters = &p, .n_parameters = 1 };
+        char id[16], addr[160];
+        snprintf(id, sizeof(id), "a-%d", i);
+        snprintf(path[i], sizeof(path[i]), "%s/%d.sock", dir, i);
+        tc.socket_path = path[i];
+        tc.node.id = id;
+        if ((rc = trainerd_start(&tc, &sd[i])) < 0 || (rc = cohort_create(&cc, &tr[i].c)) < 0)
+            goto out;
+        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
+        if ((rc = cohort_connect(tr[i].c, addr)) < 0 ||
+            (rc = cohort_set_virtual_batch_size(tr[i].c, (uint64_t)n)) < 0)
+            goto out;
+        tr[i].rounds = rounds;
+    }
+    for (int i = 0; i < n; i++)
+        pthread_create(&tr[i].t, NULL, trainer_main, &tr[i]);
+    for (int i = 0; i < n; i++) {
+        pthread_join(tr[i].t, NULL);
+        if (tr[i].rc < 0)
+            rc = tr[i].rc;
+    }
+    *ms = tr[0].ms;
+out:
+    for (int i = 0; i < n; i++) {
+        cohort_destroy(tr[i].c);
+        trainerd_stop(sd[i]);
+    }
+    brokerd_stop(b);
+    rmdir(dir);
+    return rc;
+}
+
+static int parse_size(const char *s, size_t *out)
+{
+    char num[32];
+    size_t len = strlen(s), mult = 1;
+    uint64_t v;
+
+    if (len == 0 || len >= sizeof(num))
+        return -EINVAL;
+    memcpy(num, s, len + 1);
+    if (num[len - 1] == 'K' || num[len - 1] == 'M') {
+        mult = num[len - 1] == 'K' ? 1024 : 1024 * 1024;
+        num[len - 1] = '\0';
+    }
+    if (opt_uint(num, 1, 1u << 30, &v) < 0 || v * mult % 4 != 0 || v * mult > (1ull << 30))
+        return -EINVAL;
+    *out = (size_t)(v * mult);
+    return 0;
+}
+
+int cli_bench_accumulator(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        { "peers", required_argument, NULL, 'n' },
+        { "bytes", required_argument, NULL, 'b' },
+        { "rounds", required_argument, NULL, 'r' },
+        { "output", required_argument, NULL, 'o' },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    size_t sizes[16];
+    int n_sizes = 0, peers = 2, rounds = 20, opt, status = 0;
+    const char *list = "4K,64M", *output = "table";
+    uint64_t v;
+    char copy[256];
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "o:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case 'n':
+            if (opt_uint(optarg, 2, MAX_PEERS, &v) < 0) {
+                fprintf(stderr, "cohortctl bench accumulator: --peers is 2 to 8\n");
+                return 2;
+            }
+            peers = (int)v;
+            break;
+        case 'b': list = optarg; break;
+        case 'r':
+            if (opt_uint(optarg, 1, 100000, &v) < 0) {
+                fprintf(stderr, "cohortctl bench accumulator: bad --rounds\n");
+                return 2;
+            }
+            rounds = (int)v;
+            break;
+        case 'o': output = optarg; break;
+        case 'h': fputs(usage, stdout); return 0;
+        default: fputs(usage, stderr); return 2;
+        }
+    }
+    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0) {
+        fprintf(stderr, "cohortctl bench accumulator: -o is table or json\n");
+        return 2;
+    }
+    snprintf(copy, sizeof(copy), "%s", list);
+    for (char *s = copy, *next; s && n_sizes < 16; s = next) {
+        next = strchr(s, ',');
+        if (next)
+            *next++ = '\0';
+        if (parse_size(s, &sizes[n_sizes++]) < 0) {
+            fprintf(stderr, "cohortctl bench accumulator: bad size \"%s\" (a multiple of 4 bytes, "
+                            "K or M suffix)\n", s);
+            return 2;
+        }
+    }
+    log_set_level(LOG_ERROR);
+    if (rpc_init() < 0)
+        return 1;
+    if (strcmp(output, "table") == 0)
+        printf("%10s %5s %12s %16s %7s %10s\n", "bytes", "peers", "engine ms", "accumulator ms",
+               "ratio", "added us");
+    for (int i = 0; i < n_sizes; i++) {
+        double direct = 0, acc = 0;
+        int rc = run_direct(peers, sizes[i], rounds, &direct);
+        if (rc == 0)
+            rc = run_accumulator(peers, sizes[i], rounds, &acc);
+        if (rc < 0) {
+            fprintf(stderr, "cohortctl bench accumulator: %zu bytes failed: %s\n", sizes[i],
+                    log_strerror(rc));
+            status = 1;
+            continue;
+        }
+        if (strcmp(output, "json") == 0)
+            printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
+                   "\"ratio\":%.3f,\"added_us\":%.1f}\n", peers, sizes[i], direct, acc, acc / direct,
+                   (acc - direct) * 1000.0);
+        else
+            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", sizes[i], peers, direct, acc,
+                   acc / direct, (acc - direct) * 1000.0);
+    }
+    rpc_shutdown();
+    return status;
+}
