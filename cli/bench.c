@@ -113,8 +113,7 @@ static void *driver_main(void *p)
         pthread_mutex_unlock(&b->lock);
         /* Polling thousands of members costs; 10 ms granularity is plenty
          * against a 1 s heartbeat. */
-        struct timespec ts = { 0, (long)(wait < 10 ? 10 : wait) * 1000000L };
-        nanosleep(&ts, NULL);
+        clock_sleep_ms(wait < 10 ? 10 : wait);
     }
     free(a);
     return NULL;
@@ -224,11 +223,6 @@ static bool all_settled(struct bench *b)
     return true;
 }
 
-static void sleep_ms(uint64_t ms)
-{
-    struct timespec ts = { (time_t)(ms / 1000), (long)(ms % 1000) * 1000000L };
-    nanosleep(&ts, NULL);
-}
 
 /* One change: member `victim` of cohort 0 leaves (or rejoins); every other
  * member of cohort 0 must see a newer epoch. Appends one latency sample per
@@ -258,7 +252,7 @@ static int time_change(struct bench *b, size_t victim, bool leave, uint64_t *lat
             if (b->sims[i].cohort == 0 && i != victim && atomic_load(&b->sims[i].epoch) <= before[i])
                 waiting++;
         if (waiting)
-            sleep_ms(5);
+            clock_sleep_ms(5);
     } while (waiting && clock_now_ms() < deadline);
     if (waiting)
         return -ETIMEDOUT;
@@ -324,7 +318,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
                     JOIN_DEADLINE_MS / 1000);
             goto out_threads;
         }
-        sleep_ms(50);
+        clock_sleep_ms(50);
     }
     t_joined = clock_now_ms();
 
@@ -332,7 +326,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     cpu0 = proc_cpu_s(b->broker_pid);
     self0 = proc_cpu_s(getpid());
     w0 = clock_now_us();
-    sleep_ms(b->measure_ms);
+    clock_sleep_ms(b->measure_ms);
     cpu1 = proc_cpu_s(b->broker_pid);
     self1 = proc_cpu_s(getpid());
     w1 = clock_now_us();
@@ -347,7 +341,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
         }
         /* Let the rejoined member settle before the next change. */
         while (!all_settled(b))
-            sleep_ms(10);
+            clock_sleep_ms(10);
     }
     qsort(lat, n_lat, sizeof(*lat), cmp_u64);
     {

@@ -215,11 +215,6 @@ static int bad(const char *fmt, const char *what)
     return 2;
 }
 
-static void sleep_ms(uint64_t ms)
-{
-    struct timespec ts = { (time_t)(ms / 1000), (long)(ms % 1000) * 1000000L };
-    nanosleep(&ts, NULL);
-}
 
 /* snprintf that says when it cut: 0, or -ENAMETOOLONG. A cut note or
  * view line is harmless; callers that build paths check. */
@@ -917,7 +912,7 @@ static void stop_all(struct run *r)
             any |= r->peers[i].trainer.running;
         if (!any)
             break;
-        sleep_ms(TICK_MS);
+        clock_sleep_ms(TICK_MS);
     }
     for (size_t i = 0; i < r->n_peers; i++) {
         struct peer *p = &r->peers[i];
@@ -934,7 +929,7 @@ static void stop_all(struct run *r)
     while (children_left(r) && clock_now_ms() < until) {
         reap(r, clock_now_ms());
         tend(r, clock_now_ms());
-        sleep_ms(TICK_MS);
+        clock_sleep_ms(TICK_MS);
     }
     /* Whatever still runs gets SIGKILL; one that survives even that (stuck
      * in the kernel) is left behind after a last second, not waited for. */
@@ -953,7 +948,7 @@ static void stop_all(struct run *r)
                 if (cs[k]->running && waitpid(cs[k]->pid, &cs[k]->wstatus, WNOHANG) == cs[k]->pid)
                     cs[k]->running = false;
         }
-        sleep_ms(10);
+        clock_sleep_ms(10);
     }
 }
 
@@ -1300,7 +1295,7 @@ static int execute(struct run *r)
             view_draw(r, now);
             next_view = now + r->view_ms;
         }
-        sleep_ms(TICK_MS);
+        clock_sleep_ms(TICK_MS);
     }
     if (r->view)
         view_draw(r, clock_now_ms());

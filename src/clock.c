@@ -51,3 +51,10 @@ int clock_cond_init(pthread_cond_t *cond)
     pthread_condattr_destroy(&ca);
     return rc;
 }
+
+void clock_sleep_ms(uint32_t ms)
+{
+    struct timespec ts = { (time_t)(ms / 1000), (long)(ms % 1000) * 1000000L };
+
+    nanosleep(&ts, NULL);
+}

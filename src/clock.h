@@ -12,6 +12,9 @@ uint64_t clock_now_ms(void);    /* CLOCK_MONOTONIC, milliseconds */
 uint64_t clock_now_us(void);    /* CLOCK_MONOTONIC, microseconds */
 uint64_t clock_wall_ms(void);   /* CLOCK_REALTIME, for log timestamps only */
 
+/* Sleeps `ms` milliseconds (a signal may cut it short). */
+void clock_sleep_ms(uint32_t ms);
+
 /* The CLOCK_MONOTONIC moment `ms` from now, for pthread_cond_timedwait on
  * a condition variable created with that clock (clock_cond_init). */
 struct timespec clock_deadline(uint32_t ms);

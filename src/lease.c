@@ -176,10 +176,8 @@ static void wait_period(struct lease *l, uint32_t ms)
     if (getrandom(&r, sizeof(r), 0) != sizeof(r))
         r = 0;
     end = clock_now_ms() + ms + (ms / 5 ? r % (ms / 5) : 0);
-    while (!atomic_load(&l->stop) && clock_now_ms() < end) {
-        struct timespec ts = { 0, 20 * 1000000L };
-        nanosleep(&ts, NULL);
-    }
+    while (!atomic_load(&l->stop) && clock_now_ms() < end)
+        clock_sleep_ms(20);
 }
 
 static void *lease_main(void *arg)

@@ -48,10 +48,8 @@ static void nap(struct reflector *r, uint32_t ms)
 {
     uint64_t end = clock_now_ms() + ms;
 
-    while (!r->stop && clock_now_ms() < end) {
-        struct timespec ts = { 0, 50 * 1000000L };
-        nanosleep(&ts, NULL);
-    }
+    while (!r->stop && clock_now_ms() < end)
+        clock_sleep_ms(50);
 }
 
 static void upsert(struct reflector *r, const char *key, const cJSON *obj)
@@ -201,6 +199,7 @@ failed:
 int reflector_start(const struct reflector_config *cfg, struct reflector **out)
 {
     struct reflector *r;
+    int rc = -ENOMEM;
 
     if (!cfg || !cfg->kube || !cfg->path)
         return -EINVAL;
@@ -214,26 +213,24 @@ int reflector_start(const struct reflector_config *cfg, struct reflector **out)
     r->selector = cfg->selector ? strdup(cfg->selector) : NULL;
     r->cache = cJSON_CreateObject();
     if (!r->path || (cfg->selector && !r->selector) || !r->cache)
-        goto err;
+        goto err_free;
     pthread_mutex_init(&r->lock, NULL);
     clock_cond_init(&r->cond);
     if (pthread_create(&r->thread, NULL, reflector_main, r) != 0) {
-        pthread_cond_destroy(&r->cond);
-        pthread_mutex_destroy(&r->lock);
-        cJSON_Delete(r->cache);
-        free(r->path);
-        free(r->selector);
-        free(r);
-        return -EAGAIN;
+        rc = -EAGAIN;
+        goto err_sync;
     }
     *out = r;
     return 0;
-err:
+err_sync:
+    pthread_cond_destroy(&r->cond);
+    pthread_mutex_destroy(&r->lock);
+err_free:
     cJSON_Delete(r->cache);
     free(r->path);
     free(r->selector);
     free(r);
-    return -ENOMEM;
+    return rc;
 }
 
 void reflector_destroy(struct reflector *r)

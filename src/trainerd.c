@@ -295,6 +295,17 @@ static void *trainerd_main(void *arg)
     return NULL;
 }
 
+/* Frees what trainerd_start copied, and t itself. */
+static void free_trainerd(struct trainerd *t)
+{
+    free(t->path);
+    free(t->broker);
+    free(t->cohort);
+    free(t->id);
+    free(t->host);
+    free(t);
+}
+
 int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
 {
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
@@ -354,12 +365,7 @@ err_unlink:
 err:
     if (t->lfd >= 0)
         close(t->lfd);
-    free(t->path);
-    free(t->broker);
-    free(t->cohort);
-    free(t->id);
-    free(t->host);
-    free(t);
+    free_trainerd(t);
     return rc;
 }
 
@@ -371,12 +377,7 @@ void trainerd_stop(struct trainerd *t)
     pthread_join(t->thread, NULL);
     close(t->lfd);
     unlink(t->path);
-    free(t->path);
-    free(t->broker);
-    free(t->cohort);
-    free(t->id);
-    free(t->host);
-    free(t);
+    free_trainerd(t);
 }
 
 unsigned trainerd_sessions(struct trainerd *t)
