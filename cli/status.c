@@ -25,7 +25,8 @@ static const char usage[] =
     "  --cohort NAME     only this cohort (exit status 1 if the broker has none)\n"
     "  -o, --output FMT  table (default) or json:\n"
     "                    {\"cohorts\":[{\"name\",\"epoch\",\"leader\",\n"
-    "                      \"members\":[{\"id\",\"address\",\"model_version\"}]}]}\n"
+    "                      \"members\":[{\"id\",\"address\",\"model_version\",\n"
+    "                                   \"draining\"}]}]}\n"
     "  --timeout DUR     give up after this long (default 5s)\n"
     "  --log-format text|json  format of log lines on stderr (default text)\n"
     "  --log-level LEVEL       debug, info, warn or error (default error)\n"
@@ -59,6 +60,7 @@ static int print_json(const Cohort__V1__StatusReply *rep)
             cJSON_AddStringToObject(m, "id", c->members[k]->id);
             cJSON_AddStringToObject(m, "address", c->members[k]->address);
             cJSON_AddNumberToObject(m, "model_version", (double)c->members[k]->model_version);
+            cJSON_AddBoolToObject(m, "draining", c->members[k]->draining);
             cJSON_AddItemToArray(ms, m);
         }
         cJSON_AddItemToArray(arr, o);
@@ -106,7 +108,8 @@ static void print_tables(const Cohort__V1__StatusReply *rep)
         for (size_t k = 0; k < c->n_members; k++) {
             const Cohort__V1__Member *m = c->members[k];
             printf("  %-*s  %-*s  %13llu  %s\n", wi, m->id, wa, m->address,
-                   (unsigned long long)m->model_version, strcmp(m->id, c->leader) == 0 ? "*" : "");
+                   (unsigned long long)m->model_version,
+                   strcmp(m->id, c->leader) == 0 ? "*" : m->draining ? "(draining)" : "");
         }
     }
 }

@@ -37,6 +37,8 @@ struct entry {
     uint64_t last_seen;
     uint32_t heartbeat_ms;
     uint32_t timeout_ms;
+    uint64_t adopted;           /* the epoch it last said it runs in */
+    bool draining;              /* left out of epochs (broker_drain) */
     void *watcher;              /* borrowed from the host; NULL if none */
 };
 
@@ -210,15 +212,28 @@ static void mark_pending(struct cohort *c, uint64_t now)
     }
 }
 
-/* Highest model version; ties go to the first in member order. */
+/* Highest model version among the members that are not draining; ties
+ * go to the first in member order. Returns the index into `ms`, or n when
+ * every member is draining. */
 static size_t elect(struct entry *const *ms, size_t n)
 {
-    size_t best = 0;
+    size_t best = n;
 
-    for (size_t i = 1; i < n; i++)
-        if (ms[i]->model_version > ms[best]->model_version)
+    for (size_t i = 0; i < n; i++)
+        if (!ms[i]->draining && (best == n || ms[i]->model_version > ms[best]->model_version))
             best = i;
     return best;
+}
+
+/* The position `at` (an index into the cohort's members) has among the
+ * members that are not draining, i.e. in the epoch being formed. */
+static size_t epoch_index(const struct cohort *c, size_t at)
+{
+    size_t k = 0;
+
+    for (size_t i = 0; i < at; i++)
+        k += !c->members[i]->draining;
+    return k;
 }
 
 /* ---- cohorts ---- */
@@ -283,25 +298,30 @@ static void cohort_drop(struct broker *b, size_t at, int err)
     cohort_free(b, c, err);
 }
 
-/* Whether the current members are exactly those of the published epoch
- * (no epoch counts as an empty one). Sessions count, because a member that
- * restarted keeps its id and address but not its session; versions are
- * left out on purpose, since they alone never make an epoch. */
+/* Whether the current members that are not draining are exactly those of
+ * the published epoch (no epoch counts as an empty one). Sessions count,
+ * because a member that restarted keeps its id and address but not its
+ * session; versions are left out on purpose, since they alone never make
+ * an epoch. */
 static bool same_membership(const struct cohort *c)
 {
-    size_t n = c->cur ? c->cur->n_members : 0;
+    size_t n = c->cur ? c->cur->n_members : 0, k = 0;
 
-    if (n != c->n_members)
-        return false;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < c->n_members; i++) {
         const struct entry *m = c->members[i];
-        const struct epoch_member *p = &c->cur->members[i];
+        const struct epoch_member *p;
 
-        if (m->session != c->cur_sessions[i] || strcmp(m->id, p->id) != 0 ||
+        if (m->draining)
+            continue;
+        if (k == n)
+            return false;
+        p = &c->cur->members[k];
+        if (m->session != c->cur_sessions[k] || strcmp(m->id, p->id) != 0 ||
             strcmp(m->address, p->address) != 0)
             return false;
+        k++;
     }
-    return true;
+    return k == n;
 }
 
 /* Forms the epoch a pending cohort is due, or none when its changes
@@ -309,7 +329,7 @@ static bool same_membership(const struct cohort *c)
  * next tick tries again). */
 static int cohort_form(const struct broker *b, struct cohort *c)
 {
-    size_t n = c->n_members, n_watchers = 0, leader = elect(c->members, n);
+    size_t n = c->n_members, n_view = 0, n_watchers = 0, leader = elect(c->members, n);
     struct epoch_member *view;
     struct epoch *e;
     uint64_t *sessions;
@@ -319,6 +339,7 @@ static int cohort_form(const struct broker *b, struct cohort *c)
     /* leader_dirty implies a published epoch: declares only compare
      * against one. Without a declare the leader is not compared, so that
      * undeclared versions never force an epoch on their own. */
+    leader = leader < n ? epoch_index(c, leader) : 0;
     if (same_membership(c) && (!c->leader_dirty || c->cur->leader == leader)) {
         c->pending = false;
         c->leader_dirty = false;
@@ -334,17 +355,21 @@ static int cohort_form(const struct broker *b, struct cohort *c)
     watchers = calloc(n ? n : 1, sizeof *watchers);
     if (!watchers)
         goto free_sessions;
+    /* Draining members are left out of the epoch but still hear it: that
+     * is how they learn to stop. */
     for (size_t i = 0; i < n; i++) {
         const struct entry *m = c->members[i];
 
-        view[i] = (struct epoch_member){
-            .id = m->id, .address = m->address, .model_version = m->model_version,
-        };
-        sessions[i] = m->session;
         if (m->watcher)
             watchers[n_watchers++] = m->watcher;
+        if (m->draining)
+            continue;
+        view[n_view] = (struct epoch_member){
+            .id = m->id, .address = m->address, .model_version = m->model_version,
+        };
+        sessions[n_view++] = m->session;
     }
-    err = epoch_create(c->name, c->floor + 1, leader, view, n, &e);
+    err = epoch_create(c->name, c->floor + 1, leader, view, n_view, &e);
     if (err)
         goto free_watchers;
 
@@ -599,22 +624,26 @@ drop_cohort:
 }
 
 int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const char *id,
-                     uint64_t session, uint64_t model_version, bool declare, uint64_t *epoch)
+                     uint64_t session, const struct broker_beat *beat,
+                     struct broker_beat_result *res)
 {
     struct cohort *c = cohort_get(b, cohort);
     struct entry *m;
+    size_t best;
 
-    if (!session)
+    if (!session || !beat)
         return -ENOENT;
     m = entry_get(c, id, session);
     if (!m)
         return -ENOENT;
     m->last_seen = max_u64(m->last_seen, now);
-    m->model_version = model_version;
+    m->model_version = beat->model_version;
+    m->adopted = max_u64(m->adopted, beat->adopted);
     /* Only a declare may move the leader. Already pending or already
      * dirty: the election at formation sees this version anyway. */
-    if (declare && c->cur && !c->leader_dirty && c->n_members > 0) {
-        const char *want = c->members[elect(c->members, c->n_members)]->id;
+    best = elect(c->members, c->n_members);
+    if (beat->declare && c->cur && !c->leader_dirty && best < c->n_members) {
+        const char *want = c->members[best]->id;
         const char *have = c->cur->n_members ? c->cur->members[c->cur->leader].id : NULL;
 
         if (!have || strcmp(want, have) != 0) {
@@ -622,9 +651,43 @@ int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const c
             mark_pending(c, now);
         }
     }
-    if (epoch)
-        *epoch = c->cur ? c->cur->number : 0;
+    if (res) {
+        res->epoch = c->cur ? c->cur->number : 0;
+        res->drained = m->draining && c->cur && epoch_find(c->cur, m->id) < 0;
+    }
     return 0;
+}
+
+int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char *id, bool drain)
+{
+    struct entry *m = entry_get(cohort_get(b, cohort), id, 0);
+
+    if (!m)
+        return -ENOENT;
+    if (m->draining != drain) {
+        m->draining = drain;
+        mark_pending(cohort_get(b, cohort), now);
+    }
+    return 0;
+}
+
+int broker_drained(const struct broker *b, const char *cohort, const char *id)
+{
+    const struct cohort *c = cohort_get(b, cohort);
+    const struct entry *m;
+
+    if (!c)
+        return -ENOENT;
+    m = entry_get(c, id, 0);
+    if (!m)
+        return 1;
+    /* Still pending: the epoch that leaves it out has not formed yet. */
+    if (!m->draining || c->pending || !c->cur || epoch_find(c->cur, id) >= 0)
+        return 0;
+    for (size_t i = 0; i < c->n_members; i++)
+        if (!c->members[i]->draining && c->members[i]->adopted < c->cur->number)
+            return 0;
+    return 1;
 }
 
 int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char *id,
@@ -710,6 +773,7 @@ static void cohort_status_cleanup(struct broker_cohort_status *cs)
         free(cs->members[i].address);
     }
     free(cs->members);
+    free(cs->draining);
     free(cs->leader);
     free(cs->name);
 }
@@ -729,12 +793,14 @@ static int cohort_status_fill(const struct cohort *c, struct broker_cohort_statu
     cs->heartbeat_ms = c->heartbeat_ms;
     cs->timeout_ms = c->timeout_ms;
     cs->members = calloc(c->n_members ? c->n_members : 1, sizeof *cs->members);
-    if (!cs->members)
+    cs->draining = calloc(c->n_members ? c->n_members : 1, sizeof *cs->draining);
+    if (!cs->members || !cs->draining)
         return -ENOMEM;
     for (size_t i = 0; i < c->n_members; i++) {
         const struct entry *m = c->members[i];
 
         cs->n_members++;
+        cs->draining[i] = m->draining;
         cs->members[i].model_version = m->model_version;
         cs->members[i].id = strdup(m->id);
         cs->members[i].address = strdup(m->address);

@@ -113,12 +113,23 @@ struct broker_join_result {
 int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
                 struct broker_join_result *res);
 
-/* Records liveness and the model version. `declare` marks a version the
- * trainer set (see the rules above). Sets *epoch to the latest published
- * epoch number. Returns 0 or -ENOENT (unknown cohort, unknown member, or a
- * session that is not the member's). */
+struct broker_beat {
+    uint64_t model_version;
+    bool declare;               /* the trainer set this version (see the rules) */
+    uint64_t adopted;           /* the epoch the member runs in; 0 if none */
+};
+
+struct broker_beat_result {
+    uint64_t epoch;             /* latest published: lets a member see a missed push */
+    bool drained;               /* draining, and the latest epoch leaves it out */
+};
+
+/* Records liveness, the model version and the epoch the member adopted.
+ * Fills *res when not NULL. Returns 0 or -ENOENT (unknown cohort, unknown
+ * member, or a session that is not the member's). */
 int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const char *id,
-                     uint64_t session, uint64_t model_version, bool declare, uint64_t *epoch);
+                     uint64_t session, const struct broker_beat *beat,
+                     struct broker_beat_result *res);
 
 /* Removes the member at once (a graceful leave) and detaches its watcher
  * (-ENOENT). Returns 0 or -ENOENT. */
@@ -134,6 +145,22 @@ int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t 
  * if it is still the member's watcher; no detach callback. */
 void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher);
 
+/* Draining takes a member out of the cohort's epochs while it stays
+ * connected, so that the others move on without it, at a round boundary,
+ * before its pod is deleted (a scale-down). A draining member keeps its
+ * heartbeats and its watch; the next epoch leaves it out (a membership
+ * change, coalesced like any other) and its heartbeat replies say it is
+ * drained. drain == false takes it back in. The mark survives a rejoin
+ * of the same session, not an eviction: call again until broker_drained.
+ * Returns 0 or -ENOENT (unknown cohort or member). */
+int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char *id, bool drain);
+/* 1 when `id` can go without disturbing a round: it is not a member at
+ * all, or it is draining, the latest epoch leaves it out, and every other
+ * member has reported in a heartbeat that it adopted an epoch at least
+ * that new. 0 while a drain is under way, or for a member never asked to
+ * drain. -ENOENT for an unknown cohort. */
+int broker_drained(const struct broker *b, const char *cohort, const char *id);
+
 /* Evicts members silent for longer than their timeout, forms and publishes
  * the epochs that are due. Returns the milliseconds until the next thing
  * that can fall due (an eviction or a coalescing deadline), capped at 1000,
@@ -148,6 +175,7 @@ struct broker_cohort_status {
     uint32_t timeout_ms;
     size_t n_members;
     struct epoch_member *members;   /* current members in member order, latest versions */
+    bool *draining;                 /* n_members flags: asked to drain */
 };
 
 struct broker_status {

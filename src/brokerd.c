@@ -149,14 +149,16 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
     const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
     Cohort__V1__HeartbeatReply rep = COHORT__V1__HEARTBEAT_REPLY__INIT;
     struct brokerd *d = arg;
-    uint64_t epoch = 0;
+    struct broker_beat beat = {
+        .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
+    };
+    struct broker_beat_result res = { 0 };
     int rc;
 
     if (!check_common(r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
         return;
     pthread_mutex_lock(&d->lock);
-    rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, q->model_version,
-                          q->declare_version, &epoch);
+    rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
     pthread_mutex_unlock(&d->lock);
     if (rc < 0) {
         /* Routine after an eviction or a restart: the member rejoins. */
@@ -171,7 +173,8 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
     }
     if (q->declare_version)
         pthread_cond_signal(&d->wake);
-    rep.epoch = epoch;
+    rep.epoch = res.epoch;
+    rep.drained = res.drained;
     rpc_reply_ok(r, &rep.base);
 }
 
@@ -307,6 +310,8 @@ static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *
         cs[i].heartbeat_ms = c->heartbeat_ms;
         cs[i].timeout_ms = c->timeout_ms;
         fill_members(msp + off, ms + off, c->members, c->n_members);
+        for (size_t k = 0; k < c->n_members; k++)
+            ms[off + k].draining = c->draining[k];
         cs[i].n_members = c->n_members;
         cs[i].members = msp + off;
         off += c->n_members;
@@ -435,6 +440,41 @@ int brokerd_declare(struct brokerd *d, const char *cohort, uint32_t heartbeat_ms
 
     pthread_mutex_lock(&d->lock);
     rc = broker_cohort_declare(d->b, cohort, heartbeat_ms, timeout_ms);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int brokerd_status(struct brokerd *d, const char *cohort, struct broker_status **out)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_status(d->b, cohort, out);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int brokerd_drain(struct brokerd *d, const char *cohort, const char *id, bool drain)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_drain(d->b, clock_now_ms(), cohort, id, drain);
+    /* The tick thread forms the epoch once the coalescing window ends. */
+    pthread_cond_signal(&d->wake);
+    pthread_mutex_unlock(&d->lock);
+    if (rc == 0)
+        log_info("broker", drain ? "Draining a member." : "A member is no longer draining.",
+                 LF_S("cohort", cohort), LF_S("id", id));
+    return rc;
+}
+
+int brokerd_drained(struct brokerd *d, const char *cohort, const char *id)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_drained(d->b, cohort, id);
     pthread_mutex_unlock(&d->lock);
     return rc;
 }

@@ -9,6 +9,7 @@
 #ifndef COHORT_BROKERD_H
 #define COHORT_BROKERD_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "broker.h"
@@ -29,6 +30,12 @@ int brokerd_port(const struct brokerd *d);
 /* broker_cohort_declare / broker_cohort_remove, under the broker's lock. */
 int brokerd_declare(struct brokerd *d, const char *cohort, uint32_t heartbeat_ms, uint32_t timeout_ms);
 int brokerd_remove(struct brokerd *d, const char *cohort);
+/* broker_status under the broker's lock: a snapshot of one cohort (name)
+ * or all (NULL). The caller frees *out with broker_status_free(). */
+int brokerd_status(struct brokerd *d, const char *cohort, struct broker_status **out);
+/* broker_drain / broker_drained under the broker's lock: see broker.h. */
+int brokerd_drain(struct brokerd *d, const char *cohort, const char *id, bool drain);
+int brokerd_drained(struct brokerd *d, const char *cohort, const char *id);
 /* Ends every membership stream, stops serving and frees everything.
  * NULL is fine. */
 void brokerd_stop(struct brokerd *d);

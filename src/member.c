@@ -50,6 +50,7 @@ struct member {
     bool watch_ended, watch_reopen;
     uint64_t next_watch_at;
     uint64_t behind_since;      /* heartbeat saw a newer epoch than the watch */
+    bool drained;               /* the last heartbeat reply said so */
 
     struct epoch *epoch;
     uint64_t last_epoch;
@@ -154,6 +155,10 @@ static void hb_done(void *arg, const struct rpc_status *st, ProtobufCMessage *re
         m->last_ok_at = now;
         m->fails = 0;
         m->last_fail = RPC_OK;
+        if (r->drained && !m->drained)
+            log_info("member", "Drained: the cohort goes on without this member.",
+                     LF_S("cohort", m->cohort), LF_S("id", m->id), LF_U("epoch", r->epoch));
+        m->drained = r->drained;
         if (r->epoch > have) {
             /* The push may simply be on its way; give it one interval. */
             if (!m->behind_since)
@@ -286,6 +291,10 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
     q.session = m->session;
     q.model_version = m->model_version;
     q.declare_version = m->declare_pending;
+    /* Epochs reach the user from the watch callback, so the latest one
+     * received is the one the user runs in: the broker counts on it to
+     * know when a drained member may go. */
+    q.epoch = m->epoch ? m->epoch->number : 0;
     /* One interval of patience: a stuck call must not delay the next. */
     if (rpc_call_async(m->ch, WIRE_BROKER_HEARTBEAT, &q.base,
                        &cohort__v1__heartbeat_reply__descriptor, m->hb_ms, 0, hb_done, m) == 0) {
@@ -482,6 +491,16 @@ bool member_in_cohort(struct member *m)
          clock_now_ms() - m->last_ok_at < m->to_ms;
     pthread_mutex_unlock(&m->lock);
     return in;
+}
+
+bool member_drained(struct member *m)
+{
+    bool drained;
+
+    pthread_mutex_lock(&m->lock);
+    drained = m->state == ST_JOINED && m->drained;
+    pthread_mutex_unlock(&m->lock);
+    return drained;
 }
 
 uint32_t member_timeout_ms(struct member *m)

@@ -65,6 +65,9 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare);
 struct epoch *member_epoch(struct member *m);
 /* True while the member has joined and its latest epoch lists it. */
 bool member_in_cohort(struct member *m);
+/* True while the broker drains this member (a scale-down): it stays
+ * joined but the cohort's epochs leave it out. */
+bool member_drained(struct member *m);
 /* The member timeout the broker granted (its default until joined). */
 uint32_t member_timeout_ms(struct member *m);
 /* Counters for tests and benchmarks. */

@@ -116,6 +116,29 @@ static int join(const char *id, uint64_t version, uint64_t session, uint64_t now
     return join_full("demo", id, ADDR, version, session, 0, now);
 }
 
+/* A heartbeat with no adopted epoch; *epoch gets the latest published. */
+static int beat(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                uint64_t session, uint64_t version, bool declare, uint64_t *epoch)
+{
+    struct broker_beat hb = { .model_version = version, .declare = declare };
+    struct broker_beat_result res;
+    int rc = broker_heartbeat(b, now, cohort, id, session, &hb, &res);
+
+    if (rc == 0 && epoch)
+        *epoch = res.epoch;
+    return rc;
+}
+
+/* A heartbeat that reports `adopted`; returns the drained flag. */
+static bool beat_adopted(const char *id, uint64_t session, uint64_t now, uint64_t adopted)
+{
+    struct broker_beat hb = { .model_version = 1, .adopted = adopted };
+    struct broker_beat_result res;
+
+    cr_assert_eq(broker_heartbeat(B, now, "demo", id, session, &hb, &res), 0);
+    return res.drained;
+}
+
 /* The latest epoch published by a tick or a watch. */
 static struct epoch *last_pub(void)
 {
@@ -296,8 +319,8 @@ Test(broker, cohort_remove_detaches_watchers_with_eshutdown)
     cr_assert_eq(rec.dets[0].err, -ESHUTDOWN);
     cr_assert_eq(rec.dets[1].w, &wb);
     cr_assert_eq(rec.dets[1].err, -ESHUTDOWN);
-    cr_assert_eq(broker_heartbeat(B, HOLD, "demo", "a", 11, 1, false, NULL), -ENOENT);
-    cr_assert_eq(broker_heartbeat(B, HOLD, "other", "c", 13, 0, false, NULL), 0);
+    cr_assert_eq(beat(B, HOLD, "demo", "a", 11, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, HOLD, "other", "c", 13, 0, false, NULL), 0);
 }
 
 /* ---- joining and epochs ---- */
@@ -376,7 +399,7 @@ Test(broker, tick_evicts_after_timeout_not_before)
 {
     start_with_ab();
     cr_assert_eq(broker_watch(B, "demo", "b", 12, &wb), 0);
-    cr_assert_eq(broker_heartbeat(B, T0 + 4000, "demo", "a", 11, 1, false, NULL), 0);
+    cr_assert_eq(beat(B, T0 + 4000, "demo", "a", 11, 1, false, NULL), 0);
 
     broker_tick(B, T0 + 5000);
     cr_assert_eq(rec.n_dets, 0, "evicted before its timeout");
@@ -390,15 +413,15 @@ Test(broker, tick_evicts_after_timeout_not_before)
     broker_tick(B, T0 + 5051);
     cr_assert_eq(last_pub()->number, 2);
     assert_members(last_pub(), 1, (const char *[]){ "a" });
-    cr_assert_eq(broker_heartbeat(B, T0 + 5051, "demo", "b", 12, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, T0 + 5051, "demo", "b", 12, 1, false, NULL), -ENOENT);
 }
 
 Test(broker, heartbeat_keeps_member_alive)
 {
     start_with_ab();
     for (uint64_t t = T0 + 1000; t <= T0 + 20000; t += 1000) {
-        cr_assert_eq(broker_heartbeat(B, t, "demo", "a", 11, 1, false, NULL), 0);
-        cr_assert_eq(broker_heartbeat(B, t, "demo", "b", 12, 1, false, NULL), 0);
+        cr_assert_eq(beat(B, t, "demo", "a", 11, 1, false, NULL), 0);
+        cr_assert_eq(beat(B, t, "demo", "b", 12, 1, false, NULL), 0);
         broker_tick(B, t + 500);
     }
     cr_assert_eq(rec.n_pubs, 1);
@@ -530,7 +553,7 @@ Test(broker, undeclared_version_forms_no_epoch_but_counts_at_next_election)
 
     start_with_ab();
     cr_assert_str_eq(leader_of(last_pub()), "a");
-    cr_assert_eq(broker_heartbeat(B, HOLD + 10, "demo", "b", 12, 5, false, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 10, "demo", "b", 12, 5, false, NULL), 0);
     broker_tick(B, HOLD + 1000);
     cr_assert_eq(rec.n_pubs, 1, "an undeclared version forced an epoch");
 
@@ -549,7 +572,7 @@ Test(broker, undeclared_version_forms_no_epoch_but_counts_at_next_election)
 Test(broker, undeclared_version_does_not_break_cancel_out)
 {
     start_with_ab();
-    cr_assert_eq(broker_heartbeat(B, HOLD + 10, "demo", "b", 12, 5, false, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 10, "demo", "b", 12, 5, false, NULL), 0);
     cr_assert_eq(join("c", 0, 13, HOLD + 20), 0);
     cr_assert_eq(broker_leave(B, HOLD + 30, "demo", "c", 13), 0);
     broker_tick(B, HOLD + 100);
@@ -561,7 +584,7 @@ Test(broker, declared_version_changing_leader_forms_epoch)
     uint64_t epoch = 0;
 
     start_with_ab();
-    cr_assert_eq(broker_heartbeat(B, HOLD + 10, "demo", "b", 12, 5, true, &epoch), 0);
+    cr_assert_eq(beat(B, HOLD + 10, "demo", "b", 12, 5, true, &epoch), 0);
     cr_assert_eq(epoch, 1);
     broker_tick(B, HOLD + 59);
     cr_assert_eq(rec.n_pubs, 1);
@@ -570,7 +593,7 @@ Test(broker, declared_version_changing_leader_forms_epoch)
     cr_assert_eq(last_pub()->number, 2);
     assert_members(last_pub(), 2, (const char *[]){ "a", "b" });
     cr_assert_str_eq(leader_of(last_pub()), "b");
-    cr_assert_eq(broker_heartbeat(B, HOLD + 60, "demo", "a", 11, 1, false, &epoch), 0);
+    cr_assert_eq(beat(B, HOLD + 60, "demo", "a", 11, 1, false, &epoch), 0);
     cr_assert_eq(epoch, 2);
 }
 
@@ -578,9 +601,9 @@ Test(broker, declared_version_keeping_leader_forms_no_epoch)
 {
     start_with_ab();
     /* A tie keeps a, the first in member order. */
-    cr_assert_eq(broker_heartbeat(B, HOLD + 10, "demo", "b", 12, 1, true, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 10, "demo", "b", 12, 1, true, NULL), 0);
     /* The leader itself moving ahead keeps it leader. */
-    cr_assert_eq(broker_heartbeat(B, HOLD + 20, "demo", "a", 11, 3, true, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 20, "demo", "a", 11, 3, true, NULL), 0);
     broker_tick(B, HOLD + 1000);
     cr_assert_eq(rec.n_pubs, 1);
 }
@@ -588,8 +611,8 @@ Test(broker, declared_version_keeping_leader_forms_no_epoch)
 Test(broker, declared_version_reverted_in_window_forms_no_epoch)
 {
     start_with_ab();
-    cr_assert_eq(broker_heartbeat(B, HOLD + 10, "demo", "b", 12, 5, true, NULL), 0);
-    cr_assert_eq(broker_heartbeat(B, HOLD + 20, "demo", "b", 12, 1, true, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 10, "demo", "b", 12, 5, true, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 20, "demo", "b", 12, 1, true, NULL), 0);
     broker_tick(B, HOLD + 1000);
     cr_assert_eq(rec.n_pubs, 1);
 }
@@ -633,8 +656,8 @@ Test(broker, join_rejects_duplicate_id)
     broker_tick(B, T0 + 5001);
     cr_assert_eq(status_members("demo"), 0);
     cr_assert_eq(join("a", 0, 2, T0 + 5001), 0);
-    cr_assert_eq(broker_heartbeat(B, T0 + 5002, "demo", "a", 2, 0, false, NULL), 0);
-    cr_assert_eq(broker_heartbeat(B, T0 + 5002, "demo", "a", 1, 0, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, T0 + 5002, "demo", "a", 2, 0, false, NULL), 0);
+    cr_assert_eq(beat(B, T0 + 5002, "demo", "a", 1, 0, false, NULL), -ENOENT);
 }
 
 Test(broker, join_takes_over_silent_member_before_tick)
@@ -659,7 +682,7 @@ Test(broker, join_takes_over_silent_member_before_tick)
 Test(broker, rejoin_after_eviction_forms_epoch_with_member)
 {
     start_with_ab();
-    cr_assert_eq(broker_heartbeat(B, T0 + 4000, "demo", "a", 11, 1, false, NULL), 0);
+    cr_assert_eq(beat(B, T0 + 4000, "demo", "a", 11, 1, false, NULL), 0);
     broker_tick(B, T0 + 5001);
     broker_tick(B, T0 + 5051);
     assert_members(last_pub(), 1, (const char *[]){ "a" });
@@ -734,7 +757,7 @@ Test(broker, join_unknown_cohort_is_enoent)
     start(NULL);
     cr_assert_eq(join_full("nope", "a", ADDR, 0, 1, 0, T0), -ENOENT);
     cr_assert_eq(broker_status(B, "nope", &s), -ENOENT);
-    cr_assert_eq(broker_heartbeat(B, T0, "nope", "a", 1, 0, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, T0, "nope", "a", 1, 0, false, NULL), -ENOENT);
     cr_assert_eq(broker_watch(B, "nope", "a", 1, &wa), -ENOENT);
 }
 
@@ -846,14 +869,14 @@ Test(broker, join_rejects_invalid_input_and_changes_nothing)
 Test(broker, heartbeat_rejects_wrong_session)
 {
     start_with_ab();
-    cr_assert_eq(broker_heartbeat(B, HOLD, "demo", "a", 12, 1, false, NULL), -ENOENT);
-    cr_assert_eq(broker_heartbeat(B, HOLD, "demo", "a", 0, 1, false, NULL), -ENOENT);
-    cr_assert_eq(broker_heartbeat(B, HOLD, "demo", "zz", 11, 1, false, NULL), -ENOENT);
-    cr_assert_eq(broker_heartbeat(B, HOLD, "demo", NULL, 11, 1, false, NULL), -ENOENT);
-    cr_assert_eq(broker_heartbeat(B, HOLD, NULL, "a", 11, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, HOLD, "demo", "a", 12, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, HOLD, "demo", "a", 0, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, HOLD, "demo", "zz", 11, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, HOLD, "demo", NULL, 11, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, HOLD, NULL, "a", 11, 1, false, NULL), -ENOENT);
 
     /* A wrong session is not a heartbeat: a is still evicted on time. */
-    cr_assert_eq(broker_heartbeat(B, T0 + 4000, "demo", "a", 99, 1, false, NULL), -ENOENT);
+    cr_assert_eq(beat(B, T0 + 4000, "demo", "a", 99, 1, false, NULL), -ENOENT);
     broker_tick(B, T0 + 5001);
     cr_assert_eq(status_members("demo"), 0);
 }
@@ -864,10 +887,10 @@ Test(broker, heartbeat_reports_latest_epoch)
 
     start(NULL);
     cr_assert_eq(join("a", 0, 1, T0), 0);
-    cr_assert_eq(broker_heartbeat(B, T0 + 1000, "demo", "a", 1, 0, false, &epoch), 0);
+    cr_assert_eq(beat(B, T0 + 1000, "demo", "a", 1, 0, false, &epoch), 0);
     cr_assert_eq(epoch, 0);
     broker_tick(B, HOLD);
-    cr_assert_eq(broker_heartbeat(B, HOLD + 1, "demo", "a", 1, 0, false, &epoch), 0);
+    cr_assert_eq(beat(B, HOLD + 1, "demo", "a", 1, 0, false, &epoch), 0);
     cr_assert_eq(epoch, 1);
 }
 
@@ -1025,7 +1048,7 @@ Test(broker, status_snapshot_contents)
     cr_assert_eq(join_full("job-10", "m-10", ADDR, 3, 1, 0, T0), 0);
     cr_assert_eq(join_full("job-10", "m-2", ADDR2, 8, 2, 0, T0), 0);
     broker_tick(B, HOLD);
-    cr_assert_eq(broker_heartbeat(B, HOLD + 1, "job-10", "m-10", 1, 9, false, NULL), 0);
+    cr_assert_eq(beat(B, HOLD + 1, "job-10", "m-10", 1, 9, false, NULL), 0);
 
     cr_assert_eq(broker_status(B, NULL, &s), 0);
     cr_assert_eq(s->n_cohorts, 3);
@@ -1085,8 +1108,8 @@ Test(broker, churn_in_one_cohort_leaves_other_alone)
 
         snprintf(id, sizeof id, "x-%llu", (unsigned long long)t);
         cr_assert_eq(join(id, t, t, t), 0);
-        cr_assert_eq(broker_heartbeat(B, t, "quiet", "q-0", 100, t, true, NULL), 0);
-        cr_assert_eq(broker_heartbeat(B, t, "quiet", "q-1", 101, t, true, NULL), 0);
+        cr_assert_eq(beat(B, t, "quiet", "q-0", 100, t, true, NULL), 0);
+        cr_assert_eq(beat(B, t, "quiet", "q-1", 101, t, true, NULL), 0);
         broker_tick(B, t + 60);
     }
     for (size_t i = 2; i < rec.n_pubs; i++)
@@ -1104,7 +1127,7 @@ Test(broker, tick_reports_time_until_next_deadline)
     cr_assert_eq(broker_tick(B, T0 + 1500), 500, "the end of the hold");
     cr_assert_eq(broker_tick(B, HOLD), 1000, "capped");
     cr_assert_eq(broker_tick(B, T0 + 4500), 501, "a's eviction");
-    cr_assert_eq(broker_heartbeat(B, T0 + 4600, "demo", "a", 1, 0, false, NULL), 0);
+    cr_assert_eq(beat(B, T0 + 4600, "demo", "a", 1, 0, false, NULL), 0);
     cr_assert_eq(join("b", 0, 2, T0 + 4700), 0);
     cr_assert_eq(broker_tick(B, T0 + 4710), 40, "the coalescing window");
     cr_assert_eq(broker_tick(B, T0 + 4750), 251, "a stale bound wakes the host early");
@@ -1178,7 +1201,7 @@ Test(broker, scale_heartbeats_stay_quiet, .timeout = 60)
                 snprintf(cohort, sizeof cohort, "job-%d", c);
                 for (int m = 0; m < n; m++) {
                     snprintf(id, sizeof id, "w-%d", (m * 7919) % n);
-                    cr_assert_eq(broker_heartbeat(B, t, cohort, id, (uint64_t)m + 1, 0, false,
+                    cr_assert_eq(beat(B, t, cohort, id, (uint64_t)m + 1, 0, false,
                                                   NULL), 0);
                 }
             }
@@ -1187,4 +1210,95 @@ Test(broker, scale_heartbeats_stay_quiet, .timeout = 60)
     }
     cr_assert_eq(rec.n_pubs, 101);
     cr_assert_eq(status_members("job-100"), 1000);
+}
+
+/* ---- draining ---- */
+
+Test(broker, drain_leaves_member_out_of_next_epoch)
+{
+    static const char *const ab[] = { "a", "b" };
+    static const char *const b_only[] = { "b" };
+
+    start_with_ab();
+    cr_assert_eq(broker_watch(B, "demo", "a", 11, &wa), 0);
+    cr_assert_eq(broker_drain(B, HOLD + 10, "demo", "a", true), 0);
+    cr_assert_eq(broker_drained(B, "demo", "a"), 0, "no epoch without it yet");
+    broker_tick(B, HOLD + 10 + 50);
+    cr_assert_eq(last_pub()->number, 2);
+    assert_members(last_pub(), 1, b_only);
+    /* The drained member still hears the epoch: that is how it stops. */
+    cr_assert_eq(rec.pubs[rec.n_pubs - 1].n, 1);
+    cr_assert_eq(rec.pubs[rec.n_pubs - 1].w[0], &wa);
+    /* It stays a member (heartbeats work) and is told it is drained. */
+    cr_assert(beat_adopted("a", 11, HOLD + 100, 2));
+    cr_assert_eq(status_members("demo"), 2);
+    /* Drained only once b runs in epoch 2. */
+    cr_assert_eq(broker_drained(B, "demo", "a"), 0);
+    cr_assert_not(beat_adopted("b", 12, HOLD + 100, 1));
+    cr_assert_eq(broker_drained(B, "demo", "a"), 0);
+    cr_assert_not(beat_adopted("b", 12, HOLD + 200, 2));
+    cr_assert_eq(broker_drained(B, "demo", "a"), 1);
+    /* Taking it back in forms an epoch with both. */
+    cr_assert_eq(broker_drain(B, HOLD + 300, "demo", "a", false), 0);
+    cr_assert_eq(broker_drained(B, "demo", "a"), 0);
+    broker_tick(B, HOLD + 400);
+    cr_assert_eq(last_pub()->number, 3);
+    assert_members(last_pub(), 2, ab);
+    cr_assert_not(beat_adopted("a", 11, HOLD + 400, 3));
+}
+
+Test(broker, drain_moves_leadership_and_leave_is_quiet)
+{
+    static const char *const b_only[] = { "b" };
+
+    start(NULL);
+    cr_assert_eq(join("a", 9, 11, T0), 0);
+    cr_assert_eq(join("b", 1, 12, T0), 0);
+    broker_tick(B, HOLD);
+    cr_assert_str_eq(leader_of(last_pub()), "a");
+    cr_assert_eq(broker_drain(B, HOLD, "demo", "a", true), 0);
+    broker_tick(B, HOLD + 50);
+    assert_members(last_pub(), 1, b_only);
+    cr_assert_str_eq(leader_of(last_pub()), "b");
+    /* A declared higher version of a draining member moves nothing. */
+    cr_assert_eq(beat(B, HOLD + 60, "demo", "a", 11, 50, true, NULL), 0);
+    cr_assert_eq(broker_tick(B, HOLD + 200) > 0, true);
+    cr_assert_eq(last_pub()->number, 2);
+    /* Its pod goes: the leave forms no epoch, since it was not in one. */
+    cr_assert_eq(broker_leave(B, HOLD + 300, "demo", "a", 11), 0);
+    broker_tick(B, HOLD + 400);
+    cr_assert_eq(last_pub()->number, 2);
+    cr_assert_eq(broker_drained(B, "demo", "a"), 1, "gone counts as drained");
+}
+
+Test(broker, drain_every_member_and_bad_names)
+{
+    start_with_ab();
+    cr_assert_eq(broker_drain(B, HOLD, "demo", "a", true), 0);
+    cr_assert_eq(broker_drain(B, HOLD, "demo", "b", true), 0);
+    broker_tick(B, HOLD + 50);
+    cr_assert_eq(last_pub()->n_members, 0);
+    cr_assert_eq(broker_drained(B, "demo", "a"), 1, "no one left to wait for");
+    cr_assert_eq(broker_drain(B, HOLD, "demo", "zz", true), -ENOENT);
+    cr_assert_eq(broker_drain(B, HOLD, "nope", "a", true), -ENOENT);
+    cr_assert_eq(broker_drain(B, HOLD, NULL, "a", true), -ENOENT);
+    cr_assert_eq(broker_drained(B, "nope", "a"), -ENOENT);
+    cr_assert_eq(broker_drained(B, "demo", "zz"), 1);
+}
+
+Test(broker, drain_mark_survives_nothing_after_eviction)
+{
+    static const char *const ab[] = { "a", "b" };
+
+    start_with_ab();
+    cr_assert_eq(broker_drain(B, HOLD, "demo", "a", true), 0);
+    broker_tick(B, HOLD + 50);
+    /* a goes silent and is evicted; it comes back as a new member. */
+    for (uint64_t t = HOLD + 1000; t < T0 + 12000; t += 1000)
+        cr_assert_eq(beat(B, t, "demo", "b", 12, 1, false, NULL), 0);
+    broker_tick(B, T0 + 12000);
+    cr_assert_eq(status_members("demo"), 1);
+    cr_assert_eq(join("a", 1, 21, T0 + 12000), 0);
+    broker_tick(B, T0 + 12100);
+    assert_members(last_pub(), 2, ab);
 }

@@ -303,3 +303,60 @@ Test(brokerd, evicted_member_rejoins_and_removed_cohort_ends_watches)
     for (size_t i = 0; i < dv.n; i++)
         member_destroy(dv.m[i]);
 }
+
+/* Waits until brokerd_drained says `id` may go; 30 s deadline. */
+static int wait_drained(const char *id)
+{
+    uint64_t end = clock_now_ms() + 30000;
+    int rc;
+
+    while ((rc = brokerd_drained(d, "demo", id)) == 0 && clock_now_ms() < end) {
+        struct timespec ts = { 0, 20 * 1000000L };
+        nanosleep(&ts, NULL);
+    }
+    return rc;
+}
+
+Test(brokerd, drained_member_stays_joined_out_of_the_epoch)
+{
+    struct driven dv = { .n = 0 };
+    struct broker_status *st;
+
+    add_member(&dv, "m-0", 5);
+    add_member(&dv, "m-1", 0);
+    add_member(&dv, "m-2", 0);
+    pthread_create(&dv.t, NULL, drive, &dv);
+    wait_agree(&dv, 3, "m-0");
+    cr_assert_eq(brokerd_drained(d, "demo", "m-0"), 0, "not asked to drain");
+    cr_assert_eq(brokerd_drain(d, "demo", "m-0", true), 0);
+    cr_assert_eq(wait_drained("m-0"), 1);
+    /* Everyone, the drained member too, runs in the epoch without it,
+     * led by the next member; the drained one is still joined. */
+    wait_agree(&dv, 2, "m-1");
+    cr_assert_not(member_in_cohort(dv.m[0]));
+    cr_assert(member_in_cohort(dv.m[1]));
+    cr_assert_eq(brokerd_status(d, "demo", &st), 0);
+    cr_assert_eq(st->cohorts[0].n_members, 3);
+    cr_assert(st->cohorts[0].draining[0]);
+    cr_assert_not(st->cohorts[0].draining[1]);
+    broker_status_free(st);
+    {
+        uint64_t end = clock_now_ms() + 30000;
+        while (!member_drained(dv.m[0]) && clock_now_ms() < end) {
+            struct timespec ts = { 0, 20 * 1000000L };
+            nanosleep(&ts, NULL);
+        }
+    }
+    cr_assert(member_drained(dv.m[0]));
+    cr_assert_not(member_drained(dv.m[1]));
+    /* Undrained, it is back in; unknown names are refused. */
+    cr_assert_eq(brokerd_drain(d, "demo", "m-0", false), 0);
+    wait_agree(&dv, 3, "m-0");
+    cr_assert_eq(brokerd_drain(d, "demo", "zz", true), -ENOENT);
+    cr_assert_eq(brokerd_drain(d, "nope", "m-0", true), -ENOENT);
+    cr_assert_eq(brokerd_drained(d, "nope", "m-0"), -ENOENT);
+    atomic_store(&dv.stop, true);
+    pthread_join(dv.t, NULL);
+    for (size_t i = 0; i < dv.n; i++)
+        member_destroy(dv.m[i]);
+}
