@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,7 @@ struct kube {
     struct kube_opts opts;
     char *token;                /* current bearer token */
     struct timespec token_mtime;
+    atomic_uint_fast64_t n_requests, n_failures, n_watches;
 };
 
 /* ---- small helpers ----------------------------------------------------- */
@@ -608,6 +610,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
         curl_easy_setopt(k->req, CURLOPT_WRITEDATA, &resp);
         cc = curl_easy_perform(k->req);
         curl_slist_free_all(hdr);
+        atomic_fetch_add(&k->n_requests, 1);
         if (resp.too_big) {
             rc = -EMSGSIZE;
             break;
@@ -624,8 +627,10 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
     }
     pthread_mutex_unlock(&k->lock);
     free(payload);
-    if (rc < 0)
+    if (rc < 0) {
+        atomic_fetch_add(&k->n_failures, 1);
         goto out;
+    }
     if (resp.len > 0) {
         parsed = cJSON_ParseWithLength(resp.buf, resp.len);
         if (!parsed && code >= 200 && code < 300) {
@@ -635,6 +640,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
     }
     rc = map_http(code, parsed);
     if (rc < 0) {
+        atomic_fetch_add(&k->n_failures, 1);
         log_emit(code == 404 || code == 409 ? LOG_DEBUG : LOG_WARN, "kube",
                  "The API server refused a request.", LF_S("method", method), LF_S("path", path),
                  LF_I("status", code), LF_S("message", str_field(parsed, "message")), LOG_END);
@@ -648,6 +654,13 @@ out:
     else
         cJSON_Delete(parsed);
     return rc;
+}
+
+void kube_stats(struct kube *k, struct kube_stats *out)
+{
+    out->requests = atomic_load(&k->n_requests);
+    out->failures = atomic_load(&k->n_failures);
+    out->watches = atomic_load(&k->n_watches);
 }
 
 int kube_get(struct kube *k, const char *path, cJSON **out)
@@ -852,6 +865,7 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
     /* A dead server on a quiet watch is noticed by the server's own
      * timeout plus this margin. */
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(timeout_s + 30) * 1000L);
+    atomic_fetch_add(&k->n_watches, 1);
     curl_multi_add_handle(multi, h);
     while (running) {
         if (curl_multi_perform(multi, &running) != CURLM_OK)

@@ -99,6 +99,14 @@ typedef int (*kube_event_fn)(void *arg, const char *type, const cJSON *object);
 int kube_watch(struct kube *k, const char *path, const char *selector, char **rv,
                unsigned timeout_s, kube_event_fn fn, void *arg, const volatile bool *stop);
 
+/* Requests sent (each attempt of kube_request, each watch opened), and
+ * those that failed in transport or got a status outside 2xx, for
+ * /metrics. */
+struct kube_stats {
+    uint64_t requests, failures, watches;
+};
+void kube_stats(struct kube *k, struct kube_stats *out);
+
 /* metadata.name etc. of an object, or NULL. Borrowed from obj. */
 const char *kube_meta(const cJSON *obj, const char *field);
 

@@ -295,6 +295,16 @@ cJSON *reflector_list(struct reflector *r, const char *prefix)
     return out;
 }
 
+size_t reflector_len(struct reflector *r)
+{
+    size_t n;
+
+    pthread_mutex_lock(&r->lock);
+    n = (size_t)cJSON_GetArraySize(r->cache);
+    pthread_mutex_unlock(&r->lock);
+    return n;
+}
+
 void reflector_stats(struct reflector *r, struct reflector_stats *out)
 {
     pthread_mutex_lock(&r->lock);

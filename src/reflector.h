@@ -16,6 +16,7 @@
 #define COHORT_REFLECTOR_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include <cjson/cJSON.h>
@@ -55,6 +56,9 @@ cJSON *reflector_get(struct reflector *r, const char *key);
 /* Copies of every cached object whose key starts with `prefix` (NULL: all),
  * as a new array the caller frees. */
 cJSON *reflector_list(struct reflector *r, const char *prefix);
+
+/* Objects in the cache. */
+size_t reflector_len(struct reflector *r);
 
 /* Counters for tests and /metrics. */
 struct reflector_stats {
