@@ -1,0 +1,728 @@
+/* python/cohort/_cohort.c: the CPython binding of include/cohort.h.
+ *
+ * Two types:
+ *   _cohort.Core     one struct cohort: every trainer call, each raising
+ *                    cohort._cohort.Error (an OSError with the errno and
+ *                    cohort_strerror's sentence) on a negative return.
+ *   _cohort.Region   the cohort's shared memory as a writable buffer, for
+ *                    torch.frombuffer. The tensors built on it hold a
+ *                    reference to the Region (torch keeps the object, not a
+ *                    buffer export), and each Region holds its Core.
+ *
+ * Why the Region: the mapping must outlive every tensor that points into
+ * it, or touching a parameter after close() would fault. So Core.close()
+ * only marks the Core closed (every call then raises) and cohort_destroy,
+ * which leaves the cohort and unmaps, runs once the last Region is gone:
+ * at once when cohort/__init__.py has moved the model's tensors back to
+ * private memory, later if the user still holds views of the region.
+ *
+ * Threads: a struct cohort is used by one thread at a time, and a call to
+ * a sidecar blocks for up to its reply timeout, so each call runs with
+ * the GIL released and under the Core's own lock. The lock is only ever
+ * taken with the GIL released, so the two cannot deadlock.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cohort.h"
+
+static PyObject *cohort_error;          /* cohort._cohort.Error */
+
+struct core {
+    PyObject_HEAD
+    struct cohort *c;                   /* NULL once destroyed */
+    PyThread_type_lock lock;
+    int closed;                         /* close() was called */
+    Py_ssize_t regions;                 /* live Region objects */
+    size_t extent;                      /* bytes from cohort_params() to the end of the last tensor */
+    size_t n_params, n_buffers;
+    size_t *buffer_bytes;
+    int dtype;                          /* the parameters' enum cohort_dtype */
+};
+
+struct region {
+    PyObject_HEAD
+    struct core *core;                  /* owned reference */
+};
+
+static PyTypeObject core_type;
+static PyTypeObject region_type;
+
+/* ---- errors ----------------------------------------------------------- */
+
+/* What a call made after close() gets: raise_rc turns it into
+ * ValueError, like a closed file. */
+#define GONE (-ESHUTDOWN)
+
+/* Raises Error(errno, "what: sentence") for a negative errno and returns
+ * NULL, so callers can `return raise_rc(...)`. */
+static PyObject *raise_rc(const char *what, int rc)
+{
+    char msg[512];
+    PyObject *args;
+
+    if (rc == GONE) {
+        PyErr_SetString(PyExc_ValueError, "the accumulator is closed");
+        return NULL;
+    }
+    snprintf(msg, sizeof(msg), "%s: %s", what, cohort_strerror(rc));
+    args = Py_BuildValue("(is)", rc < 0 ? -rc : rc, msg);
+    if (args) {
+        PyErr_SetObject(cohort_error, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+static int check_open(struct core *self)
+{
+    if (self->closed || !self->c) {
+        PyErr_SetString(PyExc_ValueError, "the accumulator is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* Leaves the cohort and unmaps, with the GIL released: with an in-process
+ * node this joins its threads. Called with the GIL held and no Region
+ * left. */
+static void destroy_now(struct core *self)
+{
+    struct cohort *c = self->c;
+
+    if (!c)
+        return;
+    self->c = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    cohort_destroy(c);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+}
+
+/* Runs `body` (statements using `c` and setting `rc`) with the GIL
+ * released and the Core's lock held. `c` is read under the lock: a close()
+ * from another thread may have destroyed the cohort while this one waited,
+ * and then rc is GONE. */
+#define LOCKED(self, body)                                      \
+    do {                                                        \
+        Py_BEGIN_ALLOW_THREADS                                  \
+        PyThread_acquire_lock((self)->lock, WAIT_LOCK);         \
+        struct cohort *c = (self)->c;                           \
+        if (c) {                                                \
+            body;                                               \
+        } else {                                                \
+            rc = GONE;                                          \
+        }                                                       \
+        PyThread_release_lock((self)->lock);                    \
+        Py_END_ALLOW_THREADS                                    \
+    } while (0)
+
+/* ---- construction ----------------------------------------------------- */
+
+/* specs: a sequence of (dtype code, numel) pairs. Fills *out (caller frees
+ * with PyMem_Free) and *n. Returns 0, or -1 with an exception set. */
+static int parse_specs(PyObject *specs, const char *what, struct cohort_tensor **out, size_t *n)
+{
+    PyObject *seq = PySequence_Fast(specs, "tensor specs must be a sequence");
+    struct cohort_tensor *t;
+    Py_ssize_t len;
+
+    if (!seq)
+        return -1;
+    len = PySequence_Fast_GET_SIZE(seq);
+    t = PyMem_Calloc(len ? (size_t)len : 1, sizeof(*t));
+    if (!t) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        int code;
+        unsigned long long numel;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iK;each tensor spec is (dtype, numel)",
+                              &code, &numel))
+            goto err;
+        if (code < COHORT_F32 || code > COHORT_BF16) {
+            PyErr_Format(PyExc_ValueError, "%s %zd: unknown dtype code %d", what, i, code);
+            goto err;
+        }
+        t[i].dtype = (enum cohort_dtype)code;
+        t[i].numel = (size_t)numel;
+    }
+    Py_DECREF(seq);
+    *out = t;
+    *n = (size_t)len;
+    return 0;
+err:
+    Py_DECREF(seq);
+    PyMem_Free(t);
+    return -1;
+}
+
+static size_t dtype_bytes(int code)
+{
+    return code == COHORT_F64 ? 8 : code == COHORT_F32 ? 4 : 2;
+}
+
+static int core_init(struct core *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = { "name", "parameters", "buffers", NULL };
+    struct cohort_tensor *params = NULL, *bufs = NULL;
+    size_t np = 0, nb = 0;
+    const char *name;
+    PyObject *pspec, *bspec;
+    struct cohort_config cfg;
+    struct cohort *c = NULL;
+    char *base;
+    int rc, ret = -1;
+
+    if (self->c || self->lock) {
+        PyErr_SetString(PyExc_RuntimeError, "Core.__init__ may be called once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO", kwlist, &name, &pspec, &bspec))
+        return -1;
+    if (parse_specs(pspec, "parameter", &params, &np) < 0 ||
+        parse_specs(bspec, "buffer", &bufs, &nb) < 0)
+        goto out;
+    self->lock = PyThread_allocate_lock();
+    self->buffer_bytes = PyMem_Calloc(nb ? nb : 1, sizeof(size_t));
+    if (!self->lock || !self->buffer_bytes) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    cfg = (struct cohort_config){ .name = name, .parameters = params, .n_parameters = np,
+                                  .buffers = bufs, .n_buffers = nb };
+    rc = cohort_create(&cfg, &c);
+    if (rc < 0) {
+        raise_rc("cannot lay out the accumulator's tensors (one floating dtype for every "
+                 "parameter, at least one element)", rc);
+        goto out;
+    }
+    /* The exported region runs from the first parameter to the end of the
+     * last tensor, whichever region that is in. */
+    base = cohort_params(c);
+    self->extent = (size_t)((char *)cohort_grads(c) - base) + cohort_numel(c) * dtype_bytes(params[0].dtype);
+    for (size_t i = 0; i < nb; i++) {
+        size_t end;
+        self->buffer_bytes[i] = bufs[i].numel * dtype_bytes(bufs[i].dtype);
+        end = (size_t)((char *)cohort_buffer(c, i) - base) + self->buffer_bytes[i];
+        if (end > self->extent)
+            self->extent = end;
+    }
+    self->c = c;
+    self->n_params = np;
+    self->n_buffers = nb;
+    self->dtype = params[0].dtype;
+    ret = 0;
+out:
+    PyMem_Free(params);
+    PyMem_Free(bufs);
+    return ret;
+}
+
+static void core_dealloc(struct core *self)
+{
+    /* No Region can be left: each holds a reference to this Core. */
+    destroy_now(self);
+    if (self->lock)
+        PyThread_free_lock(self->lock);
+    PyMem_Free(self->buffer_bytes);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* ---- actions ------------------------------------------------------------ */
+
+static PyObject *core_connect(struct core *self, PyObject *args)
+{
+    const char *address = NULL;
+    int rc;
+
+    if (!PyArg_ParseTuple(args, "|z", &address) || check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_connect(c, address));
+    if (rc < 0)
+        return raise_rc(address ? address : "connect ($COHORT_SOCKET or $COHORT_BROKER)", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_set_identity(struct core *self, PyObject *args)
+{
+    const char *cohort_name, *id;
+    int rc;
+
+    if (!PyArg_ParseTuple(args, "ss", &cohort_name, &id) || check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_set_identity(c, cohort_name, id));
+    if (rc == -EINVAL) {
+        PyErr_Format(PyExc_ValueError, "bad cohort name %R or member id %R: 1 to 253 of "
+                     "[A-Za-z0-9._-], starting with a letter or digit", PyTuple_GET_ITEM(args, 0),
+                     PyTuple_GET_ITEM(args, 1));
+        return NULL;
+    }
+    if (rc < 0)
+        return raise_rc("set_identity", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_update(struct core *self, PyObject *unused)
+{
+    int rc;
+
+    if (check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_update(c));
+    if (rc < 0)
+        return raise_rc("update", rc);
+    Py_RETURN_NONE;
+}
+
+/* Converts a Python int to a u64 in [min, max], or raises ValueError. */
+static int to_u64(PyObject *o, const char *what, uint64_t min, uint64_t max, uint64_t *out)
+{
+    unsigned long long v;
+
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be between %llu and %llu, not %R", what,
+                     (unsigned long long)min, (unsigned long long)max, o);
+        return -1;
+    }
+    if (v < min || v > max) {
+        PyErr_Format(PyExc_ValueError, "%s must be between %llu and %llu, not %R", what,
+                     (unsigned long long)min, (unsigned long long)max, o);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* reduce_gradients and skip_gradients return the errno instead of raising
+ * for -EPERM and -EAGAIN: cohort/__init__.py tells a race with a new
+ * epoch from misuse, which only it can. */
+static PyObject *core_reduce_gradients(struct core *self, PyObject *arg)
+{
+    uint64_t batch;
+    int rc;
+
+    if (to_u64(arg, "batch_size", 1, UINT64_MAX, &batch) < 0 || check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_reduce_gradients(c, batch));
+    if (rc < 0 && rc != -EPERM && rc != -EAGAIN)
+        return raise_rc("reduce_gradients", rc);
+    return PyLong_FromLong(-rc);
+}
+
+static PyObject *core_skip_gradients(struct core *self, PyObject *unused)
+{
+    int rc;
+
+    if (check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_skip_gradients(c));
+    if (rc < 0 && rc != -EPERM && rc != -EAGAIN)
+        return raise_rc("skip_gradients", rc);
+    return PyLong_FromLong(-rc);
+}
+
+static PyObject *core_zero_gradients(struct core *self, PyObject *unused)
+{
+    int rc;
+
+    if (check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_zero_gradients(c));
+    if (rc < 0)
+        return raise_rc("zero_gradients (there is no reduced result to consume; see has_gradients)", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_set_state(struct core *self, PyObject *arg)
+{
+    Py_buffer view;
+    int rc;
+
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (check_open(self) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    LOCKED(self, rc = cohort_set_state(c, view.buf, (size_t)view.len));
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return raise_rc("set_state", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_state(struct core *self, PyObject *unused)
+{
+    const void *data = NULL;
+    size_t len = 0;
+    PyObject *out;
+    int rc;
+
+    if (check_open(self) < 0)
+        return NULL;
+    /* The bytes stay valid until the next cohort_state(), which needs the
+     * lock: copy them while still holding it, with the GIL taken back.
+     * Waiting for the GIL with the lock held cannot deadlock: no thread
+     * ever waits for the lock while holding the GIL. */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = self->c ? cohort_state(self->c, &data, &len) : GONE;
+    Py_END_ALLOW_THREADS
+    out = rc < 0 ? NULL : PyBytes_FromStringAndSize(data, (Py_ssize_t)len);
+    PyThread_release_lock(self->lock);
+    if (rc < 0)
+        return raise_rc("state (no new state to take; see has_new_state)", rc);
+    return out;
+}
+
+#define U64_SETTER(fn, what, min, max, call)                            \
+    static PyObject *fn(struct core *self, PyObject *arg)              \
+    {                                                                   \
+        uint64_t v;                                                     \
+        int rc;                                                         \
+        if (to_u64(arg, what, min, max, &v) < 0 || check_open(self) < 0) \
+            return NULL;                                                \
+        LOCKED(self, rc = call);                                        \
+        if (rc < 0)                                                     \
+            return raise_rc(#fn + 5, rc);                               \
+        Py_RETURN_NONE;                                                 \
+    }
+
+U64_SETTER(core_set_model_version, "model version", 0, UINT64_MAX, cohort_set_model_version(c, v))
+U64_SETTER(core_set_virtual_batch_size, "virtual batch size", 1, UINT64_MAX,
+           cohort_set_virtual_batch_size(c, v))
+U64_SETTER(core_set_parallel_gradients, "parallel gradients", 1, UINT_MAX,
+           cohort_set_parallel_gradients(c, (unsigned)v))
+
+static PyObject *core_close(struct core *self, PyObject *unused)
+{
+    self->closed = 1;
+    if (self->regions == 0)
+        destroy_now(self);
+    Py_RETURN_NONE;
+}
+
+/* ---- questions ---------------------------------------------------------- */
+
+/* The view these read is written by update() and the actions, which run
+ * with the GIL released; so each question takes the lock too. */
+#define QUESTION(fn, type, type_conv, call)                             \
+    static PyObject *fn(struct core *self, PyObject *unused)           \
+    {                                                                   \
+        type v = 0;                                                     \
+        int rc = 0;                                                     \
+        if (check_open(self) < 0)                                       \
+            return NULL;                                                \
+        LOCKED(self, v = call(c));                                      \
+        if (rc < 0)                                                     \
+            return raise_rc(#fn + 5, rc);                               \
+        return type_conv(v);                                            \
+    }
+
+QUESTION(core_connected, long, PyBool_FromLong, cohort_connected)
+QUESTION(core_wants_state, long, PyBool_FromLong, cohort_wants_state)
+QUESTION(core_has_new_state, long, PyBool_FromLong, cohort_has_new_state)
+QUESTION(core_wants_gradients, long, PyBool_FromLong, cohort_wants_gradients)
+QUESTION(core_has_gradients, long, PyBool_FromLong, cohort_has_gradients)
+QUESTION(core_is_leader, long, PyBool_FromLong, cohort_is_leader)
+QUESTION(core_model_version, unsigned long long, PyLong_FromUnsignedLongLong, cohort_model_version)
+QUESTION(core_rank, unsigned long, PyLong_FromUnsignedLong, cohort_rank)
+QUESTION(core_size, unsigned long, PyLong_FromUnsignedLong, cohort_size)
+
+static PyObject *core_get_leader(struct core *self, PyObject *unused)
+{
+    char leader[256];
+    int rc = 0;
+
+    if (check_open(self) < 0)
+        return NULL;
+    LOCKED(self, snprintf(leader, sizeof(leader), "%s", cohort_get_leader(c)));
+    if (rc < 0)
+        return raise_rc("get_leader", rc);
+    return PyUnicode_FromString(leader);
+}
+
+/* Every answer of the view at once, consistent with each other. */
+static PyObject *core_view(struct core *self, PyObject *unused)
+{
+    struct cohort_gradient_stats st;
+    PyObject *out;
+    char leader[256];
+    int connected, ws, hns, wg, hg, il;
+    unsigned long long mv;
+    unsigned long rank, size;
+    int rc = 0;
+
+    if (check_open(self) < 0)
+        return NULL;
+    LOCKED(self, (connected = cohort_connected(c), ws = cohort_wants_state(c),
+                  hns = cohort_has_new_state(c), wg = cohort_wants_gradients(c),
+                  hg = cohort_has_gradients(c), il = cohort_is_leader(c),
+                  mv = cohort_model_version(c), rank = cohort_rank(c), size = cohort_size(c),
+                  snprintf(leader, sizeof(leader), "%s", cohort_get_leader(c)),
+                  cohort_get_gradient_stats(c, &st)));
+    if (rc < 0)
+        return raise_rc("view", rc);
+    out = Py_BuildValue(
+        "{s:O,s:O,s:O,s:O,s:O,s:O,s:K,s:k,s:k,s:s,s:{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}}",
+        "connected", connected ? Py_True : Py_False, "wants_state", ws ? Py_True : Py_False,
+        "has_new_state", hns ? Py_True : Py_False, "wants_gradients", wg ? Py_True : Py_False,
+        "has_gradients", hg ? Py_True : Py_False, "is_leader", il ? Py_True : Py_False,
+        "model_version", mv, "rank", rank, "size", size, "leader", leader, "stats",
+        "batch_size", (unsigned long long)st.batch_size,
+        "num_gradients", (unsigned long long)st.num_gradients,
+        "num_skipped", (unsigned long long)st.num_skipped,
+        "rounds_committed", (unsigned long long)st.rounds_committed,
+        "rounds_retried", (unsigned long long)st.rounds_retried,
+        "epochs_seen", (unsigned long long)st.epochs_seen,
+        "states_received", (unsigned long long)st.states_received,
+        "contributions_dropped", (unsigned long long)st.contributions_dropped,
+        "epoch", (unsigned long long)st.epoch);
+    return out;
+}
+
+/* ---- layout ------------------------------------------------------------- */
+
+static PyObject *offset_of(struct core *self, PyObject *arg, void *(*at)(struct cohort *, size_t),
+                           size_t n, const char *what)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (check_open(self) < 0)
+        return NULL;
+    if (i < 0 || (size_t)i >= n) {
+        PyErr_Format(PyExc_IndexError, "%s index %zd out of range (%zu)", what, i, n);
+        return NULL;
+    }
+    return PyLong_FromSize_t((size_t)((char *)at(self->c, (size_t)i) - (char *)cohort_params(self->c)));
+}
+
+static PyObject *core_param_offset(struct core *self, PyObject *arg)
+{
+    return offset_of(self, arg, cohort_param, self->n_params, "parameter");
+}
+
+static PyObject *core_grad_offset(struct core *self, PyObject *arg)
+{
+    return offset_of(self, arg, cohort_grad, self->n_params, "parameter");
+}
+
+static PyObject *core_buffer_offset(struct core *self, PyObject *arg)
+{
+    return offset_of(self, arg, cohort_buffer, self->n_buffers, "buffer");
+}
+
+static PyObject *core_numel(struct core *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    return PyLong_FromSize_t(cohort_numel(self->c));
+}
+
+/* The address of the region's first byte and its length, for checks that
+ * a tensor lies inside it. */
+static PyObject *core_span(struct core *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    return Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)cohort_params(self->c),
+                         (Py_ssize_t)self->extent);
+}
+
+static PyObject *core_region(struct core *self, PyObject *unused)
+{
+    struct region *r;
+
+    if (check_open(self) < 0)
+        return NULL;
+    r = PyObject_New(struct region, &region_type);
+    if (!r)
+        return NULL;
+    Py_INCREF(self);
+    r->core = self;
+    self->regions++;
+    return (PyObject *)r;
+}
+
+static PyObject *core_get_closed(struct core *self, void *unused)
+{
+    return PyBool_FromLong(self->closed || !self->c);
+}
+
+static PyObject *core_get_released(struct core *self, void *unused)
+{
+    return PyBool_FromLong(!self->c);
+}
+
+static PyMethodDef core_methods[] = {
+    { "connect", (PyCFunction)core_connect, METH_VARARGS,
+      "connect(address=None): 'unix:PATH' (a sidecar), 'host:port' (a broker; the node runs "
+      "in this process) or None ($COHORT_SOCKET, else $COHORT_BROKER)." },
+    { "set_identity", (PyCFunction)core_set_identity, METH_VARARGS,
+      "set_identity(cohort, member_id): names used when joining a broker directly." },
+    { "update", (PyCFunction)core_update, METH_NOARGS, "Refreshes the view." },
+    { "reduce_gradients", (PyCFunction)core_reduce_gradients, METH_O,
+      "reduce_gradients(batch_size) -> 0, or EPERM/EAGAIN when not taken." },
+    { "skip_gradients", (PyCFunction)core_skip_gradients, METH_NOARGS,
+      "skip_gradients() -> 0, or EPERM/EAGAIN when not taken." },
+    { "zero_gradients", (PyCFunction)core_zero_gradients, METH_NOARGS, NULL },
+    { "set_state", (PyCFunction)core_set_state, METH_O, "set_state(bytes)" },
+    { "state", (PyCFunction)core_state, METH_NOARGS, "state() -> bytes" },
+    { "set_model_version", (PyCFunction)core_set_model_version, METH_O, NULL },
+    { "set_virtual_batch_size", (PyCFunction)core_set_virtual_batch_size, METH_O, NULL },
+    { "set_parallel_gradients", (PyCFunction)core_set_parallel_gradients, METH_O, NULL },
+    { "connected", (PyCFunction)core_connected, METH_NOARGS, NULL },
+    { "wants_state", (PyCFunction)core_wants_state, METH_NOARGS, NULL },
+    { "has_new_state", (PyCFunction)core_has_new_state, METH_NOARGS, NULL },
+    { "wants_gradients", (PyCFunction)core_wants_gradients, METH_NOARGS, NULL },
+    { "has_gradients", (PyCFunction)core_has_gradients, METH_NOARGS, NULL },
+    { "is_leader", (PyCFunction)core_is_leader, METH_NOARGS, NULL },
+    { "model_version", (PyCFunction)core_model_version, METH_NOARGS, NULL },
+    { "rank", (PyCFunction)core_rank, METH_NOARGS, NULL },
+    { "size", (PyCFunction)core_size, METH_NOARGS, NULL },
+    { "get_leader", (PyCFunction)core_get_leader, METH_NOARGS, NULL },
+    { "view", (PyCFunction)core_view, METH_NOARGS,
+      "Everything update() refreshed, as one dict, read under the lock." },
+    { "param_offset", (PyCFunction)core_param_offset, METH_O, "Byte offset of parameter i." },
+    { "grad_offset", (PyCFunction)core_grad_offset, METH_O, "Byte offset of gradient i." },
+    { "buffer_offset", (PyCFunction)core_buffer_offset, METH_O, "Byte offset of buffer i." },
+    { "numel", (PyCFunction)core_numel, METH_NOARGS, "Parameter elements in all." },
+    { "span", (PyCFunction)core_span, METH_NOARGS, "(address, length) of the region." },
+    { "region", (PyCFunction)core_region, METH_NOARGS,
+      "A buffer object over the region; the memory stays mapped while it lives." },
+    { "close", (PyCFunction)core_close, METH_NOARGS,
+      "Refuses every call from now on; leaves the cohort once no Region is left." },
+    { NULL, NULL, 0, NULL },
+};
+
+static PyGetSetDef core_getset[] = {
+    { "closed", (getter)core_get_closed, NULL, "close() was called", NULL },
+    { "released", (getter)core_get_released, NULL, "left the cohort and unmapped", NULL },
+    { NULL, NULL, NULL, NULL, NULL },
+};
+
+static PyTypeObject core_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cohort._cohort.Core",
+    .tp_basicsize = sizeof(struct core),
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Core(name, parameters, buffers): one cohort accumulator; parameters and buffers "
+              "are sequences of (dtype code, numel).",
+    .tp_methods = core_methods,
+    .tp_getset = core_getset,
+    .tp_init = (initproc)core_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- Region ------------------------------------------------------------- */
+
+static int region_getbuffer(struct region *self, Py_buffer *view, int flags)
+{
+    struct core *core = self->core;
+
+    /* Cannot happen while this Region lives (the Core waits for it), but
+     * a buffer over unmapped memory must never be handed out. */
+    if (!core->c) {
+        PyErr_SetString(PyExc_BufferError, "the accumulator's memory is released");
+        view->obj = NULL;
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, cohort_params(core->c),
+                             (Py_ssize_t)core->extent, 0, flags);
+}
+
+static PyBufferProcs region_as_buffer = {
+    .bf_getbuffer = (getbufferproc)region_getbuffer,
+};
+
+static void region_dealloc(struct region *self)
+{
+    struct core *core = self->core;
+
+    if (--core->regions == 0 && core->closed)
+        destroy_now(core);
+    Py_DECREF(core);
+    PyObject_Free(self);
+}
+
+static PyTypeObject region_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cohort._cohort.Region",
+    .tp_basicsize = sizeof(struct region),
+    .tp_dealloc = (destructor)region_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The accumulator's shared memory as a writable buffer (see Core.region).",
+    .tp_as_buffer = &region_as_buffer,
+};
+
+/* ---- module ------------------------------------------------------------- */
+
+static PyObject *mod_strerror(PyObject *mod, PyObject *arg)
+{
+    long e = PyLong_AsLong(arg);
+
+    if (e == -1 && PyErr_Occurred())
+        return NULL;
+    if (e > INT_MAX || e < -INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "not an errno");
+        return NULL;
+    }
+    return PyUnicode_FromString(cohort_strerror((int)e));
+}
+
+static PyMethodDef mod_methods[] = {
+    { "strerror", mod_strerror, METH_O, "strerror(errno): cohort_strerror's sentence." },
+    { NULL, NULL, 0, NULL },
+};
+
+static struct PyModuleDef mod_def = {
+    PyModuleDef_HEAD_INIT, "cohort._cohort",
+    "The C binding of cohort's trainer API (include/cohort.h); use the cohort package.",
+    -1, mod_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cohort(void);
+
+PyMODINIT_FUNC PyInit__cohort(void)
+{
+    PyObject *m;
+
+    if (PyType_Ready(&core_type) < 0 || PyType_Ready(&region_type) < 0)
+        return NULL;
+    m = PyModule_Create(&mod_def);
+    if (!m)
+        return NULL;
+    cohort_error = PyErr_NewExceptionWithDoc(
+        "cohort._cohort.Error", "A cohort call failed; errno and strerror say why.",
+        PyExc_OSError, NULL);
+    if (!cohort_error || PyModule_AddObjectRef(m, "Error", cohort_error) < 0 ||
+        PyModule_AddObjectRef(m, "Core", (PyObject *)&core_type) < 0 ||
+        PyModule_AddObjectRef(m, "Region", (PyObject *)&region_type) < 0 ||
+        PyModule_AddIntConstant(m, "F32", COHORT_F32) < 0 ||
+        PyModule_AddIntConstant(m, "F64", COHORT_F64) < 0 ||
+        PyModule_AddIntConstant(m, "F16", COHORT_F16) < 0 ||
+        PyModule_AddIntConstant(m, "BF16", COHORT_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "API_VERSION", COHORT_API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

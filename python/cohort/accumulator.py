@@ -1,0 +1,490 @@
+"""cohort.Accumulator: moolib's Accumulator over cohort's trainer API.
+
+The parameters, their gradients and the buffers are moved into one block
+of shared memory that cohort lays out (include/cohort.h) and the sidecar,
+or the in-process node, maps too. Each parameter's data, its `.grad` and
+each buffer become views of that block (torch.frombuffer over a
+_cohort.Region), like DDP's gradient_as_bucket_view: backward() adds
+into the block in place, reduce_gradients() hands it over without a copy,
+and a state sync writes the leader's parameters and buffers straight into
+the model.
+
+Where the seed API leaves room, this module follows include/cohort.h:
+- reduce_gradients(batch_size) contributes what `.grad` holds; the result
+  is the sum of the contributions divided by their number (pass a
+  per-batch mean loss). Gradients keep accumulating until a result is
+  applied; zero_gradients() zeroes them.
+- A call that fits the accumulator's state is never refused because of a
+  race with a membership change: a contribution made just as the node
+  stopped taking one is kept and handed over at the next update() that
+  wants gradients (wants_gradients() says False meanwhile); one that the
+  leader's committed rounds already hold is dropped, and the next
+  update() zeroes the gradients.
+- Real misuse (reduce_gradients without wants_gradients, zero_gradients
+  without has_gradients, anything after close()) raises.
+"""
+import atexit
+import errno
+import os
+import pickle
+import re
+import threading
+import time
+import uuid
+import weakref
+
+import torch
+
+from . import _cohort
+
+Error = _cohort.Error
+
+_PARAM_DTYPES = {
+    torch.float32: _cohort.F32,
+    torch.float64: _cohort.F64,
+    torch.float16: _cohort.F16,
+    torch.bfloat16: _cohort.BF16,
+}
+
+# How often update() retries a connect() whose sidecar was not there yet.
+_RETRY_S = 0.1
+
+_live = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _buffer_spec(t):
+    """(dtype code, numel) that covers the bytes of buffer t. Buffers are
+    not reduced, only copied from the leader bytewise, so a buffer of any
+    dtype (BatchNorm's int64 num_batches_tracked, say) is registered as
+    the float type of its element size."""
+    if t.dtype in _PARAM_DTYPES:
+        return _PARAM_DTYPES[t.dtype], t.numel()
+    size = t.element_size()
+    nbytes = t.numel() * size
+    if size % 8 == 0:
+        return _cohort.F64, nbytes // 8
+    if size % 4 == 0:
+        return _cohort.F32, nbytes // 4
+    return _cohort.F16, (nbytes + 1) // 2
+
+
+def _check_tensor(t, what, i):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s %d is a %s, not a torch.Tensor" % (what, i, type(t).__name__))
+    if t.layout != torch.strided:
+        raise ValueError("%s %d has layout %s; cohort holds dense (strided) tensors only"
+                         % (what, i, t.layout))
+    if t.device.type != "cpu":
+        raise ValueError("%s %d is on %s; cohort's shared memory holds CPU tensors only "
+                         "(GPU memory is not supported by this build)" % (what, i, t.device))
+
+
+def _sanitize(name):
+    """A cohort name or member id from any string: [A-Za-z0-9._-], starting
+    with a letter or digit, at most 253 bytes."""
+    s = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")[:253]
+    return s or "cohort"
+
+
+class Accumulator:
+    """Accumulates and synchronizes gradients and state across the members
+    of a cohort (moolib.Accumulator).
+
+    Accumulator(name, parameters, buffers=None, group=None)
+
+    name: the accumulator's name; parameters: e.g. model.parameters() (CPU,
+    one floating dtype); buffers: e.g. model.buffers(), kept in step with
+    the leader's; group: a cohort.Group, whose name becomes the cohort's
+    name and whose Rpc's name becomes this member's id when joining a
+    broker directly.
+    """
+
+    def __init__(self, name, parameters, buffers=None, group=None):
+        if not isinstance(name, str) or not name:
+            raise TypeError("name must be a non-empty str")
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        params = list(parameters)
+        bufs = [] if buffers is None else ([buffers] if isinstance(buffers, torch.Tensor)
+                                           else list(buffers))
+        if not params:
+            raise ValueError("an Accumulator needs at least one parameter")
+        seen = set()
+        for what, ts in (("parameter", params), ("buffer", bufs)):
+            for i, t in enumerate(ts):
+                _check_tensor(t, what, i)
+                if id(t) in seen:
+                    raise ValueError("%s %d is given twice" % (what, i))
+                seen.add(id(t))
+        dtype = params[0].dtype
+        if dtype not in _PARAM_DTYPES:
+            raise ValueError("parameters must be float32, float64, float16 or bfloat16, not %s"
+                             % dtype)
+        for i, p in enumerate(params):
+            if p.dtype != dtype:
+                raise ValueError("parameter %d is %s but parameter 0 is %s; cohort reduces one "
+                                 "dtype" % (i, p.dtype, dtype))
+        if sum(p.numel() for p in params) == 0:
+            raise ValueError("the parameters have no elements")
+        if group is not None and not isinstance(group, Group):
+            raise TypeError("group must be a cohort.Group, not %s" % type(group).__name__)
+
+        self._name = name
+        self._group = group
+        self._core = _cohort.Core(name, [(_PARAM_DTYPES[dtype], p.numel()) for p in params],
+                                  [_buffer_spec(b) for b in bufs])
+        self._region = self._core.region()
+        self._params = params
+        self._buffers = bufs
+        self._pviews, self._gviews, self._bviews = [], [], []
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                pv = self._view(self._core.param_offset(i), p.dtype, p.shape)
+                gv = self._view(self._core.grad_offset(i), p.dtype, p.shape)
+                pv.copy_(p.detach())
+                if p.grad is not None:
+                    gv.copy_(p.grad)
+                p.data = pv
+                p.grad = gv
+                self._pviews.append(pv)
+                self._gviews.append(gv)
+            for i, b in enumerate(bufs):
+                bv = self._view(self._core.buffer_offset(i), b.dtype, b.shape)
+                bv.copy_(b.detach())
+                b.data = bv
+                self._bviews.append(bv)
+        self._grads = self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
+        self._pending = None        # (batch_size or 0 for a skip, model_version)
+        self._asked = False         # the last update() said wants_gradients
+        self._state = None
+        self._address = None        # a connect() to retry: the sidecar was not there yet
+        self._attempted = False     # connect() was called
+        self._retry_at = 0.0
+        with _live_lock:
+            _live.add(self)
+
+    def _view(self, offset, dtype, shape):
+        n = 1
+        for d in shape:
+            n *= d
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._region, dtype=dtype, count=n, offset=offset).view(shape)
+
+    def _c(self):
+        core = self._core
+        if core is None or core.closed:
+            raise ValueError("the accumulator is closed")
+        return core
+
+    # ---- connection ------------------------------------------------------
+
+    def connect(self, address=None):
+        """Connects to a broker ("host:port": the node runs in this process)
+        or a sidecar ("unix:PATH"); None takes $COHORT_SOCKET, else
+        $COHORT_BROKER. Like moolib's, it does not wait: a sidecar that is
+        not listening yet is retried by update()."""
+        core = self._c()
+        if address is not None and not isinstance(address, str):
+            raise TypeError("address must be a str or None")
+        target = address or os.environ.get("COHORT_SOCKET") or os.environ.get("COHORT_BROKER")
+        if not target:
+            raise ValueError("no address: pass one, or set COHORT_SOCKET (unix:PATH) or "
+                             "COHORT_BROKER (host:port)")
+        if not (target.startswith("unix:") or target.startswith("/")):
+            core.set_identity(*self._identity())
+        self._address = None
+        self._attempted = True
+        try:
+            core.connect(target)
+        except Error as e:
+            if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise
+            self._address = target
+            self._retry_at = time.monotonic() + _RETRY_S
+
+    def _identity(self):
+        """(cohort, member id) for joining a broker: the Group's name and its
+        Rpc's name when given, else $COHORT_COHORT and $COHORT_ID, else the
+        accumulator's name and a fresh unique id (as moolib's Rpc names
+        itself)."""
+        g = self._group
+        cohort = (g.name() if g is not None else None) or os.environ.get("COHORT_COHORT") or self._name
+        rpc = g._rpc if g is not None else None
+        member = (rpc.get_name() if rpc is not None and rpc._named else None) or \
+            os.environ.get("COHORT_ID") or "%s-%d-%s" % (os.uname().nodename, os.getpid(),
+                                                        uuid.uuid4().hex[:8])
+        return _sanitize(cohort), _sanitize(member)
+
+    def connected(self):
+        """True once this member is in a cohort and ready to train."""
+        return self._c().connected()
+
+    def update(self):
+        """Refreshes everything the questions answer; call it once per loop.
+        Raises Error (ENOTCONN) when the sidecar is gone."""
+        core = self._c()
+        if self._address is not None:
+            if time.monotonic() >= self._retry_at:
+                self.connect(self._address)
+        elif not self._attempted and self._group is not None and self._group._rpc._address:
+            # moolib connects the Rpc, not the Accumulator.
+            self.connect(self._group._rpc._address)
+        core.update()
+        self._check_moved()
+        self._asked = False
+        if self._pending is not None:
+            batch, version = self._pending
+            if core.has_new_state() or core.model_version() != version:
+                # Behind the leader: the node dropped the contribution (its
+                # rounds hold it) and zeroes the gradients.
+                self._pending = None
+            elif core.wants_gradients():
+                rc = core.reduce_gradients(batch) if batch else core.skip_gradients()
+                if rc != errno.EPERM:
+                    self._pending = None
+        self._asked = self._pending is None and core.wants_gradients()
+
+    # ---- state -------------------------------------------------------------
+
+    def wants_state(self):
+        """True on the leader when a member needs its state: call set_state."""
+        return self._c().wants_state()
+
+    def set_state(self, state):
+        """Sends `state` (any picklable object: optimizer state_dict,
+        counters) with the parameters and buffers to the members that need
+        them. Only the leader is asked (wants_state); a call that is no
+        longer wanted by the time it is made is ignored."""
+        core = self._c()
+        wanted = core.wants_state()
+        data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            core.set_state(data)
+        except Error as e:
+            if e.errno != errno.EPERM or not wanted:
+                raise
+        self._state = state
+
+    def has_new_state(self):
+        """True when the leader's state has arrived: the parameters and
+        buffers already hold the leader's values; state() returns its
+        object."""
+        return self._c().has_new_state()
+
+    def state(self):
+        """The state received from the leader (set_state's object), or the
+        last one set or received when nothing new came."""
+        core = self._c()
+        if core.has_new_state():
+            data = core.state()
+            self._state = pickle.loads(data)
+        return self._state
+
+    # ---- gradients ---------------------------------------------------------
+
+    def wants_gradients(self):
+        """True when this member should call reduce_gradients or
+        skip_gradients."""
+        return self._asked and self._pending is None and self._c().wants_gradients()
+
+    def _contribute(self, batch, what):
+        core = self._c()
+        if not core.connected():
+            raise Error(errno.ENOTCONN, "%s: not connected to a cohort (see connected())" % what)
+        asked = self._asked
+        if batch:
+            self._gather_grads()
+            rc = core.reduce_gradients(batch)
+        else:
+            rc = core.skip_gradients()
+        self._asked = False
+        if rc == errno.EPERM:
+            if not asked:
+                raise Error(errno.EPERM, "%s: %s" % (what, _cohort.strerror(-errno.EPERM)))
+            # Asked by the last update(), refused now: the view moved under
+            # us. Kept for the next update() that wants gradients.
+            self._pending = (batch, core.model_version())
+        # EAGAIN: the leader's rounds already hold this work; the next
+        # update() zeroes the gradients.
+
+    def reduce_gradients(self, batch_size):
+        """Contributes the gradients in the parameters' .grad (which live in
+        cohort's shared memory: nothing is copied) for `batch_size`
+        samples. Call it when wants_gradients() is True."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError("batch_size must be an int, not %s" % type(batch_size).__name__)
+        if batch_size <= 0:
+            raise ValueError("batch_size must be positive, not %d (use skip_gradients to "
+                             "contribute nothing)" % batch_size)
+        self._contribute(batch_size, "reduce_gradients")
+
+    def skip_gradients(self):
+        """Takes part in this round without contributing."""
+        self._contribute(0, "skip_gradients")
+
+    def has_gradients(self):
+        """True when a round has committed: .grad holds the reduced result
+        (and model_version() is already one higher). Apply it (opt.step())
+        and call zero_gradients()."""
+        return self._c().has_gradients()
+
+    def zero_gradients(self):
+        """After applying a result: zeroes the gradients and lets the next
+        round start."""
+        self._c().zero_gradients()
+        self._gather_grads(reset=True)
+
+    def _gather_grads(self, reset=False):
+        """Puts every .grad back on its view of the shared gradients. A
+        .grad that autograd or the user replaced (optimizer.zero_grad
+        with set_to_none, a `p.grad = ...`) is copied in once; None counts
+        as zero."""
+        with torch.no_grad():
+            for p, g in zip(self._params, self._gviews):
+                cur = p.grad
+                if cur is g:
+                    continue
+                if cur is None:
+                    if not reset:
+                        g.zero_()
+                elif cur.data_ptr() != g.data_ptr() or cur.shape != g.shape or \
+                        cur.stride() != g.stride():
+                    if not reset:
+                        g.copy_(cur)
+                p.grad = g
+
+    def _check_moved(self):
+        """Puts back on the shared memory a parameter or buffer whose data
+        the user replaced (p.data = ..., load into a new tensor), so that
+        state syncs keep landing in the model."""
+        with torch.no_grad():
+            for what, ts, views in (("parameter", self._params, self._pviews),
+                                    ("buffer", self._buffers, self._bviews)):
+                for i, (t, v) in enumerate(zip(ts, views)):
+                    if t.data_ptr() == v.data_ptr() or v.numel() == 0:
+                        continue
+                    if t.dtype != v.dtype or t.device != v.device or t.shape != v.shape:
+                        raise ValueError(
+                            "%s %d changed to %s %s on %s after the Accumulator was created; "
+                            "cohort keeps it as %s %s on cpu" % (what, i, t.dtype, tuple(t.shape),
+                                                                 t.device, v.dtype, tuple(v.shape)))
+                    v.copy_(t.detach())
+                    t.data = v
+
+    # ---- versions and settings -------------------------------------------
+
+    def model_version(self):
+        """Committed rounds: one higher as soon as has_gradients() is True."""
+        return self._c().model_version()
+
+    def set_model_version(self, n):
+        """Declares a model version (after loading a checkpoint); it counts
+        at the next leader election."""
+        self._c().set_model_version(n)
+
+    def set_virtual_batch_size(self, n):
+        """A round commits once the cohort's contributions since the last
+        commit add up to at least n samples."""
+        self._c().set_virtual_batch_size(n)
+
+    def set_parallel_gradients(self, n):
+        """Rounds in flight at once."""
+        self._c().set_parallel_gradients(n)
+
+    def get_gradient_stats(self):
+        """Statistics of the last committed round (batch_size,
+        num_gradients, num_skipped) and of the run (rounds_committed,
+        rounds_retried, epochs_seen, states_received,
+        contributions_dropped, epoch)."""
+        return self._c().view()["stats"]
+
+    def get_leader(self):
+        """The leader's member id, or "" when none is known."""
+        return self._c().get_leader()
+
+    def is_leader(self):
+        return self._c().is_leader()
+
+    # cohort's own, for sharding data: both change with membership.
+    def rank(self):
+        """This member's position in the cohort's member order."""
+        return self._c().rank()
+
+    def size(self):
+        """Members in the cohort."""
+        return self._c().size()
+
+    # ---- memory ---------------------------------------------------------------
+
+    def gradients(self):
+        """All gradients as one flat tensor: the shared memory the .grad
+        tensors are views of."""
+        self._c()
+        return self._grads
+
+    def memory_span(self):
+        """(address, length) of the shared memory that holds the
+        parameters, gradients and buffers."""
+        return self._c().span()
+
+    # ---- lifetime --------------------------------------------------------------
+
+    def close(self):
+        """Leaves the cohort. The model's parameters, gradients and buffers
+        keep their values, moved to private memory. Every other method
+        raises afterwards. Views of the shared memory that the caller
+        still holds keep it mapped, and the leave waits for them."""
+        core = self._core
+        if core is None or core.closed:
+            return
+        with torch.no_grad():
+            for p, pv, gv in zip(self._params, self._pviews, self._gviews):
+                if p.data_ptr() == pv.data_ptr() and pv.numel():
+                    p.data = pv.clone()
+                if p.grad is not None and p.grad.data_ptr() == gv.data_ptr() and gv.numel():
+                    p.grad = gv.clone()
+            for b, bv in zip(self._buffers, self._bviews):
+                if b.data_ptr() == bv.data_ptr() and bv.numel():
+                    b.data = bv.clone()
+        self._pviews = self._gviews = self._bviews = []
+        self._grads = None
+        self._region = None
+        core.close()
+        with _live_lock:
+            _live.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        core = self._core
+        if core is None or core.closed:
+            return "<cohort.Accumulator %r closed>" % self._name
+        return "<cohort.Accumulator %r connected=%s model_version=%d>" % (
+            self._name, core.connected(), core.model_version())
+
+
+@atexit.register
+def _close_all():
+    """Members leave their cohort at exit instead of waiting to be evicted."""
+    with _live_lock:
+        accs = list(_live)
+    for a in accs:
+        try:
+            a.close()
+        except Exception:
+            pass
+
+
+from .group import Group  # noqa: E402,F401  (isinstance check in __init__)
