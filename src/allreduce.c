@@ -392,7 +392,8 @@ struct run {
     enum dtype type, acc;
     enum dtype_op op;
     double div;
-    uint8_t *buf;
+    uint8_t *buf;               /* where the result lands */
+    const uint8_t *src;         /* this member's contribution: buf, or a buffer never written */
     size_t esz, asz;            /* user and accumulation element sizes */
     bool wide;                  /* 16-bit float: accumulate in float32 */
     size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
@@ -1456,7 +1457,9 @@ static void ring_send_start(struct run *x, struct ring *g, struct conn *c)
 {
     const struct cursor *s = &g->s;
     bool rs = s->t < x->n - 1;
-    const void *src = x->buf + s->base * x->esz;
+    /* Step 0 sends our own contribution; every later step sends a partial
+     * sum or a result, which live in buf. */
+    const void *src = (s->t == 0 ? x->src : x->buf) + s->base * x->esz;
     size_t bytes = s->len * x->esz;
     struct frame f;
 
@@ -1523,13 +1526,17 @@ static void ring_recv_done(struct run *x, struct ring *g)
     if (!x->wide) {
         void *dst = x->buf + q->base * x->esz;
 
+        /* Out of place, the contribution is brought in segment by segment,
+         * while it is hot for the combine that follows. */
+        if (x->src != x->buf)
+            memcpy(dst, x->src + q->base * x->esz, q->len * x->esz);
         dtype_combine(x->acc, x->op, dst, slot, q->len);
         if (last)
             dtype_scale(x->acc, dst, q->len, x->div);
         g->slot_busy[g->rx_slot] = false;
         return;
     }
-    dtype_combine_widen(x->type, x->op, (float *)slot, (const uint16_t *)x->buf + q->base, q->len);
+    dtype_combine_widen(x->type, x->op, (float *)slot, (const uint16_t *)x->src + q->base, q->len);
     if (last) {
         dtype_scale(DTYPE_F32, slot, q->len, x->div);
         dtype_narrow(x->type, (uint16_t *)x->buf + q->base, (const float *)slot, q->len);
@@ -1888,18 +1895,24 @@ static int run_call(struct run *x)
     rc = dtype_divisor(x->type, x->op, x->n, x->div, &x->div);
     if (rc < 0)
         return rc;
+    if (x->count == 0)
+        return 0;
+    rd = a->small_bytes != ALLREDUCE_SMALL_NONE && x->count <= a->small_bytes / x->asz;
+    /* Alone, and recursive doubling (small buffers only), work in place:
+     * copying the contribution first costs little there. */
+    if ((x->n == 1 || rd) && x->src != x->buf) {
+        memcpy(x->buf, x->src, x->count * x->esz);
+        x->src = x->buf;
+    }
     if (x->n == 1) {
         run_alone(x);
         return 0;
     }
-    if (x->count == 0)
-        return 0;
     if (a->conn_epoch != x->e) {
         rc = table_reset(a, x->e);
         if (rc < 0)
             return rc;
     }
-    rd = a->small_bytes != ALLREDUCE_SMALL_NONE && x->count <= a->small_bytes / x->asz;
     if (rd) {
         n_need = rd_needs(x->n, x->me, need);
     } else {
@@ -1920,22 +1933,34 @@ static int run_call(struct run *x)
     return rc;
 }
 
+static bool handle_ok(const struct allreduce *a, int h)
+{
+    return h >= 0 && h < ALLREDUCE_MAX_BUFFERS && a->regs[h].used;
+}
+
 int allreduce_run(struct allreduce *a, int handle, size_t count, enum dtype type,
                   enum dtype_op op, double denominator, uint64_t round)
+{
+    return allreduce_run_into(a, handle, handle, count, type, op, denominator, round);
+}
+
+int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                       enum dtype_op op, double denominator, uint64_t round)
 {
     struct run x = { .a = a, .round = round, .count = count, .type = type, .op = op,
                      .div = denominator, .fail_peer = SIZE_MAX };
     int rc;
 
-    if (!a || handle < 0 || handle >= ALLREDUCE_MAX_BUFFERS || !a->regs[handle].used ||
-        !dtype_valid((int)type) || !dtype_op_valid((int)op))
+    if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
+        !dtype_op_valid((int)op))
         return -EINVAL;
     x.esz = dtype_size(type);
     x.acc = dtype_acc(type);
     x.asz = dtype_size(x.acc);
     x.wide = dtype_is_16bit_float(type);
-    x.buf = a->regs[handle].buf;
-    if (count > a->regs[handle].bytes / x.esz)
+    x.buf = a->regs[out].buf;
+    x.src = a->regs[in].buf;
+    if (count > a->regs[in].bytes / x.esz || count > a->regs[out].bytes / x.esz)
         return -EINVAL;
     pthread_mutex_lock(&a->mu);
     if (atomic_load(&a->running)) {

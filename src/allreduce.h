@@ -118,6 +118,15 @@ int allreduce_unregister(struct allreduce *a, int handle);
 int allreduce_run(struct allreduce *a, int handle, size_t count, enum dtype type,
                   enum dtype_op op, double denominator, uint64_t round);
 
+/* allreduce_run out of place: the contributions are read from registered
+ * buffer `in`, which is never written, and the result lands in `out`
+ * (in == out is allreduce_run). Whatever the outcome `in` still holds this
+ * member's contribution, so a failed call can be retried in a new epoch
+ * without a copy kept aside. Same returns; -EINVAL also when count exceeds
+ * either registration. */
+int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                       enum dtype_op op, double denominator, uint64_t round);
+
 /* True while a run is in flight (for status and tests). */
 bool allreduce_busy(const struct allreduce *a);
 

@@ -39,6 +39,8 @@ struct peer {
     void *buf;
     size_t bytes;
     int h;
+    void *in;                   /* out of place: contributions, never written */
+    int hin;                    /* its handle, or -1: in place */
     /* the call in flight */
     pthread_t th;
     size_t count;
@@ -99,6 +101,19 @@ static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, 
         cr_assert_eq(posix_memalign(&p->buf, 64, bytes ? bytes : 8), 0);
         p->h = allreduce_register(p->ar, p->buf, bytes);
         cr_assert_geq(p->h, 0);
+        p->hin = -1;
+    }
+}
+
+/* Switches every member to allreduce_run_into from a second buffer. */
+static void cluster_out_of_place(struct cluster *c)
+{
+    for (size_t i = 0; i < c->n; i++) {
+        struct peer *p = &c->p[i];
+
+        cr_assert_eq(posix_memalign(&p->in, 64, p->bytes ? p->bytes : 8), 0);
+        p->hin = allreduce_register(p->ar, p->in, p->bytes);
+        cr_assert_geq(p->hin, 0);
     }
 }
 
@@ -108,6 +123,7 @@ static void cluster_fini(struct cluster *c)
         allreduce_destroy(c->p[i].ar);
         close(c->p[i].fd);
         free(c->p[i].buf);
+        free(c->p[i].in);
     }
 }
 
@@ -139,7 +155,11 @@ static void *call_main(void *arg)
 {
     struct peer *p = arg;
 
-    p->rc = allreduce_run(p->ar, p->h, p->count, p->type, p->op, p->denom, p->round);
+    if (p->hin >= 0)
+        p->rc = allreduce_run_into(p->ar, p->hin, p->h, p->count, p->type, p->op, p->denom,
+                                   p->round);
+    else
+        p->rc = allreduce_run(p->ar, p->h, p->count, p->type, p->op, p->denom, p->round);
     p->done_ms = clock_now_ms();
     return NULL;
 }
@@ -192,9 +212,14 @@ static void put(void *buf, enum dtype t, size_t i, double v)
 
 static void fill(struct cluster *c, size_t count, enum dtype t)
 {
-    for (size_t k = 0; k < c->n; k++)
+    for (size_t k = 0; k < c->n; k++) {
+        /* Out of place, the result buffer starts as garbage: nothing may
+         * be read from it before it is written. */
+        if (c->p[k].in)
+            memset(c->p[k].buf, 0xa5, count * dtype_size(t));
         for (size_t i = 0; i < count; i++)
-            put(c->p[k].buf, t, i, input(k, i));
+            put(c->p[k].in ? c->p[k].in : c->p[k].buf, t, i, input(k, i));
+    }
 }
 
 /* The result the engine promises (dtype.h): exact sums, one division, in
@@ -248,13 +273,23 @@ static void check(struct cluster *c, size_t count, enum dtype t, enum dtype_op o
                            c->n, count, dtype_name(t), dtype_op_name(op), k, i);
         }
         cr_assert_eq(memcmp(c->p[k].buf, c->p[0].buf, bytes), 0);
+        if (c->p[k].in) {
+            uint8_t *mine = malloc(bytes ? bytes : 1);
+
+            cr_assert_not_null(mine);
+            for (size_t i = 0; i < count; i++)
+                put(mine, t, i, input(k, i));
+            cr_assert_eq(memcmp(c->p[k].in, mine, bytes), 0,
+                         "%s: member %zu's contribution was written", what, k);
+            free(mine);
+        }
     }
     free(want);
 }
 
 /* Every type and op at every count, for 1..8 members. */
 static void matrix(size_t seg, size_t small, const size_t *counts, size_t n_counts, size_t n_lo,
-                   size_t n_hi, bool reversed, const char *what)
+                   size_t n_hi, bool reversed, bool oop, const char *what)
 {
     size_t maxc = 0;
 
@@ -267,6 +302,8 @@ static void matrix(size_t seg, size_t small, const size_t *counts, size_t n_coun
 
         quiet();
         cluster_init(&c, n, maxc * 8, seg, small, 30000);
+        if (oop)
+            cluster_out_of_place(&c);
         /* Listing members in reverse shows the schedule follows the
          * epoch's order, not creation order or ids. */
         for (size_t i = 0; i < n; i++)
@@ -291,7 +328,7 @@ Test(allreduce, recursive_doubling_matrix)
      * doubling; 3, 5, 6 and 7 members exercise the non-power-of-two
      * hand-over. */
     matrix(0, 0, small_counts, sizeof small_counts / sizeof small_counts[0], 1, MAXP, false,
-           "recursive doubling");
+           false, "recursive doubling");
 }
 
 Test(allreduce, ring_matrix_tiny_segments)
@@ -299,14 +336,24 @@ Test(allreduce, ring_matrix_tiny_segments)
     /* 16-byte segments: many windows, partial windows, and chunks that are
      * empty when there are fewer elements than members. */
     matrix(16, ALLREDUCE_SMALL_NONE, small_counts, sizeof small_counts / sizeof small_counts[0],
-           1, MAXP, true, "ring");
+           1, MAXP, true, false, "ring");
+}
+
+Test(allreduce, out_of_place_matrix_leaves_contributions_alone)
+{
+    static const size_t counts[] = { 0, 1, 7, 1031 };
+
+    matrix(16, ALLREDUCE_SMALL_NONE, counts, sizeof counts / sizeof counts[0], 1, 5, false, true,
+           "ring, out of place");
+    matrix(0, 0, counts, sizeof counts / sizeof counts[0], 1, 5, false, true,
+           "recursive doubling, out of place");
 }
 
 Test(allreduce, ring_medium_prime_count)
 {
     static const size_t counts[] = { 100003 };
 
-    matrix(0, 0, counts, 1, 2, MAXP, false, "ring, medium");
+    matrix(0, 0, counts, 1, 2, MAXP, false, false, "ring, medium");
 }
 
 static void big(size_t n, size_t count, enum dtype t, enum dtype_op op, size_t seg)
@@ -330,6 +377,24 @@ Test(allreduce, f32_sum_64MiB_plus_one_element_2_peers)
 Test(allreduce, f32_sum_64MiB_plus_one_element_4_peers)
 {
     big(4, (64u << 20) / 4 + 1, DTYPE_F32, DTYPE_SUM, 0);
+}
+
+Test(allreduce, out_of_place_bf16_and_f32_over_many_windows)
+{
+    struct cluster c;
+    size_t count = (1u << 20) + 7;
+
+    quiet();
+    cluster_init(&c, 3, count * 4, 64 << 10, 0, 60000);
+    cluster_out_of_place(&c);
+    adopt(&c, 1, NULL);
+    fill(&c, count, DTYPE_BF16);
+    call_all(&c, count, DTYPE_BF16, DTYPE_AVG, 3, 1);
+    check(&c, count, DTYPE_BF16, DTYPE_AVG, 3, "large bf16, out of place");
+    fill(&c, count, DTYPE_F32);
+    call_all(&c, count, DTYPE_F32, DTYPE_AVG_BY, 3, 2);
+    check(&c, count, DTYPE_F32, DTYPE_AVG_BY, 3, "large f32, out of place");
+    cluster_fini(&c);
 }
 
 Test(allreduce, bf16_avg_and_f16_sum_over_many_windows)
