@@ -69,6 +69,8 @@ static const char usage[] =
     "                            cohort's member timeout)\n"
     "  --resync DUR              reconcile every cohort at least this often (30s)\n"
     "  --watch-timeout DUR       length of one watch request (default 5m)\n"
+    "  --api-timeout DUR         give up on one API request after this (default 30s);\n"
+    "                            the reconcile is retried with backoff\n"
     "\n"
     "Broker (both modes):\n"
     "  --standalone              run the broker alone, with no Kubernetes\n"
@@ -159,7 +161,7 @@ static int parse_cohort(const char *arg, struct cohort_spec *c)
 enum { O_STANDALONE = 256, O_LISTEN, O_COHORT, O_ANY, O_HB, O_TO, O_COALESCE, O_HOLD,
        O_MAXM, O_MAXC, O_LOGF, O_LOGL, O_KUBECONFIG, O_CONTEXT, O_INCLUSTER, O_NS, O_BADDR,
        O_SIMG, O_SCMD, O_LNAME, O_LNS, O_IDENT, O_LDUR, O_LRENEW, O_LRETRY, O_METRICS,
-       O_WORKERS, O_STPERIOD, O_DRAIN, O_RESYNC, O_WTIMEOUT };
+       O_WORKERS, O_STPERIOD, O_DRAIN, O_RESYNC, O_WTIMEOUT, O_APITIMEOUT };
 
 /* Everything Kubernetes mode needs beyond the broker's settings. */
 struct kopts {
@@ -167,7 +169,7 @@ struct kopts {
         *sidecar_command, *lease_name, *lease_namespace, *identity, *metrics_listen;
     bool in_cluster;
     uint32_t lease_ms, renew_ms, retry_ms, workers, status_period_ms, drain_ms, resync_ms,
-        watch_s;
+        watch_s, api_timeout_ms;
 };
 
 /* What the metrics thread reads while the main thread starts and stops
@@ -396,7 +398,10 @@ static int run_kube(const struct kopts *ko_in, const struct brokerd_config *bcfg
                   LF_S("kubeconfig", ko.kubeconfig), LF_ERR(rc));
         goto out;
     }
-    rc = kube_create(&kc, NULL, &op.kube);
+    {
+        struct kube_opts kopt = { .timeout_ms = ko.api_timeout_ms };
+        rc = kube_create(&kc, &kopt, &op.kube);
+    }
     if (rc < 0) {
         log_error("operator", "The API client could not be created.", LF_ERR(rc));
         goto out;
@@ -519,6 +524,7 @@ int main(int argc, char **argv)
         { "drain-timeout", required_argument, NULL, O_DRAIN },
         { "resync", required_argument, NULL, O_RESYNC },
         { "watch-timeout", required_argument, NULL, O_WTIMEOUT },
+        { "api-timeout", required_argument, NULL, O_APITIMEOUT },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -528,7 +534,7 @@ int main(int argc, char **argv)
         .sidecar_image = "ghcr.io/cohort-dev/cohort:latest", .sidecar_command = "cohort-sidecar",
         .lease_name = "cohort-operator", .metrics_listen = "0.0.0.0:8080",
         .lease_ms = 15000, .renew_ms = 10000, .retry_ms = 2000, .workers = 2,
-        .status_period_ms = 5000, .resync_ms = 30000, .watch_s = 300,
+        .status_period_ms = 5000, .resync_ms = 30000, .watch_s = 300, .api_timeout_ms = 30000,
     };
     const char *logf = NULL, *logl = NULL;
     bool standalone = false, hold_set = false;
@@ -637,6 +643,10 @@ int main(int argc, char **argv)
             if (duration_flag("watch-timeout", optarg, 3600000, &w))
                 return 2;
             ko.watch_s = w < 1000 ? 1 : w / 1000;
+            break;
+        case O_APITIMEOUT:
+            if (duration_flag("api-timeout", optarg, 600000, &ko.api_timeout_ms))
+                return 2;
             break;
         case 'h':
             fputs(usage, stdout);

@@ -495,8 +495,8 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
         cJSON_AddNumberToObject(e, "modelVersion", (double)m->model_version);
         if (m->draining)
             cJSON_AddBoolToObject(e, "draining", 1);
-        else
-            ready++;
+        else if (o->epoch)
+            ready++;        /* members train once an epoch names them */
         if (o->leader && strcmp(o->leader, m->id) == 0)
             leader_version = m->model_version;
         cJSON_AddItemToArray(members, e);

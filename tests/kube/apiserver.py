@@ -3196,6 +3196,53 @@ class Store:
                     return True
         return False
 
+    # -- fault injection, for tests -----------------------------------------
+
+    def _faults(self, method, body):
+        """POST adds a rule, GET lists them, DELETE clears them. A rule:
+        {"method": "POST", "path": "substring", "userAgent": "substring",
+         "status": 500, "delay": seconds, "count": N}. Every field is
+        optional; a matching request waits `delay` seconds, then gets
+        `status` (if given) instead of its answer, `count` times (default
+        unlimited). Watches match too, by the same fields."""
+        srv = self.server
+        with srv.fault_lock:
+            if method == "POST":
+                rule = dict(body or {})
+                rule.setdefault("hits", 0)
+                srv.faults.append(rule)
+            elif method == "DELETE":
+                srv.faults[:] = []
+            return self._send_json(200, {"faults": list(srv.faults)})
+
+    def _inject_fault(self, method, path):
+        srv = self.server
+        ua = self.headers.get("User-Agent", "") or ""
+        with srv.fault_lock:
+            rule = None
+            for r in srv.faults:
+                if r.get("method") and r["method"] != method:
+                    continue
+                if r.get("path") and r["path"] not in path:
+                    continue
+                if r.get("userAgent") and r["userAgent"] not in ua:
+                    continue
+                if r.get("count") is not None and r["hits"] >= r["count"]:
+                    continue
+                r["hits"] += 1
+                rule = dict(r)
+                break
+        if rule is None:
+            return
+        if rule.get("delay"):
+            time.sleep(float(rule["delay"]))
+        if rule.get("status"):
+            code = int(rule["status"])
+            raise ApiError(code, {429: "TooManyRequests", 500: "InternalError",
+                                  503: "ServiceUnavailable", 504: "Timeout"}
+                           .get(code, "InternalError"), "injected fault (%d) for %s %s" %
+                           (code, method, path))
+
     # -- watch ------------------------------------------------------------
 
     def events_after(self, pos):
@@ -3381,6 +3428,9 @@ class Server(ThreadingHTTPServer):
         self.args = args
         self.requests = collections.deque(maxlen=10000)
         self._token_cache = (None, None)
+        self.fault_lock = threading.Lock()
+        self.faults = []                   # /debug/cohort/faults
+        self.watch_generation = 0          # bumped by /debug/cohort/drop-watches
 
     def required_token(self):
         """The token a request must carry, or None for any. A token file is
@@ -3446,6 +3496,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._drain_body()
                 raise ApiError(401, "Unauthorized", "Unauthorized")
             body = self._read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else None
+            if not open_paths:
+                self._inject_fault(method, path)
             self._route(method, path, body)
         except ApiError as e:
             self._send_json(e.code, e.status())
@@ -3548,6 +3600,12 @@ class Handler(BaseHTTPRequestHandler):
             return self._send_json(200, VERSION_INFO)
         if path == "/debug/cohort/requests":
             return self._send_json(200, list(self.server.requests))
+        if path == "/debug/cohort/faults":
+            return self._faults(method, body)
+        if path == "/debug/cohort/drop-watches" and method == "POST":
+            with self.server.fault_lock:
+                self.server.watch_generation += 1
+            return self._send_json(200, {"dropped": True})
         if parts[:1] == ["openapi"]:
             return self._openapi(parts)
         if not parts or parts[0] not in ("api", "apis"):
@@ -3817,6 +3875,53 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, doc, extra={"Cache-Control": "public, immutable"}
                         if "hash" in self.q else None)
 
+    # -- fault injection, for tests -----------------------------------------
+
+    def _faults(self, method, body):
+        """POST adds a rule, GET lists them, DELETE clears them. A rule:
+        {"method": "POST", "path": "substring", "userAgent": "substring",
+         "status": 500, "delay": seconds, "count": N}. Every field is
+        optional; a matching request waits `delay` seconds, then gets
+        `status` (if given) instead of its answer, `count` times (default
+        unlimited). Watches match too, by the same fields."""
+        srv = self.server
+        with srv.fault_lock:
+            if method == "POST":
+                rule = dict(body or {})
+                rule.setdefault("hits", 0)
+                srv.faults.append(rule)
+            elif method == "DELETE":
+                srv.faults[:] = []
+            return self._send_json(200, {"faults": list(srv.faults)})
+
+    def _inject_fault(self, method, path):
+        srv = self.server
+        ua = self.headers.get("User-Agent", "") or ""
+        with srv.fault_lock:
+            rule = None
+            for r in srv.faults:
+                if r.get("method") and r["method"] != method:
+                    continue
+                if r.get("path") and r["path"] not in path:
+                    continue
+                if r.get("userAgent") and r["userAgent"] not in ua:
+                    continue
+                if r.get("count") is not None and r["hits"] >= r["count"]:
+                    continue
+                r["hits"] += 1
+                rule = dict(r)
+                break
+        if rule is None:
+            return
+        if rule.get("delay"):
+            time.sleep(float(rule["delay"]))
+        if rule.get("status"):
+            code = int(rule["status"])
+            raise ApiError(code, {429: "TooManyRequests", 500: "InternalError",
+                                  503: "ServiceUnavailable", 504: "Timeout"}
+                           .get(code, "InternalError"), "injected fault (%d) for %s %s" %
+                           (code, method, path))
+
     # -- watch ------------------------------------------------------------
 
     def _client_gone(self):
@@ -3907,10 +4012,20 @@ class Handler(BaseHTTPRequestHandler):
             if initial_events:
                 self._chunk(bookmark({"annotations": {"k8s.io/initial-events-end": "true"}}))
             deadline = time.monotonic() + timeout
+            generation = self.server.watch_generation
             interval = self.server.args.bookmark_interval
             next_bm = time.monotonic() + interval
             while True:
                 now = time.monotonic()
+                if self.server.watch_generation != generation:
+                    # /debug/cohort/drop-watches: the connection breaks
+                    # mid-stream, as when a load balancer or server dies.
+                    self.close_connection = True
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return
                 if now >= deadline:
                     if bookmarks:
                         self._chunk(bookmark())

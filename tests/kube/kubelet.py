@@ -41,6 +41,11 @@ For each pod on its node it:
 It serves container logs on an HTTP port named in its Node's
 daemonEndpoints, so `kubectl logs` works through the API server.
 
+With --no-processes it runs nothing: every pod bound to it is reported
+Running and Ready at once with an address from 10.244.0.0/16, and a pod
+being deleted is removed at once. The operator benchmark uses this to
+have hundreds of pods without hundreds of processes.
+
     kubelet.py --kubeconfig build/sandbox/kubeconfig --logs-dir DIR
 """
 import argparse
@@ -944,6 +949,8 @@ class Kubelet:
         self.lock = threading.RLock()
         self.workers = {}                  # uid -> PodWorker
         self.ips = {}                      # ip -> uid
+        self.fake_ips = {}                 # uid -> ip, with --no-processes
+        self.fake_next = 0
         self.stopping = threading.Event()
         os.makedirs(self.logs_dir, exist_ok=True)
 
@@ -1047,6 +1054,8 @@ class Kubelet:
             return
         if spec["nodeName"] != self.node:
             return
+        if self.args.no_processes:
+            return self._fake(pod)
         with self.lock:
             w = self.workers.get(uid)
             if w is None:
@@ -1060,6 +1069,42 @@ class Kubelet:
                 w.start()
                 return
         w.update(pod)
+
+    def _fake(self, pod):
+        """--no-processes: Running and Ready at once, removed at once."""
+        m = pod["metadata"]
+        if m.get("deletionTimestamp"):
+            with self.lock:
+                self.fake_ips.pop(m["uid"], None)
+            threading.Thread(target=self._remove, args=(pod,), daemon=True).start()
+            return
+        if (pod.get("status") or {}).get("phase") == "Running":
+            return
+        with self.lock:
+            if m["uid"] not in self.fake_ips:
+                self.fake_next += 1
+                self.fake_ips[m["uid"]] = "10.244.%d.%d" % (self.fake_next // 250 % 256,
+                                                            self.fake_next % 250 + 2)
+            ip = self.fake_ips[m["uid"]]
+        now = rfc3339()
+        conds = [{"type": t, "status": "True", "lastProbeTime": None, "lastTransitionTime": now}
+                 for t in ("PodReadyToStartContainers", "Initialized", "Ready",
+                           "ContainersReady", "PodScheduled")]
+        st = {"phase": "Running", "conditions": conds, "hostIP": "127.0.0.1",
+              "hostIPs": [{"ip": "127.0.0.1"}], "podIP": ip, "podIPs": [{"ip": ip}],
+              "startTime": now,
+              "containerStatuses": [{"name": c["name"], "ready": True, "started": True,
+                                     "restartCount": 0, "image": c.get("image", ""),
+                                     "imageID": "", "state": {"running": {"startedAt": now}}}
+                                    for c in (pod.get("spec") or {}).get("containers") or []]}
+        try:
+            self.api.request("PATCH", "/api/v1/namespaces/%s/pods/%s/status" %
+                             (m["namespace"], m["name"]),
+                             [{"op": "test", "path": "/metadata/uid", "value": m["uid"]},
+                              {"op": "add", "path": "/status", "value": st}],
+                             "application/json-patch+json")
+        except (ApiError, OSError) as e:
+            log("%s/%s: status update failed: %s" % (m["namespace"], m["name"], e))
 
     def _remove(self, pod):
         m = pod["metadata"]
@@ -1255,6 +1300,9 @@ def main(argv=None):
     ap.add_argument("--pass-env", action="append", metavar="NAME", help="also pass this variable "
                     "from the kubelet's environment to every container (repeatable)")
     ap.add_argument("--port-file", help="write the log server's port here once registered")
+    ap.add_argument("--no-processes", action="store_true", help="run nothing: report every pod "
+                    "Running and Ready at once, and remove deleted pods at once (for benchmarks "
+                    "of the control plane)")
     args = ap.parse_args(argv)
     if args.kubeconfig:
         server, token, token_file = read_kubeconfig(args.kubeconfig)

@@ -9,13 +9,15 @@ everything it started (the kubelet stops every pod's processes).
 It writes DIR/kubeconfig and prints the export line and example kubectl
 commands. Containers run as local processes found on PATH, with build/,
 build/examples/ and build/tools/ put first, so the sidecar and the example
-trainers built by `make` are used. What the stand-in leaves out is listed
-in docs/sandbox.md.
+trainers built by `make` are used; DIR/bin, first on PATH, maps the
+commands the example manifests name (cohort-example-logreg) to the
+build's binaries. What the stand-in leaves out is listed in docs/sandbox.md.
 """
 import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -55,7 +57,13 @@ def operator_command(path_env, kubeconfig):
         return None, "cohort-operator --help failed: %s" % e
     if "--kubeconfig" not in out.stdout + out.stderr:
         return None, "%s has no Kubernetes mode yet (no --kubeconfig in its --help)" % exe
-    return [exe, "--kubeconfig", kubeconfig], None
+    # The broker on a fixed loopback port, so that pods keep reaching it if
+    # the operator is restarted; pods on 127.0.0.x reach 127.0.0.1.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        broker_port = sock.getsockname()[1]
+    return [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % broker_port,
+            "--metrics-listen", "127.0.0.1:0"], None
 
 
 def main(argv=None):
@@ -78,8 +86,18 @@ def main(argv=None):
         if os.path.exists(stale):
             os.remove(stale)
     tools = os.path.join(ROOT, "build", "tools")
-    path_env = os.pathsep.join([os.path.join(ROOT, "build"), os.path.join(ROOT, "build",
-                                                                          "examples"),
+    # Commands the example manifests name, mapped to what make built, so
+    # that manifests never carry build paths.
+    cmd_dir = os.path.join(sandbox, "bin")
+    os.makedirs(cmd_dir, exist_ok=True)
+    for name, target in (("cohort-example-logreg", os.path.join(ROOT, "build", "examples",
+                                                                "logreg")),):
+        link = os.path.join(cmd_dir, name)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(target, link)
+    path_env = os.pathsep.join([cmd_dir, os.path.join(ROOT, "build"),
+                                os.path.join(ROOT, "build", "examples"),
                                 tools, os.environ.get("PATH", os.defpath)])
     if not os.access(os.path.join(tools, "kubectl"), os.X_OK):
         say("installing kubectl into build/tools")
@@ -155,7 +173,8 @@ cohort-operator: %s
   kubectl apply -f examples/k8s/cohort.yaml
   kubectl get tc,pods -o wide
   kubectl scale tc/logreg --replicas=5
-  kubectl logs POD -c trainer
+  kubectl get events --field-selector involvedObject.name=logreg
+  kubectl logs logreg-0 -c trainer
 
 Logs: %s/apiserver.log, %s/kubelet.log, containers under %s/logs/.
 Ctrl-C stops everything.

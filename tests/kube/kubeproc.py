@@ -1,0 +1,269 @@
+"""Processes for the operator's end-to-end tests and benchmark: the API
+server stand-in, the process kubelet, cohort-operator and kubectl, each a
+real process on loopback with free ports.
+
+Binaries come from $COHORT_BIN (the Makefile's kube target passes the
+sanitizer build, build/asan), else build/asan, else build/. The kubelet
+finds pod commands on a PATH that starts with a directory of symlinks:
+cohort-sidecar and cohort-example-logreg (build/examples/logreg), so the
+manifests name commands, never build paths.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+PYTHON = sys.executable
+DEADLINE = float(os.environ.get("COHORT_TEST_DEADLINE", "60"))
+KEEP = os.environ.get("COHORT_KEEP_LOGS") == "1"
+CRD_FILE = os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml")
+EXAMPLES = os.path.join(ROOT, "examples", "k8s")
+
+
+def bin_dir():
+    env = os.environ.get("COHORT_BIN")
+    if env:
+        return os.path.abspath(env)
+    for d in (os.path.join(ROOT, "build", "asan"), os.path.join(ROOT, "build")):
+        if os.access(os.path.join(d, "cohort-operator"), os.X_OK):
+            return d
+    return os.path.join(ROOT, "build", "asan")
+
+
+def pod_path_dir(tmp, bindir=None):
+    """A directory of the commands pods run, for the front of PATH."""
+    bindir = bindir or bin_dir()
+    d = os.path.join(tmp, "bin")
+    os.makedirs(d, exist_ok=True)
+    for name, target in (("cohort-sidecar", os.path.join(bindir, "cohort-sidecar")),
+                         ("cohort-example-logreg", os.path.join(bindir, "examples", "logreg"))):
+        link = os.path.join(d, name)
+        if not os.path.lexists(link):
+            os.symlink(target, link)
+    return d
+
+
+def wait_until(cond, what, timeout=DEADLINE, interval=0.1):
+    end = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
+        time.sleep(interval)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(p, timeout=20):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return p.returncode
+
+
+class ApiServer:
+    def __init__(self, tmp, *extra):
+        self.kubeconfig = os.path.join(tmp, "kubeconfig")
+        port_file = os.path.join(tmp, "apiserver.port")
+        self.log = open(os.path.join(tmp, "apiserver.log"), "w")
+        self.p = subprocess.Popen([PYTHON, os.path.join(HERE, "apiserver.py"), "--quiet",
+                                   "--port-file", port_file, "--kubeconfig", self.kubeconfig,
+                                   *extra], stdout=self.log, stderr=subprocess.STDOUT)
+        wait_until(lambda: os.path.exists(port_file) or self.p.poll() is not None,
+                   "the API server's port file")
+        assert self.p.poll() is None, open(self.log.name).read()
+        with open(port_file) as f:
+            self.port = int(f.read())
+        self.url = "http://127.0.0.1:%d" % self.port
+
+    def call(self, method, path, body=None, ctype="application/json"):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", ctype)
+        try:
+            with urllib.request.urlopen(req, timeout=DEADLINE) as r:
+                raw = r.read()
+                return r.status, json.loads(raw) if raw.strip() else None
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                return e.code, json.loads(raw)
+            except ValueError:
+                return e.code, raw.decode()
+
+    def get(self, path):
+        code, doc = self.call("GET", path)
+        return doc if code == 200 else None
+
+    def requests(self):
+        return self.call("GET", "/debug/cohort/requests")[1]
+
+    def fault(self, **rule):
+        assert self.call("POST", "/debug/cohort/faults", rule)[0] == 200
+
+    def clear_faults(self):
+        self.call("DELETE", "/debug/cohort/faults")
+
+    def drop_watches(self):
+        assert self.call("POST", "/debug/cohort/drop-watches", {})[0] == 200
+
+    def stop(self):
+        stop_process(self.p, 10)
+        self.log.close()
+
+
+class Kubelet:
+    def __init__(self, server, tmp, *extra, ip_prefix=None):
+        import random
+        self.ip_prefix = ip_prefix or "127.%d.%d" % (random.randint(1, 254),
+                                                     random.randint(0, 255))
+        self.log_path = os.path.join(tmp, "kubelet.log")
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, PATH=pod_path_dir(tmp) + os.pathsep + os.environ.get("PATH", ""))
+        self.p = subprocess.Popen([PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig",
+                                   server.kubeconfig, "--logs-dir", os.path.join(tmp, "logs"),
+                                   "--state-dir", os.path.join(tmp, "st"),
+                                   "--pod-ip-prefix", self.ip_prefix,
+                                   "--backoff-initial", "0.2", "--backoff-max", "1", *extra],
+                                  stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        wait_until(lambda: server.call("GET", "/api/v1/nodes/cohort-node")[0] == 200,
+                   "the kubelet to register its node")
+
+    def pids(self, ns, pod):
+        """The processes the kubelet started last for each container of a pod."""
+        out = {}
+        with open(self.log_path) as f:
+            for line in f:
+                m = re.search(r"%s/%s: started container (\S+) \(pid (\d+)" %
+                              (re.escape(ns), re.escape(pod)), line)
+                if m:
+                    out[m.group(1)] = int(m.group(2))
+        return out
+
+    def stop(self):
+        stop_process(self.p, 30)
+        self.log.close()
+
+
+class Operator:
+    """cohort-operator in Kubernetes mode against `server`."""
+
+    def __init__(self, server, tmp, name, broker_port, *extra):
+        self.name = name
+        self.log_path = os.path.join(tmp, "operator-%s.log" % name)
+        self.log = open(self.log_path, "a")
+        self.p = subprocess.Popen([os.path.join(bin_dir(), "cohort-operator"), "--kubeconfig",
+                                   server.kubeconfig, "--identity", name,
+                                   "--listen", "127.0.0.1:%d" % broker_port,
+                                   "--metrics-listen", "127.0.0.1:0",
+                                   "--lease-duration", "3s", "--renew-deadline", "2s",
+                                   "--retry-period", "500ms", "--status-period", "1s",
+                                   "--resync", "5s", "--api-timeout", "2s", *extra],
+                                  stdout=self.log, stderr=subprocess.STDOUT)
+        self.metrics_port = wait_until(self._metrics_port, "operator %s to serve /metrics" % name)
+
+    def _metrics_port(self):
+        assert self.p.poll() is None, "operator %s exited:\n%s" % (self.name, self.text())
+        m = re.findall(r"Serving /metrics.*address=127\.0\.0\.1:(\d+)", self.text())
+        return int(m[-1]) if m else None
+
+    def text(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def http(self, path):
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.metrics_port, path),
+                                        timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self):
+        code, text = self.http("/metrics")
+        assert code == 200
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.split()
+                out[k.replace("cohort_operator_", "")] = float(v)
+        return out
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def stop(self):
+        rc = stop_process(self.p, 30)
+        self.log.close()
+        return rc
+
+
+class Kubectl:
+    def __init__(self, server, tmp):
+        self.path = os.path.join(ROOT, "build", "tools", "kubectl")
+        self.env = dict(os.environ, KUBECONFIG=server.kubeconfig,
+                        KUBECACHEDIR=os.path.join(tmp, "kcache"))
+
+    def available(self):
+        if not os.access(self.path, os.X_OK):
+            subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
+                           capture_output=True, text=True, timeout=600)
+        return os.access(self.path, os.X_OK)
+
+    def __call__(self, *args, check=True, stdin=None):
+        r = subprocess.run([self.path, *args], env=self.env, capture_output=True, text=True,
+                           timeout=DEADLINE, input=stdin)
+        if check:
+            assert r.returncode == 0, "kubectl %s failed: %s" % (" ".join(args), r.stderr)
+        return r
+
+    def json(self, *args):
+        return json.loads(self(*args, "-o", "json").stdout)
+
+
+def cohort_manifest(name, replicas, args=None, min_replicas=1, max_restarts=5, extra_spec=None):
+    """A TrainingCohort running the C example trainer."""
+    spec = {"replicas": replicas, "minReplicas": min_replicas, "maxRestarts": max_restarts,
+            "timeouts": {"heartbeatInterval": "250ms", "memberTimeout": "2s"},
+            "template": {"spec": {"terminationGracePeriodSeconds": 5, "containers": [{
+                "name": "trainer", "image": "cohort-examples",
+                "command": ["cohort-example-logreg"],
+                "args": args or ["--steps", "10000000", "--delay", "20ms", "--log-every", "50",
+                                 "--stall-timeout", "60s"]}]}}}
+    spec.update(extra_spec or {})
+    return {"apiVersion": "cohort.dev/v1alpha1", "kind": "TrainingCohort",
+            "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+def make_tmp(prefix="cop-"):
+    # Short: the sidecar's socket path under it must fit in sun_path.
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def remove_tmp(tmp):
+    if KEEP:
+        print("kept logs in", tmp)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
