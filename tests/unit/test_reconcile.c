@@ -1,0 +1,493 @@
+/* tests/unit/test_reconcile.c: the operator's pure decisions: spec checks,
+ * the pod it makes, ordinals, the plan (create, replace, drain, suspend,
+ * maxRestarts), status, conditions and the status patch. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "reconcile.h"
+
+static cJSON *parse(const char *json)
+{
+    cJSON *o = cJSON_Parse(json);
+    cr_assert_not_null(o, "bad test JSON: %s", json);
+    return o;
+}
+
+#define TEMPLATE "\"template\":{\"metadata\":{\"labels\":{\"app\":\"lr\",\"cohort.dev/cohort\":\"evil\"}}," \
+                 "\"spec\":{\"containers\":[{\"name\":\"trainer\",\"command\":[\"t\"]," \
+                 "\"env\":[{\"name\":\"COHORT_BROKER\",\"value\":\"wrong:1\"},{\"name\":\"X\",\"value\":\"1\"}]}]}}"
+
+static cJSON *cohort(const char *name, const char *spec_fields)
+{
+    char buf[4096];
+    snprintf(buf, sizeof(buf),
+             "{\"apiVersion\":\"cohort.dev/v1alpha1\",\"kind\":\"TrainingCohort\","
+             "\"metadata\":{\"name\":\"%s\",\"namespace\":\"ns\",\"uid\":\"u-1\",\"generation\":3},"
+             "\"spec\":{%s%s" TEMPLATE "}}", name, spec_fields, *spec_fields ? "," : "");
+    return parse(buf);
+}
+
+static const struct reconcile_env env = { .broker_address = "10.0.0.1:7070",
+                                          .sidecar_image = "img:1",
+                                          .sidecar_command = "cohort-sidecar" };
+
+Test(reconcile, parse_applies_the_crd_defaults)
+{
+    cJSON *tc = cohort("lr", "");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_eq(s.replicas, 1);
+    cr_assert_eq(s.min_replicas, 1);
+    cr_assert_eq(s.max_restarts, 10);
+    cr_assert_eq(s.heartbeat_ms, 1000);
+    cr_assert_eq(s.timeout_ms, 5000);
+    cr_assert(!s.suspend);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, parse_reads_timeouts_and_suspend)
+{
+    cJSON *tc = cohort("lr", "\"replicas\":3,\"suspend\":true,\"maxRestarts\":0,"
+                             "\"timeouts\":{\"heartbeatInterval\":\"250ms\",\"memberTimeout\":\"2s\"}");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0);
+    cr_assert_eq(s.replicas, 3);
+    cr_assert(s.suspend);
+    cr_assert_eq(s.max_restarts, 0);
+    cr_assert_eq(s.heartbeat_ms, 250);
+    cr_assert_eq(s.timeout_ms, 2000);
+    cJSON_Delete(tc);
+}
+
+static void refused(const char *name, const char *fields, const char *reason)
+{
+    cJSON *tc = cohort(name, fields);
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL, "%s should be refused", fields);
+    cr_assert_str_eq(why.reason, reason);
+    cr_assert_gt(strlen(why.message), 10);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, parse_refuses_what_cannot_run_with_a_reason)
+{
+    char longname[80];
+
+    memset(longname, 'a', 64);
+    longname[64] = '\0';
+    refused(longname, "", "NameTooLong");
+    refused("lr", "\"replicas\":1,\"minReplicas\":2", "InvalidReplicas");
+    refused("lr", "\"replicas\":5,\"maxReplicas\":4", "InvalidReplicas");
+    refused("lr", "\"replicas\":0", "InvalidReplicas");
+    refused("lr", "\"replicas\":1.5", "InvalidReplicas");
+    refused("lr", "\"timeouts\":{\"heartbeatInterval\":\"2s\",\"memberTimeout\":\"1s\"}",
+            "InvalidTimeouts");
+    refused("lr", "\"timeouts\":{\"memberTimeout\":\"soon\"}", "InvalidTimeouts");
+}
+
+Test(reconcile, parse_refuses_reserved_names_and_empty_templates)
+{
+    struct reconcile_spec s;
+    struct reconcile_why why;
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\"},\"spec\":{\"template\":{\"spec\":"
+                      "{\"containers\":[{\"name\":\"cohort-sidecar\"}]}}}}");
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
+    cr_assert_str_eq(why.reason, "InvalidTemplate");
+    cJSON_Delete(tc);
+    tc = parse("{\"metadata\":{\"name\":\"lr\"},\"spec\":{\"template\":{\"spec\":"
+               "{\"containers\":[]}}}}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
+    cJSON_Delete(tc);
+    tc = parse("{\"metadata\":{\"name\":\"lr\"},\"spec\":{\"template\":{\"spec\":"
+               "{\"containers\":[{\"name\":\"t\"}],\"volumes\":[{\"name\":\"cohort\"}]}}}}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
+    cJSON_Delete(tc);
+}
+
+static const cJSON *item(const cJSON *arr, const char *name)
+{
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr) {
+        const cJSON *n = cJSON_GetObjectItem(it, "name");
+        if (cJSON_IsString(n) && strcmp(n->valuestring, name) == 0)
+            return it;
+    }
+    return NULL;
+}
+
+static const char *sget(const cJSON *o, const char *path)
+{
+    char buf[256];
+    const cJSON *cur = o;
+
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char *seg = buf, *dot; seg && cur; seg = dot) {
+        dot = strchr(seg, '.');
+        if (dot)
+            *dot++ = '\0';
+        cur = cJSON_GetObjectItemCaseSensitive(cur, seg);
+    }
+    return cJSON_IsString(cur) ? cur->valuestring : NULL;
+}
+
+Test(reconcile, pod_has_the_sidecar_the_volume_the_env_and_the_owner)
+{
+    cJSON *tc = cohort("lr", "\"replicas\":2,\"sidecar\":{\"image\":\"side:2\",\"logLevel\":\"debug\"}");
+    cJSON *pod = NULL;
+    const cJSON *spec, *side, *trainer, *env_t, *owner, *vol;
+
+    cr_assert_eq(reconcile_pod(tc, &env, 7, &pod), 0);
+    cr_assert_str_eq(sget(pod, "metadata.name"), "lr-7");
+    cr_assert_str_eq(sget(pod, "metadata.namespace"), "ns");
+    {
+        const cJSON *labels = cJSON_GetObjectItem(cJSON_GetObjectItem(pod, "metadata"), "labels");
+        cr_assert_str_eq(cJSON_GetObjectItem(labels, "cohort.dev/cohort")->valuestring, "lr",
+                         "the operator's label wins over the template's");
+        cr_assert_str_eq(cJSON_GetObjectItem(labels, "cohort.dev/ordinal")->valuestring, "7");
+        cr_assert_str_eq(cJSON_GetObjectItem(labels, "app")->valuestring, "lr");
+    }
+    owner = cJSON_GetArrayItem(cJSON_GetObjectItem(cJSON_GetObjectItem(pod, "metadata"),
+                                                   "ownerReferences"), 0);
+    cr_assert_str_eq(sget(owner, "uid"), "u-1");
+    cr_assert_str_eq(sget(owner, "kind"), "TrainingCohort");
+    cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(owner, "controller")));
+    cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(owner, "blockOwnerDeletion")));
+
+    spec = cJSON_GetObjectItem(pod, "spec");
+    cr_assert_str_eq(sget(spec, "restartPolicy"), "Never");
+    side = cJSON_GetArrayItem(cJSON_GetObjectItem(spec, "initContainers"), 0);
+    cr_assert_str_eq(sget(side, "name"), "cohort-sidecar");
+    cr_assert_str_eq(sget(side, "restartPolicy"), "Always", "a native sidecar");
+    cr_assert_str_eq(sget(side, "image"), "side:2");
+    cr_assert_str_eq(cJSON_GetArrayItem(cJSON_GetObjectItem(side, "command"), 0)->valuestring,
+                     "cohort-sidecar");
+    cr_assert_not_null(item(cJSON_GetObjectItem(side, "volumeMounts"), "cohort"));
+    trainer = item(cJSON_GetObjectItem(spec, "containers"), "trainer");
+    env_t = cJSON_GetObjectItem(trainer, "env");
+    cr_assert_str_eq(sget(item(env_t, "COHORT_BROKER"), "value"), "10.0.0.1:7070",
+                     "the operator's COHORT_BROKER replaces the template's");
+    cr_assert_str_eq(sget(item(env_t, "COHORT_COHORT"), "value"), "ns/lr");
+    cr_assert_str_eq(sget(item(env_t, "COHORT_SOCKET"), "value"), "unix:/run/cohort/sidecar.sock");
+    cr_assert_str_eq(sget(item(env_t, "COHORT_ID"), "valueFrom.fieldRef.fieldPath"), "metadata.name");
+    cr_assert_str_eq(sget(item(env_t, "COHORT_POD_IP"), "valueFrom.fieldRef.fieldPath"),
+                     "status.podIP");
+    cr_assert_str_eq(sget(item(env_t, "X"), "value"), "1");
+    {
+        int n = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, env_t)
+            n += strcmp(sget(it, "name"), "COHORT_BROKER") == 0;
+        cr_assert_eq(n, 1);
+    }
+    cr_assert_not_null(item(cJSON_GetObjectItem(trainer, "volumeMounts"), "cohort"));
+    vol = item(cJSON_GetObjectItem(spec, "volumes"), "cohort");
+    cr_assert_str_eq(sget(vol, "emptyDir.medium"), "Memory");
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_keeps_the_template_restart_policy_and_needs_a_uid)
+{
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                      "\"spec\":{\"template\":{\"spec\":{\"restartPolicy\":\"OnFailure\","
+                      "\"containers\":[{\"name\":\"t\"}]}}}}");
+    cJSON *pod = NULL;
+
+    cr_assert_eq(reconcile_pod(tc, &env, 0, &pod), 0);
+    cr_assert_str_eq(sget(cJSON_GetObjectItem(pod, "spec"), "restartPolicy"), "OnFailure");
+    cJSON_Delete(pod);
+    cJSON_DeleteItemFromObject(cJSON_GetObjectItem(tc, "metadata"), "uid");
+    cr_assert_eq(reconcile_pod(tc, &env, 0, &pod), -EINVAL);
+    cr_assert_null(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, ordinals_are_exact)
+{
+    cr_assert_eq(reconcile_ordinal("lr", "lr-0"), 0);
+    cr_assert_eq(reconcile_ordinal("lr", "lr-12"), 12);
+    cr_assert_eq(reconcile_ordinal("lr", "lr-01"), -1, "no leading zeros");
+    cr_assert_eq(reconcile_ordinal("lr", "lr-"), -1);
+    cr_assert_eq(reconcile_ordinal("lr", "lr-x"), -1);
+    cr_assert_eq(reconcile_ordinal("lr", "lr-2-0"), -1, "another cohort's pod");
+    cr_assert_eq(reconcile_ordinal("lr", "lrx-1"), -1);
+    cr_assert_eq(reconcile_ordinal("lr", "lr-4096"), -1);
+    cr_assert_eq(reconcile_ordinal("lr", "lr-99999999999999999999"), -1);
+}
+
+static struct reconcile_pod_view pv(const char *name, long ord, enum reconcile_phase ph)
+{
+    return (struct reconcile_pod_view){ .name = name, .uid = name, .ordinal = ord, .phase = ph };
+}
+
+static const struct reconcile_spec spec3 = { .replicas = 3, .min_replicas = 1, .max_restarts = 2,
+                                             .heartbeat_ms = 1000, .timeout_ms = 5000 };
+
+Test(reconcile, plan_creates_the_missing_ordinals)
+{
+    struct reconcile_pod_view pods[] = { pv("lr-1", 1, RECONCILE_POD_RUNNING) };
+    struct reconcile_plan p;
+
+    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 1, &p), 0);
+    cr_assert_eq(p.n_create, 2);
+    cr_assert_eq(p.create[0], 0);
+    cr_assert_eq(p.create[1], 2);
+    cr_assert_eq(p.n_excess + p.n_replace, 0);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, plan_drains_the_highest_ordinals_and_strangers)
+{
+    struct reconcile_pod_view pods[] = {
+        pv("lr-0", 0, RECONCILE_POD_RUNNING), pv("lr-1", 1, RECONCILE_POD_RUNNING),
+        pv("lr-2", 2, RECONCILE_POD_RUNNING), pv("lr-3", 3, RECONCILE_POD_RUNNING),
+        pv("lr-x", -1, RECONCILE_POD_RUNNING), pv("lr-4", 4, RECONCILE_POD_TERMINATING),
+    };
+    struct reconcile_spec s = spec3;
+    struct reconcile_plan p;
+
+    s.replicas = 2;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 6, &p), 0);
+    cr_assert_eq(p.n_create, 0);
+    cr_assert_eq(p.n_excess, 3);
+    cr_assert_str_eq(pods[p.excess[0]].name, "lr-2");
+    cr_assert_str_eq(pods[p.excess[1]].name, "lr-3");
+    cr_assert_str_eq(pods[p.excess[2]].name, "lr-x");
+    cr_assert_eq(p.terminating, 1);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, plan_suspend_drains_every_pod_and_creates_none)
+{
+    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_RUNNING),
+                                         pv("lr-1", 1, RECONCILE_POD_PENDING) };
+    struct reconcile_spec s = spec3;
+    struct reconcile_plan p;
+
+    s.suspend = true;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 2, &p), 0);
+    cr_assert_eq(p.want, 0);
+    cr_assert_eq(p.n_create, 0);
+    cr_assert_eq(p.n_excess, 2);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, plan_replaces_failed_pods_up_to_max_restarts)
+{
+    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_FAILED),
+                                         pv("lr-1", 1, RECONCILE_POD_FAILED),
+                                         pv("lr-2", 2, RECONCILE_POD_RUNNING) };
+    struct reconcile_plan p;
+
+    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 3, &p), 0);
+    cr_assert_eq(p.n_replace, 2);
+    cr_assert(!p.failed);
+    cr_assert_eq(p.n_create, 0, "the failed pods hold their names until deleted");
+    cr_assert_eq(p.failed_pods, 2);
+    reconcile_plan_cleanup(&p);
+
+    cr_assert_eq(reconcile_plan(&spec3, 1, pods, 3, &p), 0);
+    cr_assert_eq(p.n_replace, 1, "one restart left");
+    cr_assert(p.failed);
+    reconcile_plan_cleanup(&p);
+
+    cr_assert_eq(reconcile_plan(&spec3, 2, pods, 3, &p), 0);
+    cr_assert_eq(p.n_replace, 0);
+    cr_assert(p.failed);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, plan_waits_for_a_terminating_pod_to_free_its_name)
+{
+    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_TERMINATING),
+                                         pv("lr-1", 1, RECONCILE_POD_RUNNING),
+                                         pv("lr-2", 2, RECONCILE_POD_RUNNING) };
+    struct reconcile_plan p;
+
+    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 3, &p), 0);
+    cr_assert_eq(p.n_create, 0);
+    cr_assert_eq(p.blocked, 1);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, plan_completes_when_every_trainer_succeeded)
+{
+    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_SUCCEEDED),
+                                         pv("lr-1", 1, RECONCILE_POD_SUCCEEDED),
+                                         pv("lr-2", 2, RECONCILE_POD_SUCCEEDED) };
+    struct reconcile_plan p;
+
+    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 3, &p), 0);
+    cr_assert(p.complete);
+    cr_assert_eq(p.n_create + p.n_replace + p.n_excess, 0, "finished pods are not replaced");
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, view_reads_phase_readiness_and_deletion)
+{
+    cJSON *pod = parse("{\"metadata\":{\"name\":\"lr-2\",\"uid\":\"u\"},\"status\":{\"phase\":"
+                       "\"Running\",\"conditions\":[{\"type\":\"Ready\",\"status\":\"True\"}]}}");
+    struct reconcile_pod_view v;
+
+    cr_assert_eq(reconcile_view("lr", pod, &v), 0);
+    cr_assert_eq(v.ordinal, 2);
+    cr_assert_eq(v.phase, RECONCILE_POD_RUNNING);
+    cr_assert(v.ready);
+    cJSON_AddStringToObject(cJSON_GetObjectItem(pod, "metadata"), "deletionTimestamp", "t");
+    cr_assert_eq(reconcile_view("lr", pod, &v), 0);
+    cr_assert_eq(v.phase, RECONCILE_POD_TERMINATING);
+    cJSON_Delete(pod);
+}
+
+static const cJSON *cond(const cJSON *st, const char *type)
+{
+    const cJSON *c;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(st, "conditions"))
+        if (strcmp(cJSON_GetObjectItem(c, "type")->valuestring, type) == 0)
+            return c;
+    return NULL;
+}
+
+Test(reconcile, status_reports_members_leader_and_conditions)
+{
+    struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 40, false },
+                                    { "lr-1", "1.1.1.2:5", 42, false },
+                                    { "lr-2", "1.1.1.3:5", 42, true } };
+    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_RUNNING),
+                                         pv("lr-1", 1, RECONCILE_POD_RUNNING),
+                                         pv("lr-2", 2, RECONCILE_POD_RUNNING) };
+    struct reconcile_spec s = spec3;
+    struct reconcile_plan p;
+    struct reconcile_observed o = { .generation = 3, .selector = "cohort.dev/cohort=lr",
+                                    .pods = 3, .restarts = 1, .broker_known = true, .epoch = 9,
+                                    .leader = "lr-1", .members = m, .n_members = 3,
+                                    .draining = 1 };
+    cJSON *st, *st2, *old;
+
+    s.replicas = 2;
+    cr_assert_eq(reconcile_plan(&s, 1, pods, 3, &p), 0);
+    o.plan = &p;
+    st = reconcile_status(&s, &o, NULL, "2026-01-01T00:00:00Z");
+    cr_assert_eq(cJSON_GetObjectItem(st, "readyReplicas")->valueint, 2, "draining is not ready");
+    cr_assert_eq(cJSON_GetObjectItem(st, "epoch")->valueint, 9);
+    cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-1");
+    cr_assert_eq(cJSON_GetObjectItem(st, "modelVersion")->valueint, 42);
+    cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItem(st, "members")), 3);
+    cr_assert_eq(cJSON_GetObjectItem(st, "observedGeneration")->valueint, 3);
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Available"), "status")->valuestring, "True");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Progressing"), "reason")->valuestring, "Draining");
+
+    /* A later status keeps the transition time of unchanged conditions. */
+    old = cJSON_Duplicate(st, 1);
+    o.draining = 0;
+    o.n_members = 2;
+    o.pods = 2;
+    reconcile_plan_cleanup(&p);
+    cr_assert_eq(reconcile_plan(&s, 1, pods, 2, &p), 0);
+    st2 = reconcile_status(&s, &o, old, "2026-01-01T00:01:00Z");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st2, "Available"), "lastTransitionTime")->valuestring,
+                     "2026-01-01T00:00:00Z");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st2, "Progressing"), "status")->valuestring, "False");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st2, "Progressing"), "lastTransitionTime")->valuestring,
+                     "2026-01-01T00:01:00Z");
+    reconcile_plan_cleanup(&p);
+    cJSON_Delete(st);
+    cJSON_Delete(st2);
+    cJSON_Delete(old);
+}
+
+Test(reconcile, status_before_the_first_epoch_has_no_ready_members)
+{
+    struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 0, false } };
+    struct reconcile_plan p = { 0 };
+    struct reconcile_observed o = { .pods = 1, .broker_known = true, .members = m, .n_members = 1,
+                                    .plan = &p };
+    struct reconcile_spec s = spec3;
+    cJSON *st = reconcile_status(&s, &o, NULL, "t");
+
+    cr_assert_eq(cJSON_GetObjectItem(st, "readyReplicas")->valueint, 0);
+    cr_assert_null(cJSON_GetObjectItem(st, "epoch"));
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Available"), "reason")->valuestring,
+                     "WaitingForMembers");
+    cJSON_Delete(st);
+}
+
+Test(reconcile, status_of_a_refused_spec_is_failed_with_its_reason)
+{
+    struct reconcile_why why = { "NameTooLong", "too long" };
+    struct reconcile_observed o = { .generation = 1, .invalid = &why };
+    struct reconcile_spec s = { 0 };
+    cJSON *st = reconcile_status(&s, &o, NULL, "t");
+
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Failed"), "status")->valuestring, "True");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Failed"), "reason")->valuestring, "NameTooLong");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Available"), "status")->valuestring, "False");
+    cJSON_Delete(st);
+}
+
+Test(reconcile, status_failed_after_max_restarts)
+{
+    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_FAILED) };
+    struct reconcile_spec s = spec3;
+    struct reconcile_plan p;
+    struct reconcile_observed o = { .restarts = 2, .plan = &p };
+    cJSON *st;
+
+    s.replicas = 1;
+    cr_assert_eq(reconcile_plan(&s, 2, pods, 1, &p), 0);
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Failed"), "reason")->valuestring,
+                     "TooManyRestarts");
+    cr_assert_str_eq(cJSON_GetObjectItem(cond(st, "Degraded"), "status")->valuestring, "True");
+    reconcile_plan_cleanup(&p);
+    cJSON_Delete(st);
+}
+
+Test(reconcile, model_versions_alone_are_a_minor_difference)
+{
+    cJSON *a = parse("{\"epoch\":3,\"modelVersion\":10,\"members\":[{\"id\":\"a\",\"modelVersion\":10}]}");
+    cJSON *b = parse("{\"epoch\":3,\"modelVersion\":12,\"members\":[{\"id\":\"a\",\"modelVersion\":12}]}");
+    cJSON *c = parse("{\"epoch\":4,\"modelVersion\":12,\"members\":[{\"id\":\"a\",\"modelVersion\":12}]}");
+
+    cr_assert(reconcile_status_differs(a, b, false));
+    cr_assert(!reconcile_status_differs(a, b, true));
+    cr_assert(reconcile_status_differs(b, c, true));
+    cr_assert(reconcile_status_differs(a, NULL, true));
+    cr_assert(!reconcile_status_differs(NULL, NULL, true));
+    cJSON_Delete(a);
+    cJSON_Delete(b);
+    cJSON_Delete(c);
+}
+
+Test(reconcile, status_patch_nulls_fields_that_went_away)
+{
+    cJSON *old = parse("{\"epoch\":3,\"leader\":\"a\",\"replicas\":1}");
+    cJSON *want = parse("{\"replicas\":0}");
+    cJSON *patch = reconcile_status_patch(old, want);
+    const cJSON *st = cJSON_GetObjectItem(patch, "status");
+
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(st, "epoch")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(st, "leader")));
+    cr_assert_eq(cJSON_GetObjectItem(st, "replicas")->valueint, 0);
+    cJSON_Delete(patch);
+    cJSON_Delete(old);
+    cJSON_Delete(want);
+}
+
+Test(reconcile, selector_names_the_cohort_label)
+{
+    char buf[64];
+
+    cr_assert_eq(reconcile_selector("lr", buf, sizeof(buf)), 0);
+    cr_assert_str_eq(buf, "cohort.dev/cohort=lr");
+    cr_assert_eq(reconcile_selector("lr", buf, 5), -ENAMETOOLONG);
+}
