@@ -100,6 +100,11 @@ class BuildExt(build_ext):
         ext.libraries = ["cohort_pic"] + LIBS
         ext.extra_link_args = ["-Wl,--as-needed", "-Wl,--exclude-libs,ALL"] + pkg_config("--libs-only-L")
         ext.depends = objs + [lib, os.path.join(ROOT, "include", "cohort.h")]
+        # A cohort.h whose engine reduces out of place into a results
+        # region: .grad points there while a result is held.
+        with open(os.path.join(ROOT, "include", "cohort.h")) as f:
+            if "cohort_results(" in f.read():
+                ext.define_macros = ext.define_macros + [("COHORT_BINDING_RESULTS", "1")]
         if os.environ.get("COHORT_WERROR") == "1":
             ext.extra_compile_args = ext.extra_compile_args + ["-Werror"]
         super().build_extension(ext)

@@ -125,6 +125,22 @@ static void destroy_now(struct core *self)
 
 /* ---- construction ----------------------------------------------------- */
 
+/* Where round results land. Built against a cohort.h with a results
+ * region (the engine reduces out of place), its own offsets; against one
+ * without, the gradients themselves, which the engine reduces in place.
+ * setup.py tells which. */
+#ifdef COHORT_BINDING_RESULTS
+static void *result_at(struct cohort *c, size_t i)
+{
+    return cohort_result(c, i);
+}
+#else
+static void *result_at(struct cohort *c, size_t i)
+{
+    return cohort_grad(c, i);
+}
+#endif
+
 /* specs: a sequence of (dtype code, numel) pairs. Fills *out (caller frees
  * with PyMem_Free) and *n. Returns 0, or -1 with an exception set. */
 static int parse_specs(PyObject *specs, const char *what, struct cohort_tensor **out, size_t *n)
@@ -208,7 +224,15 @@ static int core_init(struct core *self, PyObject *args, PyObject *kw)
     /* The exported region runs from the first parameter to the end of the
      * last tensor, whichever region that is in. */
     base = cohort_params(c);
-    self->extent = (size_t)((char *)cohort_grads(c) - base) + cohort_numel(c) * dtype_bytes(params[0].dtype);
+    self->extent = 0;
+    for (size_t i = 0; i < np; i++) {
+        size_t bytes = params[i].numel * dtype_bytes(params[i].dtype);
+        char *ends[] = { (char *)cohort_param(c, i), (char *)cohort_grad(c, i),
+                         (char *)result_at(c, i) };
+        for (size_t k = 0; k < sizeof(ends) / sizeof(ends[0]); k++)
+            if ((size_t)(ends[k] - base) + bytes > self->extent)
+                self->extent = (size_t)(ends[k] - base) + bytes;
+    }
     for (size_t i = 0; i < nb; i++) {
         size_t end;
         self->buffer_bytes[i] = bufs[i].numel * dtype_bytes(bufs[i].dtype);
@@ -524,6 +548,11 @@ static PyObject *core_grad_offset(struct core *self, PyObject *arg)
     return offset_of(self, arg, cohort_grad, self->n_params, "parameter");
 }
 
+static PyObject *core_result_offset(struct core *self, PyObject *arg)
+{
+    return offset_of(self, arg, result_at, self->n_params, "parameter");
+}
+
 static PyObject *core_buffer_offset(struct core *self, PyObject *arg)
 {
     return offset_of(self, arg, cohort_buffer, self->n_buffers, "buffer");
@@ -602,6 +631,9 @@ static PyMethodDef core_methods[] = {
       "Everything update() refreshed, as one dict, read under the lock." },
     { "param_offset", (PyCFunction)core_param_offset, METH_O, "Byte offset of parameter i." },
     { "grad_offset", (PyCFunction)core_grad_offset, METH_O, "Byte offset of gradient i." },
+    { "result_offset", (PyCFunction)core_result_offset, METH_O,
+      "Byte offset of parameter i's reduced gradient (equal to grad_offset when the engine "
+      "reduces in place)." },
     { "buffer_offset", (PyCFunction)core_buffer_offset, METH_O, "Byte offset of buffer i." },
     { "numel", (PyCFunction)core_numel, METH_NOARGS, "Parameter elements in all." },
     { "span", (PyCFunction)core_span, METH_NOARGS, "(address, length) of the region." },

@@ -137,11 +137,13 @@ class Accumulator:
         self._region = self._core.region()
         self._params = params
         self._buffers = bufs
-        self._pviews, self._gviews, self._bviews = [], [], []
+        self._pviews, self._gviews, self._rviews, self._bviews = [], [], [], []
         with torch.no_grad():
             for i, p in enumerate(params):
                 pv = self._view(self._core.param_offset(i), p.dtype, p.shape)
                 gv = self._view(self._core.grad_offset(i), p.dtype, p.shape)
+                roff = self._core.result_offset(i)
+                rv = gv if roff == self._core.grad_offset(i) else self._view(roff, p.dtype, p.shape)
                 pv.copy_(p.detach())
                 if p.grad is not None:
                     gv.copy_(p.grad)
@@ -149,17 +151,20 @@ class Accumulator:
                 p.grad = gv
                 self._pviews.append(pv)
                 self._gviews.append(gv)
+                self._rviews.append(rv)
             for i, b in enumerate(bufs):
                 bv = self._view(self._core.buffer_offset(i), b.dtype, b.shape)
                 bv.copy_(b.detach())
                 b.data = bv
                 self._bviews.append(bv)
         self._grads = self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
+        self._on_results = False    # .grad points at the round's result
         self._pending = None        # (batch_size or 0 for a skip, model_version)
         self._asked = False         # the last update() said wants_gradients
         self._state = None
         self._address = None        # a connect() to retry: the sidecar was not there yet
         self._attempted = False     # connect() was called
+        self._linked = False        # connect() succeeded: there is a view to update
         self._retry_at = 0.0
         with _live_lock:
             _live.add(self)
@@ -203,6 +208,8 @@ class Accumulator:
                 raise
             self._address = target
             self._retry_at = time.monotonic() + _RETRY_S
+            return
+        self._linked = True
 
     def _identity(self):
         """(cohort, member id) for joining a broker: the Group's name and its
@@ -231,8 +238,12 @@ class Accumulator:
         elif not self._attempted and self._group is not None and self._group._rpc._address:
             # moolib connects the Rpc, not the Accumulator.
             self.connect(self._group._rpc._address)
-        core.update()
         self._check_moved()
+        if not self._linked:
+            return              # nothing to ask yet: every question answers False
+        core.update()
+        if core.has_gradients():
+            self._point_at_results()
         self._asked = False
         if self._pending is not None:
             batch, version = self._pending
@@ -259,7 +270,10 @@ class Accumulator:
         longer wanted by the time it is made is ignored."""
         core = self._c()
         wanted = core.wants_state()
-        data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise TypeError("set_state: the state must be picklable: %s" % e) from e
         try:
             core.set_state(data)
         except Error as e:
@@ -328,13 +342,27 @@ class Accumulator:
         """True when a round has committed: .grad holds the reduced result
         (and model_version() is already one higher). Apply it (opt.step())
         and call zero_gradients()."""
-        return self._c().has_gradients()
+        got = self._c().has_gradients()
+        if got:
+            self._point_at_results()
+        return got
 
     def zero_gradients(self):
         """After applying a result: zeroes the gradients and lets the next
         round start."""
         self._c().zero_gradients()
+        self._on_results = False
         self._gather_grads(reset=True)
+
+    def _point_at_results(self):
+        """While a result is held, each .grad is a view of its part of the
+        result: cohort's engine reduces out of place (the gradients stay
+        intact for a retry), and moolib's users read the result in .grad."""
+        if self._on_results:
+            return
+        self._on_results = True
+        for p, r in zip(self._params, self._rviews):
+            p.grad = r
 
     def _gather_grads(self, reset=False):
         """Puts every .grad back on its view of the shared gradients. A
@@ -440,15 +468,16 @@ class Accumulator:
         if core is None or core.closed:
             return
         with torch.no_grad():
-            for p, pv, gv in zip(self._params, self._pviews, self._gviews):
+            for p, pv, gv, rv in zip(self._params, self._pviews, self._gviews, self._rviews):
                 if p.data_ptr() == pv.data_ptr() and pv.numel():
                     p.data = pv.clone()
-                if p.grad is not None and p.grad.data_ptr() == gv.data_ptr() and gv.numel():
-                    p.grad = gv.clone()
+                if p.grad is not None and p.grad.numel() and \
+                        p.grad.data_ptr() in (gv.data_ptr(), rv.data_ptr()):
+                    p.grad = p.grad.clone()
             for b, bv in zip(self._buffers, self._bviews):
                 if b.data_ptr() == bv.data_ptr() and bv.numel():
                     b.data = bv.clone()
-        self._pviews = self._gviews = self._bviews = []
+        self._pviews = self._gviews = self._rviews = self._bviews = []
         self._grads = None
         self._region = None
         core.close()
