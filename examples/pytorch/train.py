@@ -148,6 +148,15 @@ def parse_args(argv):
 
 def main(argv=None):
     a = parse_args(argv)
+    try:
+        return train(a)
+    except moolib.Error as e:
+        # The sidecar died, say: any call can tell. Exit 1, not a traceback.
+        say("the accumulator failed (%s); stopping." % e.strerror)
+        return 1
+
+
+def train(a):
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     data = Data(a.seed)
@@ -175,11 +184,7 @@ def main(argv=None):
     last_version = 0
     while True:
         group.update()
-        try:
-            accumulator.update()
-        except moolib.Error as e:
-            say("the accumulator failed (%s); stopping at model_version=%d." % (e.strerror, last_version))
-            return 1
+        accumulator.update()
         now = time.monotonic()
 
         # 0. Check we are connected.
