@@ -13,7 +13,8 @@
 # tensors in shared memory); DDP's processes meet on 127.0.0.1. One torch
 # thread per process. Environment: PEERS, HIDDEN (hidden widths), REPS
 # (default 3), STEPS (timed steps, default 200), WARMUP (default 20),
-# VB (samples per step, shared by the peers, default 256).
+# VB (samples per step, shared by the peers, default 256), BUILD (the build
+# directory, default build).
 set -eu
 
 cd "$(dirname "$0")/.."
@@ -25,17 +26,19 @@ STEPS=${STEPS:-200}
 WARMUP=${WARMUP:-20}
 VB=${VB:-256}
 PYTHON=/usr/bin/python3         # Debian's, which python3-torch installs into
-OUT=$ROOT/build/bench
+BUILD=${BUILD:-build}
+case $BUILD in /*) ;; *) BUILD=$ROOT/$BUILD ;; esac
+OUT=$BUILD/bench
 mkdir -p "$OUT"
 
 # The release build and the package (python/python.mk, which the Makefile
 # includes; included here by hand where it does not yet).
 if grep -q 'python/python.mk' Makefile; then
-    make -j2 all python >&2
+    make -j2 BUILD="$BUILD" all python >&2
 else
-    make -j2 -f Makefile -f python/python.mk all python >&2
+    make -j2 BUILD="$BUILD" -f Makefile -f python/python.mk all python >&2
 fi
-export PYTHONPATH="$ROOT/build/python"
+export PYTHONPATH="$BUILD/python"
 export OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
 
 RAW="$OUT/train-raw.jsonl"
@@ -48,7 +51,7 @@ while [ "$r" -le "$REPS" ]; do
             echo "train.sh: rep $r, hidden $h, $n peers" >&2
             args="--hidden $h --steps $STEPS --warmup $WARMUP --virtual-batch $VB --peers $n"
             # shellcheck disable=SC2086
-            "$ROOT/build/cohortctl" run -n "$n" --no-view -o json -- \
+            "$BUILD/cohortctl" run -n "$n" --no-view -o json -- \
                 "$PYTHON" bench/train_step.py cohort $args |
                 "$PYTHON" -c 'import json,sys
 s = json.loads(sys.stdin.read().strip().splitlines()[-1])
