@@ -5,7 +5,8 @@
  * out, with one gradient per parameter element, in shared memory that the
  * sidecar maps too, so tensor bytes never cross a socket. The trainer
  * computes in place in that memory (cohort_params, cohort_grads,
- * cohort_buffers) and drives the loop below; every call returns at once.
+ * cohort_results, cohort_buffers) and drives the loop below; every call
+ * returns at once.
  *
  *   struct cohort *c;
  *   cohort_create(&cfg, &c);             // parameters: cohort_params(c)
@@ -15,7 +16,7 @@
  *       if (!cohort_connected(c)) { sleep a little; continue; }
  *       if (cohort_wants_state(c))   cohort_set_state(c, bytes, len);
  *       if (cohort_has_new_state(c)) cohort_state(c, &bytes, &len);
- *       if (cohort_has_gradients(c)) { apply cohort_grads(c); cohort_zero_gradients(c); }
+ *       if (cohort_has_gradients(c)) { apply cohort_results(c); cohort_zero_gradients(c); }
  *       else if (cohort_wants_gradients(c)) {
  *           if (have data) { add gradients into cohort_grads(c); cohort_reduce_gradients(c, batch); }
  *           else cohort_skip_gradients(c);
@@ -23,6 +24,11 @@
  *   }
  *
  * Semantics, where moolib's documentation and cohort differ or are silent:
+ * - Gradients and results live apart, so a round moves no gradient byte
+ *   in memory: the engine reads cohort_grads() and writes the reduced
+ *   gradients into cohort_results(), which hold them while has_gradients
+ *   is true (moolib puts them back into each parameter's .grad instead; a
+ *   binding that wants that points .grad at the results meanwhile).
  * - Gradients accumulate in cohort_grads() until a round commits: add each
  *   new backward pass into it (as .grad += does) and call reduce_gradients
  *   with its batch size; cohort does not zero it between contributions.
@@ -102,10 +108,13 @@ void cohort_destroy(struct cohort *c);
  * the order of cfg->parameters / cfg->buffers; NULL if out of range. */
 void *cohort_param(struct cohort *c, size_t i);
 void *cohort_grad(struct cohort *c, size_t i);
+void *cohort_result(struct cohort *c, size_t i);
 void *cohort_buffer(struct cohort *c, size_t i);
-/* All parameters (and all gradients) as one flat array, in order. */
+/* All parameters (all gradients, all results) as one flat array, in
+ * order. Results are valid while cohort_has_gradients() is true. */
 void *cohort_params(struct cohort *c);
 void *cohort_grads(struct cohort *c);
+void *cohort_results(struct cohort *c);
 size_t cohort_numel(const struct cohort *c);
 
 /* Connects to a sidecar ("unix:/path/to/socket") or to a broker

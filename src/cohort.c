@@ -1,6 +1,6 @@
 /* src/cohort.c: include/cohort.h. The trainer's tensors live in one memfd
- * laid out as [parameters | gradients | buffers], each region 64-byte
- * aligned. With a sidecar, the memfd goes to it once (tlink REGISTER) and
+ * laid out as [parameters | gradients | results | buffers], each region
+ * 64-byte aligned. With a sidecar, the memfd goes to it once (tlink REGISTER) and
  * every call afterwards is one small request and reply. Without one, a
  * node runs in this process on the same memory. Either way the questions
  * (connected, wants_gradients, ...) read a view that cohort_update()
@@ -119,7 +119,8 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
     c->layout.params_bytes = align_up(pbytes);
     c->layout.grads_off = c->layout.params_bytes;
     c->layout.grad_count = c->numel;
-    c->layout.buffers_off = c->layout.grads_off + align_up(pbytes);
+    c->layout.results_off = c->layout.grads_off + align_up(pbytes);
+    c->layout.buffers_off = c->layout.results_off + align_up(pbytes);
     c->layout.buffers_bytes = (bbytes + 7) / 8 * 8;
     c->layout.region_bytes = c->layout.buffers_off + align_up(bbytes) + ALIGN;
     c->map_len = c->layout.region_bytes;
@@ -176,6 +177,11 @@ void *cohort_grads(struct cohort *c)
     return (char *)c->map + c->layout.grads_off;
 }
 
+void *cohort_results(struct cohort *c)
+{
+    return (char *)c->map + c->layout.results_off;
+}
+
 void *cohort_param(struct cohort *c, size_t i)
 {
     return i < c->n_params ? (char *)cohort_params(c) + c->param_off[i] : NULL;
@@ -184,6 +190,11 @@ void *cohort_param(struct cohort *c, size_t i)
 void *cohort_grad(struct cohort *c, size_t i)
 {
     return i < c->n_params ? (char *)cohort_grads(c) + c->param_off[i] : NULL;
+}
+
+void *cohort_result(struct cohort *c, size_t i)
+{
+    return i < c->n_params ? (char *)cohort_results(c) + c->param_off[i] : NULL;
 }
 
 void *cohort_buffer(struct cohort *c, size_t i)
@@ -277,6 +288,7 @@ static int connect_broker(struct cohort *c, const char *address)
     struct node_tensors t = {
         .params = cohort_params(c), .params_bytes = c->layout.params_bytes,
         .grads = cohort_grads(c), .grad_count = c->layout.grad_count, .grad_type = c->dtype,
+        .results = cohort_results(c),
         .buffers = (char *)c->map + c->layout.buffers_off, .buffers_bytes = c->layout.buffers_bytes,
     };
     int rc;

@@ -19,11 +19,11 @@
  *
  * Steps in an epoch, once the trainer contributed:
  *   count:    SUM of (batch, contributions, skips) since the last commit;
- *   gradient: when the batch reaches the virtual batch size, the gradient
- *             buffer is copied to a private work buffer and all-reduced
- *             there (AVG_BY the number of contributions), so an aborted
- *             step leaves the trainer's accumulation intact for the retry;
- *             on success the result is copied back and committed.
+ *   gradient: when the batch reaches the virtual batch size, the gradients
+ *             are all-reduced out of place into the results region (AVG_BY
+ *             the number of contributions). The engine never writes the
+ *             gradients, so an aborted step leaves the trainer's
+ *             accumulation intact for the retry, and no byte is copied.
  */
 #include "node.h"
 
@@ -72,8 +72,7 @@ struct node {
     /* Tensors. */
     bool registered;
     struct node_tensors t;
-    int h_grads_work, h_params, h_buffers, h_small;
-    void *work;                 /* private copy the gradient step reduces */
+    int h_grads, h_results, h_params, h_buffers, h_small;
     void *buf_scratch;          /* the leader's buffers, received at a sync round */
     int h_buf_scratch;
     int64_t small[4];           /* counters and sync words */
@@ -334,7 +333,6 @@ out:
 static int run_step(struct node *n)
 {
     uint64_t batch, grads, skips, vbs;
-    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
     int rc;
 
     pthread_mutex_lock(&n->lock);
@@ -361,10 +359,11 @@ static int run_step(struct node *n)
         return 0;
     }
     pthread_mutex_unlock(&n->lock);
+    /* The trainer writes no gradient and reads no result meanwhile: it has
+     * contributed, and the last result was consumed. */
     if (grads > 0) {
-        memcpy(n->work, n->t.grads, bytes);
-        rc = allreduce_run(n->ar, n->h_grads_work, n->t.grad_count, n->t.grad_type, DTYPE_AVG_BY,
-                           (double)grads, round_of(n));
+        rc = allreduce_run_into(n->ar, n->h_grads, n->h_results, n->t.grad_count, n->t.grad_type,
+                                DTYPE_AVG_BY, (double)grads, round_of(n));
         if (rc < 0)
             return rc;
     }
@@ -387,10 +386,8 @@ static int run_step(struct node *n)
     pthread_mutex_lock(&n->lock);
     if (sync_buffers && !n->leader)
         memcpy(n->t.buffers, n->buf_scratch, n->t.buffers_bytes);
-    if (grads > 0)
-        memcpy(n->t.grads, n->work, bytes);
-    else
-        memset(n->t.grads, 0, bytes);   /* everyone skipped: a zero step */
+    if (grads == 0)     /* everyone skipped: a zero step */
+        memset(n->t.results, 0, n->t.grad_count * dtype_size(n->t.grad_type));
     n->version++;
     n->epoch_commits++;
     n->has_gradients = true;
@@ -514,7 +511,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->version = cfg->model_version;
     n->vbs = 1;
     n->buffer_sync_rounds = cfg->buffer_sync_rounds ? cfg->buffer_sync_rounds : 100;
-    n->h_grads_work = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
+    n->h_grads = n->h_results = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
     n->phase = PH_WAIT_EPOCH;
     pthread_mutex_init(&n->lock, NULL);
     clock_cond_init(&n->cond);
@@ -604,7 +601,6 @@ void node_stop(struct node *n)
         close(n->data_fd);
     epoch_unref(n->latest);
     epoch_unref(n->cur);
-    free(n->work);
     free(n->buf_scratch);
     free(n->state_out);
     free(n->state_in);
@@ -620,9 +616,10 @@ int node_register(struct node *n, const struct node_tensors *t)
     size_t gbytes;
     int rc = 0;
 
-    if (!t || !t->grads || t->grad_count == 0 || !dtype_valid((int)t->grad_type) ||
+    if (!t || !t->grads || !t->results || t->grad_count == 0 || !dtype_valid((int)t->grad_type) ||
         (t->params_bytes && !t->params) || (t->buffers_bytes && !t->buffers) ||
-        ((uintptr_t)t->params | (uintptr_t)t->grads | (uintptr_t)t->buffers) % 8 != 0 ||
+        ((uintptr_t)t->params | (uintptr_t)t->grads | (uintptr_t)t->results |
+         (uintptr_t)t->buffers) % 8 != 0 ||
         t->params_bytes % 8 != 0 || t->buffers_bytes % 8 != 0)
         return -EINVAL;
     gbytes = t->grad_count * dtype_size(t->grad_type);
@@ -631,19 +628,20 @@ int node_register(struct node *n, const struct node_tensors *t)
         rc = -EBUSY;
         goto out;
     }
-    n->work = aligned_alloc(64, (gbytes + 63) / 64 * 64);
     n->buf_scratch = calloc(1, t->buffers_bytes + 8);
-    if (!n->work || !n->buf_scratch) {
+    if (!n->buf_scratch) {
         rc = -ENOMEM;
         goto out;
     }
     n->t = *t;
     memset(t->grads, 0, gbytes);
-    n->h_grads_work = allreduce_register(n->ar, n->work, gbytes);
+    n->h_grads = allreduce_register(n->ar, t->grads, gbytes);
+    n->h_results = allreduce_register(n->ar, t->results, gbytes);
     n->h_params = allreduce_register(n->ar, t->params, t->params_bytes);
     n->h_buffers = allreduce_register(n->ar, t->buffers, t->buffers_bytes);
     n->h_buf_scratch = allreduce_register(n->ar, n->buf_scratch, t->buffers_bytes);
-    if (n->h_grads_work < 0 || n->h_params < 0 || n->h_buffers < 0 || n->h_buf_scratch < 0) {
+    if (n->h_grads < 0 || n->h_results < 0 || n->h_params < 0 || n->h_buffers < 0 ||
+        n->h_buf_scratch < 0) {
         rc = -ENOMEM;
         goto out;
     }

@@ -64,9 +64,10 @@ struct node_config {
 struct node_tensors {
     void *params;
     size_t params_bytes;
-    void *grads;
+    void *grads;                /* contributions accumulate here */
     size_t grad_count;
     enum dtype grad_type;
+    void *results;              /* grad_count elements: committed results land here */
     void *buffers;
     size_t buffers_bytes;
 };

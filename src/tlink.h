@@ -19,7 +19,7 @@
 #include <stdint.h>
 
 #define TLINK_MAGIC 0x31686f63u         /* "coh1" */
-#define TLINK_VERSION 1u
+#define TLINK_VERSION 2u                /* 2: a results region */
 #define TLINK_BODY_MAX 1024             /* no message body is larger */
 #define TLINK_FDS_MAX 2
 #define TLINK_NAME_MAX 64
@@ -59,6 +59,7 @@ struct tlink_register {
     uint64_t region_bytes;      /* size of the memfd */
     uint64_t params_off, params_bytes;
     uint64_t grads_off, grad_count;
+    uint64_t results_off;       /* grad_count elements of the gradients' type */
     uint64_t buffers_off, buffers_bytes;
     uint8_t cuda_handle[64];    /* cudaIpcMemHandle_t, for TL_MEM_CUDA_IPC */
     int32_t cuda_device;

@@ -54,7 +54,7 @@ static int reply(int sock, uint16_t type, int32_t status, const void *body, uint
 static int check_layout(const struct tlink_register *r, int fd)
 {
     struct stat st;
-    uint64_t end;
+    uint64_t gbytes, end, rend;
 
     if (r->mem != TL_MEM_HOST)
         return -EOPNOTSUPP;
@@ -62,13 +62,18 @@ static int check_layout(const struct tlink_register *r, int fd)
         return -EINVAL;
     if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != r->region_bytes || r->region_bytes == 0)
         return -EINVAL;
-    if ((r->params_off | r->grads_off | r->buffers_off) % 64 != 0 ||
+    if ((r->params_off | r->grads_off | r->results_off | r->buffers_off) % 64 != 0 ||
         (r->params_bytes | r->buffers_bytes) % 8 != 0)
         return -EINVAL;
     if (r->grad_count > UINT64_MAX / 8)
         return -EINVAL;
-    end = r->grads_off + r->grad_count * dtype_size((enum dtype)r->grad_dtype);
-    if (end < r->grads_off || end > r->region_bytes ||
+    gbytes = r->grad_count * dtype_size((enum dtype)r->grad_dtype);
+    end = r->grads_off + gbytes;
+    rend = r->results_off + gbytes;
+    /* The results must not overlap the gradients: the engine reads one
+     * while it writes the other. */
+    if (end < r->grads_off || end > r->region_bytes || rend < r->results_off ||
+        rend > r->region_bytes || (r->results_off < end && r->grads_off < rend) ||
         r->params_off + r->params_bytes < r->params_off ||
         r->params_off + r->params_bytes > r->region_bytes ||
         r->buffers_off + r->buffers_bytes < r->buffers_off ||
@@ -100,7 +105,7 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     nt = (struct node_tensors){
         .params = (char *)s->map + r->params_off, .params_bytes = r->params_bytes,
         .grads = (char *)s->map + r->grads_off, .grad_count = r->grad_count,
-        .grad_type = (enum dtype)r->grad_dtype,
+        .results = (char *)s->map + r->results_off, .grad_type = (enum dtype)r->grad_dtype,
         .buffers = (char *)s->map + r->buffers_off, .buffers_bytes = r->buffers_bytes,
     };
     rc = node_register(s->node, &nt);

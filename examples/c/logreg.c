@@ -514,7 +514,7 @@ static int state_adopt(struct trainer *t, const void *state, size_t len)
 }
 
 /* Applies a committed result and accounts for it. */
-static void apply(struct trainer *t, struct cohort *c, float *w, float *g)
+static void apply(struct trainer *t, struct cohort *c, float *w, const float *g)
 {
     struct cohort_gradient_stats st;
     uint64_t v = cohort_model_version(c);
@@ -667,7 +667,7 @@ static int step(struct trainer *t, struct cohort *c, float *w, float *g, bool do
     }
     if (cohort_has_gradients(c)) {
         *idle = false;
-        apply(t, c, w, g);
+        apply(t, c, w, cohort_results(c));
         rc = cohort_zero_gradients(c);
         if (rc < 0)
             return rc;

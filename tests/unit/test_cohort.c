@@ -97,7 +97,7 @@ static void *run_loop(void *arg)
 {
     struct loop *l = arg;
     struct cohort *c = l->c;
-    float *w = cohort_params(c), *g = cohort_grads(c);
+    float *w = cohort_params(c), *g = cohort_grads(c), *r = cohort_results(c);
 
     for (uint64_t spins = 0; spins < 2000000; spins++) {
         if ((l->rc = cohort_update(c)) < 0)
@@ -118,7 +118,7 @@ static void *run_loop(void *arg)
         }
         if (cohort_has_gradients(c)) {
             for (size_t i = 0; i < NP; i++)
-                w[i] -= 0.1f * g[i];
+                w[i] -= 0.1f * r[i];
             cr_assert_eq(cohort_zero_gradients(c), 0);
         } else if (cohort_wants_gradients(c)) {
             for (size_t i = 0; i < NP; i++)

@@ -50,6 +50,7 @@ struct trainer {
     struct node *n;
     _Alignas(64) float params[P + 1];   /* padded to a multiple of 8 bytes */
     _Alignas(64) float grads[P];
+    _Alignas(64) float results[P];
     _Alignas(64) double buffers[2];
     uint64_t target;                    /* stop at this model version */
     atomic_bool quit;
@@ -98,14 +99,14 @@ static void *trainer_main(void *arg)
         if (v.has_gradients) {
             /* The mean of (index + 1) over contributions: a multiple of
              * 1/num_gradients, between 1 and MAXN. */
-            float g = tr->grads[0];
+            float g = tr->results[0];
             double scaled = (double)g * (double)v.num_gradients;
             if (fabs(scaled - round(scaled)) > 1e-3 || g < 1.0f || g > (float)MAXN)
                 tr->sum_check_failures++;
             for (int i = 0; i < P; i++) {
-                if (tr->grads[i] != g)
+                if (tr->results[i] != g)
                     tr->sum_check_failures++;
-                tr->params[i] -= 0.01f * tr->grads[i];
+                tr->params[i] -= 0.01f * tr->results[i];
             }
             tr->buffers[0] += 1;
             /* Drift early on, each its own value; the periodic sync (every
@@ -143,6 +144,7 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target)
     cr_assert_eq(node_start(&c, &tr->n), 0);
     t = (struct node_tensors){ .params = tr->params, .params_bytes = sizeof(tr->params),
                                .grads = tr->grads, .grad_count = P, .grad_type = DTYPE_F32,
+                               .results = tr->results,
                                .buffers = tr->buffers, .buffers_bytes = sizeof(tr->buffers) };
     cr_assert_eq(node_register(tr->n, &t), 0);
     cr_assert_eq(node_register(tr->n, &t), -EBUSY);
@@ -188,7 +190,7 @@ Test(node, three_trainers_commit_identical_rounds)
      * the epoch gave everyone the leader's (w-0 wrote 0). */
     for (int i = 0; i < 3; i++)
         cr_assert_eq(trs[i].buffers[1], 0.0, "w-%d's buffers were not synced from the leader", i);
-    cr_assert_eq(trs[0].grads[0], 0.0f, "consumed results are zeroed");
+    cr_assert_eq(trs[0].grads[0], 0.0f, "consumed contributions are zeroed");
     for (int i = 1; i < 3; i++)
         cr_assert_geq(trs[i].states, 1, "w-%d never received the leader's state", i);
     for (int i = 0; i < 3; i++)
@@ -273,7 +275,7 @@ Test(node, misuse_is_refused)
     struct node_config c = { .broker = broker, .cohort = "train", .id = "lonely", .host = "127.0.0.1" };
     struct node *n;
     struct node_tensors t = { 0 };
-    static float g[8];
+    static float g[8], r[8];
 
     cr_assert_eq(node_start(&c, &n), 0);
     cr_assert_eq(node_contribute(n, 1), -ENODEV);
@@ -282,6 +284,8 @@ Test(node, misuse_is_refused)
     t.grad_count = 1;
     cr_assert_eq(node_register(n, &t), -EINVAL);
     t.grads = g;
+    cr_assert_eq(node_register(n, &t), -EINVAL, "no results region");
+    t.results = r;
     cr_assert_eq(node_register(n, &t), 0);
     cr_assert_eq(node_consume(n), -EPERM);
     cr_assert_eq(node_set_state(n, "x", 1), -EPERM);
