@@ -162,7 +162,14 @@ int cohort_zero_gradients(struct cohort *c);
  * next election. */
 int cohort_set_model_version(struct cohort *c, uint64_t version);
 int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size);
-/* Rounds in flight at once; 1 for now (-ENOTSUP above). */
+/* Contributions in flight at once, 1 (the default) to 8. With n > 1 each
+ * reduce_gradients copies the gradients aside and zeroes them, and
+ * wants_gradients stays true until n are outstanding, so the trainer
+ * computes its next batch while earlier rounds reduce; results still come
+ * one at a time, in order, the same on every member, and may be up to n
+ * versions old. A round that needs more samples than one contribution per
+ * member sums the next queued ones. Returns 0, -EINVAL, or -EBUSY while
+ * contributions are outstanding (change it between rounds). */
 int cohort_set_parallel_gradients(struct cohort *c, unsigned n);
 
 struct cohort_gradient_stats {

@@ -491,7 +491,7 @@ int cohort_set_parallel_gradients(struct cohort *c, unsigned n)
     if (n == 0)
         return -EINVAL;
     if (c->node)
-        return n == 1 ? 0 : -ENOTSUP;
+        return node_set_parallel_gradients(c->node, n);
     return call_u64(c, TL_SET_PARALLEL, n);
 }
 

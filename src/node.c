@@ -24,6 +24,14 @@
  *             the number of contributions). The engine never writes the
  *             gradients, so an aborted step leaves the trainer's
  *             accumulation intact for the retry, and no byte is copied.
+ *
+ * Parallel gradients (n > 1): a contribution is copied into one of n
+ * private slots and the trainer's gradients are zeroed, so the trainer
+ * computes its next batch while rounds go on. Slots queue in order; each
+ * count step takes the next one, and the slots a round takes are summed
+ * into its first, which the gradient step reduces. Results are applied in
+ * order, one at a time, as with n = 1. n is this member's own business:
+ * every member still brings one contribution to each count step.
  */
 #include "node.h"
 
@@ -46,8 +54,18 @@
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
 #define SYNC_RETRY_MS 50
 #define DEFAULT_REDUCE_TIMEOUT_MS 60000u
+#define PARALLEL_MAX 8
+#define ADD_CHUNK 4096                  /* elements widened at a time */
 
 enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
+
+/* A contribution kept aside (parallel gradients). */
+struct slot {
+    void *buf;                  /* gradient-sized, allocated on first use */
+    int h;                      /* engine handle, registered by the node thread; -1 */
+    uint64_t batch;             /* 0: a skip, buf unused */
+    bool busy;                  /* being filled, queued, or the round's */
+};
 
 struct node {
     pthread_mutex_t lock;
@@ -86,6 +104,12 @@ struct node {
     uint32_t buffer_sync_rounds;
     uint64_t acc_batch, acc_grads, acc_skips;   /* since the last commit */
     bool contributed;           /* a contribution awaits its count step */
+    unsigned parallel;          /* contributions outstanding at most */
+    struct slot slots[PARALLEL_MAX];
+    int queue[PARALLEL_MAX];    /* slots waiting for a count step, in order */
+    size_t q_head, q_len;
+    int round_slot;             /* the slot the current round sums into; -1 */
+    float *add_scratch;         /* ADD_CHUNK floats: 16-bit sums */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
     void *state_out;            /* leader: from set_state */
@@ -157,6 +181,21 @@ static bool epoch_moved_locked(const struct node *n)
 static int small_reduce(struct node *n, size_t k, enum dtype_op op)
 {
     return allreduce_run(n->ar, n->h_small, k, DTYPE_I64, op, 0, round_of(n));
+}
+
+/* The slot is free again; its buffer and registration are kept for reuse. */
+static void slot_release_locked(struct node *n, int s)
+{
+    n->slots[s].batch = 0;
+    n->slots[s].busy = false;
+}
+
+/* Contributions outstanding: the open round (if any) and those queued. */
+static size_t outstanding_locked(const struct node *n)
+{
+    bool open = n->contributed || n->acc_grads + n->acc_skips > 0;
+
+    return n->q_len + (open ? 1 : 0);
 }
 
 static void set_leader_locked(struct node *n, size_t index)
@@ -313,9 +352,17 @@ static int sync_epoch(struct node *n)
             n->acc_batch = n->acc_grads = n->acc_skips = 0;
             n->contributed = false;
             n->has_gradients = false;
-            /* The trainer may be writing them right now: they are zeroed
-             * on its own next call instead (node_view). */
-            n->drop_grads = true;
+            if (n->round_slot >= 0) {
+                slot_release_locked(n, n->round_slot);
+                n->round_slot = -1;
+            }
+            /* With one round in flight the contribution is the trainer's
+             * own buffer, which it may be writing right now: it is zeroed
+             * on its own next call instead (node_view). Queued slots of
+             * parallel gradients were never in a count step, so nobody
+             * counted them: they stay. */
+            if (n->parallel == 1)
+                n->drop_grads = true;
         }
     }
     pthread_mutex_unlock(&n->lock);
@@ -330,11 +377,89 @@ out:
 }
 
 /* Count step, then the gradient step if the batch is complete. */
+/* dst += src over `count` elements of type t; 16-bit floats are summed in
+ * float32 through a small scratch and rounded once. */
+static void add_into(struct node *n, void *dst, const void *src)
+{
+    enum dtype t = n->t.grad_type;
+
+    if (!dtype_is_16bit_float(t)) {
+        dtype_combine(t, DTYPE_SUM, dst, src, n->t.grad_count);
+        return;
+    }
+    for (size_t i = 0; i < n->t.grad_count; i += ADD_CHUNK) {
+        size_t len = n->t.grad_count - i < ADD_CHUNK ? n->t.grad_count - i : ADD_CHUNK;
+        uint16_t *d = (uint16_t *)dst + i;
+
+        dtype_widen(t, n->add_scratch, d, len);
+        dtype_combine_widen(t, DTYPE_SUM, n->add_scratch, (const uint16_t *)src + i, len);
+        dtype_narrow(t, d, n->add_scratch, len);
+    }
+}
+
+/* Parallel gradients: takes the next queued contribution into the round
+ * (its counters, and its gradients summed into the round's slot). The
+ * sum runs unlocked: the slots involved belong to this thread now. */
+static void take_queued(struct node *n)
+{
+    int s, into;
+    bool add;
+
+    pthread_mutex_lock(&n->lock);
+    s = n->queue[n->q_head];
+    n->q_head = (n->q_head + 1) % PARALLEL_MAX;
+    n->q_len--;
+    if (n->slots[s].batch > 0) {
+        n->acc_batch += n->slots[s].batch;
+        n->acc_grads++;
+    } else {
+        n->acc_skips++;
+    }
+    add = n->slots[s].batch > 0 && n->round_slot >= 0;
+    if (n->slots[s].batch > 0 && n->round_slot < 0) {
+        n->round_slot = s;
+        s = -1;
+    }
+    into = n->round_slot;
+    n->contributed = true;
+    pthread_mutex_unlock(&n->lock);
+    if (add)
+        add_into(n, n->slots[into].buf, n->slots[s].buf);
+    if (s >= 0) {
+        pthread_mutex_lock(&n->lock);
+        slot_release_locked(n, s);
+        /* A slot is free again: the trainer may contribute. */
+        pthread_cond_broadcast(&n->cond);
+        pthread_mutex_unlock(&n->lock);
+    }
+}
+
+/* The handle the gradient step reduces from: the trainer's gradients, or
+ * the round's slot (registered on first use, on this thread, as the
+ * engine wants). */
+static int round_source(struct node *n)
+{
+    struct slot *sl;
+
+    if (n->round_slot < 0)
+        return n->h_grads;
+    sl = &n->slots[n->round_slot];
+    if (sl->h < 0)
+        sl->h = allreduce_register(n->ar, sl->buf, n->t.grad_count * dtype_size(n->t.grad_type));
+    return sl->h;
+}
+
 static int run_step(struct node *n)
 {
     uint64_t batch, grads, skips, vbs;
-    int rc;
+    int rc, src;
+    bool take;
 
+    pthread_mutex_lock(&n->lock);
+    take = !n->contributed;
+    pthread_mutex_unlock(&n->lock);
+    if (take)
+        take_queued(n);
     pthread_mutex_lock(&n->lock);
     n->small[0] = (int64_t)n->acc_batch;
     n->small[1] = (int64_t)n->acc_grads;
@@ -360,9 +485,13 @@ static int run_step(struct node *n)
     }
     pthread_mutex_unlock(&n->lock);
     /* The trainer writes no gradient and reads no result meanwhile: it has
-     * contributed, and the last result was consumed. */
+     * contributed (or its contribution is in a slot), and the last result
+     * was consumed. */
     if (grads > 0) {
-        rc = allreduce_run_into(n->ar, n->h_grads, n->h_results, n->t.grad_count, n->t.grad_type,
+        src = round_source(n);
+        if (src < 0)
+            return src;
+        rc = allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
                                 DTYPE_AVG_BY, (double)grads, round_of(n));
         if (rc < 0)
             return rc;
@@ -392,6 +521,10 @@ static int run_step(struct node *n)
     n->epoch_commits++;
     n->has_gradients = true;
     n->contributed = false;
+    if (n->round_slot >= 0) {
+        slot_release_locked(n, n->round_slot);
+        n->round_slot = -1;
+    }
     n->acc_batch = n->acc_grads = n->acc_skips = 0;
     n->stats.batch_size = batch;
     n->stats.num_gradients = grads;
@@ -468,7 +601,7 @@ static void *node_main(void *arg)
             }
             continue;
         }
-        if (n->phase == PH_RUN && n->contributed && !n->has_gradients) {
+        if (n->phase == PH_RUN && (n->contributed || n->q_len > 0) && !n->has_gradients) {
             pthread_mutex_unlock(&n->lock);
             rc = run_step(n);
             pthread_mutex_lock(&n->lock);
@@ -510,6 +643,10 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->id = strdup(cfg->id);
     n->version = cfg->model_version;
     n->vbs = 1;
+    n->parallel = 1;
+    n->round_slot = -1;
+    for (int i = 0; i < PARALLEL_MAX; i++)
+        n->slots[i].h = -1;
     n->buffer_sync_rounds = cfg->buffer_sync_rounds ? cfg->buffer_sync_rounds : 100;
     n->h_grads = n->h_results = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
     n->phase = PH_WAIT_EPOCH;
@@ -602,6 +739,9 @@ void node_stop(struct node *n)
     epoch_unref(n->latest);
     epoch_unref(n->cur);
     free(n->buf_scratch);
+    free(n->add_scratch);
+    for (int i = 0; i < PARALLEL_MAX; i++)
+        free(n->slots[i].buf);
     free(n->state_out);
     free(n->state_in);
     free(n->cohort);
@@ -629,7 +769,8 @@ int node_register(struct node *n, const struct node_tensors *t)
         goto out;
     }
     n->buf_scratch = calloc(1, t->buffers_bytes + 8);
-    if (!n->buf_scratch) {
+    n->add_scratch = malloc(ADD_CHUNK * sizeof(float));
+    if (!n->buf_scratch || !n->add_scratch) {
         rc = -ENOMEM;
         goto out;
     }
@@ -667,7 +808,11 @@ void node_view(struct node *n, struct node_view *v)
     v->connected = n->has_state;
     v->wants_state = n->leader && n->wants_state && !n->state_out_ready;
     v->has_new_state = n->has_new_state;
-    v->wants_gradients = n->phase == PH_RUN && !n->contributed && !n->has_gradients;
+    if (n->parallel == 1)
+        v->wants_gradients = n->phase == PH_RUN && !n->contributed && !n->has_gradients;
+    else
+        v->wants_gradients = n->phase == PH_RUN && !n->has_gradients &&
+                             outstanding_locked(n) < n->parallel;
     v->has_gradients = n->has_gradients;
     v->is_leader = n->leader && n->phase != PH_WAIT_EPOCH;
     v->model_version = n->version;
@@ -678,11 +823,64 @@ void node_view(struct node *n, struct node_view *v)
     pthread_mutex_unlock(&n->lock);
 }
 
+/* Parallel gradients: the contribution goes to a free slot and the
+ * trainer's gradients are zeroed for its next batch. The copy runs
+ * unlocked (the slot is reserved; the trainer is the caller). */
+static int contribute_to_slot(struct node *n, uint64_t batch_size)
+{
+    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    int s = -1, rc = 0;
+
+    for (int i = 0; i < PARALLEL_MAX && s < 0; i++)
+        if (!n->slots[i].busy)
+            s = i;
+    if (s < 0)
+        return -EPERM;          /* cannot happen: outstanding < parallel <= PARALLEL_MAX */
+    n->slots[s].busy = true;
+    pthread_mutex_unlock(&n->lock);
+    if (batch_size > 0) {
+        if (!n->slots[s].buf)
+            n->slots[s].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (n->slots[s].buf) {
+            memcpy(n->slots[s].buf, n->t.grads, bytes);
+            memset(n->t.grads, 0, bytes);
+        } else {
+            rc = -ENOMEM;
+        }
+    }
+    pthread_mutex_lock(&n->lock);
+    if (rc < 0) {
+        n->slots[s].busy = false;
+        return rc;
+    }
+    n->slots[s].batch = batch_size;
+    n->queue[(n->q_head + n->q_len) % PARALLEL_MAX] = s;
+    n->q_len++;
+    pthread_cond_broadcast(&n->cond);
+    return 0;
+}
+
 int node_contribute(struct node *n, uint64_t batch_size)
 {
     int rc = 0;
 
     pthread_mutex_lock(&n->lock);
+    /* A state transfer under way has made the parameters invalid: the
+     * gradients were computed on what is being replaced. */
+    if (n->registered && !n->has_state && n->phase == PH_SYNC) {
+        pthread_mutex_unlock(&n->lock);
+        return -EAGAIN;
+    }
+    if (n->registered && n->parallel > 1) {
+        /* A result may have committed since the trainer's last view said
+         * wants_gradients; the slot does not touch it, so that is fine. */
+        if (!n->has_state || outstanding_locked(n) >= n->parallel)
+            rc = -EPERM;
+        else
+            rc = contribute_to_slot(n, batch_size);
+        pthread_mutex_unlock(&n->lock);
+        return rc;
+    }
     /* A contribution made just as an epoch began is kept for after the
      * sync; one that would mix with gradients being dropped is not. */
     if (!n->registered)
@@ -771,6 +969,21 @@ int node_set_model_version(struct node *n, uint64_t version)
     pthread_mutex_unlock(&n->lock);
     member_set_model_version(n->member, version, true);
     return 0;
+}
+
+int node_set_parallel_gradients(struct node *n, unsigned count)
+{
+    int rc = 0;
+
+    if (count == 0 || count > PARALLEL_MAX)
+        return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    if (count != n->parallel && outstanding_locked(n) > 0)
+        rc = -EBUSY;
+    else
+        n->parallel = count;
+    pthread_mutex_unlock(&n->lock);
+    return rc;
 }
 
 int node_set_virtual_batch_size(struct node *n, uint64_t size)

@@ -105,10 +105,11 @@ void node_view(struct node *n, struct node_view *v);
 
 /* Contributes the gradient buffer's contents with `batch_size` samples
  * (0 = skip). A contribution made as a new epoch begins is kept for after
- * its sync. Returns 0, -EPERM (no state yet, or a contribution or result
- * is pending), -EAGAIN (a state transfer dropped the buffer's contents;
- * the next node_view zeroes it: compute again), -ENODEV (nothing
- * registered). */
+ * its sync. With parallel gradients the contents are copied aside and the
+ * buffer is zeroed. Returns 0, -EPERM (no state yet, a result is pending,
+ * or as many contributions as allowed are), -EAGAIN (a state transfer
+ * dropped the buffer's contents; the next node_view zeroes it: compute
+ * again), -ENODEV (nothing registered), -ENOMEM. */
 int node_contribute(struct node *n, uint64_t batch_size);
 /* The trainer has applied the result: clears has_gradients and zeroes the
  * gradient buffer for the next accumulation. -EPERM if there was none. */
@@ -126,6 +127,10 @@ int node_take_state(struct node *n, void **state, size_t *len);
  * at the next election. */
 int node_set_model_version(struct node *n, uint64_t version);
 int node_set_virtual_batch_size(struct node *n, uint64_t size);
+/* Contributions in flight at once, 1 to 8 (see node.c). Returns 0,
+ * -EINVAL, or -EBUSY while contributions are outstanding: change it
+ * between rounds. */
+int node_set_parallel_gradients(struct node *n, unsigned count);
 
 /* The data-plane address this node advertises. */
 const char *node_address(const struct node *n);

@@ -235,7 +235,10 @@ static int serve_one(struct trainerd *t, struct session *s)
     case TL_SET_VBS:
         return reply(s->sock, h.type, node_set_virtual_batch_size(s->node, b.u.value), NULL, 0, NULL, 0);
     case TL_SET_PARALLEL:
-        return reply(s->sock, h.type, b.u.value == 1 ? 0 : -EOPNOTSUPP, NULL, 0, NULL, 0);
+        return reply(s->sock, h.type,
+                     b.u.value > UINT32_MAX ? -EINVAL
+                                            : node_set_parallel_gradients(s->node, (unsigned)b.u.value),
+                     NULL, 0, NULL, 0);
     default:
         return reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0);
     }

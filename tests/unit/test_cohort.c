@@ -150,7 +150,8 @@ Test(cohort, trainers_through_sidecars_stay_identical)
         cr_assert_eq(cohort_connect(l[i].c, addr), -EALREADY);
         cr_assert_eq(cohort_set_virtual_batch_size(l[i].c, 8), 0);
         cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 1), 0);
-        cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 2), -ENOTSUP);
+        cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 0), -EINVAL);
+        cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 9), -EINVAL);
     }
     for (int i = 0; i < 2; i++)
         pthread_create(&l[i].t, NULL, run_loop, &l[i]);
@@ -195,6 +196,121 @@ Test(cohort, in_process_node_trains_without_a_sidecar)
     cr_assert_eq(memcmp(cohort_params(l[0].c), cohort_params(l[1].c), NP * 4), 0);
     for (int i = 0; i < 2; i++)
         cohort_destroy(l[i].c);
+}
+
+/* Parallel gradients: each contribution is a distinct integer, so every
+ * result names exactly the contributions it holds. */
+struct ploop {
+    struct cohort *c;
+    int index, rc;
+    unsigned parallel, per_round;   /* contributions of each member per round */
+    uint64_t results;
+    unsigned max_ahead;
+    pthread_t t;
+};
+
+static float pvalue(int member, uint64_t k)
+{
+    return (float)(member * 1000 + (int)k + 1);
+}
+
+static void *run_parallel(void *arg)
+{
+    struct ploop *l = arg;
+    struct cohort *c = l->c;
+    float *g = cohort_grads(c), *r = cohort_results(c);
+    uint64_t made = 0, end = clock_now_ms() + 60000;
+
+    while (clock_now_ms() < end) {
+        if ((l->rc = cohort_update(c)) < 0)
+            return NULL;
+        if (l->results >= 8 && !cohort_has_gradients(c))
+            return NULL;
+        if (!cohort_connected(c) || cohort_size(c) < 2) {
+            nap();
+            continue;
+        }
+        if (cohort_wants_state(c))
+            cohort_set_state(c, "", 0);
+        if (cohort_has_new_state(c)) {
+            const void *s;
+            size_t len;
+            cohort_state(c, &s, &len);
+        }
+        if (cohort_has_gradients(c)) {
+            /* Round j holds contributions j*per_round .. of each member. */
+            double want = 0;
+            for (unsigned k = 0; k < l->per_round; k++)
+                want += pvalue(0, l->results * l->per_round + k) +
+                        pvalue(1, l->results * l->per_round + k);
+            want /= 2.0 * l->per_round;
+            for (size_t i = 0; i < NP; i++)
+                if (r[i] != (float)want) {
+                    l->rc = -EPROTO;
+                    return NULL;
+                }
+            l->results++;
+            cr_assert_eq(cohort_zero_gradients(c), 0);
+        } else if (cohort_wants_gradients(c)) {
+            for (size_t i = 0; i < NP; i++)
+                g[i] += pvalue(l->index, made);
+            made++;
+            cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
+            /* Copied aside and zeroed at once: the next batch starts clean. */
+            if (l->parallel > 1)
+                cr_assert_eq(g[0], 0.0f);
+            if (made - l->results * l->per_round > l->max_ahead)
+                l->max_ahead = (unsigned)(made - l->results * l->per_round);
+        } else {
+            nap();
+        }
+    }
+    l->rc = -ETIMEDOUT;
+    return NULL;
+}
+
+static void parallel_pair(unsigned p0, unsigned p1, unsigned per_round)
+{
+    char path[2][128], addr[160];
+    struct trainerd *sd[2];
+    struct ploop l[2] = { { .index = 0, .parallel = p0, .per_round = per_round },
+                          { .index = 1, .parallel = p1, .per_round = per_round } };
+
+    for (int i = 0; i < 2; i++) {
+        char id[16];
+        snprintf(id, sizeof(id), "q-%d", i);
+        sd[i] = sidecar(id, path[i], sizeof(path[i]));
+        l[i].c = trainer();
+        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
+        cr_assert_eq(cohort_connect(l[i].c, addr), 0);
+        cr_assert_eq(cohort_set_virtual_batch_size(l[i].c, 2 * per_round), 0);
+        cr_assert_eq(cohort_set_parallel_gradients(l[i].c, l[i].parallel), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&l[i].t, NULL, run_parallel, &l[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(l[i].t, NULL);
+        cr_assert_eq(l[i].rc, 0, "member %d: %s", i, cohort_strerror(l[i].rc));
+        /* Never more in flight than allowed (the open round counts its
+         * contributions as one outstanding). */
+        cr_assert_leq(l[i].max_ahead, per_round * l[i].parallel);
+    }
+    cr_assert_eq(cohort_model_version(l[0].c), cohort_model_version(l[1].c));
+    for (int i = 0; i < 2; i++) {
+        cohort_destroy(l[i].c);
+        trainerd_stop(sd[i]);
+    }
+}
+
+Test(cohort, parallel_gradients_apply_every_contribution_once_in_order)
+{
+    parallel_pair(2, 2, 1);
+    parallel_pair(3, 1, 1);
+}
+
+Test(cohort, parallel_gradients_sum_queued_contributions_into_one_round)
+{
+    parallel_pair(2, 2, 2);
 }
 
 Test(cohort, misuse_and_a_gone_sidecar_are_errors)
