@@ -7,11 +7,13 @@
 # medians.
 #
 #   bench/train.sh
-#   PEERS="2 4" HIDDEN="128 1024" REPS=3 STEPS=200 bench/train.sh
+#   PEERS="2 4" HIDDEN="128 256" REPS=3 STEPS=200 bench/train.sh
 #
 # cohort runs under `cohortctl run` (a broker, one sidecar per trainer, the
 # tensors in shared memory); DDP's processes meet on 127.0.0.1. One torch
-# thread per process. Environment: PEERS, HIDDEN (hidden widths), REPS
+# thread per process (Debian's torch uses a generic BLAS, so wide layers
+# measure the BLAS, not the exchange). Environment: PEERS, HIDDEN (hidden
+# widths, default "128 256"), REPS
 # (default 3), STEPS (timed steps, default 200), WARMUP (default 20),
 # VB (samples per step, shared by the peers, default 256), BUILD (the build
 # directory, default build).
@@ -20,7 +22,7 @@ set -eu
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PEERS=${PEERS:-"2 4"}
-HIDDEN=${HIDDEN:-"128 1024"}
+HIDDEN=${HIDDEN:-"128 256"}
 REPS=${REPS:-3}
 STEPS=${STEPS:-200}
 WARMUP=${WARMUP:-20}

@@ -69,6 +69,10 @@ def cohort_member(a):
                 dt = time.perf_counter() - t0
                 rank = acc.rank()
                 break
+        elif not acc.wants_gradients():
+            # Waiting on the cohort: give the core to the sidecars and the
+            # other trainers (the example's loop does the same).
+            time.sleep(0.0005)
     # Serve the others' last round before leaving.
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
