@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -10,6 +11,8 @@
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include "clock.h"
 
 long tlink_body_size(uint16_t type, bool reply)
 {
@@ -64,6 +67,33 @@ static void close_all(int *fds, int n)
         close(fds[i]);
 }
 
+int tlink_wait(int sock, int timeout_ms)
+{
+    struct pollfd p = { sock, POLLIN, 0 };
+    uint64_t from = clock_now_us();
+    int rc;
+
+    /* Each side answers the other within microseconds while a trainer is
+     * in its loop; sleeping in poll would add a wakeup (tens of
+     * microseconds on a busy machine) to every call. */
+    do {
+        rc = poll(&p, 1, 0);
+        if (rc != 0)
+            break;
+        sched_yield();
+    } while (clock_now_us() - from < TLINK_SPIN_US);
+    while (rc == 0) {
+        rc = poll(&p, 1, timeout_ms);
+        if (rc == 0)
+            return -ETIMEDOUT;
+        if (rc < 0 && errno == EINTR)
+            rc = 0;
+    }
+    if (rc < 0)
+        return -errno;
+    return 0;
+}
+
 int tlink_recv(int sock, struct tlink_hdr *h, void *body, uint32_t cap, long want, int *fds,
                int *nfds, int timeout_ms)
 {
@@ -74,17 +104,12 @@ int tlink_recv(int sock, struct tlink_hdr *h, void *body, uint32_t cap, long wan
     struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
                           .msg_controllen = sizeof(cbuf) };
     int got[16], ngot = 0, rc = 0;
-    struct pollfd p = { sock, POLLIN, 0 };
     ssize_t n;
 
     *nfds = 0;
-    do {
-        rc = poll(&p, 1, timeout_ms);
-    } while (rc < 0 && errno == EINTR);
-    if (rc == 0)
-        return -ETIMEDOUT;
+    rc = tlink_wait(sock, timeout_ms);
     if (rc < 0)
-        return -errno;
+        return rc;
     do {
         n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
     } while (n < 0 && errno == EINTR);

@@ -91,6 +91,14 @@ long tlink_body_size(uint16_t type, bool reply);
 int tlink_send(int sock, uint16_t type, int32_t status, const void *body, uint32_t len,
                const int *fds, int nfds);
 
+/* How long a side polls for the other's next message before it sleeps. */
+#define TLINK_SPIN_US 50
+
+/* Waits until `sock` is readable (or hung up): spins up to TLINK_SPIN_US,
+ * then sleeps up to timeout_ms (-1: forever). Returns 0, -ETIMEDOUT or
+ * -errno. */
+int tlink_wait(int sock, int timeout_ms);
+
 /* Receives one message, waiting up to timeout_ms (-1: forever). Checks
  * magic, version and that the body is exactly `want` bytes (want < 0:
  * anything up to cap). Received descriptors are returned in fds (caller

@@ -291,6 +291,10 @@ static void *trainerd_main(void *arg)
         }
         if (s.sock >= 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) {
             int rc = serve_one(t, &s);
+            /* A trainer in its loop calls again within microseconds:
+             * catch that without a trip through poll's sleep. */
+            while (rc == 0 && !atomic_load(&t->stop) && tlink_wait(s.sock, 0) == 0)
+                rc = serve_one(t, &s);
             if (rc < 0) {
                 log_info("sidecar", "The trainer went away; leaving the cohort.",
                          LF_S("accumulator", s.name), LF_S("reason", log_strerror(rc)));
