@@ -123,6 +123,16 @@ struct node {
     struct node_view stats;     /* counters kept in the view's shape */
 };
 
+static void view_locked(const struct node *n, struct node_view *v);
+static void publish_locked(const struct node *n);
+
+/* Wakes the node's threads and republishes the view: the state changed. */
+static void changed_locked(struct node *n)
+{
+    pthread_cond_broadcast(&n->cond);
+    publish_locked(n);
+}
+
 static uint64_t round_of(struct node *n)
 {
     return (n->cur->number << 32) | n->step++;
@@ -140,7 +150,7 @@ static void on_epoch(void *arg, struct epoch *e)
     pthread_mutex_lock(&n->lock);
     epoch_unref(n->latest);
     n->latest = epoch_ref(e);
-    pthread_cond_broadcast(&n->cond);
+    changed_locked(n);
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -272,6 +282,7 @@ static int sync_epoch(struct node *n)
     }
     need = !n->leader && (n->version != vmax || !n->has_state);
     n->small[0] = need;
+    publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
         return rc;
@@ -292,6 +303,7 @@ static int sync_epoch(struct node *n)
     }
     if (n->leader) {
         n->wants_state = true;
+        publish_locked(n);
         while (!n->state_out_ready && !n->stop && !epoch_moved_locked(n))
             pthread_cond_wait(&n->cond, &n->lock);
         if (!n->state_out_ready) {
@@ -307,6 +319,7 @@ static int sync_epoch(struct node *n)
         if (need)
             n->has_state = false;
     }
+    publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     if ((rc = small_reduce(n, 2, DTYPE_MAX)) < 0)
         return rc;
@@ -365,6 +378,7 @@ static int sync_epoch(struct node *n)
                 n->drop_grads = true;
         }
     }
+    publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     log_info("node", "State synced from the leader.", LF_S("cohort", n->cohort), LF_S("id", n->id),
              LF_S("leader", n->leader_id), LF_U("version", vmax), LF_U("state_bytes", state_len),
@@ -429,7 +443,7 @@ static void take_queued(struct node *n)
         pthread_mutex_lock(&n->lock);
         slot_release_locked(n, s);
         /* A slot is free again: the trainer may contribute. */
-        pthread_cond_broadcast(&n->cond);
+        changed_locked(n);
         pthread_mutex_unlock(&n->lock);
     }
 }
@@ -530,7 +544,7 @@ static int run_step(struct node *n)
     n->stats.num_gradients = grads;
     n->stats.num_skipped = skips;
     n->stats.rounds_committed++;
-    pthread_cond_broadcast(&n->cond);
+    changed_locked(n);
     pthread_mutex_unlock(&n->lock);
     return 0;
 }
@@ -580,6 +594,8 @@ static void *node_main(void *arg)
     while (!n->stop) {
         int rc;
 
+        /* Every turn follows a change: a step, a phase, an epoch. */
+        publish_locked(n);
         if (epoch_moved_locked(n)) {
             n->failed_at = 0;
             adopt_epoch_locked(n);
@@ -687,7 +703,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     if (pthread_create(&n->member_thread, NULL, member_main, n) != 0) {
         pthread_mutex_lock(&n->lock);
         n->stop = true;
-        pthread_cond_broadcast(&n->cond);
+        changed_locked(n);
         pthread_mutex_unlock(&n->lock);
         pthread_join(n->thread, NULL);
         rc = -EAGAIN;
@@ -714,7 +730,7 @@ void node_stop(struct node *n)
         return;
     pthread_mutex_lock(&n->lock);
     n->stop = true;
-    pthread_cond_broadcast(&n->cond);
+    changed_locked(n);
     pthread_mutex_unlock(&n->lock);
     pthread_join(n->member_thread, NULL);
     /* Leaving publishes a new epoch to the others. Our own step in flight
@@ -787,7 +803,7 @@ int node_register(struct node *n, const struct node_tensors *t)
         goto out;
     }
     n->registered = true;
-    pthread_cond_broadcast(&n->cond);
+    changed_locked(n);
 out:
     pthread_mutex_unlock(&n->lock);
     return rc;
@@ -799,7 +815,14 @@ void node_view(struct node *n, struct node_view *v)
     if (n->drop_grads) {
         memset(n->t.grads, 0, n->t.grad_count * dtype_size(n->t.grad_type));
         n->drop_grads = false;
+        publish_locked(n);
     }
+    view_locked(n, v);
+    pthread_mutex_unlock(&n->lock);
+}
+
+static void view_locked(const struct node *n, struct node_view *v)
+{
     *v = n->stats;
     /* moolib's meaning: this member's parameters are the cohort's (it
      * leads, or received them). Not tied to the phase: during a sync the
@@ -819,8 +842,18 @@ void node_view(struct node *n, struct node_view *v)
     v->epoch = n->cur ? n->cur->number : 0;
     v->rank = n->my_index >= 0 ? (uint32_t)n->my_index : 0;
     v->size = n->cur ? (uint32_t)n->cur->n_members : 0;
+    v->drop_pending = n->drop_grads;
     snprintf(v->leader, sizeof(v->leader), "%s", n->leader_id);
-    pthread_mutex_unlock(&n->lock);
+}
+
+static void publish_locked(const struct node *n)
+{
+    struct node_view v;
+
+    if (!n->cfg.on_view)
+        return;
+    view_locked(n, &v);
+    n->cfg.on_view(n->cfg.view_arg, &v);
 }
 
 /* Parallel gradients: the contribution goes to a free slot and the
@@ -856,7 +889,7 @@ static int contribute_to_slot(struct node *n, uint64_t batch_size)
     n->slots[s].batch = batch_size;
     n->queue[(n->q_head + n->q_len) % PARALLEL_MAX] = s;
     n->q_len++;
-    pthread_cond_broadcast(&n->cond);
+    changed_locked(n);
     return 0;
 }
 
@@ -897,7 +930,7 @@ int node_contribute(struct node *n, uint64_t batch_size)
             n->acc_skips++;
         }
         n->contributed = true;
-        pthread_cond_broadcast(&n->cond);
+        changed_locked(n);
     }
     pthread_mutex_unlock(&n->lock);
     return rc;
@@ -913,7 +946,7 @@ int node_consume(struct node *n)
     } else {
         n->has_gradients = false;
         memset(n->t.grads, 0, n->t.grad_count * dtype_size(n->t.grad_type));
-        pthread_cond_broadcast(&n->cond);
+        changed_locked(n);
     }
     pthread_mutex_unlock(&n->lock);
     return rc;
@@ -939,7 +972,7 @@ int node_set_state(struct node *n, const void *state, size_t len)
         n->state_out = copy;
         n->state_out_len = len;
         n->state_out_ready = true;
-        pthread_cond_broadcast(&n->cond);
+        changed_locked(n);
     }
     pthread_mutex_unlock(&n->lock);
     return rc;
@@ -957,6 +990,7 @@ int node_take_state(struct node *n, void **state, size_t *len)
         *len = n->state_in_len;
         n->state_in = NULL;
         n->has_new_state = false;
+        publish_locked(n);
     }
     pthread_mutex_unlock(&n->lock);
     return rc;
@@ -966,6 +1000,7 @@ int node_set_model_version(struct node *n, uint64_t version)
 {
     pthread_mutex_lock(&n->lock);
     n->version = version;
+    publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     member_set_model_version(n->member, version, true);
     return 0;
@@ -982,6 +1017,7 @@ int node_set_parallel_gradients(struct node *n, unsigned count)
         rc = -EBUSY;
     else
         n->parallel = count;
+    publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     return rc;
 }

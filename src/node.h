@@ -43,6 +43,8 @@
 
 struct node;
 
+struct node_view;
+
 struct node_config {
     const char *broker;         /* broker address */
     const char *cohort;
@@ -54,6 +56,11 @@ struct node_config {
     uint32_t reduce_timeout_ms; /* engine: silence tolerated from a peer; 0: 60 s */
     uint32_t buffer_sync_rounds;/* buffers follow the leader's every this many
                                  * commits; 0: 100 */
+    /* Called with the node's lock held whenever the view may have
+     * changed, from any of its threads: copy it and return; never call
+     * into the node. May be NULL. */
+    void (*on_view)(void *arg, const struct node_view *v);
+    void *view_arg;             /* borrowed */
 };
 
 /* Tensors the trainer registers once. Memory is borrowed and must stay
@@ -92,6 +99,7 @@ struct node_view {
     bool wants_gradients;       /* a contribution (or skip) is expected */
     bool has_gradients;         /* a committed result is in the gradient buffer */
     bool is_leader;
+    bool drop_pending;          /* node_view() has gradients to zero: call it */
     uint64_t model_version;
     uint64_t epoch;
     uint32_t rank, size;        /* position in the epoch's member order, members */

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "node.h"
 
 long tlink_body_size(uint16_t type, bool reply)
 {
@@ -142,6 +144,79 @@ int tlink_recv(int sock, struct tlink_hdr *h, void *body, uint32_t cap, long wan
 bad:
     close_all(got, ngot);
     return rc;
+}
+
+_Static_assert(sizeof(struct tlink_view) % 8 == 0, "the view is copied in 8-byte words");
+_Static_assert(sizeof(struct tlink_shared) <= TLINK_SHARED_BYTES, "the shared page holds the view");
+
+void tlink_view_fill(struct tlink_view *w, const struct node_view *v)
+{
+    memset(w, 0, sizeof(*w));
+    w->connected = v->connected;
+    w->wants_state = v->wants_state;
+    w->has_new_state = v->has_new_state;
+    w->wants_gradients = v->wants_gradients;
+    w->has_gradients = v->has_gradients;
+    w->is_leader = v->is_leader;
+    w->drop_pending = v->drop_pending;
+    w->rank = v->rank;
+    w->size = v->size;
+    w->model_version = v->model_version;
+    w->epoch = v->epoch;
+    w->batch_size = v->batch_size;
+    w->num_gradients = v->num_gradients;
+    w->num_skipped = v->num_skipped;
+    w->rounds_committed = v->rounds_committed;
+    w->rounds_retried = v->rounds_retried;
+    w->epochs_seen = v->epochs_seen;
+    w->states_received = v->states_received;
+    w->contributions_dropped = v->contributions_dropped;
+    snprintf(w->leader, sizeof(w->leader), "%s", v->leader);
+}
+
+/* The view is copied word by word with relaxed atomics, so that a copy
+ * racing the writer is a torn read the sequence check throws away, not a
+ * data race. */
+static void copy_words(uint64_t *dst, const uint64_t *src, size_t words, bool to_shared)
+{
+    for (size_t i = 0; i < words; i++) {
+        if (to_shared)
+            __atomic_store_n(&dst[i], src[i], __ATOMIC_RELAXED);
+        else
+            dst[i] = __atomic_load_n(&src[i], __ATOMIC_RELAXED);
+    }
+}
+
+void tlink_shared_publish(struct tlink_shared *s, const struct tlink_view *w)
+{
+    uint64_t seq = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
+
+    __atomic_store_n(&s->seq, seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    copy_words((uint64_t *)&s->view, (const uint64_t *)w, sizeof(*w) / 8, true);
+    __atomic_store_n(&s->seq, seq + 2, __ATOMIC_RELEASE);
+}
+
+int tlink_shared_read(const struct tlink_shared *s, struct tlink_view *out)
+{
+    for (int tries = 0; tries < 64; tries++) {
+        uint64_t a = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE), b;
+
+        if (a == 0)
+            return -EAGAIN;
+        if (a & 1) {
+            sched_yield();
+            continue;
+        }
+        copy_words((uint64_t *)out, (const uint64_t *)&s->view, sizeof(*out) / 8, false);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        b = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
+        if (a == b) {
+            out->leader[sizeof(out->leader) - 1] = '\0';
+            return 0;
+        }
+    }
+    return -EAGAIN;
 }
 
 int tlink_memfd_from(const char *name, const void *data, size_t len)

@@ -60,6 +60,7 @@ struct tlink_register {
     uint64_t params_off, params_bytes;
     uint64_t grads_off, grad_count;
     uint64_t results_off;       /* grad_count elements of the gradients' type */
+    uint64_t shared_off;        /* TLINK_SHARED_BYTES: struct tlink_shared */
     uint64_t buffers_off, buffers_bytes;
     uint8_t cuda_handle[64];    /* cudaIpcMemHandle_t, for TL_MEM_CUDA_IPC */
     int32_t cuda_device;
@@ -69,7 +70,7 @@ struct tlink_register {
 /* What cohort_update() reads: node_view in fixed-width fields. */
 struct tlink_view {
     uint8_t connected, wants_state, has_new_state, wants_gradients;
-    uint8_t has_gradients, is_leader, pad[2];
+    uint8_t has_gradients, is_leader, drop_pending, pad;
     uint32_t rank, size;
     uint64_t model_version, epoch;
     uint64_t batch_size, num_gradients, num_skipped;
@@ -81,6 +82,25 @@ struct tlink_view {
 struct tlink_u64 {
     uint64_t value;
 };
+
+/* The sidecar publishes the trainer's view in the shared memory whenever
+ * it may have changed, so cohort_update() reads it with no call. `seq` is
+ * a seqlock, odd while the sidecar writes; 0 means nothing published yet.
+ * Both are read and written with atomics: the two sides are processes. */
+#define TLINK_SHARED_BYTES 4096
+struct tlink_shared {
+    uint64_t seq;
+    struct tlink_view view;
+};
+
+struct node_view;
+/* node_view (node.h) in the wire's fixed-width shape. */
+void tlink_view_fill(struct tlink_view *w, const struct node_view *v);
+/* Writer side: publishes `w` (one writer at a time). */
+void tlink_shared_publish(struct tlink_shared *s, const struct tlink_view *w);
+/* Reader side: copies the latest view into *out. Returns 0, or -EAGAIN
+ * when nothing was published yet or the writer kept it busy. */
+int tlink_shared_read(const struct tlink_shared *s, struct tlink_view *out);
 
 /* The body size each request type must have exactly (replies: by the
  * request they answer). Returns -1 for an unknown type. */

@@ -37,8 +37,19 @@ struct session {
     void *map;
     size_t map_len;
     struct node *node;
+    struct tlink_shared *shared;    /* in map: where the view is published */
     char name[TLINK_NAME_MAX];
 };
+
+/* node_config.on_view: the view goes where the trainer reads it. */
+static void publish_view(void *arg, const struct node_view *v)
+{
+    struct session *s = arg;
+    struct tlink_view w;
+
+    tlink_view_fill(&w, v);
+    tlink_shared_publish(s->shared, &w);
+}
 
 /* Replies name their request's type only through the conversation: one
  * request, one reply. `type` is kept at call sites for the reader. */
@@ -62,7 +73,7 @@ static int check_layout(const struct tlink_register *r, int fd)
         return -EINVAL;
     if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != r->region_bytes || r->region_bytes == 0)
         return -EINVAL;
-    if ((r->params_off | r->grads_off | r->results_off | r->buffers_off) % 64 != 0 ||
+    if ((r->params_off | r->grads_off | r->results_off | r->buffers_off | r->shared_off) % 64 != 0 ||
         (r->params_bytes | r->buffers_bytes) % 8 != 0)
         return -EINVAL;
     if (r->grad_count > UINT64_MAX / 8)
@@ -74,6 +85,11 @@ static int check_layout(const struct tlink_register *r, int fd)
      * while it writes the other. */
     if (end < r->grads_off || end > r->region_bytes || rend < r->results_off ||
         rend > r->region_bytes || (r->results_off < end && r->grads_off < rend) ||
+        /* The view page comes last, after every tensor. */
+        r->shared_off < end || r->shared_off < rend ||
+        r->shared_off < r->params_off + r->params_bytes ||
+        r->shared_off < r->buffers_off + r->buffers_bytes ||
+        r->shared_off > r->region_bytes || r->region_bytes - r->shared_off < TLINK_SHARED_BYTES ||
         r->params_off + r->params_bytes < r->params_off ||
         r->params_off + r->params_bytes > r->region_bytes ||
         r->buffers_off + r->buffers_bytes < r->buffers_off ||
@@ -85,6 +101,7 @@ static int check_layout(const struct tlink_register *r, int fd)
 static int do_register(struct trainerd *t, struct session *s, const struct tlink_register *r,
                        int fd)
 {
+    struct node_config nc = t->ncfg;
     struct node_tensors nt;
     int rc;
 
@@ -99,7 +116,10 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
         return -errno;
     }
     s->map_len = r->region_bytes;
-    rc = node_start(&t->ncfg, &s->node);
+    s->shared = (struct tlink_shared *)((char *)s->map + r->shared_off);
+    nc.on_view = publish_view;
+    nc.view_arg = s;
+    rc = node_start(&nc, &s->node);
     if (rc < 0)
         return rc;
     nt = (struct node_tensors){
@@ -115,30 +135,6 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
                  LF_S("grad_dtype", dtype_name((enum dtype)r->grad_dtype)),
                  LF_U("shared_bytes", r->region_bytes));
     return rc;
-}
-
-static void fill_view(const struct node_view *v, struct tlink_view *w)
-{
-    memset(w, 0, sizeof(*w));
-    w->connected = v->connected;
-    w->wants_state = v->wants_state;
-    w->has_new_state = v->has_new_state;
-    w->wants_gradients = v->wants_gradients;
-    w->has_gradients = v->has_gradients;
-    w->is_leader = v->is_leader;
-    w->rank = v->rank;
-    w->size = v->size;
-    w->model_version = v->model_version;
-    w->epoch = v->epoch;
-    w->batch_size = v->batch_size;
-    w->num_gradients = v->num_gradients;
-    w->num_skipped = v->num_skipped;
-    w->rounds_committed = v->rounds_committed;
-    w->rounds_retried = v->rounds_retried;
-    w->epochs_seen = v->epochs_seen;
-    w->states_received = v->states_received;
-    w->contributions_dropped = v->contributions_dropped;
-    snprintf(w->leader, sizeof(w->leader), "%s", v->leader);
 }
 
 /* Serves one request. Returns 0 to go on, <0 to end the session. */
@@ -194,7 +190,7 @@ static int serve_one(struct trainerd *t, struct session *s)
         struct node_view v;
         struct tlink_view w;
         node_view(s->node, &v);
-        fill_view(&v, &w);
+        tlink_view_fill(&w, &v);
         return reply(s->sock, h.type, 0, &w, sizeof(w), NULL, 0);
     }
     case TL_CONTRIBUTE:
