@@ -29,19 +29,27 @@
 
 #define MAX_PEERS 8
 #define WARMUP 3
+#define MAX_REPS 51
 #define GIVE_UP_MS 120000         /* a round that takes this long is a failure, not a figure */
 
 static const char usage[] =
-    "Usage: cohortctl bench accumulator [--peers N] [--bytes LIST] [--rounds K] [-o json]\n"
+    "Usage: cohortctl bench accumulator [--peers N] [--bytes LIST] [--rounds K]\n"
+    "                                   [--reps R] [-o json]\n"
     "\n"
     "Times one round of the Accumulator (reduce_gradients through a sidecar\n"
     "service, as a trainer sees it) against one all-reduce of the same buffer\n"
-    "by the engine alone, in the same run. float32 gradients.\n"
+    "by the engine alone, in the same run. float32 gradients. Each repetition\n"
+    "times the engine and then the Accumulator; the figures are the medians\n"
+    "over repetitions, the ratio the median of each repetition's ratio, so\n"
+    "that a busy moment on a shared machine skews one repetition only.\n"
+    "A round is timed without the trainer's zero_gradients (a memset of the\n"
+    "gradients, which any trainer pays to start its next batch).\n"
     "\n"
     "  --peers N      members (default 2, at most 8)\n"
     "  --bytes LIST   gradient sizes, comma-separated, K/M suffixes\n"
     "                 (default 4K,64M)\n"
-    "  --rounds K     timed rounds per size (default 20; 3 more warm up)\n"
+    "  --rounds K     timed rounds per repetition (default 20; 3 more warm up)\n"
+    "  --reps R       repetitions (default 5)\n"
     "  -o, --output   table (default) or json\n"
     "  -h, --help     show this text\n";
 
@@ -128,13 +136,15 @@ struct trainer {
     pthread_t t;
 };
 
-/* moolib's loop, polling without sleeps but yielding the core when there
- * is nothing to do: on two cores a spinning trainer would starve the very
- * threads it waits for. What is timed is cohort's own latency. */
+/* moolib's loop; when there is nothing to do it sleeps in cohort_wait(),
+ * which wakes it as soon as the view changes: on two cores a polling
+ * trainer would starve the very threads it waits for. What is timed is
+ * cohort's own latency. */
 static void *trainer_main(void *arg)
 {
     struct trainer *tr = arg;
     uint64_t t0 = 0, start_at = 0, target = 0, give_up = clock_now_ms() + GIVE_UP_MS;
+    uint64_t zeroing = 0;       /* in zero_gradients: the trainer's own memset */
     bool started = false;
 
     while (clock_now_ms() < give_up) {
@@ -143,7 +153,7 @@ static void *trainer_main(void *arg)
         /* A member alone would commit rounds the others never see, and
          * every member must time the same rounds. */
         if (!cohort_connected(tr->c) || cohort_size(tr->c) < tr->peers) {
-            sched_yield();
+            cohort_wait(tr->c, 100);
             continue;
         }
         if (cohort_wants_state(tr->c))
@@ -161,15 +171,18 @@ static void *trainer_main(void *arg)
         if (cohort_model_version(tr->c) == start_at + WARMUP && t0 == 0)
             t0 = clock_now_us();
         if (cohort_has_gradients(tr->c)) {
+            uint64_t z = clock_now_us();
             cohort_zero_gradients(tr->c);
+            if (t0)
+                zeroing += clock_now_us() - z;
             if (cohort_model_version(tr->c) >= target) {
-                tr->ms = (double)(clock_now_us() - t0) / 1000.0 / tr->rounds;
+                tr->ms = (double)(clock_now_us() - t0 - zeroing) / 1000.0 / tr->rounds;
                 return NULL;
             }
         } else if (cohort_wants_gradients(tr->c)) {
             cohort_reduce_gradients(tr->c, 1);
         } else {
-            sched_yield();
+            cohort_wait(tr->c, 100);
         }
     }
     tr->rc = -ETIMEDOUT;
@@ -232,6 +245,20 @@ out:
     return rc;
 }
 
+static int cmp_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+
+    return (a > b) - (a < b);
+}
+
+/* Sorts v in place. */
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 static int parse_size(const char *s, size_t *out)
 {
     char num[32];
@@ -257,12 +284,13 @@ int cli_bench_accumulator(int argc, char **argv)
         { "peers", required_argument, NULL, 'n' },
         { "bytes", required_argument, NULL, 'b' },
         { "rounds", required_argument, NULL, 'r' },
+        { "reps", required_argument, NULL, 'R' },
         { "output", required_argument, NULL, 'o' },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
     size_t sizes[16];
-    int n_sizes = 0, peers = 2, rounds = 20, opt, status = 0;
+    int n_sizes = 0, peers = 2, rounds = 20, reps = 5, opt, status = 0;
     const char *list = "4K,64M", *output = "table";
     uint64_t v;
     char copy[256];
@@ -284,6 +312,13 @@ int cli_bench_accumulator(int argc, char **argv)
                 return 2;
             }
             rounds = (int)v;
+            break;
+        case 'R':
+            if (opt_uint(optarg, 1, MAX_REPS, &v) < 0) {
+                fprintf(stderr, "cohortctl bench accumulator: --reps is 1 to %d\n", MAX_REPS);
+                return 2;
+            }
+            reps = (int)v;
             break;
         case 'o': output = optarg; break;
         case 'h': fputs(usage, stdout); return 0;
@@ -312,10 +347,18 @@ int cli_bench_accumulator(int argc, char **argv)
         printf("%10s %5s %12s %16s %7s %10s\n", "bytes", "peers", "engine ms", "accumulator ms",
                "ratio", "added us");
     for (int i = 0; i < n_sizes; i++) {
-        double direct = 0, acc = 0;
-        int rc = run_direct(peers, sizes[i], rounds, &direct);
-        if (rc == 0)
-            rc = run_accumulator(peers, sizes[i], rounds, &acc);
+        double d[MAX_REPS], a[MAX_REPS], r[MAX_REPS], direct, acc, ratio;
+        int rc = 0;
+
+        for (int k = 0; k < reps && rc == 0; k++) {
+            rc = run_direct(peers, sizes[i], rounds, &d[k]);
+            if (rc == 0)
+                rc = run_accumulator(peers, sizes[i], rounds, &a[k]);
+            r[k] = a[k] / d[k];
+        }
+        direct = median(d, reps);
+        acc = median(a, reps);
+        ratio = median(r, reps);
         if (rc < 0) {
             fprintf(stderr, "cohortctl bench accumulator: %zu bytes failed: %s\n", sizes[i],
                     log_strerror(rc));
@@ -324,11 +367,11 @@ int cli_bench_accumulator(int argc, char **argv)
         }
         if (strcmp(output, "json") == 0)
             printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
-                   "\"ratio\":%.3f,\"added_us\":%.1f}\n", peers, sizes[i], direct, acc, acc / direct,
-                   (acc - direct) * 1000.0);
+                   "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d}\n", peers, sizes[i], direct,
+                   acc, ratio, (acc - direct) * 1000.0, reps);
         else
-            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", sizes[i], peers, direct, acc,
-                   acc / direct, (acc - direct) * 1000.0);
+            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", sizes[i], peers, direct, acc, ratio,
+                   (acc - direct) * 1000.0);
     }
     rpc_shutdown();
     return status;

@@ -131,6 +131,14 @@ int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *m
  * 0, or -ENOTCONN when the sidecar is gone. */
 int cohort_update(struct cohort *c);
 
+/* Sleeps until the answers below may have changed since the last
+ * cohort_update() (a result committed, state is wanted, the epoch moved),
+ * or timeout_ms passes; call cohort_update() then. Returns 0, -ETIMEDOUT,
+ * or -ENOTCONN (not connected, or the sidecar is gone). Not in moolib: for
+ * a trainer with nothing to do meanwhile, waiting here instead of polling
+ * leaves the cores to the reduction and wakes within microseconds. */
+int cohort_wait(struct cohort *c, int timeout_ms);
+
 bool cohort_connected(const struct cohort *c);
 bool cohort_wants_state(const struct cohort *c);
 bool cohort_has_new_state(const struct cohort *c);

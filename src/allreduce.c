@@ -1526,11 +1526,12 @@ static void ring_recv_done(struct run *x, struct ring *g)
     if (!x->wide) {
         void *dst = x->buf + q->base * x->esz;
 
-        /* Out of place, the contribution is brought in segment by segment,
-         * while it is hot for the combine that follows. */
+        /* Out of place, our contribution is read where it is and the sum
+         * written once: no more memory traffic than in place. */
         if (x->src != x->buf)
-            memcpy(dst, x->src + q->base * x->esz, q->len * x->esz);
-        dtype_combine(x->acc, x->op, dst, slot, q->len);
+            dtype_combine_into(x->acc, x->op, dst, x->src + q->base * x->esz, slot, q->len);
+        else
+            dtype_combine(x->acc, x->op, dst, slot, q->len);
         if (last)
             dtype_scale(x->acc, dst, q->len, x->div);
         g->slot_busy[g->rx_slot] = false;

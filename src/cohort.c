@@ -17,6 +17,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "dtype.h"
 #include "ident.h"
 #include "log.h"
@@ -44,6 +45,7 @@ struct cohort {
     bool rpc_started;
     char *ident_cohort, *ident_id;
     struct tlink_view view;
+    uint32_t seen_gen;                  /* publications counted at the last update */
     void *state;                        /* last received opaque state */
     size_t state_len;
 };
@@ -282,11 +284,28 @@ static int connect_sidecar(struct cohort *c, const char *path)
     return rc;
 }
 
+static struct tlink_shared *shared_page(const struct cohort *c)
+{
+    return (struct tlink_shared *)((char *)c->map + c->layout.shared_off);
+}
+
+/* node_config.on_view of the in-process node: the same page a sidecar
+ * would write, so cohort_wait() works alike. */
+static void publish_local(void *arg, const struct node_view *v)
+{
+    struct cohort *c = arg;
+    struct tlink_view w;
+
+    tlink_view_fill(&w, v);
+    tlink_shared_publish(shared_page(c), &w);
+}
+
 static int connect_broker(struct cohort *c, const char *address)
 {
     const char *cohort = c->ident_cohort ? c->ident_cohort : getenv("COHORT_COHORT");
     const char *id = c->ident_id ? c->ident_id : getenv("COHORT_ID");
-    struct node_config nc = { .broker = address, .cohort = cohort, .id = id, .host = "127.0.0.1" };
+    struct node_config nc = { .broker = address, .cohort = cohort, .id = id, .host = "127.0.0.1",
+                              .on_view = publish_local, .view_arg = c };
     struct node_tensors t = {
         .params = cohort_params(c), .params_bytes = c->layout.params_bytes,
         .grads = cohort_grads(c), .grad_count = c->layout.grad_count, .grad_type = c->dtype,
@@ -342,6 +361,9 @@ int cohort_update(struct cohort *c)
     struct node_view v;
     struct tlink_view w;
 
+    /* Counted before the view is read: a publication in between makes
+     * the next cohort_wait() return at once rather than miss it. */
+    c->seen_gen = tlink_shared_gen(shared_page(c));
     if (c->node) {
         node_view(c->node, &v);
         tlink_view_fill(&c->view, &v);
@@ -352,14 +374,33 @@ int cohort_update(struct cohort *c)
      * those calls did. A call is still needed when gradients must be
      * dropped (the sidecar zeroes them inside it), before the first
      * publication, and to find out that the sidecar is gone. */
-    if (c->sock >= 0 && !sidecar_gone(c) &&
-        tlink_shared_read((const struct tlink_shared *)((char *)c->map + c->layout.shared_off),
-                          &w) == 0 &&
+    if (c->sock >= 0 && !sidecar_gone(c) && tlink_shared_read(shared_page(c), &w) == 0 &&
         !w.drop_pending) {
         c->view = w;
         return 0;
     }
     return call(c, TL_VIEW, NULL, 0, NULL, 0, &c->view, sizeof(c->view), NULL);
+}
+
+int cohort_wait(struct cohort *c, int timeout_ms)
+{
+    uint64_t end = clock_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+
+    if (!c->node && c->sock < 0)
+        return -ENOTCONN;
+    for (;;) {
+        uint64_t now = clock_now_ms();
+        /* In slices, so that a sidecar that died (it cannot wake us) is
+         * noticed within one. */
+        int slice = end > now ? (int)(end - now < 50 ? end - now : 50) : 0;
+
+        if (tlink_shared_wait(shared_page(c), c->seen_gen, slice) == 0)
+            return 0;
+        if (!c->node && sidecar_gone(c))
+            return -ENOTCONN;
+        if (clock_now_ms() >= end)
+            return -ETIMEDOUT;
+    }
 }
 
 bool cohort_connected(const struct cohort *c) { return c->view.connected; }

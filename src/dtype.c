@@ -327,86 +327,64 @@ void dtype_narrow(enum dtype t, uint16_t *restrict dst, const float *restrict sr
 
 /* --- combining ---------------------------------------------------------- */
 
-static void combine_f32(enum dtype_op op, float *restrict d, const float *restrict s, size_t n)
-{
-    switch (op) {
-    case DTYPE_MIN:
-        FOR_EACH(n, d[i] = FMIN(d[i], s[i]));
-        break;
-    case DTYPE_MAX:
-        FOR_EACH(n, d[i] = FMAX(d[i], s[i]));
-        break;
-    default:
-        FOR_EACH(n, d[i] += s[i]);
-        break;
+/* d[i] = a[i] op b[i], generated twice per type: in place (a is d) and
+ * out of place (nothing overlaps). Two bodies rather than one with `a`
+ * allowed to alias `d`, because only restrict-qualified loops vectorize at
+ * -O2. Integer sums go through unsigned arithmetic so that overflow wraps
+ * instead of being undefined. */
+#define COMBINE_BODY(MINF, MAXF, ADD, T, A)                                         \
+    switch (op) {                                                                   \
+    case DTYPE_MIN:                                                                 \
+        FOR_EACH(n, d[i] = MINF(A[i], b[i]));                                       \
+        break;                                                                      \
+    case DTYPE_MAX:                                                                 \
+        FOR_EACH(n, d[i] = MAXF(A[i], b[i]));                                       \
+        break;                                                                      \
+    default:                                                                        \
+        FOR_EACH(n, d[i] = ADD(T, A[i], b[i]));                                     \
+        break;                                                                      \
     }
-}
+#define DEFINE_COMBINE(name, T, MINF, MAXF, ADD)                                    \
+    static void name##_inplace(enum dtype_op op, T *restrict d, const T *restrict b, \
+                               size_t n)                                            \
+    {                                                                               \
+        COMBINE_BODY(MINF, MAXF, ADD, T, d)                                         \
+    }                                                                               \
+    static void name##_into(enum dtype_op op, T *restrict d, const T *restrict a,   \
+                            const T *restrict b, size_t n)                          \
+    {                                                                               \
+        COMBINE_BODY(MINF, MAXF, ADD, T, a)                                         \
+    }
+#define FADD(T, x, y) ((x) + (y))
+#define IADD32(T, x, y) ((T)((uint32_t)(x) + (uint32_t)(y)))
+#define IADD64(T, x, y) ((T)((uint64_t)(x) + (uint64_t)(y)))
 
-static void combine_f64(enum dtype_op op, double *restrict d, const double *restrict s, size_t n)
-{
-    switch (op) {
-    case DTYPE_MIN:
-        FOR_EACH(n, d[i] = FMIN(d[i], s[i]));
-        break;
-    case DTYPE_MAX:
-        FOR_EACH(n, d[i] = FMAX(d[i], s[i]));
-        break;
-    default:
-        FOR_EACH(n, d[i] += s[i]);
-        break;
-    }
-}
-
-/* Sums go through unsigned arithmetic so that overflow wraps instead of
- * being undefined. */
-static void combine_i32(enum dtype_op op, int32_t *restrict d, const int32_t *restrict s, size_t n)
-{
-    switch (op) {
-    case DTYPE_MIN:
-        FOR_EACH(n, d[i] = IMIN(d[i], s[i]));
-        break;
-    case DTYPE_MAX:
-        FOR_EACH(n, d[i] = IMAX(d[i], s[i]));
-        break;
-    default:
-        FOR_EACH(n, d[i] = (int32_t)((uint32_t)d[i] + (uint32_t)s[i]));
-        break;
-    }
-}
-
-static void combine_i64(enum dtype_op op, int64_t *restrict d, const int64_t *restrict s, size_t n)
-{
-    switch (op) {
-    case DTYPE_MIN:
-        FOR_EACH(n, d[i] = IMIN(d[i], s[i]));
-        break;
-    case DTYPE_MAX:
-        FOR_EACH(n, d[i] = IMAX(d[i], s[i]));
-        break;
-    default:
-        FOR_EACH(n, d[i] = (int64_t)((uint64_t)d[i] + (uint64_t)s[i]));
-        break;
-    }
-}
+DEFINE_COMBINE(combine_f32, float, FMIN, FMAX, FADD)
+DEFINE_COMBINE(combine_f64, double, FMIN, FMAX, FADD)
+DEFINE_COMBINE(combine_i32, int32_t, IMIN, IMAX, IADD32)
+DEFINE_COMBINE(combine_i64, int64_t, IMIN, IMAX, IADD64)
 
 void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
                    const void *restrict src, size_t n)
 {
     switch (acc) {
-    case DTYPE_F32:
-        combine_f32(op, dst, src, n);
-        break;
-    case DTYPE_F64:
-        combine_f64(op, dst, src, n);
-        break;
-    case DTYPE_I32:
-        combine_i32(op, dst, src, n);
-        break;
-    case DTYPE_I64:
-        combine_i64(op, dst, src, n);
-        break;
-    default:
-        break;                  /* 16-bit types are never accumulated as such */
+    case DTYPE_F32: combine_f32_inplace(op, dst, src, n); break;
+    case DTYPE_F64: combine_f64_inplace(op, dst, src, n); break;
+    case DTYPE_I32: combine_i32_inplace(op, dst, src, n); break;
+    case DTYPE_I64: combine_i64_inplace(op, dst, src, n); break;
+    default: break;             /* 16-bit types are never accumulated as such */
+    }
+}
+
+void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict a, const void *restrict b, size_t n)
+{
+    switch (acc) {
+    case DTYPE_F32: combine_f32_into(op, dst, a, b, n); break;
+    case DTYPE_F64: combine_f64_into(op, dst, a, b, n); break;
+    case DTYPE_I32: combine_i32_into(op, dst, a, b, n); break;
+    case DTYPE_I64: combine_i64_into(op, dst, a, b, n); break;
+    default: break;
     }
 }
 

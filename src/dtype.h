@@ -68,6 +68,11 @@ int dtype_divisor(enum dtype t, enum dtype_op op, size_t members, double denomin
 void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
                    const void *restrict src, size_t n);
 
+/* dst[i] = a[i] op b[i]: dtype_combine out of place, with the same bytes
+ * (a plays dst's part). None of the three overlap. */
+void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict a, const void *restrict b, size_t n);
+
 /* The same with src a float16 or bfloat16 (`t`) array widened on the fly:
  * dst[i] = dst[i] op (float)src[i]. */
 void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict dst,

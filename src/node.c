@@ -121,10 +121,12 @@ struct node {
     bool drop_grads;            /* zero the gradients at the trainer's next call */
     uint64_t failed_at;         /* a step failed with no new epoch yet; 0: none */
     struct node_view stats;     /* counters kept in the view's shape */
+    struct node_view last_view; /* as last published */
+    bool published;
 };
 
 static void view_locked(const struct node *n, struct node_view *v);
-static void publish_locked(const struct node *n);
+static void publish_locked(struct node *n);
 
 /* Wakes the node's threads and republishes the view: the state changed. */
 static void changed_locked(struct node *n)
@@ -846,13 +848,20 @@ static void view_locked(const struct node *n, struct node_view *v)
     snprintf(v->leader, sizeof(v->leader), "%s", n->leader_id);
 }
 
-static void publish_locked(const struct node *n)
+/* Only a view that differs from the last one is published: each one
+ * wakes a waiting trainer. */
+static void publish_locked(struct node *n)
 {
     struct node_view v;
 
     if (!n->cfg.on_view)
         return;
+    memset(&v, 0, sizeof(v));   /* padding too: views are compared bytewise */
     view_locked(n, &v);
+    if (n->published && memcmp(&v, &n->last_view, sizeof(v)) == 0)
+        return;
+    n->last_view = v;
+    n->published = true;
     n->cfg.on_view(n->cfg.view_arg, &v);
 }
 

@@ -2,6 +2,8 @@
 #include "tlink.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
 #include <stdio.h>
@@ -10,7 +12,9 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -195,6 +199,39 @@ void tlink_shared_publish(struct tlink_shared *s, const struct tlink_view *w)
     __atomic_thread_fence(__ATOMIC_RELEASE);
     copy_words((uint64_t *)&s->view, (const uint64_t *)w, sizeof(*w) / 8, true);
     __atomic_store_n(&s->seq, seq + 2, __ATOMIC_RELEASE);
+    /* Both sides use sequentially consistent operations on gen and
+     * waiters, so a waiter either sees the new gen or is seen here. */
+    __atomic_fetch_add(&s->gen, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&s->waiters, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &s->gen, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+uint32_t tlink_shared_gen(const struct tlink_shared *s)
+{
+    return __atomic_load_n(&s->gen, __ATOMIC_ACQUIRE);
+}
+
+int tlink_shared_wait(struct tlink_shared *s, uint32_t seen, int timeout_ms)
+{
+    struct timespec ts = { timeout_ms / 1000, (long)(timeout_ms % 1000) * 1000000L };
+    uint64_t from = clock_now_us();
+    int rc = 0;
+
+    /* A round is often only microseconds away: a futex wakeup would cost
+     * more than that. */
+    while (clock_now_us() - from < TLINK_SPIN_US) {
+        if (__atomic_load_n(&s->gen, __ATOMIC_ACQUIRE) != seen)
+            return 0;
+        sched_yield();
+    }
+    __atomic_fetch_add(&s->waiters, 1, __ATOMIC_SEQ_CST);
+    /* The kernel compares gen with `seen` itself: a publication between
+     * this load and the sleep makes the wait return at once. */
+    if (__atomic_load_n(&s->gen, __ATOMIC_SEQ_CST) == seen &&
+        syscall(SYS_futex, &s->gen, FUTEX_WAIT, seen, &ts, NULL, 0) < 0 && errno == ETIMEDOUT)
+        rc = -ETIMEDOUT;
+    __atomic_fetch_sub(&s->waiters, 1, __ATOMIC_SEQ_CST);
+    return rc;
 }
 
 int tlink_shared_read(const struct tlink_shared *s, struct tlink_view *out)

@@ -69,7 +69,7 @@
 #define EVAL_SAMPLES 2048
 #define EVAL_BASE (1ull << 40)          /* eval samples live far from training ones */
 #define STATE_MAX 512
-#define IDLE_US 1000                    /* sleep when there is nothing to do */
+#define IDLE_MS 100                     /* longest wait when there is nothing to do */
 
 static const char usage[] =
     "Usage: " PROG " [options]\n"
@@ -735,8 +735,10 @@ static int run_cohort(struct trainer *t)
                 t->o.stall_timeout_s, cohort_model_version(c), cohort_connected(c));
             goto out;
         }
+        /* Woken as soon as anything changes; the timeout keeps the stall
+         * and linger clocks above ticking. */
         if (idle)
-            sleep_us(IDLE_US);
+            cohort_wait(c, IDLE_MS);
     }
     status = finish(t, w, cohort_model_version(c));
 out:

@@ -320,6 +320,7 @@ Test(cohort, misuse_and_a_gone_sidecar_are_errors)
     struct cohort *c = trainer(), *other = trainer();
 
     cr_assert_eq(cohort_connect(c, "unix:/nonexistent/sock"), -ENOENT);
+    cr_assert_eq(cohort_wait(c, 10), -ENOTCONN, "nothing to wait for before connect");
     snprintf(addr, sizeof(addr), "unix:%s", p);
     cr_assert_eq(cohort_connect(c, addr), 0);
     cr_assert_eq(cohort_update(c), 0);
@@ -335,11 +336,23 @@ Test(cohort, misuse_and_a_gone_sidecar_are_errors)
     cr_assert_eq(cohort_reduce_gradients(c, 0), -EINVAL);
     cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
     cr_assert_eq(cohort_reduce_gradients(c, 1), -EPERM, "a second reduce before the round ends");
+    /* Alone, the round commits at once; cohort_wait wakes for it. */
+    end = clock_now_ms() + 30000;
+    while (!cohort_has_gradients(c) && clock_now_ms() < end) {
+        int rc = cohort_wait(c, 1000);
+        cr_assert(rc == 0 || rc == -ETIMEDOUT, "cohort_wait: %s", cohort_strerror(rc));
+        cr_assert_eq(cohort_update(c), 0);
+    }
+    cr_assert(cohort_has_gradients(c));
+    /* Nothing changes while the result waits for the trainer. */
+    cr_assert_eq(cohort_update(c), 0);
+    cr_assert_eq(cohort_wait(c, 300), -ETIMEDOUT);
     cr_assert_eq(cohort_set_state(c, "x", 1), -EPERM, "nobody asked for state");
     /* A second trainer on the same sidecar is turned away. */
     cr_assert_neq(cohort_connect(other, addr), 0);
     /* The sidecar goes away: calls say so, and keep saying so. */
     trainerd_stop(s);
+    cr_assert_eq(cohort_wait(c, 5000), -ENOTCONN, "a wait notices the sidecar is gone");
     cr_assert_eq(cohort_update(c), -ENOTCONN);
     cr_assert_eq(cohort_reduce_gradients(c, 1), -ENOTCONN);
     cr_assert_str_eq(cohort_strerror(-ENOTCONN), "the sidecar is gone");
