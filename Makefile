@@ -1,8 +1,10 @@
 # cohort: build, test, demo.
 #
-#   make            release build into build/ (-O2, -Werror)
+#   make            release build into build/ (-O2, -Werror), and the Python
+#                   package into build/python
 #   make test       installs missing packages, builds the sanitizer build
-#                   into build/asan/ and runs every test against it
+#                   into build/asan/ and runs every test against it (the
+#                   Python tests against the release build: see python/python.mk)
 #   make demo       installs missing packages and runs a local cohort
 #
 # Sources are found by directory, so a new module is a new .c/.h pair and
@@ -88,7 +90,9 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a
 .SECONDARY:
 
 .PHONY: all asan deps test unit proc kube demo demo-membership bench sandbox clean
-all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES))
+all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) python
+
+include python/python.mk
 
 asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) $(ASAN_DIR)/tests/unit
 
@@ -103,8 +107,8 @@ export LSAN_OPTIONS  := suppressions=$(CURDIR)/tests/lsan.supp:print_suppression
 
 test: deps
 	scripts/install-kubectl.sh
-	$(MAKE) -j$$(nproc) asan
-	$(MAKE) unit proc kube
+	$(MAKE) -j$$(nproc) asan all
+	$(MAKE) unit proc kube python-test
 
 unit:
 	$(ASAN_DIR)/tests/unit --jobs=2
@@ -114,7 +118,7 @@ proc:
 
 # The API server stand-in and process kubelet, with the real kubectl.
 kube:
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests/kube
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/kube
 
 # A Kubernetes stand-in in the foreground: kubectl works against it.
 sandbox: deps

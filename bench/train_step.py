@@ -72,7 +72,7 @@ def cohort_member(a):
         elif not acc.wants_gradients():
             # Waiting on the cohort: give the core to the sidecars and the
             # other trainers (the example's loop does the same).
-            time.sleep(0.0005)
+            acc.wait(0.1)
     # Serve the others' last round before leaving.
     end = time.monotonic() + 1.0
     while time.monotonic() < end:

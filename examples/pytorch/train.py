@@ -256,7 +256,8 @@ def train(a):
                 a.stall_timeout, version))
             return 1
         if not accumulator.wants_gradients() and not accumulator.has_gradients():
-            time.sleep(0.0005)
+            # Woken as soon as the cohort has something for us.
+            accumulator.wait(0.1)
 
     version = accumulator.model_version()
     final_eval = evaluate(model, data)

@@ -307,6 +307,30 @@ static PyObject *core_update(struct core *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* wait(timeout_ms) -> bool: True when the view may have changed. The
+ * object's lock is held meanwhile, as for every call: close() from another
+ * thread waits for it (timeouts are capped by the Python layer). */
+static PyObject *core_wait(struct core *self, PyObject *arg)
+{
+    long ms = PyLong_AsLong(arg);
+    int rc;
+
+    if (ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (ms < 0 || ms > 60000) {
+        PyErr_Format(PyExc_ValueError, "timeout_ms must be between 0 and 60000, not %ld", ms);
+        return NULL;
+    }
+    if (check_open(self) < 0)
+        return NULL;
+    LOCKED(self, rc = cohort_wait(c, (int)ms));
+    if (rc == -ETIMEDOUT)
+        Py_RETURN_FALSE;
+    if (rc < 0)
+        return raise_rc("wait", rc);
+    Py_RETURN_TRUE;
+}
+
 /* Converts a Python int to a u64 in [min, max], or raises ValueError. */
 static int to_u64(PyObject *o, const char *what, uint64_t min, uint64_t max, uint64_t *out)
 {
@@ -607,6 +631,7 @@ static PyMethodDef core_methods[] = {
     { "set_identity", (PyCFunction)core_set_identity, METH_VARARGS,
       "set_identity(cohort, member_id): names used when joining a broker directly." },
     { "update", (PyCFunction)core_update, METH_NOARGS, "Refreshes the view." },
+    { "wait", (PyCFunction)core_wait, METH_O, "Sleeps until the view may have changed." },
     { "reduce_gradients", (PyCFunction)core_reduce_gradients, METH_O,
       "reduce_gradients(batch_size) -> 0, or EPERM/EAGAIN when not taken." },
     { "skip_gradients", (PyCFunction)core_skip_gradients, METH_NOARGS,

@@ -257,6 +257,22 @@ class Accumulator:
                     self._pending = None
         self._asked = self._pending is None and core.wants_gradients()
 
+    def wait(self, timeout=0.1):
+        """Not in moolib: sleeps until update() may have something new (a
+        result, a state request, a new epoch) or `timeout` seconds pass, and
+        says whether it woke for a change. A loop with nothing to do calls
+        it instead of sleeping: it wakes within microseconds of the change
+        and leaves the cores to the reduction meanwhile."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 <= timeout <= 60:
+            raise ValueError("timeout must be a number of seconds from 0 to 60, not %r"
+                             % (timeout,))
+        core = self._c()
+        if not self._linked:
+            time.sleep(min(timeout, 0.05))
+            return False
+        return core.wait(int(timeout * 1000))
+
     # ---- state -------------------------------------------------------------
 
     def wants_state(self):

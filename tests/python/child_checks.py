@@ -56,7 +56,10 @@ def check_round(address):
     assert [p.grad.data_ptr() for p in m.parameters()] == ptrs
     assert torch.equal(flat, mine)
     acc.reduce_gradients(8)
-    wait(lambda: (acc.update(), acc.has_gradients())[1], "has_gradients")
+    # wait() wakes for the commit; while the result waits for us, nothing
+    # else changes and it times out.
+    wait(lambda: (acc.wait(1.0), acc.update(), acc.has_gradients())[2], "has_gradients")
+    assert acc.wait(0.2) is False
     assert acc.model_version() == 1
     # .grad is now the result, in the shared memory too (in place, or the
     # results region when the engine reduces out of place).

@@ -197,6 +197,11 @@ def test_calls_out_of_turn_and_bad_arguments_raise_without_a_cohort():
             acc.connect(42)
         with pytest.raises(TypeError, match="picklable"):
             acc.set_state(lambda: 0)
+        with pytest.raises(ValueError, match="seconds"):
+            acc.wait(-1)
+        with pytest.raises(ValueError):
+            acc.wait(True)
+        assert acc.wait(0.01) is False      # nothing connected: nothing to wake for
     finally:
         acc.close()
 
