@@ -814,6 +814,21 @@ static void on_pod(void *arg, const char *key, const cJSON *obj)
 
 /* ---- lifecycle ---------------------------------------------------------- */
 
+/* What controller_start allocated before its threads, and the struct. */
+static void controller_free(struct controller *c)
+{
+    for (size_t i = 0; i < c->n_states; i++)
+        state_free(c->states[i]);
+    free(c->states);
+    free(c->namespace);
+    free(c->identity);
+    free(c->broker_address);
+    free(c->sidecar_image);
+    free(c->sidecar_command);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
 int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_ms,
                      struct controller **out)
 {
@@ -922,16 +937,7 @@ err_cohorts:
 err_queue:
     workq_destroy(c->q);
 err_free:
-    for (size_t i = 0; i < c->n_states; i++)
-        state_free(c->states[i]);
-    free(c->states);
-    free(c->namespace);
-    free(c->identity);
-    free(c->broker_address);
-    free(c->sidecar_image);
-    free(c->sidecar_command);
-    pthread_mutex_destroy(&c->lock);
-    free(c);
+    controller_free(c);
     return rc;
 }
 
@@ -948,16 +954,7 @@ void controller_stop(struct controller *c)
     reflector_destroy(c->pods);
     reflector_destroy(c->cohorts);
     workq_destroy(c->q);
-    for (size_t i = 0; i < c->n_states; i++)
-        state_free(c->states[i]);
-    free(c->states);
-    free(c->namespace);
-    free(c->identity);
-    free(c->broker_address);
-    free(c->sidecar_image);
-    free(c->sidecar_command);
-    pthread_mutex_destroy(&c->lock);
-    free(c);
+    controller_free(c);
 }
 
 void controller_stats(struct controller *c, struct controller_stats *out)

@@ -3196,53 +3196,6 @@ class Store:
                     return True
         return False
 
-    # -- fault injection, for tests -----------------------------------------
-
-    def _faults(self, method, body):
-        """POST adds a rule, GET lists them, DELETE clears them. A rule:
-        {"method": "POST", "path": "substring", "userAgent": "substring",
-         "status": 500, "delay": seconds, "count": N}. Every field is
-        optional; a matching request waits `delay` seconds, then gets
-        `status` (if given) instead of its answer, `count` times (default
-        unlimited). Watches match too, by the same fields."""
-        srv = self.server
-        with srv.fault_lock:
-            if method == "POST":
-                rule = dict(body or {})
-                rule.setdefault("hits", 0)
-                srv.faults.append(rule)
-            elif method == "DELETE":
-                srv.faults[:] = []
-            return self._send_json(200, {"faults": list(srv.faults)})
-
-    def _inject_fault(self, method, path):
-        srv = self.server
-        ua = self.headers.get("User-Agent", "") or ""
-        with srv.fault_lock:
-            rule = None
-            for r in srv.faults:
-                if r.get("method") and r["method"] != method:
-                    continue
-                if r.get("path") and r["path"] not in path:
-                    continue
-                if r.get("userAgent") and r["userAgent"] not in ua:
-                    continue
-                if r.get("count") is not None and r["hits"] >= r["count"]:
-                    continue
-                r["hits"] += 1
-                rule = dict(r)
-                break
-        if rule is None:
-            return
-        if rule.get("delay"):
-            time.sleep(float(rule["delay"]))
-        if rule.get("status"):
-            code = int(rule["status"])
-            raise ApiError(code, {429: "TooManyRequests", 500: "InternalError",
-                                  503: "ServiceUnavailable", 504: "Timeout"}
-                           .get(code, "InternalError"), "injected fault (%d) for %s %s" %
-                           (code, method, path))
-
     # -- watch ------------------------------------------------------------
 
     def events_after(self, pos):

@@ -1,6 +1,7 @@
 """A broker and sidecars as real processes on loopback: agreement, eviction
 of a killed member, graceful leave, broker restart, leadership by model
 version, and refusals of bad input."""
+import os
 import signal
 import time
 
@@ -192,7 +193,7 @@ def test_dead_broker_gives_clear_cli_error():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["cohort-operator"], "--standalone"),
+    (["cohort-operator", "--standalone", "--kubeconfig", "/nonexistent"], "--standalone"),
     (["cohort-operator", "--standalone", "--member-timeout", "1s", "--heartbeat-interval", "2s"],
      "longer than"),
     (["cohort-operator", "--standalone", "--cohort", "bad name"], "--cohort"),
@@ -214,6 +215,19 @@ def test_bad_flags_are_usage_errors(argv, needle):
     r = subprocess.run([bin_path(argv[0])] + argv[1:], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr
+
+
+def test_operator_without_kubernetes_config_says_what_to_pass(tmp_path):
+    """Outside a pod and with no --kubeconfig there is nothing to talk to:
+    a runtime error (1) that names the flag, not a crash or a hang."""
+    import subprocess
+    from cohortproc import bin_path
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+    r = subprocess.run([bin_path("cohort-operator")], capture_output=True, text=True, timeout=30,
+                       env=env, cwd=tmp_path)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "--kubeconfig" in r.stderr
 
 
 @pytest.mark.parametrize("name", ["cohort-operator", "cohort-sidecar", "cohortctl"])
