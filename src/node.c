@@ -392,7 +392,6 @@ out:
     return rc;
 }
 
-/* Count step, then the gradient step if the batch is complete. */
 /* dst += src over `count` elements of type t; 16-bit floats are summed in
  * float32 through a small scratch and rounded once. */
 static void add_into(struct node *n, void *dst, const void *src)
@@ -415,13 +414,18 @@ static void add_into(struct node *n, void *dst, const void *src)
 
 /* Parallel gradients: takes the next queued contribution into the round
  * (its counters, and its gradients summed into the round's slot). The
- * sum runs unlocked: the slots involved belong to this thread now. */
-static void take_queued(struct node *n)
+ * sum runs unlocked: the slots involved belong to this thread now.
+ * Returns false when nothing is queued. */
+static bool take_queued(struct node *n)
 {
     int s, into;
     bool add;
 
     pthread_mutex_lock(&n->lock);
+    if (n->q_len == 0) {
+        pthread_mutex_unlock(&n->lock);
+        return false;
+    }
     s = n->queue[n->q_head];
     n->q_head = (n->q_head + 1) % PARALLEL_MAX;
     n->q_len--;
@@ -448,6 +452,7 @@ static void take_queued(struct node *n)
         changed_locked(n);
         pthread_mutex_unlock(&n->lock);
     }
+    return true;
 }
 
 /* The handle the gradient step reduces from: the trainer's gradients, or
@@ -465,6 +470,7 @@ static int round_source(struct node *n)
     return sl->h;
 }
 
+/* Count step, then the gradient step if the batch is complete. */
 static int run_step(struct node *n)
 {
     uint64_t batch, grads, skips, vbs;
@@ -474,8 +480,8 @@ static int run_step(struct node *n)
     pthread_mutex_lock(&n->lock);
     take = !n->contributed;
     pthread_mutex_unlock(&n->lock);
-    if (take)
-        take_queued(n);
+    if (take && !take_queued(n))
+        return 0;
     pthread_mutex_lock(&n->lock);
     n->small[0] = (int64_t)n->acc_batch;
     n->small[1] = (int64_t)n->acc_grads;
