@@ -134,15 +134,18 @@ static void detach(const struct broker *b, struct entry *m, int err)
         b->ops.detach(b->ops.arg, w, err);
 }
 
-/* Bisection over an array sorted in natural order: returns the index of
- * `key`, or where it would be inserted, and says which in *found. */
-static size_t cohort_find(const struct broker *b, const char *name, bool *found)
+/* Bisection over n names sorted in natural order, name_at(items, i)
+ * giving the i-th: returns the index of `key`, or where it would be
+ * inserted, and says which in *found. */
+static size_t natural_find(const void *items, size_t n,
+                           const char *(*name_at)(const void *, size_t), const char *key,
+                           bool *found)
 {
-    size_t lo = 0, hi = b->n_cohorts;
+    size_t lo = 0, hi = n;
 
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        int r = ident_natural_cmp(b->cohorts[mid]->name, name);
+        int r = ident_natural_cmp(name_at(items, mid), key);
 
         if (r == 0) {
             *found = true;
@@ -157,25 +160,24 @@ static size_t cohort_find(const struct broker *b, const char *name, bool *found)
     return lo;
 }
 
+static const char *cohort_name_at(const void *items, size_t i)
+{
+    return ((struct cohort *const *)items)[i]->name;
+}
+
+static const char *entry_id_at(const void *items, size_t i)
+{
+    return ((struct entry *const *)items)[i]->id;
+}
+
+static size_t cohort_find(const struct broker *b, const char *name, bool *found)
+{
+    return natural_find(b->cohorts, b->n_cohorts, cohort_name_at, name, found);
+}
+
 static size_t entry_find(const struct cohort *c, const char *id, bool *found)
 {
-    size_t lo = 0, hi = c->n_members;
-
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        int r = ident_natural_cmp(c->members[mid]->id, id);
-
-        if (r == 0) {
-            *found = true;
-            return mid;
-        }
-        if (r < 0)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    *found = false;
-    return lo;
+    return natural_find(c->members, c->n_members, entry_id_at, id, found);
 }
 
 static struct cohort *cohort_get(const struct broker *b, const char *name)
