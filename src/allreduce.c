@@ -820,6 +820,24 @@ static void *acceptor_main(void *arg)
 
 /* --- engine lifecycle --------------------------------------------------- */
 
+/* What allreduce_create allocates before the acceptor starts, and the
+ * struct; descriptors not yet opened are -1. */
+static void engine_free(struct allreduce *a)
+{
+    if (a->abort_fd >= 0)
+        close(a->abort_fd);
+    if (a->wake_fd >= 0)
+        close(a->wake_fd);
+    if (a->inbox_fd >= 0)
+        close(a->inbox_fd);
+    free(a->rd_a);
+    free(a->rd_b);
+    free(a->stage);
+    free(a->id);
+    free(a->cohort);
+    free(a);
+}
+
 int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
 {
     struct allreduce *a;
@@ -878,18 +896,7 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
 err_mutex:
     pthread_mutex_destroy(&a->mu);
 err_alloc:
-    if (a->abort_fd >= 0)
-        close(a->abort_fd);
-    if (a->wake_fd >= 0)
-        close(a->wake_fd);
-    if (a->inbox_fd >= 0)
-        close(a->inbox_fd);
-    free(a->rd_a);
-    free(a->rd_b);
-    free(a->stage);
-    free(a->id);
-    free(a->cohort);
-    free(a);
+    engine_free(a);
     return rc;
 }
 
@@ -913,15 +920,7 @@ void allreduce_destroy(struct allreduce *a)
         close(a->inbox[i].fd);
     epoch_unref(a->epoch);
     pthread_mutex_destroy(&a->mu);
-    close(a->abort_fd);
-    close(a->wake_fd);
-    close(a->inbox_fd);
-    free(a->rd_a);
-    free(a->rd_b);
-    free(a->stage);
-    free(a->id);
-    free(a->cohort);
-    free(a);
+    engine_free(a);
 }
 
 int allreduce_set_epoch(struct allreduce *a, struct epoch *e)
