@@ -12,10 +12,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "brokerd.h"
 #include "clock.h"
 #include "cohort.h"
-#include "rpc.h"
+#include "fixture.h"
 #include "tlink.h"
 #include "trainerd.h"
 
@@ -26,25 +25,14 @@ static char broker[64], dir[64];
 
 static void start(void)
 {
-    struct brokerd_config cfg = { .listen = "127.0.0.1:0" };
-
-    cr_assert_eq(rpc_init(), 0);
-    broker_config_default(&cfg.broker);
-    cfg.broker.startup_hold_ms = 0;
-    cfg.broker.heartbeat_ms = 200;
-    cfg.broker.timeout_ms = 1500;
-    cfg.broker.coalesce_ms = 20;
-    cr_assert_eq(brokerd_start(&cfg, &d), 0);
-    cr_assert_eq(brokerd_declare(d, "api", 0, 0), 0);
-    snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(d));
+    d = fixture_broker_start("api", broker, sizeof(broker));
     snprintf(dir, sizeof(dir), "/tmp/cohort-api-XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
 }
 
 static void stop(void)
 {
-    brokerd_stop(d);
-    rpc_shutdown();
+    fixture_broker_stop(d);
     rmdir(dir);
 }
 

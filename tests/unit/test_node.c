@@ -11,10 +11,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "brokerd.h"
 #include "clock.h"
+#include "fixture.h"
 #include "node.h"
-#include "rpc.h"
 
 #define P 1031                  /* parameters: a prime, not a multiple of anything */
 #define MAXN 6
@@ -24,23 +23,12 @@ static char broker[64];
 
 static void start(void)
 {
-    struct brokerd_config cfg = { .listen = "127.0.0.1:0" };
-
-    cr_assert_eq(rpc_init(), 0);
-    broker_config_default(&cfg.broker);
-    cfg.broker.startup_hold_ms = 0;
-    cfg.broker.heartbeat_ms = 200;
-    cfg.broker.timeout_ms = 1500;
-    cfg.broker.coalesce_ms = 20;
-    cr_assert_eq(brokerd_start(&cfg, &d), 0);
-    cr_assert_eq(brokerd_declare(d, "train", 0, 0), 0);
-    snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(d));
+    d = fixture_broker_start("train", broker, sizeof(broker));
 }
 
 static void stop(void)
 {
-    brokerd_stop(d);
-    rpc_shutdown();
+    fixture_broker_stop(d);
 }
 
 TestSuite(node, .init = start, .fini = stop, .timeout = 180);
