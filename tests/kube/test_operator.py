@@ -266,9 +266,15 @@ def test_api_errors_timeouts_and_dropped_watches_are_retried_without_duplicates(
     # A create the API server answers after the client timed out: the
     # retry gets AlreadyExists, and there is still one pod per ordinal.
     c.server.clear_faults()
+    before = len(post_pod_creates(c))
     c.server.fault(method="POST", path="/pods", userAgent="cohort-operator", delay=4, count=1)
     c.kubectl("scale", "tc/flaky", "--replicas=4")
     wait_members(c, "flaky", ["flaky-%d" % i for i in range(4)])
+    # The server logs a request when it answers: the delayed original may
+    # still be asleep after its retry made the pod. Later tests count
+    # creates, so it must be in the log before this test ends.
+    wait_until(lambda: len(post_pod_creates(c)) >= before + 2,
+               "the delayed create and its retry to be answered")
     names = sorted(p["metadata"]["name"] for p in live_pods(c, "flaky"))
     assert names == ["flaky-%d" % i for i in range(4)]
     c.server.clear_faults()
