@@ -25,6 +25,18 @@
  *             gradients, so an aborted step leaves the trainer's
  *             accumulation intact for the retry, and no byte is copied.
  *
+ * Fused step: for gradients of at most FUSE_MAX bytes, a round costs one
+ * all-reduce, not two. The counters ride behind a copy of the gradients
+ * (as exact digits, tally.h) in one SUM; if the batch is complete, the sum
+ * is divided by the number of contributions here, with the engine's own
+ * kernel, so the bytes are those AVG_BY would give. If it is not, the sum
+ * is thrown away, as the count step's would be: the contributions are
+ * untouched and the next step reduces them again. A wasted reduction of a
+ * small buffer costs about what the count step saves, but a cohort whose
+ * rounds need several count steps would pay it every time; so a step is
+ * fused only while the previous round of the epoch committed at its first
+ * step. Every member sees the same counts, so all decide alike.
+ *
  * Parallel gradients (n > 1): a contribution is copied into one of n
  * private slots and the trainer's gradients are zeroed, so the trainer
  * computes its next batch while rounds go on. Slots queue in order; each
@@ -49,6 +61,7 @@
 #include "ident.h"
 #include "log.h"
 #include "member.h"
+#include "tally.h"
 
 #define STATE_MAX (1ull << 30)          /* opaque trainer state, bytes */
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
@@ -56,6 +69,8 @@
 #define DEFAULT_REDUCE_TIMEOUT_MS 60000u
 #define PARALLEL_MAX 8
 #define ADD_CHUNK 4096                  /* elements widened at a time */
+#define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
+#define COUNTERS 4                      /* batch, contributions, skips, vbs */
 
 enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
 
@@ -110,6 +125,10 @@ struct node {
     size_t q_head, q_len;
     int round_slot;             /* the slot the current round sums into; -1 */
     float *add_scratch;         /* ADD_CHUNK floats: 16-bit sums */
+    void *fuse_in, *fuse_out;   /* [gradients | counter digits]; NULL: never fused */
+    int h_fuse_in, h_fuse_out;
+    bool fuse_next;             /* node thread: the next step is fused */
+    uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
     void *state_out;            /* leader: from set_state */
@@ -455,27 +474,74 @@ static bool take_queued(struct node *n)
     return true;
 }
 
-/* The handle the gradient step reduces from: the trainer's gradients, or
- * the round's slot (registered on first use, on this thread, as the
- * engine wants). */
-static int round_source(struct node *n)
+/* The round's own gradients: the trainer's (n = 1) or the round's slot;
+ * NULL when every contribution of this member to the round was a skip
+ * under parallel gradients, where the trainer's gradients hold its next
+ * batch, not this round's: the member then contributes zeros. */
+static void *round_grads(const struct node *n, bool slots)
 {
-    struct slot *sl;
-
-    if (n->round_slot < 0)
-        return n->h_grads;
-    sl = &n->slots[n->round_slot];
-    if (sl->h < 0)
-        sl->h = allreduce_register(n->ar, sl->buf, n->t.grad_count * dtype_size(n->t.grad_type));
-    return sl->h;
+    if (n->round_slot >= 0)
+        return n->slots[n->round_slot].buf;
+    return slots ? NULL : n->t.grads;
 }
 
-/* Count step, then the gradient step if the batch is complete. */
+/* The gradient step, out of place into the results region (AVG_BY the
+ * `grads` contributions). The round's slot is registered on first use,
+ * on this thread, as the engine wants. */
+static int gradient_step(struct node *n, bool slots, uint64_t grads)
+{
+    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    int src = n->h_grads;
+
+    if (!round_grads(n, slots)) {
+        /* In place over zeros: the results region is free until commit. */
+        memset(n->t.results, 0, bytes);
+        src = n->h_results;
+    } else if (n->round_slot >= 0) {
+        struct slot *sl = &n->slots[n->round_slot];
+
+        if (sl->h < 0)
+            sl->h = allreduce_register(n->ar, sl->buf, bytes);
+        if (sl->h < 0)
+            return sl->h;
+        src = sl->h;
+    }
+    return allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
+                              DTYPE_AVG_BY, (double)grads, round_of(n));
+}
+
+/* The count step and the gradient step in one SUM (see the top of the
+ * file): c[] in, this member's counters; out, the cohort's. The sum of
+ * the gradients stays in fuse_out for fused_commit. */
+static int fused_step(struct node *n, bool slots, uint64_t *c)
+{
+    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    uint32_t m = (uint32_t)n->cur->n_members;
+    const void *g = round_grads(n, slots);
+    int rc;
+
+    if (g)
+        memcpy(n->fuse_in, g, bytes);
+    else
+        memset(n->fuse_in, 0, bytes);
+    tally_encode(n->t.grad_type, m, c, COUNTERS, (char *)n->fuse_in + bytes);
+    rc = allreduce_run_into(n->ar, n->h_fuse_in, n->h_fuse_out,
+                            n->t.grad_count + COUNTERS * tally_digits(n->t.grad_type, m),
+                            n->t.grad_type, DTYPE_SUM, 0, round_of(n));
+    if (rc < 0)
+        return rc;
+    tally_decode(n->t.grad_type, m, (char *)n->fuse_out + bytes, c, COUNTERS);
+    return 0;
+}
+
+/* Count step, then the gradient step if the batch is complete; or both at
+ * once (fused_step). */
 static int run_step(struct node *n)
 {
-    uint64_t batch, grads, skips, vbs;
-    int rc, src;
-    bool take;
+    uint64_t c[COUNTERS], batch, grads, skips, vbs;
+    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    int rc;
+    bool take, slots, fused;
 
     pthread_mutex_lock(&n->lock);
     take = !n->contributed;
@@ -483,25 +549,39 @@ static int run_step(struct node *n)
     if (take && !take_queued(n))
         return 0;
     pthread_mutex_lock(&n->lock);
-    n->small[0] = (int64_t)n->acc_batch;
-    n->small[1] = (int64_t)n->acc_grads;
-    n->small[2] = (int64_t)n->acc_skips;
-    n->small[3] = (int64_t)n->vbs;
+    c[0] = n->acc_batch;
+    c[1] = n->acc_grads;
+    c[2] = n->acc_skips;
+    c[3] = n->vbs;
+    /* Stable for the round: it changes only with nothing outstanding. */
+    slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
-    if ((rc = small_reduce(n, 4, DTYPE_SUM)) < 0)
+    fused = n->fuse_next && n->fuse_in && tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
+    if (fused) {
+        rc = fused_step(n, slots, c);
+    } else {
+        for (int i = 0; i < COUNTERS; i++)
+            n->small[i] = (int64_t)c[i];
+        rc = small_reduce(n, COUNTERS, DTYPE_SUM);
+        for (int i = 0; i < COUNTERS; i++)
+            c[i] = (uint64_t)n->small[i];
+    }
+    if (rc < 0)
         return rc;
-    batch = (uint64_t)n->small[0];
-    grads = (uint64_t)n->small[1];
-    skips = (uint64_t)n->small[2];
+    batch = c[0];
+    grads = c[1];
+    skips = c[2];
     /* Members may have been told different virtual batch sizes; the mean
      * of what they were told is the same number on every member, so they
      * all decide alike. */
-    vbs = ((uint64_t)n->small[3] + n->cur->n_members - 1) / n->cur->n_members;
+    vbs = (c[3] + n->cur->n_members - 1) / n->cur->n_members;
+    n->round_counts++;
 
     pthread_mutex_lock(&n->lock);
     if (batch < vbs) {
         /* Not enough yet: everyone contributes again. */
         n->contributed = false;
+        n->fuse_next = false;
         pthread_mutex_unlock(&n->lock);
         return 0;
     }
@@ -509,14 +589,11 @@ static int run_step(struct node *n)
     /* The trainer writes no gradient and reads no result meanwhile: it has
      * contributed (or its contribution is in a slot), and the last result
      * was consumed. */
-    if (grads > 0) {
-        src = round_source(n);
-        if (src < 0)
-            return src;
-        rc = allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
-                                DTYPE_AVG_BY, (double)grads, round_of(n));
-        if (rc < 0)
-            return rc;
+    if (fused && grads > 0) {
+        memcpy(n->t.results, n->fuse_out, bytes);
+        dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
+    } else if (grads > 0 && (rc = gradient_step(n, slots, grads)) < 0) {
+        return rc;
     }
     /* Every buffer_sync_rounds commits of this epoch, the leader's buffers
      * too. Counted per epoch because only that count is the same on every
@@ -538,9 +615,11 @@ static int run_step(struct node *n)
     if (sync_buffers && !n->leader)
         memcpy(n->t.buffers, n->buf_scratch, n->t.buffers_bytes);
     if (grads == 0)     /* everyone skipped: a zero step */
-        memset(n->t.results, 0, n->t.grad_count * dtype_size(n->t.grad_type));
+        memset(n->t.results, 0, bytes);
     n->version++;
     n->epoch_commits++;
+    n->fuse_next = n->round_counts == 1;
+    n->round_counts = 0;
     n->has_gradients = true;
     n->contributed = false;
     if (n->round_slot >= 0) {
@@ -589,6 +668,8 @@ static void adopt_epoch_locked(struct node *n)
     n->cur = epoch_ref(n->latest);
     n->step = 0;
     n->epoch_commits = 0;
+    n->fuse_next = true;
+    n->round_counts = 0;
     n->my_index = epoch_find(n->cur, n->id);
     n->phase = n->my_index >= 0 ? PH_SYNC : PH_WAIT_EPOCH;
     n->stats.epochs_seen++;
@@ -673,6 +754,7 @@ int node_start(const struct node_config *cfg, struct node **out)
         n->slots[i].h = -1;
     n->buffer_sync_rounds = cfg->buffer_sync_rounds ? cfg->buffer_sync_rounds : 100;
     n->h_grads = n->h_results = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
+    n->h_fuse_in = n->h_fuse_out = -1;
     n->phase = PH_WAIT_EPOCH;
     pthread_mutex_init(&n->lock, NULL);
     clock_cond_init(&n->cond);
@@ -764,6 +846,8 @@ void node_stop(struct node *n)
     epoch_unref(n->cur);
     free(n->buf_scratch);
     free(n->add_scratch);
+    free(n->fuse_in);
+    free(n->fuse_out);
     for (int i = 0; i < PARALLEL_MAX; i++)
         free(n->slots[i].buf);
     free(n->state_out);
@@ -809,6 +893,18 @@ int node_register(struct node *n, const struct node_tensors *t)
         n->h_buf_scratch < 0) {
         rc = -ENOMEM;
         goto out;
+    }
+    if (gbytes <= FUSE_MAX && tally_digits(t->grad_type, 1) > 0) {
+        size_t fbytes = gbytes + COUNTERS * TALLY_DIGITS_MAX * sizeof(uint64_t);
+
+        n->fuse_in = malloc(fbytes);
+        n->fuse_out = malloc(fbytes);
+        if (!n->fuse_in || !n->fuse_out ||
+            (n->h_fuse_in = allreduce_register(n->ar, n->fuse_in, fbytes)) < 0 ||
+            (n->h_fuse_out = allreduce_register(n->ar, n->fuse_out, fbytes)) < 0) {
+            rc = -ENOMEM;
+            goto out;
+        }
     }
     n->registered = true;
     changed_locked(n);

@@ -108,6 +108,8 @@ static void *run_loop(void *arg)
             for (size_t i = 0; i < NP; i++)
                 w[i] -= 0.1f * r[i];
             cr_assert_eq(cohort_zero_gradients(c), 0);
+            for (size_t i = 0; i < NP; i++)
+                cr_assert_eq(g[i], 0.0f, "zero_gradients zeroes the gradients");
         } else if (cohort_wants_gradients(c)) {
             for (size_t i = 0; i < NP; i++)
                 g[i] += (float)(l->index + 1) + w[i] * 0.01f;
@@ -299,6 +301,168 @@ Test(cohort, parallel_gradients_apply_every_contribution_once_in_order)
 Test(cohort, parallel_gradients_sum_queued_contributions_into_one_round)
 {
     parallel_pair(2, 2, 2);
+}
+
+/* Steps both trainers until pred() holds for each, answering state
+ * requests on the way. */
+static void step_pair_until(struct cohort **c, bool (*pred)(const struct cohort *))
+{
+    uint64_t end = clock_now_ms() + 30000;
+
+    for (;;) {
+        bool all = true;
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(cohort_update(c[i]), 0);
+            if (cohort_wants_state(c[i]))
+                cohort_set_state(c[i], "", 0);
+            if (cohort_has_new_state(c[i])) {
+                const void *st;
+                size_t len;
+                cohort_state(c[i], &st, &len);
+            }
+            all = all && pred(c[i]);
+        }
+        if (all)
+            return;
+        cr_assert_lt(clock_now_ms(), end, "the pair never got there");
+        nap();
+    }
+}
+
+static bool pair_ready(const struct cohort *c)
+{
+    return cohort_size(c) == 2 && cohort_wants_gradients(c);
+}
+
+static bool pair_has_result(const struct cohort *c)
+{
+    return cohort_has_gradients(c);
+}
+
+/* With parallel gradients a skip leaves the trainer's gradient buffer to
+ * its next batch; the round must get zeros from this member, not that. */
+static void parallel_skip_round(size_t np)
+{
+    struct cohort_tensor p = { "w", COHORT_F32, np };
+    struct cohort_config cfg = { .name = "model", .parameters = &p, .n_parameters = 1 };
+    char path[2][128], addr[160];
+    struct trainerd *sd[2];
+    struct cohort *c[2];
+
+    for (int i = 0; i < 2; i++) {
+        char id[16];
+        snprintf(id, sizeof(id), "k-%d", i);
+        sd[i] = sidecar(id, path[i], sizeof(path[i]));
+        cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
+        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
+        cr_assert_eq(cohort_connect(c[i], addr), 0);
+        cr_assert_eq(cohort_set_virtual_batch_size(c[i], 1), 0);
+    }
+    cr_assert_eq(cohort_set_parallel_gradients(c[0], 2), 0);
+    step_pair_until(c, pair_ready);
+    /* Member 0 has begun its next batch, and skips this round. */
+    float *g0 = cohort_grads(c[0]), *g1 = cohort_grads(c[1]);
+    for (size_t i = 0; i < np; i++) {
+        g0[i] = 1000.0f;
+        g1[i] = 1.0f;
+    }
+    cr_assert_eq(cohort_skip_gradients(c[0]), 0);
+    cr_assert_eq(cohort_reduce_gradients(c[1], 1), 0);
+    step_pair_until(c, pair_has_result);
+    for (int k = 0; k < 2; k++) {
+        const float *r = cohort_results(c[k]);
+        for (size_t i = 0; i < np; i++)
+            cr_assert_eq(r[i], 1.0f, "%zu floats, member %d, element %zu: %g", np, k, i, r[i]);
+    }
+    for (int i = 0; i < 2; i++) {
+        cohort_destroy(c[i]);
+        trainerd_stop(sd[i]);
+    }
+}
+
+Test(cohort, a_skip_under_parallel_gradients_contributes_zeros)
+{
+    parallel_skip_round(777);           /* counters ride with the gradients */
+    parallel_skip_round(100000);        /* a count step, then the gradient step */
+}
+
+/* Small gradients carry the round's counters in their own all-reduce
+ * (float32 here): sample counts far beyond float32's 2^24 come out exact,
+ * and a round that needs a second step still commits right. */
+Test(cohort, counters_beyond_float_precision_stay_exact)
+{
+    struct cohort_tensor p = { "w", COHORT_F32, 64 };
+    struct cohort_config cfg = { .name = "model", .parameters = &p, .n_parameters = 1 };
+    const uint64_t batch[2] = { (1ull << 40) + 1, (1ull << 33) + 7 };
+    char path[2][128], addr[160];
+    struct trainerd *sd[2];
+    struct cohort *c[2];
+    struct cohort_gradient_stats st;
+
+    for (int i = 0; i < 2; i++) {
+        char id[16];
+        snprintf(id, sizeof(id), "e-%d", i);
+        sd[i] = sidecar(id, path[i], sizeof(path[i]));
+        cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
+        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
+        cr_assert_eq(cohort_connect(c[i], addr), 0);
+        /* Mean of the two: 2^41 + 2^40, so the first step falls short. */
+        cr_assert_eq(cohort_set_virtual_batch_size(c[i], i ? 1ull << 42 : 1ull << 41), 0);
+    }
+    step_pair_until(c, pair_ready);
+    for (int k = 0; k < 3; k++) {
+        for (int i = 0; i < 2; i++) {
+            float *g = cohort_grads(c[i]);
+            for (int j = 0; j < 64; j++)
+                g[j] += (float)(i + 1);
+            cr_assert_eq(cohort_reduce_gradients(c[i], batch[i]), 0);
+        }
+        if (k < 2)
+            step_pair_until(c, pair_ready);
+    }
+    step_pair_until(c, pair_has_result);
+    for (int i = 0; i < 2; i++) {
+        const float *r = cohort_results(c[i]);
+        cr_assert_eq(cohort_get_gradient_stats(c[i], &st), 0);
+        /* Three contributions each: 2^40 + 2^33 short of 2^41 + 2^40 after
+         * two, past it after three. */
+        cr_assert_eq(st.batch_size, 3 * (batch[0] + batch[1]), "member %d: %llu", i,
+                     (unsigned long long)st.batch_size);
+        cr_assert_eq(st.num_gradients, 6);
+        cr_assert_eq(st.rounds_committed, 1);
+        /* Each member's buffer holds 3 * (i + 1); their sum over six
+         * contributions. */
+        for (int j = 0; j < 64; j++)
+            cr_assert_eq(r[j], 9.0f / 6.0f);
+        cr_assert_eq(cohort_zero_gradients(c[i]), 0);
+        cr_assert_eq(cohort_set_virtual_batch_size(c[i], 1), 0);
+    }
+    /* Rounds that commit at once: the second after a round of three steps
+     * still counts first, the third rides with the gradients. */
+    for (uint64_t round = 2; round <= 3; round++) {
+        step_pair_until(c, pair_ready);
+        for (int i = 0; i < 2; i++) {
+            float *g = cohort_grads(c[i]);
+            for (int j = 0; j < 64; j++)
+                g[j] = (float)(i + 1);
+            cr_assert_eq(cohort_reduce_gradients(c[i], batch[i]), 0);
+        }
+        step_pair_until(c, pair_has_result);
+        for (int i = 0; i < 2; i++) {
+            const float *r = cohort_results(c[i]);
+            cr_assert_eq(cohort_get_gradient_stats(c[i], &st), 0);
+            cr_assert_eq(st.batch_size, batch[0] + batch[1], "round %llu, member %d: %llu",
+                         (unsigned long long)round, i, (unsigned long long)st.batch_size);
+            cr_assert_eq(st.rounds_committed, round);
+            for (int j = 0; j < 64; j++)
+                cr_assert_eq(r[j], 1.5f);
+            cr_assert_eq(cohort_zero_gradients(c[i]), 0);
+        }
+    }
+    for (int i = 0; i < 2; i++) {
+        cohort_destroy(c[i]);
+        trainerd_stop(sd[i]);
+    }
 }
 
 Test(cohort, misuse_and_a_gone_sidecar_are_errors)
