@@ -163,7 +163,10 @@ int cohort_state(struct cohort *c, const void **state, size_t *len);
 
 int cohort_reduce_gradients(struct cohort *c, uint64_t batch_size);
 int cohort_skip_gradients(struct cohort *c);
-/* After applying a result: zeroes the gradients, clears has_gradients. */
+/* After applying a result: zeroes the gradients, clears has_gradients.
+ * It does not wait for the sidecar: the trainer zeroes its own gradients
+ * and tells the sidecar in a message that needs no answer, so the next
+ * batch starts at once. -EPERM if the last update() showed no result. */
 int cohort_zero_gradients(struct cohort *c);
 
 /* Declares a model version (after loading a checkpoint): it counts at the

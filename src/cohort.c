@@ -46,6 +46,8 @@ struct cohort {
     char *ident_cohort, *ident_id;
     struct tlink_view view;
     uint32_t seen_gen;                  /* publications counted at the last update */
+    bool consume_posted;                /* the sidecar may not have read it yet */
+    uint64_t consumed_round;            /* the rounds_committed it consumes */
     void *state;                        /* last received opaque state */
     size_t state_len;
 };
@@ -223,6 +225,16 @@ int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *m
 }
 
 /* One request and its reply. A dead sidecar is -ENOTCONN from here on. */
+/* The link is broken or the sidecar misbehaved: it is dropped, and the
+ * view with it. */
+static void link_lost(struct cohort *c)
+{
+    close(c->sock);
+    c->sock = -1;
+    c->consume_posted = false;
+    memset(&c->view, 0, sizeof(c->view));
+}
+
 static int call(struct cohort *c, uint16_t type, const void *body, uint32_t len, const int *fds,
                 int nfds, void *out, long out_len, int *fd_out)
 {
@@ -236,11 +248,12 @@ static int call(struct cohort *c, uint16_t type, const void *body, uint32_t len,
     if (rc == 0)
         rc = tlink_recv(c->sock, &h, buf, sizeof(buf), -1, got, &ngot, REPLY_TIMEOUT_MS);
     if (rc < 0) {
-        close(c->sock);
-        c->sock = -1;
-        memset(&c->view, 0, sizeof(c->view));
+        link_lost(c);
         return rc == -EPROTO ? -EPROTO : -ENOTCONN;
     }
+    /* The sidecar read every request before this one, a one-way consume
+     * included, and published their effects before it answered. */
+    c->consume_posted = false;
     if (h.type != TL_REPLY || (h.status == 0 && out_len >= 0 && h.len != (uint32_t)out_len)) {
         for (int i = 0; i < ngot; i++)
             close(got[i]);
@@ -376,6 +389,13 @@ int cohort_update(struct cohort *c)
      * publication, and to find out that the sidecar is gone. */
     if (c->sock >= 0 && !sidecar_gone(c) && tlink_shared_read(shared_page(c), &w) == 0 &&
         !w.drop_pending) {
+        if (c->consume_posted && w.has_gradients && w.rounds_committed == c->consumed_round) {
+            /* Published before the sidecar read our one-way consume. */
+            w.has_gradients = false;
+            w.wants_gradients = w.wants_after_consume;
+        } else {
+            c->consume_posted = false;
+        }
         c->view = w;
         return 0;
     }
@@ -455,16 +475,35 @@ int cohort_skip_gradients(struct cohort *c)
     return rc;
 }
 
+/* The trainer zeroes its own gradients, and the consume is one-way: the
+ * next batch can start without waiting for the sidecar, which sees the
+ * consume before any later request. If the result was dropped meanwhile
+ * (a state transfer), the consume finds nothing to do and the zeroing did
+ * no harm: the drop zeroes them too. */
 int cohort_zero_gradients(struct cohort *c)
 {
+    struct tlink_u64 u = { c->view.rounds_committed };
     int rc;
 
-    if (c->node)
-        return local_done(c, node_consume(c->node));
-    rc = call(c, TL_CONSUME, NULL, 0, NULL, 0, NULL, 0, NULL);
-    if (rc == 0)
-        c->view.has_gradients = false;
-    return rc;
+    if (!c->node && c->sock < 0)
+        return -ENOTCONN;
+    if (!c->view.has_gradients)
+        return -EPERM;
+    memset(cohort_grads(c), 0, c->layout.grad_count * dtype_size(c->dtype));
+    if (c->node) {
+        node_consume(c->node, u.value);
+        return local_done(c, 0);
+    }
+    rc = tlink_send(c->sock, TL_CONSUME, 0, &u, sizeof(u), NULL, 0);
+    if (rc < 0) {
+        link_lost(c);
+        return -ENOTCONN;
+    }
+    c->consume_posted = true;
+    c->consumed_round = u.value;
+    c->view.has_gradients = false;
+    c->view.wants_gradients = c->view.wants_after_consume;
+    return 0;
 }
 
 int cohort_set_state(struct cohort *c, const void *state, size_t len)

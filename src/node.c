@@ -936,10 +936,10 @@ static void view_locked(const struct node *n, struct node_view *v)
     v->wants_state = n->leader && n->wants_state && !n->state_out_ready;
     v->has_new_state = n->has_new_state;
     if (n->parallel == 1)
-        v->wants_gradients = n->phase == PH_RUN && !n->contributed && !n->has_gradients;
+        v->wants_after_consume = n->phase == PH_RUN && !n->contributed;
     else
-        v->wants_gradients = n->phase == PH_RUN && !n->has_gradients &&
-                             outstanding_locked(n) < n->parallel;
+        v->wants_after_consume = n->phase == PH_RUN && outstanding_locked(n) < n->parallel;
+    v->wants_gradients = v->wants_after_consume && !n->has_gradients;
     v->has_gradients = n->has_gradients;
     v->is_leader = n->leader && n->phase != PH_WAIT_EPOCH;
     v->model_version = n->version;
@@ -1047,16 +1047,17 @@ int node_contribute(struct node *n, uint64_t batch_size)
     return rc;
 }
 
-int node_consume(struct node *n)
+int node_consume(struct node *n, uint64_t round)
 {
     int rc = 0;
 
     pthread_mutex_lock(&n->lock);
     if (!n->has_gradients) {
         rc = -EPERM;
+    } else if (round != n->stats.rounds_committed) {
+        rc = -ESTALE;
     } else {
         n->has_gradients = false;
-        memset(n->t.grads, 0, n->t.grad_count * dtype_size(n->t.grad_type));
         changed_locked(n);
     }
     pthread_mutex_unlock(&n->lock);

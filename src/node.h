@@ -100,6 +100,7 @@ struct node_view {
     bool has_gradients;         /* a committed result is in the gradient buffer */
     bool is_leader;
     bool drop_pending;          /* node_view() has gradients to zero: call it */
+    bool wants_after_consume;   /* wants_gradients once the held result is consumed */
     uint64_t model_version;
     uint64_t epoch;
     uint32_t rank, size;        /* position in the epoch's member order, members */
@@ -119,9 +120,12 @@ void node_view(struct node *n, struct node_view *v);
  * dropped the buffer's contents; the next node_view zeroes it: compute
  * again), -ENODEV (nothing registered), -ENOMEM. */
 int node_contribute(struct node *n, uint64_t batch_size);
-/* The trainer has applied the result: clears has_gradients and zeroes the
- * gradient buffer for the next accumulation. -EPERM if there was none. */
-int node_consume(struct node *n);
+/* The trainer has applied the result of round `round` (the view's
+ * rounds_committed) and zeroed the gradient buffer itself: clears
+ * has_gradients. -EPERM if no result is held; -ESTALE if the one held is
+ * not that round's (a state transfer dropped it and a later one
+ * committed), which changes nothing. */
+int node_consume(struct node *n, uint64_t round);
 
 /* Leader: the trainer's opaque state, copied, sent with the parameters
  * and buffers to every member waiting for it. Returns 0, -EPERM (not

@@ -29,8 +29,8 @@ long tlink_body_size(uint16_t type, bool reply)
     case TL_CONTRIBUTE:
     case TL_SET_VERSION:
     case TL_SET_VBS:
-    case TL_SET_PARALLEL: return reply ? 0 : (long)sizeof(struct tlink_u64);
-    case TL_CONSUME: return 0;
+    case TL_SET_PARALLEL:
+    case TL_CONSUME: return reply ? 0 : (long)sizeof(struct tlink_u64);
     case TL_SET_STATE: return reply ? 0 : (long)sizeof(struct tlink_u64);
     case TL_TAKE_STATE: return reply ? (long)sizeof(struct tlink_u64) : 0;
     default: return -1;
@@ -163,6 +163,7 @@ void tlink_view_fill(struct tlink_view *w, const struct node_view *v)
     w->has_gradients = v->has_gradients;
     w->is_leader = v->is_leader;
     w->drop_pending = v->drop_pending;
+    w->wants_after_consume = v->wants_after_consume;
     w->rank = v->rank;
     w->size = v->size;
     w->model_version = v->model_version;

@@ -4,7 +4,9 @@
  * (SCM_RIGHTS). Tensor bytes never cross it: the trainer's tensors live in
  * one memfd that both processes map, sent once with REGISTER; opaque state
  * travels in a memfd too. Every request gets exactly one REPLY carrying
- * 0 or -errno.
+ * 0 or -errno, except CONSUME, which gets none: the trainer has zeroed its
+ * gradients itself and goes on at once, and the view it reads meanwhile
+ * is corrected as tlink_view.wants_after_consume says.
  *
  * The registration names the kind of memory of each region, so that GPU
  * tensors can be registered as CUDA IPC handles in the same message; this
@@ -19,7 +21,7 @@
 #include <stdint.h>
 
 #define TLINK_MAGIC 0x31686f63u         /* "coh1" */
-#define TLINK_VERSION 2u                /* 2: a results region */
+#define TLINK_VERSION 3u                /* 2: a results region; 3: CONSUME is one-way */
 #define TLINK_BODY_MAX 1024             /* no message body is larger */
 #define TLINK_FDS_MAX 2
 #define TLINK_NAME_MAX 64
@@ -29,7 +31,7 @@ enum tlink_type {
     TL_REGISTER = 2,
     TL_VIEW = 3,
     TL_CONTRIBUTE = 4,
-    TL_CONSUME = 5,
+    TL_CONSUME = 5,         /* tlink_u64: the rounds_committed consumed; no reply */
     TL_SET_STATE = 6,       /* + memfd holding the state */
     TL_TAKE_STATE = 7,      /* reply + memfd */
     TL_SET_VERSION = 8,
@@ -70,7 +72,8 @@ struct tlink_register {
 /* What cohort_update() reads: node_view in fixed-width fields. */
 struct tlink_view {
     uint8_t connected, wants_state, has_new_state, wants_gradients;
-    uint8_t has_gradients, is_leader, drop_pending, pad;
+    uint8_t has_gradients, is_leader, drop_pending;
+    uint8_t wants_after_consume;    /* wants_gradients once the held result is consumed */
     uint32_t rank, size;
     uint64_t model_version, epoch;
     uint64_t batch_size, num_gradients, num_skipped;

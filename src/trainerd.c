@@ -168,8 +168,16 @@ static int serve_one(struct trainerd *t, struct session *s)
     if ((h.type == TL_REGISTER || h.type == TL_SET_STATE) != (nfds == 1)) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
+        /* A one-way request has no reply to carry the error: the trainer
+         * learns of it from the closed connection. */
+        if (h.type == TL_CONSUME)
+            return -EPROTO;
         return reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0) < 0 ? -EPIPE : 0;
     }
+    /* Only a trainer that was shown a result consumes one: without a
+     * node that is a broken trainer. */
+    if (!s->node && h.type == TL_CONSUME)
+        return -EPROTO;
     if (!s->node && h.type != TL_HELLO && h.type != TL_REGISTER) {
         rc = reply(s->sock, h.type, -ENODEV, NULL, 0, NULL, 0);
         return rc < 0 ? rc : 0;
@@ -196,7 +204,10 @@ static int serve_one(struct trainerd *t, struct session *s)
     case TL_CONTRIBUTE:
         return reply(s->sock, h.type, node_contribute(s->node, b.u.value), NULL, 0, NULL, 0);
     case TL_CONSUME:
-        return reply(s->sock, h.type, node_consume(s->node), NULL, 0, NULL, 0);
+        /* One-way: the trainer does not wait. A consume that finds its
+         * result already dropped by a state transfer has nothing to do. */
+        node_consume(s->node, b.u.value);
+        return 0;
     case TL_SET_STATE: {
         void *data = NULL;
         size_t len = 0;

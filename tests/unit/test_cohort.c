@@ -500,6 +500,24 @@ Test(cohort, misuse_and_a_gone_sidecar_are_errors)
     cr_assert_eq(cohort_update(c), 0);
     cr_assert_eq(cohort_wait(c, 300), -ETIMEDOUT);
     cr_assert_eq(cohort_set_state(c, "x", 1), -EPERM, "nobody asked for state");
+    /* zero_gradients does not wait for the sidecar, yet no view read after
+     * it shows the consumed result again, and the next round goes on. */
+    for (int round = 0; round < 50; round++) {
+        uint64_t v = cohort_model_version(c);
+        cr_assert_eq(cohort_zero_gradients(c), 0);
+        cr_assert_eq(cohort_zero_gradients(c), -EPERM, "one result, one zero");
+        cr_assert_eq(cohort_update(c), 0);
+        cr_assert(!cohort_has_gradients(c), "round %d: the consumed result came back", round);
+        cr_assert(cohort_wants_gradients(c));
+        cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
+        end = clock_now_ms() + 30000;
+        while (!cohort_has_gradients(c) && clock_now_ms() < end) {
+            cohort_wait(c, 1000);
+            cr_assert_eq(cohort_update(c), 0);
+        }
+        cr_assert(cohort_has_gradients(c));
+        cr_assert_eq(cohort_model_version(c), v + 1);
+    }
     /* A second trainer on the same sidecar is turned away. */
     cr_assert_neq(cohort_connect(other, addr), 0);
     /* The sidecar goes away: calls say so, and keep saying so. */
@@ -576,6 +594,19 @@ Test(cohort, malformed_messages_and_bad_layouts_are_refused)
     /* A body of the wrong size ends the session. */
     cr_assert_eq(raw_call(fd, TL_CONTRIBUTE, junk, 3, NULL, 0), -EPROTO);
     close(fd);
+    /* CONSUME is one-way: misused, it gets no reply to misread, only a
+     * closed connection. */
+    {
+        struct tlink_u64 u = { 0 };
+        fd = raw_connect(p);
+        cr_assert_eq(raw_call(fd, TL_CONSUME, &u, sizeof(u), NULL, 0), INT32_MIN, "nothing registered");
+        close(fd);
+        fd = raw_connect(p);
+        mfd = tlink_memfd_from("t", junk, sizeof(junk));
+        cr_assert_eq(raw_call(fd, TL_CONSUME, &u, sizeof(u), &mfd, 1), INT32_MIN, "a descriptor");
+        close(mfd);
+        close(fd);
+    }
     /* The service is still there for a proper trainer. */
     struct cohort *c = trainer();
     char addr[160];
