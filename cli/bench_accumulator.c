@@ -1,8 +1,8 @@
 /* cli/bench_accumulator.c: `cohortctl bench accumulator`: what the
  * Accumulator adds on top of the engine. In one run and one process, N
- * engines all-reduce a buffer directly, then N trainers do the same rounds
- * through the trainer API and sidecar services on Unix sockets (count
- * step, gradient step, shared memory, the trainer link), against an
+ * engines all-reduce a buffer directly and zero it, then N trainers do the
+ * same rounds through the trainer API and sidecar services on Unix sockets
+ * (counters, gradient step, shared memory, the trainer link), against an
  * embedded broker. Prints both times per round, their ratio and the time
  * added. */
 #include <errno.h>
@@ -37,13 +37,13 @@ static const char usage[] =
     "                                   [--reps R] [-o json]\n"
     "\n"
     "Times one round of the Accumulator (reduce_gradients through a sidecar\n"
-    "service, as a trainer sees it) against one all-reduce of the same buffer\n"
-    "by the engine alone, in the same run. float32 gradients. Each repetition\n"
-    "times the engine and then the Accumulator; the figures are the medians\n"
-    "over repetitions, the ratio the median of each repetition's ratio, so\n"
-    "that a busy moment on a shared machine skews one repetition only.\n"
-    "A round is timed without the trainer's zero_gradients (a memset of the\n"
-    "gradients, which any trainer pays to start its next batch).\n"
+    "service until the result is there, then zero_gradients, as a trainer\n"
+    "sees it) against one all-reduce of the same buffer by the engine alone\n"
+    "followed by a memset of it (the zeroing any trainer pays to start its\n"
+    "next batch), in the same run. float32 gradients. Each repetition times\n"
+    "the engine and then the Accumulator; the figures are the medians over\n"
+    "repetitions, the ratio the median of each repetition's ratio, so that a\n"
+    "busy moment on a shared machine skews one repetition only.\n"
     "\n"
     "  --peers N      members (default 2, at most 8)\n"
     "  --bytes LIST   gradient sizes, comma-separated, K/M suffixes\n"
@@ -75,6 +75,7 @@ static void *direct_main(void *arg)
         d->rc = allreduce_run(d->ar, d->h, d->count, DTYPE_F32, DTYPE_SUM, 0, (uint64_t)r + 1);
         if (d->rc < 0)
             return NULL;
+        memset(d->buf, 0, d->count * sizeof(float));
     }
     d->ms = (double)(clock_now_us() - t0) / 1000.0 / d->rounds;
     return NULL;
@@ -144,7 +145,6 @@ static void *trainer_main(void *arg)
 {
     struct trainer *tr = arg;
     uint64_t t0 = 0, start_at = 0, target = 0, give_up = clock_now_ms() + GIVE_UP_MS;
-    uint64_t zeroing = 0;       /* in zero_gradients: the trainer's own memset */
     bool started = false;
 
     while (clock_now_ms() < give_up) {
@@ -171,12 +171,9 @@ static void *trainer_main(void *arg)
         if (cohort_model_version(tr->c) == start_at + WARMUP && t0 == 0)
             t0 = clock_now_us();
         if (cohort_has_gradients(tr->c)) {
-            uint64_t z = clock_now_us();
             cohort_zero_gradients(tr->c);
-            if (t0)
-                zeroing += clock_now_us() - z;
             if (cohort_model_version(tr->c) >= target) {
-                tr->ms = (double)(clock_now_us() - t0 - zeroing) / 1000.0 / tr->rounds;
+                tr->ms = (double)(clock_now_us() - t0) / 1000.0 / tr->rounds;
                 return NULL;
             }
         } else if (cohort_wants_gradients(tr->c)) {
