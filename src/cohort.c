@@ -224,7 +224,6 @@ int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *m
     return c->ident_cohort && c->ident_id ? 0 : -ENOMEM;
 }
 
-/* One request and its reply. A dead sidecar is -ENOTCONN from here on. */
 /* The link is broken or the sidecar misbehaved: it is dropped, and the
  * view with it. */
 static void link_lost(struct cohort *c)
@@ -235,6 +234,7 @@ static void link_lost(struct cohort *c)
     memset(&c->view, 0, sizeof(c->view));
 }
 
+/* One request and its reply. A dead sidecar is -ENOTCONN from here on. */
 static int call(struct cohort *c, uint16_t type, const void *body, uint32_t len, const int *fds,
                 int nfds, void *out, long out_len, int *fd_out)
 {

@@ -512,7 +512,7 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads)
 
 /* The count step and the gradient step in one SUM (see the top of the
  * file): c[] in, this member's counters; out, the cohort's. The sum of
- * the gradients stays in fuse_out for fused_commit. */
+ * the gradients stays in fuse_out until run_step commits it. */
 static int fused_step(struct node *n, bool slots, uint64_t *c)
 {
     size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
