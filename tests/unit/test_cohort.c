@@ -339,25 +339,42 @@ static bool pair_has_result(const struct cohort *c)
     return cohort_has_gradients(c);
 }
 
+/* Two sidecars, `<prefix>-0` and `<prefix>-1`, each with a trainer of
+ * `np` float32 parameters connected, and a virtual batch size each. */
+static void pair_start(const char *prefix, size_t np, const uint64_t *vbs, struct trainerd **sd,
+                       struct cohort **c)
+{
+    struct cohort_tensor p = { "w", COHORT_F32, np };
+    struct cohort_config cfg = { .name = "model", .parameters = &p, .n_parameters = 1 };
+    char path[128], addr[160], id[16];
+
+    for (int i = 0; i < 2; i++) {
+        snprintf(id, sizeof(id), "%s-%d", prefix, i);
+        sd[i] = sidecar(id, path, sizeof(path));
+        cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
+        snprintf(addr, sizeof(addr), "unix:%s", path);
+        cr_assert_eq(cohort_connect(c[i], addr), 0);
+        cr_assert_eq(cohort_set_virtual_batch_size(c[i], vbs[i]), 0);
+    }
+}
+
+static void pair_stop(struct trainerd **sd, struct cohort **c)
+{
+    for (int i = 0; i < 2; i++) {
+        cohort_destroy(c[i]);
+        trainerd_stop(sd[i]);
+    }
+}
+
 /* With parallel gradients a skip leaves the trainer's gradient buffer to
  * its next batch; the round must get zeros from this member, not that. */
 static void parallel_skip_round(size_t np)
 {
-    struct cohort_tensor p = { "w", COHORT_F32, np };
-    struct cohort_config cfg = { .name = "model", .parameters = &p, .n_parameters = 1 };
-    char path[2][128], addr[160];
+    const uint64_t vbs[2] = { 1, 1 };
     struct trainerd *sd[2];
     struct cohort *c[2];
 
-    for (int i = 0; i < 2; i++) {
-        char id[16];
-        snprintf(id, sizeof(id), "k-%d", i);
-        sd[i] = sidecar(id, path[i], sizeof(path[i]));
-        cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
-        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
-        cr_assert_eq(cohort_connect(c[i], addr), 0);
-        cr_assert_eq(cohort_set_virtual_batch_size(c[i], 1), 0);
-    }
+    pair_start("k", np, vbs, sd, c);
     cr_assert_eq(cohort_set_parallel_gradients(c[0], 2), 0);
     step_pair_until(c, pair_ready);
     /* Member 0 has begun its next batch, and skips this round. */
@@ -374,10 +391,7 @@ static void parallel_skip_round(size_t np)
         for (size_t i = 0; i < np; i++)
             cr_assert_eq(r[i], 1.0f, "%zu floats, member %d, element %zu: %g", np, k, i, r[i]);
     }
-    for (int i = 0; i < 2; i++) {
-        cohort_destroy(c[i]);
-        trainerd_stop(sd[i]);
-    }
+    pair_stop(sd, c);
 }
 
 Test(cohort, a_skip_under_parallel_gradients_contributes_zeros)
@@ -391,24 +405,14 @@ Test(cohort, a_skip_under_parallel_gradients_contributes_zeros)
  * and a round that needs a second step still commits right. */
 Test(cohort, counters_beyond_float_precision_stay_exact)
 {
-    struct cohort_tensor p = { "w", COHORT_F32, 64 };
-    struct cohort_config cfg = { .name = "model", .parameters = &p, .n_parameters = 1 };
     const uint64_t batch[2] = { (1ull << 40) + 1, (1ull << 33) + 7 };
-    char path[2][128], addr[160];
+    /* Their mean, 2^41 + 2^40, is more than one step brings. */
+    const uint64_t vbs[2] = { 1ull << 41, 1ull << 42 };
     struct trainerd *sd[2];
     struct cohort *c[2];
     struct cohort_gradient_stats st;
 
-    for (int i = 0; i < 2; i++) {
-        char id[16];
-        snprintf(id, sizeof(id), "e-%d", i);
-        sd[i] = sidecar(id, path[i], sizeof(path[i]));
-        cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
-        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
-        cr_assert_eq(cohort_connect(c[i], addr), 0);
-        /* Mean of the two: 2^41 + 2^40, so the first step falls short. */
-        cr_assert_eq(cohort_set_virtual_batch_size(c[i], i ? 1ull << 42 : 1ull << 41), 0);
-    }
+    pair_start("e", 64, vbs, sd, c);
     step_pair_until(c, pair_ready);
     for (int k = 0; k < 3; k++) {
         for (int i = 0; i < 2; i++) {
@@ -459,10 +463,7 @@ Test(cohort, counters_beyond_float_precision_stay_exact)
             cr_assert_eq(cohort_zero_gradients(c[i]), 0);
         }
     }
-    for (int i = 0; i < 2; i++) {
-        cohort_destroy(c[i]);
-        trainerd_stop(sd[i]);
-    }
+    pair_stop(sd, c);
 }
 
 Test(cohort, misuse_and_a_gone_sidecar_are_errors)
