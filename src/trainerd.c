@@ -161,7 +161,8 @@ static int serve_one(struct trainerd *t, struct session *s)
                  LF_U("type", h.type), LF_U("len", h.len));
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
-        reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0);
+        if (h.type != TL_CONSUME)       /* one-way: no reply to misread */
+            reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0);
         return -EPROTO;
     }
     /* Only these requests carry a descriptor, and they must. */

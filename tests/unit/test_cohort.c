@@ -607,6 +607,9 @@ Test(cohort, malformed_messages_and_bad_layouts_are_refused)
         cr_assert_eq(raw_call(fd, TL_CONSUME, &u, sizeof(u), &mfd, 1), INT32_MIN, "a descriptor");
         close(mfd);
         close(fd);
+        fd = raw_connect(p);
+        cr_assert_eq(raw_call(fd, TL_CONSUME, &u, 3, NULL, 0), INT32_MIN, "a short body");
+        close(fd);
     }
     /* The service is still there for a proper trainer. */
     struct cohort *c = trainer();
