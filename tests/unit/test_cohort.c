@@ -497,10 +497,6 @@ Test(cohort, misuse_and_a_gone_sidecar_are_errors)
         cr_assert_eq(cohort_update(c), 0);
     }
     cr_assert(cohort_has_gradients(c));
-    /* Nothing changes while the result waits for the trainer. */
-    cr_assert_eq(cohort_update(c), 0);
-    cr_assert_eq(cohort_wait(c, 300), -ETIMEDOUT);
-    cr_assert_eq(cohort_set_state(c, "x", 1), -EPERM, "nobody asked for state");
     /* zero_gradients does not wait for the sidecar, yet no view read after
      * it shows the consumed result again, and the next round goes on. */
     for (int round = 0; round < 50; round++) {
@@ -519,6 +515,10 @@ Test(cohort, misuse_and_a_gone_sidecar_are_errors)
         cr_assert(cohort_has_gradients(c));
         cr_assert_eq(cohort_model_version(c), v + 1);
     }
+    /* Nothing changes while the result waits for the trainer. */
+    cr_assert_eq(cohort_update(c), 0);
+    cr_assert_eq(cohort_wait(c, 300), -ETIMEDOUT);
+    cr_assert_eq(cohort_set_state(c, "x", 1), -EPERM, "nobody asked for state");
     /* A second trainer on the same sidecar is turned away. */
     cr_assert_neq(cohort_connect(other, addr), 0);
     /* The sidecar goes away: calls say so, and keep saying so. */
