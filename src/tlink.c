@@ -37,6 +37,11 @@ long tlink_body_size(uint16_t type, bool reply)
     }
 }
 
+bool tlink_one_way(uint16_t type)
+{
+    return type == TL_CONSUME;
+}
+
 int tlink_send(int sock, uint16_t type, int32_t status, const void *body, uint32_t len,
                const int *fds, int nfds)
 {

@@ -118,6 +118,8 @@ int tlink_shared_wait(struct tlink_shared *s, uint32_t seen, int timeout_ms);
 /* The body size each request type must have exactly (replies: by the
  * request they answer). Returns -1 for an unknown type. */
 long tlink_body_size(uint16_t type, bool reply);
+/* True for a request that gets no reply (CONSUME). */
+bool tlink_one_way(uint16_t type);
 
 /* Sends one message with `nfds` descriptors (borrowed). Returns 0 or
  * -errno (-EPIPE when the peer is gone). */

@@ -137,6 +137,22 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     return rc;
 }
 
+/* Refuses a request with `err`; `end`: the session ends too. A one-way
+ * request has no reply to carry the error, so it always ends the session:
+ * the trainer learns of it from the closed connection. Returns what
+ * serve_one returns. */
+static int refuse(struct session *s, uint16_t type, int err, bool end)
+{
+    int rc;
+
+    if (tlink_one_way(type))
+        return -EPROTO;
+    rc = reply(s->sock, type, err, NULL, 0, NULL, 0);
+    if (end)
+        return err;
+    return rc < 0 ? rc : 0;
+}
+
 /* Serves one request. Returns 0 to go on, <0 to end the session. */
 static int serve_one(struct trainerd *t, struct session *s)
 {
@@ -161,28 +177,17 @@ static int serve_one(struct trainerd *t, struct session *s)
                  LF_U("type", h.type), LF_U("len", h.len));
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
-        if (h.type != TL_CONSUME)       /* one-way: no reply to misread */
-            reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0);
-        return -EPROTO;
+        return refuse(s, h.type, -EPROTO, true);
     }
     /* Only these requests carry a descriptor, and they must. */
     if ((h.type == TL_REGISTER || h.type == TL_SET_STATE) != (nfds == 1)) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
-        /* A one-way request has no reply to carry the error: the trainer
-         * learns of it from the closed connection. */
-        if (h.type == TL_CONSUME)
-            return -EPROTO;
-        return reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0) < 0 ? -EPIPE : 0;
+        return refuse(s, h.type, -EPROTO, false);
     }
-    /* Only a trainer that was shown a result consumes one: without a
-     * node that is a broken trainer. */
-    if (!s->node && h.type == TL_CONSUME)
-        return -EPROTO;
-    if (!s->node && h.type != TL_HELLO && h.type != TL_REGISTER) {
-        rc = reply(s->sock, h.type, -ENODEV, NULL, 0, NULL, 0);
-        return rc < 0 ? rc : 0;
-    }
+    /* A CONSUME here is a broken trainer: only one shown a result sends it. */
+    if (!s->node && h.type != TL_HELLO && h.type != TL_REGISTER)
+        return refuse(s, h.type, -ENODEV, false);
     switch (h.type) {
     case TL_HELLO:
         b.hello.name[TLINK_NAME_MAX - 1] = '\0';
