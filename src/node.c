@@ -154,6 +154,12 @@ static void changed_locked(struct node *n)
     publish_locked(n);
 }
 
+/* Bytes of the gradient buffer, the results region and every slot. */
+static size_t grad_bytes(const struct node *n)
+{
+    return n->t.grad_count * dtype_size(n->t.grad_type);
+}
+
 static uint64_t round_of(struct node *n)
 {
     return (n->cur->number << 32) | n->step++;
@@ -490,7 +496,7 @@ static void *round_grads(const struct node *n, bool slots)
  * on this thread, as the engine wants. */
 static int gradient_step(struct node *n, bool slots, uint64_t grads)
 {
-    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    size_t bytes = grad_bytes(n);
     int src = n->h_grads;
 
     if (!round_grads(n, slots)) {
@@ -515,7 +521,7 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads)
  * the gradients stays in fuse_out until run_step commits it. */
 static int fused_step(struct node *n, bool slots, uint64_t *c)
 {
-    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    size_t bytes = grad_bytes(n);
     uint32_t m = (uint32_t)n->cur->n_members;
     const void *g = round_grads(n, slots);
     int rc;
@@ -539,7 +545,7 @@ static int fused_step(struct node *n, bool slots, uint64_t *c)
 static int run_step(struct node *n)
 {
     uint64_t c[COUNTERS], batch, grads, skips, vbs;
-    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    size_t bytes = grad_bytes(n);
     int rc;
     bool take, slots, fused;
 
@@ -917,7 +923,7 @@ void node_view(struct node *n, struct node_view *v)
 {
     pthread_mutex_lock(&n->lock);
     if (n->drop_grads) {
-        memset(n->t.grads, 0, n->t.grad_count * dtype_size(n->t.grad_type));
+        memset(n->t.grads, 0, grad_bytes(n));
         n->drop_grads = false;
         publish_locked(n);
     }
@@ -972,7 +978,7 @@ static void publish_locked(struct node *n)
  * unlocked (the slot is reserved; the trainer is the caller). */
 static int contribute_to_slot(struct node *n, uint64_t batch_size)
 {
-    size_t bytes = n->t.grad_count * dtype_size(n->t.grad_type);
+    size_t bytes = grad_bytes(n);
     int s = -1, rc = 0;
 
     for (int i = 0; i < PARALLEL_MAX && s < 0; i++)
