@@ -1,7 +1,10 @@
 /* src/node.c: see node.h.
  *
  * One thread drives the steps; the trainer's calls only change fields
- * under the lock and wake it. Every member performs the same sequence of
+ * under the lock and wake it, and only when it has something to do: on a
+ * machine with as many busy threads as cores, a needless wakeup preempts
+ * the very thread a round is waiting for (the member thread, which only
+ * heartbeats, has its own condition for the same reason). Every member performs the same sequence of
  * all-reduces in an epoch (sync steps, then count and gradient steps), so
  * the engine's round numbers are agreed without talking: epoch << 32 | step.
  *
@@ -84,7 +87,8 @@ struct slot {
 
 struct node {
     pthread_mutex_t lock;
-    pthread_cond_t cond;
+    pthread_cond_t cond;        /* the node thread's: a state change */
+    pthread_cond_t member_cond; /* the member thread's: registered or stopping */
     struct node_config cfg;
     char *cohort, *id;
     char address[IDENT_ADDRESS_MAX + 1];
@@ -200,7 +204,7 @@ static void *member_main(void *arg)
             pthread_mutex_lock(&n->lock);
         }
         ts = clock_deadline(wait > 50 ? 50 : wait);
-        pthread_cond_timedwait(&n->cond, &n->lock, &ts);
+        pthread_cond_timedwait(&n->member_cond, &n->lock, &ts);
     }
     pthread_mutex_unlock(&n->lock);
     return NULL;
@@ -764,6 +768,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->phase = PH_WAIT_EPOCH;
     pthread_mutex_init(&n->lock, NULL);
     clock_cond_init(&n->cond);
+    clock_cond_init(&n->member_cond);
     if (!n->cohort || !n->id) {
         rc = -ENOMEM;
         goto err;
@@ -815,6 +820,7 @@ err:
     free(n->cohort);
     free(n->id);
     pthread_cond_destroy(&n->cond);
+    pthread_cond_destroy(&n->member_cond);
     pthread_mutex_destroy(&n->lock);
     free(n);
     return rc;
@@ -826,6 +832,7 @@ void node_stop(struct node *n)
         return;
     pthread_mutex_lock(&n->lock);
     n->stop = true;
+    pthread_cond_broadcast(&n->member_cond);
     changed_locked(n);
     pthread_mutex_unlock(&n->lock);
     pthread_join(n->member_thread, NULL);
@@ -861,6 +868,7 @@ void node_stop(struct node *n)
     free(n->cohort);
     free(n->id);
     pthread_cond_destroy(&n->cond);
+    pthread_cond_destroy(&n->member_cond);
     pthread_mutex_destroy(&n->lock);
     free(n);
 }
@@ -913,6 +921,7 @@ int node_register(struct node *n, const struct node_tensors *t)
         }
     }
     n->registered = true;
+    pthread_cond_broadcast(&n->member_cond);   /* it joins now */
     changed_locked(n);
 out:
     pthread_mutex_unlock(&n->lock);
@@ -1064,7 +1073,12 @@ int node_consume(struct node *n, uint64_t round)
         rc = -ESTALE;
     } else {
         n->has_gradients = false;
-        changed_locked(n);
+        /* The node thread waits for a consume only to sync, or to reduce
+         * a queued contribution; in a plain round it has nothing to do. */
+        if (n->phase != PH_RUN || n->q_len > 0)
+            changed_locked(n);
+        else
+            publish_locked(n);
     }
     pthread_mutex_unlock(&n->lock);
     return rc;
