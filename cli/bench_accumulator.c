@@ -1,10 +1,11 @@
 /* cli/bench_accumulator.c: `cohortctl bench accumulator`: what the
  * Accumulator adds on top of the engine. In one run and one process, N
- * engines all-reduce a buffer directly and zero it, then N trainers do the
- * same rounds through the trainer API and sidecar services on Unix sockets
- * (counters, gradient step, shared memory, the trainer link), against an
- * embedded broker. Prints both times per round, their ratio and the time
- * added. */
+ * engines average a buffer directly (the result the Accumulator hands
+ * over when each member contributes once) and zero it, then N trainers
+ * do the same rounds through the trainer API and sidecar services on Unix
+ * sockets (counters, gradient step, shared memory, the trainer link),
+ * against an embedded broker. Prints both times per round, their ratio
+ * and the time added. */
 #include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
@@ -38,12 +39,14 @@ static const char usage[] =
     "\n"
     "Times one round of the Accumulator (reduce_gradients through a sidecar\n"
     "service until the result is there, then zero_gradients, as a trainer\n"
-    "sees it) against one all-reduce of the same buffer by the engine alone\n"
-    "followed by a memset of it (the zeroing any trainer pays to start its\n"
-    "next batch), in the same run. float32 gradients. Each repetition times\n"
-    "the engine and then the Accumulator; the figures are the medians over\n"
-    "repetitions, the ratio the median of each repetition's ratio, so that a\n"
-    "busy moment on a shared machine skews one repetition only.\n"
+    "sees it) against one averaging all-reduce (AVG) of the same buffer by\n"
+    "the engine alone, which gives the same result when each member\n"
+    "contributes once, followed by a memset of it (the zeroing any trainer\n"
+    "pays to start its next batch), in the same run. float32 gradients.\n"
+    "Each repetition times the engine and then the Accumulator; the figures\n"
+    "are the medians over repetitions, the ratio the median of each\n"
+    "repetition's ratio, so that a busy moment on a shared machine skews one\n"
+    "repetition only.\n"
     "\n"
     "  --peers N      members (default 2, at most 8)\n"
     "  --bytes LIST   gradient sizes, comma-separated, K/M suffixes\n"
@@ -72,7 +75,7 @@ static void *direct_main(void *arg)
     for (int r = 0; r < WARMUP + d->rounds; r++) {
         if (r == WARMUP)
             t0 = clock_now_us();
-        d->rc = allreduce_run(d->ar, d->h, d->count, DTYPE_F32, DTYPE_SUM, 0, (uint64_t)r + 1);
+        d->rc = allreduce_run(d->ar, d->h, d->count, DTYPE_F32, DTYPE_AVG, 0, (uint64_t)r + 1);
         if (d->rc < 0)
             return NULL;
         memset(d->buf, 0, d->count * sizeof(float));
