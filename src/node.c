@@ -1074,8 +1074,9 @@ int node_consume(struct node *n, uint64_t round)
     } else {
         n->has_gradients = false;
         /* The node thread waits for a consume only to sync, or to reduce
-         * a queued contribution; in a plain round it has nothing to do. */
-        if (n->phase != PH_RUN || n->q_len > 0)
+         * a contribution it holds (node_main's step condition); in a plain
+         * round it has nothing to do. */
+        if (n->phase != PH_RUN || n->contributed || n->q_len > 0)
             changed_locked(n);
         else
             publish_locked(n);
