@@ -31,6 +31,8 @@
 #define MAX_PEERS 8
 #define WARMUP 3
 #define MAX_REPS 51
+#define MAX_SIZES 16
+#define MAX_BYTES ((uint64_t)1 << 30)
 #define GIVE_UP_MS 120000         /* a round that takes this long is a failure, not a figure */
 
 static const char usage[] =
@@ -49,7 +51,8 @@ static const char usage[] =
     "repetition only.\n"
     "\n"
     "  --peers N      members (default 2, at most 8)\n"
-    "  --bytes LIST   gradient sizes, comma-separated, K/M suffixes\n"
+    "  --bytes LIST   gradient sizes, comma-separated, K/M/G suffixes; each a\n"
+    "                 multiple of 4 bytes up to 1G, at most 16 of them\n"
     "                 (default 4K,64M)\n"
     "  --rounds K     timed rounds per repetition (default 20; 3 more warm up)\n"
     "  --reps R       repetitions (default 5)\n"
@@ -259,25 +262,6 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-static int parse_size(const char *s, size_t *out)
-{
-    char num[32];
-    size_t len = strlen(s), mult = 1;
-    uint64_t v;
-
-    if (len == 0 || len >= sizeof(num))
-        return -EINVAL;
-    memcpy(num, s, len + 1);
-    if (num[len - 1] == 'K' || num[len - 1] == 'M') {
-        mult = num[len - 1] == 'K' ? 1024 : 1024 * 1024;
-        num[len - 1] = '\0';
-    }
-    if (opt_uint(num, 1, 1u << 30, &v) < 0 || v * mult % 4 != 0 || v * mult > (1ull << 30))
-        return -EINVAL;
-    *out = (size_t)(v * mult);
-    return 0;
-}
-
 int cli_bench_accumulator(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -289,11 +273,11 @@ int cli_bench_accumulator(int argc, char **argv)
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
-    size_t sizes[16];
-    int n_sizes = 0, peers = 2, rounds = 20, reps = 5, opt, status = 0;
+    uint64_t sizes[MAX_SIZES];
+    size_t n_sizes = 0;
+    int peers = 2, rounds = 20, reps = 5, opt, status = 0, bad;
     const char *list = "4K,64M", *output = "table";
     uint64_t v;
-    char copy[256];
 
     optind = 1;
     while ((opt = getopt_long(argc, argv, "o:h", longopts, NULL)) != -1) {
@@ -329,16 +313,14 @@ int cli_bench_accumulator(int argc, char **argv)
         fprintf(stderr, "cohortctl bench accumulator: -o is table or json\n");
         return 2;
     }
-    snprintf(copy, sizeof(copy), "%s", list);
-    for (char *s = copy, *next; s && n_sizes < 16; s = next) {
-        next = strchr(s, ',');
-        if (next)
-            *next++ = '\0';
-        if (parse_size(s, &sizes[n_sizes++]) < 0) {
-            fprintf(stderr, "cohortctl bench accumulator: bad size \"%s\" (a multiple of 4 bytes, "
-                            "K or M suffix)\n", s);
-            return 2;
-        }
+    bad = opt_bytes_list(list, MAX_BYTES, sizes, MAX_SIZES, &n_sizes);
+    for (size_t i = 0; bad == 0 && i < n_sizes; i++)
+        if (sizes[i] % 4 != 0)
+            bad = -EINVAL;
+    if (bad < 0) {
+        fprintf(stderr, "cohortctl bench accumulator: bad --bytes \"%s\" (at most %d sizes, each a "
+                        "multiple of 4 bytes up to 1G, K M G suffixes)\n", list, MAX_SIZES);
+        return 2;
     }
     log_set_level(LOG_ERROR);
     if (rpc_init() < 0)
@@ -346,31 +328,32 @@ int cli_bench_accumulator(int argc, char **argv)
     if (strcmp(output, "table") == 0)
         printf("%10s %5s %12s %16s %7s %10s\n", "bytes", "peers", "engine ms", "accumulator ms",
                "ratio", "added us");
-    for (int i = 0; i < n_sizes; i++) {
+    for (size_t i = 0; i < n_sizes; i++) {
         double d[MAX_REPS], a[MAX_REPS], r[MAX_REPS], direct, acc, ratio;
+        size_t bytes = (size_t)sizes[i];
         int rc = 0;
 
         for (int k = 0; k < reps && rc == 0; k++) {
-            rc = run_direct(peers, sizes[i], rounds, &d[k]);
+            rc = run_direct(peers, bytes, rounds, &d[k]);
             if (rc == 0)
-                rc = run_accumulator(peers, sizes[i], rounds, &a[k]);
+                rc = run_accumulator(peers, bytes, rounds, &a[k]);
             r[k] = a[k] / d[k];
         }
-        direct = median(d, reps);
-        acc = median(a, reps);
-        ratio = median(r, reps);
         if (rc < 0) {
-            fprintf(stderr, "cohortctl bench accumulator: %zu bytes failed: %s\n", sizes[i],
+            fprintf(stderr, "cohortctl bench accumulator: %zu bytes failed: %s\n", bytes,
                     log_strerror(rc));
             status = 1;
             continue;
         }
+        direct = median(d, reps);
+        acc = median(a, reps);
+        ratio = median(r, reps);
         if (strcmp(output, "json") == 0)
             printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
-                   "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d}\n", peers, sizes[i], direct,
-                   acc, ratio, (acc - direct) * 1000.0, reps);
+                   "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d}\n", peers, bytes, direct, acc,
+                   ratio, (acc - direct) * 1000.0, reps);
         else
-            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", sizes[i], peers, direct, acc, ratio,
+            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", bytes, peers, direct, acc, ratio,
                    (acc - direct) * 1000.0);
     }
     rpc_shutdown();

@@ -68,54 +68,6 @@ struct result {
     double mean_ms;
 };
 
-/* "4096", "64K", "1M", "2G" (also "64KiB", "64KB"). */
-static int parse_size(const char *s, uint64_t *out)
-{
-    char *end;
-    unsigned long long v;
-    uint64_t mul = 1;
-
-    if (!s || *s < '0' || *s > '9')
-        return -EINVAL;
-    errno = 0;
-    v = strtoull(s, &end, 10);
-    if (errno)
-        return -EINVAL;
-    switch (*end) {
-    case 'K': case 'k': mul = 1ull << 10; end++; break;
-    case 'M': case 'm': mul = 1ull << 20; end++; break;
-    case 'G': case 'g': mul = 1ull << 30; end++; break;
-    default: break;
-    }
-    if (mul > 1 && (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0))
-        end += strlen(end);
-    if (*end || v > MAX_BENCH_BYTES / mul || v * mul == 0)
-        return -EINVAL;
-    *out = v * mul;
-    return 0;
-}
-
-static int add_sizes(struct bench *b, const char *list)
-{
-    char buf[256];
-    char *p = buf;
-
-    if (snprintf(buf, sizeof(buf), "%s", list) >= (int)sizeof(buf))
-        return -EINVAL;
-    for (;;) {
-        char *comma = strchr(p, ',');
-
-        if (comma)
-            *comma = '\0';
-        if (b->n_sizes == MAX_SIZES || parse_size(p, &b->sizes[b->n_sizes]) < 0)
-            return -EINVAL;
-        b->n_sizes++;
-        if (!comma)
-            return 0;
-        p = comma + 1;
-    }
-}
-
 static uint64_t iters_for(const struct bench *b, uint64_t bytes)
 {
     uint64_t k = ((uint64_t)1 << 30) / bytes;
@@ -271,7 +223,7 @@ static int parse_args(struct bench *b, int argc, char **argv)
             b->peers = (size_t)v;
             break;
         case 'b':
-            if (add_sizes(b, optarg) < 0)
+            if (opt_bytes_list(optarg, MAX_BENCH_BYTES, b->sizes, MAX_SIZES, &b->n_sizes) < 0)
                 goto bad;
             break;
         case 'd':
@@ -291,14 +243,14 @@ static int parse_args(struct bench *b, int argc, char **argv)
                 goto bad;
             break;
         case 's':
-            if (parse_size(optarg, &v) < 0 || v % 8 != 0)
+            if (opt_bytes(optarg, MAX_BENCH_BYTES, &v) < 0 || v % 8 != 0)
                 goto bad;
             b->segment = (size_t)v;
             break;
         case 'S':
             if (strcmp(optarg, "none") == 0)
                 b->small = ALLREDUCE_SMALL_NONE;
-            else if (parse_size(optarg, &v) < 0)
+            else if (opt_bytes(optarg, MAX_BENCH_BYTES, &v) < 0)
                 goto bad;
             else
                 b->small = (size_t)v;

@@ -27,6 +27,63 @@ int opt_uint(const char *s, uint64_t min, uint64_t max, uint64_t *out)
     return 0;
 }
 
+int opt_bytes(const char *s, uint64_t max, uint64_t *out)
+{
+    uint64_t v = 0, mul = 1;
+    const char *p = s;
+
+    if (!s || !isdigit((unsigned char)*p))
+        return -EINVAL;
+    for (; isdigit((unsigned char)*p); p++) {
+        if (v > (UINT64_MAX - (uint64_t)(*p - '0')) / 10)
+            return -ERANGE;
+        v = v * 10 + (uint64_t)(*p - '0');
+    }
+    switch (*p) {
+    case 'K': case 'k': mul = 1ull << 10; p++; break;
+    case 'M': case 'm': mul = 1ull << 20; p++; break;
+    case 'G': case 'g': mul = 1ull << 30; p++; break;
+    default: break;
+    }
+    if (mul > 1 && (strcmp(p, "iB") == 0 || strcmp(p, "B") == 0))
+        p += strlen(p);
+    if (*p || v == 0)
+        return -EINVAL;
+    if (v > max / mul)
+        return -ERANGE;
+    *out = v * mul;
+    return 0;
+}
+
+int opt_bytes_list(const char *s, uint64_t max, uint64_t *out, size_t cap, size_t *n)
+{
+    size_t k = *n;
+
+    if (!s)
+        return -EINVAL;
+    for (;;) {
+        const char *comma = strchr(s, ',');
+        size_t len = comma ? (size_t)(comma - s) : strlen(s);
+        char one[32];
+        int rc;
+
+        if (len == 0 || len >= sizeof(one))
+            return -EINVAL;
+        if (k == cap)
+            return -E2BIG;
+        memcpy(one, s, len);
+        one[len] = '\0';
+        if ((rc = opt_bytes(one, max, &out[k])) < 0)
+            return rc;
+        k++;
+        if (!comma)
+            break;
+        s = comma + 1;
+    }
+    *n = k;
+    return 0;
+}
+
 int opt_duration_ms(const char *s, uint64_t max_ms, uint64_t *ms)
 {
     static const struct { const char *unit; uint64_t ms; } units[] = {

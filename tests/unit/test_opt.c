@@ -46,3 +46,63 @@ Test(opt, unsigned_counts)
     cr_assert_eq(opt_uint("18446744073709551616", 0, UINT64_MAX, &v), -ERANGE);
     cr_assert_eq(v, 42);
 }
+
+Test(opt, byte_counts)
+{
+    uint64_t v = 0;
+
+    cr_assert_eq(opt_bytes("4096", 1ull << 40, &v), 0);
+    cr_assert_eq(v, 4096);
+    cr_assert_eq(opt_bytes("64K", 1ull << 40, &v), 0);
+    cr_assert_eq(v, 64 << 10);
+    cr_assert_eq(opt_bytes("1m", 1ull << 40, &v), 0);
+    cr_assert_eq(v, 1 << 20);
+    cr_assert_eq(opt_bytes("2GiB", 1ull << 40, &v), 0);
+    cr_assert_eq(v, 2ull << 30);
+    cr_assert_eq(opt_bytes("3KB", 1ull << 40, &v), 0);
+    cr_assert_eq(v, 3 << 10);
+    cr_assert_eq(opt_bytes("1G", 1ull << 30, &v), 0, "max itself is allowed");
+}
+
+Test(opt, byte_counts_refused)
+{
+    uint64_t v = 7;
+
+    cr_assert_eq(opt_bytes("0", 100, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("0K", 100, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("", 100, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("K", 100, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("-1", 100, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("4 K", 1 << 20, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("4Ki", 1 << 20, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("4iB", 1 << 20, &v), -EINVAL, "a suffix needs a unit");
+    cr_assert_eq(opt_bytes("4T", UINT64_MAX, &v), -EINVAL);
+    cr_assert_eq(opt_bytes("101", 100, &v), -ERANGE);
+    cr_assert_eq(opt_bytes("2G", 1ull << 30, &v), -ERANGE);
+    cr_assert_eq(opt_bytes("18446744073709551616", UINT64_MAX, &v), -ERANGE);
+    cr_assert_eq(opt_bytes("17179869184G", UINT64_MAX, &v), -ERANGE, "overflow in the unit");
+    cr_assert_eq(v, 7, "a refused value changes nothing");
+}
+
+Test(opt, byte_lists)
+{
+    uint64_t v[3] = { 0 };
+    size_t n = 0;
+
+    cr_assert_eq(opt_bytes_list("4K,64M", 1ull << 30, v, 3, &n), 0);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(v[0], 4096);
+    cr_assert_eq(v[1], 64 << 20);
+    cr_assert_eq(opt_bytes_list("1K,2K", 1ull << 30, v, 3, &n), -E2BIG, "appends, up to cap");
+    cr_assert_eq(n, 2, "nothing appended on error");
+    cr_assert_eq(opt_bytes_list("1K", 1ull << 30, v, 3, &n), 0);
+    cr_assert_eq(n, 3);
+    cr_assert_eq(v[2], 1024);
+
+    n = 0;
+    cr_assert_eq(opt_bytes_list("4K,,8K", 1ull << 30, v, 3, &n), -EINVAL);
+    cr_assert_eq(opt_bytes_list("4K,", 1ull << 30, v, 3, &n), -EINVAL);
+    cr_assert_eq(opt_bytes_list("4K,2G", 1ull << 30, v, 3, &n), -ERANGE);
+    cr_assert_eq(opt_bytes_list("4K,123456789012345678901234567890123", 1ull << 30, v, 3, &n), -EINVAL);
+    cr_assert_eq(n, 0);
+}
