@@ -1,0 +1,67 @@
+"""The benchmark commands run end to end (tiny sizes: what is checked is
+that they work and refuse bad flags, not their figures, which belong to
+the README) against the sanitizer build."""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from cohortproc import DEADLINE, bin_path
+
+
+def cohortctl(*args):
+    p = subprocess.Popen([bin_path("cohortctl"), *args], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=4 * DEADLINE)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError("cohortctl %s hung; stderr:\n%s" % (" ".join(args), err[-4000:]))
+    return p.returncode, out, err
+
+
+def json_lines(out):
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_bench_accumulator_reports_each_size():
+    rc, out, err = cohortctl("bench", "accumulator", "--peers", "2", "--bytes", "4K,1KiB",
+                             "--reps", "1", "--rounds", "3", "-o", "json")
+    assert rc == 0, err[-4000:]
+    rows = json_lines(out)
+    assert [r["bytes"] for r in rows] == [4096, 1024]
+    for r in rows:
+        assert r["peers"] == 2 and r["reps"] == 1
+        assert r["engine_ms"] > 0 and r["accumulator_ms"] > 0 and r["ratio"] > 0
+
+
+def test_bench_allreduce_reports_each_size():
+    rc, out, err = cohortctl("bench", "allreduce", "--peers", "2", "--bytes", "4K",
+                             "--bytes", "8KB", "--iters", "3", "--warmup", "2", "-o", "json")
+    assert rc == 0, err[-4000:]
+    rows = json_lines(out)
+    assert [r["bytes"] for r in rows] == [4096, 8192]
+    assert all(r["peers"] == 2 and r["time_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("args", [
+    ["accumulator", "--bytes", "6"],            # not whole float32 elements
+    ["accumulator", "--bytes", "4K,,8K"],
+    ["accumulator", "--bytes", "2G"],           # above the 1 GiB cap
+    ["accumulator", "--bytes", ",".join(["4K"] * 17)],
+    ["accumulator", "--bytes", "0"],
+    ["accumulator", "--peers", "9"],
+    ["accumulator", "-o", "yaml"],
+    ["allreduce", "--bytes", "4T"],
+    ["allreduce", "--bytes", "-4K"],
+    ["allreduce", "--segment", "12"],           # not a multiple of 8
+])
+def test_bench_refuses_bad_flags_before_running(args):
+    rc, out, err = cohortctl("bench", *args)
+    assert rc == 2, (rc, err)
+    assert out == "", "nothing ran, so nothing is reported"
+    assert "cohortctl bench" in err
