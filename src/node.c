@@ -4,9 +4,11 @@
  * under the lock and wake it, and only when it has something to do: on a
  * machine with as many busy threads as cores, a needless wakeup preempts
  * the very thread a round is waiting for (the member thread, which only
- * heartbeats, has its own condition for the same reason). Every member performs the same sequence of
- * all-reduces in an epoch (sync steps, then count and gradient steps), so
- * the engine's round numbers are agreed without talking: epoch << 32 | step.
+ * heartbeats, has its own condition for the same reason).
+ *
+ * Every member performs the same sequence of all-reduces in an epoch
+ * (sync steps, then count and gradient steps), so the engine's round
+ * numbers are agreed without talking: epoch << 32 | step.
  *
  * Sync at the start of each epoch:
  *   1. MAX of (version << 20 | (2^20 - 1 - index)) finds the leader: the
