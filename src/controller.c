@@ -459,6 +459,17 @@ static int write_status(struct controller *c, struct cstate *s, const cJSON *tc,
              ns, name);
     rc = kube_merge_patch(c->cfg.kube, path, patch, &out);
     cJSON_Delete(patch);
+    if (rc == -ENOENT) {
+        /* Deleted since the cache showed it (its delete event forgets
+         * it), or a /status the server does not serve: only the first is
+         * no failure. The object itself tells them apart. */
+        cJSON *obj = NULL;
+
+        path[strlen(path) - strlen("/status")] = '\0';
+        if (kube_get(c->cfg.kube, path, &obj) == -ENOENT)
+            return 0;
+        cJSON_Delete(obj);
+    }
     if (rc < 0)
         return rc;
     atomic_fetch_add(&c->n.status_writes, 1);
