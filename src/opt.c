@@ -8,19 +8,32 @@
 
 #include "log.h"
 
+/* The decimal digits at *p, which must start with one; *p is left at the
+ * first other character. Returns 0, -EINVAL (no digit) or -ERANGE. */
+static int digits(const char **p, uint64_t *v)
+{
+    const char *q = *p;
+
+    if (!q || !isdigit((unsigned char)*q))
+        return -EINVAL;
+    for (*v = 0; isdigit((unsigned char)*q); q++) {
+        if (*v > (UINT64_MAX - (uint64_t)(*q - '0')) / 10)
+            return -ERANGE;
+        *v = *v * 10 + (uint64_t)(*q - '0');
+    }
+    *p = q;
+    return 0;
+}
+
 int opt_uint(const char *s, uint64_t min, uint64_t max, uint64_t *out)
 {
-    uint64_t v = 0;
+    uint64_t v;
+    int rc = digits(&s, &v);
 
-    if (!s || !*s)
+    if (rc < 0)
+        return rc;
+    if (*s)
         return -EINVAL;
-    for (const char *p = s; *p; p++) {
-        if (!isdigit((unsigned char)*p))
-            return -EINVAL;
-        if (v > (UINT64_MAX - (uint64_t)(*p - '0')) / 10)
-            return -ERANGE;
-        v = v * 10 + (uint64_t)(*p - '0');
-    }
     if (v < min || v > max)
         return -ERANGE;
     *out = v;
@@ -29,16 +42,12 @@ int opt_uint(const char *s, uint64_t min, uint64_t max, uint64_t *out)
 
 int opt_bytes(const char *s, uint64_t max, uint64_t *out)
 {
-    uint64_t v = 0, mul = 1;
+    uint64_t v, mul = 1;
     const char *p = s;
+    int rc = digits(&p, &v);
 
-    if (!s || !isdigit((unsigned char)*p))
-        return -EINVAL;
-    for (; isdigit((unsigned char)*p); p++) {
-        if (v > (UINT64_MAX - (uint64_t)(*p - '0')) / 10)
-            return -ERANGE;
-        v = v * 10 + (uint64_t)(*p - '0');
-    }
+    if (rc < 0)
+        return rc;
     switch (*p) {
     case 'K': case 'k': mul = 1ull << 10; p++; break;
     case 'M': case 'm': mul = 1ull << 20; p++; break;
