@@ -160,6 +160,13 @@ static void changed_locked(struct node *n)
     publish_locked(n);
 }
 
+/* A contribution waits for a step: the round's own, or queued in a slot.
+ * The node thread steps on it once no result is held. Lock held. */
+static bool holds_contribution_locked(const struct node *n)
+{
+    return n->contributed || n->q_len > 0;
+}
+
 /* Bytes of the gradient buffer, the results region and every slot. */
 static size_t grad_bytes(const struct node *n)
 {
@@ -718,7 +725,7 @@ static void *node_main(void *arg)
             }
             continue;
         }
-        if (n->phase == PH_RUN && (n->contributed || n->q_len > 0) && !n->has_gradients) {
+        if (n->phase == PH_RUN && holds_contribution_locked(n) && !n->has_gradients) {
             pthread_mutex_unlock(&n->lock);
             rc = run_step(n);
             pthread_mutex_lock(&n->lock);
@@ -1076,9 +1083,8 @@ int node_consume(struct node *n, uint64_t round)
     } else {
         n->has_gradients = false;
         /* The node thread waits for a consume only to sync, or to reduce
-         * a contribution it holds (node_main's step condition); in a plain
-         * round it has nothing to do. */
-        if (n->phase != PH_RUN || n->contributed || n->q_len > 0)
+         * a contribution it holds; in a plain round it has nothing to do. */
+        if (n->phase != PH_RUN || holds_contribution_locked(n))
             changed_locked(n);
         else
             publish_locked(n);
