@@ -8,8 +8,16 @@
 #   make demo       installs missing packages and runs a local cohort
 #
 # Sources are found by directory, so a new module is a new .c/.h pair and
-# nothing more: src/ -> libcohort.a, operator/ sidecar/ cli/ -> binaries,
-# tests/unit/ -> one Criterion binary.
+# nothing more: src/<subsystem>/ -> the libraries below, operator/ sidecar/
+# cli/ -> binaries, tests/unit/ -> one Criterion binary.
+#
+# The libraries (docs/architecture.md, "Layout"):
+#   libcohort.a        the trainer library: include/cohort.h and exactly the
+#                      modules it needs, as one object whose only global
+#                      names are the public cohort_* API
+#   libcohort-k8s.a    the operator's Kubernetes code (src/k8s/)
+#   lib/libcohort-core.a  every module outside src/k8s/ with its internal
+#                      names, for the binaries and the unit tests
 
 # `make` alone builds everything; without this the first rule of the
 # generated trees below would be the default.
@@ -20,9 +28,12 @@ ASAN_DIR := $(BUILD)/asan
 PYTHON   ?= /usr/bin/python3
 
 CC       ?= cc
+OBJCOPY  ?= objcopy
 PKGS     := grpc libprotobuf-c libcjson libcurl yaml-0.1
 WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
-BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+# Everything is compiled with hidden visibility: only what include/cohort.h
+# marks public survives into libcohort.a's symbol table.
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 # The shared libgrpc pulls in abseil, re2 and the rest itself (see
 # pkg-config --libs grpc for the static list).
 LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lcurl -lyaml -lpthread -lm
@@ -31,7 +42,13 @@ ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-san
 ASAN_LDFLAGS := -fsanitize=address,undefined
 
 PROTOS     := $(wildcard proto/*.proto)
-LIB_SRCS   := $(wildcard src/*.c)
+LIB_SRCS   := $(wildcard src/*/*.c)
+K8S_SRCS   := $(wildcard src/k8s/*.c)
+CORE_SRCS  := $(filter-out $(K8S_SRCS),$(LIB_SRCS))
+# The trainer library: the core less what only servers run (the broker,
+# the sidecar's trainer service, flag parsing).
+TRAINER_SRCS := $(filter-out src/base/opt.c src/membership/broker.c src/membership/brokerd.c \
+                  src/accumulator/trainerd.c,$(CORE_SRCS))
 OP_SRCS    := $(wildcard operator/*.c)
 SC_SRCS    := $(wildcard sidecar/*.c)
 CLI_SRCS   := $(wildcard cli/*.c)
@@ -41,6 +58,7 @@ EXAMPLES   := $(patsubst examples/c/%.c,%,$(wildcard examples/c/*.c))
 # Generated protobuf-c sources live beside each build's objects.
 gen_srcs = $(patsubst proto/%.proto,$(1)/gen/%.pb-c.c,$(PROTOS))
 objs     = $(patsubst %.c,$(1)/obj/%.o,$(2))
+gen_objs = $(patsubst $(1)/gen/%.c,$(1)/obj/gen/%.o,$(call gen_srcs,$(1)))
 
 define build_tree
 # $(1): output dir, $(2): extra CFLAGS, $(3): extra LDFLAGS
@@ -56,25 +74,41 @@ $(1)/obj/gen/%.o: $(1)/gen/%.c
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(BASE_CFLAGS) $(2) -I$(1)/gen -Wno-missing-prototypes -c $$< -o $$@
 
-$(1)/libcohort.a: $(call objs,$(1),$(LIB_SRCS)) $(patsubst $(1)/gen/%.c,$(1)/obj/gen/%.o,$(call gen_srcs,$(1)))
+$(1)/lib/libcohort-core.a: $(call objs,$(1),$(CORE_SRCS)) $(call gen_objs,$(1))
+	@mkdir -p $$(dir $$@)
 	@rm -f $$@
 	ar rcs $$@ $$^
 
-$(1)/cohort-operator: $(call objs,$(1),$(OP_SRCS)) $(1)/libcohort.a
+$(1)/libcohort-k8s.a: $(call objs,$(1),$(K8S_SRCS))
+	@rm -f $$@
+	ar rcs $$@ $$^
+
+# One relocatable object, then every hidden name made local: a trainer that
+# links this sees cohort_* and nothing else of ours.
+$(1)/libcohort.a: $(call objs,$(1),$(TRAINER_SRCS)) $(call gen_objs,$(1))
+	@mkdir -p $(1)/lib
+	$$(LD) -r -o $(1)/lib/cohort-trainer.o $$^
+	$$(OBJCOPY) --localize-hidden $(1)/lib/cohort-trainer.o
+	@rm -f $$@
+	ar rcs $$@ $(1)/lib/cohort-trainer.o
+
+$(1)/cohort-operator: $(call objs,$(1),$(OP_SRCS)) $(1)/libcohort-k8s.a $(1)/lib/libcohort-core.a
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
-$(1)/cohort-sidecar: $(call objs,$(1),$(SC_SRCS)) $(1)/libcohort.a
+$(1)/cohort-sidecar: $(call objs,$(1),$(SC_SRCS)) $(1)/lib/libcohort-core.a
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
-$(1)/cohortctl: $(call objs,$(1),$(CLI_SRCS)) $(1)/libcohort.a
+$(1)/cohortctl: $(call objs,$(1),$(CLI_SRCS)) $(1)/lib/libcohort-core.a
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
-# Each examples/c/NAME.c is one trainer: build/examples/NAME.
+# Each examples/c/NAME.c is one trainer: build/examples/NAME. It links the
+# trainer library as a user's trainer would, so a name missing from the
+# public API fails here.
 $(1)/examples/%: $(1)/obj/examples/c/%.o $(1)/libcohort.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
-$(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort.a
+$(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort-k8s.a $(1)/lib/libcohort-core.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS) -lcriterion
 
@@ -84,12 +118,12 @@ endef
 $(eval $(call build_tree,$(BUILD),$(OPT_CFLAGS),))
 $(eval $(call build_tree,$(ASAN_DIR),$(ASAN_CFLAGS),$(ASAN_LDFLAGS)))
 
-BINS = cohort-operator cohort-sidecar cohortctl libcohort.a
+BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 
 # Generated sources are kept: they are inputs to the objects, not temporaries.
 .SECONDARY:
 
-.PHONY: all asan deps test unit proc kube demo demo-membership bench sandbox clean
+.PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean
 all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) python
 
 include python/python.mk
@@ -106,9 +140,14 @@ export UBSAN_OPTIONS := print_stacktrace=1:halt_on_error=1
 export LSAN_OPTIONS  := suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0
 
 test: deps
+	scripts/check-layers.py
 	scripts/install-kubectl.sh
 	$(MAKE) -j$$(nproc) asan all
 	$(MAKE) unit proc kube python-test
+
+# No folder of src/ includes above the layers its README.md names.
+layers:
+	scripts/check-layers.py
 
 unit:
 	$(ASAN_DIR)/tests/unit --jobs=2

@@ -22,11 +22,11 @@
 #include <cjson/cJSON.h>
 
 #include "cli.h"
-#include "clock.h"
-#include "log.h"
-#include "member.h"
-#include "opt.h"
-#include "rpc.h"
+#include "base/clock.h"
+#include "base/log.h"
+#include "membership/member.h"
+#include "base/opt.h"
+#include "rpc/rpc.h"
 
 extern char **environ;
 

@@ -18,15 +18,15 @@
 
 #include <cjson/cJSON.h>
 
-#include "allreduce.h"
-#include "brokerd.h"
+#include "engine/allreduce.h"
+#include "membership/brokerd.h"
 #include "cli.h"
-#include "clock.h"
+#include "base/clock.h"
 #include "cohort.h"
-#include "log.h"
-#include "opt.h"
-#include "rpc.h"
-#include "trainerd.h"
+#include "base/log.h"
+#include "base/opt.h"
+#include "rpc/rpc.h"
+#include "accumulator/trainerd.h"
 
 #define MAX_PEERS 8
 #define WARMUP 3

@@ -13,13 +13,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "allreduce.h"
+#include "engine/allreduce.h"
 #include "cli.h"
-#include "clock.h"
-#include "dtype.h"
-#include "epoch.h"
-#include "log.h"
-#include "opt.h"
+#include "base/clock.h"
+#include "engine/dtype.h"
+#include "membership/epoch.h"
+#include "base/log.h"
+#include "base/opt.h"
 
 #define MAX_PEERS 64
 #define MAX_SIZES 32

@@ -32,15 +32,15 @@
 
 #include <cjson/cJSON.h>
 
-#include "brokerd.h"
+#include "membership/brokerd.h"
 #include "cli.h"
-#include "clock.h"
+#include "base/clock.h"
 #include "cohort.pb-c.h"
-#include "ident.h"
-#include "log.h"
-#include "opt.h"
-#include "rpc.h"
-#include "wire.h"
+#include "base/ident.h"
+#include "base/log.h"
+#include "base/opt.h"
+#include "rpc/rpc.h"
+#include "membership/wire.h"
 
 extern char **environ;
 

@@ -9,11 +9,11 @@
 
 #include "cli.h"
 #include "cohort.pb-c.h"
-#include "ident.h"
-#include "log.h"
-#include "opt.h"
-#include "rpc.h"
-#include "wire.h"
+#include "base/ident.h"
+#include "base/log.h"
+#include "base/opt.h"
+#include "rpc/rpc.h"
+#include "membership/wire.h"
 
 static const char usage[] =
     "Usage: cohortctl status --broker ADDR [--cohort NAME] [-o table|json]\n"

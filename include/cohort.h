@@ -71,6 +71,13 @@
 extern "C" {
 #endif
 
+/* Everything declared here is the trainer library's public API; cohort's
+ * own modules are compiled with hidden visibility, and libcohort.a makes
+ * every other name local. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
 #define COHORT_API_VERSION 1
 
 /* Element types of parameters (gradients have the parameters' type). */
@@ -199,6 +206,10 @@ int cohort_get_gradient_stats(const struct cohort *c, struct cohort_gradient_sta
 
 /* A whole sentence for an error code returned by this API. */
 const char *cohort_strerror(int err);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,6 @@
 /* operator/main.c: cohort-operator. In Kubernetes mode it campaigns for a
  * Lease and, while it leads, hosts the broker and runs the TrainingCohort
- * controller (src/controller.c); it serves /metrics, /healthz and /readyz
+ * controller (src/k8s/controller.c); it serves /metrics, /healthz and /readyz
  * either way. With --standalone it hosts the broker alone. */
 #include <errno.h>
 #include <getopt.h>
@@ -11,16 +11,16 @@
 #include <pthread.h>
 #include <unistd.h>
 
-#include "brokerd.h"
-#include "clock.h"
-#include "controller.h"
-#include "ident.h"
-#include "kube.h"
-#include "lease.h"
-#include "log.h"
-#include "opt.h"
-#include "probe.h"
-#include "rpc.h"
+#include "membership/brokerd.h"
+#include "base/clock.h"
+#include "k8s/controller.h"
+#include "base/ident.h"
+#include "k8s/kube.h"
+#include "k8s/lease.h"
+#include "base/log.h"
+#include "base/opt.h"
+#include "k8s/probe.h"
+#include "rpc/rpc.h"
 
 #define PROG "cohort-operator"
 #define MAX_COHORT_FLAGS 256

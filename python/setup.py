@@ -4,7 +4,7 @@
     make python                   (the same build into build/python)
 
 The extension (cohort/_cohort.c) links libcohort, which this script
-compiles itself with -fPIC from the repository's src/, with the protobuf-c
+compiles itself with -fPIC from the repository's src/ (all but src/k8s/), with the protobuf-c
 sources that protoc-c generates from proto/. It needs what `make` needs:
 a C compiler, protoc-c, and the development packages of gRPC, protobuf-c,
 cJSON, libcurl and libyaml (scripts/install-deps.sh installs them).
@@ -30,7 +30,7 @@ PKGS = ["grpc", "libprotobuf-c"]
 # not use (libcurl and libyaml serve the operator). --exclude-libs keeps
 # libcohort's symbols private to the extension.
 LIBS = ["grpc", "gpr", "protobuf-c", "cjson", "curl", "yaml", "pthread", "m"]
-LIB_CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-fPIC", "-g", "-Wall", "-Wno-unused-parameter",
+LIB_CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-fPIC", "-fvisibility=hidden", "-g", "-Wall", "-Wno-unused-parameter",
               "-Wno-sign-compare"]
 
 
@@ -70,9 +70,12 @@ class BuildExt(build_ext):
             if newer(os.path.join(gen, base + ".pb-c.c"), [proto]):
                 self.spawn(["protoc-c", "--proto_path=" + os.path.join(ROOT, "proto"),
                             "--c_out=" + gen, proto])
-        sources = sorted(glob.glob(os.path.join(ROOT, "src", "*.c")) +
+        # Everything outside the operator's Kubernetes code; the linker
+        # pulls from the archive only what the extension reaches.
+        sources = sorted([s for s in glob.glob(os.path.join(ROOT, "src", "*", "*.c"))
+                          if os.path.basename(os.path.dirname(s)) != "k8s"] +
                          glob.glob(os.path.join(gen, "*.c")))
-        headers = (glob.glob(os.path.join(ROOT, "src", "*.h")) +
+        headers = (glob.glob(os.path.join(ROOT, "src", "*", "*.h")) +
                    glob.glob(os.path.join(ROOT, "include", "*.h")) +
                    glob.glob(os.path.join(gen, "*.h")))
         cflags = LIB_CFLAGS + ["-I" + os.path.join(ROOT, "include"), "-I" + os.path.join(ROOT, "src"),
@@ -80,7 +83,8 @@ class BuildExt(build_ext):
         cc = shlex.split(os.environ.get("CC", "cc"))
 
         def compile_one(src):
-            obj = os.path.join(objdir, os.path.basename(src)[:-2] + ".o")
+            rel = os.path.relpath(src, ROOT if src.startswith(ROOT + os.sep) else gen)
+            obj = os.path.join(objdir, rel[:-2].replace(os.sep, "_") + ".o")
             if newer(obj, [src] + headers):
                 cmd = cc + cflags + ["-c", src, "-o", obj]
                 print(" ".join(cmd), flush=True)

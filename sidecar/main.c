@@ -12,13 +12,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "ident.h"
-#include "log.h"
-#include "member.h"
-#include "opt.h"
-#include "rpc.h"
-#include "trainerd.h"
+#include "base/clock.h"
+#include "base/ident.h"
+#include "base/log.h"
+#include "membership/member.h"
+#include "base/opt.h"
+#include "rpc/rpc.h"
+#include "accumulator/trainerd.h"
 
 #define PROG "cohort-sidecar"
 #define DURATION_MAX_MS (24ull * 3600 * 1000)

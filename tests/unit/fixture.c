@@ -4,8 +4,8 @@
 #include <criterion/criterion.h>
 #include <stdio.h>
 
-#include "brokerd.h"
-#include "rpc.h"
+#include "membership/brokerd.h"
+#include "rpc/rpc.h"
 
 struct brokerd *fixture_broker_start(const char *cohort, char *addr, size_t addr_len)
 {

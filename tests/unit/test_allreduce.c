@@ -22,11 +22,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "allreduce.h"
-#include "clock.h"
-#include "dtype.h"
-#include "epoch.h"
-#include "log.h"
+#include "engine/allreduce.h"
+#include "base/clock.h"
+#include "engine/dtype.h"
+#include "membership/epoch.h"
+#include "base/log.h"
 
 #define MAXP 8
 #define COHORT "test"

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "broker.h"
+#include "membership/broker.h"
 
 #define T0 100000u                  /* the broker's start */
 #define HOLD (T0 + 2000u)           /* end of the default startup hold */

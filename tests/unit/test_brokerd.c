@@ -9,12 +9,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "brokerd.h"
-#include "clock.h"
+#include "membership/brokerd.h"
+#include "base/clock.h"
 #include "cohort.pb-c.h"
-#include "member.h"
-#include "rpc.h"
-#include "wire.h"
+#include "membership/member.h"
+#include "rpc/rpc.h"
+#include "membership/wire.h"
 
 static struct brokerd *d;
 static struct rpc_channel *ch;

@@ -12,11 +12,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clock.h"
+#include "base/clock.h"
 #include "cohort.h"
 #include "fixture.h"
-#include "tlink.h"
-#include "trainerd.h"
+#include "accumulator/tlink.h"
+#include "accumulator/trainerd.h"
 
 #define NP 777
 

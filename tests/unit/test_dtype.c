@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dtype.h"
+#include "engine/dtype.h"
 
 static uint32_t fbits(float f)
 {

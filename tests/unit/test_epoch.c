@@ -4,7 +4,7 @@
 #include <errno.h>
 #include <string.h>
 
-#include "epoch.h"
+#include "membership/epoch.h"
 
 static const struct epoch_member three[] = {
     { "m-2", "127.0.0.1:4002", 5 },

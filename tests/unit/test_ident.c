@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ident.h"
+#include "base/ident.h"
 
 /* A string of `n` copies of `c` followed by `tail`, in a static buffer. */
 static const char *repeat(char c, size_t n, const char *tail)

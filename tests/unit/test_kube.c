@@ -15,8 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "kube.h"
+#include "base/clock.h"
+#include "k8s/kube.h"
 
 /* ---- a scripted server: one request per connection ---- */
 

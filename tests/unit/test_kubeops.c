@@ -14,10 +14,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "kube.h"
-#include "lease.h"
-#include "reflector.h"
+#include "base/clock.h"
+#include "k8s/kube.h"
+#include "k8s/lease.h"
+#include "k8s/reflector.h"
 
 static pid_t server;
 static char url[64];

@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "log.h"
+#include "base/log.h"
 
 /* Runs `emit` with stderr redirected and returns what it wrote. */
 static char *capture(void (*emit)(void))

@@ -11,9 +11,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "clock.h"
+#include "base/clock.h"
 #include "fixture.h"
-#include "node.h"
+#include "accumulator/node.h"
 
 #define P 1031                  /* parameters: a prime, not a multiple of anything */
 #define MAXN 6

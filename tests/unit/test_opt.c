@@ -3,7 +3,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 
-#include "opt.h"
+#include "base/opt.h"
 
 Test(opt, durations_with_units)
 {

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "reconcile.h"
+#include "k8s/reconcile.h"
 
 static cJSON *parse(const char *json)
 {

@@ -6,9 +6,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "clock.h"
+#include "base/clock.h"
 #include "cohort.pb-c.h"
-#include "rpc.h"
+#include "rpc/rpc.h"
 
 #define P_STATUS "/cohort.v1.Broker/Status"
 #define P_HEART "/cohort.v1.Broker/Heartbeat"

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dtype.h"
-#include "tally.h"
+#include "engine/dtype.h"
+#include "accumulator/tally.h"
 
 #define K 4
 

@@ -6,8 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "clock.h"
-#include "workq.h"
+#include "base/clock.h"
+#include "k8s/workq.h"
 
 static struct workq *q;
 

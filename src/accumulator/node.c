@@ -1,0 +1,1179 @@
+/* src/accumulator/node.c: see node.h.
+ *
+ * One thread drives the steps; the trainer's calls only change fields
+ * under the lock and wake it, and only when it has something to do: on a
+ * machine with as many busy threads as cores, a needless wakeup preempts
+ * the very thread a round is waiting for (the member thread, which only
+ * heartbeats, has its own condition for the same reason).
+ *
+ * Every member performs the same sequence of all-reduces in an epoch
+ * (sync steps, then count and gradient steps), so the engine's round
+ * numbers are agreed without talking: epoch << 32 | step.
+ *
+ * Sync at the start of each epoch:
+ *   1. MAX of (version << 20 | (2^20 - 1 - index)) finds the leader: the
+ *      highest version, ties to the first in member order.
+ *   2. MAX of "I need state" (a version other than the leader's, or never
+ *      had state).
+ *   3. If anyone needs state: the leader waits for its trainer's
+ *      set_state; then MAX of the state's length; then the parameters, the
+ *      buffers and the opaque state are broadcast as a SUM over 64-bit
+ *      integers in which only the leader contributes non-zero words (x + 0
+ *      is x exactly, whatever the bits). The leader's own buffers are never
+ *      anything but its own bytes, even if the step is cut short.
+ *
+ * Steps in an epoch, once the trainer contributed:
+ *   count:    SUM of (batch, contributions, skips) since the last commit;
+ *   gradient: when the batch reaches the virtual batch size, the gradients
+ *             are all-reduced out of place into the results region (AVG_BY
+ *             the number of contributions). The engine never writes the
+ *             gradients, so an aborted step leaves the trainer's
+ *             accumulation intact for the retry, and no byte is copied.
+ *
+ * Fused step: for gradients of at most FUSE_MAX bytes, a round costs one
+ * all-reduce, not two. The counters ride behind a copy of the gradients
+ * (as exact digits, tally.h) in one SUM; if the batch is complete, the sum
+ * is divided by the number of contributions here, with the engine's own
+ * kernel, so the bytes are those AVG_BY would give. If it is not, the sum
+ * is thrown away, as the count step's would be: the contributions are
+ * untouched and the next step reduces them again. A wasted reduction of a
+ * small buffer costs about what the count step saves, but a cohort whose
+ * rounds need several count steps would pay it every time; so a step is
+ * fused only while the previous round of the epoch committed at its first
+ * step. Every member sees the same counts, so all decide alike.
+ *
+ * Parallel gradients (n > 1): a contribution is copied into one of n
+ * private slots and the trainer's gradients are zeroed, so the trainer
+ * computes its next batch while rounds go on. Slots queue in order; each
+ * count step takes the next one, and the slots a round takes are summed
+ * into its first, which the gradient step reduces. Results are applied in
+ * order, one at a time, as with n = 1. n is this member's own business:
+ * every member still brings one contribution to each count step.
+ */
+#include "accumulator/node.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine/allreduce.h"
+#include "base/clock.h"
+#include "membership/epoch.h"
+#include "base/ident.h"
+#include "base/log.h"
+#include "membership/member.h"
+#include "accumulator/tally.h"
+
+#define STATE_MAX (1ull << 30)          /* opaque trainer state, bytes */
+#define INDEX_BITS 20                   /* members per cohort < 2^20 */
+#define SYNC_RETRY_MS 50
+#define DEFAULT_REDUCE_TIMEOUT_MS 60000u
+#define PARALLEL_MAX 8
+#define ADD_CHUNK 4096                  /* elements widened at a time */
+#define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
+#define COUNTERS 4                      /* batch, contributions, skips, vbs */
+
+enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
+
+/* A contribution kept aside (parallel gradients). */
+struct slot {
+    void *buf;                  /* gradient-sized, allocated on first use */
+    int h;                      /* engine handle, registered by the node thread; -1 */
+    uint64_t batch;             /* 0: a skip, buf unused */
+    bool busy;                  /* being filled, queued, or the round's */
+};
+
+struct node {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;        /* the node thread's: a state change */
+    pthread_cond_t member_cond; /* the member thread's: registered or stopping */
+    struct node_config cfg;
+    char *cohort, *id;
+    char address[IDENT_ADDRESS_MAX + 1];
+    int data_fd;
+    bool own_fd;
+    struct member *member;
+    struct allreduce *ar;
+    pthread_t thread, member_thread;
+    bool stop;
+
+    /* Epochs: `latest` from the watch, `cur` the one being worked in. */
+    struct epoch *latest, *cur;
+    uint32_t step;              /* all-reduces done in cur */
+    uint64_t epoch_commits;     /* commits in cur */
+    enum phase phase;
+    long my_index;
+
+    /* Tensors. */
+    bool registered;
+    struct node_tensors t;
+    int h_grads, h_results, h_params, h_buffers, h_small;
+    void *buf_scratch;          /* the leader's buffers, received at a sync round */
+    int h_buf_scratch;
+    int64_t small[4];           /* counters and sync words */
+
+    /* Accumulator state. */
+    uint64_t version;
+    bool has_state;             /* parameters are the cohort's (or we lead them) */
+    bool leader;
+    char leader_id[IDENT_NAME_MAX + 1];
+    uint64_t vbs;               /* virtual batch size */
+    uint32_t buffer_sync_rounds;
+    uint64_t acc_batch, acc_grads, acc_skips;   /* since the last commit */
+    bool contributed;           /* a contribution awaits its count step */
+    unsigned parallel;          /* contributions outstanding at most */
+    struct slot slots[PARALLEL_MAX];
+    int queue[PARALLEL_MAX];    /* slots waiting for a count step, in order */
+    size_t q_head, q_len;
+    int round_slot;             /* the slot the current round sums into; -1 */
+    float *add_scratch;         /* ADD_CHUNK floats: 16-bit sums */
+    void *fuse_in, *fuse_out;   /* [gradients | counter digits]; NULL: never fused */
+    int h_fuse_in, h_fuse_out;
+    bool fuse_next;             /* node thread: the next step is fused */
+    uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
+    bool has_gradients;
+    bool wants_state;           /* leader: waiting for set_state */
+    void *state_out;            /* leader: from set_state */
+    size_t state_out_len;
+    bool state_out_ready;
+    void *state_in;             /* received */
+    size_t state_in_len;
+    bool has_new_state;
+    bool drop_grads;            /* zero the gradients at the trainer's next call */
+    uint64_t failed_at;         /* a step failed with no new epoch yet; 0: none */
+    struct node_view stats;     /* counters kept in the view's shape */
+    struct node_view last_view; /* as last published */
+    bool published;
+};
+
+static void view_locked(const struct node *n, struct node_view *v);
+static void publish_locked(struct node *n);
+
+/* Wakes the node's threads and republishes the view: the state changed. */
+static void changed_locked(struct node *n)
+{
+    pthread_cond_broadcast(&n->cond);
+    publish_locked(n);
+}
+
+/* A contribution waits for a step: the round's own, or queued in a slot.
+ * The node thread steps on it once no result is held. Lock held. */
+static bool holds_contribution_locked(const struct node *n)
+{
+    return n->contributed || n->q_len > 0;
+}
+
+/* Bytes of the gradient buffer, the results region and every slot. */
+static size_t grad_bytes(const struct node *n)
+{
+    return n->t.grad_count * dtype_size(n->t.grad_type);
+}
+
+static uint64_t round_of(struct node *n)
+{
+    return (n->cur->number << 32) | n->step++;
+}
+
+/* ---- membership callbacks ---------------------------------------------- */
+
+static void on_epoch(void *arg, struct epoch *e)
+{
+    struct node *n = arg;
+
+    /* Thread-safe in the engine: aborts a step in flight at once. */
+    if (n->ar)
+        allreduce_set_epoch(n->ar, e);
+    pthread_mutex_lock(&n->lock);
+    epoch_unref(n->latest);
+    n->latest = epoch_ref(e);
+    changed_locked(n);
+    pthread_mutex_unlock(&n->lock);
+}
+
+/* Membership runs on a thread of its own: heartbeats must go on while
+ * the node thread waits in an all-reduce, or a slow step would get this
+ * member evicted. It joins only once tensors are registered: a member in
+ * the epoch that cannot take part would stall everyone's steps. */
+static void *member_main(void *arg)
+{
+    struct node *n = arg;
+
+    pthread_mutex_lock(&n->lock);
+    while (!n->stop) {
+        uint32_t wait = 20;
+        struct timespec ts;
+
+        if (n->registered) {
+            pthread_mutex_unlock(&n->lock);
+            wait = member_poll(n->member, clock_now_ms());
+            pthread_mutex_lock(&n->lock);
+        }
+        ts = clock_deadline(wait > 50 ? 50 : wait);
+        pthread_cond_timedwait(&n->member_cond, &n->lock, &ts);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return NULL;
+}
+
+/* ---- helpers run on the node thread ------------------------------------- */
+
+/* True when a newer epoch than the one in use has arrived. Lock held. */
+static bool epoch_moved_locked(const struct node *n)
+{
+    return n->latest && (!n->cur || n->latest->number > n->cur->number);
+}
+
+/* Runs one small all-reduce of `k` int64 words in n->small. */
+static int small_reduce(struct node *n, size_t k, enum dtype_op op)
+{
+    return allreduce_run(n->ar, n->h_small, k, DTYPE_I64, op, 0, round_of(n));
+}
+
+/* The slot is free again; its buffer and registration are kept for reuse. */
+static void slot_release_locked(struct node *n, int s)
+{
+    n->slots[s].batch = 0;
+    n->slots[s].busy = false;
+}
+
+/* Contributions outstanding: the open round (if any) and those queued. */
+static size_t outstanding_locked(const struct node *n)
+{
+    bool open = n->contributed || n->acc_grads + n->acc_skips > 0;
+
+    return n->q_len + (open ? 1 : 0);
+}
+
+static void set_leader_locked(struct node *n, size_t index)
+{
+    const char *id = n->cur->members[index].id;
+
+    snprintf(n->leader_id, sizeof(n->leader_id), "%s", id);
+    n->leader = (long)index == n->my_index;
+}
+
+/* Broadcasts `bytes` from the leader's `buf`. Receivers get them in their
+ * own `buf` (registered as `h`); a member that needs nothing contributes
+ * zeros from a scratch buffer, so its tensors are never touched. */
+static int broadcast(struct node *n, bool receive, int h, void *buf, size_t bytes)
+{
+    size_t words = (bytes + 7) / 8;
+    void *scratch = NULL;
+    int hs = -1, rc;
+
+    if (words == 0)
+        return 0;
+    if (!n->leader && !receive) {
+        scratch = calloc(words, 8);
+        if (!scratch)
+            return -ENOMEM;
+        hs = allreduce_register(n->ar, scratch, words * 8);
+        if (hs < 0) {
+            free(scratch);
+            return hs;
+        }
+        h = hs;
+    } else if (!n->leader) {
+        memset(buf, 0, words * 8);
+    }
+    rc = allreduce_run(n->ar, h, words, DTYPE_I64, DTYPE_SUM, 0, round_of(n));
+    if (hs >= 0)
+        allreduce_unregister(n->ar, hs);
+    free(scratch);
+    return rc;
+}
+
+/* The sync steps of a new epoch. Returns 0, or the engine's error. */
+static int sync_epoch(struct node *n)
+{
+    const uint64_t mask = (1ull << INDEX_BITS) - 1;
+    size_t leader;
+    bool need, any_need, was_behind;
+    uint64_t vmax, state_len;
+    void *state = NULL;
+    int h_state = -1, rc;
+
+    /* A member without valid parameters (a joiner, or one whose last
+     * transfer was cut short) ranks below every member with them, at any
+     * version: it must never hand out what it does not have. */
+    pthread_mutex_lock(&n->lock);
+    n->small[0] = (int64_t)(((n->has_state ? n->version + 1 : 0) << INDEX_BITS) |
+                            (mask - (uint64_t)n->my_index));
+    pthread_mutex_unlock(&n->lock);
+    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+        return rc;
+    vmax = (uint64_t)n->small[0] >> INDEX_BITS;
+    leader = (size_t)(mask - ((uint64_t)n->small[0] & mask));
+    if (leader >= n->cur->n_members)
+        return -EPROTO;
+    /* With no state anywhere (a new cohort) every other member needs the
+     * leader's; its exact version comes with the state below. */
+    vmax = vmax ? vmax - 1 : 0;
+
+    pthread_mutex_lock(&n->lock);
+    set_leader_locked(n, leader);
+    if (n->leader) {
+        n->has_state = true;    /* the leader's parameters are the cohort's */
+        vmax = n->version;
+    }
+    need = !n->leader && (n->version != vmax || !n->has_state);
+    n->small[0] = need;
+    publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+        return rc;
+    any_need = n->small[0] != 0;
+    if (!any_need)
+        return 0;
+
+    /* Parameters are sent or overwritten only once the trainer has applied
+     * any committed result; no new one can commit during the sync. Then the
+     * leader asks its trainer for the opaque state and waits for it; the
+     * others wait in the next all-reduce meanwhile. */
+    pthread_mutex_lock(&n->lock);
+    while (n->has_gradients && (n->leader || need) && !n->stop && !epoch_moved_locked(n))
+        pthread_cond_wait(&n->cond, &n->lock);
+    if (n->has_gradients && (n->leader || need)) {
+        pthread_mutex_unlock(&n->lock);
+        return -ESTALE;
+    }
+    if (n->leader) {
+        n->wants_state = true;
+        publish_locked(n);
+        while (!n->state_out_ready && !n->stop && !epoch_moved_locked(n))
+            pthread_cond_wait(&n->cond, &n->lock);
+        if (!n->state_out_ready) {
+            pthread_mutex_unlock(&n->lock);
+            return -ESTALE;
+        }
+        n->small[0] = (int64_t)n->state_out_len;
+        n->small[1] = (int64_t)n->version;
+    } else {
+        n->small[0] = 0;
+        n->small[1] = 0;
+        /* A cut-short transfer leaves no valid parameters behind. */
+        if (need)
+            n->has_state = false;
+    }
+    publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    if ((rc = small_reduce(n, 2, DTYPE_MAX)) < 0)
+        return rc;
+    state_len = (uint64_t)n->small[0];
+    vmax = (uint64_t)n->small[1];
+    was_behind = n->version != vmax;
+    if (state_len > STATE_MAX)
+        return -EPROTO;
+    state = calloc(1, (state_len + 7) / 8 * 8 + 8);
+    if (!state)
+        return -ENOMEM;
+    if (n->leader)
+        memcpy(state, n->state_out, state_len);
+    h_state = allreduce_register(n->ar, state, (state_len + 7) / 8 * 8);
+    if (h_state < 0) {
+        rc = h_state;
+        goto out;
+    }
+    if ((rc = broadcast(n, need, n->h_params, n->t.params, n->t.params_bytes)) < 0 ||
+        (rc = broadcast(n, need, n->h_buffers, n->t.buffers, n->t.buffers_bytes)) < 0 ||
+        (rc = broadcast(n, true, h_state, state, state_len)) < 0)
+        goto out;
+
+    pthread_mutex_lock(&n->lock);
+    if (n->leader) {
+        n->wants_state = false;
+        n->state_out_ready = false;
+        free(n->state_out);
+        n->state_out = NULL;
+    } else if (need) {
+        n->version = vmax;
+        n->has_state = true;
+        free(n->state_in);
+        n->state_in = state;
+        n->state_in_len = state_len;
+        state = NULL;
+        n->has_new_state = true;
+        n->stats.states_received++;
+        if (was_behind) {
+            /* The leader is ahead: our pending contribution went into the
+             * rounds it committed. Counting it again would count it twice. */
+            n->stats.contributions_dropped += n->acc_grads + n->acc_skips;
+            n->acc_batch = n->acc_grads = n->acc_skips = 0;
+            n->contributed = false;
+            n->has_gradients = false;
+            if (n->round_slot >= 0) {
+                slot_release_locked(n, n->round_slot);
+                n->round_slot = -1;
+            }
+            /* With one round in flight the contribution is the trainer's
+             * own buffer, which it may be writing right now: it is zeroed
+             * on its own next call instead (node_view). Queued slots of
+             * parallel gradients were never in a count step, so nobody
+             * counted them: they stay. */
+            if (n->parallel == 1)
+                n->drop_grads = true;
+        }
+    }
+    publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    log_info("node", "State synced from the leader.", LF_S("cohort", n->cohort), LF_S("id", n->id),
+             LF_S("leader", n->leader_id), LF_U("version", vmax), LF_U("state_bytes", state_len),
+             LF_B("received", need));
+out:
+    if (h_state >= 0)
+        allreduce_unregister(n->ar, h_state);
+    free(state);
+    return rc;
+}
+
+/* dst += src over `count` elements of type t; 16-bit floats are summed in
+ * float32 through a small scratch and rounded once. */
+static void add_into(struct node *n, void *dst, const void *src)
+{
+    enum dtype t = n->t.grad_type;
+
+    if (!dtype_is_16bit_float(t)) {
+        dtype_combine(t, DTYPE_SUM, dst, src, n->t.grad_count);
+        return;
+    }
+    for (size_t i = 0; i < n->t.grad_count; i += ADD_CHUNK) {
+        size_t len = n->t.grad_count - i < ADD_CHUNK ? n->t.grad_count - i : ADD_CHUNK;
+        uint16_t *d = (uint16_t *)dst + i;
+
+        dtype_widen(t, n->add_scratch, d, len);
+        dtype_combine_widen(t, DTYPE_SUM, n->add_scratch, (const uint16_t *)src + i, len);
+        dtype_narrow(t, d, n->add_scratch, len);
+    }
+}
+
+/* Parallel gradients: takes the next queued contribution into the round
+ * (its counters, and its gradients summed into the round's slot). The
+ * sum runs unlocked: the slots involved belong to this thread now.
+ * Returns false when nothing is queued. */
+static bool take_queued(struct node *n)
+{
+    int s, into;
+    bool add;
+
+    pthread_mutex_lock(&n->lock);
+    if (n->q_len == 0) {
+        pthread_mutex_unlock(&n->lock);
+        return false;
+    }
+    s = n->queue[n->q_head];
+    n->q_head = (n->q_head + 1) % PARALLEL_MAX;
+    n->q_len--;
+    if (n->slots[s].batch > 0) {
+        n->acc_batch += n->slots[s].batch;
+        n->acc_grads++;
+    } else {
+        n->acc_skips++;
+    }
+    add = n->slots[s].batch > 0 && n->round_slot >= 0;
+    if (n->slots[s].batch > 0 && n->round_slot < 0) {
+        n->round_slot = s;
+        s = -1;
+    }
+    into = n->round_slot;
+    n->contributed = true;
+    pthread_mutex_unlock(&n->lock);
+    if (add)
+        add_into(n, n->slots[into].buf, n->slots[s].buf);
+    if (s >= 0) {
+        pthread_mutex_lock(&n->lock);
+        slot_release_locked(n, s);
+        /* A slot is free again: the trainer may contribute. */
+        changed_locked(n);
+        pthread_mutex_unlock(&n->lock);
+    }
+    return true;
+}
+
+/* The round's own gradients: the trainer's (n = 1) or the round's slot;
+ * NULL when every contribution of this member to the round was a skip
+ * under parallel gradients, where the trainer's gradients hold its next
+ * batch, not this round's: the member then contributes zeros. */
+static void *round_grads(const struct node *n, bool slots)
+{
+    if (n->round_slot >= 0)
+        return n->slots[n->round_slot].buf;
+    return slots ? NULL : n->t.grads;
+}
+
+/* The gradient step, out of place into the results region (AVG_BY the
+ * `grads` contributions). The round's slot is registered on first use,
+ * on this thread, as the engine wants. */
+static int gradient_step(struct node *n, bool slots, uint64_t grads)
+{
+    size_t bytes = grad_bytes(n);
+    int src = n->h_grads;
+
+    if (!round_grads(n, slots)) {
+        /* In place over zeros: the results region is free until commit. */
+        memset(n->t.results, 0, bytes);
+        src = n->h_results;
+    } else if (n->round_slot >= 0) {
+        struct slot *sl = &n->slots[n->round_slot];
+
+        if (sl->h < 0)
+            sl->h = allreduce_register(n->ar, sl->buf, bytes);
+        if (sl->h < 0)
+            return sl->h;
+        src = sl->h;
+    }
+    return allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
+                              DTYPE_AVG_BY, (double)grads, round_of(n));
+}
+
+/* The count step and the gradient step in one SUM (see the top of the
+ * file): c[] in, this member's counters; out, the cohort's. The sum of
+ * the gradients stays in fuse_out until run_step commits it. */
+static int fused_step(struct node *n, bool slots, uint64_t *c)
+{
+    size_t bytes = grad_bytes(n);
+    uint32_t m = (uint32_t)n->cur->n_members;
+    const void *g = round_grads(n, slots);
+    int rc;
+
+    if (g)
+        memcpy(n->fuse_in, g, bytes);
+    else
+        memset(n->fuse_in, 0, bytes);
+    tally_encode(n->t.grad_type, m, c, COUNTERS, (char *)n->fuse_in + bytes);
+    rc = allreduce_run_into(n->ar, n->h_fuse_in, n->h_fuse_out,
+                            n->t.grad_count + COUNTERS * tally_digits(n->t.grad_type, m),
+                            n->t.grad_type, DTYPE_SUM, 0, round_of(n));
+    if (rc < 0)
+        return rc;
+    tally_decode(n->t.grad_type, m, (char *)n->fuse_out + bytes, c, COUNTERS);
+    return 0;
+}
+
+/* Count step, then the gradient step if the batch is complete; or both at
+ * once (fused_step). */
+static int run_step(struct node *n)
+{
+    uint64_t c[COUNTERS], batch, grads, skips, vbs;
+    size_t bytes = grad_bytes(n);
+    int rc;
+    bool take, slots, fused;
+
+    pthread_mutex_lock(&n->lock);
+    take = !n->contributed;
+    pthread_mutex_unlock(&n->lock);
+    if (take && !take_queued(n))
+        return 0;
+    pthread_mutex_lock(&n->lock);
+    c[0] = n->acc_batch;
+    c[1] = n->acc_grads;
+    c[2] = n->acc_skips;
+    c[3] = n->vbs;
+    /* Stable for the round: it changes only with nothing outstanding. */
+    slots = n->parallel > 1;
+    pthread_mutex_unlock(&n->lock);
+    fused = n->fuse_next && n->fuse_in && tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
+    if (fused) {
+        rc = fused_step(n, slots, c);
+    } else {
+        for (int i = 0; i < COUNTERS; i++)
+            n->small[i] = (int64_t)c[i];
+        rc = small_reduce(n, COUNTERS, DTYPE_SUM);
+        for (int i = 0; i < COUNTERS; i++)
+            c[i] = (uint64_t)n->small[i];
+    }
+    if (rc < 0)
+        return rc;
+    batch = c[0];
+    grads = c[1];
+    skips = c[2];
+    /* Members may have been told different virtual batch sizes; the mean
+     * of what they were told is the same number on every member, so they
+     * all decide alike. */
+    vbs = (c[3] + n->cur->n_members - 1) / n->cur->n_members;
+    n->round_counts++;
+
+    pthread_mutex_lock(&n->lock);
+    if (batch < vbs) {
+        /* Not enough yet: everyone contributes again. */
+        n->contributed = false;
+        n->fuse_next = false;
+        pthread_mutex_unlock(&n->lock);
+        return 0;
+    }
+    pthread_mutex_unlock(&n->lock);
+    /* The trainer writes no gradient and reads no result meanwhile: it has
+     * contributed (or its contribution is in a slot), and the last result
+     * was consumed. */
+    if (fused && grads > 0) {
+        memcpy(n->t.results, n->fuse_out, bytes);
+        dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
+    } else if (grads > 0 && (rc = gradient_step(n, slots, grads)) < 0) {
+        return rc;
+    }
+    /* Every buffer_sync_rounds commits of this epoch, the leader's buffers
+     * too. Counted per epoch because only that count is the same on every
+     * member by construction (a joiner has seen fewer commits, and a
+     * declared version can move mid-epoch). */
+    bool sync_buffers = n->t.buffers_bytes > 0 &&
+                        (n->epoch_commits + 1) % n->buffer_sync_rounds == 0;
+    if (sync_buffers) {
+        if (n->leader)
+            memcpy(n->buf_scratch, n->t.buffers, n->t.buffers_bytes);
+        else
+            memset(n->buf_scratch, 0, n->t.buffers_bytes);
+        rc = allreduce_run(n->ar, n->h_buf_scratch, n->t.buffers_bytes / 8, DTYPE_I64, DTYPE_SUM, 0,
+                           round_of(n));
+        if (rc < 0)
+            return rc;
+    }
+    pthread_mutex_lock(&n->lock);
+    if (sync_buffers && !n->leader)
+        memcpy(n->t.buffers, n->buf_scratch, n->t.buffers_bytes);
+    if (grads == 0)     /* everyone skipped: a zero step */
+        memset(n->t.results, 0, bytes);
+    n->version++;
+    n->epoch_commits++;
+    n->fuse_next = n->round_counts == 1;
+    n->round_counts = 0;
+    n->has_gradients = true;
+    n->contributed = false;
+    if (n->round_slot >= 0) {
+        slot_release_locked(n, n->round_slot);
+        n->round_slot = -1;
+    }
+    n->acc_batch = n->acc_grads = n->acc_skips = 0;
+    n->stats.batch_size = batch;
+    n->stats.num_gradients = grads;
+    n->stats.num_skipped = skips;
+    n->stats.rounds_committed++;
+    changed_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
+/* A step failed and no new epoch explains it (a peer timed out, members
+ * fell out of step). Waiting would wait forever: the membership has not
+ * changed. Rejoining with a new session makes the broker publish a new
+ * epoch, in which every member syncs again. */
+static void resync_locked(struct node *n, const char *why, int rc)
+{
+    log_warn("node", why, LF_S("cohort", n->cohort), LF_S("id", n->id), LF_ERR(rc));
+    member_rejoin(n->member);
+}
+
+/* After a failed step: a peer that died is evicted by the broker within
+ * the member timeout, and that new epoch is the cure; resyncing at once
+ * would only add epochs. A timeout or a mismatch has no such cure coming.
+ */
+static void step_failed_locked(struct node *n, int rc)
+{
+    n->phase = PH_WAIT_EPOCH;
+    if (rc == -ESTALE)
+        return;
+    if (rc == -ECONNRESET || rc == -EPIPE) {
+        n->failed_at = clock_now_ms();
+        return;
+    }
+    resync_locked(n, "A step failed and no membership change explains it; resyncing the cohort.", rc);
+}
+
+static void adopt_epoch_locked(struct node *n)
+{
+    epoch_unref(n->cur);
+    n->cur = epoch_ref(n->latest);
+    n->step = 0;
+    n->epoch_commits = 0;
+    n->fuse_next = true;
+    n->round_counts = 0;
+    n->my_index = epoch_find(n->cur, n->id);
+    n->phase = n->my_index >= 0 ? PH_SYNC : PH_WAIT_EPOCH;
+    n->stats.epochs_seen++;
+}
+
+static void *node_main(void *arg)
+{
+    struct node *n = arg;
+
+    pthread_mutex_lock(&n->lock);
+    while (!n->stop) {
+        int rc;
+
+        /* Every turn follows a change: a step, a phase, an epoch. */
+        publish_locked(n);
+        if (epoch_moved_locked(n)) {
+            n->failed_at = 0;
+            adopt_epoch_locked(n);
+        } else if (n->failed_at &&
+                   clock_now_ms() - n->failed_at > member_timeout_ms(n->member) + 2000u) {
+            n->failed_at = 0;
+            resync_locked(n, "A peer's connection broke and no new epoch followed; resyncing the "
+                             "cohort.", -ECONNRESET);
+        }
+        if (n->phase == PH_SYNC) {
+            pthread_mutex_unlock(&n->lock);
+            rc = sync_epoch(n);
+            pthread_mutex_lock(&n->lock);
+            if (rc == 0) {
+                n->phase = PH_RUN;
+                member_set_model_version(n->member, n->version, false);
+            } else {
+                step_failed_locked(n, rc);
+            }
+            continue;
+        }
+        if (n->phase == PH_RUN && holds_contribution_locked(n) && !n->has_gradients) {
+            pthread_mutex_unlock(&n->lock);
+            rc = run_step(n);
+            pthread_mutex_lock(&n->lock);
+            if (rc < 0) {
+                /* Keep the contribution: the next epoch reduces it again. */
+                n->stats.rounds_retried++;
+                step_failed_locked(n, rc);
+            } else {
+                member_set_model_version(n->member, n->version, false);
+            }
+            continue;
+        }
+        {
+            struct timespec ts = clock_deadline(20);
+            pthread_cond_timedwait(&n->cond, &n->lock, &ts);
+        }
+    }
+    pthread_mutex_unlock(&n->lock);
+    return NULL;
+}
+
+/* ---- API ---------------------------------------------------------------- */
+
+int node_start(const struct node_config *cfg, struct node **out)
+{
+    struct member_config mc = { 0 };
+    struct allreduce_config ac = { 0 };
+    struct node *n;
+    int rc;
+
+    if (!cfg || !cfg->broker || !ident_valid_cohort(cfg->cohort) ||
+        !ident_valid_member_id(cfg->id) || !cfg->host)
+        return -EINVAL;
+    n = calloc(1, sizeof(*n));
+    if (!n)
+        return -ENOMEM;
+    n->cfg = *cfg;
+    n->cohort = strdup(cfg->cohort);
+    n->id = strdup(cfg->id);
+    n->version = cfg->model_version;
+    n->vbs = 1;
+    n->parallel = 1;
+    n->round_slot = -1;
+    for (int i = 0; i < PARALLEL_MAX; i++)
+        n->slots[i].h = -1;
+    n->buffer_sync_rounds = cfg->buffer_sync_rounds ? cfg->buffer_sync_rounds : 100;
+    n->h_grads = n->h_results = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
+    n->h_fuse_in = n->h_fuse_out = -1;
+    n->phase = PH_WAIT_EPOCH;
+    pthread_mutex_init(&n->lock, NULL);
+    clock_cond_init(&n->cond);
+    clock_cond_init(&n->member_cond);
+    if (!n->cohort || !n->id) {
+        rc = -ENOMEM;
+        goto err;
+    }
+    rc = allreduce_listen(cfg->host, &n->data_fd, n->address, sizeof(n->address));
+    if (rc < 0)
+        goto err;
+    n->own_fd = true;
+    ac.cohort = n->cohort;
+    ac.member_id = n->id;
+    ac.listen_fd = n->data_fd;
+    ac.member_timeout_ms = cfg->reduce_timeout_ms ? cfg->reduce_timeout_ms : DEFAULT_REDUCE_TIMEOUT_MS;
+    rc = allreduce_create(&ac, &n->ar);
+    if (rc < 0)
+        goto err;
+    n->h_small = allreduce_register(n->ar, n->small, sizeof(n->small));
+    mc.broker = cfg->broker;
+    mc.cohort = cfg->cohort;
+    mc.id = cfg->id;
+    mc.address = n->address;
+    mc.model_version = cfg->model_version;
+    mc.heartbeat_ms = cfg->heartbeat_ms;
+    mc.timeout_ms = cfg->timeout_ms;
+    mc.on_epoch = on_epoch;
+    mc.arg = n;
+    rc = member_create(&mc, &n->member);
+    if (rc < 0)
+        goto err;
+    if (pthread_create(&n->thread, NULL, node_main, n) != 0) {
+        rc = -EAGAIN;
+        goto err;
+    }
+    if (pthread_create(&n->member_thread, NULL, member_main, n) != 0) {
+        pthread_mutex_lock(&n->lock);
+        n->stop = true;
+        changed_locked(n);
+        pthread_mutex_unlock(&n->lock);
+        pthread_join(n->thread, NULL);
+        rc = -EAGAIN;
+        goto err;
+    }
+    *out = n;
+    return 0;
+err:
+    member_destroy(n->member);
+    allreduce_destroy(n->ar);
+    if (n->own_fd)
+        close(n->data_fd);
+    free(n->cohort);
+    free(n->id);
+    pthread_cond_destroy(&n->cond);
+    pthread_cond_destroy(&n->member_cond);
+    pthread_mutex_destroy(&n->lock);
+    free(n);
+    return rc;
+}
+
+void node_stop(struct node *n)
+{
+    if (!n)
+        return;
+    pthread_mutex_lock(&n->lock);
+    n->stop = true;
+    pthread_cond_broadcast(&n->member_cond);
+    changed_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    pthread_join(n->member_thread, NULL);
+    /* Leaving publishes a new epoch to the others. Our own step in flight
+     * is aborted with an empty epoch newer than any we adopted: nobody is
+     * left to reduce with. */
+    member_leave(n->member, 2000);
+    pthread_mutex_lock(&n->lock);
+    {
+        uint64_t past = n->latest ? n->latest->number : 0;
+        struct epoch *none = NULL;
+        if (epoch_create(n->cohort, past + 1, 0, NULL, 0, &none) == 0) {
+            allreduce_set_epoch(n->ar, none);
+            epoch_unref(none);
+        }
+    }
+    pthread_mutex_unlock(&n->lock);
+    pthread_join(n->thread, NULL);
+    member_destroy(n->member);
+    allreduce_destroy(n->ar);
+    if (n->own_fd)
+        close(n->data_fd);
+    epoch_unref(n->latest);
+    epoch_unref(n->cur);
+    free(n->buf_scratch);
+    free(n->add_scratch);
+    free(n->fuse_in);
+    free(n->fuse_out);
+    for (int i = 0; i < PARALLEL_MAX; i++)
+        free(n->slots[i].buf);
+    free(n->state_out);
+    free(n->state_in);
+    free(n->cohort);
+    free(n->id);
+    pthread_cond_destroy(&n->cond);
+    pthread_cond_destroy(&n->member_cond);
+    pthread_mutex_destroy(&n->lock);
+    free(n);
+}
+
+int node_register(struct node *n, const struct node_tensors *t)
+{
+    size_t gbytes;
+    int rc = 0;
+
+    if (!t || !t->grads || !t->results || t->grad_count == 0 || !dtype_valid((int)t->grad_type) ||
+        (t->params_bytes && !t->params) || (t->buffers_bytes && !t->buffers) ||
+        ((uintptr_t)t->params | (uintptr_t)t->grads | (uintptr_t)t->results |
+         (uintptr_t)t->buffers) % 8 != 0 ||
+        t->params_bytes % 8 != 0 || t->buffers_bytes % 8 != 0)
+        return -EINVAL;
+    gbytes = t->grad_count * dtype_size(t->grad_type);
+    pthread_mutex_lock(&n->lock);
+    if (n->registered) {
+        rc = -EBUSY;
+        goto out;
+    }
+    n->buf_scratch = calloc(1, t->buffers_bytes + 8);
+    n->add_scratch = malloc(ADD_CHUNK * sizeof(float));
+    if (!n->buf_scratch || !n->add_scratch) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    n->t = *t;
+    memset(t->grads, 0, gbytes);
+    n->h_grads = allreduce_register(n->ar, t->grads, gbytes);
+    n->h_results = allreduce_register(n->ar, t->results, gbytes);
+    n->h_params = allreduce_register(n->ar, t->params, t->params_bytes);
+    n->h_buffers = allreduce_register(n->ar, t->buffers, t->buffers_bytes);
+    n->h_buf_scratch = allreduce_register(n->ar, n->buf_scratch, t->buffers_bytes);
+    if (n->h_grads < 0 || n->h_results < 0 || n->h_params < 0 || n->h_buffers < 0 ||
+        n->h_buf_scratch < 0) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    if (gbytes <= FUSE_MAX && tally_digits(t->grad_type, 1) > 0) {
+        size_t fbytes = gbytes + COUNTERS * TALLY_DIGITS_MAX * sizeof(uint64_t);
+
+        n->fuse_in = malloc(fbytes);
+        n->fuse_out = malloc(fbytes);
+        if (!n->fuse_in || !n->fuse_out ||
+            (n->h_fuse_in = allreduce_register(n->ar, n->fuse_in, fbytes)) < 0 ||
+            (n->h_fuse_out = allreduce_register(n->ar, n->fuse_out, fbytes)) < 0) {
+            rc = -ENOMEM;
+            goto out;
+        }
+    }
+    n->registered = true;
+    pthread_cond_broadcast(&n->member_cond);   /* it joins now */
+    changed_locked(n);
+out:
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+void node_view(struct node *n, struct node_view *v)
+{
+    pthread_mutex_lock(&n->lock);
+    if (n->drop_grads) {
+        memset(n->t.grads, 0, grad_bytes(n));
+        n->drop_grads = false;
+        publish_locked(n);
+    }
+    view_locked(n, v);
+    pthread_mutex_unlock(&n->lock);
+}
+
+static void view_locked(const struct node *n, struct node_view *v)
+{
+    *v = n->stats;
+    /* moolib's meaning: this member's parameters are the cohort's (it
+     * leads, or received them). Not tied to the phase: during a sync the
+     * trainer must still apply a committed result and, as leader, answer
+     * wants_state, or the sync would wait on it forever. */
+    v->connected = n->has_state;
+    v->wants_state = n->leader && n->wants_state && !n->state_out_ready;
+    v->has_new_state = n->has_new_state;
+    if (n->parallel == 1)
+        v->wants_after_consume = n->phase == PH_RUN && !n->contributed;
+    else
+        v->wants_after_consume = n->phase == PH_RUN && outstanding_locked(n) < n->parallel;
+    v->wants_gradients = v->wants_after_consume && !n->has_gradients;
+    v->has_gradients = n->has_gradients;
+    v->is_leader = n->leader && n->phase != PH_WAIT_EPOCH;
+    v->model_version = n->version;
+    v->epoch = n->cur ? n->cur->number : 0;
+    v->rank = n->my_index >= 0 ? (uint32_t)n->my_index : 0;
+    v->size = n->cur ? (uint32_t)n->cur->n_members : 0;
+    v->drop_pending = n->drop_grads;
+    snprintf(v->leader, sizeof(v->leader), "%s", n->leader_id);
+}
+
+/* Only a view that differs from the last one is published: each one
+ * wakes a waiting trainer. */
+static void publish_locked(struct node *n)
+{
+    struct node_view v;
+
+    if (!n->cfg.on_view)
+        return;
+    memset(&v, 0, sizeof(v));   /* padding too: views are compared bytewise */
+    view_locked(n, &v);
+    if (n->published && memcmp(&v, &n->last_view, sizeof(v)) == 0)
+        return;
+    n->last_view = v;
+    n->published = true;
+    n->cfg.on_view(n->cfg.view_arg, &v);
+}
+
+/* Parallel gradients: the contribution goes to a free slot and the
+ * trainer's gradients are zeroed for its next batch. The copy runs
+ * unlocked (the slot is reserved; the trainer is the caller). */
+static int contribute_to_slot(struct node *n, uint64_t batch_size)
+{
+    size_t bytes = grad_bytes(n);
+    int s = -1, rc = 0;
+
+    for (int i = 0; i < PARALLEL_MAX && s < 0; i++)
+        if (!n->slots[i].busy)
+            s = i;
+    if (s < 0)
+        return -EPERM;          /* cannot happen: outstanding < parallel <= PARALLEL_MAX */
+    n->slots[s].busy = true;
+    pthread_mutex_unlock(&n->lock);
+    if (batch_size > 0) {
+        if (!n->slots[s].buf)
+            n->slots[s].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (n->slots[s].buf) {
+            memcpy(n->slots[s].buf, n->t.grads, bytes);
+            memset(n->t.grads, 0, bytes);
+        } else {
+            rc = -ENOMEM;
+        }
+    }
+    pthread_mutex_lock(&n->lock);
+    if (rc < 0) {
+        n->slots[s].busy = false;
+        return rc;
+    }
+    n->slots[s].batch = batch_size;
+    n->queue[(n->q_head + n->q_len) % PARALLEL_MAX] = s;
+    n->q_len++;
+    changed_locked(n);
+    return 0;
+}
+
+int node_contribute(struct node *n, uint64_t batch_size)
+{
+    int rc = 0;
+
+    pthread_mutex_lock(&n->lock);
+    /* A state transfer under way has made the parameters invalid: the
+     * gradients were computed on what is being replaced. */
+    if (n->registered && !n->has_state && n->phase == PH_SYNC) {
+        pthread_mutex_unlock(&n->lock);
+        return -EAGAIN;
+    }
+    if (n->registered && n->parallel > 1) {
+        /* A result may have committed since the trainer's last view said
+         * wants_gradients; the slot does not touch it, so that is fine. */
+        if (!n->has_state || outstanding_locked(n) >= n->parallel)
+            rc = -EPERM;
+        else
+            rc = contribute_to_slot(n, batch_size);
+        pthread_mutex_unlock(&n->lock);
+        return rc;
+    }
+    /* A contribution made just as an epoch began is kept for after the
+     * sync; one that would mix with gradients being dropped is not. */
+    if (!n->registered)
+        rc = -ENODEV;
+    else if (n->drop_grads)
+        rc = -EAGAIN;
+    else if (!n->has_state || n->contributed || n->has_gradients)
+        rc = -EPERM;
+    if (rc == 0) {
+        if (batch_size > 0) {
+            n->acc_batch += batch_size;
+            n->acc_grads++;
+        } else {
+            n->acc_skips++;
+        }
+        n->contributed = true;
+        changed_locked(n);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+int node_consume(struct node *n, uint64_t round)
+{
+    int rc = 0;
+
+    pthread_mutex_lock(&n->lock);
+    if (!n->has_gradients) {
+        rc = -EPERM;
+    } else if (round != n->stats.rounds_committed) {
+        rc = -ESTALE;
+    } else {
+        n->has_gradients = false;
+        /* The node thread waits for a consume only to sync, or to reduce
+         * a contribution it holds; in a plain round it has nothing to do. */
+        if (n->phase != PH_RUN || holds_contribution_locked(n))
+            changed_locked(n);
+        else
+            publish_locked(n);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+int node_set_state(struct node *n, const void *state, size_t len)
+{
+    void *copy;
+    int rc = 0;
+
+    if (len > STATE_MAX)
+        return -E2BIG;
+    copy = malloc(len ? len : 1);
+    if (!copy)
+        return -ENOMEM;
+    memcpy(copy, state, len);
+    pthread_mutex_lock(&n->lock);
+    if (!n->leader || !n->wants_state || n->state_out_ready) {
+        rc = -EPERM;
+        free(copy);
+    } else {
+        free(n->state_out);
+        n->state_out = copy;
+        n->state_out_len = len;
+        n->state_out_ready = true;
+        changed_locked(n);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+int node_take_state(struct node *n, void **state, size_t *len)
+{
+    int rc = 0;
+
+    pthread_mutex_lock(&n->lock);
+    if (!n->has_new_state) {
+        rc = -ENOENT;
+    } else {
+        *state = n->state_in;
+        *len = n->state_in_len;
+        n->state_in = NULL;
+        n->has_new_state = false;
+        publish_locked(n);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+int node_set_model_version(struct node *n, uint64_t version)
+{
+    pthread_mutex_lock(&n->lock);
+    n->version = version;
+    publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    member_set_model_version(n->member, version, true);
+    return 0;
+}
+
+int node_set_parallel_gradients(struct node *n, unsigned count)
+{
+    int rc = 0;
+
+    if (count == 0 || count > PARALLEL_MAX)
+        return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    if (count != n->parallel && outstanding_locked(n) > 0)
+        rc = -EBUSY;
+    else
+        n->parallel = count;
+    publish_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    return rc;
+}
+
+int node_set_virtual_batch_size(struct node *n, uint64_t size)
+{
+    if (size == 0)
+        return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    n->vbs = size;
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
+const char *node_address(const struct node *n)
+{
+    return n->address;
+}

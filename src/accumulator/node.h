@@ -1,0 +1,150 @@
+/* src/accumulator/node.h: one member of a cohort, everything but the trainer: its
+ * membership (member.h), its reduction engine (allreduce.h), the rounds of
+ * the Accumulator, and state transfer between members. The sidecar hosts
+ * one node per trainer; a trainer may also embed one (connect to a broker
+ * with no sidecar).
+ *
+ * Rounds. The trainer accumulates gradients into the registered gradient
+ * buffer (a backward pass adds into .grad) and contributes its batch size,
+ * or skips. Each contribution starts a count step: a small all-reduce of
+ * every member's counters since the last commit (batch size, number of
+ * contributions, number of skips). When the summed batch size reaches the
+ * virtual batch size, a gradient step all-reduces the gradient buffers
+ * and divides the sum by the number of contributions (moolib's rule: the
+ * mean over reduce_gradients calls, not over samples). Every member that
+ * completes the gradient step commits: the result is in its gradient
+ * buffer, has_gradients is true, and its model version is one higher.
+ *
+ * Epochs. A new epoch aborts any step in flight (the engine returns
+ * -ESTALE); nothing is committed, and each survivor keeps its own
+ * contribution, which the next epoch reduces again. At the start of every
+ * epoch the members exchange model versions: the leader is the member with
+ * the highest version (ties: the first in member order). A member whose
+ * version differs from the leader's, or that never had state, fetches the
+ * leader's state (parameters, buffers and the trainer's opaque state)
+ * before anyone contributes again, and drops its pending contribution: if
+ * the leader is ahead, that contribution is already in the leader's state.
+ * So a committed result is the reduction of one epoch's members'
+ * contributions, and every member applies the same bytes.
+ *
+ * Buffers (statistics that are not reduced, such as BatchNorm's) drift
+ * between members; every buffer_sync_rounds commits the leader's are
+ * broadcast with the gradient step and installed with the commit, while
+ * the trainer waits for the result and is not running a forward pass.
+ */
+#ifndef COHORT_NODE_H
+#define COHORT_NODE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/dtype.h"
+
+struct node;
+
+struct node_view;
+
+struct node_config {
+    const char *broker;         /* broker address */
+    const char *cohort;
+    const char *id;
+    const char *host;           /* numeric address to listen on and advertise (127.0.0.1) */
+    uint64_t model_version;     /* to join with */
+    uint32_t heartbeat_ms;      /* 0: the cohort's */
+    uint32_t timeout_ms;        /* 0: the cohort's */
+    uint32_t reduce_timeout_ms; /* engine: silence tolerated from a peer; 0: 60 s */
+    uint32_t buffer_sync_rounds;/* buffers follow the leader's every this many
+                                 * commits; 0: 100 */
+    /* Called with the node's lock held whenever the view may have
+     * changed, from any of its threads: copy it and return; never call
+     * into the node. May be NULL. */
+    void (*on_view)(void *arg, const struct node_view *v);
+    void *view_arg;             /* borrowed */
+};
+
+/* Tensors the trainer registers once. Memory is borrowed and must stay
+ * mapped until node_stop(); with a sidecar it is shared memory that both
+ * processes map. The gradient buffer holds `grad_count` elements of
+ * `grad_type`; parameters and buffers are opaque bytes to the node (it
+ * copies them whole in state transfer). */
+struct node_tensors {
+    void *params;
+    size_t params_bytes;
+    void *grads;                /* contributions accumulate here */
+    size_t grad_count;
+    enum dtype grad_type;
+    void *results;              /* grad_count elements: committed results land here */
+    void *buffers;
+    size_t buffers_bytes;
+};
+
+/* Starts the node's thread; it joins the cohort and follows its epochs
+ * once tensors are registered.
+ * Needs rpc_init(). Returns 0, -EINVAL, -ENOMEM, or a socket -errno. The
+ * caller stops it with node_stop(). */
+int node_start(const struct node_config *cfg, struct node **out);
+/* Leaves the cohort and frees the node. NULL is fine. */
+void node_stop(struct node *n);
+
+/* Registers the tensors (once; -EBUSY after). The gradient buffer is
+ * zeroed. Returns 0, -EINVAL (alignment, sizes), -ENOMEM. */
+int node_register(struct node *n, const struct node_tensors *t);
+
+/* What the trainer sees; a snapshot taken under the node's lock. */
+struct node_view {
+    bool connected;             /* in an epoch, with state, not syncing */
+    bool wants_state;           /* leader: a member needs state; call set_state */
+    bool has_new_state;         /* state arrived: read it with node_take_state */
+    bool wants_gradients;       /* a contribution (or skip) is expected */
+    bool has_gradients;         /* a committed result is in the gradient buffer */
+    bool is_leader;
+    bool drop_pending;          /* node_view() has gradients to zero: call it */
+    bool wants_after_consume;   /* wants_gradients once the held result is consumed */
+    uint64_t model_version;
+    uint64_t epoch;
+    uint32_t rank, size;        /* position in the epoch's member order, members */
+    char leader[254];
+    /* Last committed round, and totals. */
+    uint64_t batch_size, num_gradients, num_skipped;
+    uint64_t rounds_committed, rounds_retried, epochs_seen, states_received;
+    uint64_t contributions_dropped;  /* already in rounds the leader committed */
+};
+void node_view(struct node *n, struct node_view *v);
+
+/* Contributes the gradient buffer's contents with `batch_size` samples
+ * (0 = skip). A contribution made as a new epoch begins is kept for after
+ * its sync. With parallel gradients the contents are copied aside and the
+ * buffer is zeroed. Returns 0, -EPERM (no state yet, a result is pending,
+ * or as many contributions as allowed are), -EAGAIN (a state transfer
+ * dropped the buffer's contents; the next node_view zeroes it: compute
+ * again), -ENODEV (nothing registered), -ENOMEM. */
+int node_contribute(struct node *n, uint64_t batch_size);
+/* The trainer has applied the result of round `round` (the view's
+ * rounds_committed) and zeroed the gradient buffer itself: clears
+ * has_gradients. -EPERM if no result is held; -ESTALE if the one held is
+ * not that round's (a state transfer dropped it and a later one
+ * committed), which changes nothing. */
+int node_consume(struct node *n, uint64_t round);
+
+/* Leader: the trainer's opaque state, copied, sent with the parameters
+ * and buffers to every member waiting for it. Returns 0, -EPERM (not
+ * leader or not wanted), -E2BIG (over 1 GiB), -ENOMEM. */
+int node_set_state(struct node *n, const void *state, size_t len);
+/* Takes the received opaque state (the caller frees *state); clears
+ * has_new_state. -ENOENT if none. */
+int node_take_state(struct node *n, void **state, size_t *len);
+
+/* moolib's knobs. A version set here is declared to the broker and counts
+ * at the next election. */
+int node_set_model_version(struct node *n, uint64_t version);
+int node_set_virtual_batch_size(struct node *n, uint64_t size);
+/* Contributions in flight at once, 1 to 8 (see node.c). Returns 0,
+ * -EINVAL, or -EBUSY while contributions are outstanding: change it
+ * between rounds. */
+int node_set_parallel_gradients(struct node *n, unsigned count);
+
+/* The data-plane address this node advertises. */
+const char *node_address(const struct node *n);
+
+#endif

@@ -1,0 +1,411 @@
+/* src/accumulator/trainerd.c: see trainerd.h. */
+#include "accumulator/trainerd.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "engine/dtype.h"
+#include "base/log.h"
+#include "accumulator/tlink.h"
+
+#define STATE_CAP (1ull << 30)
+#define POLL_MS 200
+
+struct trainerd {
+    char *path;
+    struct node_config ncfg;
+    char *broker, *cohort, *id, *host;
+    int lfd;
+    pthread_t thread;
+    atomic_bool stop;
+    atomic_uint sessions;
+};
+
+/* One trainer's session. */
+struct session {
+    int sock;
+    void *map;
+    size_t map_len;
+    struct node *node;
+    struct tlink_shared *shared;    /* in map: where the view is published */
+    char name[TLINK_NAME_MAX];
+};
+
+/* node_config.on_view: the view goes where the trainer reads it. */
+static void publish_view(void *arg, const struct node_view *v)
+{
+    struct session *s = arg;
+    struct tlink_view w;
+
+    tlink_view_fill(&w, v);
+    tlink_shared_publish(s->shared, &w);
+}
+
+/* Replies name their request's type only through the conversation: one
+ * request, one reply. `type` is kept at call sites for the reader. */
+static int reply(int sock, uint16_t type, int32_t status, const void *body, uint32_t len,
+                 const int *fds, int nfds)
+{
+    (void)type;
+    return tlink_send(sock, TL_REPLY, status, body, len, fds, nfds);
+}
+
+/* Offsets and sizes from the trainer are checked against the memfd's real
+ * size before anything is mapped or touched. */
+static int check_layout(const struct tlink_register *r, int fd)
+{
+    struct stat st;
+    uint64_t gbytes, end, rend;
+
+    if (r->mem != TL_MEM_HOST)
+        return -EOPNOTSUPP;
+    if (!dtype_valid((int)r->grad_dtype) || r->grad_count == 0)
+        return -EINVAL;
+    if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != r->region_bytes || r->region_bytes == 0)
+        return -EINVAL;
+    if ((r->params_off | r->grads_off | r->results_off | r->buffers_off | r->shared_off) % 64 != 0 ||
+        (r->params_bytes | r->buffers_bytes) % 8 != 0)
+        return -EINVAL;
+    if (r->grad_count > UINT64_MAX / 8)
+        return -EINVAL;
+    gbytes = r->grad_count * dtype_size((enum dtype)r->grad_dtype);
+    end = r->grads_off + gbytes;
+    rend = r->results_off + gbytes;
+    /* The results must not overlap the gradients: the engine reads one
+     * while it writes the other. */
+    if (end < r->grads_off || end > r->region_bytes || rend < r->results_off ||
+        rend > r->region_bytes || (r->results_off < end && r->grads_off < rend) ||
+        /* The view page comes last, after every tensor. */
+        r->shared_off < end || r->shared_off < rend ||
+        r->shared_off < r->params_off + r->params_bytes ||
+        r->shared_off < r->buffers_off + r->buffers_bytes ||
+        r->shared_off > r->region_bytes || r->region_bytes - r->shared_off < TLINK_SHARED_BYTES ||
+        r->params_off + r->params_bytes < r->params_off ||
+        r->params_off + r->params_bytes > r->region_bytes ||
+        r->buffers_off + r->buffers_bytes < r->buffers_off ||
+        r->buffers_off + r->buffers_bytes > r->region_bytes)
+        return -EINVAL;
+    return 0;
+}
+
+static int do_register(struct trainerd *t, struct session *s, const struct tlink_register *r,
+                       int fd)
+{
+    struct node_config nc = t->ncfg;
+    struct node_tensors nt;
+    int rc;
+
+    if (s->node)
+        return -EALREADY;
+    rc = check_layout(r, fd);
+    if (rc < 0)
+        return rc;
+    s->map = mmap(NULL, r->region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (s->map == MAP_FAILED) {
+        s->map = NULL;
+        return -errno;
+    }
+    s->map_len = r->region_bytes;
+    s->shared = (struct tlink_shared *)((char *)s->map + r->shared_off);
+    nc.on_view = publish_view;
+    nc.view_arg = s;
+    rc = node_start(&nc, &s->node);
+    if (rc < 0)
+        return rc;
+    nt = (struct node_tensors){
+        .params = (char *)s->map + r->params_off, .params_bytes = r->params_bytes,
+        .grads = (char *)s->map + r->grads_off, .grad_count = r->grad_count,
+        .results = (char *)s->map + r->results_off, .grad_type = (enum dtype)r->grad_dtype,
+        .buffers = (char *)s->map + r->buffers_off, .buffers_bytes = r->buffers_bytes,
+    };
+    rc = node_register(s->node, &nt);
+    if (rc == 0)
+        log_info("sidecar", "The trainer registered its tensors; joining the cohort.",
+                 LF_S("accumulator", s->name), LF_U("grad_count", r->grad_count),
+                 LF_S("grad_dtype", dtype_name((enum dtype)r->grad_dtype)),
+                 LF_U("shared_bytes", r->region_bytes));
+    return rc;
+}
+
+/* Refuses a request with `err`; `end`: the session ends too. A one-way
+ * request has no reply to carry the error, so it always ends the session:
+ * the trainer learns of it from the closed connection. Returns what
+ * serve_one returns. */
+static int refuse(struct session *s, uint16_t type, int err, bool end)
+{
+    int rc;
+
+    if (tlink_one_way(type))
+        return -EPROTO;
+    rc = reply(s->sock, type, err, NULL, 0, NULL, 0);
+    if (end)
+        return err;
+    return rc < 0 ? rc : 0;
+}
+
+/* Serves one request. Returns 0 to go on, <0 to end the session. */
+static int serve_one(struct trainerd *t, struct session *s)
+{
+    union {
+        struct tlink_hello hello;
+        struct tlink_register reg;
+        struct tlink_u64 u;
+        char raw[TLINK_BODY_MAX];
+    } b;
+    struct tlink_hdr h;
+    int fds[TLINK_FDS_MAX], nfds = 0, rc;
+    long want;
+
+    rc = tlink_recv(s->sock, &h, &b, sizeof(b), -1, fds, &nfds, POLL_MS);
+    if (rc == -ETIMEDOUT)
+        return atomic_load(&t->stop) ? -ESHUTDOWN : 0;
+    if (rc < 0)
+        return rc;
+    want = tlink_body_size(h.type, false);
+    if (want < 0 || h.len != (uint32_t)want) {
+        log_warn("sidecar", "The trainer sent a malformed request; closing its connection.",
+                 LF_U("type", h.type), LF_U("len", h.len));
+        for (int i = 0; i < nfds; i++)
+            close(fds[i]);
+        return refuse(s, h.type, -EPROTO, true);
+    }
+    /* Only these requests carry a descriptor, and they must. */
+    if ((h.type == TL_REGISTER || h.type == TL_SET_STATE) != (nfds == 1)) {
+        for (int i = 0; i < nfds; i++)
+            close(fds[i]);
+        return refuse(s, h.type, -EPROTO, false);
+    }
+    /* A CONSUME here is a broken trainer: only one shown a result sends it. */
+    if (!s->node && h.type != TL_HELLO && h.type != TL_REGISTER)
+        return refuse(s, h.type, -ENODEV, false);
+    switch (h.type) {
+    case TL_HELLO:
+        b.hello.name[TLINK_NAME_MAX - 1] = '\0';
+        snprintf(s->name, sizeof(s->name), "%s", b.hello.name);
+        rc = b.hello.api_version == TLINK_VERSION ? 0 : -EPROTO;
+        return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
+    case TL_REGISTER:
+        rc = do_register(t, s, &b.reg, fds[0]);
+        close(fds[0]);
+        if (rc < 0)
+            log_warn("sidecar", "A trainer's registration was refused.", LF_ERR(rc));
+        return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
+    case TL_VIEW: {
+        struct node_view v;
+        struct tlink_view w;
+        node_view(s->node, &v);
+        tlink_view_fill(&w, &v);
+        return reply(s->sock, h.type, 0, &w, sizeof(w), NULL, 0);
+    }
+    case TL_CONTRIBUTE:
+        return reply(s->sock, h.type, node_contribute(s->node, b.u.value), NULL, 0, NULL, 0);
+    case TL_CONSUME:
+        /* One-way: the trainer does not wait. A consume that finds its
+         * result already dropped by a state transfer has nothing to do. */
+        node_consume(s->node, b.u.value);
+        return 0;
+    case TL_SET_STATE: {
+        void *data = NULL;
+        size_t len = 0;
+        rc = tlink_memfd_read(fds[0], STATE_CAP, &data, &len);
+        close(fds[0]);
+        if (rc == 0 && len != b.u.value)
+            rc = -EPROTO;
+        if (rc == 0)
+            rc = node_set_state(s->node, data, len);
+        free(data);
+        return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
+    }
+    case TL_TAKE_STATE: {
+        struct tlink_u64 len = { 0 };
+        void *data;
+        size_t n;
+        int fd;
+        rc = node_take_state(s->node, &data, &n);
+        if (rc < 0)
+            return reply(s->sock, h.type, rc, &len, sizeof(len), NULL, 0);
+        fd = tlink_memfd_from("cohort-state", data, n);
+        free(data);
+        if (fd < 0)
+            return reply(s->sock, h.type, fd, &len, sizeof(len), NULL, 0);
+        len.value = n;
+        rc = reply(s->sock, h.type, 0, &len, sizeof(len), &fd, 1);
+        close(fd);
+        return rc;
+    }
+    case TL_SET_VERSION:
+        return reply(s->sock, h.type, node_set_model_version(s->node, b.u.value), NULL, 0, NULL, 0);
+    case TL_SET_VBS:
+        return reply(s->sock, h.type, node_set_virtual_batch_size(s->node, b.u.value), NULL, 0, NULL, 0);
+    case TL_SET_PARALLEL:
+        return reply(s->sock, h.type,
+                     b.u.value > UINT32_MAX ? -EINVAL
+                                            : node_set_parallel_gradients(s->node, (unsigned)b.u.value),
+                     NULL, 0, NULL, 0);
+    default:
+        return reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0);
+    }
+}
+
+static void session_end(struct session *s)
+{
+    /* The member leaves first: the cohort moves on without us at once. */
+    node_stop(s->node);
+    if (s->map)
+        munmap(s->map, s->map_len);
+    close(s->sock);
+    memset(s, 0, sizeof(*s));
+    s->sock = -1;
+}
+
+/* While a trainer is served, others are told so and turned away. */
+static void refuse_extra(int lfd)
+{
+    int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+
+    if (c < 0)
+        return;
+    tlink_send(c, TL_REPLY, -EBUSY, NULL, 0, NULL, 0);
+    close(c);
+    log_warn("sidecar", "A second trainer tried to connect; it was refused.");
+}
+
+static void *trainerd_main(void *arg)
+{
+    struct trainerd *t = arg;
+    struct session s = { .sock = -1 };
+
+    while (!atomic_load(&t->stop)) {
+        struct pollfd p[2] = { { t->lfd, POLLIN, 0 }, { s.sock, POLLIN, 0 } };
+        int n = poll(p, s.sock >= 0 ? 2 : 1, POLL_MS);
+
+        if (n <= 0)
+            continue;
+        if (p[0].revents & POLLIN) {
+            if (s.sock >= 0) {
+                refuse_extra(t->lfd);
+            } else {
+                s.sock = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
+                if (s.sock >= 0) {
+                    atomic_fetch_add(&t->sessions, 1);
+                    log_info("sidecar", "A trainer connected.");
+                }
+            }
+        }
+        if (s.sock >= 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+            int rc = serve_one(t, &s);
+            /* A trainer in its loop calls again within microseconds:
+             * catch that without a trip through poll's sleep. */
+            while (rc == 0 && !atomic_load(&t->stop) && tlink_wait(s.sock, 0) == 0)
+                rc = serve_one(t, &s);
+            if (rc < 0) {
+                log_info("sidecar", "The trainer went away; leaving the cohort.",
+                         LF_S("accumulator", s.name), LF_S("reason", log_strerror(rc)));
+                session_end(&s);
+            }
+        }
+    }
+    if (s.sock >= 0)
+        session_end(&s);
+    return NULL;
+}
+
+/* Frees what trainerd_start copied, and t itself. */
+static void free_trainerd(struct trainerd *t)
+{
+    free(t->path);
+    free(t->broker);
+    free(t->cohort);
+    free(t->id);
+    free(t->host);
+    free(t);
+}
+
+int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    struct trainerd *t;
+    int rc;
+
+    if (!cfg || !cfg->socket_path || !cfg->node.broker || !cfg->node.cohort || !cfg->node.id ||
+        !cfg->node.host)
+        return -EINVAL;
+    if (strlen(cfg->socket_path) >= sizeof(sa.sun_path))
+        return -ENAMETOOLONG;
+    t = calloc(1, sizeof(*t));
+    if (!t)
+        return -ENOMEM;
+    t->lfd = -1;
+    t->path = strdup(cfg->socket_path);
+    t->broker = strdup(cfg->node.broker);
+    t->cohort = strdup(cfg->node.cohort);
+    t->id = strdup(cfg->node.id);
+    t->host = strdup(cfg->node.host);
+    if (!t->path || !t->broker || !t->cohort || !t->id || !t->host) {
+        rc = -ENOMEM;
+        goto err;
+    }
+    t->ncfg = cfg->node;
+    t->ncfg.broker = t->broker;
+    t->ncfg.cohort = t->cohort;
+    t->ncfg.id = t->id;
+    t->ncfg.host = t->host;
+    memcpy(sa.sun_path, t->path, strlen(t->path) + 1);
+    t->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (t->lfd < 0) {
+        rc = -errno;
+        goto err;
+    }
+    /* A socket file left by a dead sidecar is replaced; one that answers
+     * belongs to a live sidecar and is not. */
+    if (connect(t->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+        rc = -EADDRINUSE;
+        goto err;
+    }
+    close(t->lfd);
+    unlink(t->path);
+    t->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (t->lfd < 0 || bind(t->lfd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(t->lfd, 4) < 0) {
+        rc = -errno;
+        goto err;
+    }
+    if (pthread_create(&t->thread, NULL, trainerd_main, t) != 0) {
+        rc = -EAGAIN;
+        goto err_unlink;
+    }
+    *out = t;
+    return 0;
+err_unlink:
+    unlink(t->path);
+err:
+    if (t->lfd >= 0)
+        close(t->lfd);
+    free_trainerd(t);
+    return rc;
+}
+
+void trainerd_stop(struct trainerd *t)
+{
+    if (!t)
+        return;
+    atomic_store(&t->stop, true);
+    pthread_join(t->thread, NULL);
+    close(t->lfd);
+    unlink(t->path);
+    free_trainerd(t);
+}
+
+unsigned trainerd_sessions(struct trainerd *t)
+{
+    return atomic_load(&t->sessions);
+}

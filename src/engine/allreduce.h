@@ -1,0 +1,133 @@
+/* src/engine/allreduce.h: the data plane. An in-place all-reduce of a host buffer
+ * among the members of the current epoch, over TCP, abortable by an epoch
+ * change and bounded in time by a member timeout.
+ *
+ * Large reductions use a ring (reduce-scatter, then all-gather) pipelined
+ * in segments; small ones use recursive doubling. Every member derives the
+ * same schedule from the epoch's member order, so nothing is negotiated per
+ * call. Results are bytewise identical on every member.
+ *
+ *   int fd; char addr[64];
+ *   allreduce_listen("127.0.0.1", &fd, addr, sizeof addr);   // advertise addr
+ *   struct allreduce_config cfg = { .cohort = "demo", .member_id = "w-0",
+ *                                   .listen_fd = fd, .member_timeout_ms = 10000 };
+ *   allreduce_create(&cfg, &ar);
+ *   allreduce_set_epoch(ar, e);                  // from the membership watch
+ *   int h = allreduce_register(ar, grads, bytes); // once
+ *   for (round = 1;; round++)
+ *       rc = allreduce_run(ar, h, n, DTYPE_F32, DTYPE_AVG, 0, round);
+ *
+ * Threads: run, register and unregister belong to one caller thread;
+ * set_epoch may be called from any thread at any time, which is how an
+ * in-flight run is aborted. */
+#ifndef COHORT_ALLREDUCE_H
+#define COHORT_ALLREDUCE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/dtype.h"
+#include "membership/epoch.h"
+
+struct allreduce;
+
+#define ALLREDUCE_DEFAULT_TIMEOUT_MS 10000u
+/* small_bytes that turns recursive doubling off: the ring for every size. */
+#define ALLREDUCE_SMALL_NONE ((size_t)-1)
+#define ALLREDUCE_MAX_BUFFERS 1024
+
+struct allreduce_config {
+    const char *cohort;             /* copied; must match every epoch's */
+    const char *member_id;          /* copied; this member's id in the epochs */
+    int listen_fd;                  /* borrowed: a bound, listening TCP socket, the
+                                     * one whose address this member advertises; the
+                                     * engine makes it non-blocking and accepts on it
+                                     * until allreduce_destroy; the caller closes it
+                                     * afterwards */
+    uint32_t member_timeout_ms;     /* how long a peer may stay silent (send nothing,
+                                     * or take nothing we send) before the call fails;
+                                     * 0: ALLREDUCE_DEFAULT_TIMEOUT_MS. Set it above
+                                     * the longest expected skew between members
+                                     * reaching the same round. */
+    size_t segment_bytes;           /* ring pipelining unit, a multiple of 8, at least
+                                     * 8; 0: the measured default (allreduce.c) */
+    size_t small_bytes;             /* all-reduces of at most this many bytes on the
+                                     * wire (count x accumulation size) use recursive
+                                     * doubling; 0: the measured default;
+                                     * ALLREDUCE_SMALL_NONE: never; at most 64 MiB */
+};
+
+/* Binds a TCP listener to `host` (a numeric IPv4 or IPv6 address) on a
+ * port the kernel picks, so ports are never raced. Sets *fd (the caller
+ * closes it) and writes "host:port" ("[v6]:port") into address. Returns 0,
+ * -EINVAL (bad host, or address too short), or the socket call's -errno. */
+int allreduce_listen(const char *host, int *fd, char *address, size_t address_len);
+
+/* Starts an engine with no epoch yet: it accepts connections at once and
+ * holds greetings from members of epochs it has not adopted for up to the
+ * member timeout. Allocates every scratch buffer it will ever need, once:
+ * 7 x segment_bytes of staging and 2 x small_bytes for recursive doubling.
+ * Returns 0, -EINVAL (bad config), -ENOMEM, or a thread/eventfd -errno.
+ * The caller owns *out and frees it with allreduce_destroy(). */
+int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out);
+
+/* Stops the acceptor and closes every connection. No run may be in flight.
+ * NULL is fine. The listening fd stays open (it is the caller's). */
+void allreduce_destroy(struct allreduce *a);
+
+/* Adopts `e`, which must be for this cohort and newer than the current
+ * epoch (the same number again is accepted and changes nothing). Takes its
+ * own reference; the caller keeps theirs. An in-flight run stops promptly
+ * and returns -ESTALE; connections of the old epoch are closed, telling the
+ * peers at the other end that the epoch changed. Safe from any thread.
+ * Returns 0 or -EINVAL (NULL, other cohort, older epoch). */
+int allreduce_set_epoch(struct allreduce *a, struct epoch *e);
+
+/* Registers `bytes` at `buf` (borrowed until unregistered or destroy;
+ * 8-byte aligned) for in-place all-reduces. Nothing payload-sized is
+ * allocated, now or per call. Returns a handle >= 0, -EINVAL (NULL buffer
+ * with bytes > 0, misaligned), or -ENOSPC (ALLREDUCE_MAX_BUFFERS in use). */
+int allreduce_register(struct allreduce *a, void *buf, size_t bytes);
+/* Returns 0 or -EINVAL (not a registered handle). */
+int allreduce_unregister(struct allreduce *a, int handle);
+
+/* All-reduces the first `count` elements of the registered buffer, in
+ * place, among the members of the current epoch, who must all make the same
+ * call (count, type, op, denominator, round). `round` names the call in
+ * every frame; give each call a new one. `denominator` is used by
+ * DTYPE_AVG_BY only (see dtype.h for rounding). Blocks until done.
+ *
+ * Returns 0 only when the whole buffer holds the result, identical on
+ * every member. Otherwise the buffer's contents are unspecified and:
+ *   -ESTALE      the epoch changed, here or at a peer, or this member is not
+ *                in the current epoch (or none was adopted yet): retry once
+ *                allreduce_set_epoch has given this engine a newer epoch;
+ *   -ETIMEDOUT   a peer stayed silent past the member timeout (stopped,
+ *                stuck, or not reading), here or further along the ring;
+ *   -ECONNRESET  a peer's connection closed or reset (it died, or gave up
+ *                this round), or it refused to connect;
+ *   -EPIPE       the same, seen while sending;
+ *   -EPROTO      a member sent a frame that does not match this call
+ *                (members disagree on round, count, type or op);
+ *   -EINVAL      misuse: bad handle, count beyond the registration, bad
+ *                type, op or denominator;
+ *   -EBUSY       another run is in flight on this engine.
+ * With a single member it returns at once (avg by members: the input;
+ * avg by a denominator: the input divided by it, as mlbench does). */
+int allreduce_run(struct allreduce *a, int handle, size_t count, enum dtype type,
+                  enum dtype_op op, double denominator, uint64_t round);
+
+/* allreduce_run out of place: the contributions are read from registered
+ * buffer `in`, which is never written, and the result lands in `out`
+ * (in == out is allreduce_run). Whatever the outcome `in` still holds this
+ * member's contribution, so a failed call can be retried in a new epoch
+ * without a copy kept aside. Same returns; -EINVAL also when count exceeds
+ * either registration. */
+int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                       enum dtype_op op, double denominator, uint64_t round);
+
+/* True while a run is in flight (for status and tests). */
+bool allreduce_busy(const struct allreduce *a);
+
+#endif

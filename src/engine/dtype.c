@@ -1,0 +1,468 @@
+/* src/engine/dtype.c: see dtype.h.
+ *
+ * Every kernel walks its arrays in blocks of BLOCK elements with a fixed
+ * inner trip count and finishes with a scalar tail. gcc 12 at -O2 only
+ * vectorises a loop when the vector code replaces the scalar loop entirely
+ * (its "very cheap" cost model), which a loop over an unknown n never
+ * does; a fixed 16-iteration inner loop over restrict pointers does. The
+ * element functions are branch-free for the same reason: selects vectorise,
+ * branches do not. */
+#include "engine/dtype.h"
+
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_F16C 1
+#else
+#define HAVE_F16C 0
+#endif
+
+#define BLOCK 16
+
+/* Float min/max: NaN in either operand wins; ties keep a. */
+#define FMIN(a, b) (((b) < (a) || (b) != (b)) ? (b) : (a))
+#define FMAX(a, b) (((b) > (a) || (b) != (b)) ? (b) : (a))
+#define IMIN(a, b) ((b) < (a) ? (b) : (a))
+#define IMAX(a, b) ((b) > (a) ? (b) : (a))
+
+/* Runs `stmt` (which uses i) for every i in [0, n). */
+#define FOR_EACH(n, stmt)                                       \
+    do {                                                        \
+        size_t b_ = 0, n_ = (n);                                \
+        for (; b_ + BLOCK <= n_; b_ += BLOCK)                   \
+            for (size_t j_ = 0; j_ < BLOCK; j_++) {             \
+                size_t i = b_ + j_;                             \
+                stmt;                                           \
+            }                                                   \
+        for (size_t i = b_; i < n_; i++) {                      \
+            stmt;                                               \
+        }                                                       \
+    } while (0)
+
+static const char *const type_names[DTYPE_COUNT] = { "f32", "f64", "f16", "bf16", "i32", "i64" };
+static const size_t type_sizes[DTYPE_COUNT] = { 4, 8, 2, 2, 4, 8 };
+static const char *const op_names[DTYPE_OP_COUNT] = { "sum", "avg", "min", "max", "avg_by" };
+
+bool dtype_valid(int t)
+{
+    return t >= 0 && t < DTYPE_COUNT;
+}
+
+bool dtype_op_valid(int op)
+{
+    return op >= 0 && op < DTYPE_OP_COUNT;
+}
+
+size_t dtype_size(enum dtype t)
+{
+    return type_sizes[t];
+}
+
+enum dtype dtype_acc(enum dtype t)
+{
+    return dtype_is_16bit_float(t) ? DTYPE_F32 : t;
+}
+
+bool dtype_is_16bit_float(enum dtype t)
+{
+    return t == DTYPE_F16 || t == DTYPE_BF16;
+}
+
+bool dtype_is_int(enum dtype t)
+{
+    return t == DTYPE_I32 || t == DTYPE_I64;
+}
+
+const char *dtype_name(enum dtype t)
+{
+    return type_names[t];
+}
+
+const char *dtype_op_name(enum dtype_op op)
+{
+    return op_names[op];
+}
+
+int dtype_parse(const char *s, enum dtype *out)
+{
+    for (int t = 0; t < DTYPE_COUNT; t++)
+        if (s && strcmp(s, type_names[t]) == 0) {
+            *out = (enum dtype)t;
+            return 0;
+        }
+    return -EINVAL;
+}
+
+int dtype_parse_op(const char *s, enum dtype_op *out)
+{
+    for (int op = 0; op < DTYPE_OP_COUNT; op++)
+        if (s && strcmp(s, op_names[op]) == 0) {
+            *out = (enum dtype_op)op;
+            return 0;
+        }
+    return -EINVAL;
+}
+
+int dtype_divisor(enum dtype t, enum dtype_op op, size_t members, double denominator,
+                  double *divisor)
+{
+    double d;
+
+    switch (op) {
+    case DTYPE_AVG:
+        d = (double)members;
+        break;
+    case DTYPE_AVG_BY:
+        d = denominator;
+        break;
+    default:
+        *divisor = 1;
+        return 0;
+    }
+    if (d == 0 || !isfinite(d))
+        return -EINVAL;
+    /* Integers divide exactly, so the divisor must be an integer that a
+     * double holds exactly. */
+    if (dtype_is_int(t) && (d != trunc(d) || fabs(d) > 9007199254740992.0))
+        return -EINVAL;
+    *divisor = d;
+    return 0;
+}
+
+/* --- float16 and bfloat16 ---------------------------------------------- */
+
+union bits32 {
+    float f;
+    uint32_t u;
+};
+
+static inline float as_float(uint32_t u)
+{
+    union bits32 b = { .u = u };
+    return b.f;
+}
+
+static inline uint32_t as_bits(float f)
+{
+    union bits32 b = { .f = f };
+    return b.u;
+}
+
+/* After Fabian Giesen's half_to_float: shift exponent and mantissa into
+ * place and rebias; Inf/NaN get the float exponent 255 (a NaN made quiet,
+ * as the F16C instruction does, so both paths give the same bytes); zeros
+ * and subnormals (mantissa * 2^-24) come out of one exact subtraction. */
+static inline float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    uint32_t exp = em & 0x7c00u;
+    uint32_t o = em << 13;
+    uint32_t normal = o + (112u << 23);
+    uint32_t special = (o + (224u << 23)) | (uint32_t)((em & 0x3ffu) != 0) << 22;
+    uint32_t sub = as_bits(as_float(o + (113u << 23)) - as_float(113u << 23));
+    uint32_t is_sub = 0u - (uint32_t)(exp == 0);
+    uint32_t r = exp == 0x7c00u ? special : normal;
+
+    /* A mask, not a ternary: gcc would otherwise move the float
+     * subtraction under a branch, and a branch stops the vectoriser. */
+    r = (sub & is_sub) | (r & ~is_sub);
+    return as_float(r | sign);
+}
+
+/* After Giesen's float_to_half_fast3_rtne. Normal results round to nearest
+ * even by adding 0xfff plus the lowest kept bit before truncating; the
+ * carry also turns 65520 and up into Inf. Results below 2^-14 are made by
+ * adding 0.5, whose ulp is the float16 subnormal step, so the FPU's own
+ * round-to-nearest-even does the rounding. NaN stays NaN, made quiet. */
+static inline uint16_t f32_to_f16(float f)
+{
+    uint32_t x = as_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t a = x & 0x7fffffffu;
+    uint32_t odd = (a >> 13) & 1u;
+    uint32_t normal = (a + 0xc8000fffu + odd) >> 13;    /* 0xc8000000 = -(112 << 23) */
+    uint32_t sub = as_bits(as_float(a) + as_float(126u << 23)) - (126u << 23);
+    uint32_t nan = 0x7e00u | ((a >> 13) & 0x1ffu);
+    uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u);
+    uint32_t is_inf = 0u - (uint32_t)(a >= 0x47800000u);
+    uint32_t is_nan = 0u - (uint32_t)(a > 0x7f800000u);
+    /* Masks for every select: see f16_to_f32. */
+    uint32_t r = (sub & is_sub) | (normal & ~is_sub);
+
+    r = (0x7c00u & is_inf) | (r & ~is_inf);
+    r = (nan & is_nan) | (r & ~is_nan);
+    return (uint16_t)(r | sign);
+}
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    return as_float((uint32_t)h << 16);
+}
+
+/* Round to nearest even on the dropped 16 bits; the carry out of the
+ * largest finite floats makes Inf, as it should. NaN is kept, made quiet. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t x = as_bits(f);
+    uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    uint32_t nan = (x >> 16) | 0x40u;
+
+    return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : r);
+}
+
+float dtype_f16_to_f32(uint16_t h)
+{
+    return f16_to_f32(h);
+}
+
+uint16_t dtype_f32_to_f16(float f)
+{
+    return f32_to_f16(f);
+}
+
+float dtype_bf16_to_f32(uint16_t h)
+{
+    return bf16_to_f32(h);
+}
+
+uint16_t dtype_f32_to_bf16(float f)
+{
+    return f32_to_bf16(f);
+}
+
+/* float16 in plain SSE2 takes a dozen integer operations per element;
+ * every x86-64 CPU since 2012 converts 8 at a time in one instruction
+ * (F16C), with the same rounding (to nearest even) and the same NaN
+ * handling as the portable code above. Chosen at run time, per call. */
+#if HAVE_F16C
+static bool f16c(void)
+{
+    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}
+
+__attribute__((target("avx,f16c"))) static void widen_f16c(float *restrict d,
+                                                          const uint16_t *restrict s, size_t n)
+{
+    size_t i = 0;
+
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    for (; i < n; i++)
+        d[i] = f16_to_f32(s[i]);
+}
+
+__attribute__((target("avx,f16c"))) static void narrow_f16c(uint16_t *restrict d,
+                                                           const float *restrict s, size_t n)
+{
+    size_t i = 0;
+
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        d[i] = f32_to_f16(s[i]);
+}
+
+/* dst op= widen(src), with FMIN/FMAX's rules: NaN in src wins, and so
+ * does NaN already in dst (a comparison with it is false); ties keep dst. */
+__attribute__((target("avx,f16c"))) static void combine_widen_f16c(enum dtype_op op,
+                                                                  float *restrict d,
+                                                                  const uint16_t *restrict s,
+                                                                  size_t n)
+{
+    size_t i = 0;
+
+    for (; i + 8 <= n; i += 8) {
+        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i)));
+        __m256 a = _mm256_loadu_ps(d + i), r;
+
+        if (op == DTYPE_MIN || op == DTYPE_MAX) {
+            __m256 take = _mm256_or_ps(op == DTYPE_MIN ? _mm256_cmp_ps(b, a, _CMP_LT_OQ)
+                                                        : _mm256_cmp_ps(b, a, _CMP_GT_OQ),
+                                       _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+            r = _mm256_blendv_ps(a, b, take);
+        } else {
+            r = _mm256_add_ps(a, b);
+        }
+        _mm256_storeu_ps(d + i, r);
+    }
+    for (; i < n; i++) {
+        float b = f16_to_f32(s[i]);
+        d[i] = op == DTYPE_MIN ? FMIN(d[i], b) : op == DTYPE_MAX ? FMAX(d[i], b) : d[i] + b;
+    }
+}
+#endif
+
+void dtype_widen(enum dtype t, float *restrict dst, const uint16_t *restrict src, size_t n)
+{
+#if HAVE_F16C
+    if (t == DTYPE_F16 && f16c()) {
+        widen_f16c(dst, src, n);
+        return;
+    }
+#endif
+    if (t == DTYPE_F16)
+        FOR_EACH(n, dst[i] = f16_to_f32(src[i]));
+    else
+        FOR_EACH(n, dst[i] = bf16_to_f32(src[i]));
+}
+
+void dtype_narrow(enum dtype t, uint16_t *restrict dst, const float *restrict src, size_t n)
+{
+#if HAVE_F16C
+    if (t == DTYPE_F16 && f16c()) {
+        narrow_f16c(dst, src, n);
+        return;
+    }
+#endif
+    if (t == DTYPE_F16)
+        FOR_EACH(n, dst[i] = f32_to_f16(src[i]));
+    else
+        FOR_EACH(n, dst[i] = f32_to_bf16(src[i]));
+}
+
+/* --- combining ---------------------------------------------------------- */
+
+/* d[i] = a[i] op b[i], generated twice per type: in place (a is d) and
+ * out of place (nothing overlaps). Two bodies rather than one with `a`
+ * allowed to alias `d`, because only restrict-qualified loops vectorize at
+ * -O2. Integer sums go through unsigned arithmetic so that overflow wraps
+ * instead of being undefined. */
+#define COMBINE_BODY(MINF, MAXF, ADD, T, A)                                         \
+    switch (op) {                                                                   \
+    case DTYPE_MIN:                                                                 \
+        FOR_EACH(n, d[i] = MINF(A[i], b[i]));                                       \
+        break;                                                                      \
+    case DTYPE_MAX:                                                                 \
+        FOR_EACH(n, d[i] = MAXF(A[i], b[i]));                                       \
+        break;                                                                      \
+    default:                                                                        \
+        FOR_EACH(n, d[i] = ADD(T, A[i], b[i]));                                     \
+        break;                                                                      \
+    }
+#define DEFINE_COMBINE(name, T, MINF, MAXF, ADD)                                    \
+    static void name##_inplace(enum dtype_op op, T *restrict d, const T *restrict b, \
+                               size_t n)                                            \
+    {                                                                               \
+        COMBINE_BODY(MINF, MAXF, ADD, T, d)                                         \
+    }                                                                               \
+    static void name##_into(enum dtype_op op, T *restrict d, const T *restrict a,   \
+                            const T *restrict b, size_t n)                          \
+    {                                                                               \
+        COMBINE_BODY(MINF, MAXF, ADD, T, a)                                         \
+    }
+#define FADD(T, x, y) ((x) + (y))
+#define IADD32(T, x, y) ((T)((uint32_t)(x) + (uint32_t)(y)))
+#define IADD64(T, x, y) ((T)((uint64_t)(x) + (uint64_t)(y)))
+
+DEFINE_COMBINE(combine_f32, float, FMIN, FMAX, FADD)
+DEFINE_COMBINE(combine_f64, double, FMIN, FMAX, FADD)
+DEFINE_COMBINE(combine_i32, int32_t, IMIN, IMAX, IADD32)
+DEFINE_COMBINE(combine_i64, int64_t, IMIN, IMAX, IADD64)
+
+void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
+                   const void *restrict src, size_t n)
+{
+    switch (acc) {
+    case DTYPE_F32: combine_f32_inplace(op, dst, src, n); break;
+    case DTYPE_F64: combine_f64_inplace(op, dst, src, n); break;
+    case DTYPE_I32: combine_i32_inplace(op, dst, src, n); break;
+    case DTYPE_I64: combine_i64_inplace(op, dst, src, n); break;
+    default: break;             /* 16-bit types are never accumulated as such */
+    }
+}
+
+void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict a, const void *restrict b, size_t n)
+{
+    switch (acc) {
+    case DTYPE_F32: combine_f32_into(op, dst, a, b, n); break;
+    case DTYPE_F64: combine_f64_into(op, dst, a, b, n); break;
+    case DTYPE_I32: combine_i32_into(op, dst, a, b, n); break;
+    case DTYPE_I64: combine_i64_into(op, dst, a, b, n); break;
+    default: break;
+    }
+}
+
+void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict d,
+                         const uint16_t *restrict s, size_t n)
+{
+    bool half = t == DTYPE_F16;
+
+#if HAVE_F16C
+    if (half && f16c()) {
+        combine_widen_f16c(op, d, s, n);
+        return;
+    }
+#endif
+    switch (op) {
+    case DTYPE_MIN:
+        if (half)
+            FOR_EACH(n, d[i] = FMIN(d[i], f16_to_f32(s[i])));
+        else
+            FOR_EACH(n, d[i] = FMIN(d[i], bf16_to_f32(s[i])));
+        break;
+    case DTYPE_MAX:
+        if (half)
+            FOR_EACH(n, d[i] = FMAX(d[i], f16_to_f32(s[i])));
+        else
+            FOR_EACH(n, d[i] = FMAX(d[i], bf16_to_f32(s[i])));
+        break;
+    default:
+        if (half)
+            FOR_EACH(n, d[i] += f16_to_f32(s[i]));
+        else
+            FOR_EACH(n, d[i] += bf16_to_f32(s[i]));
+        break;
+    }
+}
+
+/* --- finishing ---------------------------------------------------------- */
+
+static void scale_i32(int32_t *d, size_t n, int64_t div)
+{
+    /* INT32_MIN / -1 is 2^31, which wraps back to INT32_MIN like a sum. */
+    for (size_t i = 0; i < n; i++)
+        d[i] = (int32_t)(uint32_t)((int64_t)d[i] / div);
+}
+
+static void scale_i64(int64_t *d, size_t n, int64_t div)
+{
+    if (div == -1) {            /* INT64_MIN / -1 traps; negate with wrap instead */
+        for (size_t i = 0; i < n; i++)
+            d[i] = (int64_t)(0u - (uint64_t)d[i]);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        d[i] /= div;
+}
+
+void dtype_scale(enum dtype acc, void *buf, size_t n, double divisor)
+{
+    if (divisor == 1)
+        return;
+    switch (acc) {
+    case DTYPE_F32: {
+        float *d = buf, v = (float)divisor;
+        FOR_EACH(n, d[i] = d[i] / v);
+        break;
+    }
+    case DTYPE_F64: {
+        double *d = buf;
+        FOR_EACH(n, d[i] = d[i] / divisor);
+        break;
+    }
+    case DTYPE_I32:
+        scale_i32(buf, n, (int64_t)divisor);
+        break;
+    case DTYPE_I64:
+        scale_i64(buf, n, (int64_t)divisor);
+        break;
+    default:
+        break;
+    }
+}

@@ -1,0 +1,993 @@
+/* src/k8s/controller.c: see controller.h.
+ *
+ * Threads: two reflectors (cohorts, pods), `workers` reconcilers pulling
+ * keys from one work queue, and a ticker that compares the broker's
+ * membership with what was last seen and requeues the cohorts whose
+ * membership moved. The work queue never hands one key to two workers,
+ * so a cohort's state below is touched by one reconcile at a time; the
+ * state table itself is under `lock`. */
+#include "k8s/controller.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "membership/broker.h"
+#include "membership/brokerd.h"
+#include "base/clock.h"
+#include "k8s/kube.h"
+#include "base/log.h"
+#include "k8s/reflector.h"
+#include "k8s/workq.h"
+
+#define KEY_MAX 320                 /* "namespace/name" */
+#define PATH_MAX_ 768
+#define WORKERS_MAX 16
+#define POLL_AGAIN_MS 250           /* while pods start or drains run */
+#define HANDLED_MAX 256             /* failed pod uids remembered per cohort */
+
+struct drain {
+    char *id;
+    uint64_t started;
+};
+
+/* What one cohort's reconciles remember. */
+struct cstate {
+    char key[KEY_MAX];
+    bool restarts_known;
+    uint32_t restarts;
+    char *handled[HANDLED_MAX];     /* uids of failed pods already replaced */
+    size_t n_handled, next_handled;
+    struct drain *drains;
+    size_t n_drains;
+    cJSON *written;                 /* the status last written */
+    uint64_t written_at;
+    uint32_t declared_hb, declared_to;
+    bool invalid_reported, failed_reported, complete_reported;
+    uint64_t sig, vsig;             /* broker membership and versions last compared */
+    bool seen;                      /* present in the last broker poll */
+};
+
+struct controller {
+    struct controller_config cfg;
+    char *namespace, *identity, *broker_address, *sidecar_image, *sidecar_command;
+    char cohorts_path[PATH_MAX_], pods_path[PATH_MAX_];
+    struct reflector *cohorts, *pods;
+    struct workq *q;
+    pthread_t workers[WORKERS_MAX], ticker;
+    uint32_t n_workers;
+    bool ticker_started;
+    atomic_bool stop;
+    pthread_mutex_t lock;           /* guards states */
+    struct cstate **states;
+    size_t n_states, cap_states;
+    struct {
+        atomic_uint_fast64_t reconciles, errors, created, deleted, replaced, drains,
+            drain_timeouts, status_writes, events;
+    } n;
+};
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static const cJSON *get(const cJSON *o, const char *k)
+{
+    return cJSON_GetObjectItemCaseSensitive(o, k);
+}
+
+static const char *str(const cJSON *o, const char *k)
+{
+    const cJSON *v = get(o, k);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* metav1.Time: seconds, UTC. */
+static void now_rfc3339(char *buf, size_t n)
+{
+    time_t t = time(NULL);
+    struct tm tm;
+
+    gmtime_r(&t, &tm);
+    strftime(buf, n, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+static int split_key(const char *key, char *ns, size_t nn, const char **name)
+{
+    const char *slash = strchr(key, '/');
+
+    if (!slash || (size_t)(slash - key) >= nn)
+        return -EINVAL;
+    memcpy(ns, key, (size_t)(slash - key));
+    ns[slash - key] = '\0';
+    *name = slash + 1;
+    return 0;
+}
+
+static struct cstate *state_of(struct controller *c, const char *key, bool create)
+{
+    struct cstate *s = NULL;
+
+    pthread_mutex_lock(&c->lock);
+    for (size_t i = 0; i < c->n_states; i++)
+        if (strcmp(c->states[i]->key, key) == 0) {
+            s = c->states[i];
+            goto out;
+        }
+    if (!create || strlen(key) >= KEY_MAX)
+        goto out;
+    if (c->n_states == c->cap_states) {
+        size_t cap = c->cap_states ? c->cap_states * 2 : 64;
+        struct cstate **ns = realloc(c->states, cap * sizeof(*ns));
+        if (!ns)
+            goto out;
+        c->states = ns;
+        c->cap_states = cap;
+    }
+    s = calloc(1, sizeof(*s));
+    if (!s)
+        goto out;
+    snprintf(s->key, sizeof(s->key), "%s", key);
+    c->states[c->n_states++] = s;
+out:
+    pthread_mutex_unlock(&c->lock);
+    return s;
+}
+
+static void state_free(struct cstate *s)
+{
+    for (size_t i = 0; i < s->n_handled; i++)
+        free(s->handled[i]);
+    for (size_t i = 0; i < s->n_drains; i++)
+        free(s->drains[i].id);
+    free(s->drains);
+    cJSON_Delete(s->written);
+    free(s);
+}
+
+static void state_drop(struct controller *c, const char *key)
+{
+    struct cstate *s = NULL;
+
+    pthread_mutex_lock(&c->lock);
+    for (size_t i = 0; i < c->n_states; i++)
+        if (strcmp(c->states[i]->key, key) == 0) {
+            s = c->states[i];
+            c->states[i] = c->states[--c->n_states];
+            break;
+        }
+    pthread_mutex_unlock(&c->lock);
+    if (s)
+        state_free(s);
+}
+
+static bool handled(const struct cstate *s, const char *uid)
+{
+    for (size_t i = 0; uid && i < s->n_handled; i++)
+        if (strcmp(s->handled[i], uid) == 0)
+            return true;
+    return false;
+}
+
+/* Remembers a uid in a ring: old entries are for pods long gone. */
+static void remember(struct cstate *s, const char *uid)
+{
+    char *d = uid ? strdup(uid) : NULL;
+
+    if (!d)
+        return;
+    if (s->n_handled < HANDLED_MAX) {
+        s->handled[s->n_handled++] = d;
+        return;
+    }
+    free(s->handled[s->next_handled]);
+    s->handled[s->next_handled] = d;
+    s->next_handled = (s->next_handled + 1) % HANDLED_MAX;
+}
+
+static struct drain *drain_find(struct cstate *s, const char *id)
+{
+    for (size_t i = 0; i < s->n_drains; i++)
+        if (strcmp(s->drains[i].id, id) == 0)
+            return &s->drains[i];
+    return NULL;
+}
+
+static struct drain *drain_add(struct cstate *s, const char *id, uint64_t now)
+{
+    struct drain *nd = realloc(s->drains, (s->n_drains + 1) * sizeof(*nd));
+
+    if (!nd)
+        return NULL;
+    s->drains = nd;
+    nd[s->n_drains].id = strdup(id);
+    if (!nd[s->n_drains].id)
+        return NULL;
+    nd[s->n_drains].started = now;
+    return &nd[s->n_drains++];
+}
+
+static void drain_forget(struct cstate *s, const char *id)
+{
+    for (size_t i = 0; i < s->n_drains; i++)
+        if (strcmp(s->drains[i].id, id) == 0) {
+            free(s->drains[i].id);
+            s->drains[i] = s->drains[--s->n_drains];
+            return;
+        }
+}
+
+/* ---- Events ------------------------------------------------------------- */
+
+/* Records an Event on the cohort. Best effort: an Event that cannot be
+ * written is logged and dropped, never retried (it must not hold up the
+ * reconcile that caused it). */
+static void event(struct controller *c, const cJSON *tc, bool warning, const char *reason,
+                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static void event(struct controller *c, const cJSON *tc, bool warning, const char *reason,
+                  const char *fmt, ...)
+{
+    const cJSON *meta = get(tc, "metadata");
+    const char *ns = str(meta, "namespace"), *name = str(meta, "name");
+    char msg[1024], ename[KEY_MAX + 24], path[PATH_MAX_], stamp[32];
+    cJSON *ev, *m, *io, *src;
+    uint64_t r = 0;
+    va_list ap;
+    int rc;
+
+    if (!ns || !name)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (getrandom(&r, sizeof(r), 0) != sizeof(r))
+        r = clock_now_us();
+    snprintf(ename, sizeof(ename), "%s.%016" PRIx64, name, r);
+    snprintf(path, sizeof(path), "/api/v1/namespaces/%s/events", ns);
+    now_rfc3339(stamp, sizeof(stamp));
+    ev = cJSON_CreateObject();
+    if (!ev)
+        return;
+    cJSON_AddStringToObject(ev, "apiVersion", "v1");
+    cJSON_AddStringToObject(ev, "kind", "Event");
+    m = cJSON_AddObjectToObject(ev, "metadata");
+    cJSON_AddStringToObject(m, "name", ename);
+    cJSON_AddStringToObject(m, "namespace", ns);
+    io = cJSON_AddObjectToObject(ev, "involvedObject");
+    cJSON_AddStringToObject(io, "apiVersion", RECONCILE_API_VERSION);
+    cJSON_AddStringToObject(io, "kind", RECONCILE_KIND);
+    cJSON_AddStringToObject(io, "name", name);
+    cJSON_AddStringToObject(io, "namespace", ns);
+    if (str(meta, "uid"))
+        cJSON_AddStringToObject(io, "uid", str(meta, "uid"));
+    cJSON_AddStringToObject(ev, "reason", reason);
+    cJSON_AddStringToObject(ev, "message", msg);
+    cJSON_AddStringToObject(ev, "type", warning ? "Warning" : "Normal");
+    src = cJSON_AddObjectToObject(ev, "source");
+    cJSON_AddStringToObject(src, "component", "cohort-operator");
+    cJSON_AddStringToObject(ev, "firstTimestamp", stamp);
+    cJSON_AddStringToObject(ev, "lastTimestamp", stamp);
+    cJSON_AddNumberToObject(ev, "count", 1);
+    cJSON_AddStringToObject(ev, "reportingComponent", "cohort-operator");
+    cJSON_AddStringToObject(ev, "reportingInstance", c->identity);
+    rc = kube_create_object(c->cfg.kube, path, ev, NULL);
+    cJSON_Delete(ev);
+    atomic_fetch_add(&c->n.events, 1);
+    log_emit(warning ? LOG_WARN : LOG_INFO, "controller", msg, LF_S("cohort", name),
+             LF_S("namespace", ns), LF_S("reason", reason), LOG_END);
+    if (rc < 0)
+        log_warn("controller", "An Event could not be recorded.", LF_S("reason", reason),
+                 LF_ERR(rc));
+}
+
+/* ---- reconcile ---------------------------------------------------------- */
+
+/* The exit code of the first terminated trainer container, or -1. */
+static int exit_code(const cJSON *pod)
+{
+    const cJSON *cs;
+
+    cJSON_ArrayForEach(cs, get(get(pod, "status"), "containerStatuses")) {
+        const cJSON *t = get(get(cs, "state"), "terminated"), *code = get(t, "exitCode");
+        if (cJSON_IsNumber(code))
+            return code->valueint;
+    }
+    return -1;
+}
+
+static int pod_path(char *buf, size_t n, const char *ns, const char *name)
+{
+    int w = name ? snprintf(buf, n, "/api/v1/namespaces/%s/pods/%s", ns, name)
+                 : snprintf(buf, n, "/api/v1/namespaces/%s/pods", ns);
+    return w < 0 || (size_t)w >= n ? -ENAMETOOLONG : 0;
+}
+
+/* Deletes a pod, but only the one with `uid`: a pod made since under the
+ * same name is left alone. 0 when deleted or already gone. */
+static int delete_pod(struct controller *c, const char *ns, const char *name, const char *uid)
+{
+    char path[PATH_MAX_];
+    cJSON *opts = cJSON_CreateObject(), *pre;
+    int rc;
+
+    if (!opts)
+        return -ENOMEM;
+    cJSON_AddStringToObject(opts, "kind", "DeleteOptions");
+    cJSON_AddStringToObject(opts, "apiVersion", "v1");
+    cJSON_AddStringToObject(opts, "propagationPolicy", "Background");
+    if (uid) {
+        pre = cJSON_AddObjectToObject(opts, "preconditions");
+        cJSON_AddStringToObject(pre, "uid", uid);
+    }
+    rc = pod_path(path, sizeof(path), ns, name);
+    if (rc == 0)
+        rc = kube_request(c->cfg.kube, "DELETE", path, NULL, opts, NULL);
+    cJSON_Delete(opts);
+    if (rc == 0)
+        atomic_fetch_add(&c->n.deleted, 1);
+    /* Gone already, or replaced under the same name (uid precondition). */
+    return rc == -ENOENT || rc == -ESTALE ? 0 : rc;
+}
+
+/* The cohort's member table from the broker, flattened for reconcile. */
+struct bview {
+    struct broker_status *st;
+    const struct broker_cohort_status *cs;
+    struct reconcile_member *members;
+    size_t n;
+};
+
+static int broker_view(struct controller *c, const char *key, struct bview *b)
+{
+    int rc;
+
+    memset(b, 0, sizeof(*b));
+    rc = brokerd_status(c->cfg.broker, key, &b->st);
+    if (rc < 0)
+        return rc;
+    if (b->st->n_cohorts == 0)
+        return -ENOENT;
+    b->cs = &b->st->cohorts[0];
+    b->members = calloc(b->cs->n_members ? b->cs->n_members : 1, sizeof(*b->members));
+    if (!b->members)
+        return -ENOMEM;
+    for (size_t i = 0; i < b->cs->n_members; i++) {
+        b->members[i].id = b->cs->members[i].id;
+        b->members[i].address = b->cs->members[i].address;
+        b->members[i].model_version = b->cs->members[i].model_version;
+        b->members[i].draining = b->cs->draining && b->cs->draining[i];
+    }
+    b->n = b->cs->n_members;
+    return 0;
+}
+
+static void bview_cleanup(struct bview *b)
+{
+    free(b->members);
+    broker_status_free(b->st);
+    memset(b, 0, sizeof(*b));
+}
+
+static bool is_member(const struct bview *b, const char *id)
+{
+    for (size_t i = 0; i < b->n; i++)
+        if (strcmp(b->members[i].id, id) == 0)
+            return true;
+    return false;
+}
+
+/* Drains excess pod `v` and deletes it once drained or past the deadline.
+ * Returns 1 while the drain goes on, 0 when the pod was deleted, -errno. */
+static int drain_step(struct controller *c, const cJSON *tc, struct cstate *s, const char *key,
+                      const char *ns, const struct reconcile_pod_view *v, const struct bview *b,
+                      uint32_t deadline_ms, uint64_t now)
+{
+    struct drain *d = drain_find(s, v->name);
+    int rc, done;
+
+    /* A pod that is not (or no longer) a member holds no round up. */
+    if (!d && !is_member(b, v->name)) {
+        rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc == 0)
+            log_info("controller", "Deleted a pod that was not a member.", LF_S("cohort", key),
+                     LF_S("pod", v->name));
+        return rc;
+    }
+    if (!d) {
+        d = drain_add(s, v->name, now);
+        if (!d)
+            return -ENOMEM;
+        atomic_fetch_add(&c->n.drains, 1);
+        event(c, tc, false, "Draining", "Draining member %s before deleting its pod.", v->name);
+    }
+    /* The mark does not survive an eviction and rejoin: set it on every
+     * pass until the broker reports the member drained. */
+    rc = brokerd_drain(c->cfg.broker, key, v->name, true);
+    done = brokerd_drained(c->cfg.broker, key, v->name);
+    if (rc < 0 && rc != -ENOENT)
+        return rc;
+    if (done == 1 || done == -ENOENT) {
+        rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc < 0)
+            return rc;
+        event(c, tc, false, "Drained", "Member %s left the cohort at a round boundary; its pod "
+              "was deleted after %" PRIu64 " ms.", v->name, now - d->started);
+        drain_forget(s, v->name);
+        return 0;
+    }
+    if (now - d->started >= deadline_ms) {
+        rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc < 0)
+            return rc;
+        atomic_fetch_add(&c->n.drain_timeouts, 1);
+        event(c, tc, true, "DrainTimeout", "Member %s did not drain within %u ms; its pod was "
+              "deleted anyway, and the round under way may be retried.", v->name, deadline_ms);
+        drain_forget(s, v->name);
+        return 0;
+    }
+    return 1;
+}
+
+/* Writes status when it changed; versions alone at most once per period.
+ * Returns 0, 1 when a version-only change waits for the period, -errno. */
+static int write_status(struct controller *c, struct cstate *s, const cJSON *tc, const char *ns,
+                        const char *name, cJSON *want, uint64_t now)
+{
+    const cJSON *cur = get(tc, "status");
+    const cJSON *base = s->written ? s->written : cur;
+    char path[PATH_MAX_];
+    cJSON *patch, *out = NULL;
+    int rc;
+
+    /* Equal to what the server has, or to what we last wrote (the cache
+     * may not have caught up yet): nothing to do. */
+    if (!reconcile_status_differs(want, cur, false) ||
+        (s->written && !reconcile_status_differs(want, s->written, false)))
+        return 0;
+    if (!reconcile_status_differs(want, base, true) && now - s->written_at < c->cfg.status_period_ms)
+        return 1;
+    patch = reconcile_status_patch(cur, want);
+    if (!patch)
+        return -ENOMEM;
+    snprintf(path, sizeof(path), "/apis/" RECONCILE_GROUP "/v1alpha1/namespaces/%s/trainingcohorts/%s/status",
+             ns, name);
+    rc = kube_merge_patch(c->cfg.kube, path, patch, &out);
+    cJSON_Delete(patch);
+    if (rc == -ENOENT) {
+        /* Deleted since the cache showed it (its delete event forgets
+         * it), or a /status the server does not serve: only the first is
+         * no failure. The object itself tells them apart. */
+        cJSON *obj = NULL;
+
+        path[strlen(path) - strlen("/status")] = '\0';
+        if (kube_get(c->cfg.kube, path, &obj) == -ENOENT)
+            return 0;
+        cJSON_Delete(obj);
+    }
+    if (rc < 0)
+        return rc;
+    atomic_fetch_add(&c->n.status_writes, 1);
+    cJSON_Delete(s->written);
+    s->written = cJSON_Duplicate(get(out, "status"), 1);
+    s->written_at = now;
+    cJSON_Delete(out);
+    return 0;
+}
+
+/* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff. */
+static int reconcile(struct controller *c, const char *key)
+{
+    char ns[64], sel[128], prefix[KEY_MAX + 2], path[PATH_MAX_], stamp[32];
+    const char *name;
+    cJSON *tc = NULL, *pods = NULL, *want = NULL, *it;
+    struct reconcile_spec spec;
+    struct reconcile_why why;
+    struct reconcile_pod_view *views = NULL;
+    const cJSON **objs = NULL;
+    struct reconcile_plan plan = { 0 };
+    struct reconcile_observed obs = { 0 };
+    struct bview b = { 0 };
+    struct cstate *s;
+    uint64_t now = clock_now_ms();
+    size_t n = 0;
+    uint32_t live = 0, draining = 0;
+    int rc = 0, again = 0, invalid;
+
+    if (split_key(key, ns, sizeof(ns), &name) < 0)
+        return 0;
+    tc = reflector_get(c->cohorts, key);
+    if (!tc) {
+        /* Deleted: its pods go with it (owner references); the broker
+         * forgets its members. */
+        rc = brokerd_remove(c->cfg.broker, key);
+        if (rc == 0)
+            log_info("controller", "The cohort is gone; removed it from the broker.",
+                     LF_S("cohort", key));
+        state_drop(c, key);
+        return 0;
+    }
+    if (get(get(tc, "metadata"), "deletionTimestamp"))
+        goto out;
+    s = state_of(c, key, true);
+    if (!s) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    invalid = reconcile_parse(tc, &spec, &why);
+    if (!s->restarts_known) {
+        const cJSON *r = get(get(tc, "status"), "restarts");
+        s->restarts = cJSON_IsNumber(r) && r->valuedouble > 0 ? (uint32_t)r->valuedouble : 0;
+        s->restarts_known = true;
+    }
+    now_rfc3339(stamp, sizeof(stamp));
+    reconcile_selector(name, sel, sizeof(sel));
+    if (invalid < 0) {
+        obs.generation = (int64_t)cJSON_GetNumberValue(get(get(tc, "metadata"), "generation"));
+        obs.restarts = s->restarts;
+        obs.invalid = &why;
+        if (strlen(name) <= 63)
+            obs.selector = sel;
+        want = reconcile_status(&spec, &obs, get(tc, "status"), stamp);
+        if (!s->invalid_reported) {
+            event(c, tc, true, why.reason, "The cohort cannot run: %s.", why.message);
+            s->invalid_reported = true;
+        }
+        rc = want ? write_status(c, s, tc, ns, name, want, now) : -ENOMEM;
+        goto out;
+    }
+    s->invalid_reported = false;
+    if (s->declared_hb != spec.heartbeat_ms || s->declared_to != spec.timeout_ms) {
+        rc = brokerd_declare(c->cfg.broker, key, spec.heartbeat_ms, spec.timeout_ms);
+        if (rc < 0)
+            goto out;
+        s->declared_hb = spec.heartbeat_ms;
+        s->declared_to = spec.timeout_ms;
+    }
+
+    /* This cohort's pods: by name prefix from the cache, then by label
+     * (another cohort's name may start with this one's). */
+    snprintf(prefix, sizeof(prefix), "%s-", key);
+    pods = reflector_list(c->pods, prefix);
+    if (!pods) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    views = calloc((size_t)cJSON_GetArraySize(pods) + 1, sizeof(*views));
+    objs = calloc((size_t)cJSON_GetArraySize(pods) + 1, sizeof(*objs));
+    if (!views || !objs) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    cJSON_ArrayForEach(it, pods) {
+        const char *owner = str(get(get(it, "metadata"), "labels"), RECONCILE_LABEL_COHORT);
+        if (!owner || strcmp(owner, name) != 0 || reconcile_view(name, it, &views[n]) < 0)
+            continue;
+        if (views[n].phase != RECONCILE_POD_TERMINATING)
+            live++;
+        objs[n++] = it;
+    }
+    rc = reconcile_plan(&spec, s->restarts, views, n, &plan);
+    if (rc < 0)
+        goto out;
+    if (broker_view(c, key, &b) < 0)
+        bview_cleanup(&b);
+
+    /* Failed pods: delete, count once per pod (by uid), make again below
+     * once the name is free. */
+    for (size_t i = 0; i < plan.n_replace; i++) {
+        const struct reconcile_pod_view *v = &views[plan.replace[i]];
+        if (handled(s, v->uid))
+            continue;
+        rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc < 0)
+            goto out;
+        remember(s, v->uid);
+        s->restarts++;
+        atomic_fetch_add(&c->n.replaced, 1);
+        event(c, tc, true, "Replacing", "Pod %s failed (exit code %d); replacing it (restart %u "
+              "of %u).", v->name, exit_code(objs[plan.replace[i]]), s->restarts, spec.max_restarts);
+        again = POLL_AGAIN_MS;
+    }
+    if (plan.failed && !s->failed_reported) {
+        event(c, tc, true, "TooManyRestarts", "A trainer pod failed after %u restarts "
+              "(spec.maxRestarts %u); failed pods are no longer replaced.", s->restarts,
+              spec.max_restarts);
+        s->failed_reported = true;
+    } else if (!plan.failed) {
+        s->failed_reported = false;
+    }
+    if (plan.complete && !s->complete_reported) {
+        event(c, tc, false, "Completed", "Every trainer finished.");
+        s->complete_reported = true;
+    }
+    /* A pod of a name being drained that is wanted again (scaled back up)
+     * stays: take it back into the epochs. */
+    for (size_t i = 0; i < n; i++) {
+        const struct reconcile_pod_view *v = &views[i];
+        if (v->ordinal >= 0 && (uint32_t)v->ordinal < plan.want && drain_find(s, v->name)) {
+            brokerd_drain(c->cfg.broker, key, v->name, false);
+            drain_forget(s, v->name);
+            event(c, tc, false, "DrainCancelled", "Member %s is wanted again; its drain was "
+                  "cancelled.", v->name);
+        }
+    }
+    if (plan.n_create) {
+        rc = pod_path(path, sizeof(path), ns, NULL);
+        if (rc < 0)
+            goto out;
+    }
+    for (size_t i = 0; i < plan.n_create; i++) {
+        cJSON *pod = NULL;
+        rc = reconcile_pod(tc, &c->cfg.env, plan.create[i], &pod);
+        if (rc < 0)
+            goto out;
+        rc = kube_create_object(c->cfg.kube, path, pod, NULL);
+        if (rc == 0) {
+            atomic_fetch_add(&c->n.created, 1);
+            event(c, tc, false, "Created", "Created pod %s.", kube_meta(pod, "name"));
+            live++;
+        }
+        cJSON_Delete(pod);
+        /* AlreadyExists: the cache is behind our own create, or another
+         * operator's: the pod is there, which is all we wanted. */
+        if (rc < 0 && rc != -EEXIST)
+            goto out;
+        rc = 0;
+    }
+    /* Scale-down and suspend: drain, then delete. */
+    {
+        uint32_t deadline = c->cfg.drain_timeout_ms ? c->cfg.drain_timeout_ms
+                                                    : 2 * spec.timeout_ms;
+        for (size_t i = 0; i < plan.n_excess; i++) {
+            const struct reconcile_pod_view *v = &views[plan.excess[i]];
+            rc = drain_step(c, tc, s, key, ns, v, &b, deadline, now);
+            if (rc < 0)
+                goto out;
+            if (rc == 1) {
+                draining++;
+                again = POLL_AGAIN_MS;
+            } else {
+                live--;
+            }
+            rc = 0;
+        }
+    }
+    if (plan.blocked || plan.terminating || plan.n_create)
+        again = POLL_AGAIN_MS;
+
+    obs.generation = (int64_t)cJSON_GetNumberValue(get(get(tc, "metadata"), "generation"));
+    obs.selector = sel;
+    obs.pods = live;
+    obs.restarts = s->restarts;
+    obs.draining = draining;
+    obs.broker_known = b.cs != NULL;
+    obs.epoch = b.cs ? b.cs->epoch : 0;
+    obs.leader = b.cs ? b.cs->leader : NULL;
+    obs.members = b.members;
+    obs.n_members = b.n;
+    obs.plan = &plan;
+    want = reconcile_status(&spec, &obs, get(tc, "status"), stamp);
+    if (!want) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    rc = write_status(c, s, tc, ns, name, want, now);
+    if (rc == 1) {
+        uint32_t wait = c->cfg.status_period_ms - (uint32_t)(now - s->written_at);
+        again = again && (uint32_t)again < wait ? again : (int)wait;
+        rc = 0;
+    }
+out:
+    bview_cleanup(&b);
+    reconcile_plan_cleanup(&plan);
+    free(views);
+    free(objs);
+    cJSON_Delete(want);
+    cJSON_Delete(pods);
+    cJSON_Delete(tc);
+    return rc < 0 ? rc : again;
+}
+
+/* ---- threads ------------------------------------------------------------ */
+
+static void *worker_main(void *arg)
+{
+    struct controller *c = arg;
+    char key[KEY_MAX];
+
+    while (!atomic_load(&c->stop)) {
+        int rc = workq_wait(c->q, key, sizeof(key), 500);
+        uint64_t now;
+
+        if (rc == -ESHUTDOWN)
+            break;
+        if (rc < 0)
+            continue;
+        rc = reconcile(c, key);
+        now = clock_now_ms();
+        atomic_fetch_add(&c->n.reconciles, 1);
+        if (rc < 0) {
+            atomic_fetch_add(&c->n.errors, 1);
+            log_warn("controller", "A reconcile failed; it will be retried with backoff.",
+                     LF_S("cohort", key), LF_ERR(rc), LF_U("failures", workq_failures(c->q, key) + 1));
+            workq_add_rate_limited(c->q, key, now);
+        } else {
+            workq_forget(c->q, key);
+            if (rc > 0)
+                workq_add_after(c->q, key, now, (uint32_t)rc);
+        }
+        workq_done(c->q, key, now);
+    }
+    return NULL;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* Compares each cohort's broker membership with the last look, and queues
+ * the cohorts whose membership moved; version-only moves are queued at
+ * most once per status period. Also resyncs every cohort now and then. */
+static void *ticker_main(void *arg)
+{
+    struct controller *c = arg;
+    uint64_t next_resync = clock_now_ms() + c->cfg.resync_ms;
+
+    while (!atomic_load(&c->stop)) {
+        struct broker_status *st = NULL;
+        uint64_t now = clock_now_ms();
+
+        if (brokerd_status(c->cfg.broker, NULL, &st) == 0) {
+            for (size_t i = 0; i < st->n_cohorts; i++) {
+                const struct broker_cohort_status *cs = &st->cohorts[i];
+                uint64_t sig = fnv(0xcbf29ce484222325ull, &cs->epoch, sizeof(cs->epoch));
+                uint64_t vsig = 0xcbf29ce484222325ull;
+                struct cstate *s;
+                bool queue = false;
+
+                if (cs->leader)
+                    sig = fnv(sig, cs->leader, strlen(cs->leader));
+                for (size_t j = 0; j < cs->n_members; j++) {
+                    bool dr = cs->draining && cs->draining[j];
+                    sig = fnv(sig, cs->members[j].id, strlen(cs->members[j].id) + 1);
+                    if (cs->members[j].address)
+                        sig = fnv(sig, cs->members[j].address, strlen(cs->members[j].address));
+                    sig = fnv(sig, &dr, sizeof(dr));
+                    vsig = fnv(vsig, &cs->members[j].model_version, sizeof(uint64_t));
+                }
+                s = state_of(c, cs->name, false);
+                if (!s)
+                    continue;
+                pthread_mutex_lock(&c->lock);
+                if (s->sig != sig) {
+                    s->sig = sig;
+                    s->vsig = vsig;
+                    queue = true;
+                } else if (s->vsig != vsig && now - s->written_at >= c->cfg.status_period_ms) {
+                    s->vsig = vsig;
+                    queue = true;
+                }
+                pthread_mutex_unlock(&c->lock);
+                if (queue)
+                    workq_add(c->q, cs->name, now);
+            }
+            broker_status_free(st);
+        }
+        if (now >= next_resync) {
+            cJSON *all = reflector_list(c->cohorts, NULL), *it;
+            cJSON_ArrayForEach(it, all)
+                if (it->string)
+                    workq_add(c->q, it->string, now);
+            cJSON_Delete(all);
+            next_resync = now + c->cfg.resync_ms;
+        }
+        for (uint32_t slept = 0; slept < c->cfg.broker_poll_ms && !atomic_load(&c->stop);
+             slept += 50)
+            clock_sleep_ms(50);
+    }
+    return NULL;
+}
+
+/* ---- reflector handlers ------------------------------------------------- */
+
+static void on_cohort(void *arg, const char *key, const cJSON *obj)
+{
+    struct controller *c = arg;
+
+    workq_add(c->q, key, clock_now_ms());
+}
+
+static void on_pod(void *arg, const char *key, const cJSON *obj)
+{
+    struct controller *c = arg;
+    const char *ns = kube_meta(obj, "namespace");
+    const char *owner = str(get(get(obj, "metadata"), "labels"), RECONCILE_LABEL_COHORT);
+    char ck[KEY_MAX];
+    int w;
+
+    if (!ns || !owner)
+        return;
+    w = snprintf(ck, sizeof(ck), "%s/%s", ns, owner);
+    if (w > 0 && (size_t)w < sizeof(ck))
+        workq_add(c->q, ck, clock_now_ms());
+}
+
+/* ---- lifecycle ---------------------------------------------------------- */
+
+/* What controller_start allocated before its threads, and the struct. */
+static void controller_free(struct controller *c)
+{
+    for (size_t i = 0; i < c->n_states; i++)
+        state_free(c->states[i]);
+    free(c->states);
+    free(c->namespace);
+    free(c->identity);
+    free(c->broker_address);
+    free(c->sidecar_image);
+    free(c->sidecar_command);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_ms,
+                     struct controller **out)
+{
+    struct reflector_config rc_cohorts = { 0 }, rc_pods = { 0 };
+    struct controller *c;
+    cJSON *all, *it;
+    int rc = -ENOMEM;
+
+    if (!cfg || !cfg->kube || !cfg->broker || !cfg->env.broker_address ||
+        !cfg->env.sidecar_image || !cfg->env.sidecar_command)
+        return -EINVAL;
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    c->cfg = *cfg;
+    if (!c->cfg.workers)
+        c->cfg.workers = 2;
+    if (c->cfg.workers > WORKERS_MAX)
+        c->cfg.workers = WORKERS_MAX;
+    if (!c->cfg.status_period_ms)
+        c->cfg.status_period_ms = 5000;
+    if (!c->cfg.resync_ms)
+        c->cfg.resync_ms = 30000;
+    if (!c->cfg.broker_poll_ms)
+        c->cfg.broker_poll_ms = 250;
+    pthread_mutex_init(&c->lock, NULL);
+    c->namespace = strdup(cfg->namespace ? cfg->namespace : "");
+    c->identity = strdup(cfg->identity ? cfg->identity : "cohort-operator");
+    c->broker_address = strdup(cfg->env.broker_address);
+    c->sidecar_image = strdup(cfg->env.sidecar_image);
+    c->sidecar_command = strdup(cfg->env.sidecar_command);
+    if (!c->namespace || !c->identity || !c->broker_address || !c->sidecar_image ||
+        !c->sidecar_command)
+        goto err_free;
+    c->cfg.namespace = c->namespace;
+    c->cfg.identity = c->identity;
+    c->cfg.env.broker_address = c->broker_address;
+    c->cfg.env.sidecar_image = c->sidecar_image;
+    c->cfg.env.sidecar_command = c->sidecar_command;
+    if (*c->namespace) {
+        snprintf(c->cohorts_path, sizeof(c->cohorts_path),
+                 "/apis/" RECONCILE_GROUP "/v1alpha1/namespaces/%s/trainingcohorts", c->namespace);
+        snprintf(c->pods_path, sizeof(c->pods_path), "/api/v1/namespaces/%s/pods", c->namespace);
+    } else {
+        snprintf(c->cohorts_path, sizeof(c->cohorts_path),
+                 "/apis/" RECONCILE_GROUP "/v1alpha1/trainingcohorts");
+        snprintf(c->pods_path, sizeof(c->pods_path), "/api/v1/pods");
+    }
+    if (workq_create(NULL, &c->q) < 0)
+        goto err_free;
+    rc_cohorts = (struct reflector_config){ .kube = cfg->kube, .path = c->cohorts_path,
+                                            .watch_timeout_s = cfg->watch_timeout_s,
+                                            .on_upsert = on_cohort, .on_delete = on_cohort,
+                                            .arg = c };
+    rc_pods = (struct reflector_config){ .kube = cfg->kube, .path = c->pods_path,
+                                         .selector = RECONCILE_LABEL_COHORT,
+                                         .watch_timeout_s = cfg->watch_timeout_s,
+                                         .on_upsert = on_pod, .on_delete = on_pod, .arg = c };
+    rc = reflector_start(&rc_cohorts, &c->cohorts);
+    if (rc < 0)
+        goto err_queue;
+    rc = reflector_start(&rc_pods, &c->pods);
+    if (rc < 0)
+        goto err_cohorts;
+    if (!reflector_wait_synced(c->cohorts, sync_timeout_ms) ||
+        !reflector_wait_synced(c->pods, sync_timeout_ms)) {
+        rc = -ETIMEDOUT;
+        goto err_pods;
+    }
+    /* Declared before any worker runs, so that sidecars rejoining a new
+     * leader's broker find their cohorts. */
+    all = reflector_list(c->cohorts, NULL);
+    cJSON_ArrayForEach(it, all) {
+        struct reconcile_spec spec;
+        struct reconcile_why why;
+        struct cstate *s;
+        if (!it->string || reconcile_parse(it, &spec, &why) < 0)
+            continue;
+        if (brokerd_declare(cfg->broker, it->string, spec.heartbeat_ms, spec.timeout_ms) == 0 &&
+            (s = state_of(c, it->string, true))) {
+            s->declared_hb = spec.heartbeat_ms;
+            s->declared_to = spec.timeout_ms;
+        }
+    }
+    cJSON_Delete(all);
+    rc = -EAGAIN;
+    for (c->n_workers = 0; c->n_workers < c->cfg.workers; c->n_workers++)
+        if (pthread_create(&c->workers[c->n_workers], NULL, worker_main, c) != 0)
+            goto err_threads;
+    if (pthread_create(&c->ticker, NULL, ticker_main, c) != 0)
+        goto err_threads;
+    c->ticker_started = true;
+    log_info("controller", "Caches are synced; reconciling.", LF_S("namespace",
+             *c->namespace ? c->namespace : "(all)"), LF_U("workers", c->n_workers));
+    *out = c;
+    return 0;
+err_threads:
+    atomic_store(&c->stop, true);
+    workq_shutdown(c->q);
+    for (uint32_t i = 0; i < c->n_workers; i++)
+        pthread_join(c->workers[i], NULL);
+err_pods:
+    reflector_destroy(c->pods);
+err_cohorts:
+    reflector_destroy(c->cohorts);
+err_queue:
+    workq_destroy(c->q);
+err_free:
+    controller_free(c);
+    return rc;
+}
+
+void controller_stop(struct controller *c)
+{
+    if (!c)
+        return;
+    atomic_store(&c->stop, true);
+    workq_shutdown(c->q);
+    for (uint32_t i = 0; i < c->n_workers; i++)
+        pthread_join(c->workers[i], NULL);
+    if (c->ticker_started)
+        pthread_join(c->ticker, NULL);
+    reflector_destroy(c->pods);
+    reflector_destroy(c->cohorts);
+    workq_destroy(c->q);
+    controller_free(c);
+}
+
+void controller_stats(struct controller *c, struct controller_stats *out)
+{
+    struct reflector_stats a, b;
+
+    memset(out, 0, sizeof(*out));
+    out->reconciles = atomic_load(&c->n.reconciles);
+    out->reconcile_errors = atomic_load(&c->n.errors);
+    out->pods_created = atomic_load(&c->n.created);
+    out->pods_deleted = atomic_load(&c->n.deleted);
+    out->pods_replaced = atomic_load(&c->n.replaced);
+    out->drains_started = atomic_load(&c->n.drains);
+    out->drain_timeouts = atomic_load(&c->n.drain_timeouts);
+    out->status_writes = atomic_load(&c->n.status_writes);
+    out->events = atomic_load(&c->n.events);
+    reflector_stats(c->cohorts, &a);
+    reflector_stats(c->pods, &b);
+    out->watch_errors = a.errors + b.errors;
+    out->relists = a.relists_gone + b.relists_gone;
+    out->queue_depth = workq_len(c->q);
+    out->synced = reflector_synced(c->cohorts) && reflector_synced(c->pods);
+    out->cohorts = (uint32_t)reflector_len(c->cohorts);
+    out->pods = (uint32_t)reflector_len(c->pods);
+}

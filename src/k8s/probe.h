@@ -1,0 +1,36 @@
+/* src/k8s/probe.h: a small HTTP/1.1 server for the operator's /metrics,
+ * /healthz and /readyz: GET only, one request per connection, answered
+ * by a callback. Scrapes and probes are rare and tiny, so one thread
+ * serves connections one after another, each with a short deadline, and a
+ * client that stalls cannot hold it for longer than that. */
+#ifndef COHORT_PROBE_H
+#define COHORT_PROBE_H
+
+#include <stddef.h>
+
+struct probe;
+
+/* The answer to one GET. `body` is a buffer of `cap` bytes to fill with
+ * text; set `code` (200 by default) and `len`. */
+struct probe_reply {
+    int code;
+    const char *content_type;   /* default "text/plain; charset=utf-8" */
+    char *body;
+    size_t len, cap;
+};
+
+/* Called on the server's thread for each GET; `path` excludes the query. */
+typedef void (*probe_fn)(void *arg, const char *path, struct probe_reply *r);
+
+/* Listens on `listen` ("host:port", port 0 picks one) and serves until
+ * probe_stop(). `arg` is borrowed. Returns 0, -EINVAL (bad address),
+ * -EADDRINUSE, -ENOMEM, -EAGAIN. The caller frees with probe_stop(). */
+int probe_start(const char *listen, probe_fn fn, void *arg, struct probe **out);
+/* The bound port. */
+int probe_port(const struct probe *p);
+void probe_stop(struct probe *p);          /* NULL is fine */
+
+/* Appends printf-style text to r->body, truncating at r->cap. */
+void probe_printf(struct probe_reply *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#endif

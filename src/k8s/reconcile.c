@@ -1,0 +1,632 @@
+/* src/k8s/reconcile.c: see reconcile.h. */
+#include "k8s/reconcile.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/opt.h"
+
+#define LABEL_VALUE_MAX 63
+#define DURATION_MAX_MS (3600ull * 1000)
+
+static const cJSON *get(const cJSON *o, const char *k)
+{
+    return cJSON_GetObjectItemCaseSensitive(o, k);
+}
+
+static const char *str(const cJSON *o, const char *k)
+{
+    const cJSON *v = get(o, k);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+static int refuse(struct reconcile_why *why, const char *reason, const char *fmt, ...)
+{
+    va_list ap;
+
+    snprintf(why->reason, sizeof(why->reason), "%s", reason);
+    va_start(ap, fmt);
+    vsnprintf(why->message, sizeof(why->message), fmt, ap);
+    va_end(ap);
+    return -EINVAL;
+}
+
+/* An integer field in [lo, hi], or `def` when absent. */
+static int int_field(const cJSON *spec, const char *k, long def, long lo, long hi, long *out)
+{
+    const cJSON *v = get(spec, k);
+
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    if (!cJSON_IsNumber(v) || v->valuedouble != (double)(long)v->valuedouble ||
+        v->valuedouble < lo || v->valuedouble > hi)
+        return -EINVAL;
+    *out = (long)v->valuedouble;
+    return 0;
+}
+
+static int duration_field(const cJSON *t, const char *k, uint32_t def, uint32_t *out)
+{
+    const char *s = str(t, k);
+    uint64_t ms;
+
+    if (!get(t, k)) {
+        *out = def;
+        return 0;
+    }
+    if (!s || opt_duration_ms(s, DURATION_MAX_MS, &ms) < 0 || ms == 0)
+        return -EINVAL;
+    *out = (uint32_t)ms;
+    return 0;
+}
+
+static bool has_named(const cJSON *arr, const char *name)
+{
+    const cJSON *it;
+
+    cJSON_ArrayForEach(it, arr) {
+        const char *n = str(it, "name");
+        if (n && strcmp(n, name) == 0)
+            return true;
+    }
+    return false;
+}
+
+int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_why *why)
+{
+    const cJSON *meta = get(tc, "metadata"), *spec = get(tc, "spec"), *tmpl, *pspec, *conts;
+    const char *name = str(meta, "name");
+    long v;
+
+    memset(s, 0, sizeof(*s));
+    memset(why, 0, sizeof(*why));
+    if (!name || !*name)
+        return refuse(why, "InvalidSpec", "the cohort has no name");
+    /* The name is a label value on every pod (63 bytes at most). */
+    if (strlen(name) > LABEL_VALUE_MAX)
+        return refuse(why, "NameTooLong", "the cohort name is %zu characters; at most %d fit in "
+                      "the cohort.dev/cohort label of its pods", strlen(name), LABEL_VALUE_MAX);
+    if (!cJSON_IsObject(spec))
+        return refuse(why, "InvalidSpec", "spec is missing");
+    if (int_field(spec, "replicas", 1, 1, RECONCILE_REPLICAS_MAX, &v) < 0)
+        return refuse(why, "InvalidReplicas", "spec.replicas must be an integer from 1 to %u",
+                      RECONCILE_REPLICAS_MAX);
+    s->replicas = (uint32_t)v;
+    if (int_field(spec, "minReplicas", 1, 1, RECONCILE_REPLICAS_MAX, &v) < 0)
+        return refuse(why, "InvalidReplicas", "spec.minReplicas must be an integer from 1 to %u",
+                      RECONCILE_REPLICAS_MAX);
+    s->min_replicas = (uint32_t)v;
+    if (s->replicas < s->min_replicas)
+        return refuse(why, "InvalidReplicas", "spec.replicas (%u) is below spec.minReplicas (%u)",
+                      s->replicas, s->min_replicas);
+    if (int_field(spec, "maxReplicas", RECONCILE_REPLICAS_MAX, 1, RECONCILE_REPLICAS_MAX, &v) < 0 ||
+        (uint32_t)v < s->replicas)
+        return refuse(why, "InvalidReplicas", "spec.replicas (%u) is above spec.maxReplicas",
+                      s->replicas);
+    if (int_field(spec, "maxRestarts", 10, 0, INT32_MAX, &v) < 0)
+        return refuse(why, "InvalidSpec", "spec.maxRestarts must be a non-negative integer");
+    s->max_restarts = (uint32_t)v;
+    s->suspend = cJSON_IsTrue(get(spec, "suspend"));
+    if (duration_field(get(spec, "timeouts"), "heartbeatInterval", 1000, &s->heartbeat_ms) < 0 ||
+        duration_field(get(spec, "timeouts"), "memberTimeout", 5000, &s->timeout_ms) < 0)
+        return refuse(why, "InvalidTimeouts", "spec.timeouts must be durations such as 500ms or "
+                      "5s, up to 1h");
+    if (s->timeout_ms <= s->heartbeat_ms)
+        return refuse(why, "InvalidTimeouts", "spec.timeouts.memberTimeout must be longer than "
+                      "spec.timeouts.heartbeatInterval");
+    tmpl = get(spec, "template");
+    pspec = get(tmpl, "spec");
+    conts = get(pspec, "containers");
+    if (!cJSON_IsArray(conts) || cJSON_GetArraySize(conts) == 0)
+        return refuse(why, "InvalidTemplate", "spec.template.spec.containers must name at least "
+                      "one container");
+    if (has_named(conts, RECONCILE_SIDECAR) || has_named(get(pspec, "initContainers"),
+                                                         RECONCILE_SIDECAR))
+        return refuse(why, "InvalidTemplate", "the container name %s is reserved for the injected "
+                      "sidecar", RECONCILE_SIDECAR);
+    if (has_named(get(pspec, "volumes"), RECONCILE_VOLUME))
+        return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the sidecar's "
+                      "socket", RECONCILE_VOLUME);
+    return 0;
+}
+
+/* ---- the pod ------------------------------------------------------------ */
+
+static cJSON *env_value(const char *name, const char *value)
+{
+    cJSON *e = cJSON_CreateObject();
+
+    cJSON_AddStringToObject(e, "name", name);
+    cJSON_AddStringToObject(e, "value", value);
+    return e;
+}
+
+static cJSON *env_field(const char *name, const char *path)
+{
+    cJSON *e = cJSON_CreateObject(), *from = cJSON_AddObjectToObject(e, "valueFrom");
+    cJSON *ref = cJSON_AddObjectToObject(from, "fieldRef");
+
+    cJSON_AddStringToObject(e, "name", name);
+    cJSON_AddStringToObject(ref, "fieldPath", path);
+    return e;
+}
+
+/* Sets the COHORT_* variables in a container's env, replacing any of the
+ * same name the template set (the operator's must win: they say which
+ * cohort the pod is in). */
+static void set_env(cJSON *c, const char *cohort_key, const char *broker)
+{
+    static const char *const ours[] = { "COHORT_SOCKET", "COHORT_COHORT", "COHORT_ID",
+                                        "COHORT_BROKER", "COHORT_POD_IP" };
+    cJSON *env = cJSON_GetObjectItemCaseSensitive(c, "env");
+
+    if (!cJSON_IsArray(env)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(c, "env");
+        env = cJSON_AddArrayToObject(c, "env");
+    }
+    for (int i = cJSON_GetArraySize(env) - 1; i >= 0; i--) {
+        const char *n = str(cJSON_GetArrayItem(env, i), "name");
+        for (size_t j = 0; n && j < sizeof(ours) / sizeof(ours[0]); j++)
+            if (strcmp(n, ours[j]) == 0) {
+                cJSON_DeleteItemFromArray(env, i);
+                break;
+            }
+    }
+    cJSON_AddItemToArray(env, env_value("COHORT_SOCKET", "unix:" RECONCILE_SOCKET));
+    cJSON_AddItemToArray(env, env_value("COHORT_COHORT", cohort_key));
+    cJSON_AddItemToArray(env, env_field("COHORT_ID", "metadata.name"));
+    cJSON_AddItemToArray(env, env_value("COHORT_BROKER", broker));
+    cJSON_AddItemToArray(env, env_field("COHORT_POD_IP", "status.podIP"));
+}
+
+static void add_mount(cJSON *c)
+{
+    cJSON *mounts = cJSON_GetObjectItemCaseSensitive(c, "volumeMounts"), *m;
+
+    if (!cJSON_IsArray(mounts)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(c, "volumeMounts");
+        mounts = cJSON_AddArrayToObject(c, "volumeMounts");
+    }
+    m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "name", RECONCILE_VOLUME);
+    cJSON_AddStringToObject(m, "mountPath", RECONCILE_MOUNT);
+    cJSON_AddItemToArray(mounts, m);
+}
+
+static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env,
+                                const char *cohort_key)
+{
+    const cJSON *sc = get(get(tc, "spec"), "sidecar");
+    const char *image = str(sc, "image"), *pull = str(sc, "imagePullPolicy");
+    const char *level = str(sc, "logLevel");
+    cJSON *c = cJSON_CreateObject(), *cmd, *args;
+
+    cJSON_AddStringToObject(c, "name", RECONCILE_SIDECAR);
+    cJSON_AddStringToObject(c, "image", image ? image : env->sidecar_image);
+    if (pull)
+        cJSON_AddStringToObject(c, "imagePullPolicy", pull);
+    /* A native sidecar: started before the trainer, kept running beside
+     * it, stopped after it. */
+    cJSON_AddStringToObject(c, "restartPolicy", "Always");
+    cmd = cJSON_AddArrayToObject(c, "command");
+    cJSON_AddItemToArray(cmd, cJSON_CreateString(env->sidecar_command));
+    args = cJSON_AddArrayToObject(c, "args");
+    cJSON_AddItemToArray(args, cJSON_CreateString("--socket"));
+    cJSON_AddItemToArray(args, cJSON_CreateString(RECONCILE_SOCKET));
+    cJSON_AddItemToArray(args, cJSON_CreateString("--advertise"));
+    cJSON_AddItemToArray(args, cJSON_CreateString("$(COHORT_POD_IP)"));
+    cJSON_AddItemToArray(args, cJSON_CreateString("--data-listen"));
+    cJSON_AddItemToArray(args, cJSON_CreateString("$(COHORT_POD_IP):0"));
+    cJSON_AddItemToArray(args, cJSON_CreateString("--log-level"));
+    cJSON_AddItemToArray(args, cJSON_CreateString(level ? level : "info"));
+    if (cJSON_IsObject(get(sc, "resources")))
+        cJSON_AddItemToObject(c, "resources", cJSON_Duplicate(get(sc, "resources"), 1));
+    set_env(c, cohort_key, env->broker_address);
+    add_mount(c);
+    return c;
+}
+
+int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ordinal, cJSON **out)
+{
+    const cJSON *meta = get(tc, "metadata"), *tmpl = get(get(tc, "spec"), "template");
+    const cJSON *tmeta = get(tmpl, "metadata"), *it;
+    const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
+    char pod_name[320], ord[16], key[320];
+    cJSON *pod, *pm, *labels, *owners, *owner, *spec, *inits, *vols, *vol, *conts, *cont;
+
+    *out = NULL;
+    if (!name || !ns || !uid || !cJSON_IsObject(get(tmpl, "spec")))
+        return -EINVAL;
+    snprintf(pod_name, sizeof(pod_name), "%s-%u", name, ordinal);
+    snprintf(ord, sizeof(ord), "%u", ordinal);
+    snprintf(key, sizeof(key), "%s/%s", ns, name);
+    pod = cJSON_CreateObject();
+    if (!pod)
+        return -ENOMEM;
+    cJSON_AddStringToObject(pod, "apiVersion", "v1");
+    cJSON_AddStringToObject(pod, "kind", "Pod");
+    pm = cJSON_AddObjectToObject(pod, "metadata");
+    cJSON_AddStringToObject(pm, "name", pod_name);
+    cJSON_AddStringToObject(pm, "namespace", ns);
+    labels = cJSON_AddObjectToObject(pm, "labels");
+    cJSON_ArrayForEach(it, get(tmeta, "labels"))
+        if (cJSON_IsString(it) && strncmp(it->string, "cohort.dev/", 11) != 0)
+            cJSON_AddStringToObject(labels, it->string, it->valuestring);
+    cJSON_AddStringToObject(labels, RECONCILE_LABEL_COHORT, name);
+    cJSON_AddStringToObject(labels, RECONCILE_LABEL_ORDINAL, ord);
+    if (cJSON_IsObject(get(tmeta, "annotations")))
+        cJSON_AddItemToObject(pm, "annotations", cJSON_Duplicate(get(tmeta, "annotations"), 1));
+    owners = cJSON_AddArrayToObject(pm, "ownerReferences");
+    owner = cJSON_CreateObject();
+    cJSON_AddStringToObject(owner, "apiVersion", RECONCILE_API_VERSION);
+    cJSON_AddStringToObject(owner, "kind", RECONCILE_KIND);
+    cJSON_AddStringToObject(owner, "name", name);
+    cJSON_AddStringToObject(owner, "uid", uid);
+    cJSON_AddBoolToObject(owner, "controller", 1);
+    cJSON_AddBoolToObject(owner, "blockOwnerDeletion", 1);
+    cJSON_AddItemToArray(owners, owner);
+
+    spec = cJSON_Duplicate(get(tmpl, "spec"), 1);
+    if (!spec)
+        goto err_pod;
+    cJSON_AddItemToObject(pod, "spec", spec);
+    if (!get(spec, "restartPolicy"))
+        cJSON_AddStringToObject(spec, "restartPolicy", "Never");
+    conts = cJSON_GetObjectItemCaseSensitive(spec, "containers");
+    cJSON_ArrayForEach(cont, conts) {
+        set_env(cont, key, env->broker_address);
+        add_mount(cont);
+    }
+    /* The sidecar goes first among the init containers, so that it is up
+     * before anything of the user's runs. */
+    inits = cJSON_GetObjectItemCaseSensitive(spec, "initContainers");
+    if (!cJSON_IsArray(inits)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "initContainers");
+        inits = cJSON_AddArrayToObject(spec, "initContainers");
+    }
+    cJSON_InsertItemInArray(inits, 0, sidecar_container(tc, env, key));
+    vols = cJSON_GetObjectItemCaseSensitive(spec, "volumes");
+    if (!cJSON_IsArray(vols)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "volumes");
+        vols = cJSON_AddArrayToObject(spec, "volumes");
+    }
+    /* Memory-backed: it holds the socket, and any shared memory the two
+     * containers map is counted against the pod, not a node's disk. */
+    vol = cJSON_CreateObject();
+    cJSON_AddStringToObject(vol, "name", RECONCILE_VOLUME);
+    cJSON_AddStringToObject(cJSON_AddObjectToObject(vol, "emptyDir"), "medium", "Memory");
+    cJSON_AddItemToArray(vols, vol);
+    /* cJSON reports allocation failures only by leaving things out: one
+     * check at the end that the last additions are all there. */
+    if (!get(pod, "spec") || cJSON_GetArraySize(vols) == 0 || !get(vol, "emptyDir"))
+        goto err_pod;
+    *out = pod;
+    return 0;
+err_pod:
+    cJSON_Delete(pod);
+    return -ENOMEM;
+}
+
+long reconcile_ordinal(const char *cohort, const char *pod)
+{
+    size_t cl = strlen(cohort);
+    const char *p;
+    long v = 0;
+
+    if (strncmp(pod, cohort, cl) != 0 || pod[cl] != '-')
+        return -1;
+    p = pod + cl + 1;
+    if (!*p || (p[0] == '0' && p[1]) || strlen(p) > 5)
+        return -1;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9')
+            return -1;
+        v = v * 10 + (*p - '0');
+    }
+    return v < (long)RECONCILE_REPLICAS_MAX ? v : -1;
+}
+
+int reconcile_selector(const char *cohort, char *buf, size_t n)
+{
+    int w = snprintf(buf, n, RECONCILE_LABEL_COHORT "=%s", cohort);
+    return w < 0 || (size_t)w >= n ? -ENAMETOOLONG : 0;
+}
+
+int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_view *v)
+{
+    const cJSON *meta = get(pod, "metadata"), *st = get(pod, "status"), *c;
+    const char *phase = str(st, "phase");
+
+    memset(v, 0, sizeof(*v));
+    v->name = str(meta, "name");
+    if (!v->name)
+        return -EINVAL;
+    v->uid = str(meta, "uid");
+    v->ordinal = reconcile_ordinal(cohort, v->name);
+    if (get(meta, "deletionTimestamp") && !cJSON_IsNull(get(meta, "deletionTimestamp")))
+        v->phase = RECONCILE_POD_TERMINATING;
+    else if (phase && strcmp(phase, "Running") == 0)
+        v->phase = RECONCILE_POD_RUNNING;
+    else if (phase && strcmp(phase, "Succeeded") == 0)
+        v->phase = RECONCILE_POD_SUCCEEDED;
+    else if (phase && strcmp(phase, "Failed") == 0)
+        v->phase = RECONCILE_POD_FAILED;
+    else
+        v->phase = RECONCILE_POD_PENDING;
+    cJSON_ArrayForEach(c, get(st, "conditions")) {
+        const char *t = str(c, "type"), *s = str(c, "status");
+        if (t && s && strcmp(t, "Ready") == 0)
+            v->ready = strcmp(s, "True") == 0;
+    }
+    return 0;
+}
+
+/* ---- the plan ----------------------------------------------------------- */
+
+int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
+                   const struct reconcile_pod_view *pods, size_t n, struct reconcile_plan *p)
+{
+    uint32_t succeeded = 0;
+    uint8_t *seen = NULL;
+    size_t failed_at = 0;
+
+    memset(p, 0, sizeof(*p));
+    p->want = s->suspend ? 0 : s->replicas;
+    seen = calloc(p->want ? p->want : 1, 1);
+    p->create = calloc(p->want ? p->want : 1, sizeof(*p->create));
+    p->replace = calloc(n ? n : 1, sizeof(*p->replace));
+    p->excess = calloc(n ? n : 1, sizeof(*p->excess));
+    if (!seen || !p->create || !p->replace || !p->excess) {
+        free(seen);
+        reconcile_plan_cleanup(p);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const struct reconcile_pod_view *v = &pods[i];
+        bool wanted = v->ordinal >= 0 && (uint32_t)v->ordinal < p->want;
+
+        if (v->phase == RECONCILE_POD_TERMINATING) {
+            p->terminating++;
+            if (wanted && !seen[v->ordinal]) {
+                seen[v->ordinal] = 2;       /* its name is still taken */
+                p->blocked++;
+            }
+            continue;
+        }
+        if (!wanted) {
+            p->excess[p->n_excess++] = i;
+            continue;
+        }
+        if (seen[v->ordinal] == 2)
+            p->blocked--;               /* a new pod already holds the name */
+        seen[v->ordinal] = 1;
+        if (v->phase == RECONCILE_POD_SUCCEEDED)
+            succeeded++;
+        if (v->phase == RECONCILE_POD_FAILED) {
+            p->failed_pods++;
+            p->replace[p->n_replace++] = i;
+        }
+    }
+    for (uint32_t o = 0; o < p->want; o++)
+        if (!seen[o])
+            p->create[p->n_create++] = o;
+    free(seen);
+    /* Replacements beyond maxRestarts are not made: the cohort is Failed
+     * and the failed pods stay for their logs and exit codes. */
+    if (restarts + p->n_replace > s->max_restarts) {
+        failed_at = s->max_restarts > restarts ? s->max_restarts - restarts : 0;
+        p->n_replace = failed_at;
+        p->failed = true;
+    }
+    p->complete = p->want > 0 && succeeded == p->want;
+    return 0;
+}
+
+void reconcile_plan_cleanup(struct reconcile_plan *p)
+{
+    free(p->create);
+    free(p->replace);
+    free(p->excess);
+    memset(p, 0, sizeof(*p));
+}
+
+/* ---- status ------------------------------------------------------------- */
+
+static const cJSON *old_condition(const cJSON *old, const char *type)
+{
+    const cJSON *c;
+
+    cJSON_ArrayForEach(c, get(old, "conditions")) {
+        const char *t = str(c, "type");
+        if (t && strcmp(t, type) == 0)
+            return c;
+    }
+    return NULL;
+}
+
+static void condition(cJSON *arr, const cJSON *old, const char *type, bool status,
+                      const char *reason, const char *message, int64_t gen, const char *now)
+{
+    const cJSON *prev = old_condition(old, type);
+    const char *st = status ? "True" : "False", *prev_st = str(prev, "status");
+    const char *since = str(prev, "lastTransitionTime");
+    cJSON *c = cJSON_CreateObject();
+
+    cJSON_AddStringToObject(c, "type", type);
+    cJSON_AddStringToObject(c, "status", st);
+    cJSON_AddNumberToObject(c, "observedGeneration", (double)gen);
+    cJSON_AddStringToObject(c, "lastTransitionTime",
+                            prev_st && since && strcmp(prev_st, st) == 0 ? since : now);
+    cJSON_AddStringToObject(c, "reason", reason);
+    cJSON_AddStringToObject(c, "message", message);
+    cJSON_AddItemToArray(arr, c);
+}
+
+cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_observed *o,
+                        const cJSON *old, const char *now)
+{
+    const struct reconcile_plan *p = o->plan;
+    cJSON *st = cJSON_CreateObject(), *members, *conds;
+    uint32_t ready = 0;
+    uint64_t leader_version = 0;
+    char msg[RECONCILE_MESSAGE_MAX];
+
+    if (!st)
+        return NULL;
+    cJSON_AddNumberToObject(st, "observedGeneration", (double)o->generation);
+    cJSON_AddNumberToObject(st, "replicas", o->pods);
+    if (o->selector)
+        cJSON_AddStringToObject(st, "selector", o->selector);
+    cJSON_AddNumberToObject(st, "restarts", o->restarts);
+    members = cJSON_CreateArray();
+    for (size_t i = 0; i < o->n_members; i++) {
+        const struct reconcile_member *m = &o->members[i];
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddStringToObject(e, "id", m->id);
+        cJSON_AddStringToObject(e, "pod", m->id);
+        if (m->address)
+            cJSON_AddStringToObject(e, "address", m->address);
+        cJSON_AddNumberToObject(e, "modelVersion", (double)m->model_version);
+        if (m->draining)
+            cJSON_AddBoolToObject(e, "draining", 1);
+        else if (o->epoch)
+            ready++;        /* members train once an epoch names them */
+        if (o->leader && strcmp(o->leader, m->id) == 0)
+            leader_version = m->model_version;
+        cJSON_AddItemToArray(members, e);
+    }
+    cJSON_AddNumberToObject(st, "readyReplicas", ready);
+    if (o->broker_known && o->epoch) {
+        cJSON_AddNumberToObject(st, "epoch", (double)o->epoch);
+        if (o->leader) {
+            cJSON_AddStringToObject(st, "leader", o->leader);
+            cJSON_AddNumberToObject(st, "modelVersion", (double)leader_version);
+        }
+    }
+    cJSON_AddItemToObject(st, "members", members);
+
+    conds = cJSON_AddArrayToObject(st, "conditions");
+    if (o->invalid) {
+        condition(conds, old, "Available", false, o->invalid->reason, o->invalid->message,
+                  o->generation, now);
+        condition(conds, old, "Progressing", false, o->invalid->reason, o->invalid->message,
+                  o->generation, now);
+        condition(conds, old, "Failed", true, o->invalid->reason, o->invalid->message,
+                  o->generation, now);
+        return st;
+    }
+    /* Available: enough members train together. */
+    if (s->suspend) {
+        condition(conds, old, "Available", false, "Suspended", "the cohort is suspended",
+                  o->generation, now);
+    } else if (p && p->complete) {
+        condition(conds, old, "Available", false, "Completed", "every trainer finished",
+                  o->generation, now);
+    } else if (ready >= s->min_replicas) {
+        snprintf(msg, sizeof(msg), "%u of %u members train in epoch %" PRIu64, ready, s->replicas,
+                 o->epoch);
+        condition(conds, old, "Available", true, "MinimumMembersReady", msg, o->generation, now);
+    } else {
+        snprintf(msg, sizeof(msg), "%u members, %u wanted at least", ready, s->min_replicas);
+        condition(conds, old, "Available", false, "WaitingForMembers", msg, o->generation, now);
+    }
+    /* Progressing: the operator still has work to do to reach the spec. */
+    {
+        uint32_t want = p ? p->want : 0;
+        bool draining = o->draining > 0;
+        bool scaling = p && (p->n_create || p->n_excess || p->blocked || p->n_replace);
+        bool joining = !s->suspend && !(p && p->complete) && ready != want;
+        if (p && p->failed) {
+            condition(conds, old, "Progressing", false, "TooManyRestarts",
+                      "no more failed pods are replaced", o->generation, now);
+        } else if (draining) {
+            snprintf(msg, sizeof(msg), "draining %u member(s) before their pods are deleted",
+                     o->draining);
+            condition(conds, old, "Progressing", true, "Draining", msg, o->generation, now);
+        } else if (scaling || joining) {
+            snprintf(msg, sizeof(msg), "%u of %u pods exist, %u members", o->pods, want, ready);
+            condition(conds, old, "Progressing", true, "Scaling", msg, o->generation, now);
+        } else {
+            snprintf(msg, sizeof(msg), "%u pods, all members", want);
+            condition(conds, old, "Progressing", false, s->suspend ? "Suspended" : "Stable", msg,
+                      o->generation, now);
+        }
+    }
+    /* Degraded: fewer members than wanted because pods failed or vanished. */
+    if (p && p->failed_pods && !s->suspend) {
+        snprintf(msg, sizeof(msg), "%u trainer pod(s) failed", p->failed_pods);
+        condition(conds, old, "Degraded", true, "PodFailed", msg, o->generation, now);
+    } else {
+        condition(conds, old, "Degraded", false, "AsExpected", "no trainer pod has failed",
+                  o->generation, now);
+    }
+    if (p && p->failed) {
+        snprintf(msg, sizeof(msg), "a trainer pod failed after %u restarts (spec.maxRestarts %u)",
+                 o->restarts, s->max_restarts);
+        condition(conds, old, "Failed", true, "TooManyRestarts", msg, o->generation, now);
+    } else {
+        condition(conds, old, "Failed", false, "AsExpected", "restarts within spec.maxRestarts",
+                  o->generation, now);
+    }
+    condition(conds, old, "Suspended", s->suspend, s->suspend ? "Suspended" : "NotSuspended",
+              s->suspend ? "spec.suspend is true: no pods run" : "spec.suspend is false",
+              o->generation, now);
+    if (p && p->complete)
+        condition(conds, old, "Complete", true, "Completed", "every trainer finished",
+                  o->generation, now);
+    return st;
+}
+
+/* A copy without the fields that move with every round. */
+static cJSON *without_versions(const cJSON *st)
+{
+    cJSON *c = cJSON_Duplicate(st, 1), *m;
+
+    if (!c)
+        return NULL;
+    cJSON_DeleteItemFromObjectCaseSensitive(c, "modelVersion");
+    cJSON_ArrayForEach(m, cJSON_GetObjectItemCaseSensitive(c, "members"))
+        cJSON_DeleteItemFromObjectCaseSensitive(m, "modelVersion");
+    return c;
+}
+
+bool reconcile_status_differs(const cJSON *a, const cJSON *b, bool ignore_versions)
+{
+    cJSON *x, *y;
+    bool differ;
+
+    if (!a || !b)
+        return a != b;
+    if (!ignore_versions)
+        return !cJSON_Compare(a, b, 1);
+    x = without_versions(a);
+    y = without_versions(b);
+    differ = !x || !y || !cJSON_Compare(x, y, 1);
+    cJSON_Delete(x);
+    cJSON_Delete(y);
+    return differ;
+}
+
+cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want)
+{
+    cJSON *patch = cJSON_CreateObject(), *st, *it;
+
+    if (!patch)
+        return NULL;
+    st = cJSON_Duplicate(want, 1);
+    if (!st) {
+        cJSON_Delete(patch);
+        return NULL;
+    }
+    cJSON_ArrayForEach(it, old)
+        if (it->string && !cJSON_GetObjectItemCaseSensitive(st, it->string))
+            cJSON_AddNullToObject(st, it->string);
+    cJSON_AddItemToObject(patch, "status", st);
+    return patch;
+}

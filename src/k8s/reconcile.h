@@ -1,0 +1,171 @@
+/* src/k8s/reconcile.h: what a TrainingCohort should look like in the cluster,
+ * computed from what is there. Pure: no I/O, no clock of its own, no
+ * threads; the controller (controller.h) feeds it the cached objects and
+ * the broker's view and carries out what it decides.
+ *
+ * The rules it encodes (docs/operator.md repeats them for users):
+ * - Pods are named <cohort>-<ordinal> for ordinals 0 .. replicas-1, with no
+ *   generateName, so that a restarted operator finds the pods it made and
+ *   a create that races another one gets AlreadyExists, never a duplicate.
+ * - A pod that Failed is deleted and made again under the same name, and
+ *   counted in status.restarts, up to spec.maxRestarts; after that the
+ *   cohort is Failed and failed pods are left in place for inspection.
+ * - Pods at ordinals >= replicas (a scale-down) and every pod of a
+ *   suspended cohort are "excess": the controller drains them through the
+ *   broker before it deletes them.
+ * - A pod that Succeeded (the trainer finished) is not replaced; when every
+ *   wanted ordinal has Succeeded the cohort is Complete.
+ */
+#ifndef COHORT_RECONCILE_H
+#define COHORT_RECONCILE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#define RECONCILE_GROUP "cohort.dev"
+#define RECONCILE_API_VERSION "cohort.dev/v1alpha1"
+#define RECONCILE_KIND "TrainingCohort"
+#define RECONCILE_LABEL_COHORT "cohort.dev/cohort"
+#define RECONCILE_LABEL_ORDINAL "cohort.dev/ordinal"
+#define RECONCILE_SIDECAR "cohort-sidecar"
+#define RECONCILE_VOLUME "cohort"
+#define RECONCILE_MOUNT "/run/cohort"
+#define RECONCILE_SOCKET "/run/cohort/sidecar.sock"
+#define RECONCILE_REPLICAS_MAX 4096u
+#define RECONCILE_REASON_MAX 64
+#define RECONCILE_MESSAGE_MAX 512
+
+/* What the operator interprets of spec, after defaults and checks. */
+struct reconcile_spec {
+    uint32_t replicas, min_replicas, max_restarts;
+    bool suspend;
+    uint32_t heartbeat_ms, timeout_ms;
+};
+
+/* Why a cohort cannot be reconciled: a condition reason (CamelCase) and a
+ * sentence for its message. */
+struct reconcile_why {
+    char reason[RECONCILE_REASON_MAX];
+    char message[RECONCILE_MESSAGE_MAX];
+};
+
+/* Reads spec from a TrainingCohort (borrowed), applying the CRD's defaults
+ * for fields that are missing (an object written before the CRD was
+ * updated, or a server without defaulting). Returns 0, or -EINVAL with
+ * *why filled: a name too long for the pod names and labels, replicas out
+ * of range, durations that do not parse or timeout <= heartbeat, a
+ * template without containers or with a container or volume name that
+ * the operator reserves. */
+int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_why *why);
+
+/* How pods reach the operator, and what they run besides the trainer. */
+struct reconcile_env {
+    const char *broker_address;     /* host:port, what the sidecar is told */
+    const char *sidecar_image;      /* used when spec.sidecar.image is unset */
+    const char *sidecar_command;    /* argv[0] of the sidecar container */
+};
+
+/* The pod for `ordinal` of cohort `tc` (borrowed): the template's pod
+ * with the sidecar injected as a native sidecar (an init container with
+ * restartPolicy Always), the shared emptyDir, the COHORT_* environment
+ * in every trainer container, labels and a controller owner reference.
+ * restartPolicy defaults to Never, so that a failure reaches the
+ * operator, which replaces the pod and counts it. Returns 0 and sets *out
+ * (caller frees with cJSON_Delete), -EINVAL (tc lacks a name, namespace,
+ * uid or template), -ENOMEM. */
+int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ordinal, cJSON **out);
+
+/* The ordinal of pod `pod` if it is named <cohort>-<n> (n without leading
+ * zeros, below RECONCILE_REPLICAS_MAX), else -1. */
+long reconcile_ordinal(const char *cohort, const char *pod);
+
+/* The label selector of a cohort's pods, for status.selector and lists.
+ * Returns 0 or -ENAMETOOLONG. */
+int reconcile_selector(const char *cohort, char *buf, size_t n);
+
+enum reconcile_phase {
+    RECONCILE_POD_PENDING,
+    RECONCILE_POD_RUNNING,
+    RECONCILE_POD_SUCCEEDED,
+    RECONCILE_POD_FAILED,
+    RECONCILE_POD_TERMINATING,      /* deletionTimestamp set, whatever the phase */
+};
+
+/* One pod as the plan sees it. Strings are borrowed. */
+struct reconcile_pod_view {
+    const char *name, *uid;
+    long ordinal;                   /* reconcile_ordinal(), -1 for a stranger */
+    enum reconcile_phase phase;
+    bool ready;
+};
+
+/* Reads a pod object into a view (strings borrowed from pod). Returns 0
+ * or -EINVAL (no name). */
+int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_view *v);
+
+struct reconcile_plan {
+    uint32_t *create;               /* ordinals to create */
+    size_t n_create;
+    size_t *replace;                /* indices into pods: Failed, delete and count */
+    size_t n_replace;
+    size_t *excess;                 /* indices into pods: drain, then delete */
+    size_t n_excess;
+    uint32_t want;                  /* pods wanted: 0 when suspended */
+    uint32_t terminating;           /* pods being deleted */
+    uint32_t blocked;               /* wanted ordinals waiting for a pod to go */
+    uint32_t failed_pods;           /* Failed pods at wanted ordinals */
+    bool failed;                    /* a pod failed with no restarts left */
+    bool complete;                  /* every wanted ordinal Succeeded */
+};
+
+/* Decides what to do for a cohort with spec `s`, `restarts` replacements
+ * made so far and `pods` (borrowed). Fills *p; the caller frees it with
+ * reconcile_plan_cleanup(). Returns 0 or -ENOMEM. */
+int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
+                   const struct reconcile_pod_view *pods, size_t n, struct reconcile_plan *p);
+void reconcile_plan_cleanup(struct reconcile_plan *p);
+
+/* The broker's view of the cohort, borrowed. */
+struct reconcile_member {
+    const char *id, *address;
+    uint64_t model_version;
+    bool draining;
+};
+
+struct reconcile_observed {
+    int64_t generation;
+    const char *selector;
+    uint32_t pods;                  /* pods that exist and are not terminating */
+    uint32_t restarts;
+    uint32_t draining;              /* excess pods still being drained */
+    bool broker_known;              /* the broker has the cohort */
+    uint64_t epoch;
+    const char *leader;             /* NULL: none */
+    const struct reconcile_member *members;
+    size_t n_members;
+    const struct reconcile_plan *plan;      /* NULL with `invalid` */
+    const struct reconcile_why *invalid;    /* non-NULL: the spec was refused */
+};
+
+/* The status the cohort should have. Conditions (Available, Progressing,
+ * Degraded, Failed, Suspended, Complete) keep their lastTransitionTime
+ * from `old` (borrowed, may be NULL) while their status stays the same;
+ * `now` is an RFC 3339 time for those that change. Returns a new object
+ * (caller frees) or NULL on allocation failure. */
+cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_observed *o,
+                        const cJSON *old, const char *now);
+
+/* True when a and b (status objects, either may be NULL) differ in
+ * anything but model versions: such a difference is written at once,
+ * while model versions, which move with every round, are written at most
+ * once per status period. */
+bool reconcile_status_differs(const cJSON *a, const cJSON *b, bool ignore_versions);
+
+/* A JSON merge patch {"status": ...} taking `old` to `want`: fields in old
+ * and not in want are set to null. Returns a new object or NULL. */
+cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want);
+
+#endif

@@ -1,0 +1,859 @@
+/* src/membership/broker.c: see broker.h.
+ *
+ * Cohorts live in an array sorted by name and each cohort's members in an
+ * array sorted in member order; both are searched by bisection. Member
+ * order is the order an epoch lists, so forming an epoch is a copy, not a
+ * sort, and a heartbeat costs about log2(members) comparisons. A join or a
+ * leave shifts pointers, which even at the caps is a few kilobytes of
+ * memmove on an event that is rare next to heartbeats.
+ *
+ * Eviction is lazy: each cohort keeps a lower bound on its earliest
+ * eviction deadline, and broker_tick() scans a cohort's members only once
+ * that bound has passed. Heartbeats only push deadlines later, so they
+ * never have to touch the bound; the scan recomputes it exactly.
+ */
+#include "membership/broker.h"
+
+#include "base/ident.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A joiner's last_epoch is read from the wire. Refusing absurd values keeps
+ * `number + 1` from ever wrapping to 0, which would break "epochs only
+ * grow"; no real cohort forms 2^63 epochs. */
+#define EPOCH_MAX (UINT64_MAX / 2)
+
+#define TICK_MAX_MS 1000
+
+/* One member as the broker holds it ("entry" keeps it apart from
+ * member.h, the member's own side of the protocol). */
+struct entry {
+    char *id;
+    char *address;
+    uint64_t session;
+    uint64_t model_version;
+    uint64_t last_seen;
+    uint32_t heartbeat_ms;
+    uint32_t timeout_ms;
+    uint64_t adopted;           /* the epoch it last said it runs in */
+    bool draining;              /* left out of epochs (broker_drain) */
+    void *watcher;              /* borrowed from the host; NULL if none */
+};
+
+struct cohort {
+    char *name;
+    uint32_t heartbeat_ms;      /* for members that join from now on */
+    uint32_t timeout_ms;
+    struct entry **members;     /* member order */
+    size_t n_members, cap_members;
+    struct epoch *cur;          /* latest published (one reference), or NULL */
+    uint64_t *cur_sessions;     /* parallel to cur->members */
+    uint64_t floor;             /* highest epoch published or reported by a joiner */
+    uint64_t next_evict;        /* no member is due before this; UINT64_MAX if none */
+    uint64_t pending_since;     /* first change not yet in an epoch */
+    bool pending;
+    bool leader_dirty;          /* a declared version moved the leader */
+};
+
+struct broker {
+    struct broker_config cfg;
+    struct broker_watch_ops ops;
+    uint64_t hold_until;        /* no epoch forms before this */
+    struct cohort **cohorts;    /* sorted by name, in natural order */
+    size_t n_cohorts, cap_cohorts;
+};
+
+void broker_config_default(struct broker_config *cfg)
+{
+    *cfg = (struct broker_config){
+        .heartbeat_ms = 1000,
+        .timeout_ms = 5000,
+        .coalesce_ms = 50,
+        .startup_hold_ms = 2000,
+        .max_members = 4096,
+        .max_cohorts = 1024,
+        .allow_any_cohort = false,
+    };
+}
+
+/* ---- small helpers ---- */
+
+static uint64_t min_u64(uint64_t a, uint64_t b)
+{
+    return a < b ? a : b;
+}
+
+static uint64_t max_u64(uint64_t a, uint64_t b)
+{
+    return a > b ? a : b;
+}
+
+/* Makes room for `need` elements of `size` bytes; returns the (possibly
+ * moved) array, or NULL with `arr` untouched. */
+static void *grow(void *arr, size_t *cap, size_t need, size_t size)
+{
+    size_t n = *cap ? *cap : 8;
+    void *p;
+
+    if (need <= *cap)
+        return arr;
+    while (n < need)
+        n *= 2;
+    p = reallocarray(arr, n, size);
+    if (p)
+        *cap = n;
+    return p;
+}
+
+/* The first moment at which `m` has been silent for longer than its
+ * timeout. */
+static uint64_t entry_deadline(const struct entry *m)
+{
+    return m->last_seen + m->timeout_ms + 1;
+}
+
+static void entry_free(struct entry *m)
+{
+    if (!m)
+        return;
+    free(m->id);
+    free(m->address);
+    free(m);
+}
+
+static void detach(const struct broker *b, struct entry *m, int err)
+{
+    void *w = m->watcher;
+
+    if (!w)
+        return;
+    m->watcher = NULL;
+    if (b->ops.detach)
+        b->ops.detach(b->ops.arg, w, err);
+}
+
+/* Bisection over n names sorted in natural order, name_at(items, i)
+ * giving the i-th: returns the index of `key`, or where it would be
+ * inserted, and says which in *found. */
+static size_t natural_find(const void *items, size_t n,
+                           const char *(*name_at)(const void *, size_t), const char *key,
+                           bool *found)
+{
+    size_t lo = 0, hi = n;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int r = ident_natural_cmp(name_at(items, mid), key);
+
+        if (r == 0) {
+            *found = true;
+            return mid;
+        }
+        if (r < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *found = false;
+    return lo;
+}
+
+static const char *cohort_name_at(const void *items, size_t i)
+{
+    return ((struct cohort *const *)items)[i]->name;
+}
+
+static const char *entry_id_at(const void *items, size_t i)
+{
+    return ((struct entry *const *)items)[i]->id;
+}
+
+static size_t cohort_find(const struct broker *b, const char *name, bool *found)
+{
+    return natural_find(b->cohorts, b->n_cohorts, cohort_name_at, name, found);
+}
+
+static size_t entry_find(const struct cohort *c, const char *id, bool *found)
+{
+    return natural_find(c->members, c->n_members, entry_id_at, id, found);
+}
+
+static struct cohort *cohort_get(const struct broker *b, const char *name)
+{
+    bool found;
+    size_t i;
+
+    if (!name)
+        return NULL;
+    i = cohort_find(b, name, &found);
+    return found ? b->cohorts[i] : NULL;
+}
+
+/* The member `id` of `c`, or NULL. A nonzero `session` must also match:
+ * requests from a superseded process must not act for its successor. */
+static struct entry *entry_get(const struct cohort *c, const char *id, uint64_t session)
+{
+    bool found;
+    size_t i;
+
+    if (!c || !id)
+        return NULL;
+    i = entry_find(c, id, &found);
+    if (!found || (session && c->members[i]->session != session))
+        return NULL;
+    return c->members[i];
+}
+
+static void mark_pending(struct cohort *c, uint64_t now)
+{
+    if (!c->pending) {
+        c->pending = true;
+        c->pending_since = now;
+    }
+}
+
+/* Highest model version among the members that are not draining; ties
+ * go to the first in member order. Returns the index into `ms`, or n when
+ * every member is draining. */
+static size_t elect(struct entry *const *ms, size_t n)
+{
+    size_t best = n;
+
+    for (size_t i = 0; i < n; i++)
+        if (!ms[i]->draining && (best == n || ms[i]->model_version > ms[best]->model_version))
+            best = i;
+    return best;
+}
+
+/* The position `at` (an index into the cohort's members) has among the
+ * members that are not draining, i.e. in the epoch being formed. */
+static size_t epoch_index(const struct cohort *c, size_t at)
+{
+    size_t k = 0;
+
+    for (size_t i = 0; i < at; i++)
+        k += !c->members[i]->draining;
+    return k;
+}
+
+/* ---- cohorts ---- */
+
+static void cohort_free(const struct broker *b, struct cohort *c, int err)
+{
+    for (size_t i = 0; i < c->n_members; i++) {
+        detach(b, c->members[i], err);
+        entry_free(c->members[i]);
+    }
+    free(c->members);
+    epoch_unref(c->cur);
+    free(c->cur_sessions);
+    free(c->name);
+    free(c);
+}
+
+static int cohort_add(struct broker *b, const char *name, uint32_t heartbeat_ms,
+                      uint32_t timeout_ms, struct cohort **out)
+{
+    struct cohort **arr, *c;
+    bool found;
+    size_t at;
+
+    if (b->n_cohorts >= b->cfg.max_cohorts)
+        return -ENOSPC;
+    arr = grow(b->cohorts, &b->cap_cohorts, b->n_cohorts + 1, sizeof *arr);
+    if (!arr)
+        return -ENOMEM;
+    b->cohorts = arr;
+    c = calloc(1, sizeof *c);
+    if (!c)
+        return -ENOMEM;
+    c->name = strdup(name);
+    if (!c->name)
+        goto free_cohort;
+    c->heartbeat_ms = heartbeat_ms;
+    c->timeout_ms = timeout_ms;
+    c->next_evict = UINT64_MAX;
+
+    at = cohort_find(b, name, &found);
+    memmove(&arr[at + 1], &arr[at], (b->n_cohorts - at) * sizeof *arr);
+    arr[at] = c;
+    b->n_cohorts++;
+    if (out)
+        *out = c;
+    return 0;
+
+free_cohort:
+    free(c);
+    return -ENOMEM;
+}
+
+/* Unlinks the cohort at index `at` and frees it. */
+static void cohort_drop(struct broker *b, size_t at, int err)
+{
+    struct cohort *c = b->cohorts[at];
+
+    memmove(&b->cohorts[at], &b->cohorts[at + 1],
+            (b->n_cohorts - at - 1) * sizeof *b->cohorts);
+    b->n_cohorts--;
+    cohort_free(b, c, err);
+}
+
+/* Whether the current members that are not draining are exactly those of
+ * the published epoch (no epoch counts as an empty one). Sessions count,
+ * because a member that restarted keeps its id and address but not its
+ * session; versions are left out on purpose, since they alone never make
+ * an epoch. */
+static bool same_membership(const struct cohort *c)
+{
+    size_t n = c->cur ? c->cur->n_members : 0, k = 0;
+
+    for (size_t i = 0; i < c->n_members; i++) {
+        const struct entry *m = c->members[i];
+        const struct epoch_member *p;
+
+        if (m->draining)
+            continue;
+        if (k == n)
+            return false;
+        p = &c->cur->members[k];
+        if (m->session != c->cur_sessions[k] || strcmp(m->id, p->id) != 0 ||
+            strcmp(m->address, p->address) != 0)
+            return false;
+        k++;
+    }
+    return k == n;
+}
+
+/* Forms the epoch a pending cohort is due, or none when its changes
+ * cancelled out. Returns 0 or -ENOMEM (the cohort stays pending and the
+ * next tick tries again). */
+static int cohort_form(const struct broker *b, struct cohort *c)
+{
+    size_t n = c->n_members, n_view = 0, n_watchers = 0, leader = elect(c->members, n);
+    struct epoch_member *view;
+    struct epoch *e;
+    uint64_t *sessions;
+    void **watchers;
+    int err = -ENOMEM;
+
+    /* leader_dirty implies a published epoch: declares only compare
+     * against one. Without a declare the leader is not compared, so that
+     * undeclared versions never force an epoch on their own. */
+    leader = leader < n ? epoch_index(c, leader) : 0;
+    if (same_membership(c) && (!c->leader_dirty || c->cur->leader == leader)) {
+        c->pending = false;
+        c->leader_dirty = false;
+        return 0;
+    }
+    /* `view` borrows the entries' strings; epoch_create() copies them. */
+    view = calloc(n ? n : 1, sizeof *view);
+    if (!view)
+        return -ENOMEM;
+    sessions = calloc(n ? n : 1, sizeof *sessions);
+    if (!sessions)
+        goto free_view;
+    watchers = calloc(n ? n : 1, sizeof *watchers);
+    if (!watchers)
+        goto free_sessions;
+    /* Draining members are left out of the epoch but still hear it: that
+     * is how they learn to stop. */
+    for (size_t i = 0; i < n; i++) {
+        const struct entry *m = c->members[i];
+
+        if (m->watcher)
+            watchers[n_watchers++] = m->watcher;
+        if (m->draining)
+            continue;
+        view[n_view] = (struct epoch_member){
+            .id = m->id, .address = m->address, .model_version = m->model_version,
+        };
+        sessions[n_view++] = m->session;
+    }
+    err = epoch_create(c->name, c->floor + 1, leader, view, n_view, &e);
+    if (err)
+        goto free_watchers;
+
+    epoch_unref(c->cur);
+    free(c->cur_sessions);
+    c->cur = e;
+    c->cur_sessions = sessions;
+    sessions = NULL;
+    c->floor = e->number;
+    c->pending = false;
+    c->leader_dirty = false;
+    /* Published even with no watchers, so that the host sees (and logs)
+     * every epoch in one place. */
+    if (b->ops.publish)
+        b->ops.publish(b->ops.arg, e, watchers, n_watchers);
+
+free_watchers:
+    free(watchers);
+free_sessions:
+    free(sessions);
+free_view:
+    free(view);
+    return err;
+}
+
+/* Evicts the members of `c` that are due at `now` and recomputes the
+ * cohort's eviction bound. */
+static void cohort_evict(const struct broker *b, struct cohort *c, uint64_t now)
+{
+    uint64_t next = UINT64_MAX;
+    size_t keep = 0;
+    bool evicted = false;
+
+    for (size_t i = 0; i < c->n_members; i++) {
+        struct entry *m = c->members[i];
+        uint64_t d = entry_deadline(m);
+
+        if (now >= d) {
+            detach(b, m, -ETIMEDOUT);
+            entry_free(m);
+            evicted = true;
+            continue;
+        }
+        next = min_u64(next, d);
+        c->members[keep++] = m;
+    }
+    c->n_members = keep;
+    c->next_evict = next;
+    if (evicted)
+        mark_pending(c, now);
+}
+
+static uint64_t form_due(const struct broker *b, const struct cohort *c)
+{
+    return max_u64(c->pending_since + b->cfg.coalesce_ms, b->hold_until);
+}
+
+/* ---- the API ---- */
+
+int broker_create(const struct broker_config *cfg, const struct broker_watch_ops *ops,
+                  uint64_t now, struct broker **out)
+{
+    struct broker *b;
+
+    if (!cfg || !out)
+        return -EINVAL;
+    if (cfg->heartbeat_ms == 0 || cfg->timeout_ms <= cfg->heartbeat_ms ||
+        cfg->max_members == 0 || cfg->max_cohorts == 0)
+        return -EINVAL;
+    b = calloc(1, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    b->cfg = *cfg;
+    if (ops)
+        b->ops = *ops;
+    b->hold_until = now + cfg->startup_hold_ms;
+    *out = b;
+    return 0;
+}
+
+void broker_destroy(struct broker *b)
+{
+    if (!b)
+        return;
+    for (size_t i = 0; i < b->n_cohorts; i++)
+        cohort_free(b, b->cohorts[i], -ESHUTDOWN);
+    free(b->cohorts);
+    free(b);
+}
+
+int broker_cohort_declare(struct broker *b, const char *name, uint32_t heartbeat_ms,
+                          uint32_t timeout_ms)
+{
+    struct cohort *c;
+
+    if (!ident_valid_cohort(name))
+        return -EINVAL;
+    if (!heartbeat_ms)
+        heartbeat_ms = b->cfg.heartbeat_ms;
+    if (!timeout_ms)
+        timeout_ms = b->cfg.timeout_ms;
+    if (timeout_ms <= heartbeat_ms)
+        return -EINVAL;
+    c = cohort_get(b, name);
+    if (c) {
+        c->heartbeat_ms = heartbeat_ms;
+        c->timeout_ms = timeout_ms;
+        return 0;
+    }
+    return cohort_add(b, name, heartbeat_ms, timeout_ms, NULL);
+}
+
+int broker_cohort_remove(struct broker *b, const char *name)
+{
+    bool found;
+    size_t at;
+
+    if (!name)
+        return -ENOENT;
+    at = cohort_find(b, name, &found);
+    if (!found)
+        return -ENOENT;
+    cohort_drop(b, at, -ESHUTDOWN);
+    return 0;
+}
+
+/* Adds a new member at index `at` of `c`. */
+static int join_new(const struct broker *b, struct cohort *c, size_t at, uint64_t now,
+                    const struct broker_join *j, uint32_t heartbeat_ms, uint32_t timeout_ms)
+{
+    struct entry **arr, *m;
+
+    if (c->n_members >= b->cfg.max_members)
+        return -ENOSPC;
+    arr = grow(c->members, &c->cap_members, c->n_members + 1, sizeof *arr);
+    if (!arr)
+        return -ENOMEM;
+    c->members = arr;
+    m = calloc(1, sizeof *m);
+    if (!m)
+        return -ENOMEM;
+    m->id = strdup(j->id);
+    m->address = strdup(j->address);
+    if (!m->id || !m->address)
+        goto free_member;
+    m->session = j->session;
+    m->model_version = j->model_version;
+    m->last_seen = now;
+    m->heartbeat_ms = heartbeat_ms;
+    m->timeout_ms = timeout_ms;
+
+    memmove(&arr[at + 1], &arr[at], (c->n_members - at) * sizeof *arr);
+    arr[at] = m;
+    c->n_members++;
+    c->next_evict = min_u64(c->next_evict, entry_deadline(m));
+    mark_pending(c, now);
+    return 0;
+
+free_member:
+    entry_free(m);
+    return -ENOMEM;
+}
+
+/* Refreshes member `m` (same session) or hands its id to a new session
+ * once `m` has fallen silent. */
+static int join_existing(const struct broker *b, struct cohort *c, struct entry *m,
+                         uint64_t now, const struct broker_join *j, uint32_t heartbeat_ms,
+                         uint32_t timeout_ms)
+{
+    bool changed = false;
+
+    if (m->session != j->session) {
+        /* Checked against the clock, not against whether a tick has
+         * evicted it yet, so that the answer does not depend on how
+         * often the host ticks. */
+        if (now < entry_deadline(m))
+            return -EEXIST;
+        changed = true;
+    }
+    if (strcmp(m->address, j->address) != 0) {
+        char *address = strdup(j->address);
+
+        if (!address)
+            return -ENOMEM;
+        free(m->address);
+        m->address = address;
+        changed = true;
+    }
+    if (m->session != j->session) {
+        /* The old process is gone; its stream ends as an eviction would
+         * have ended it. */
+        detach(b, m, -ETIMEDOUT);
+        m->session = j->session;
+    }
+    m->model_version = j->model_version;
+    m->last_seen = max_u64(m->last_seen, now);
+    m->heartbeat_ms = heartbeat_ms;
+    m->timeout_ms = timeout_ms;
+    /* A shorter timeout may bring the deadline earlier than the bound. */
+    c->next_evict = min_u64(c->next_evict, entry_deadline(m));
+    if (changed)
+        mark_pending(c, now);
+    return 0;
+}
+
+int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
+                struct broker_join_result *res)
+{
+    struct cohort *c;
+    uint32_t heartbeat_ms, timeout_ms;
+    bool found, created = false;
+    size_t at;
+    int err;
+
+    if (!j || !ident_valid_cohort(j->cohort) || !ident_valid_member_id(j->id) ||
+        !ident_valid_address(j->address) || j->session == 0 || j->last_epoch > EPOCH_MAX)
+        return -EINVAL;
+    c = cohort_get(b, j->cohort);
+    if (!c && !b->cfg.allow_any_cohort)
+        return -ENOENT;
+    heartbeat_ms = j->heartbeat_ms ? j->heartbeat_ms : c ? c->heartbeat_ms : b->cfg.heartbeat_ms;
+    timeout_ms = j->timeout_ms ? j->timeout_ms : c ? c->timeout_ms : b->cfg.timeout_ms;
+    if (timeout_ms <= heartbeat_ms)
+        return -EINVAL;
+    if (!c) {
+        err = cohort_add(b, j->cohort, b->cfg.heartbeat_ms, b->cfg.timeout_ms, &c);
+        if (err)
+            return err;
+        created = true;
+    }
+
+    at = entry_find(c, j->id, &found);
+    if (found)
+        err = join_existing(b, c, c->members[at], now, j, heartbeat_ms, timeout_ms);
+    else
+        err = join_new(b, c, at, now, j, heartbeat_ms, timeout_ms);
+    if (err)
+        goto drop_cohort;
+
+    c->floor = max_u64(c->floor, j->last_epoch);
+    if (res) {
+        res->heartbeat_ms = heartbeat_ms;
+        res->timeout_ms = timeout_ms;
+        res->epoch = c->cur ? c->cur->number : 0;
+    }
+    return 0;
+
+drop_cohort:
+    if (created)
+        cohort_drop(b, cohort_find(b, j->cohort, &found), -ESHUTDOWN);
+    return err;
+}
+
+int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                     uint64_t session, const struct broker_beat *beat,
+                     struct broker_beat_result *res)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+    size_t best;
+
+    if (!session || !beat)
+        return -ENOENT;
+    m = entry_get(c, id, session);
+    if (!m)
+        return -ENOENT;
+    m->last_seen = max_u64(m->last_seen, now);
+    m->model_version = beat->model_version;
+    m->adopted = max_u64(m->adopted, beat->adopted);
+    /* Only a declare may move the leader. Already pending or already
+     * dirty: the election at formation sees this version anyway. */
+    best = elect(c->members, c->n_members);
+    if (beat->declare && c->cur && !c->leader_dirty && best < c->n_members) {
+        const char *want = c->members[best]->id;
+        const char *have = c->cur->n_members ? c->cur->members[c->cur->leader].id : NULL;
+
+        if (!have || strcmp(want, have) != 0) {
+            c->leader_dirty = true;
+            mark_pending(c, now);
+        }
+    }
+    if (res) {
+        res->epoch = c->cur ? c->cur->number : 0;
+        res->drained = m->draining && c->cur && epoch_find(c->cur, m->id) < 0;
+    }
+    return 0;
+}
+
+int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char *id, bool drain)
+{
+    struct entry *m = entry_get(cohort_get(b, cohort), id, 0);
+
+    if (!m)
+        return -ENOENT;
+    if (m->draining != drain) {
+        m->draining = drain;
+        mark_pending(cohort_get(b, cohort), now);
+    }
+    return 0;
+}
+
+int broker_drained(const struct broker *b, const char *cohort, const char *id)
+{
+    const struct cohort *c = cohort_get(b, cohort);
+    const struct entry *m;
+
+    if (!c)
+        return -ENOENT;
+    m = entry_get(c, id, 0);
+    if (!m)
+        return 1;
+    /* Still pending: the epoch that leaves it out has not formed yet. */
+    if (!m->draining || c->pending || !c->cur || epoch_find(c->cur, id) >= 0)
+        return 0;
+    for (size_t i = 0; i < c->n_members; i++)
+        if (!c->members[i]->draining && c->members[i]->adopted < c->cur->number)
+            return 0;
+    return 1;
+}
+
+int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                 uint64_t session)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+    bool found;
+    size_t at;
+
+    if (!c || !id || !session)
+        return -ENOENT;
+    at = entry_find(c, id, &found);
+    if (!found || c->members[at]->session != session)
+        return -ENOENT;
+    m = c->members[at];
+    memmove(&c->members[at], &c->members[at + 1],
+            (c->n_members - at - 1) * sizeof *c->members);
+    c->n_members--;
+    if (c->n_members == 0)
+        c->next_evict = UINT64_MAX;
+    detach(b, m, -ENOENT);
+    entry_free(m);
+    mark_pending(c, now);
+    return 0;
+}
+
+int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t session,
+                 void *watcher)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+
+    if (!session)
+        return -ENOENT;
+    m = entry_get(c, id, session);
+    if (!m)
+        return -ENOENT;
+    if (!watcher)
+        return -EINVAL;
+    if (m->watcher != watcher)
+        detach(b, m, -EEXIST);
+    m->watcher = watcher;
+    if (c->cur && b->ops.publish)
+        b->ops.publish(b->ops.arg, c->cur, &watcher, 1);
+    return 0;
+}
+
+void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher)
+{
+    struct entry *m = entry_get(cohort_get(b, cohort), id, 0);
+
+    if (m && watcher && m->watcher == watcher)
+        m->watcher = NULL;
+}
+
+uint32_t broker_tick(struct broker *b, uint64_t now)
+{
+    uint64_t next = UINT64_MAX;
+
+    for (size_t i = 0; i < b->n_cohorts; i++) {
+        struct cohort *c = b->cohorts[i];
+
+        if (now >= c->next_evict)
+            cohort_evict(b, c, now);
+        if (c->pending && now >= form_due(b, c))
+            (void)cohort_form(b, c);
+        if (c->pending)
+            next = min_u64(next, form_due(b, c));
+        next = min_u64(next, c->next_evict);
+    }
+    if (next <= now)
+        return 1;
+    return (uint32_t)min_u64(next - now, TICK_MAX_MS);
+}
+
+/* ---- status ---- */
+
+static void cohort_status_cleanup(struct broker_cohort_status *cs)
+{
+    for (size_t i = 0; i < cs->n_members; i++) {
+        free(cs->members[i].id);
+        free(cs->members[i].address);
+    }
+    free(cs->members);
+    free(cs->draining);
+    free(cs->leader);
+    free(cs->name);
+}
+
+/* Fills *cs, which starts zeroed; on failure the caller cleans up. */
+static int cohort_status_fill(const struct cohort *c, struct broker_cohort_status *cs)
+{
+    cs->name = strdup(c->name);
+    if (!cs->name)
+        return -ENOMEM;
+    cs->epoch = c->cur ? c->cur->number : 0;
+    if (c->cur && c->cur->n_members) {
+        cs->leader = strdup(c->cur->members[c->cur->leader].id);
+        if (!cs->leader)
+            return -ENOMEM;
+    }
+    cs->heartbeat_ms = c->heartbeat_ms;
+    cs->timeout_ms = c->timeout_ms;
+    cs->members = calloc(c->n_members ? c->n_members : 1, sizeof *cs->members);
+    cs->draining = calloc(c->n_members ? c->n_members : 1, sizeof *cs->draining);
+    if (!cs->members || !cs->draining)
+        return -ENOMEM;
+    for (size_t i = 0; i < c->n_members; i++) {
+        const struct entry *m = c->members[i];
+
+        cs->n_members++;
+        cs->draining[i] = m->draining;
+        cs->members[i].model_version = m->model_version;
+        cs->members[i].id = strdup(m->id);
+        cs->members[i].address = strdup(m->address);
+        if (!cs->members[i].id || !cs->members[i].address)
+            return -ENOMEM;
+    }
+    return 0;
+}
+
+int broker_status(const struct broker *b, const char *cohort, struct broker_status **out)
+{
+    struct broker_status *s;
+    size_t first = 0, n = b->n_cohorts;
+    int err;
+
+    if (cohort) {
+        bool found;
+
+        first = cohort_find(b, cohort, &found);
+        if (!found)
+            return -ENOENT;
+        n = 1;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s)
+        return -ENOMEM;
+    s->cohorts = calloc(n ? n : 1, sizeof *s->cohorts);
+    if (!s->cohorts) {
+        err = -ENOMEM;
+        goto free_status;
+    }
+    for (size_t i = 0; i < n; i++) {
+        s->n_cohorts++;
+        err = cohort_status_fill(b->cohorts[first + i], &s->cohorts[i]);
+        if (err)
+            goto free_status;
+    }
+    *out = s;
+    return 0;
+
+free_status:
+    broker_status_free(s);
+    return err;
+}
+
+void broker_status_free(struct broker_status *s)
+{
+    if (!s)
+        return;
+    for (size_t i = 0; i < s->n_cohorts; i++)
+        cohort_status_cleanup(&s->cohorts[i]);
+    free(s->cohorts);
+    free(s);
+}

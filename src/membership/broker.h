@@ -1,0 +1,191 @@
+/* src/membership/broker.h: the broker's state machine: cohorts, members, epochs.
+ *
+ * Pure logic, no I/O and no clock of its own: every entry point takes `now`
+ * (monotonic milliseconds), so tests drive it with an injected clock. Not
+ * thread-safe: the host (brokerd) serialises calls with one mutex.
+ *
+ * Soft state only. After a restart the broker rebuilds every cohort from
+ * the members that rejoin; a joiner reports the highest epoch it saw, so
+ * epoch numbers keep growing across restarts.
+ *
+ * Rules (docs/architecture.md repeats them for users):
+ * - Member order: natural order of ids (ident_natural_cmp), so "c-2" comes
+ *   before "c-10" and every member computes the same schedule.
+ * - Leader: the member with the highest model version; ties go to the first
+ *   member in member order.
+ * - A new epoch forms when membership changes (a new member, a leave, an
+ *   eviction, a rejoin with a new session or address) or when a declared
+ *   model version would change the leader. Changes within coalesce_ms of
+ *   the first pending change share one epoch. A set of changes that cancels
+ *   out (a join and a leave of the same session) forms none.
+ * - No epoch forms before start + startup_hold_ms, so that the members
+ *   rejoining a restarted broker land in one epoch, not one each.
+ * - Versions advanced by committed rounds (declare == false) are recorded,
+ *   shown in status and used at the next election, but never force one:
+ *   members report them at different moments, and electing on that skew
+ *   would abort rounds for nothing.
+ */
+#ifndef COHORT_BROKER_H
+#define COHORT_BROKER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "membership/epoch.h"
+
+struct broker;                          /* opaque */
+
+struct broker_config {
+    uint32_t heartbeat_ms;      /* default heartbeat interval (1000) */
+    uint32_t timeout_ms;        /* default member timeout (5000) */
+    uint32_t coalesce_ms;       /* epoch coalescing window (50) */
+    uint32_t startup_hold_ms;   /* no epoch before start + this (2 * heartbeat) */
+    uint32_t max_members;       /* per cohort (4096) */
+    uint32_t max_cohorts;       /* (1024) */
+    bool allow_any_cohort;      /* a join to an unknown cohort creates it */
+};
+
+/* Fills *cfg with the defaults above. */
+void broker_config_default(struct broker_config *cfg);
+
+/* Epochs are the shared type of epoch.h: published with one reference per
+ * holder, immutable, and dropped with epoch_unref() on any thread. */
+
+/* How the broker talks to the host about watchers. A watcher is the host's
+ * handle for one member's membership stream; the broker stores it borrowed
+ * and never dereferences it. */
+struct broker_watch_ops {
+    /* Deliver `e` to each of the `n` watchers. Called from inside
+     * broker_tick() (new epochs) and broker_watch() (the current epoch for
+     * a new watcher). The callee takes its own reference if it keeps e. */
+    void (*publish)(void *arg, struct epoch *e, void *const *watchers, size_t n);
+    /* The broker forgets `watcher` and will not name it again. err says
+     * why: -ETIMEDOUT evicted, -ENOENT left, -EEXIST replaced by a newer
+     * watch of the same member, -ESHUTDOWN cohort removed or broker
+     * destroyed. */
+    void (*detach)(void *arg, void *watcher, int err);
+    void *arg;
+};
+
+/* Creates a broker that started at `now`. `cfg` and `ops` are copied;
+ * ops->arg is borrowed. Returns 0, -EINVAL for a config that cannot work
+ * (a zero interval, timeout <= heartbeat, zero caps), -ENOMEM. The caller
+ * frees *out with broker_destroy(). */
+int broker_create(const struct broker_config *cfg, const struct broker_watch_ops *ops,
+                  uint64_t now, struct broker **out);
+/* Detaches every watcher (-ESHUTDOWN) and frees everything. NULL is fine. */
+void broker_destroy(struct broker *b);
+
+/* Declares a cohort, or updates the settings of an existing one (members
+ * keep the settings they joined with). 0 for heartbeat_ms/timeout_ms means
+ * the broker's defaults. Returns 0, -EINVAL (bad name, timeout <= heartbeat),
+ * -ENOSPC (max_cohorts), -ENOMEM. `name` is copied. */
+int broker_cohort_declare(struct broker *b, const char *name, uint32_t heartbeat_ms,
+                          uint32_t timeout_ms);
+/* Removes a cohort and its members, detaching their watchers (-ESHUTDOWN).
+ * Returns 0 or -ENOENT. */
+int broker_cohort_remove(struct broker *b, const char *name);
+
+struct broker_join {
+    const char *cohort;         /* all strings borrowed, copied if kept */
+    const char *id;
+    const char *address;
+    uint64_t model_version;
+    uint64_t session;           /* nonzero */
+    uint64_t last_epoch;
+    uint32_t heartbeat_ms;      /* 0: the cohort's */
+    uint32_t timeout_ms;        /* 0: the cohort's */
+};
+
+struct broker_join_result {
+    uint32_t heartbeat_ms;      /* effective */
+    uint32_t timeout_ms;        /* effective */
+    uint64_t epoch;             /* latest published, 0 if none */
+};
+
+/* Adds a member, or refreshes it when the same id comes back with the same
+ * session (a rejoin: heartbeat time, address and version are updated; a new
+ * address is a membership change). Returns 0, -EINVAL (bad id, address,
+ * zero session, timeout <= heartbeat), -ENOENT (unknown cohort and
+ * !allow_any_cohort), -EEXIST (the id is held by a live member with another
+ * session), -ENOSPC (max_members or max_cohorts), -ENOMEM. */
+int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
+                struct broker_join_result *res);
+
+struct broker_beat {
+    uint64_t model_version;
+    bool declare;               /* the trainer set this version (see the rules) */
+    uint64_t adopted;           /* the epoch the member runs in; 0 if none */
+};
+
+struct broker_beat_result {
+    uint64_t epoch;             /* latest published: lets a member see a missed push */
+    bool drained;               /* draining, and the latest epoch leaves it out */
+};
+
+/* Records liveness, the model version and the epoch the member adopted.
+ * Fills *res when not NULL. Returns 0 or -ENOENT (unknown cohort, unknown
+ * member, or a session that is not the member's). */
+int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                     uint64_t session, const struct broker_beat *beat,
+                     struct broker_beat_result *res);
+
+/* Removes the member at once (a graceful leave) and detaches its watcher
+ * (-ENOENT). Returns 0 or -ENOENT. */
+int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                 uint64_t session);
+
+/* Attaches `watcher` (borrowed) to the member; a previous watcher of the
+ * member is detached (-EEXIST). If an epoch was published, it is delivered
+ * to the new watcher at once through ops->publish. Returns 0 or -ENOENT. */
+int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t session,
+                 void *watcher);
+/* The host's side of a watcher went away (the client hung up). Forgets it
+ * if it is still the member's watcher; no detach callback. */
+void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher);
+
+/* Draining takes a member out of the cohort's epochs while it stays
+ * connected, so that the others move on without it, at a round boundary,
+ * before its pod is deleted (a scale-down). A draining member keeps its
+ * heartbeats and its watch; the next epoch leaves it out (a membership
+ * change, coalesced like any other) and its heartbeat replies say it is
+ * drained. drain == false takes it back in. The mark survives a rejoin
+ * of the same session, not an eviction: call again until broker_drained.
+ * Returns 0 or -ENOENT (unknown cohort or member). */
+int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char *id, bool drain);
+/* 1 when `id` can go without disturbing a round: it is not a member at
+ * all, or it is draining, the latest epoch leaves it out, and every other
+ * member has reported in a heartbeat that it adopted an epoch at least
+ * that new. 0 while a drain is under way, or for a member never asked to
+ * drain. -ENOENT for an unknown cohort. */
+int broker_drained(const struct broker *b, const char *cohort, const char *id);
+
+/* Evicts members silent for longer than their timeout, forms and publishes
+ * the epochs that are due. Returns the milliseconds until the next thing
+ * that can fall due (an eviction or a coalescing deadline), capped at 1000,
+ * so the host knows how long it may sleep. */
+uint32_t broker_tick(struct broker *b, uint64_t now);
+
+struct broker_cohort_status {
+    char *name;
+    uint64_t epoch;             /* latest published, 0 if none */
+    char *leader;               /* of that epoch; NULL if none */
+    uint32_t heartbeat_ms;
+    uint32_t timeout_ms;
+    size_t n_members;
+    struct epoch_member *members;   /* current members in member order, latest versions */
+    bool *draining;                 /* n_members flags: asked to drain */
+};
+
+struct broker_status {
+    size_t n_cohorts;
+    struct broker_cohort_status *cohorts;   /* sorted by name */
+};
+
+/* Snapshots one cohort (name) or all (NULL). Returns 0, -ENOENT (unknown
+ * cohort), -ENOMEM. The caller frees *out with broker_status_free(). */
+int broker_status(const struct broker *b, const char *cohort, struct broker_status **out);
+void broker_status_free(struct broker_status *s);     /* NULL is fine */
+
+#endif

@@ -1,0 +1,510 @@
+/* src/membership/brokerd.c: see brokerd.h. */
+#include "membership/brokerd.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "cohort.pb-c.h"
+#include "membership/epoch.h"
+#include "base/ident.h"
+#include "base/log.h"
+#include "rpc/rpc.h"
+#include "membership/wire.h"
+
+struct brokerd {
+    pthread_mutex_t lock;           /* guards b and every watcher's attached */
+    pthread_cond_t wake;
+    struct broker *b;
+    struct rpc_server *srv;
+    pthread_t ticker;
+    bool stopping;
+};
+
+/* One member's membership stream, as the broker knows it. Freed when the
+ * stream closes; `attached` says whether the broker still holds it. */
+struct watcher {
+    struct brokerd *d;
+    struct rpc_stream *s;
+    bool attached;
+    char cohort[IDENT_NAME_MAX + 1];
+    char id[IDENT_NAME_MAX + 1];
+};
+
+/* ---- refusals ---------------------------------------------------------- */
+
+static void refuse(struct rpc_reply *r, const char *method, const char *cohort, const char *id,
+                   enum rpc_code code, const char *why)
+{
+    log_warn("broker", "A request was refused.", LF_S("method", method), LF_S("cohort", cohort),
+             LF_S("id", id), LF_S("code", rpc_code_name(code)), LF_S("reason", why));
+    rpc_reply_error(r, code, "%s", why);
+}
+
+/* Checks what every request shares. Returns false after refusing. */
+static bool check_common(struct rpc_reply *r, const char *method, uint32_t version,
+                         const char *cohort, const char *id, bool need_id)
+{
+    char why[RPC_MESSAGE_MAX];
+
+    if (version != WIRE_PROTOCOL_VERSION) {
+        snprintf(why, sizeof(why), "protocol version %u is not supported; this broker speaks %u",
+                 version, WIRE_PROTOCOL_VERSION);
+        refuse(r, method, cohort, id, RPC_FAILED_PRECONDITION, why);
+        return false;
+    }
+    if (!ident_valid_cohort(cohort)) {
+        snprintf(why, sizeof(why), "invalid cohort name \"%.64s\"", cohort);
+        refuse(r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
+        return false;
+    }
+    if (need_id && !ident_valid_member_id(id)) {
+        snprintf(why, sizeof(why), "invalid member id \"%.64s\"", id);
+        refuse(r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
+        return false;
+    }
+    return true;
+}
+
+static void refuse_errno(struct rpc_reply *r, const char *method, const char *cohort,
+                         const char *id, int err)
+{
+    char why[RPC_MESSAGE_MAX];
+
+    switch (err) {
+    case -ENOENT:
+        if (id)
+            snprintf(why, sizeof(why),
+                     "no member \"%.64s\" with this session in cohort \"%.64s\" "
+                     "(unknown cohort, evicted, or never joined)", id, cohort);
+        else
+            snprintf(why, sizeof(why), "unknown cohort \"%.64s\"", cohort);
+        break;
+    case -EEXIST:
+        snprintf(why, sizeof(why),
+                 "member id \"%.64s\" is held by a live member of cohort \"%.64s\" with another session",
+                 id, cohort);
+        break;
+    case -ENOSPC:
+        snprintf(why, sizeof(why), "cohort \"%.64s\" or the broker is full", cohort);
+        break;
+    case -EINVAL:
+        snprintf(why, sizeof(why), "invalid request: check the address, session and timeouts");
+        break;
+    default:
+        snprintf(why, sizeof(why), "%s", log_strerror(err));
+        break;
+    }
+    refuse(r, method, cohort, id, rpc_code_from_errno(err), why);
+}
+
+/* ---- handlers ---------------------------------------------------------- */
+
+static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+{
+    const Cohort__V1__JoinRequest *q = (const Cohort__V1__JoinRequest *)req;
+    Cohort__V1__JoinReply rep = COHORT__V1__JOIN_REPLY__INIT;
+    struct brokerd *d = arg;
+    struct broker_join_result res;
+    struct broker_join j = {
+        .cohort = q->cohort, .id = q->id, .address = q->address,
+        .model_version = q->model_version, .session = q->session, .last_epoch = q->last_epoch,
+        .heartbeat_ms = q->heartbeat_ms, .timeout_ms = q->timeout_ms,
+    };
+    int rc;
+
+    if (!check_common(r, "Join", q->protocol_version, q->cohort, q->id, true))
+        return;
+    if (!ident_valid_address(q->address)) {
+        refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT,
+               "invalid data address: want host:port with a port from 1 to 65535");
+        return;
+    }
+    if (q->session == 0) {
+        refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT, "session must be nonzero");
+        return;
+    }
+    pthread_mutex_lock(&d->lock);
+    rc = broker_join(d->b, clock_now_ms(), &j, &res);
+    pthread_mutex_unlock(&d->lock);
+    if (rc < 0) {
+        refuse_errno(r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
+        return;
+    }
+    /* The new member may make an epoch due sooner than the ticker sleeps. */
+    pthread_cond_signal(&d->wake);
+    log_debug("broker", "Member joined.", LF_S("cohort", q->cohort), LF_S("id", q->id),
+              LF_S("address", q->address), LF_U("model_version", q->model_version));
+    rep.heartbeat_ms = res.heartbeat_ms;
+    rep.timeout_ms = res.timeout_ms;
+    rep.epoch = res.epoch;
+    rpc_reply_ok(r, &rep.base);
+}
+
+static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+{
+    const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
+    Cohort__V1__HeartbeatReply rep = COHORT__V1__HEARTBEAT_REPLY__INIT;
+    struct brokerd *d = arg;
+    struct broker_beat beat = {
+        .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
+    };
+    struct broker_beat_result res = { 0 };
+    int rc;
+
+    if (!check_common(r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
+        return;
+    pthread_mutex_lock(&d->lock);
+    rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
+    pthread_mutex_unlock(&d->lock);
+    if (rc < 0) {
+        /* Routine after an eviction or a restart: the member rejoins. */
+        char why[RPC_MESSAGE_MAX];
+        snprintf(why, sizeof(why),
+                 "no member \"%.64s\" with this session in cohort \"%.64s\" "
+                 "(unknown cohort, evicted, or never joined)", q->id, q->cohort);
+        log_info("broker", "A heartbeat named no member; it must rejoin.", LF_S("cohort", q->cohort),
+                 LF_S("id", q->id));
+        rpc_reply_error(r, rpc_code_from_errno(rc), "%s", why);
+        return;
+    }
+    if (q->declare_version)
+        pthread_cond_signal(&d->wake);
+    rep.epoch = res.epoch;
+    rep.drained = res.drained;
+    rpc_reply_ok(r, &rep.base);
+}
+
+static void on_leave(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+{
+    const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
+    Cohort__V1__LeaveReply rep = COHORT__V1__LEAVE_REPLY__INIT;
+    struct brokerd *d = arg;
+    int rc;
+
+    if (!check_common(r, "Leave", q->protocol_version, q->cohort, q->id, true))
+        return;
+    pthread_mutex_lock(&d->lock);
+    rc = broker_leave(d->b, clock_now_ms(), q->cohort, q->id, q->session);
+    pthread_mutex_unlock(&d->lock);
+    if (rc < 0) {
+        refuse_errno(r, "Leave", q->cohort, q->id, rc);
+        return;
+    }
+    pthread_cond_signal(&d->wake);
+    log_info("broker", "Member left.", LF_S("cohort", q->cohort), LF_S("id", q->id));
+    rpc_reply_ok(r, &rep.base);
+}
+
+static void watcher_closed(void *arg, struct rpc_stream *s)
+{
+    struct watcher *w = arg;
+    struct brokerd *d = w->d;
+
+    pthread_mutex_lock(&d->lock);
+    if (w->attached)
+        broker_unwatch(d->b, w->cohort, w->id, w);
+    w->attached = false;
+    pthread_mutex_unlock(&d->lock);
+    rpc_stream_unref(w->s);
+    free(w);
+}
+
+static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+{
+    const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
+    struct brokerd *d = arg;
+    struct watcher *w;
+    int rc;
+
+    if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
+        !ident_valid_member_id(q->id)) {
+        log_warn("broker", "A watch was refused.", LF_S("cohort", q->cohort), LF_S("id", q->id),
+                 LF_S("reason", "bad protocol version, cohort or id"));
+        rpc_stream_finish(s, q->protocol_version != WIRE_PROTOCOL_VERSION
+                                 ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT,
+                          "bad protocol version, cohort name or member id");
+        rpc_stream_unref(s);
+        return;
+    }
+    w = calloc(1, sizeof(*w));
+    if (!w) {
+        rpc_stream_finish(s, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        rpc_stream_unref(s);
+        return;
+    }
+    w->d = d;
+    w->s = s;           /* the handler's reference, dropped in watcher_closed */
+    snprintf(w->cohort, sizeof(w->cohort), "%s", q->cohort);
+    snprintf(w->id, sizeof(w->id), "%s", q->id);
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
+    w->attached = rc == 0;
+    pthread_mutex_unlock(&d->lock);
+    if (rc < 0) {
+        log_info("broker", "A watch named no member; it must rejoin.", LF_S("cohort", q->cohort),
+                 LF_S("id", q->id));
+        rpc_stream_finish(s, RPC_NOT_FOUND, "no member with this session in the cohort");
+    }
+    /* Registered last and outside the lock: if the client is already gone
+     * this runs at once, and it takes the lock itself. */
+    rpc_stream_on_close(s, watcher_closed, w);
+}
+
+static void fill_members(Cohort__V1__Member **ptrs, Cohort__V1__Member *storage,
+                         const struct epoch_member *m, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        cohort__v1__member__init(&storage[i]);
+        storage[i].id = m[i].id;
+        storage[i].address = m[i].address;
+        storage[i].model_version = m[i].model_version;
+        ptrs[i] = &storage[i];
+    }
+}
+
+static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+{
+    const Cohort__V1__StatusRequest *q = (const Cohort__V1__StatusRequest *)req;
+    Cohort__V1__StatusReply rep = COHORT__V1__STATUS_REPLY__INIT;
+    struct brokerd *d = arg;
+    struct broker_status *st = NULL;
+    Cohort__V1__CohortStatus *cs = NULL, **csp = NULL;
+    Cohort__V1__Member *ms = NULL, **msp = NULL;
+    size_t total = 0, off = 0;
+    int rc;
+
+    if (q->protocol_version != WIRE_PROTOCOL_VERSION) {
+        check_common(r, "Status", q->protocol_version, q->cohort, NULL, false);
+        return;
+    }
+    if (q->cohort[0] && !check_common(r, "Status", q->protocol_version, q->cohort, NULL, false))
+        return;
+    pthread_mutex_lock(&d->lock);
+    rc = broker_status(d->b, q->cohort[0] ? q->cohort : NULL, &st);
+    pthread_mutex_unlock(&d->lock);
+    if (rc < 0) {
+        refuse_errno(r, "Status", q->cohort, NULL, rc);
+        return;
+    }
+    for (size_t i = 0; i < st->n_cohorts; i++)
+        total += st->cohorts[i].n_members;
+    cs = calloc(st->n_cohorts + 1, sizeof(*cs));
+    csp = calloc(st->n_cohorts + 1, sizeof(*csp));
+    ms = calloc(total + 1, sizeof(*ms));
+    msp = calloc(total + 1, sizeof(*msp));
+    if (!cs || !csp || !ms || !msp) {
+        rpc_reply_error(r, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < st->n_cohorts; i++) {
+        const struct broker_cohort_status *c = &st->cohorts[i];
+        cohort__v1__cohort_status__init(&cs[i]);
+        cs[i].name = c->name;
+        cs[i].epoch = c->epoch;
+        cs[i].leader = c->leader ? c->leader : (char *)"";
+        cs[i].heartbeat_ms = c->heartbeat_ms;
+        cs[i].timeout_ms = c->timeout_ms;
+        fill_members(msp + off, ms + off, c->members, c->n_members);
+        for (size_t k = 0; k < c->n_members; k++)
+            ms[off + k].draining = c->draining[k];
+        cs[i].n_members = c->n_members;
+        cs[i].members = msp + off;
+        off += c->n_members;
+        csp[i] = &cs[i];
+    }
+    rep.n_cohorts = st->n_cohorts;
+    rep.cohorts = csp;
+    rpc_reply_ok(r, &rep.base);
+out:
+    free(cs);
+    free(csp);
+    free(ms);
+    free(msp);
+    broker_status_free(st);
+}
+
+/* ---- the broker's callbacks (called with d->lock held) ----------------- */
+
+static void publish(void *arg, struct epoch *e, void *const *watchers, size_t n)
+{
+    Cohort__V1__Epoch p;
+    Cohort__V1__Member *storage, **ptrs;
+    struct rpc_buf *buf = NULL;
+
+    if (n == 0)
+        return;
+    storage = calloc(e->n_members + 1, sizeof(*storage));
+    ptrs = calloc(e->n_members + 1, sizeof(*ptrs));
+    if (storage && ptrs)
+        epoch_to_proto(e, &p, ptrs, storage);
+    if (!storage || !ptrs || rpc_buf_pack(&p.base, &buf) < 0) {
+        /* Members notice through their heartbeat replies and reopen. */
+        log_error("broker", "An epoch could not be packed; members will catch up by heartbeat.",
+                  LF_S("cohort", e->cohort), LF_U("epoch", e->number));
+        goto out;
+    }
+    /* Packed once, shared by every stream. */
+    for (size_t i = 0; i < n; i++) {
+        struct watcher *w = watchers[i];
+        rpc_stream_send(w->s, buf);
+    }
+    rpc_buf_unref(buf);
+out:
+    free(storage);
+    free(ptrs);
+}
+
+static void detach(void *arg, void *watcher, int err)
+{
+    struct watcher *w = watcher;
+    const char *why = err == -ETIMEDOUT  ? "evicted: silent past the member timeout"
+                      : err == -ENOENT   ? "left the cohort"
+                      : err == -EEXIST   ? "replaced by a newer watch of the same member"
+                                         : "the cohort or the broker is going away";
+
+    w->attached = false;
+    /* NOT_FOUND tells the member to rejoin; UNAVAILABLE to come back later. */
+    rpc_stream_finish(w->s, err == -ESHUTDOWN ? RPC_UNAVAILABLE : RPC_NOT_FOUND, why);
+}
+
+static void *tick_main(void *arg)
+{
+    struct brokerd *d = arg;
+
+    pthread_mutex_lock(&d->lock);
+    while (!d->stopping) {
+        struct timespec ts = clock_deadline(broker_tick(d->b, clock_now_ms()));
+
+        pthread_cond_timedwait(&d->wake, &d->lock, &ts);
+    }
+    pthread_mutex_unlock(&d->lock);
+    return NULL;
+}
+
+int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
+{
+    struct broker_watch_ops ops = { .publish = publish, .detach = detach, .arg = NULL };
+    struct brokerd *d = calloc(1, sizeof(*d));
+    int rc;
+
+    if (!d)
+        return -ENOMEM;
+    struct rpc_method methods[] = {
+        { WIRE_BROKER_JOIN, &cohort__v1__join_request__descriptor, on_join, NULL, d },
+        { WIRE_BROKER_HEARTBEAT, &cohort__v1__heartbeat_request__descriptor, on_heartbeat, NULL, d },
+        { WIRE_BROKER_LEAVE, &cohort__v1__leave_request__descriptor, on_leave, NULL, d },
+        { WIRE_BROKER_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch, d },
+        { WIRE_BROKER_STATUS, &cohort__v1__status_request__descriptor, on_status, NULL, d },
+    };
+
+    pthread_mutex_init(&d->lock, NULL);
+    clock_cond_init(&d->wake);
+    ops.arg = d;
+    rc = broker_create(&cfg->broker, &ops, clock_now_ms(), &d->b);
+    if (rc < 0)
+        goto err_free;
+    rc = rpc_server_create(cfg->listen, methods, sizeof(methods) / sizeof(methods[0]), NULL, &d->srv);
+    if (rc < 0)
+        goto err_broker;
+    if (pthread_create(&d->ticker, NULL, tick_main, d) != 0) {
+        rc = -EAGAIN;
+        goto err_server;
+    }
+    *out = d;
+    return 0;
+
+err_server:
+    rpc_server_destroy(d->srv);
+err_broker:
+    broker_destroy(d->b);
+err_free:
+    pthread_cond_destroy(&d->wake);
+    pthread_mutex_destroy(&d->lock);
+    free(d);
+    return rc;
+}
+
+int brokerd_port(const struct brokerd *d)
+{
+    return rpc_server_port(d->srv);
+}
+
+int brokerd_declare(struct brokerd *d, const char *cohort, uint32_t heartbeat_ms, uint32_t timeout_ms)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_cohort_declare(d->b, cohort, heartbeat_ms, timeout_ms);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int brokerd_status(struct brokerd *d, const char *cohort, struct broker_status **out)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_status(d->b, cohort, out);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int brokerd_drain(struct brokerd *d, const char *cohort, const char *id, bool drain)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_drain(d->b, clock_now_ms(), cohort, id, drain);
+    /* The tick thread forms the epoch once the coalescing window ends. */
+    pthread_cond_signal(&d->wake);
+    pthread_mutex_unlock(&d->lock);
+    if (rc == 0)
+        log_info("broker", drain ? "Draining a member." : "A member is no longer draining.",
+                 LF_S("cohort", cohort), LF_S("id", id));
+    return rc;
+}
+
+int brokerd_drained(struct brokerd *d, const char *cohort, const char *id)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_drained(d->b, cohort, id);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+int brokerd_remove(struct brokerd *d, const char *cohort)
+{
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_cohort_remove(d->b, cohort);
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+void brokerd_stop(struct brokerd *d)
+{
+    if (!d)
+        return;
+    pthread_mutex_lock(&d->lock);
+    d->stopping = true;
+    pthread_cond_signal(&d->wake);
+    pthread_mutex_unlock(&d->lock);
+    pthread_join(d->ticker, NULL);
+    /* Streams close first (their on_close takes the lock and unwatches),
+     * then the broker detaches whatever is left. */
+    rpc_server_destroy(d->srv);
+    pthread_mutex_lock(&d->lock);
+    broker_destroy(d->b);
+    pthread_mutex_unlock(&d->lock);
+    pthread_cond_destroy(&d->wake);
+    pthread_mutex_destroy(&d->lock);
+    free(d);
+}

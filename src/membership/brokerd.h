@@ -1,0 +1,43 @@
+/* src/membership/brokerd.h: the broker as a gRPC service: the state machine of
+ * broker.h behind one mutex, a tick thread that evicts and publishes, and
+ * a membership stream per member. cohort-operator hosts it, and so does
+ * `cohortctl run` for a local cohort.
+ *
+ * Every refused request gets a gRPC status whose message says what was
+ * wrong, and one log line; the broker keeps serving everyone else.
+ */
+#ifndef COHORT_BROKERD_H
+#define COHORT_BROKERD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "membership/broker.h"
+
+struct brokerd;
+
+struct brokerd_config {
+    const char *listen;             /* "host:port" (port 0: a free one); borrowed */
+    struct broker_config broker;
+};
+
+/* Binds, starts serving and ticking. Needs rpc_init(). Returns 0,
+ * -EADDRINUSE, -EINVAL (config), -ENOMEM. The caller stops and frees it
+ * with brokerd_stop(). */
+int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out);
+/* The bound TCP port. */
+int brokerd_port(const struct brokerd *d);
+/* broker_cohort_declare / broker_cohort_remove, under the broker's lock. */
+int brokerd_declare(struct brokerd *d, const char *cohort, uint32_t heartbeat_ms, uint32_t timeout_ms);
+int brokerd_remove(struct brokerd *d, const char *cohort);
+/* broker_status under the broker's lock: a snapshot of one cohort (name)
+ * or all (NULL). The caller frees *out with broker_status_free(). */
+int brokerd_status(struct brokerd *d, const char *cohort, struct broker_status **out);
+/* broker_drain / broker_drained under the broker's lock: see broker.h. */
+int brokerd_drain(struct brokerd *d, const char *cohort, const char *id, bool drain);
+int brokerd_drained(struct brokerd *d, const char *cohort, const char *id);
+/* Ends every membership stream, stops serving and frees everything.
+ * NULL is fine. */
+void brokerd_stop(struct brokerd *d);
+
+#endif

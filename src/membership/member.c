@@ -1,0 +1,584 @@
+/* src/membership/member.c: see member.h. */
+#include "membership/member.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "cohort.pb-c.h"
+#include "base/ident.h"
+#include "base/log.h"
+#include "rpc/rpc.h"
+#include "membership/wire.h"
+
+#define BACKOFF_MIN_MS 100u
+#define POLL_MAX_MS 100u
+#define JOIN_TIMEOUT_MS 2000u
+#define FAIL_LOG_EVERY 10u     /* repeated identical failures are logged this rarely */
+
+enum state { ST_JOINING, ST_JOINED, ST_LEFT };
+
+struct member {
+    pthread_mutex_t lock;
+    pthread_cond_t idle;        /* signalled when inflight drops to 0 */
+    char *broker, *cohort, *id, *address;
+    uint64_t session;
+    uint64_t model_version;
+    bool declare_pending;
+    uint32_t want_hb_ms, want_to_ms;    /* asked for; 0: the cohort's */
+    uint32_t hb_ms, to_ms;              /* granted by the broker */
+    uint32_t backoff_max_ms, backoff_ms;
+    bool quiet;
+    member_epoch_fn on_epoch;
+    void *arg;
+    struct rpc_channel *ch;
+    bool own_ch;
+    uint64_t rng;
+
+    enum state state;
+    int inflight;               /* async calls whose callbacks name us */
+    bool join_inflight, hb_inflight;
+    bool rejoin_wanted;
+    uint64_t next_join_at, next_hb_at, last_ok_at;
+
+    struct rpc_watch *watch;
+    bool watch_ended, watch_reopen;
+    uint64_t next_watch_at;
+    uint64_t behind_since;      /* heartbeat saw a newer epoch than the watch */
+    bool drained;               /* the last heartbeat reply said so */
+
+    struct epoch *epoch;
+    uint64_t last_epoch;
+    uint64_t joins;
+    enum rpc_code last_fail;
+    unsigned fails;
+};
+
+static enum log_level info_level(const struct member *m)
+{
+    return m->quiet ? LOG_DEBUG : LOG_INFO;
+}
+
+static uint64_t rand_next(struct member *m)
+{
+    /* xorshift64: jitter only, not security. */
+    m->rng ^= m->rng << 13;
+    m->rng ^= m->rng >> 7;
+    m->rng ^= m->rng << 17;
+    return m->rng;
+}
+
+/* Schedules a retry: backoff doubles to its cap, and a random half of it
+ * is jitter so that members that failed together do not retry together. */
+static uint64_t backoff_next(struct member *m, uint64_t now)
+{
+    uint32_t b = m->backoff_ms;
+    uint64_t at = now + b / 2 + rand_next(m) % (b / 2 + 1);
+
+    m->backoff_ms = b * 2 > m->backoff_max_ms ? m->backoff_max_ms : b * 2;
+    return at;
+}
+
+/* Logs a failure the first time, when its kind changes, and every tenth
+ * repeat, so a long outage does not flood the log. */
+static void log_failure(struct member *m, const char *what, const struct rpc_status *st)
+{
+    bool same = st->code == m->last_fail;
+
+    m->fails = same ? m->fails + 1 : 1;
+    m->last_fail = st->code;
+    if (same && m->fails % FAIL_LOG_EVERY != 1)
+        return;
+    log_emit(m->quiet ? LOG_DEBUG : LOG_WARN, "member", what, LF_S("cohort", m->cohort),
+             LF_S("id", m->id), LF_S("code", rpc_code_name(st->code)), LF_S("detail", st->message),
+             LF_U("attempt", m->fails), LOG_END);
+}
+
+static void call_done_locked(struct member *m)
+{
+    if (--m->inflight == 0)
+        pthread_cond_broadcast(&m->idle);
+}
+
+static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *reply)
+{
+    struct member *m = arg;
+    uint64_t now = clock_now_ms();
+
+    pthread_mutex_lock(&m->lock);
+    m->join_inflight = false;
+    if (m->state == ST_LEFT) {
+        /* Left while joining: the broker forgets us at the timeout. */
+    } else if (st->code == RPC_OK) {
+        const Cohort__V1__JoinReply *r = (const Cohort__V1__JoinReply *)reply;
+        m->state = ST_JOINED;
+        m->hb_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
+        m->to_ms = r->timeout_ms ? r->timeout_ms : 5000;
+        m->next_hb_at = now + m->hb_ms;
+        m->last_ok_at = now;
+        m->backoff_ms = BACKOFF_MIN_MS;
+        m->joins++;
+        m->fails = 0;
+        m->last_fail = RPC_OK;
+        m->watch_reopen = true;     /* a watch from before the join names a dead session */
+        m->next_watch_at = now;
+        log_emit(info_level(m), "member", "Joined the cohort.", LF_S("cohort", m->cohort),
+                 LF_S("id", m->id), LF_S("address", m->address), LF_U("heartbeat_ms", m->hb_ms),
+                 LF_U("timeout_ms", m->to_ms), LOG_END);
+    } else {
+        log_failure(m, "Could not join the cohort; retrying.", st);
+        m->next_join_at = backoff_next(m, now);
+    }
+    call_done_locked(m);
+    pthread_mutex_unlock(&m->lock);
+    if (reply)
+        protobuf_c_message_free_unpacked(reply, NULL);
+}
+
+static void hb_done(void *arg, const struct rpc_status *st, ProtobufCMessage *reply)
+{
+    struct member *m = arg;
+    uint64_t now = clock_now_ms();
+
+    pthread_mutex_lock(&m->lock);
+    m->hb_inflight = false;
+    if (m->state != ST_JOINED) {
+        /* A rejoin or leave overtook this heartbeat. */
+    } else if (st->code == RPC_OK) {
+        const Cohort__V1__HeartbeatReply *r = (const Cohort__V1__HeartbeatReply *)reply;
+        uint64_t have = m->epoch ? m->epoch->number : 0;
+        m->last_ok_at = now;
+        m->fails = 0;
+        m->last_fail = RPC_OK;
+        if (r->drained && !m->drained)
+            log_info("member", "Drained: the cohort goes on without this member.",
+                     LF_S("cohort", m->cohort), LF_S("id", m->id), LF_U("epoch", r->epoch));
+        m->drained = r->drained;
+        if (r->epoch > have) {
+            /* The push may simply be on its way; give it one interval. */
+            if (!m->behind_since)
+                m->behind_since = now;
+            else if (now - m->behind_since >= m->hb_ms)
+                m->watch_reopen = true;
+        } else {
+            m->behind_since = 0;
+        }
+    } else if (st->code == RPC_NOT_FOUND) {
+        log_emit(info_level(m), "member", "The broker does not know this member; rejoining.",
+                 LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("detail", st->message), LOG_END);
+        m->state = ST_JOINING;
+        m->next_join_at = now;
+    } else {
+        log_failure(m, "A heartbeat failed.", st);
+    }
+    call_done_locked(m);
+    pthread_mutex_unlock(&m->lock);
+    if (reply)
+        protobuf_c_message_free_unpacked(reply, NULL);
+}
+
+static void log_epoch(const struct member *m, const struct epoch *e)
+{
+    char ids[1024];
+    size_t off = 0;
+
+    if (!log_enabled(info_level(m)))
+        return;
+    ids[0] = '\0';
+    for (size_t i = 0; i < e->n_members && off < sizeof(ids); i++) {
+        int n = snprintf(ids + off, sizeof(ids) - off, "%s%s", i ? "," : "", e->members[i].id);
+        if (n < 0 || (size_t)n >= sizeof(ids) - off) {
+            /* Cut at a whole id; the count says how many there are. */
+            ids[off] = '\0';
+            break;
+        }
+        off += (size_t)n;
+    }
+    log_emit(info_level(m), "member", "Adopted a new epoch.", LF_S("cohort", e->cohort),
+             LF_S("id", m->id), LF_U("epoch", e->number), LF_S("leader", epoch_leader_id(e)),
+             LF_U("n_members", e->n_members), LF_S("members", ids), LOG_END);
+}
+
+static void watch_msg(void *arg, ProtobufCMessage *msg)
+{
+    struct member *m = arg;
+    struct epoch *e = NULL;
+    const char *why = NULL;
+    int rc;
+
+    rc = epoch_from_proto((const Cohort__V1__Epoch *)msg, &e, &why);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    if (rc < 0) {
+        log_warn("member", "The broker sent an epoch that does not check; it was ignored.",
+                 LF_S("cohort", m->cohort), LF_S("id", m->id),
+                 LF_S("reason", why ? why : log_strerror(rc)));
+        return;
+    }
+    pthread_mutex_lock(&m->lock);
+    if ((m->epoch && e->number <= m->epoch->number) || strcmp(e->cohort, m->cohort) != 0) {
+        pthread_mutex_unlock(&m->lock);
+        epoch_unref(e);
+        return;
+    }
+    epoch_unref(m->epoch);
+    m->epoch = epoch_ref(e);
+    if (e->number > m->last_epoch)
+        m->last_epoch = e->number;
+    m->behind_since = 0;
+    pthread_mutex_unlock(&m->lock);
+    /* Watch messages arrive one at a time, so callbacks keep epoch order. */
+    log_epoch(m, e);
+    if (m->on_epoch)
+        m->on_epoch(m->arg, e);
+    epoch_unref(e);
+}
+
+static void watch_end(void *arg, const struct rpc_status *st)
+{
+    struct member *m = arg;
+
+    pthread_mutex_lock(&m->lock);
+    m->watch_ended = true;
+    if (m->state == ST_JOINED) {
+        if (st->code == RPC_NOT_FOUND) {
+            log_emit(info_level(m), "member", "The broker ended this member's watch; rejoining.",
+                     LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("detail", st->message),
+                     LOG_END);
+            m->state = ST_JOINING;
+            m->next_join_at = clock_now_ms();
+        } else if (st->code != RPC_CANCELLED) {
+            log_failure(m, "The membership watch broke; reopening.", st);
+        }
+    }
+    pthread_mutex_unlock(&m->lock);
+}
+
+static void start_join_locked(struct member *m)
+{
+    Cohort__V1__JoinRequest q = COHORT__V1__JOIN_REQUEST__INIT;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = m->cohort;
+    q.id = m->id;
+    q.address = m->address;
+    q.model_version = m->model_version;
+    q.session = m->session;
+    q.heartbeat_ms = m->want_hb_ms;
+    q.timeout_ms = m->want_to_ms;
+    q.last_epoch = m->last_epoch;
+    m->declare_pending = false;     /* the join carries the version */
+    if (rpc_call_async(m->ch, WIRE_BROKER_JOIN, &q.base, &cohort__v1__join_reply__descriptor,
+                       JOIN_TIMEOUT_MS, 0, join_done, m) == 0) {
+        m->join_inflight = true;
+        m->inflight++;
+    } else {
+        m->next_join_at = backoff_next(m, clock_now_ms());
+    }
+}
+
+static void start_heartbeat_locked(struct member *m, uint64_t now)
+{
+    Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = m->cohort;
+    q.id = m->id;
+    q.session = m->session;
+    q.model_version = m->model_version;
+    q.declare_version = m->declare_pending;
+    /* Epochs reach the user from the watch callback, so the latest one
+     * received is the one the user runs in: the broker counts on it to
+     * know when a drained member may go. */
+    q.epoch = m->epoch ? m->epoch->number : 0;
+    /* One interval of patience: a stuck call must not delay the next. */
+    if (rpc_call_async(m->ch, WIRE_BROKER_HEARTBEAT, &q.base,
+                       &cohort__v1__heartbeat_reply__descriptor, m->hb_ms, 0, hb_done, m) == 0) {
+        m->hb_inflight = true;
+        m->inflight++;
+        m->declare_pending = false;
+    }
+    m->next_hb_at = now + m->hb_ms;
+}
+
+static void open_watch_locked(struct member *m, uint64_t now)
+{
+    Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = m->cohort;
+    q.id = m->id;
+    q.session = m->session;
+    m->watch_ended = false;
+    m->watch_reopen = false;
+    if (rpc_watch_open(m->ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
+                       watch_msg, watch_end, m, &m->watch) < 0) {
+        m->watch = NULL;
+        m->next_watch_at = backoff_next(m, now);
+    }
+}
+
+static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
+{
+    uint64_t d = at > now ? at - now : 0;
+    return d < cur ? (uint32_t)d : cur;
+}
+
+static int leave_call(struct member *m, uint32_t timeout_ms, struct rpc_status *st)
+{
+    Cohort__V1__LeaveRequest q = COHORT__V1__LEAVE_REQUEST__INIT;
+    ProtobufCMessage *reply = NULL;
+    int rc;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = m->cohort;
+    q.id = m->id;
+    q.session = m->session;
+    rc = rpc_call(m->ch, WIRE_BROKER_LEAVE, &q.base, &cohort__v1__leave_reply__descriptor, timeout_ms,
+                  0, &reply, st);
+    if (reply)
+        protobuf_c_message_free_unpacked(reply, NULL);
+    return rc;
+}
+
+uint32_t member_poll(struct member *m, uint64_t now)
+{
+    uint32_t wait = POLL_MAX_MS;
+
+    pthread_mutex_lock(&m->lock);
+    if (m->rejoin_wanted && m->state == ST_JOINED && !m->hb_inflight) {
+        struct rpc_watch *w = m->watch;
+        struct rpc_status st;
+        m->rejoin_wanted = false;
+        m->watch = NULL;
+        m->state = ST_JOINING;
+        pthread_mutex_unlock(&m->lock);
+        rpc_watch_close(w);
+        leave_call(m, 1000, &st);
+        pthread_mutex_lock(&m->lock);
+        /* A new session: the broker must see a new member, not a rejoin. */
+        if (getrandom(&m->session, sizeof(m->session), 0) != sizeof(m->session))
+            m->session ^= clock_now_us();
+        if (m->session == 0)
+            m->session = 1;
+        m->next_join_at = now;
+        log_emit(info_level(m), "member", "Rejoining with a new session to resync the cohort.",
+                 LF_S("cohort", m->cohort), LF_S("id", m->id), LOG_END);
+    }
+    /* A watch is replaced when it ended, was found behind, or belongs to a
+     * session state we left. Closing blocks until its callbacks are done,
+     * so it happens without our lock. */
+    if (m->watch && (m->watch_ended || m->watch_reopen || m->state != ST_JOINED)) {
+        struct rpc_watch *w = m->watch;
+        bool failed = m->watch_ended && !m->watch_reopen;
+        m->watch = NULL;
+        pthread_mutex_unlock(&m->lock);
+        rpc_watch_close(w);
+        pthread_mutex_lock(&m->lock);
+        m->next_watch_at = failed ? backoff_next(m, now) : now;
+    }
+    switch (m->state) {
+    case ST_LEFT:
+        break;
+    case ST_JOINING:
+        if (!m->join_inflight && now >= m->next_join_at)
+            start_join_locked(m);
+        if (!m->join_inflight)
+            wait = until(m->next_join_at, now, wait);
+        break;
+    case ST_JOINED:
+        if (!m->watch && now >= m->next_watch_at)
+            open_watch_locked(m, now);
+        if (!m->watch)
+            wait = until(m->next_watch_at, now, wait);
+        if (!m->hb_inflight && (now >= m->next_hb_at || m->declare_pending))
+            start_heartbeat_locked(m, now);
+        wait = until(m->next_hb_at, now, wait);
+        break;
+    }
+    pthread_mutex_unlock(&m->lock);
+    return wait;
+}
+
+int member_create(const struct member_config *cfg, struct member **out)
+{
+    struct member *m;
+    int rc = -ENOMEM;
+
+    if (!cfg->broker || !ident_valid_cohort(cfg->cohort) || !ident_valid_member_id(cfg->id) ||
+        !ident_valid_address(cfg->address))
+        return -EINVAL;
+    m = calloc(1, sizeof(*m));
+    if (!m)
+        return -ENOMEM;
+    pthread_mutex_init(&m->lock, NULL);
+    pthread_cond_init(&m->idle, NULL);
+    m->broker = strdup(cfg->broker);
+    m->cohort = strdup(cfg->cohort);
+    m->id = strdup(cfg->id);
+    m->address = strdup(cfg->address);
+    if (!m->broker || !m->cohort || !m->id || !m->address)
+        goto err;
+    /* Sessions tell a rejoin from a duplicate; they must not repeat. */
+    if (getrandom(&m->session, sizeof(m->session), 0) != sizeof(m->session))
+        m->session = clock_wall_ms() ^ ((uint64_t)getpid() << 32);
+    if (m->session == 0)
+        m->session = 1;
+    m->rng = m->session | 1;
+    m->model_version = cfg->model_version;
+    m->want_hb_ms = cfg->heartbeat_ms;
+    m->want_to_ms = cfg->timeout_ms;
+    m->backoff_max_ms = cfg->backoff_max_ms ? cfg->backoff_max_ms : 1000;
+    if (m->backoff_max_ms < BACKOFF_MIN_MS)
+        m->backoff_max_ms = BACKOFF_MIN_MS;
+    m->backoff_ms = BACKOFF_MIN_MS;
+    m->quiet = cfg->quiet;
+    m->on_epoch = cfg->on_epoch;
+    m->arg = cfg->arg;
+    m->state = ST_JOINING;
+    if (cfg->channel) {
+        m->ch = cfg->channel;
+    } else {
+        struct rpc_channel_opts o = { .max_backoff_ms = m->backoff_max_ms };
+        rc = rpc_channel_create(m->broker, &o, &m->ch);
+        if (rc < 0)
+            goto err;
+        m->own_ch = true;
+    }
+    *out = m;
+    return 0;
+err:
+    free(m->broker);
+    free(m->cohort);
+    free(m->id);
+    free(m->address);
+    pthread_cond_destroy(&m->idle);
+    pthread_mutex_destroy(&m->lock);
+    free(m);
+    return rc;
+}
+
+void member_set_model_version(struct member *m, uint64_t version, bool declare)
+{
+    pthread_mutex_lock(&m->lock);
+    m->model_version = version;
+    if (declare)
+        m->declare_pending = true;
+    pthread_mutex_unlock(&m->lock);
+}
+
+struct epoch *member_epoch(struct member *m)
+{
+    struct epoch *e;
+
+    pthread_mutex_lock(&m->lock);
+    e = m->epoch ? epoch_ref(m->epoch) : NULL;
+    pthread_mutex_unlock(&m->lock);
+    return e;
+}
+
+bool member_in_cohort(struct member *m)
+{
+    bool in;
+
+    pthread_mutex_lock(&m->lock);
+    /* Silent past the timeout means the broker has evicted us by now. */
+    in = m->state == ST_JOINED && m->epoch && epoch_find(m->epoch, m->id) >= 0 &&
+         clock_now_ms() - m->last_ok_at < m->to_ms;
+    pthread_mutex_unlock(&m->lock);
+    return in;
+}
+
+bool member_drained(struct member *m)
+{
+    bool drained;
+
+    pthread_mutex_lock(&m->lock);
+    drained = m->state == ST_JOINED && m->drained;
+    pthread_mutex_unlock(&m->lock);
+    return drained;
+}
+
+uint32_t member_timeout_ms(struct member *m)
+{
+    uint32_t t;
+
+    pthread_mutex_lock(&m->lock);
+    t = m->to_ms ? m->to_ms : 5000;
+    pthread_mutex_unlock(&m->lock);
+    return t;
+}
+
+uint64_t member_joins(struct member *m)
+{
+    uint64_t n;
+
+    pthread_mutex_lock(&m->lock);
+    n = m->joins;
+    pthread_mutex_unlock(&m->lock);
+    return n;
+}
+
+void member_rejoin(struct member *m)
+{
+    pthread_mutex_lock(&m->lock);
+    m->rejoin_wanted = true;
+    pthread_mutex_unlock(&m->lock);
+}
+
+int member_leave(struct member *m, uint32_t timeout_ms)
+{
+    struct rpc_watch *w;
+    struct rpc_status st;
+    bool joined;
+    int rc;
+
+    pthread_mutex_lock(&m->lock);
+    joined = m->state == ST_JOINED;
+    m->state = ST_LEFT;
+    w = m->watch;
+    m->watch = NULL;
+    pthread_mutex_unlock(&m->lock);
+    rpc_watch_close(w);
+    if (!joined)
+        return 0;
+    rc = leave_call(m, timeout_ms, &st);
+    if (rc == 0) {
+        log_emit(info_level(m), "member", "Left the cohort.", LF_S("cohort", m->cohort),
+                 LF_S("id", m->id), LOG_END);
+    } else {
+        log_warn("member", "The leave did not reach the broker; it will evict this member at the timeout.",
+                 LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("code", rpc_code_name(st.code)));
+    }
+    return rc;
+}
+
+void member_destroy(struct member *m)
+{
+    if (!m)
+        return;
+    pthread_mutex_lock(&m->lock);
+    m->state = ST_LEFT;
+    pthread_mutex_unlock(&m->lock);
+    if (m->watch)
+        rpc_watch_close(m->watch);
+    /* Callbacks of calls in flight name us; let them finish first. */
+    pthread_mutex_lock(&m->lock);
+    while (m->inflight > 0)
+        pthread_cond_wait(&m->idle, &m->lock);
+    pthread_mutex_unlock(&m->lock);
+    if (m->own_ch)
+        rpc_channel_destroy(m->ch);
+    epoch_unref(m->epoch);
+    free(m->broker);
+    free(m->cohort);
+    free(m->id);
+    free(m->address);
+    pthread_cond_destroy(&m->idle);
+    pthread_mutex_destroy(&m->lock);
+    free(m);
+}

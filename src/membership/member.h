@@ -1,0 +1,91 @@
+/* src/membership/member.h: one member's side of the broker protocol: join, heartbeat,
+ * receive epochs, rejoin after an eviction or a broker restart, leave.
+ *
+ * Driven, not threaded: the owner calls member_poll() from one thread of
+ * its own (the sidecar's main loop, or a simulator driving thousands of
+ * members); calls to the broker complete on rpc's completion threads. So
+ * one process can run one member or ten thousand with the same code.
+ *
+ * Recovery rules:
+ * - A failed join is retried with capped exponential backoff and jitter.
+ * - NOT_FOUND on a heartbeat, or a watch that ends with NOT_FOUND, means
+ *   the broker forgot this member (evicted, or restarted): rejoin at once.
+ * - A watch that breaks otherwise is reopened after backoff. A heartbeat
+ *   reply naming a newer epoch than the watch delivered also reopens it, so
+ *   a lost push costs one heartbeat interval, not a timeout.
+ * - The session id is fixed for the life of the member: after a transient
+ *   outage the broker recognises the rejoin as the same member.
+ */
+#ifndef COHORT_MEMBER_H
+#define COHORT_MEMBER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "membership/epoch.h"
+
+struct member;
+struct rpc_channel;
+
+/* Runs on a completion thread for every new epoch (numbers only grow).
+ * `e` is borrowed: take epoch_ref() to keep it. Keep it short. */
+typedef void (*member_epoch_fn)(void *arg, struct epoch *e);
+
+struct member_config {
+    const char *broker;         /* broker address; copied */
+    const char *cohort;         /* copied */
+    const char *id;             /* copied */
+    const char *address;        /* advertised data address; copied */
+    uint64_t model_version;
+    uint32_t heartbeat_ms;      /* 0: the cohort's */
+    uint32_t timeout_ms;        /* 0: the cohort's */
+    uint32_t backoff_max_ms;    /* 0: 1000 */
+    bool quiet;                 /* log at debug instead of info (simulators) */
+    member_epoch_fn on_epoch;   /* may be NULL */
+    void *arg;                  /* borrowed */
+    struct rpc_channel *channel;  /* optional shared channel, borrowed; NULL: own one */
+};
+
+/* Creates a member; nothing is sent until the first member_poll(). Needs
+ * rpc_init(). Returns 0, -EINVAL (invalid names or address), -ENOMEM. The
+ * caller frees *out with member_destroy(). */
+int member_create(const struct member_config *cfg, struct member **out);
+
+/* Does what is due at `now` (start a join, a heartbeat, reopen the watch)
+ * and returns the milliseconds until the next thing falls due (at most
+ * 100). Call it from one thread only. */
+uint32_t member_poll(struct member *m, uint64_t now);
+
+/* Records a new model version; with `declare`, it was set by the trainer
+ * (a checkpoint load) and is sent at the next poll so it can move the
+ * leadership; otherwise it rides the next regular heartbeat. */
+void member_set_model_version(struct member *m, uint64_t version, bool declare);
+
+/* The latest epoch received, with a reference for the caller, or NULL. */
+struct epoch *member_epoch(struct member *m);
+/* True while the member has joined and its latest epoch lists it. */
+bool member_in_cohort(struct member *m);
+/* True while the broker drains this member (a scale-down): it stays
+ * joined but the cohort's epochs leave it out. */
+bool member_drained(struct member *m);
+/* The member timeout the broker granted (its default until joined). */
+uint32_t member_timeout_ms(struct member *m);
+/* Counters for tests and benchmarks. */
+uint64_t member_joins(struct member *m);
+
+/* Leaves and joins again with a new session, at the next member_poll():
+ * the broker sees a membership change and publishes a new epoch to every
+ * member. For a data-plane failure that no membership change explains
+ * (a peer timing out, members out of step): moolib's "resync". */
+void member_rejoin(struct member *m);
+
+/* Leaves gracefully: a Leave call bounded by timeout_ms, after which the
+ * member stays out until destroyed. Returns 0 or the call's -errno. */
+int member_leave(struct member *m, uint32_t timeout_ms);
+
+/* Closes the watch and frees the member; no Leave is sent (a crash looks
+ * the same to the broker). Must not be called on a completion thread.
+ * NULL is fine. */
+void member_destroy(struct member *m);
+
+#endif

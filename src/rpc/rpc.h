@@ -1,0 +1,198 @@
+/* src/rpc/rpc.h: unary and server-streaming gRPC calls, server and client, over
+ * the gRPC C core with protobuf-c messages. The only module that includes a
+ * grpc header: everything above it speaks protobuf-c and -errno.
+ *
+ * Threads: rpc_init() starts a small pool of completion threads shared by
+ * every server and channel in the process. Handlers and callbacks run on
+ * those threads; they must not block for long, and must not call the
+ * blocking functions of this module (rpc_call, rpc_watch_close,
+ * rpc_server_destroy), which return -EDEADLK there instead of hanging.
+ */
+#ifndef COHORT_RPC_H
+#define COHORT_RPC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <protobuf-c/protobuf-c.h>
+
+/* gRPC status codes, by their gRPC numbers (grpc/status.h stays private). */
+enum rpc_code {
+    RPC_OK = 0,
+    RPC_CANCELLED = 1,
+    RPC_UNKNOWN = 2,
+    RPC_INVALID_ARGUMENT = 3,
+    RPC_DEADLINE_EXCEEDED = 4,
+    RPC_NOT_FOUND = 5,
+    RPC_ALREADY_EXISTS = 6,
+    RPC_PERMISSION_DENIED = 7,
+    RPC_RESOURCE_EXHAUSTED = 8,
+    RPC_FAILED_PRECONDITION = 9,
+    RPC_ABORTED = 10,
+    RPC_OUT_OF_RANGE = 11,
+    RPC_UNIMPLEMENTED = 12,
+    RPC_INTERNAL = 13,
+    RPC_UNAVAILABLE = 14,
+    RPC_DATA_LOSS = 15,
+    RPC_UNAUTHENTICATED = 16,
+};
+
+#define RPC_MESSAGE_MAX 256
+
+struct rpc_status {
+    enum rpc_code code;
+    char message[RPC_MESSAGE_MAX];      /* the peer's details, cut to fit */
+};
+
+/* The boundary mapping between gRPC codes and our -errno convention:
+ * INVALID_ARGUMENT -EINVAL, DEADLINE_EXCEEDED -ETIMEDOUT, NOT_FOUND -ENOENT,
+ * ALREADY_EXISTS -EEXIST, RESOURCE_EXHAUSTED -ENOSPC (and -EMSGSIZE, -E2BIG
+ * going out), FAILED_PRECONDITION -EPROTO, UNAVAILABLE -ECONNREFUSED,
+ * CANCELLED -ECANCELED, UNIMPLEMENTED -ENOSYS, ABORTED -ECONNABORTED,
+ * PERMISSION_DENIED -EACCES, UNAUTHENTICATED -EPERM, OUT_OF_RANGE -ERANGE,
+ * the rest -EIO. */
+int rpc_code_to_errno(enum rpc_code code);
+enum rpc_code rpc_code_from_errno(int err);
+const char *rpc_code_name(enum rpc_code code);
+
+/* Starts gRPC and the completion threads (refcounted: each rpc_init needs
+ * one rpc_shutdown). Returns 0 or -ENOMEM/-EAGAIN. gRPC's own log lines are
+ * routed to log.h under the component "grpc". */
+int rpc_init(void);
+/* Stops the threads and gRPC once the last user calls it. Every server,
+ * channel, stream and watch must be destroyed first. */
+void rpc_shutdown(void);
+
+/* A packed message, shared by reference: pack once, send to many streams. */
+struct rpc_buf;
+
+/* Packs `m` (borrowed). Returns 0 or -ENOMEM; the caller drops *out with
+ * rpc_buf_unref(). */
+int rpc_buf_pack(const ProtobufCMessage *m, struct rpc_buf **out);
+struct rpc_buf *rpc_buf_ref(struct rpc_buf *b);
+void rpc_buf_unref(struct rpc_buf *b);          /* NULL is fine */
+size_t rpc_buf_len(const struct rpc_buf *b);
+
+/* ---- server ------------------------------------------------------------ */
+
+struct rpc_server;
+struct rpc_reply;       /* the answer to one unary call */
+struct rpc_stream;      /* one server-streaming call */
+
+/* Unary handler: must answer through rpc_reply_ok() or rpc_reply_error()
+ * before returning (no answer is sent as INTERNAL). `req` is borrowed. */
+typedef void (*rpc_unary_fn)(void *arg, const ProtobufCMessage *req, struct rpc_reply *reply);
+/* Streaming handler: receives one reference to `s` and either finishes it
+ * at once (rpc_stream_finish, then rpc_stream_unref) or keeps it to send
+ * later. `req` is borrowed. */
+typedef void (*rpc_stream_fn)(void *arg, const ProtobufCMessage *req, struct rpc_stream *s);
+
+struct rpc_method {
+    const char *path;                           /* "/cohort.v1.Broker/Join" */
+    const ProtobufCMessageDescriptor *request;
+    rpc_unary_fn unary;                         /* exactly one of the two */
+    rpc_stream_fn stream;
+    void *arg;                                  /* borrowed */
+};
+
+struct rpc_server_opts {
+    size_t max_request_bytes;   /* larger requests get RESOURCE_EXHAUSTED; 0: 64 KiB */
+};
+
+/* Binds `address` ("host:port", port 0 for a free one, or "unix:PATH") and
+ * starts serving `methods` (copied; their args borrowed). Unknown methods get
+ * UNIMPLEMENTED; requests that do not parse as the method's message get
+ * INVALID_ARGUMENT; both are logged. Returns 0, -EADDRINUSE or -EINVAL when
+ * the address cannot be bound, -ENOMEM. Caller frees with
+ * rpc_server_destroy(). */
+int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
+                      const struct rpc_server_opts *opts, struct rpc_server **out);
+/* The bound TCP port (useful after asking for port 0); 0 for unix sockets. */
+int rpc_server_port(const struct rpc_server *s);
+/* Stops accepting, cancels every call in flight (their streams see
+ * on_close), waits for all handlers to return, and frees the server.
+ * Streams still referenced stay valid objects; sends on them fail. */
+void rpc_server_destroy(struct rpc_server *s);   /* NULL is fine */
+
+/* Answer a unary call. `msg` is borrowed (packed at once). */
+void rpc_reply_ok(struct rpc_reply *r, const ProtobufCMessage *msg);
+void rpc_reply_error(struct rpc_reply *r, enum rpc_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+struct rpc_stream *rpc_stream_ref(struct rpc_stream *s);
+void rpc_stream_unref(struct rpc_stream *s);    /* NULL is fine */
+
+/* Queues `b` (a reference is taken) for the client. Latest wins: at most one
+ * message waits behind the one in flight, and a newer one replaces it, so a
+ * slow reader costs a bounded amount of memory and gets the newest state.
+ * Returns 0, or -EPIPE once the stream is finished or the client is gone. */
+int rpc_stream_send(struct rpc_stream *s, struct rpc_buf *b);
+
+/* Ends the stream with `code` after any queued message. Idempotent. */
+void rpc_stream_finish(struct rpc_stream *s, enum rpc_code code, const char *message);
+
+/* Called once when the call is over for any reason: the client hung up,
+ * the stream was finished, or the server is going away. Runs on a
+ * completion thread with no lock of this module held. Set it in the
+ * handler, before the stream is shared. */
+typedef void (*rpc_close_fn)(void *arg, struct rpc_stream *s);
+void rpc_stream_on_close(struct rpc_stream *s, rpc_close_fn fn, void *arg);
+
+/* ---- client ------------------------------------------------------------ */
+
+struct rpc_channel;
+
+struct rpc_channel_opts {
+    size_t max_reply_bytes;     /* 0: 64 MiB */
+    uint32_t max_backoff_ms;    /* reconnect backoff cap; 0: 1000 */
+};
+
+/* A channel to `target` ("host:port", "ipv4:...", "unix:PATH"). Connects
+ * lazily. Returns 0, -EINVAL, -ENOMEM. Caller frees with
+ * rpc_channel_destroy() after every call on it has completed. */
+int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
+                       struct rpc_channel **out);
+void rpc_channel_destroy(struct rpc_channel *ch);   /* NULL is fine */
+
+/* Wait for the server to come up (until the deadline) instead of failing
+ * at once with UNAVAILABLE. */
+#define RPC_WAIT_FOR_READY 1u
+
+/* A blocking unary call. `req` borrowed. On success returns 0 and sets
+ * *reply (caller frees with protobuf_c_message_free_unpacked(*reply, NULL)).
+ * On failure returns the mapped -errno and, if st is not NULL, fills it. */
+int rpc_call(struct rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms, unsigned flags,
+             ProtobufCMessage **reply, struct rpc_status *st);
+
+/* Completion of an asynchronous call: `reply` is NULL unless st->code is
+ * RPC_OK, and the callee owns it (protobuf_c_message_free_unpacked). */
+typedef void (*rpc_done_fn)(void *arg, const struct rpc_status *st, ProtobufCMessage *reply);
+
+/* Starts a unary call; `done` runs exactly once on a completion thread.
+ * Returns 0, or -errno (then `done` never runs). */
+int rpc_call_async(struct rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms,
+                   unsigned flags, rpc_done_fn done, void *arg);
+
+struct rpc_watch;       /* the client side of a server stream */
+
+typedef void (*rpc_msg_fn)(void *arg, ProtobufCMessage *msg);  /* callee owns msg */
+typedef void (*rpc_end_fn)(void *arg, const struct rpc_status *st);
+
+/* Opens a server-streaming call with no deadline. on_msg runs for each
+ * message in order, then on_end exactly once, after the last on_msg.
+ * Returns 0 or -errno (then no callback runs). Caller frees with
+ * rpc_watch_close(). */
+int rpc_watch_open(struct rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *msg_desc, unsigned flags, rpc_msg_fn on_msg,
+                   rpc_end_fn on_end, void *arg, struct rpc_watch **out);
+/* Cancels the stream if it is still open, waits for on_end, and frees it.
+ * Returns 0, or -EDEADLK on a completion thread (nothing is done). */
+int rpc_watch_close(struct rpc_watch *w);
+
+/* True on one of this module's completion threads. */
+bool rpc_on_completion_thread(void);
+
+#endif
