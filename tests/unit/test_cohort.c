@@ -1,9 +1,16 @@
-/* tests/unit/test_cohort.c: the trainer API (include/cohort.h) through the
- * sidecar's service (trainerd) on real Unix sockets with shared memory, and
- * in-process against a broker; misuse and bad input on the trainer link. */
+/* tests/unit/test_cohort.c: the trainer API (include/cohort.h).
+ *
+ * Every behaviour of the Accumulator runs through both links (link.h): a
+ * sidecar's service (trainerd) on real Unix sockets with shared memory
+ * (suite cohort_sidecar), and a node in the trainer's process joined to the
+ * broker directly (suite cohort_node). A behaviour that holds on one link
+ * and not the other fails one of the pair. Misuse and bad input on the
+ * trainer link itself, and configs refused before any link, are suite
+ * cohort. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +44,18 @@ static void stop(void)
 }
 
 TestSuite(cohort, .init = start, .fini = stop, .timeout = 120);
+TestSuite(cohort_sidecar, .init = start, .fini = stop, .timeout = 120);
+TestSuite(cohort_node, .init = start, .fini = stop, .timeout = 120);
+
+/* How a trainer reaches its node. */
+enum via { VIA_SIDECAR, VIA_NODE };
+
+/* Defines test `name` once per link: the body is `name(enum via via)`. */
+#define BOTH_LINKS(name)                                        \
+    static void name(enum via via);                             \
+    Test(cohort_sidecar, name) { name(VIA_SIDECAR); }           \
+    Test(cohort_node, name) { name(VIA_NODE); }                 \
+    static void name(enum via via)
 
 static struct trainerd *sidecar(const char *id, char *path, size_t n)
 {
@@ -48,6 +67,35 @@ static struct trainerd *sidecar(const char *id, char *path, size_t n)
     tc.socket_path = path;
     cr_assert_eq(trainerd_start(&tc, &t), 0);
     return t;
+}
+
+/* Connects trainer `c` as member `id` of cohort "api": through a sidecar of
+ * its own, which is returned (the caller stops it after destroying c), or
+ * in-process (NULL is returned). */
+static struct trainerd *join(enum via via, struct cohort *c, const char *id)
+{
+    char path[128], addr[160];
+    struct trainerd *t;
+
+    if (via == VIA_NODE) {
+        cr_assert_eq(cohort_set_identity(c, "api", id), 0);
+        cr_assert_eq(cohort_connect(c, broker), 0);
+        cr_assert_eq(cohort_connect(c, broker), -EALREADY);
+        return NULL;
+    }
+    t = sidecar(id, path, sizeof(path));
+    snprintf(addr, sizeof(addr), "unix:%s", path);
+    cr_assert_eq(cohort_connect(c, addr), 0);
+    cr_assert_eq(cohort_connect(c, addr), -EALREADY);
+    return t;
+}
+
+/* Destroys the trainer, then its sidecar (trainerd_stop takes NULL). */
+static void leave(struct cohort *c, struct trainerd *t)
+{
+    cohort_destroy(c);
+    if (t)
+        trainerd_stop(t);
 }
 
 static struct cohort *trainer(void)
@@ -71,6 +119,8 @@ struct loop {
     int index;
     int rc;
     unsigned states;
+    atomic_int *finished;           /* shared: trainers at their target */
+    int n_trainers;
     pthread_t t;
 };
 
@@ -80,22 +130,21 @@ static void nap(void)
     nanosleep(&ts, NULL);
 }
 
-/* moolib's loop on the C API. */
+/* moolib's loop on the C API. A trainer at its target contributes no
+ * more, but goes on answering for its state until every trainer is at
+ * its own: an eviction under load can make the leader's state needed
+ * again after the leader's trainer has finished. */
 static void *run_loop(void *arg)
 {
     struct loop *l = arg;
     struct cohort *c = l->c;
     float *w = cohort_params(c), *g = cohort_grads(c), *r = cohort_results(c);
+    uint64_t end = clock_now_ms() + 90000;
+    bool done = false;
 
-    for (uint64_t spins = 0; spins < 2000000; spins++) {
+    while (clock_now_ms() < end) {
         if ((l->rc = cohort_update(c)) < 0)
             return NULL;
-        if (cohort_model_version(c) >= l->target && !cohort_has_gradients(c))
-            return NULL;
-        if (!cohort_connected(c)) {
-            nap();
-            continue;
-        }
         if (cohort_wants_state(c))
             cohort_set_state(c, "opaque", 7);
         if (cohort_has_new_state(c)) {
@@ -104,13 +153,25 @@ static void *run_loop(void *arg)
             if (cohort_state(c, &s, &len) == 0 && len == 7 && strcmp(s, "opaque") == 0)
                 l->states++;
         }
+        if (!done && cohort_model_version(c) >= l->target && !cohort_has_gradients(c)) {
+            done = true;
+            atomic_fetch_add(l->finished, 1);
+        }
+        if (done && atomic_load(l->finished) == l->n_trainers)
+            return NULL;
+        /* Training starts once the whole cohort is there, so that every
+         * trainer's gradients count. */
+        if (!cohort_connected(c) || cohort_size(c) < (uint32_t)l->n_trainers) {
+            nap();
+            continue;
+        }
         if (cohort_has_gradients(c)) {
             for (size_t i = 0; i < NP; i++)
                 w[i] -= 0.1f * r[i];
             cr_assert_eq(cohort_zero_gradients(c), 0);
             for (size_t i = 0; i < NP; i++)
                 cr_assert_eq(g[i], 0.0f, "zero_gradients zeroes the gradients");
-        } else if (cohort_wants_gradients(c)) {
+        } else if (cohort_wants_gradients(c) && !done) {
             for (size_t i = 0; i < NP; i++)
                 g[i] += (float)(l->index + 1) + w[i] * 0.01f;
             cr_assert_eq(cohort_reduce_gradients(c, 4), 0);
@@ -122,12 +183,16 @@ static void *run_loop(void *arg)
     return NULL;
 }
 
-Test(cohort, trainers_through_sidecars_stay_identical)
+/* Two trainers reach `target` and end bytewise identical; the joiner
+ * receives the leader's opaque state. `via[i]` is trainer i's link, so a
+ * cohort may mix them. */
+static void train_pair(const enum via via[2], uint64_t target)
 {
-    char p0[128], p1[128];
-    struct trainerd *s0 = sidecar("a-0", p0, sizeof(p0)), *s1 = sidecar("a-1", p1, sizeof(p1));
-    struct loop l[2] = { { .target = 12, .index = 0 }, { .target = 12, .index = 1 } };
-    char addr[160];
+    static const char *ids[2] = { "a-0", "a-1" };
+    struct trainerd *sd[2];
+    atomic_int finished = 0;
+    struct loop l[2] = { { .target = target, .index = 0, .finished = &finished, .n_trainers = 2 },
+                         { .target = target, .index = 1, .finished = &finished, .n_trainers = 2 } };
     struct cohort_gradient_stats st;
 
     for (int i = 0; i < 2; i++) {
@@ -135,9 +200,9 @@ Test(cohort, trainers_through_sidecars_stay_identical)
         float *w = cohort_params(l[i].c);
         for (size_t k = 0; k < NP; k++)
             w[k] = (float)(i * 100 + (int)k);           /* different starts */
-        snprintf(addr, sizeof(addr), "unix:%s", i ? p1 : p0);
-        cr_assert_eq(cohort_connect(l[i].c, addr), 0);
-        cr_assert_eq(cohort_connect(l[i].c, addr), -EALREADY);
+        if (via[i] == VIA_NODE)
+            cr_assert_eq(cohort_connect(l[i].c, broker), -EINVAL, "no identity yet");
+        sd[i] = join(via[i], l[i].c, ids[i]);
         cr_assert_eq(cohort_set_virtual_batch_size(l[i].c, 8), 0);
         cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 1), 0);
         cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 0), -EINVAL);
@@ -150,7 +215,7 @@ Test(cohort, trainers_through_sidecars_stay_identical)
         cr_assert_eq(l[i].rc, 0, "trainer %d: %s", i, cohort_strerror(l[i].rc));
     }
     cr_assert_eq(memcmp(cohort_params(l[0].c), cohort_params(l[1].c), NP * 4), 0);
-    cr_assert_eq(cohort_model_version(l[1].c), 12);
+    cr_assert_eq(cohort_model_version(l[1].c), target);
     cr_assert_str_eq(cohort_get_leader(l[0].c), "a-0");
     cr_assert(cohort_is_leader(l[0].c) && !cohort_is_leader(l[1].c));
     cr_assert_eq(cohort_size(l[0].c), 2);
@@ -159,33 +224,24 @@ Test(cohort, trainers_through_sidecars_stay_identical)
     cohort_get_gradient_stats(l[0].c, &st);
     cr_assert_eq(st.batch_size, 8);
     cr_assert_eq(st.num_gradients, 2);
-    cr_assert_eq(st.rounds_committed, 12);
+    cr_assert_eq(st.rounds_committed, target);
     for (int i = 0; i < 2; i++)
-        cohort_destroy(l[i].c);
-    trainerd_stop(s0);
-    trainerd_stop(s1);
+        leave(l[i].c, sd[i]);
 }
 
-Test(cohort, in_process_node_trains_without_a_sidecar)
+BOTH_LINKS(trainers_stay_identical)
 {
-    struct loop l[2] = { { .target = 6, .index = 0 }, { .target = 6, .index = 1 } };
+    const enum via both[2] = { via, via };
 
-    for (int i = 0; i < 2; i++) {
-        char id[16];
-        l[i].c = trainer();
-        snprintf(id, sizeof(id), "p-%d", i);
-        cr_assert_eq(cohort_connect(l[i].c, broker), -EINVAL, "no identity yet");
-        cr_assert_eq(cohort_set_identity(l[i].c, "api", id), 0);
-        cr_assert_eq(cohort_connect(l[i].c, broker), 0);
-        pthread_create(&l[i].t, NULL, run_loop, &l[i]);
-    }
-    for (int i = 0; i < 2; i++) {
-        pthread_join(l[i].t, NULL);
-        cr_assert_eq(l[i].rc, 0);
-    }
-    cr_assert_eq(memcmp(cohort_params(l[0].c), cohort_params(l[1].c), NP * 4), 0);
-    for (int i = 0; i < 2; i++)
-        cohort_destroy(l[i].c);
+    train_pair(both, 12);
+}
+
+/* One trainer through a sidecar, one in-process: the same bytes. */
+Test(cohort, trainers_on_different_links_stay_identical)
+{
+    const enum via mixed[2] = { VIA_NODE, VIA_SIDECAR };
+
+    train_pair(mixed, 12);
 }
 
 /* Parallel gradients: each contribution is a distinct integer, so every
@@ -259,9 +315,8 @@ static void *run_parallel(void *arg)
     return NULL;
 }
 
-static void parallel_pair(unsigned p0, unsigned p1, unsigned per_round)
+static void parallel_pair(enum via via, unsigned p0, unsigned p1, unsigned per_round)
 {
-    char path[2][128], addr[160];
     struct trainerd *sd[2];
     struct ploop l[2] = { { .index = 0, .parallel = p0, .per_round = per_round },
                           { .index = 1, .parallel = p1, .per_round = per_round } };
@@ -269,10 +324,8 @@ static void parallel_pair(unsigned p0, unsigned p1, unsigned per_round)
     for (int i = 0; i < 2; i++) {
         char id[16];
         snprintf(id, sizeof(id), "q-%d", i);
-        sd[i] = sidecar(id, path[i], sizeof(path[i]));
         l[i].c = trainer();
-        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
-        cr_assert_eq(cohort_connect(l[i].c, addr), 0);
+        sd[i] = join(via, l[i].c, id);
         cr_assert_eq(cohort_set_virtual_batch_size(l[i].c, 2 * per_round), 0);
         cr_assert_eq(cohort_set_parallel_gradients(l[i].c, l[i].parallel), 0);
     }
@@ -285,22 +338,33 @@ static void parallel_pair(unsigned p0, unsigned p1, unsigned per_round)
          * contributions as one outstanding). */
         cr_assert_leq(l[i].max_ahead, per_round * l[i].parallel);
     }
-    cr_assert_eq(cohort_model_version(l[0].c), cohort_model_version(l[1].c));
-    for (int i = 0; i < 2; i++) {
-        cohort_destroy(l[i].c);
-        trainerd_stop(sd[i]);
+    /* Each trainer stopped at its own moment, possibly with a round it
+     * had contributed to ahead still in flight; once that settles both
+     * have committed the same rounds. */
+    uint64_t end = clock_now_ms() + 30000;
+    for (;;) {
+        cr_assert_eq(cohort_update(l[0].c), 0);
+        cr_assert_eq(cohort_update(l[1].c), 0);
+        if (cohort_model_version(l[0].c) == cohort_model_version(l[1].c))
+            break;
+        cr_assert_lt(clock_now_ms(), end, "versions %llu and %llu",
+                     (unsigned long long)cohort_model_version(l[0].c),
+                     (unsigned long long)cohort_model_version(l[1].c));
+        nap();
     }
+    for (int i = 0; i < 2; i++)
+        leave(l[i].c, sd[i]);
 }
 
-Test(cohort, parallel_gradients_apply_every_contribution_once_in_order)
+BOTH_LINKS(parallel_gradients_apply_every_contribution_once_in_order)
 {
-    parallel_pair(2, 2, 1);
-    parallel_pair(3, 1, 1);
+    parallel_pair(via, 2, 2, 1);
+    parallel_pair(via, 3, 1, 1);
 }
 
-Test(cohort, parallel_gradients_sum_queued_contributions_into_one_round)
+BOTH_LINKS(parallel_gradients_sum_queued_contributions_into_one_round)
 {
-    parallel_pair(2, 2, 2);
+    parallel_pair(via, 2, 2, 2);
 }
 
 /* Steps both trainers until pred() holds for each, answering state
@@ -339,42 +403,38 @@ static bool pair_has_result(const struct cohort *c)
     return cohort_has_gradients(c);
 }
 
-/* Two sidecars, `<prefix>-0` and `<prefix>-1`, each with a trainer of
- * `np` float32 parameters connected, and a virtual batch size each. */
-static void pair_start(const char *prefix, size_t np, const uint64_t *vbs, struct trainerd **sd,
-                       struct cohort **c)
+/* Two trainers, `<prefix>-0` and `<prefix>-1`, each of `np` float32
+ * parameters, connected through `via`, and a virtual batch size each. */
+static void pair_start(enum via via, const char *prefix, size_t np, const uint64_t *vbs,
+                       struct trainerd **sd, struct cohort **c)
 {
     struct cohort_tensor p = { "w", COHORT_F32, np };
     struct cohort_config cfg = { .name = "model", .parameters = &p, .n_parameters = 1 };
-    char path[128], addr[160], id[16];
+    char id[16];
 
     for (int i = 0; i < 2; i++) {
         snprintf(id, sizeof(id), "%s-%d", prefix, i);
-        sd[i] = sidecar(id, path, sizeof(path));
         cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
-        snprintf(addr, sizeof(addr), "unix:%s", path);
-        cr_assert_eq(cohort_connect(c[i], addr), 0);
+        sd[i] = join(via, c[i], id);
         cr_assert_eq(cohort_set_virtual_batch_size(c[i], vbs[i]), 0);
     }
 }
 
 static void pair_stop(struct trainerd **sd, struct cohort **c)
 {
-    for (int i = 0; i < 2; i++) {
-        cohort_destroy(c[i]);
-        trainerd_stop(sd[i]);
-    }
+    for (int i = 0; i < 2; i++)
+        leave(c[i], sd[i]);
 }
 
 /* With parallel gradients a skip leaves the trainer's gradient buffer to
  * its next batch; the round must get zeros from this member, not that. */
-static void parallel_skip_round(size_t np)
+static void parallel_skip_round(enum via via, size_t np)
 {
     const uint64_t vbs[2] = { 1, 1 };
     struct trainerd *sd[2];
     struct cohort *c[2];
 
-    pair_start("k", np, vbs, sd, c);
+    pair_start(via, "k", np, vbs, sd, c);
     cr_assert_eq(cohort_set_parallel_gradients(c[0], 2), 0);
     step_pair_until(c, pair_ready);
     /* Member 0 has begun its next batch, and skips this round. */
@@ -394,16 +454,16 @@ static void parallel_skip_round(size_t np)
     pair_stop(sd, c);
 }
 
-Test(cohort, a_skip_under_parallel_gradients_contributes_zeros)
+BOTH_LINKS(a_skip_under_parallel_gradients_contributes_zeros)
 {
-    parallel_skip_round(777);           /* counters ride with the gradients */
-    parallel_skip_round(100000);        /* a count step, then the gradient step */
+    parallel_skip_round(via, 777);      /* counters ride with the gradients */
+    parallel_skip_round(via, 100000);   /* a count step, then the gradient step */
 }
 
 /* Small gradients carry the round's counters in their own all-reduce
  * (float32 here): sample counts far beyond float32's 2^24 come out exact,
  * and a round that needs a second step still commits right. */
-Test(cohort, counters_beyond_float_precision_stay_exact)
+BOTH_LINKS(counters_beyond_float_precision_stay_exact)
 {
     const uint64_t batch[2] = { (1ull << 40) + 1, (1ull << 33) + 7 };
     /* Their mean, 2^41 + 2^40, is more than one step brings. */
@@ -412,7 +472,7 @@ Test(cohort, counters_beyond_float_precision_stay_exact)
     struct cohort *c[2];
     struct cohort_gradient_stats st;
 
-    pair_start("e", 64, vbs, sd, c);
+    pair_start(via, "e", 64, vbs, sd, c);
     step_pair_until(c, pair_ready);
     for (int k = 0; k < 3; k++) {
         for (int i = 0; i < 2; i++) {
@@ -466,66 +526,115 @@ Test(cohort, counters_beyond_float_precision_stay_exact)
     pair_stop(sd, c);
 }
 
-Test(cohort, misuse_and_a_gone_sidecar_are_errors)
+/* Steps a lone trainer until it is asked for gradients. */
+static void until_wanted(struct cohort *c)
 {
-    char p[128], addr[160];
-    struct trainerd *s = sidecar("m-0", p, sizeof(p));
-    struct cohort *c = trainer(), *other = trainer();
-
-    cr_assert_eq(cohort_connect(c, "unix:/nonexistent/sock"), -ENOENT);
-    cr_assert_eq(cohort_wait(c, 10), -ENOTCONN, "nothing to wait for before connect");
-    snprintf(addr, sizeof(addr), "unix:%s", p);
-    cr_assert_eq(cohort_connect(c, addr), 0);
-    cr_assert_eq(cohort_update(c), 0);
-    /* Alone in the cohort it leads at once; until the epoch is synced it
-     * is not asked for gradients. */
     uint64_t end = clock_now_ms() + 30000;
+
     while (!cohort_wants_gradients(c) && clock_now_ms() < end) {
         nap();
-        cohort_update(c);
+        cr_assert_eq(cohort_update(c), 0);
     }
     cr_assert(cohort_wants_gradients(c));
-    cr_assert_eq(cohort_zero_gradients(c), -EPERM, "no result to zero");
-    cr_assert_eq(cohort_reduce_gradients(c, 0), -EINVAL);
-    cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
-    cr_assert_eq(cohort_reduce_gradients(c, 1), -EPERM, "a second reduce before the round ends");
-    /* Alone, the round commits at once; cohort_wait wakes for it. */
-    end = clock_now_ms() + 30000;
+}
+
+/* Waits, with cohort_wait, until a lone trainer holds a result. */
+static void until_result(struct cohort *c)
+{
+    uint64_t end = clock_now_ms() + 30000;
+
     while (!cohort_has_gradients(c) && clock_now_ms() < end) {
         int rc = cohort_wait(c, 1000);
         cr_assert(rc == 0 || rc == -ETIMEDOUT, "cohort_wait: %s", cohort_strerror(rc));
         cr_assert_eq(cohort_update(c), 0);
     }
     cr_assert(cohort_has_gradients(c));
-    /* zero_gradients does not wait for the sidecar, yet no view read after
+}
+
+BOTH_LINKS(misuse_is_refused_and_each_result_is_seen_once)
+{
+    struct cohort *c = trainer();
+    struct trainerd *s;
+
+    cr_assert_eq(cohort_update(c), -ENOTCONN, "nothing to update before connect");
+    cr_assert_eq(cohort_wait(c, 10), -ENOTCONN, "nothing to wait for before connect");
+    cr_assert_eq(cohort_reduce_gradients(c, 1), -ENOTCONN);
+    cr_assert_eq(cohort_zero_gradients(c), -ENOTCONN);
+    s = join(via, c, "m-0");
+    cr_assert_eq(cohort_update(c), 0);
+    /* Alone in the cohort it leads at once; until the epoch is synced it
+     * is not asked for gradients. */
+    until_wanted(c);
+    cr_assert_eq(cohort_zero_gradients(c), -EPERM, "no result to zero");
+    cr_assert_eq(cohort_reduce_gradients(c, 0), -EINVAL);
+    cr_assert_eq(cohort_set_virtual_batch_size(c, 0), -EINVAL);
+    cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
+    cr_assert(!cohort_wants_gradients(c), "a contribution shows in the view at once");
+    cr_assert_eq(cohort_reduce_gradients(c, 1), -EPERM, "a second reduce before the round ends");
+    /* Alone, the round commits at once; cohort_wait wakes for it. */
+    until_result(c);
+    /* zero_gradients does not wait for the node, yet no view read after
      * it shows the consumed result again, and the next round goes on. */
     for (int round = 0; round < 50; round++) {
         uint64_t v = cohort_model_version(c);
         cr_assert_eq(cohort_zero_gradients(c), 0);
+        cr_assert(!cohort_has_gradients(c), "round %d: the consumed result is still shown", round);
         cr_assert_eq(cohort_zero_gradients(c), -EPERM, "one result, one zero");
         cr_assert_eq(cohort_update(c), 0);
         cr_assert(!cohort_has_gradients(c), "round %d: the consumed result came back", round);
         cr_assert(cohort_wants_gradients(c));
         cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
-        end = clock_now_ms() + 30000;
-        while (!cohort_has_gradients(c) && clock_now_ms() < end) {
-            cohort_wait(c, 1000);
-            cr_assert_eq(cohort_update(c), 0);
-        }
-        cr_assert(cohort_has_gradients(c));
+        until_result(c);
         cr_assert_eq(cohort_model_version(c), v + 1);
     }
     /* Nothing changes while the result waits for the trainer. */
     cr_assert_eq(cohort_update(c), 0);
     cr_assert_eq(cohort_wait(c, 300), -ETIMEDOUT);
     cr_assert_eq(cohort_set_state(c, "x", 1), -EPERM, "nobody asked for state");
+    cr_assert_eq(cohort_state(c, &(const void *){ NULL }, &(size_t){ 0 }), -ENOENT, "no state came");
+    leave(c, s);
+}
+
+/* What the trainer declares or sets is in the view as soon as the call
+ * returns, with no cohort_update() in between. */
+BOTH_LINKS(actions_show_in_the_view_at_once)
+{
+    struct cohort *c = trainer();
+    struct trainerd *s = join(via, c, "v-0");
+
+    cr_assert_eq(cohort_update(c), 0);
+    until_wanted(c);
+    cr_assert_eq(cohort_set_model_version(c, 41), 0);
+    cr_assert_eq(cohort_model_version(c), 41, "a declared version shows at once");
+    until_wanted(c);
+    cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
+    cr_assert(!cohort_wants_gradients(c), "a contribution shows at once");
+    leave(c, s);
+}
+
+/* The sidecar serves one trainer, and a trainer whose sidecar goes away
+ * is told so by every call from then on. */
+Test(cohort, a_second_trainer_and_a_gone_sidecar_are_errors)
+{
+    char p[128], addr[160];
+    struct trainerd *s = sidecar("m-0", p, sizeof(p));
+    struct cohort *c = trainer(), *other = trainer();
+
+    cr_assert_eq(cohort_connect(c, "unix:/nonexistent/sock"), -ENOENT);
+    snprintf(addr, sizeof(addr), "unix:%s", p);
+    cr_assert_eq(cohort_connect(c, addr), 0);
+    cr_assert_eq(cohort_update(c), 0);
+    until_wanted(c);
     /* A second trainer on the same sidecar is turned away. */
     cr_assert_neq(cohort_connect(other, addr), 0);
     /* The sidecar goes away: calls say so, and keep saying so. */
     trainerd_stop(s);
     cr_assert_eq(cohort_wait(c, 5000), -ENOTCONN, "a wait notices the sidecar is gone");
     cr_assert_eq(cohort_update(c), -ENOTCONN);
+    cr_assert(!cohort_connected(c) && !cohort_wants_gradients(c), "a lost link shows no view");
     cr_assert_eq(cohort_reduce_gradients(c, 1), -ENOTCONN);
+    cr_assert_eq(cohort_set_model_version(c, 3), -ENOTCONN);
+    cr_assert_eq(cohort_wait(c, 10), -ENOTCONN);
     cr_assert_str_eq(cohort_strerror(-ENOTCONN), "the sidecar is gone");
     cohort_destroy(c);
     cohort_destroy(other);
