@@ -38,8 +38,9 @@ BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -Iinclude -
 # pkg-config --libs grpc for the static list).
 LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lcurl -lyaml -lpthread -lm
 OPT_CFLAGS  := -O2
-ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-ASAN_LDFLAGS := -fsanitize=address,undefined
+ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined,float-cast-overflow \
+               -fno-sanitize-recover=undefined,float-cast-overflow
+ASAN_LDFLAGS := -fsanitize=address,undefined,float-cast-overflow
 
 PROTOS     := $(wildcard proto/*.proto)
 LIB_SRCS   := $(wildcard src/*/*.c)

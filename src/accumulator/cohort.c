@@ -23,6 +23,10 @@
 #include "accumulator/link_sidecar.h"
 
 #define ALIGN 64
+/* The most bytes of parameters, and of buffers, one trainer may declare:
+ * 64 TiB each, so that three parameter-sized regions, the buffers and the
+ * alignment never overflow an off_t. */
+#define REGION_MAX (1ull << 46)
 #define STATE_CAP (1ull << 30)
 
 struct cohort {
@@ -84,9 +88,11 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
         goto err;
     for (size_t i = 0; i < cfg->n_parameters; i++) {
         enum dtype t;
+        /* One dtype for all parameters, and a total that leaves the sum
+         * of every region below far from overflowing. */
         if (to_dtype(cfg->parameters[i].dtype, &t) < 0 || t != dt ||
-            cfg->parameters[i].numel > (SIZE_MAX / 4) / esize) {
-            rc = -EINVAL;       /* one dtype for all parameters */
+            cfg->parameters[i].numel > (REGION_MAX - pbytes) / esize) {
+            rc = -EINVAL;
             goto err;
         }
         c->param_off[i] = pbytes;
@@ -99,12 +105,13 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
     }
     for (size_t i = 0; i < cfg->n_buffers; i++) {
         enum dtype t;
-        if (to_dtype(cfg->buffers[i].dtype, &t) < 0) {
+        /* Each buffer 8-byte aligned, whatever its type. */
+        bbytes = (bbytes + 7) / 8 * 8;
+        if (to_dtype(cfg->buffers[i].dtype, &t) < 0 ||
+            cfg->buffers[i].numel > (REGION_MAX - bbytes) / dtype_size(t)) {
             rc = -EINVAL;
             goto err;
         }
-        /* Each buffer 8-byte aligned, whatever its type. */
-        bbytes = (bbytes + 7) / 8 * 8;
         c->buffer_off[i] = bbytes;
         bbytes += cfg->buffers[i].numel * dtype_size(t);
     }

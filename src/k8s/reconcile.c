@@ -44,8 +44,10 @@ static int int_field(const cJSON *spec, const char *k, long def, long lo, long h
         *out = def;
         return 0;
     }
-    if (!cJSON_IsNumber(v) || v->valuedouble != (double)(long)v->valuedouble ||
-        v->valuedouble < lo || v->valuedouble > hi)
+    /* The range first: converting a double outside long's range (1e300,
+     * NaN) is undefined behaviour. lo and hi are far inside it. */
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= (double)lo && v->valuedouble <= (double)hi) ||
+        v->valuedouble != (double)(long)v->valuedouble)
         return -EINVAL;
     *out = (long)v->valuedouble;
     return 0;

@@ -742,6 +742,21 @@ Test(cohort, create_refuses_bad_configs)
     cr_assert_eq(cohort_create(&cfg, &c), -EINVAL, "no elements");
     cfg.n_parameters = 0;
     cr_assert_eq(cohort_create(&cfg, &c), -EINVAL);
+    /* Sizes whose sum would wrap: each alone passes a per-tensor check. */
+    struct cohort_tensor huge[2] = { { "a", COHORT_F32, (SIZE_MAX / 4) / 4 - 1 },
+                                     { "b", COHORT_F32, (SIZE_MAX / 4) / 4 - 1 } };
+    struct cohort_tensor one[1] = { { "a", COHORT_F32, 1 } };
+    struct cohort_tensor big_buffer[1] = { { "s", COHORT_F64, SIZE_MAX / 8 } };
+    cfg.parameters = huge;
+    cfg.n_parameters = 2;
+    cr_assert_eq(cohort_create(&cfg, &c), -EINVAL, "parameter sizes that overflow");
+    huge[0].numel = 1ull << 61;
+    cfg.n_parameters = 1;
+    cr_assert_eq(cohort_create(&cfg, &c), -EINVAL, "2^61 elements");
+    cfg.parameters = one;
+    cfg.buffers = big_buffer;
+    cfg.n_buffers = 1;
+    cr_assert_eq(cohort_create(&cfg, &c), -EINVAL, "a buffer too large");
     cr_assert_null(c);
     cohort_destroy(NULL);
 }

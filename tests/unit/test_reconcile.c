@@ -88,6 +88,12 @@ Test(reconcile, parse_refuses_what_cannot_run_with_a_reason)
     refused("lr", "\"replicas\":5,\"maxReplicas\":4", "InvalidReplicas");
     refused("lr", "\"replicas\":0", "InvalidReplicas");
     refused("lr", "\"replicas\":1.5", "InvalidReplicas");
+    /* Far outside long's range: refused before any conversion (the
+     * sanitizer build traps float-cast-overflow). */
+    refused("lr", "\"replicas\":1e300", "InvalidReplicas");
+    refused("lr", "\"replicas\":-1e300", "InvalidReplicas");
+    refused("lr", "\"maxReplicas\":9.3e18", "InvalidReplicas");
+    refused("lr", "\"maxRestarts\":1e19", "InvalidSpec");
     refused("lr", "\"timeouts\":{\"heartbeatInterval\":\"2s\",\"memberTimeout\":\"1s\"}",
             "InvalidTimeouts");
     refused("lr", "\"timeouts\":{\"memberTimeout\":\"soon\"}", "InvalidTimeouts");
