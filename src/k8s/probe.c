@@ -20,6 +20,10 @@
 #define REQUEST_MAX 8192            /* a GET line and headers */
 #define BODY_MAX (1024 * 1024)      /* the metrics text */
 #define CLIENT_DEADLINE_MS 2000
+/* Connections served at once. A kubelet probes once every few seconds and
+ * Prometheus scrapes once a minute; anyone may connect, so beyond this the
+ * oldest idle connection makes room. */
+#define CLIENTS_MAX 128
 
 struct probe {
     int fd, port;
@@ -57,52 +61,39 @@ static const char *reason_of(int code)
     }
 }
 
-static void write_all(int fd, const char *p, size_t n)
+/* One connection: its request as it arrives, then its reply as the
+ * client takes it. Both buffers are the connection's own, so a client
+ * that reads slowly holds only its reply, never the server. */
+struct client {
+    int fd;                         /* -1: a free slot */
+    uint64_t since, deadline;       /* accepted at; closed at */
+    char *in;                       /* REQUEST_MAX bytes */
+    size_t in_len;
+    char *out;                      /* the whole reply, once answered */
+    size_t out_len, out_off;
+};
+
+static void client_close(struct client *c)
 {
-    while (n) {
-        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        if (w <= 0)
-            return;
-        p += w;
-        n -= (size_t)w;
-    }
+    if (c->fd >= 0)
+        close(c->fd);
+    free(c->in);
+    free(c->out);
+    *c = (struct client){ .fd = -1 };
 }
 
-/* Reads up to the end of the headers, or fails at the cap or deadline. */
-static ssize_t read_request(int fd, char *buf, size_t cap)
+/* Builds the reply to a complete request in c->out. */
+static int answer(struct probe *p, struct client *c)
 {
-    uint64_t end = clock_now_ms() + CLIENT_DEADLINE_MS;
-    size_t len = 0;
-
-    while (len + 1 < cap) {
-        struct pollfd pfd = { .fd = fd, .events = POLLIN };
-        uint64_t now = clock_now_ms();
-        ssize_t r;
-
-        if (now >= end || poll(&pfd, 1, (int)(end - now)) <= 0)
-            return -1;
-        r = recv(fd, buf + len, cap - 1 - len, 0);
-        if (r <= 0)
-            return -1;
-        len += (size_t)r;
-        buf[len] = '\0';
-        if (strstr(buf, "\r\n\r\n") || strstr(buf, "\n\n"))
-            return (ssize_t)len;
-    }
-    return -1;
-}
-
-static void serve(struct probe *p, int fd)
-{
-    char req[REQUEST_MAX], head[256], path[1024];
     struct probe_reply r = { .code = 200, .body = p->body, .cap = BODY_MAX };
-    char *sp, *q;
+    const char *req = c->in;
+    char head[256], path[1024];
+    const char *sp, *q;
+    bool head_only = strncmp(req, "HEAD ", 5) == 0;
     size_t pl;
     int w;
 
-    if (read_request(fd, req, sizeof(req)) < 0)
-        return;
-    if (strncmp(req, "GET ", 4) != 0 && strncmp(req, "HEAD ", 5) != 0) {
+    if (strncmp(req, "GET ", 4) != 0 && !head_only) {
         r.code = 405;
         probe_printf(&r, "only GET\n");
         goto reply;
@@ -122,27 +113,142 @@ reply:
     w = snprintf(head, sizeof(head), "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
                  "Connection: close\r\n\r\n", r.code, reason_of(r.code),
                  r.content_type ? r.content_type : "text/plain; charset=utf-8", r.len);
-    write_all(fd, head, (size_t)w);
-    if (strncmp(req, "HEAD ", 5) != 0)
-        write_all(fd, r.body, r.len);
+    if (head_only)
+        r.len = 0;
+    c->out = malloc((size_t)w + r.len);
+    if (!c->out)
+        return -ENOMEM;
+    memcpy(c->out, head, (size_t)w);
+    memcpy(c->out + w, r.body, r.len);
+    c->out_len = (size_t)w + r.len;
+    c->out_off = 0;
+    return 0;
 }
 
+/* Reads what the client sent. Returns 0 to go on, 1 once c->out holds
+ * the reply, <0 to drop the client (closed, over REQUEST_MAX, no memory). */
+static int client_read(struct probe *p, struct client *c)
+{
+    ssize_t r = recv(c->fd, c->in + c->in_len, REQUEST_MAX - 1 - c->in_len, 0);
+
+    if (r < 0 && (errno == EAGAIN || errno == EINTR))
+        return 0;
+    if (r <= 0)
+        return -1;
+    c->in_len += (size_t)r;
+    c->in[c->in_len] = '\0';
+    if (strstr(c->in, "\r\n\r\n") || strstr(c->in, "\n\n"))
+        return answer(p, c) < 0 ? -1 : 1;
+    return c->in_len + 1 >= REQUEST_MAX ? -1 : 0;
+}
+
+/* Sends what the client will take now. Returns 1 when all is sent, 0 to
+ * go on, <0 on error. */
+static int client_write(struct client *c)
+{
+    while (c->out_off < c->out_len) {
+        ssize_t w = send(c->fd, c->out + c->out_off, c->out_len - c->out_off, MSG_NOSIGNAL);
+        if (w < 0 && (errno == EAGAIN || errno == EINTR))
+            return 0;
+        if (w <= 0)
+            return -1;
+        c->out_off += (size_t)w;
+    }
+    return 1;
+}
+
+/* A free slot for a new connection. When every slot is taken, the oldest
+ * client still sending its request goes first (the oldest of all if every
+ * client is being answered): an idle or stalling client is the one to go,
+ * and the newest connection, a probe that will ask at once, stays. */
+static struct client *slot_for_new(struct client *cl)
+{
+    struct client *oldest = NULL, *oldest_reading = NULL;
+
+    for (size_t i = 0; i < CLIENTS_MAX; i++) {
+        if (cl[i].fd < 0)
+            return &cl[i];
+        if (!oldest || cl[i].since < oldest->since)
+            oldest = &cl[i];
+        if (!cl[i].out && (!oldest_reading || cl[i].since < oldest_reading->since))
+            oldest_reading = &cl[i];
+    }
+    oldest = oldest_reading ? oldest_reading : oldest;
+    client_close(oldest);
+    return oldest;
+}
+
+static void accept_all(struct probe *p, struct client *cl, uint64_t now)
+{
+    for (int n = 0; n < CLIENTS_MAX; n++) {
+        int fd = accept4(p->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        struct client *c;
+
+        if (fd < 0)
+            return;
+        c = slot_for_new(cl);
+        c->in = malloc(REQUEST_MAX);
+        if (!c->in) {
+            close(fd);
+            continue;
+        }
+        c->fd = fd;
+        c->since = now;
+        c->deadline = now + CLIENT_DEADLINE_MS;
+        c->in_len = 0;
+    }
+}
+
+/* One thread, never blocked by a client: every socket is non-blocking,
+ * and each client has CLIENT_DEADLINE_MS from its accept to its last
+ * byte out. */
 static void *probe_main(void *arg)
 {
     struct probe *p = arg;
+    struct client cl[CLIENTS_MAX];
+    struct pollfd pfd[CLIENTS_MAX + 1];
+    size_t who[CLIENTS_MAX + 1];
 
+    for (size_t i = 0; i < CLIENTS_MAX; i++)
+        cl[i] = (struct client){ .fd = -1 };
     while (!atomic_load(&p->stop)) {
-        struct pollfd pfd = { .fd = p->fd, .events = POLLIN };
-        int fd;
+        uint64_t now = clock_now_ms(), next = now + 200;
+        nfds_t n = 1;
 
-        if (poll(&pfd, 1, 200) <= 0)
+        pfd[0] = (struct pollfd){ .fd = p->fd, .events = POLLIN };
+        for (size_t i = 0; i < CLIENTS_MAX; i++) {
+            if (cl[i].fd < 0)
+                continue;
+            if (now >= cl[i].deadline) {
+                client_close(&cl[i]);
+                continue;
+            }
+            if (cl[i].deadline < next)
+                next = cl[i].deadline;
+            pfd[n] = (struct pollfd){ .fd = cl[i].fd, .events = cl[i].out ? POLLOUT : POLLIN };
+            who[n++] = i;
+        }
+        if (poll(pfd, n, (int)(next - now)) <= 0)
             continue;
-        fd = accept4(p->fd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd < 0)
-            continue;
-        serve(p, fd);
-        close(fd);
+        now = clock_now_ms();
+        for (nfds_t k = 1; k < n; k++) {
+            struct client *c = &cl[who[k]];
+            int rc = 0;
+
+            if (!pfd[k].revents)
+                continue;
+            if (!c->out)
+                rc = client_read(p, c);
+            if (rc >= 0 && c->out)
+                rc = client_write(c);
+            if (rc != 0)
+                client_close(c);
+        }
+        if (pfd[0].revents & POLLIN)
+            accept_all(p, cl, now);
     }
+    for (size_t i = 0; i < CLIENTS_MAX; i++)
+        client_close(&cl[i]);
     return NULL;
 }
 
@@ -183,13 +289,13 @@ int probe_start(const char *listen_addr, probe_fn fn, void *arg, struct probe **
         rc = -ENOMEM;
         goto err_p;
     }
-    p->fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    p->fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (p->fd < 0) {
         rc = -errno;
         goto err_body;
     }
     setsockopt(p->fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(p->fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(p->fd, 64) < 0 ||
+    if (bind(p->fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(p->fd, 256) < 0 ||
         getsockname(p->fd, (struct sockaddr *)&ss, &sl) < 0) {
         rc = -errno;
         goto err_fd;

@@ -1,8 +1,10 @@
 /* src/k8s/probe.h: a small HTTP/1.1 server for the operator's /metrics,
  * /healthz and /readyz: GET only, one request per connection, answered
  * by a callback. Scrapes and probes are rare and tiny, so one thread
- * serves connections one after another, each with a short deadline, and a
- * client that stalls cannot hold it for longer than that. */
+ * serves every connection, none of them able to block it: sockets are
+ * non-blocking, each client has a short deadline, and when the slots are
+ * full the oldest idle connection makes room for the new one. A /healthz
+ * is answered at once however many idle connections are open. */
 #ifndef COHORT_PROBE_H
 #define COHORT_PROBE_H
 
