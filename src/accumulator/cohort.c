@@ -9,6 +9,7 @@
 #include "cohort.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -129,8 +130,12 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
     c->layout.shared_off = c->layout.buffers_off + align_up(bbytes) + ALIGN;
     c->layout.region_bytes = c->layout.shared_off + TLINK_SHARED_BYTES;
     c->map_len = c->layout.region_bytes;
-    c->memfd = memfd_create("cohort-tensors", MFD_CLOEXEC);
-    if (c->memfd < 0 || ftruncate(c->memfd, (off_t)c->map_len) < 0) {
+    /* Sealed at its size: a sidecar maps it, and a memfd that could shrink
+     * under that mapping could kill the sidecar with SIGBUS. The sidecar
+     * refuses one without these seals. */
+    c->memfd = memfd_create("cohort-tensors", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (c->memfd < 0 || ftruncate(c->memfd, (off_t)c->map_len) < 0 ||
+        fcntl(c->memfd, F_ADD_SEALS, TLINK_SEALS | F_SEAL_SEAL) < 0) {
         rc = -errno;
         goto err;
     }

@@ -18,10 +18,12 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <fcntl.h>
 #include <stdint.h>
 
 #define TLINK_MAGIC 0x31686f63u         /* "coh1" */
-#define TLINK_VERSION 3u                /* 2: a results region; 3: CONSUME is one-way */
+#define TLINK_VERSION 4u                /* 2: a results region; 3: CONSUME is one-way;
+                                         * 4: the tensors memfd is sealed */
 #define TLINK_BODY_MAX 1024             /* no message body is larger */
 #define TLINK_FDS_MAX 2
 #define TLINK_NAME_MAX 64
@@ -81,6 +83,14 @@ struct tlink_view {
     uint64_t contributions_dropped;
     char leader[256];
 };
+
+/* The seals the tensors memfd must carry before a sidecar maps it
+ * (fcntl F_ADD_SEALS): its size can then never change under the mapping. */
+#define TLINK_SEALS (F_SEAL_SHRINK | F_SEAL_GROW)
+
+/* How long a new connection may take to say HELLO and REGISTER before the
+ * sidecar closes it: one idle client must not hold the only session. */
+#define TLINK_HELLO_DEADLINE_MS 5000
 
 struct tlink_u64 {
     uint64_t value;

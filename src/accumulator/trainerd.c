@@ -2,6 +2,7 @@
 #include "accumulator/trainerd.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -14,6 +15,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "engine/dtype.h"
 #include "base/log.h"
 #include "accumulator/tlink.h"
@@ -34,6 +36,7 @@ struct trainerd {
 /* One trainer's session. */
 struct session {
     int sock;
+    uint64_t deadline;              /* to register by; 0 once registered */
     void *map;
     size_t map_len;
     struct node *node;
@@ -71,6 +74,9 @@ static int check_layout(const struct tlink_register *r, int fd)
         return -EOPNOTSUPP;
     if (!dtype_valid((int)r->grad_dtype) || r->grad_count == 0)
         return -EINVAL;
+    /* Sealed first, so the size checked here is the size for good. */
+    if ((fcntl(fd, F_GET_SEALS) & TLINK_SEALS) != TLINK_SEALS)
+        return -EPERM;
     if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != r->region_bytes || r->region_bytes == 0)
         return -EINVAL;
     if ((r->params_off | r->grads_off | r->results_off | r->buffers_off | r->shared_off) % 64 != 0 ||
@@ -289,6 +295,12 @@ static void *trainerd_main(void *arg)
         struct pollfd p[2] = { { t->lfd, POLLIN, 0 }, { s.sock, POLLIN, 0 } };
         int n = poll(p, s.sock >= 0 ? 2 : 1, POLL_MS);
 
+        if (s.sock >= 0 && !s.node && clock_now_ms() > s.deadline) {
+            log_warn("sidecar", "A trainer connected but did not register in time; closing its "
+                     "connection.", LF_U("deadline_ms", TLINK_HELLO_DEADLINE_MS));
+            session_end(&s);
+            continue;
+        }
         if (n <= 0)
             continue;
         if (p[0].revents & POLLIN) {
@@ -297,6 +309,7 @@ static void *trainerd_main(void *arg)
             } else {
                 s.sock = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
                 if (s.sock >= 0) {
+                    s.deadline = clock_now_ms() + TLINK_HELLO_DEADLINE_MS;
                     atomic_fetch_add(&t->sessions, 1);
                     log_info("sidecar", "A trainer connected.");
                 }
@@ -318,6 +331,36 @@ static void *trainerd_main(void *arg)
     if (s.sock >= 0)
         session_end(&s);
     return NULL;
+}
+
+/* Binds `fd` at `path` with mode 0600, with no moment at which anyone
+ * else could connect: the socket is made in a fresh 0700 directory beside
+ * `path`, restricted there, then renamed into place, replacing a dead
+ * sidecar's file. */
+static int bind_private(int fd, const char *path)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    const char *slash = strrchr(path, '/');
+    char dir[sizeof(sa.sun_path)], tmp[sizeof(sa.sun_path)];
+    int n, rc = 0;
+
+    n = snprintf(dir, sizeof(dir), "%.*s.cohort-XXXXXX", slash ? (int)(slash - path + 1) : 0,
+                 path);
+    if (n < 0 || (size_t)n >= sizeof(dir) || !mkdtemp(dir))
+        return n < 0 || (size_t)n >= sizeof(dir) ? -ENAMETOOLONG : -errno;
+    n = snprintf(tmp, sizeof(tmp), "%s/s", dir);
+    if ((size_t)n >= sizeof(tmp)) {
+        rc = -ENAMETOOLONG;
+        goto out_dir;
+    }
+    memcpy(sa.sun_path, tmp, (size_t)n + 1);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(tmp, 0600) < 0 ||
+        rename(tmp, path) < 0)
+        rc = -errno;
+    unlink(tmp);
+out_dir:
+    rmdir(dir);
+    return rc;
 }
 
 /* Frees what trainerd_start copied, and t itself. */
@@ -373,11 +416,17 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
         goto err;
     }
     close(t->lfd);
-    unlink(t->path);
     t->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (t->lfd < 0 || bind(t->lfd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(t->lfd, 4) < 0) {
+    if (t->lfd < 0) {
         rc = -errno;
         goto err;
+    }
+    rc = bind_private(t->lfd, t->path);
+    if (rc < 0)
+        goto err;
+    if (listen(t->lfd, 4) < 0) {
+        rc = -errno;
+        goto err_unlink;
     }
     if (pthread_create(&t->thread, NULL, trainerd_main, t) != 0) {
         rc = -EAGAIN;

@@ -14,7 +14,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -662,6 +665,67 @@ static int32_t raw_call(int fd, uint16_t type, const void *body, uint32_t len, c
     return h.status;
 }
 
+/* A memfd holding `len` bytes of `data`, sealed as a trainer's is. */
+static int sealed_memfd(const void *data, size_t len)
+{
+    int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, data, len), (ssize_t)len);
+    cr_assert_eq(fcntl(fd, F_ADD_SEALS, TLINK_SEALS), 0);
+    return fd;
+}
+
+/* The descriptor of this process's memfd named `name`, or -1. */
+static int find_memfd(const char *name)
+{
+    char want[64], link[128], path[64];
+
+    snprintf(want, sizeof(want), "/memfd:%s (deleted)", name);
+    for (int fd = 3; fd < 1024; fd++) {
+        ssize_t n;
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+        n = readlink(path, link, sizeof(link) - 1);
+        if (n < 0)
+            continue;
+        link[n] = '\0';
+        if (strcmp(link, want) == 0)
+            return fd;
+    }
+    return -1;
+}
+
+/* The trainer's tensors cannot change size under the sidecar's mapping;
+ * the socket is its owner's alone; a client that connects and says
+ * nothing is closed and frees the session for the real trainer. */
+Test(cohort, the_trainer_link_is_sealed_private_and_bounded_in_time)
+{
+    char p[128], addr[160];
+    struct trainerd *s = sidecar("z-0", p, sizeof(p));
+    struct cohort *c = trainer();
+    struct stat st;
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int fds[TLINK_FDS_MAX], nfds, mfd, idle;
+
+    mfd = find_memfd("cohort-tensors");
+    cr_assert_geq(mfd, 0);
+    cr_assert_eq(ftruncate(mfd, 0), -1, "a trainer's tensors can shrink");
+    cr_assert_eq(errno, EPERM);
+    cr_assert_eq(stat(p, &st), 0);
+    cr_assert_eq(st.st_mode & 0777, 0600, "socket mode %o", st.st_mode & 0777);
+    /* An idle client holds the session until the deadline, then is closed. */
+    idle = raw_connect(p);
+    uint64_t t0 = clock_now_ms();
+    cr_assert_eq(tlink_recv(idle, &h, buf, sizeof(buf), -1, fds, &nfds, 30000), -ECONNRESET);
+    cr_assert_geq(clock_now_ms() - t0 + 50, TLINK_HELLO_DEADLINE_MS, "closed too early");
+    close(idle);
+    snprintf(addr, sizeof(addr), "unix:%s", p);
+    cr_assert_eq(cohort_connect(c, addr), 0);
+    cohort_destroy(c);
+    trainerd_stop(s);
+}
+
 Test(cohort, malformed_messages_and_bad_layouts_are_refused)
 {
     char p[128];
@@ -687,6 +751,13 @@ Test(cohort, malformed_messages_and_bad_layouts_are_refused)
     cr_assert_eq(raw_call(fd, TL_HELLO, &hello, sizeof(hello), NULL, 0), 0);
     mfd = tlink_memfd_from("t", junk, sizeof(junk));
     memset(&r, 0, sizeof(r));
+    r.mem = TL_MEM_HOST;
+    r.region_bytes = sizeof(junk);
+    r.grad_count = 2;
+    cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EPERM,
+                 "a memfd that could shrink under the sidecar's mapping");
+    close(mfd);
+    mfd = sealed_memfd(junk, sizeof(junk));
     r.mem = TL_MEM_HOST;
     r.grad_dtype = 0;
     r.region_bytes = sizeof(junk);
