@@ -19,8 +19,8 @@ BIN=${COHORT_BIN:-$PWD/build}
 [ -x build/tools/kubectl ] || scripts/install-kubectl.sh
 exec /usr/bin/python3 - "$BIN" <<'PY'
 import json, os, sys, time, urllib.request
-sys.path.insert(0, "tests/kube")
-import kubeproc as kp
+sys.path.insert(0, "tests/lib")
+import cohorttest as kp
 
 BIN = sys.argv[1]
 os.environ["COHORT_BIN"] = BIN
@@ -34,7 +34,7 @@ kubectl = kp.Kubectl(server, tmp)
 kubectl("apply", "-f", kp.CRD_FILE)
 kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
 # The production defaults for leader election and status (the test
-# defaults that kubeproc sets first are overridden).
+# defaults that cohorttest.Operator sets first are overridden).
 op = kp.Operator(server, tmp, "bench", kp.free_port(), "--status-period", "5s",
                  "--resync", "30s", "--lease-duration", "15s", "--renew-deadline", "10s",
                  "--retry-period", "2s", "--api-timeout", "30s")
@@ -61,7 +61,7 @@ rss0, cpu0 = rss_mib(), cpu_s()
 t0 = time.monotonic()
 for i in range(N):
     m = kp.cohort_manifest("b%03d" % i, R, args=["--steps", "1"])
-    code, doc = server.call("POST", "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts", m)
+    code, doc, _ = server.call("POST", "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts", m)
     assert code == 201, doc
 t_posted = time.monotonic() - t0
 created = kp.wait_until(lambda: count_pods() >= N * R and time.monotonic(), "all pods created",

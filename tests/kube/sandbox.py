@@ -17,15 +17,17 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 PYTHON = sys.executable
+# Run as a program, not under pytest: the test helpers' package is not on
+# the path by itself.
+sys.path.insert(0, os.path.join(ROOT, "tests", "lib"))
+from cohorttest import free_port, pod_path_dir, stop_process, wait_until  # noqa: E402
 
 
 def say(msg):
@@ -59,10 +61,7 @@ def operator_command(path_env, kubeconfig):
         return None, "%s has no Kubernetes mode yet (no --kubeconfig in its --help)" % exe
     # The broker on a fixed loopback port, so that pods keep reaching it if
     # the operator is restarted; pods on 127.0.0.x reach 127.0.0.1.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        broker_port = sock.getsockname()[1]
-    return [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % broker_port,
+    return [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % free_port(),
             "--metrics-listen", "127.0.0.1:0"], None
 
 
@@ -88,14 +87,7 @@ def main(argv=None):
     tools = os.path.join(ROOT, "build", "tools")
     # Commands the example manifests name, mapped to what make built, so
     # that manifests never carry build paths.
-    cmd_dir = os.path.join(sandbox, "bin")
-    os.makedirs(cmd_dir, exist_ok=True)
-    for name, target in (("cohort-example-logreg", os.path.join(ROOT, "build", "examples",
-                                                                "logreg")),):
-        link = os.path.join(cmd_dir, name)
-        if os.path.lexists(link):
-            os.remove(link)
-        os.symlink(target, link)
+    cmd_dir = pod_path_dir(sandbox, os.path.join(ROOT, "build"))
     path_env = os.pathsep.join([cmd_dir, os.path.join(ROOT, "build"),
                                 os.path.join(ROOT, "build", "examples"),
                                 tools, os.environ.get("PATH", os.defpath)])
@@ -119,14 +111,8 @@ def main(argv=None):
     def stop_all():
         stopping.set()
         for name, p in reversed(children):     # operator, kubelet, then the API server
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    say("%s did not stop; killing it" % name)
-                    p.kill()
-                    p.wait()
+            if p.poll() is None and stop_process(p, 20) == -signal.SIGKILL:
+                say("%s did not stop in 20 s; killed it" % name)
         for f in (kubeconfig, port_file):
             if os.path.exists(f):
                 os.remove(f)
@@ -139,13 +125,14 @@ def main(argv=None):
             api_argv += ["--token", args.token]
         api = start("apiserver", api_argv, prefix="" if args.verbose else None,
                     logname="apiserver.log")
-        deadline = time.monotonic() + 30
-        while not os.path.exists(port_file):
-            if api.poll() is not None or time.monotonic() > deadline:
-                say("the API server did not start; see %s" %
-                    os.path.join(sandbox, "apiserver.log"))
-                return 1
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: os.path.exists(port_file) or api.poll() is not None,
+                       "the API server's port file", timeout=30)
+        except AssertionError:
+            pass
+        if api.poll() is not None or not os.path.exists(port_file):
+            say("the API server did not start; see %s" % os.path.join(sandbox, "apiserver.log"))
+            return 1
         with open(port_file) as f:
             port = int(f.read())
         env = dict(os.environ, PATH=path_env)

@@ -5,7 +5,7 @@ and the injected cohort-sidecar) as local processes, and the real operator.
 One stand-in cluster is shared by the module; each test uses its own
 cohort names. Every wait is on a condition with a generous deadline
 ($COHORT_TEST_DEADLINE, 60 s by default), never a fixed sleep.
-Binaries: $COHORT_BIN (see kubeproc.py).
+Binaries: $COHORT_BIN (see tests/lib/cohorttest/programs.py).
 """
 import json
 import os
@@ -13,8 +13,8 @@ import signal
 
 import pytest
 
-from kubeproc import (ApiServer, Kubectl, Kubelet, Operator, bin_dir, cohort_manifest,
-                      free_port, make_tmp, remove_tmp, wait_until)
+from cohorttest import (ApiServer, Kubectl, Kubelet, Operator, bin_dir, cohort_manifest,
+                        free_port, make_tmp, remove_tmp, wait_until)
 
 NS = "default"
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
@@ -29,7 +29,7 @@ def cluster():
     if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
         pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
     c = Cluster()
-    c.tmp = make_tmp()
+    c.tmp = make_tmp("cop-")
     c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5")
     c.kubelet = Kubelet(c.server, c.tmp)
     c.kubectl = Kubectl(c.server, c.tmp)

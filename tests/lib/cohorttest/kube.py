@@ -1,43 +1,29 @@
-"""Processes for the operator's end-to-end tests and benchmark: the API
-server stand-in, the process kubelet, cohort-operator and kubectl, each a
-real process on loopback with free ports.
+"""The Kubernetes stand-in's processes, each real and on loopback with
+free ports: the API server (tests/kube/apiserver.py) with an HTTP client
+of it, the process kubelet (tests/kube/kubelet.py), cohort-operator in
+Kubernetes mode, and kubectl.
 
-Binaries come from $COHORT_BIN (the Makefile's kube target passes the
-sanitizer build, build/asan), else build/asan, else build/. The kubelet
-finds pod commands on a PATH that starts with a directory of symlinks:
-cohort-sidecar and cohort-example-logreg (build/examples/logreg), so the
-manifests name commands, never build paths.
+The kubelet finds pod commands on a PATH that starts with a directory of
+symlinks: cohort-sidecar and cohort-example-logreg (build/examples/logreg),
+so manifests name commands, never build paths.
 """
 import json
 import os
+import random
 import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+from .core import DEADLINE, ROOT, wait_until
+from .procs import stop_process
+from .programs import bin_dir
+
 PYTHON = sys.executable
-DEADLINE = float(os.environ.get("COHORT_TEST_DEADLINE", "60"))
-KEEP = os.environ.get("COHORT_KEEP_LOGS") == "1"
+STANDIN = os.path.join(ROOT, "tests", "kube")
 CRD_FILE = os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml")
 EXAMPLES = os.path.join(ROOT, "examples", "k8s")
-
-
-def bin_dir():
-    env = os.environ.get("COHORT_BIN")
-    if env:
-        return os.path.abspath(env)
-    for d in (os.path.join(ROOT, "build", "asan"), os.path.join(ROOT, "build")):
-        if os.access(os.path.join(d, "cohort-operator"), os.X_OK):
-            return d
-    return os.path.join(ROOT, "build", "asan")
 
 
 def pod_path_dir(tmp, bindir=None):
@@ -53,40 +39,17 @@ def pod_path_dir(tmp, bindir=None):
     return d
 
 
-def wait_until(cond, what, timeout=DEADLINE, interval=0.1):
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
-        time.sleep(interval)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_process(p, timeout=20):
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return p.returncode
-
-
 class ApiServer:
+    """The API server stand-in as a child process on a free port, and a
+    client of it. Its log is tmp/apiserver.log, its kubeconfig
+    tmp/kubeconfig."""
+
     def __init__(self, tmp, *extra):
+        self.dir = tmp
         self.kubeconfig = os.path.join(tmp, "kubeconfig")
         port_file = os.path.join(tmp, "apiserver.port")
         self.log = open(os.path.join(tmp, "apiserver.log"), "w")
-        self.p = subprocess.Popen([PYTHON, os.path.join(HERE, "apiserver.py"), "--quiet",
+        self.p = subprocess.Popen([PYTHON, os.path.join(STANDIN, "apiserver.py"), "--quiet",
                                    "--port-file", port_file, "--kubeconfig", self.kubeconfig,
                                    *extra], stdout=self.log, stderr=subprocess.STDOUT)
         wait_until(lambda: os.path.exists(port_file) or self.p.poll() is not None,
@@ -96,24 +59,39 @@ class ApiServer:
             self.port = int(f.read())
         self.url = "http://127.0.0.1:%d" % self.port
 
-    def call(self, method, path, body=None, ctype="application/json"):
-        data = None if body is None else json.dumps(body).encode()
+    def call(self, method, path, body=None, ctype="application/json", token=None, headers=None):
+        """(status, parsed JSON body, response headers) of one request. A
+        body that is bytes goes as it is, anything else as JSON; a reply
+        that is not JSON comes back as text."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", ctype)
+        if token:
+            req.add_header("Authorization", "Bearer " + token)
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
         try:
             with urllib.request.urlopen(req, timeout=DEADLINE) as r:
                 raw = r.read()
-                return r.status, json.loads(raw) if raw.strip() else None
+                return r.status, (json.loads(raw) if raw.strip() else None), r.headers
         except urllib.error.HTTPError as e:
             raw = e.read()
             try:
-                return e.code, json.loads(raw)
+                doc = json.loads(raw) if raw.strip() else None
             except ValueError:
-                return e.code, raw.decode()
+                doc = raw.decode()
+            return e.code, doc, e.headers
+
+    def ok(self, method, path, body=None, ctype="application/json", expect=(200, 201)):
+        """The parsed body of a request that must succeed."""
+        code, doc, _ = self.call(method, path, body, ctype)
+        assert code in expect, "%s %s -> %d %s" % (method, path, code, doc)
+        return doc
 
     def get(self, path):
-        code, doc = self.call("GET", path)
+        """The object or list at path, or None when the GET fails."""
+        code, doc, _ = self.call("GET", path)
         return doc if code == 200 else None
 
     def requests(self):
@@ -134,14 +112,17 @@ class ApiServer:
 
 
 class Kubelet:
+    """The process kubelet against `server`. Pods get addresses in a random
+    127.x.y.0/24, so that a sandbox or another test run on this machine
+    (127.0.0.x by default) never hands out the same ones."""
+
     def __init__(self, server, tmp, *extra, ip_prefix=None):
-        import random
         self.ip_prefix = ip_prefix or "127.%d.%d" % (random.randint(1, 254),
                                                      random.randint(0, 255))
         self.log_path = os.path.join(tmp, "kubelet.log")
         self.log = open(self.log_path, "w")
         env = dict(os.environ, PATH=pod_path_dir(tmp) + os.pathsep + os.environ.get("PATH", ""))
-        self.p = subprocess.Popen([PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig",
+        self.p = subprocess.Popen([PYTHON, os.path.join(STANDIN, "kubelet.py"), "--kubeconfig",
                                    server.kubeconfig, "--logs-dir", os.path.join(tmp, "logs"),
                                    "--state-dir", os.path.join(tmp, "st"),
                                    "--pod-ip-prefix", self.ip_prefix,
@@ -221,15 +202,22 @@ class Operator:
 
 
 class Kubectl:
+    """build/tools/kubectl (scripts/install-kubectl.sh puts it there)
+    against `server`, with its cache under tmp."""
+
     def __init__(self, server, tmp):
         self.path = os.path.join(ROOT, "build", "tools", "kubectl")
         self.env = dict(os.environ, KUBECONFIG=server.kubeconfig,
                         KUBECACHEDIR=os.path.join(tmp, "kcache"))
+        self.why_missing = None
 
     def available(self):
+        """Installs kubectl if it is missing; False (and why_missing) when
+        that fails."""
         if not os.access(self.path, os.X_OK):
-            subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
-                           capture_output=True, text=True, timeout=600)
+            r = subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
+                               capture_output=True, text=True, timeout=600)
+            self.why_missing = r.stderr.strip() or r.stdout.strip()
         return os.access(self.path, os.X_OK)
 
     def __call__(self, *args, check=True, stdin=None):
@@ -255,15 +243,3 @@ def cohort_manifest(name, replicas, args=None, min_replicas=1, max_restarts=5, e
     spec.update(extra_spec or {})
     return {"apiVersion": "cohort.dev/v1alpha1", "kind": "TrainingCohort",
             "metadata": {"name": name, "namespace": "default"}, "spec": spec}
-
-
-def make_tmp(prefix="cop-"):
-    # Short: the sidecar's socket path under it must fit in sun_path.
-    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-
-
-def remove_tmp(tmp):
-    if KEEP:
-        print("kept logs in", tmp)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
