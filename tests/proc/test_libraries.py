@@ -8,9 +8,7 @@ import os
 import re
 import subprocess
 
-from cohorttest import BIN
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+from cohorttest import ROOT, bin_path
 
 
 def symbols(archive, *flags):
@@ -25,7 +23,7 @@ def public_api():
 
 
 def test_trainer_library_exports_exactly_the_public_api():
-    lib = os.path.join(BIN, "libcohort.a")
+    lib = bin_path("libcohort.a")
     exported = {name for _, kind, name in symbols(lib, "-g", "--defined-only")}
     declared = public_api()
     assert exported, "libcohort.a exports nothing"
@@ -35,7 +33,7 @@ def test_trainer_library_exports_exactly_the_public_api():
 
 
 def test_trainer_library_carries_no_kubernetes_code():
-    lib = os.path.join(BIN, "libcohort.a")
+    lib = bin_path("libcohort.a")
     names = {name for _, _, name in symbols(lib, "--defined-only")}
     for prefix in ("controller_", "kube_", "reconcile_", "reflector_", "lease_", "probe_",
                    "workq_", "brokerd_", "trainerd_"):
@@ -46,7 +44,7 @@ def test_trainer_library_carries_no_kubernetes_code():
 
 
 def test_k8s_library_holds_the_controller():
-    lib = os.path.join(BIN, "libcohort-k8s.a")
+    lib = bin_path("libcohort-k8s.a")
     names = {name for _, kind, name in symbols(lib, "--defined-only")}
     assert "controller_start" in names
     assert not any(n.startswith("cohort_") and not n.startswith("cohort__") for n in names)
