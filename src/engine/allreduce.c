@@ -61,11 +61,9 @@
  * storage until forwarded, so 16-bit windows are shorter
  * (WINDOW_UNITS_WIDE) to bound that to a few staging slots.
  *
- * WIRE (all integers little-endian)
+ * WIRE (the bytes: peerwire.h)
  *
- * HELLO, 536 bytes, first on every connection, both ways: u32 magic "COH1",
- * u16 version, u8 kind (greet, accept, stale), u8 0, u64 epoch, u8 cohort
- * length, u8 id length, 6 x 0, cohort[256], id[256]. The member lower in
+ * HELLO goes first on every connection, both ways. The member lower in
  * the epoch's order connects and greets; the acceptor checks magic,
  * version, cohort, and that the sender is a member of its epoch, and
  * answers accept (with its own id, which the connector checks too). A
@@ -73,10 +71,7 @@
  * from a newer epoch is held up to the member timeout for our own
  * set_epoch; anything else is a stranger and is closed with one log line.
  *
- * FRAME header, 56 bytes: u32 magic ("COHD" data, "COHB" bye), u32 payload
- * length, u64 cohort hash (FNV-1a of the name), u64 epoch, u64 round, u64
- * offset (first element), u64 count, u8 dtype, u8 op, u8 phase, u8 0,
- * u32 step (data) or error (bye). The schedule is deterministic, so a
+ * Every payload follows a FRAME header. The schedule is deterministic, so a
  * receiver knows exactly which frame comes next and compares every field;
  * the payload is read only into the slot or buffer range it expects, never
  * beyond. A frame that differs (another epoch, round, count, type, op,
@@ -123,6 +118,7 @@
 #include "base/clock.h"
 #include "base/ident.h"
 #include "base/log.h"
+#include "engine/peerwire.h"
 
 #define COMPONENT "allreduce"
 
@@ -163,144 +159,6 @@
 #define MAX_NEED 72             /* peers one call talks to: 2 + log2(n) */
 #define DRAIN_BYTES (1 << 20)   /* read and dropped before close, to avoid a reset */
 
-#define HELLO_MAGIC 0x31484f43u /* "COH1" */
-#define WIRE_VERSION 1u
-#define HELLO_BYTES 536
-#define HELLO_NAME 256
-#define FRAME_BYTES 56
-#define FRAME_DATA 0x44484f43u  /* "COHD" */
-#define FRAME_BYE 0x42484f43u   /* "COHB" */
-
-enum hello_kind { HELLO_GREET = 1, HELLO_ACCEPT = 2, HELLO_STALE = 3 };
-enum phase { PHASE_RS = 1, PHASE_AG = 2, PHASE_RD = 3 };
-
-/* --- wire encoding ------------------------------------------------------ */
-
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    uint32_t v = 0;
-
-    for (int i = 3; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    uint64_t v = 0;
-
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-
-static uint64_t fnv1a(const char *s)
-{
-    uint64_t h = 0xcbf29ce484222325ull;
-
-    for (; *s; s++)
-        h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
-    return h;
-}
-
-struct hello {
-    uint8_t kind;
-    uint64_t epoch;
-    char cohort[HELLO_NAME];
-    char id[HELLO_NAME];
-};
-
-static void hello_encode(uint8_t *b, uint8_t kind, uint64_t epoch, const char *cohort,
-                         const char *id)
-{
-    size_t cl = strlen(cohort), il = strlen(id);
-
-    memset(b, 0, HELLO_BYTES);
-    put32(b, HELLO_MAGIC);
-    b[4] = (uint8_t)WIRE_VERSION;
-    b[5] = (uint8_t)(WIRE_VERSION >> 8);
-    b[6] = kind;
-    put64(b + 8, epoch);
-    b[16] = (uint8_t)cl;        /* both <= IDENT_NAME_MAX (253), checked at create */
-    b[17] = (uint8_t)il;
-    memcpy(b + 24, cohort, cl);
-    memcpy(b + 24 + HELLO_NAME, id, il);
-}
-
-/* Returns 0, or a static reason the bytes are not a greeting we speak. */
-static const char *hello_decode(const uint8_t *b, struct hello *h)
-{
-    size_t cl = b[16], il = b[17];
-
-    if (get32(b) != HELLO_MAGIC)
-        return "bad magic";
-    if ((b[4] | b[5] << 8) != WIRE_VERSION)
-        return "unsupported wire version";
-    if (b[6] < HELLO_GREET || b[6] > HELLO_STALE)
-        return "bad greeting kind";
-    if (cl == 0 || cl > IDENT_NAME_MAX || il == 0 || il > IDENT_NAME_MAX)
-        return "bad name length";
-    h->kind = b[6];
-    h->epoch = get64(b + 8);
-    memcpy(h->cohort, b + 24, cl);
-    h->cohort[cl] = '\0';
-    memcpy(h->id, b + 24 + HELLO_NAME, il);
-    h->id[il] = '\0';
-    if (!ident_valid_cohort(h->cohort) || !ident_valid_member_id(h->id))
-        return "invalid cohort or member id";
-    return NULL;
-}
-
-struct frame {
-    uint32_t magic;
-    uint32_t length;
-    uint64_t cohort, epoch, round, offset, count;
-    uint8_t dtype, op, phase;
-    uint32_t step;              /* the errno, in a BYE */
-};
-
-static void frame_encode(uint8_t *b, const struct frame *f)
-{
-    put32(b, f->magic);
-    put32(b + 4, f->length);
-    put64(b + 8, f->cohort);
-    put64(b + 16, f->epoch);
-    put64(b + 24, f->round);
-    put64(b + 32, f->offset);
-    put64(b + 40, f->count);
-    b[48] = f->dtype;
-    b[49] = f->op;
-    b[50] = f->phase;
-    b[51] = 0;
-    put32(b + 52, f->step);
-}
-
-static void frame_decode(const uint8_t *b, struct frame *f)
-{
-    f->magic = get32(b);
-    f->length = get32(b + 4);
-    f->cohort = get64(b + 8);
-    f->epoch = get64(b + 16);
-    f->round = get64(b + 24);
-    f->offset = get64(b + 32);
-    f->count = get64(b + 40);
-    f->dtype = b[48];
-    f->op = b[49];
-    f->phase = b[50];
-    f->step = get32(b + 52);
-}
 
 /* --- state -------------------------------------------------------------- */
 
@@ -312,16 +170,16 @@ struct conn {
     size_t peer;                /* index in the epoch */
 
     bool tx_busy, tx_moved;
-    uint8_t tx_hdr[FRAME_BYTES];
+    uint8_t tx_hdr[PEERWIRE_FRAME_BYTES];
     const uint8_t *tx_buf;
     size_t tx_len, tx_done;     /* tx_done counts header and payload */
     uint64_t tx_since;
 
     bool rx_busy, rx_moved, rx_checked;
-    uint8_t rx_hdr[FRAME_BYTES];
+    uint8_t rx_hdr[PEERWIRE_FRAME_BYTES];
     uint8_t *rx_buf;
     size_t rx_len, rx_done;
-    struct frame rx_want;       /* magic 0: control only, any data frame is wrong */
+    struct peerwire_frame rx_want;       /* magic 0: control only, any data frame is wrong */
     uint64_t rx_since;
 };
 
@@ -336,7 +194,7 @@ struct pending {
     uint64_t deadline;
     size_t got;
     bool held;                  /* greeted from a newer epoch; waiting for ours */
-    uint8_t buf[HELLO_BYTES];
+    uint8_t buf[PEERWIRE_HELLO_BYTES];
     char from[64];
 };
 
@@ -516,11 +374,11 @@ static int tx_pump(struct conn *c)
 {
     struct iovec iov[2];
     struct msghdr m = { .msg_iov = iov };
-    size_t pd = c->tx_done > FRAME_BYTES ? c->tx_done - FRAME_BYTES : 0;
+    size_t pd = c->tx_done > PEERWIRE_FRAME_BYTES ? c->tx_done - PEERWIRE_FRAME_BYTES : 0;
     ssize_t w;
 
-    if (c->tx_done < FRAME_BYTES)
-        iov[m.msg_iovlen++] = (struct iovec){ c->tx_hdr + c->tx_done, FRAME_BYTES - c->tx_done };
+    if (c->tx_done < PEERWIRE_FRAME_BYTES)
+        iov[m.msg_iovlen++] = (struct iovec){ c->tx_hdr + c->tx_done, PEERWIRE_FRAME_BYTES - c->tx_done };
     if (pd < c->tx_len)
         iov[m.msg_iovlen++] = (struct iovec){ (void *)(uintptr_t)(c->tx_buf + pd), c->tx_len - pd };
     do
@@ -533,14 +391,14 @@ static int tx_pump(struct conn *c)
     }
     c->tx_done += (size_t)w;
     c->tx_moved = true;
-    if (c->tx_done == FRAME_BYTES + c->tx_len)
+    if (c->tx_done == PEERWIRE_FRAME_BYTES + c->tx_len)
         c->tx_busy = false;
     return 1;
 }
 
-static void tx_start(struct conn *c, const struct frame *f, const void *payload)
+static void tx_start(struct conn *c, const struct peerwire_frame *f, const void *payload)
 {
-    frame_encode(c->tx_hdr, f);
+    peerwire_frame_encode(c->tx_hdr, f);
     c->tx_buf = payload;
     c->tx_len = f->length;
     c->tx_done = 0;
@@ -548,7 +406,7 @@ static void tx_start(struct conn *c, const struct frame *f, const void *payload)
     c->tx_moved = true;
 }
 
-static void rx_start(struct conn *c, const struct frame *want, void *dst)
+static void rx_start(struct conn *c, const struct peerwire_frame *want, void *dst)
 {
     c->rx_want = *want;
     c->rx_buf = dst;
@@ -566,7 +424,7 @@ static void rx_start(struct conn *c, const struct frame *want, void *dst)
 static void conn_close(struct conn *c, uint64_t cohort_hash, int err, uint64_t epoch,
                        uint64_t deadline)
 {
-    struct frame bye = { .magic = FRAME_BYE, .cohort = cohort_hash, .epoch = epoch,
+    struct peerwire_frame bye = { .magic = PEERWIRE_FRAME_BYE, .cohort = cohort_hash, .epoch = epoch,
                          .step = (uint32_t)(err < 0 ? -err : err) };
 
     if (!c)
@@ -582,9 +440,9 @@ static void conn_close(struct conn *c, uint64_t cohort_hash, int err, uint64_t e
             break;
     }
     if (!c->tx_busy || c->tx_done == 0) {
-        uint8_t b[FRAME_BYTES];
+        uint8_t b[PEERWIRE_FRAME_BYTES];
 
-        frame_encode(b, &bye);
+        peerwire_frame_encode(b, &bye);
         if (send(c->fd, b, sizeof(b), MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
             /* The socket is full or gone; the close says enough. */
         }
@@ -641,9 +499,11 @@ static void stranger(struct allreduce *a, size_t i, const char *why)
 
 static bool reply(int fd, uint8_t kind, uint64_t epoch, struct allreduce *a)
 {
-    uint8_t b[HELLO_BYTES];
+    uint8_t b[PEERWIRE_HELLO_BYTES];
 
-    hello_encode(b, kind, epoch, a->cohort, a->id);
+    /* Both names were checked by allreduce_create, so encoding cannot fail. */
+    if (peerwire_hello_encode(b, kind, epoch, a->cohort, a->id) < 0)
+        return false;
     /* A fresh socket's send buffer always has room for one greeting. */
     return send(fd, b, sizeof(b), MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)sizeof(b);
 }
@@ -653,12 +513,12 @@ static bool reply(int fd, uint8_t kind, uint64_t epoch, struct allreduce *a)
 static bool judge(struct allreduce *a, size_t i)
 {
     struct pending *p = &a->pending[i];
-    struct hello h;
-    const char *why = hello_decode(p->buf, &h);
+    struct peerwire_hello h;
+    const char *why = peerwire_hello_decode(p->buf, sizeof(p->buf), &h);
     uint64_t cur;
     long me, peer;
 
-    if (!why && h.kind != HELLO_GREET)
+    if (!why && h.kind != PEERWIRE_GREET)
         why = "not a greeting";
     if (!why && strcmp(h.cohort, a->cohort) != 0)
         why = "another cohort";
@@ -676,7 +536,7 @@ static bool judge(struct allreduce *a, size_t i)
         return true;
     }
     if (h.epoch < cur) {
-        reply(p->fd, HELLO_STALE, cur, a);
+        reply(p->fd, PEERWIRE_STALE, cur, a);
         pthread_mutex_unlock(&a->mu);
         log_info(COMPONENT, "Refused a member of an older epoch.", LF_S("cohort", a->cohort),
                  LF_S("member", h.id), LF_U("its_epoch", h.epoch), LF_U("epoch", cur));
@@ -690,7 +550,7 @@ static bool judge(struct allreduce *a, size_t i)
         stranger(a, i, "not a member of the epoch");
         return false;
     }
-    if (a->n_inbox == INBOX_MAX || !reply(p->fd, HELLO_ACCEPT, cur, a)) {
+    if (a->n_inbox == INBOX_MAX || !reply(p->fd, PEERWIRE_ACCEPT, cur, a)) {
         pthread_mutex_unlock(&a->mu);
         log_warn(COMPONENT, "Dropped a member's connection.", LF_S("cohort", a->cohort),
                  LF_S("member", h.id), LF_S("reason", "inbox full or socket closed"));
@@ -731,7 +591,7 @@ static void accept_all(struct allreduce *a, uint64_t now)
 static bool read_greeting(struct allreduce *a, size_t i)
 {
     struct pending *p = &a->pending[i];
-    ssize_t r = recv(p->fd, p->buf + p->got, HELLO_BYTES - p->got, MSG_DONTWAIT);
+    ssize_t r = recv(p->fd, p->buf + p->got, PEERWIRE_HELLO_BYTES - p->got, MSG_DONTWAIT);
 
     if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
         if (p->got > 0)
@@ -742,12 +602,11 @@ static bool read_greeting(struct allreduce *a, size_t i)
     }
     if (r > 0)
         p->got += (size_t)r;
-    /* Check the magic as soon as it is here: garbage is closed at once. */
-    if (p->got >= 4 && get32(p->buf) != HELLO_MAGIC) {
+    if (!peerwire_hello_plausible(p->buf, p->got)) {
         stranger(a, i, "bad magic");
         return false;
     }
-    if (p->got < HELLO_BYTES)
+    if (p->got < PEERWIRE_HELLO_BYTES)
         return true;
     return judge(a, i);
 }
@@ -872,7 +731,7 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
         if (!a->rd_a || !a->rd_b)
             goto err_alloc;
     }
-    a->cohort_hash = fnv1a(a->cohort);
+    a->cohort_hash = peerwire_cohort_hash(a->cohort);
     a->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     a->inbox_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1016,7 +875,7 @@ static int wait_io(struct run *x, struct pollfd *pfd, nfds_t n, uint64_t deadlin
     }
 }
 
-static int bye_error(struct run *x, const struct frame *f)
+static int bye_error(struct run *x, const struct peerwire_frame *f)
 {
     if (f->step == ESTALE || f->epoch > x->e->number)
         return -ESTALE;
@@ -1028,14 +887,14 @@ static int bye_error(struct run *x, const struct frame *f)
 /* Compares a received header with the one the schedule expects. */
 static int check_header(struct run *x, struct conn *c)
 {
-    const struct frame *w = &c->rx_want;
-    struct frame f;
+    const struct peerwire_frame *w = &c->rx_want;
+    struct peerwire_frame f;
     const char *what = NULL;
+    int rc = peerwire_frame_decode(c->rx_hdr, sizeof(c->rx_hdr), &f);
 
-    frame_decode(c->rx_hdr, &f);
-    if (f.magic == FRAME_BYE && f.cohort == x->a->cohort_hash)
+    if (rc == 0 && f.magic == PEERWIRE_FRAME_BYE && f.cohort == x->a->cohort_hash)
         return bye_error(x, &f);
-    if (f.magic != FRAME_DATA || f.cohort != x->a->cohort_hash)
+    if (rc < 0 || f.magic != PEERWIRE_FRAME_DATA || f.cohort != x->a->cohort_hash)
         what = "not a frame of this cohort";
     else if (f.epoch != x->e->number)
         what = "another epoch";
@@ -1064,12 +923,12 @@ static int rx_pump(struct run *x, struct conn *c)
 {
     struct iovec iov[2];
     struct msghdr m = { .msg_iov = iov };
-    size_t pd = c->rx_done > FRAME_BYTES ? c->rx_done - FRAME_BYTES : 0;
+    size_t pd = c->rx_done > PEERWIRE_FRAME_BYTES ? c->rx_done - PEERWIRE_FRAME_BYTES : 0;
     ssize_t r;
     int rc;
 
-    if (c->rx_done < FRAME_BYTES)
-        iov[m.msg_iovlen++] = (struct iovec){ c->rx_hdr + c->rx_done, FRAME_BYTES - c->rx_done };
+    if (c->rx_done < PEERWIRE_FRAME_BYTES)
+        iov[m.msg_iovlen++] = (struct iovec){ c->rx_hdr + c->rx_done, PEERWIRE_FRAME_BYTES - c->rx_done };
     if (pd < c->rx_len)
         iov[m.msg_iovlen++] = (struct iovec){ c->rx_buf + pd, c->rx_len - pd };
     do
@@ -1081,13 +940,13 @@ static int rx_pump(struct run *x, struct conn *c)
         return -ECONNRESET;
     c->rx_done += (size_t)r;
     c->rx_moved = true;
-    if (!c->rx_checked && c->rx_done >= FRAME_BYTES) {
+    if (!c->rx_checked && c->rx_done >= PEERWIRE_FRAME_BYTES) {
         rc = check_header(x, c);
         if (rc < 0)
             return rc;
         c->rx_checked = true;
     }
-    if (c->rx_checked && c->rx_done == FRAME_BYTES + c->rx_len)
+    if (c->rx_checked && c->rx_done == PEERWIRE_FRAME_BYTES + c->rx_len)
         c->rx_busy = false;
     return 1;
 }
@@ -1095,15 +954,16 @@ static int rx_pump(struct run *x, struct conn *c)
 /* After a failed send: the peer may have said why before closing. */
 static int refine(struct run *x, struct conn *c, int err)
 {
-    uint8_t b[FRAME_BYTES];
-    struct frame f;
+    uint8_t b[PEERWIRE_FRAME_BYTES];
+    struct peerwire_frame f;
 
     if (c->rx_busy && c->rx_done > 0)
         return err;             /* mid-frame: a BYE would be further on */
     if (recv(c->fd, b, sizeof(b), MSG_DONTWAIT | MSG_PEEK) != (ssize_t)sizeof(b))
         return err;
-    frame_decode(b, &f);
-    return f.magic == FRAME_BYE && f.cohort == x->a->cohort_hash ? bye_error(x, &f) : err;
+    if (peerwire_frame_decode(b, sizeof(b), &f) < 0)
+        return err;
+    return f.magic == PEERWIRE_FRAME_BYE && f.cohort == x->a->cohort_hash ? bye_error(x, &f) : err;
 }
 
 /* True while the current spell without progress is younger than SPIN_US
@@ -1144,10 +1004,10 @@ static uint64_t silence_deadline(const struct run *x, const struct conn *c, bool
     return d;
 }
 
-static struct frame frame_for(const struct run *x, uint8_t phase, uint32_t step, size_t offset,
+static struct peerwire_frame frame_for(const struct run *x, uint8_t phase, uint32_t step, size_t offset,
                               size_t bytes)
 {
-    return (struct frame){ .magic = FRAME_DATA, .length = (uint32_t)bytes,
+    return (struct peerwire_frame){ .magic = PEERWIRE_FRAME_DATA, .length = (uint32_t)bytes,
                            .cohort = x->a->cohort_hash, .epoch = x->e->number,
                            .round = x->round, .offset = offset, .count = x->count,
                            .dtype = (uint8_t)x->type, .op = (uint8_t)x->op, .phase = phase,
@@ -1163,7 +1023,7 @@ struct dial {
     int fd;
     enum dial_state state;
     size_t done;
-    uint8_t buf[HELLO_BYTES];
+    uint8_t buf[PEERWIRE_HELLO_BYTES];
 };
 
 static int dial_start(struct run *x, struct dial *d, size_t peer)
@@ -1176,6 +1036,10 @@ static int dial_start(struct run *x, struct dial *d, size_t peer)
 
     d->peer = peer;
     d->fd = -1;
+    /* Both names were checked by allreduce_create, so this cannot fail. */
+    rc = peerwire_hello_encode(d->buf, PEERWIRE_GREET, x->e->number, x->a->cohort, x->a->id);
+    if (rc < 0)
+        return rc;
     if (split_address(m->address, host, sizeof(host), port, sizeof(port)) < 0) {
         log_warn(COMPONENT, "A member's address cannot be dialled.", LF_S("member", m->id),
                  LF_S("address", m->address));
@@ -1205,7 +1069,6 @@ static int dial_start(struct run *x, struct dial *d, size_t peer)
     d->fd = fd;
     d->state = DIAL_CONNECTING;
     d->done = 0;
-    hello_encode(d->buf, HELLO_GREET, x->e->number, x->a->cohort, x->a->id);
     return 0;
 }
 
@@ -1213,7 +1076,7 @@ static int dial_start(struct run *x, struct dial *d, size_t peer)
  * 0 when it needs to wait, or an error. */
 static int dial_step(struct run *x, struct dial *d)
 {
-    struct hello h;
+    struct peerwire_hello h;
     ssize_t k;
 
     if (d->state == DIAL_CONNECTING) {
@@ -1228,28 +1091,28 @@ static int dial_step(struct run *x, struct dial *d)
         d->state = DIAL_SENDING;
     }
     if (d->state == DIAL_SENDING) {
-        k = send(d->fd, d->buf + d->done, HELLO_BYTES - d->done, MSG_NOSIGNAL | MSG_DONTWAIT);
+        k = send(d->fd, d->buf + d->done, PEERWIRE_HELLO_BYTES - d->done, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0)
             return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -ECONNRESET;
         d->done += (size_t)k;
-        if (d->done < HELLO_BYTES)
+        if (d->done < PEERWIRE_HELLO_BYTES)
             return 0;
         d->state = DIAL_READING;
         d->done = 0;
     }
-    k = recv(d->fd, d->buf + d->done, HELLO_BYTES - d->done, MSG_DONTWAIT);
+    k = recv(d->fd, d->buf + d->done, PEERWIRE_HELLO_BYTES - d->done, MSG_DONTWAIT);
     if (k == 0)
         return -ECONNRESET;
     if (k < 0)
         return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -ECONNRESET;
     d->done += (size_t)k;
-    if (d->done < HELLO_BYTES)
+    if (d->done < PEERWIRE_HELLO_BYTES)
         return 0;
-    if (hello_decode(d->buf, &h) || strcmp(h.cohort, x->a->cohort) != 0)
+    if (peerwire_hello_decode(d->buf, sizeof(d->buf), &h) || strcmp(h.cohort, x->a->cohort) != 0)
         return -EPROTO;
-    if (h.kind == HELLO_STALE)
+    if (h.kind == PEERWIRE_STALE)
         return h.epoch > x->e->number ? -ESTALE : -ECONNRESET;
-    if (h.kind != HELLO_ACCEPT || h.epoch != x->e->number ||
+    if (h.kind != PEERWIRE_ACCEPT || h.epoch != x->e->number ||
         strcmp(h.id, x->e->members[d->peer].id) != 0)
         return -EPROTO;
     return 1;
@@ -1460,7 +1323,7 @@ static void ring_send_start(struct run *x, struct ring *g, struct conn *c)
      * sum or a result, which live in buf. */
     const void *src = (s->t == 0 ? x->src : x->buf) + s->base * x->esz;
     size_t bytes = s->len * x->esz;
-    struct frame f;
+    struct peerwire_frame f;
 
     g->tx_slot = -1;
     if (x->wide && rs) {
@@ -1476,7 +1339,7 @@ static void ring_send_start(struct run *x, struct ring *g, struct conn *c)
             src = slot_ptr(x, g->tx_slot);
         }
     }
-    f = frame_for(x, rs ? PHASE_RS : PHASE_AG, (uint32_t)s->t, s->base, bytes);
+    f = frame_for(x, rs ? PEERWIRE_PHASE_RS : PEERWIRE_PHASE_AG, (uint32_t)s->t, s->base, bytes);
     tx_start(c, &f, src);
 }
 
@@ -1485,7 +1348,7 @@ static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
 {
     const struct cursor *q = &g->q;
     bool rs = q->t < x->n - 1;
-    struct frame f;
+    struct peerwire_frame f;
     void *dst;
     size_t bytes;
 
@@ -1505,7 +1368,7 @@ static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
         dst = x->buf + q->base * x->esz;
         bytes = q->len * x->esz;
     }
-    f = frame_for(x, rs ? PHASE_RS : PHASE_AG, (uint32_t)q->t, q->base, bytes);
+    f = frame_for(x, rs ? PEERWIRE_PHASE_RS : PEERWIRE_PHASE_AG, (uint32_t)q->t, q->base, bytes);
     rx_start(c, &f, dst);
     return true;
 }
@@ -1612,7 +1475,7 @@ static int ring_run(struct run *x)
     cursor_settle(x, &g, &g.q, 1);
     L->rx_since = R->tx_since = now;
     if (watch) {
-        struct frame ctl = { 0 };
+        struct peerwire_frame ctl = { 0 };
         rx_start(R, &ctl, NULL);
     }
     for (;;) {
@@ -1671,17 +1534,17 @@ static int ring_run(struct run *x)
 static int exchange(struct run *x, struct conn *to, const void *src, size_t slen,
                     struct conn *from, void *dst, size_t rlen, uint32_t step)
 {
-    struct frame f;
+    struct peerwire_frame f;
     uint64_t now = clock_now_ms(), spin_from = 0;
     int rc;
 
     if (to) {
-        f = frame_for(x, PHASE_RD, step, 0, slen);
+        f = frame_for(x, PEERWIRE_PHASE_RD, step, 0, slen);
         tx_start(to, &f, src);
         to->tx_since = now;
     }
     if (from) {
-        f = frame_for(x, PHASE_RD, step, 0, rlen);
+        f = frame_for(x, PEERWIRE_PHASE_RD, step, 0, rlen);
         rx_start(from, &f, dst);
         from->rx_since = now;
     }
