@@ -3,7 +3,8 @@
  * data frame, and the BYE that ends one. Pure encoding and decoding, no
  * sockets and no engine state, so that both ends of the protocol can be
  * checked byte by byte (tests/unit/test_peerwire.c); the engine's use of
- * them (who greets whom, what a receiver compares) is in allreduce.c.
+ * them (who greets whom, what a receiver compares) is in conn.c and
+ * acceptor.c.
  *
  * All integers are little-endian. Not to be confused with
  * membership/wire.h, the broker's protocol. */
