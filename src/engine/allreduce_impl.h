@@ -1,0 +1,145 @@
+/* src/engine/allreduce_impl.h: the all-reduce engine's own structures,
+ * shared by the files that implement it: allreduce.c (lifecycle and
+ * dispatch), conn.c (connections and dialling), acceptor.c (the acceptor
+ * thread), ring.c and doubling.c (the two algorithms). It is included by
+ * the .c files of src/engine/ only: never by a public header, by another
+ * folder, or by the tests. Everything else sees struct allreduce as
+ * allreduce.h declares it, opaque.
+ *
+ * It does not include allreduce.h, so that the engine's modules include
+ * one another without a circle (scripts/check-layers.py). */
+#ifndef COHORT_ALLREDUCE_IMPL_H
+#define COHORT_ALLREDUCE_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/dtype.h"
+#include "engine/peerwire.h"
+#include "membership/epoch.h"
+
+/* Every log line of the engine names this component, whichever file
+ * writes it. */
+#define COMPONENT "allreduce"
+
+/* Segments per chunk per window for 16-bit types, and the staging slots
+ * that makes necessary: see ring.c. */
+#ifndef WINDOW_UNITS_WIDE
+#define WINDOW_UNITS_WIDE 4
+#endif
+#define SLOTS (WINDOW_UNITS_WIDE + 2)
+
+#define MAX_PENDING 64          /* accepted connections still greeting */
+#define INBOX_MAX 256           /* greeted connections not yet taken by a run */
+#define MAX_NEED 72             /* peers one call talks to: 2 + log2(n) */
+
+/* One TCP connection to one member, used in both directions. At most one
+ * frame is in flight each way; the pumps (conn.c) move as much of it as
+ * the socket takes without blocking. */
+struct conn {
+    int fd;
+    size_t peer;                /* index in the epoch */
+
+    bool tx_busy, tx_moved;
+    uint8_t tx_hdr[PEERWIRE_FRAME_BYTES];
+    const uint8_t *tx_buf;
+    size_t tx_len, tx_done;     /* tx_done counts header and payload */
+    uint64_t tx_since;
+
+    bool rx_busy, rx_moved, rx_checked;
+    uint8_t rx_hdr[PEERWIRE_FRAME_BYTES];
+    uint8_t *rx_buf;
+    size_t rx_len, rx_done;
+    struct peerwire_frame rx_want;  /* magic 0: control only, any data frame is wrong */
+    uint64_t rx_since;
+};
+
+/* A connection the acceptor greeted, waiting for a run to take it. */
+struct inbound {
+    int fd;
+    uint64_t epoch;
+    size_t peer;
+};
+
+/* An accepted connection whose greeting is still being read or judged. */
+struct pending {
+    int fd;
+    uint64_t deadline;
+    size_t got;
+    bool held;                  /* greeted from a newer epoch; waiting for ours */
+    uint8_t buf[PEERWIRE_HELLO_BYTES];
+    char from[64];
+};
+
+/* A registered buffer. */
+struct reg {
+    void *buf;
+    size_t bytes;
+    bool used;
+};
+
+struct allreduce {
+    char *cohort, *id;
+    uint64_t cohort_hash;
+    int listen_fd;
+    uint32_t timeout_ms;
+    size_t seg_bytes, small_bytes;
+    int abort_fd;               /* set_epoch -> run */
+    int wake_fd;                /* set_epoch, destroy -> acceptor */
+    int inbox_fd;               /* acceptor -> run */
+    pthread_t acceptor;
+    pthread_mutex_t mu;
+
+    /* Under mu. */
+    struct epoch *epoch;
+    bool stop;
+    struct inbound inbox[INBOX_MAX];
+    size_t n_inbox;
+
+    _Atomic uint64_t gen;       /* bumped by every adopted epoch */
+    atomic_bool running;
+
+    /* The running call's; under mu while none runs. */
+    struct epoch *conn_epoch;
+    struct conn **conns;        /* conn_epoch->n_members entries, NULL when closed */
+
+    /* The acceptor thread's. */
+    struct pending pending[MAX_PENDING];
+    size_t n_pending;
+
+    /* The caller thread's. */
+    uint8_t *stage;             /* SLOTS + 1 segments */
+    uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
+    struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
+};
+
+/* One call: what every algorithm reads, set up by allreduce_run_into and
+ * run_call (allreduce.c). */
+struct run {
+    struct allreduce *a;
+    struct epoch *e;
+    uint64_t gen;
+    size_t me, n;
+    uint64_t round;
+    size_t count;
+    enum dtype type, acc;
+    enum dtype_op op;
+    double div;
+    uint8_t *buf;               /* where the result lands */
+    const uint8_t *src;         /* this member's contribution: buf, or a buffer never written */
+    size_t esz, asz;            /* user and accumulation element sizes */
+    bool wide;                  /* 16-bit float: accumulate in float32 */
+    size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
+};
+
+/* True once an epoch newer than the call's was adopted. Checked on every
+ * turn of the algorithms' loops, so it stays inline. */
+static inline bool run_stale(const struct run *x)
+{
+    return atomic_load(&x->a->gen) != x->gen;
+}
+
+#endif

@@ -1,0 +1,377 @@
+/* src/engine/ring.c: see ring.h.
+ *
+ * Reduce-scatter then all-gather, 2(n-1) steps. At step t member r sends
+ * chunk (r - t) mod n to its right neighbour and receives chunk
+ * (r - t - 1) mod n from its left; the first n-1 steps reduce, the rest
+ * copy. The buffer is cut into windows, each a complete ring over n chunks
+ * of WINDOW_UNITS segments, run back to back: the next window's first
+ * sends follow the previous window's last ones without a gap, so the
+ * pipeline never drains. While the kernel moves segment k in and out of
+ * the sockets this thread reduces segment k-1: received bytes land in a
+ * staging slot, are reduced into the user buffer, and are sent on from the
+ * user buffer, so no payload is copied beyond that.
+ *
+ * Every byte a segment puts on the wire is chosen by ring_stage(), and
+ * every reduce-scatter segment that arrives is folded in by ring_combine()
+ * (all-gather segments land in the user buffer and need nothing): the
+ * ring's half of the codec seam described in allreduce.c.
+ *
+ * Window length, measured on the 2-core development VM (`cohortctl bench
+ * allreduce`, f32 sum, one process per member, loopback TCP), 64 MiB busbw
+ * GB/s (segments per chunk per window):
+ *   n=2: 4 -> 1.51, 8 -> 1.56, 16 -> 1.13 (sends leave cache)
+ *   n=3: 4 -> 0.65, 8 -> 0.72, 16 -> 0.76, 32 -> 0.78
+ *   n=4: 4 -> 0.62, 8 -> 0.64, 16 -> 0.75, 32 -> 0.79
+ * More members than cores need slack when one is descheduled: 16 for
+ * n >= 3, 8 for pairs.
+ *
+ * 16-bit floats accumulate in float32: partial sums travel as float32
+ * during the reduce-scatter and are rounded to 16 bits once, by the member
+ * that finishes a chunk; the all-gather moves 16-bit values. That is 1.5x
+ * the bytes of a pure 16-bit ring (2x in the first half), the price of one
+ * rounding instead of n-1. Partial sums need storage until forwarded, so
+ * 16-bit windows are shorter (WINDOW_UNITS_WIDE) to bound that to a few
+ * staging slots: with WINDOW_UNITS_WIDE + 2 slots, a receive that waits
+ * for a slot implies this member's receives are ahead of its sends, which
+ * cannot hold all around the ring at once, so the ring cannot deadlock on
+ * slots. Other types reduce into the user buffer and free their slot at
+ * once, so their windows can be longer: more slack when members share
+ * cores. */
+#include "engine/ring.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/allreduce_impl.h"
+#include "engine/conn.h"
+
+/* Segments per chunk per window; 16-bit types use WINDOW_UNITS_WIDE
+ * (allreduce_impl.h, since it sizes the staging area). */
+#ifndef WINDOW_UNITS
+#define WINDOW_UNITS 16
+#endif
+#define WINDOW_UNITS_PAIR 8
+
+/* Position in the ring schedule: window w, step t, segment j of the chunk
+ * that step moves. Both ends of a connection walk the same sequence. */
+struct cursor {
+    size_t w, t, j;
+    size_t base, len;           /* the unit's first element and element count */
+    bool done;
+};
+
+struct ring {
+    size_t seg;                 /* elements per segment */
+    size_t win;                 /* elements per window */
+    size_t n_windows;
+    size_t steps;               /* 2(n - 1) */
+    struct cursor s, q;         /* next send, next (or current) receive */
+    int tx_slot;                /* slot the frame in flight is sent from, or -1 */
+    int rx_slot;
+    bool slot_busy[SLOTS];
+    int fifo[SLOTS];            /* 16-bit: slots holding sums to forward, in order */
+    size_t fifo_head, fifo_len;
+};
+
+size_t ring_needs(size_t n, size_t me, size_t *need)
+{
+    size_t k = 0;
+
+    need[k++] = (me + 1) % n;
+    if (n > 2)
+        need[k++] = (me + n - 1) % n;
+    return k;
+}
+
+static size_t chunk_start(size_t total, size_t n, size_t c)
+{
+    size_t q = total / n, r = total % n;
+
+    return c * q + (c < r ? c : r);
+}
+
+/* Settles k on the next existing unit at or after its position. Sends at
+ * step t move chunk (me - t), receives chunk (me - t - 1) (shift 1). */
+static void cursor_settle(const struct run *x, const struct ring *g, struct cursor *k,
+                          size_t shift)
+{
+    while (k->w < g->n_windows) {
+        size_t ws = k->w * g->win;
+        size_t wl = x->count - ws < g->win ? x->count - ws : g->win;
+
+        while (k->t < g->steps) {
+            size_t c = (x->me + 2 * x->n - k->t - shift) % x->n;
+            size_t cs = chunk_start(wl, x->n, c);
+            size_t cl = chunk_start(wl, x->n, c + 1) - cs;
+
+            if (k->j * g->seg < cl) {
+                k->base = ws + cs + k->j * g->seg;
+                k->len = cl - k->j * g->seg < g->seg ? cl - k->j * g->seg : g->seg;
+                return;
+            }
+            k->t++;
+            k->j = 0;
+        }
+        k->w++;
+        k->t = 0;
+    }
+    k->done = true;
+}
+
+static void cursor_next(const struct run *x, const struct ring *g, struct cursor *k, size_t shift)
+{
+    k->j++;
+    cursor_settle(x, g, k, shift);
+}
+
+/* True when the receive (w, t, j) has completed. */
+static bool received(const struct ring *g, size_t w, size_t t, size_t j)
+{
+    const struct cursor *q = &g->q;
+
+    if (q->done || q->w != w)
+        return q->done || q->w > w;
+    if (q->t != t)
+        return q->t > t;
+    return q->j > j;
+}
+
+static uint8_t *slot_ptr(const struct run *x, int slot)
+{
+    return x->a->stage + (size_t)slot * x->a->seg_bytes;
+}
+
+static bool ring_send_ready(const struct ring *g)
+{
+    return g->s.t == 0 || received(g, g->s.w, g->s.t - 1, g->s.j);
+}
+
+/* Where a payload is staged for sending: returns the bytes that carry the
+ * send cursor's unit and sets *bytes to their wire length. Step 0 sends
+ * our own contribution; every later step sends a partial sum or a result,
+ * which live in buf, except that 16-bit partial sums travel as float32
+ * from a staging slot (g->tx_slot, freed once sent). */
+static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
+{
+    const struct cursor *s = &g->s;
+    const void *src = (s->t == 0 ? x->src : x->buf) + s->base * x->esz;
+
+    *bytes = s->len * x->esz;
+    g->tx_slot = -1;
+    if (x->wide && s->t < x->n - 1) {
+        *bytes = s->len * x->asz;
+        if (s->t == 0) {
+            /* Our own contribution, widened once into the spare slot. */
+            dtype_widen(x->type, (float *)slot_ptr(x, SLOTS), (const uint16_t *)src, s->len);
+            src = slot_ptr(x, SLOTS);
+        } else {
+            g->tx_slot = g->fifo[g->fifo_head];
+            g->fifo_head = (g->fifo_head + 1) % SLOTS;
+            g->fifo_len--;
+            src = slot_ptr(x, g->tx_slot);
+        }
+    }
+    return src;
+}
+
+static void ring_send_start(struct run *x, struct ring *g, struct conn *c)
+{
+    const struct cursor *s = &g->s;
+    size_t bytes;
+    const void *src = ring_stage(x, g, &bytes);
+    struct peerwire_frame f =
+        conn_frame(x, s->t < x->n - 1 ? PEERWIRE_PHASE_RS : PEERWIRE_PHASE_AG, (uint32_t)s->t,
+                   s->base, bytes);
+
+    conn_tx_start(c, &f, src);
+}
+
+/* Starts the next receive if it has somewhere to land: a free staging
+ * slot in the reduce-scatter (ring_combine takes it from there), the
+ * user buffer in the all-gather. */
+static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
+{
+    const struct cursor *q = &g->q;
+    bool rs = q->t < x->n - 1;
+    struct peerwire_frame f;
+    void *dst;
+    size_t bytes;
+
+    if (rs) {
+        int slot = -1;
+
+        for (int i = 0; i < SLOTS && slot < 0; i++)
+            if (!g->slot_busy[i])
+                slot = i;
+        if (slot < 0)
+            return false;
+        g->slot_busy[slot] = true;
+        g->rx_slot = slot;
+        dst = slot_ptr(x, slot);
+        bytes = q->len * x->asz;
+    } else {
+        dst = x->buf + q->base * x->esz;
+        bytes = q->len * x->esz;
+    }
+    f = conn_frame(x, rs ? PEERWIRE_PHASE_RS : PEERWIRE_PHASE_AG, (uint32_t)q->t, q->base, bytes);
+    conn_rx_start(c, &f, dst);
+    return true;
+}
+
+/* Where a received payload is combined: a reduce-scatter segment arrived
+ * in g->rx_slot, so fold our own data in. At the last reduce-scatter step
+ * the segment is final here: scale it (avg) and, for 16-bit types, round
+ * it into the user buffer. An all-gather segment is already in place. */
+static void ring_combine(struct run *x, struct ring *g)
+{
+    const struct cursor *q = &g->q;
+    bool last = q->t == x->n - 2;
+    uint8_t *slot;
+
+    if (q->t >= x->n - 1)
+        return;                 /* all-gather: it landed in the user buffer */
+    slot = slot_ptr(x, g->rx_slot);
+    if (!x->wide) {
+        void *dst = x->buf + q->base * x->esz;
+
+        /* Out of place, our contribution is read where it is and the sum
+         * written once: no more memory traffic than in place. */
+        if (x->src != x->buf)
+            dtype_combine_into(x->acc, x->op, dst, x->src + q->base * x->esz, slot, q->len);
+        else
+            dtype_combine(x->acc, x->op, dst, slot, q->len);
+        if (last)
+            dtype_scale(x->acc, dst, q->len, x->div);
+        g->slot_busy[g->rx_slot] = false;
+        return;
+    }
+    dtype_combine_widen(x->type, x->op, (float *)slot, (const uint16_t *)x->src + q->base, q->len);
+    if (last) {
+        dtype_scale(DTYPE_F32, slot, q->len, x->div);
+        dtype_narrow(x->type, (uint16_t *)x->buf + q->base, (const float *)slot, q->len);
+        g->slot_busy[g->rx_slot] = false;
+        return;
+    }
+    g->fifo[(g->fifo_head + g->fifo_len) % SLOTS] = g->rx_slot;
+    g->fifo_len++;
+}
+
+/* Sleeps until L can receive, R can send, R's control side has something
+ * to say, the epoch changes, or the silence deadline passes. */
+static int ring_wait(struct run *x, struct conn *L, struct conn *R, bool watch)
+{
+    struct pollfd pfd[3];
+    nfds_t np = 0;
+    uint64_t now = clock_now_ms(), d1, d2;
+    int rc;
+
+    conn_since_update(L, now);
+    if (R != L)
+        conn_since_update(R, now);
+    d1 = conn_silence_deadline(x, L, false);
+    d2 = conn_silence_deadline(x, R, watch);
+    if (!R->tx_busy && !L->rx_busy) {
+        /* Nothing to send, nowhere to receive: cannot happen (see SLOTS);
+         * fail rather than wait forever if it ever does. */
+        log_error(COMPONENT, "The ring schedule stalled.", LF_S("cohort", x->a->cohort));
+        return -EIO;
+    }
+    /* Idle descriptors stay out of poll: a hung-up one would spin it. */
+    pfd[np++] = (struct pollfd){ .fd = x->a->abort_fd, .events = POLLIN };
+    pfd[np++] = (struct pollfd){ .fd = L->rx_busy ? L->fd : -1, .events = POLLIN };
+    if (R == L) {
+        pfd[1].fd = L->fd;
+        pfd[1].events = (short)((L->rx_busy ? POLLIN : 0) | (L->tx_busy ? POLLOUT : 0));
+    } else {
+        pfd[np++] = (struct pollfd){ .fd = R->fd,
+                                     .events = (short)((R->tx_busy ? POLLOUT : 0) | POLLIN) };
+    }
+    rc = conn_wait(x, pfd, np, d1 < d2 ? d1 : d2);
+    if (rc == -ETIMEDOUT)
+        x->fail_peer = d1 < d2 ? L->peer : R->peer;
+    if (rc < 0)
+        return rc;
+    if (watch && (pfd[2].revents & (POLLIN | POLLHUP | POLLERR))) {
+        rc = conn_rx_pump(x, R);
+        if (rc < 0 || !R->rx_busy) {
+            /* Anything but silence on the control side ends the call. */
+            x->fail_peer = R->peer;
+            return rc < 0 ? rc : -EPROTO;
+        }
+    }
+    return 0;
+}
+
+int ring_run(struct run *x)
+{
+    struct allreduce *a = x->a;
+    struct conn *L = a->conns[(x->me + x->n - 1) % x->n];
+    struct conn *R = a->conns[(x->me + 1) % x->n];
+    bool watch = L != R;        /* R's inbound side carries only control frames */
+    struct ring g = { .tx_slot = -1, .rx_slot = -1 };
+    uint64_t now = clock_now_ms(), spin_from = 0;
+    int rc;
+
+    g.seg = a->seg_bytes / x->asz;
+    g.win = x->n * g.seg *
+            (x->wide ? WINDOW_UNITS_WIDE : x->n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS);
+    g.n_windows = (x->count + g.win - 1) / g.win;
+    g.steps = 2 * (x->n - 1);
+    cursor_settle(x, &g, &g.s, 0);
+    cursor_settle(x, &g, &g.q, 1);
+    L->rx_since = R->tx_since = now;
+    if (watch) {
+        struct peerwire_frame ctl = { 0 };
+        conn_rx_start(R, &ctl, NULL);
+    }
+    for (;;) {
+        bool moved = false;
+
+        if (run_stale(x))
+            return -ESTALE;
+        if (!R->tx_busy && !g.s.done && ring_send_ready(&g)) {
+            ring_send_start(x, &g, R);
+            cursor_next(x, &g, &g.s, 0);
+        }
+        if (R->tx_busy) {
+            rc = conn_tx_pump(R);
+            if (rc < 0) {
+                x->fail_peer = R->peer;
+                return conn_refine(x, R, rc);
+            }
+            moved |= rc > 0;
+            if (!R->tx_busy && g.tx_slot >= 0) {
+                g.slot_busy[g.tx_slot] = false;
+                g.tx_slot = -1;
+            }
+        }
+        if (!L->rx_busy && !g.q.done)
+            ring_recv_start(x, &g, L);
+        if (L->rx_busy) {
+            rc = conn_rx_pump(x, L);
+            if (rc < 0) {
+                x->fail_peer = L->peer;
+                return rc;
+            }
+            moved |= rc > 0;
+            if (!L->rx_busy) {
+                ring_combine(x, &g);
+                cursor_next(x, &g, &g.q, 1);
+            }
+        }
+        if (g.s.done && g.q.done && !R->tx_busy)
+            return 0;
+        if (moved) {
+            spin_from = 0;
+            continue;
+        }
+        if (conn_spin(&spin_from))
+            continue;
+        rc = ring_wait(x, L, R, watch);
+        if (rc < 0)
+            return rc;
+    }
+}

@@ -1,0 +1,22 @@
+/* src/engine/ring.h: the ring all-reduce, for large buffers: reduce-scatter
+ * then all-gather around the members in epoch order, pipelined in
+ * segments. One of the engine's algorithms; allreduce.c chooses among
+ * them. */
+#ifndef COHORT_RING_H
+#define COHORT_RING_H
+
+#include <stddef.h>
+
+struct run;
+
+/* Writes into need[] the members that member `me` of `n` (n >= 2) talks
+ * to: its right neighbour, and its left one when that is another member.
+ * Returns how many (at most 2). */
+size_t ring_needs(size_t n, size_t me, size_t *need);
+
+/* All-reduces x's buffer over the connections to ring_needs' peers, which
+ * must be in the table. Returns 0, or the first error of a connection
+ * (see conn.h), -ESTALE, or -EIO if the schedule ever stalled. */
+int ring_run(struct run *x);
+
+#endif
