@@ -20,6 +20,7 @@
 #include "base/clock.h"
 #include "engine/dtype.h"
 #include "base/ident.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "accumulator/node.h"
 #include "rpc/rpc.h"
@@ -27,7 +28,6 @@
 
 #define ALIGN 64
 #define REPLY_TIMEOUT_MS 30000
-#define STATE_CAP (1ull << 30)
 
 struct cohort {
     char name[TLINK_NAME_MAX];
@@ -510,7 +510,7 @@ int cohort_set_state(struct cohort *c, const void *state, size_t len)
 {
     int fd, rc;
 
-    if (len > STATE_CAP)
+    if (len > LIMIT_STATE_BYTES)
         return -E2BIG;
     if (c->node)
         return local_done(c, node_set_state(c->node, state, len));
@@ -543,7 +543,7 @@ int cohort_state(struct cohort *c, const void **state, size_t *len)
         if (rc == 0 && fd < 0)
             rc = -EPROTO;
         if (rc == 0) {
-            rc = tlink_memfd_read(fd, STATE_CAP, &data, &n);
+            rc = tlink_memfd_read(fd, LIMIT_STATE_BYTES, &data, &n);
             if (rc == 0 && n != u.value)
                 rc = -EPROTO;
         }

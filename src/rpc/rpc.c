@@ -25,12 +25,10 @@
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
 
+#include "base/limits.h"
 #include "base/log.h"
 
 #define RT_THREADS 2
-#define DEFAULT_MAX_REQUEST (64u * 1024u)
-#define DEFAULT_MAX_REPLY (64u * 1024u * 1024u)
-#define DEFAULT_MAX_BACKOFF_MS 1000u
 #define REQUESTS_PER_METHOD 4   /* calls waiting to be accepted, per method */
 
 struct tag {
@@ -719,7 +717,7 @@ static void shutdown_done(struct tag *t, bool ok)
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
                       const struct rpc_server_opts *opts, struct rpc_server **out)
 {
-    size_t max_req = opts && opts->max_request_bytes ? opts->max_request_bytes : DEFAULT_MAX_REQUEST;
+    size_t max_req = opts && opts->max_request_bytes ? opts->max_request_bytes : LIMIT_RPC_REQUEST_BYTES;
     grpc_arg args[4];
     grpc_channel_args cargs = { .num_args = 4, .args = args };
     grpc_server_credentials *creds;
@@ -912,8 +910,8 @@ struct rpc_channel {
 int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
                        struct rpc_channel **out)
 {
-    size_t max_reply = opts && opts->max_reply_bytes ? opts->max_reply_bytes : DEFAULT_MAX_REPLY;
-    uint32_t backoff = opts && opts->max_backoff_ms ? opts->max_backoff_ms : DEFAULT_MAX_BACKOFF_MS;
+    size_t max_reply = opts && opts->max_reply_bytes ? opts->max_reply_bytes : LIMIT_RPC_REPLY_BYTES;
+    uint32_t backoff = opts && opts->max_backoff_ms ? opts->max_backoff_ms : LIMIT_BACKOFF_MAX_MS;
     grpc_channel_credentials *creds;
     struct rpc_channel *c;
     grpc_arg args[6];
