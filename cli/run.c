@@ -207,14 +207,6 @@ static void on_signal(int sig)
     interrupted = 1;
 }
 
-static int bad(const char *fmt, const char *what)
-{
-    fprintf(stderr, PROG ": ");
-    fprintf(stderr, fmt, what);
-    fprintf(stderr, "\nTry 'cohortctl run --help'.\n");
-    return 2;
-}
-
 
 /* snprintf that says when it cut: 0, or -ENAMETOOLONG. A cut note or
  * view line is harmless; callers that build paths check. */
@@ -245,7 +237,7 @@ static int parse_event(const char *s, size_t len, struct event *e)
     size_t i;
 
     if (len == 0 || len >= sizeof(buf))
-        return bad("bad --schedule event \"%s\": empty or too long", len ? "..." : "");
+        return opt_usage(PROG, "bad --schedule event \"%s\": empty or too long", len ? "..." : "");
     memcpy(buf, s, len);
     buf[len] = '\0';
     memset(e, 0, sizeof(*e));
@@ -253,13 +245,13 @@ static int parse_event(const char *s, size_t len, struct event *e)
     e->peer = -1;
     at = strchr(buf, '@');
     if (!at)
-        return bad("bad --schedule event \"%s\": want ACTION@WHEN[:PEER]", e->spec);
+        return opt_usage(PROG, "bad --schedule event \"%s\": want ACTION@WHEN[:PEER]", e->spec);
     *at = '\0';
     for (i = 0; i < sizeof(action_names) / sizeof(action_names[0]); i++)
         if (strcmp(buf, action_names[i]) == 0)
             break;
     if (i == sizeof(action_names) / sizeof(action_names[0]))
-        return bad("bad --schedule event \"%s\": the action is kill-trainer, kill-sidecar, "
+        return opt_usage(PROG, "bad --schedule event \"%s\": the action is kill-trainer, kill-sidecar, "
                    "kill-peer or add", e->spec);
     e->action = (enum action)i;
     when = at + 1;
@@ -267,20 +259,20 @@ static int parse_event(const char *s, size_t len, struct event *e)
     if (colon) {
         *colon = '\0';
         if (e->action == A_ADD)
-            return bad("bad --schedule event \"%s\": add takes no peer", e->spec);
+            return opt_usage(PROG, "bad --schedule event \"%s\": add takes no peer", e->spec);
         if (opt_uint(colon + 1, 0, MAX_PEERS - 1, &v) < 0)
-            return bad("bad --schedule event \"%s\": the peer is a run index, 0 to 255", e->spec);
+            return opt_usage(PROG, "bad --schedule event \"%s\": the peer is a run index, 0 to 255", e->spec);
         e->peer = (long)v;
     } else if (e->action != A_ADD) {
-        return bad("bad --schedule event \"%s\": a kill names its peer, as in kill-trainer@5s:1",
+        return opt_usage(PROG, "bad --schedule event \"%s\": a kill names its peer, as in kill-trainer@5s:1",
                    e->spec);
     }
     if (strncmp(when, "v=", 2) == 0) {
         if (opt_uint(when + 2, 0, UINT64_MAX >> 1, &e->at) < 0)
-            return bad("bad --schedule event \"%s\": v= wants a model version", e->spec);
+            return opt_usage(PROG, "bad --schedule event \"%s\": v= wants a model version", e->spec);
         e->by_version = true;
     } else if (opt_duration_ms(when, DURATION_MAX_MS, &e->at) < 0) {
-        return bad("bad --schedule event \"%s\": WHEN is a duration (5s, 1500ms) or v=N", e->spec);
+        return opt_usage(PROG, "bad --schedule event \"%s\": WHEN is a duration (5s, 1500ms) or v=N", e->spec);
     }
     return 0;
 }
@@ -1359,32 +1351,32 @@ int cli_run(int argc, char **argv)
 
     optind = 1;
     /* '+': options end at CMD, so its own options are left alone. */
-    while ((opt = getopt_long(argc, argv, "+n:o:h", longopts, NULL)) != -1) {
+    while ((opt = opt_next(PROG, argc, argv, "+n:o:h", longopts)) != -1) {
         switch (opt) {
         case 'n':
             if (opt_uint(optarg, 1, MAX_PEERS, &v) < 0)
-                return bad("bad -n \"%s\" (1 to 256)", optarg);
+                return opt_usage(PROG, "bad -n \"%s\" (1 to 256)", optarg);
             r.n = (unsigned)v;
             break;
         case O_COHORT: r.cohort = optarg; break;
         case O_SCHED: schedule = optarg; break;
         case O_TIMEOUT:
             if (opt_duration_ms(optarg, DURATION_MAX_MS, &r.timeout_ms) < 0 || r.timeout_ms == 0)
-                return bad("bad --timeout \"%s\" (a duration: 90s, 10m)", optarg);
+                return opt_usage(PROG, "bad --timeout \"%s\" (a duration: 90s, 10m)", optarg);
             break;
         case O_VIEW: r.view = true; break;
         case O_NOVIEW: r.view = false; break;
         case O_VIEWI:
             if (opt_duration_ms(optarg, 3600000, &view_ms) < 0 || view_ms < 100)
-                return bad("bad --view-interval \"%s\" (at least 100ms)", optarg);
+                return opt_usage(PROG, "bad --view-interval \"%s\" (at least 100ms)", optarg);
             break;
         case O_HB:
             if (opt_duration_ms(optarg, 60000, &r.heartbeat_ms) < 0 || r.heartbeat_ms == 0)
-                return bad("bad --heartbeat \"%s\" (a duration up to 1m)", optarg);
+                return opt_usage(PROG, "bad --heartbeat \"%s\" (a duration up to 1m)", optarg);
             break;
         case O_MTO:
             if (opt_duration_ms(optarg, 600000, &r.member_timeout_ms) < 0 || r.member_timeout_ms == 0)
-                return bad("bad --member-timeout \"%s\" (a duration up to 10m)", optarg);
+                return opt_usage(PROG, "bad --member-timeout \"%s\" (a duration up to 10m)", optarg);
             break;
         case O_DIR: run_dir = optarg; break;
         case O_KEEP: r.keep = true; break;
@@ -1397,28 +1389,27 @@ int cli_run(int argc, char **argv)
             fputs(usage, stdout);
             return 0;
         default:
-            fprintf(stderr, "Try 'cohortctl run --help'.\n");
-            return 2;
+            return OPT_EXIT_USAGE;
         }
     }
     if (optind >= argc)
-        return bad("%s", "want the trainer command after the options: -- CMD [ARGS...]");
+        return opt_usage(PROG, "want the trainer command after the options: -- CMD [ARGS...]");
     r.cmd = argv + optind;
     if (!ident_valid_cohort(r.cohort))
-        return bad("bad --cohort \"%s\": letters, digits, '.', '_', '-'", r.cohort);
+        return opt_usage(PROG, "bad --cohort \"%s\": letters, digits, '.', '_', '-'", r.cohort);
     snprintf(id, sizeof(id), "%s%u", r.prefix, MAX_PEERS - 1);
     if (strlen(r.prefix) > 64 || !ident_valid_member_id(id))
-        return bad("bad --id-prefix \"%s\": letters, digits, '.', '_', '-'", r.prefix);
+        return opt_usage(PROG, "bad --id-prefix \"%s\": letters, digits, '.', '_', '-'", r.prefix);
     if (r.member_timeout_ms <= r.heartbeat_ms)
-        return bad("%s", "--member-timeout must be longer than --heartbeat");
+        return opt_usage(PROG, "--member-timeout must be longer than --heartbeat");
     if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return bad("-o must be table or json, not \"%s\"", output);
+        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
     r.json = strcmp(output, "json") == 0;
     if (schedule && (rc = parse_schedule(schedule, &r.events, &r.n_events)) != 0)
         return rc;
     if (opt_logging(PROG, r.logf, r.logl) < 0) {
         free(r.events);
-        return 2;
+        return OPT_EXIT_USAGE;
     }
     r.tty = isatty(STDERR_FILENO);
     r.view_ms = view_ms ? view_ms : r.tty ? 500 : 2000;
