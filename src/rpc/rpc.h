@@ -1,6 +1,8 @@
 /* src/rpc/rpc.h: unary and server-streaming gRPC calls, server and client, over
  * the gRPC C core with protobuf-c messages. The only module that includes a
- * grpc header: everything above it speaks protobuf-c and -errno.
+ * grpc header: everything above it speaks protobuf-c and -errno. It is
+ * implemented by core.c (the runtime, codes and buffers), server.c and
+ * client.c, which share the private core.h.
  *
  * Threads: rpc_init() starts a small pool of completion threads shared by
  * every server and channel in the process. Handlers and callbacks run on
