@@ -439,7 +439,8 @@ int cli_bench(int argc, char **argv)
                   "Run 'cohortctl bench NAME --help' for a benchmark's options.\n", stdout);
             return 0;
         }
-        return opt_usage("cohortctl bench", "want a benchmark name: broker, allreduce or accumulator");
+        return opt_usage("cohortctl bench",
+                         "want a benchmark name: broker, allreduce or accumulator");
     }
     optind = 2;
     while ((opt = opt_next(PROG, argc, argv, "o:h", longopts)) != -1) {

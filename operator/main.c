@@ -705,7 +705,8 @@ static int check_flags(struct flags *f)
     if (opt_logging(PROG, f->logf, f->logl) < 0)
         return OPT_EXIT_USAGE;
     if (f->standalone && (ko->kubeconfig || ko->in_cluster))
-        return opt_usage(PROG, "--standalone runs without Kubernetes: drop --kubeconfig/--in-cluster");
+        return opt_usage(PROG, "--standalone runs without Kubernetes: drop "
+                         "--kubeconfig/--in-cluster");
     if (ko->kubeconfig && ko->in_cluster)
         return opt_usage(PROG, "give --kubeconfig or --in-cluster, not both");
     if (!f->standalone && f->n_cohorts)

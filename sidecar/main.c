@@ -225,7 +225,8 @@ int main(int argc, char **argv)
         if (advertise)
             snprintf(host, sizeof(host), "%s", advertise);
         if (!host[0] || strcmp(host, "0.0.0.0") == 0)
-            return opt_usage(PROG, "--advertise is required when --data-listen is on all interfaces");
+            return opt_usage(PROG, "--advertise is required when --data-listen is on all "
+                             "interfaces");
         if (start_process(&sigs) < 0)
             return 1;
         rc = serve_trainer(&mc, socket_path, host, &sigs);
