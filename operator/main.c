@@ -652,7 +652,7 @@ static int broker_flag(struct flags *f, int opt, const char *arg)
 static int kube_flag(struct kopts *ko, int opt, const char *arg)
 {
     uint64_t v;
-    uint32_t w;
+    uint32_t w = 0;
 
     switch (opt) {
     case O_KUBECONFIG: ko->kubeconfig = arg; break;

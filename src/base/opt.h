@@ -48,7 +48,9 @@ int opt_usage(const char *prog, const char *fmt, ...) __attribute__((format(prin
  * argv[0], which is a path for a binary and a bare name for a subcommand,
  * and are followed by the Try line. Returns what getopt_long returns; '?'
  * means the error has been reported and the caller should return
- * OPT_EXIT_USAGE. argv[0] is restored before it returns. */
+ * OPT_EXIT_USAGE. `shortopts` may start with '+' but not ':', which would
+ * silence getopt's half of the report. argv[0] is restored before it
+ * returns. */
 int opt_next(const char *prog, int argc, char **argv, const char *shortopts,
              const struct option *longopts);
 
