@@ -23,6 +23,7 @@
 
 #include "cli.h"
 #include "base/clock.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "membership/member.h"
 #include "base/opt.h"
@@ -30,6 +31,7 @@
 
 extern char **environ;
 
+#define PROG "cohortctl bench broker"
 #define FD_RESERVE 512          /* fds kept free for everything but connections */
 #define JOIN_DEADLINE_MS 120000
 #define CHANGE_DEADLINE_MS 30000
@@ -237,7 +239,7 @@ static int time_change(struct bench *b, size_t victim, bool leave, uint64_t *lat
         before[i] = atomic_load(&b->sims[i].epoch);
     t0 = clock_now_us();
     if (leave) {
-        member_leave(b->sims[victim].m, 2000);
+        member_leave(b->sims[victim].m, LIMIT_LEAVE_TIMEOUT_MS);
     } else {
         pthread_mutex_lock(&b->lock);
         member_destroy(b->sims[victim].m);
@@ -403,14 +405,6 @@ out_broker:
     return status;
 }
 
-static int bad(const char *fmt, const char *what)
-{
-    fprintf(stderr, "cohortctl bench broker: ");
-    fprintf(stderr, fmt, what);
-    fprintf(stderr, "\nTry 'cohortctl bench broker --help'.\n");
-    return 2;
-}
-
 int cli_bench(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -445,43 +439,43 @@ int cli_bench(int argc, char **argv)
                   "Run 'cohortctl bench NAME --help' for a benchmark's options.\n", stdout);
             return 0;
         }
-        fprintf(stderr, "cohortctl bench: want a benchmark name: broker, allreduce or accumulator\n");
-        return 2;
+        return opt_usage("cohortctl bench",
+                         "want a benchmark name: broker, allreduce or accumulator");
     }
     optind = 2;
-    while ((opt = getopt_long(argc, argv, "o:h", longopts, NULL)) != -1) {
+    while ((opt = opt_next(PROG, argc, argv, "o:h", longopts)) != -1) {
         switch (opt) {
         case 'm':
             if (opt_uint(optarg, 2, 1000000, &v) < 0)
-                return bad("bad --members \"%s\" (2 to 1000000)", optarg);
+                return opt_usage(PROG, "bad --members \"%s\" (2 to 1000000)", optarg);
             b.n_members = (size_t)v;
             break;
         case 'c':
             if (opt_uint(optarg, 1, 100000, &v) < 0)
-                return bad("bad --cohorts \"%s\"", optarg);
+                return opt_usage(PROG, "bad --cohorts \"%s\"", optarg);
             b.n_cohorts = (size_t)v;
             break;
         case 'n':
             if (opt_uint(optarg, 1, 1000000, &v) < 0)
-                return bad("bad --connections \"%s\"", optarg);
+                return opt_usage(PROG, "bad --connections \"%s\"", optarg);
             b.n_channels = (size_t)v;
             break;
         case 'k':
             if (opt_uint(optarg, 0, 1000, &v) < 0)
-                return bad("bad --changes \"%s\"", optarg);
+                return opt_usage(PROG, "bad --changes \"%s\"", optarg);
             b.n_changes = (size_t)v;
             break;
         case 'w':
             if (opt_duration_ms(optarg, 3600000, &b.measure_ms) < 0)
-                return bad("bad --measure \"%s\"", optarg);
+                return opt_usage(PROG, "bad --measure \"%s\"", optarg);
             break;
         case 'b':
             if (opt_duration_ms(optarg, 60000, &b.heartbeat_ms) < 0 || b.heartbeat_ms == 0)
-                return bad("bad --heartbeat \"%s\"", optarg);
+                return opt_usage(PROG, "bad --heartbeat \"%s\"", optarg);
             break;
         case 'q':
             if (opt_duration_ms(optarg, 60000, &b.coalesce_ms) < 0)
-                return bad("bad --coalesce \"%s\"", optarg);
+                return opt_usage(PROG, "bad --coalesce \"%s\"", optarg);
             break;
         case 'o': output = optarg; break;
         case 'F': logf = optarg; break;
@@ -490,16 +484,15 @@ int cli_bench(int argc, char **argv)
             fputs(usage, stdout);
             return 0;
         default:
-            fprintf(stderr, "Try 'cohortctl bench broker --help'.\n");
-            return 2;
+            return OPT_EXIT_USAGE;
         }
     }
-    if (optind < argc)
-        return bad("unexpected argument \"%s\"", argv[optind]);
+    if (opt_no_operands(PROG, argc, argv, optind))
+        return OPT_EXIT_USAGE;
     if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return bad("-o must be table or json, not \"%s\"", output);
+        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
     if (b.n_cohorts > b.n_members / 2)
-        return bad("%s", "want at least two members per cohort");
+        return opt_usage(PROG, "want at least two members per cohort");
     n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n <= 0)
         return 1;
@@ -507,8 +500,8 @@ int cli_bench(int argc, char **argv)
     slash = strrchr(self, '/');
     if (slash)
         *slash = '\0';
-    if (opt_logging("cohortctl bench broker", logf, logl) < 0)
-        return 2;
+    if (opt_logging(PROG, logf, logl) < 0)
+        return OPT_EXIT_USAGE;
     signal(SIGPIPE, SIG_IGN);
     pthread_mutex_init(&b.lock, NULL);
     return run_broker_bench(&b, strcmp(output, "json") == 0, self);

@@ -28,6 +28,7 @@
 #include "rpc/rpc.h"
 #include "accumulator/trainerd.h"
 
+#define PROG "cohortctl bench accumulator"
 #define MAX_PEERS 8
 #define WARMUP 3
 #define MAX_REPS 51
@@ -280,48 +281,40 @@ int cli_bench_accumulator(int argc, char **argv)
     uint64_t v;
 
     optind = 1;
-    while ((opt = getopt_long(argc, argv, "o:h", longopts, NULL)) != -1) {
+    while ((opt = opt_next(PROG, argc, argv, "o:h", longopts)) != -1) {
         switch (opt) {
         case 'n':
-            if (opt_uint(optarg, 2, MAX_PEERS, &v) < 0) {
-                fprintf(stderr, "cohortctl bench accumulator: --peers is 2 to 8\n");
-                return 2;
-            }
+            if (opt_uint(optarg, 2, MAX_PEERS, &v) < 0)
+                return opt_usage(PROG, "bad --peers \"%s\" (2 to %d)", optarg, MAX_PEERS);
             peers = (int)v;
             break;
         case 'b': list = optarg; break;
         case 'r':
-            if (opt_uint(optarg, 1, 100000, &v) < 0) {
-                fprintf(stderr, "cohortctl bench accumulator: bad --rounds\n");
-                return 2;
-            }
+            if (opt_uint(optarg, 1, 100000, &v) < 0)
+                return opt_usage(PROG, "bad --rounds \"%s\" (1 to 100000)", optarg);
             rounds = (int)v;
             break;
         case 'R':
-            if (opt_uint(optarg, 1, MAX_REPS, &v) < 0) {
-                fprintf(stderr, "cohortctl bench accumulator: --reps is 1 to %d\n", MAX_REPS);
-                return 2;
-            }
+            if (opt_uint(optarg, 1, MAX_REPS, &v) < 0)
+                return opt_usage(PROG, "bad --reps \"%s\" (1 to %d)", optarg, MAX_REPS);
             reps = (int)v;
             break;
         case 'o': output = optarg; break;
         case 'h': fputs(usage, stdout); return 0;
-        default: fputs(usage, stderr); return 2;
+        default: return OPT_EXIT_USAGE;
         }
     }
-    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0) {
-        fprintf(stderr, "cohortctl bench accumulator: -o is table or json\n");
-        return 2;
-    }
+    if (opt_no_operands(PROG, argc, argv, optind))
+        return OPT_EXIT_USAGE;
+    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
+        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
     bad = opt_bytes_list(list, MAX_BYTES, sizes, MAX_SIZES, &n_sizes);
     for (size_t i = 0; bad == 0 && i < n_sizes; i++)
         if (sizes[i] % 4 != 0)
             bad = -EINVAL;
-    if (bad < 0) {
-        fprintf(stderr, "cohortctl bench accumulator: bad --bytes \"%s\" (at most %d sizes, each a "
-                        "multiple of 4 bytes up to 1G, K M G suffixes)\n", list, MAX_SIZES);
-        return 2;
-    }
+    if (bad < 0)
+        return opt_usage(PROG, "bad --bytes \"%s\" (at most %d sizes, each a multiple of 4 "
+                         "bytes up to 1G, K M G suffixes)", list, MAX_SIZES);
     log_set_level(LOG_ERROR);
     if (rpc_init() < 0)
         return 1;

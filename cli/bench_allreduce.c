@@ -21,6 +21,7 @@
 #include "base/log.h"
 #include "base/opt.h"
 
+#define PROG "cohortctl bench allreduce"
 #define MAX_PEERS 64
 #define MAX_SIZES 32
 #define MAX_BENCH_BYTES ((uint64_t)4 << 30)
@@ -201,6 +202,8 @@ static void print_row(const struct bench *b, uint64_t bytes, double ms)
     fflush(stdout);
 }
 
+/* Fills *b from the command line. Returns 0 to run, 1 after --help, or
+ * OPT_EXIT_USAGE after reporting a usage error. */
 static int parse_args(struct bench *b, int argc, char **argv)
 {
     static const struct option opts[] = {
@@ -211,11 +214,12 @@ static int parse_args(struct bench *b, int argc, char **argv)
         { "timeout", required_argument, NULL, 't' }, { "output", required_argument, NULL, 'o' },
         { "help", no_argument, NULL, 'h' },          { NULL, 0, NULL, 0 },
     };
+    const struct option *o;
     uint64_t v;
     int c;
 
     optind = 1;
-    while ((c = getopt_long(argc, argv, "o:h", opts, NULL)) != -1) {
+    while ((c = opt_next(PROG, argc, argv, "o:h", opts)) != -1) {
         switch (c) {
         case 'n':
             if (opt_uint(optarg, 1, MAX_PEERS, &v) < 0)
@@ -269,18 +273,14 @@ static int parse_args(struct bench *b, int argc, char **argv)
             fputs(usage, stdout);
             return 1;
         default:
-            fputs(usage, stderr);
-            return 2;
+            return OPT_EXIT_USAGE;
         }
     }
-    if (optind != argc) {
-        fprintf(stderr, "cohortctl bench allreduce: unexpected argument \"%s\"\n", argv[optind]);
-        return 2;
-    }
-    return 0;
+    return opt_no_operands(PROG, argc, argv, optind);
 bad:
-    fprintf(stderr, "cohortctl bench allreduce: bad value \"%s\"\n%s", optarg, usage);
-    return 2;
+    for (o = opts; o->name && o->val != c; o++)
+        ;
+    return opt_usage(PROG, "bad --%s \"%s\"", o->name, optarg);
 }
 
 int cli_bench_allreduce(int argc, char **argv)
@@ -302,11 +302,9 @@ int cli_bench_allreduce(int argc, char **argv)
         b.n_sizes = sizeof(defaults) / sizeof(defaults[0]);
     }
     for (size_t i = 0; i < b.n_sizes; i++)
-        if (b.sizes[i] < dtype_size(b.type)) {
-            fprintf(stderr, "cohortctl bench allreduce: %" PRIu64 " bytes hold no %s element\n",
-                    b.sizes[i], dtype_name(b.type));
-            return 2;
-        }
+        if (b.sizes[i] < dtype_size(b.type))
+            return opt_usage(PROG, "%" PRIu64 " bytes hold no %s element", b.sizes[i],
+                             dtype_name(b.type));
     log_set_level(LOG_WARN);
     /* Listeners first, in the parent, so every member knows every address
      * before any of them starts, and no port is raced. */

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "base/opt.h"
 
 static const char usage[] =
     "Usage: cohortctl COMMAND [options]\n"
@@ -20,7 +21,7 @@ int main(int argc, char **argv)
 {
     if (argc < 2) {
         fputs(usage, stderr);
-        return 2;
+        return OPT_EXIT_USAGE;
     }
     if (strcmp(argv[1], "run") == 0)
         return cli_run(argc - 1, argv + 1);
@@ -33,6 +34,5 @@ int main(int argc, char **argv)
         fputs(usage, stdout);
         return 0;
     }
-    fprintf(stderr, "cohortctl: unknown command \"%s\"\n%s", argv[1], usage);
-    return 2;
+    return opt_usage("cohortctl", "unknown command \"%s\"", argv[1]);
 }

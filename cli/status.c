@@ -15,6 +15,8 @@
 #include "rpc/rpc.h"
 #include "membership/wire.h"
 
+#define PROG "cohortctl status"
+
 static const char usage[] =
     "Usage: cohortctl status --broker ADDR [--cohort NAME] [-o table|json]\n"
     "\n"
@@ -31,14 +33,6 @@ static const char usage[] =
     "  --log-format text|json  format of log lines on stderr (default text)\n"
     "  --log-level LEVEL       debug, info, warn or error (default error)\n"
     "  -h, --help        show this text\n";
-
-static int bad(const char *fmt, const char *what)
-{
-    fprintf(stderr, "cohortctl status: ");
-    fprintf(stderr, fmt, what);
-    fprintf(stderr, "\nTry 'cohortctl status --help'.\n");
-    return 2;
-}
 
 static int print_json(const Cohort__V1__StatusReply *rep)
 {
@@ -136,7 +130,7 @@ int cli_status(int argc, char **argv)
     int opt, rc, status = 1;
 
     optind = 1;
-    while ((opt = getopt_long(argc, argv, "o:h", longopts, NULL)) != -1) {
+    while ((opt = opt_next(PROG, argc, argv, "o:h", longopts)) != -1) {
         switch (opt) {
         case 'b': broker = optarg; break;
         case 'c': cohort = optarg; break;
@@ -145,27 +139,26 @@ int cli_status(int argc, char **argv)
         case 'L': logl = optarg; break;
         case 't':
             if (opt_duration_ms(optarg, 3600000, &timeout_ms) < 0 || timeout_ms == 0)
-                return bad("bad --timeout \"%s\"", optarg);
+                return opt_usage(PROG, "bad --timeout \"%s\"", optarg);
             break;
         case 'h':
             fputs(usage, stdout);
             return 0;
         default:
-            fprintf(stderr, "Try 'cohortctl status --help'.\n");
-            return 2;
+            return OPT_EXIT_USAGE;
         }
     }
-    if (optind < argc)
-        return bad("unexpected argument \"%s\"", argv[optind]);
+    if (opt_no_operands(PROG, argc, argv, optind))
+        return OPT_EXIT_USAGE;
     if (!broker || !*broker)
-        return bad("%s", "--broker is required");
+        return opt_usage(PROG, "--broker is required");
     if (cohort[0] && !ident_valid_cohort(cohort))
-        return bad("bad --cohort \"%s\"", cohort);
+        return opt_usage(PROG, "bad --cohort \"%s\"", cohort);
     if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return bad("-o must be table or json, not \"%s\"", output);
+        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
 
-    if (opt_logging("cohortctl status", logf, logl) < 0)
-        return 2;
+    if (opt_logging(PROG, logf, logl) < 0)
+        return OPT_EXIT_USAGE;
     if (rpc_init() < 0) {
         fprintf(stderr, "cohortctl status: gRPC could not start\n");
         return 1;

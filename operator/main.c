@@ -15,6 +15,7 @@
 #include "base/clock.h"
 #include "k8s/controller.h"
 #include "base/ident.h"
+#include "base/limits.h"
 #include "k8s/kube.h"
 #include "k8s/lease.h"
 #include "base/log.h"
@@ -24,7 +25,6 @@
 
 #define PROG "cohort-operator"
 #define MAX_COHORT_FLAGS 256
-#define DURATION_MAX_MS (24ull * 3600 * 1000)
 
 static const char usage[] =
     "Usage: " PROG " --kubeconfig PATH | --in-cluster [options]\n"
@@ -104,14 +104,6 @@ static const char usage[] =
     "Exit status: 0 after SIGTERM or SIGINT, 1 when it cannot start, 2 for a\n"
     "usage error.\n";
 
-static int bad(const char *fmt, const char *what)
-{
-    fprintf(stderr, PROG ": ");
-    fprintf(stderr, fmt, what);
-    fprintf(stderr, "\nTry '" PROG " --help'.\n");
-    return 2;
-}
-
 struct cohort_spec {
     char name[IDENT_NAME_MAX + 1];
     uint64_t heartbeat_ms, timeout_ms;
@@ -146,10 +138,12 @@ static int parse_cohort(const char *arg, struct cohort_spec *c)
             return -EINVAL;
         *eq = '\0';
         if (strcmp(kv, "heartbeat") == 0) {
-            if (opt_duration_ms(eq + 1, DURATION_MAX_MS, &c->heartbeat_ms) < 0 || !c->heartbeat_ms)
+            if (opt_duration_ms(eq + 1, LIMIT_MEMBERSHIP_FLAG_MS, &c->heartbeat_ms) < 0 ||
+                !c->heartbeat_ms)
                 return -EINVAL;
         } else if (strcmp(kv, "timeout") == 0) {
-            if (opt_duration_ms(eq + 1, DURATION_MAX_MS, &c->timeout_ms) < 0 || !c->timeout_ms)
+            if (opt_duration_ms(eq + 1, LIMIT_MEMBERSHIP_FLAG_MS, &c->timeout_ms) < 0 ||
+                !c->timeout_ms)
                 return -EINVAL;
         } else {
             return -EINVAL;
@@ -158,6 +152,8 @@ static int parse_cohort(const char *arg, struct cohort_spec *c)
     return 0;
 }
 
+/* The broker's flags and those of both modes come first, up to O_LOGL;
+ * parse_flags() hands the rest to kube_flag(). */
 enum { O_STANDALONE = 256, O_LISTEN, O_COHORT, O_ANY, O_HB, O_TO, O_COALESCE, O_HOLD,
        O_MAXM, O_MAXC, O_LOGF, O_LOGL, O_KUBECONFIG, O_CONTEXT, O_INCLUSTER, O_NS, O_BADDR,
        O_SIMG, O_SCMD, O_LNAME, O_LNS, O_IDENT, O_LDUR, O_LRENEW, O_LRETRY, O_METRICS,
@@ -378,119 +374,356 @@ static void step_down(struct op *op)
     brokerd_stop(d);
 }
 
-static int run_kube(const struct kopts *ko_in, const struct brokerd_config *bcfg, sigset_t *sigs)
+/* Loads the kubeconfig (or the pod's service account) into *kc and
+ * creates the API client in op->kube, then settles what the flags left
+ * open: this replica's identity (made up in `ident` if need be) and the
+ * Lease's namespace. Returns 0 or -errno after logging why; the caller
+ * frees *kc and op->kube either way. */
+static int kube_connect(struct kopts *ko, struct kube_config *kc, struct op *op, char *ident,
+                        size_t n)
 {
-    struct kopts ko = *ko_in;
-    struct kube_config kc = { 0 };
-    struct lease_config lc = { 0 };
-    struct op op = { 0 };
-    struct probe *probe = NULL;
-    char ident[300];
-    int rc, sig = 0, status = 1;
-    uint64_t next_try = 0;
+    struct kube_opts kopt = { .timeout_ms = ko->api_timeout_ms };
+    int rc;
 
-    pthread_mutex_init(&op.lock, NULL);
-    rc = ko.kubeconfig ? kube_config_load(ko.kubeconfig, ko.context, &kc)
-                       : kube_config_in_cluster(NULL, &kc);
+    rc = ko->kubeconfig ? kube_config_load(ko->kubeconfig, ko->context, kc)
+                        : kube_config_in_cluster(NULL, kc);
     if (rc < 0) {
-        log_error("operator", ko.kubeconfig ? "The kubeconfig could not be loaded."
+        log_error("operator", ko->kubeconfig ? "The kubeconfig could not be loaded."
                   : "No in-cluster configuration (not in a pod?); pass --kubeconfig.",
-                  LF_S("kubeconfig", ko.kubeconfig), LF_ERR(rc));
-        goto out;
+                  LF_S("kubeconfig", ko->kubeconfig), LF_ERR(rc));
+        return rc;
     }
-    {
-        struct kube_opts kopt = { .timeout_ms = ko.api_timeout_ms };
-        rc = kube_create(&kc, &kopt, &op.kube);
-    }
+    rc = kube_create(kc, &kopt, &op->kube);
     if (rc < 0) {
         log_error("operator", "The API client could not be created.", LF_ERR(rc));
-        goto out;
+        return rc;
     }
-    if (!ko.identity) {
+    if (!ko->identity) {
         char host[256] = "operator";
         gethostname(host, sizeof(host) - 1);
         host[sizeof(host) - 1] = '\0';
-        snprintf(ident, sizeof(ident), "%s-%ld", host, (long)getpid());
-        ko.identity = getenv("POD_NAME") && *getenv("POD_NAME") ? getenv("POD_NAME") : ident;
+        snprintf(ident, n, "%s-%ld", host, (long)getpid());
+        ko->identity = getenv("POD_NAME") && *getenv("POD_NAME") ? getenv("POD_NAME") : ident;
     }
-    if (!ko.lease_namespace)
-        ko.lease_namespace = kube_namespace(op.kube);
-    if (ko.metrics_listen && strcmp(ko.metrics_listen, "off") != 0) {
-        rc = probe_start(ko.metrics_listen, serve_probe, &op, &probe);
-        if (rc < 0) {
-            log_error("operator", "The metrics endpoint could not listen.",
-                      LF_S("listen", ko.metrics_listen), LF_ERR(rc));
-            goto out;
-        }
-        {
-            const char *colon = strrchr(ko.metrics_listen, ':');
-            char addr[300];
-            snprintf(addr, sizeof(addr), "%.*s:%d", colon ? (int)(colon - ko.metrics_listen) : 0,
-                     ko.metrics_listen, probe_port(probe));
-            log_info("operator", "Serving /metrics, /healthz and /readyz.", LF_S("address", addr));
-        }
+    if (!ko->lease_namespace)
+        ko->lease_namespace = kube_namespace(op->kube);
+    return 0;
+}
+
+/* Serves /metrics, /healthz and /readyz from `op` unless --metrics-listen
+ * is "off" (then *out stays NULL). Returns 0 or -errno after logging why;
+ * the caller stops *out with probe_stop(). */
+static int serve_metrics(const struct kopts *ko, struct op *op, struct probe **out)
+{
+    const char *colon;
+    char addr[300];
+    int rc;
+
+    if (!ko->metrics_listen || strcmp(ko->metrics_listen, "off") == 0)
+        return 0;
+    rc = probe_start(ko->metrics_listen, serve_probe, op, out);
+    if (rc < 0) {
+        log_error("operator", "The metrics endpoint could not listen.",
+                  LF_S("listen", ko->metrics_listen), LF_ERR(rc));
+        return rc;
     }
-    lc.kube = op.kube;
-    lc.namespace = ko.lease_namespace;
-    lc.name = ko.lease_name;
-    lc.identity = ko.identity;
-    lc.lease_duration_ms = ko.lease_ms;
-    lc.renew_deadline_ms = ko.renew_ms;
-    lc.retry_period_ms = ko.retry_ms;
-    rc = lease_start(&lc, &op.lease);
+    colon = strrchr(ko->metrics_listen, ':');
+    snprintf(addr, sizeof(addr), "%.*s:%d", colon ? (int)(colon - ko->metrics_listen) : 0,
+             ko->metrics_listen, probe_port(*out));
+    log_info("operator", "Serving /metrics, /healthz and /readyz.", LF_S("address", addr));
+    return 0;
+}
+
+/* Starts campaigning for the Lease, into op->lease. Returns 0 or -errno
+ * after logging why; resign() ends it. */
+static int campaign(const struct kopts *ko, struct op *op)
+{
+    struct lease_config lc = {
+        .kube = op->kube, .namespace = ko->lease_namespace, .name = ko->lease_name,
+        .identity = ko->identity, .lease_duration_ms = ko->lease_ms,
+        .renew_deadline_ms = ko->renew_ms, .retry_period_ms = ko->retry_ms,
+    };
+    struct lease *l = NULL;
+    int rc;
+
+    rc = lease_start(&lc, &l);
     if (rc < 0) {
         log_error("operator", "Leader election could not start.", LF_ERR(rc));
-        goto out;
+        return rc;
     }
-    log_info("operator", "Campaigning for leadership.", LF_S("lease", ko.lease_name),
-             LF_S("lease_namespace", ko.lease_namespace), LF_S("identity", ko.identity),
-             LF_S("namespace", ko.namespace ? ko.namespace : "(all)"));
+    pthread_mutex_lock(&op->lock);
+    op->lease = l;
+    pthread_mutex_unlock(&op->lock);
+    log_info("operator", "Campaigning for leadership.", LF_S("lease", ko->lease_name),
+             LF_S("lease_namespace", ko->lease_namespace), LF_S("identity", ko->identity),
+             LF_S("namespace", ko->namespace ? ko->namespace : "(all)"));
+    return 0;
+}
+
+/* The leader election loop: leads (broker and controller) while the Lease
+ * is ours, steps down when it is lost, and retries a failed start after a
+ * second, until SIGINT or SIGTERM. Returns that signal. */
+static int follow_lease(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg,
+                        const sigset_t *sigs)
+{
+    uint64_t next_try = 0;
+    int sig;
+
     for (;;) {
         struct timespec ts = { 0, 100 * 1000000L };
-        bool leading = lease_is_leader(op.lease), running;
+        bool leading = lease_is_leader(op->lease), running;
 
-        pthread_mutex_lock(&op.lock);
-        running = op.ctl != NULL;
-        pthread_mutex_unlock(&op.lock);
+        pthread_mutex_lock(&op->lock);
+        running = op->ctl != NULL;
+        pthread_mutex_unlock(&op->lock);
         if (leading && !running && clock_now_ms() >= next_try) {
-            if (lead(&op, &ko, bcfg) < 0)
+            if (lead(op, ko, bcfg) < 0)
                 next_try = clock_now_ms() + 1000;
         } else if (!leading && running) {
             log_warn("operator", "Lost the Lease; stopping the controller and the broker.");
-            step_down(&op);
+            step_down(op);
         }
         sig = sigtimedwait(sigs, NULL, &ts);
         if (sig > 0)
-            break;
+            return sig;
     }
+}
+
+/* Stops leading, then gives the Lease up: released after the broker
+ * stopped, so a successor binding the same broker port finds it free. */
+static void resign(struct op *op)
+{
+    step_down(op);
+    pthread_mutex_lock(&op->lock);
+    lease_destroy(op->lease);
+    op->lease = NULL;
+    pthread_mutex_unlock(&op->lock);
+}
+
+/* Kubernetes mode, until SIGINT or SIGTERM. Returns the exit status. */
+static int run_kube(const struct kopts *ko_in, const struct brokerd_config *bcfg,
+                    const sigset_t *sigs)
+{
+    struct kopts ko = *ko_in;
+    struct kube_config kc = { 0 };
+    struct op op = { 0 };
+    struct probe *probe = NULL;
+    char ident[300];
+    int sig, status = 1;
+
+    pthread_mutex_init(&op.lock, NULL);
+    if (kube_connect(&ko, &kc, &op, ident, sizeof(ident)) < 0)
+        goto out_kube;
+    if (serve_metrics(&ko, &op, &probe) < 0)
+        goto out_kube;
+    if (campaign(&ko, &op) < 0)
+        goto out_probe;
+    sig = follow_lease(&op, &ko, bcfg, sigs);
     log_info("operator", "Stopping.", LF_S("signal", strsignal(sig)));
     status = 0;
-out:
-    step_down(&op);
-    /* Released after the broker stopped, so a successor binding the same
-     * broker port finds it free. */
-    pthread_mutex_lock(&op.lock);
-    lease_destroy(op.lease);
-    op.lease = NULL;
-    pthread_mutex_unlock(&op.lock);
+    resign(&op);
+out_probe:
     probe_stop(probe);
+out_kube:
     kube_destroy(op.kube);
     kube_config_cleanup(&kc);
     pthread_mutex_destroy(&op.lock);
     return status;
 }
 
+/* --standalone: the broker alone, with the declared cohorts, until SIGINT
+ * or SIGTERM. Returns the exit status. */
+static int run_standalone(const struct brokerd_config *cfg, const struct cohort_spec *cohorts,
+                          size_t n, const sigset_t *sigs)
+{
+    char addr[IDENT_ADDRESS_MAX + 16];
+    const char *colon = strrchr(cfg->listen, ':');
+    struct brokerd *d = NULL;
+    int rc, sig, status = 1;
+
+    rc = brokerd_start(cfg, &d);
+    if (rc < 0) {
+        log_error("operator", "The broker could not start.", LF_S("listen", cfg->listen),
+                  LF_ERR(rc));
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        rc = brokerd_declare(d, cohorts[i].name, (uint32_t)cohorts[i].heartbeat_ms,
+                             (uint32_t)cohorts[i].timeout_ms);
+        if (rc < 0) {
+            log_error("operator", "A cohort could not be declared.", LF_S("cohort", cohorts[i].name),
+                      LF_ERR(rc));
+            goto out_broker;
+        }
+    }
+    snprintf(addr, sizeof(addr), "%.*s:%d", colon ? (int)(colon - cfg->listen) : 0, cfg->listen,
+             brokerd_port(d));
+    log_info("operator", "Broker is listening.", LF_S("address", addr), LF_U("cohorts", n),
+             LF_B("allow_any_cohort", cfg->broker.allow_any_cohort),
+             LF_U("heartbeat_ms", cfg->broker.heartbeat_ms),
+             LF_U("timeout_ms", cfg->broker.timeout_ms));
+    while (sigwait(sigs, &sig) != 0)
+        ;
+    log_info("operator", "Stopping.", LF_S("signal", strsignal(sig)));
+    status = 0;
+out_broker:
+    brokerd_stop(d);
+    return status;
+}
+
+/* What the flags ask for. */
+struct flags {
+    struct brokerd_config bcfg;
+    struct kopts ko;
+    struct cohort_spec cohorts[MAX_COHORT_FLAGS];
+    size_t n_cohorts;
+    bool standalone, hold_set;
+    const char *logf, *logl;
+};
+
 static int duration_flag(const char *flag, const char *arg, uint64_t max, uint32_t *out)
 {
     uint64_t v;
 
     if (opt_duration_ms(arg, max, &v) < 0 || v == 0)
-        return bad("bad --%s (a duration such as 500ms, 2s)", flag);
+        return opt_usage(PROG, "bad --%s (a duration such as 500ms, 2s)", flag);
     *out = (uint32_t)v;
     return 0;
 }
 
-int main(int argc, char **argv)
+/* One flag of the broker's, or of both modes (O_STANDALONE to O_LOGL).
+ * Returns 0 or OPT_EXIT_USAGE after reporting why. */
+static int broker_flag(struct flags *f, int opt, const char *arg)
+{
+    struct broker_config *b = &f->bcfg.broker;
+    uint64_t v;
+
+    switch (opt) {
+    case O_STANDALONE: f->standalone = true; break;
+    case O_LISTEN: f->bcfg.listen = arg; break;
+    case O_COHORT:
+        if (f->n_cohorts == MAX_COHORT_FLAGS)
+            return opt_usage(PROG, "at most %d --cohort flags", MAX_COHORT_FLAGS);
+        if (parse_cohort(arg, &f->cohorts[f->n_cohorts]) < 0)
+            return opt_usage(PROG, "bad --cohort \"%s\": want NAME or "
+                             "NAME:heartbeat=DUR,timeout=DUR", arg);
+        f->n_cohorts++;
+        break;
+    case O_ANY: b->allow_any_cohort = true; break;
+    case O_HB:
+        if (opt_duration_ms(arg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v == 0)
+            return opt_usage(PROG, "bad --heartbeat-interval \"%s\"", arg);
+        b->heartbeat_ms = (uint32_t)v;
+        break;
+    case O_TO:
+        if (opt_duration_ms(arg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v == 0)
+            return opt_usage(PROG, "bad --member-timeout \"%s\"", arg);
+        b->timeout_ms = (uint32_t)v;
+        break;
+    case O_COALESCE:
+        if (opt_duration_ms(arg, 60000, &v) < 0)
+            return opt_usage(PROG, "bad --coalesce \"%s\" (at most 1m)", arg);
+        b->coalesce_ms = (uint32_t)v;
+        break;
+    case O_HOLD:
+        if (opt_duration_ms(arg, 600000, &v) < 0)
+            return opt_usage(PROG, "bad --startup-hold \"%s\" (at most 10m)", arg);
+        b->startup_hold_ms = (uint32_t)v;
+        f->hold_set = true;
+        break;
+    case O_MAXM:
+        if (opt_uint(arg, 1, 1u << 20, &v) < 0)
+            return opt_usage(PROG, "bad --max-members \"%s\" (1 to 1048576)", arg);
+        b->max_members = (uint32_t)v;
+        break;
+    case O_MAXC:
+        if (opt_uint(arg, 1, 1u << 20, &v) < 0)
+            return opt_usage(PROG, "bad --max-cohorts \"%s\" (1 to 1048576)", arg);
+        b->max_cohorts = (uint32_t)v;
+        break;
+    case O_LOGF: f->logf = arg; break;
+    case O_LOGL: f->logl = arg; break;
+    }
+    return 0;
+}
+
+/* One flag of Kubernetes mode (O_KUBECONFIG on). Returns 0 or
+ * OPT_EXIT_USAGE after reporting why. */
+static int kube_flag(struct kopts *ko, int opt, const char *arg)
+{
+    uint64_t v;
+    uint32_t w = 0;
+
+    switch (opt) {
+    case O_KUBECONFIG: ko->kubeconfig = arg; break;
+    case O_CONTEXT: ko->context = arg; break;
+    case O_INCLUSTER: ko->in_cluster = true; break;
+    case O_NS:
+        if (!*arg || strlen(arg) > LIMIT_KUBE_LABEL_MAX || strchr(arg, '/'))
+            return opt_usage(PROG, "bad --namespace \"%s\"", arg);
+        ko->namespace = arg;
+        break;
+    case O_BADDR:
+        if (!ident_valid_address(arg))
+            return opt_usage(PROG, "bad --broker-address \"%s\": want host:port", arg);
+        ko->broker_address = arg;
+        break;
+    case O_SIMG: ko->sidecar_image = arg; break;
+    case O_SCMD: ko->sidecar_command = arg; break;
+    case O_LNAME: ko->lease_name = arg; break;
+    case O_LNS: ko->lease_namespace = arg; break;
+    case O_IDENT: ko->identity = arg; break;
+    case O_LDUR: return duration_flag("lease-duration", arg, 3600000, &ko->lease_ms);
+    case O_LRENEW: return duration_flag("renew-deadline", arg, 3600000, &ko->renew_ms);
+    case O_LRETRY: return duration_flag("retry-period", arg, 3600000, &ko->retry_ms);
+    case O_METRICS: ko->metrics_listen = arg; break;
+    case O_WORKERS:
+        if (opt_uint(arg, 1, 16, &v) < 0)
+            return opt_usage(PROG, "bad --workers \"%s\" (1 to 16)", arg);
+        ko->workers = (uint32_t)v;
+        break;
+    case O_STPERIOD: return duration_flag("status-period", arg, 3600000, &ko->status_period_ms);
+    case O_DRAIN: return duration_flag("drain-timeout", arg, 3600000, &ko->drain_ms);
+    case O_RESYNC: return duration_flag("resync", arg, 86400000, &ko->resync_ms);
+    case O_WTIMEOUT:
+        if (duration_flag("watch-timeout", arg, 3600000, &w))
+            return OPT_EXIT_USAGE;
+        ko->watch_s = w < 1000 ? 1 : w / 1000;
+        break;
+    case O_APITIMEOUT: return duration_flag("api-timeout", arg, 600000, &ko->api_timeout_ms);
+    }
+    return 0;
+}
+
+/* The rules between flags, and the log settings. Returns 0 or
+ * OPT_EXIT_USAGE after reporting why. */
+static int check_flags(struct flags *f)
+{
+    const struct kopts *ko = &f->ko;
+    struct broker_config *b = &f->bcfg.broker;
+
+    if (opt_logging(PROG, f->logf, f->logl) < 0)
+        return OPT_EXIT_USAGE;
+    if (f->standalone && (ko->kubeconfig || ko->in_cluster))
+        return opt_usage(PROG, "--standalone runs without Kubernetes: drop "
+                         "--kubeconfig/--in-cluster");
+    if (ko->kubeconfig && ko->in_cluster)
+        return opt_usage(PROG, "give --kubeconfig or --in-cluster, not both");
+    if (!f->standalone && f->n_cohorts)
+        return opt_usage(PROG, "--cohort is for --standalone; in Kubernetes the cohorts are "
+                         "TrainingCohort objects");
+    if (!(ko->retry_ms < ko->renew_ms && ko->renew_ms < ko->lease_ms))
+        return opt_usage(PROG, "want --retry-period < --renew-deadline < --lease-duration");
+    if (b->timeout_ms <= b->heartbeat_ms)
+        return opt_usage(PROG, "--member-timeout must be longer than --heartbeat-interval");
+    if (!f->hold_set)
+        b->startup_hold_ms = 2 * b->heartbeat_ms;
+    return 0;
+}
+
+/* Fills *f from the command line. Returns 0 to start, -1 after printing
+ * --help (exit 0), or OPT_EXIT_USAGE after reporting a usage error. */
+static int parse_flags(int argc, char **argv, struct flags *f)
 {
     static const struct option longopts[] = {
         { "standalone", no_argument, NULL, O_STANDALONE },
@@ -528,199 +761,65 @@ int main(int argc, char **argv)
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
-    static struct cohort_spec cohorts[MAX_COHORT_FLAGS];
-    struct brokerd_config cfg = { .listen = "0.0.0.0:7070" };
-    struct kopts ko = {
+    int opt, rc;
+
+    f->bcfg.listen = "0.0.0.0:7070";
+    broker_config_default(&f->bcfg.broker);
+    f->ko = (struct kopts){
         .sidecar_image = "ghcr.io/cohort-dev/cohort:latest", .sidecar_command = "cohort-sidecar",
         .lease_name = "cohort-operator", .metrics_listen = "0.0.0.0:8080",
         .lease_ms = 15000, .renew_ms = 10000, .retry_ms = 2000, .workers = 2,
         .status_period_ms = 5000, .resync_ms = 30000, .watch_s = 300, .api_timeout_ms = 30000,
     };
-    const char *logf = NULL, *logl = NULL;
-    bool standalone = false, hold_set = false;
-    size_t n_cohorts = 0;
-    struct brokerd *d = NULL;
-    sigset_t sigs;
-    uint64_t v;
-    uint32_t w;
-    int opt, rc, sig;
-
-    broker_config_default(&cfg.broker);
-    while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
-        switch (opt) {
-        case O_STANDALONE: standalone = true; break;
-        case O_LISTEN: cfg.listen = optarg; break;
-        case O_COHORT:
-            if (n_cohorts == MAX_COHORT_FLAGS)
-                return bad("at most %s --cohort flags", "256");
-            if (parse_cohort(optarg, &cohorts[n_cohorts]) < 0)
-                return bad("bad --cohort \"%s\": want NAME or NAME:heartbeat=DUR,timeout=DUR", optarg);
-            n_cohorts++;
-            break;
-        case O_ANY: cfg.broker.allow_any_cohort = true; break;
-        case O_HB:
-            if (opt_duration_ms(optarg, DURATION_MAX_MS, &v) < 0 || v == 0)
-                return bad("bad --heartbeat-interval \"%s\"", optarg);
-            cfg.broker.heartbeat_ms = (uint32_t)v;
-            break;
-        case O_TO:
-            if (opt_duration_ms(optarg, DURATION_MAX_MS, &v) < 0 || v == 0)
-                return bad("bad --member-timeout \"%s\"", optarg);
-            cfg.broker.timeout_ms = (uint32_t)v;
-            break;
-        case O_COALESCE:
-            if (opt_duration_ms(optarg, 60000, &v) < 0)
-                return bad("bad --coalesce \"%s\" (at most 1m)", optarg);
-            cfg.broker.coalesce_ms = (uint32_t)v;
-            break;
-        case O_HOLD:
-            if (opt_duration_ms(optarg, 600000, &v) < 0)
-                return bad("bad --startup-hold \"%s\" (at most 10m)", optarg);
-            cfg.broker.startup_hold_ms = (uint32_t)v;
-            hold_set = true;
-            break;
-        case O_MAXM:
-            if (opt_uint(optarg, 1, 1u << 20, &v) < 0)
-                return bad("bad --max-members \"%s\" (1 to 1048576)", optarg);
-            cfg.broker.max_members = (uint32_t)v;
-            break;
-        case O_MAXC:
-            if (opt_uint(optarg, 1, 1u << 20, &v) < 0)
-                return bad("bad --max-cohorts \"%s\" (1 to 1048576)", optarg);
-            cfg.broker.max_cohorts = (uint32_t)v;
-            break;
-        case O_LOGF: logf = optarg; break;
-        case O_LOGL: logl = optarg; break;
-        case O_KUBECONFIG: ko.kubeconfig = optarg; break;
-        case O_CONTEXT: ko.context = optarg; break;
-        case O_INCLUSTER: ko.in_cluster = true; break;
-        case O_NS:
-            if (!*optarg || strlen(optarg) > 63 || strchr(optarg, '/'))
-                return bad("bad --namespace \"%s\"", optarg);
-            ko.namespace = optarg;
-            break;
-        case O_BADDR:
-            if (!ident_valid_address(optarg))
-                return bad("bad --broker-address \"%s\": want host:port", optarg);
-            ko.broker_address = optarg;
-            break;
-        case O_SIMG: ko.sidecar_image = optarg; break;
-        case O_SCMD: ko.sidecar_command = optarg; break;
-        case O_LNAME: ko.lease_name = optarg; break;
-        case O_LNS: ko.lease_namespace = optarg; break;
-        case O_IDENT: ko.identity = optarg; break;
-        case O_LDUR:
-            if (duration_flag("lease-duration", optarg, 3600000, &ko.lease_ms))
-                return 2;
-            break;
-        case O_LRENEW:
-            if (duration_flag("renew-deadline", optarg, 3600000, &ko.renew_ms))
-                return 2;
-            break;
-        case O_LRETRY:
-            if (duration_flag("retry-period", optarg, 3600000, &ko.retry_ms))
-                return 2;
-            break;
-        case O_METRICS: ko.metrics_listen = optarg; break;
-        case O_WORKERS:
-            if (opt_uint(optarg, 1, 16, &v) < 0)
-                return bad("bad --workers \"%s\" (1 to 16)", optarg);
-            ko.workers = (uint32_t)v;
-            break;
-        case O_STPERIOD:
-            if (duration_flag("status-period", optarg, 3600000, &ko.status_period_ms))
-                return 2;
-            break;
-        case O_DRAIN:
-            if (duration_flag("drain-timeout", optarg, 3600000, &ko.drain_ms))
-                return 2;
-            break;
-        case O_RESYNC:
-            if (duration_flag("resync", optarg, 86400000, &ko.resync_ms))
-                return 2;
-            break;
-        case O_WTIMEOUT:
-            if (duration_flag("watch-timeout", optarg, 3600000, &w))
-                return 2;
-            ko.watch_s = w < 1000 ? 1 : w / 1000;
-            break;
-        case O_APITIMEOUT:
-            if (duration_flag("api-timeout", optarg, 600000, &ko.api_timeout_ms))
-                return 2;
-            break;
-        case 'h':
+    while ((opt = opt_next(PROG, argc, argv, "h", longopts)) != -1) {
+        if (opt == 'h') {
             fputs(usage, stdout);
-            return 0;
-        default:
-            fprintf(stderr, "Try '" PROG " --help'.\n");
-            return 2;
+            return -1;
         }
+        if (opt == '?')
+            return OPT_EXIT_USAGE;
+        /* The enum lists the broker's flags first. */
+        rc = opt < O_KUBECONFIG ? broker_flag(f, opt, optarg) : kube_flag(&f->ko, opt, optarg);
+        if (rc != 0)
+            return rc;
     }
-    if (optind < argc)
-        return bad("unexpected argument \"%s\"", argv[optind]);
-    if (opt_logging(PROG, logf, logl) < 0)
-        return 2;
-    if (standalone && (ko.kubeconfig || ko.in_cluster))
-        return bad("%s", "--standalone runs without Kubernetes: drop --kubeconfig/--in-cluster");
-    if (ko.kubeconfig && ko.in_cluster)
-        return bad("%s", "give --kubeconfig or --in-cluster, not both");
-    if (!standalone && n_cohorts)
-        return bad("%s", "--cohort is for --standalone; in Kubernetes the cohorts are "
-                   "TrainingCohort objects");
-    if (!(ko.retry_ms < ko.renew_ms && ko.renew_ms < ko.lease_ms))
-        return bad("%s", "want --retry-period < --renew-deadline < --lease-duration");
-    if (cfg.broker.timeout_ms <= cfg.broker.heartbeat_ms)
-        return bad("%s", "--member-timeout must be longer than --heartbeat-interval");
-    if (!hold_set)
-        cfg.broker.startup_hold_ms = 2 * cfg.broker.heartbeat_ms;
+    if (opt_no_operands(PROG, argc, argv, optind))
+        return OPT_EXIT_USAGE;
+    return check_flags(f);
+}
 
-    /* Signals go to this thread only; gRPC's threads never see them. */
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+/* Signals go to the main thread only, which waits for them: blocked
+ * before gRPC starts its threads, so none of those ever receives one.
+ * Returns 0, or -1 after logging that gRPC could not start. */
+static int start_process(sigset_t *sigs)
+{
+    sigemptyset(sigs);
+    sigaddset(sigs, SIGINT);
+    sigaddset(sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
-
     if (rpc_init() < 0) {
         log_error("operator", "gRPC could not start.");
-        return 1;
+        return -1;
     }
-    if (!standalone) {
-        rc = run_kube(&ko, &cfg, &sigs);
-        rpc_shutdown();
-        return rc;
-    }
-    rc = brokerd_start(&cfg, &d);
-    if (rc < 0) {
-        log_error("operator", "The broker could not start.", LF_S("listen", cfg.listen), LF_ERR(rc));
-        rpc_shutdown();
-        return 1;
-    }
-    for (size_t i = 0; i < n_cohorts; i++) {
-        rc = brokerd_declare(d, cohorts[i].name, (uint32_t)cohorts[i].heartbeat_ms,
-                             (uint32_t)cohorts[i].timeout_ms);
-        if (rc < 0) {
-            log_error("operator", "A cohort could not be declared.", LF_S("cohort", cohorts[i].name),
-                      LF_ERR(rc));
-            brokerd_stop(d);
-            rpc_shutdown();
-            return 1;
-        }
-    }
-    {
-        char addr[IDENT_ADDRESS_MAX + 16];
-        const char *colon = strrchr(cfg.listen, ':');
-        int hostlen = colon ? (int)(colon - cfg.listen) : 0;
-        snprintf(addr, sizeof(addr), "%.*s:%d", hostlen, cfg.listen, brokerd_port(d));
-        log_info("operator", "Broker is listening.", LF_S("address", addr),
-                 LF_U("cohorts", n_cohorts), LF_B("allow_any_cohort", cfg.broker.allow_any_cohort),
-                 LF_U("heartbeat_ms", cfg.broker.heartbeat_ms),
-                 LF_U("timeout_ms", cfg.broker.timeout_ms));
-    }
-    while (sigwait(&sigs, &sig) != 0)
-        ;
-    log_info("operator", "Stopping.", LF_S("signal", strsignal(sig)));
-    brokerd_stop(d);
-    rpc_shutdown();
     return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static struct flags f;      /* its cohort specs are too many for the stack */
+    sigset_t sigs;
+    int rc;
+
+    rc = parse_flags(argc, argv, &f);
+    if (rc != 0)
+        return rc < 0 ? 0 : rc;
+    if (start_process(&sigs) < 0)
+        return 1;
+    if (f.standalone)
+        rc = run_standalone(&f.bcfg, f.cohorts, f.n_cohorts, &sigs);
+    else
+        rc = run_kube(&f.ko, &f.bcfg, &sigs);
+    rpc_shutdown();
+    return rc;
 }

@@ -14,6 +14,7 @@
 
 #include "base/clock.h"
 #include "base/ident.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "membership/member.h"
 #include "base/opt.h"
@@ -21,8 +22,6 @@
 #include "accumulator/trainerd.h"
 
 #define PROG "cohort-sidecar"
-#define DURATION_MAX_MS (24ull * 3600 * 1000)
-#define LEAVE_TIMEOUT_MS 2000
 
 static const char usage[] =
     "Usage: " PROG " --broker ADDR --cohort NAME --id ID [options]\n"
@@ -52,14 +51,6 @@ static const char usage[] =
     "  -h, --help                show this text\n"
     "\n"
     "DUR is a number with a unit: 250ms, 1s, 1.5s, 2m.\n";
-
-static int bad(const char *fmt, const char *what)
-{
-    fprintf(stderr, PROG ": ");
-    fprintf(stderr, fmt, what);
-    fprintf(stderr, "\nTry '" PROG " --help'.\n");
-    return 2;
-}
 
 /* Binds the data-plane socket now, so the advertised port is really ours
  * for as long as this member lives. Returns the fd or -errno. */
@@ -176,7 +167,7 @@ int main(int argc, char **argv)
     mc.broker = getenv("COHORT_BROKER");
     mc.cohort = getenv("COHORT_COHORT");
     mc.id = getenv("COHORT_ID") ? getenv("COHORT_ID") : getenv("POD_NAME");
-    while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+    while ((opt = opt_next(PROG, argc, argv, "h", longopts)) != -1) {
         switch (opt) {
         case O_BROKER: mc.broker = optarg; break;
         case O_COHORT: mc.cohort = optarg; break;
@@ -186,16 +177,16 @@ int main(int argc, char **argv)
         case O_ADV: advertise = optarg; break;
         case O_MV:
             if (opt_uint(optarg, 0, UINT64_MAX, &mc.model_version) < 0)
-                return bad("bad --model-version \"%s\"", optarg);
+                return opt_usage(PROG, "bad --model-version \"%s\"", optarg);
             break;
         case O_HB:
-            if (opt_duration_ms(optarg, DURATION_MAX_MS, &v) < 0 || v == 0)
-                return bad("bad --heartbeat-interval \"%s\"", optarg);
+            if (opt_duration_ms(optarg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v == 0)
+                return opt_usage(PROG, "bad --heartbeat-interval \"%s\"", optarg);
             mc.heartbeat_ms = (uint32_t)v;
             break;
         case O_TO:
-            if (opt_duration_ms(optarg, DURATION_MAX_MS, &v) < 0 || v == 0)
-                return bad("bad --member-timeout \"%s\"", optarg);
+            if (opt_duration_ms(optarg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v == 0)
+                return opt_usage(PROG, "bad --member-timeout \"%s\"", optarg);
             mc.timeout_ms = (uint32_t)v;
             break;
         case O_LOGF: logf = optarg; break;
@@ -204,25 +195,26 @@ int main(int argc, char **argv)
             fputs(usage, stdout);
             return 0;
         default:
-            fprintf(stderr, "Try '" PROG " --help'.\n");
-            return 2;
+            return OPT_EXIT_USAGE;
         }
     }
-    if (optind < argc)
-        return bad("unexpected argument \"%s\"", argv[optind]);
+    if (opt_no_operands(PROG, argc, argv, optind))
+        return OPT_EXIT_USAGE;
     if (opt_logging(PROG, logf, logl) < 0)
-        return 2;
+        return OPT_EXIT_USAGE;
     if (!mc.broker || !*mc.broker)
-        return bad("%s", "--broker is required");
+        return opt_usage(PROG, "--broker is required");
     if (!ident_valid_address(mc.broker) && strncmp(mc.broker, "unix:", 5) != 0 &&
         strncmp(mc.broker, "dns:", 4) != 0 && strncmp(mc.broker, "ipv4:", 5) != 0)
-        return bad("bad --broker \"%s\": want host:port", mc.broker);
+        return opt_usage(PROG, "bad --broker \"%s\": want host:port", mc.broker);
     if (!mc.cohort || !ident_valid_cohort(mc.cohort))
-        return bad("%s", mc.cohort ? "bad --cohort: letters, digits, '.', '_', '-'" : "--cohort is required");
+        return mc.cohort ? opt_usage(PROG, "bad --cohort: letters, digits, '.', '_', '-'")
+                         : opt_usage(PROG, "--cohort is required");
     if (!mc.id || !ident_valid_member_id(mc.id))
-        return bad("%s", mc.id ? "bad --id: letters, digits, '.', '_', '-'" : "--id is required");
+        return mc.id ? opt_usage(PROG, "bad --id: letters, digits, '.', '_', '-'")
+                     : opt_usage(PROG, "--id is required");
     if (mc.heartbeat_ms && mc.timeout_ms && mc.timeout_ms <= mc.heartbeat_ms)
-        return bad("%s", "--member-timeout must be longer than --heartbeat-interval");
+        return opt_usage(PROG, "--member-timeout must be longer than --heartbeat-interval");
 
     if (socket_path && strncmp(socket_path, "unix:", 5) == 0)
         socket_path += 5;
@@ -233,7 +225,8 @@ int main(int argc, char **argv)
         if (advertise)
             snprintf(host, sizeof(host), "%s", advertise);
         if (!host[0] || strcmp(host, "0.0.0.0") == 0)
-            return bad("%s", "--advertise is required when --data-listen is on all interfaces");
+            return opt_usage(PROG, "--advertise is required when --data-listen is on all "
+                             "interfaces");
         if (start_process(&sigs) < 0)
             return 1;
         rc = serve_trainer(&mc, socket_path, host, &sigs);
@@ -242,17 +235,17 @@ int main(int argc, char **argv)
     }
     fd = bind_data(listen_addr, host, sizeof(host), &port);
     if (fd < 0)
-        return bad("cannot listen on --data-listen \"%s\"", listen_addr);
+        return opt_usage(PROG, "cannot listen on --data-listen \"%s\"", listen_addr);
     if (advertise) {
         snprintf(host, sizeof(host), "%s", advertise);
     } else if (strcmp(host, "0.0.0.0") == 0 || host[0] == '\0') {
         close(fd);
-        return bad("%s", "--advertise is required when --data-listen is on all interfaces");
+        return opt_usage(PROG, "--advertise is required when --data-listen is on all interfaces");
     }
     snprintf(address, sizeof(address), "%s:%d", host, port);
     if (!ident_valid_address(address)) {
         close(fd);
-        return bad("bad advertised address \"%s\"", address);
+        return opt_usage(PROG, "bad advertised address \"%s\"", address);
     }
     mc.address = address;
 
@@ -277,7 +270,7 @@ int main(int argc, char **argv)
             break;
     }
     log_info("sidecar", "Stopping; leaving the cohort.", LF_S("signal", strsignal(sig)));
-    member_leave(m, LEAVE_TIMEOUT_MS);
+    member_leave(m, LIMIT_LEAVE_TIMEOUT_MS);
     member_destroy(m);
     rpc_shutdown();
     close(fd);

@@ -19,6 +19,7 @@
 #include "base/clock.h"
 #include "engine/dtype.h"
 #include "base/ident.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "accumulator/link_node.h"
 #include "accumulator/link_sidecar.h"
@@ -28,7 +29,6 @@
  * 64 TiB each, so that three parameter-sized regions, the buffers and the
  * alignment never overflow an off_t. */
 #define REGION_MAX (1ull << 46)
-#define STATE_CAP (1ull << 30)
 
 struct cohort {
     char name[TLINK_NAME_MAX];
@@ -349,7 +349,7 @@ int cohort_zero_gradients(struct cohort *c)
 
 int cohort_set_state(struct cohort *c, const void *state, size_t len)
 {
-    if (len > STATE_CAP)
+    if (len > LIMIT_STATE_BYTES)
         return -E2BIG;
     if (!c->link)
         return -ENOTCONN;

@@ -18,8 +18,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/limits.h"
+
 #define REPLY_TIMEOUT_MS 30000
-#define STATE_CAP (1ull << 30)
 
 struct sidecar {
     struct link link;               /* first: the ops */
@@ -185,7 +186,7 @@ static int take_state(struct link *l, void **state, size_t *len)
     if (rc == 0 && fd < 0)
         rc = -EPROTO;
     if (rc == 0) {
-        rc = tlink_memfd_read(fd, STATE_CAP, state, len);
+        rc = tlink_memfd_read(fd, LIMIT_STATE_BYTES, state, len);
         if (rc == 0 && *len != u.value)
             rc = -EPROTO;
     }

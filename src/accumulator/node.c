@@ -64,11 +64,11 @@
 #include "base/clock.h"
 #include "membership/epoch.h"
 #include "base/ident.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "membership/member.h"
 #include "accumulator/tally.h"
 
-#define STATE_MAX (1ull << 30)          /* opaque trainer state, bytes */
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
 #define SYNC_RETRY_MS 50
 #define DEFAULT_REDUCE_TIMEOUT_MS 60000u
@@ -366,7 +366,7 @@ static int sync_epoch(struct node *n)
     state_len = (uint64_t)n->small[0];
     vmax = (uint64_t)n->small[1];
     was_behind = n->version != vmax;
-    if (state_len > STATE_MAX)
+    if (state_len > LIMIT_STATE_BYTES)
         return -EPROTO;
     state = calloc(1, (state_len + 7) / 8 * 8 + 8);
     if (!state)
@@ -848,7 +848,7 @@ void node_stop(struct node *n)
     /* Leaving publishes a new epoch to the others. Our own step in flight
      * is aborted with an empty epoch newer than any we adopted: nobody is
      * left to reduce with. */
-    member_leave(n->member, 2000);
+    member_leave(n->member, LIMIT_LEAVE_TIMEOUT_MS);
     pthread_mutex_lock(&n->lock);
     {
         uint64_t past = n->latest ? n->latest->number : 0;
@@ -1098,7 +1098,7 @@ int node_set_state(struct node *n, const void *state, size_t len)
     void *copy;
     int rc = 0;
 
-    if (len > STATE_MAX)
+    if (len > LIMIT_STATE_BYTES)
         return -E2BIG;
     copy = malloc(len ? len : 1);
     if (!copy)

@@ -39,6 +39,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/ident.h"
 #include "engine/dtype.h"
 
 struct node;
@@ -104,7 +105,7 @@ struct node_view {
     uint64_t model_version;
     uint64_t epoch;
     uint32_t rank, size;        /* position in the epoch's member order, members */
-    char leader[254];
+    char leader[IDENT_NAME_MAX + 1];
     /* Last committed round, and totals. */
     uint64_t batch_size, num_gradients, num_skipped;
     uint64_t rounds_committed, rounds_retried, epochs_seen, states_received;

@@ -17,10 +17,10 @@
 
 #include "base/clock.h"
 #include "engine/dtype.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "accumulator/tlink.h"
 
-#define STATE_CAP (1ull << 30)
 #define POLL_MS 200
 
 struct trainerd {
@@ -223,7 +223,7 @@ static int serve_one(struct trainerd *t, struct session *s)
     case TL_SET_STATE: {
         void *data = NULL;
         size_t len = 0;
-        rc = tlink_memfd_read(fds[0], STATE_CAP, &data, &len);
+        rc = tlink_memfd_read(fds[0], LIMIT_STATE_BYTES, &data, &len);
         close(fds[0]);
         if (rc == 0 && len != b.u.value)
             rc = -EPROTO;

@@ -3,6 +3,8 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <getopt.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -141,18 +143,62 @@ int opt_logging(const char *prog, const char *format, const char *level)
 
     if (format) {
         if (log_parse_format(format, &f) < 0) {
-            fprintf(stderr, "%s: --log-format must be text or json, not \"%s\"\n", prog, format);
+            opt_usage(prog, "--log-format must be text or json, not \"%s\"", format);
             return -EINVAL;
         }
         log_set_format(f);
     }
     if (level) {
         if (log_parse_level(level, &l) < 0) {
-            fprintf(stderr, "%s: --log-level must be debug, info, warn or error, not \"%s\"\n",
-                    prog, level);
+            opt_usage(prog, "--log-level must be debug, info, warn or error, not \"%s\"", level);
             return -EINVAL;
         }
         log_set_level(l);
     }
     return 0;
+}
+
+static void try_help(const char *prog)
+{
+    fprintf(stderr, "Try '%s --help'.\n", prog);
+}
+
+int opt_usage(const char *prog, const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+
+    /* Formatted first: the message reaches stderr in one write, which a
+     * log line from another thread cannot split. */
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "%s: %s\n", prog, line);
+    try_help(prog);
+    return OPT_EXIT_USAGE;
+}
+
+int opt_next(const char *prog, int argc, char **argv, const char *shortopts,
+             const struct option *longopts)
+{
+    char *argv0 = argv[0];
+    int opt;
+
+    /* getopt_long names the program by argv[0] in what it prints; the
+     * string itself is only read. */
+    argv[0] = (char *)prog;
+    opt = getopt_long(argc, argv, shortopts, longopts, NULL);
+    argv[0] = argv0;
+    if (opt == '?' || opt == ':') {
+        try_help(prog);
+        return '?';
+    }
+    return opt;
+}
+
+int opt_no_operands(const char *prog, int argc, char *const argv[], int first)
+{
+    if (first >= argc)
+        return 0;
+    return opt_usage(prog, "unexpected argument \"%s\"", argv[first]);
 }

@@ -1,6 +1,8 @@
-/* src/base/opt.h: parsing of command-line values, shared by the three binaries
- * so that a duration or a count means the same everywhere. Every parser
- * refuses trailing junk, signs and overflow. */
+/* src/base/opt.h: the command line, shared by the binaries so that a
+ * duration or a count means the same everywhere and a usage error reads
+ * the same everywhere. Every value parser refuses trailing junk, signs and
+ * overflow. Usage errors go to stderr as "PROG: what is wrong" and
+ * "Try 'PROG --help'.", and the process exits with OPT_EXIT_USAGE. */
 #ifndef COHORT_OPT_H
 #define COHORT_OPT_H
 
@@ -25,7 +27,36 @@ int opt_bytes(const char *s, uint64_t max, uint64_t *out);
 int opt_bytes_list(const char *s, uint64_t max, uint64_t *out, size_t cap, size_t *n);
 
 /* Applies --log-format and --log-level values (either may be NULL).
- * Returns 0, or -EINVAL after printing which value is wrong to stderr. */
+ * Returns 0, or -EINVAL after reporting which value is wrong as a usage
+ * error (opt_usage). */
 int opt_logging(const char *prog, const char *format, const char *level);
+
+/* ---- usage errors ------------------------------------------------------ */
+
+/* The exit status of a usage error, for every binary and subcommand. */
+#define OPT_EXIT_USAGE 2
+
+struct option;
+
+/* Reports a usage error: "PROG: MESSAGE" and "Try 'PROG --help'." on
+ * stderr, where `prog` is the command as typed ("cohortctl run").
+ * Returns OPT_EXIT_USAGE, so that a parser can `return opt_usage(...)`. */
+int opt_usage(const char *prog, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* getopt_long() on behalf of `prog`: its own complaints (an unknown
+ * option, a missing or unwanted value) start with `prog` rather than
+ * argv[0], which is a path for a binary and a bare name for a subcommand,
+ * and are followed by the Try line. Returns what getopt_long returns; '?'
+ * means the error has been reported and the caller should return
+ * OPT_EXIT_USAGE. `shortopts` may start with '+' but not ':', which would
+ * silence getopt's half of the report. argv[0] is restored before it
+ * returns. */
+int opt_next(const char *prog, int argc, char **argv, const char *shortopts,
+             const struct option *longopts);
+
+/* For commands that take no operands: returns 0 when argv[first..argc) is
+ * empty, else reports the first one as unexpected and returns
+ * OPT_EXIT_USAGE. Call it with getopt's optind. */
+int opt_no_operands(const char *prog, int argc, char *const argv[], int first);
 
 #endif

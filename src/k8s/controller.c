@@ -23,11 +23,11 @@
 #include "membership/brokerd.h"
 #include "base/clock.h"
 #include "k8s/kube.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "k8s/reflector.h"
 #include "k8s/workq.h"
 
-#define KEY_MAX 320                 /* "namespace/name" */
 #define PATH_MAX_ 768
 #define WORKERS_MAX 16
 #define POLL_AGAIN_MS 250           /* while pods start or drains run */
@@ -40,7 +40,7 @@ struct drain {
 
 /* What one cohort's reconciles remember. */
 struct cstate {
-    char key[KEY_MAX];
+    char key[LIMIT_KUBE_KEY_MAX];
     bool restarts_known;
     uint32_t restarts;
     char *handled[HANDLED_MAX];     /* uids of failed pods already replaced */
@@ -119,7 +119,7 @@ static struct cstate *state_of(struct controller *c, const char *key, bool creat
             s = c->states[i];
             goto out;
         }
-    if (!create || strlen(key) >= KEY_MAX)
+    if (!create || strlen(key) >= LIMIT_KUBE_KEY_MAX)
         goto out;
     if (c->n_states == c->cap_states) {
         size_t cap = c->cap_states ? c->cap_states * 2 : 64;
@@ -235,7 +235,7 @@ static void event(struct controller *c, const cJSON *tc, bool warning, const cha
 {
     const cJSON *meta = get(tc, "metadata");
     const char *ns = str(meta, "namespace"), *name = str(meta, "name");
-    char msg[1024], ename[KEY_MAX + 24], path[PATH_MAX_], stamp[32];
+    char msg[1024], ename[LIMIT_KUBE_KEY_MAX + 24], path[PATH_MAX_], stamp[32];
     cJSON *ev, *m, *io, *src;
     uint64_t r = 0;
     va_list ap;
@@ -483,7 +483,8 @@ static int write_status(struct controller *c, struct cstate *s, const cJSON *tc,
 /* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff. */
 static int reconcile(struct controller *c, const char *key)
 {
-    char ns[64], sel[128], prefix[KEY_MAX + 2], path[PATH_MAX_], stamp[32];
+    char ns[LIMIT_KUBE_LABEL_MAX + 1], sel[128], prefix[LIMIT_KUBE_KEY_MAX + 2];
+    char path[PATH_MAX_], stamp[32];
     const char *name;
     cJSON *tc = NULL, *pods = NULL, *want = NULL, *it;
     struct reconcile_spec spec;
@@ -531,7 +532,7 @@ static int reconcile(struct controller *c, const char *key)
         obs.generation = (int64_t)cJSON_GetNumberValue(get(get(tc, "metadata"), "generation"));
         obs.restarts = s->restarts;
         obs.invalid = &why;
-        if (strlen(name) <= 63)
+        if (strlen(name) <= LIMIT_KUBE_LABEL_MAX)
             obs.selector = sel;
         want = reconcile_status(&spec, &obs, get(tc, "status"), stamp);
         if (!s->invalid_reported) {
@@ -699,7 +700,7 @@ out:
 static void *worker_main(void *arg)
 {
     struct controller *c = arg;
-    char key[KEY_MAX];
+    char key[LIMIT_KUBE_KEY_MAX];
 
     while (!atomic_load(&c->stop)) {
         int rc = workq_wait(c->q, key, sizeof(key), 500);
@@ -813,7 +814,7 @@ static void on_pod(void *arg, const char *key, const cJSON *obj)
     struct controller *c = arg;
     const char *ns = kube_meta(obj, "namespace");
     const char *owner = str(get(get(obj, "metadata"), "labels"), RECONCILE_LABEL_COHORT);
-    char ck[KEY_MAX];
+    char ck[LIMIT_KUBE_KEY_MAX];
     int w;
 
     if (!ns || !owner)

@@ -8,9 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/limits.h"
 #include "base/opt.h"
 
-#define LABEL_VALUE_MAX 63
 #define DURATION_MAX_MS (3600ull * 1000)
 
 static const cJSON *get(const cJSON *o, const char *k)
@@ -91,9 +91,9 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (!name || !*name)
         return refuse(why, "InvalidSpec", "the cohort has no name");
     /* The name is a label value on every pod (63 bytes at most). */
-    if (strlen(name) > LABEL_VALUE_MAX)
+    if (strlen(name) > LIMIT_KUBE_LABEL_MAX)
         return refuse(why, "NameTooLong", "the cohort name is %zu characters; at most %d fit in "
-                      "the cohort.dev/cohort label of its pods", strlen(name), LABEL_VALUE_MAX);
+                      "the cohort.dev/cohort label of its pods", strlen(name), LIMIT_KUBE_LABEL_MAX);
     if (!cJSON_IsObject(spec))
         return refuse(why, "InvalidSpec", "spec is missing");
     if (int_field(spec, "replicas", 1, 1, RECONCILE_REPLICAS_MAX, &v) < 0)
@@ -239,7 +239,7 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ord
     const cJSON *meta = get(tc, "metadata"), *tmpl = get(get(tc, "spec"), "template");
     const cJSON *tmeta = get(tmpl, "metadata"), *it;
     const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
-    char pod_name[320], ord[16], key[320];
+    char pod_name[320], ord[16], key[LIMIT_KUBE_KEY_MAX];
     cJSON *pod, *pm, *labels, *owners, *owner, *spec, *inits, *vols, *vol, *conts, *cont;
 
     *out = NULL;

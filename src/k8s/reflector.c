@@ -14,9 +14,9 @@
 
 #include "base/clock.h"
 #include "k8s/kube.h"
+#include "base/limits.h"
 #include "base/log.h"
 
-#define KEY_MAX 512
 #define BACKOFF_MIN_MS 500u
 #define BACKOFF_MAX_MS 30000u
 
@@ -85,7 +85,7 @@ static void forget(struct reflector *r, const char *key, const cJSON *last)
 static int relist(struct reflector *r, char **rv)
 {
     cJSON *items = NULL, *it, *stale = NULL;
-    char key[KEY_MAX];
+    char key[LIMIT_KUBE_KEY_MAX];
     int rc;
 
     rc = kube_list(r->cfg.kube, r->path, r->selector, &items, rv);
@@ -126,7 +126,7 @@ static int relist(struct reflector *r, char **rv)
 static int on_event(void *arg, const char *type, const cJSON *obj)
 {
     struct reflector *r = arg;
-    char key[KEY_MAX];
+    char key[LIMIT_KUBE_KEY_MAX];
 
     if (strcmp(type, "BOOKMARK") == 0)
         return 0;               /* kube_watch already moved the version on */

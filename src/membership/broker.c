@@ -15,6 +15,7 @@
 #include "membership/broker.h"
 
 #include "base/ident.h"
+#include "membership/wire.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -68,8 +69,8 @@ struct broker {
 void broker_config_default(struct broker_config *cfg)
 {
     *cfg = (struct broker_config){
-        .heartbeat_ms = 1000,
-        .timeout_ms = 5000,
+        .heartbeat_ms = WIRE_DEFAULT_HEARTBEAT_MS,
+        .timeout_ms = WIRE_DEFAULT_TIMEOUT_MS,
         .coalesce_ms = 50,
         .startup_hold_ms = 2000,
         .max_members = 4096,

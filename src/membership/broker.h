@@ -37,8 +37,8 @@
 struct broker;                          /* opaque */
 
 struct broker_config {
-    uint32_t heartbeat_ms;      /* default heartbeat interval (1000) */
-    uint32_t timeout_ms;        /* default member timeout (5000) */
+    uint32_t heartbeat_ms;      /* default heartbeat interval (WIRE_DEFAULT_HEARTBEAT_MS) */
+    uint32_t timeout_ms;        /* default member timeout (WIRE_DEFAULT_TIMEOUT_MS) */
     uint32_t coalesce_ms;       /* epoch coalescing window (50) */
     uint32_t startup_hold_ms;   /* no epoch before start + this (2 * heartbeat) */
     uint32_t max_members;       /* per cohort (4096) */

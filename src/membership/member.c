@@ -12,6 +12,7 @@
 #include "base/clock.h"
 #include "cohort.pb-c.h"
 #include "base/ident.h"
+#include "base/limits.h"
 #include "base/log.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
@@ -117,8 +118,8 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
     } else if (st->code == RPC_OK) {
         const Cohort__V1__JoinReply *r = (const Cohort__V1__JoinReply *)reply;
         m->state = ST_JOINED;
-        m->hb_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
-        m->to_ms = r->timeout_ms ? r->timeout_ms : 5000;
+        m->hb_ms = r->heartbeat_ms ? r->heartbeat_ms : WIRE_DEFAULT_HEARTBEAT_MS;
+        m->to_ms = r->timeout_ms ? r->timeout_ms : WIRE_DEFAULT_TIMEOUT_MS;
         m->next_hb_at = now + m->hb_ms;
         m->last_ok_at = now;
         m->backoff_ms = BACKOFF_MIN_MS;
@@ -432,7 +433,7 @@ int member_create(const struct member_config *cfg, struct member **out)
     m->model_version = cfg->model_version;
     m->want_hb_ms = cfg->heartbeat_ms;
     m->want_to_ms = cfg->timeout_ms;
-    m->backoff_max_ms = cfg->backoff_max_ms ? cfg->backoff_max_ms : 1000;
+    m->backoff_max_ms = cfg->backoff_max_ms ? cfg->backoff_max_ms : LIMIT_BACKOFF_MAX_MS;
     if (m->backoff_max_ms < BACKOFF_MIN_MS)
         m->backoff_max_ms = BACKOFF_MIN_MS;
     m->backoff_ms = BACKOFF_MIN_MS;
@@ -508,7 +509,7 @@ uint32_t member_timeout_ms(struct member *m)
     uint32_t t;
 
     pthread_mutex_lock(&m->lock);
-    t = m->to_ms ? m->to_ms : 5000;
+    t = m->to_ms ? m->to_ms : WIRE_DEFAULT_TIMEOUT_MS;
     pthread_mutex_unlock(&m->lock);
     return t;
 }

@@ -39,7 +39,7 @@ struct member_config {
     uint64_t model_version;
     uint32_t heartbeat_ms;      /* 0: the cohort's */
     uint32_t timeout_ms;        /* 0: the cohort's */
-    uint32_t backoff_max_ms;    /* 0: 1000 */
+    uint32_t backoff_max_ms;    /* 0: LIMIT_BACKOFF_MAX_MS (base/limits.h) */
     bool quiet;                 /* log at debug instead of info (simulators) */
     member_epoch_fn on_epoch;   /* may be NULL */
     void *arg;                  /* borrowed */

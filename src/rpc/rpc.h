@@ -1,6 +1,8 @@
 /* src/rpc/rpc.h: unary and server-streaming gRPC calls, server and client, over
  * the gRPC C core with protobuf-c messages. The only module that includes a
- * grpc header: everything above it speaks protobuf-c and -errno.
+ * grpc header: everything above it speaks protobuf-c and -errno. It is
+ * implemented by core.c (the runtime, codes and buffers), server.c and
+ * client.c, which share the private core.h.
  *
  * Threads: rpc_init() starts a small pool of completion threads shared by
  * every server and channel in the process. Handlers and callbacks run on
@@ -97,7 +99,8 @@ struct rpc_method {
 };
 
 struct rpc_server_opts {
-    size_t max_request_bytes;   /* larger requests get RESOURCE_EXHAUSTED; 0: 64 KiB */
+    size_t max_request_bytes;   /* larger requests get RESOURCE_EXHAUSTED;
+                                 * 0: LIMIT_RPC_REQUEST_BYTES (base/limits.h) */
 };
 
 /* Binds `address` ("host:port", port 0 for a free one, or "unix:PATH") and
@@ -144,8 +147,8 @@ void rpc_stream_on_close(struct rpc_stream *s, rpc_close_fn fn, void *arg);
 struct rpc_channel;
 
 struct rpc_channel_opts {
-    size_t max_reply_bytes;     /* 0: 64 MiB */
-    uint32_t max_backoff_ms;    /* reconnect backoff cap; 0: 1000 */
+    size_t max_reply_bytes;     /* 0: LIMIT_RPC_REPLY_BYTES (base/limits.h) */
+    uint32_t max_backoff_ms;    /* reconnect backoff cap; 0: LIMIT_BACKOFF_MAX_MS */
 };
 
 /* A channel to `target` ("host:port", "ipv4:...", "unix:PATH"). Connects
