@@ -6,8 +6,9 @@
  * - The broker state machine under a fake host, driven by an injected
  *   clock, for the broker suite (test_broker_*.c).
  *
- * Helpers fail the running test with cr_assert on any error, so they are
- * called from the test's own thread only. */
+ * The helpers fail the running test with cr_assert on any error, so they
+ * belong on the test's own thread; fixture_wait_until() asserts nothing
+ * and may run on any. */
 #ifndef COHORT_TEST_FIXTURE_H
 #define COHORT_TEST_FIXTURE_H
 

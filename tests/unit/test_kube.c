@@ -39,10 +39,12 @@ static atomic_int served;
 static struct req last;
 static char server_url[64];
 
+/* MSG_NOSIGNAL: a client may hang up mid-response (a watch that refuses
+ * what it was sent does), and SIGPIPE would end the test process. */
 static void send_all(int fd, const char *p, size_t n)
 {
     while (n > 0) {
-        ssize_t w = write(fd, p, n);
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
         if (w <= 0)
             return;
         p += w;
