@@ -13,6 +13,7 @@
 #include "base/clock.h"
 #include "fixture.h"
 #include "accumulator/node.h"
+#include "membership/brokerd.h"
 
 #define P 1031                  /* parameters: a prime, not a multiple of anything */
 #define MAXN 6
@@ -20,9 +21,16 @@
 static struct brokerd *d;
 static char broker[64];
 
+/* The fixture's broker with a startup hold: the trainers a test starts
+ * together join within it and land in one first epoch, instead of the
+ * first one leading an epoch of its own (see trainer_main). */
 static void start(void)
 {
-    d = fixture_broker_start("train", broker, sizeof(broker));
+    struct brokerd_config cfg;
+
+    fixture_broker_config(&cfg);
+    cfg.broker.startup_hold_ms = 1000;
+    d = fixture_broker_start_with(&cfg, "train", broker, sizeof(broker));
 }
 
 static void stop(void)
@@ -40,6 +48,8 @@ struct trainer {
     _Alignas(64) float results[P];
     _Alignas(64) double buffers[2];
     uint64_t target;                    /* stop at this model version */
+    uint32_t together;                  /* members to wait for before training */
+    bool started;                       /* an epoch had them: contributing */
     atomic_bool quit;
     pthread_t t;
     /* What it saw. */
@@ -50,7 +60,13 @@ struct trainer {
 
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
  * element, with batch size 1: a committed result is then exactly the mean
- * of (index + 1) over the contributions it reduced. */
+ * of (index + 1) over the contributions it reduced.
+ *
+ * The first contribution waits for an epoch of tr->together members. A
+ * trainer that found itself alone in the first epoch (its peers joined
+ * after the broker's startup hold, on a loaded machine) would otherwise
+ * train alone, dozens of rounds in a few milliseconds, and the test would
+ * no longer be about the cohort it started. */
 static void *trainer_main(void *arg)
 {
     struct trainer *tr = arg;
@@ -98,7 +114,8 @@ static void *trainer_main(void *arg)
             memset(tr->grads, 0, sizeof(tr->grads));
             if (node_consume(tr->n, v.rounds_committed) < 0)
                 tr->sum_check_failures++;
-        } else if (v.wants_gradients) {
+        } else if (v.wants_gradients && (tr->started || v.size >= tr->together)) {
+            tr->started = true;
             for (int i = 0; i < P; i++)
                 tr->grads[i] += (float)(tr->index + 1);
             node_contribute(tr->n, 1);
@@ -109,7 +126,10 @@ static void *trainer_main(void *arg)
     return NULL;
 }
 
-static void trainer_start(struct trainer *tr, int index, uint64_t target)
+/* Trainer w-<index>, training to model version `target` once an epoch has
+ * `together` members. Its loop ends at the target (or on tr->quit); the
+ * caller joins it with trainer_join() and stops its node with node_stop(). */
+static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32_t together)
 {
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
                              .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5 };
@@ -119,6 +139,7 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target)
     memset(tr, 0, sizeof(*tr));
     tr->index = index;
     tr->target = target;
+    tr->together = together;
     /* Different initial parameters: state sync must make them equal. */
     for (int i = 0; i < P; i++)
         tr->params[i] = (float)(index * 1000 + i);
@@ -139,13 +160,13 @@ static void trainer_join(struct trainer *tr)
     pthread_join(tr->t, NULL);
 }
 
-/* Trainers w-0 .. w-(n-1) in trs[], training to model version `target`
- * with virtual batch size vbs. Each stops its own loop at the target;
- * trainers_stop() stops their nodes. */
+/* Trainers w-0 .. w-(n-1) in trs[], training together to model version
+ * `target` with virtual batch size vbs. Each stops its own loop at the
+ * target; trainers_stop() stops their nodes. */
 static void trainers_start(struct trainer *trs, int n, uint64_t target, uint64_t vbs)
 {
     for (int i = 0; i < n; i++)
-        trainer_start(&trs[i], i, target);
+        trainer_start(&trs[i], i, target, (uint32_t)n);
     for (int i = 0; i < n; i++)
         node_set_virtual_batch_size(trs[i].n, vbs);
 }
@@ -236,7 +257,7 @@ Test(node, member_leaves_and_joiner_catches_up)
     trainer_join(&trs[1]);
     node_stop(trs[1].n);
     /* A newcomer with other parameters joins and must catch up. */
-    trainer_start(&trs[3], 3, 40);
+    trainer_start(&trs[3], 3, 40, 3);
     node_set_virtual_batch_size(trs[3].n, 1);
     trainer_join(&trs[0]);
     trainer_join(&trs[2]);
