@@ -19,7 +19,6 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "engine/allreduce.h"
@@ -27,6 +26,7 @@
 #include "engine/dtype.h"
 #include "membership/epoch.h"
 #include "base/log.h"
+#include "fixture.h"
 
 #define MAXP 8
 #define COHORT "test"
@@ -60,26 +60,6 @@ struct cluster {
 static void quiet(void)
 {
     log_set_level(LOG_ERROR);
-}
-
-static void sleep_ms(unsigned ms)
-{
-    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
-    nanosleep(&ts, NULL);
-}
-
-/* Waits until cond(arg) holds, polling every millisecond; false after
- * deadline_ms. */
-static bool wait_for(bool (*cond)(void *), void *arg, uint64_t deadline_ms)
-{
-    uint64_t end = clock_now_ms() + deadline_ms;
-
-    while (!cond(arg)) {
-        if (clock_now_ms() >= end)
-            return false;
-        sleep_ms(1);
-    }
-    return true;
 }
 
 static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, size_t small,
@@ -149,6 +129,16 @@ static void adopt(struct cluster *c, uint64_t number, const size_t *order)
     for (size_t i = 0; i < c->n; i++)
         cr_assert_eq(allreduce_set_epoch(c->p[i].ar, e), 0);
     epoch_unref(e);
+}
+
+/* cluster_init() with the log quiet, and every member in epoch 1 of all
+ * of them in creation order. The caller frees it with cluster_fini(). */
+static void cluster_start(struct cluster *c, size_t n, size_t bytes, size_t seg, size_t small,
+                          uint32_t timeout_ms)
+{
+    quiet();
+    cluster_init(c, n, bytes, seg, small, timeout_ms);
+    adopt(c, 1, NULL);
 }
 
 static void *call_main(void *arg)
@@ -287,6 +277,16 @@ static void check(struct cluster *c, size_t count, enum dtype t, enum dtype_op o
     free(want);
 }
 
+/* Every member reduces fresh inputs in `round`, all making the same call;
+ * the results must be the reference's. */
+static void reduce_and_check(struct cluster *c, size_t count, enum dtype t, enum dtype_op op,
+                             double denom, uint64_t round, const char *what)
+{
+    fill(c, count, t);
+    call_all(c, count, t, op, denom, round);
+    check(c, count, t, op, denom, what);
+}
+
 /* Every type and op at every count, for 1..8 members. */
 static void matrix(size_t seg, size_t small, const size_t *counts, size_t n_counts, size_t n_lo,
                    size_t n_hi, bool reversed, bool oop, const char *what)
@@ -311,11 +311,9 @@ static void matrix(size_t seg, size_t small, const size_t *counts, size_t n_coun
         adopt(&c, 1, order);
         for (size_t ci = 0; ci < n_counts; ci++)
             for (int t = 0; t < DTYPE_COUNT; t++)
-                for (int op = 0; op < DTYPE_OP_COUNT; op++) {
-                    fill(&c, counts[ci], (enum dtype)t);
-                    call_all(&c, counts[ci], (enum dtype)t, (enum dtype_op)op, 3, ++round);
-                    check(&c, counts[ci], (enum dtype)t, (enum dtype_op)op, 3, what);
-                }
+                for (int op = 0; op < DTYPE_OP_COUNT; op++)
+                    reduce_and_check(&c, counts[ci], (enum dtype)t, (enum dtype_op)op, 3,
+                                     ++round, what);
         cluster_fini(&c);
     }
 }
@@ -360,12 +358,8 @@ static void big(size_t n, size_t count, enum dtype t, enum dtype_op op, size_t s
 {
     struct cluster c;
 
-    quiet();
-    cluster_init(&c, n, count * dtype_size(t), seg, 0, 60000);
-    adopt(&c, 1, NULL);
-    fill(&c, count, t);
-    call_all(&c, count, t, op, 3, 1);
-    check(&c, count, t, op, 3, "large");
+    cluster_start(&c, n, count * dtype_size(t), seg, 0, 60000);
+    reduce_and_check(&c, count, t, op, 3, 1, "large");
     cluster_fini(&c);
 }
 
@@ -388,12 +382,8 @@ Test(allreduce, out_of_place_bf16_and_f32_over_many_windows)
     cluster_init(&c, 3, count * 4, 64 << 10, 0, 60000);
     cluster_out_of_place(&c);
     adopt(&c, 1, NULL);
-    fill(&c, count, DTYPE_BF16);
-    call_all(&c, count, DTYPE_BF16, DTYPE_AVG, 3, 1);
-    check(&c, count, DTYPE_BF16, DTYPE_AVG, 3, "large bf16, out of place");
-    fill(&c, count, DTYPE_F32);
-    call_all(&c, count, DTYPE_F32, DTYPE_AVG_BY, 3, 2);
-    check(&c, count, DTYPE_F32, DTYPE_AVG_BY, 3, "large f32, out of place");
+    reduce_and_check(&c, count, DTYPE_BF16, DTYPE_AVG, 3, 1, "large bf16, out of place");
+    reduce_and_check(&c, count, DTYPE_F32, DTYPE_AVG_BY, 3, 2, "large f32, out of place");
     cluster_fini(&c);
 }
 
@@ -413,15 +403,13 @@ Test(allreduce, nan_and_signed_zero_identical_everywhere)
     static const size_t sizes[] = { 3, 4, 5, 7 };
     static const size_t smalls[] = { 0, ALLREDUCE_SMALL_NONE };
 
-    quiet();
     for (size_t si = 0; si < 2; si++)
         for (size_t ni = 0; ni < 4; ni++) {
             struct cluster c;
             uint64_t round = 0;
             size_t count = 61;
 
-            cluster_init(&c, sizes[ni], count * 4, 16, smalls[si], 30000);
-            adopt(&c, 1, NULL);
+            cluster_start(&c, sizes[ni], count * 4, 16, smalls[si], 30000);
             for (int op = DTYPE_SUM; op <= DTYPE_MAX; op++)
                 for (int t = DTYPE_F32; t <= DTYPE_F16; t += 2) {
                     for (size_t k = 0; k < c.n; k++)
@@ -453,15 +441,10 @@ Test(allreduce, connections_survive_switching_algorithms)
     struct cluster c;
     uint64_t round = 0;
 
-    quiet();
     for (size_t n = 3; n <= 5; n += 2) {
-        cluster_init(&c, n, 300000 * 8, 0, 1024, 30000);
-        adopt(&c, 1, NULL);
-        for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {
-            fill(&c, counts[i], DTYPE_F64);
-            call_all(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, ++round);
-            check(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, "switching");
-        }
+        cluster_start(&c, n, 300000 * 8, 0, 1024, 30000);
+        for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+            reduce_and_check(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, ++round, "switching");
         cluster_fini(&c);
     }
 }
@@ -474,9 +457,7 @@ Test(allreduce, single_member_returns_at_once)
     float *f;
     uint16_t *h;
 
-    quiet();
-    cluster_init(&c, 1, 1024, 0, 0, 1000);
-    adopt(&c, 1, NULL);
+    cluster_start(&c, 1, 1024, 0, 0, 1000);
     f = c.p[0].buf;
     for (int i = 0; i < 10; i++)
         f[i] = (float)i;
@@ -584,17 +565,13 @@ Test(allreduce, epoch_change_mid_round_returns_estale_promptly)
     uint64_t t0;
     struct epoch *e2;
 
-    quiet();
-    cluster_init(&c, 3, count * 4, 0, 0, 30000);
-    adopt(&c, 1, NULL);
-    fill(&c, count, DTYPE_F32);
-    call_all(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1);
-    check(&c, count, DTYPE_F32, DTYPE_SUM, 0, "first round");
+    cluster_start(&c, 3, count * 4, 0, 0, 30000);
+    reduce_and_check(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1, "first round");
     /* Round 2 without member 2: it cannot finish, so it is mid-round for
      * as long as we like, with data already flowing between 0 and 1. */
     call_start(&c.p[0], count, DTYPE_F32, DTYPE_SUM, 0, 2);
     call_start(&c.p[1], count, DTYPE_F32, DTYPE_SUM, 0, 2);
-    cr_assert(wait_for(both_busy, &c, 10000));
+    cr_assert(fixture_wait_until(both_busy, &c, 10000));
     e2 = make_epoch(&c, 2, NULL, 3);
     t0 = clock_now_ms();
     cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0);
@@ -609,9 +586,7 @@ Test(allreduce, epoch_change_mid_round_returns_estale_promptly)
     cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
     cr_assert_eq(allreduce_set_epoch(c.p[2].ar, e2), 0);
     epoch_unref(e2);
-    fill(&c, count, DTYPE_F32);
-    call_all(&c, count, DTYPE_F32, DTYPE_SUM, 0, 3);
-    check(&c, count, DTYPE_F32, DTYPE_SUM, 0, "after the change");
+    reduce_and_check(&c, count, DTYPE_F32, DTYPE_SUM, 0, 3, "after the change");
     cluster_fini(&c);
 }
 
@@ -628,14 +603,12 @@ Test(allreduce, greeting_from_a_newer_epoch_waits_for_ours)
     struct cluster c;
     struct epoch *e2;
 
-    quiet();
-    cluster_init(&c, 2, 4096 * 4, 0, 0, 10000);
-    adopt(&c, 1, NULL);
+    cluster_start(&c, 2, 4096 * 4, 0, 0, 10000);
     e2 = make_epoch(&c, 2, NULL, 2);
     cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0);
     fill(&c, 4096, DTYPE_F32);
     call_start(&c.p[0], 4096, DTYPE_F32, DTYPE_AVG, 0, 1);
-    cr_assert(wait_for(first_busy, &c, 10000));
+    cr_assert(fixture_wait_until(first_busy, &c, 10000));
     cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
     call_start(&c.p[1], 4096, DTYPE_F32, DTYPE_AVG, 0, 1);
     call_join(&c.p[0]);
@@ -654,9 +627,7 @@ Test(allreduce, member_of_an_older_epoch_is_told_so)
     uint64_t t0;
     int rc;
 
-    quiet();
-    cluster_init(&c, 2, 64, 0, 0, 20000);
-    adopt(&c, 1, NULL);
+    cluster_start(&c, 2, 64, 0, 0, 20000);
     e2 = make_epoch(&c, 2, NULL, 2);
     cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
     t0 = clock_now_ms();
@@ -675,12 +646,8 @@ Test(allreduce, peer_that_stops_reading_times_out)
     size_t count = 8u << 20;
     uint64_t t0;
 
-    quiet();
-    cluster_init(&c, 3, count * 4, 0, 0, 500);
-    adopt(&c, 1, NULL);
-    fill(&c, count, DTYPE_F32);
-    call_all(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1);
-    check(&c, count, DTYPE_F32, DTYPE_SUM, 0, "first round");
+    cluster_start(&c, 3, count * 4, 0, 0, 500);
+    reduce_and_check(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1, "first round");
     /* Member 2 keeps its connections open but never reads again. */
     t0 = clock_now_ms();
     call_start(&c.p[0], count, DTYPE_F32, DTYPE_SUM, 0, 2);
@@ -749,6 +716,21 @@ static ssize_t read_until_closed(int fd, uint8_t *buf, size_t len, int within_ms
     }
 }
 
+/* A stranger: dials addr, sends the len bytes of msg (nothing when len is
+ * 0), and reads what comes back into reply until the engine closes the
+ * connection, which it must do within 5 s. Returns how many bytes came. */
+static ssize_t stranger(const char *addr, const void *msg, size_t len, uint8_t *reply, size_t cap)
+{
+    int fd = dial(addr);
+    ssize_t got;
+
+    if (len)
+        cr_assert_eq(send(fd, msg, len, MSG_NOSIGNAL), (ssize_t)len);
+    got = read_until_closed(fd, reply, cap, 5000);
+    close(fd);
+    return got;
+}
+
 struct loop_arg {
     struct cluster *c;
     size_t rounds;
@@ -773,8 +755,7 @@ Test(allreduce, strangers_are_closed_and_harmless)
     struct cluster c;
     struct loop_arg l = { .c = &c, .rounds = 15 };
     pthread_t th;
-    uint8_t b[2048], junk[600];
-    int fd;
+    uint8_t b[2048], hello[536], junk[600];
 
     quiet();
     cluster_init(&c, 3, 200003 * 8, 0, 0, 1000);
@@ -783,34 +764,20 @@ Test(allreduce, strangers_are_closed_and_harmless)
     for (size_t i = 0; i < sizeof junk; i++)
         junk[i] = (uint8_t)(i * 131 + 7);
     /* Garbage. */
-    fd = dial(c.p[1].addr);
-    cr_assert_eq(send(fd, junk, sizeof junk, MSG_NOSIGNAL), (ssize_t)sizeof junk);
-    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
-    close(fd);
+    cr_assert_eq(stranger(c.p[1].addr, junk, sizeof junk, b, sizeof b), 0);
     /* A well-formed greeting for another cohort. */
-    fd = dial(c.p[0].addr);
-    hello_bytes(b, 1, 4, "other", "m-1");
-    cr_assert_eq(send(fd, b, 536, MSG_NOSIGNAL), 536);
-    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
-    close(fd);
+    hello_bytes(hello, 1, 4, "other", "m-1");
+    cr_assert_eq(stranger(c.p[0].addr, hello, sizeof hello, b, sizeof b), 0);
     /* Our cohort, but not a member. */
-    fd = dial(c.p[2].addr);
-    hello_bytes(b, 1, 4, COHORT, "intruder");
-    cr_assert_eq(send(fd, b, 536, MSG_NOSIGNAL), 536);
-    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
-    close(fd);
+    hello_bytes(hello, 1, 4, COHORT, "intruder");
+    cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 0);
     /* A member of an older epoch is told the newer number, then closed. */
-    fd = dial(c.p[2].addr);
-    hello_bytes(b, 1, 3, COHORT, "m-0");
-    cr_assert_eq(send(fd, b, 536, MSG_NOSIGNAL), 536);
-    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 536);
+    hello_bytes(hello, 1, 3, COHORT, "m-0");
+    cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 536);
     cr_assert_eq(b[6], 3, "a stale reply");
     cr_assert_eq(b[8], 4, "naming epoch 4");
-    close(fd);
     /* Silence: closed after the member timeout. */
-    fd = dial(c.p[0].addr);
-    cr_assert_eq(read_until_closed(fd, b, sizeof b, 5000), 0);
-    close(fd);
+    cr_assert_eq(stranger(c.p[0].addr, NULL, 0, b, sizeof b), 0);
     pthread_join(th, NULL);
     cr_assert_eq(l.failures, 0, "the strangers disturbed the reductions");
     check(&c, 200003, DTYPE_I64, DTYPE_SUM, 0, "after strangers");
@@ -822,9 +789,7 @@ Test(allreduce, mismatched_round_fails_fast_then_recovers)
     struct cluster c;
     uint64_t t0 = clock_now_ms();
 
-    quiet();
-    cluster_init(&c, 2, 100000 * 4, 0, 0, 20000);
-    adopt(&c, 1, NULL);
+    cluster_start(&c, 2, 100000 * 4, 0, 0, 20000);
     fill(&c, 100000, DTYPE_I32);
     call_start(&c.p[0], 100000, DTYPE_I32, DTYPE_MAX, 0, 5);
     call_start(&c.p[1], 100000, DTYPE_I32, DTYPE_MAX, 0, 6);
@@ -835,9 +800,7 @@ Test(allreduce, mismatched_round_fails_fast_then_recovers)
     cr_assert_neq(c.p[0].rc, 0);
     cr_assert_neq(c.p[1].rc, 0);
     cr_assert_lt(clock_now_ms() - t0, 5000, "failed fast, not by timeout");
-    fill(&c, 100000, DTYPE_I32);
-    call_all(&c, 100000, DTYPE_I32, DTYPE_MAX, 0, 7);
-    check(&c, 100000, DTYPE_I32, DTYPE_MAX, 0, "after a failed round");
+    reduce_and_check(&c, 100000, DTYPE_I32, DTYPE_MAX, 0, 7, "after a failed round");
     cluster_fini(&c);
 }
 
@@ -947,7 +910,7 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     call_start(me, count, DTYPE_F32, DTYPE_SUM, 0, 2);
     n = read_note(pipes[2][0], 30000);
     cr_assert(n.round == 2 && !n.finished);
-    cr_assert(wait_for(first_busy, &c, 10000));
+    cr_assert(fixture_wait_until(first_busy, &c, 10000));
     t_sig = clock_now_ms();
     cr_assert_eq(kill(pids[2], sig), 0);
 

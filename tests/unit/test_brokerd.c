@@ -7,41 +7,37 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
-#include "membership/brokerd.h"
 #include "base/clock.h"
 #include "cohort.pb-c.h"
+#include "fixture.h"
+#include "membership/brokerd.h"
 #include "membership/member.h"
-#include "rpc/rpc.h"
 #include "membership/wire.h"
+#include "rpc/rpc.h"
 
 static struct brokerd *d;
 static struct rpc_channel *ch;
 static char addr[64];
 
+/* The fixture's broker with a 1 s member timeout and room for four
+ * members per cohort, cohorts "demo" and "other", and a channel to it. */
 static void start(void)
 {
-    struct brokerd_config cfg = { .listen = "127.0.0.1:0" };
+    struct brokerd_config cfg;
 
-    cr_assert_eq(rpc_init(), 0);
-    broker_config_default(&cfg.broker);
-    cfg.broker.startup_hold_ms = 0;
-    cfg.broker.heartbeat_ms = 200;
+    fixture_broker_config(&cfg);
     cfg.broker.timeout_ms = 1000;
     cfg.broker.max_members = 4;
-    cr_assert_eq(brokerd_start(&cfg, &d), 0);
-    cr_assert_eq(brokerd_declare(d, "demo", 0, 0), 0);
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
     cr_assert_eq(brokerd_declare(d, "other", 0, 0), 0);
-    snprintf(addr, sizeof(addr), "127.0.0.1:%d", brokerd_port(d));
     cr_assert_eq(rpc_channel_create(addr, NULL, &ch), 0);
 }
 
 static void stop(void)
 {
     rpc_channel_destroy(ch);
-    brokerd_stop(d);
-    rpc_shutdown();
+    fixture_broker_stop(d);
 }
 
 TestSuite(brokerd, .init = start, .fini = stop, .timeout = 120);
@@ -190,6 +186,8 @@ Test(brokerd, heartbeat_and_leave_of_strangers_are_not_found)
 
 #define N 4
 
+/* Members of "demo" polled by a thread of their own, as a node polls its
+ * member. */
 struct driven {
     struct member *m[N + 1];
     size_t n;
@@ -204,19 +202,34 @@ static void *drive(void *arg)
     while (!atomic_load(&dv->stop)) {
         for (size_t i = 0; i < dv->n; i++)
             member_poll(dv->m[i], clock_now_ms());
-        struct timespec ts = { 0, 5 * 1000000L };
-        nanosleep(&ts, NULL);
+        clock_sleep_ms(5);
     }
     return NULL;
 }
 
-static void add_member(struct driven *dv, const char *id, uint64_t version)
+/* Creates members ids[0 .. n) of "demo", the first at model version
+ * `first_version` and the others at `version`, and starts polling them.
+ * driven_stop() stops the polling and destroys them. */
+static void driven_start(struct driven *dv, size_t n, const char *const *ids,
+                         uint64_t first_version, uint64_t version)
 {
-    struct member_config mc = { .broker = addr, .cohort = "demo", .id = id,
-                                .address = "127.0.0.1:4000", .model_version = version,
-                                .quiet = true };
-    cr_assert_eq(member_create(&mc, &dv->m[dv->n]), 0);
-    dv->n++;
+    for (size_t i = 0; i < n; i++) {
+        struct member_config mc = { .broker = addr, .cohort = "demo", .id = ids[i],
+                                    .address = "127.0.0.1:4000",
+                                    .model_version = i ? version : first_version, .quiet = true };
+
+        cr_assert_eq(member_create(&mc, &dv->m[i]), 0);
+    }
+    dv->n = n;
+    cr_assert_eq(pthread_create(&dv->t, NULL, drive, dv), 0);
+}
+
+static void driven_stop(struct driven *dv)
+{
+    atomic_store(&dv->stop, true);
+    pthread_join(dv->t, NULL);
+    for (size_t i = 0; i < dv->n; i++)
+        member_destroy(dv->m[i]);
 }
 
 /* True when every member's latest epoch has n members and leader `leader`. */
@@ -234,87 +247,61 @@ static bool all_agree(struct driven *dv, size_t n, const char *leader)
 
 static void wait_agree(struct driven *dv, size_t n, const char *leader)
 {
-    uint64_t end = clock_now_ms() + 30000;
-
-    while (!all_agree(dv, n, leader) && clock_now_ms() < end) {
-        struct timespec ts = { 0, 20 * 1000000L };
-        nanosleep(&ts, NULL);
-    }
-    cr_assert(all_agree(dv, n, leader), "members did not agree on %zu members led by %s", n, leader);
+    FIXTURE_WAIT_FOR(all_agree(dv, n, leader), "members did not agree on %zu members led by %s",
+                     n, leader);
 }
+
+/* True when the broker holds model version `version` for member i of
+ * "demo" (members are listed in id order). */
+static bool broker_holds_version(size_t i, uint64_t version)
+{
+    struct broker_status *st;
+    bool ok;
+
+    cr_assert_eq(brokerd_status(d, "demo", &st), 0);
+    ok = i < st->cohorts[0].n_members && st->cohorts[0].members[i].model_version == version;
+    broker_status_free(st);
+    return ok;
+}
+
+static const char *const m4[] = { "m-0", "m-1", "m-2", "m-3" };
 
 Test(brokerd, declared_version_moves_leadership_everywhere)
 {
     struct driven dv = { .n = 0 };
-    char id[16];
 
-    for (int i = 0; i < N; i++) {
-        snprintf(id, sizeof(id), "m-%d", i);
-        add_member(&dv, id, 3);
-    }
-    pthread_create(&dv.t, NULL, drive, &dv);
+    driven_start(&dv, N, m4, 3, 3);
     wait_agree(&dv, N, "m-0");
     for (size_t i = 0; i < dv.n; i++)
         cr_assert(member_in_cohort(dv.m[i]));
 
-    /* Committed rounds advance versions without moving the leader... */
+    /* Committed rounds advance versions without moving the leader: once
+     * the broker has m-2's new version, everyone still follows m-0... */
     member_set_model_version(dv.m[2], 4, false);
-    struct timespec ts = { 0, 600 * 1000000L };     /* three heartbeats: let it be seen */
-    nanosleep(&ts, NULL);
+    FIXTURE_WAIT_FOR(broker_holds_version(2, 4), "the broker never heard of m-2's version 4");
     cr_assert(all_agree(&dv, N, "m-0"));
     /* ...a declared version does. */
     member_set_model_version(dv.m[3], 100, true);
     wait_agree(&dv, N, "m-3");
-    atomic_store(&dv.stop, true);
-    pthread_join(dv.t, NULL);
-    for (size_t i = 0; i < dv.n; i++)
-        member_destroy(dv.m[i]);
+    driven_stop(&dv);
 }
 
 Test(brokerd, evicted_member_rejoins_and_removed_cohort_ends_watches)
 {
     struct driven dv = { .n = 0 };
-    uint64_t end;
 
-    add_member(&dv, "m-0", 0);
-    add_member(&dv, "m-1", 0);
-    pthread_create(&dv.t, NULL, drive, &dv);
+    driven_start(&dv, 2, m4, 0, 0);
     wait_agree(&dv, 2, "m-0");
     cr_assert_eq(member_joins(dv.m[0]), 1);
     /* Remove the cohort under the members: their watches end, heartbeats
      * fail, and they retry until it is declared again. */
     cr_assert_eq(brokerd_remove(d, "demo"), 0);
-    end = clock_now_ms() + 30000;
-    while (member_in_cohort(dv.m[0]) && clock_now_ms() < end) {
-        struct timespec ts = { 0, 20 * 1000000L };
-        nanosleep(&ts, NULL);
-    }
-    cr_assert(!member_in_cohort(dv.m[0]));
+    FIXTURE_WAIT_FOR(!member_in_cohort(dv.m[0]), "m-0 never noticed its cohort was removed");
     cr_assert_eq(brokerd_declare(d, "demo", 0, 0), 0);
-    end = clock_now_ms() + 30000;
-    while ((member_joins(dv.m[0]) < 2 || member_joins(dv.m[1]) < 2) && clock_now_ms() < end) {
-        struct timespec ts = { 0, 20 * 1000000L };
-        nanosleep(&ts, NULL);
-    }
-    cr_assert_geq(member_joins(dv.m[0]), 2);
+    FIXTURE_WAIT_FOR(member_joins(dv.m[0]) >= 2 && member_joins(dv.m[1]) >= 2,
+                     "the members never joined the declared cohort again");
     wait_agree(&dv, 2, "m-0");
-    atomic_store(&dv.stop, true);
-    pthread_join(dv.t, NULL);
-    for (size_t i = 0; i < dv.n; i++)
-        member_destroy(dv.m[i]);
-}
-
-/* Waits until brokerd_drained says `id` may go; 30 s deadline. */
-static int wait_drained(const char *id)
-{
-    uint64_t end = clock_now_ms() + 30000;
-    int rc;
-
-    while ((rc = brokerd_drained(d, "demo", id)) == 0 && clock_now_ms() < end) {
-        struct timespec ts = { 0, 20 * 1000000L };
-        nanosleep(&ts, NULL);
-    }
-    return rc;
+    driven_stop(&dv);
 }
 
 Test(brokerd, drained_member_stays_joined_out_of_the_epoch)
@@ -322,14 +309,12 @@ Test(brokerd, drained_member_stays_joined_out_of_the_epoch)
     struct driven dv = { .n = 0 };
     struct broker_status *st;
 
-    add_member(&dv, "m-0", 5);
-    add_member(&dv, "m-1", 0);
-    add_member(&dv, "m-2", 0);
-    pthread_create(&dv.t, NULL, drive, &dv);
+    driven_start(&dv, 3, m4, 5, 0);
     wait_agree(&dv, 3, "m-0");
     cr_assert_eq(brokerd_drained(d, "demo", "m-0"), 0, "not asked to drain");
     cr_assert_eq(brokerd_drain(d, "demo", "m-0", true), 0);
-    cr_assert_eq(wait_drained("m-0"), 1);
+    FIXTURE_WAIT_FOR(brokerd_drained(d, "demo", "m-0") != 0, "m-0 never drained");
+    cr_assert_eq(brokerd_drained(d, "demo", "m-0"), 1);
     /* Everyone, the drained member too, runs in the epoch without it,
      * led by the next member; the drained one is still joined. */
     wait_agree(&dv, 2, "m-1");
@@ -340,14 +325,7 @@ Test(brokerd, drained_member_stays_joined_out_of_the_epoch)
     cr_assert(st->cohorts[0].draining[0]);
     cr_assert_not(st->cohorts[0].draining[1]);
     broker_status_free(st);
-    {
-        uint64_t end = clock_now_ms() + 30000;
-        while (!member_drained(dv.m[0]) && clock_now_ms() < end) {
-            struct timespec ts = { 0, 20 * 1000000L };
-            nanosleep(&ts, NULL);
-        }
-    }
-    cr_assert(member_drained(dv.m[0]));
+    FIXTURE_WAIT_FOR(member_drained(dv.m[0]), "m-0 was never told it is drained");
     cr_assert_not(member_drained(dv.m[1]));
     /* Undrained, it is back in; unknown names are refused. */
     cr_assert_eq(brokerd_drain(d, "demo", "m-0", false), 0);
@@ -355,8 +333,5 @@ Test(brokerd, drained_member_stays_joined_out_of_the_epoch)
     cr_assert_eq(brokerd_drain(d, "demo", "zz", true), -ENOENT);
     cr_assert_eq(brokerd_drain(d, "nope", "m-0", true), -ENOENT);
     cr_assert_eq(brokerd_drained(d, "nope", "m-0"), -ENOENT);
-    atomic_store(&dv.stop, true);
-    pthread_join(dv.t, NULL);
-    for (size_t i = 0; i < dv.n; i++)
-        member_destroy(dv.m[i]);
+    driven_stop(&dv);
 }

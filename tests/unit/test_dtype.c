@@ -11,37 +11,29 @@
 
 #include "engine/dtype.h"
 
+/* The bits of `x` read as type To, of the same size (a union, which C11
+ * defines for this). */
+#define BITCAST(To, From, x) (((union { From from; To to; }){ .from = (x) }).to)
+
 static uint32_t fbits(float f)
 {
-    uint32_t u;
-
-    memcpy(&u, &f, sizeof(u));
-    return u;
+    return BITCAST(uint32_t, float, f);
 }
 
 static float bitsf(uint32_t u)
 {
-    float f;
-
-    memcpy(&f, &u, sizeof(f));
-    return f;
+    return BITCAST(float, uint32_t, u);
 }
 
+/* libgcc's _Float16 conversions: correctly rounded, nearest even. */
 static uint16_t ref_f16(float f)
 {
-    _Float16 h = (_Float16)f;   /* libgcc: correctly rounded, nearest even */
-    uint16_t b;
-
-    memcpy(&b, &h, sizeof(b));
-    return b;
+    return BITCAST(uint16_t, _Float16, (_Float16)f);
 }
 
 static float ref_f16_to_f32(uint16_t b)
 {
-    _Float16 h;
-
-    memcpy(&h, &b, sizeof(h));
-    return (float)h;
+    return (float)BITCAST(_Float16, uint16_t, b);
 }
 
 /* bfloat16 by definition: the nearer of the two candidates that keep the
@@ -138,6 +130,43 @@ Test(dtype, f16_widen_exhaustive)
     }
 }
 
+/* How one narrowing conversion is checked against its reference: on every
+ * float whose top bits are any `hi` below 1 << (32 - shift) and whose low
+ * `shift` bits are each of lows[], then on a million pseudo-random floats
+ * from `seed`. With any_nan, a NaN need only narrow to some NaN. */
+struct narrowing {
+    uint16_t (*got)(float);
+    uint16_t (*want)(float);
+    unsigned shift;
+    const uint32_t *lows;
+    size_t n_lows;
+    uint64_t seed;
+    bool any_nan;
+};
+
+static void check_narrow_one(const struct narrowing *c, float f)
+{
+    uint16_t got = c->got(f), want = c->want(f);
+
+    if (c->any_nan && isnan(f))
+        cr_assert(f16_is_nan(got), "%08x: %04x is no NaN", fbits(f), got);
+    else if (got != want)
+        cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
+}
+
+static void check_narrowing(const struct narrowing *c)
+{
+    uint64_t seed = c->seed;
+
+    for (uint32_t hi = 0; hi < (1u << (32 - c->shift)); hi++)
+        for (size_t k = 0; k < c->n_lows; k++)
+            check_narrow_one(c, bitsf(hi << c->shift | c->lows[k]));
+    for (int i = 0; i < 1000000; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        check_narrow_one(c, bitsf((uint32_t)(seed >> 32)));
+    }
+}
+
 /* Narrowing against the compiler's correctly rounded conversion, on every
  * combination of sign, exponent and top mantissa bits with the low bits
  * set to the patterns that decide rounding (exact, just below, at and just
@@ -146,37 +175,15 @@ Test(dtype, f16_widen_exhaustive)
 Test(dtype, f16_narrow_matches_reference)
 {
     static const uint32_t lows[] = { 0x000, 0x001, 0x7ff, 0x800, 0x801, 0xfff };
-    uint64_t seed = 0x9e3779b97f4a7c15ull;
 
-    for (uint32_t hi = 0; hi < (1u << 20); hi++)
-        for (size_t k = 0; k < sizeof lows / sizeof lows[0]; k++) {
-            float f = bitsf(hi << 12 | lows[k]);
-            uint16_t got = dtype_f32_to_f16(f), want = ref_f16(f);
-
-            if (isnan(f))
-                cr_assert(f16_is_nan(got));
-            else if (got != want)
-                cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
-        }
-    for (int i = 0; i < 1000000; i++) {
-        float f;
-        uint16_t got, want;
-
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-        f = bitsf((uint32_t)(seed >> 32));
-        got = dtype_f32_to_f16(f);
-        want = ref_f16(f);
-        if (isnan(f))
-            cr_assert(f16_is_nan(got));
-        else if (got != want)
-            cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
-    }
+    check_narrowing(&(struct narrowing){
+        .got = dtype_f32_to_f16, .want = ref_f16, .shift = 12, .lows = lows,
+        .n_lows = sizeof lows / sizeof lows[0], .seed = 0x9e3779b97f4a7c15ull, .any_nan = true });
 }
 
 Test(dtype, bf16_conversions)
 {
     static const uint32_t lows[] = { 0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff };
-    uint64_t seed = 7;
 
     for (uint32_t h = 0; h <= 0xffff; h++) {
         float f = dtype_bf16_to_f32((uint16_t)h);
@@ -186,24 +193,9 @@ Test(dtype, bf16_conversions)
         else
             cr_assert(isnan(dtype_bf16_to_f32(dtype_f32_to_bf16(f))));
     }
-    for (uint32_t hi = 0; hi <= 0xffff; hi++)
-        for (size_t k = 0; k < sizeof lows / sizeof lows[0]; k++) {
-            float f = bitsf(hi << 16 | lows[k]);
-            uint16_t got = dtype_f32_to_bf16(f), want = ref_bf16(f);
-            if (got != want)
-                cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
-        }
-    for (int i = 0; i < 1000000; i++) {
-        float f;
-        uint16_t got, want;
-
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-        f = bitsf((uint32_t)(seed >> 32));
-        got = dtype_f32_to_bf16(f);
-        want = ref_bf16(f);
-        if (got != want)
-            cr_assert_eq(got, want, "%08x: %04x, want %04x", fbits(f), got, want);
-    }
+    check_narrowing(&(struct narrowing){
+        .got = dtype_f32_to_bf16, .want = ref_bf16, .shift = 16, .lows = lows,
+        .n_lows = sizeof lows / sizeof lows[0], .seed = 7, .any_nan = false });
     cr_assert_eq(dtype_f32_to_bf16(3.4028235e38f), 0x7f80, "FLT_MAX rounds to infinity");
     cr_assert_eq(dtype_f32_to_bf16(-0.0f), 0x8000);
 }

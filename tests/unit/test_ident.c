@@ -24,12 +24,20 @@ static int sign(int v)
     return (v > 0) - (v < 0);
 }
 
+/* valid() must say `want` of each of the n strings in list. */
+static void check_each(bool (*valid)(const char *), const char *const *list, size_t n, bool want)
+{
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(valid(list[i]), want, "%s", list[i]);
+}
+
+#define CHECK_EACH(valid, list, want) check_each(valid, list, sizeof list / sizeof list[0], want)
+
 Test(ident, member_id_accepts_valid)
 {
     static const char *const ok[] = { "a", "0", "a-0", "worker-12", "A.b_c-9", "9lives", "x.y.z" };
 
-    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
-        cr_assert(ident_valid_member_id(ok[i]), "%s", ok[i]);
+    CHECK_EACH(ident_valid_member_id, ok, true);
     cr_assert(ident_valid_member_id(repeat('a', IDENT_NAME_MAX, "")));
 }
 
@@ -40,8 +48,7 @@ Test(ident, member_id_rejects_invalid)
     };
 
     cr_assert_not(ident_valid_member_id(NULL));
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        cr_assert_not(ident_valid_member_id(bad[i]), "%s", bad[i]);
+    CHECK_EACH(ident_valid_member_id, bad, false);
     cr_assert_not(ident_valid_member_id(repeat('a', IDENT_NAME_MAX + 1, "")));
 }
 
@@ -49,8 +56,7 @@ Test(ident, cohort_accepts_one_slash)
 {
     static const char *const ok[] = { "demo", "ns/name", "a/b", "team-1/job.2", "0/0" };
 
-    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
-        cr_assert(ident_valid_cohort(ok[i]), "%s", ok[i]);
+    CHECK_EACH(ident_valid_cohort, ok, true);
     cr_assert(ident_valid_cohort(repeat('a', IDENT_NAME_MAX - 2, "/b")));
 }
 
@@ -61,8 +67,7 @@ Test(ident, cohort_rejects_invalid)
     };
 
     cr_assert_not(ident_valid_cohort(NULL));
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        cr_assert_not(ident_valid_cohort(bad[i]), "%s", bad[i]);
+    CHECK_EACH(ident_valid_cohort, bad, false);
     cr_assert_not(ident_valid_cohort(repeat('a', IDENT_NAME_MAX - 1, "/b")));
 }
 
@@ -73,8 +78,7 @@ Test(ident, address_accepts_valid)
         "[::1]:80", "[fe80::1]:1", "[::ffff:1.2.3.4]:9", "host:00080",
     };
 
-    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
-        cr_assert(ident_valid_address(ok[i]), "%s", ok[i]);
+    CHECK_EACH(ident_valid_address, ok, true);
     /* The longest accepted: 255 bytes of host, ':', five digits. */
     cr_assert(ident_valid_address(repeat('h', IDENT_ADDRESS_MAX - 6, ":12345")));
 }
@@ -88,25 +92,33 @@ Test(ident, address_rejects_invalid)
     };
 
     cr_assert_not(ident_valid_address(NULL));
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        cr_assert_not(ident_valid_address(bad[i]), "%s", bad[i]);
+    CHECK_EACH(ident_valid_address, bad, false);
     cr_assert_not(ident_valid_address(repeat('h', IDENT_ADDRESS_MAX - 5, ":12345")));
 }
 
 Test(ident, natural_order_compares_digit_runs_by_value)
 {
-    cr_assert_lt(ident_natural_cmp("c-2", "c-10"), 0);
-    cr_assert_gt(ident_natural_cmp("c-10", "c-2"), 0);
-    cr_assert_lt(ident_natural_cmp("c-9", "c-010"), 0);
-    cr_assert_lt(ident_natural_cmp("a1b2", "a1b10"), 0);
-    cr_assert_lt(ident_natural_cmp("w-99999999999999999999999", "w-100000000000000000000000"), 0);
-    cr_assert_lt(ident_natural_cmp("node-2-gpu-10", "node-10-gpu-2"), 0);
-    cr_assert_lt(ident_natural_cmp("a", "b"), 0);
-    cr_assert_lt(ident_natural_cmp("", "a"), 0);
-    cr_assert_lt(ident_natural_cmp("a", "a0"), 0);
-    cr_assert_lt(ident_natural_cmp("a-1", "a-1x"), 0);
-    cr_assert_eq(ident_natural_cmp("c-10", "c-10"), 0);
-    cr_assert_eq(ident_natural_cmp("", ""), 0);
+    static const struct {
+        const char *a, *b;
+        int sign;               /* of ident_natural_cmp(a, b) */
+    } cmp[] = {
+        { "c-2", "c-10", -1 },
+        { "c-10", "c-2", 1 },
+        { "c-9", "c-010", -1 },
+        { "a1b2", "a1b10", -1 },
+        { "w-99999999999999999999999", "w-100000000000000000000000", -1 },
+        { "node-2-gpu-10", "node-10-gpu-2", -1 },
+        { "a", "b", -1 },
+        { "", "a", -1 },
+        { "a", "a0", -1 },
+        { "a-1", "a-1x", -1 },
+        { "c-10", "c-10", 0 },
+        { "", "", 0 },
+    };
+
+    for (size_t i = 0; i < sizeof cmp / sizeof cmp[0]; i++)
+        cr_assert_eq(sign(ident_natural_cmp(cmp[i].a, cmp[i].b)), cmp[i].sign, "%s vs %s",
+                     cmp[i].a, cmp[i].b);
 }
 
 Test(ident, natural_order_never_ties_distinct_strings)

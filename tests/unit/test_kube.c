@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "fixture.h"
 #include "k8s/kube.h"
 
 /* ---- a scripted server: one request per connection ---- */
@@ -38,10 +39,12 @@ static atomic_int served;
 static struct req last;
 static char server_url[64];
 
+/* MSG_NOSIGNAL: a client may hang up mid-response (a watch that refuses
+ * what it was sent does), and SIGPIPE would end the test process. */
 static void send_all(int fd, const char *p, size_t n)
 {
     while (n > 0) {
-        ssize_t w = write(fd, p, n);
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
         if (w <= 0)
             return;
         p += w;
@@ -318,6 +321,7 @@ Test(kube, list_follows_continue_and_escapes_selector)
 
 static const char *stream_text;
 static bool stream_hold;        /* keep the connection open afterwards */
+static atomic_bool holding;     /* it is: everything is sent, nothing more comes */
 static atomic_bool release;
 
 static void streamed(const struct req *r, int fd)
@@ -333,9 +337,10 @@ static void streamed(const struct req *r, int fd)
         send_all(fd, stream_text, strlen(stream_text));
         send_all(fd, "\r\n", 2);
     }
-    while (stream_hold && !atomic_load(&release)) {
-        struct timespec ts = { 0, 20 * 1000000L };
-        nanosleep(&ts, NULL);
+    if (stream_hold) {
+        atomic_store(&holding, true);
+        while (!atomic_load(&release))
+            clock_sleep_ms(FIXTURE_POLL_MS);
     }
     send_all(fd, "0\r\n\r\n", 5);
 }
@@ -354,63 +359,76 @@ static int on_event(void *arg, const char *type, const cJSON *obj)
     return 0;
 }
 
-Test(kube, watch_delivers_events_and_tracks_bookmarks)
+/* A watch of /api/v1/pods from resource version *rv (kube_watch() owns
+ * and replaces it) on a connection that streams `text` and ends; the
+ * event types go to *s. Returns kube_watch()'s result. */
+static int watch_stream(const char *text, char **rv, struct seen *s)
 {
     struct kube *k = client("t0", NULL, 0);
-    struct seen s = { .n = 0 };
-    char *rv = strdup("10");
+    int rc;
 
     route = streamed;
     stream_hold = false;
-    stream_text = "{\"type\":\"ADDED\",\"object\":{\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"11\"}}}\n"
-                  "{\"type\":\"BOOKMARK\",\"object\":{\"metadata\":{\"resourceVersion\":\"15\"}}}\n"
-                  "{\"type\":\"MODIFIED\",\"object\":{\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"16\"}}}\n";
-    cr_assert_eq(kube_watch(k, "/api/v1/pods", NULL, &rv, 30, on_event, &s, NULL), 0);
+    stream_text = text;
+    rc = kube_watch(k, "/api/v1/pods", NULL, rv, 30, on_event, s, NULL);
+    kube_destroy(k);
+    return rc;
+}
+
+Test(kube, watch_delivers_events_and_tracks_bookmarks)
+{
+    struct seen s = { .n = 0 };
+    char *rv = strdup("10");
+
+    cr_assert_eq(watch_stream(
+        "{\"type\":\"ADDED\",\"object\":{\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"11\"}}}\n"
+        "{\"type\":\"BOOKMARK\",\"object\":{\"metadata\":{\"resourceVersion\":\"15\"}}}\n"
+        "{\"type\":\"MODIFIED\",\"object\":{\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"16\"}}}\n",
+        &rv, &s), 0);
     cr_assert_eq(s.n, 3);
     cr_assert_str_eq(s.types[1], "BOOKMARK");
     cr_assert_str_eq(rv, "16");
     cr_assert(strstr(last.target, "watch=true") && strstr(last.target, "allowWatchBookmarks=true") &&
               strstr(last.target, "resourceVersion=10"), "%s", last.target);
     free(rv);
-    kube_destroy(k);
 }
 
 Test(kube, watch_gone_means_relist)
 {
-    struct kube *k = client("t0", NULL, 0);
     struct seen s = { .n = 0 };
     char *rv = strdup("1");
 
-    route = streamed;
-    stream_hold = false;
-    stream_text = "{\"type\":\"ERROR\",\"object\":{\"kind\":\"Status\",\"code\":410,\"reason\":\"Expired\"}}\n";
-    cr_assert_eq(kube_watch(k, "/api/v1/pods", NULL, &rv, 30, on_event, &s, NULL), -EREMCHG);
+    cr_assert_eq(watch_stream("{\"type\":\"ERROR\",\"object\":{\"kind\":\"Status\",\"code\":410,"
+                              "\"reason\":\"Expired\"}}\n", &rv, &s), -EREMCHG);
     cr_assert_eq(s.n, 0);
     free(rv);
-    kube_destroy(k);
 }
 
 Test(kube, watch_garbage_is_bad_message)
 {
-    struct kube *k = client("t0", NULL, 0);
     struct seen s = { .n = 0 };
     char *rv = NULL;
 
-    route = streamed;
-    stream_hold = false;
-    stream_text = "{\"type\":\"ADDED\",\"object\":{\"metadata\":{}}}\nthis is not json\n";
-    cr_assert_eq(kube_watch(k, "/api/v1/pods", NULL, &rv, 30, on_event, &s, NULL), -EBADMSG);
+    cr_assert_eq(watch_stream("{\"type\":\"ADDED\",\"object\":{\"metadata\":{}}}\nthis is not json\n",
+                              &rv, &s), -EBADMSG);
     cr_assert_eq(s.n, 1);
     free(rv);
-    kube_destroy(k);
 }
 
 static volatile bool stop_flag;
 
+static bool stream_is_holding(void *unused)
+{
+    return atomic_load(&holding);
+}
+
+/* Asks the watch to stop once the server has sent all it will and holds
+ * the connection open. On its own thread, so it fails nothing itself: if
+ * the stream never gets there it asks anyway, late, and the test's checks
+ * fail. */
 static void *raise_stop(void *unused)
 {
-    struct timespec ts = { 0, 300 * 1000000L };
-    nanosleep(&ts, NULL);
+    fixture_wait_until(stream_is_holding, NULL, FIXTURE_WAIT_MS);
     stop_flag = true;
     return NULL;
 }
@@ -429,6 +447,7 @@ Test(kube, quiet_watch_stops_when_asked)
     stop_flag = false;
     pthread_create(&t, NULL, raise_stop, NULL);
     cr_assert_eq(kube_watch(k, "/api/v1/pods", NULL, &rv, 300, on_event, &s, &stop_flag), 0);
+    cr_assert(atomic_load(&holding), "the watch ended before its stream went quiet");
     cr_assert_lt(clock_now_ms() - t0, 10000);
     atomic_store(&release, true);
     pthread_join(t, NULL);

@@ -11,10 +11,10 @@
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "fixture.h"
 #include "k8s/kube.h"
 #include "k8s/lease.h"
 #include "k8s/reflector.h"
@@ -23,25 +23,25 @@ static pid_t server;
 static char url[64];
 static struct kube *k;
 
-static void sleep_ms(long ms)
+/* The port the stand-in wrote to `path`, or 0 while it has not (yet). */
+static int read_port(const char *path)
 {
-    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
-    nanosleep(&ts, NULL);
-}
+    FILE *f = fopen(path, "r");
+    int port = 0;
 
-#define WAIT_FOR(cond, what)                                                   \
-    do {                                                                       \
-        uint64_t end_ = clock_now_ms() + 30000;                                \
-        while (!(cond) && clock_now_ms() < end_)                               \
-            sleep_ms(10);                                                      \
-        cr_assert(cond, "timed out waiting for %s", what);                     \
-    } while (0)
+    if (f) {
+        if (fscanf(f, "%d", &port) != 1)
+            port = 0;
+        fclose(f);
+    }
+    return port;
+}
 
 /* Starts the stand-in with extra flags; the port comes back in a file. */
 static void start_server(const char *history, const char *bookmarks)
 {
     char portfile[] = "/tmp/cohort-apiport-XXXXXX";
-    int fd = mkstemp(portfile), port = 0;
+    int fd = mkstemp(portfile), port;
     char *argv[] = { "python3", "tests/kube/apiserver.py", "--port-file", portfile, "--quiet",
                      "--history-size", (char *)history, "--bookmark-interval", (char *)bookmarks,
                      NULL };
@@ -63,19 +63,8 @@ static void start_server(const char *history, const char *bookmarks)
         execvp("python3", argv);
         _exit(127);
     }
-    WAIT_FOR(access(portfile, R_OK) == 0, "the stand-in's port file");
-    for (int i = 0; i < 100 && port == 0; i++) {
-        FILE *f = fopen(portfile, "r");
-        if (f) {
-            if (fscanf(f, "%d", &port) != 1)
-                port = 0;
-            fclose(f);
-        }
-        if (!port)
-            sleep_ms(10);
-    }
+    FIXTURE_WAIT_FOR((port = read_port(portfile)) > 0, "the stand-in never wrote its port");
     unlink(portfile);
-    cr_assert_gt(port, 0);
     snprintf(url, sizeof(url), "http://127.0.0.1:%d", port);
     c.server = url;
     cr_assert_eq(kube_create(&c, NULL, &k), 0);
@@ -130,32 +119,43 @@ static bool cached(struct reflector *r, const char *key)
     return ok;
 }
 
+/* A reflector of the server's Leases labelled app=cohort whose watches
+ * last watch_timeout_s, counting its events in *s (borrowed), once it has
+ * listed. The caller frees it with reflector_destroy(). */
+static struct reflector *reflect(int watch_timeout_s, struct seen *s)
+{
+    struct reflector_config rc = { .kube = k, .path = LEASES, .selector = "app=cohort",
+                                   .watch_timeout_s = watch_timeout_s, .on_upsert = on_upsert,
+                                   .on_delete = on_delete, .arg = s };
+    struct reflector *r;
+
+    cr_assert_eq(reflector_start(&rc, &r), 0);
+    cr_assert(reflector_wait_synced(r, FIXTURE_WAIT_MS));
+    return r;
+}
+
 Test(kubeops, reflector_lists_then_follows_the_watch, .timeout = 90)
 {
     struct seen s = { 0 };
-    struct reflector_config rc = { .path = LEASES, .selector = "app=cohort", .watch_timeout_s = 2,
-                                   .on_upsert = on_upsert, .on_delete = on_delete, .arg = &s };
     struct reflector *r;
+    struct reflector_stats st;
     cJSON *all;
 
     start_server("1000", "1");
     cr_assert_eq(create_lease("a", "cohort"), 0);
     cr_assert_eq(create_lease("other", "else"), 0);
-    rc.kube = k;
-    cr_assert_eq(reflector_start(&rc, &r), 0);
-    cr_assert(reflector_wait_synced(r, 30000));
+    r = reflect(2, &s);
     cr_assert(cached(r, "default/a"));
     cr_assert(!cached(r, "default/other"), "the selector is applied");
     cr_assert_eq(create_lease("b", "cohort"), 0);
-    WAIT_FOR(cached(r, "default/b"), "the watch to add b");
+    FIXTURE_WAIT_FOR(cached(r, "default/b"), "the watch never added b");
     cr_assert_eq(kube_delete(k, LEASES "/a"), 0);
-    WAIT_FOR(!cached(r, "default/a"), "the watch to delete a");
+    FIXTURE_WAIT_FOR(!cached(r, "default/a"), "the watch never deleted a");
     cr_assert_geq(atomic_load(&s.deletes), 1);
     /* The server ends watches every 2 s; the reflector resumes. */
-    struct reflector_stats st;
-    WAIT_FOR((reflector_stats(r, &st), st.watches >= 3), "several watches");
+    FIXTURE_WAIT_FOR((reflector_stats(r, &st), st.watches >= 3), "no watch after the first");
     cr_assert_eq(create_lease("c", "cohort"), 0);
-    WAIT_FOR(cached(r, "default/c"), "a resumed watch to add c");
+    FIXTURE_WAIT_FOR(cached(r, "default/c"), "no resumed watch added c");
     all = reflector_list(r, "default/");
     cr_assert_eq(cJSON_GetArraySize(all), 2);
     cJSON_Delete(all);
@@ -166,8 +166,6 @@ Test(kubeops, reflector_lists_then_follows_the_watch, .timeout = 90)
 Test(kubeops, reflector_keeps_up_through_a_short_history, .timeout = 90)
 {
     struct seen s = { 0 };
-    struct reflector_config rc = { .path = LEASES, .selector = "app=cohort", .watch_timeout_s = 1,
-                                   .on_upsert = on_upsert, .on_delete = on_delete, .arg = &s };
     struct reflector *r;
     struct reflector_stats st;
 
@@ -178,17 +176,20 @@ Test(kubeops, reflector_keeps_up_through_a_short_history, .timeout = 90)
     start_server("5", "3600");
     cr_assert_eq(create_lease("keep", "cohort"), 0);
     cr_assert_eq(create_lease("gone", "cohort"), 0);
-    rc.kube = k;
-    cr_assert_eq(reflector_start(&rc, &r), 0);
-    cr_assert(reflector_wait_synced(r, 30000));
+    r = reflect(1, &s);
+    /* The first watch resumes from the list's version, which no bookmark
+     * has moved on yet: it must be open before the noise, or it is the
+     * one that falls behind. An event through it shows it is. */
+    cr_assert_eq(create_lease("first", "cohort"), 0);
+    FIXTURE_WAIT_FOR(cached(r, "default/first"), "the first watch never delivered");
     for (int i = 0; i < 20; i++) {
         char name[32];
         snprintf(name, sizeof(name), "noise-%d", i);
         cr_assert_eq(create_lease(name, "else"), 0);
     }
-    WAIT_FOR((reflector_stats(r, &st), st.watches >= 4), "several resumed watches");
+    FIXTURE_WAIT_FOR((reflector_stats(r, &st), st.watches >= 4), "too few resumed watches");
     cr_assert_eq(kube_delete(k, LEASES "/gone"), 0);
-    WAIT_FOR(!cached(r, "default/gone"), "the deletion to reach the cache");
+    FIXTURE_WAIT_FOR(!cached(r, "default/gone"), "the deletion never reached the cache");
     cr_assert(cached(r, "default/keep"));
     reflector_stats(r, &st);
     cr_assert_eq(st.errors, 0);
@@ -217,23 +218,25 @@ Test(kubeops, exactly_one_leader_and_failover, .timeout = 90)
 
     start_server("1000", "5");
     a = elector("op-a");
-    WAIT_FOR(lease_is_leader(a), "op-a to lead");
+    FIXTURE_WAIT_FOR(lease_is_leader(a), "op-a never led");
     b = elector("op-b");
-    /* op-b keeps trying for a while and never leads while op-a renews. */
+    /* op-b keeps trying and never leads while op-a renews: watched for
+     * 2 s, ten of op-b's retry periods (what is checked is that nothing
+     * happens, so this one waits for time, not for a condition). */
     for (int i = 0; i < 20; i++) {
-        sleep_ms(100);
+        clock_sleep_ms(100);
         cr_assert(lease_is_leader(a) && !lease_is_leader(b), "two leaders, or none");
     }
     /* A crash: no release; op-b must wait out the lease, then lead. */
     t0 = clock_now_ms();
     lease_abandon(a);
-    WAIT_FOR(lease_is_leader(b), "op-b to take over");
+    FIXTURE_WAIT_FOR(lease_is_leader(b), "op-b never took over");
     cr_assert_geq(clock_now_ms() - t0, 1000, "took over before the lease could expire");
     /* A clean stop releases: a successor leads well within a lease. */
     a = elector("op-a2");
     t0 = clock_now_ms();
     lease_destroy(b);
-    WAIT_FOR(lease_is_leader(a), "op-a2 to lead after the release");
+    FIXTURE_WAIT_FOR(lease_is_leader(a), "op-a2 never led after the release");
     cr_assert_lt(clock_now_ms() - t0, 1500 + 1000);
     lease_destroy(a);
     stop_server();

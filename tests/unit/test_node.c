@@ -9,11 +9,11 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 #include "base/clock.h"
 #include "fixture.h"
 #include "accumulator/node.h"
+#include "membership/brokerd.h"
 
 #define P 1031                  /* parameters: a prime, not a multiple of anything */
 #define MAXN 6
@@ -21,9 +21,16 @@
 static struct brokerd *d;
 static char broker[64];
 
+/* The fixture's broker with a startup hold: the trainers a test starts
+ * together join within it and land in one first epoch, instead of the
+ * first one leading an epoch of its own (see trainer_main). */
 static void start(void)
 {
-    d = fixture_broker_start("train", broker, sizeof(broker));
+    struct brokerd_config cfg;
+
+    fixture_broker_config(&cfg);
+    cfg.broker.startup_hold_ms = 1000;
+    d = fixture_broker_start_with(&cfg, "train", broker, sizeof(broker));
 }
 
 static void stop(void)
@@ -41,6 +48,8 @@ struct trainer {
     _Alignas(64) float results[P];
     _Alignas(64) double buffers[2];
     uint64_t target;                    /* stop at this model version */
+    uint32_t together;                  /* members to wait for before training */
+    bool started;                       /* an epoch had them: contributing */
     atomic_bool quit;
     pthread_t t;
     /* What it saw. */
@@ -49,15 +58,15 @@ struct trainer {
     uint64_t states;
 };
 
-static void sleep_ms(long ms)
-{
-    struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
-    nanosleep(&ts, NULL);
-}
-
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
  * element, with batch size 1: a committed result is then exactly the mean
- * of (index + 1) over the contributions it reduced. */
+ * of (index + 1) over the contributions it reduced.
+ *
+ * The first contribution waits for an epoch of tr->together members. A
+ * trainer that found itself alone in the first epoch (its peers joined
+ * after the broker's startup hold, on a loaded machine) would otherwise
+ * train alone, dozens of rounds in a few milliseconds, and the test would
+ * no longer be about the cohort it started. */
 static void *trainer_main(void *arg)
 {
     struct trainer *tr = arg;
@@ -68,7 +77,7 @@ static void *trainer_main(void *arg)
         if (v.model_version >= tr->target && !v.has_gradients)
             break;
         if (!v.connected) {
-            sleep_ms(2);
+            clock_sleep_ms(2);
             continue;
         }
         if (v.wants_state) {
@@ -105,18 +114,22 @@ static void *trainer_main(void *arg)
             memset(tr->grads, 0, sizeof(tr->grads));
             if (node_consume(tr->n, v.rounds_committed) < 0)
                 tr->sum_check_failures++;
-        } else if (v.wants_gradients) {
+        } else if (v.wants_gradients && (tr->started || v.size >= tr->together)) {
+            tr->started = true;
             for (int i = 0; i < P; i++)
                 tr->grads[i] += (float)(tr->index + 1);
             node_contribute(tr->n, 1);
         } else {
-            sleep_ms(1);
+            clock_sleep_ms(1);
         }
     }
     return NULL;
 }
 
-static void trainer_start(struct trainer *tr, int index, uint64_t target)
+/* Trainer w-<index>, training to model version `target` once an epoch has
+ * `together` members. Its loop ends at the target (or on tr->quit); the
+ * caller joins it with trainer_join() and stops its node with node_stop(). */
+static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32_t together)
 {
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
                              .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5 };
@@ -126,6 +139,7 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target)
     memset(tr, 0, sizeof(*tr));
     tr->index = index;
     tr->target = target;
+    tr->together = together;
     /* Different initial parameters: state sync must make them equal. */
     for (int i = 0; i < P; i++)
         tr->params[i] = (float)(index * 1000 + i);
@@ -146,10 +160,27 @@ static void trainer_join(struct trainer *tr)
     pthread_join(tr->t, NULL);
 }
 
-static void set_vbs(struct trainer *trs, int n, uint64_t vbs)
+/* Trainers w-0 .. w-(n-1) in trs[], training together to model version
+ * `target` with virtual batch size vbs. Each stops its own loop at the
+ * target; trainers_stop() stops their nodes. */
+static void trainers_start(struct trainer *trs, int n, uint64_t target, uint64_t vbs)
 {
     for (int i = 0; i < n; i++)
+        trainer_start(&trs[i], i, target, (uint32_t)n);
+    for (int i = 0; i < n; i++)
         node_set_virtual_batch_size(trs[i].n, vbs);
+}
+
+static void trainers_join(struct trainer *trs, int n)
+{
+    for (int i = 0; i < n; i++)
+        trainer_join(&trs[i]);
+}
+
+static void trainers_stop(struct trainer *trs, int n)
+{
+    for (int i = 0; i < n; i++)
+        node_stop(trs[i].n);
 }
 
 Test(node, three_trainers_commit_identical_rounds)
@@ -157,11 +188,8 @@ Test(node, three_trainers_commit_identical_rounds)
     static struct trainer trs[3];
     struct node_view v0, v;
 
-    for (int i = 0; i < 3; i++)
-        trainer_start(&trs[i], i, 15);
-    set_vbs(trs, 3, 3);         /* one contribution from each per round */
-    for (int i = 0; i < 3; i++)
-        trainer_join(&trs[i]);
+    trainers_start(trs, 3, 15, 3);      /* one contribution from each per round */
+    trainers_join(trs, 3);
     node_view(trs[0].n, &v0);
     cr_assert_eq(v0.model_version, 15);
     for (int i = 0; i < 3; i++) {
@@ -182,8 +210,7 @@ Test(node, three_trainers_commit_identical_rounds)
         cr_assert_eq(trs[i].buffers[1], 0.0, "w-%d's buffers were not synced from the leader", i);
     for (int i = 1; i < 3; i++)
         cr_assert_geq(trs[i].states, 1, "w-%d never received the leader's state", i);
-    for (int i = 0; i < 3; i++)
-        node_stop(trs[i].n);
+    trainers_stop(trs, 3);
 }
 
 Test(node, virtual_batch_spans_several_contributions)
@@ -191,11 +218,8 @@ Test(node, virtual_batch_spans_several_contributions)
     static struct trainer trs[2];
     struct node_view v;
 
-    for (int i = 0; i < 2; i++)
-        trainer_start(&trs[i], i, 5);
-    set_vbs(trs, 2, 6);         /* three contributions from each per round */
-    for (int i = 0; i < 2; i++)
-        trainer_join(&trs[i]);
+    trainers_start(trs, 2, 5, 6);       /* three contributions from each per round */
+    trainers_join(trs, 2);
     node_view(trs[1].n, &v);
     cr_assert_eq(v.model_version, 5);
     cr_assert_eq(v.batch_size, 6);
@@ -206,31 +230,34 @@ Test(node, virtual_batch_spans_several_contributions)
      * parameters moved by 0.015 per round. */
     cr_assert_eq(trs[0].sum_check_failures + trs[1].sum_check_failures, 0);
     cr_assert_float_eq(trs[0].params[0], 0.0f - 5 * 0.015f, 1e-4);
-    for (int i = 0; i < 2; i++)
-        node_stop(trs[i].n);
+    trainers_stop(trs, 2);
+}
+
+static bool reached_version_10(void *node)
+{
+    struct node_view v;
+
+    node_view(node, &v);
+    return v.model_version >= 10;
 }
 
 Test(node, member_leaves_and_joiner_catches_up)
 {
     static struct trainer trs[4];
     struct node_view v;
+    uint64_t epoch_before;
 
-    for (int i = 0; i < 3; i++)
-        trainer_start(&trs[i], i, 40);
-    set_vbs(trs, 3, 1);
+    trainers_start(trs, 3, 40, 1);
     /* Let training run, then take w-1 away mid-run. */
-    uint64_t end = clock_now_ms() + 60000;
-    do {
-        node_view(trs[0].n, &v);
-        sleep_ms(5);
-    } while (v.model_version < 10 && clock_now_ms() < end);
-    cr_assert_geq(v.model_version, 10);
-    uint64_t epoch_before = v.epoch;
+    cr_assert(fixture_wait_until(reached_version_10, trs[0].n, 60000),
+              "w-0 never reached model version 10");
+    node_view(trs[0].n, &v);
+    epoch_before = v.epoch;
     atomic_store(&trs[1].quit, true);
     trainer_join(&trs[1]);
     node_stop(trs[1].n);
     /* A newcomer with other parameters joins and must catch up. */
-    trainer_start(&trs[3], 3, 40);
+    trainer_start(&trs[3], 3, 40, 3);
     node_set_virtual_batch_size(trs[3].n, 1);
     trainer_join(&trs[0]);
     trainer_join(&trs[2]);

@@ -235,8 +235,31 @@ static struct reconcile_pod_view pv(const char *name, long ord, enum reconcile_p
     return (struct reconcile_pod_view){ .name = name, .uid = name, .ordinal = ord, .phase = ph };
 }
 
+/* Pods lr-0 .. lr-(n-1), in these phases, into pods[]; names are
+ * static. */
+static void ordinal_pods(struct reconcile_pod_view *pods, size_t n,
+                         const enum reconcile_phase *phases)
+{
+    static const char *const names[] = { "lr-0", "lr-1", "lr-2", "lr-3", "lr-4" };
+
+    cr_assert_leq(n, sizeof names / sizeof names[0]);
+    for (size_t i = 0; i < n; i++)
+        pods[i] = pv(names[i], (long)i, phases[i]);
+}
+
 static const struct reconcile_spec spec3 = { .replicas = 3, .min_replicas = 1, .max_restarts = 2,
                                              .heartbeat_ms = 1000, .timeout_ms = 5000 };
+
+/* spec3's plan after `restarts`, with pods lr-0, lr-1 and lr-2 in these
+ * phases. The caller frees *p with reconcile_plan_cleanup(). */
+static void plan3(uint32_t restarts, enum reconcile_phase ph0, enum reconcile_phase ph1,
+                  enum reconcile_phase ph2, struct reconcile_plan *p)
+{
+    struct reconcile_pod_view pods[3];
+
+    ordinal_pods(pods, 3, (enum reconcile_phase[]){ ph0, ph1, ph2 });
+    cr_assert_eq(reconcile_plan(&spec3, restarts, pods, 3, p), 0);
+}
 
 Test(reconcile, plan_creates_the_missing_ordinals)
 {
@@ -289,37 +312,30 @@ Test(reconcile, plan_suspend_drains_every_pod_and_creates_none)
 
 Test(reconcile, plan_replaces_failed_pods_up_to_max_restarts)
 {
-    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_FAILED),
-                                         pv("lr-1", 1, RECONCILE_POD_FAILED),
-                                         pv("lr-2", 2, RECONCILE_POD_RUNNING) };
+    /* spec3 allows two restarts: after r of them, this many replacements. */
+    static const struct {
+        uint32_t restarts;
+        size_t n_replace;
+        bool failed;
+    } after[] = { { 0, 2, false }, { 1, 1, true }, { 2, 0, true } };
     struct reconcile_plan p;
 
-    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 3, &p), 0);
-    cr_assert_eq(p.n_replace, 2);
-    cr_assert(!p.failed);
-    cr_assert_eq(p.n_create, 0, "the failed pods hold their names until deleted");
-    cr_assert_eq(p.failed_pods, 2);
-    reconcile_plan_cleanup(&p);
-
-    cr_assert_eq(reconcile_plan(&spec3, 1, pods, 3, &p), 0);
-    cr_assert_eq(p.n_replace, 1, "one restart left");
-    cr_assert(p.failed);
-    reconcile_plan_cleanup(&p);
-
-    cr_assert_eq(reconcile_plan(&spec3, 2, pods, 3, &p), 0);
-    cr_assert_eq(p.n_replace, 0);
-    cr_assert(p.failed);
-    reconcile_plan_cleanup(&p);
+    for (size_t i = 0; i < sizeof after / sizeof after[0]; i++) {
+        plan3(after[i].restarts, RECONCILE_POD_FAILED, RECONCILE_POD_FAILED, RECONCILE_POD_RUNNING,
+              &p);
+        cr_assert_eq(p.n_replace, after[i].n_replace, "after %u restarts", after[i].restarts);
+        cr_assert_eq(p.failed, after[i].failed, "after %u restarts", after[i].restarts);
+        cr_assert_eq(p.n_create, 0, "the failed pods hold their names until deleted");
+        cr_assert_eq(p.failed_pods, 2);
+        reconcile_plan_cleanup(&p);
+    }
 }
 
 Test(reconcile, plan_waits_for_a_terminating_pod_to_free_its_name)
 {
-    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_TERMINATING),
-                                         pv("lr-1", 1, RECONCILE_POD_RUNNING),
-                                         pv("lr-2", 2, RECONCILE_POD_RUNNING) };
     struct reconcile_plan p;
 
-    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 3, &p), 0);
+    plan3(0, RECONCILE_POD_TERMINATING, RECONCILE_POD_RUNNING, RECONCILE_POD_RUNNING, &p);
     cr_assert_eq(p.n_create, 0);
     cr_assert_eq(p.blocked, 1);
     reconcile_plan_cleanup(&p);
@@ -327,12 +343,9 @@ Test(reconcile, plan_waits_for_a_terminating_pod_to_free_its_name)
 
 Test(reconcile, plan_completes_when_every_trainer_succeeded)
 {
-    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_SUCCEEDED),
-                                         pv("lr-1", 1, RECONCILE_POD_SUCCEEDED),
-                                         pv("lr-2", 2, RECONCILE_POD_SUCCEEDED) };
     struct reconcile_plan p;
 
-    cr_assert_eq(reconcile_plan(&spec3, 0, pods, 3, &p), 0);
+    plan3(0, RECONCILE_POD_SUCCEEDED, RECONCILE_POD_SUCCEEDED, RECONCILE_POD_SUCCEEDED, &p);
     cr_assert(p.complete);
     cr_assert_eq(p.n_create + p.n_replace + p.n_excess, 0, "finished pods are not replaced");
     reconcile_plan_cleanup(&p);
@@ -368,9 +381,7 @@ Test(reconcile, status_reports_members_leader_and_conditions)
     struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 40, false },
                                     { "lr-1", "1.1.1.2:5", 42, false },
                                     { "lr-2", "1.1.1.3:5", 42, true } };
-    struct reconcile_pod_view pods[] = { pv("lr-0", 0, RECONCILE_POD_RUNNING),
-                                         pv("lr-1", 1, RECONCILE_POD_RUNNING),
-                                         pv("lr-2", 2, RECONCILE_POD_RUNNING) };
+    struct reconcile_pod_view pods[3];
     struct reconcile_spec s = spec3;
     struct reconcile_plan p;
     struct reconcile_observed o = { .generation = 3, .selector = "cohort.dev/cohort=lr",
@@ -379,6 +390,8 @@ Test(reconcile, status_reports_members_leader_and_conditions)
                                     .draining = 1 };
     cJSON *st, *st2, *old;
 
+    ordinal_pods(pods, 3, (enum reconcile_phase[]){ RECONCILE_POD_RUNNING, RECONCILE_POD_RUNNING,
+                                                    RECONCILE_POD_RUNNING });
     s.replicas = 2;
     cr_assert_eq(reconcile_plan(&s, 1, pods, 3, &p), 0);
     o.plan = &p;
