@@ -20,7 +20,8 @@ struct rpc_channel {
 int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
                        struct rpc_channel **out)
 {
-    size_t max_reply = opts && opts->max_reply_bytes ? opts->max_reply_bytes : LIMIT_RPC_REPLY_BYTES;
+    size_t max_reply = opts && opts->max_reply_bytes ? opts->max_reply_bytes
+                                                     : LIMIT_RPC_REPLY_BYTES;
     uint32_t backoff = opts && opts->max_backoff_ms ? opts->max_backoff_ms : LIMIT_BACKOFF_MAX_MS;
     grpc_channel_credentials *creds;
     struct rpc_channel *c;

@@ -447,7 +447,8 @@ static void shutdown_done(struct rpc_tag *t, bool ok)
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
                       const struct rpc_server_opts *opts, struct rpc_server **out)
 {
-    size_t max_req = opts && opts->max_request_bytes ? opts->max_request_bytes : LIMIT_RPC_REQUEST_BYTES;
+    size_t max_req = opts && opts->max_request_bytes ? opts->max_request_bytes
+                                                     : LIMIT_RPC_REQUEST_BYTES;
     grpc_arg args[4];
     grpc_channel_args cargs = { .num_args = 4, .args = args };
     grpc_server_credentials *creds;
