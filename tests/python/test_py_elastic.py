@@ -46,8 +46,10 @@ def test_four_peers_train_the_example_and_agree(tmp_path):
 
 
 def test_a_joiner_receives_the_optimizer_state_and_follows(tmp_path):
+    # The joiner's interpreter may start after peer-0 reached its last
+    # version on a loaded machine: peer-0 lingers, serving its state.
     rc, s, err = run_train(tmp_path, 1, ["--steps", "60", "--delay", "0.02", "--log-every", "1",
-                                         "--stall-timeout", "60"],
+                                         "--stall-timeout", "60", "--linger", "15"],
                            "--schedule", "add@v=15")
     assert rc == 0, explain_run(s, err)
     assert [p["id"] for p in s["peers"]] == ["peer-0", "peer-1"]
@@ -61,7 +63,8 @@ def test_a_joiner_receives_the_optimizer_state_and_follows(tmp_path):
 
 def test_kill_trainer_kill_sidecar_add_peer_survivors_agree(tmp_path):
     rc, s, err = run_train(tmp_path, 4, ["--steps", "90", "--delay", "0.02", "--log-every", "1",
-                                         "--wait-for", "4", "--stall-timeout", "60"],
+                                         "--wait-for", "4", "--stall-timeout", "60",
+                                         "--linger", "15"],
                            "--schedule", "kill-trainer@v=15:1,kill-sidecar@v=30:2,add@v=45")
     assert rc == 0, explain_run(s, err)
     assert [e["fired"] for e in s["events"]] == [True, True, True], s["events"]
