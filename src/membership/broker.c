@@ -86,6 +86,16 @@ static uint64_t min_u64(uint64_t a, uint64_t b)
     return a < b ? a : b;
 }
 
+static uint32_t min_u32(uint32_t a, uint32_t b)
+{
+    return a < b ? a : b;
+}
+
+static uint32_t max_u32(uint32_t a, uint32_t b)
+{
+    return a > b ? a : b;
+}
+
 static uint64_t max_u64(uint64_t a, uint64_t b)
 {
     return a > b ? a : b;
@@ -595,6 +605,12 @@ int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
         return -ENOENT;
     heartbeat_ms = j->heartbeat_ms ? j->heartbeat_ms : c ? c->heartbeat_ms : b->cfg.heartbeat_ms;
     timeout_ms = j->timeout_ms ? j->timeout_ms : c ? c->timeout_ms : b->cfg.timeout_ms;
+    /* A member may ask for a timeout of its own, but however long it asks,
+     * a member that stops answering holds its cohort's rounds for at most
+     * the cohort's timeout or BROKER_MEMBER_TIMEOUT_CAP_MS, whichever is
+     * longer. The reply says what was granted. */
+    timeout_ms = min_u32(timeout_ms, max_u32(c ? c->timeout_ms : b->cfg.timeout_ms,
+                                             BROKER_MEMBER_TIMEOUT_CAP_MS));
     if (timeout_ms <= heartbeat_ms)
         return -EINVAL;
     if (!c) {

@@ -98,6 +98,11 @@ struct broker_join {
     uint32_t timeout_ms;        /* 0: the cohort's */
 };
 
+/* The longest member timeout a join may ask for beyond its cohort's own
+ * (10 min): a stranger's join that asked for days would otherwise hold a
+ * cohort's rounds that long once it stops answering. */
+#define BROKER_MEMBER_TIMEOUT_CAP_MS 600000u
+
 struct broker_join_result {
     uint32_t heartbeat_ms;      /* effective */
     uint32_t timeout_ms;        /* effective */
@@ -107,7 +112,8 @@ struct broker_join_result {
 /* Adds a member, or refreshes it when the same id comes back with the same
  * session (a rejoin: heartbeat time, address and version are updated; a new
  * address is a membership change). Returns 0, -EINVAL (bad id, address,
- * zero session, timeout <= heartbeat), -ENOENT (unknown cohort and
+ * zero session, timeout <= heartbeat once the timeout is capped at
+ * the larger of the cohort's and BROKER_MEMBER_TIMEOUT_CAP_MS), -ENOENT (unknown cohort and
  * !allow_any_cohort), -EEXIST (the id is held by a live member with another
  * session), -ENOSPC (max_members or max_cohorts), -ENOMEM. */
 int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,

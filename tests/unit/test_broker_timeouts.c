@@ -124,6 +124,24 @@ Test(broker, join_rejects_timeout_not_above_heartbeat)
     cr_assert_eq(fixture_sm_members("demo"), 0);
 }
 
+/* A join may not make its member's silence cost the cohort more than the
+ * cap: 2^32-1 ms asked, 10 min granted, and the member is evicted then. */
+Test(broker, join_timeout_is_capped)
+{
+    struct broker_join j = { .cohort = "demo", .id = "evil", .address = FIXTURE_ADDR,
+                             .session = 7, .timeout_ms = UINT32_MAX };
+
+    fixture_sm_start(NULL);
+    fixture_sm_join_timed(&j, FIXTURE_T0, 1000, BROKER_MEMBER_TIMEOUT_CAP_MS);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_T0 + BROKER_MEMBER_TIMEOUT_CAP_MS), 1);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_T0 + BROKER_MEMBER_TIMEOUT_CAP_MS + 1), 0);
+    /* A heartbeat as long as the capped timeout is refused, as any
+     * timeout not above its heartbeat is. */
+    j.heartbeat_ms = BROKER_MEMBER_TIMEOUT_CAP_MS;
+    j.session = 8;
+    cr_assert_eq(broker_join(fixture_sm, FIXTURE_T0 + 700000, &j, NULL), -EINVAL);
+}
+
 /* ---- leaving ---- */
 
 Test(broker, leave_takes_effect_at_next_tick)
