@@ -9,7 +9,15 @@
  * too). A greeting from an older epoch gets "stale" with the newer number;
  * one from a newer epoch is held up to the member timeout for our own
  * set_epoch; anything else is a stranger and is closed with one log line.
- * Garbage is recognised by its first four bytes and closed at once. */
+ * Garbage is recognised by its first four bytes and closed at once.
+ *
+ * Anyone on the pod network can connect, so nothing a stranger holds may
+ * stop a member's connection from being greeted: a whole greeting must
+ * arrive within GREETING_MS of the accept (a member sends it at once); the
+ * listening socket is always polled, and when MAX_PENDING connections are
+ * waiting, or PENDING_PER_SOURCE from one address, the oldest of them that
+ * has not greeted makes room for the new one. A connection that never sent
+ * a byte goes without a log line, so a flood cannot flood the log too. */
 #include "engine/acceptor.h"
 
 #include <arpa/inet.h>
@@ -27,21 +35,22 @@
 #include "engine/allreduce_impl.h"
 #include "engine/conn.h"
 
-static void describe_peer(int fd, char *out, size_t len)
+static void describe_peer(int fd, char *host, size_t hlen, char *out, size_t len)
 {
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
-    char host[INET6_ADDRSTRLEN] = "?";
     unsigned port = 0;
+
+    snprintf(host, hlen, "?");
 
     if (getpeername(fd, (struct sockaddr *)&ss, &sl) == 0) {
         if (ss.ss_family == AF_INET) {
             struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
-            inet_ntop(AF_INET, &s4->sin_addr, host, sizeof(host));
+            inet_ntop(AF_INET, &s4->sin_addr, host, (socklen_t)hlen);
             port = ntohs(s4->sin_port);
         } else if (ss.ss_family == AF_INET6) {
             struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&ss;
-            inet_ntop(AF_INET6, &s6->sin6_addr, host, sizeof(host));
+            inet_ntop(AF_INET6, &s6->sin6_addr, host, (socklen_t)hlen);
             port = ntohs(s6->sin6_port);
         }
     }
@@ -56,9 +65,42 @@ static void pending_drop(struct allreduce *a, size_t i)
 
 static void stranger(struct allreduce *a, size_t i, const char *why)
 {
-    log_warn(COMPONENT, "Closed a connection from a stranger.", LF_S("cohort", a->cohort),
-             LF_S("from", a->pending[i].from), LF_S("reason", why));
+    if (a->pending[i].got > 0)
+        log_warn(COMPONENT, "Closed a connection from a stranger.", LF_S("cohort", a->cohort),
+                 LF_S("from", a->pending[i].from), LF_S("reason", why));
     pending_drop(a, i);
+}
+
+/* The pending connection to drop for a new one: the oldest that has not
+ * greeted (the oldest held greeting if all have), among those from `host`
+ * when `host` is not NULL. Returns MAX_PENDING when there is none. */
+static size_t oldest(const struct allreduce *a, const char *host)
+{
+    size_t pick = MAX_PENDING;
+
+    for (size_t i = 0; i < a->n_pending; i++) {
+        const struct pending *p = &a->pending[i], *q;
+        if (host && strcmp(p->host, host) != 0)
+            continue;
+        if (pick == MAX_PENDING) {
+            pick = i;
+            continue;
+        }
+        q = &a->pending[pick];
+        if (p->held < q->held || (p->held == q->held && p->since < q->since))
+            pick = i;
+    }
+    return pick;
+}
+
+/* How many pending connections came from `host`. */
+static size_t from_host(const struct allreduce *a, const char *host)
+{
+    size_t n = 0;
+
+    for (size_t i = 0; i < a->n_pending; i++)
+        n += strcmp(a->pending[i].host, host) == 0;
+    return n;
 }
 
 static bool reply(int fd, uint8_t kind, uint64_t epoch, struct allreduce *a)
@@ -94,8 +136,11 @@ static bool judge(struct allreduce *a, size_t i)
     cur = a->epoch ? a->epoch->number : 0;
     if (h.epoch > cur) {
         /* The peer adopted an epoch before us; ours is probably on its
-         * way. Hold the greeting until it arrives or the deadline. */
+         * way. Hold the greeting until it arrives, for up to the member
+         * timeout. */
         pthread_mutex_unlock(&a->mu);
+        if (!p->held)
+            p->deadline = p->since + a->timeout_ms;
         p->held = true;
         return true;
     }
@@ -133,21 +178,24 @@ static bool judge(struct allreduce *a, size_t i)
     return false;
 }
 
+/* Accepts what is waiting, at most MAX_PENDING at a time so that the
+ * greetings already pending are read in between. */
 static void accept_all(struct allreduce *a, uint64_t now)
 {
-    while (a->n_pending < MAX_PENDING) {
+    for (int k = 0; k < MAX_PENDING; k++) {
         int fd = accept4(a->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        struct pending *p;
+        struct pending *p, fresh = { .fd = fd, .since = now, .deadline = now + GREETING_MS };
 
         if (fd < 0)
             return;             /* EAGAIN, or a connection that vanished */
         conn_tune_socket(fd);
+        describe_peer(fd, fresh.host, sizeof(fresh.host), fresh.from, sizeof(fresh.from));
+        if (from_host(a, fresh.host) >= PENDING_PER_SOURCE)
+            stranger(a, oldest(a, fresh.host), "too many connections from its address");
+        else if (a->n_pending == MAX_PENDING)
+            stranger(a, oldest(a, NULL), "too many connections waiting");
         p = &a->pending[a->n_pending++];
-        p->fd = fd;
-        p->got = 0;
-        p->held = false;
-        p->deadline = now + a->timeout_ms;
-        describe_peer(fd, p->from, sizeof(p->from));
+        *p = fresh;
     }
 }
 
@@ -203,8 +251,7 @@ static void *acceptor_main(void *arg)
             i++;
         }
         pfd[0] = (struct pollfd){ .fd = a->wake_fd, .events = POLLIN };
-        pfd[1] = (struct pollfd){ .fd = a->n_pending < MAX_PENDING ? a->listen_fd : -1,
-                                  .events = POLLIN };
+        pfd[1] = (struct pollfd){ .fd = a->listen_fd, .events = POLLIN };
         for (size_t i = 0; i < a->n_pending; i++)
             if (!a->pending[i].held) {
                 map[n - 2] = i;

@@ -33,6 +33,8 @@
 #define SLOTS (WINDOW_UNITS_WIDE + 2)
 
 #define MAX_PENDING 64          /* accepted connections still greeting */
+#define PENDING_PER_SOURCE 16   /* of those, from one source address */
+#define GREETING_MS 1000        /* from accept to a whole greeting */
 #define INBOX_MAX 256           /* greeted connections not yet taken by a run */
 #define MAX_NEED 72             /* peers one call talks to: 2 + log2(n) */
 
@@ -67,11 +69,13 @@ struct inbound {
 /* An accepted connection whose greeting is still being read or judged. */
 struct pending {
     int fd;
+    uint64_t since;             /* accepted at */
     uint64_t deadline;
     size_t got;
     bool held;                  /* greeted from a newer epoch; waiting for ours */
     uint8_t buf[PEERWIRE_HELLO_BYTES];
-    char from[64];
+    char host[48];              /* the source address, for the per-source cap */
+    char from[64];              /* host:port, for logs */
 };
 
 /* A registered buffer. */

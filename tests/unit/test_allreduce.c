@@ -784,6 +784,49 @@ Test(allreduce, strangers_are_closed_and_harmless)
     cluster_fini(&c);
 }
 
+/* A connection that never says anything: connected without waiting, so
+ * that a listener that stopped accepting cannot stall the test itself. */
+static int idle_dial(const char *addr)
+{
+    struct sockaddr_in sa = { .sin_family = AF_INET };
+    const char *colon = strrchr(addr, ':');
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+
+    cr_assert_geq(fd, 0);
+    sa.sin_port = htons((uint16_t)strtoul(colon + 1, NULL, 10));
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 || errno == EINPROGRESS);
+    return fd;
+}
+
+/* Hundreds of idle connections to a member's port, from the members' own
+ * address: the next epoch's connections are still greeted at once, and
+ * rounds go on, long before the idle ones could time out (10 s). */
+Test(allreduce, idle_connections_do_not_stall_greetings)
+{
+    enum { IDLE = 300 };
+    static int idle[IDLE];
+    struct cluster c;
+
+    quiet();
+    cluster_init(&c, 2, 4096 * 8, 0, 0, 10000);
+    adopt(&c, 1, NULL);
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 1, "before the flood");
+    for (int i = 0; i < IDLE; i++)
+        idle[i] = idle_dial(c.p[i % 2].addr);
+    /* A new epoch: every connection is made again, through the flood. */
+    adopt(&c, 2, NULL);
+    for (uint64_t round = 2; round < 7; round++) {
+        uint64_t t0 = clock_now_ms();
+        reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, round, "through the flood");
+        cr_assert_lt(clock_now_ms() - t0, 5000, "round %llu took %llu ms",
+                     (unsigned long long)round, (unsigned long long)(clock_now_ms() - t0));
+    }
+    for (int i = 0; i < IDLE; i++)
+        close(idle[i]);
+    cluster_fini(&c);
+}
+
 Test(allreduce, mismatched_round_fails_fast_then_recovers)
 {
     struct cluster c;
