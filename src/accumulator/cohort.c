@@ -128,7 +128,7 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
     c->layout.buffers_off = c->layout.results_off + align_up(pbytes);
     c->layout.buffers_bytes = (bbytes + 7) / 8 * 8;
     c->layout.shared_off = c->layout.buffers_off + align_up(bbytes) + ALIGN;
-    c->layout.region_bytes = c->layout.shared_off + TLINK_SHARED_BYTES;
+    c->layout.region_bytes = c->layout.shared_off + VIEWPAGE_BYTES;
     c->map_len = c->layout.region_bytes;
     /* Sealed at its size: a sidecar maps it, and a memfd that could shrink
      * under that mapping could kill the sidecar with SIGBUS. The sidecar
@@ -232,7 +232,7 @@ int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *m
  * rather than miss it. */
 static int refresh(struct cohort *c)
 {
-    c->seen_gen = tlink_shared_gen(link_shared_page(&c->mem));
+    c->seen_gen = viewpage_gen(link_shared_page(&c->mem));
     return c->link->ops->update(c->link, &c->view);
 }
 
@@ -297,7 +297,7 @@ int cohort_wait(struct cohort *c, int timeout_ms)
          * noticed within one. */
         int slice = end > now ? (int)(end - now < 50 ? end - now : 50) : 0;
 
-        if (tlink_shared_wait(link_shared_page(&c->mem), c->seen_gen, slice) == 0)
+        if (viewpage_wait(link_shared_page(&c->mem), c->seen_gen, slice) == 0)
             return 0;
         if (c->link->ops->gone(c->link))
             return -ENOTCONN;

@@ -10,7 +10,7 @@
  * asks which it has (the shape of redis's connection types, or curl's TLS
  * back ends). Both links serve the same tensors, laid out in one memfd
  * (struct link_memory), and both publish the view into the same shared page
- * (tlink_shared), so cohort_update() and cohort_wait() read it alike.
+ * (viewpage.h), so cohort_update() and cohort_wait() read it alike.
  *
  * Every operation returns 0 or a negative errno with the meaning
  * include/cohort.h gives it; -ENOTCONN once the link is lost. After an
@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "accumulator/tlink.h"
+#include "accumulator/viewpage.h"
 #include "engine/dtype.h"
 
 /* The trainer's tensors, as cohort_create() laid them out. Everything is
@@ -72,9 +73,9 @@ struct link {
 };
 
 /* The view page both links publish into, at the layout's shared_off. */
-static inline struct tlink_shared *link_shared_page(const struct link_memory *m)
+static inline struct viewpage *link_shared_page(const struct link_memory *m)
 {
-    return (struct tlink_shared *)((char *)m->map + m->layout->shared_off);
+    return (struct viewpage *)((char *)m->map + m->layout->shared_off);
 }
 
 #endif

@@ -28,7 +28,7 @@ static void publish(void *arg, const struct node_view *v)
     struct tlink_view w;
 
     tlink_view_fill(&w, v);
-    tlink_shared_publish(link_shared_page(p->mem), &w);
+    viewpage_publish(link_shared_page(p->mem), &w);
 }
 
 /* node_view zeroes the gradients itself when a state transfer dropped

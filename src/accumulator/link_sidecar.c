@@ -26,7 +26,8 @@ struct sidecar {
     struct link link;               /* first: the ops */
     const struct link_memory *mem;
     int sock;                       /* -1 once lost */
-    bool answered;                  /* the last request was answered: it is alive */
+    bool answered;                  /* the last request was answered, or a one-way one
+                                     * taken: the sidecar is alive, no need to look */
     bool consume_posted;            /* the sidecar may not have read it yet */
     uint64_t consumed_round;        /* the rounds_committed it consumes */
 };
@@ -124,7 +125,7 @@ static int update(struct link *l, struct tlink_view *view)
 
     s->answered = false;
     if (s->sock >= 0 && !(look && readable(s)) &&
-        tlink_shared_read(link_shared_page(s->mem), &w) == 0 && !w.drop_pending) {
+        viewpage_read(link_shared_page(s->mem), &w) == 0 && !w.drop_pending) {
         if (s->consume_posted && w.has_gradients && w.rounds_committed == s->consumed_round) {
             /* Published before the sidecar read our one-way consume. */
             w.has_gradients = false;
@@ -154,9 +155,11 @@ static int consume(struct link *l, uint64_t round)
         lost(s);
         return -ENOTCONN;
     }
+    /* Taken by the socket: the sidecar was there a moment ago, so the
+     * refresh that follows need not look again. */
     s->consume_posted = true;
     s->consumed_round = round;
-    s->answered = false;
+    s->answered = true;
     return 0;
 }
 

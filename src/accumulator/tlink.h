@@ -64,7 +64,7 @@ struct tlink_register {
     uint64_t params_off, params_bytes;
     uint64_t grads_off, grad_count;
     uint64_t results_off;       /* grad_count elements of the gradients' type */
-    uint64_t shared_off;        /* TLINK_SHARED_BYTES: struct tlink_shared */
+    uint64_t shared_off;        /* VIEWPAGE_BYTES: the view page (viewpage.h) */
     uint64_t buffers_off, buffers_bytes;
     uint8_t cuda_handle[64];    /* cudaIpcMemHandle_t, for TL_MEM_CUDA_IPC */
     int32_t cuda_device;
@@ -96,34 +96,9 @@ struct tlink_u64 {
     uint64_t value;
 };
 
-/* The sidecar publishes the trainer's view in the shared memory whenever
- * it may have changed, so cohort_update() reads it with no call. `seq` is
- * a seqlock, odd while the sidecar writes; 0 means nothing published yet.
- * `gen` counts publications and is the futex a waiting trainer sleeps on;
- * `waiters` says whether one does. All are read and written with atomics:
- * the two sides are processes. */
-#define TLINK_SHARED_BYTES 4096
-struct tlink_shared {
-    uint64_t seq;
-    uint32_t gen;
-    uint32_t waiters;
-    struct tlink_view view;
-};
-
 struct node_view;
 /* node_view (node.h) in the wire's fixed-width shape. */
 void tlink_view_fill(struct tlink_view *w, const struct node_view *v);
-/* Writer side: publishes `w` (one writer at a time) and wakes a waiter. */
-void tlink_shared_publish(struct tlink_shared *s, const struct tlink_view *w);
-/* Reader side: copies the latest view into *out. Returns 0, or -EAGAIN
- * when nothing was published yet or the writer kept it busy. */
-int tlink_shared_read(const struct tlink_shared *s, struct tlink_view *out);
-/* The publication count: read it before the view, wait on it after. */
-uint32_t tlink_shared_gen(const struct tlink_shared *s);
-/* Sleeps until a publication after `seen` (a value of tlink_shared_gen),
- * at most timeout_ms. Returns 0 (something was published: read again) or
- * -ETIMEDOUT. */
-int tlink_shared_wait(struct tlink_shared *s, uint32_t seen, int timeout_ms);
 
 /* The body size each request type must have exactly (replies: by the
  * request they answer). Returns -1 for an unknown type. */

@@ -20,6 +20,7 @@
 #include "base/limits.h"
 #include "base/log.h"
 #include "accumulator/tlink.h"
+#include "accumulator/viewpage.h"
 
 #define POLL_MS 200
 
@@ -40,7 +41,7 @@ struct session {
     void *map;
     size_t map_len;
     struct node *node;
-    struct tlink_shared *shared;    /* in map: where the view is published */
+    struct viewpage *shared;    /* in map: where the view is published */
     char name[TLINK_NAME_MAX];
 };
 
@@ -51,7 +52,7 @@ static void publish_view(void *arg, const struct node_view *v)
     struct tlink_view w;
 
     tlink_view_fill(&w, v);
-    tlink_shared_publish(s->shared, &w);
+    viewpage_publish(s->shared, &w);
 }
 
 /* Replies name their request's type only through the conversation: one
@@ -95,7 +96,7 @@ static int check_layout(const struct tlink_register *r, int fd)
         r->shared_off < end || r->shared_off < rend ||
         r->shared_off < r->params_off + r->params_bytes ||
         r->shared_off < r->buffers_off + r->buffers_bytes ||
-        r->shared_off > r->region_bytes || r->region_bytes - r->shared_off < TLINK_SHARED_BYTES ||
+        r->shared_off > r->region_bytes || r->region_bytes - r->shared_off < VIEWPAGE_BYTES ||
         r->params_off + r->params_bytes < r->params_off ||
         r->params_off + r->params_bytes > r->region_bytes ||
         r->buffers_off + r->buffers_bytes < r->buffers_off ||
@@ -122,7 +123,7 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
         return -errno;
     }
     s->map_len = r->region_bytes;
-    s->shared = (struct tlink_shared *)((char *)s->map + r->shared_off);
+    s->shared = (struct viewpage *)((char *)s->map + r->shared_off);
     nc.on_view = publish_view;
     nc.view_arg = s;
     rc = node_start(&nc, &s->node);
