@@ -22,6 +22,7 @@
 #include "membership/broker.h"
 #include "membership/brokerd.h"
 #include "base/clock.h"
+#include "k8s/drain.h"
 #include "k8s/kube.h"
 #include "base/limits.h"
 #include "base/log.h"
@@ -33,11 +34,6 @@
 #define POLL_AGAIN_MS 250           /* while pods start or drains run */
 #define HANDLED_MAX 256             /* failed pod uids remembered per cohort */
 
-struct drain {
-    char *id;
-    uint64_t started;
-};
-
 /* What one cohort's reconciles remember. */
 struct cstate {
     char key[LIMIT_KUBE_KEY_MAX];
@@ -45,8 +41,7 @@ struct cstate {
     uint32_t restarts;
     char *handled[HANDLED_MAX];     /* uids of failed pods already replaced */
     size_t n_handled, next_handled;
-    struct drain *drains;
-    size_t n_drains;
+    struct drain_set drains;        /* members being drained before their pods go */
     cJSON *written;                 /* the status last written */
     uint64_t written_at;
     uint32_t declared_hb, declared_to;
@@ -143,9 +138,7 @@ static void state_free(struct cstate *s)
 {
     for (size_t i = 0; i < s->n_handled; i++)
         free(s->handled[i]);
-    for (size_t i = 0; i < s->n_drains; i++)
-        free(s->drains[i].id);
-    free(s->drains);
+    drain_set_cleanup(&s->drains);
     cJSON_Delete(s->written);
     free(s);
 }
@@ -188,38 +181,6 @@ static void remember(struct cstate *s, const char *uid)
     free(s->handled[s->next_handled]);
     s->handled[s->next_handled] = d;
     s->next_handled = (s->next_handled + 1) % HANDLED_MAX;
-}
-
-static struct drain *drain_find(struct cstate *s, const char *id)
-{
-    for (size_t i = 0; i < s->n_drains; i++)
-        if (strcmp(s->drains[i].id, id) == 0)
-            return &s->drains[i];
-    return NULL;
-}
-
-static struct drain *drain_add(struct cstate *s, const char *id, uint64_t now)
-{
-    struct drain *nd = realloc(s->drains, (s->n_drains + 1) * sizeof(*nd));
-
-    if (!nd)
-        return NULL;
-    s->drains = nd;
-    nd[s->n_drains].id = strdup(id);
-    if (!nd[s->n_drains].id)
-        return NULL;
-    nd[s->n_drains].started = now;
-    return &nd[s->n_drains++];
-}
-
-static void drain_forget(struct cstate *s, const char *id)
-{
-    for (size_t i = 0; i < s->n_drains; i++)
-        if (strcmp(s->drains[i].id, id) == 0) {
-            free(s->drains[i].id);
-            s->drains[i] = s->drains[--s->n_drains];
-            return;
-        }
 }
 
 /* ---- Events ------------------------------------------------------------- */
@@ -382,29 +343,33 @@ static bool is_member(const struct bview *b, const char *id)
     return false;
 }
 
-/* Drains excess pod `v` and deletes it once drained or past the deadline.
- * Returns 1 while the drain goes on, 0 when the pod was deleted, -errno. */
+/* Drains excess pod `v` and deletes it once drained or past the deadline
+ * (drain.h decides). Returns 1 while the drain goes on, 0 when the pod was
+ * deleted, -errno. */
 static int drain_step(struct controller *c, const cJSON *tc, struct cstate *s, const char *key,
                       const char *ns, const struct reconcile_pod_view *v, const struct bview *b,
                       uint32_t deadline_ms, uint64_t now)
 {
-    struct drain *d = drain_find(s, v->name);
+    struct drain_entry *d = drain_set_find(&s->drains, v->name);
+    uint64_t started;
     int rc, done;
 
-    /* A pod that is not (or no longer) a member holds no round up. */
-    if (!d && !is_member(b, v->name)) {
+    switch (drain_decide(d, is_member(b, v->name), 0, now, deadline_ms)) {
+    case DRAIN_DELETE_STRANGER:
         rc = delete_pod(c, ns, v->name, v->uid);
         if (rc == 0)
             log_info("controller", "Deleted a pod that was not a member.", LF_S("cohort", key),
                      LF_S("pod", v->name));
         return rc;
-    }
-    if (!d) {
-        d = drain_add(s, v->name, now);
+    case DRAIN_START:
+        d = drain_set_add(&s->drains, v->name, now);
         if (!d)
             return -ENOMEM;
         atomic_fetch_add(&c->n.drains, 1);
         event(c, tc, false, "Draining", "Draining member %s before deleting its pod.", v->name);
+        break;
+    default:
+        break;
     }
     /* The mark does not survive an eviction and rejoin: set it on every
      * pass until the broker reports the member drained. */
@@ -412,26 +377,28 @@ static int drain_step(struct controller *c, const cJSON *tc, struct cstate *s, c
     done = brokerd_drained(c->cfg.broker, key, v->name);
     if (rc < 0 && rc != -ENOENT)
         return rc;
-    if (done == 1 || done == -ENOENT) {
+    started = d->started;
+    switch (drain_decide(d, true, done, now, deadline_ms)) {
+    case DRAIN_DELETE_DRAINED:
         rc = delete_pod(c, ns, v->name, v->uid);
         if (rc < 0)
             return rc;
         event(c, tc, false, "Drained", "Member %s left the cohort at a round boundary; its pod "
-              "was deleted after %" PRIu64 " ms.", v->name, now - d->started);
-        drain_forget(s, v->name);
+              "was deleted after %" PRIu64 " ms.", v->name, now - started);
+        drain_set_forget(&s->drains, v->name);
         return 0;
-    }
-    if (now - d->started >= deadline_ms) {
+    case DRAIN_DELETE_TIMEOUT:
         rc = delete_pod(c, ns, v->name, v->uid);
         if (rc < 0)
             return rc;
         atomic_fetch_add(&c->n.drain_timeouts, 1);
         event(c, tc, true, "DrainTimeout", "Member %s did not drain within %u ms; its pod was "
               "deleted anyway, and the round under way may be retried.", v->name, deadline_ms);
-        drain_forget(s, v->name);
+        drain_set_forget(&s->drains, v->name);
         return 0;
+    default:
+        return 1;
     }
-    return 1;
 }
 
 /* Writes status when it changed; versions alone at most once per period.
@@ -611,9 +578,9 @@ static int reconcile(struct controller *c, const char *key)
      * stays: take it back into the epochs. */
     for (size_t i = 0; i < n; i++) {
         const struct reconcile_pod_view *v = &views[i];
-        if (v->ordinal >= 0 && (uint32_t)v->ordinal < plan.want && drain_find(s, v->name)) {
+        if (v->ordinal >= 0 && (uint32_t)v->ordinal < plan.want && drain_set_find(&s->drains, v->name)) {
             brokerd_drain(c->cfg.broker, key, v->name, false);
-            drain_forget(s, v->name);
+            drain_set_forget(&s->drains, v->name);
             event(c, tc, false, "DrainCancelled", "Member %s is wanted again; its drain was "
                   "cancelled.", v->name);
         }
