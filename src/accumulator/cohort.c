@@ -236,15 +236,22 @@ static int refresh(struct cohort *c)
     return c->link->ops->update(c->link, &c->view);
 }
 
-/* After an action: a lost link takes the view with it; otherwise the
- * view is refreshed, so that the action's effect (or what refused it) shows
- * at once, whichever link carried it. */
-static int settle(struct cohort *c, int rc)
+/* Brings the view up to date: a lost link (found now or earlier) takes
+ * the view with it. */
+static int sync_view(struct cohort *c)
 {
-    if (c->link->ops->up(c->link))
-        (void)refresh(c);
+    int rc = c->link->ops->up(c->link) ? refresh(c) : -ENOTCONN;
+
     if (!c->link->ops->up(c->link))
         memset(&c->view, 0, sizeof(c->view));
+    return rc;
+}
+
+/* After an action: the view is brought up to date, so that the action's
+ * effect (or what refused it) shows at once, whichever link carried it. */
+static int settle(struct cohort *c, int rc)
+{
+    (void)sync_view(c);
     return rc;
 }
 
@@ -275,14 +282,9 @@ int cohort_connect(struct cohort *c, const char *address)
 
 int cohort_update(struct cohort *c)
 {
-    int rc;
-
     if (!c->link)
         return -ENOTCONN;
-    rc = refresh(c);
-    if (!c->link->ops->up(c->link))
-        memset(&c->view, 0, sizeof(c->view));
-    return rc;
+    return sync_view(c);
 }
 
 int cohort_wait(struct cohort *c, int timeout_ms)

@@ -129,8 +129,7 @@ struct loop {
 
 static void nap(void)
 {
-    struct timespec ts = { 0, 2 * 1000000L };
-    nanosleep(&ts, NULL);
+    clock_sleep_ms(2);
 }
 
 /* moolib's loop on the C API. A trainer at its target contributes no
