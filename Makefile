@@ -29,14 +29,14 @@ PYTHON   ?= /usr/bin/python3
 
 CC       ?= cc
 OBJCOPY  ?= objcopy
-PKGS     := grpc libprotobuf-c libcjson libcurl yaml-0.1
+PKGS     := grpc libprotobuf-c libcjson libcurl yaml-0.1 libcrypto
 WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 # Everything is compiled with hidden visibility: only what include/cohort.h
 # marks public survives into libcohort.a's symbol table.
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 # The shared libgrpc pulls in abseil, re2 and the rest itself (see
 # pkg-config --libs grpc for the static list).
-LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lcurl -lyaml -lpthread -lm
+LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lcurl -lyaml -lcrypto -lpthread -lm
 OPT_CFLAGS  := -O2
 ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined,float-cast-overflow \
                -fno-sanitize-recover=undefined,float-cast-overflow

@@ -29,7 +29,7 @@ PKGS = ["grpc", "libprotobuf-c"]
 # out of the static archive, and --as-needed drops the libraries they do
 # not use (libcurl and libyaml serve the operator). --exclude-libs keeps
 # libcohort's symbols private to the extension.
-LIBS = ["grpc", "gpr", "protobuf-c", "cjson", "curl", "yaml", "pthread", "m"]
+LIBS = ["grpc", "gpr", "protobuf-c", "cjson", "curl", "yaml", "crypto", "pthread", "m"]
 LIB_CFLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O2", "-fPIC", "-fvisibility=hidden", "-g", "-Wall", "-Wno-unused-parameter",
               "-Wno-sign-compare"]
 

@@ -1,0 +1,156 @@
+/* tests/unit/test_secret.c: key files and the MAC that proves membership. */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include "base/secret.h"
+
+#define HEX "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+
+static char dir[] = "/tmp/cohort-secret-XXXXXX";
+
+static void make_dir(void)
+{
+    cr_assert_not_null(mkdtemp(dir));
+}
+
+static void remove_dir(void)
+{
+    char cmd[128];
+
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+static const char *file_with(const char *name, const char *text, size_t len)
+{
+    static char path[256];
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    f = fopen(path, "w");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(text, 1, len, f), len);
+    fclose(f);
+    return path;
+}
+
+Test(secret, parse_takes_64_hex_digits_and_whitespace)
+{
+    struct secret s;
+
+    cr_assert_eq(secret_parse(HEX, strlen(HEX), &s), 0);
+    for (int i = 0; i < SECRET_KEY_BYTES; i++)
+        cr_assert_eq(s.key[i], i);
+    cr_assert_eq(secret_parse("  " HEX "\n", strlen(HEX) + 3, &s), 0);
+    cr_assert_eq(s.key[31], 31);
+}
+
+Test(secret, parse_refuses_anything_else)
+{
+    struct secret s;
+    char bad[] = HEX;
+
+    cr_assert_eq(secret_parse(HEX, strlen(HEX) - 1, &s), -EINVAL);
+    cr_assert_eq(secret_parse(HEX "0", strlen(HEX) + 1, &s), -EINVAL);
+    cr_assert_eq(secret_parse("", 0, &s), -EINVAL);
+    bad[17] = 'g';
+    cr_assert_eq(secret_parse(bad, strlen(bad), &s), -EINVAL);
+    bad[17] = ' ';
+    cr_assert_eq(secret_parse(bad, strlen(bad), &s), -EINVAL);
+}
+
+Test(secret, files_round_trip_with_mode_0600_and_are_never_replaced, .init = make_dir,
+     .fini = remove_dir)
+{
+    struct secret a, b;
+    char path[256];
+    struct stat st;
+
+    snprintf(path, sizeof(path), "%s/key", dir);
+    cr_assert_eq(secret_generate(&a), 0);
+    cr_assert_eq(secret_write(path, &a), 0);
+    cr_assert_eq(stat(path, &st), 0);
+    cr_assert_eq(st.st_mode & 0777, 0600);
+    cr_assert_eq(secret_load(path, &b), 0);
+    cr_assert_eq(memcmp(a.key, b.key, sizeof(a.key)), 0);
+    cr_assert_eq(secret_write(path, &b), -EEXIST);
+}
+
+Test(secret, load_refuses_missing_long_and_malformed_files, .init = make_dir, .fini = remove_dir)
+{
+    struct secret s;
+    char big[SECRET_FILE_MAX + 10];
+
+    cr_assert_eq(secret_load("/nonexistent/cohort/key", &s), -ENOENT);
+    memset(big, ' ', sizeof(big));
+    memcpy(big, HEX, strlen(HEX));
+    /* Whitespace only, but past the cap: not a key file. */
+    cr_assert_eq(secret_load(file_with("long", big, sizeof(big)), &s), -EINVAL);
+    cr_assert_eq(secret_load(file_with("short", HEX, 10), &s), -EINVAL);
+    cr_assert_eq(secret_load(file_with("ok", HEX "\n", strlen(HEX) + 1), &s), 0);
+}
+
+Test(secret, generated_keys_differ)
+{
+    struct secret a, b;
+
+    cr_assert_eq(secret_generate(&a), 0);
+    cr_assert_eq(secret_generate(&b), 0);
+    cr_assert_neq(memcmp(a.key, b.key, sizeof(a.key)), 0);
+}
+
+/* secret_mac is HMAC-SHA256 of its framed input: a label "L" and one part
+ * "abc" become 01 00.. 'L' 03 00.. "abc", checked against OpenSSL's
+ * one-shot HMAC. */
+Test(secret, mac_is_hmac_sha256_of_length_prefixed_parts)
+{
+    struct secret s;
+    uint8_t got[SECRET_MAC_BYTES], again[SECRET_MAC_BYTES], other[SECRET_MAC_BYTES];
+    struct secret_part abc[] = { SECRET_STR("abc") };
+    struct secret_part ab_c[] = { SECRET_STR("ab"), SECRET_STR("c") };
+    struct secret_part framed[] = { { "\x01\0\0\0\0\0\0\0L\x03\0\0\0\0\0\0\0abc", 20 } };
+    uint8_t raw[SECRET_MAC_BYTES];
+
+    cr_assert_eq(secret_parse(HEX, strlen(HEX), &s), 0);
+    cr_assert_eq(secret_mac(&s, "L", abc, 1, got), 0);
+    cr_assert_eq(secret_mac(&s, "L", abc, 1, again), 0);
+    cr_assert(secret_mac_equal(got, again));
+    /* The same bytes split differently, or under another label, differ. */
+    cr_assert_eq(secret_mac(&s, "L", ab_c, 2, other), 0);
+    cr_assert_not(secret_mac_equal(got, other));
+    cr_assert_eq(secret_mac(&s, "M", abc, 1, other), 0);
+    cr_assert_not(secret_mac_equal(got, other));
+    /* Another key differs. */
+    s.key[0] ^= 1;
+    cr_assert_eq(secret_mac(&s, "L", abc, 1, other), 0);
+    cr_assert_not(secret_mac_equal(got, other));
+    s.key[0] ^= 1;
+    /* The input is exactly the length-prefixed concatenation. */
+    {
+        unsigned int len = 0;
+        cr_assert_not_null(HMAC(EVP_sha256(), s.key, sizeof(s.key), framed[0].p, framed[0].len,
+                                raw, &len));
+        cr_assert_eq(len, SECRET_MAC_BYTES);
+        cr_assert(secret_mac_equal(got, raw));
+    }
+}
+
+Test(secret, wipe_clears_the_key)
+{
+    struct secret s;
+    static const uint8_t zero[SECRET_KEY_BYTES];
+
+    cr_assert_eq(secret_generate(&s), 0);
+    secret_wipe(&s);
+    cr_assert_eq(memcmp(s.key, zero, sizeof(zero)), 0);
+}
