@@ -127,8 +127,10 @@ size_t cohort_numel(const struct cohort *c);
 /* Connects to a sidecar ("unix:/path/to/socket") or to a broker
  * ("host:port": the node then runs inside this process, with no sidecar).
  * NULL means $COHORT_SOCKET, else $COHORT_BROKER (with $COHORT_COHORT and
- * $COHORT_ID naming the cohort and this member). Returns 0, -EINVAL,
- * -ECONNREFUSED/-ENOENT (no sidecar there), -EPROTO (a sidecar of another
+ * $COHORT_ID naming the cohort and this member, and $COHORT_SECRET_FILE,
+ * when set, holding the cohort's key: see docs/security.md). Returns 0,
+ * -EINVAL (also: a key file that is not 64 hex digits), -ECONNREFUSED/
+ * -ENOENT (no sidecar there, or no key file), -EPROTO (a sidecar of another
  * API version), -EALREADY. */
 int cohort_connect(struct cohort *c, const char *address);
 /* Joining a broker directly: the cohort and member id to use. */

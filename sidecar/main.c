@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "membership/member.h"
 #include "base/opt.h"
+#include "base/secret.h"
 #include "rpc/rpc.h"
 #include "accumulator/trainerd.h"
 
@@ -43,6 +44,13 @@ static const char usage[] =
     "  --advertise HOST          host the other members reach this one at (the pod\n"
     "                            IP; default: the --data-listen host; required when\n"
     "                            that is 0.0.0.0)\n"
+    "  --secret-file PATH        the cohort's key: 64 hex digits (env\n"
+    "                            COHORT_SECRET_FILE). It proves this member to the\n"
+    "                            broker and to its peers; without it the member can\n"
+    "                            only join a broker that runs without keys.\n"
+    "  --integrity none|mac      none (default): peers are authenticated when they\n"
+    "                            connect; mac: every data-plane frame carries a MAC\n"
+    "                            too (needs --secret-file; every member must agree)\n"
     "  --model-version N         model version to join with (default 0)\n"
     "  --heartbeat-interval DUR  ask for this heartbeat (default: the cohort's)\n"
     "  --member-timeout DUR      ask for this timeout (default: the cohort's)\n"
@@ -90,7 +98,7 @@ out:
     return rc;
 }
 
-enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK };
+enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY };
 
 /* Signals go to the main thread only, which waits for them: blocked
  * before gRPC starts its threads, so none of those ever receives one.
@@ -110,14 +118,15 @@ static int start_process(sigset_t *sigs)
 }
 
 /* Serves a trainer until a signal: the node runs per trainer session. */
-static int serve_trainer(const struct member_config *mc, const char *socket_path, const char *host,
-                         const sigset_t *sigs)
+static int serve_trainer(const struct member_config *mc, bool integrity_mac, const char *socket_path,
+                         const char *host, const sigset_t *sigs)
 {
     struct trainerd_config tc = {
         .socket_path = socket_path,
         .node = { .broker = mc->broker, .cohort = mc->cohort, .id = mc->id, .host = host,
                   .model_version = mc->model_version, .heartbeat_ms = mc->heartbeat_ms,
-                  .timeout_ms = mc->timeout_ms },
+                  .timeout_ms = mc->timeout_ms, .key = mc->key,
+                  .integrity_mac = integrity_mac },
     };
     struct trainerd *t;
     int rc, sig;
@@ -150,6 +159,8 @@ int main(int argc, char **argv)
         { "model-version", required_argument, NULL, O_MV },
         { "heartbeat-interval", required_argument, NULL, O_HB },
         { "member-timeout", required_argument, NULL, O_TO },
+        { "secret-file", required_argument, NULL, O_SECRET },
+        { "integrity", required_argument, NULL, O_INTEGRITY },
         { "log-format", required_argument, NULL, O_LOGF },
         { "log-level", required_argument, NULL, O_LOGL },
         { "help", no_argument, NULL, 'h' },
@@ -158,6 +169,9 @@ int main(int argc, char **argv)
     struct member_config mc = { 0 };
     const char *listen_addr = "127.0.0.1:0", *advertise = NULL, *logf = NULL, *logl = NULL;
     const char *socket_path = getenv("COHORT_SOCKET");
+    const char *secret_file = getenv("COHORT_SECRET_FILE");
+    struct secret key;
+    bool integrity_mac = false;
     char host[256], address[IDENT_ADDRESS_MAX + 1];
     struct member *m = NULL;
     uint64_t v;
@@ -189,6 +203,12 @@ int main(int argc, char **argv)
                 return opt_usage(PROG, "bad --member-timeout \"%s\"", optarg);
             mc.timeout_ms = (uint32_t)v;
             break;
+        case O_SECRET: secret_file = optarg; break;
+        case O_INTEGRITY:
+            if (strcmp(optarg, "mac") != 0 && strcmp(optarg, "none") != 0)
+                return opt_usage(PROG, "bad --integrity \"%s\": none or mac", optarg);
+            integrity_mac = strcmp(optarg, "mac") == 0;
+            break;
         case O_LOGF: logf = optarg; break;
         case O_LOGL: logl = optarg; break;
         case 'h':
@@ -216,6 +236,19 @@ int main(int argc, char **argv)
     if (mc.heartbeat_ms && mc.timeout_ms && mc.timeout_ms <= mc.heartbeat_ms)
         return opt_usage(PROG, "--member-timeout must be longer than --heartbeat-interval");
 
+    if (secret_file && *secret_file) {
+        rc = secret_load(secret_file, &key);
+        if (rc < 0)
+            return opt_usage(PROG, "cannot use --secret-file \"%s\": %s", secret_file,
+                             rc == -EINVAL ? "not 64 hexadecimal digits" : strerror(-rc));
+        mc.key = &key;
+    } else if (integrity_mac) {
+        return opt_usage(PROG, "--integrity mac needs --secret-file");
+    }
+    if (!mc.key)
+        log_warn("sidecar", "No --secret-file: this member proves nothing and can join only a "
+                 "broker that runs without keys.");
+
     if (socket_path && strncmp(socket_path, "unix:", 5) == 0)
         socket_path += 5;
     if (socket_path && *socket_path) {
@@ -229,7 +262,7 @@ int main(int argc, char **argv)
                              "interfaces");
         if (start_process(&sigs) < 0)
             return 1;
-        rc = serve_trainer(&mc, socket_path, host, &sigs);
+        rc = serve_trainer(&mc, integrity_mac, socket_path, host, &sigs);
         rpc_shutdown();
         return rc;
     }

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/secret.h"
 #include "engine/dtype.h"
 #include "base/ident.h"
 #include "base/limits.h"
@@ -262,7 +263,9 @@ static bool linked(const struct cohort *c)
 
 int cohort_connect(struct cohort *c, const char *address)
 {
-    const char *cohort, *id, *host;
+    const char *cohort, *id, *host, *key_file = getenv("COHORT_SECRET_FILE");
+    struct secret key;
+    int rc;
 
     if (c->link)
         return -EALREADY;
@@ -277,7 +280,16 @@ int cohort_connect(struct cohort *c, const char *address)
     cohort = c->ident_cohort ? c->ident_cohort : getenv("COHORT_COHORT");
     id = c->ident_id ? c->ident_id : getenv("COHORT_ID");
     host = getenv("COHORT_HOST") ? getenv("COHORT_HOST") : "127.0.0.1";
-    return link_node_connect(address, cohort, id, host, &c->mem, &c->link);
+    if (key_file && *key_file) {
+        rc = secret_load(key_file, &key);
+        if (rc < 0)
+            return rc;
+    }
+    rc = link_node_connect(address, cohort, id, host, key_file && *key_file ? &key : NULL,
+                           &c->mem, &c->link);
+    if (key_file && *key_file)
+        secret_wipe(&key);
+    return rc;
 }
 
 int cohort_update(struct cohort *c)

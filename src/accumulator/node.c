@@ -790,6 +790,8 @@ int node_start(const struct node_config *cfg, struct node **out)
     ac.member_id = n->id;
     ac.listen_fd = n->data_fd;
     ac.member_timeout_ms = cfg->reduce_timeout_ms ? cfg->reduce_timeout_ms : DEFAULT_REDUCE_TIMEOUT_MS;
+    ac.key = cfg->key;
+    ac.integrity_mac = cfg->integrity_mac;
     rc = allreduce_create(&ac, &n->ar);
     if (rc < 0)
         goto err;
@@ -801,6 +803,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     mc.model_version = cfg->model_version;
     mc.heartbeat_ms = cfg->heartbeat_ms;
     mc.timeout_ms = cfg->timeout_ms;
+    mc.key = cfg->key;
     mc.on_epoch = on_epoch;
     mc.arg = n;
     rc = member_create(&mc, &n->member);

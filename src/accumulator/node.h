@@ -42,6 +42,8 @@
 #include "base/ident.h"
 #include "engine/dtype.h"
 
+struct secret;
+
 struct node;
 
 struct node_view;
@@ -57,6 +59,9 @@ struct node_config {
     uint32_t reduce_timeout_ms; /* engine: silence tolerated from a peer; 0: 60 s */
     uint32_t buffer_sync_rounds;/* buffers follow the leader's every this many
                                  * commits; 0: 100 */
+    const struct secret *key;   /* the cohort's key, copied, for the broker and the
+                                 * data plane; NULL: neither is authenticated */
+    bool integrity_mac;         /* authenticate every data-plane frame (needs key) */
     /* Called with the node's lock held whenever the view may have
      * changed, from any of its threads: copy it and return; never call
      * into the node. May be NULL. */

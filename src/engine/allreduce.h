@@ -27,6 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/secret.h"
 #include "engine/dtype.h"
 #include "membership/epoch.h"
 
@@ -56,6 +57,10 @@ struct allreduce_config {
                                      * wire (count x accumulation size) use recursive
                                      * doubling; 0: the measured default;
                                      * ALLREDUCE_SMALL_NONE: never; at most 64 MiB */
+    const struct secret *key;       /* the cohort's key, copied; NULL: greetings
+                                     * are not authenticated (tests, and cohorts
+                                     * whose broker runs without a key) */
+    bool integrity_mac;             /* authenticate every frame too (needs key) */
 };
 
 /* Binds a TCP listener to `host` (a numeric IPv4 or IPv6 address) on a

@@ -24,6 +24,8 @@
 
 #include "membership/epoch.h"
 
+struct secret;
+
 struct member;
 struct rpc_channel;
 
@@ -44,6 +46,8 @@ struct member_config {
     member_epoch_fn on_epoch;   /* may be NULL */
     void *arg;                  /* borrowed */
     struct rpc_channel *channel;  /* optional shared channel, borrowed; NULL: own one */
+    const struct secret *key;   /* the cohort's key, copied; NULL: calls carry no
+                                 * proof (a broker without keys only) */
 };
 
 /* Creates a member; nothing is sent until the first member_poll(). Needs
