@@ -1,6 +1,8 @@
 /* src/membership/brokerd.c: see brokerd.h. */
 #include "membership/brokerd.h"
 
+#include "base/secret.h"
+
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -15,13 +17,23 @@
 #include "rpc/rpc.h"
 #include "membership/wire.h"
 
+/* One cohort's own key (brokerd_set_key). */
+struct cohort_key {
+    char cohort[IDENT_NAME_MAX + 1];
+    struct secret key;
+};
+
 struct brokerd {
-    pthread_mutex_t lock;           /* guards b and every watcher's attached */
+    pthread_mutex_t lock;           /* guards b, keys and every watcher's attached */
     pthread_cond_t wake;
     struct broker *b;
     struct rpc_server *srv;
     pthread_t ticker;
     bool stopping;
+    struct cohort_key *keys;        /* n_keys of them, unordered */
+    size_t n_keys;
+    struct secret key, admin_key;   /* the config's, when has_key / has_admin */
+    bool has_key, has_admin, open;
 };
 
 /* One member's membership stream, as the broker knows it. Freed when the
@@ -408,7 +420,21 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
     rc = broker_create(&cfg->broker, &ops, clock_now_ms(), &d->b);
     if (rc < 0)
         goto err_free;
-    rc = rpc_server_create(cfg->listen, methods, sizeof(methods) / sizeof(methods[0]), NULL, &d->srv);
+    if (cfg->key) {
+        d->key = *cfg->key;
+        d->has_key = true;
+    }
+    if (cfg->admin_key) {
+        d->admin_key = *cfg->admin_key;
+        d->has_admin = true;
+    }
+    d->open = cfg->open;
+    {
+        struct rpc_server_opts so = { .tls_cert_pem = cfg->tls_cert_pem,
+                                      .tls_key_pem = cfg->tls_key_pem };
+        rc = rpc_server_create(cfg->listen, methods, sizeof(methods) / sizeof(methods[0]), &so,
+                               &d->srv);
+    }
     if (rc < 0)
         goto err_broker;
     if (pthread_create(&d->ticker, NULL, tick_main, d) != 0) {
@@ -427,6 +453,37 @@ err_free:
     pthread_mutex_destroy(&d->lock);
     free(d);
     return rc;
+}
+
+int brokerd_set_key(struct brokerd *d, const char *cohort, const struct secret *key)
+{
+    size_t i;
+
+    if (!ident_valid_cohort(cohort))
+        return -EINVAL;
+    pthread_mutex_lock(&d->lock);
+    for (i = 0; i < d->n_keys; i++)
+        if (strcmp(d->keys[i].cohort, cohort) == 0)
+            break;
+    if (!key) {
+        if (i < d->n_keys) {
+            secret_wipe(&d->keys[i].key);
+            d->keys[i] = d->keys[--d->n_keys];
+        }
+    } else if (i < d->n_keys) {
+        d->keys[i].key = *key;
+    } else {
+        struct cohort_key *grown = realloc(d->keys, (d->n_keys + 1) * sizeof(*grown));
+        if (!grown) {
+            pthread_mutex_unlock(&d->lock);
+            return -ENOMEM;
+        }
+        d->keys = grown;
+        snprintf(d->keys[d->n_keys].cohort, sizeof(d->keys[d->n_keys].cohort), "%s", cohort);
+        d->keys[d->n_keys++].key = *key;
+    }
+    pthread_mutex_unlock(&d->lock);
+    return 0;
 }
 
 int brokerd_port(const struct brokerd *d)
@@ -506,5 +563,10 @@ void brokerd_stop(struct brokerd *d)
     pthread_mutex_unlock(&d->lock);
     pthread_cond_destroy(&d->wake);
     pthread_mutex_destroy(&d->lock);
+    for (size_t i = 0; i < d->n_keys; i++)
+        secret_wipe(&d->keys[i].key);
+    free(d->keys);
+    secret_wipe(&d->key);
+    secret_wipe(&d->admin_key);
     free(d);
 }

@@ -19,6 +19,17 @@ struct brokerd;
 struct brokerd_config {
     const char *listen;             /* "host:port" (port 0: a free one); borrowed */
     struct broker_config broker;
+    /* Keys (copied). A cohort's requests must prove the key set for it
+     * with brokerd_set_key, else `key`; a cohort with neither is refused,
+     * unless `open` is set, which serves such cohorts without proofs
+     * (tests, and `cohortctl run --insecure`). admin_key, when set, also
+     * reads every cohort's Status. */
+    const struct secret *key;
+    const struct secret *admin_key;
+    bool open;
+    /* TLS certificate chain and key, PEM (copied); NULL: plaintext. */
+    const char *tls_cert_pem;
+    const char *tls_key_pem;
 };
 
 /* Binds, starts serving and ticking. Needs rpc_init(). Returns 0,
@@ -27,6 +38,10 @@ struct brokerd_config {
 int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out);
 /* The bound TCP port. */
 int brokerd_port(const struct brokerd *d);
+/* Sets the key cohort `cohort`'s members must prove (copied), replacing
+ * any; NULL removes it (the config's key applies again). Returns 0,
+ * -EINVAL (bad name), -ENOMEM. */
+int brokerd_set_key(struct brokerd *d, const char *cohort, const struct secret *key);
 /* broker_cohort_declare / broker_cohort_remove, under the broker's lock. */
 int brokerd_declare(struct brokerd *d, const char *cohort, uint32_t heartbeat_ms, uint32_t timeout_ms);
 int brokerd_remove(struct brokerd *d, const char *cohort);

@@ -25,7 +25,7 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     uint32_t backoff = opts && opts->max_backoff_ms ? opts->max_backoff_ms : LIMIT_BACKOFF_MAX_MS;
     grpc_channel_credentials *creds;
     struct rpc_channel *c;
-    grpc_arg args[6];
+    grpc_arg args[7];
     grpc_channel_args cargs = { .num_args = 6, .args = args };
 
     if (!target || !*target)
@@ -55,7 +55,20 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     args[5].type = GRPC_ARG_INTEGER;
     args[5].key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL;
     args[5].value.integer = 1;
-    creds = grpc_insecure_credentials_create();
+    if (opts && opts->tls_server_name) {
+        args[cargs.num_args].type = GRPC_ARG_STRING;
+        args[cargs.num_args].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+        args[cargs.num_args].value.string = (char *)opts->tls_server_name;
+        cargs.num_args++;
+    }
+    if (opts && opts->tls_ca_pem)
+        creds = grpc_ssl_credentials_create(opts->tls_ca_pem, NULL, NULL, NULL);
+    else
+        creds = grpc_insecure_credentials_create();
+    if (!creds) {
+        free(c);
+        return -EINVAL;
+    }
     c->ch = grpc_channel_create(target, creds, &cargs);
     grpc_channel_credentials_release(creds);
     if (!c->ch) {

@@ -101,13 +101,19 @@ struct rpc_method {
 struct rpc_server_opts {
     size_t max_request_bytes;   /* larger requests get RESOURCE_EXHAUSTED;
                                  * 0: LIMIT_RPC_REQUEST_BYTES (base/limits.h) */
+    /* TLS: the server's certificate chain and private key, PEM, both or
+     * neither (copied). Clients are not asked for certificates: a member
+     * proves itself inside each request (membership/wire.h). */
+    const char *tls_cert_pem;
+    const char *tls_key_pem;
 };
 
 /* Binds `address` ("host:port", port 0 for a free one, or "unix:PATH") and
  * starts serving `methods` (copied; their args borrowed). Unknown methods get
  * UNIMPLEMENTED; requests that do not parse as the method's message get
  * INVALID_ARGUMENT; both are logged. Returns 0, -EADDRINUSE or -EINVAL when
- * the address cannot be bound, -ENOMEM. Caller frees with
+ * the address cannot be bound (also: only one of the TLS pair, or a pair
+ * gRPC refuses), -ENOMEM. Caller frees with
  * rpc_server_destroy(). */
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
                       const struct rpc_server_opts *opts, struct rpc_server **out);
@@ -149,6 +155,12 @@ struct rpc_channel;
 struct rpc_channel_opts {
     size_t max_reply_bytes;     /* 0: LIMIT_RPC_REPLY_BYTES (base/limits.h) */
     uint32_t max_backoff_ms;    /* reconnect backoff cap; 0: LIMIT_BACKOFF_MAX_MS */
+    /* TLS: the PEM certificates the server's chain must lead to (copied);
+     * NULL: plaintext. tls_server_name: the name the certificate must
+     * carry when it is not the target's host (a broker reached by pod IP
+     * whose certificate names its Service); NULL: the target's host. */
+    const char *tls_ca_pem;
+    const char *tls_server_name;
 };
 
 /* A channel to `target` ("host:port", "ipv4:...", "unix:PATH"). Connects

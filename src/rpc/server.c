@@ -502,7 +502,23 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
             goto err_server;
         }
     }
-    creds = grpc_insecure_server_credentials_create();
+    if (opts && (!opts->tls_cert_pem != !opts->tls_key_pem)) {
+        rc = -EINVAL;
+        goto err_server;
+    }
+    if (opts && opts->tls_cert_pem) {
+        grpc_ssl_pem_key_cert_pair pair = { .private_key = opts->tls_key_pem,
+                                            .cert_chain = opts->tls_cert_pem };
+        creds = grpc_ssl_server_credentials_create_ex(NULL, &pair, 1,
+                                                      GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+                                                      NULL);
+    } else {
+        creds = grpc_insecure_server_credentials_create();
+    }
+    if (!creds) {
+        rc = -EINVAL;
+        goto err_server;
+    }
     s->port = grpc_server_add_http2_port(s->server, address, creds);
     grpc_server_credentials_release(creds);
     if (s->port == 0) {
