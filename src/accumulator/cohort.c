@@ -431,6 +431,7 @@ const char *cohort_strerror(int err)
     switch (err < 0 ? -err : err) {
     case EPERM: return "not now: the call does not fit the accumulator's state (see wants_gradients, has_gradients, wants_state)";
     case ENOTCONN: return "the sidecar is gone";
+    case EFAULT: return "the sidecar could not read the trainer's shared memory; it ended the session";
     case EPROTO: return "the sidecar speaks another protocol version, or sent something malformed";
     case ENODEV: return "no tensors registered";
     case ENOTSUP: return "not supported by this build";

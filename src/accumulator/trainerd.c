@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -13,8 +14,10 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
+#include "base/busguard.h"
 #include "base/clock.h"
 #include "engine/dtype.h"
 #include "base/limits.h"
@@ -40,6 +43,7 @@ struct session {
     uint64_t deadline;              /* to register by; 0 once registered */
     void *map;
     size_t map_len;
+    int guard;                  /* busguard slot watching map, or -1 */
     struct node *node;
     struct viewpage *shared;    /* in map: where the view is published */
     char name[TLINK_NAME_MAX];
@@ -69,10 +73,15 @@ static int reply(int sock, uint16_t type, int32_t status, const void *body, uint
 static int check_layout(const struct tlink_register *r, int fd)
 {
     struct stat st;
+    struct statfs fs;
     uint64_t gbytes, end, rend;
 
     if (r->mem != TL_MEM_HOST)
         return -EOPNOTSUPP;
+    /* An ordinary memfd lives on shmem. A hugetlbfs one could fault with
+     * SIGBUS whenever the pool of huge pages runs dry. */
+    if (fstatfs(fd, &fs) < 0 || fs.f_type != TMPFS_MAGIC)
+        return -EPERM;
     if (!dtype_valid((int)r->grad_dtype) || r->grad_count == 0)
         return -EINVAL;
     /* Sealed first, so the size checked here is the size for good. */
@@ -123,6 +132,9 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
         return -errno;
     }
     s->map_len = r->region_bytes;
+    s->guard = busguard_watch(s->map, s->map_len);
+    if (s->guard < 0)
+        return s->guard;
     s->shared = (struct viewpage *)((char *)s->map + r->shared_off);
     nc.on_view = publish_view;
     nc.view_arg = s;
@@ -268,11 +280,14 @@ static void session_end(struct session *s)
 {
     /* The member leaves first: the cohort moves on without us at once. */
     node_stop(s->node);
+    /* Nothing touches the mapping any more: the guard may let go of it. */
+    busguard_unwatch(s->guard);
     if (s->map)
         munmap(s->map, s->map_len);
     close(s->sock);
     memset(s, 0, sizeof(*s));
     s->sock = -1;
+    s->guard = -1;
 }
 
 /* While a trainer is served, others are told so and turned away. */
@@ -290,11 +305,22 @@ static void refuse_extra(int lfd)
 static void *trainerd_main(void *arg)
 {
     struct trainerd *t = arg;
-    struct session s = { .sock = -1 };
+    struct session s = { .sock = -1, .guard = -1 };
 
     while (!atomic_load(&t->stop)) {
         struct pollfd p[2] = { { t->lfd, POLLIN, 0 }, { s.sock, POLLIN, 0 } };
         int n = poll(p, s.sock >= 0 ? 2 : 1, POLL_MS);
+
+        if (busguard_tripped(s.guard)) {
+            /* The trainer's memory failed under our mapping (it cannot
+             * shrink once sealed; this is the last line). Its gradients
+             * can no longer be trusted to be its own: leave, and tell it. */
+            log_error("sidecar", "The trainer's shared memory failed (SIGBUS); ending its "
+                      "session and leaving the cohort.", LF_S("accumulator", s.name));
+            tlink_send(s.sock, TL_REPLY, -EFAULT, NULL, 0, NULL, 0);
+            session_end(&s);
+            continue;
+        }
 
         if (s.sock >= 0 && !s.node && clock_now_ms() > s.deadline) {
             log_warn("sidecar", "A trainer connected but did not register in time; closing its "
