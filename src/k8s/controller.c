@@ -482,6 +482,9 @@ static int use_key(struct controller *c, struct cstate *s, const char *key,
         return rc;
     memcpy(s->key_id, id, sizeof(id));
     s->has_key = true;
+    /* The id, never the key: it names the key without revealing it. */
+    log_info("controller", "The broker has the cohort's key.", LF_S("cohort", key),
+             LF_S("key_id", id), LF_B("tls", c->broker_ca_pem != NULL));
     return had ? 1 : 0;
 }
 
@@ -545,11 +548,14 @@ static int cohort_key(struct controller *c, const cJSON *tc, struct cstate *s, c
     rc = use_key(c, s, key, &k);
     if (rc < 0)
         goto out;
-    if (created)
-        event(c, tc, false, "KeyCreated", "Created Secret %s with the cohort's key.", sname);
+    if (rc == 1 && created)
+        event(c, tc, false, "KeyChanged", "Made Secret %s again with a new key; pods made with "
+              "the old one are replaced.", sname);
     else if (rc == 1)
         event(c, tc, false, "KeyChanged", "The key or CA in Secret %s changed; pods made with the "
               "old ones are replaced.", sname);
+    else if (created)
+        event(c, tc, false, "KeyCreated", "Created Secret %s with the cohort's key.", sname);
     rc = 0;
 out:
     secret_wipe(&k);
