@@ -503,7 +503,7 @@ static int cohort_key(struct controller *c, const cJSON *tc, struct cstate *s, c
     bool created = false;
     int rc;
 
-    rc = keys_secret_name(name, sname, sizeof(sname));
+    rc = reconcile_secret_name(name, sname, sizeof(sname));
     if (rc == 0)
         rc = secret_path(path, sizeof(path), ns, NULL);
     if (rc < 0)
@@ -578,7 +578,7 @@ static void restore_key(struct controller *c, const cJSON *tc, const char *key)
     struct cstate *s;
     cJSON *sec;
 
-    if (!ns || !name || keys_secret_name(name, sname, sizeof(sname)) < 0)
+    if (!ns || !name || reconcile_secret_name(name, sname, sizeof(sname)) < 0)
         return;
     snprintf(skey, sizeof(skey), "%s/%s", ns, sname);
     sec = reflector_get(c->secrets, skey);

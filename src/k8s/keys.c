@@ -20,13 +20,6 @@ static const char *str(const cJSON *o, const char *k)
     return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
-int keys_secret_name(const char *cohort, char *buf, size_t n)
-{
-    int w = snprintf(buf, n, "%s" KEYS_SECRET_SUFFIX, cohort);
-
-    return w < 0 || (size_t)w >= n || w > IDENT_NAME_MAX ? -ENAMETOOLONG : 0;
-}
-
 /* Adds data[k] = base64(p, n); false when out of memory. */
 static bool add_data(cJSON *data, const char *k, const void *p, size_t n)
 {
@@ -49,7 +42,7 @@ int keys_secret(const cJSON *tc, const struct secret *key, const char *ca_pem, c
     bool ok;
 
     *out = NULL;
-    if (!name || !ns || !uid || keys_secret_name(name, sname, sizeof(sname)) < 0)
+    if (!name || !ns || !uid || reconcile_secret_name(name, sname, sizeof(sname)) < 0)
         return -EINVAL;
     s = cJSON_CreateObject();
     if (!s)
@@ -71,10 +64,10 @@ int keys_secret(const cJSON *tc, const struct secret *key, const char *ca_pem, c
     cJSON_AddStringToObject(s, "type", "Opaque");
     data = cJSON_AddObjectToObject(s, "data");
     secret_format(key, hex);
-    ok = data && add_data(data, KEYS_DATA_KEY, hex, SECRET_HEX_CHARS);
+    ok = data && add_data(data, RECONCILE_SECRET_KEY, hex, SECRET_HEX_CHARS);
     explicit_bzero(hex, sizeof(hex));
     if (ok && ca_pem)
-        ok = add_data(data, KEYS_DATA_CA, ca_pem, strlen(ca_pem));
+        ok = add_data(data, RECONCILE_SECRET_CA, ca_pem, strlen(ca_pem));
     /* cJSON reports allocation failures only by leaving things out. */
     if (!ok || !get(m, "ownerReferences") || !str(owner, "uid") || !get(s, "type")) {
         cJSON_Delete(s);
@@ -123,7 +116,7 @@ int keys_adopt(const cJSON *tc, const cJSON *secret, struct secret *key,
         return refuse(why, "SecretConflict", "Secret %s/%s exists and is not owned by this "
                       "TrainingCohort; the operator does not overwrite it: delete or rename it, "
                       "and a new one is made", ns, sname);
-    rc = kube_secret_data(secret, KEYS_DATA_KEY, &text, &len);
+    rc = kube_secret_data(secret, RECONCILE_SECRET_KEY, &text, &len);
     if (rc == -ENOMEM)
         return rc;
     rc = rc == 0 ? secret_parse(text, len, key) : -EINVAL;
@@ -140,7 +133,7 @@ int keys_ca_patch(const cJSON *secret, const char *ca_pem, cJSON **out)
 {
     char *have = NULL;
     size_t len = 0;
-    int rc = kube_secret_data(secret, KEYS_DATA_CA, &have, &len);
+    int rc = kube_secret_data(secret, RECONCILE_SECRET_CA, &have, &len);
     bool same;
     cJSON *patch, *data;
 
@@ -160,8 +153,8 @@ int keys_ca_patch(const cJSON *secret, const char *ca_pem, cJSON **out)
         cJSON_Delete(patch);
         return -ENOMEM;
     }
-    if (ca_pem ? !add_data(data, KEYS_DATA_CA, ca_pem, strlen(ca_pem))
-               : !cJSON_AddNullToObject(data, KEYS_DATA_CA)) {
+    if (ca_pem ? !add_data(data, RECONCILE_SECRET_CA, ca_pem, strlen(ca_pem))
+               : !cJSON_AddNullToObject(data, RECONCILE_SECRET_CA)) {
         cJSON_Delete(patch);
         return -ENOMEM;
     }

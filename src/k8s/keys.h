@@ -14,7 +14,9 @@
  * (keys_id), so that a pod made before the key or the CA changed can be
  * told apart and replaced.
  *
- * No I/O here: controller.c reads and writes the Secrets.
+ * Its name, its keys' names and where pods mount it are the pod's business
+ * (reconcile.h); what it holds is this module's. No I/O here: controller.c
+ * reads and writes the Secrets.
  */
 #ifndef COHORT_KEYS_H
 #define COHORT_KEYS_H
@@ -27,19 +29,7 @@
 #include "base/secret.h"
 #include "k8s/reconcile.h"
 
-#define KEYS_SECRET_SUFFIX "-cohort-key"
-#define KEYS_DATA_KEY "key"
-#define KEYS_DATA_CA "ca.crt"
-#define KEYS_VOLUME "cohort-secret"
-#define KEYS_MOUNT "/etc/cohort/secret"
-#define KEYS_KEY_FILE KEYS_MOUNT "/" KEYS_DATA_KEY
-#define KEYS_CA_FILE KEYS_MOUNT "/" KEYS_DATA_CA
-#define KEYS_FILE_MODE 0400
-#define KEYS_ANNOTATION "cohort.dev/key-id"
 #define KEYS_ID_CHARS 16
-
-/* NAME-cohort-key into buf. Returns 0 or -ENAMETOOLONG. */
-int keys_secret_name(const char *cohort, char *buf, size_t n);
 
 /* The Secret for cohort `tc` (borrowed) holding `key` and, unless NULL,
  * `ca_pem` as ca.crt: type Opaque, the label cohort.dev/cohort=NAME, a

@@ -11,7 +11,6 @@
 #include "base/ident.h"
 #include "base/limits.h"
 #include "base/opt.h"
-#include "k8s/keys.h"
 
 #define DURATION_MAX_MS (3600ull * 1000)
 
@@ -137,9 +136,9 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (has_named(get(pspec, "volumes"), RECONCILE_VOLUME))
         return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the sidecar's "
                       "socket", RECONCILE_VOLUME);
-    if (has_named(get(pspec, "volumes"), KEYS_VOLUME))
+    if (has_named(get(pspec, "volumes"), RECONCILE_KEY_VOLUME))
         return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the cohort's "
-                      "key", KEYS_VOLUME);
+                      "key", RECONCILE_KEY_VOLUME);
     return 0;
 }
 
@@ -213,13 +212,13 @@ static void add_key(cJSON *c, const struct reconcile_env *env)
 {
     cJSON *m = cJSON_CreateObject(), *e = cJSON_GetObjectItemCaseSensitive(c, "env");
 
-    cJSON_AddStringToObject(m, "name", KEYS_VOLUME);
-    cJSON_AddStringToObject(m, "mountPath", KEYS_MOUNT);
+    cJSON_AddStringToObject(m, "name", RECONCILE_KEY_VOLUME);
+    cJSON_AddStringToObject(m, "mountPath", RECONCILE_KEY_MOUNT);
     cJSON_AddBoolToObject(m, "readOnly", 1);
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(c, "volumeMounts"), m);
-    cJSON_AddItemToArray(e, env_value("COHORT_SECRET_FILE", KEYS_KEY_FILE));
+    cJSON_AddItemToArray(e, env_value("COHORT_SECRET_FILE", RECONCILE_KEY_FILE));
     if (env->broker_server_name) {
-        cJSON_AddItemToArray(e, env_value("COHORT_BROKER_CA", KEYS_CA_FILE));
+        cJSON_AddItemToArray(e, env_value("COHORT_BROKER_CA", RECONCILE_CA_FILE));
         cJSON_AddItemToArray(e, env_value("COHORT_BROKER_SERVER_NAME", env->broker_server_name));
     }
 }
@@ -269,7 +268,7 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
 
     *out = NULL;
     if (!name || !ns || !uid || !cJSON_IsObject(get(tmpl, "spec")) ||
-        keys_secret_name(name, secret_name, sizeof(secret_name)) < 0)
+        reconcile_secret_name(name, secret_name, sizeof(secret_name)) < 0)
         return -EINVAL;
     snprintf(pod_name, sizeof(pod_name), "%s-%u", name, ordinal);
     snprintf(ord, sizeof(ord), "%u", ordinal);
@@ -294,8 +293,8 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
         cJSON *ann = cJSON_GetObjectItemCaseSensitive(pm, "annotations");
         if (!ann)
             ann = cJSON_AddObjectToObject(pm, "annotations");
-        cJSON_DeleteItemFromObjectCaseSensitive(ann, KEYS_ANNOTATION);
-        cJSON_AddStringToObject(ann, KEYS_ANNOTATION, key_id);
+        cJSON_DeleteItemFromObjectCaseSensitive(ann, RECONCILE_ANNOTATION_KEY_ID);
+        cJSON_AddStringToObject(ann, RECONCILE_ANNOTATION_KEY_ID, key_id);
     }
     owners = cJSON_AddArrayToObject(pm, "ownerReferences");
     owner = cJSON_CreateObject();
@@ -340,10 +339,10 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
     /* The cohort's Secret, for the sidecar alone, readable by its owner
      * alone. */
     vol = cJSON_CreateObject();
-    cJSON_AddStringToObject(vol, "name", KEYS_VOLUME);
+    cJSON_AddStringToObject(vol, "name", RECONCILE_KEY_VOLUME);
     sec = cJSON_AddObjectToObject(vol, "secret");
     cJSON_AddStringToObject(sec, "secretName", secret_name);
-    cJSON_AddNumberToObject(sec, "defaultMode", KEYS_FILE_MODE);
+    cJSON_AddNumberToObject(sec, "defaultMode", RECONCILE_KEY_MODE);
     cJSON_AddItemToArray(vols, vol);
     /* cJSON reports allocation failures only by leaving things out: one
      * check at the end that the last additions are all there. */
@@ -381,6 +380,13 @@ int reconcile_selector(const char *cohort, char *buf, size_t n)
     return w < 0 || (size_t)w >= n ? -ENAMETOOLONG : 0;
 }
 
+int reconcile_secret_name(const char *cohort, char *buf, size_t n)
+{
+    int w = snprintf(buf, n, "%s" RECONCILE_SECRET_SUFFIX, cohort);
+
+    return w < 0 || (size_t)w >= n || w > IDENT_NAME_MAX ? -ENAMETOOLONG : 0;
+}
+
 int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_view *v)
 {
     const cJSON *meta = get(pod, "metadata"), *st = get(pod, "status"), *c;
@@ -391,7 +397,7 @@ int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_vi
     if (!v->name)
         return -EINVAL;
     v->uid = str(meta, "uid");
-    v->key_id = str(get(meta, "annotations"), KEYS_ANNOTATION);
+    v->key_id = str(get(meta, "annotations"), RECONCILE_ANNOTATION_KEY_ID);
     v->ordinal = reconcile_ordinal(cohort, v->name);
     if (get(meta, "deletionTimestamp") && !cJSON_IsNull(get(meta, "deletionTimestamp")))
         v->phase = RECONCILE_POD_TERMINATING;

@@ -86,21 +86,10 @@ Test(keys, secret_needs_a_whole_cohort)
 {
     cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\"}}"), *sec = NULL;
     struct secret k = key_of(1);
-    char name[300];
 
     cr_assert_eq(keys_secret(tc, &k, NULL, &sec), -EINVAL, "no uid");
     cr_assert_null(sec);
     cJSON_Delete(tc);
-    cr_assert_eq(keys_secret_name("lr", name, sizeof(name)), 0);
-    cr_assert_str_eq(name, "lr-cohort-key");
-    cr_assert_eq(keys_secret_name("lr", name, 8), -ENAMETOOLONG);
-    memset(name, 'a', 250);
-    name[250] = '\0';
-    {
-        char out[400];
-        cr_assert_eq(keys_secret_name(name, out, sizeof(out)), -ENAMETOOLONG,
-                     "over 253, the longest object name");
-    }
 }
 
 Test(keys, adopts_its_own_secret_and_reads_the_key_back)

@@ -611,6 +611,19 @@ Test(reconcile, status_patch_nulls_fields_that_went_away)
     cJSON_Delete(want);
 }
 
+Test(reconcile, secret_name_is_the_cohort_name_and_a_suffix)
+{
+    char name[300], out[400];
+
+    cr_assert_eq(reconcile_secret_name("lr", name, sizeof(name)), 0);
+    cr_assert_str_eq(name, "lr-cohort-key");
+    cr_assert_eq(reconcile_secret_name("lr", name, 8), -ENAMETOOLONG);
+    memset(name, 'a', 250);
+    name[250] = '\0';
+    cr_assert_eq(reconcile_secret_name(name, out, sizeof(out)), -ENAMETOOLONG,
+                 "over 253, the longest object name");
+}
+
 Test(reconcile, selector_names_the_cohort_label)
 {
     char buf[64];
