@@ -2,7 +2,10 @@
  * with libcrypto itself: the chain verifies (X509_verify_cert) for the
  * Service's names and for no other, the SANs are there, keys match,
  * validity is bounded; bad PEM, a key of another certificate, a leaf as CA
- * and an expired CA are refused. */
+ * and an expired CA are refused. Then as the broker and its clients use
+ * them: a broker serving gRPC with an issued certificate, reached by IP,
+ * answers a client that trusts the CA and checks the Service's name, and
+ * no other. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <string.h>
@@ -15,7 +18,12 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include "cohort.pb-c.h"
+#include "fixture.h"
 #include "k8s/pki.h"
+#include "membership/brokerd.h"
+#include "membership/wire.h"
+#include "rpc/rpc.h"
 
 static X509 *cert_of(const char *pem)
 {
@@ -300,5 +308,58 @@ Test(pki, an_expired_ca_is_refused)
         cr_assert_eq(pki_issue_server(&expired, &n, 30, &out), -EKEYEXPIRED);
     }
     free(old);
+    pki_pem_cleanup(&ca);
+}
+
+/* A Status call to the broker at addr over a channel trusting `ca` (NULL:
+ * plaintext) and checking `name`. Returns rpc_call's result. One that
+ * should succeed waits for the connection (a handshake may fail for want
+ * of time on a loaded machine, and is then tried again); one that should
+ * fail does not, so that its failure is the handshake's, at once. */
+static int status_call(const char *addr, const char *ca, const char *name, bool should_work)
+{
+    struct rpc_channel_opts o = { .tls_ca_pem = ca, .tls_server_name = name };
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    ProtobufCMessage *out = NULL;
+    struct rpc_channel *ch;
+    struct rpc_status st;
+    int rc;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = "demo";
+    cr_assert_eq(rpc_channel_create(addr, &o, &ch), 0);
+    rc = rpc_call(ch, WIRE_BROKER_STATUS, &q.base, &cohort__v1__status_reply__descriptor, 20000,
+                  should_work ? RPC_WAIT_FOR_READY : 0, &out, &st);
+    if (out)
+        protobuf_c_message_free_unpacked(out, NULL);
+    rpc_channel_destroy(ch);
+    return rc;
+}
+
+Test(pki, grpc_serves_the_certificate_to_clients_that_trust_the_ca, .timeout = 60)
+{
+    struct pki_pem ca, other, srv;
+    struct pki_names n = { .service = "cohort-broker", .namespace = "ops" };
+    struct brokerd_config cfg;
+    struct brokerd *d;
+    char addr[64];
+
+    cr_assert_eq(pki_ca_create("cohort broker CA", 30, &ca), 0);
+    cr_assert_eq(pki_ca_create("another CA", 30, &other), 0);
+    cr_assert_eq(pki_issue_server(&ca, &n, 30, &srv), 0);
+    fixture_broker_config(&cfg);
+    cfg.open = true;        /* this is about TLS, not keys */
+    cfg.tls_cert_pem = srv.cert;
+    cfg.tls_key_pem = srv.key;
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
+    /* Reached by IP, checked against the Service's name, as sidecars do. */
+    cr_assert_eq(status_call(addr, ca.cert, "cohort-broker.ops.svc", true), 0);
+    cr_assert_eq(status_call(addr, ca.cert, "cohort-broker.ops.svc.cluster.local", true), 0);
+    cr_assert_neq(status_call(addr, other.cert, "cohort-broker.ops.svc", false), 0, "another CA");
+    cr_assert_neq(status_call(addr, ca.cert, "cohort-broker.other.svc", false), 0, "another name");
+    cr_assert_neq(status_call(addr, NULL, NULL, false), 0, "plaintext to a TLS broker");
+    fixture_broker_stop(d);
+    pki_pem_cleanup(&srv);
+    pki_pem_cleanup(&other);
     pki_pem_cleanup(&ca);
 }
