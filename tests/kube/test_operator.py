@@ -21,6 +21,7 @@ import socket
 import ssl
 import stat
 import struct
+import subprocess
 
 import pytest
 
@@ -547,6 +548,17 @@ def test_a_secret_of_the_name_the_cohort_does_not_own_is_left_alone(cluster):
                "the Failed condition to clear")
     c.kubectl("delete", "tc", "clash")
     wait_until(lambda: not pods(c, "clash") and secret(c, "clash") is None, "clash to be gone")
+
+
+@pytest.mark.parametrize("flag, value", [("--broker-tls", "on"), ("--broker-service", "a.b"),
+                                         ("--broker-service", ""), ("--broker-ca-secret", "a/b")])
+def test_bad_tls_flags_are_usage_errors(flag, value):
+    exe = os.path.join(bin_dir(), "cohort-operator")
+    if not os.access(exe, os.X_OK):
+        pytest.skip("no cohort-operator in %s" % bin_dir())
+    r = subprocess.run([exe, "--kubeconfig", "/nonexistent", flag, value], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and flag in r.stderr, (r.returncode, r.stderr)
 
 
 @pytest.fixture(scope="module")
