@@ -119,11 +119,11 @@ static const char usage[] =
     "and the cohort's pods are replaced.\n"
     "\n"
     "Endpoints: /healthz answers 200 while the process runs. /readyz answers\n"
-    "200 only on the leader once its caches of cohorts and pods are synced,\n"
-    "and 503 with the reason on a standby replica, so a Service in front of\n"
-    "the broker port sends trainers to the leader alone. /metrics is\n"
-    "Prometheus text: reconciles, errors, queue depth, API requests, cohorts,\n"
-    "pods, is_leader and more.\n"
+    "200 only on the leader once its caches of cohorts, pods and their\n"
+    "Secrets are synced, and 503 with the reason on a standby replica, so a\n"
+    "Service in front of the broker port sends trainers to the leader alone.\n"
+    "/metrics is Prometheus text: reconciles, errors, queue depth, API\n"
+    "requests, cohorts, pods, is_leader and more.\n"
     "\n"
     "Exit status: 0 after SIGTERM or SIGINT, 1 when it cannot start, 2 for a\n"
     "usage error.\n";
@@ -810,7 +810,11 @@ static int kube_flag(struct kopts *ko, int opt, const char *arg)
         ko->broker_tls = strcmp(arg, "auto") == 0;
         break;
     case O_BSVC:
-        if (!*arg || strlen(arg) > LIMIT_KUBE_LABEL_MAX || strchr(arg, '/') || strchr(arg, '.'))
+        /* A DNS label, as Service names are: it heads the certificate's
+         * names. */
+        if (!*arg || strlen(arg) > LIMIT_KUBE_LABEL_MAX ||
+            strspn(arg, "abcdefghijklmnopqrstuvwxyz0123456789-") != strlen(arg) ||
+            arg[0] == '-' || arg[strlen(arg) - 1] == '-')
             return opt_usage(PROG, "bad --broker-service \"%s\": a Service name", arg);
         ko->broker_service = arg;
         break;
