@@ -1049,8 +1049,9 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
                                          .selector = RECONCILE_LABEL_COHORT,
                                          .watch_timeout_s = cfg->watch_timeout_s,
                                          .on_upsert = on_pod, .on_delete = on_pod, .arg = c };
-    /* The cohorts' Secrets only, by their label: the operator never reads
-     * (nor is it sent) anyone else's. */
+    /* The cohorts' Secrets only, by their label: no other Secret is
+     * cached. One that holds a cohort's Secret name without the label is
+     * read only when making the cohort's finds the name taken. */
     rc_secrets = (struct reflector_config){ .kube = cfg->kube, .path = c->secrets_path,
                                             .selector = RECONCILE_LABEL_COHORT,
                                             .watch_timeout_s = cfg->watch_timeout_s,
