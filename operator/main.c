@@ -9,10 +9,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "membership/brokerd.h"
 #include "base/clock.h"
+#include "k8s/brokertls.h"
 #include "k8s/controller.h"
 #include "base/ident.h"
 #include "base/limits.h"
@@ -71,6 +73,21 @@ static const char usage[] =
     "  --watch-timeout DUR       length of one watch request (default 5m)\n"
     "  --api-timeout DUR         give up on one API request after this (default 30s);\n"
     "                            the reconcile is retried with backoff\n"
+    "  --broker-tls auto|off     auto (default): the broker serves TLS with a\n"
+    "                            certificate issued each time a replica leads, from\n"
+    "                            a CA the operator keeps in the Secret\n"
+    "                            --broker-ca-secret (made on first start); every\n"
+    "                            cohort's Secret carries the CA for its sidecars.\n"
+    "                            off: plaintext\n"
+    "  --broker-service NAME     the broker's Service: the certificate names NAME,\n"
+    "                            NAME.NS, NAME.NS.svc, NAME.NS.svc.cluster.local\n"
+    "                            and the host pods are told (--broker-address);\n"
+    "                            sidecars check NAME.NS.svc. NS is the operator's\n"
+    "                            namespace: $POD_NAMESPACE, else the kubeconfig\n"
+    "                            context's or service account's (default\n"
+    "                            cohort-broker)\n"
+    "  --broker-ca-secret NAME   the CA's Secret in the operator's namespace\n"
+    "                            (default cohort-broker-ca)\n"
     "\n"
     "Broker (both modes):\n"
     "  --standalone              run the broker alone, with no Kubernetes\n"
@@ -94,12 +111,19 @@ static const char usage[] =
     "DUR is a number with a unit: 250ms, 1s, 1.5s, 2m.\n"
     "The log line \"Broker is listening.\" carries the bound address.\n"
     "\n"
+    "Keys: each TrainingCohort NS/NAME gets a Secret NS/NAME-cohort-key with a\n"
+    "random 256-bit key (made when missing, owned by the cohort, mounted into\n"
+    "its sidecars alone); the broker refuses members that do not prove it. A\n"
+    "Secret of that name the cohort does not own is never overwritten: the\n"
+    "cohort reports it. To rotate a key, delete the Secret: a new key is made\n"
+    "and the cohort's pods are replaced.\n"
+    "\n"
     "Endpoints: /healthz answers 200 while the process runs. /readyz answers\n"
-    "200 only on the leader once its caches of cohorts and pods are synced,\n"
-    "and 503 with the reason on a standby replica, so a Service in front of\n"
-    "the broker port sends trainers to the leader alone. /metrics is\n"
-    "Prometheus text: reconciles, errors, queue depth, API requests, cohorts,\n"
-    "pods, is_leader and more.\n"
+    "200 only on the leader once its caches of cohorts, pods and their\n"
+    "Secrets are synced, and 503 with the reason on a standby replica, so a\n"
+    "Service in front of the broker port sends trainers to the leader alone.\n"
+    "/metrics is Prometheus text: reconciles, errors, queue depth, API\n"
+    "requests, cohorts, pods, is_leader and more.\n"
     "\n"
     "Exit status: 0 after SIGTERM or SIGINT, 1 when it cannot start, 2 for a\n"
     "usage error.\n";
@@ -158,6 +182,8 @@ enum { O_STANDALONE = 256, O_LISTEN, O_COHORT, O_ANY, O_HB, O_TO, O_COALESCE, O_
        O_MAXM, O_MAXC, O_LOGF, O_LOGL, O_KUBECONFIG, O_CONTEXT, O_INCLUSTER, O_NS, O_BADDR,
        O_SIMG, O_SCMD, O_LNAME, O_LNS, O_IDENT, O_LDUR, O_LRENEW, O_LRETRY, O_METRICS,
        O_WORKERS, O_STPERIOD, O_DRAIN, O_RESYNC, O_WTIMEOUT, O_APITIMEOUT };
+/* Kubernetes mode's broker TLS. */
+enum { O_BTLS = O_APITIMEOUT + 1, O_BSVC, O_BCASECRET };
 
 /* Everything Kubernetes mode needs beyond the broker's settings. */
 struct kopts {
@@ -166,6 +192,8 @@ struct kopts {
     bool in_cluster;
     uint32_t lease_ms, renew_ms, retry_ms, workers, status_period_ms, drain_ms, resync_ms,
         watch_s, api_timeout_ms;
+    bool broker_tls;
+    const char *broker_service, *broker_ca_secret;
 };
 
 /* What the metrics thread reads while the main thread starts and stops
@@ -178,6 +206,7 @@ struct op {
     struct controller *ctl;
     struct controller_stats base;   /* counters of controllers already stopped */
     uint64_t leader_terms;
+    uint64_t renew_at_ms;           /* the broker's certificate is renewed then; 0: never */
 };
 
 static void add_stats(struct controller_stats *a, const struct controller_stats *b)
@@ -191,6 +220,8 @@ static void add_stats(struct controller_stats *a, const struct controller_stats 
     a->drain_timeouts += b->drain_timeouts;
     a->status_writes += b->status_writes;
     a->events += b->events;
+    a->keys_created += b->keys_created;
+    a->pods_rolled += b->pods_rolled;
     a->watch_errors += b->watch_errors;
     a->relists += b->relists;
 }
@@ -277,6 +308,10 @@ static void serve_probe(void *arg, const char *path, struct probe_reply *r)
         metric(r, "status_writes_total", "counter", "Status subresource writes.",
                cs.status_writes);
         metric(r, "events_total", "counter", "Events recorded.", cs.events);
+        metric(r, "keys_created_total", "counter", "Cohort Secrets made with a new key.",
+               cs.keys_created);
+        metric(r, "pods_rolled_total", "counter", "Pods replaced because they were made with an "
+               "earlier key or CA.", cs.pods_rolled);
     } else {
         r->code = 404;
         probe_printf(r, "not found: try /metrics, /healthz or /readyz\n");
@@ -304,27 +339,92 @@ static int broker_address_for(const struct kopts *ko, const char *listen, int po
     return ident_valid_address(buf) ? 0 : -EINVAL;
 }
 
+/* The namespace the operator runs in, where the broker's CA Secret and
+ * its Service are. */
+static const char *operator_namespace(const struct op *op)
+{
+    const char *ns = getenv("POD_NAMESPACE");
+
+    return ns && *ns ? ns : kube_namespace(op->kube);
+}
+
+/* The broker's TLS unless --broker-tls off: a certificate issued now for
+ * its Service and the host pods are told, into *b; the CA and the name
+ * sidecars check, into *cc; when to renew it, into op. Returns 0 or
+ * -errno after logging why; the caller frees *t with brokertls_cleanup()
+ * once *b and *cc are used. */
+static int broker_tls(struct op *op, const struct kopts *ko, struct brokerd_config *b,
+                      struct controller_config *cc, struct brokertls *t)
+{
+    char addr[IDENT_ADDRESS_MAX + 1], host[IDENT_ADDRESS_MAX + 1];
+    const char *extra[1];
+    struct brokertls_config tc = { .kube = op->kube, .namespace = operator_namespace(op),
+                                   .secret = ko->broker_ca_secret, .service = ko->broker_service,
+                                   .extra = extra };
+    const char *colon;
+    int64_t left;
+    int rc;
+
+    op->renew_at_ms = 0;
+    if (!ko->broker_tls)
+        return 0;
+    /* Only the host matters here; the port is the broker's to pick. */
+    if (broker_address_for(ko, b->listen, 1, addr, sizeof(addr)) == 0 &&
+        (colon = strrchr(addr, ':'))) {
+        const char *h = addr;
+        int n = (int)(colon - addr);
+        if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+            h++;
+            n -= 2;
+        }
+        snprintf(host, sizeof(host), "%.*s", n, h);
+        extra[tc.n_extra++] = host;
+    }
+    rc = brokertls_load(&tc, t);
+    if (rc < 0)
+        return rc;
+    b->tls_cert_pem = t->server.cert;
+    b->tls_key_pem = t->server.key;
+    cc->broker_ca_pem = t->ca_pem;
+    cc->env.broker_server_name = t->server_name;
+    /* Renewed with two thirds of its life behind it. */
+    left = t->not_after - (int64_t)time(NULL);
+    if (left > 0)
+        op->renew_at_ms = clock_now_ms() + (uint64_t)left * 1000 * 2 / 3;
+    log_info("operator", "The broker serves TLS.", LF_S("server_name", t->server_name),
+             LF_S("ca_secret", tc.secret ? tc.secret : BROKERTLS_SECRET),
+             LF_S("namespace", tc.namespace), LF_I("not_after", t->not_after));
+    return 0;
+}
+
 /* Becomes the working leader: broker, then controller. Returns 0 or -errno
  * with nothing left running. */
 static int lead(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg)
 {
     struct controller_config cc = { 0 };
+    struct brokerd_config b = *bcfg;
+    struct brokertls tls = { 0 };
     struct brokerd *d = NULL;
     struct controller *ctl = NULL;
     char addr[IDENT_ADDRESS_MAX + 1];
     int rc;
 
-    rc = brokerd_start(bcfg, &d);
+    /* In Kubernetes every cohort has a key (its Secret), and a member
+     * that proves none is refused: the broker is never open. */
+    b.open = false;
+    rc = broker_tls(op, ko, &b, &cc, &tls);
+    if (rc < 0)
+        goto out;
+    rc = brokerd_start(&b, &d);
     if (rc < 0) {
         log_warn("operator", "The broker could not start; trying again.",
-                 LF_S("listen", bcfg->listen), LF_ERR(rc));
-        return rc;
+                 LF_S("listen", b.listen), LF_ERR(rc));
+        goto out;
     }
-    rc = broker_address_for(ko, bcfg->listen, brokerd_port(d), addr, sizeof(addr));
+    rc = broker_address_for(ko, b.listen, brokerd_port(d), addr, sizeof(addr));
     if (rc < 0) {
         log_error("operator", "No address to give pods for the broker: set --broker-address.");
-        brokerd_stop(d);
-        return rc;
+        goto out_broker;
     }
     cc.kube = op->kube;
     cc.broker = d;
@@ -341,8 +441,7 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
     rc = controller_start(&cc, 60000, &ctl);
     if (rc < 0) {
         log_warn("operator", "The controller could not start; trying again.", LF_ERR(rc));
-        brokerd_stop(d);
-        return rc;
+        goto out_broker;
     }
     pthread_mutex_lock(&op->lock);
     op->broker = d;
@@ -350,8 +449,15 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
     op->leader_terms++;
     pthread_mutex_unlock(&op->lock);
     log_info("operator", "Leading: reconciling cohorts and serving the broker.",
-             LF_S("broker_address", addr), LF_S("identity", ko->identity));
-    return 0;
+             LF_S("broker_address", addr), LF_S("identity", ko->identity),
+             LF_B("tls", ko->broker_tls));
+    goto out;
+out_broker:
+    brokerd_stop(d);
+out:
+    /* The broker and the controller keep copies. */
+    brokertls_cleanup(&tls);
+    return rc;
 }
 
 static void step_down(struct op *op)
@@ -481,6 +587,13 @@ static int follow_lease(struct op *op, const struct kopts *ko, const struct brok
                 next_try = clock_now_ms() + 1000;
         } else if (!leading && running) {
             log_warn("operator", "Lost the Lease; stopping the controller and the broker.");
+            step_down(op);
+        } else if (running && op->renew_at_ms && clock_now_ms() >= op->renew_at_ms) {
+            /* The broker cannot swap its certificate while it serves: it
+             * starts again with a new one, and members rejoin as after a
+             * change of leader. */
+            log_info("operator", "The broker's certificate is due for renewal; restarting the "
+                     "broker and the controller with a new one.");
             step_down(op);
         }
         sig = sigtimedwait(sigs, NULL, &ts);
@@ -691,6 +804,25 @@ static int kube_flag(struct kopts *ko, int opt, const char *arg)
         ko->watch_s = w < 1000 ? 1 : w / 1000;
         break;
     case O_APITIMEOUT: return duration_flag("api-timeout", arg, 600000, &ko->api_timeout_ms);
+    case O_BTLS:
+        if (strcmp(arg, "auto") != 0 && strcmp(arg, "off") != 0)
+            return opt_usage(PROG, "bad --broker-tls \"%s\": auto or off", arg);
+        ko->broker_tls = strcmp(arg, "auto") == 0;
+        break;
+    case O_BSVC:
+        /* A DNS label, as Service names are: it heads the certificate's
+         * names. */
+        if (!*arg || strlen(arg) > LIMIT_KUBE_LABEL_MAX ||
+            strspn(arg, "abcdefghijklmnopqrstuvwxyz0123456789-") != strlen(arg) ||
+            arg[0] == '-' || arg[strlen(arg) - 1] == '-')
+            return opt_usage(PROG, "bad --broker-service \"%s\": a Service name", arg);
+        ko->broker_service = arg;
+        break;
+    case O_BCASECRET:
+        if (!*arg || strlen(arg) > IDENT_NAME_MAX || strchr(arg, '/'))
+            return opt_usage(PROG, "bad --broker-ca-secret \"%s\": a Secret name", arg);
+        ko->broker_ca_secret = arg;
+        break;
     }
     return 0;
 }
@@ -758,6 +890,9 @@ static int parse_flags(int argc, char **argv, struct flags *f)
         { "resync", required_argument, NULL, O_RESYNC },
         { "watch-timeout", required_argument, NULL, O_WTIMEOUT },
         { "api-timeout", required_argument, NULL, O_APITIMEOUT },
+        { "broker-tls", required_argument, NULL, O_BTLS },
+        { "broker-service", required_argument, NULL, O_BSVC },
+        { "broker-ca-secret", required_argument, NULL, O_BCASECRET },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -770,6 +905,8 @@ static int parse_flags(int argc, char **argv, struct flags *f)
         .lease_name = "cohort-operator", .metrics_listen = "0.0.0.0:8080",
         .lease_ms = 15000, .renew_ms = 10000, .retry_ms = 2000, .workers = 2,
         .status_period_ms = 5000, .resync_ms = 30000, .watch_s = 300, .api_timeout_ms = 30000,
+        .broker_tls = true, .broker_service = BROKERTLS_SERVICE,
+        .broker_ca_secret = BROKERTLS_SECRET,
     };
     while ((opt = opt_next(PROG, argc, argv, "h", longopts)) != -1) {
         if (opt == 'h') {

@@ -1,6 +1,6 @@
 /* src/k8s/controller.c: see controller.h.
  *
- * Threads: two reflectors (cohorts, pods), `workers` reconcilers pulling
+ * Threads: three reflectors (cohorts, pods, Secrets), `workers` reconcilers pulling
  * keys from one work queue, and a ticker that compares the broker's
  * membership with what was last seen and requeues the cohorts whose
  * membership moved. The work queue never hands one key to two workers,
@@ -22,7 +22,10 @@
 #include "membership/broker.h"
 #include "membership/brokerd.h"
 #include "base/clock.h"
+#include "base/ident.h"
+#include "base/secret.h"
 #include "k8s/drain.h"
+#include "k8s/keys.h"
 #include "k8s/kube.h"
 #include "base/limits.h"
 #include "base/log.h"
@@ -48,13 +51,16 @@ struct cstate {
     bool invalid_reported, failed_reported, complete_reported;
     uint64_t sig, vsig;             /* broker membership and versions last compared */
     bool seen;                      /* present in the last broker poll */
+    bool has_key;                   /* the broker has the key of the Secret */
+    char key_id[KEYS_ID_CHARS + 1]; /* keys_id() of that key and the CA */
 };
 
 struct controller {
     struct controller_config cfg;
     char *namespace, *identity, *broker_address, *sidecar_image, *sidecar_command;
-    char cohorts_path[PATH_MAX_], pods_path[PATH_MAX_];
-    struct reflector *cohorts, *pods;
+    char *broker_ca_pem, *broker_server_name;
+    char cohorts_path[PATH_MAX_], pods_path[PATH_MAX_], secrets_path[PATH_MAX_];
+    struct reflector *cohorts, *pods, *secrets;
     struct workq *q;
     pthread_t workers[WORKERS_MAX], ticker;
     uint32_t n_workers;
@@ -65,7 +71,7 @@ struct controller {
     size_t n_states, cap_states;
     struct {
         atomic_uint_fast64_t reconciles, errors, created, deleted, replaced, drains,
-            drain_timeouts, status_writes, events;
+            drain_timeouts, status_writes, events, keys_created, rolled;
     } n;
 };
 
@@ -447,6 +453,141 @@ static int write_status(struct controller *c, struct cstate *s, const cJSON *tc,
     return 0;
 }
 
+/* ---- the cohort's key -------------------------------------------------- */
+
+static int secret_path(char *buf, size_t n, const char *ns, const char *name)
+{
+    int w = name ? snprintf(buf, n, "/api/v1/namespaces/%s/secrets/%s", ns, name)
+                 : snprintf(buf, n, "/api/v1/namespaces/%s/secrets", ns);
+    return w < 0 || (size_t)w >= n ? -ENAMETOOLONG : 0;
+}
+
+/* Gives the broker the key of Secret `sec` for cohort `key` unless it has
+ * it already (same key and CA), and remembers its id. Returns 1 when the
+ * key changed from one the broker had, 0 when it is new or the same,
+ * -errno. */
+static int use_key(struct controller *c, struct cstate *s, const char *key,
+                   const struct secret *k)
+{
+    char id[KEYS_ID_CHARS + 1];
+    bool had = s->has_key;
+    int rc = keys_id(k, c->broker_ca_pem, id);
+
+    if (rc < 0)
+        return rc;
+    if (had && strcmp(id, s->key_id) == 0)
+        return 0;
+    rc = brokerd_set_key(c->cfg.broker, key, k);
+    if (rc < 0)
+        return rc;
+    memcpy(s->key_id, id, sizeof(id));
+    s->has_key = true;
+    /* The id, never the key: it names the key without revealing it. */
+    log_info("controller", "The broker has the cohort's key.", LF_S("cohort", key),
+             LF_S("key_id", id), LF_B("tls", c->broker_ca_pem != NULL));
+    return had ? 1 : 0;
+}
+
+/* Makes sure cohort `tc` has its Secret and the broker its key, before
+ * any pod of it is made: from the cache, else created (a random key),
+ * else, when the create finds the name taken, read from the API server.
+ * A Secret that is not the cohort's, or holds no key, is left alone.
+ * Returns 0, -EINVAL with *why filled (that Secret cannot be used), or
+ * another -errno to retry. */
+static int cohort_key(struct controller *c, const cJSON *tc, struct cstate *s, const char *key,
+                      const char *ns, const char *name, struct reconcile_why *why)
+{
+    char sname[IDENT_NAME_MAX + 1], skey[LIMIT_KUBE_KEY_MAX + 16], path[PATH_MAX_];
+    cJSON *sec = NULL, *made = NULL, *patch = NULL;
+    struct secret k = { 0 };
+    bool created = false;
+    int rc;
+
+    rc = reconcile_secret_name(name, sname, sizeof(sname));
+    if (rc == 0)
+        rc = secret_path(path, sizeof(path), ns, NULL);
+    if (rc < 0)
+        return rc;
+    snprintf(skey, sizeof(skey), "%s/%s", ns, sname);
+    sec = reflector_get(c->secrets, skey);
+    if (!sec) {
+        rc = secret_generate(&k);
+        if (rc == 0)
+            rc = keys_secret(tc, &k, c->broker_ca_pem, &made);
+        if (rc < 0)
+            goto out;
+        rc = kube_create_object(c->cfg.kube, path, made, &sec);
+        if (rc == 0) {
+            created = true;
+            atomic_fetch_add(&c->n.keys_created, 1);
+        } else if (rc == -EEXIST) {
+            /* Ours, made a moment ago (the cache is behind), or someone
+             * else's: only the object can say. */
+            rc = secret_path(path, sizeof(path), ns, sname);
+            if (rc == 0)
+                rc = kube_get(c->cfg.kube, path, &sec);
+        }
+        if (rc < 0)
+            goto out;
+    }
+    /* What the Secret holds is the key, also the one just made. */
+    rc = keys_adopt(tc, sec, &k, why);
+    if (rc < 0)
+        goto out;
+    rc = keys_ca_patch(sec, c->broker_ca_pem, &patch);
+    if (rc == 0 && patch) {
+        rc = secret_path(path, sizeof(path), ns, sname);
+        if (rc == 0)
+            rc = kube_merge_patch(c->cfg.kube, path, patch, NULL);
+        if (rc == 0)
+            log_info("controller", "The broker's CA in the cohort's Secret was brought up to date.",
+                     LF_S("cohort", key), LF_S("secret", sname));
+    }
+    if (rc < 0)
+        goto out;
+    rc = use_key(c, s, key, &k);
+    if (rc < 0)
+        goto out;
+    if (rc == 1 && created)
+        event(c, tc, false, "KeyChanged", "Made Secret %s again with a new key; pods made with "
+              "the old one are replaced.", sname);
+    else if (rc == 1)
+        event(c, tc, false, "KeyChanged", "The key or CA in Secret %s changed; pods made with the "
+              "old ones are replaced.", sname);
+    else if (created)
+        event(c, tc, false, "KeyCreated", "Created Secret %s with the cohort's key.", sname);
+    rc = 0;
+out:
+    secret_wipe(&k);
+    cJSON_Delete(patch);
+    cJSON_Delete(made);
+    cJSON_Delete(sec);
+    return rc;
+}
+
+/* A new leader's first look: the key of each cached cohort's Secret goes
+ * to the broker before any worker runs, so that members rejoining find
+ * their cohort's key. A cohort whose Secret is missing or unusable is left
+ * to its reconcile. */
+static void restore_key(struct controller *c, const cJSON *tc, const char *key)
+{
+    const char *ns = kube_meta(tc, "namespace"), *name = kube_meta(tc, "name");
+    char sname[IDENT_NAME_MAX + 1], skey[LIMIT_KUBE_KEY_MAX + 16];
+    struct reconcile_why why;
+    struct secret k = { 0 };
+    struct cstate *s;
+    cJSON *sec;
+
+    if (!ns || !name || reconcile_secret_name(name, sname, sizeof(sname)) < 0)
+        return;
+    snprintf(skey, sizeof(skey), "%s/%s", ns, sname);
+    sec = reflector_get(c->secrets, skey);
+    if (sec && keys_adopt(tc, sec, &k, &why) == 0 && (s = state_of(c, key, true)))
+        use_key(c, s, key, &k);
+    secret_wipe(&k);
+    cJSON_Delete(sec);
+}
+
 /* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff. */
 static int reconcile(struct controller *c, const char *key)
 {
@@ -464,15 +605,16 @@ static int reconcile(struct controller *c, const char *key)
     struct cstate *s;
     uint64_t now = clock_now_ms();
     size_t n = 0;
-    uint32_t live = 0, draining = 0;
+    uint32_t live = 0, draining = 0, rolled = 0;
     int rc = 0, again = 0, invalid;
 
     if (split_key(key, ns, sizeof(ns), &name) < 0)
         return 0;
     tc = reflector_get(c->cohorts, key);
     if (!tc) {
-        /* Deleted: its pods go with it (owner references); the broker
-         * forgets its members. */
+        /* Deleted: its pods and its Secret go with it (owner
+         * references); the broker forgets its key and its members. */
+        brokerd_set_key(c->cfg.broker, key, NULL);
         rc = brokerd_remove(c->cfg.broker, key);
         if (rc == 0)
             log_info("controller", "The cohort is gone; removed it from the broker.",
@@ -488,6 +630,14 @@ static int reconcile(struct controller *c, const char *key)
         goto out;
     }
     invalid = reconcile_parse(tc, &spec, &why);
+    if (invalid == 0) {
+        rc = cohort_key(c, tc, s, key, ns, name, &why);
+        if (rc == -EINVAL)
+            invalid = rc;
+        else if (rc < 0)
+            goto out;
+        rc = 0;
+    }
     if (!s->restarts_known) {
         const cJSON *r = get(get(tc, "status"), "restarts");
         s->restarts = cJSON_IsNumber(r) && r->valuedouble > 0 ? (uint32_t)r->valuedouble : 0;
@@ -536,6 +686,7 @@ static int reconcile(struct controller *c, const char *key)
         const char *owner = str(get(get(it, "metadata"), "labels"), RECONCILE_LABEL_COHORT);
         if (!owner || strcmp(owner, name) != 0 || reconcile_view(name, it, &views[n]) < 0)
             continue;
+        views[n].stale = !views[n].key_id || strcmp(views[n].key_id, s->key_id) != 0;
         if (views[n].phase != RECONCILE_POD_TERMINATING)
             live++;
         objs[n++] = it;
@@ -562,6 +713,20 @@ static int reconcile(struct controller *c, const char *key)
               "of %u).", v->name, exit_code(objs[plan.replace[i]]), s->restarts, spec.max_restarts);
         again = POLL_AGAIN_MS;
     }
+    /* Pods made with another key or CA cannot prove themselves: made
+     * again (below, once their names are free) with the cohort's. */
+    for (size_t i = 0; i < plan.n_roll; i++) {
+        const struct reconcile_pod_view *v = &views[plan.roll[i]];
+        rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc < 0)
+            goto out;
+        atomic_fetch_add(&c->n.rolled, 1);
+        rolled++;
+        again = POLL_AGAIN_MS;
+    }
+    if (rolled)
+        event(c, tc, false, "RollingKey", "Replacing %u pod(s) made with an earlier key or CA.",
+              rolled);
     if (plan.failed && !s->failed_reported) {
         event(c, tc, true, "TooManyRestarts", "A trainer pod failed after %u restarts "
               "(spec.maxRestarts %u); failed pods are no longer replaced.", s->restarts,
@@ -592,7 +757,7 @@ static int reconcile(struct controller *c, const char *key)
     }
     for (size_t i = 0; i < plan.n_create; i++) {
         cJSON *pod = NULL;
-        rc = reconcile_pod(tc, &c->cfg.env, plan.create[i], &pod);
+        rc = reconcile_pod(tc, &c->cfg.env, s->key_id, plan.create[i], &pod);
         if (rc < 0)
             goto out;
         rc = kube_create_object(c->cfg.kube, path, pod, NULL);
@@ -791,6 +956,13 @@ static void on_pod(void *arg, const char *key, const cJSON *obj)
         workq_add(c->q, ck, clock_now_ms());
 }
 
+/* A cohort's Secret changed or went: its cohort looks again (a deleted
+ * Secret is made anew, with a new key). */
+static void on_secret(void *arg, const char *key, const cJSON *obj)
+{
+    on_pod(arg, key, obj);
+}
+
 /* ---- lifecycle ---------------------------------------------------------- */
 
 /* What controller_start allocated before its threads, and the struct. */
@@ -804,6 +976,8 @@ static void controller_free(struct controller *c)
     free(c->broker_address);
     free(c->sidecar_image);
     free(c->sidecar_command);
+    free(c->broker_ca_pem);
+    free(c->broker_server_name);
     pthread_mutex_destroy(&c->lock);
     free(c);
 }
@@ -811,7 +985,7 @@ static void controller_free(struct controller *c)
 int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_ms,
                      struct controller **out)
 {
-    struct reflector_config rc_cohorts = { 0 }, rc_pods = { 0 };
+    struct reflector_config rc_cohorts = { 0 }, rc_pods = { 0 }, rc_secrets = { 0 };
     struct controller *c;
     cJSON *all, *it;
     int rc = -ENOMEM;
@@ -839,9 +1013,15 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
     c->broker_address = strdup(cfg->env.broker_address);
     c->sidecar_image = strdup(cfg->env.sidecar_image);
     c->sidecar_command = strdup(cfg->env.sidecar_command);
+    c->broker_ca_pem = cfg->broker_ca_pem ? strdup(cfg->broker_ca_pem) : NULL;
+    c->broker_server_name = cfg->env.broker_server_name ? strdup(cfg->env.broker_server_name)
+                                                        : NULL;
     if (!c->namespace || !c->identity || !c->broker_address || !c->sidecar_image ||
-        !c->sidecar_command)
+        !c->sidecar_command || (cfg->broker_ca_pem && !c->broker_ca_pem) ||
+        (cfg->env.broker_server_name && !c->broker_server_name))
         goto err_free;
+    c->cfg.broker_ca_pem = c->broker_ca_pem;
+    c->cfg.env.broker_server_name = c->broker_server_name;
     c->cfg.namespace = c->namespace;
     c->cfg.identity = c->identity;
     c->cfg.env.broker_address = c->broker_address;
@@ -851,10 +1031,13 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
         snprintf(c->cohorts_path, sizeof(c->cohorts_path),
                  "/apis/" RECONCILE_GROUP "/v1alpha1/namespaces/%s/trainingcohorts", c->namespace);
         snprintf(c->pods_path, sizeof(c->pods_path), "/api/v1/namespaces/%s/pods", c->namespace);
+        snprintf(c->secrets_path, sizeof(c->secrets_path), "/api/v1/namespaces/%s/secrets",
+                 c->namespace);
     } else {
         snprintf(c->cohorts_path, sizeof(c->cohorts_path),
                  "/apis/" RECONCILE_GROUP "/v1alpha1/trainingcohorts");
         snprintf(c->pods_path, sizeof(c->pods_path), "/api/v1/pods");
+        snprintf(c->secrets_path, sizeof(c->secrets_path), "/api/v1/secrets");
     }
     if (workq_create(NULL, &c->q) < 0)
         goto err_free;
@@ -866,16 +1049,28 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
                                          .selector = RECONCILE_LABEL_COHORT,
                                          .watch_timeout_s = cfg->watch_timeout_s,
                                          .on_upsert = on_pod, .on_delete = on_pod, .arg = c };
+    /* The cohorts' Secrets only, by their label: no other Secret is
+     * cached. One that holds a cohort's Secret name without the label is
+     * read only when making the cohort's finds the name taken. */
+    rc_secrets = (struct reflector_config){ .kube = cfg->kube, .path = c->secrets_path,
+                                            .selector = RECONCILE_LABEL_COHORT,
+                                            .watch_timeout_s = cfg->watch_timeout_s,
+                                            .on_upsert = on_secret, .on_delete = on_secret,
+                                            .arg = c };
     rc = reflector_start(&rc_cohorts, &c->cohorts);
     if (rc < 0)
         goto err_queue;
     rc = reflector_start(&rc_pods, &c->pods);
     if (rc < 0)
         goto err_cohorts;
-    if (!reflector_wait_synced(c->cohorts, sync_timeout_ms) ||
-        !reflector_wait_synced(c->pods, sync_timeout_ms)) {
-        rc = -ETIMEDOUT;
+    rc = reflector_start(&rc_secrets, &c->secrets);
+    if (rc < 0)
         goto err_pods;
+    if (!reflector_wait_synced(c->cohorts, sync_timeout_ms) ||
+        !reflector_wait_synced(c->pods, sync_timeout_ms) ||
+        !reflector_wait_synced(c->secrets, sync_timeout_ms)) {
+        rc = -ETIMEDOUT;
+        goto err_secrets;
     }
     /* Declared before any worker runs, so that sidecars rejoining a new
      * leader's broker find their cohorts. */
@@ -886,6 +1081,7 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
         struct cstate *s;
         if (!it->string || reconcile_parse(it, &spec, &why) < 0)
             continue;
+        restore_key(c, it, it->string);
         if (brokerd_declare(cfg->broker, it->string, spec.heartbeat_ms, spec.timeout_ms) == 0 &&
             (s = state_of(c, it->string, true))) {
             s->declared_hb = spec.heartbeat_ms;
@@ -909,6 +1105,8 @@ err_threads:
     workq_shutdown(c->q);
     for (uint32_t i = 0; i < c->n_workers; i++)
         pthread_join(c->workers[i], NULL);
+err_secrets:
+    reflector_destroy(c->secrets);
 err_pods:
     reflector_destroy(c->pods);
 err_cohorts:
@@ -930,6 +1128,7 @@ void controller_stop(struct controller *c)
         pthread_join(c->workers[i], NULL);
     if (c->ticker_started)
         pthread_join(c->ticker, NULL);
+    reflector_destroy(c->secrets);
     reflector_destroy(c->pods);
     reflector_destroy(c->cohorts);
     workq_destroy(c->q);
@@ -938,7 +1137,7 @@ void controller_stop(struct controller *c)
 
 void controller_stats(struct controller *c, struct controller_stats *out)
 {
-    struct reflector_stats a, b;
+    struct reflector_stats a, b, d;
 
     memset(out, 0, sizeof(*out));
     out->reconciles = atomic_load(&c->n.reconciles);
@@ -950,12 +1149,16 @@ void controller_stats(struct controller *c, struct controller_stats *out)
     out->drain_timeouts = atomic_load(&c->n.drain_timeouts);
     out->status_writes = atomic_load(&c->n.status_writes);
     out->events = atomic_load(&c->n.events);
+    out->keys_created = atomic_load(&c->n.keys_created);
+    out->pods_rolled = atomic_load(&c->n.rolled);
     reflector_stats(c->cohorts, &a);
     reflector_stats(c->pods, &b);
-    out->watch_errors = a.errors + b.errors;
-    out->relists = a.relists_gone + b.relists_gone;
+    reflector_stats(c->secrets, &d);
+    out->watch_errors = a.errors + b.errors + d.errors;
+    out->relists = a.relists_gone + b.relists_gone + d.relists_gone;
     out->queue_depth = workq_len(c->q);
-    out->synced = reflector_synced(c->cohorts) && reflector_synced(c->pods);
+    out->synced = reflector_synced(c->cohorts) && reflector_synced(c->pods) &&
+                  reflector_synced(c->secrets);
     out->cohorts = (uint32_t)reflector_len(c->cohorts);
     out->pods = (uint32_t)reflector_len(c->pods);
 }

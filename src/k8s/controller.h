@@ -1,15 +1,17 @@
 /* src/k8s/controller.h: the TrainingCohort controller. Keeps caches of the
  * cohorts and their pods (reflector.h), queues a cohort's key whenever
  * either changes or its broker membership moves (workq.h), and reconciles
- * one key at a time: declares the cohort in the broker, creates, replaces
- * and drains pods as reconcile.h decides, writes status through the
- * status subresource when it changes, and records Events.
+ * one key at a time: makes the cohort's Secret if it has none and gives
+ * the broker the key it holds (keys.h), declares the cohort in the broker,
+ * creates, replaces and drains pods as reconcile.h decides, writes status
+ * through the status subresource when it changes, and records Events.
  *
  * Only the leader runs a controller (operator/main.c starts one when it
  * takes the Lease and stops it when it loses it). What the controller
  * remembers between reconciles (restarts counted, drains under way, the
- * status last written) is a cache of what the API server and the broker
- * hold: a new leader rebuilds it from status and the broker.
+ * status last written, the keys) is a cache of what the API server and
+ * the broker hold: a new leader rebuilds it from status, the Secrets and
+ * the broker.
  */
 #ifndef COHORT_CONTROLLER_H
 #define COHORT_CONTROLLER_H
@@ -29,6 +31,9 @@ struct controller_config {
     const char *namespace;          /* watch one namespace; NULL or "": all. Copied */
     const char *identity;           /* reportingInstance of Events; copied */
     struct reconcile_env env;       /* strings copied */
+    /* The broker's CA certificate (PEM, copied), which every cohort's
+     * Secret carries as ca.crt when the broker serves TLS; NULL: no TLS. */
+    const char *broker_ca_pem;
     uint32_t workers;               /* reconciling threads; 0: 2 */
     uint32_t status_period_ms;      /* model-version-only status writes at most this
                                      * often per cohort; 0: 5000 */
@@ -38,9 +43,9 @@ struct controller_config {
     unsigned watch_timeout_s;       /* per watch request; 0: 300 */
 };
 
-/* Starts the reflectors, waits up to `sync_timeout_ms` for their first
- * lists, declares every cached cohort in the broker, then starts the
- * workers. Returns 0, -EINVAL, -ETIMEDOUT (caches did not fill; nothing
+/* Starts the reflectors (cohorts, their pods, their Secrets), waits up to
+ * `sync_timeout_ms` for their first lists, declares every cached cohort in
+ * the broker with the key its Secret holds, then starts the workers. Returns 0, -EINVAL, -ETIMEDOUT (caches did not fill; nothing
  * is left running), -ENOMEM, -EAGAIN. The caller stops and frees it with
  * controller_stop(). */
 int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_ms,
@@ -53,6 +58,7 @@ struct controller_stats {
     uint64_t reconciles, reconcile_errors;
     uint64_t pods_created, pods_deleted, pods_replaced, drains_started, drain_timeouts;
     uint64_t status_writes, events;
+    uint64_t keys_created, pods_rolled;
     uint64_t watch_errors, relists;
     uint32_t queue_depth, cohorts, pods;
     bool synced;

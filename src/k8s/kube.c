@@ -134,6 +134,44 @@ static int b64_decode(const char *in, char **out, size_t *outlen)
     return 0;
 }
 
+int kube_secret_data(const cJSON *secret, const char *key, char **out, size_t *len)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(secret, "data"), key);
+    size_t n = 0;
+    int rc;
+
+    *out = NULL;
+    if (!v)
+        return -ENOENT;
+    if (!cJSON_IsString(v))
+        return -EINVAL;
+    rc = b64_decode(v->valuestring, out, &n);
+    if (rc == 0 && len)
+        *len = n;
+    return rc;
+}
+
+char *kube_base64(const void *p, size_t n)
+{
+    static const char abc[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const unsigned char *b = p;
+    char *out = malloc((n + 2) / 3 * 4 + 1), *o = out;
+
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < n; i += 3) {
+        unsigned v = (unsigned)b[i] << 16 | (i + 1 < n ? (unsigned)b[i + 1] << 8 : 0) |
+                     (i + 2 < n ? b[i + 2] : 0);
+        *o++ = abc[v >> 18 & 63];
+        *o++ = abc[v >> 12 & 63];
+        *o++ = i + 1 < n ? abc[v >> 6 & 63] : '=';
+        *o++ = i + 2 < n ? abc[v & 63] : '=';
+    }
+    *o = '\0';
+    return out;
+}
+
 const char *kube_meta(const cJSON *obj, const char *field)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(

@@ -110,4 +110,14 @@ void kube_stats(struct kube *k, struct kube_stats *out);
 /* metadata.name etc. of an object, or NULL. Borrowed from obj. */
 const char *kube_meta(const cJSON *obj, const char *field);
 
+/* The bytes of data[key] of a Secret (base64 in the API), with a NUL
+ * after them. Returns 0 and sets *out (caller frees; it may hold a key:
+ * wipe it first) and *len unless NULL, -ENOENT (no such key), -EINVAL
+ * (not a string of base64), -ENOMEM. */
+int kube_secret_data(const cJSON *secret, const char *key, char **out, size_t *len);
+
+/* n bytes as base64, what a Secret's data holds. Returns a new string
+ * (caller frees) or NULL when out of memory. */
+char *kube_base64(const void *p, size_t n);
+
 #endif

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/ident.h"
 #include "base/limits.h"
 #include "base/opt.h"
 
@@ -135,6 +136,9 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (has_named(get(pspec, "volumes"), RECONCILE_VOLUME))
         return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the sidecar's "
                       "socket", RECONCILE_VOLUME);
+    if (has_named(get(pspec, "volumes"), RECONCILE_KEY_VOLUME))
+        return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the cohort's "
+                      "key", RECONCILE_KEY_VOLUME);
     return 0;
 }
 
@@ -201,6 +205,24 @@ static void add_mount(cJSON *c)
     cJSON_AddItemToArray(mounts, m);
 }
 
+/* The sidecar's view of the cohort's Secret: mounted read-only, and the
+ * paths of the key and the CA in its environment. Only the sidecar's: the
+ * trainer reaches the cohort through its sidecar and never needs the key. */
+static void add_key(cJSON *c, const struct reconcile_env *env)
+{
+    cJSON *m = cJSON_CreateObject(), *e = cJSON_GetObjectItemCaseSensitive(c, "env");
+
+    cJSON_AddStringToObject(m, "name", RECONCILE_KEY_VOLUME);
+    cJSON_AddStringToObject(m, "mountPath", RECONCILE_KEY_MOUNT);
+    cJSON_AddBoolToObject(m, "readOnly", 1);
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(c, "volumeMounts"), m);
+    cJSON_AddItemToArray(e, env_value("COHORT_SECRET_FILE", RECONCILE_KEY_FILE));
+    if (env->broker_server_name) {
+        cJSON_AddItemToArray(e, env_value("COHORT_BROKER_CA", RECONCILE_CA_FILE));
+        cJSON_AddItemToArray(e, env_value("COHORT_BROKER_SERVER_NAME", env->broker_server_name));
+    }
+}
+
 static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env,
                                 const char *cohort_key)
 {
@@ -231,19 +253,22 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
         cJSON_AddItemToObject(c, "resources", cJSON_Duplicate(get(sc, "resources"), 1));
     set_env(c, cohort_key, env->broker_address);
     add_mount(c);
+    add_key(c, env);
     return c;
 }
 
-int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ordinal, cJSON **out)
+int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *key_id,
+                  uint32_t ordinal, cJSON **out)
 {
     const cJSON *meta = get(tc, "metadata"), *tmpl = get(get(tc, "spec"), "template");
     const cJSON *tmeta = get(tmpl, "metadata"), *it;
     const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
-    char pod_name[320], ord[16], key[LIMIT_KUBE_KEY_MAX];
-    cJSON *pod, *pm, *labels, *owners, *owner, *spec, *inits, *vols, *vol, *conts, *cont;
+    char pod_name[320], ord[16], key[LIMIT_KUBE_KEY_MAX], secret_name[IDENT_NAME_MAX + 1];
+    cJSON *pod, *pm, *labels, *owners, *owner, *spec, *inits, *vols, *vol, *sec, *conts, *cont;
 
     *out = NULL;
-    if (!name || !ns || !uid || !cJSON_IsObject(get(tmpl, "spec")))
+    if (!name || !ns || !uid || !cJSON_IsObject(get(tmpl, "spec")) ||
+        reconcile_secret_name(name, secret_name, sizeof(secret_name)) < 0)
         return -EINVAL;
     snprintf(pod_name, sizeof(pod_name), "%s-%u", name, ordinal);
     snprintf(ord, sizeof(ord), "%u", ordinal);
@@ -264,6 +289,13 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ord
     cJSON_AddStringToObject(labels, RECONCILE_LABEL_ORDINAL, ord);
     if (cJSON_IsObject(get(tmeta, "annotations")))
         cJSON_AddItemToObject(pm, "annotations", cJSON_Duplicate(get(tmeta, "annotations"), 1));
+    if (key_id) {
+        cJSON *ann = cJSON_GetObjectItemCaseSensitive(pm, "annotations");
+        if (!ann)
+            ann = cJSON_AddObjectToObject(pm, "annotations");
+        cJSON_DeleteItemFromObjectCaseSensitive(ann, RECONCILE_ANNOTATION_KEY_ID);
+        cJSON_AddStringToObject(ann, RECONCILE_ANNOTATION_KEY_ID, key_id);
+    }
     owners = cJSON_AddArrayToObject(pm, "ownerReferences");
     owner = cJSON_CreateObject();
     cJSON_AddStringToObject(owner, "apiVersion", RECONCILE_API_VERSION);
@@ -304,9 +336,17 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ord
     cJSON_AddStringToObject(vol, "name", RECONCILE_VOLUME);
     cJSON_AddStringToObject(cJSON_AddObjectToObject(vol, "emptyDir"), "medium", "Memory");
     cJSON_AddItemToArray(vols, vol);
+    /* The cohort's Secret, for the sidecar alone, readable by its owner
+     * alone. */
+    vol = cJSON_CreateObject();
+    cJSON_AddStringToObject(vol, "name", RECONCILE_KEY_VOLUME);
+    sec = cJSON_AddObjectToObject(vol, "secret");
+    cJSON_AddStringToObject(sec, "secretName", secret_name);
+    cJSON_AddNumberToObject(sec, "defaultMode", RECONCILE_KEY_MODE);
+    cJSON_AddItemToArray(vols, vol);
     /* cJSON reports allocation failures only by leaving things out: one
      * check at the end that the last additions are all there. */
-    if (!get(pod, "spec") || cJSON_GetArraySize(vols) == 0 || !get(vol, "emptyDir"))
+    if (!get(pod, "spec") || cJSON_GetArraySize(vols) < 2 || !get(get(vol, "secret"), "defaultMode"))
         goto err_pod;
     *out = pod;
     return 0;
@@ -340,6 +380,13 @@ int reconcile_selector(const char *cohort, char *buf, size_t n)
     return w < 0 || (size_t)w >= n ? -ENAMETOOLONG : 0;
 }
 
+int reconcile_secret_name(const char *cohort, char *buf, size_t n)
+{
+    int w = snprintf(buf, n, "%s" RECONCILE_SECRET_SUFFIX, cohort);
+
+    return w < 0 || (size_t)w >= n || w > IDENT_NAME_MAX ? -ENAMETOOLONG : 0;
+}
+
 int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_view *v)
 {
     const cJSON *meta = get(pod, "metadata"), *st = get(pod, "status"), *c;
@@ -350,6 +397,7 @@ int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_vi
     if (!v->name)
         return -EINVAL;
     v->uid = str(meta, "uid");
+    v->key_id = str(get(meta, "annotations"), RECONCILE_ANNOTATION_KEY_ID);
     v->ordinal = reconcile_ordinal(cohort, v->name);
     if (get(meta, "deletionTimestamp") && !cJSON_IsNull(get(meta, "deletionTimestamp")))
         v->phase = RECONCILE_POD_TERMINATING;
@@ -384,7 +432,8 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
     p->create = calloc(p->want ? p->want : 1, sizeof(*p->create));
     p->replace = calloc(n ? n : 1, sizeof(*p->replace));
     p->excess = calloc(n ? n : 1, sizeof(*p->excess));
-    if (!seen || !p->create || !p->replace || !p->excess) {
+    p->roll = calloc(n ? n : 1, sizeof(*p->roll));
+    if (!seen || !p->create || !p->replace || !p->excess || !p->roll) {
         free(seen);
         reconcile_plan_cleanup(p);
         return -ENOMEM;
@@ -413,6 +462,8 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
         if (v->phase == RECONCILE_POD_FAILED) {
             p->failed_pods++;
             p->replace[p->n_replace++] = i;
+        } else if (v->stale && v->phase != RECONCILE_POD_SUCCEEDED) {
+            p->roll[p->n_roll++] = i;
         }
     }
     for (uint32_t o = 0; o < p->want; o++)
@@ -435,6 +486,7 @@ void reconcile_plan_cleanup(struct reconcile_plan *p)
     free(p->create);
     free(p->replace);
     free(p->excess);
+    free(p->roll);
     memset(p, 0, sizeof(*p));
 }
 
@@ -542,7 +594,8 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
     {
         uint32_t want = p ? p->want : 0;
         bool draining = o->draining > 0;
-        bool scaling = p && (p->n_create || p->n_excess || p->blocked || p->n_replace);
+        bool scaling = p && (p->n_create || p->n_excess || p->blocked || p->n_replace ||
+                             p->n_roll);
         bool joining = !s->suspend && !(p && p->complete) && ready != want;
         if (p && p->failed) {
             condition(conds, old, "Progressing", false, "TooManyRestarts",

@@ -15,6 +15,10 @@
  *   broker before it deletes them.
  * - A pod that Succeeded (the trainer finished) is not replaced; when every
  *   wanted ordinal has Succeeded the cohort is Complete.
+ * - A pod made with another key or CA than the cohort's (its
+ *   cohort.dev/key-id annotation differs) cannot prove itself to the
+ *   broker: it is "rolled", deleted and made again, without counting as a
+ *   restart.
  */
 #ifndef COHORT_RECONCILE_H
 #define COHORT_RECONCILE_H
@@ -35,6 +39,18 @@
 #define RECONCILE_MOUNT "/run/cohort"
 #define RECONCILE_SOCKET "/run/cohort/sidecar.sock"
 #define RECONCILE_REPLICAS_MAX 4096u
+/* The cohort's Secret (keys.h): its name is NAME-cohort-key; `key` and
+ * `ca.crt` are mounted, mode 0400, into the sidecar alone; each pod is
+ * annotated with the id of the key and CA it was made with. */
+#define RECONCILE_SECRET_SUFFIX "-cohort-key"
+#define RECONCILE_SECRET_KEY "key"
+#define RECONCILE_SECRET_CA "ca.crt"
+#define RECONCILE_KEY_VOLUME "cohort-secret"
+#define RECONCILE_KEY_MOUNT "/etc/cohort/secret"
+#define RECONCILE_KEY_FILE RECONCILE_KEY_MOUNT "/" RECONCILE_SECRET_KEY
+#define RECONCILE_CA_FILE RECONCILE_KEY_MOUNT "/" RECONCILE_SECRET_CA
+#define RECONCILE_KEY_MODE 0400
+#define RECONCILE_ANNOTATION_KEY_ID "cohort.dev/key-id"
 #define RECONCILE_REASON_MAX 64
 #define RECONCILE_MESSAGE_MAX 512
 
@@ -66,17 +82,26 @@ struct reconcile_env {
     const char *broker_address;     /* host:port, what the sidecar is told */
     const char *sidecar_image;      /* used when spec.sidecar.image is unset */
     const char *sidecar_command;    /* argv[0] of the sidecar container */
+    /* The name the broker's TLS certificate carries (its Service's
+     * NAME.NS.svc), which the sidecar checks; NULL: the broker serves
+     * plaintext. */
+    const char *broker_server_name;
 };
 
 /* The pod for `ordinal` of cohort `tc` (borrowed): the template's pod
  * with the sidecar injected as a native sidecar (an init container with
  * restartPolicy Always), the shared emptyDir, the COHORT_* environment
  * in every trainer container, labels and a controller owner reference.
- * restartPolicy defaults to Never, so that a failure reaches the
- * operator, which replaces the pod and counts it. Returns 0 and sets *out
- * (caller frees with cJSON_Delete), -EINVAL (tc lacks a name, namespace,
- * uid or template), -ENOMEM. */
-int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, uint32_t ordinal, cJSON **out);
+ * The sidecar alone mounts the cohort's Secret read-only and is
+ * told where its key (COHORT_SECRET_FILE) and, with TLS, the broker's CA
+ * (COHORT_BROKER_CA) and name (COHORT_BROKER_SERVER_NAME) are; `key_id`
+ * (keys_id() in keys.h, NULL for none) becomes the pod's cohort.dev/key-id
+ * annotation. restartPolicy defaults to Never, so that a failure reaches
+ * the operator, which replaces the pod and counts it. Returns 0 and sets
+ * *out (caller frees with cJSON_Delete), -EINVAL (tc lacks a name,
+ * namespace, uid or template), -ENOMEM. */
+int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *key_id,
+                  uint32_t ordinal, cJSON **out);
 
 /* The ordinal of pod `pod` if it is named <cohort>-<n> (n without leading
  * zeros, below RECONCILE_REPLICAS_MAX), else -1. */
@@ -85,6 +110,11 @@ long reconcile_ordinal(const char *cohort, const char *pod);
 /* The label selector of a cohort's pods, for status.selector and lists.
  * Returns 0 or -ENAMETOOLONG. */
 int reconcile_selector(const char *cohort, char *buf, size_t n);
+
+/* The name of cohort `cohort`'s Secret, NAME-cohort-key, into buf.
+ * Returns 0 or -ENAMETOOLONG (also past 253 bytes, an object name's
+ * limit). */
+int reconcile_secret_name(const char *cohort, char *buf, size_t n);
 
 enum reconcile_phase {
     RECONCILE_POD_PENDING,
@@ -100,6 +130,8 @@ struct reconcile_pod_view {
     long ordinal;                   /* reconcile_ordinal(), -1 for a stranger */
     enum reconcile_phase phase;
     bool ready;
+    const char *key_id;             /* its cohort.dev/key-id annotation, or NULL */
+    bool stale;                     /* made with another key or CA: set by the caller */
 };
 
 /* Reads a pod object into a view (strings borrowed from pod). Returns 0
@@ -113,6 +145,8 @@ struct reconcile_plan {
     size_t n_replace;
     size_t *excess;                 /* indices into pods: drain, then delete */
     size_t n_excess;
+    size_t *roll;                   /* indices into pods: stale, delete (not counted) */
+    size_t n_roll;
     uint32_t want;                  /* pods wanted: 0 when suspended */
     uint32_t terminating;           /* pods being deleted */
     uint32_t blocked;               /* wanted ordinals waiting for a pod to go */

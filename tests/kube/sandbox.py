@@ -27,7 +27,8 @@ PYTHON = sys.executable
 # Run as a program, not under pytest: the test helpers' package is not on
 # the path by itself.
 sys.path.insert(0, os.path.join(ROOT, "tests", "lib"))
-from cohorttest import free_port, pod_path_dir, stop_process, wait_until  # noqa: E402
+from cohorttest import (free_port, pod_path_dir, sidecar_speaks_tls, stop_process,  # noqa: E402
+                        wait_until)
 
 
 def say(msg):
@@ -60,9 +61,14 @@ def operator_command(path_env, kubeconfig):
     if "--kubeconfig" not in out.stdout + out.stderr:
         return None, "%s has no Kubernetes mode yet (no --kubeconfig in its --help)" % exe
     # The broker on a fixed loopback port, so that pods keep reaching it if
-    # the operator is restarted; pods on 127.0.0.x reach 127.0.0.1.
-    return [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % free_port(),
-            "--metrics-listen", "127.0.0.1:0"], None
+    # the operator is restarted; pods on 127.0.0.x reach 127.0.0.1. TLS
+    # (the operator's default) only once the sidecar can speak it.
+    cmd = [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % free_port(),
+           "--metrics-listen", "127.0.0.1:0"]
+    sidecar = shutil.which("cohort-sidecar", path=path_env)
+    if not sidecar or not sidecar_speaks_tls(os.path.dirname(os.path.realpath(sidecar))):
+        cmd += ["--broker-tls", "off"]
+    return cmd, None
 
 
 def main(argv=None):

@@ -3,18 +3,30 @@ stand-in, the process kubelet running trainer pods (the C example trainer
 and the injected cohort-sidecar) as local processes, and the real operator.
 
 One stand-in cluster is shared by the module; each test uses its own
-cohort names. Every wait is on a condition with a generous deadline
+cohort names. Its operator serves the broker with TLS when the sidecar can
+speak it (cohorttest.Operator), else without; a second, smaller cluster
+(tls_cluster) always runs the operator with TLS, to check what it serves.
+Every wait is on a condition with a generous deadline
 ($COHORT_TEST_DEADLINE, 60 s by default), never a fixed sleep.
 Binaries: $COHORT_BIN (see tests/lib/cohorttest/programs.py).
 """
+import base64
+import hashlib
+import hmac
 import json
 import os
+import re
 import signal
+import socket
+import ssl
+import stat
+import struct
+import subprocess
 
 import pytest
 
 from cohorttest import (ApiServer, Kubectl, Kubelet, Operator, bin_dir, cohort_manifest,
-                        free_port, make_tmp, remove_tmp, wait_until)
+                        free_port, make_tmp, remove_tmp, sidecar_speaks_tls, wait_until)
 
 NS = "default"
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
@@ -24,12 +36,13 @@ class Cluster:
     pass
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def start_cluster(prefix, tls=None):
+    """An API server, a kubelet, kubectl with the CRD, and operator op-a
+    (see Operator for tls), as a generator for a fixture."""
     if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
         pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
     c = Cluster()
-    c.tmp = make_tmp("cop-")
+    c.tmp = make_tmp(prefix)
     c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5")
     c.kubelet = Kubelet(c.server, c.tmp)
     c.kubectl = Kubectl(c.server, c.tmp)
@@ -42,7 +55,7 @@ def cluster():
                                               "trainingcohorts.cohort.dev.yaml"))
         c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
         c.broker_port = free_port()
-        c.operators.append(Operator(c.server, c.tmp, "op-a", c.broker_port))
+        c.operators.append(Operator(c.server, c.tmp, "op-a", c.broker_port, tls=tls))
         wait_until(lambda: c.operators[0].metrics().get("is_leader") == 1, "op-a to lead")
         yield c
     finally:
@@ -53,6 +66,11 @@ def cluster():
         c.kubelet.stop()
         c.server.stop()
         remove_tmp(c.tmp)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from start_cluster("cop-")
 
 
 def tc(c, name):
@@ -290,6 +308,8 @@ def test_operator_restart_keeps_pods_and_status_goes_on(cluster):
     uids = sorted(p["metadata"]["uid"] for p in pods(c, "keep"))
     epoch = status(c, "keep")["epoch"]
     creates = len(post_pod_creates(c))
+    keys = broker_key_ids(c.operators[0], "keep")
+    assert len(keys) == 1
 
     # kill -9: no release of the Lease, no goodbye to the broker.
     op = c.operators.pop(0)
@@ -299,6 +319,9 @@ def test_operator_restart_keeps_pods_and_status_goes_on(cluster):
     c.operators.insert(0, new)
     wait_until(lambda: new.metrics().get("is_leader") == 1, "the restarted operator to lead")
     wait_until(lambda: new.http("/readyz")[0] == 200, "the restarted operator to be ready")
+    # Its broker has the cohort's key from the Secret before any worker
+    # runs (ready means the workers run), so the pods are not replaced.
+    assert broker_key_ids(new, "keep") == keys
     # The sidecars rejoin the new broker; the status moves on from there.
     wait_until(lambda: status(c, "keep").get("epoch", 0) > epoch, "a new epoch after the restart")
     wait_members(c, "keep", ["keep-0", "keep-1"])
@@ -340,3 +363,272 @@ def test_two_operators_elect_exactly_one_leader(cluster):
                   if p["metadata"]["name"] != "duo-2") == uids
     c.kubectl("delete", "tc", "duo")
     wait_until(lambda: not pods(c, "duo"), "duo's pods to be gone")
+
+
+# ---------------------------------------------------------------------------
+# A Secret per cohort, and TLS for the broker
+# ---------------------------------------------------------------------------
+
+SECRETS = "/api/v1/namespaces/default/secrets"
+SECRET_ENV = {"COHORT_SECRET_FILE", "COHORT_BROKER_CA", "COHORT_BROKER_SERVER_NAME"}
+
+
+def leader(c):
+    """The operator of c that leads now (earlier tests stop some)."""
+    return wait_until(lambda: next((op for op in c.operators if op.p.poll() is None and
+                                    op.metrics().get("is_leader") == 1), None), "a leader")
+
+
+def secret(c, name):
+    return c.server.get("%s/%s-cohort-key" % (SECRETS, name))
+
+
+def secret_data(sec, k):
+    return base64.b64decode(sec["data"][k]).decode() if sec and k in sec["data"] else None
+
+
+def key_id(key_hex, ca_pem=None):
+    """keys_id(): 16 hex digits of HMAC-SHA256 under the key of the label
+    and the CA, each part preceded by its length (base/secret.h)."""
+    def part(b):
+        return struct.pack("<Q", len(b)) + b
+    msg = part(b"cohort/key-id/v1") + part((ca_pem or "").encode())
+    return hmac.new(bytes.fromhex(key_hex), msg, hashlib.sha256).hexdigest()[:16]
+
+
+def broker_key_ids(op, name):
+    """The ids of the keys the operator gave its broker for cohort name."""
+    return re.findall(r"The broker has the cohort's key\. cohort=default/%s key_id=(\w+)" %
+                      re.escape(name), op.text())
+
+
+def volume_file(c, pod, name):
+    """A file of the cohort's Secret as the kubelet wrote it for pod."""
+    return os.path.join(c.tmp, "st", "pods", pod["metadata"]["uid"], "volumes",
+                        "cohort-secret", name)
+
+
+def container_log(c, pod, container):
+    d = os.path.join(c.tmp, "logs", "default_%s_%s" % (pod["metadata"]["name"],
+                                                      pod["metadata"]["uid"]), container)
+    out = ""
+    for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        with open(os.path.join(d, f)) as fh:
+            out += fh.read()
+    return out
+
+
+def check_keyed_pod(c, p, key, kid, tls):
+    """What every trainer pod has of its cohort's Secret, and what the
+    kubelet made of it."""
+    name = p["metadata"]["labels"]["cohort.dev/cohort"]
+    assert p["metadata"]["annotations"]["cohort.dev/key-id"] == kid
+    spec = p["spec"]
+    vol = [v for v in spec["volumes"] if v["name"] == "cohort-secret"]
+    assert vol and vol[0]["secret"] == {"secretName": name + "-cohort-key", "defaultMode": 0o400}
+    side = spec["initContainers"][0]
+    assert side["name"] == "cohort-sidecar"
+    mount = [m for m in side["volumeMounts"] if m["name"] == "cohort-secret"]
+    assert mount == [{"name": "cohort-secret", "mountPath": "/etc/cohort/secret",
+                      "readOnly": True}]
+    env = {e["name"]: e.get("value") for e in side["env"]}
+    assert env["COHORT_SECRET_FILE"] == "/etc/cohort/secret/key"
+    if tls:
+        assert env["COHORT_BROKER_CA"] == "/etc/cohort/secret/ca.crt"
+        assert env["COHORT_BROKER_SERVER_NAME"] == "cohort-broker.default.svc"
+    else:
+        assert "COHORT_BROKER_CA" not in env and "COHORT_BROKER_SERVER_NAME" not in env
+    # The trainer reaches the cohort through its sidecar: no key for it.
+    for cont in spec["containers"]:
+        assert all(m["name"] != "cohort-secret" for m in cont.get("volumeMounts") or [])
+        assert not {e["name"] for e in cont.get("env") or []} & SECRET_ENV
+    # The kubelet wrote the key, 0400, where the sidecar reads it.
+    path = volume_file(c, p, "key")
+    wait_until(lambda: os.path.exists(path), "the kubelet to write %s" % path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
+    with open(path) as f:
+        assert f.read() == key
+
+
+def test_each_cohort_gets_its_secret_mounted_by_its_sidecars_alone(cluster):
+    c = cluster
+    op = leader(c)
+    created0 = op.metrics()["keys_created_total"]
+    apply(c, cohort_manifest("keyed", 2))
+    wait_members(c, "keyed", ["keyed-0", "keyed-1"])
+    wait_training(c, "keyed")
+
+    s = secret(c, "keyed")
+    assert s["type"] == "Opaque" and s["metadata"]["labels"] == {"cohort.dev/cohort": "keyed"}
+    owners = s["metadata"]["ownerReferences"]
+    assert len(owners) == 1 and owners[0]["uid"] == tc(c, "keyed")["metadata"]["uid"]
+    assert owners[0]["kind"] == "TrainingCohort" and owners[0]["controller"] is True and \
+        owners[0]["blockOwnerDeletion"] is True
+    key = secret_data(s, "key")
+    assert re.fullmatch(r"[0-9a-f]{64}", key), key
+    ca = secret_data(s, "ca.crt")
+    assert (ca is not None) == op.tls
+    kid = key_id(key, ca)
+    # The broker was given this Secret's key (the log names its id, and
+    # nothing logs the key itself).
+    assert broker_key_ids(op, "keyed") == [kid]
+    assert key not in op.text()
+    for p in pods(c, "keyed"):
+        check_keyed_pod(c, p, key, kid, op.tls)
+        # The sidecar read it: it warns when it runs without a key.
+        assert "No --secret-file" not in container_log(c, p, "cohort-sidecar")
+    assert op.metrics()["keys_created_total"] == created0 + 1
+    assert events(c, "keyed", "KeyCreated")
+
+    # The cohort goes, and its Secret with it (garbage collection through
+    # the owner reference); the broker forgets the key.
+    c.kubectl("delete", "tc", "keyed", "--wait=true")
+    wait_until(lambda: secret(c, "keyed") is None, "keyed's Secret to be collected")
+    wait_until(lambda: not pods(c, "keyed"), "keyed's pods to be gone")
+
+
+def test_deleting_the_secret_rotates_the_key_and_replaces_the_pods(cluster):
+    c = cluster
+    op = leader(c)
+    rolled0 = op.metrics()["pods_rolled_total"]
+    apply(c, cohort_manifest("rot", 2))
+    wait_members(c, "rot", ["rot-0", "rot-1"])
+    wait_training(c, "rot")
+    old = secret(c, "rot")
+    old_key, ca = secret_data(old, "key"), secret_data(old, "ca.crt")
+    old_uids = {p["metadata"]["uid"] for p in pods(c, "rot")}
+
+    c.server.ok("DELETE", SECRETS + "/rot-cohort-key")
+    wait_until(lambda: secret(c, "rot") and secret(c, "rot")["metadata"]["uid"] !=
+               old["metadata"]["uid"], "a new Secret for rot")
+    new_key = secret_data(secret(c, "rot"), "key")
+    assert re.fullmatch(r"[0-9a-f]{64}", new_key) and new_key != old_key
+    kid = key_id(new_key, ca)
+    wait_until(lambda: kid in broker_key_ids(op, "rot"), "the broker to get the new key")
+    # Every pod made with the old key is replaced, under its name, without
+    # counting a restart; the new ones carry the new key.
+    wait_until(lambda: len(live_pods(c, "rot")) == 2 and
+               not old_uids & {p["metadata"]["uid"] for p in live_pods(c, "rot")},
+               "rot's pods to be replaced")
+    for p in live_pods(c, "rot"):
+        check_keyed_pod(c, p, new_key, kid, op.tls)
+    wait_members(c, "rot", ["rot-0", "rot-1"], "the new pods to join")
+    wait_training(c, "rot")
+    assert status(c, "rot").get("restarts") == 0
+    assert events(c, "rot", "KeyChanged") and events(c, "rot", "RollingKey")
+    assert op.metrics()["pods_rolled_total"] >= rolled0 + 2
+    c.kubectl("delete", "tc", "rot")
+    wait_until(lambda: not pods(c, "rot") and secret(c, "rot") is None, "rot to be gone")
+
+
+def test_a_secret_of_the_name_the_cohort_does_not_own_is_left_alone(cluster):
+    c = cluster
+    c.server.ok("POST", SECRETS, {"metadata": {"name": "clash-cohort-key"},
+                                  "stringData": {"key": "the user's own"}})
+    before = secret(c, "clash")
+    apply(c, cohort_manifest("clash", 1))
+    wait_until(lambda: (condition(c, "clash", "Failed") or {}).get("reason") == "SecretConflict",
+               "a SecretConflict condition")
+    msg = condition(c, "clash", "Failed")["message"]
+    assert "default/clash-cohort-key" in msg and "not owned" in msg, msg
+    assert condition(c, "clash", "Available")["status"] == "False"
+    assert events(c, "clash", "SecretConflict")
+    assert not pods(c, "clash")
+    after = secret(c, "clash")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert secret_data(after, "key") == "the user's own"
+    assert not broker_key_ids(leader(c), "clash")
+
+    # Once the user's Secret is gone, the cohort gets its own and runs.
+    c.server.ok("DELETE", SECRETS + "/clash-cohort-key")
+    wait_members(c, "clash", ["clash-0"])
+    assert secret(c, "clash")["metadata"]["ownerReferences"][0]["uid"] == \
+        tc(c, "clash")["metadata"]["uid"]
+    wait_until(lambda: condition(c, "clash", "Failed")["status"] == "False",
+               "the Failed condition to clear")
+    c.kubectl("delete", "tc", "clash")
+    wait_until(lambda: not pods(c, "clash") and secret(c, "clash") is None, "clash to be gone")
+
+
+@pytest.mark.parametrize("flag, value", [("--broker-tls", "on"), ("--broker-service", "a.b"),
+                                         ("--broker-service", ""), ("--broker-ca-secret", "a/b")])
+def test_bad_tls_flags_are_usage_errors(flag, value):
+    exe = os.path.join(bin_dir(), "cohort-operator")
+    if not os.access(exe, os.X_OK):
+        pytest.skip("no cohort-operator in %s" % bin_dir())
+    r = subprocess.run([exe, "--kubeconfig", "/nonexistent", flag, value], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and flag in r.stderr, (r.returncode, r.stderr)
+
+
+@pytest.fixture(scope="module")
+def tls_cluster():
+    yield from start_cluster("coptls-", tls=True)
+
+
+def handshake(port, ca_pem=None, name="cohort-broker.default.svc"):
+    """A TLS handshake with the broker as its clients make it (ALPN h2);
+    the server's certificate, as the ssl module parses it."""
+    ctx = ssl.create_default_context(cadata=ca_pem) if ca_pem else ssl.create_default_context()
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        with ctx.wrap_socket(s, server_hostname=name) as t:
+            return t.getpeercert()
+
+
+def test_tls_broker_serves_a_certificate_of_the_operators_ca(tls_cluster):
+    c = tls_cluster
+    # Ready once it leads with the broker serving: the CA is made by then.
+    wait_until(lambda: c.operators[0].http("/readyz")[0] == 200, "the operator to be ready")
+    ca_sec = c.server.get(SECRETS + "/cohort-broker-ca")
+    assert ca_sec["type"] == "kubernetes.io/tls"
+    ca = secret_data(ca_sec, "ca.crt")
+    assert ca == secret_data(ca_sec, "tls.crt") and "PRIVATE KEY" in secret_data(ca_sec, "tls.key")
+    # A client that does not trust the operator's CA is refused.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake(c.broker_port)
+    # One that does gets a certificate naming the broker Service and the
+    # address pods are told, issued by the CA, for about a year.
+    cert = handshake(c.broker_port, ca)
+    sans = sorted(cert["subjectAltName"])
+    assert sans == sorted([("DNS", "cohort-broker"), ("DNS", "cohort-broker.default"),
+                           ("DNS", "cohort-broker.default.svc"),
+                           ("DNS", "cohort-broker.default.svc.cluster.local"),
+                           ("IP Address", "127.0.0.1")]), sans
+    assert dict(x[0] for x in cert["issuer"])["commonName"] == "cohort broker CA"
+    days = (ssl.cert_time_to_seconds(cert["notAfter"]) - ssl.cert_time_to_seconds(
+        cert["notBefore"])) / 86400
+    assert 364 < days < 366, days
+    for name in ("cohort-broker.default.svc.cluster.local", "127.0.0.1"):
+        handshake(c.broker_port, ca, name)
+    # Another Service's name does not match.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake(c.broker_port, ca, "cohort-broker.other.svc")
+    assert "The broker serves TLS." in c.operators[0].text()
+
+
+def test_tls_cohort_secret_carries_the_ca_and_sidecars_are_told(tls_cluster):
+    c = tls_cluster
+    op = c.operators[0]
+    apply(c, cohort_manifest("tlsc", 1))
+    wait_until(lambda: secret(c, "tlsc") and live_pods(c, "tlsc"), "tlsc's Secret and pod")
+    ca = secret_data(c.server.get(SECRETS + "/cohort-broker-ca"), "ca.crt")
+    s = secret(c, "tlsc")
+    assert secret_data(s, "ca.crt") == ca
+    key = secret_data(s, "key")
+    kid = key_id(key, ca)
+    assert broker_key_ids(op, "tlsc") == [kid]
+    p = live_pods(c, "tlsc")[0]
+    check_keyed_pod(c, p, key, kid, True)
+    side = {e["name"]: e.get("value") for e in p["spec"]["initContainers"][0]["env"]}
+    assert side["COHORT_BROKER"] == "127.0.0.1:%d" % c.broker_port
+    path = volume_file(c, p, "ca.crt")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
+    with open(path) as f:
+        assert f.read() == ca
+    if sidecar_speaks_tls():
+        # The sidecar joins the broker over TLS, checking the Service name.
+        wait_members(c, "tlsc", ["tlsc-0"])
+        wait_training(c, "tlsc")
+    c.kubectl("delete", "tc", "tlsc")
+    wait_until(lambda: not pods(c, "tlsc") and secret(c, "tlsc") is None, "tlsc to be gone")

@@ -572,6 +572,51 @@ def test_owned_pods_are_deleted_with_their_cohort(widgets):
                            == 404 for i in range(2)), "owned pods to be deleted")
 
 
+SECRETS = "/api/v1/namespaces/default/secrets"
+
+
+def b64(data):
+    import base64
+    return base64.b64encode(data if isinstance(data, bytes) else data.encode()).decode()
+
+
+def test_secrets_are_checked_conflict_and_go_with_their_owner(cluster):
+    owner = cluster.ok("POST", CM, {"metadata": {"name": "sec-owner"}})
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "sec-owner",
+           "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    s = cluster.ok("POST", SECRETS, {"metadata": {"name": "k", "labels": {"app": "sec"},
+                                                  "ownerReferences": [ref]},
+                                     "data": {"key": b64("abc")}, "stringData": {"s": "x"}})
+    assert s["type"] == "Opaque" and s["data"] == {"key": b64("abc"), "s": b64("x")}
+    assert "stringData" not in s
+    # A second create of the name: 409 AlreadyExists, and the first stays.
+    code, st, _ = cluster.call("POST", SECRETS, {"metadata": {"name": "k"},
+                                                 "data": {"key": b64("other")}})
+    assert code == 409 and st["reason"] == "AlreadyExists", st
+    assert cluster.ok("GET", SECRETS + "/k")["data"]["key"] == b64("abc")
+    # data is bytes: not base64 is a 400; bad key names, a TLS Secret
+    # without its key, a changed type are 422.
+    code, st, _ = cluster.call("POST", SECRETS, {"metadata": {"name": "bad"},
+                                                 "data": {"key": "not base64!"}})
+    assert code == 400 and "base64" in st["message"], st
+    code, st, _ = cluster.call("POST", SECRETS, {"metadata": {"name": "bad"},
+                                                 "data": {"a/b": b64("x")}})
+    assert code == 422 and "data[a/b]" in st["message"], st
+    code, st, _ = cluster.call("POST", SECRETS, {"metadata": {"name": "bad"},
+                                                 "type": "kubernetes.io/tls",
+                                                 "data": {"tls.crt": b64("x")}})
+    assert code == 422 and "data[tls.key]" in st["message"], st
+    code, st, _ = cluster.call("PATCH", SECRETS + "/k", {"type": "kubernetes.io/tls"},
+                               "application/merge-patch+json")
+    assert code == 422 and "immutable" in st["message"], st
+    got = cluster.ok("GET", SECRETS + "?labelSelector=app%3Dsec")
+    assert [i["metadata"]["name"] for i in got["items"]] == ["k"]
+    # Owner references: the Secret goes with its owner.
+    cluster.ok("DELETE", CM + "/sec-owner")
+    wait_until(lambda: cluster.call("GET", SECRETS + "/k")[0] == 404,
+               "the Secret to be collected with its owner")
+
+
 def test_leases_and_events(cluster):
     path = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
     lease = cluster.ok("POST", path, {"metadata": {"name": "cohort-operator"},
@@ -840,6 +885,33 @@ def test_native_sidecar_starts_before_the_main_container(cluster):
     assert inits["first"]["state"]["terminated"]["exitCode"] == 0
     assert inits["side"]["started"] and "running" in inits["side"]["state"]
     cluster.ok("DELETE", PODS + "/sidecar")
+
+
+def test_secret_volumes_are_files_with_their_modes(cluster):
+    # The pod waits for its Secret (MountVolume failed) and starts once it
+    # exists; the files hold the Secret's bytes with the volume's modes.
+    vol = [{"name": "sec", "secret": {"secretName": "vol-sec", "defaultMode": 0o400}},
+           {"name": "one", "secret": {"secretName": "vol-sec", "items": [
+               {"key": "bin", "path": "sub/b", "mode": 0o440}]}}]
+    mounts = [{"name": "sec", "mountPath": "/sec", "readOnly": True},
+              {"name": "one", "mountPath": "/one"}]
+    script = ("stat -c 'key %a' /sec/key; stat -c 'bin %a' /one/sub/b; cat /sec/key; echo; "
+              "od -An -tx1 /sec/bin; ls /one; exec sleep 1000")
+    cluster.ok("POST", PODS, pod("secvol", [sh("main", script, volumeMounts=mounts)],
+                                 volumes=vol))
+    wait_until(lambda: "MountVolume failed" in (get_pod(cluster, "secvol")["status"]
+                                                .get("message") or ""),
+               "the pod to wait for its Secret")
+    cluster.ok("POST", SECRETS, {"metadata": {"name": "vol-sec"},
+                                 "data": {"key": b64("0123abcd"), "bin": b64(b"\xff\x00\x80")}})
+    wait_phase(cluster, "secvol", "Running")
+    log = wait_until(lambda: (lambda t: t if "sub" in t else None)(pod_log(cluster, "secvol")),
+                     "the log")
+    lines = log.split("\n")
+    assert lines[0] == "key 400" and lines[1] == "bin 440", log
+    assert "0123abcd" in lines[2] and "ff 00 80" in lines[3], log
+    cluster.ok("DELETE", PODS + "/secvol")
+    cluster.ok("DELETE", SECRETS + "/vol-sec")
 
 
 def test_env_field_refs_are_filled(cluster):

@@ -182,6 +182,32 @@ Test(kube, get_parses_and_sends_token)
     cJSON_Delete(o);
 }
 
+Test(kube, base64_and_secret_data)
+{
+    static const char *const plain[] = { "", "f", "fo", "foo", "foob", "fooba", "foobar" };
+    static const char *const coded[] = { "", "Zg==", "Zm8=", "Zm9v", "Zm9vYg==", "Zm9vYmE=",
+                                         "Zm9vYmFy" };
+    cJSON *sec;
+    char *out = NULL;
+    size_t len = 0;
+
+    for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++) {
+        char *b = kube_base64(plain[i], strlen(plain[i]));
+        cr_assert_str_eq(b, coded[i], "RFC 4648's vector %zu", i);
+        free(b);
+    }
+    sec = cJSON_Parse("{\"data\":{\"k\":\"AP8Afw==\",\"bad\":\"a!b\",\"num\":1}}");
+    cr_assert_eq(kube_secret_data(sec, "k", &out, &len), 0);
+    cr_assert_eq(len, 4);
+    cr_assert(memcmp(out, "\x00\xff\x00\x7f", 4) == 0 && out[4] == '\0');
+    free(out);
+    cr_assert_eq(kube_secret_data(sec, "missing", &out, NULL), -ENOENT);
+    cr_assert_null(out);
+    cr_assert_eq(kube_secret_data(sec, "bad", &out, NULL), -EINVAL);
+    cr_assert_eq(kube_secret_data(sec, "num", &out, NULL), -EINVAL);
+    cJSON_Delete(sec);
+}
+
 Test(kube, statuses_map_to_errno)
 {
     cJSON *o = (cJSON *)1;

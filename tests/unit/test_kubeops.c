@@ -1,6 +1,7 @@
 /* tests/unit/test_kubeops.c: the operator's Kubernetes machinery that needs
- * real API semantics (reflector, Lease election), against the stand-in API
- * server in tests/kube/apiserver.py, started per test on a free port. */
+ * real API semantics (reflector, Lease election, the broker's CA in a
+ * Secret), against the stand-in API server in tests/kube/apiserver.py,
+ * started per test on a free port. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <signal.h>
@@ -9,12 +10,20 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+
 #include "base/clock.h"
 #include "fixture.h"
+#include "k8s/brokertls.h"
 #include "k8s/kube.h"
 #include "k8s/lease.h"
 #include "k8s/reflector.h"
@@ -68,6 +77,17 @@ static void start_server(const char *history, const char *bookmarks)
     snprintf(url, sizeof(url), "http://127.0.0.1:%d", port);
     c.server = url;
     cr_assert_eq(kube_create(&c, NULL, &k), 0);
+}
+
+/* Another client of the same server, for a second "replica". The caller
+ * frees it with kube_destroy(). */
+static struct kube *second_client(void)
+{
+    struct kube_config c = { .server = url, .namespace = "default" };
+    struct kube *k2;
+
+    cr_assert_eq(kube_create(&c, NULL, &k2), 0);
+    return k2;
 }
 
 static void stop_server(void)
@@ -206,6 +226,169 @@ Test(kubeops, reflector_keeps_up_through_a_short_history, .timeout = 90)
     cr_assert_eq(st.errors, 0);
     cr_assert_eq(st.lists, 1, "resumed from bookmarks, never listed again");
     reflector_destroy(r);
+    stop_server();
+}
+
+/* ---- the broker's CA ---- */
+
+#define SECRETS "/api/v1/namespaces/ops/secrets"
+
+/* Whether `leaf` verifies against `ca` for `host`, as a TLS client checks. */
+static bool verifies(const char *ca_pem, const char *leaf_pem, const char *host)
+{
+    BIO *b1 = BIO_new_mem_buf(ca_pem, -1), *b2 = BIO_new_mem_buf(leaf_pem, -1);
+    X509 *ca = PEM_read_bio_X509(b1, NULL, NULL, NULL), *leaf = PEM_read_bio_X509(b2, NULL, NULL, NULL);
+    X509_STORE *st = X509_STORE_new();
+    X509_STORE_CTX *ctx = X509_STORE_CTX_new();
+    bool ok;
+
+    cr_assert(ca && leaf);
+    X509_STORE_add_cert(st, ca);
+    X509_STORE_CTX_init(ctx, st, leaf, NULL);
+    X509_VERIFY_PARAM_set1_host(X509_STORE_CTX_get0_param(ctx), host, 0);
+    ok = X509_verify_cert(ctx) == 1;
+    X509_STORE_CTX_free(ctx);
+    X509_STORE_free(st);
+    X509_free(ca);
+    X509_free(leaf);
+    BIO_free(b1);
+    BIO_free(b2);
+    ERR_clear_error();
+    return ok;
+}
+
+static const char *resource_version(const char *path)
+{
+    static char rv[64];
+    cJSON *o = NULL;
+
+    cr_assert_eq(kube_get(k, path, &o), 0);
+    snprintf(rv, sizeof(rv), "%s", kube_meta(o, "resourceVersion"));
+    cJSON_Delete(o);
+    return rv;
+}
+
+Test(kubeops, broker_ca_is_made_once_and_each_start_issues_a_certificate, .timeout = 90)
+{
+    const char *extra[] = { "127.0.0.1" };
+    struct brokertls_config c = { .namespace = "ops", .extra = extra, .n_extra = 1 };
+    struct brokertls a, b;
+    cJSON *sec = NULL;
+    char *text = NULL;
+
+    start_server("1000", "5");
+    c.kube = k;
+    cr_assert_eq(brokertls_load(&c, &a), 0);
+    cr_assert(a.created);
+    cr_assert_str_eq(a.server_name, "cohort-broker.ops.svc");
+    cr_assert(verifies(a.ca_pem, a.server.cert, "cohort-broker.ops.svc"));
+    cr_assert(verifies(a.ca_pem, a.server.cert, "cohort-broker.ops.svc.cluster.local"));
+    cr_assert(!verifies(a.ca_pem, a.server.cert, "cohort-broker.default.svc"));
+    cr_assert_gt(a.not_after, (int64_t)time(NULL) + 300 * 86400);
+    /* The Secret: kubernetes.io/tls, the CA's certificate and key. */
+    cr_assert_eq(kube_get(k, SECRETS "/cohort-broker-ca", &sec), 0);
+    cr_assert_str_eq(cJSON_GetObjectItem(sec, "type")->valuestring, "kubernetes.io/tls");
+    cr_assert_eq(kube_secret_data(sec, "ca.crt", &text, NULL), 0);
+    cr_assert_str_eq(text, a.ca_pem);
+    free(text);
+    cr_assert_eq(kube_secret_data(sec, "tls.key", &text, NULL), 0);
+    cr_assert(strstr(text, "PRIVATE KEY"));
+    free(text);
+    cJSON_Delete(sec);
+    /* A second start: the same CA, a new certificate. */
+    cr_assert_eq(brokertls_load(&c, &b), 0);
+    cr_assert(!b.created);
+    cr_assert_str_eq(b.ca_pem, a.ca_pem);
+    cr_assert_str_neq(b.server.cert, a.server.cert);
+    cr_assert(verifies(a.ca_pem, b.server.cert, "cohort-broker.ops.svc"));
+    brokertls_cleanup(&a);
+    brokertls_cleanup(&b);
+    stop_server();
+}
+
+/* Two replicas starting at once. */
+struct racer {
+    struct kube *kube;
+    struct brokertls t;
+    int rc;
+};
+
+static void *race(void *arg)
+{
+    struct racer *r = arg;
+    struct brokertls_config c = { .kube = r->kube, .namespace = "ops", .service = "b" };
+
+    r->rc = brokertls_load(&c, &r->t);
+    return NULL;
+}
+
+Test(kubeops, two_replicas_making_the_ca_agree_on_one, .timeout = 90)
+{
+    struct racer r[2] = { { .kube = NULL }, { .kube = NULL } };
+    pthread_t th[2];
+    cJSON *rule;
+
+    start_server("1000", "5");
+    /* Both look for the Secret before either makes it (their reads are
+     * held 3 s), then both create it: one gets 409 and must read the
+     * winner's. */
+    rule = cJSON_Parse("{\"method\":\"GET\",\"path\":\"/secrets/cohort-broker-ca\",\"delay\":3,"
+                       "\"count\":2}");
+    cr_assert_eq(kube_request(k, "POST", "/debug/cohort/faults", NULL, rule, NULL), 0);
+    cJSON_Delete(rule);
+    r[0].kube = k;
+    r[1].kube = second_client();
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, race, &r[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    cr_assert_eq(r[0].rc, 0);
+    cr_assert_eq(r[1].rc, 0);
+    cr_assert_eq(r[0].t.created + r[1].t.created, 1, "exactly one made the CA");
+    {
+        /* And the other did try, and got 409. */
+        cJSON *reqs = NULL, *it;
+        int conflicts = 0;
+        cr_assert_eq(kube_get(k, "/debug/cohort/requests", &reqs), 0);
+        cJSON_ArrayForEach(it, reqs) {
+            const cJSON *m = cJSON_GetObjectItem(it, "method"), *p = cJSON_GetObjectItem(it, "path");
+            const cJSON *code = cJSON_GetObjectItem(it, "code");
+            conflicts += cJSON_IsString(m) && strcmp(m->valuestring, "POST") == 0 &&
+                         cJSON_IsString(p) && strcmp(p->valuestring, SECRETS) == 0 &&
+                         cJSON_IsNumber(code) && code->valueint == 409;
+        }
+        cJSON_Delete(reqs);
+        cr_assert_eq(conflicts, 1);
+    }
+    cr_assert_str_eq(r[0].t.ca_pem, r[1].t.ca_pem);
+    cr_assert(verifies(r[0].t.ca_pem, r[1].t.server.cert, "b.ops.svc"));
+    cr_assert(verifies(r[1].t.ca_pem, r[0].t.server.cert, "b.ops.svc"));
+    for (int i = 0; i < 2; i++)
+        brokertls_cleanup(&r[i].t);
+    kube_destroy(r[1].kube);
+    stop_server();
+}
+
+Test(kubeops, a_secret_without_a_usable_ca_is_refused_and_left_alone, .timeout = 90)
+{
+    struct brokertls_config c = { .namespace = "ops", .secret = "mine" };
+    struct brokertls t;
+    char rv[64];
+    cJSON *o = cJSON_Parse("{\"metadata\":{\"name\":\"mine\"},\"type\":\"kubernetes.io/tls\","
+                           "\"data\":{\"tls.crt\":\"bm90IGEgY2VydA==\",\"tls.key\":\"bm8=\"}}");
+
+    start_server("1000", "5");
+    c.kube = k;
+    cr_assert_eq(kube_create_object(k, SECRETS, o, NULL), 0);
+    cJSON_Delete(o);
+    snprintf(rv, sizeof(rv), "%s", resource_version(SECRETS "/mine"));
+    cr_assert_eq(brokertls_load(&c, &t), -EINVAL);
+    cr_assert_null(t.ca_pem);
+    cr_assert_null(t.server.key);
+    cr_assert_str_eq(resource_version(SECRETS "/mine"), rv, "the Secret was changed");
+    /* A bad config. */
+    c.namespace = "";
+    cr_assert_eq(brokertls_load(&c, &t), -EINVAL);
     stop_server();
 }
 

@@ -1,6 +1,7 @@
 /* tests/unit/test_reconcile.c: the operator's pure decisions: spec checks,
- * the pod it makes, ordinals, the plan (create, replace, drain, suspend,
- * maxRestarts), status, conditions and the status patch. */
+ * the pod it makes (the key's Secret in the sidecar alone), ordinals, the
+ * plan (create, replace, drain, suspend, maxRestarts, pods of an old key),
+ * status, conditions and the status patch. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
@@ -117,6 +118,12 @@ Test(reconcile, parse_refuses_reserved_names_and_empty_templates)
                "{\"containers\":[{\"name\":\"t\"}],\"volumes\":[{\"name\":\"cohort\"}]}}}}");
     cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
     cJSON_Delete(tc);
+    tc = parse("{\"metadata\":{\"name\":\"lr\"},\"spec\":{\"template\":{\"spec\":"
+               "{\"containers\":[{\"name\":\"t\"}],\"volumes\":[{\"name\":\"cohort-secret\"}]}}}}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
+    cr_assert_str_eq(why.reason, "InvalidTemplate");
+    cr_assert(strstr(why.message, "cohort-secret"));
+    cJSON_Delete(tc);
 }
 
 static const cJSON *item(const cJSON *arr, const char *name)
@@ -151,7 +158,7 @@ Test(reconcile, pod_has_the_sidecar_the_volume_the_env_and_the_owner)
     cJSON *pod = NULL;
     const cJSON *spec, *side, *trainer, *env_t, *owner, *vol;
 
-    cr_assert_eq(reconcile_pod(tc, &env, 7, &pod), 0);
+    cr_assert_eq(reconcile_pod(tc, &env, "0123456789abcdef", 7, &pod), 0);
     cr_assert_str_eq(sget(pod, "metadata.name"), "lr-7");
     cr_assert_str_eq(sget(pod, "metadata.namespace"), "ns");
     {
@@ -197,8 +204,76 @@ Test(reconcile, pod_has_the_sidecar_the_volume_the_env_and_the_owner)
     cr_assert_not_null(item(cJSON_GetObjectItem(trainer, "volumeMounts"), "cohort"));
     vol = item(cJSON_GetObjectItem(spec, "volumes"), "cohort");
     cr_assert_str_eq(sget(vol, "emptyDir.medium"), "Memory");
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(pod, "metadata"),
+                                                             "annotations"), "cohort.dev/key-id")
+                     ->valuestring, "0123456789abcdef");
     cJSON_Delete(pod);
     cJSON_Delete(tc);
+}
+
+static bool has_env(const cJSON *c, const char *name)
+{
+    return item(cJSON_GetObjectItem(c, "env"), name) != NULL;
+}
+
+/* The pod of cohort lr with `e`; checks what every such pod has: the
+ * Secret as a volume of mode 0400, mounted read-only by the sidecar, with
+ * COHORT_SECRET_FILE, and by no other container. The caller frees it. */
+static cJSON *keyed_pod(const struct reconcile_env *e, const cJSON **side)
+{
+    cJSON *tc = cohort("lr", "\"replicas\":2");
+    cJSON *pod = NULL;
+    const cJSON *spec, *vol, *m, *c;
+
+    cr_assert_eq(reconcile_pod(tc, e, "00ff00ff00ff00ff", 1, &pod), 0);
+    cJSON_Delete(tc);
+    spec = cJSON_GetObjectItem(pod, "spec");
+    vol = item(cJSON_GetObjectItem(spec, "volumes"), "cohort-secret");
+    cr_assert_not_null(vol);
+    cr_assert_str_eq(sget(vol, "secret.secretName"), "lr-cohort-key");
+    cr_assert_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(vol, "secret"), "defaultMode")->valueint,
+                 0400);
+    *side = cJSON_GetArrayItem(cJSON_GetObjectItem(spec, "initContainers"), 0);
+    cr_assert_str_eq(sget(*side, "name"), "cohort-sidecar");
+    m = item(cJSON_GetObjectItem(*side, "volumeMounts"), "cohort-secret");
+    cr_assert_not_null(m);
+    cr_assert_str_eq(sget(m, "mountPath"), "/etc/cohort/secret");
+    cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(m, "readOnly")));
+    cr_assert_str_eq(sget(item(cJSON_GetObjectItem(*side, "env"), "COHORT_SECRET_FILE"), "value"),
+                     "/etc/cohort/secret/key");
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(spec, "containers")) {
+        cr_assert_null(item(cJSON_GetObjectItem(c, "volumeMounts"), "cohort-secret"),
+                       "the trainer does not mount the key");
+        cr_assert(!has_env(c, "COHORT_SECRET_FILE") && !has_env(c, "COHORT_BROKER_CA") &&
+                  !has_env(c, "COHORT_BROKER_SERVER_NAME"));
+        cr_assert(has_env(c, "COHORT_BROKER"), "the trainer keeps its own environment");
+    }
+    return pod;
+}
+
+Test(reconcile, pod_mounts_the_key_in_the_sidecar_alone)
+{
+    const cJSON *side;
+    cJSON *pod = keyed_pod(&env, &side);
+
+    cr_assert(!has_env(side, "COHORT_BROKER_CA"), "no TLS: no CA");
+    cr_assert(!has_env(side, "COHORT_BROKER_SERVER_NAME"));
+    cJSON_Delete(pod);
+}
+
+Test(reconcile, pod_with_tls_tells_the_sidecar_the_ca_and_the_name)
+{
+    struct reconcile_env tls = env;
+    const cJSON *side;
+    cJSON *pod;
+
+    tls.broker_server_name = "cohort-broker.ops.svc";
+    pod = keyed_pod(&tls, &side);
+    cr_assert_str_eq(sget(item(cJSON_GetObjectItem(side, "env"), "COHORT_BROKER_CA"), "value"),
+                     "/etc/cohort/secret/ca.crt");
+    cr_assert_str_eq(sget(item(cJSON_GetObjectItem(side, "env"), "COHORT_BROKER_SERVER_NAME"),
+                          "value"), "cohort-broker.ops.svc");
+    cJSON_Delete(pod);
 }
 
 Test(reconcile, pod_keeps_the_template_restart_policy_and_needs_a_uid)
@@ -208,11 +283,11 @@ Test(reconcile, pod_keeps_the_template_restart_policy_and_needs_a_uid)
                       "\"containers\":[{\"name\":\"t\"}]}}}}");
     cJSON *pod = NULL;
 
-    cr_assert_eq(reconcile_pod(tc, &env, 0, &pod), 0);
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
     cr_assert_str_eq(sget(cJSON_GetObjectItem(pod, "spec"), "restartPolicy"), "OnFailure");
     cJSON_Delete(pod);
     cJSON_DeleteItemFromObject(cJSON_GetObjectItem(tc, "metadata"), "uid");
-    cr_assert_eq(reconcile_pod(tc, &env, 0, &pod), -EINVAL);
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), -EINVAL);
     cr_assert_null(pod);
     cJSON_Delete(tc);
 }
@@ -259,6 +334,34 @@ static void plan3(uint32_t restarts, enum reconcile_phase ph0, enum reconcile_ph
 
     ordinal_pods(pods, 3, (enum reconcile_phase[]){ ph0, ph1, ph2 });
     cr_assert_eq(reconcile_plan(&spec3, restarts, pods, 3, p), 0);
+}
+
+Test(reconcile, plan_rolls_pods_of_an_old_key_without_counting_restarts)
+{
+    struct reconcile_pod_view pods[] = {
+        pv("lr-0", 0, RECONCILE_POD_RUNNING), pv("lr-1", 1, RECONCILE_POD_PENDING),
+        pv("lr-2", 2, RECONCILE_POD_SUCCEEDED), pv("lr-3", 3, RECONCILE_POD_RUNNING),
+    };
+    struct reconcile_spec s = spec3;
+    struct reconcile_plan p;
+
+    s.replicas = 3;
+    pods[1].stale = pods[2].stale = pods[3].stale = true;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    /* lr-1: rolled. lr-2 finished, lr-3 is drained as excess. */
+    cr_assert_eq(p.n_roll, 1);
+    cr_assert_str_eq(pods[p.roll[0]].name, "lr-1");
+    cr_assert_eq(p.n_create + p.n_replace, 0);
+    cr_assert_eq(p.n_excess, 1);
+    cr_assert(!p.failed);
+    reconcile_plan_cleanup(&p);
+    /* A stale pod that failed is a failure like any other. */
+    pods[0].phase = RECONCILE_POD_FAILED;
+    pods[0].stale = true;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_replace, 1);
+    cr_assert_eq(p.n_roll, 1);
+    reconcile_plan_cleanup(&p);
 }
 
 Test(reconcile, plan_creates_the_missing_ordinals)
@@ -361,6 +464,12 @@ Test(reconcile, view_reads_phase_readiness_and_deletion)
     cr_assert_eq(v.ordinal, 2);
     cr_assert_eq(v.phase, RECONCILE_POD_RUNNING);
     cr_assert(v.ready);
+    cr_assert_null(v.key_id);
+    cr_assert(!v.stale, "the caller decides");
+    cJSON_AddStringToObject(cJSON_AddObjectToObject(cJSON_GetObjectItem(pod, "metadata"),
+                                                    "annotations"), "cohort.dev/key-id", "abc");
+    cr_assert_eq(reconcile_view("lr", pod, &v), 0);
+    cr_assert_str_eq(v.key_id, "abc");
     cJSON_AddStringToObject(cJSON_GetObjectItem(pod, "metadata"), "deletionTimestamp", "t");
     cr_assert_eq(reconcile_view("lr", pod, &v), 0);
     cr_assert_eq(v.phase, RECONCILE_POD_TERMINATING);
@@ -500,6 +609,19 @@ Test(reconcile, status_patch_nulls_fields_that_went_away)
     cJSON_Delete(patch);
     cJSON_Delete(old);
     cJSON_Delete(want);
+}
+
+Test(reconcile, secret_name_is_the_cohort_name_and_a_suffix)
+{
+    char name[300], out[400];
+
+    cr_assert_eq(reconcile_secret_name("lr", name, sizeof(name)), 0);
+    cr_assert_str_eq(name, "lr-cohort-key");
+    cr_assert_eq(reconcile_secret_name("lr", name, 8), -ENAMETOOLONG);
+    memset(name, 'a', 250);
+    name[250] = '\0';
+    cr_assert_eq(reconcile_secret_name(name, out, sizeof(out)), -ENAMETOOLONG,
+                 "over 253, the longest object name");
 }
 
 Test(reconcile, selector_names_the_cohort_label)

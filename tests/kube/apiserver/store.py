@@ -22,7 +22,7 @@ from .resources import builtin_types, type_from_crd
 from .schema import apply_defaults, prune, validate_rules, validate_schema
 from .selection import fields_match, jsonpath, selector_string
 from .strategies import (crd_defaults, crd_status, pod_defaults, pod_qos, secret_defaults,
-                         validate_crd, validate_meta, validate_pod)
+                         validate_crd, validate_meta, validate_pod, validate_secret)
 
 
 Ev = collections.namedtuple("Ev", "rv key type obj old")
@@ -341,6 +341,7 @@ class Store:
             errs = validate_pod(obj, None)
         elif rt.key == ("", "secrets"):
             secret_defaults(obj)
+            errs = validate_secret(obj, None)
         elif rt.key == ("", "namespaces"):
             obj["spec"] = {"finalizers": ["kubernetes"]}
             obj["status"] = {"phase": "Active"}
@@ -434,6 +435,7 @@ class Store:
                 errs = validate_pod(obj, old)
         elif rt.key == ("", "secrets"):
             secret_defaults(obj)
+            errs = validate_secret(obj, old)
         elif rt.key == ("", "namespaces"):
             obj["spec"] = copy.deepcopy(old.get("spec") or {})
         elif rt.key == ("", "services"):

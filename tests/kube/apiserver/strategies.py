@@ -3,10 +3,12 @@ to pods, secrets, object metadata and CustomResourceDefinitions (whose
 status it also writes).
 """
 import base64
+import binascii
 import copy
+import re
 
 from .common import DNS_LABEL, DNS_SUBDOMAIN, LABEL_NAME, LABEL_VALUE, rfc3339
-from .errors import FieldError
+from .errors import FieldError, err_bad_request
 from .schema import check_rules
 
 
@@ -61,13 +63,60 @@ def pod_defaults(pod):
 
 
 def secret_defaults(secret):
-    """type defaults to Opaque; stringData is write-only, folded into data."""
+    """type defaults to Opaque; stringData is write-only, folded into data.
+    data is []byte in the API, so a value that is not base64 fails to
+    decode (400), before any validation."""
     secret.setdefault("type", "Opaque")
+    data = secret.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise err_bad_request("Secret in version \"v1\" cannot be handled as a Secret: data "
+                              "must be an object")
+    for k, v in (data or {}).items():
+        try:
+            if not isinstance(v, str):
+                raise ValueError
+            base64.b64decode(v, validate=True)
+        except (binascii.Error, ValueError):
+            raise err_bad_request("Secret in version \"v1\" cannot be handled as a Secret: "
+                                  "illegal base64 data in data[%s]" % k)
     sd = secret.pop("stringData", None)
     if isinstance(sd, dict):
         data = secret.setdefault("data", {})
         for k, v in sd.items():
             data[k] = base64.b64encode(str(v).encode()).decode()
+
+
+SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+SECRET_MAX = 1024 * 1024
+
+
+def validate_secret(secret, old):
+    """What the real server checks of a Secret: key names, 1 MiB of data,
+    the keys a type requires, immutability."""
+    errs = []
+    data = secret.get("data") or {}
+    for k in data:
+        if len(k) > 253 or not SECRET_KEY.match(k) or k in (".", "..") or k.startswith(".."):
+            errs.append(FieldError("Invalid", "data[%s]" % k, k, "a valid config key must "
+                                   "consist of alphanumeric characters, '-', '_' or '.'"))
+    if sum(len(base64.b64decode(v)) for v in data.values()) > SECRET_MAX:
+        errs.append(FieldError("TooLong", "data", detail="Too long: may not be more than %d "
+                               "bytes" % SECRET_MAX))
+    typ = secret.get("type")
+    required = {"kubernetes.io/tls": ("tls.crt", "tls.key"),
+                "kubernetes.io/basic-auth": (), "kubernetes.io/ssh-auth": ("ssh-privatekey",),
+                "kubernetes.io/dockerconfigjson": (".dockerconfigjson",)}.get(typ, ())
+    for k in required:
+        if k not in data:
+            errs.append(FieldError("Required", "data[%s]" % k))
+    if old is not None:
+        if typ != old.get("type"):
+            errs.append(FieldError("Invalid", "type", typ, "field is immutable"))
+        if old.get("immutable") and (data != (old.get("data") or {}) or
+                                     secret.get("immutable") is not True):
+            errs.append(FieldError("Forbidden", "data", detail="field is immutable when "
+                                   "`immutable` is set"))
+    return errs
 
 
 def validate_pod(pod, old):

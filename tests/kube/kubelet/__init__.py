@@ -22,7 +22,10 @@ For each pod on its node it:
   and its stdout and stderr in a log file per container and restart;
 - gives volumes a directory per pod: emptyDir under
   <state-dir>/pods/<uid>/volumes/<name>/, configMap and secret volumes
-  filled from the API, hostPath as is. As processes share one filesystem,
+  filled from the API once, when the pod starts (a pod whose Secret or
+  ConfigMap is missing waits, "MountVolume failed"), each key a file of
+  its bytes with the volume's defaultMode or the item's mode, hostPath as
+  is. As processes share one filesystem,
   a mountPath that appears in the command, args, env values or workingDir
   is replaced by the real directory, and every mounted volume is also
   exported as COHORT_VOLUME_<NAME> (upper-cased, '-' -> '_');

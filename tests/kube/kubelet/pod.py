@@ -161,8 +161,9 @@ class PodWorker(threading.Thread):
             raise ConfigError("unsupported fieldRef %s" % path)
         return table[path] or ""
 
-    def _ref(self, kind, ref, key=None):
-        """A ConfigMap's or Secret's data (or one key of it), from the API."""
+    def _ref(self, kind, ref, key=None, raw=False):
+        """A ConfigMap's or Secret's data (or one key of it), from the API:
+        text for the environment, or bytes (raw) for a volume's files."""
         path = "/api/v1/namespaces/%s/%s/%s" % (self.ns, kind, ref.get("name"))
         try:
             obj = self.k.api.request("GET", path)
@@ -172,7 +173,14 @@ class PodWorker(threading.Thread):
             raise ConfigError('%s "%s" not found' % (kind[:-1], ref.get("name")))
         data = dict(obj.get("data") or {})
         if kind == "secrets":
-            data = {k: base64.b64decode(v).decode("utf-8", "replace") for k, v in data.items()}
+            data = {k: base64.b64decode(v) for k, v in data.items()}
+        elif raw:
+            data = {k: v.encode() for k, v in data.items()}
+            data.update({k: base64.b64decode(v) for k, v in
+                         (obj.get("binaryData") or {}).items()})
+        if not raw:
+            data = {k: v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+                    for k, v in data.items()}
         if key is None:
             return data
         if key not in data:
@@ -255,17 +263,38 @@ class PodWorker(threading.Thread):
             self.volumes[name] = d
             for kind, field, ref_name in (("configmaps", "configMap", "name"),
                                           ("secrets", "secret", "secretName")):
-                if field not in v:
+                if field in v:
+                    self._fill_volume(d, kind, v[field], ref_name)
+
+    def _fill_volume(self, d, kind, src, ref_name):
+        """Writes a ConfigMap's or Secret's keys as files, with the
+        volume's defaultMode (0644 unless set) or an item's mode, as the
+        kubelet's atomic writer does (here without its ..data symlink
+        swap: the files are written once, when the pod starts)."""
+        ref = {"name": src.get(ref_name), "optional": src.get("optional")}
+        data = self._ref(kind, ref, raw=True) or {}
+        mode = src.get("defaultMode", 0o644)
+        files = {}
+        for i in src.get("items") or [{"key": k, "path": k} for k in data]:
+            if i["key"] not in data:
+                if ref.get("optional"):
                     continue
-                ref = {"name": v[field].get(ref_name), "optional": v[field].get("optional")}
-                data = self._ref(kind, ref) or {}
-                items = v[field].get("items")
-                files = {i["path"]: data.get(i["key"], "") for i in items} if items else data
-                for rel, content in files.items():
-                    p = os.path.join(d, rel)
-                    os.makedirs(os.path.dirname(p), exist_ok=True)
-                    with open(p, "w") as f:
-                        f.write(content)
+                raise ConfigError("couldn't find key %s in %s %s" % (i["key"], kind[:-1],
+                                                                   ref["name"]))
+            rel = i.get("path") or i["key"]
+            if os.path.isabs(rel) or ".." in rel.split("/"):
+                raise ConfigError("invalid path %s in volume of %s %s" % (rel, kind[:-1],
+                                                                        ref["name"]))
+            files[rel] = (data[i["key"]], i.get("mode", mode))
+        for rel, (content, fmode) in files.items():
+            p = os.path.join(d, rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            tmp = p + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+            os.chmod(tmp, fmode & 0o777)
+            os.replace(tmp, p)
 
     # -- processes ------------------------------------------------------------
 

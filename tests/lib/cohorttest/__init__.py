@@ -19,11 +19,11 @@ from .programs import (BIN, RUN_TIMEOUT, all_see, bin_dir, bin_path, cohortctl,
                        cohortctl_run, explain_run, latest_epoch, start_broker, start_sidecar,
                        status_json)
 from .kube import (CRD_FILE, EXAMPLES, ApiServer, Kubectl, Kubelet, Operator, cohort_manifest,
-                   pod_path_dir)
+                   pod_path_dir, sidecar_speaks_tls)
 
 __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "remove_tmp",
            "wait_until", "Proc", "finish", "run_group", "spawn_group", "stop_process", "BIN",
            "PROC_TIMEOUT", "RUN_TIMEOUT", "all_see", "bin_dir", "bin_path", "cohortctl",
            "cohortctl_run", "explain_run", "latest_epoch", "start_broker", "start_sidecar",
            "status_json", "CRD_FILE", "EXAMPLES", "ApiServer", "Kubectl", "Kubelet", "Operator",
-           "cohort_manifest", "pod_path_dir"]
+           "cohort_manifest", "pod_path_dir", "sidecar_speaks_tls"]

@@ -6,6 +6,10 @@ Kubernetes mode, and kubectl.
 The kubelet finds pod commands on a PATH that starts with a directory of
 symlinks: cohort-sidecar and cohort-example-logreg (build/examples/logreg),
 so manifests name commands, never build paths.
+
+The operator serves its broker with TLS by default; it is turned off
+(--broker-tls off) when the sidecar built here cannot speak TLS to a
+broker yet (no --broker-ca in its --help), so that the pods can still join.
 """
 import json
 import os
@@ -24,6 +28,16 @@ PYTHON = sys.executable
 STANDIN = os.path.join(ROOT, "tests", "kube")
 CRD_FILE = os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml")
 EXAMPLES = os.path.join(ROOT, "examples", "k8s")
+
+
+def sidecar_speaks_tls(bindir=None):
+    """Whether the sidecar in bindir takes --broker-ca (TLS to the broker)."""
+    exe = os.path.join(bindir or bin_dir(), "cohort-sidecar")
+    try:
+        r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=DEADLINE)
+    except OSError:
+        return False
+    return "--broker-ca" in r.stdout
 
 
 def pod_path_dir(tmp, bindir=None):
@@ -148,10 +162,15 @@ class Kubelet:
 
 
 class Operator:
-    """cohort-operator in Kubernetes mode against `server`."""
+    """cohort-operator in Kubernetes mode against `server`. tls: True for
+    the operator's default (--broker-tls auto), False for off, None for
+    auto when the sidecar can speak TLS and off otherwise."""
 
-    def __init__(self, server, tmp, name, broker_port, *extra):
+    def __init__(self, server, tmp, name, broker_port, *extra, tls=None):
         self.name = name
+        self.tls = sidecar_speaks_tls() if tls is None else tls
+        if not self.tls:
+            extra = ("--broker-tls", "off") + tuple(extra)
         self.log_path = os.path.join(tmp, "operator-%s.log" % name)
         self.log = open(self.log_path, "a")
         self.p = subprocess.Popen([os.path.join(bin_dir(), "cohort-operator"), "--kubeconfig",
