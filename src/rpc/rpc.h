@@ -163,6 +163,19 @@ struct rpc_channel_opts {
     const char *tls_server_name;
 };
 
+/* The longest PEM file rpc_pem_load() reads: a certificate chain of a few
+ * certificates, or a key, is a few KiB. */
+#define RPC_PEM_MAX (256u * 1024u)
+
+/* Reads a PEM file for the TLS options above (a CA bundle, a certificate
+ * chain, a private key): at most RPC_PEM_MAX bytes, NUL-terminated.
+ * Returns 0 and sets *out, which the caller frees with rpc_pem_free();
+ * -EFBIG for a longer file, -EINVAL when it holds no PEM block, or the
+ * open/read -errno (-ENOENT, -EACCES). */
+int rpc_pem_load(const char *path, char **out);
+/* Overwrites (it may be a private key) and frees. NULL is fine. */
+void rpc_pem_free(char *pem);
+
 /* A channel to `target` ("host:port", "ipv4:...", "unix:PATH"). Connects
  * lazily. Returns 0, -EINVAL, -ENOMEM. Caller frees with
  * rpc_channel_destroy() after every call on it has completed. */
