@@ -1,4 +1,28 @@
-/* src/membership/brokerd.c: see brokerd.h. */
+/* src/membership/brokerd.c: see brokerd.h.
+ *
+ * Who may do what. Every request names a cohort, and the cohort's key is
+ * the one set with brokerd_set_key, else the config's `key`. When there is
+ * one, the request must carry a proof of it (wire.h: an HMAC-SHA256 over
+ * the method, the cohort, the member's id and session, the proof's seq and
+ * time and the request's fields), checked here before the broker's lock
+ * is taken for anything but reading the key: a request that proves
+ * nothing changes nothing. Without a key the cohort is refused, unless
+ * the broker runs `open`, which serves such cohorts as before keys
+ * existed. Status of one cohort takes its key or the admin key; Status of
+ * every cohort takes the admin key (or, on an open broker with no keys at
+ * all, nothing).
+ *
+ * Replay is bounded by wire.h's rules: a verified proof's seq is accepted
+ * once per member session (broker_accept_seq for Heartbeat, Leave and
+ * Watch, and inside broker_join for a rejoin); a Join's or a Status's time
+ * must be within WIRE_PROOF_SKEW_MS of this host's wall clock, which is
+ * the clock-skew assumption; and the state machine remembers the sessions
+ * that left or were evicted (broker.h, BROKER_RETIRED_MAX and
+ * BROKER_RETIRED_KEEP_MS), so a captured Join cannot bring back a member
+ * that left. Every refusal is UNAUTHENTICATED with a message saying why,
+ * and a warn line, at most AUTH_LOG_PER_S a second so that a stranger's
+ * flood does not flood the log (the next line counts the ones held back).
+ */
 #include "membership/brokerd.h"
 
 #include "base/secret.h"
@@ -14,8 +38,11 @@
 #include "membership/epoch.h"
 #include "base/ident.h"
 #include "base/log.h"
+#include "membership/proof.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
+
+#define AUTH_LOG_PER_S 10
 
 /* One cohort's own key (brokerd_set_key). */
 struct cohort_key {
@@ -31,9 +58,13 @@ struct brokerd {
     pthread_t ticker;
     bool stopping;
     struct cohort_key *keys;        /* n_keys of them, unordered */
-    size_t n_keys;
+    size_t n_keys, max_keys;        /* at most one per cohort the broker may hold */
     struct secret key, admin_key;   /* the config's, when has_key / has_admin */
-    bool has_key, has_admin, open;
+    bool has_key, has_admin, open;  /* set at start, read-only after */
+    pthread_mutex_t log_lock;       /* guards the refusal log's rate */
+    uint64_t log_second;            /* the second the count is for */
+    unsigned log_count;             /* lines logged in it */
+    uint64_t log_held;              /* lines held back since the last one */
 };
 
 /* One member's membership stream, as the broker knows it. Freed when the
@@ -113,6 +144,127 @@ static void refuse_errno(struct rpc_reply *r, const char *method, const char *co
     refuse(r, method, cohort, id, rpc_code_from_errno(err), why);
 }
 
+/* ---- proofs ------------------------------------------------------------ */
+
+/* One warn line for a refused proof, unless AUTH_LOG_PER_S have gone out
+ * this second; then it is counted in the next line that does. */
+static void log_auth_refusal(struct brokerd *d, const char *method, const char *cohort,
+                             const char *id, const char *why)
+{
+    uint64_t now = clock_now_ms() / 1000, held = 0;
+    bool emit = false;
+
+    pthread_mutex_lock(&d->log_lock);
+    if (now != d->log_second) {
+        d->log_second = now;
+        d->log_count = 0;
+    }
+    if (d->log_count < AUTH_LOG_PER_S) {
+        d->log_count++;
+        held = d->log_held;
+        d->log_held = 0;
+        emit = true;
+    } else {
+        d->log_held++;
+    }
+    pthread_mutex_unlock(&d->log_lock);
+    if (emit)
+        log_warn("broker", "A request was refused.", LF_S("method", method),
+                 LF_S("cohort", cohort), LF_S("id", id),
+                 LF_S("code", rpc_code_name(RPC_UNAUTHENTICATED)), LF_S("reason", why),
+                 LF_U("held_back", held));
+}
+
+static void refuse_auth(struct brokerd *d, struct rpc_reply *r, const char *method,
+                        const char *cohort, const char *id, const char *why)
+{
+    log_auth_refusal(d, method, cohort, id, why);
+    rpc_reply_error(r, RPC_UNAUTHENTICATED, "%s", why);
+}
+
+/* Copies the key cohort `cohort`'s requests must prove into *out: its
+ * own (brokerd_set_key), else the config's. Returns false when there is
+ * none. */
+static bool key_for(struct brokerd *d, const char *cohort, struct secret *out)
+{
+    bool found = false;
+
+    pthread_mutex_lock(&d->lock);
+    for (size_t i = 0; i < d->n_keys && !found; i++) {
+        if (strcmp(d->keys[i].cohort, cohort) == 0) {
+            *out = d->keys[i].key;
+            found = true;
+        }
+    }
+    if (!found && d->has_key) {
+        *out = d->key;
+        found = true;
+    }
+    pthread_mutex_unlock(&d->lock);
+    return found;
+}
+
+/* Whether the broker holds no key at all, so that an open broker may
+ * show every cohort to anyone. */
+static bool keyless(struct brokerd *d)
+{
+    bool none;
+
+    pthread_mutex_lock(&d->lock);
+    none = d->n_keys == 0 && !d->has_key && !d->has_admin;
+    pthread_mutex_unlock(&d->lock);
+    return none;
+}
+
+/* Whether a proof's time is within WIRE_PROOF_SKEW_MS of this host's
+ * clock; otherwise says how far off it is. */
+static bool in_time(const Cohort__V1__Proof *p, char *why, size_t len)
+{
+    uint64_t now = proof_now_ms();
+    uint64_t off = now > p->time_ms ? now - p->time_ms : p->time_ms - now;
+
+    if (off <= WIRE_PROOF_SKEW_MS)
+        return true;
+    snprintf(why, len,
+             "the proof's time is %llu s %s the broker's clock; clocks must agree within %u s",
+             (unsigned long long)(off / 1000), now > p->time_ms ? "behind" : "ahead of",
+             WIRE_PROOF_SKEW_MS / 1000);
+    return false;
+}
+
+/* Checks the proof of a member's request for `cohort`. Returns 1 when it
+ * proves the cohort's key (its seq is then the caller's to accept), 0
+ * when the cohort needs no proof (open, and no key for it), or -EPERM
+ * with `why` filled. With `timed`, the proof's time is judged too. */
+static int authenticate(struct brokerd *d, const ProtobufCMessage *req,
+                        const Cohort__V1__Proof *p, const char *cohort, bool timed, char *why,
+                        size_t len)
+{
+    struct secret k;
+    int rc = -EPERM;
+
+    if (!key_for(d, cohort, &k)) {
+        if (d->open)
+            return 0;
+        snprintf(why, len, "this broker has no key for cohort \"%.64s\" and serves no cohort "
+                 "without one", cohort);
+        return -EPERM;
+    }
+    if (!p || p->mac.len == 0)
+        snprintf(why, len, "the request proves no key for cohort \"%.64s\"", cohort);
+    else if (!proof_valid(&k, req, p))
+        snprintf(why, len, "the request proves a wrong key for cohort \"%.64s\"", cohort);
+    else if (p->seq == 0)
+        snprintf(why, len, "the proof's seq must be nonzero");
+    else if (!timed || in_time(p, why, len))
+        rc = 1;
+    secret_wipe(&k);
+    return rc;
+}
+
+static const char replayed[] =
+    "the proof was already used, or its session has left the cohort (a replayed request)";
+
 /* ---- handlers ---------------------------------------------------------- */
 
 static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
@@ -126,6 +278,7 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
         .model_version = q->model_version, .session = q->session, .last_epoch = q->last_epoch,
         .heartbeat_ms = q->heartbeat_ms, .timeout_ms = q->timeout_ms,
     };
+    char why[RPC_MESSAGE_MAX];
     int rc;
 
     if (!check_common(r, "Join", q->protocol_version, q->cohort, q->id, true))
@@ -139,9 +292,19 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
         refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT, "session must be nonzero");
         return;
     }
+    rc = authenticate(d, req, q->proof, q->cohort, true, why, sizeof(why));
+    if (rc < 0) {
+        refuse_auth(d, r, "Join", q->cohort, q->id, why);
+        return;
+    }
+    j.seq = rc == 1 ? q->proof->seq : 0;
     pthread_mutex_lock(&d->lock);
     rc = broker_join(d->b, clock_now_ms(), &j, &res);
     pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        refuse_auth(d, r, "Join", q->cohort, q->id, replayed);
+        return;
+    }
     if (rc < 0) {
         refuse_errno(r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
         return;
@@ -149,7 +312,9 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
     /* The new member may make an epoch due sooner than the ticker sleeps. */
     pthread_cond_signal(&d->wake);
     log_debug("broker", "Member joined.", LF_S("cohort", q->cohort), LF_S("id", q->id),
-              LF_S("address", q->address), LF_U("model_version", q->model_version));
+              LF_S("address", q->address), LF_U("model_version", q->model_version),
+              LF_U("heartbeat_ms", res.heartbeat_ms), LF_U("timeout_ms", res.timeout_ms),
+              LF_B("proved", j.seq != 0));
     rep.heartbeat_ms = res.heartbeat_ms;
     rep.timeout_ms = res.timeout_ms;
     rep.epoch = res.epoch;
@@ -165,16 +330,27 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
         .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
     };
     struct broker_beat_result res = { 0 };
-    int rc;
+    char why[RPC_MESSAGE_MAX];
+    int rc, proved;
 
     if (!check_common(r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
         return;
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        refuse_auth(d, r, "Heartbeat", q->cohort, q->id, why);
+        return;
+    }
     pthread_mutex_lock(&d->lock);
-    rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
     pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        refuse_auth(d, r, "Heartbeat", q->cohort, q->id, replayed);
+        return;
+    }
     if (rc < 0) {
         /* Routine after an eviction or a restart: the member rejoins. */
-        char why[RPC_MESSAGE_MAX];
         snprintf(why, sizeof(why),
                  "no member \"%.64s\" with this session in cohort \"%.64s\" "
                  "(unknown cohort, evicted, or never joined)", q->id, q->cohort);
@@ -195,13 +371,25 @@ static void on_leave(void *arg, const ProtobufCMessage *req, struct rpc_reply *r
     const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
     Cohort__V1__LeaveReply rep = COHORT__V1__LEAVE_REPLY__INIT;
     struct brokerd *d = arg;
-    int rc;
+    char why[RPC_MESSAGE_MAX];
+    int rc, proved;
 
     if (!check_common(r, "Leave", q->protocol_version, q->cohort, q->id, true))
         return;
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        refuse_auth(d, r, "Leave", q->cohort, q->id, why);
+        return;
+    }
     pthread_mutex_lock(&d->lock);
-    rc = broker_leave(d->b, clock_now_ms(), q->cohort, q->id, q->session);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_leave(d->b, clock_now_ms(), q->cohort, q->id, q->session);
     pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        refuse_auth(d, r, "Leave", q->cohort, q->id, replayed);
+        return;
+    }
     if (rc < 0) {
         refuse_errno(r, "Leave", q->cohort, q->id, rc);
         return;
@@ -230,7 +418,8 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
     struct brokerd *d = arg;
     struct watcher *w;
-    int rc;
+    char why[RPC_MESSAGE_MAX];
+    int rc, proved;
 
     if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
         !ident_valid_member_id(q->id)) {
@@ -239,6 +428,13 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
         rpc_stream_finish(s, q->protocol_version != WIRE_PROTOCOL_VERSION
                                  ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT,
                           "bad protocol version, cohort name or member id");
+        rpc_stream_unref(s);
+        return;
+    }
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        log_auth_refusal(d, "Watch", q->cohort, q->id, why);
+        rpc_stream_finish(s, RPC_UNAUTHENTICATED, why);
         rpc_stream_unref(s);
         return;
     }
@@ -254,10 +450,15 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     snprintf(w->id, sizeof(w->id), "%s", q->id);
 
     pthread_mutex_lock(&d->lock);
-    rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
     w->attached = rc == 0;
     pthread_mutex_unlock(&d->lock);
-    if (rc < 0) {
+    if (rc == -EALREADY) {
+        log_auth_refusal(d, "Watch", q->cohort, q->id, replayed);
+        rpc_stream_finish(s, RPC_UNAUTHENTICATED, replayed);
+    } else if (rc < 0) {
         log_info("broker", "A watch named no member; it must rejoin.", LF_S("cohort", q->cohort),
                  LF_S("id", q->id));
         rpc_stream_finish(s, RPC_NOT_FOUND, "no member with this session in the cohort");
@@ -279,6 +480,47 @@ static void fill_members(Cohort__V1__Member **ptrs, Cohort__V1__Member *storage,
     }
 }
 
+/* Whether a Status request may be answered: one cohort's with its key or
+ * the admin key, every cohort's with the admin key; without a proof, only
+ * what an open broker serves without keys. Otherwise fills `why`. */
+static bool may_read_status(struct brokerd *d, const Cohort__V1__StatusRequest *q, char *why,
+                            size_t len)
+{
+    const Cohort__V1__Proof *p = q->proof;
+    bool proves = p && p->mac.len > 0;
+    struct secret k;
+    bool have, ok = false;
+
+    if (!q->cohort[0]) {
+        if (d->has_admin && proves && proof_valid(&d->admin_key, &q->base, p))
+            return in_time(p, why, len);
+        if (!d->has_admin && d->open && keyless(d))
+            return true;
+        snprintf(why, len, "%s", !d->has_admin ? "the status of every cohort needs the admin "
+                                                 "key, and this broker has none"
+                                 : proves ? "the request proves a wrong key: the status of every "
+                                            "cohort needs the admin key"
+                                          : "the request proves no key: the status of every "
+                                            "cohort needs the admin key");
+        return false;
+    }
+    have = key_for(d, q->cohort, &k);
+    if (proves && ((have && proof_valid(&k, &q->base, p)) ||
+                   (d->has_admin && proof_valid(&d->admin_key, &q->base, p))))
+        ok = in_time(p, why, len);
+    else if (!have && d->open)
+        ok = true;
+    else if (!have && !proves)
+        snprintf(why, len, "this broker has no key for cohort \"%.64s\": only the admin key "
+                 "reads its status", q->cohort);
+    else
+        snprintf(why, len, "the request proves %s key for cohort \"%.64s\" (its key or the "
+                 "admin key)", proves ? "a wrong" : "no", q->cohort);
+    if (have)
+        secret_wipe(&k);
+    return ok;
+}
+
 static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
 {
     const Cohort__V1__StatusRequest *q = (const Cohort__V1__StatusRequest *)req;
@@ -288,6 +530,7 @@ static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *
     Cohort__V1__CohortStatus *cs = NULL, **csp = NULL;
     Cohort__V1__Member *ms = NULL, **msp = NULL;
     size_t total = 0, off = 0;
+    char why[RPC_MESSAGE_MAX];
     int rc;
 
     if (q->protocol_version != WIRE_PROTOCOL_VERSION) {
@@ -296,6 +539,10 @@ static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *
     }
     if (q->cohort[0] && !check_common(r, "Status", q->protocol_version, q->cohort, NULL, false))
         return;
+    if (!may_read_status(d, q, why, sizeof(why))) {
+        refuse_auth(d, r, "Status", q->cohort, NULL, why);
+        return;
+    }
     pthread_mutex_lock(&d->lock);
     rc = broker_status(d->b, q->cohort[0] ? q->cohort : NULL, &st);
     pthread_mutex_unlock(&d->lock);
@@ -415,6 +662,7 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
     };
 
     pthread_mutex_init(&d->lock, NULL);
+    pthread_mutex_init(&d->log_lock, NULL);
     clock_cond_init(&d->wake);
     ops.arg = d;
     rc = broker_create(&cfg->broker, &ops, clock_now_ms(), &d->b);
@@ -429,6 +677,7 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
         d->has_admin = true;
     }
     d->open = cfg->open;
+    d->max_keys = cfg->broker.max_cohorts;
     {
         struct rpc_server_opts so = { .tls_cert_pem = cfg->tls_cert_pem,
                                       .tls_key_pem = cfg->tls_key_pem };
@@ -450,7 +699,10 @@ err_broker:
     broker_destroy(d->b);
 err_free:
     pthread_cond_destroy(&d->wake);
+    pthread_mutex_destroy(&d->log_lock);
     pthread_mutex_destroy(&d->lock);
+    secret_wipe(&d->key);
+    secret_wipe(&d->admin_key);
     free(d);
     return rc;
 }
@@ -472,6 +724,9 @@ int brokerd_set_key(struct brokerd *d, const char *cohort, const struct secret *
         }
     } else if (i < d->n_keys) {
         d->keys[i].key = *key;
+    } else if (d->n_keys >= d->max_keys) {
+        pthread_mutex_unlock(&d->lock);
+        return -ENOSPC;
     } else {
         struct cohort_key *grown = realloc(d->keys, (d->n_keys + 1) * sizeof(*grown));
         if (!grown) {
@@ -562,6 +817,7 @@ void brokerd_stop(struct brokerd *d)
     broker_destroy(d->b);
     pthread_mutex_unlock(&d->lock);
     pthread_cond_destroy(&d->wake);
+    pthread_mutex_destroy(&d->log_lock);
     pthread_mutex_destroy(&d->lock);
     for (size_t i = 0; i < d->n_keys; i++)
         secret_wipe(&d->keys[i].key);

@@ -34,7 +34,7 @@ bool fixture_wait_until(bool (*pred)(void *arg), void *arg, uint32_t within_ms)
 
 void fixture_broker_config(struct brokerd_config *cfg)
 {
-    *cfg = (struct brokerd_config){ .listen = "127.0.0.1:0" };
+    *cfg = (struct brokerd_config){ .listen = "127.0.0.1:0", .open = true };
     broker_config_default(&cfg->broker);
     cfg->broker.startup_hold_ms = 0;
     cfg->broker.heartbeat_ms = 200;

@@ -58,8 +58,10 @@ struct brokerd_config;
 
 /* Fills *cfg with what the loopback tests share: the broker's defaults
  * with no startup hold, 200 ms heartbeats, a 1.5 s member timeout and
- * 20 ms coalescing, listening on a free loopback port. A test changes what
- * it needs before fixture_broker_start_with(). */
+ * 20 ms coalescing, listening on a free loopback port, open (cohorts
+ * without keys are served; a test that wants keys sets cfg->key or calls
+ * brokerd_set_key, and clears `open` to refuse keyless cohorts). A test
+ * changes what it needs before fixture_broker_start_with(). */
 void fixture_broker_config(struct brokerd_config *cfg);
 
 /* rpc_init(), then a broker started with *cfg (copied) and `cohort`
