@@ -27,6 +27,7 @@
 #include "base/log.h"
 #include "membership/member.h"
 #include "base/opt.h"
+#include "base/secret.h"
 #include "rpc/rpc.h"
 
 extern char **environ;
@@ -46,7 +47,9 @@ static const char usage[] =
     "epoch reaching each member of the cohort (first, p50, p99, max).\n"
     "Every simulated member unpacks and checks its own copy of each epoch on\n"
     "this machine's cores, so with large cohorts the later samples include\n"
-    "queueing behind the other simulated members.\n"
+    "queueing behind the other simulated members. The broker runs with a key\n"
+    "made for the benchmark, and every call of a member proves it, as in\n"
+    "production.\n"
     "\n"
     "  --members N        members in all (default 1000)\n"
     "  --cohorts N        cohorts they are spread over (default 1)\n"
@@ -79,6 +82,8 @@ struct bench {
     struct rpc_channel **channels;
     char broker_addr[64];
     pid_t broker_pid;
+    struct secret key;              /* the broker's, in key_path while it runs */
+    char key_path[64];
     atomic_bool stop;
     pthread_t drivers[2];
     pthread_mutex_t lock;           /* guards replacing sims[i].m */
@@ -136,6 +141,7 @@ static int make_member(struct bench *b, size_t i)
     mc.on_epoch = on_epoch;
     mc.arg = &b->sims[i];
     mc.channel = b->channels[i % b->n_channels];
+    mc.key = &b->key;
     return member_create(&mc, &b->sims[i].m);
 }
 
@@ -178,9 +184,23 @@ static int start_broker(struct bench *b, const char *self_dir)
     snprintf(maxm, sizeof(maxm), "%zu", b->n_members + 16);
     char *argv[] = { exe, "--standalone", "--listen", "127.0.0.1:0", "--allow-any-cohort",
                      "--heartbeat-interval", hb, "--member-timeout", "5s", "--coalesce", co,
-                     "--startup-hold", "0ms", "--max-members", maxm, "--log-level", "info", NULL };
-    if (pipe2(pipefd, O_CLOEXEC) < 0)
+                     "--startup-hold", "0ms", "--max-members", maxm, "--secret-file",
+                     b->key_path, "--log-level", "info", NULL };
+    int fd;
+
+    /* The key file only has to live until the broker has read it. */
+    snprintf(b->key_path, sizeof(b->key_path), "/tmp/cohort-bench-key-XXXXXX");
+    fd = mkstemp(b->key_path);
+    if (fd < 0)
         return -errno;
+    close(fd);
+    unlink(b->key_path);
+    if ((rc = secret_generate(&b->key)) < 0 || (rc = secret_write(b->key_path, &b->key)) < 0)
+        return rc;
+    if (pipe2(pipefd, O_CLOEXEC) < 0) {
+        unlink(b->key_path);
+        return -errno;
+    }
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, pipefd[1], STDERR_FILENO);
     rc = posix_spawn(&b->broker_pid, exe, &fa, NULL, argv, environ);
@@ -188,6 +208,7 @@ static int start_broker(struct bench *b, const char *self_dir)
     close(pipefd[1]);
     if (rc != 0) {
         close(pipefd[0]);
+        unlink(b->key_path);
         return -rc;
     }
     f = fdopen(pipefd[0], "r");
@@ -195,6 +216,7 @@ static int start_broker(struct bench *b, const char *self_dir)
         char *a = strstr(line, "Broker is listening.");
         char *addr = a ? strstr(a, "address=") : NULL;
         if (addr) {
+            unlink(b->key_path);            /* read before it listens */
             addr += strlen("address=");
             addr[strcspn(addr, " \n")] = '\0';
             snprintf(b->broker_addr, sizeof(b->broker_addr), "%s", addr);
@@ -205,6 +227,7 @@ static int start_broker(struct bench *b, const char *self_dir)
     }
     if (f)
         fclose(f);
+    unlink(b->key_path);
     return -EIO;
 }
 
@@ -402,6 +425,7 @@ out_rpc:
 out_broker:
     kill(b->broker_pid, SIGTERM);
     waitpid(b->broker_pid, NULL, 0);
+    secret_wipe(&b->key);
     return status;
 }
 
