@@ -112,9 +112,9 @@ struct rpc_server_opts {
  * starts serving `methods` (copied; their args borrowed). Unknown methods get
  * UNIMPLEMENTED; requests that do not parse as the method's message get
  * INVALID_ARGUMENT; both are logged. Returns 0, -EADDRINUSE or -EINVAL when
- * the address cannot be bound (also: only one of the TLS pair, or a pair
- * gRPC refuses), -ENOMEM. Caller frees with
- * rpc_server_destroy(). */
+ * the address cannot be bound (also: only one of the TLS pair, a key that
+ * is not the certificate's, or a pair gRPC refuses), -ENOMEM. Caller frees
+ * with rpc_server_destroy(). */
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
                       const struct rpc_server_opts *opts, struct rpc_server **out);
 /* The bound TCP port (useful after asking for port 0); 0 for unix sockets. */

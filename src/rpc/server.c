@@ -8,11 +8,16 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <grpc/grpc_security.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include "base/limits.h"
 #include "base/log.h"
@@ -444,6 +449,24 @@ static void shutdown_done(struct rpc_tag *t, bool ok)
     server_release(s);
 }
 
+/* Whether `key_pem` is the private key of the first certificate of
+ * `cert_pem`. gRPC takes any pair and fails every handshake later; a
+ * broker started with the wrong key file should not start at all. */
+static bool tls_pair_matches(const char *cert_pem, const char *key_pem)
+{
+    BIO *cb = BIO_new_mem_buf(cert_pem, -1), *kb = BIO_new_mem_buf(key_pem, -1);
+    X509 *cert = cb ? PEM_read_bio_X509(cb, NULL, NULL, NULL) : NULL;
+    EVP_PKEY *key = kb ? PEM_read_bio_PrivateKey(kb, NULL, NULL, NULL) : NULL;
+    bool ok = cert && key && X509_check_private_key(cert, key) == 1;
+
+    EVP_PKEY_free(key);
+    X509_free(cert);
+    BIO_free(kb);
+    BIO_free(cb);
+    ERR_clear_error();
+    return ok;
+}
+
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
                       const struct rpc_server_opts *opts, struct rpc_server **out)
 {
@@ -503,6 +526,12 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
         }
     }
     if (opts && (!opts->tls_cert_pem != !opts->tls_key_pem)) {
+        rc = -EINVAL;
+        goto err_server;
+    }
+    if (opts && opts->tls_cert_pem && !tls_pair_matches(opts->tls_cert_pem, opts->tls_key_pem)) {
+        log_error("rpc", "The TLS private key is not the certificate's, or one of them does "
+                  "not parse.");
         rc = -EINVAL;
         goto err_server;
     }
