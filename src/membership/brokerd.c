@@ -20,8 +20,9 @@
  * that left or were evicted (broker.h, BROKER_RETIRED_MAX and
  * BROKER_RETIRED_KEEP_MS), so a captured Join cannot bring back a member
  * that left. Every refusal is UNAUTHENTICATED with a message saying why,
- * and a warn line, at most AUTH_LOG_PER_S a second so that a stranger's
- * flood does not flood the log (the next line counts the ones held back).
+ * and a warn line. Refusal lines, of proofs or anything else, go out at
+ * most LOG_PER_S a second, so that a stranger's flood does not flood the
+ * log; the next line that goes out counts the ones held back.
  */
 #include "membership/brokerd.h"
 
@@ -42,7 +43,7 @@
 #include "rpc/rpc.h"
 #include "membership/wire.h"
 
-#define AUTH_LOG_PER_S 10
+#define LOG_PER_S 10
 
 /* One cohort's own key (brokerd_set_key). */
 struct cohort_key {
@@ -79,41 +80,77 @@ struct watcher {
 
 /* ---- refusals ---------------------------------------------------------- */
 
-static void refuse(struct rpc_reply *r, const char *method, const char *cohort, const char *id,
-                   enum rpc_code code, const char *why)
+/* Whether a refusal's log line may go out: at most LOG_PER_S a second,
+ * since strangers choose how many requests they send. A line held back is
+ * counted in *held of the next one that goes out. */
+static bool log_allowed(struct brokerd *d, uint64_t *held)
 {
-    log_warn("broker", "A request was refused.", LF_S("method", method), LF_S("cohort", cohort),
-             LF_S("id", id), LF_S("code", rpc_code_name(code)), LF_S("reason", why));
+    uint64_t now = clock_now_ms() / 1000;
+    bool ok = false;
+
+    pthread_mutex_lock(&d->log_lock);
+    if (now != d->log_second) {
+        d->log_second = now;
+        d->log_count = 0;
+    }
+    if (d->log_count < LOG_PER_S) {
+        d->log_count++;
+        *held = d->log_held;
+        d->log_held = 0;
+        ok = true;
+    } else {
+        d->log_held++;
+    }
+    pthread_mutex_unlock(&d->log_lock);
+    return ok;
+}
+
+/* One warn line for a refused request (rate-limited, log_allowed). */
+static void log_refusal(struct brokerd *d, const char *method, const char *cohort,
+                        const char *id, enum rpc_code code, const char *why)
+{
+    uint64_t held = 0;
+
+    if (log_allowed(d, &held))
+        log_warn("broker", "A request was refused.", LF_S("method", method),
+                 LF_S("cohort", cohort), LF_S("id", id), LF_S("code", rpc_code_name(code)),
+                 LF_S("reason", why), LF_U("held_back", held));
+}
+
+static void refuse(struct brokerd *d, struct rpc_reply *r, const char *method,
+                   const char *cohort, const char *id, enum rpc_code code, const char *why)
+{
+    log_refusal(d, method, cohort, id, code, why);
     rpc_reply_error(r, code, "%s", why);
 }
 
 /* Checks what every request shares. Returns false after refusing. */
-static bool check_common(struct rpc_reply *r, const char *method, uint32_t version,
-                         const char *cohort, const char *id, bool need_id)
+static bool check_common(struct brokerd *d, struct rpc_reply *r, const char *method,
+                         uint32_t version, const char *cohort, const char *id, bool need_id)
 {
     char why[RPC_MESSAGE_MAX];
 
     if (version != WIRE_PROTOCOL_VERSION) {
         snprintf(why, sizeof(why), "protocol version %u is not supported; this broker speaks %u",
                  version, WIRE_PROTOCOL_VERSION);
-        refuse(r, method, cohort, id, RPC_FAILED_PRECONDITION, why);
+        refuse(d, r, method, cohort, id, RPC_FAILED_PRECONDITION, why);
         return false;
     }
     if (!ident_valid_cohort(cohort)) {
         snprintf(why, sizeof(why), "invalid cohort name \"%.64s\"", cohort);
-        refuse(r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
+        refuse(d, r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
         return false;
     }
     if (need_id && !ident_valid_member_id(id)) {
         snprintf(why, sizeof(why), "invalid member id \"%.64s\"", id);
-        refuse(r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
+        refuse(d, r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
         return false;
     }
     return true;
 }
 
-static void refuse_errno(struct rpc_reply *r, const char *method, const char *cohort,
-                         const char *id, int err)
+static void refuse_errno(struct brokerd *d, struct rpc_reply *r, const char *method,
+                         const char *cohort, const char *id, int err)
 {
     char why[RPC_MESSAGE_MAX];
 
@@ -141,46 +178,16 @@ static void refuse_errno(struct rpc_reply *r, const char *method, const char *co
         snprintf(why, sizeof(why), "%s", log_strerror(err));
         break;
     }
-    refuse(r, method, cohort, id, rpc_code_from_errno(err), why);
-}
-
-/* ---- proofs ------------------------------------------------------------ */
-
-/* One warn line for a refused proof, unless AUTH_LOG_PER_S have gone out
- * this second; then it is counted in the next line that does. */
-static void log_auth_refusal(struct brokerd *d, const char *method, const char *cohort,
-                             const char *id, const char *why)
-{
-    uint64_t now = clock_now_ms() / 1000, held = 0;
-    bool emit = false;
-
-    pthread_mutex_lock(&d->log_lock);
-    if (now != d->log_second) {
-        d->log_second = now;
-        d->log_count = 0;
-    }
-    if (d->log_count < AUTH_LOG_PER_S) {
-        d->log_count++;
-        held = d->log_held;
-        d->log_held = 0;
-        emit = true;
-    } else {
-        d->log_held++;
-    }
-    pthread_mutex_unlock(&d->log_lock);
-    if (emit)
-        log_warn("broker", "A request was refused.", LF_S("method", method),
-                 LF_S("cohort", cohort), LF_S("id", id),
-                 LF_S("code", rpc_code_name(RPC_UNAUTHENTICATED)), LF_S("reason", why),
-                 LF_U("held_back", held));
+    refuse(d, r, method, cohort, id, rpc_code_from_errno(err), why);
 }
 
 static void refuse_auth(struct brokerd *d, struct rpc_reply *r, const char *method,
                         const char *cohort, const char *id, const char *why)
 {
-    log_auth_refusal(d, method, cohort, id, why);
-    rpc_reply_error(r, RPC_UNAUTHENTICATED, "%s", why);
+    refuse(d, r, method, cohort, id, RPC_UNAUTHENTICATED, why);
 }
+
+/* ---- proofs ------------------------------------------------------------ */
 
 /* Copies the key cohort `cohort`'s requests must prove into *out: its
  * own (brokerd_set_key), else the config's. Returns false when there is
@@ -281,15 +288,15 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
     char why[RPC_MESSAGE_MAX];
     int rc;
 
-    if (!check_common(r, "Join", q->protocol_version, q->cohort, q->id, true))
+    if (!check_common(d, r, "Join", q->protocol_version, q->cohort, q->id, true))
         return;
     if (!ident_valid_address(q->address)) {
-        refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT,
+        refuse(d, r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT,
                "invalid data address: want host:port with a port from 1 to 65535");
         return;
     }
     if (q->session == 0) {
-        refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT, "session must be nonzero");
+        refuse(d, r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT, "session must be nonzero");
         return;
     }
     rc = authenticate(d, req, q->proof, q->cohort, true, why, sizeof(why));
@@ -306,7 +313,7 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
         return;
     }
     if (rc < 0) {
-        refuse_errno(r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
+        refuse_errno(d, r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
         return;
     }
     /* The new member may make an epoch due sooner than the ticker sleeps. */
@@ -331,9 +338,10 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
     };
     struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];
+    uint64_t held = 0;
     int rc, proved;
 
-    if (!check_common(r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
+    if (!check_common(d, r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
         return;
     proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
@@ -354,8 +362,9 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
         snprintf(why, sizeof(why),
                  "no member \"%.64s\" with this session in cohort \"%.64s\" "
                  "(unknown cohort, evicted, or never joined)", q->id, q->cohort);
-        log_info("broker", "A heartbeat named no member; it must rejoin.", LF_S("cohort", q->cohort),
-                 LF_S("id", q->id));
+        if (log_allowed(d, &held))
+            log_info("broker", "A heartbeat named no member; it must rejoin.",
+                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
         rpc_reply_error(r, rpc_code_from_errno(rc), "%s", why);
         return;
     }
@@ -374,7 +383,7 @@ static void on_leave(void *arg, const ProtobufCMessage *req, struct rpc_reply *r
     char why[RPC_MESSAGE_MAX];
     int rc, proved;
 
-    if (!check_common(r, "Leave", q->protocol_version, q->cohort, q->id, true))
+    if (!check_common(d, r, "Leave", q->protocol_version, q->cohort, q->id, true))
         return;
     proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
@@ -391,7 +400,7 @@ static void on_leave(void *arg, const ProtobufCMessage *req, struct rpc_reply *r
         return;
     }
     if (rc < 0) {
-        refuse_errno(r, "Leave", q->cohort, q->id, rc);
+        refuse_errno(d, r, "Leave", q->cohort, q->id, rc);
         return;
     }
     pthread_cond_signal(&d->wake);
@@ -419,21 +428,22 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     struct brokerd *d = arg;
     struct watcher *w;
     char why[RPC_MESSAGE_MAX];
+    uint64_t held = 0;
     int rc, proved;
 
     if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
         !ident_valid_member_id(q->id)) {
-        log_warn("broker", "A watch was refused.", LF_S("cohort", q->cohort), LF_S("id", q->id),
-                 LF_S("reason", "bad protocol version, cohort or id"));
-        rpc_stream_finish(s, q->protocol_version != WIRE_PROTOCOL_VERSION
-                                 ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT,
-                          "bad protocol version, cohort name or member id");
+        enum rpc_code code = q->protocol_version != WIRE_PROTOCOL_VERSION
+                                 ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT;
+        const char *bad = "bad protocol version, cohort name or member id";
+        log_refusal(d, "Watch", q->cohort, q->id, code, bad);
+        rpc_stream_finish(s, code, bad);
         rpc_stream_unref(s);
         return;
     }
     proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
-        log_auth_refusal(d, "Watch", q->cohort, q->id, why);
+        log_refusal(d, "Watch", q->cohort, q->id, RPC_UNAUTHENTICATED, why);
         rpc_stream_finish(s, RPC_UNAUTHENTICATED, why);
         rpc_stream_unref(s);
         return;
@@ -456,11 +466,12 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     w->attached = rc == 0;
     pthread_mutex_unlock(&d->lock);
     if (rc == -EALREADY) {
-        log_auth_refusal(d, "Watch", q->cohort, q->id, replayed);
+        log_refusal(d, "Watch", q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
         rpc_stream_finish(s, RPC_UNAUTHENTICATED, replayed);
     } else if (rc < 0) {
-        log_info("broker", "A watch named no member; it must rejoin.", LF_S("cohort", q->cohort),
-                 LF_S("id", q->id));
+        if (log_allowed(d, &held))
+            log_info("broker", "A watch named no member; it must rejoin.",
+                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
         rpc_stream_finish(s, RPC_NOT_FOUND, "no member with this session in the cohort");
     }
     /* Registered last and outside the lock: if the client is already gone
@@ -534,10 +545,10 @@ static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *
     int rc;
 
     if (q->protocol_version != WIRE_PROTOCOL_VERSION) {
-        check_common(r, "Status", q->protocol_version, q->cohort, NULL, false);
+        check_common(d, r, "Status", q->protocol_version, q->cohort, NULL, false);
         return;
     }
-    if (q->cohort[0] && !check_common(r, "Status", q->protocol_version, q->cohort, NULL, false))
+    if (q->cohort[0] && !check_common(d, r, "Status", q->protocol_version, q->cohort, NULL, false))
         return;
     if (!may_read_status(d, q, why, sizeof(why))) {
         refuse_auth(d, r, "Status", q->cohort, NULL, why);
@@ -547,7 +558,7 @@ static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *
     rc = broker_status(d->b, q->cohort[0] ? q->cohort : NULL, &st);
     pthread_mutex_unlock(&d->lock);
     if (rc < 0) {
-        refuse_errno(r, "Status", q->cohort, NULL, rc);
+        refuse_errno(d, r, "Status", q->cohort, NULL, rc);
         return;
     }
     for (size_t i = 0; i < st->n_cohorts; i++)

@@ -19,6 +19,7 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include "base/clock.h"
 #include "base/limits.h"
 #include "base/log.h"
 
@@ -83,6 +84,38 @@ struct rpc_stream {
     rpc_close_fn on_close;
     void *close_arg;
 };
+
+/* Warnings about what clients sent (an unknown method, a request that
+ * does not parse) go out at most WARN_PER_S a second, since a client
+ * chooses how many it causes; the next line that goes out counts the ones
+ * held back. */
+#define WARN_PER_S 10
+
+static pthread_mutex_t warn_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t warn_second, warn_held;
+static unsigned warn_count;
+
+static bool warn_allowed(uint64_t *held)
+{
+    uint64_t now = clock_now_ms() / 1000;
+    bool ok = false;
+
+    pthread_mutex_lock(&warn_lock);
+    if (now != warn_second) {
+        warn_second = now;
+        warn_count = 0;
+    }
+    if (warn_count < WARN_PER_S) {
+        warn_count++;
+        *held = warn_held;
+        warn_held = 0;
+        ok = true;
+    } else {
+        warn_held++;
+    }
+    pthread_mutex_unlock(&warn_lock);
+    return ok;
+}
 
 static void server_hold(struct rpc_server *s)
 {
@@ -217,6 +250,7 @@ static void reply_send(struct rpc_reply *r)
 static void handle_unary(struct incoming *in, const ProtobufCMessage *req)
 {
     struct rpc_reply *r = calloc(1, sizeof(*r));
+    uint64_t held = 0;
 
     if (!r) {
         grpc_call_cancel_with_status(in->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
@@ -240,7 +274,9 @@ static void handle_unary(struct incoming *in, const ProtobufCMessage *req)
             len = sizeof(path) - 1;
         memcpy(path, GRPC_SLICE_START_PTR(in->details.method), len);
         path[len] = '\0';
-        log_warn("rpc", "A client called a method this server does not have.", LF_S("method", path));
+        if (warn_allowed(&held))
+            log_warn("rpc", "A client called a method this server does not have.",
+                     LF_S("method", path), LF_U("held_back", held));
         rpc_reply_error(r, RPC_UNIMPLEMENTED, "no method %s", path);
     }
     reply_send(r);
@@ -409,6 +445,7 @@ static void incoming_done(struct rpc_tag *t, bool ok)
     struct incoming *in = (struct incoming *)t;
     struct rpc_server *s = in->srv;
     ProtobufCMessage *req = NULL;
+    uint64_t held = 0;
 
     if (!ok) {
         /* The server is shutting down: this slot will not be re-armed. */
@@ -424,8 +461,10 @@ static void incoming_done(struct rpc_tag *t, bool ok)
         goto out;
     }
     if (!in->payload || !(req = rpc_unpack_bb(in->payload, in->meth->m.request))) {
-        log_warn("rpc", "A request did not parse; it was refused.", LF_S("method", in->meth->m.path),
-                 LF_S("expected", in->meth->m.request->name));
+        if (warn_allowed(&held))
+            log_warn("rpc", "A request did not parse; it was refused.",
+                     LF_S("method", in->meth->m.path), LF_S("expected", in->meth->m.request->name),
+                     LF_U("held_back", held));
         grpc_call_cancel_with_status(in->call, GRPC_STATUS_INVALID_ARGUMENT,
                                      "malformed request: not a valid message of the method's type",
                                      NULL);

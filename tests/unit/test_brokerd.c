@@ -419,7 +419,9 @@ static int signed_call(const char *path, ProtobufCMessage *req, Cohort__V1__Proo
         cr_assert_eq(proof_sign(k, req, seq, t ? t : proof_now_ms(), &pf, mac), 0);
         *slot = &pf;
     }
-    rc = rpc_call(ch, path, req, reply_desc, 5000, 0, &reply, st);
+    /* Waiting for the connection keeps a loaded machine's slow connect
+     * from passing for a refusal. */
+    rc = rpc_call(ch, path, req, reply_desc, 30000, RPC_WAIT_FOR_READY, &reply, st);
     *slot = NULL;
     if (out)
         *out = reply;
