@@ -295,8 +295,8 @@ def test_the_standalone_broker_wants_a_key_or_insecure():
 def test_a_tls_broker_takes_members_with_the_ca_only(procs, tmp_path):
     tls = make_tls(tmp_path)
     key = write_key(tmp_path / "key")
-    b = procs.add(start_broker("--cohort", "demo", "--tls-cert", tls["cert"], "--tls-key",
-                               tls["key"], secret_file=key))
+    b = procs.add(start_broker("--cohort", "demo", "--cohort", "solo", "--tls-cert", tls["cert"],
+                               "--tls-key", tls["key"], secret_file=key))
     assert b.last("Broker is listening.")["tls"] is True
     good = [procs.add(start_sidecar(b.address, "demo", "m-%d" % i, "--broker-ca", tls["ca"],
                                     "--broker-server-name", TLS_NAME, secret_file=key))
@@ -324,3 +324,11 @@ def test_a_tls_broker_takes_members_with_the_ca_only(procs, tmp_path):
     code, out = broker_call("status", b.address, "demo", "--secret-file", key,
                             "--broker-ca", tls["ca"])
     assert code == 1 and out["code"] == "UNAVAILABLE", out
+    # A trainer that joins the broker itself (the in-process link) takes
+    # the key and the CA from its environment, and trains.
+    env = dict(os.environ, COHORT_BROKER=b.address, COHORT_COHORT="solo", COHORT_ID="t-0",
+               COHORT_SECRET_FILE=key, COHORT_BROKER_CA=tls["ca"],
+               COHORT_BROKER_SERVER_NAME=TLS_NAME)
+    env.pop("COHORT_SOCKET", None)
+    rc, out, err = finish(spawn_group([LOGREG, "--steps", "20", "--linger", "0s"], env=env))
+    assert rc == 0 and "final model_version=20" in out, err[-3000:]

@@ -825,3 +825,75 @@ Test(brokerd_closed, a_cohort_without_a_key_is_refused)
     cr_assert_eq(kjoin(&key_b, "demo", "a", 7, 1, 0, &st), 0);
     cr_assert_eq(kstatus(&key_b, "demo", 0, &st, NULL), 0);
 }
+
+/* ---- over TLS ---- */
+
+static struct fixture_tls tls;
+
+/* start_keyed()'s broker, serving TLS with the fixture's certificate. */
+static void start_tls(void)
+{
+    struct brokerd_config cfg;
+
+    fixture_tls_make(&tls);
+    fill(&key_a, 0xa0);
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    cfg.key = &key_a;
+    cfg.tls_cert_pem = tls.cert;
+    cfg.tls_key_pem = tls.key;
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
+    ch = NULL;
+}
+
+static void stop_tls(void)
+{
+    fixture_broker_stop(d);
+    fixture_tls_cleanup(&tls);
+}
+
+TestSuite(brokerd_tls, .init = start_tls, .fini = stop_tls, .timeout = 120);
+
+/* A member of "demo" with key_a and these TLS settings. */
+static struct member *tls_member(const char *id, const char *ca, const char *name)
+{
+    struct member_config mc = { .broker = addr, .cohort = "demo", .id = id,
+                                .address = "127.0.0.1:4000", .quiet = true, .key = &key_a,
+                                .tls_ca_pem = ca, .tls_server_name = name };
+    struct member *m;
+
+    cr_assert_eq(member_create(&mc, &m), 0);
+    return m;
+}
+
+/* Polls all n members for within_ms, or until m[0] has joined when
+ * `first` is set. Returns whether m[0] has joined. */
+static bool poll_members(struct member **m, size_t n, uint32_t within_ms, bool first)
+{
+    uint64_t end = fixture_deadline(within_ms);
+
+    while (fixture_before(end) && !(first && member_joins(m[0]) > 0)) {
+        for (size_t i = 0; i < n; i++)
+            member_poll(m[i], clock_now_ms());
+        clock_sleep_ms(5);
+    }
+    return member_joins(m[0]) > 0;
+}
+
+Test(brokerd_tls, a_member_with_the_ca_joins_and_one_without_cannot)
+{
+    struct member *m[3] = {
+        tls_member("m-0", tls.ca, FIXTURE_TLS_NAME),
+        tls_member("m-1", NULL, NULL),                          /* plaintext */
+        tls_member("m-2", tls.other_ca, FIXTURE_TLS_NAME),      /* another CA */
+    };
+
+    cr_assert(poll_members(m, 3, FIXTURE_WAIT_MS, true), "the member with the CA never joined");
+    /* The others get a few seconds of tries: none reaches the broker. */
+    poll_members(m, 3, 3000, false);
+    cr_assert_eq(member_joins(m[1]) + member_joins(m[2]), 0);
+    cr_assert_eq(member_refusals(m[1]) + member_refusals(m[2]), 0, "not even refused");
+    cr_assert_eq(held("demo"), 1);
+    for (size_t i = 0; i < 3; i++)
+        member_destroy(m[i]);
+}
