@@ -20,7 +20,9 @@
  *   UNAUTHENTICATED (a wrong or missing key, a clock too far off) cannot
  *   succeed by retrying at once: the member logs it once at error level
  *   and tries to join again with a backoff that grows to 30 s, until the
- *   key is right (a Kubernetes Secret may be updated in place).
+ *   broker takes its key (a broker may learn a cohort's key after the
+ *   cohort's pods start). The member reads its key once: a new key needs
+ *   a new member.
  */
 #ifndef COHORT_MEMBER_H
 #define COHORT_MEMBER_H
