@@ -93,12 +93,12 @@ static const char usage[] =
     "                            clamped, and the Join reply says what was granted\n"
     "  --admin-secret-file PATH  a key (64 hex digits) that reads the status of any\n"
     "                            cohort, and the only one that reads all at once\n"
+    "\n"
+    "Keys and TLS (standalone; --secret-file or --insecure is required):\n"
     "  --tls-cert PATH           serve the broker over TLS with this certificate\n"
     "                            chain (PEM); members then need the CA (the\n"
     "                            sidecar's --broker-ca)\n"
     "  --tls-key PATH            the certificate's private key (PEM)\n"
-    "\n"
-    "Keys (standalone; one of the two is required):\n"
     "  --secret-file PATH        every cohort's key: 64 hex digits, as `openssl rand\n"
     "                            -hex 32` prints. Every call of a member must prove\n"
     "                            it (the sidecar's --secret-file), and so must a\n"
@@ -665,6 +665,8 @@ static int check_auth(struct flags *f)
     if (!f->standalone && (f->secret_file || f->insecure))
         return opt_usage(PROG, "--secret-file and --insecure are for --standalone; in "
                          "Kubernetes each cohort has its own key");
+    if (!f->standalone && (f->tls_cert_file || f->tls_key_file))
+        return opt_usage(PROG, "--tls-cert and --tls-key are for --standalone");
     if (!f->tls_cert_file != !f->tls_key_file)
         return opt_usage(PROG, "--tls-cert and --tls-key go together");
     if (f->secret_file && key_file("secret-file", f->secret_file, &f->key))

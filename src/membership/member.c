@@ -173,10 +173,12 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
         m->to_ms = r->timeout_ms ? r->timeout_ms : WIRE_DEFAULT_TIMEOUT_MS;
         if (m->joins == 0 && ((m->want_hb_ms && m->want_hb_ms != m->hb_ms) ||
                               (m->want_to_ms && m->want_to_ms != m->to_ms)))
-            log_warn("member", "The broker granted other timings than this member asked for.",
+            log_emit(m->quiet ? LOG_DEBUG : LOG_WARN, "member",
+                     "The broker granted other timings than this member asked for.",
                      LF_S("cohort", m->cohort), LF_S("id", m->id),
                      LF_U("asked_heartbeat_ms", m->want_hb_ms), LF_U("heartbeat_ms", m->hb_ms),
-                     LF_U("asked_timeout_ms", m->want_to_ms), LF_U("timeout_ms", m->to_ms));
+                     LF_U("asked_timeout_ms", m->want_to_ms), LF_U("timeout_ms", m->to_ms),
+                     LOG_END);
         m->next_hb_at = now + m->hb_ms;
         m->last_ok_at = now;
         m->backoff_ms = BACKOFF_MIN_MS;
