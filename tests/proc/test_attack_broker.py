@@ -158,6 +158,13 @@ def test_an_over_long_join_timeout_is_clamped(procs, tmp_path, keyed):
     wait_until(lambda: agree(sc, 2, without="evil"), "an epoch without the attacker",
                timeout=3 + 30)
     assert time.monotonic() - t_join >= 2.5, "evicted before its granted timeout"
+    # A sidecar that asks for an hour is told what it got, and says so.
+    s = procs.add(start_sidecar(b.address, "demo", "m-9", "--member-timeout", "1h",
+                                "--heartbeat-interval", "10ms", secret_file=key))
+    got = s.wait_log("The broker granted other timings than this member asked for.")
+    assert got["asked_timeout_ms"] == 3600000 and got["timeout_ms"] == 3000, got
+    assert got["asked_heartbeat_ms"] == 10 and got["heartbeat_ms"] == 100, got   # the floor
+    wait_until(lambda: agree(sc + [s], 3), "the sidecar that asked for an hour to join")
 
 
 # ---- Status ------------------------------------------------------------------
