@@ -9,7 +9,8 @@
 #
 # Sources are found by directory, so a new module is a new .c/.h pair and
 # nothing more: src/<subsystem>/ -> the libraries below, operator/ sidecar/
-# cli/ -> binaries, tests/unit/ -> one Criterion binary.
+# cli/ -> binaries, tests/unit/ -> one Criterion binary, tests/tools/NAME.c ->
+# one client binary each for the process tests.
 #
 # The libraries (docs/architecture.md, "Layout"):
 #   libcohort.a        the trainer library: include/cohort.h and exactly the
@@ -54,6 +55,7 @@ OP_SRCS    := $(wildcard operator/*.c)
 SC_SRCS    := $(wildcard sidecar/*.c)
 CLI_SRCS   := $(wildcard cli/*.c)
 UNIT_SRCS  := $(wildcard tests/unit/*.c)
+TOOLS      := $(patsubst tests/tools/%.c,%,$(wildcard tests/tools/*.c))
 EXAMPLES   := $(patsubst examples/c/%.c,%,$(wildcard examples/c/*.c))
 
 # Generated protobuf-c sources live beside each build's objects.
@@ -109,6 +111,12 @@ $(1)/examples/%: $(1)/obj/examples/c/%.o $(1)/libcohort.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
+# Each tests/tools/NAME.c is a client the process tests drive (a raw
+# broker call for the attack tests): build/tests/tools/NAME.
+$(1)/tests/tools/%: $(1)/obj/tests/tools/%.o $(1)/lib/libcohort-core.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
 $(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort-k8s.a $(1)/lib/libcohort-core.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS) -lcriterion
@@ -125,11 +133,13 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 .SECONDARY:
 
 .PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean
-all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) python
+all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) \
+     $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) python
 
 include python/python.mk
 
-asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) $(ASAN_DIR)/tests/unit
+asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) \
+      $(addprefix $(ASAN_DIR)/tests/tools/,$(TOOLS)) $(ASAN_DIR)/tests/unit
 
 deps:
 	@scripts/install-deps.sh

@@ -27,6 +27,7 @@
 #include "base/log.h"
 #include "membership/member.h"
 #include "base/opt.h"
+#include "base/secret.h"
 #include "rpc/rpc.h"
 
 extern char **environ;
@@ -46,7 +47,9 @@ static const char usage[] =
     "epoch reaching each member of the cohort (first, p50, p99, max).\n"
     "Every simulated member unpacks and checks its own copy of each epoch on\n"
     "this machine's cores, so with large cohorts the later samples include\n"
-    "queueing behind the other simulated members.\n"
+    "queueing behind the other simulated members. The broker runs with a key\n"
+    "made for the benchmark, and every call of a member proves it, as in\n"
+    "production (--insecure: no key and no proofs, to see what they cost).\n"
     "\n"
     "  --members N        members in all (default 1000)\n"
     "  --cohorts N        cohorts they are spread over (default 1)\n"
@@ -57,6 +60,8 @@ static const char usage[] =
     "  --measure DUR      steady-state CPU window (default 10s)\n"
     "  --heartbeat DUR    heartbeat interval (default 1s)\n"
     "  --coalesce DUR     the broker's coalescing window (default 50ms)\n"
+    "  --insecure         run the broker without keys (--insecure) and the\n"
+    "                     members without proofs\n"
     "  -o, --output FMT   table (default) or json\n"
     "  --log-format text|json  format of log lines on stderr (default text)\n"
     "  --log-level LEVEL       debug, info, warn or error (default error)\n"
@@ -79,6 +84,9 @@ struct bench {
     struct rpc_channel **channels;
     char broker_addr[64];
     pid_t broker_pid;
+    struct secret key;              /* the broker's, in key_path while it runs */
+    char key_path[64];
+    bool insecure;                  /* no key, no proofs */
     atomic_bool stop;
     pthread_t drivers[2];
     pthread_mutex_t lock;           /* guards replacing sims[i].m */
@@ -136,6 +144,7 @@ static int make_member(struct bench *b, size_t i)
     mc.on_epoch = on_epoch;
     mc.arg = &b->sims[i];
     mc.channel = b->channels[i % b->n_channels];
+    mc.key = b->insecure ? NULL : &b->key;
     return member_create(&mc, &b->sims[i].m);
 }
 
@@ -163,6 +172,29 @@ static double proc_cpu_s(pid_t pid)
     return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
+/* The broker's key, in a file that only has to live until the broker has
+ * read it. Returns 0 or -errno. */
+static int write_key(struct bench *b)
+{
+    int fd, rc;
+
+    snprintf(b->key_path, sizeof(b->key_path), "/tmp/cohort-bench-key-XXXXXX");
+    fd = mkstemp(b->key_path);
+    if (fd < 0)
+        return -errno;
+    close(fd);
+    unlink(b->key_path);
+    if ((rc = secret_generate(&b->key)) < 0 || (rc = secret_write(b->key_path, &b->key)) < 0)
+        return rc;
+    return 0;
+}
+
+static void drop_key(struct bench *b)
+{
+    if (b->key_path[0])
+        unlink(b->key_path);
+}
+
 /* Starts the broker and reads its listening line for the bound port. */
 static int start_broker(struct bench *b, const char *self_dir)
 {
@@ -178,9 +210,22 @@ static int start_broker(struct bench *b, const char *self_dir)
     snprintf(maxm, sizeof(maxm), "%zu", b->n_members + 16);
     char *argv[] = { exe, "--standalone", "--listen", "127.0.0.1:0", "--allow-any-cohort",
                      "--heartbeat-interval", hb, "--member-timeout", "5s", "--coalesce", co,
-                     "--startup-hold", "0ms", "--max-members", maxm, "--log-level", "info", NULL };
-    if (pipe2(pipefd, O_CLOEXEC) < 0)
+                     "--startup-hold", "0ms", "--max-members", maxm, "--log-level", "info",
+                     NULL, NULL, NULL };     /* the key file, or --insecure */
+    size_t n = sizeof(argv) / sizeof(argv[0]) - 3;
+
+    if (b->insecure) {
+        argv[n] = "--insecure";
+    } else {
+        if ((rc = write_key(b)) < 0)
+            return rc;
+        argv[n] = "--secret-file";
+        argv[n + 1] = b->key_path;
+    }
+    if (pipe2(pipefd, O_CLOEXEC) < 0) {
+        drop_key(b);
         return -errno;
+    }
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, pipefd[1], STDERR_FILENO);
     rc = posix_spawn(&b->broker_pid, exe, &fa, NULL, argv, environ);
@@ -188,6 +233,7 @@ static int start_broker(struct bench *b, const char *self_dir)
     close(pipefd[1]);
     if (rc != 0) {
         close(pipefd[0]);
+        drop_key(b);
         return -rc;
     }
     f = fdopen(pipefd[0], "r");
@@ -195,6 +241,7 @@ static int start_broker(struct bench *b, const char *self_dir)
         char *a = strstr(line, "Broker is listening.");
         char *addr = a ? strstr(a, "address=") : NULL;
         if (addr) {
+            drop_key(b);                    /* read before it listens */
             addr += strlen("address=");
             addr[strcspn(addr, " \n")] = '\0';
             snprintf(b->broker_addr, sizeof(b->broker_addr), "%s", addr);
@@ -205,6 +252,7 @@ static int start_broker(struct bench *b, const char *self_dir)
     }
     if (f)
         fclose(f);
+    drop_key(b);
     return -EIO;
 }
 
@@ -361,6 +409,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
             cJSON_AddNumberToObject(o, "connections", (double)b->n_channels);
             cJSON_AddNumberToObject(o, "heartbeat_ms", (double)b->heartbeat_ms);
             cJSON_AddNumberToObject(o, "coalesce_ms", (double)b->coalesce_ms);
+            cJSON_AddBoolToObject(o, "proofs", !b->insecure);
             cJSON_AddNumberToObject(o, "join_s", (double)(t_joined - t_join0) / 1000.0);
             cJSON_AddNumberToObject(o, "broker_cpu_pct", cpu);
             cJSON_AddNumberToObject(o, "simulator_cpu_pct", self);
@@ -374,9 +423,10 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
             free(text);
             cJSON_Delete(o);
         } else {
-            printf("members %zu in %zu cohort(s), %zu connection(s), heartbeat %llu ms, coalesce %llu ms\n",
-                   b->n_members, b->n_cohorts, b->n_channels, (unsigned long long)b->heartbeat_ms,
-                   (unsigned long long)b->coalesce_ms);
+            printf("members %zu in %zu cohort(s), %zu connection(s), heartbeat %llu ms, coalesce %llu ms, "
+                   "%s\n", b->n_members, b->n_cohorts, b->n_channels,
+                   (unsigned long long)b->heartbeat_ms, (unsigned long long)b->coalesce_ms,
+                   b->insecure ? "no keys" : "every call proves the key");
             printf("all joined in           %8.2f s\n", (double)(t_joined - t_join0) / 1000.0);
             printf("broker CPU, steady      %8.1f %% of one core (simulator: %.1f %%)\n", cpu, self);
             printf("epoch change to member  first %.1f ms  p50 %.1f ms  p99 %.1f ms  max %.1f ms  "
@@ -402,6 +452,7 @@ out_rpc:
 out_broker:
     kill(b->broker_pid, SIGTERM);
     waitpid(b->broker_pid, NULL, 0);
+    secret_wipe(&b->key);
     return status;
 }
 
@@ -415,6 +466,7 @@ int cli_bench(int argc, char **argv)
         { "measure", required_argument, NULL, 'w' },
         { "heartbeat", required_argument, NULL, 'b' },
         { "coalesce", required_argument, NULL, 'q' },
+        { "insecure", no_argument, NULL, 'I' },
         { "output", required_argument, NULL, 'o' },
         { "log-format", required_argument, NULL, 'F' },
         { "log-level", required_argument, NULL, 'L' },
@@ -477,6 +529,7 @@ int cli_bench(int argc, char **argv)
             if (opt_duration_ms(optarg, 60000, &b.coalesce_ms) < 0)
                 return opt_usage(PROG, "bad --coalesce \"%s\"", optarg);
             break;
+        case 'I': b.insecure = true; break;
         case 'o': output = optarg; break;
         case 'F': logf = optarg; break;
         case 'L': logl = optarg; break;

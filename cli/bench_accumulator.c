@@ -25,6 +25,7 @@
 #include "cohort.h"
 #include "base/log.h"
 #include "base/opt.h"
+#include "base/secret.h"
 #include "rpc/rpc.h"
 #include "accumulator/trainerd.h"
 
@@ -195,7 +196,8 @@ static void *trainer_main(void *arg)
 
 static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
 {
-    struct brokerd_config bc = { .listen = "127.0.0.1:0" };
+    struct secret key;
+    struct brokerd_config bc = { .listen = "127.0.0.1:0", .key = &key };
     struct trainerd *sd[MAX_PEERS] = { 0 };
     struct trainer tr[MAX_PEERS];
     struct brokerd *b = NULL;
@@ -208,13 +210,15 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
     broker_config_default(&bc.broker);
     bc.broker.startup_hold_ms = 0;
     bc.broker.coalesce_ms = 10;
-    if ((rc = brokerd_start(&bc, &b)) < 0)
+    /* A key for the run: the nodes prove it to the broker, as in a real
+     * cohort. */
+    if ((rc = secret_generate(&key)) < 0 || (rc = brokerd_start(&bc, &b)) < 0)
         goto out;
     brokerd_declare(b, "bench", 0, 0);
     snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(b));
     for (int i = 0; i < n; i++) {
         struct trainerd_config tc = { .node = { .broker = broker, .cohort = "bench",
-                                                .host = "127.0.0.1" } };
+                                                .host = "127.0.0.1", .key = &key } };
         struct cohort_tensor p = { "g", COHORT_F32, bytes / 4 };
         struct cohort_config cc = { .name = "bench", .parameters = &p, .n_parameters = 1 };
         char id[16], addr[160];
@@ -245,6 +249,7 @@ out:
         trainerd_stop(sd[i]);
     }
     brokerd_stop(b);
+    secret_wipe(&key);
     rmdir(dir);
     return rc;
 }

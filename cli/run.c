@@ -44,6 +44,9 @@ static const char usage[] =
     "go to I.out and I.err in the run directory, its sidecar's log to\n"
     "I.sidecar.log. At the end each trainer's last stdout line is shown, and the\n"
     "surviving trainers must agree on it when they print \"final ...\" lines.\n"
+    "Each run makes a new key for its cohort (cohort.key in the run directory,\n"
+    "mode 0600, removed when the run ends): the embedded broker serves the\n"
+    "cohort only to members that prove it, and each sidecar gets --secret-file.\n"
     "\n"
     "  -n, --peers N         trainers to start with (default 2, at most 256)\n"
     "  --cohort NAME         cohort name (default \"run\")\n"
@@ -172,9 +175,33 @@ static void remove_sockdir(struct run *r)
     rmdir(r->sockdir);
 }
 
+/* A new key for this run, in the run directory for the sidecars. An
+ * earlier run's key file there is replaced: each run has its own. */
+static int make_key(struct run *r)
+{
+    int rc;
+
+    if (run_fmt_into(r->key_path, sizeof(r->key_path), "%s/cohort.key", r->dir) < 0) {
+        fprintf(stderr, PROG ": the run directory's path is too long\n");
+        return -ENAMETOOLONG;
+    }
+    rc = secret_generate(&r->key);
+    if (rc == 0) {
+        unlink(r->key_path);
+        rc = secret_write(r->key_path, &r->key);
+    }
+    if (rc < 0) {
+        fprintf(stderr, PROG ": cannot write the run's key to %s: %s\n", r->key_path,
+                strerror(-rc));
+        return rc;
+    }
+    r->key_written = true;
+    return 0;
+}
+
 static int start_broker(struct run *r)
 {
-    struct brokerd_config cfg = { .listen = "127.0.0.1:0" };
+    struct brokerd_config cfg = { .listen = "127.0.0.1:0", .key = &r->key };
     int rc;
 
     broker_config_default(&cfg.broker);
@@ -403,12 +430,15 @@ int cli_run(int argc, char **argv)
         fprintf(stderr, PROG ": gRPC could not start\n");
         goto out_dirs;
     }
-    if (start_broker(&r) == 0)
+    if (make_key(&r) == 0 && start_broker(&r) == 0)
         status = execute(&r);
     rpc_channel_destroy(r.ch);
     brokerd_stop(r.bd);
     rpc_shutdown();
 out_dirs:
+    if (r.key_written)
+        unlink(r.key_path);
+    secret_wipe(&r.key);
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
     remove_sockdir(&r);

@@ -14,6 +14,7 @@
 #include <sys/types.h>
 
 #include "base/ident.h"
+#include "base/secret.h"
 
 #define PROG "cohortctl run"
 #define MAX_PEERS 256
@@ -90,6 +91,11 @@ struct run {
     size_t n_events;
     struct peer *peers;
     size_t n_peers;
+    /* The run's key: the embedded broker's, given to every sidecar in a
+     * file of the run directory (removed at the end). */
+    struct secret key;
+    char key_path[PATH_MAX];
+    bool key_written;
     /* The broker. */
     struct brokerd *bd;
     struct rpc_channel *ch;

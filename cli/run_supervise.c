@@ -147,7 +147,8 @@ int run_start_peer(struct run *r, uint64_t now)
         return -ENOSPC;
     }
     char *argv[] = { r->sidecar, "--broker", r->broker, "--cohort", (char *)r->cohort,
-                     "--id", p->id, "--socket", p->sock, "--log-format", (char *)(r->logf ? r->logf : "text"),
+                     "--id", p->id, "--socket", p->sock, "--secret-file", r->key_path,
+                     "--log-format", (char *)(r->logf ? r->logf : "text"),
                      "--log-level", "info", NULL };
     rc = spawn(argv, r->env, p->sc_path, NULL, false, &p->sidecar.pid);
     if (rc < 0) {

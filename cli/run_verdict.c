@@ -213,6 +213,8 @@ void run_print_json(struct run *r, const struct verdict *v, uint64_t now)
 
 void run_remove_files(struct run *r)
 {
+    if (r->key_written)
+        unlink(r->key_path);
     for (size_t i = 0; i < r->n_peers; i++) {
         unlink(r->peers[i].out_path);
         unlink(r->peers[i].err_path);

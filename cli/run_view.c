@@ -12,6 +12,7 @@
 
 #include "base/clock.h"
 #include "cohort.pb-c.h"
+#include "membership/proof.h"
 #include "membership/wire.h"
 #include "rpc/rpc.h"
 #include "run.h"
@@ -198,9 +199,13 @@ void run_poll_status(struct run *r)
     ProtobufCMessage *reply = NULL;
     const Cohort__V1__StatusReply *rep;
     struct rpc_status st;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
 
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = (char *)r->cohort;
+    if (proof_sign(&r->key, &q.base, 1, proof_now_ms(), &pf, mac) == 0)
+        q.proof = &pf;
     if (rpc_call(r->ch, WIRE_BROKER_STATUS, &q.base, &cohort__v1__status_reply__descriptor,
                  STATUS_TIMEOUT_MS, 0, &reply, &st) < 0) {
         r->status_ok = false;

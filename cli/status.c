@@ -1,5 +1,6 @@
 /* cli/status.c: `cohortctl status`: asks a broker for its cohorts and
  * prints them as tables or as JSON. */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +13,8 @@
 #include "base/ident.h"
 #include "base/log.h"
 #include "base/opt.h"
+#include "base/secret.h"
+#include "membership/proof.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
 
@@ -21,10 +24,18 @@ static const char usage[] =
     "Usage: cohortctl status --broker ADDR [--cohort NAME] [-o table|json]\n"
     "\n"
     "Shows each cohort's epoch, leader and members as the broker sees them.\n"
-    "Model versions are the latest each member reported.\n"
+    "Model versions are the latest each member reported. A broker with keys\n"
+    "shows a cohort to whoever proves its key or the admin key, and every\n"
+    "cohort at once only to the admin key.\n"
     "\n"
     "  --broker ADDR     broker address, host:port (env COHORT_BROKER)\n"
     "  --cohort NAME     only this cohort (exit status 1 if the broker has none)\n"
+    "  --secret-file PATH  the cohort's key, 64 hex digits (env COHORT_SECRET_FILE)\n"
+    "  --admin-secret-file PATH  the broker's admin key: any cohort, or all\n"
+    "  --broker-ca PATH  reach the broker over TLS, trusting this PEM file's CA\n"
+    "                    certificates (env COHORT_BROKER_CA)\n"
+    "  --broker-server-name NAME  the name the broker's certificate carries, when\n"
+    "                    --broker is another (env COHORT_BROKER_SERVER_NAME)\n"
     "  -o, --output FMT  table (default) or json:\n"
     "                    {\"cohorts\":[{\"name\",\"epoch\",\"leader\",\n"
     "                      \"members\":[{\"id\",\"address\",\"model_version\",\n"
@@ -108,6 +119,24 @@ static void print_tables(const Cohort__V1__StatusReply *rep)
     }
 }
 
+/* Reads the key to prove: the admin key when given (it reads anything),
+ * else the cohort's. Returns 1 with *k set, 0 for none, or
+ * OPT_EXIT_USAGE after reporting why. */
+static int load_key(const char *secret_file, const char *admin_file, struct secret *k)
+{
+    const char *path = admin_file ? admin_file : secret_file;
+    int rc;
+
+    if (!path || !*path)
+        return 0;
+    rc = secret_load(path, k);
+    if (rc < 0)
+        return opt_usage(PROG, "cannot use --%s \"%s\": %s",
+                         admin_file ? "admin-secret-file" : "secret-file", path,
+                         rc == -EINVAL ? "not 64 hexadecimal digits" : strerror(-rc));
+    return 1;
+}
+
 int cli_status(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -117,12 +146,24 @@ int cli_status(int argc, char **argv)
         { "timeout", required_argument, NULL, 't' },
         { "log-format", required_argument, NULL, 'F' },
         { "log-level", required_argument, NULL, 'L' },
+        { "secret-file", required_argument, NULL, 'S' },
+        { "admin-secret-file", required_argument, NULL, 'A' },
+        { "broker-ca", required_argument, NULL, 'C' },
+        { "broker-server-name", required_argument, NULL, 'N' },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
     Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
     const char *broker = getenv("COHORT_BROKER"), *cohort = "", *output = "table";
     const char *logf = NULL, *logl = "error";
+    const char *secret_file = getenv("COHORT_SECRET_FILE"), *admin_file = NULL;
+    const char *ca_file = getenv("COHORT_BROKER_CA");
+    struct rpc_channel_opts co = { .tls_server_name = getenv("COHORT_BROKER_SERVER_NAME") };
+    struct secret key;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    char *ca = NULL;
+    int have_key;
     struct rpc_channel *ch = NULL;
     ProtobufCMessage *reply = NULL;
     struct rpc_status st;
@@ -137,6 +178,10 @@ int cli_status(int argc, char **argv)
         case 'o': output = optarg; break;
         case 'F': logf = optarg; break;
         case 'L': logl = optarg; break;
+        case 'S': secret_file = optarg; break;
+        case 'A': admin_file = optarg; break;
+        case 'C': ca_file = optarg; break;
+        case 'N': co.tls_server_name = optarg; break;
         case 't':
             if (opt_duration_ms(optarg, 3600000, &timeout_ms) < 0 || timeout_ms == 0)
                 return opt_usage(PROG, "bad --timeout \"%s\"", optarg);
@@ -157,23 +202,48 @@ int cli_status(int argc, char **argv)
     if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
         return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
 
+    if (co.tls_server_name && !*co.tls_server_name)
+        co.tls_server_name = NULL;
+    if (co.tls_server_name && !(ca_file && *ca_file))
+        return opt_usage(PROG, "--broker-server-name needs --broker-ca");
     if (opt_logging(PROG, logf, logl) < 0)
         return OPT_EXIT_USAGE;
+    have_key = load_key(secret_file, admin_file, &key);
+    if (have_key == OPT_EXIT_USAGE)
+        return OPT_EXIT_USAGE;
+    if (ca_file && *ca_file) {
+        rc = rpc_pem_load(ca_file, &ca);
+        if (rc < 0) {
+            secret_wipe(&key);
+            return opt_usage(PROG, "cannot use --broker-ca \"%s\": %s", ca_file,
+                             rc == -EINVAL ? "no PEM block in it"
+                             : rc == -EFBIG ? "longer than 256 KiB" : strerror(-rc));
+        }
+        co.tls_ca_pem = ca;
+    }
     if (rpc_init() < 0) {
         fprintf(stderr, "cohortctl status: gRPC could not start\n");
+        secret_wipe(&key);
+        rpc_pem_free(ca);
         return 1;
     }
-    rc = rpc_channel_create(broker, NULL, &ch);
+    rc = rpc_channel_create(broker, &co, &ch);
     if (rc < 0) {
         fprintf(stderr, "cohortctl status: bad broker address \"%s\"\n", broker);
         goto out;
     }
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = (char *)cohort;
+    /* A Status proof's seq is not judged; its time is. */
+    if (have_key == 1 && proof_sign(&key, &q.base, 1, proof_now_ms(), &pf, mac) == 0)
+        q.proof = &pf;
     rc = rpc_call(ch, WIRE_BROKER_STATUS, &q.base, &cohort__v1__status_reply__descriptor,
                   (uint32_t)timeout_ms, 0, &reply, &st);
     if (rc < 0) {
         fprintf(stderr, "cohortctl status: %s: %s (%s)\n", broker, st.message, rpc_code_name(st.code));
+        if (st.code == RPC_UNAUTHENTICATED)
+            fprintf(stderr, "cohortctl status: give the cohort's key (--cohort NAME "
+                    "--secret-file PATH) or the admin key (--admin-secret-file PATH)\n");
         goto out;
     }
     if (strcmp(output, "json") == 0)
@@ -186,5 +256,8 @@ int cli_status(int argc, char **argv)
 out:
     rpc_channel_destroy(ch);
     rpc_shutdown();
+    rpc_pem_free(ca);
+    if (have_key == 1)
+        secret_wipe(&key);
     return status;
 }

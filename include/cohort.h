@@ -127,11 +127,14 @@ size_t cohort_numel(const struct cohort *c);
 /* Connects to a sidecar ("unix:/path/to/socket") or to a broker
  * ("host:port": the node then runs inside this process, with no sidecar).
  * NULL means $COHORT_SOCKET, else $COHORT_BROKER (with $COHORT_COHORT and
- * $COHORT_ID naming the cohort and this member, and $COHORT_SECRET_FILE,
- * when set, holding the cohort's key: see docs/security.md). Returns 0,
- * -EINVAL (also: a key file that is not 64 hex digits), -ECONNREFUSED/
- * -ENOENT (no sidecar there, or no key file), -EPROTO (a sidecar of another
- * API version), -EALREADY. */
+ * $COHORT_ID naming the cohort and this member, $COHORT_SECRET_FILE,
+ * when set, holding the cohort's key: see docs/security.md, and
+ * $COHORT_BROKER_CA, when set, a PEM file of the CA that signed the
+ * broker's TLS certificate, with $COHORT_BROKER_SERVER_NAME the name it
+ * carries if not the broker's host). Returns 0, -EINVAL (also: a key file
+ * that is not 64 hex digits, a CA file with no PEM in it), -EFBIG (a CA
+ * file over 256 KiB), -ECONNREFUSED/-ENOENT (no sidecar there, or no key
+ * or CA file), -EPROTO (a sidecar of another API version), -EALREADY. */
 int cohort_connect(struct cohort *c, const char *address);
 /* Joining a broker directly: the cohort and member id to use. */
 int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *member_id);

@@ -22,6 +22,7 @@
 #include "k8s/lease.h"
 #include "base/log.h"
 #include "base/opt.h"
+#include "base/secret.h"
 #include "k8s/probe.h"
 #include "rpc/rpc.h"
 
@@ -104,6 +105,24 @@ static const char usage[] =
     "                            2 x heartbeat interval)\n"
     "  --max-members N           members per cohort (default 4096)\n"
     "  --max-cohorts N           cohorts per broker (default 1024)\n"
+    "  --max-member-timeout DUR  the longest member timeout a join may ask for\n"
+    "                            beyond its cohort's (default 10m); longer asks are\n"
+    "                            clamped, and the Join reply says what was granted\n"
+    "  --admin-secret-file PATH  a key (64 hex digits) that reads the status of any\n"
+    "                            cohort, and the only one that reads all at once\n"
+    "\n"
+    "Keys and TLS (standalone; --secret-file or --insecure is required):\n"
+    "  --tls-cert PATH           serve the broker over TLS with this certificate\n"
+    "                            chain (PEM); members then need the CA (the\n"
+    "                            sidecar's --broker-ca)\n"
+    "  --tls-key PATH            the certificate's private key (PEM)\n"
+    "  --secret-file PATH        every cohort's key: 64 hex digits, as `openssl rand\n"
+    "                            -hex 32` prints. Every call of a member must prove\n"
+    "                            it (the sidecar's --secret-file), and so must a\n"
+    "                            cohort's status (cohortctl status --secret-file)\n"
+    "  --insecure                serve cohorts without keys: anyone who reaches the\n"
+    "                            port may join any cohort or read its status\n"
+    "\n"
     "  --log-format text|json    (default text)\n"
     "  --log-level LEVEL         debug, info, warn or error (default info)\n"
     "  -h, --help                show this text\n"
@@ -181,7 +200,9 @@ static int parse_cohort(const char *arg, struct cohort_spec *c)
 enum { O_STANDALONE = 256, O_LISTEN, O_COHORT, O_ANY, O_HB, O_TO, O_COALESCE, O_HOLD,
        O_MAXM, O_MAXC, O_LOGF, O_LOGL, O_KUBECONFIG, O_CONTEXT, O_INCLUSTER, O_NS, O_BADDR,
        O_SIMG, O_SCMD, O_LNAME, O_LNS, O_IDENT, O_LDUR, O_LRENEW, O_LRETRY, O_METRICS,
-       O_WORKERS, O_STPERIOD, O_DRAIN, O_RESYNC, O_WTIMEOUT, O_APITIMEOUT };
+       O_WORKERS, O_STPERIOD, O_DRAIN, O_RESYNC, O_WTIMEOUT, O_APITIMEOUT,
+       /* Keys and TLS: broker flags, handled by auth_flag(). */
+       O_SECRET = 512, O_ADMIN, O_TLSCERT, O_TLSKEY, O_INSECURE, O_MAXTO };
 /* Kubernetes mode's broker TLS. */
 enum { O_BTLS = O_APITIMEOUT + 1, O_BSVC, O_BCASECRET };
 
@@ -671,10 +692,14 @@ static int run_standalone(const struct brokerd_config *cfg, const struct cohort_
     }
     snprintf(addr, sizeof(addr), "%.*s:%d", colon ? (int)(colon - cfg->listen) : 0, cfg->listen,
              brokerd_port(d));
+    if (cfg->open)
+        log_warn("operator", "Serving cohorts without keys (--insecure): anyone who reaches "
+                 "the broker may join any cohort or read its status.");
     log_info("operator", "Broker is listening.", LF_S("address", addr), LF_U("cohorts", n),
              LF_B("allow_any_cohort", cfg->broker.allow_any_cohort),
              LF_U("heartbeat_ms", cfg->broker.heartbeat_ms),
-             LF_U("timeout_ms", cfg->broker.timeout_ms));
+             LF_U("timeout_ms", cfg->broker.timeout_ms), LF_B("keys", cfg->key != NULL),
+             LF_B("admin_key", cfg->admin_key != NULL), LF_B("tls", cfg->tls_cert_pem != NULL));
     while (sigwait(sigs, &sig) != 0)
         ;
     log_info("operator", "Stopping.", LF_S("signal", strsignal(sig)));
@@ -692,7 +717,87 @@ struct flags {
     size_t n_cohorts;
     bool standalone, hold_set;
     const char *logf, *logl;
+    /* Keys and TLS: the flags, then what their files hold (bcfg points
+     * here). */
+    const char *secret_file, *admin_file, *tls_cert_file, *tls_key_file;
+    bool insecure;
+    struct secret key, admin_key;
+    char *tls_cert, *tls_key;
 };
+
+/* One flag of keys and TLS (O_SECRET on). Returns 0 or OPT_EXIT_USAGE. */
+static int auth_flag(struct flags *f, int opt, const char *arg)
+{
+    uint64_t v;
+
+    switch (opt) {
+    case O_SECRET: f->secret_file = arg; break;
+    case O_ADMIN: f->admin_file = arg; break;
+    case O_TLSCERT: f->tls_cert_file = arg; break;
+    case O_TLSKEY: f->tls_key_file = arg; break;
+    case O_INSECURE: f->insecure = true; break;
+    case O_MAXTO:
+        if (opt_duration_ms(arg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v == 0)
+            return opt_usage(PROG, "bad --max-member-timeout \"%s\"", arg);
+        f->bcfg.broker.max_timeout_ms = (uint32_t)v;
+        break;
+    }
+    return 0;
+}
+
+static int key_file(const char *flag, const char *path, struct secret *out)
+{
+    int rc = secret_load(path, out);
+
+    if (rc < 0)
+        return opt_usage(PROG, "cannot use --%s \"%s\": %s", flag, path,
+                         rc == -EINVAL ? "not 64 hexadecimal digits" : strerror(-rc));
+    return 0;
+}
+
+static int pem_file(const char *flag, const char *path, char **out)
+{
+    int rc = rpc_pem_load(path, out);
+
+    if (rc < 0)
+        return opt_usage(PROG, "cannot use --%s \"%s\": %s", flag, path,
+                         rc == -EINVAL ? "no PEM block in it"
+                         : rc == -EFBIG ? "longer than 256 KiB" : strerror(-rc));
+    return 0;
+}
+
+/* The rules of keys and TLS, and their files read into bcfg. Returns 0
+ * or OPT_EXIT_USAGE after reporting why. */
+static int check_auth(struct flags *f)
+{
+    if (f->standalone && !f->secret_file && !f->insecure)
+        return opt_usage(PROG, "--standalone needs --secret-file PATH (the cohorts' key) or "
+                         "--insecure (serve cohorts without keys)");
+    if (f->secret_file && f->insecure)
+        return opt_usage(PROG, "give --secret-file or --insecure, not both");
+    if (!f->standalone && (f->secret_file || f->insecure))
+        return opt_usage(PROG, "--secret-file and --insecure are for --standalone; in "
+                         "Kubernetes each cohort has its own key");
+    if (!f->standalone && (f->tls_cert_file || f->tls_key_file))
+        return opt_usage(PROG, "--tls-cert and --tls-key are for --standalone");
+    if (!f->tls_cert_file != !f->tls_key_file)
+        return opt_usage(PROG, "--tls-cert and --tls-key go together");
+    if (f->secret_file && key_file("secret-file", f->secret_file, &f->key))
+        return OPT_EXIT_USAGE;
+    if (f->admin_file && key_file("admin-secret-file", f->admin_file, &f->admin_key))
+        return OPT_EXIT_USAGE;
+    if (f->tls_cert_file && (pem_file("tls-cert", f->tls_cert_file, &f->tls_cert) ||
+                             pem_file("tls-key", f->tls_key_file, &f->tls_key)))
+        return OPT_EXIT_USAGE;
+    f->bcfg.key = f->secret_file ? &f->key : NULL;
+    f->bcfg.admin_key = f->admin_file ? &f->admin_key : NULL;
+    f->bcfg.tls_cert_pem = f->tls_cert;
+    f->bcfg.tls_key_pem = f->tls_key;
+    /* Kubernetes mode is never open: lead() gives the broker each
+     * cohort's key from its Secret (brokerd_set_key) before any pod. */
+    f->bcfg.open = f->insecure && f->standalone;
+    return 0;
+}
 
 static int duration_flag(const char *flag, const char *arg, uint64_t max, uint32_t *out)
 {
@@ -850,7 +955,7 @@ static int check_flags(struct flags *f)
         return opt_usage(PROG, "--member-timeout must be longer than --heartbeat-interval");
     if (!f->hold_set)
         b->startup_hold_ms = 2 * b->heartbeat_ms;
-    return 0;
+    return check_auth(f);
 }
 
 /* Fills *f from the command line. Returns 0 to start, -1 after printing
@@ -893,6 +998,12 @@ static int parse_flags(int argc, char **argv, struct flags *f)
         { "broker-tls", required_argument, NULL, O_BTLS },
         { "broker-service", required_argument, NULL, O_BSVC },
         { "broker-ca-secret", required_argument, NULL, O_BCASECRET },
+        { "secret-file", required_argument, NULL, O_SECRET },
+        { "admin-secret-file", required_argument, NULL, O_ADMIN },
+        { "tls-cert", required_argument, NULL, O_TLSCERT },
+        { "tls-key", required_argument, NULL, O_TLSKEY },
+        { "insecure", no_argument, NULL, O_INSECURE },
+        { "max-member-timeout", required_argument, NULL, O_MAXTO },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -915,8 +1026,10 @@ static int parse_flags(int argc, char **argv, struct flags *f)
         }
         if (opt == '?')
             return OPT_EXIT_USAGE;
-        /* The enum lists the broker's flags first. */
-        rc = opt < O_KUBECONFIG ? broker_flag(f, opt, optarg) : kube_flag(&f->ko, opt, optarg);
+        /* The enum lists the broker's flags first, keys and TLS last. */
+        rc = opt >= O_SECRET      ? auth_flag(f, opt, optarg)
+             : opt < O_KUBECONFIG ? broker_flag(f, opt, optarg)
+                                  : kube_flag(&f->ko, opt, optarg);
         if (rc != 0)
             return rc;
     }
@@ -958,5 +1071,9 @@ int main(int argc, char **argv)
     else
         rc = run_kube(&f.ko, &f.bcfg, &sigs);
     rpc_shutdown();
+    secret_wipe(&f.key);
+    secret_wipe(&f.admin_key);
+    rpc_pem_free(f.tls_cert);
+    rpc_pem_free(f.tls_key);
     return rc;
 }

@@ -3,7 +3,8 @@
 # sidecars, shows the cohort, kills one sidecar with SIGKILL and shows the
 # broker evicting it, then starts a member with a higher model version and
 # shows the leadership move to it. Everything runs on loopback with free
-# ports and is stopped at the end.
+# ports and is stopped at the end. The cohort has a key, made here: every
+# call of a sidecar, and every status, proves it.
 set -eu
 cd "$(dirname "$0")/.."
 BIN=${COHORT_BIN:-build}
@@ -34,8 +35,11 @@ wait_for() {
     exit 1
 }
 
-say "Starting a broker (cohort-operator --standalone) on a free port"
-"$BIN/cohort-operator" --standalone --listen 127.0.0.1:0 --cohort demo 2>"$DIR/broker.log" &
+say "Making the cohort's key and starting a broker (cohort-operator --standalone) on a free port"
+(umask 077; openssl rand -hex 32 >"$DIR/demo.key")
+export COHORT_SECRET_FILE="$DIR/demo.key"     # for the sidecars and cohortctl status
+"$BIN/cohort-operator" --standalone --listen 127.0.0.1:0 --cohort demo \
+    --secret-file "$DIR/demo.key" 2>"$DIR/broker.log" &
 PIDS="$PIDS $!"
 i=0
 until BROKER=$(sed -n 's/.*Broker is listening\. address=\([^ ]*\).*/\1/p' "$DIR/broker.log") && [ -n "$BROKER" ]; do
@@ -51,20 +55,20 @@ for n in 0 1 2 3; do
     PIDS="$PIDS $!"
 done
 wait_for 4
-"$BIN/cohortctl" status --broker "$BROKER"
+"$BIN/cohortctl" status --broker "$BROKER" --cohort demo
 
 say "kill -9 demo-2: the broker evicts it after the member timeout (5 s)"
 kill -9 "$PID2"
 start=$(date +%s%N)
 wait_for 3
 echo "evicted after $(( ($(date +%s%N) - start) / 1000000 )) ms"
-"$BIN/cohortctl" status --broker "$BROKER"
+"$BIN/cohortctl" status --broker "$BROKER" --cohort demo
 
 say "demo-9 joins with model version 42: it becomes the leader"
 "$BIN/cohort-sidecar" --broker "$BROKER" --cohort demo --id demo-9 --model-version 42 2>"$DIR/demo-9.log" &
 PIDS="$PIDS $!"
 wait_for 4 demo-9
-"$BIN/cohortctl" status --broker "$BROKER"
+"$BIN/cohortctl" status --broker "$BROKER" --cohort demo
 
 say "What demo-0 saw (its log):"
 grep "Adopted a new epoch" "$DIR/demo-0.log" | sed 's/^[^ ]* //'

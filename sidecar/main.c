@@ -48,12 +48,20 @@ static const char usage[] =
     "                            COHORT_SECRET_FILE). It proves this member to the\n"
     "                            broker and to its peers; without it the member can\n"
     "                            only join a broker that runs without keys.\n"
+    "  --broker-ca PATH          reach the broker over TLS, trusting the CA\n"
+    "                            certificates in this PEM file (env\n"
+    "                            COHORT_BROKER_CA); without it, plaintext\n"
+    "  --broker-server-name NAME the name the broker's certificate carries, when\n"
+    "                            --broker is another (an IP address, a pod IP); env\n"
+    "                            COHORT_BROKER_SERVER_NAME (default: --broker's host)\n"
     "  --integrity none|mac      none (default): peers are authenticated when they\n"
     "                            connect; mac: every data-plane frame carries a MAC\n"
     "                            too (needs --secret-file; every member must agree)\n"
     "  --model-version N         model version to join with (default 0)\n"
     "  --heartbeat-interval DUR  ask for this heartbeat (default: the cohort's)\n"
-    "  --member-timeout DUR      ask for this timeout (default: the cohort's)\n"
+    "  --member-timeout DUR      ask for this timeout (default: the cohort's). The\n"
+    "                            broker clamps both to the cohort's limits, and\n"
+    "                            the member logs what it granted\n"
     "  --log-format text|json    (default text)\n"
     "  --log-level LEVEL         debug, info, warn or error (default info)\n"
     "  -h, --help                show this text\n"
@@ -98,7 +106,12 @@ out:
     return rc;
 }
 
-enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY };
+/* The broker's CA (--broker-ca), for the life of the process: a global,
+ * so that the early exits after it is read leave nothing unreachable. */
+static char *ca;
+
+enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY,
+       O_CA, O_SNAME };
 
 /* Signals go to the main thread only, which waits for them: blocked
  * before gRPC starts its threads, so none of those ever receives one.
@@ -126,7 +139,8 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
         .node = { .broker = mc->broker, .cohort = mc->cohort, .id = mc->id, .host = host,
                   .model_version = mc->model_version, .heartbeat_ms = mc->heartbeat_ms,
                   .timeout_ms = mc->timeout_ms, .key = mc->key,
-                  .integrity_mac = integrity_mac },
+                  .integrity_mac = integrity_mac, .tls_ca_pem = mc->tls_ca_pem,
+                  .tls_server_name = mc->tls_server_name },
     };
     struct trainerd *t;
     int rc, sig;
@@ -161,6 +175,8 @@ int main(int argc, char **argv)
         { "member-timeout", required_argument, NULL, O_TO },
         { "secret-file", required_argument, NULL, O_SECRET },
         { "integrity", required_argument, NULL, O_INTEGRITY },
+        { "broker-ca", required_argument, NULL, O_CA },
+        { "broker-server-name", required_argument, NULL, O_SNAME },
         { "log-format", required_argument, NULL, O_LOGF },
         { "log-level", required_argument, NULL, O_LOGL },
         { "help", no_argument, NULL, 'h' },
@@ -170,6 +186,7 @@ int main(int argc, char **argv)
     const char *listen_addr = "127.0.0.1:0", *advertise = NULL, *logf = NULL, *logl = NULL;
     const char *socket_path = getenv("COHORT_SOCKET");
     const char *secret_file = getenv("COHORT_SECRET_FILE");
+    const char *ca_file = getenv("COHORT_BROKER_CA");
     struct secret key;
     bool integrity_mac = false;
     char host[256], address[IDENT_ADDRESS_MAX + 1];
@@ -181,6 +198,7 @@ int main(int argc, char **argv)
     mc.broker = getenv("COHORT_BROKER");
     mc.cohort = getenv("COHORT_COHORT");
     mc.id = getenv("COHORT_ID") ? getenv("COHORT_ID") : getenv("POD_NAME");
+    mc.tls_server_name = getenv("COHORT_BROKER_SERVER_NAME");
     while ((opt = opt_next(PROG, argc, argv, "h", longopts)) != -1) {
         switch (opt) {
         case O_BROKER: mc.broker = optarg; break;
@@ -204,6 +222,8 @@ int main(int argc, char **argv)
             mc.timeout_ms = (uint32_t)v;
             break;
         case O_SECRET: secret_file = optarg; break;
+        case O_CA: ca_file = optarg; break;
+        case O_SNAME: mc.tls_server_name = optarg; break;
         case O_INTEGRITY:
             if (strcmp(optarg, "mac") != 0 && strcmp(optarg, "none") != 0)
                 return opt_usage(PROG, "bad --integrity \"%s\": none or mac", optarg);
@@ -248,6 +268,22 @@ int main(int argc, char **argv)
     if (!mc.key)
         log_warn("sidecar", "No --secret-file: this member proves nothing and can join only a "
                  "broker that runs without keys.");
+    if (mc.tls_server_name && !*mc.tls_server_name)
+        mc.tls_server_name = NULL;
+    /* A DNS name keeps to a member id's characters. */
+    if (mc.tls_server_name && !ident_valid_member_id(mc.tls_server_name))
+        return opt_usage(PROG, "bad --broker-server-name \"%s\": want a DNS name",
+                         mc.tls_server_name);
+    if (ca_file && *ca_file) {
+        rc = rpc_pem_load(ca_file, &ca);
+        if (rc < 0)
+            return opt_usage(PROG, "cannot use --broker-ca \"%s\": %s", ca_file,
+                             rc == -EINVAL ? "no PEM block in it"
+                             : rc == -EFBIG ? "longer than 256 KiB" : strerror(-rc));
+        mc.tls_ca_pem = ca;
+    } else if (mc.tls_server_name) {
+        return opt_usage(PROG, "--broker-server-name needs --broker-ca");
+    }
 
     if (socket_path && strncmp(socket_path, "unix:", 5) == 0)
         socket_path += 5;
@@ -264,6 +300,7 @@ int main(int argc, char **argv)
             return 1;
         rc = serve_trainer(&mc, integrity_mac, socket_path, host, &sigs);
         rpc_shutdown();
+        rpc_pem_free(ca);
         return rc;
     }
     fd = bind_data(listen_addr, host, sizeof(host), &port);
@@ -294,7 +331,8 @@ int main(int argc, char **argv)
         return 1;
     }
     log_info("sidecar", "Starting.", LF_S("broker", mc.broker), LF_S("cohort", mc.cohort),
-             LF_S("id", mc.id), LF_S("address", address), LF_U("model_version", mc.model_version));
+             LF_S("id", mc.id), LF_S("address", address), LF_U("model_version", mc.model_version),
+             LF_B("key", mc.key != NULL), LF_B("tls", mc.tls_ca_pem != NULL));
     for (;;) {
         uint32_t wait = member_poll(m, clock_now_ms());
         struct timespec ts = { .tv_sec = wait / 1000, .tv_nsec = (long)(wait % 1000) * 1000000L };
@@ -306,6 +344,7 @@ int main(int argc, char **argv)
     member_leave(m, LIMIT_LEAVE_TIMEOUT_MS);
     member_destroy(m);
     rpc_shutdown();
+    rpc_pem_free(ca);
     close(fd);
     return 0;
 }

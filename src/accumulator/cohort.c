@@ -24,6 +24,7 @@
 #include "base/log.h"
 #include "accumulator/link_node.h"
 #include "accumulator/link_sidecar.h"
+#include "rpc/rpc.h"
 
 #define ALIGN 64
 /* The most bytes of parameters, and of buffers, one trainer may declare:
@@ -264,7 +265,9 @@ static bool linked(const struct cohort *c)
 int cohort_connect(struct cohort *c, const char *address)
 {
     const char *cohort, *id, *host, *key_file = getenv("COHORT_SECRET_FILE");
+    const char *ca_file = getenv("COHORT_BROKER_CA");
     struct secret key;
+    char *ca = NULL;
     int rc;
 
     if (c->link)
@@ -285,8 +288,14 @@ int cohort_connect(struct cohort *c, const char *address)
         if (rc < 0)
             return rc;
     }
-    rc = link_node_connect(address, cohort, id, host, key_file && *key_file ? &key : NULL,
-                           &c->mem, &c->link);
+    /* TLS to the broker, as the sidecar's --broker-ca and
+     * --broker-server-name. */
+    if (ca_file && *ca_file && (rc = rpc_pem_load(ca_file, &ca)) < 0)
+        goto out;
+    rc = link_node_connect(address, cohort, id, host, key_file && *key_file ? &key : NULL, ca,
+                           getenv("COHORT_BROKER_SERVER_NAME"), &c->mem, &c->link);
+out:
+    rpc_pem_free(ca);
     if (key_file && *key_file)
         secret_wipe(&key);
     return rc;

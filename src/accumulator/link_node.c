@@ -110,12 +110,14 @@ static const struct link_ops node_ops = {
 };
 
 int link_node_connect(const char *broker, const char *cohort, const char *id, const char *host,
-                      const struct secret *key,
+                      const struct secret *key, const char *tls_ca_pem,
+                      const char *tls_server_name,
                       const struct link_memory *m, struct link **out)
 {
     const struct tlink_register *lay = m->layout;
     struct node_config nc = { .broker = broker, .cohort = cohort, .id = id, .host = host,
-                              .key = key, .on_view = publish };
+                              .key = key, .tls_ca_pem = tls_ca_pem,
+                              .tls_server_name = tls_server_name, .on_view = publish };
     struct node_tensors t = {
         .params = (char *)m->map + lay->params_off, .params_bytes = lay->params_bytes,
         .grads = (char *)m->map + lay->grads_off, .grad_count = lay->grad_count,

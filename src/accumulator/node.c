@@ -804,6 +804,8 @@ int node_start(const struct node_config *cfg, struct node **out)
     mc.heartbeat_ms = cfg->heartbeat_ms;
     mc.timeout_ms = cfg->timeout_ms;
     mc.key = cfg->key;
+    mc.tls_ca_pem = cfg->tls_ca_pem;
+    mc.tls_server_name = cfg->tls_server_name;
     mc.on_epoch = on_epoch;
     mc.arg = n;
     rc = member_create(&mc, &n->member);

@@ -62,6 +62,8 @@ struct node_config {
     const struct secret *key;   /* the cohort's key, copied, for the broker and the
                                  * data plane; NULL: neither is authenticated */
     bool integrity_mac;         /* authenticate every data-plane frame (needs key) */
+    const char *tls_ca_pem;     /* TLS to the broker: CA certificates, PEM; NULL: plaintext */
+    const char *tls_server_name;/* the name the broker's certificate carries; NULL: its host */
     /* Called with the node's lock held whenever the view may have
      * changed, from any of its threads: copy it and return; never call
      * into the node. May be NULL. */

@@ -11,6 +11,15 @@
  * eviction deadline, and broker_tick() scans a cohort's members only once
  * that bound has passed. Heartbeats only push deadlines later, so they
  * never have to touch the bound; the scan recomputes it exactly.
+ *
+ * Replay (wire.h): each member session that joined with a proof keeps the
+ * highest sequence number accepted from it and a bitmap of the
+ * WIRE_PROOF_SEQ_WINDOW below it. When such a session leaves or is
+ * evicted it goes into a ring of retired sessions, kept for
+ * BROKER_RETIRED_KEEP_MS and capped at BROKER_RETIRED_MAX, so that a
+ * captured Join cannot bring it back. The ring is searched only by joins
+ * of sessions the broker does not hold, comparing the 64-bit session
+ * first.
  */
 #include "membership/broker.h"
 
@@ -41,6 +50,17 @@ struct entry {
     uint64_t adopted;           /* the epoch it last said it runs in */
     bool draining;              /* left out of epochs (broker_drain) */
     void *watcher;              /* borrowed from the host; NULL if none */
+    uint64_t seq_top;           /* highest proof seq accepted; 0: joined unproved */
+    uint64_t seq_seen;          /* bit i: seq_top - 1 - i was accepted */
+};
+
+/* A member session that left or was evicted after a proved join. */
+struct retired {
+    char *cohort, *id;
+    uint64_t session;           /* 0: a free slot */
+    uint64_t seq_top;
+    uint64_t until;             /* forgotten at this time */
+    bool left;
 };
 
 struct cohort {
@@ -64,6 +84,8 @@ struct broker {
     uint64_t hold_until;        /* no epoch forms before this */
     struct cohort **cohorts;    /* sorted by name, in natural order */
     size_t n_cohorts, cap_cohorts;
+    struct retired *retired;    /* a ring of BROKER_RETIRED_MAX, allocated at the first */
+    size_t r_head, r_n;         /* oldest slot, slots in use */
 };
 
 void broker_config_default(struct broker_config *cfg)
@@ -75,6 +97,7 @@ void broker_config_default(struct broker_config *cfg)
         .startup_hold_ms = 2000,
         .max_members = 4096,
         .max_cohorts = 1024,
+        .max_timeout_ms = BROKER_MEMBER_TIMEOUT_CAP_MS,
         .allow_any_cohort = false,
     };
 }
@@ -132,6 +155,133 @@ static void entry_free(struct entry *m)
     free(m->id);
     free(m->address);
     free(m);
+}
+
+/* ---- replay (wire.h) ---- */
+
+/* Whether proof sequence number `seq` is new for m: above the highest
+ * accepted, or within the window below it and not yet seen. */
+static bool seq_fresh(const struct entry *m, uint64_t seq)
+{
+    uint64_t back;
+
+    if (seq > m->seq_top)
+        return true;
+    back = m->seq_top - seq;
+    if (back == 0 || back > WIRE_PROOF_SEQ_WINDOW)
+        return false;
+    return !((m->seq_seen >> (back - 1)) & 1u);
+}
+
+static void seq_record(struct entry *m, uint64_t seq)
+{
+    if (seq > m->seq_top) {
+        uint64_t shift = seq - m->seq_top;
+
+        m->seq_seen = shift >= 64 ? 0 : m->seq_seen << shift;
+        if (shift <= 64)
+            m->seq_seen |= 1ull << (shift - 1);     /* the old top */
+        m->seq_top = seq;
+    } else {
+        m->seq_seen |= 1ull << (m->seq_top - seq - 1);
+    }
+}
+
+/* A session's first proved join: everything below its seq counts as
+ * seen, so that no older proof of the session is accepted after it. */
+static void seq_start(struct entry *m, uint64_t seq)
+{
+    m->seq_top = seq;
+    m->seq_seen = seq ? ~0ull : 0;
+}
+
+static void retired_clear(struct retired *r)
+{
+    free(r->cohort);
+    free(r->id);
+    memset(r, 0, sizeof(*r));
+}
+
+/* Forgets the retired sessions whose time has passed: the ring is in
+ * the order they retired, so they are at its head. */
+static void retired_expire(struct broker *b, uint64_t now)
+{
+    while (b->r_n > 0 && b->retired[b->r_head].until <= now) {
+        retired_clear(&b->retired[b->r_head]);
+        b->r_head = (b->r_head + 1) % BROKER_RETIRED_MAX;
+        b->r_n--;
+    }
+}
+
+static struct retired *retired_find(struct broker *b, const char *cohort, const char *id,
+                                    uint64_t session, uint64_t now)
+{
+    retired_expire(b, now);
+    for (size_t k = 0; k < b->r_n; k++) {
+        struct retired *r = &b->retired[(b->r_head + k) % BROKER_RETIRED_MAX];
+
+        if (r->session == session && strcmp(r->id, id) == 0 && strcmp(r->cohort, cohort) == 0)
+            return r;
+    }
+    return NULL;
+}
+
+/* Remembers m's session of cohort c as retired, if it joined with a
+ * proof. Out of memory, it is not remembered: its captured Joins are
+ * then refused by their time alone. */
+static void retire(struct broker *b, const struct cohort *c, const struct entry *m,
+                   uint64_t now, bool left)
+{
+    struct retired *r;
+
+    if (m->seq_top == 0)
+        return;
+    retired_expire(b, now);
+    if (!b->retired) {
+        b->retired = calloc(BROKER_RETIRED_MAX, sizeof(*b->retired));
+        if (!b->retired)
+            return;
+    }
+    if (b->r_n == BROKER_RETIRED_MAX) {
+        retired_clear(&b->retired[b->r_head]);
+        b->r_head = (b->r_head + 1) % BROKER_RETIRED_MAX;
+        b->r_n--;
+    }
+    r = &b->retired[(b->r_head + b->r_n) % BROKER_RETIRED_MAX];
+    r->cohort = strdup(c->name);
+    r->id = strdup(m->id);
+    if (!r->cohort || !r->id) {
+        retired_clear(r);
+        return;
+    }
+    r->session = m->session;
+    r->seq_top = m->seq_top;
+    r->until = now + BROKER_RETIRED_KEEP_MS;
+    r->left = left;
+    b->r_n++;
+}
+
+/* Whether a proved join of a session the cohort does not hold is refused
+ * as a replay: the session left, or was evicted and seq is not above the
+ * last it proved. A session allowed back is no longer retired. */
+static bool retired_refuses(struct broker *b, const struct broker_join *j, uint64_t now)
+{
+    struct retired *r = retired_find(b, j->cohort, j->id, j->session, now);
+
+    if (!r)
+        return false;
+    return r->left || j->seq <= r->seq_top;
+}
+
+static void retired_forget(struct broker *b, const char *cohort, const char *id,
+                           uint64_t session, uint64_t now)
+{
+    struct retired *r = retired_find(b, cohort, id, session, now);
+
+    /* A hole in the ring (session 0 matches no join), reclaimed when it
+     * reaches the head: its time is 0, long past. */
+    if (r)
+        retired_clear(r);
 }
 
 static void detach(const struct broker *b, struct entry *m, int err)
@@ -410,7 +560,7 @@ free_view:
 
 /* Evicts the members of `c` that are due at `now` and recomputes the
  * cohort's eviction bound. */
-static void cohort_evict(const struct broker *b, struct cohort *c, uint64_t now)
+static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
 {
     uint64_t next = UINT64_MAX;
     size_t keep = 0;
@@ -422,6 +572,7 @@ static void cohort_evict(const struct broker *b, struct cohort *c, uint64_t now)
 
         if (now >= d) {
             detach(b, m, -ETIMEDOUT);
+            retire(b, c, m, now, false);
             entry_free(m);
             evicted = true;
             continue;
@@ -470,6 +621,9 @@ void broker_destroy(struct broker *b)
     for (size_t i = 0; i < b->n_cohorts; i++)
         cohort_free(b, b->cohorts[i], -ESHUTDOWN);
     free(b->cohorts);
+    for (size_t k = 0; b->retired && k < BROKER_RETIRED_MAX; k++)
+        retired_clear(&b->retired[k]);
+    free(b->retired);
     free(b);
 }
 
@@ -510,7 +664,7 @@ int broker_cohort_remove(struct broker *b, const char *name)
 }
 
 /* Adds a new member at index `at` of `c`. */
-static int join_new(const struct broker *b, struct cohort *c, size_t at, uint64_t now,
+static int join_new(struct broker *b, struct cohort *c, size_t at, uint64_t now,
                     const struct broker_join *j, uint32_t heartbeat_ms, uint32_t timeout_ms)
 {
     struct entry **arr, *m;
@@ -533,6 +687,9 @@ static int join_new(const struct broker *b, struct cohort *c, size_t at, uint64_
     m->last_seen = now;
     m->heartbeat_ms = heartbeat_ms;
     m->timeout_ms = timeout_ms;
+    seq_start(m, j->seq);
+    if (j->seq)
+        retired_forget(b, c->name, j->id, j->session, now);
 
     memmove(&arr[at + 1], &arr[at], (c->n_members - at) * sizeof *arr);
     arr[at] = m;
@@ -548,7 +705,7 @@ free_member:
 
 /* Refreshes member `m` (same session) or hands its id to a new session
  * once `m` has fallen silent. */
-static int join_existing(const struct broker *b, struct cohort *c, struct entry *m,
+static int join_existing(struct broker *b, struct cohort *c, struct entry *m,
                          uint64_t now, const struct broker_join *j, uint32_t heartbeat_ms,
                          uint32_t timeout_ms)
 {
@@ -573,9 +730,15 @@ static int join_existing(const struct broker *b, struct cohort *c, struct entry 
     }
     if (m->session != j->session) {
         /* The old process is gone; its stream ends as an eviction would
-         * have ended it. */
+         * have ended it, and its session retires as if evicted. */
         detach(b, m, -ETIMEDOUT);
+        retire(b, c, m, now, false);
         m->session = j->session;
+        seq_start(m, j->seq);
+        if (j->seq)
+            retired_forget(b, c->name, j->id, j->session, now);
+    } else if (j->seq) {
+        seq_record(m, j->seq);
     }
     m->model_version = j->model_version;
     m->last_seen = max_u64(m->last_seen, now);
@@ -592,7 +755,7 @@ int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
                 struct broker_join_result *res)
 {
     struct cohort *c;
-    uint32_t heartbeat_ms, timeout_ms;
+    uint32_t heartbeat_ms, timeout_ms, c_heartbeat, c_timeout;
     bool found, created = false;
     size_t at;
     int err;
@@ -603,16 +766,31 @@ int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
     c = cohort_get(b, j->cohort);
     if (!c && !b->cfg.allow_any_cohort)
         return -ENOENT;
-    heartbeat_ms = j->heartbeat_ms ? j->heartbeat_ms : c ? c->heartbeat_ms : b->cfg.heartbeat_ms;
-    timeout_ms = j->timeout_ms ? j->timeout_ms : c ? c->timeout_ms : b->cfg.timeout_ms;
-    /* A member may ask for a timeout of its own, but however long it asks,
-     * a member that stops answering holds its cohort's rounds for at most
-     * the cohort's timeout or BROKER_MEMBER_TIMEOUT_CAP_MS, whichever is
-     * longer. The reply says what was granted. */
-    timeout_ms = min_u32(timeout_ms, max_u32(c ? c->timeout_ms : b->cfg.timeout_ms,
-                                             BROKER_MEMBER_TIMEOUT_CAP_MS));
+    c_heartbeat = c ? c->heartbeat_ms : b->cfg.heartbeat_ms;
+    c_timeout = c ? c->timeout_ms : b->cfg.timeout_ms;
+    /* A member may ask for timings of its own, within its cohort's
+     * limits: a heartbeat no faster than the floor (or the cohort's own,
+     * if faster), and however long a timeout it asks for, a member that
+     * stops answering holds its cohort's rounds for at most the cohort's
+     * timeout or max_timeout_ms, whichever is longer. The reply says
+     * what was granted. */
+    heartbeat_ms = j->heartbeat_ms ? max_u32(j->heartbeat_ms,
+                                             min_u32(c_heartbeat, BROKER_HEARTBEAT_FLOOR_MS))
+                                   : c_heartbeat;
+    timeout_ms = j->timeout_ms ? j->timeout_ms : c_timeout;
+    timeout_ms = min_u32(timeout_ms, max_u32(c_timeout, b->cfg.max_timeout_ms
+                                                            ? b->cfg.max_timeout_ms
+                                                            : BROKER_MEMBER_TIMEOUT_CAP_MS));
     if (timeout_ms <= heartbeat_ms)
         return -EINVAL;
+    /* The replay rules, before anything changes. */
+    if (j->seq) {
+        struct entry *held = entry_get(c, j->id, 0);
+
+        if (held && held->session == j->session ? !seq_fresh(held, j->seq)
+                                                : retired_refuses(b, j, now))
+            return -EALREADY;
+    }
     if (!c) {
         err = cohort_add(b, j->cohort, b->cfg.heartbeat_ms, b->cfg.timeout_ms, &c);
         if (err)
@@ -657,7 +835,8 @@ int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const c
         return -ENOENT;
     m->last_seen = max_u64(m->last_seen, now);
     m->model_version = beat->model_version;
-    m->adopted = max_u64(m->adopted, beat->adopted);
+    /* No member runs in an epoch that was never published. */
+    m->adopted = max_u64(m->adopted, min_u64(beat->adopted, c->cur ? c->cur->number : 0));
     /* Only a declare may move the leader. Already pending or already
      * dirty: the election at formation sees this version anyway. */
     best = elect(c->members, c->n_members);
@@ -729,8 +908,25 @@ int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char 
     if (c->n_members == 0)
         c->next_evict = UINT64_MAX;
     detach(b, m, -ENOENT);
+    retire(b, c, m, now, true);
     entry_free(m);
     mark_pending(c, now);
+    return 0;
+}
+
+int broker_accept_seq(struct broker *b, const char *cohort, const char *id, uint64_t session,
+                      uint64_t seq)
+{
+    struct entry *m;
+
+    if (!session)
+        return -ENOENT;
+    m = entry_get(cohort_get(b, cohort), id, session);
+    if (!m)
+        return -ENOENT;
+    if (!seq_fresh(m, seq))
+        return -EALREADY;
+    seq_record(m, seq);
     return 0;
 }
 
@@ -767,6 +963,7 @@ uint32_t broker_tick(struct broker *b, uint64_t now)
 {
     uint64_t next = UINT64_MAX;
 
+    retired_expire(b, now);
     for (size_t i = 0; i < b->n_cohorts; i++) {
         struct cohort *c = b->cohorts[i];
 

@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "membership/epoch.h"
+#include "membership/wire.h"
 
 struct broker;                          /* opaque */
 
@@ -43,6 +44,9 @@ struct broker_config {
     uint32_t startup_hold_ms;   /* no epoch before start + this (2 * heartbeat) */
     uint32_t max_members;       /* per cohort (4096) */
     uint32_t max_cohorts;       /* (1024) */
+    /* The longest member timeout a join may ask for beyond its cohort's
+     * own (BROKER_MEMBER_TIMEOUT_CAP_MS; 0 means that too). */
+    uint32_t max_timeout_ms;
     bool allow_any_cohort;      /* a join to an unknown cohort creates it */
 };
 
@@ -96,12 +100,28 @@ struct broker_join {
     uint64_t last_epoch;
     uint32_t heartbeat_ms;      /* 0: the cohort's */
     uint32_t timeout_ms;        /* 0: the cohort's */
+    /* The sequence number of the join's proof (membership/wire.h), whose
+     * MAC the host has checked; 0: the join proved nothing (an open
+     * cohort), and no replay rule applies to its session. */
+    uint64_t seq;
 };
 
-/* The longest member timeout a join may ask for beyond its cohort's own
- * (10 min): a stranger's join that asked for days would otherwise hold a
- * cohort's rounds that long once it stops answering. */
+/* The default longest member timeout a join may ask for beyond its
+ * cohort's own (10 min): a join that asked for days would otherwise hold
+ * a cohort's rounds that long once it stops answering. */
 #define BROKER_MEMBER_TIMEOUT_CAP_MS 600000u
+/* The shortest heartbeat interval a join may ask for, unless its cohort's
+ * own is shorter: a member that asked for 1 ms would make the broker
+ * answer a thousand heartbeats a second. */
+#define BROKER_HEARTBEAT_FLOOR_MS 100u
+/* Retired sessions the broker remembers (wire.h's replay rules): a member
+ * that left, or was evicted, after a proved join. The oldest is forgotten
+ * first when more retire within the time they are kept. */
+#define BROKER_RETIRED_MAX 16384u
+/* How long a retired session is remembered: twice the clock skew a Join's
+ * time may have, after which every Join it ever made is out of the time
+ * window. */
+#define BROKER_RETIRED_KEEP_MS (2u * WIRE_PROOF_SKEW_MS + 1000u)
 
 struct broker_join_result {
     uint32_t heartbeat_ms;      /* effective */
@@ -111,11 +131,18 @@ struct broker_join_result {
 
 /* Adds a member, or refreshes it when the same id comes back with the same
  * session (a rejoin: heartbeat time, address and version are updated; a new
- * address is a membership change). Returns 0, -EINVAL (bad id, address,
- * zero session, timeout <= heartbeat once the timeout is capped at
- * the larger of the cohort's and BROKER_MEMBER_TIMEOUT_CAP_MS), -ENOENT (unknown cohort and
- * !allow_any_cohort), -EEXIST (the id is held by a live member with another
- * session), -ENOSPC (max_members or max_cohorts), -ENOMEM. */
+ * address is a membership change). What the member asked for is clamped:
+ * the heartbeat to at least the smaller of the cohort's and
+ * BROKER_HEARTBEAT_FLOOR_MS, the timeout to at most the larger of the
+ * cohort's and max_timeout_ms; *res says what was granted. With a
+ * nonzero j->seq the replay rules of wire.h apply: a rejoin's seq must be
+ * new, a session that left may not come back, and one that was evicted
+ * only with a seq above its last. Nothing changes when it fails. Returns
+ * 0, -EINVAL (bad id, address, zero session, timeout <= heartbeat once
+ * clamped), -ENOENT (unknown cohort and !allow_any_cohort), -EEXIST (the
+ * id is held by a live member with another session), -EALREADY (a
+ * replayed or retired session's join), -ENOSPC (max_members or
+ * max_cohorts), -ENOMEM. */
 int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
                 struct broker_join_result *res);
 
@@ -130,7 +157,17 @@ struct broker_beat_result {
     bool drained;               /* draining, and the latest epoch leaves it out */
 };
 
-/* Records liveness, the model version and the epoch the member adopted.
+/* Accepts `seq`, the sequence number of a proved request of member `id`
+ * with `session`, at most once (wire.h): above the highest accepted, or
+ * one of the WIRE_PROOF_SEQ_WINDOW below it not yet seen. The host calls
+ * it, under the same lock, before the Heartbeat, Leave or Watch the proof
+ * came with. Returns 0 (recorded), -ENOENT (no such member session), or
+ * -EALREADY (a replay, or too old). */
+int broker_accept_seq(struct broker *b, const char *cohort, const char *id, uint64_t session,
+                      uint64_t seq);
+
+/* Records liveness, the model version and the epoch the member adopted
+ * (an epoch not yet published counts as the latest published).
  * Fills *res when not NULL. Returns 0 or -ENOENT (unknown cohort, unknown
  * member, or a session that is not the member's). */
 int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const char *id,

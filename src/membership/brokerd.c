@@ -1,4 +1,29 @@
-/* src/membership/brokerd.c: see brokerd.h. */
+/* src/membership/brokerd.c: see brokerd.h.
+ *
+ * Who may do what. Every request names a cohort, and the cohort's key is
+ * the one set with brokerd_set_key, else the config's `key`. When there is
+ * one, the request must carry a proof of it (wire.h: an HMAC-SHA256 over
+ * the method, the cohort, the member's id and session, the proof's seq and
+ * time and the request's fields), checked here before the broker's lock
+ * is taken for anything but reading the key: a request that proves
+ * nothing changes nothing. Without a key the cohort is refused, unless
+ * the broker runs `open`, which serves such cohorts as before keys
+ * existed. Status of one cohort takes its key or the admin key; Status of
+ * every cohort takes the admin key (or, on an open broker with no keys at
+ * all, nothing).
+ *
+ * Replay is bounded by wire.h's rules: a verified proof's seq is accepted
+ * once per member session (broker_accept_seq for Heartbeat, Leave and
+ * Watch, and inside broker_join for a rejoin); a Join's or a Status's time
+ * must be within WIRE_PROOF_SKEW_MS of this host's wall clock, which is
+ * the clock-skew assumption; and the state machine remembers the sessions
+ * that left or were evicted (broker.h, BROKER_RETIRED_MAX and
+ * BROKER_RETIRED_KEEP_MS), so a captured Join cannot bring back a member
+ * that left. Every refusal is UNAUTHENTICATED with a message saying why,
+ * and a warn line. Refusal lines, of proofs or anything else, go out at
+ * most LOG_PER_S a second, so that a stranger's flood does not flood the
+ * log; the next line that goes out counts the ones held back.
+ */
 #include "membership/brokerd.h"
 
 #include "base/secret.h"
@@ -14,8 +39,11 @@
 #include "membership/epoch.h"
 #include "base/ident.h"
 #include "base/log.h"
+#include "membership/proof.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
+
+#define LOG_PER_S 10
 
 /* One cohort's own key (brokerd_set_key). */
 struct cohort_key {
@@ -31,9 +59,13 @@ struct brokerd {
     pthread_t ticker;
     bool stopping;
     struct cohort_key *keys;        /* n_keys of them, unordered */
-    size_t n_keys;
+    size_t n_keys, max_keys;        /* at most one per cohort the broker may hold */
     struct secret key, admin_key;   /* the config's, when has_key / has_admin */
-    bool has_key, has_admin, open;
+    bool has_key, has_admin, open;  /* set at start, read-only after */
+    pthread_mutex_t log_lock;       /* guards the refusal log's rate */
+    uint64_t log_second;            /* the second the count is for */
+    unsigned log_count;             /* lines logged in it */
+    uint64_t log_held;              /* lines held back since the last one */
 };
 
 /* One member's membership stream, as the broker knows it. Freed when the
@@ -48,41 +80,77 @@ struct watcher {
 
 /* ---- refusals ---------------------------------------------------------- */
 
-static void refuse(struct rpc_reply *r, const char *method, const char *cohort, const char *id,
-                   enum rpc_code code, const char *why)
+/* Whether a refusal's log line may go out: at most LOG_PER_S a second,
+ * since strangers choose how many requests they send. A line held back is
+ * counted in *held of the next one that goes out. */
+static bool log_allowed(struct brokerd *d, uint64_t *held)
 {
-    log_warn("broker", "A request was refused.", LF_S("method", method), LF_S("cohort", cohort),
-             LF_S("id", id), LF_S("code", rpc_code_name(code)), LF_S("reason", why));
+    uint64_t now = clock_now_ms() / 1000;
+    bool ok = false;
+
+    pthread_mutex_lock(&d->log_lock);
+    if (now != d->log_second) {
+        d->log_second = now;
+        d->log_count = 0;
+    }
+    if (d->log_count < LOG_PER_S) {
+        d->log_count++;
+        *held = d->log_held;
+        d->log_held = 0;
+        ok = true;
+    } else {
+        d->log_held++;
+    }
+    pthread_mutex_unlock(&d->log_lock);
+    return ok;
+}
+
+/* One warn line for a refused request (rate-limited, log_allowed). */
+static void log_refusal(struct brokerd *d, const char *method, const char *cohort,
+                        const char *id, enum rpc_code code, const char *why)
+{
+    uint64_t held = 0;
+
+    if (log_allowed(d, &held))
+        log_warn("broker", "A request was refused.", LF_S("method", method),
+                 LF_S("cohort", cohort), LF_S("id", id), LF_S("code", rpc_code_name(code)),
+                 LF_S("reason", why), LF_U("held_back", held));
+}
+
+static void refuse(struct brokerd *d, struct rpc_reply *r, const char *method,
+                   const char *cohort, const char *id, enum rpc_code code, const char *why)
+{
+    log_refusal(d, method, cohort, id, code, why);
     rpc_reply_error(r, code, "%s", why);
 }
 
 /* Checks what every request shares. Returns false after refusing. */
-static bool check_common(struct rpc_reply *r, const char *method, uint32_t version,
-                         const char *cohort, const char *id, bool need_id)
+static bool check_common(struct brokerd *d, struct rpc_reply *r, const char *method,
+                         uint32_t version, const char *cohort, const char *id, bool need_id)
 {
     char why[RPC_MESSAGE_MAX];
 
     if (version != WIRE_PROTOCOL_VERSION) {
         snprintf(why, sizeof(why), "protocol version %u is not supported; this broker speaks %u",
                  version, WIRE_PROTOCOL_VERSION);
-        refuse(r, method, cohort, id, RPC_FAILED_PRECONDITION, why);
+        refuse(d, r, method, cohort, id, RPC_FAILED_PRECONDITION, why);
         return false;
     }
     if (!ident_valid_cohort(cohort)) {
         snprintf(why, sizeof(why), "invalid cohort name \"%.64s\"", cohort);
-        refuse(r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
+        refuse(d, r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
         return false;
     }
     if (need_id && !ident_valid_member_id(id)) {
         snprintf(why, sizeof(why), "invalid member id \"%.64s\"", id);
-        refuse(r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
+        refuse(d, r, method, cohort, id, RPC_INVALID_ARGUMENT, why);
         return false;
     }
     return true;
 }
 
-static void refuse_errno(struct rpc_reply *r, const char *method, const char *cohort,
-                         const char *id, int err)
+static void refuse_errno(struct brokerd *d, struct rpc_reply *r, const char *method,
+                         const char *cohort, const char *id, int err)
 {
     char why[RPC_MESSAGE_MAX];
 
@@ -110,8 +178,99 @@ static void refuse_errno(struct rpc_reply *r, const char *method, const char *co
         snprintf(why, sizeof(why), "%s", log_strerror(err));
         break;
     }
-    refuse(r, method, cohort, id, rpc_code_from_errno(err), why);
+    refuse(d, r, method, cohort, id, rpc_code_from_errno(err), why);
 }
+
+static void refuse_auth(struct brokerd *d, struct rpc_reply *r, const char *method,
+                        const char *cohort, const char *id, const char *why)
+{
+    refuse(d, r, method, cohort, id, RPC_UNAUTHENTICATED, why);
+}
+
+/* ---- proofs ------------------------------------------------------------ */
+
+/* Copies the key cohort `cohort`'s requests must prove into *out: its
+ * own (brokerd_set_key), else the config's. Returns false when there is
+ * none. */
+static bool key_for(struct brokerd *d, const char *cohort, struct secret *out)
+{
+    bool found = false;
+
+    pthread_mutex_lock(&d->lock);
+    for (size_t i = 0; i < d->n_keys && !found; i++) {
+        if (strcmp(d->keys[i].cohort, cohort) == 0) {
+            *out = d->keys[i].key;
+            found = true;
+        }
+    }
+    if (!found && d->has_key) {
+        *out = d->key;
+        found = true;
+    }
+    pthread_mutex_unlock(&d->lock);
+    return found;
+}
+
+/* Whether the broker holds no key at all, so that an open broker may
+ * show every cohort to anyone. */
+static bool keyless(struct brokerd *d)
+{
+    bool none;
+
+    pthread_mutex_lock(&d->lock);
+    none = d->n_keys == 0 && !d->has_key && !d->has_admin;
+    pthread_mutex_unlock(&d->lock);
+    return none;
+}
+
+/* Whether a proof's time is within WIRE_PROOF_SKEW_MS of this host's
+ * clock; otherwise says how far off it is. */
+static bool in_time(const Cohort__V1__Proof *p, char *why, size_t len)
+{
+    uint64_t now = proof_now_ms();
+    uint64_t off = now > p->time_ms ? now - p->time_ms : p->time_ms - now;
+
+    if (off <= WIRE_PROOF_SKEW_MS)
+        return true;
+    snprintf(why, len,
+             "the proof's time is %llu s %s the broker's clock; clocks must agree within %u s",
+             (unsigned long long)(off / 1000), now > p->time_ms ? "behind" : "ahead of",
+             WIRE_PROOF_SKEW_MS / 1000);
+    return false;
+}
+
+/* Checks the proof of a member's request for `cohort`. Returns 1 when it
+ * proves the cohort's key (its seq is then the caller's to accept), 0
+ * when the cohort needs no proof (open, and no key for it), or -EPERM
+ * with `why` filled. With `timed`, the proof's time is judged too. */
+static int authenticate(struct brokerd *d, const ProtobufCMessage *req,
+                        const Cohort__V1__Proof *p, const char *cohort, bool timed, char *why,
+                        size_t len)
+{
+    struct secret k;
+    int rc = -EPERM;
+
+    if (!key_for(d, cohort, &k)) {
+        if (d->open)
+            return 0;
+        snprintf(why, len, "this broker has no key for cohort \"%.64s\" and serves no cohort "
+                 "without one", cohort);
+        return -EPERM;
+    }
+    if (!p || p->mac.len == 0)
+        snprintf(why, len, "the request proves no key for cohort \"%.64s\"", cohort);
+    else if (!proof_valid(&k, req, p))
+        snprintf(why, len, "the request proves a wrong key for cohort \"%.64s\"", cohort);
+    else if (p->seq == 0)
+        snprintf(why, len, "the proof's seq must be nonzero");
+    else if (!timed || in_time(p, why, len))
+        rc = 1;
+    secret_wipe(&k);
+    return rc;
+}
+
+static const char replayed[] =
+    "the proof was already used, or its session has left the cohort (a replayed request)";
 
 /* ---- handlers ---------------------------------------------------------- */
 
@@ -126,30 +285,43 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
         .model_version = q->model_version, .session = q->session, .last_epoch = q->last_epoch,
         .heartbeat_ms = q->heartbeat_ms, .timeout_ms = q->timeout_ms,
     };
+    char why[RPC_MESSAGE_MAX];
     int rc;
 
-    if (!check_common(r, "Join", q->protocol_version, q->cohort, q->id, true))
+    if (!check_common(d, r, "Join", q->protocol_version, q->cohort, q->id, true))
         return;
     if (!ident_valid_address(q->address)) {
-        refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT,
+        refuse(d, r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT,
                "invalid data address: want host:port with a port from 1 to 65535");
         return;
     }
     if (q->session == 0) {
-        refuse(r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT, "session must be nonzero");
+        refuse(d, r, "Join", q->cohort, q->id, RPC_INVALID_ARGUMENT, "session must be nonzero");
         return;
     }
+    rc = authenticate(d, req, q->proof, q->cohort, true, why, sizeof(why));
+    if (rc < 0) {
+        refuse_auth(d, r, "Join", q->cohort, q->id, why);
+        return;
+    }
+    j.seq = rc == 1 ? q->proof->seq : 0;
     pthread_mutex_lock(&d->lock);
     rc = broker_join(d->b, clock_now_ms(), &j, &res);
     pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        refuse_auth(d, r, "Join", q->cohort, q->id, replayed);
+        return;
+    }
     if (rc < 0) {
-        refuse_errno(r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
+        refuse_errno(d, r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
         return;
     }
     /* The new member may make an epoch due sooner than the ticker sleeps. */
     pthread_cond_signal(&d->wake);
     log_debug("broker", "Member joined.", LF_S("cohort", q->cohort), LF_S("id", q->id),
-              LF_S("address", q->address), LF_U("model_version", q->model_version));
+              LF_S("address", q->address), LF_U("model_version", q->model_version),
+              LF_U("heartbeat_ms", res.heartbeat_ms), LF_U("timeout_ms", res.timeout_ms),
+              LF_B("proved", j.seq != 0));
     rep.heartbeat_ms = res.heartbeat_ms;
     rep.timeout_ms = res.timeout_ms;
     rep.epoch = res.epoch;
@@ -165,21 +337,34 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
         .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
     };
     struct broker_beat_result res = { 0 };
-    int rc;
+    char why[RPC_MESSAGE_MAX];
+    uint64_t held = 0;
+    int rc, proved;
 
-    if (!check_common(r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
+    if (!check_common(d, r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
         return;
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        refuse_auth(d, r, "Heartbeat", q->cohort, q->id, why);
+        return;
+    }
     pthread_mutex_lock(&d->lock);
-    rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
     pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        refuse_auth(d, r, "Heartbeat", q->cohort, q->id, replayed);
+        return;
+    }
     if (rc < 0) {
         /* Routine after an eviction or a restart: the member rejoins. */
-        char why[RPC_MESSAGE_MAX];
         snprintf(why, sizeof(why),
                  "no member \"%.64s\" with this session in cohort \"%.64s\" "
                  "(unknown cohort, evicted, or never joined)", q->id, q->cohort);
-        log_info("broker", "A heartbeat named no member; it must rejoin.", LF_S("cohort", q->cohort),
-                 LF_S("id", q->id));
+        if (log_allowed(d, &held))
+            log_info("broker", "A heartbeat named no member; it must rejoin.",
+                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
         rpc_reply_error(r, rpc_code_from_errno(rc), "%s", why);
         return;
     }
@@ -195,15 +380,27 @@ static void on_leave(void *arg, const ProtobufCMessage *req, struct rpc_reply *r
     const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
     Cohort__V1__LeaveReply rep = COHORT__V1__LEAVE_REPLY__INIT;
     struct brokerd *d = arg;
-    int rc;
+    char why[RPC_MESSAGE_MAX];
+    int rc, proved;
 
-    if (!check_common(r, "Leave", q->protocol_version, q->cohort, q->id, true))
+    if (!check_common(d, r, "Leave", q->protocol_version, q->cohort, q->id, true))
         return;
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        refuse_auth(d, r, "Leave", q->cohort, q->id, why);
+        return;
+    }
     pthread_mutex_lock(&d->lock);
-    rc = broker_leave(d->b, clock_now_ms(), q->cohort, q->id, q->session);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_leave(d->b, clock_now_ms(), q->cohort, q->id, q->session);
     pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        refuse_auth(d, r, "Leave", q->cohort, q->id, replayed);
+        return;
+    }
     if (rc < 0) {
-        refuse_errno(r, "Leave", q->cohort, q->id, rc);
+        refuse_errno(d, r, "Leave", q->cohort, q->id, rc);
         return;
     }
     pthread_cond_signal(&d->wake);
@@ -230,15 +427,24 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
     struct brokerd *d = arg;
     struct watcher *w;
-    int rc;
+    char why[RPC_MESSAGE_MAX];
+    uint64_t held = 0;
+    int rc, proved;
 
     if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
         !ident_valid_member_id(q->id)) {
-        log_warn("broker", "A watch was refused.", LF_S("cohort", q->cohort), LF_S("id", q->id),
-                 LF_S("reason", "bad protocol version, cohort or id"));
-        rpc_stream_finish(s, q->protocol_version != WIRE_PROTOCOL_VERSION
-                                 ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT,
-                          "bad protocol version, cohort name or member id");
+        enum rpc_code code = q->protocol_version != WIRE_PROTOCOL_VERSION
+                                 ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT;
+        const char *bad = "bad protocol version, cohort name or member id";
+        log_refusal(d, "Watch", q->cohort, q->id, code, bad);
+        rpc_stream_finish(s, code, bad);
+        rpc_stream_unref(s);
+        return;
+    }
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        log_refusal(d, "Watch", q->cohort, q->id, RPC_UNAUTHENTICATED, why);
+        rpc_stream_finish(s, RPC_UNAUTHENTICATED, why);
         rpc_stream_unref(s);
         return;
     }
@@ -254,12 +460,18 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     snprintf(w->id, sizeof(w->id), "%s", q->id);
 
     pthread_mutex_lock(&d->lock);
-    rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
     w->attached = rc == 0;
     pthread_mutex_unlock(&d->lock);
-    if (rc < 0) {
-        log_info("broker", "A watch named no member; it must rejoin.", LF_S("cohort", q->cohort),
-                 LF_S("id", q->id));
+    if (rc == -EALREADY) {
+        log_refusal(d, "Watch", q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
+        rpc_stream_finish(s, RPC_UNAUTHENTICATED, replayed);
+    } else if (rc < 0) {
+        if (log_allowed(d, &held))
+            log_info("broker", "A watch named no member; it must rejoin.",
+                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
         rpc_stream_finish(s, RPC_NOT_FOUND, "no member with this session in the cohort");
     }
     /* Registered last and outside the lock: if the client is already gone
@@ -279,6 +491,47 @@ static void fill_members(Cohort__V1__Member **ptrs, Cohort__V1__Member *storage,
     }
 }
 
+/* Whether a Status request may be answered: one cohort's with its key or
+ * the admin key, every cohort's with the admin key; without a proof, only
+ * what an open broker serves without keys. Otherwise fills `why`. */
+static bool may_read_status(struct brokerd *d, const Cohort__V1__StatusRequest *q, char *why,
+                            size_t len)
+{
+    const Cohort__V1__Proof *p = q->proof;
+    bool proves = p && p->mac.len > 0;
+    struct secret k;
+    bool have, ok = false;
+
+    if (!q->cohort[0]) {
+        if (d->has_admin && proves && proof_valid(&d->admin_key, &q->base, p))
+            return in_time(p, why, len);
+        if (!d->has_admin && d->open && keyless(d))
+            return true;
+        snprintf(why, len, "%s", !d->has_admin ? "the status of every cohort needs the admin "
+                                                 "key, and this broker has none"
+                                 : proves ? "the request proves a wrong key: the status of every "
+                                            "cohort needs the admin key"
+                                          : "the request proves no key: the status of every "
+                                            "cohort needs the admin key");
+        return false;
+    }
+    have = key_for(d, q->cohort, &k);
+    if (proves && ((have && proof_valid(&k, &q->base, p)) ||
+                   (d->has_admin && proof_valid(&d->admin_key, &q->base, p))))
+        ok = in_time(p, why, len);
+    else if (!have && d->open)
+        ok = true;
+    else if (!have && !proves)
+        snprintf(why, len, "this broker has no key for cohort \"%.64s\": only the admin key "
+                 "reads its status", q->cohort);
+    else
+        snprintf(why, len, "the request proves %s key for cohort \"%.64s\" (its key or the "
+                 "admin key)", proves ? "a wrong" : "no", q->cohort);
+    if (have)
+        secret_wipe(&k);
+    return ok;
+}
+
 static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
 {
     const Cohort__V1__StatusRequest *q = (const Cohort__V1__StatusRequest *)req;
@@ -288,19 +541,24 @@ static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *
     Cohort__V1__CohortStatus *cs = NULL, **csp = NULL;
     Cohort__V1__Member *ms = NULL, **msp = NULL;
     size_t total = 0, off = 0;
+    char why[RPC_MESSAGE_MAX];
     int rc;
 
     if (q->protocol_version != WIRE_PROTOCOL_VERSION) {
-        check_common(r, "Status", q->protocol_version, q->cohort, NULL, false);
+        check_common(d, r, "Status", q->protocol_version, q->cohort, NULL, false);
         return;
     }
-    if (q->cohort[0] && !check_common(r, "Status", q->protocol_version, q->cohort, NULL, false))
+    if (q->cohort[0] && !check_common(d, r, "Status", q->protocol_version, q->cohort, NULL, false))
         return;
+    if (!may_read_status(d, q, why, sizeof(why))) {
+        refuse_auth(d, r, "Status", q->cohort, NULL, why);
+        return;
+    }
     pthread_mutex_lock(&d->lock);
     rc = broker_status(d->b, q->cohort[0] ? q->cohort : NULL, &st);
     pthread_mutex_unlock(&d->lock);
     if (rc < 0) {
-        refuse_errno(r, "Status", q->cohort, NULL, rc);
+        refuse_errno(d, r, "Status", q->cohort, NULL, rc);
         return;
     }
     for (size_t i = 0; i < st->n_cohorts; i++)
@@ -415,6 +673,7 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
     };
 
     pthread_mutex_init(&d->lock, NULL);
+    pthread_mutex_init(&d->log_lock, NULL);
     clock_cond_init(&d->wake);
     ops.arg = d;
     rc = broker_create(&cfg->broker, &ops, clock_now_ms(), &d->b);
@@ -429,6 +688,7 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
         d->has_admin = true;
     }
     d->open = cfg->open;
+    d->max_keys = cfg->broker.max_cohorts;
     {
         struct rpc_server_opts so = { .tls_cert_pem = cfg->tls_cert_pem,
                                       .tls_key_pem = cfg->tls_key_pem };
@@ -450,7 +710,10 @@ err_broker:
     broker_destroy(d->b);
 err_free:
     pthread_cond_destroy(&d->wake);
+    pthread_mutex_destroy(&d->log_lock);
     pthread_mutex_destroy(&d->lock);
+    secret_wipe(&d->key);
+    secret_wipe(&d->admin_key);
     free(d);
     return rc;
 }
@@ -472,6 +735,9 @@ int brokerd_set_key(struct brokerd *d, const char *cohort, const struct secret *
         }
     } else if (i < d->n_keys) {
         d->keys[i].key = *key;
+    } else if (d->n_keys >= d->max_keys) {
+        pthread_mutex_unlock(&d->lock);
+        return -ENOSPC;
     } else {
         struct cohort_key *grown = realloc(d->keys, (d->n_keys + 1) * sizeof(*grown));
         if (!grown) {
@@ -562,6 +828,7 @@ void brokerd_stop(struct brokerd *d)
     broker_destroy(d->b);
     pthread_mutex_unlock(&d->lock);
     pthread_cond_destroy(&d->wake);
+    pthread_mutex_destroy(&d->log_lock);
     pthread_mutex_destroy(&d->lock);
     for (size_t i = 0; i < d->n_keys; i++)
         secret_wipe(&d->keys[i].key);

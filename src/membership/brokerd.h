@@ -5,6 +5,11 @@
  *
  * Every refused request gets a gRPC status whose message says what was
  * wrong, and one log line; the broker keeps serving everyone else.
+ *
+ * Every request proves its cohort's key (membership/wire.h has the proof
+ * and its replay rules; brokerd.c's header comment who may do what). A
+ * request without a valid proof is refused with UNAUTHENTICATED before
+ * it changes anything.
  */
 #ifndef COHORT_BROKERD_H
 #define COHORT_BROKERD_H
@@ -22,8 +27,9 @@ struct brokerd_config {
     /* Keys (copied). A cohort's requests must prove the key set for it
      * with brokerd_set_key, else `key`; a cohort with neither is refused,
      * unless `open` is set, which serves such cohorts without proofs
-     * (tests, and `cohortctl run --insecure`). admin_key, when set, also
-     * reads every cohort's Status. */
+     * (tests, and `cohort-operator --standalone --insecure`). admin_key,
+     * when set, reads any cohort's Status and is the only key that reads
+     * every cohort's at once. */
     const struct secret *key;
     const struct secret *admin_key;
     bool open;
@@ -39,8 +45,10 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out);
 /* The bound TCP port. */
 int brokerd_port(const struct brokerd *d);
 /* Sets the key cohort `cohort`'s members must prove (copied), replacing
- * any; NULL removes it (the config's key applies again). Returns 0,
- * -EINVAL (bad name), -ENOMEM. */
+ * any; NULL removes it (the config's key applies again). Requests
+ * already verified are not affected; the next ones must prove the new
+ * key. Returns 0, -EINVAL (bad name), -ENOSPC (more keys than the
+ * broker's max_cohorts), -ENOMEM. */
 int brokerd_set_key(struct brokerd *d, const char *cohort, const struct secret *key);
 /* broker_cohort_declare / broker_cohort_remove, under the broker's lock. */
 int brokerd_declare(struct brokerd *d, const char *cohort, uint32_t heartbeat_ms, uint32_t timeout_ms);

@@ -14,10 +14,16 @@
 #include "base/ident.h"
 #include "base/limits.h"
 #include "base/log.h"
+#include "base/secret.h"
+#include "membership/proof.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
 
 #define BACKOFF_MIN_MS 100u
+/* After an UNAUTHENTICATED refusal: a key or a clock has to change first,
+ * so retries start at 1 s and double to 30 s. */
+#define AUTH_BACKOFF_MIN_MS 1000u
+#define AUTH_BACKOFF_MAX_MS 30000u
 #define POLL_MAX_MS 100u
 #define JOIN_TIMEOUT_MS 2000u
 #define FAIL_LOG_EVERY 10u     /* repeated identical failures are logged this rarely */
@@ -40,6 +46,9 @@ struct member {
     struct rpc_channel *ch;
     bool own_ch;
     uint64_t rng;
+    struct secret key;
+    bool has_key;
+    uint64_t seq;               /* the last proof's; proofs never repeat one */
 
     enum state state;
     int inflight;               /* async calls whose callbacks name us */
@@ -58,6 +67,11 @@ struct member {
     uint64_t joins;
     enum rpc_code last_fail;
     unsigned fails;
+    uint64_t join_gen;          /* joins started */
+    uint64_t hb_gen;            /* join_gen when the heartbeat in flight started */
+    bool refused;               /* refused as UNAUTHENTICATED since the last join */
+    uint32_t auth_backoff_ms;
+    uint64_t refusals;
 };
 
 static enum log_level info_level(const struct member *m)
@@ -100,6 +114,43 @@ static void log_failure(struct member *m, const char *what, const struct rpc_sta
              LF_U("attempt", m->fails), LOG_END);
 }
 
+/* Signs `req` with the next seq when the member has a key; leaves it
+ * without a proof otherwise (or if signing fails, which the broker then
+ * refuses and the member logs). `pf` and `mac` must outlive the call's
+ * start. */
+static void sign_locked(struct member *m, ProtobufCMessage *req, Cohort__V1__Proof **slot,
+                        Cohort__V1__Proof *pf, uint8_t mac[SECRET_MAC_BYTES])
+{
+    if (!m->has_key)
+        return;
+    if (proof_sign(&m->key, req, ++m->seq, proof_now_ms(), pf, mac) == 0)
+        *slot = pf;
+}
+
+/* The broker refused this member's proof. Retrying at once cannot help,
+ * so it says so once, at error level, and backs off until a join goes
+ * through. */
+static void refused_locked(struct member *m, const char *call, const struct rpc_status *st,
+                           uint64_t now)
+{
+    uint32_t b;
+
+    m->refusals++;
+    if (!m->refused)
+        log_emit(m->quiet ? LOG_DEBUG : LOG_ERROR, "member",
+                 "The broker refused this member's proof of its cohort's key; retrying with "
+                 "backoff.", LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("call", call),
+                 LF_S("code", rpc_code_name(st->code)), LF_S("detail", st->message),
+                 LF_S("hint", m->has_key ? "check the key file (--secret-file) and the clock"
+                                         : "this member has no key: give it --secret-file"),
+                 LOG_END);
+    m->refused = true;
+    b = m->auth_backoff_ms ? m->auth_backoff_ms * 2 : AUTH_BACKOFF_MIN_MS;
+    m->auth_backoff_ms = b > AUTH_BACKOFF_MAX_MS ? AUTH_BACKOFF_MAX_MS : b;
+    m->state = ST_JOINING;
+    m->next_join_at = now + m->auth_backoff_ms / 2 + rand_next(m) % (m->auth_backoff_ms / 2 + 1);
+}
+
 static void call_done_locked(struct member *m)
 {
     if (--m->inflight == 0)
@@ -120,17 +171,29 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
         m->state = ST_JOINED;
         m->hb_ms = r->heartbeat_ms ? r->heartbeat_ms : WIRE_DEFAULT_HEARTBEAT_MS;
         m->to_ms = r->timeout_ms ? r->timeout_ms : WIRE_DEFAULT_TIMEOUT_MS;
+        if (m->joins == 0 && ((m->want_hb_ms && m->want_hb_ms != m->hb_ms) ||
+                              (m->want_to_ms && m->want_to_ms != m->to_ms)))
+            log_emit(m->quiet ? LOG_DEBUG : LOG_WARN, "member",
+                     "The broker granted other timings than this member asked for.",
+                     LF_S("cohort", m->cohort), LF_S("id", m->id),
+                     LF_U("asked_heartbeat_ms", m->want_hb_ms), LF_U("heartbeat_ms", m->hb_ms),
+                     LF_U("asked_timeout_ms", m->want_to_ms), LF_U("timeout_ms", m->to_ms),
+                     LOG_END);
         m->next_hb_at = now + m->hb_ms;
         m->last_ok_at = now;
         m->backoff_ms = BACKOFF_MIN_MS;
         m->joins++;
         m->fails = 0;
         m->last_fail = RPC_OK;
+        m->refused = false;
+        m->auth_backoff_ms = 0;
         m->watch_reopen = true;     /* a watch from before the join names a dead session */
         m->next_watch_at = now;
         log_emit(info_level(m), "member", "Joined the cohort.", LF_S("cohort", m->cohort),
                  LF_S("id", m->id), LF_S("address", m->address), LF_U("heartbeat_ms", m->hb_ms),
-                 LF_U("timeout_ms", m->to_ms), LOG_END);
+                 LF_U("timeout_ms", m->to_ms), LF_B("proved", m->has_key), LOG_END);
+    } else if (st->code == RPC_UNAUTHENTICATED) {
+        refused_locked(m, "Join", st, now);
     } else {
         log_failure(m, "Could not join the cohort; retrying.", st);
         m->next_join_at = backoff_next(m, now);
@@ -148,8 +211,9 @@ static void hb_done(void *arg, const struct rpc_status *st, ProtobufCMessage *re
 
     pthread_mutex_lock(&m->lock);
     m->hb_inflight = false;
-    if (m->state != ST_JOINED) {
-        /* A rejoin or leave overtook this heartbeat. */
+    if (m->state != ST_JOINED || m->hb_gen != m->join_gen) {
+        /* A rejoin or leave overtook this heartbeat: its answer, even a
+         * refusal of its proof as too old, is about a past session. */
     } else if (st->code == RPC_OK) {
         const Cohort__V1__HeartbeatReply *r = (const Cohort__V1__HeartbeatReply *)reply;
         uint64_t have = m->epoch ? m->epoch->number : 0;
@@ -174,6 +238,8 @@ static void hb_done(void *arg, const struct rpc_status *st, ProtobufCMessage *re
                  LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("detail", st->message), LOG_END);
         m->state = ST_JOINING;
         m->next_join_at = now;
+    } else if (st->code == RPC_UNAUTHENTICATED) {
+        refused_locked(m, "Heartbeat", st, now);
     } else {
         log_failure(m, "A heartbeat failed.", st);
     }
@@ -252,6 +318,8 @@ static void watch_end(void *arg, const struct rpc_status *st)
                      LOG_END);
             m->state = ST_JOINING;
             m->next_join_at = clock_now_ms();
+        } else if (st->code == RPC_UNAUTHENTICATED) {
+            refused_locked(m, "Watch", st, clock_now_ms());
         } else if (st->code != RPC_CANCELLED) {
             log_failure(m, "The membership watch broke; reopening.", st);
         }
@@ -262,6 +330,8 @@ static void watch_end(void *arg, const struct rpc_status *st)
 static void start_join_locked(struct member *m)
 {
     Cohort__V1__JoinRequest q = COHORT__V1__JOIN_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
 
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = m->cohort;
@@ -272,6 +342,8 @@ static void start_join_locked(struct member *m)
     q.heartbeat_ms = m->want_hb_ms;
     q.timeout_ms = m->want_to_ms;
     q.last_epoch = m->last_epoch;
+    sign_locked(m, &q.base, &q.proof, &pf, mac);
+    m->join_gen++;
     m->declare_pending = false;     /* the join carries the version */
     if (rpc_call_async(m->ch, WIRE_BROKER_JOIN, &q.base, &cohort__v1__join_reply__descriptor,
                        JOIN_TIMEOUT_MS, 0, join_done, m) == 0) {
@@ -285,6 +357,8 @@ static void start_join_locked(struct member *m)
 static void start_heartbeat_locked(struct member *m, uint64_t now)
 {
     Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
 
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = m->cohort;
@@ -296,6 +370,8 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
      * received is the one the user runs in: the broker counts on it to
      * know when a drained member may go. */
     q.epoch = m->epoch ? m->epoch->number : 0;
+    sign_locked(m, &q.base, &q.proof, &pf, mac);
+    m->hb_gen = m->join_gen;
     /* One interval of patience: a stuck call must not delay the next. */
     if (rpc_call_async(m->ch, WIRE_BROKER_HEARTBEAT, &q.base,
                        &cohort__v1__heartbeat_reply__descriptor, m->hb_ms, 0, hb_done, m) == 0) {
@@ -309,11 +385,14 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
 static void open_watch_locked(struct member *m, uint64_t now)
 {
     Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
 
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = m->cohort;
     q.id = m->id;
     q.session = m->session;
+    sign_locked(m, &q.base, &q.proof, &pf, mac);
     m->watch_ended = false;
     m->watch_reopen = false;
     if (rpc_watch_open(m->ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
@@ -329,16 +408,22 @@ static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
     return d < cur ? (uint32_t)d : cur;
 }
 
+/* Called without the member's lock, which it takes to sign. */
 static int leave_call(struct member *m, uint32_t timeout_ms, struct rpc_status *st)
 {
     Cohort__V1__LeaveRequest q = COHORT__V1__LEAVE_REQUEST__INIT;
     ProtobufCMessage *reply = NULL;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
     int rc;
 
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = m->cohort;
     q.id = m->id;
+    pthread_mutex_lock(&m->lock);
     q.session = m->session;
+    sign_locked(m, &q.base, &q.proof, &pf, mac);
+    pthread_mutex_unlock(&m->lock);
     rc = rpc_call(m->ch, WIRE_BROKER_LEAVE, &q.base, &cohort__v1__leave_reply__descriptor, timeout_ms,
                   0, &reply, st);
     if (reply)
@@ -441,10 +526,16 @@ int member_create(const struct member_config *cfg, struct member **out)
     m->on_epoch = cfg->on_epoch;
     m->arg = cfg->arg;
     m->state = ST_JOINING;
+    if (cfg->key) {
+        m->key = *cfg->key;
+        m->has_key = true;
+    }
     if (cfg->channel) {
         m->ch = cfg->channel;
     } else {
-        struct rpc_channel_opts o = { .max_backoff_ms = m->backoff_max_ms };
+        struct rpc_channel_opts o = { .max_backoff_ms = m->backoff_max_ms,
+                                      .tls_ca_pem = cfg->tls_ca_pem,
+                                      .tls_server_name = cfg->tls_server_name };
         rc = rpc_channel_create(m->broker, &o, &m->ch);
         if (rc < 0)
             goto err;
@@ -453,6 +544,7 @@ int member_create(const struct member_config *cfg, struct member **out)
     *out = m;
     return 0;
 err:
+    secret_wipe(&m->key);
     free(m->broker);
     free(m->cohort);
     free(m->id);
@@ -524,6 +616,16 @@ uint64_t member_joins(struct member *m)
     return n;
 }
 
+uint64_t member_refusals(struct member *m)
+{
+    uint64_t n;
+
+    pthread_mutex_lock(&m->lock);
+    n = m->refusals;
+    pthread_mutex_unlock(&m->lock);
+    return n;
+}
+
 void member_rejoin(struct member *m)
 {
     pthread_mutex_lock(&m->lock);
@@ -575,6 +677,7 @@ void member_destroy(struct member *m)
     if (m->own_ch)
         rpc_channel_destroy(m->ch);
     epoch_unref(m->epoch);
+    secret_wipe(&m->key);
     free(m->broker);
     free(m->cohort);
     free(m->id);

@@ -15,6 +15,14 @@
  *   a lost push costs one heartbeat interval, not a timeout.
  * - The session id is fixed for the life of the member: after a transient
  *   outage the broker recognises the rejoin as the same member.
+ * - With a key, every call carries a proof of it (wire.h), numbered from 1
+ *   for the life of the member. A call the broker refuses as
+ *   UNAUTHENTICATED (a wrong or missing key, a clock too far off) cannot
+ *   succeed by retrying at once: the member logs it once at error level
+ *   and tries to join again with a backoff that grows to 30 s, until the
+ *   broker takes its key (a broker may learn a cohort's key after the
+ *   cohort's pods start). The member reads its key once: a new key needs
+ *   a new member.
  */
 #ifndef COHORT_MEMBER_H
 #define COHORT_MEMBER_H
@@ -48,6 +56,12 @@ struct member_config {
     struct rpc_channel *channel;  /* optional shared channel, borrowed; NULL: own one */
     const struct secret *key;   /* the cohort's key, copied; NULL: calls carry no
                                  * proof (a broker without keys only) */
+    /* TLS to the broker, for the member's own channel (ignored with
+     * `channel`): the CA certificates, PEM, copied; NULL: plaintext. The
+     * name the broker's certificate must carry when it is not the
+     * broker address's host; NULL: that host. */
+    const char *tls_ca_pem;
+    const char *tls_server_name;
 };
 
 /* Creates a member; nothing is sent until the first member_poll(). Needs
@@ -74,8 +88,10 @@ bool member_in_cohort(struct member *m);
 bool member_drained(struct member *m);
 /* The member timeout the broker granted (its default until joined). */
 uint32_t member_timeout_ms(struct member *m);
-/* Counters for tests and benchmarks. */
+/* Counters for tests and benchmarks: joins that succeeded, and calls the
+ * broker refused as UNAUTHENTICATED. */
 uint64_t member_joins(struct member *m);
+uint64_t member_refusals(struct member *m);
 
 /* Leaves and joins again with a new session, at the next member_poll():
  * the broker sees a membership change and publishes a new epoch to every

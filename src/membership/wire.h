@@ -2,7 +2,9 @@
 #ifndef COHORT_WIRE_H
 #define COHORT_WIRE_H
 
-/* Bumped on any change that an older peer would misread. */
+/* Bumped on any change that an older peer would misread. (Proofs did not
+ * need it: an older member sends none, which a broker with a key refuses
+ * as it refuses any request without one.) */
 #define WIRE_PROTOCOL_VERSION 1u
 
 /* A cohort's heartbeat interval and member timeout when nobody chose them,
@@ -18,5 +20,57 @@
 #define WIRE_BROKER_LEAVE "/cohort.v1.Broker/Leave"
 #define WIRE_BROKER_WATCH "/cohort.v1.Broker/Watch"
 #define WIRE_BROKER_STATUS "/cohort.v1.Broker/Status"
+
+/* ---- proofs ------------------------------------------------------------
+ *
+ * Every request carries a Proof { seq, time_ms, mac } (proto/cohort.proto)
+ * that its sender holds the cohort's key (base/secret.h), or for Status
+ * the cohort's key or the broker's admin key. proof.c makes and checks it:
+ *
+ *   mac = HMAC-SHA256(key, WIRE_PROOF_LABEL, parts)
+ *
+ * where each part is preceded by its length as 8 bytes (secret_mac), and
+ * the parts are, in order:
+ *
+ *   method        "Join", "Heartbeat", "Leave", "Watch" or "Status"
+ *   protocol_version, as 8 bytes
+ *   cohort        the request's, "" for a Status of every cohort
+ *   id            the member's, "" for Status
+ *   session       8 bytes, 0 for Status
+ *   seq, time_ms  8 bytes each, the proof's own
+ *   and then the fields that say what the request does:
+ *   Join          address, model_version, heartbeat_ms, timeout_ms,
+ *                 last_epoch (integers as 8 bytes)
+ *   Heartbeat     model_version, declare_version (8 bytes, 0 or 1), epoch
+ *   Leave, Watch, Status: nothing more.
+ *
+ * Integers are little-endian. So a proof names one method of one member
+ * session of one cohort, and a captured proof cannot carry other values
+ * (a longer timeout, another address).
+ *
+ * Replay is bounded so (brokerd.c and broker.c carry it out):
+ * - seq: a member numbers its proofs 1, 2, 3... for as long as it lives.
+ *   The broker accepts each seq of a live member session at most once:
+ *   above the highest it accepted, or one of the WIRE_PROOF_SEQ_WINDOW
+ *   just below it not yet seen (calls on one channel may overtake each
+ *   other). A session's first Join marks everything below its seq seen.
+ *   This covers Heartbeat, Leave, Watch and a rejoin of a live session.
+ * - time_ms: a Join and a Status are refused when their time is more than
+ *   WIRE_PROOF_SKEW_MS from the broker's wall clock. This is the clock
+ *   assumption: members' and the broker's clocks agree within 2 minutes
+ *   (NTP keeps them within a second or so).
+ * - A session that left may not join again; one that was evicted may
+ *   rejoin only with a seq above the highest accepted from it. The broker
+ *   remembers retired sessions for 2 x WIRE_PROOF_SKEW_MS (then their
+ *   captured Joins are out of the time window anyway), and at most
+ *   BROKER_RETIRED_MAX of them (broker.h).
+ * What is not covered: after a broker restart, which forgets everything,
+ * a Join captured in the last 2 minutes can be replayed once; and a
+ * Status proof can be replayed within its window (a read). TLS keeps
+ * proofs from being captured at all.
+ */
+#define WIRE_PROOF_LABEL "cohort/broker/v1"
+#define WIRE_PROOF_SKEW_MS 120000u
+#define WIRE_PROOF_SEQ_WINDOW 64u
 
 #endif

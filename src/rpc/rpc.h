@@ -112,9 +112,9 @@ struct rpc_server_opts {
  * starts serving `methods` (copied; their args borrowed). Unknown methods get
  * UNIMPLEMENTED; requests that do not parse as the method's message get
  * INVALID_ARGUMENT; both are logged. Returns 0, -EADDRINUSE or -EINVAL when
- * the address cannot be bound (also: only one of the TLS pair, or a pair
- * gRPC refuses), -ENOMEM. Caller frees with
- * rpc_server_destroy(). */
+ * the address cannot be bound (also: only one of the TLS pair, a key that
+ * is not the certificate's, or a pair gRPC refuses), -ENOMEM. Caller frees
+ * with rpc_server_destroy(). */
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
                       const struct rpc_server_opts *opts, struct rpc_server **out);
 /* The bound TCP port (useful after asking for port 0); 0 for unix sockets. */
@@ -162,6 +162,19 @@ struct rpc_channel_opts {
     const char *tls_ca_pem;
     const char *tls_server_name;
 };
+
+/* The longest PEM file rpc_pem_load() reads: a certificate chain of a few
+ * certificates, or a key, is a few KiB. */
+#define RPC_PEM_MAX (256u * 1024u)
+
+/* Reads a PEM file for the TLS options above (a CA bundle, a certificate
+ * chain, a private key): at most RPC_PEM_MAX bytes, NUL-terminated.
+ * Returns 0 and sets *out, which the caller frees with rpc_pem_free();
+ * -EFBIG for a longer file, -EINVAL when it holds no PEM block, or the
+ * open/read -errno (-ENOENT, -EACCES). */
+int rpc_pem_load(const char *path, char **out);
+/* Overwrites (it may be a private key) and frees. NULL is fine. */
+void rpc_pem_free(char *pem);
 
 /* A channel to `target` ("host:port", "ipv4:...", "unix:PATH"). Connects
  * lazily. Returns 0, -EINVAL, -ENOMEM. Caller frees with

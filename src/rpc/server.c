@@ -8,12 +8,18 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <grpc/grpc_security.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
+#include "base/clock.h"
 #include "base/limits.h"
 #include "base/log.h"
 
@@ -78,6 +84,38 @@ struct rpc_stream {
     rpc_close_fn on_close;
     void *close_arg;
 };
+
+/* Warnings about what clients sent (an unknown method, a request that
+ * does not parse) go out at most WARN_PER_S a second, since a client
+ * chooses how many it causes; the next line that goes out counts the ones
+ * held back. */
+#define WARN_PER_S 10
+
+static pthread_mutex_t warn_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t warn_second, warn_held;
+static unsigned warn_count;
+
+static bool warn_allowed(uint64_t *held)
+{
+    uint64_t now = clock_now_ms() / 1000;
+    bool ok = false;
+
+    pthread_mutex_lock(&warn_lock);
+    if (now != warn_second) {
+        warn_second = now;
+        warn_count = 0;
+    }
+    if (warn_count < WARN_PER_S) {
+        warn_count++;
+        *held = warn_held;
+        warn_held = 0;
+        ok = true;
+    } else {
+        warn_held++;
+    }
+    pthread_mutex_unlock(&warn_lock);
+    return ok;
+}
 
 static void server_hold(struct rpc_server *s)
 {
@@ -212,6 +250,7 @@ static void reply_send(struct rpc_reply *r)
 static void handle_unary(struct incoming *in, const ProtobufCMessage *req)
 {
     struct rpc_reply *r = calloc(1, sizeof(*r));
+    uint64_t held = 0;
 
     if (!r) {
         grpc_call_cancel_with_status(in->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
@@ -235,7 +274,9 @@ static void handle_unary(struct incoming *in, const ProtobufCMessage *req)
             len = sizeof(path) - 1;
         memcpy(path, GRPC_SLICE_START_PTR(in->details.method), len);
         path[len] = '\0';
-        log_warn("rpc", "A client called a method this server does not have.", LF_S("method", path));
+        if (warn_allowed(&held))
+            log_warn("rpc", "A client called a method this server does not have.",
+                     LF_S("method", path), LF_U("held_back", held));
         rpc_reply_error(r, RPC_UNIMPLEMENTED, "no method %s", path);
     }
     reply_send(r);
@@ -404,6 +445,7 @@ static void incoming_done(struct rpc_tag *t, bool ok)
     struct incoming *in = (struct incoming *)t;
     struct rpc_server *s = in->srv;
     ProtobufCMessage *req = NULL;
+    uint64_t held = 0;
 
     if (!ok) {
         /* The server is shutting down: this slot will not be re-armed. */
@@ -419,8 +461,10 @@ static void incoming_done(struct rpc_tag *t, bool ok)
         goto out;
     }
     if (!in->payload || !(req = rpc_unpack_bb(in->payload, in->meth->m.request))) {
-        log_warn("rpc", "A request did not parse; it was refused.", LF_S("method", in->meth->m.path),
-                 LF_S("expected", in->meth->m.request->name));
+        if (warn_allowed(&held))
+            log_warn("rpc", "A request did not parse; it was refused.",
+                     LF_S("method", in->meth->m.path), LF_S("expected", in->meth->m.request->name),
+                     LF_U("held_back", held));
         grpc_call_cancel_with_status(in->call, GRPC_STATUS_INVALID_ARGUMENT,
                                      "malformed request: not a valid message of the method's type",
                                      NULL);
@@ -442,6 +486,24 @@ static void shutdown_done(struct rpc_tag *t, bool ok)
     struct rpc_server *s = (struct rpc_server *)((char *)t - offsetof(struct rpc_server, shutdown_tag));
 
     server_release(s);
+}
+
+/* Whether `key_pem` is the private key of the first certificate of
+ * `cert_pem`. gRPC takes any pair and fails every handshake later; a
+ * broker started with the wrong key file should not start at all. */
+static bool tls_pair_matches(const char *cert_pem, const char *key_pem)
+{
+    BIO *cb = BIO_new_mem_buf(cert_pem, -1), *kb = BIO_new_mem_buf(key_pem, -1);
+    X509 *cert = cb ? PEM_read_bio_X509(cb, NULL, NULL, NULL) : NULL;
+    EVP_PKEY *key = kb ? PEM_read_bio_PrivateKey(kb, NULL, NULL, NULL) : NULL;
+    bool ok = cert && key && X509_check_private_key(cert, key) == 1;
+
+    EVP_PKEY_free(key);
+    X509_free(cert);
+    BIO_free(kb);
+    BIO_free(cb);
+    ERR_clear_error();
+    return ok;
 }
 
 int rpc_server_create(const char *address, const struct rpc_method *methods, size_t n,
@@ -503,6 +565,12 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
         }
     }
     if (opts && (!opts->tls_cert_pem != !opts->tls_key_pem)) {
+        rc = -EINVAL;
+        goto err_server;
+    }
+    if (opts && opts->tls_cert_pem && !tls_pair_matches(opts->tls_cert_pem, opts->tls_key_pem)) {
+        log_error("rpc", "The TLS private key is not the certificate's, or one of them does "
+                  "not parse.");
         rc = -EINVAL;
         goto err_server;
     }

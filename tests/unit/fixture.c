@@ -3,7 +3,9 @@
 
 #include <criterion/criterion.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "membership/brokerd.h"
@@ -34,7 +36,7 @@ bool fixture_wait_until(bool (*pred)(void *arg), void *arg, uint32_t within_ms)
 
 void fixture_broker_config(struct brokerd_config *cfg)
 {
-    *cfg = (struct brokerd_config){ .listen = "127.0.0.1:0" };
+    *cfg = (struct brokerd_config){ .listen = "127.0.0.1:0", .open = true };
     broker_config_default(&cfg->broker);
     cfg->broker.startup_hold_ms = 0;
     cfg->broker.heartbeat_ms = 200;
@@ -66,6 +68,64 @@ void fixture_broker_stop(struct brokerd *d)
 {
     brokerd_stop(d);
     rpc_shutdown();
+}
+
+/* ---- TLS ---- */
+
+/* Everything fixture_tls_make() leaves in its directory. */
+static const char *const tls_files[] = { "ca.pem", "ca.key", "other.pem", "other.key",
+                                         "server.pem", "server.key", "server.csr", "ca.srl" };
+
+static char *read_pem(const char *dir, const char *name)
+{
+    char path[128];
+    char *pem = NULL;
+
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    cr_assert_eq(rpc_pem_load(path, &pem), 0, "cannot read %s", path);
+    return pem;
+}
+
+void fixture_tls_make(struct fixture_tls *t)
+{
+    char cmd[2048];
+
+    memset(t, 0, sizeof(*t));
+    snprintf(t->dir, sizeof(t->dir), "/tmp/cohort-tls-XXXXXX");
+    cr_assert_not_null(mkdtemp(t->dir));
+    snprintf(cmd, sizeof(cmd),
+             "(cd %s && "
+             "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes "
+             "-keyout ca.key -out ca.pem -days 2 -subj /CN=cohort-test-ca && "
+             "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes "
+             "-keyout other.key -out other.pem -days 2 -subj /CN=cohort-other-ca && "
+             "openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes "
+             "-keyout server.key -out server.csr -subj /CN=" FIXTURE_TLS_NAME " "
+             "-addext subjectAltName=DNS:" FIXTURE_TLS_NAME " && "
+             "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+             "-out server.pem -days 2 -copy_extensions copy) >/dev/null 2>&1",
+             t->dir);
+    cr_assert_eq(system(cmd), 0, "openssl could not make the test certificates");
+    t->ca = read_pem(t->dir, "ca.pem");
+    t->other_ca = read_pem(t->dir, "other.pem");
+    t->cert = read_pem(t->dir, "server.pem");
+    t->key = read_pem(t->dir, "server.key");
+}
+
+void fixture_tls_cleanup(struct fixture_tls *t)
+{
+    char path[128];
+
+    rpc_pem_free(t->ca);
+    rpc_pem_free(t->other_ca);
+    rpc_pem_free(t->cert);
+    rpc_pem_free(t->key);
+    for (size_t i = 0; i < sizeof(tls_files) / sizeof(tls_files[0]); i++) {
+        snprintf(path, sizeof(path), "%s/%s", t->dir, tls_files[i]);
+        unlink(path);
+    }
+    rmdir(t->dir);
+    memset(t, 0, sizeof(*t));
 }
 
 /* ---- the broker state machine under a fake host ---- */

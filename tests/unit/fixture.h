@@ -5,6 +5,8 @@
  *   nodes and trainers need one.
  * - The broker state machine under a fake host, driven by an injected
  *   clock, for the broker suite (test_broker_*.c).
+ * - A test CA and a server certificate made with the openssl command, for
+ *   the TLS tests.
  *
  * The helpers fail the running test with cr_assert on any error, so they
  * belong on the test's own thread; fixture_wait_until() asserts nothing
@@ -58,8 +60,10 @@ struct brokerd_config;
 
 /* Fills *cfg with what the loopback tests share: the broker's defaults
  * with no startup hold, 200 ms heartbeats, a 1.5 s member timeout and
- * 20 ms coalescing, listening on a free loopback port. A test changes what
- * it needs before fixture_broker_start_with(). */
+ * 20 ms coalescing, listening on a free loopback port, open (cohorts
+ * without keys are served; a test that wants keys sets cfg->key or calls
+ * brokerd_set_key, and clears `open` to refuse keyless cohorts). A test
+ * changes what it needs before fixture_broker_start_with(). */
 void fixture_broker_config(struct brokerd_config *cfg);
 
 /* rpc_init(), then a broker started with *cfg (copied) and `cohort`
@@ -73,6 +77,26 @@ struct brokerd *fixture_broker_start(const char *cohort, char *addr, size_t addr
 
 /* brokerd_stop(), then rpc_shutdown(). */
 void fixture_broker_stop(struct brokerd *d);
+
+/* ---- TLS ---- */
+
+/* The one name the test server certificate carries: a broker Service's,
+ * so that a client dialling 127.0.0.1 must set tls_server_name. */
+#define FIXTURE_TLS_NAME "cohort-broker.ns.svc"
+
+/* PEM texts (rpc_pem_load) of a test CA, a server certificate for
+ * FIXTURE_TLS_NAME that it signed and its key, and a second CA that
+ * signed nothing, made in `dir`. */
+struct fixture_tls {
+    char dir[64];
+    char *ca, *other_ca, *cert, *key;
+};
+
+/* Makes *t with the openssl command line tool (EC P-256 keys, valid for
+ * two days) in a new directory under /tmp. The caller frees it with
+ * fixture_tls_cleanup(). */
+void fixture_tls_make(struct fixture_tls *t);
+void fixture_tls_cleanup(struct fixture_tls *t);
 
 /* ---- the broker state machine under a fake host ---- */
 

@@ -1,6 +1,7 @@
 /* tests/unit/test_brokerd.c: the broker service over real gRPC on
  * loopback, driven by raw requests (to reach every refusal) and by
- * libcohort members in this process. */
+ * libcohort members in this process: open (no keys), and with keys, where
+ * every request must prove its cohort's key (membership/wire.h). */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
@@ -11,8 +12,10 @@
 #include "base/clock.h"
 #include "cohort.pb-c.h"
 #include "fixture.h"
+#include "base/secret.h"
 #include "membership/brokerd.h"
 #include "membership/member.h"
+#include "membership/proof.h"
 #include "membership/wire.h"
 #include "rpc/rpc.h"
 
@@ -186,6 +189,9 @@ Test(brokerd, heartbeat_and_leave_of_strangers_are_not_found)
 
 #define N 4
 
+/* The key driven_start() gives its members; NULL: none. */
+static const struct secret *driven_key;
+
 /* Members of "demo" polled by a thread of their own, as a node polls its
  * member. */
 struct driven {
@@ -216,7 +222,8 @@ static void driven_start(struct driven *dv, size_t n, const char *const *ids,
     for (size_t i = 0; i < n; i++) {
         struct member_config mc = { .broker = addr, .cohort = "demo", .id = ids[i],
                                     .address = "127.0.0.1:4000",
-                                    .model_version = i ? version : first_version, .quiet = true };
+                                    .model_version = i ? version : first_version, .quiet = true,
+                                    .key = driven_key };
 
         cr_assert_eq(member_create(&mc, &dv->m[i]), 0);
     }
@@ -334,4 +341,559 @@ Test(brokerd, drained_member_stays_joined_out_of_the_epoch)
     cr_assert_eq(brokerd_drain(d, "nope", "m-0", true), -ENOENT);
     cr_assert_eq(brokerd_drained(d, "nope", "m-0"), -ENOENT);
     driven_stop(&dv);
+}
+
+/* An open broker serves a cohort without a key as before, but not one
+ * with a key, nor every cohort's status once any key exists. */
+Test(brokerd, an_open_broker_serves_keyless_cohorts_only)
+{
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+    struct secret k;
+
+    memset(k.key, 0xb0, sizeof(k.key));
+    cr_assert_eq(brokerd_set_key(d, "other", &k), 0);
+    cr_assert_eq(join("demo", "a", 7, WIRE_PROTOCOL_VERSION, &st), 0);
+    cr_assert_eq(join("other", "a", 7, WIRE_PROTOCOL_VERSION, &st), -EPERM);
+    cr_assert_eq(st.code, RPC_UNAUTHENTICATED);
+    cr_assert_eq(status_members("demo"), 1);
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = "";
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_STATUS, &q.base, &cohort__v1__status_reply__descriptor,
+                          5000, 0, &out, &st), -EPERM);
+    cr_assert(strstr(st.message, "admin key"), "%s", st.message);
+}
+
+/* ---- with keys ---- */
+
+/* Keys by their fill byte: the config's (every cohort's), another
+ * cohort's, the admin's, and one nobody set. */
+static struct secret key_a, key_b, key_admin, key_x;
+
+static void fill(struct secret *k, uint8_t b)
+{
+    memset(k->key, b, sizeof(k->key));
+}
+
+/* The fixture's broker with key_a for every cohort, key_admin, no open
+ * cohorts, and a 3 s member timeout cap; cohorts "demo" and "other". */
+static void start_keyed(void)
+{
+    struct brokerd_config cfg;
+
+    fill(&key_a, 0xa0);
+    fill(&key_b, 0xb0);
+    fill(&key_admin, 0xad);
+    fill(&key_x, 0x99);
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    cfg.key = &key_a;
+    cfg.admin_key = &key_admin;
+    cfg.broker.max_timeout_ms = 3000;
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
+    cr_assert_eq(brokerd_declare(d, "other", 0, 0), 0);
+    cr_assert_eq(rpc_channel_create(addr, NULL, &ch), 0);
+}
+
+static void stop_keyed(void)
+{
+    driven_key = NULL;
+    stop();
+}
+
+TestSuite(brokerd_keys, .init = start_keyed, .fini = stop_keyed, .timeout = 120);
+
+/* Signs req under k (NULL: no proof) with seq and time t (0: now), then
+ * calls `path`. The reply, if any, goes to *out when out is not NULL. */
+static int signed_call(const char *path, ProtobufCMessage *req, Cohort__V1__Proof **slot,
+                       const ProtobufCMessageDescriptor *reply_desc, const struct secret *k,
+                       uint64_t seq, uint64_t t, struct rpc_status *st, ProtobufCMessage **out)
+{
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    ProtobufCMessage *reply = NULL;
+    int rc;
+
+    if (k) {
+        cr_assert_eq(proof_sign(k, req, seq, t ? t : proof_now_ms(), &pf, mac), 0);
+        *slot = &pf;
+    }
+    /* Waiting for the connection keeps a loaded machine's slow connect
+     * from passing for a refusal. */
+    rc = rpc_call(ch, path, req, reply_desc, 30000, RPC_WAIT_FOR_READY, &reply, st);
+    *slot = NULL;
+    if (out)
+        *out = reply;
+    else if (reply)
+        protobuf_c_message_free_unpacked(reply, NULL);
+    return rc;
+}
+
+static void join_req(Cohort__V1__JoinRequest *q, const char *cohort, const char *id,
+                     uint64_t session)
+{
+    *q = (Cohort__V1__JoinRequest)COHORT__V1__JOIN_REQUEST__INIT;
+    q->protocol_version = WIRE_PROTOCOL_VERSION;
+    q->cohort = (char *)cohort;
+    q->id = (char *)id;
+    q->address = "127.0.0.1:4000";
+    q->session = session;
+}
+
+static int kjoin(const struct secret *k, const char *cohort, const char *id, uint64_t session,
+                 uint64_t seq, uint64_t t, struct rpc_status *st)
+{
+    Cohort__V1__JoinRequest q;
+
+    join_req(&q, cohort, id, session);
+    return signed_call(WIRE_BROKER_JOIN, &q.base, &q.proof, &cohort__v1__join_reply__descriptor,
+                       k, seq, t, st, NULL);
+}
+
+static int kbeat(const struct secret *k, const char *id, uint64_t session, uint64_t seq,
+                 struct rpc_status *st)
+{
+    Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = "demo";
+    q.id = (char *)id;
+    q.session = session;
+    return signed_call(WIRE_BROKER_HEARTBEAT, &q.base, &q.proof,
+                       &cohort__v1__heartbeat_reply__descriptor, k, seq, 0, st, NULL);
+}
+
+static int kleave(const struct secret *k, const char *id, uint64_t session, uint64_t seq,
+                  struct rpc_status *st)
+{
+    Cohort__V1__LeaveRequest q = COHORT__V1__LEAVE_REQUEST__INIT;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = "demo";
+    q.id = (char *)id;
+    q.session = session;
+    return signed_call(WIRE_BROKER_LEAVE, &q.base, &q.proof, &cohort__v1__leave_reply__descriptor,
+                       k, seq, 0, st, NULL);
+}
+
+/* A Status of `cohort` ("" for every one) proving k at time t (0: now);
+ * on success *n (when not NULL) gets the number of cohorts shown. */
+static int kstatus(const struct secret *k, const char *cohort, uint64_t t, struct rpc_status *st,
+                   size_t *n)
+{
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    ProtobufCMessage *out = NULL;
+    int rc;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = (char *)cohort;
+    rc = signed_call(WIRE_BROKER_STATUS, &q.base, &q.proof, &cohort__v1__status_reply__descriptor,
+                     k, 1, t, st, &out);
+    if (rc == 0 && n)
+        *n = ((Cohort__V1__StatusReply *)out)->n_cohorts;
+    if (out)
+        protobuf_c_message_free_unpacked(out, NULL);
+    return rc;
+}
+
+/* Members the broker holds in `cohort`, asked directly (no proof needed). */
+static size_t held(const char *cohort)
+{
+    struct broker_status *bs;
+    size_t n;
+
+    cr_assert_eq(brokerd_status(d, cohort, &bs), 0);
+    n = bs->cohorts[0].n_members;
+    broker_status_free(bs);
+    return n;
+}
+
+static void assert_refused(int rc, const struct rpc_status *st, const char *why)
+{
+    cr_assert_eq(rc, -EPERM, "rc %d: %s", rc, st->message);
+    cr_assert_eq(st->code, RPC_UNAUTHENTICATED);
+    cr_assert(strstr(st->message, why), "\"%s\" does not say \"%s\"", st->message, why);
+}
+
+Test(brokerd_keys, a_join_without_a_proof_is_refused_and_changes_nothing)
+{
+    struct rpc_status st;
+
+    assert_refused(kjoin(NULL, "demo", "a", 7, 0, 0, &st), &st,
+                   "the request proves no key for cohort \"demo\"");
+    cr_assert_eq(held("demo"), 0);
+    assert_refused(kbeat(NULL, "a", 7, 0, &st), &st, "proves no key");
+    assert_refused(kleave(NULL, "a", 7, 0, &st), &st, "proves no key");
+}
+
+Test(brokerd_keys, a_wrong_key_is_refused)
+{
+    struct rpc_status st;
+
+    assert_refused(kjoin(&key_x, "demo", "a", 7, 1, 0, &st), &st,
+                   "the request proves a wrong key for cohort \"demo\"");
+    assert_refused(kjoin(&key_admin, "demo", "a", 7, 1, 0, &st), &st, "wrong key");
+    cr_assert_eq(held("demo"), 0);
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0, "%s", st.message);
+    cr_assert_eq(held("demo"), 1);
+}
+
+/* A proof is bound to its method, cohort, member, session and the fields
+ * that say what the request does: changing any of them after signing
+ * makes it a wrong key. */
+Test(brokerd_keys, a_proof_holds_for_its_own_request_only)
+{
+    Cohort__V1__JoinRequest q;
+    Cohort__V1__HeartbeatRequest h = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__LeaveRequest l = COHORT__V1__LEAVE_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    for (int change = 0; change < 6; change++) {
+        join_req(&q, "demo", "a", 7);
+        cr_assert_eq(proof_sign(&key_a, &q.base, 1, proof_now_ms(), &pf, mac), 0);
+        q.proof = &pf;
+        switch (change) {
+        case 0: q.cohort = "other"; break;
+        case 1: q.id = "b"; break;
+        case 2: q.session = 8; break;
+        case 3: q.timeout_ms = 600000; break;
+        case 4: q.address = "10.9.9.9:4000"; break;
+        case 5: pf.seq = 2; break;
+        }
+        assert_refused(rpc_call(ch, WIRE_BROKER_JOIN, &q.base, &cohort__v1__join_reply__descriptor,
+                                5000, 0, &out, &st), &st, "wrong key");
+    }
+    cr_assert_eq(held("demo") + held("other"), 0);
+
+    /* A heartbeat's proof on a leave of the same member. */
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
+    h.protocol_version = l.protocol_version = WIRE_PROTOCOL_VERSION;
+    h.cohort = l.cohort = "demo";
+    h.id = l.id = "a";
+    h.session = l.session = 7;
+    cr_assert_eq(proof_sign(&key_a, &h.base, 2, proof_now_ms(), &pf, mac), 0);
+    l.proof = &pf;
+    assert_refused(rpc_call(ch, WIRE_BROKER_LEAVE, &l.base, &cohort__v1__leave_reply__descriptor,
+                            5000, 0, &out, &st), &st, "wrong key");
+    cr_assert_eq(held("demo"), 1);
+    /* On its own request it is good. */
+    h.proof = &pf;
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), 0);
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
+Test(brokerd_keys, a_replayed_heartbeat_or_leave_is_refused)
+{
+    struct rpc_status st;
+
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
+    cr_assert_eq(kbeat(&key_a, "a", 7, 2, &st), 0);
+    assert_refused(kbeat(&key_a, "a", 7, 2, &st), &st, "already used");
+    assert_refused(kbeat(&key_a, "a", 7, 1, &st), &st, "already used");
+    cr_assert_eq(kbeat(&key_a, "a", 7, 4, &st), 0);
+    cr_assert_eq(kbeat(&key_a, "a", 7, 3, &st), 0, "overtaken calls are fine");
+    assert_refused(kleave(&key_a, "a", 7, 3, &st), &st, "already used");
+    cr_assert_eq(held("demo"), 1);
+    cr_assert_eq(kleave(&key_a, "a", 7, 5, &st), 0);
+    cr_assert_eq(held("demo"), 0);
+}
+
+Test(brokerd_keys, a_replayed_join_cannot_bring_back_a_member_that_left)
+{
+    uint64_t t = proof_now_ms();
+    struct rpc_status st;
+
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, t, &st), 0);
+    assert_refused(kjoin(&key_a, "demo", "a", 7, 1, t, &st), &st, "already used");
+    cr_assert_eq(kleave(&key_a, "a", 7, 2, &st), 0);
+    assert_refused(kjoin(&key_a, "demo", "a", 7, 1, t, &st), &st, "has left the cohort");
+    cr_assert_eq(held("demo"), 0);
+    /* The pod's next process comes with a new session. */
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 8, 1, 0, &st), 0);
+}
+
+Test(brokerd_keys, a_join_outside_the_clock_window_is_refused)
+{
+    uint64_t now = proof_now_ms();
+    struct rpc_status st;
+
+    assert_refused(kjoin(&key_a, "demo", "a", 7, 1, now - WIRE_PROOF_SKEW_MS - 5000, &st), &st,
+                   "behind the broker's clock");
+    assert_refused(kjoin(&key_a, "demo", "a", 7, 1, now + WIRE_PROOF_SKEW_MS + 5000, &st), &st,
+                   "ahead of the broker's clock");
+    cr_assert_eq(held("demo"), 0);
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, now - WIRE_PROOF_SKEW_MS + 5000, &st), 0);
+    /* Heartbeats carry no clock rule: their seq bounds them. */
+    cr_assert_eq(kbeat(&key_a, "a", 7, 2, &st), 0);
+}
+
+Test(brokerd_keys, status_takes_the_cohorts_key_or_the_admin_key)
+{
+    struct rpc_status st;
+    size_t n = 0;
+
+    cr_assert_eq(brokerd_set_key(d, "other", &key_b), 0);
+    cr_assert_eq(kstatus(&key_a, "demo", 0, &st, &n), 0);
+    cr_assert_eq(n, 1);
+    cr_assert_eq(kstatus(&key_admin, "demo", 0, &st, &n), 0);
+    cr_assert_eq(kstatus(&key_b, "other", 0, &st, &n), 0);
+    assert_refused(kstatus(NULL, "demo", 0, &st, NULL), &st, "proves no key for cohort \"demo\"");
+    assert_refused(kstatus(&key_x, "demo", 0, &st, NULL), &st, "wrong key");
+    assert_refused(kstatus(&key_a, "other", 0, &st, NULL), &st, "wrong key for cohort \"other\"");
+    assert_refused(kstatus(&key_b, "demo", 0, &st, NULL), &st, "wrong key");
+    /* Every cohort at once: the admin key only. */
+    cr_assert_eq(kstatus(&key_admin, "", 0, &st, &n), 0);
+    cr_assert_eq(n, 2);
+    assert_refused(kstatus(&key_a, "", 0, &st, NULL), &st, "needs the admin key");
+    assert_refused(kstatus(NULL, "", 0, &st, NULL), &st, "needs the admin key");
+    /* A status proof has a clock rule too. */
+    assert_refused(kstatus(&key_admin, "", proof_now_ms() - 10 * WIRE_PROOF_SKEW_MS, &st, NULL),
+                   &st, "behind the broker's clock");
+}
+
+Test(brokerd_keys, a_cohorts_own_key_overrides_the_configs_until_removed)
+{
+    struct rpc_status st;
+
+    cr_assert_eq(brokerd_set_key(d, "other", &key_b), 0);
+    assert_refused(kjoin(&key_a, "other", "a", 7, 1, 0, &st), &st, "wrong key for cohort \"other\"");
+    cr_assert_eq(kjoin(&key_b, "other", "a", 7, 1, 0, &st), 0);
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0, "demo keeps the config's key");
+    cr_assert_eq(brokerd_set_key(d, "other", NULL), 0);
+    assert_refused(kjoin(&key_b, "other", "b", 8, 1, 0, &st), &st, "wrong key");
+    cr_assert_eq(kjoin(&key_a, "other", "b", 8, 1, 0, &st), 0);
+    cr_assert_eq(brokerd_set_key(d, "bad name", &key_b), -EINVAL);
+}
+
+Test(brokerd_keys, the_join_reply_says_what_was_granted)
+{
+    Cohort__V1__JoinRequest q;
+    ProtobufCMessage *out = NULL;
+    const Cohort__V1__JoinReply *r;
+    struct rpc_status st;
+
+    join_req(&q, "demo", "evil", 7);
+    q.heartbeat_ms = 1;
+    q.timeout_ms = UINT32_MAX;
+    cr_assert_eq(signed_call(WIRE_BROKER_JOIN, &q.base, &q.proof,
+                             &cohort__v1__join_reply__descriptor, &key_a, 1, 0, &st, &out), 0);
+    r = (const Cohort__V1__JoinReply *)out;
+    cr_assert_eq(r->heartbeat_ms, BROKER_HEARTBEAT_FLOOR_MS, "the cohort's 200 ms is slower");
+    cr_assert_eq(r->timeout_ms, 3000, "the configured cap");
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
+/* The end of a watch and the epochs it got. */
+struct seen {
+    pthread_mutex_t lock;
+    unsigned epochs;
+    bool ended;
+    enum rpc_code code;
+    char message[RPC_MESSAGE_MAX];
+};
+
+static void seen_msg(void *arg, ProtobufCMessage *msg)
+{
+    struct seen *s = arg;
+
+    pthread_mutex_lock(&s->lock);
+    s->epochs++;
+    pthread_mutex_unlock(&s->lock);
+    protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+static void seen_end(void *arg, const struct rpc_status *st)
+{
+    struct seen *s = arg;
+
+    pthread_mutex_lock(&s->lock);
+    s->ended = true;
+    s->code = st->code;
+    snprintf(s->message, sizeof(s->message), "%s", st->message);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static bool seen_has(struct seen *s, bool ended, unsigned epochs)
+{
+    bool ok;
+
+    pthread_mutex_lock(&s->lock);
+    ok = s->ended == ended && s->epochs >= epochs;
+    pthread_mutex_unlock(&s->lock);
+    return ok;
+}
+
+Test(brokerd_keys, a_replayed_watch_is_refused)
+{
+    Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
+    struct seen first = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct seen again = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w1, *w2;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    struct rpc_status st;
+
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = "demo";
+    q.id = "a";
+    q.session = 7;
+    cr_assert_eq(proof_sign(&key_a, &q.base, 2, proof_now_ms(), &pf, mac), 0);
+    q.proof = &pf;
+    cr_assert_eq(rpc_watch_open(ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
+                                seen_msg, seen_end, &first, &w1), 0);
+    FIXTURE_WAIT_FOR(seen_has(&first, false, 1), "the watch never got an epoch");
+    /* The same request again: it would take the member's stream over. */
+    cr_assert_eq(rpc_watch_open(ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
+                                seen_msg, seen_end, &again, &w2), 0);
+    FIXTURE_WAIT_FOR(seen_has(&again, true, 0), "the replayed watch was not ended");
+    cr_assert_eq(again.code, RPC_UNAUTHENTICATED);
+    cr_assert(strstr(again.message, "already used"), "%s", again.message);
+    cr_assert_eq(again.epochs, 0);
+    cr_assert(seen_has(&first, false, 1), "the member's own watch goes on");
+    rpc_watch_close(w2);
+    rpc_watch_close(w1);
+}
+
+Test(brokerd_keys, members_with_the_key_join_and_follow_epochs)
+{
+    struct driven dv = { .n = 0 };
+
+    driven_key = &key_a;
+    driven_start(&dv, 3, m4, 5, 0);
+    wait_agree(&dv, 3, "m-0");
+    member_set_model_version(dv.m[2], 50, true);
+    wait_agree(&dv, 3, "m-2");
+    for (size_t i = 0; i < dv.n; i++)
+        cr_assert_eq(member_refusals(dv.m[i]), 0);
+    driven_stop(&dv);
+}
+
+/* A member with the wrong key is refused, says so, and backs off instead
+ * of retrying every 100 ms as it does after other failures. */
+Test(brokerd_keys, a_member_with_a_wrong_key_backs_off)
+{
+    struct driven dv = { .n = 0 };
+    uint64_t t0;
+
+    driven_key = &key_x;
+    driven_start(&dv, 1, m4, 0, 0);
+    FIXTURE_WAIT_FOR(member_refusals(dv.m[0]) >= 1, "the member was never refused");
+    t0 = clock_now_ms();
+    clock_sleep_ms(3000);
+    /* Retries 0.5-1 s, then 1-2 s, then 2-4 s after the first refusal. */
+    cr_assert_leq(member_refusals(dv.m[0]), 3, "%llu refusals in %llu ms",
+                  (unsigned long long)member_refusals(dv.m[0]),
+                  (unsigned long long)(clock_now_ms() - t0));
+    cr_assert_not(member_in_cohort(dv.m[0]));
+    cr_assert_eq(member_joins(dv.m[0]), 0);
+    cr_assert_eq(held("demo"), 0);
+    driven_stop(&dv);
+}
+
+/* A broker that is not open refuses a cohort it has no key for. */
+static void start_closed(void)
+{
+    struct brokerd_config cfg;
+
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
+    cr_assert_eq(rpc_channel_create(addr, NULL, &ch), 0);
+}
+
+TestSuite(brokerd_closed, .init = start_closed, .fini = stop, .timeout = 60);
+
+Test(brokerd_closed, a_cohort_without_a_key_is_refused)
+{
+    struct rpc_status st;
+
+    fill(&key_b, 0xb0);
+    assert_refused(kjoin(NULL, "demo", "a", 7, 0, 0, &st), &st,
+                   "has no key for cohort \"demo\"");
+    assert_refused(kjoin(&key_b, "demo", "a", 7, 1, 0, &st), &st, "has no key");
+    assert_refused(kstatus(NULL, "demo", 0, &st, NULL), &st, "only the admin key");
+    assert_refused(kstatus(NULL, "", 0, &st, NULL), &st, "this broker has none");
+    cr_assert_eq(held("demo"), 0);
+    /* Given a key, it serves the cohort. */
+    cr_assert_eq(brokerd_set_key(d, "demo", &key_b), 0);
+    cr_assert_eq(kjoin(&key_b, "demo", "a", 7, 1, 0, &st), 0);
+    cr_assert_eq(kstatus(&key_b, "demo", 0, &st, NULL), 0);
+}
+
+/* ---- over TLS ---- */
+
+static struct fixture_tls tls;
+
+/* start_keyed()'s broker, serving TLS with the fixture's certificate. */
+static void start_tls(void)
+{
+    struct brokerd_config cfg;
+
+    fixture_tls_make(&tls);
+    fill(&key_a, 0xa0);
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    cfg.key = &key_a;
+    cfg.tls_cert_pem = tls.cert;
+    cfg.tls_key_pem = tls.key;
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
+    ch = NULL;
+}
+
+static void stop_tls(void)
+{
+    fixture_broker_stop(d);
+    fixture_tls_cleanup(&tls);
+}
+
+TestSuite(brokerd_tls, .init = start_tls, .fini = stop_tls, .timeout = 120);
+
+/* A member of "demo" with key_a and these TLS settings. */
+static struct member *tls_member(const char *id, const char *ca, const char *name)
+{
+    struct member_config mc = { .broker = addr, .cohort = "demo", .id = id,
+                                .address = "127.0.0.1:4000", .quiet = true, .key = &key_a,
+                                .tls_ca_pem = ca, .tls_server_name = name };
+    struct member *m;
+
+    cr_assert_eq(member_create(&mc, &m), 0);
+    return m;
+}
+
+/* Polls all n members for within_ms, or until m[0] has joined when
+ * `first` is set. Returns whether m[0] has joined. */
+static bool poll_members(struct member **m, size_t n, uint32_t within_ms, bool first)
+{
+    uint64_t end = fixture_deadline(within_ms);
+
+    while (fixture_before(end) && !(first && member_joins(m[0]) > 0)) {
+        for (size_t i = 0; i < n; i++)
+            member_poll(m[i], clock_now_ms());
+        clock_sleep_ms(5);
+    }
+    return member_joins(m[0]) > 0;
+}
+
+Test(brokerd_tls, a_member_with_the_ca_joins_and_one_without_cannot)
+{
+    struct member *m[3] = {
+        tls_member("m-0", tls.ca, FIXTURE_TLS_NAME),
+        tls_member("m-1", NULL, NULL),                          /* plaintext */
+        tls_member("m-2", tls.other_ca, FIXTURE_TLS_NAME),      /* another CA */
+    };
+
+    cr_assert(poll_members(m, 3, FIXTURE_WAIT_MS, true), "the member with the CA never joined");
+    /* The others get a few seconds of tries: none reaches the broker. */
+    poll_members(m, 3, 3000, false);
+    cr_assert_eq(member_joins(m[1]) + member_joins(m[2]), 0);
+    cr_assert_eq(member_refusals(m[1]) + member_refusals(m[2]), 0, "not even refused");
+    cr_assert_eq(held("demo"), 1);
+    for (size_t i = 0; i < 3; i++)
+        member_destroy(m[i]);
 }

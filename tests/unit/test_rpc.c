@@ -1,5 +1,6 @@
 /* tests/unit/test_rpc.c: the gRPC wrapper between real servers and clients
- * on loopback, with free ports. */
+ * on loopback, with free ports, in plaintext and over TLS with a CA and a
+ * certificate made for the test (fixture.h). */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
@@ -8,6 +9,7 @@
 
 #include "base/clock.h"
 #include "cohort.pb-c.h"
+#include "fixture.h"
 #include "rpc/rpc.h"
 
 #define P_STATUS "/cohort.v1.Broker/Status"
@@ -422,4 +424,149 @@ Test(rpc, code_mapping_round_trips)
     }
     cr_assert_eq(rpc_code_to_errno(RPC_OK), 0);
     cr_assert_str_eq(rpc_code_name(RPC_NOT_FOUND), "NOT_FOUND");
+}
+
+/* ---- TLS ---- */
+
+/* A server on TLS with the fixture's certificate for FIXTURE_TLS_NAME,
+ * and one in plaintext, both serving the tiny service. */
+static struct fixture_tls tls;
+static struct rpc_server *tls_srv, *plain_srv;
+static char tls_target[64], plain_target[64];
+
+static void start_tls(void)
+{
+    struct rpc_server_opts so;
+
+    fixture_tls_make(&tls);
+    so = (struct rpc_server_opts){ .tls_cert_pem = tls.cert, .tls_key_pem = tls.key };
+    cr_assert_eq(rpc_init(), 0);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, &so, &tls_srv), 0);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, NULL, &plain_srv), 0);
+    snprintf(tls_target, sizeof(tls_target), "127.0.0.1:%d", rpc_server_port(tls_srv));
+    snprintf(plain_target, sizeof(plain_target), "127.0.0.1:%d", rpc_server_port(plain_srv));
+}
+
+static void stop_tls(void)
+{
+    rpc_server_destroy(tls_srv);
+    rpc_server_destroy(plain_srv);
+    rpc_shutdown();
+    fixture_tls_cleanup(&tls);
+}
+
+TestSuite(rpc_tls, .init = start_tls, .fini = stop_tls, .timeout = 60);
+
+/* A Status call through a new channel to `to` with these options;
+ * returns the call's result and how long it took in *ms. */
+static int tls_call(const char *to, const char *ca, const char *name, struct rpc_status *st,
+                    uint64_t *ms)
+{
+    struct rpc_channel_opts o = { .tls_ca_pem = ca, .tls_server_name = name };
+    Cohort__V1__StatusRequest q = COHORT__V1__STATUS_REQUEST__INIT;
+    struct rpc_channel *c;
+    ProtobufCMessage *out = NULL;
+    uint64_t t0 = clock_now_ms();
+    int rc;
+
+    q.cohort = "tls";
+    q.protocol_version = 7;
+    cr_assert_eq(rpc_channel_create(to, &o, &c), 0);
+    rc = rpc_call(c, P_STATUS, &q.base, &cohort__v1__status_reply__descriptor, 10000, 0, &out, st);
+    if (ms)
+        *ms = clock_now_ms() - t0;
+    if (rc == 0) {
+        Cohort__V1__StatusReply *rep = (Cohort__V1__StatusReply *)out;
+        cr_assert_str_eq(rep->cohorts[0]->name, "tls");
+        protobuf_c_message_free_unpacked(out, NULL);
+    }
+    rpc_channel_destroy(c);
+    return rc;
+}
+
+Test(rpc_tls, the_right_ca_and_the_certificates_name_work)
+{
+    struct rpc_status st;
+
+    /* Dialled by address, the certificate's name is given: a broker
+     * reached by pod IP whose certificate names its Service. */
+    cr_assert_eq(tls_call(tls_target, tls.ca, FIXTURE_TLS_NAME, &st, NULL), 0, "%s", st.message);
+}
+
+Test(rpc_tls, a_name_the_certificate_does_not_carry_fails)
+{
+    struct rpc_status st;
+    uint64_t ms;
+
+    cr_assert_eq(tls_call(tls_target, tls.ca, NULL, &st, &ms), -ECONNREFUSED);
+    cr_assert_eq(st.code, RPC_UNAVAILABLE);
+    cr_assert_eq(tls_call(tls_target, tls.ca, "other.ns.svc", &st, &ms), -ECONNREFUSED);
+    cr_assert_eq(st.code, RPC_UNAVAILABLE);
+    cr_assert_lt(ms, 5000, "the refusal took %llu ms", (unsigned long long)ms);
+}
+
+Test(rpc_tls, a_wrong_ca_fails_unavailable_without_hanging)
+{
+    struct rpc_status st;
+    uint64_t ms;
+
+    cr_assert_eq(tls_call(tls_target, tls.other_ca, FIXTURE_TLS_NAME, &st, &ms), -ECONNREFUSED);
+    cr_assert_eq(st.code, RPC_UNAVAILABLE, "%s", rpc_code_name(st.code));
+    cr_assert_lt(ms, 5000, "the refusal took %llu ms", (unsigned long long)ms);
+}
+
+Test(rpc_tls, plaintext_and_tls_do_not_mix)
+{
+    struct rpc_status st;
+    uint64_t ms;
+
+    cr_assert_eq(tls_call(tls_target, NULL, NULL, &st, &ms), -ECONNREFUSED);
+    cr_assert_eq(st.code, RPC_UNAVAILABLE);
+    cr_assert_lt(ms, 5000, "the refusal took %llu ms", (unsigned long long)ms);
+    cr_assert_eq(tls_call(plain_target, tls.ca, FIXTURE_TLS_NAME, &st, &ms), -ECONNREFUSED);
+    cr_assert_eq(st.code, RPC_UNAVAILABLE);
+    cr_assert_lt(ms, 5000, "the refusal took %llu ms", (unsigned long long)ms);
+    /* Both still serve their own kind. */
+    cr_assert_eq(tls_call(plain_target, NULL, NULL, &st, NULL), 0);
+    cr_assert_eq(tls_call(tls_target, tls.ca, FIXTURE_TLS_NAME, &st, NULL), 0);
+}
+
+Test(rpc_tls, a_server_needs_both_halves_of_its_pair)
+{
+    struct rpc_server_opts half = { .tls_cert_pem = tls.cert };
+    struct rpc_server_opts junk = { .tls_cert_pem = tls.cert, .tls_key_pem = "not a key" };
+    struct rpc_server_opts other = { .tls_cert_pem = tls.cert };
+    struct rpc_server *s = NULL;
+    char path[128], *other_key;
+
+    /* Another key that parses: the other CA's. */
+    snprintf(path, sizeof(path), "%s/other.key", tls.dir);
+    cr_assert_eq(rpc_pem_load(path, &other_key), 0);
+    other.tls_key_pem = other_key;
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, &half, &s), -EINVAL);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, &junk, &s), -EINVAL);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, &other, &s), -EINVAL);
+    rpc_pem_free(other_key);
+}
+
+Test(rpc_tls, pem_files_are_read_with_a_cap)
+{
+    char path[128], *pem = (char *)1;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/ca.pem", tls.dir);
+    cr_assert_eq(rpc_pem_load(path, &pem), 0);
+    cr_assert(strstr(pem, "-----BEGIN CERTIFICATE-----"));
+    rpc_pem_free(pem);
+    snprintf(path, sizeof(path), "%s/none.pem", tls.dir);
+    cr_assert_eq(rpc_pem_load(path, &pem), -ENOENT);
+    snprintf(path, sizeof(path), "%s/ca.srl", tls.dir);     /* a serial number, no PEM */
+    cr_assert_eq(rpc_pem_load(path, &pem), -EINVAL);
+    snprintf(path, sizeof(path), "%s/server.csr", tls.dir);
+    f = fopen(path, "a");
+    cr_assert_not_null(f);
+    for (size_t i = 0; i < RPC_PEM_MAX / 16 + 1; i++)
+        fputs("0123456789abcde\n", f);
+    fclose(f);
+    cr_assert_eq(rpc_pem_load(path, &pem), -EFBIG);
 }

@@ -1,0 +1,146 @@
+/* src/membership/proof.c: see proof.h. */
+#include "membership/proof.h"
+
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+
+#include "membership/wire.h"
+
+#define MAX_PARTS 14
+
+uint64_t proof_now_ms(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* The integers of one MAC input, kept apart so that each part can point
+ * at its own 8 bytes. */
+struct ints {
+    uint64_t version, session, seq, time_ms, a, b, c, d;
+};
+
+static const char *str(const char *s)
+{
+    return s ? s : "";
+}
+
+/* Fills parts[] with wire.h's MAC input for `req`. Returns the count, or
+ * 0 for a message that carries no proof. */
+static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time_ms,
+                        struct ints *v, struct secret_part *parts)
+{
+    const ProtobufCMessageDescriptor *d = req->descriptor;
+    const char *method, *cohort, *id = "";
+    size_t n = 0;
+
+    memset(v, 0, sizeof(*v));
+    v->seq = seq;
+    v->time_ms = time_ms;
+    if (d == &cohort__v1__join_request__descriptor) {
+        const Cohort__V1__JoinRequest *q = (const Cohort__V1__JoinRequest *)req;
+        method = "Join";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+        id = q->id;
+        v->session = q->session;
+        v->a = q->model_version;
+        v->b = q->heartbeat_ms;
+        v->c = q->timeout_ms;
+        v->d = q->last_epoch;
+    } else if (d == &cohort__v1__heartbeat_request__descriptor) {
+        const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
+        method = "Heartbeat";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+        id = q->id;
+        v->session = q->session;
+        v->a = q->model_version;
+        v->b = q->declare_version ? 1 : 0;
+        v->c = q->epoch;
+    } else if (d == &cohort__v1__leave_request__descriptor) {
+        const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
+        method = "Leave";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+        id = q->id;
+        v->session = q->session;
+    } else if (d == &cohort__v1__watch_request__descriptor) {
+        const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
+        method = "Watch";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+        id = q->id;
+        v->session = q->session;
+    } else if (d == &cohort__v1__status_request__descriptor) {
+        const Cohort__V1__StatusRequest *q = (const Cohort__V1__StatusRequest *)req;
+        method = "Status";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+    } else {
+        return 0;
+    }
+    parts[n++] = SECRET_STR(method);
+    parts[n++] = SECRET_U64(v->version);
+    parts[n++] = SECRET_STR(str(cohort));
+    parts[n++] = SECRET_STR(str(id));
+    parts[n++] = SECRET_U64(v->session);
+    parts[n++] = SECRET_U64(v->seq);
+    parts[n++] = SECRET_U64(v->time_ms);
+    if (d == &cohort__v1__join_request__descriptor) {
+        parts[n++] = SECRET_STR(str(((const Cohort__V1__JoinRequest *)req)->address));
+        parts[n++] = SECRET_U64(v->a);
+        parts[n++] = SECRET_U64(v->b);
+        parts[n++] = SECRET_U64(v->c);
+        parts[n++] = SECRET_U64(v->d);
+    } else if (d == &cohort__v1__heartbeat_request__descriptor) {
+        parts[n++] = SECRET_U64(v->a);
+        parts[n++] = SECRET_U64(v->b);
+        parts[n++] = SECRET_U64(v->c);
+    }
+    return n;
+}
+
+static int compute(const struct secret *k, const ProtobufCMessage *req, uint64_t seq,
+                   uint64_t time_ms, uint8_t mac[SECRET_MAC_BYTES])
+{
+    struct secret_part parts[MAX_PARTS];
+    struct ints v;
+    size_t n = mac_input(req, seq, time_ms, &v, parts);
+
+    if (n == 0)
+        return -EINVAL;
+    return secret_mac(k, WIRE_PROOF_LABEL, parts, n, mac);
+}
+
+int proof_sign(const struct secret *k, const ProtobufCMessage *req, uint64_t seq,
+               uint64_t time_ms, Cohort__V1__Proof *p, uint8_t mac[SECRET_MAC_BYTES])
+{
+    int rc = compute(k, req, seq, time_ms, mac);
+
+    if (rc < 0)
+        return rc;
+    cohort__v1__proof__init(p);
+    p->seq = seq;
+    p->time_ms = time_ms;
+    p->mac.data = mac;
+    p->mac.len = SECRET_MAC_BYTES;
+    return 0;
+}
+
+bool proof_valid(const struct secret *k, const ProtobufCMessage *req, const Cohort__V1__Proof *p)
+{
+    uint8_t want[SECRET_MAC_BYTES];
+    bool ok;
+
+    if (!p || p->mac.len != SECRET_MAC_BYTES || !p->mac.data)
+        return false;
+    if (compute(k, req, p->seq, p->time_ms, want) < 0)
+        return false;
+    ok = secret_mac_equal(want, p->mac.data);
+    memset(want, 0, sizeof(want));
+    return ok;
+}
