@@ -665,20 +665,20 @@ Test(allreduce, peer_that_stops_reading_times_out)
     cluster_fini(&c);
 }
 
-/* The greeting as allreduce.c documents it. */
+/* The greeting as peerwire.h documents it (version 2), unkeyed. */
 static void hello_bytes(uint8_t *b, uint8_t kind, uint64_t epoch, const char *cohort,
                         const char *id)
 {
-    memset(b, 0, 536);
+    memset(b, 0, 616);
     memcpy(b, "COH1", 4);
-    b[4] = 1;
+    b[4] = 2;
     b[6] = kind;
     for (int i = 0; i < 8; i++)
         b[8 + i] = (uint8_t)(epoch >> (8 * i));
     b[16] = (uint8_t)strlen(cohort);
     b[17] = (uint8_t)strlen(id);
-    memcpy(b + 24, cohort, strlen(cohort));
-    memcpy(b + 280, id, strlen(id));
+    memcpy(b + 104, cohort, strlen(cohort));
+    memcpy(b + 360, id, strlen(id));
 }
 
 /* A TCP connection to a member's "127.0.0.1:port". `wait`: connected
@@ -765,7 +765,7 @@ Test(allreduce, strangers_are_closed_and_harmless)
     struct cluster c;
     struct loop_arg l = { .c = &c, .rounds = 15 };
     pthread_t th;
-    uint8_t b[2048], hello[536], junk[600];
+    uint8_t b[2048], hello[616], junk[700];
 
     quiet();
     cluster_init(&c, 3, 200003 * 8, 0, 0, 1000);
@@ -783,7 +783,7 @@ Test(allreduce, strangers_are_closed_and_harmless)
     cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 0);
     /* A member of an older epoch is told the newer number, then closed. */
     hello_bytes(hello, 1, 3, COHORT, "m-0");
-    cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 536);
+    cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 616);
     cr_assert_eq(b[6], 3, "a stale reply");
     cr_assert_eq(b[8], 4, "naming epoch 4");
     /* Silence: closed after the member timeout. */
