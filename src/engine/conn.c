@@ -371,13 +371,16 @@ static int check_header(struct run *x, struct conn *c)
  * frame's check, and once the frame is whole, checks its tag. */
 static int check_payload(struct run *x, struct conn *c)
 {
-    size_t pd = c->rx_done - c->hdr_len;
+    size_t pd = c->rx_done - c->hdr_len, n = pd - c->rx_maced;
     struct peerwire_frame f;
 
-    if (pd > c->rx_maced) {
-        if (peerauth_stream_update(&c->rx_mac, c->rx_buf + c->rx_maced, pd - c->rx_maced) < 0)
+    /* Whole Poly1305 blocks until the last piece (peerauth.h). */
+    if (pd < c->rx_len)
+        n &= ~(size_t)(PEERAUTH_BLOCK - 1);
+    if (n > 0) {
+        if (peerauth_stream_update(&c->rx_mac, c->rx_buf + c->rx_maced, n) < 0)
             goto bad;
-        c->rx_maced = pd;
+        c->rx_maced += n;
     }
     if (pd < c->rx_len || peerauth_stream_end(&c->rx_mac, c->rx_hdr + PEERWIRE_FRAME_BYTES) == 0)
         return 0;
