@@ -79,6 +79,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "base/clock.h"
 #include "base/ident.h"
 #include "base/log.h"
@@ -256,6 +258,7 @@ void allreduce_destroy(struct allreduce *a)
     epoch_unref(a->conn_epoch);
     for (size_t i = 0; i < a->n_inbox; i++)
         close(a->inbox[i].fd);
+    OPENSSL_cleanse(a->inbox, a->n_inbox * sizeof(a->inbox[0]));    /* frame keys */
     epoch_unref(a->epoch);
     pthread_mutex_destroy(&a->mu);
     engine_free(a);
