@@ -7,9 +7,14 @@
 #
 #   bench/allreduce.sh                        # peers 2 4; sizes 4K 64K 1M 16M 64M
 #   PEERS="2 4 8" SIZES="4K 64M" REPS=5 bench/allreduce.sh
+#   OTHERS= INTEGRITY="none mac" SIZES="64K 4M 64M" bench/allreduce.sh
+#                                             # the cost of --integrity mac alone
 #
 # Environment: PEERS, SIZES, REPS (default 3), DTYPE (default f32),
-# COHORTCTL (default build/cohortctl), SKIP_INSTALL=1 to never apt-get.
+# INTEGRITY (cohort's --integrity settings, each run in every repetition;
+# default none), OTHERS (the systems to compare with; default "gloo mpi",
+# empty for cohort alone), COHORTCTL (default build/cohortctl),
+# SKIP_INSTALL=1 to never apt-get.
 #
 # busbw = algbw * 2(N-1)/N and algbw = bytes / time, as in nccl-tests; GB/s
 # of 10^9 bytes. Gloo and Open MPI each get N processes on 127.0.0.1; Open MPI
@@ -23,6 +28,8 @@ PEERS=${PEERS:-"2 4"}
 SIZES=${SIZES:-"4K 64K 1M 16M 64M"}
 REPS=${REPS:-3}
 DTYPE=${DTYPE:-f32}
+INTEGRITY=${INTEGRITY:-none}
+OTHERS=${OTHERS-gloo mpi}
 COHORTCTL=${COHORTCTL:-$ROOT/build/cohortctl}
 PYTHON=/usr/bin/python3         # Debian's, which python3-torch installs into
 OUT=$ROOT/build/bench
@@ -30,7 +37,10 @@ mkdir -p "$OUT"
 
 # --- dependencies -----------------------------------------------------------
 need=""
-for p in python3-torch openmpi-bin libopenmpi-dev; do
+pkgs=""
+case " $OTHERS " in *" gloo "*) pkgs="python3-torch" ;; esac
+case " $OTHERS " in *" mpi "*) pkgs="$pkgs openmpi-bin libopenmpi-dev" ;; esac
+for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
         need="$need $p"
 done
@@ -51,7 +61,7 @@ fi
 if [ "$COHORTCTL" = "$ROOT/build/cohortctl" ]; then
     make -j2 all >&2
 fi
-mpicc -O2 -o "$OUT/allreduce_mpi" bench/allreduce_mpi.c
+case " $OTHERS " in *" mpi "*) mpicc -O2 -o "$OUT/allreduce_mpi" bench/allreduce_mpi.c ;; esac
 cc -O2 -Wall -o "$OUT/loopback_tcp" bench/loopback_tcp.c
 
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --mca pml ob1 --mca btl tcp,self"
@@ -67,7 +77,7 @@ tag() {
     "$@" | sed -n "s/^{\(.*\)}\$/{\"system\":\"$sys\",\"rep\":$rep,\1}/p" >>"$RAW"
 }
 
-echo "allreduce.sh: $REPS repetitions of: B, then for N in $PEERS: cohort, gloo, mpi" >&2
+echo "allreduce.sh: $REPS repetitions of: B, then for N in $PEERS: cohort ($INTEGRITY) $OTHERS" >&2
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 r=1
 while [ "$r" -le "$REPS" ]; do
@@ -76,12 +86,20 @@ while [ "$r" -le "$REPS" ]; do
     done
     for n in $PEERS; do
         echo "allreduce.sh: rep $r, $n peers" >&2
-        tag cohort "$r" "$COHORTCTL" bench allreduce --peers "$n" --bytes "$comma" \
-            --dtype "$DTYPE" -o json
-        tag gloo "$r" env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 \
-            "$PYTHON" bench/allreduce_gloo.py --peers "$n" --dtype "$DTYPE" $SIZES
-        # shellcheck disable=SC2086
-        tag mpi "$r" $MPIRUN -np "$n" "$OUT/allreduce_mpi" --dtype "$DTYPE" $SIZES
+        for integrity in $INTEGRITY; do
+            sys=cohort
+            [ "$integrity" = none ] || sys=cohort-$integrity
+            tag "$sys" "$r" "$COHORTCTL" bench allreduce --peers "$n" --bytes "$comma" \
+                --dtype "$DTYPE" --integrity "$integrity" -o json
+        done
+        case " $OTHERS " in *" gloo "*)
+            tag gloo "$r" env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 \
+                "$PYTHON" bench/allreduce_gloo.py --peers "$n" --dtype "$DTYPE" $SIZES ;;
+        esac
+        case " $OTHERS " in *" mpi "*)
+            # shellcheck disable=SC2086
+            tag mpi "$r" $MPIRUN -np "$n" "$OUT/allreduce_mpi" --dtype "$DTYPE" $SIZES ;;
+        esac
     done
     r=$((r + 1))
 done
@@ -131,6 +149,16 @@ for p, b in keys:
     c, g, m = (get(s, p, b, "busbw_gbs") for s in ("cohort", "gloo", "mpi"))
     print(f"| {size(b)} | {p} | {fmt(c)} | {fmt(g)} | {fmt(m)} | {fmt(c / g, 2)} | {fmt(c / m, 2)} "
           f"| {fmt(c / (B / p), 2)} |")
+if any(s == "cohort-mac" for (s, _, _) in data):
+    print("\nThe cost of --integrity mac (a tag on every frame), same runs, medians; both "
+          "ratios say how many times slower mac is:\n")
+    print("| size | peers | busbw none | busbw mac | none/mac busbw | ms none | ms mac | mac/none time |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for p, b in keys:
+        bn, bm = get("cohort", p, b, "busbw_gbs"), get("cohort-mac", p, b, "busbw_gbs")
+        tn, tm = get("cohort", p, b, "time_ms"), get("cohort-mac", p, b, "time_ms")
+        print(f"| {size(b)} | {p} | {fmt(bn)} | {fmt(bm)} | {fmt(bn / bm, 2)} | {fmt(tn, 4)} "
+              f"| {fmt(tm, 4)} | {fmt(tm / tn, 2)} |")
 print("\nLatency (time per all-reduce, ms; median):\n")
 print("| size | peers | cohort | gloo | mpi |")
 print("|---:|---:|---:|---:|---:|")

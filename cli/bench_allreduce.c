@@ -20,6 +20,7 @@
 #include "membership/epoch.h"
 #include "base/log.h"
 #include "base/opt.h"
+#include "base/secret.h"
 
 #define PROG "cohortctl bench allreduce"
 #define MAX_PEERS 64
@@ -32,8 +33,9 @@ static const char usage[] =
     "Starts N members on this machine, each its own process with its own\n"
     "listener on 127.0.0.1, forms one epoch by hand and times in-place\n"
     "all-reduces for each size. Prints per size: peers, bytes, time_ms (mean\n"
-    "per all-reduce, slowest member), algbw_gbs (bytes/time) and busbw_gbs\n"
-    "(algbw * 2(N-1)/N), in GB/s of 10^9 bytes, as nccl-tests does.\n"
+    "per all-reduce, slowest member), algbw_gbs (bytes/time), busbw_gbs\n"
+    "(algbw * 2(N-1)/N), in GB/s of 10^9 bytes, as nccl-tests does, and the\n"
+    "integrity setting.\n"
     "\n"
     "  --peers N          members (default 2, at most 64)\n"
     "  --bytes SIZE       buffer size; K, M, G suffixes (powers of 1024); may be\n"
@@ -45,6 +47,9 @@ static const char usage[] =
     "  --segment SIZE     ring segment size (default: the engine's)\n"
     "  --small SIZE|none  recursive-doubling threshold (default: the engine's)\n"
     "  --timeout DUR      member timeout (default 30s)\n"
+    "  --integrity none|mac  none (default): members prove a key (generated for\n"
+    "                     the run) when they connect; mac: every frame carries\n"
+    "                     a MAC too, as cohort-sidecar --integrity mac\n"
     "  -o, --output FMT   table (default) or json (one object per line)\n"
     "  -h, --help         show this text\n";
 
@@ -58,6 +63,8 @@ struct bench {
     size_t segment, small;
     uint64_t timeout_ms;
     bool json;
+    bool integrity;
+    struct secret key;          /* generated for the run */
     int listen_fds[MAX_PEERS];
     char addrs[MAX_PEERS][64];
     char ids[MAX_PEERS][24];
@@ -141,7 +148,8 @@ static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
     struct allreduce_config cfg = { .cohort = "bench", .member_id = b->ids[me],
                                     .listen_fd = b->listen_fds[me],
                                     .member_timeout_ms = (uint32_t)b->timeout_ms,
-                                    .segment_bytes = b->segment, .small_bytes = b->small };
+                                    .segment_bytes = b->segment, .small_bytes = b->small,
+                                    .key = &b->key, .integrity_mac = b->integrity };
     struct allreduce *ar = NULL;
     uint64_t max = 0, round = 0;
     void *buf = NULL;
@@ -193,12 +201,15 @@ static void print_row(const struct bench *b, uint64_t bytes, double ms)
     double algbw = (double)bytes / (ms / 1000.0) / 1e9;
     double busbw = algbw * 2.0 * (double)(b->peers - 1) / (double)b->peers;
 
+    const char *integrity = b->integrity ? "mac" : "none";
+
     if (b->json)
         printf("{\"peers\":%zu,\"bytes\":%" PRIu64 ",\"time_ms\":%.4f,\"algbw_gbs\":%.4f,"
-               "\"busbw_gbs\":%.4f}\n",
-               b->peers, bytes, ms, algbw, busbw);
+               "\"busbw_gbs\":%.4f,\"integrity\":\"%s\"}\n",
+               b->peers, bytes, ms, algbw, busbw, integrity);
     else
-        printf("%6zu %12" PRIu64 " %11.4f %10.3f %10.3f\n", b->peers, bytes, ms, algbw, busbw);
+        printf("%6zu %12" PRIu64 " %11.4f %10.3f %10.3f %9s\n", b->peers, bytes, ms, algbw, busbw,
+               integrity);
     fflush(stdout);
 }
 
@@ -212,7 +223,8 @@ static int parse_args(struct bench *b, int argc, char **argv)
         { "iters", required_argument, NULL, 'k' },   { "warmup", required_argument, NULL, 'w' },
         { "segment", required_argument, NULL, 's' }, { "small", required_argument, NULL, 'S' },
         { "timeout", required_argument, NULL, 't' }, { "output", required_argument, NULL, 'o' },
-        { "help", no_argument, NULL, 'h' },          { NULL, 0, NULL, 0 },
+        { "integrity", required_argument, NULL, 'I' }, { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
     };
     const struct option *o;
     uint64_t v;
@@ -263,6 +275,11 @@ static int parse_args(struct bench *b, int argc, char **argv)
             if (opt_duration_ms(optarg, 3600000, &b->timeout_ms) < 0 || b->timeout_ms == 0)
                 goto bad;
             break;
+        case 'I':
+            if (strcmp(optarg, "none") != 0 && strcmp(optarg, "mac") != 0)
+                goto bad;
+            b->integrity = strcmp(optarg, "mac") == 0;
+            break;
         case 'o':
             if (strcmp(optarg, "json") == 0)
                 b->json = true;
@@ -306,6 +323,11 @@ int cli_bench_allreduce(int argc, char **argv)
             return opt_usage(PROG, "%" PRIu64 " bytes hold no %s element", b.sizes[i],
                              dtype_name(b.type));
     log_set_level(LOG_WARN);
+    rc = secret_generate(&b.key);
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl bench allreduce: cannot make a key: %s\n", log_strerror(rc));
+        return 1;
+    }
     /* Listeners first, in the parent, so every member knows every address
      * before any of them starts, and no port is raced. */
     for (size_t i = 0; i < b.peers; i++) {
@@ -347,7 +369,8 @@ int cli_bench_allreduce(int argc, char **argv)
         close(pipes[i][1]);
     }
     if (!b.json)
-        printf("%6s %12s %11s %10s %10s\n", "peers", "bytes", "time_ms", "algbw_gbs", "busbw_gbs");
+        printf("%6s %12s %11s %10s %10s %9s\n", "peers", "bytes", "time_ms", "algbw_gbs",
+               "busbw_gbs", "integrity");
     status = 0;
     for (size_t s = 0; s < b.n_sizes; s++) {
         double worst = 0;
@@ -391,5 +414,6 @@ out_children:
 out_listeners:
     for (size_t i = 0; i < b.peers; i++)
         close(b.listen_fds[i]);
+    secret_wipe(&b.key);
     return status;
 }

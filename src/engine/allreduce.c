@@ -3,6 +3,7 @@
  * algorithm; the rest is beside it:
  *
  *   peerwire.c        the bytes on the wire: greeting, frame header, BYE
+ *   peerauth.c        what proves a peer: the greeting's MACs, frame tags
  *   conn.c            connections in a call: pumps, checks, waiting, dialling
  *   acceptor.c        the acceptor thread: accepting and judging greetings
  *   ring.c            the ring, for large buffers
@@ -78,9 +79,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "base/clock.h"
 #include "base/ident.h"
 #include "base/log.h"
+#include "base/secret.h"
 #include "engine/acceptor.h"
 #include "engine/allreduce_impl.h"
 #include "engine/conn.h"
@@ -166,6 +170,7 @@ static void engine_free(struct allreduce *a)
     free(a->stage);
     free(a->id);
     free(a->cohort);
+    secret_wipe(&a->key);
     free(a);
 }
 
@@ -181,7 +186,8 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
     small = cfg->small_bytes ? cfg->small_bytes : DEFAULT_SMALL_BYTES;
     if (!ident_valid_cohort(cfg->cohort) || !ident_valid_member_id(cfg->member_id) ||
         cfg->listen_fd < 0 || seg % 8 != 0 || seg > MAX_SEGMENT_BYTES ||
-        (small != ALLREDUCE_SMALL_NONE && small > MAX_SMALL_BYTES))
+        (small != ALLREDUCE_SMALL_NONE && small > MAX_SMALL_BYTES) ||
+        (cfg->integrity_mac && !cfg->key))
         return -EINVAL;
     /* The registration table comes with the struct. */
     a = calloc(1, sizeof(*a) + ALLREDUCE_MAX_BUFFERS * sizeof(a->regs[0]));
@@ -192,6 +198,16 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
     a->seg_bytes = seg;
     a->small_bytes = small;
     a->abort_fd = a->wake_fd = a->inbox_fd = -1;
+    if (cfg->key) {
+        a->key = *cfg->key;
+        a->keyed = true;
+        a->integrity = cfg->integrity_mac;
+    }
+    /* Tells this engine's greetings from those of an earlier one under
+     * the same id: see "REPLACEMENT" in acceptor.c. */
+    rc = secret_random(&a->incarnation, sizeof(a->incarnation));
+    if (rc < 0)
+        goto err_alloc;
     rc = -ENOMEM;
     a->cohort = strdup(cfg->cohort);
     a->id = strdup(cfg->member_id);
@@ -242,6 +258,7 @@ void allreduce_destroy(struct allreduce *a)
     epoch_unref(a->conn_epoch);
     for (size_t i = 0; i < a->n_inbox; i++)
         close(a->inbox[i].fd);
+    OPENSSL_cleanse(a->inbox, a->n_inbox * sizeof(a->inbox[0]));    /* frame keys */
     epoch_unref(a->epoch);
     pthread_mutex_destroy(&a->mu);
     engine_free(a);

@@ -59,8 +59,10 @@ struct allreduce_config {
                                      * ALLREDUCE_SMALL_NONE: never; at most 64 MiB */
     const struct secret *key;       /* the cohort's key, copied; NULL: greetings
                                      * are not authenticated (tests, and cohorts
-                                     * whose broker runs without a key) */
-    bool integrity_mac;             /* authenticate every frame too (needs key) */
+                                     * whose broker runs without a key). Keyed and
+                                     * unkeyed members refuse each other. */
+    bool integrity_mac;             /* authenticate every frame too (needs key; every
+                                     * member must agree, or they refuse each other) */
 };
 
 /* Binds a TCP listener to `host` (a numeric IPv4 or IPv6 address) on a
@@ -73,7 +75,10 @@ int allreduce_listen(const char *host, int *fd, char *address, size_t address_le
  * holds greetings from members of epochs it has not adopted for up to the
  * member timeout. Allocates every scratch buffer it will ever need, once:
  * 7 x segment_bytes of staging and 2 x small_bytes for recursive doubling.
- * Returns 0, -EINVAL (bad config), -ENOMEM, or a thread/eventfd -errno.
+ * Draws the engine's random incarnation, which tells its greetings from
+ * those of an earlier engine under the same id (acceptor.c).
+ * Returns 0, -EINVAL (bad config: integrity_mac without a key, too),
+ * -ENOMEM, or a thread/eventfd/getrandom -errno.
  * The caller owns *out and frees it with allreduce_destroy(). */
 int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out);
 
@@ -114,7 +119,12 @@ int allreduce_unregister(struct allreduce *a, int handle);
  *                this round), or it refused to connect;
  *   -EPIPE       the same, seen while sending;
  *   -EPROTO      a member sent a frame that does not match this call
- *                (members disagree on round, count, type or op);
+ *                (members disagree on round, count, type or op), or with
+ *                integrity_mac a frame whose MAC does not verify (changed
+ *                on the way), or a greeting's answer made no sense;
+ *   -EACCES      a member this one dials refused its greeting (key or
+ *                integrity settings differ) or could not prove the cohort
+ *                key; both ends log why;
  *   -EINVAL      misuse: bad handle, count beyond the registration, bad
  *                type, op or denominator;
  *   -EBUSY       another run is in flight on this engine.

@@ -17,7 +17,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/ident.h"
+#include "base/secret.h"
 #include "engine/dtype.h"
+#include "engine/peerauth.h"
 #include "engine/peerwire.h"
 #include "membership/epoch.h"
 
@@ -34,9 +37,13 @@
 
 #define MAX_PENDING 64          /* accepted connections still greeting */
 #define PENDING_PER_SOURCE 16   /* of those, from one source address */
-#define GREETING_MS 1000        /* from accept to a whole greeting */
+#define GREETING_MS 1000        /* from accept to a whole greeting, and from our
+                                 * answer to its confirmation */
 #define INBOX_MAX 256           /* greeted connections not yet taken by a run */
 #define MAX_NEED 72             /* peers one call talks to: 2 + log2(n) */
+
+/* The largest frame header: the header and, with --integrity mac, its tag. */
+#define HDR_MAX (PEERWIRE_FRAME_BYTES + PEERWIRE_TAG_BYTES)
 
 /* One TCP connection to one member, used in both directions. At most one
  * frame is in flight each way; the pumps (conn.c) move as much of it as
@@ -44,26 +51,40 @@
 struct conn {
     int fd;
     size_t peer;                /* index in the epoch */
+    size_t hdr_len;             /* PEERWIRE_FRAME_BYTES, + PEERWIRE_TAG_BYTES when sealed */
+    bool sealed;                /* --integrity mac: every frame carries a tag */
+    uint64_t incarnation, serial;   /* the connector's, from its greeting (inbound only) */
+    struct peerauth_stream tx_mac, rx_mac;  /* when sealed */
 
     bool tx_busy, tx_moved;
-    uint8_t tx_hdr[PEERWIRE_FRAME_BYTES];
+    uint8_t tx_hdr[HDR_MAX];
     const uint8_t *tx_buf;
     size_t tx_len, tx_done;     /* tx_done counts header and payload */
     uint64_t tx_since;
 
     bool rx_busy, rx_moved, rx_checked;
-    uint8_t rx_hdr[PEERWIRE_FRAME_BYTES];
+    uint8_t rx_hdr[HDR_MAX];
     uint8_t *rx_buf;
     size_t rx_len, rx_done;
+    size_t rx_maced;            /* payload bytes given to rx_mac so far */
     struct peerwire_frame rx_want;  /* magic 0: control only, any data frame is wrong */
     uint64_t rx_since;
 };
 
-/* A connection the acceptor greeted, waiting for a run to take it. */
+/* A connection the acceptor greeted (and, keyed, whose confirmation it
+ * verified), waiting for a run to take it. */
 struct inbound {
     int fd;
     uint64_t epoch;
     size_t peer;
+    uint64_t incarnation, serial;
+    uint8_t key_c2a[PEERAUTH_KEY_BYTES], key_a2c[PEERAUTH_KEY_BYTES];  /* when sealed */
+};
+
+enum pending_state {
+    PENDING_GREETING,           /* reading the greeting */
+    PENDING_HELD,               /* greeted from a newer epoch; waiting for ours */
+    PENDING_CONFIRMING,         /* answered (keyed); reading the confirmation */
 };
 
 /* An accepted connection whose greeting is still being read or judged. */
@@ -71,11 +92,17 @@ struct pending {
     int fd;
     uint64_t since;             /* accepted at */
     uint64_t deadline;
+    enum pending_state state;
     size_t got;
-    bool held;                  /* greeted from a newer epoch; waiting for ours */
     uint8_t buf[PEERWIRE_HELLO_BYTES];
     char host[48];              /* the source address, for the per-source cap */
     char from[64];              /* host:port, for logs */
+    /* PENDING_CONFIRMING: what the confirmation must be a MAC of. */
+    size_t peer;
+    uint64_t epoch, incarnation, serial;
+    uint8_t flags;
+    uint8_t nonce_c[PEERWIRE_NONCE_BYTES], nonce_a[PEERWIRE_NONCE_BYTES];
+    char peer_id[PEERWIRE_HELLO_NAME];  /* the id it claims */
 };
 
 /* A registered buffer. */
@@ -88,6 +115,10 @@ struct reg {
 struct allreduce {
     char *cohort, *id;
     uint64_t cohort_hash;
+    bool keyed;                 /* key holds the cohort's key */
+    bool integrity;             /* --integrity mac (needs keyed) */
+    struct secret key;
+    uint64_t incarnation;       /* random, this engine's: see acceptor.c */
     int listen_fd;
     uint32_t timeout_ms;
     size_t seg_bytes, small_bytes;
@@ -113,8 +144,12 @@ struct allreduce {
     /* The acceptor thread's. */
     struct pending pending[MAX_PENDING];
     size_t n_pending;
+    uint64_t log_at;            /* refusals' log budget: see acceptor.c */
+    uint32_t log_tokens;
+    uint64_t log_unlogged;
 
     /* The caller thread's. */
+    uint64_t serial;            /* connections dialled so far */
     uint8_t *stage;             /* SLOTS + 1 segments */
     uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */

@@ -17,6 +17,16 @@
  * algorithm staged it and lands where the algorithm said, untouched (see
  * allreduce.c, "the codec seam").
  *
+ * With --integrity mac a connection is sealed: every frame, BYEs included,
+ * carries a tag after its header (peerauth.h), computed once when the
+ * frame is put in flight. The receiver feeds the payload to the check as
+ * it arrives, while it is in cache, and a frame is done only when its tag
+ * verifies; one that does not fails the call with -EPROTO. A frame's
+ * payload may by then have landed in the user buffer, but a failed call
+ * leaves that buffer unspecified anyway: nothing unverified is ever
+ * returned as a result. Unsealed, no crypto runs and nothing is allocated
+ * per frame: the only cost is a header length read from the connection.
+ *
  * ABORT AND TIMEOUTS
  *
  * Sockets are non-blocking and the calling thread drives them with poll,
@@ -39,9 +49,14 @@
  * CONNECTING
  *
  * The member lower in the epoch's order connects and greets (the other
- * side is acceptor.c); a connection greeted and accepted belongs to the
- * epoch it was greeted in, and the table (struct allreduce's conns) holds
- * one per peer for the epoch of the last call. */
+ * side, and the greeting's authentication, are in acceptor.c); a
+ * connection greeted and accepted belongs to the epoch it was greeted in,
+ * and the table (struct allreduce's conns) holds one per peer for the
+ * epoch of the last call. Keyed, the connector checks the acceptor's MAC
+ * before it confirms with its own: an acceptor that cannot prove the key
+ * fails the call with -EACCES, and is told so with a REFUSE. Every dial
+ * carries the engine's incarnation and a new serial, so that the acceptor
+ * can tell a reconnection from a replay or an older process. */
 #include "engine/conn.h"
 
 #include <errno.h>
@@ -57,10 +72,14 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "base/clock.h"
 #include "base/ident.h"
 #include "base/log.h"
+#include "base/secret.h"
 #include "engine/allreduce_impl.h"
+#include "engine/peerauth.h"
 
 /* Before sleeping in poll, keep trying for this long, yielding the core
  * between tries. A wakeup through poll costs tens of microseconds on a
@@ -109,7 +128,19 @@ static int split_address(const char *addr, char *host, size_t hlen, char *port, 
 
 /* --- connections -------------------------------------------------------- */
 
-static struct conn *conn_new(int fd, size_t peer)
+static void conn_free(struct conn *c)
+{
+    peerauth_stream_cleanup(&c->tx_mac);
+    peerauth_stream_cleanup(&c->rx_mac);
+    free(c);
+}
+
+/* A connection of a's on fd to member `peer`. With --integrity mac it is
+ * sealed, with tx_key for the frames it sends and rx_key for those it
+ * receives (copied; the caller wipes its own). Returns NULL when out of
+ * memory (or libcrypto failed); fd is still the caller's then. */
+static struct conn *conn_new(const struct allreduce *a, int fd, size_t peer,
+                             const uint8_t *tx_key, const uint8_t *rx_key)
 {
     struct conn *c = calloc(1, sizeof(*c));
 
@@ -117,19 +148,40 @@ static struct conn *conn_new(int fd, size_t peer)
         return NULL;
     c->fd = fd;
     c->peer = peer;
+    c->hdr_len = PEERWIRE_FRAME_BYTES;
+    if (a->integrity) {
+        if (peerauth_stream_init(&c->tx_mac, tx_key) < 0 ||
+            peerauth_stream_init(&c->rx_mac, rx_key) < 0) {
+            conn_free(c);
+            return NULL;
+        }
+        c->sealed = true;
+        c->hdr_len += PEERWIRE_TAG_BYTES;
+    }
     return c;
+}
+
+/* The tag of the frame in c->tx_hdr (payload at `payload`), after it. */
+static void seal(struct conn *c, const void *payload, size_t len)
+{
+    if (peerauth_stream_seal(&c->tx_mac, c->tx_hdr, payload, len,
+                             c->tx_hdr + PEERWIRE_FRAME_BYTES) < 0) {
+        /* libcrypto does not fail on these inputs; if it ever did, the
+         * zero tag fails at the receiver, and so does the call. */
+        log_error(COMPONENT, "A frame could not be sealed.", LF_U("peer_index", c->peer));
+        memset(c->tx_hdr + PEERWIRE_FRAME_BYTES, 0, PEERWIRE_TAG_BYTES);
+    }
 }
 
 int conn_tx_pump(struct conn *c)
 {
     struct iovec iov[2];
     struct msghdr m = { .msg_iov = iov };
-    size_t pd = c->tx_done > PEERWIRE_FRAME_BYTES ? c->tx_done - PEERWIRE_FRAME_BYTES : 0;
+    size_t hl = c->hdr_len, pd = c->tx_done > hl ? c->tx_done - hl : 0;
     ssize_t w;
 
-    if (c->tx_done < PEERWIRE_FRAME_BYTES)
-        iov[m.msg_iovlen++] =
-            (struct iovec){ c->tx_hdr + c->tx_done, PEERWIRE_FRAME_BYTES - c->tx_done };
+    if (c->tx_done < hl)
+        iov[m.msg_iovlen++] = (struct iovec){ c->tx_hdr + c->tx_done, hl - c->tx_done };
     if (pd < c->tx_len)
         iov[m.msg_iovlen++] = (struct iovec){ (void *)(uintptr_t)(c->tx_buf + pd), c->tx_len - pd };
     do
@@ -142,7 +194,7 @@ int conn_tx_pump(struct conn *c)
     }
     c->tx_done += (size_t)w;
     c->tx_moved = true;
-    if (c->tx_done == PEERWIRE_FRAME_BYTES + c->tx_len)
+    if (c->tx_done == hl + c->tx_len)
         c->tx_busy = false;
     return 1;
 }
@@ -150,6 +202,8 @@ int conn_tx_pump(struct conn *c)
 void conn_tx_start(struct conn *c, const struct peerwire_frame *f, const void *payload)
 {
     peerwire_frame_encode(c->tx_hdr, f);
+    if (c->sealed)
+        seal(c, payload, f->length);
     c->tx_buf = payload;
     c->tx_len = f->length;
     c->tx_done = 0;
@@ -163,6 +217,7 @@ void conn_rx_start(struct conn *c, const struct peerwire_frame *want, void *dst)
     c->rx_buf = dst;
     c->rx_len = want->magic ? want->length : 0;
     c->rx_done = 0;
+    c->rx_maced = 0;
     c->rx_checked = false;
     c->rx_busy = true;
     c->rx_moved = true;
@@ -191,10 +246,13 @@ static void conn_close(struct conn *c, uint64_t cohort_hash, int err, uint64_t e
             break;
     }
     if (!c->tx_busy || c->tx_done == 0) {
-        uint8_t b[PEERWIRE_FRAME_BYTES];
-
-        peerwire_frame_encode(b, &bye);
-        if (send(c->fd, b, sizeof(b), MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+        /* A frame sealed but never sent took a number the BYE now gets. */
+        if (c->sealed && c->tx_busy)
+            c->tx_mac.seq--;
+        peerwire_frame_encode(c->tx_hdr, &bye);
+        if (c->sealed)
+            seal(c, NULL, 0);
+        if (send(c->fd, c->tx_hdr, c->hdr_len, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
             /* The socket is full or gone; the close says enough. */
         }
     }
@@ -209,7 +267,7 @@ static void conn_close(struct conn *c, uint64_t cohort_hash, int err, uint64_t e
         dropped += (size_t)r;
     }
     close(c->fd);
-    free(c);
+    conn_free(c);
 }
 
 void conn_close_all(struct allreduce *a, int err, uint64_t epoch, uint64_t deadline)
@@ -262,7 +320,17 @@ static int bye_error(struct run *x, const struct peerwire_frame *f)
     return -ECONNRESET;
 }
 
-/* Compares a received header with the one the schedule expects. */
+static int bad_tag(struct run *x, struct conn *c, const struct peerwire_frame *f)
+{
+    log_warn(COMPONENT, "Dropped a frame whose MAC does not verify.", LF_S("cohort", x->a->cohort),
+             LF_S("peer", x->e->members[c->peer].id), LF_U("epoch", f->epoch),
+             LF_U("round", f->round), LF_U("offset", f->offset), LF_U("length", f->length));
+    return -EPROTO;
+}
+
+/* Compares a received header with the one the schedule expects. Sealed,
+ * a BYE's tag is checked here (it has no payload), and a data frame's
+ * check begins. */
 static int check_header(struct run *x, struct conn *c)
 {
     const struct peerwire_frame *w = &c->rx_want;
@@ -270,8 +338,12 @@ static int check_header(struct run *x, struct conn *c)
     const char *what = NULL;
     int rc = peerwire_frame_decode(c->rx_hdr, sizeof(c->rx_hdr), &f);
 
-    if (rc == 0 && f.magic == PEERWIRE_FRAME_BYE && f.cohort == x->a->cohort_hash)
+    if (rc == 0 && f.magic == PEERWIRE_FRAME_BYE && f.cohort == x->a->cohort_hash) {
+        if (c->sealed && (peerauth_stream_begin(&c->rx_mac, c->rx_hdr) < 0 ||
+                          peerauth_stream_end(&c->rx_mac, c->rx_hdr + PEERWIRE_FRAME_BYTES) < 0))
+            return bad_tag(x, c, &f);
         return bye_error(x, &f);
+    }
     if (rc < 0 || f.magic != PEERWIRE_FRAME_DATA || f.cohort != x->a->cohort_hash)
         what = "not a frame of this cohort";
     else if (f.epoch != x->e->number)
@@ -286,7 +358,8 @@ static int check_header(struct run *x, struct conn *c)
              f.length != w->length)
         what = "a segment other than the one due";
     if (!what)
-        return 0;
+        return c->sealed && peerauth_stream_begin(&c->rx_mac, c->rx_hdr) < 0 ? bad_tag(x, c, &f)
+                                                                              : 0;
     log_warn(COMPONENT, "Dropped a frame that does not match the call.",
              LF_S("cohort", x->a->cohort), LF_S("peer", x->e->members[c->peer].id),
              LF_S("reason", what), LF_U("epoch", f.epoch), LF_U("round", f.round),
@@ -294,17 +367,38 @@ static int check_header(struct run *x, struct conn *c)
     return -EPROTO;
 }
 
+/* Sealed: gives the payload bytes that arrived since the last call to the
+ * frame's check, and once the frame is whole, checks its tag. */
+static int check_payload(struct run *x, struct conn *c)
+{
+    size_t pd = c->rx_done - c->hdr_len, n = pd - c->rx_maced;
+    struct peerwire_frame f;
+
+    /* Whole Poly1305 blocks until the last piece (peerauth.h). */
+    if (pd < c->rx_len)
+        n &= ~(size_t)(PEERAUTH_BLOCK - 1);
+    if (n > 0) {
+        if (peerauth_stream_update(&c->rx_mac, c->rx_buf + c->rx_maced, n) < 0)
+            goto bad;
+        c->rx_maced += n;
+    }
+    if (pd < c->rx_len || peerauth_stream_end(&c->rx_mac, c->rx_hdr + PEERWIRE_FRAME_BYTES) == 0)
+        return 0;
+bad:
+    peerwire_frame_decode(c->rx_hdr, sizeof(c->rx_hdr), &f);
+    return bad_tag(x, c, &f);
+}
+
 int conn_rx_pump(struct run *x, struct conn *c)
 {
     struct iovec iov[2];
     struct msghdr m = { .msg_iov = iov };
-    size_t pd = c->rx_done > PEERWIRE_FRAME_BYTES ? c->rx_done - PEERWIRE_FRAME_BYTES : 0;
+    size_t hl = c->hdr_len, pd = c->rx_done > hl ? c->rx_done - hl : 0;
     ssize_t r;
     int rc;
 
-    if (c->rx_done < PEERWIRE_FRAME_BYTES)
-        iov[m.msg_iovlen++] =
-            (struct iovec){ c->rx_hdr + c->rx_done, PEERWIRE_FRAME_BYTES - c->rx_done };
+    if (c->rx_done < hl)
+        iov[m.msg_iovlen++] = (struct iovec){ c->rx_hdr + c->rx_done, hl - c->rx_done };
     if (pd < c->rx_len)
         iov[m.msg_iovlen++] = (struct iovec){ c->rx_buf + pd, c->rx_len - pd };
     do
@@ -316,27 +410,34 @@ int conn_rx_pump(struct run *x, struct conn *c)
         return -ECONNRESET;
     c->rx_done += (size_t)r;
     c->rx_moved = true;
-    if (!c->rx_checked && c->rx_done >= PEERWIRE_FRAME_BYTES) {
+    if (!c->rx_checked && c->rx_done >= hl) {
         rc = check_header(x, c);
         if (rc < 0)
             return rc;
         c->rx_checked = true;
     }
-    if (c->rx_checked && c->rx_done == PEERWIRE_FRAME_BYTES + c->rx_len)
+    if (c->rx_checked && c->sealed) {
+        rc = check_payload(x, c);
+        if (rc < 0)
+            return rc;
+    }
+    if (c->rx_checked && c->rx_done == hl + c->rx_len)
         c->rx_busy = false;
     return 1;
 }
 
 int conn_refine(struct run *x, struct conn *c, int err)
 {
-    uint8_t b[PEERWIRE_FRAME_BYTES];
+    uint8_t b[HDR_MAX];
     struct peerwire_frame f;
 
     if (c->rx_busy && c->rx_done > 0)
         return err;             /* mid-frame: a BYE would be further on */
-    if (recv(c->fd, b, sizeof(b), MSG_DONTWAIT | MSG_PEEK) != (ssize_t)sizeof(b))
+    if (recv(c->fd, b, c->hdr_len, MSG_DONTWAIT | MSG_PEEK) != (ssize_t)c->hdr_len)
         return err;
-    if (peerwire_frame_decode(b, sizeof(b), &f) < 0)
+    if (peerwire_frame_decode(b, PEERWIRE_FRAME_BYTES, &f) < 0)
+        return err;
+    if (c->sealed && !peerauth_stream_peek(&c->rx_mac, b, b + PEERWIRE_FRAME_BYTES))
         return err;
     return f.magic == PEERWIRE_FRAME_BYE && f.cohort == x->a->cohort_hash ? bye_error(x, &f)
                                                                            : err;
@@ -388,15 +489,44 @@ struct peerwire_frame conn_frame(const struct run *x, uint8_t phase, uint32_t st
 
 /* --- connecting --------------------------------------------------------- */
 
-enum dial_state { DIAL_CONNECTING, DIAL_SENDING, DIAL_READING };
+enum dial_state { DIAL_CONNECTING, DIAL_SENDING, DIAL_READING, DIAL_CONFIRMING };
 
 struct dial {
     size_t peer;
     int fd;
     enum dial_state state;
     size_t done;
+    uint64_t serial;
+    uint8_t nonce_c[PEERWIRE_NONCE_BYTES];
+    uint8_t key_tx[PEERAUTH_KEY_BYTES], key_rx[PEERAUTH_KEY_BYTES];  /* sealed, once answered */
     uint8_t buf[PEERWIRE_HELLO_BYTES];
 };
+
+static uint8_t our_flags(const struct allreduce *a)
+{
+    return (uint8_t)((a->keyed ? PEERWIRE_F_KEYED : 0) | (a->integrity ? PEERWIRE_F_INTEGRITY : 0));
+}
+
+/* The greeting, with a fresh nonce when keyed, into d->buf. */
+static int dial_greeting(struct run *x, struct dial *d)
+{
+    struct allreduce *a = x->a;
+    struct peerwire_hello h = { .kind = PEERWIRE_GREET, .flags = our_flags(a),
+                                .epoch = x->e->number, .incarnation = a->incarnation,
+                                .serial = d->serial };
+    int rc;
+
+    if (a->keyed) {
+        rc = secret_random(d->nonce_c, sizeof(d->nonce_c));
+        if (rc < 0)
+            return rc;
+        memcpy(h.nonce, d->nonce_c, sizeof(h.nonce));
+    }
+    snprintf(h.cohort, sizeof(h.cohort), "%s", a->cohort);
+    snprintf(h.id, sizeof(h.id), "%s", a->id);
+    /* Both names were checked by allreduce_create, so this cannot fail. */
+    return peerwire_hello_encode(d->buf, &h);
+}
 
 static int dial_start(struct run *x, struct dial *d, size_t peer)
 {
@@ -408,8 +538,8 @@ static int dial_start(struct run *x, struct dial *d, size_t peer)
 
     d->peer = peer;
     d->fd = -1;
-    /* Both names were checked by allreduce_create, so this cannot fail. */
-    rc = peerwire_hello_encode(d->buf, PEERWIRE_GREET, x->e->number, x->a->cohort, x->a->id);
+    d->serial = ++x->a->serial;
+    rc = dial_greeting(x, d);
     if (rc < 0)
         return rc;
     if (split_address(m->address, host, sizeof(host), port, sizeof(port)) < 0) {
@@ -444,12 +574,102 @@ static int dial_start(struct run *x, struct dial *d, size_t peer)
     return 0;
 }
 
-/* Advances a dial. Returns 1 when the connection is greeted and accepted,
- * 0 when it needs to wait, or an error. */
+/* Sends more of d->buf. Returns 1 when all of it is sent, 0 or an error. */
+static int dial_send(struct dial *d)
+{
+    ssize_t k = send(d->fd, d->buf + d->done, PEERWIRE_HELLO_BYTES - d->done,
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+
+    if (k < 0)
+        return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -ECONNRESET;
+    d->done += (size_t)k;
+    return d->done == PEERWIRE_HELLO_BYTES;
+}
+
+static int dial_failed(struct run *x, struct dial *d, const char *msg, const char *why, int rc)
+{
+    log_warn(COMPONENT, msg, LF_S("cohort", x->a->cohort),
+             LF_S("member", x->e->members[d->peer].id), LF_S("reason", why));
+    return rc;
+}
+
+/* Judges the acceptor's answer in d->buf. Keyed, an ACCEPT whose MAC
+ * verifies leaves the confirmation in d->buf and the frame keys in d.
+ * Returns 1 (accepted), or -ESTALE, -ECONNRESET (stale reply of an older
+ * epoch), -EACCES (refused, or it did not prove the key), -EPROTO. */
+static int dial_answer(struct run *x, struct dial *d)
+{
+    struct allreduce *a = x->a;
+    const char *peer_id = x->e->members[d->peer].id;
+    struct peerwire_hello h;
+    struct peerauth_transcript t = {
+        .cohort = a->cohort, .connector = a->id, .acceptor = peer_id, .epoch = x->e->number,
+        .incarnation = a->incarnation, .serial = d->serial, .flags = our_flags(a),
+    };
+    const char *why = peerwire_hello_decode(d->buf, sizeof(d->buf), &h);
+    int rc;
+
+    if (!why && strcmp(h.cohort, a->cohort) != 0)
+        why = "another cohort";
+    if (!why && h.kind == PEERWIRE_REFUSE)
+        return dial_failed(x, d, "A member refused this member's greeting.",
+                           peerwire_refusal_text(h.reason), -EACCES);
+    if (!why && strcmp(h.id, peer_id) != 0)
+        why = "answered by another member";
+    if (!why && h.kind != PEERWIRE_STALE && h.kind != PEERWIRE_ACCEPT)
+        why = "not an answer";
+    if (!why && h.flags != our_flags(a))
+        why = "other key or integrity settings";
+    if (why)
+        return dial_failed(x, d, "A member's answer to this member's greeting is wrong.", why,
+                           -EPROTO);
+    t.reply_epoch = h.epoch;
+    memcpy(t.nonce_c, d->nonce_c, sizeof(t.nonce_c));
+    memcpy(t.nonce_a, h.nonce, sizeof(t.nonce_a));
+    if (a->keyed && !peerauth_verify(&a->key, h.kind == PEERWIRE_STALE ? PEERAUTH_STALE
+                                                                         : PEERAUTH_ACCEPT,
+                                     &t, h.mac)) {
+        struct peerwire_hello no = { .kind = PEERWIRE_REFUSE, .flags = our_flags(a),
+                                     .reason = PEERWIRE_REFUSE_BAD_MAC };
+
+        /* Tell the acceptor why, so that both ends log the cause. */
+        snprintf(no.cohort, sizeof(no.cohort), "%s", a->cohort);
+        snprintf(no.id, sizeof(no.id), "%s", a->id);
+        if (peerwire_hello_encode(d->buf, &no) == 0 &&
+            send(d->fd, d->buf, sizeof(d->buf), MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+            /* it hears the close instead */
+        }
+        return dial_failed(x, d, "A member's answer does not prove the cohort key.",
+                           "its key differs from this member's", -EACCES);
+    }
+    if (h.kind == PEERWIRE_STALE)
+        return h.epoch > x->e->number ? -ESTALE : -ECONNRESET;
+    if (h.epoch != x->e->number)
+        return dial_failed(x, d, "A member's answer to this member's greeting is wrong.",
+                           "another epoch", -EPROTO);
+    if (!a->keyed)
+        return 1;
+    if (a->integrity) {
+        rc = peerauth_frame_keys(&a->key, &t, d->key_tx, d->key_rx);
+        if (rc < 0)
+            return rc;
+    }
+    h = (struct peerwire_hello){ .kind = PEERWIRE_CONFIRM, .flags = our_flags(a),
+                                 .epoch = x->e->number };
+    snprintf(h.cohort, sizeof(h.cohort), "%s", a->cohort);
+    snprintf(h.id, sizeof(h.id), "%s", a->id);
+    rc = peerauth_mac(&a->key, PEERAUTH_CONFIRM, &t, h.mac);
+    if (rc == 0)
+        rc = peerwire_hello_encode(d->buf, &h);
+    return rc < 0 ? rc : 1;
+}
+
+/* Advances a dial. Returns 1 when the connection is greeted and accepted
+ * (keyed: and confirmed), 0 when it needs to wait, or an error. */
 static int dial_step(struct run *x, struct dial *d)
 {
-    struct peerwire_hello h;
     ssize_t k;
+    int rc;
 
     if (d->state == DIAL_CONNECTING) {
         int err = 0;
@@ -463,63 +683,84 @@ static int dial_step(struct run *x, struct dial *d)
         d->state = DIAL_SENDING;
     }
     if (d->state == DIAL_SENDING) {
-        k = send(d->fd, d->buf + d->done, PEERWIRE_HELLO_BYTES - d->done,
-                 MSG_NOSIGNAL | MSG_DONTWAIT);
+        rc = dial_send(d);
+        if (rc <= 0)
+            return rc;
+        d->state = DIAL_READING;
+        d->done = 0;
+    }
+    if (d->state == DIAL_READING) {
+        k = recv(d->fd, d->buf + d->done, PEERWIRE_HELLO_BYTES - d->done, MSG_DONTWAIT);
+        if (k == 0)
+            return -ECONNRESET;
         if (k < 0)
             return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -ECONNRESET;
         d->done += (size_t)k;
         if (d->done < PEERWIRE_HELLO_BYTES)
             return 0;
-        d->state = DIAL_READING;
+        rc = dial_answer(x, d);
+        if (rc < 0 || !x->a->keyed)
+            return rc;
+        d->state = DIAL_CONFIRMING;
         d->done = 0;
     }
-    k = recv(d->fd, d->buf + d->done, PEERWIRE_HELLO_BYTES - d->done, MSG_DONTWAIT);
-    if (k == 0)
-        return -ECONNRESET;
-    if (k < 0)
-        return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -ECONNRESET;
-    d->done += (size_t)k;
-    if (d->done < PEERWIRE_HELLO_BYTES)
-        return 0;
-    if (peerwire_hello_decode(d->buf, sizeof(d->buf), &h) || strcmp(h.cohort, x->a->cohort) != 0)
-        return -EPROTO;
-    if (h.kind == PEERWIRE_STALE)
-        return h.epoch > x->e->number ? -ESTALE : -ECONNRESET;
-    if (h.kind != PEERWIRE_ACCEPT || h.epoch != x->e->number ||
-        strcmp(h.id, x->e->members[d->peer].id) != 0)
-        return -EPROTO;
-    return 1;
+    /* A fresh socket has room for the confirmation: this sends it whole. */
+    return dial_send(d);
+}
+
+/* Whether an inbound greeting may replace the live connection `live` of
+ * the same member: see "REPLACEMENT" in acceptor.c. */
+static bool newer(const struct inbound *in, const struct conn *live)
+{
+    return in->incarnation != live->incarnation || in->serial > live->serial;
 }
 
 /* Moves greeted connections of this epoch from the inbox into the table;
- * a newer connection from a member replaces the old one (the peer gave
- * the old one up). Others are closed. */
+ * a connection from a member replaces its live one only when it comes
+ * from a newer incarnation. Others are closed. */
 static int take_inbox(struct run *x)
 {
     struct allreduce *a = x->a;
+    size_t kept = 0;
+    const char *who = NULL;
 
     pthread_mutex_lock(&a->mu);
     for (size_t i = 0; i < a->n_inbox; i++) {
         struct inbound *in = &a->inbox[i];
-        struct conn *c;
+        struct conn *c, *live;
 
         if (in->epoch != x->e->number || in->peer >= x->n) {
             close(in->fd);
             continue;
         }
-        c = conn_new(in->fd, in->peer);
+        live = a->conns[in->peer];
+        if (live && !newer(in, live)) {
+            close(in->fd);
+            kept++;
+            who = x->e->members[in->peer].id;
+            continue;
+        }
+        /* The acceptor sends a2c and receives c2a. */
+        c = conn_new(a, in->fd, in->peer, in->key_a2c, in->key_c2a);
         if (!c) {
             close(in->fd);
             continue;
         }
-        if (a->conns[in->peer]) {
-            close(a->conns[in->peer]->fd);
-            free(a->conns[in->peer]);
+        c->incarnation = in->incarnation;
+        c->serial = in->serial;
+        if (live) {
+            close(live->fd);
+            conn_free(live);
         }
         a->conns[in->peer] = c;
     }
+    OPENSSL_cleanse(a->inbox, a->n_inbox * sizeof(a->inbox[0]));
     a->n_inbox = 0;
     pthread_mutex_unlock(&a->mu);
+    if (kept)
+        log_warn(COMPONENT, "Kept a member's live connection: a new greeting in its name was not "
+                            "from a newer incarnation.",
+                 LF_S("cohort", a->cohort), LF_S("member", who), LF_U("closed", kept));
     return 0;
 }
 
@@ -527,7 +768,7 @@ int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
 {
     struct allreduce *a = x->a;
     struct dial dials[MAX_NEED];
-    size_t n_dials = 0;
+    size_t n_dials = 0, n_used = 0;
     uint64_t deadline = clock_now_ms() + a->timeout_ms;
     int rc;
 
@@ -553,6 +794,7 @@ int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
                     goto out;
                 }
                 n_dials++;
+                n_used = n_dials > n_used ? n_dials : n_used;
             }
         }
         if (all) {
@@ -581,7 +823,11 @@ int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
                 goto out;
             }
             if (rc == 1) {
-                struct conn *c = conn_new(dials[k].fd, dials[k].peer);
+                struct conn *c = conn_new(a, dials[k].fd, dials[k].peer, dials[k].key_tx,
+                                          dials[k].key_rx);
+
+                OPENSSL_cleanse(dials[k].key_tx, sizeof(dials[k].key_tx));
+                OPENSSL_cleanse(dials[k].key_rx, sizeof(dials[k].key_rx));
                 if (!c) {
                     rc = -ENOMEM;
                     goto out;
@@ -597,5 +843,7 @@ int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
 out:
     for (size_t k = 0; k < n_dials; k++)
         close(dials[k].fd);
+    if (a->integrity)
+        OPENSSL_cleanse(dials, n_used * sizeof(dials[0]));
     return rc;
 }

@@ -27,7 +27,8 @@ struct peerwire_frame conn_frame(const struct run *x, uint8_t phase, uint32_t st
                                  size_t offset, size_t bytes);
 
 /* Puts frame f with f->length bytes at payload (borrowed until the frame
- * is sent) in flight on c; conn_tx_pump sends it. */
+ * is sent) in flight on c; conn_tx_pump sends it. Sealed, its tag is
+ * computed here, once: the payload must not change until it is sent. */
 void conn_tx_start(struct conn *c, const struct peerwire_frame *f, const void *payload);
 
 /* Expects frame `want` on c, its payload to land at dst (borrowed until
@@ -41,9 +42,10 @@ int conn_tx_pump(struct conn *c);
 
 /* Receives more of the frame expected on c: the header, checked against
  * the expected one as soon as it is whole, then the payload straight into
- * its destination, never more than the expected length. Returns 1 when
- * bytes moved, 0 when none were there, -ECONNRESET, -EPROTO (a frame the
- * schedule did not call for), or a BYE's error. */
+ * its destination, never more than the expected length. Sealed, the frame
+ * is done only once its tag verifies. Returns 1 when bytes moved, 0 when
+ * none were there, -ECONNRESET, -EPROTO (a frame the schedule did not call
+ * for, or whose tag does not verify), or a BYE's error. */
 int conn_rx_pump(struct run *x, struct conn *c);
 
 /* After a failed send on c: the peer may have said why before closing.
@@ -71,10 +73,13 @@ uint64_t conn_silence_deadline(const struct run *x, const struct conn *c, bool c
 
 /* Makes sure the connection table holds a connection to every peer in
  * need[]: dials those after us in the member order, takes the others from
- * the acceptor's inbox as they dial us. Returns 0, -ESTALE, -ETIMEDOUT,
- * -ECONNRESET, -EPROTO (a peer's answer does not fit), -EINVAL (an address
- * that cannot be dialled) or -ENOMEM; x->fail_peer names the peer when one
- * is to blame. The connections stay in the table after a failure. */
+ * the acceptor's inbox as they dial us (a live connection is replaced
+ * only by one from a newer incarnation: acceptor.c). Returns 0, -ESTALE,
+ * -ETIMEDOUT, -ECONNRESET, -EPROTO (a peer's answer does not fit), -EACCES
+ * (a peer refused our greeting or did not prove the key), -EINVAL (an
+ * address that cannot be dialled) or -ENOMEM; x->fail_peer names the peer
+ * when one is to blame. The connections stay in the table after a
+ * failure. */
 int conn_connect_peers(struct run *x, const size_t *need, size_t n_need);
 
 /* Closes every connection of a's table, sending each peer a BYE with

@@ -23,6 +23,9 @@
 
 #include "engine/allreduce.h"
 #include "base/clock.h"
+#include "base/secret.h"
+#include "engine/peerauth.h"
+#include "engine/peerwire.h"
 #include "engine/dtype.h"
 #include "membership/epoch.h"
 #include "base/log.h"
@@ -62,8 +65,16 @@ static void quiet(void)
     log_set_level(LOG_ERROR);
 }
 
-static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, size_t small,
-                         uint32_t timeout_ms)
+/* What a member proves itself with: its key (NULL: none) and whether its
+ * frames carry tags. */
+struct security {
+    const struct secret *key;
+    bool integrity;
+};
+
+/* cluster_init() with member i's security sec[i] (sec NULL: none). */
+static void cluster_init_sec(struct cluster *c, size_t n, size_t bytes, size_t seg, size_t small,
+                             uint32_t timeout_ms, const struct security *sec)
 {
     memset(c, 0, sizeof(*c));
     c->n = n;
@@ -71,7 +82,9 @@ static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, 
         struct peer *p = &c->p[i];
         struct allreduce_config cfg = { .cohort = COHORT, .member_id = p->id,
                                         .member_timeout_ms = timeout_ms, .segment_bytes = seg,
-                                        .small_bytes = small };
+                                        .small_bytes = small,
+                                        .key = sec ? sec[i].key : NULL,
+                                        .integrity_mac = sec && sec[i].integrity };
 
         snprintf(p->id, sizeof(p->id), "m-%zu", i);
         cr_assert_eq(allreduce_listen("127.0.0.1", &p->fd, p->addr, sizeof(p->addr)), 0);
@@ -83,6 +96,12 @@ static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, 
         cr_assert_geq(p->h, 0);
         p->hin = -1;
     }
+}
+
+static void cluster_init(struct cluster *c, size_t n, size_t bytes, size_t seg, size_t small,
+                         uint32_t timeout_ms)
+{
+    cluster_init_sec(c, n, bytes, seg, small, timeout_ms, NULL);
 }
 
 /* Switches every member to allreduce_run_into from a second buffer. */
@@ -558,35 +577,42 @@ static bool both_busy(void *arg)
     return allreduce_busy(c->p[0].ar) && allreduce_busy(c->p[1].ar);
 }
 
-Test(allreduce, epoch_change_mid_round_returns_estale_promptly)
+/* Member 2 sits round 2 out, so 0 and 1 are mid-round with data flowing
+ * when 0 adopts epoch 2: both return -ESTALE at once, 1 because 0's BYE
+ * says so (sealed: only if its tag verifies). */
+static void epoch_change_mid_round(struct cluster *c)
 {
-    struct cluster c;
     size_t count = 4u << 20;
     uint64_t t0;
     struct epoch *e2;
 
-    cluster_start(&c, 3, count * 4, 0, 0, 30000);
-    reduce_and_check(&c, count, DTYPE_F32, DTYPE_SUM, 0, 1, "first round");
-    /* Round 2 without member 2: it cannot finish, so it is mid-round for
-     * as long as we like, with data already flowing between 0 and 1. */
-    call_start(&c.p[0], count, DTYPE_F32, DTYPE_SUM, 0, 2);
-    call_start(&c.p[1], count, DTYPE_F32, DTYPE_SUM, 0, 2);
-    cr_assert(fixture_wait_until(both_busy, &c, 10000));
-    e2 = make_epoch(&c, 2, NULL, 3);
+    reduce_and_check(c, count, DTYPE_F32, DTYPE_SUM, 0, 1, "first round");
+    call_start(&c->p[0], count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    call_start(&c->p[1], count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    cr_assert(fixture_wait_until(both_busy, c, 10000));
+    e2 = make_epoch(c, 2, NULL, 3);
     t0 = clock_now_ms();
-    cr_assert_eq(allreduce_set_epoch(c.p[0].ar, e2), 0);
-    call_join(&c.p[0]);
-    call_join(&c.p[1]);
-    cr_assert_eq(c.p[0].rc, -ESTALE, "got %s", log_strerror(c.p[0].rc));
-    cr_assert_eq(c.p[1].rc, -ESTALE, "the BYE tells the neighbour: got %s",
-                 log_strerror(c.p[1].rc));
-    cr_assert_lt(c.p[0].done_ms - t0, 2000);
-    cr_assert_lt(c.p[1].done_ms - t0, 2000);
+    cr_assert_eq(allreduce_set_epoch(c->p[0].ar, e2), 0);
+    call_join(&c->p[0]);
+    call_join(&c->p[1]);
+    cr_assert_eq(c->p[0].rc, -ESTALE, "got %s", log_strerror(c->p[0].rc));
+    cr_assert_eq(c->p[1].rc, -ESTALE, "the BYE tells the neighbour: got %s",
+                 log_strerror(c->p[1].rc));
+    cr_assert_lt(c->p[0].done_ms - t0, 2000);
+    cr_assert_lt(c->p[1].done_ms - t0, 2000);
     /* Everyone in the new epoch: it works again. */
-    cr_assert_eq(allreduce_set_epoch(c.p[1].ar, e2), 0);
-    cr_assert_eq(allreduce_set_epoch(c.p[2].ar, e2), 0);
+    cr_assert_eq(allreduce_set_epoch(c->p[1].ar, e2), 0);
+    cr_assert_eq(allreduce_set_epoch(c->p[2].ar, e2), 0);
     epoch_unref(e2);
-    reduce_and_check(&c, count, DTYPE_F32, DTYPE_SUM, 0, 3, "after the change");
+    reduce_and_check(c, count, DTYPE_F32, DTYPE_SUM, 0, 3, "after the change");
+}
+
+Test(allreduce, epoch_change_mid_round_returns_estale_promptly)
+{
+    struct cluster c;
+
+    cluster_start(&c, 3, (4u << 20) * 4, 0, 0, 30000);
+    epoch_change_mid_round(&c);
     cluster_fini(&c);
 }
 
@@ -665,20 +691,20 @@ Test(allreduce, peer_that_stops_reading_times_out)
     cluster_fini(&c);
 }
 
-/* The greeting as allreduce.c documents it. */
+/* The greeting as peerwire.h documents it (version 2), unkeyed. */
 static void hello_bytes(uint8_t *b, uint8_t kind, uint64_t epoch, const char *cohort,
                         const char *id)
 {
-    memset(b, 0, 536);
+    memset(b, 0, 616);
     memcpy(b, "COH1", 4);
-    b[4] = 1;
+    b[4] = 2;
     b[6] = kind;
     for (int i = 0; i < 8; i++)
         b[8 + i] = (uint8_t)(epoch >> (8 * i));
     b[16] = (uint8_t)strlen(cohort);
     b[17] = (uint8_t)strlen(id);
-    memcpy(b + 24, cohort, strlen(cohort));
-    memcpy(b + 280, id, strlen(id));
+    memcpy(b + 104, cohort, strlen(cohort));
+    memcpy(b + 360, id, strlen(id));
 }
 
 /* A TCP connection to a member's "127.0.0.1:port". `wait`: connected
@@ -765,7 +791,7 @@ Test(allreduce, strangers_are_closed_and_harmless)
     struct cluster c;
     struct loop_arg l = { .c = &c, .rounds = 15 };
     pthread_t th;
-    uint8_t b[2048], hello[536], junk[600];
+    uint8_t b[2048], hello[616], junk[700];
 
     quiet();
     cluster_init(&c, 3, 200003 * 8, 0, 0, 1000);
@@ -783,7 +809,7 @@ Test(allreduce, strangers_are_closed_and_harmless)
     cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 0);
     /* A member of an older epoch is told the newer number, then closed. */
     hello_bytes(hello, 1, 3, COHORT, "m-0");
-    cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 536);
+    cr_assert_eq(stranger(c.p[2].addr, hello, sizeof hello, b, sizeof b), 616);
     cr_assert_eq(b[6], 3, "a stale reply");
     cr_assert_eq(b[8], 4, "naming epoch 4");
     /* Silence: closed after the member timeout. */
@@ -992,4 +1018,714 @@ Test(allreduce, stopped_peer_process_times_out_survivors)
     /* A stopped process reads nothing and sends nothing, but its sockets
      * stay open: only the member timeout can end the round. */
     process_fault(SIGSTOP, -ETIMEDOUT, 1000, 1000 + 4000);
+}
+
+/* --- authentication ------------------------------------------------------ */
+
+static const struct secret key_a = { { 0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7,
+                                       0xa8, 0xa9, 0xaa, 0xab, 0xac, 0xad, 0xae, 0xaf,
+                                       0xb0, 0xb1, 0xb2, 0xb3, 0xb4, 0xb5, 0xb6, 0xb7,
+                                       0xb8, 0xb9, 0xba, 0xbb, 0xbc, 0xbd, 0xbe, 0xbf } };
+static const struct secret key_b = { { 0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7,
+                                       0xa8, 0xa9, 0xaa, 0xab, 0xac, 0xad, 0xae, 0xaf,
+                                       0xb0, 0xb1, 0xb2, 0xb3, 0xb4, 0xb5, 0xb6, 0xb7,
+                                       0xb8, 0xb9, 0xba, 0xbb, 0xbc, 0xbd, 0xbe, 0x00 } };
+
+/* Every member keyed with `key`, with or without frame tags. */
+static void cluster_start_keyed(struct cluster *c, size_t n, size_t bytes, size_t seg,
+                                size_t small, uint32_t timeout_ms, const struct secret *key,
+                                bool integrity)
+{
+    struct security sec[MAXP];
+
+    for (size_t i = 0; i < n; i++)
+        sec[i] = (struct security){ key, integrity };
+    quiet();
+    cluster_init_sec(c, n, bytes, seg, small, timeout_ms, sec);
+    adopt(c, 1, NULL);
+}
+
+Test(allreduce, keyed_members_reduce_with_both_algorithms)
+{
+    static const size_t counts[] = { 1, 7, 1031, 100003 };
+    static const size_t smalls[] = { 0, ALLREDUCE_SMALL_NONE };
+
+    for (int integrity = 0; integrity < 2; integrity++)
+        for (size_t si = 0; si < 2; si++)
+            for (size_t n = 2; n <= 5; n++) {
+                struct cluster c;
+                uint64_t round = 0;
+
+                cluster_start_keyed(&c, n, 100003 * 8, si ? 4096 : 0, smalls[si], 30000, &key_a,
+                                    integrity);
+                for (size_t k = 0; k < 4; k++) {
+                    reduce_and_check(&c, counts[k], DTYPE_F32, DTYPE_SUM, 0, ++round,
+                                     integrity ? "keyed, sealed" : "keyed");
+                    reduce_and_check(&c, counts[k], DTYPE_BF16, DTYPE_AVG, 0, ++round,
+                                     integrity ? "keyed, sealed" : "keyed");
+                    reduce_and_check(&c, counts[k], DTYPE_I64, DTYPE_MAX, 0, ++round,
+                                     integrity ? "keyed, sealed" : "keyed");
+                }
+                cluster_fini(&c);
+            }
+}
+
+Test(allreduce, sealed_frames_survive_epochs_and_switching_algorithms)
+{
+    static const size_t counts[] = { 5, 300000, 9, 1, 300000, 100 };
+    struct cluster c;
+    struct epoch *e;
+    size_t order[] = { 2, 0, 3, 1 };
+    uint64_t round = 0;
+
+    cluster_start_keyed(&c, 4, 300000 * 8, 0, 1024, 30000, &key_a, true);
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        reduce_and_check(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, ++round, "sealed, switching");
+    /* A new epoch in another order: every connection is new, and so are
+     * their keys and counters. */
+    e = make_epoch(&c, 2, order, 4);
+    for (size_t i = 0; i < 4; i++)
+        cr_assert_eq(allreduce_set_epoch(c.p[i].ar, e), 0);
+    epoch_unref(e);
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        reduce_and_check(&c, counts[i], DTYPE_F64, DTYPE_AVG, 1, ++round, "sealed, new epoch");
+    cluster_fini(&c);
+}
+
+Test(allreduce, sealed_bye_carries_its_cause)
+{
+    struct cluster c;
+
+    cluster_start_keyed(&c, 3, (4u << 20) * 4, 0, 0, 30000, &key_a, true);
+    epoch_change_mid_round(&c);
+    cluster_fini(&c);
+}
+
+Test(allreduce, integrity_needs_a_key)
+{
+    struct allreduce *ar;
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0", .integrity_mac = true };
+    char addr[64];
+    int fd;
+
+    quiet();
+    cr_assert_eq(allreduce_listen("127.0.0.1", &fd, addr, sizeof(addr)), 0);
+    cfg.listen_fd = fd;
+    cr_assert_eq(allreduce_create(&cfg, &ar), -EINVAL);
+    cfg.key = &key_a;
+    cr_assert_eq(allreduce_create(&cfg, &ar), 0);
+    allreduce_destroy(ar);
+    close(fd);
+}
+
+/* Members whose security differs: every call fails, member `refused`
+ * (it dials the odd one out) at once with -EACCES (it hears why, or sees
+ * the MAC fail), the others by their member timeout at the latest.
+ * Nothing hangs. */
+static void mismatch(const struct security *sec, size_t n, size_t refused, const char *what)
+{
+    struct cluster c;
+    uint64_t t0;
+
+    quiet();
+    cluster_init_sec(&c, n, 4096 * 4, 0, 0, 1000, sec);
+    adopt(&c, 1, NULL);
+    fill(&c, 4096, DTYPE_F32);
+    t0 = clock_now_ms();
+    call_all(&c, 4096, DTYPE_F32, DTYPE_SUM, 0, 1);
+    cr_assert_eq(c.p[refused].rc, -EACCES, "%s: member %zu got %s", what, refused,
+                 log_strerror(c.p[refused].rc));
+    cr_assert_lt(c.p[refused].done_ms - t0, 1000, "%s: refused at once, not by a timeout", what);
+    for (size_t i = 0; i < n; i++) {
+        cr_assert_neq(c.p[i].rc, 0, "%s: member %zu", what, i);
+        cr_assert_lt(c.p[i].done_ms - t0, 1000 + 4000, "%s: member %zu took too long", what, i);
+    }
+    cluster_fini(&c);
+}
+
+Test(allreduce, wrong_key_fails_cleanly)
+{
+    struct security two[] = { { &key_a, false }, { &key_b, false } };
+    struct security three[] = { { &key_a, true }, { &key_a, true }, { &key_b, true } };
+
+    mismatch(two, 2, 0, "another key");
+    /* Three members reduce 16 KiB by recursive doubling: m-0 hands its
+     * data to m-1, which dials m-2. */
+    mismatch(three, 3, 1, "another key, one of three");
+}
+
+Test(allreduce, keyed_and_unkeyed_members_refuse_each_other)
+{
+    struct security keyed_dials[] = { { &key_a, false }, { NULL, false } };
+    struct security unkeyed_dials[] = { { NULL, false }, { &key_a, false } };
+
+    mismatch(keyed_dials, 2, 0, "a keyed member dials an unkeyed one");
+    mismatch(unkeyed_dials, 2, 0, "an unkeyed member dials a keyed one");
+}
+
+Test(allreduce, integrity_mismatch_is_refused)
+{
+    struct security a[] = { { &key_a, true }, { &key_a, false } };
+    struct security b[] = { { &key_a, false }, { &key_a, true } };
+
+    mismatch(a, 2, 0, "the dialling member seals frames, the other not");
+    mismatch(b, 2, 0, "the accepting member seals frames, the other not");
+}
+
+/* Reads exactly len bytes within `within_ms`; false at a close or the
+ * deadline. */
+static bool read_exact(int fd, uint8_t *buf, size_t len, int within_ms)
+{
+    uint64_t end = clock_now_ms() + (uint64_t)within_ms;
+    size_t got = 0;
+
+    while (got < len) {
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+        uint64_t now = clock_now_ms();
+        ssize_t r;
+
+        if (now >= end || poll(&p, 1, (int)(end - now)) <= 0)
+            return false;
+        r = recv(fd, buf + got, len - got, 0);
+        if (r <= 0)
+            return false;
+        got += (size_t)r;
+    }
+    return true;
+}
+
+/* A greeting as a connector sends it, claiming `id`, into b. */
+static void greet_bytes(uint8_t *b, uint64_t epoch, const char *id, uint8_t flags,
+                        uint64_t incarnation, uint64_t serial, uint8_t *nonce)
+{
+    struct peerwire_hello h = { .kind = PEERWIRE_GREET, .flags = flags, .epoch = epoch,
+                                .incarnation = incarnation, .serial = serial };
+
+    if (nonce) {
+        cr_assert_eq(secret_random(nonce, PEERWIRE_NONCE_BYTES), 0);
+        memcpy(h.nonce, nonce, PEERWIRE_NONCE_BYTES);
+    }
+    snprintf(h.cohort, sizeof(h.cohort), "%s", COHORT);
+    snprintf(h.id, sizeof(h.id), "%s", id);
+    cr_assert_eq(peerwire_hello_encode(b, &h), 0);
+}
+
+/* The engine's answer in b: decoded, and of `kind`. */
+static struct peerwire_hello answer_of(const uint8_t *b, uint8_t kind)
+{
+    struct peerwire_hello h;
+    const char *why = peerwire_hello_decode(b, PEERWIRE_HELLO_BYTES, &h);
+
+    cr_assert_null(why, "the answer does not decode: %s", why);
+    cr_assert_eq(h.kind, kind, "an answer of kind %d, not %d", h.kind, kind);
+    return h;
+}
+
+/* True when fd is closed by the engine within within_ms, with nothing
+ * more said; the time it took in *ms. */
+static bool closed_within(int fd, int within_ms, uint64_t *ms)
+{
+    uint64_t t0 = clock_now_ms();
+    uint8_t b[PEERWIRE_HELLO_BYTES];
+    struct pollfd p = { .fd = fd, .events = POLLIN };
+    ssize_t r;
+
+    if (poll(&p, 1, within_ms) != 1)
+        return false;
+    r = recv(fd, b, sizeof(b), 0);
+    if (ms)
+        *ms = clock_now_ms() - t0;
+    return r == 0 || (r < 0 && errno == ECONNRESET);
+}
+
+Test(allreduce, impersonators_without_the_key_are_closed_and_harmless)
+{
+    struct cluster c;
+    struct loop_arg l = { .c = &c, .rounds = 20 };
+    pthread_t th;
+    uint8_t b[PEERWIRE_HELLO_BYTES], nonce[PEERWIRE_NONCE_BYTES];
+    struct peerwire_hello h;
+    uint64_t ms;
+    int fd;
+
+    quiet();
+    {
+        struct security sec[3] = { { &key_a, true }, { &key_a, true }, { &key_a, true } };
+        cluster_init_sec(&c, 3, 200003 * 8, 0, 0, 10000, sec);
+    }
+    adopt(&c, 1, NULL);
+    cr_assert_eq(pthread_create(&th, NULL, reduce_loop, &l), 0);
+
+    /* Claims m-0 without a key: told the key is required, and closed. */
+    greet_bytes(b, 1, "m-0", 0, 1, 1, NULL);
+    fd = dial(c.p[2].addr);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+    h = answer_of(b, PEERWIRE_REFUSE);
+    cr_assert_eq(h.reason, PEERWIRE_REFUSE_NEED_KEY);
+    cr_assert(closed_within(fd, 5000, NULL));
+    close(fd);
+
+    /* Claims to be keyed, and never confirms: answered with a challenge,
+     * then closed once the greeting deadline passes. */
+    greet_bytes(b, 1, "m-1", PEERWIRE_F_KEYED | PEERWIRE_F_INTEGRITY, 1, 1, nonce);
+    fd = dial(c.p[2].addr);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+    h = answer_of(b, PEERWIRE_ACCEPT);
+    cr_assert_str_eq(h.id, "m-2");
+    cr_assert(closed_within(fd, 5000, &ms), "an unconfirmed greeting stayed open");
+    cr_assert_geq(ms, 500, "closed after %llu ms, before the deadline", (unsigned long long)ms);
+    close(fd);
+
+    /* Confirms with a MAC it cannot make (here: the acceptor's own MAC,
+     * echoed back, as a script echoing frames would): closed at once. */
+    greet_bytes(b, 1, "m-0", PEERWIRE_F_KEYED | PEERWIRE_F_INTEGRITY, 1, 1, nonce);
+    fd = dial(c.p[1].addr);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+    h = answer_of(b, PEERWIRE_ACCEPT);
+    h.kind = PEERWIRE_CONFIRM;
+    snprintf(h.id, sizeof(h.id), "m-0");
+    cr_assert_eq(peerwire_hello_encode(b, &h), 0);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    cr_assert(closed_within(fd, 5000, &ms));
+    cr_assert_lt(ms, 500, "a wrong confirmation is closed at once, not by the deadline");
+    close(fd);
+
+    /* Another --integrity: told so. */
+    greet_bytes(b, 1, "m-0", PEERWIRE_F_KEYED, 1, 1, nonce);
+    fd = dial(c.p[1].addr);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+    cr_assert_eq(answer_of(b, PEERWIRE_REFUSE).reason, PEERWIRE_REFUSE_INTEGRITY);
+    close(fd);
+
+    /* A greeting of version 1, as today's scripts send: closed unanswered. */
+    hello_bytes(b, 1, 1, COHORT, "m-0");
+    b[4] = 1;
+    {
+        uint8_t r[1024];
+        cr_assert_eq(stranger(c.p[1].addr, b, 536, r, sizeof r), 0);
+    }
+
+    pthread_join(th, NULL);
+    cr_assert_eq(l.failures, 0, "the impersonators disturbed the reductions");
+    check(&c, 200003, DTYPE_I64, DTYPE_SUM, 0, "after impersonators");
+    cluster_fini(&c);
+}
+
+Test(allreduce, wrong_role_is_refused)
+{
+    struct cluster c;
+    uint8_t b[PEERWIRE_HELLO_BYTES], r[2 * PEERWIRE_HELLO_BYTES], nonce[PEERWIRE_NONCE_BYTES];
+
+    /* Unkeyed: m-0 dials m-1 (it is lower in the epoch's order), so m-1
+     * greeting m-0 is a stranger, closed unanswered, while the same
+     * greeting the other way round is accepted. */
+    cluster_start(&c, 2, 64, 0, 0, 10000);
+    hello_bytes(b, PEERWIRE_GREET, 1, COHORT, "m-1");
+    cr_assert_eq(stranger(c.p[0].addr, b, sizeof b, r, sizeof r), 0, "the wrong role answered");
+    cluster_fini(&c);
+
+    /* In an epoch listing m-1 first, the roles turn round. */
+    quiet();
+    cluster_init(&c, 2, 64, 0, 0, 10000);
+    {
+        size_t order[] = { 1, 0 };
+        adopt(&c, 1, order);
+    }
+    hello_bytes(b, PEERWIRE_GREET, 1, COHORT, "m-0");
+    cr_assert_eq(stranger(c.p[1].addr, b, sizeof b, r, sizeof r), 0, "the wrong role answered");
+    fill(&c, 16, DTYPE_F32);
+    call_all(&c, 16, DTYPE_F32, DTYPE_SUM, 0, 1);
+    check(&c, 16, DTYPE_F32, DTYPE_SUM, 0, "after a wrong role");
+    cluster_fini(&c);
+
+    /* Keyed: refused before any MAC is made, so no challenge comes back. */
+    cluster_start_keyed(&c, 2, 64, 0, 0, 10000, &key_a, false);
+    greet_bytes(b, 1, "m-1", PEERWIRE_F_KEYED, 1, 1, nonce);
+    cr_assert_eq(stranger(c.p[0].addr, b, sizeof b, r, sizeof r), 0, "the wrong role answered");
+    greet_bytes(b, 1, "m-0", PEERWIRE_F_KEYED, 1, 1, nonce);
+    cr_assert_eq(stranger(c.p[1].addr, b, sizeof b, r, sizeof r), PEERWIRE_HELLO_BYTES,
+                 "the right role is challenged");
+    fill(&c, 16, DTYPE_F32);
+    call_all(&c, 16, DTYPE_F32, DTYPE_SUM, 0, 1);
+    check(&c, 16, DTYPE_F32, DTYPE_SUM, 0, "after a wrong role");
+    cluster_fini(&c);
+}
+
+/* A TCP proxy on loopback in front of a member: the epoch advertises the
+ * proxy's address, so the member that dials it talks through the proxy.
+ * It records what the first connection's dialler sends, and may flip one
+ * byte of it. One thread per direction per connection, each reading and
+ * writing blocking: an engine always reads while it waits, so neither
+ * direction can stall the other. */
+#define PROXY_CONNS 16
+#define PROXY_RECORD 4096
+
+struct proxy;
+
+struct pump {
+    struct proxy *px;
+    int from, to;
+    bool upstream;              /* dialler -> member */
+    bool first;                 /* of the proxy's first connection */
+    pthread_t th;
+};
+
+struct proxy {
+    int lfd;
+    char addr[64], target[64];
+    pthread_t th;
+    size_t flip_at;             /* offset in the first connection's upstream, or SIZE_MAX */
+    pthread_mutex_t mu;
+    uint8_t rec[PROXY_RECORD];  /* the first connection's upstream bytes */
+    size_t n_rec;
+    uint8_t rec_down[PROXY_RECORD]; /* and its downstream ones */
+    size_t n_rec_down;
+    struct pump pumps[2 * PROXY_CONNS];
+    size_t n_pumps;
+};
+
+static void *pump_main(void *arg)
+{
+    struct pump *p = arg;
+    size_t at = 0;
+    uint8_t buf[65536];
+
+    for (;;) {
+        ssize_t r = recv(p->from, buf, sizeof(buf), 0);
+        size_t done = 0;
+
+        if (r <= 0)
+            break;
+        if (p->first) {
+            uint8_t *rec = p->upstream ? p->px->rec : p->px->rec_down;
+            size_t *n = p->upstream ? &p->px->n_rec : &p->px->n_rec_down;
+
+            pthread_mutex_lock(&p->px->mu);
+            for (size_t i = 0; i < (size_t)r && *n < PROXY_RECORD; i++)
+                rec[(*n)++] = buf[i];
+            pthread_mutex_unlock(&p->px->mu);
+            if (p->upstream && p->px->flip_at >= at && p->px->flip_at < at + (size_t)r)
+                buf[p->px->flip_at - at] ^= 0x40;
+        }
+        at += (size_t)r;
+        while (done < (size_t)r) {
+            ssize_t w = send(p->to, buf + done, (size_t)r - done, MSG_NOSIGNAL);
+            if (w <= 0)
+                goto out;
+            done += (size_t)w;
+        }
+    }
+out:
+    /* Either end gone: so is the other. */
+    shutdown(p->to, SHUT_RDWR);
+    shutdown(p->from, SHUT_RDWR);
+    return NULL;
+}
+
+static void *proxy_main(void *arg)
+{
+    struct proxy *px = arg;
+
+    for (;;) {
+        int cfd = accept(px->lfd, NULL, NULL), sfd;
+        struct pump *up, *down;
+
+        if (cfd < 0)
+            return NULL;        /* shut down by proxy_stop */
+        sfd = dial(px->target);
+        pthread_mutex_lock(&px->mu);
+        if (px->n_pumps == 2 * PROXY_CONNS) {
+            pthread_mutex_unlock(&px->mu);
+            close(cfd);
+            close(sfd);
+            continue;
+        }
+        up = &px->pumps[px->n_pumps++];
+        down = &px->pumps[px->n_pumps++];
+        *up = (struct pump){ .px = px, .from = cfd, .to = sfd, .upstream = true,
+                             .first = px->n_pumps == 2 };
+        *down = (struct pump){ .px = px, .from = sfd, .to = cfd, .upstream = false,
+                               .first = px->n_pumps == 2 };
+        pthread_mutex_unlock(&px->mu);
+        cr_assert_eq(pthread_create(&up->th, NULL, pump_main, up), 0);
+        cr_assert_eq(pthread_create(&down->th, NULL, pump_main, down), 0);
+    }
+}
+
+/* Puts a proxy in front of member k: the epochs made after this advertise
+ * it instead of the member's own address. */
+static void proxy_start(struct proxy *px, struct cluster *c, size_t k, size_t flip_at)
+{
+    memset(px, 0, sizeof(*px));
+    px->flip_at = flip_at;
+    pthread_mutex_init(&px->mu, NULL);
+    cr_assert_eq(allreduce_listen("127.0.0.1", &px->lfd, px->addr, sizeof(px->addr)), 0);
+    snprintf(px->target, sizeof(px->target), "%s", c->p[k].addr);
+    snprintf(c->p[k].addr, sizeof(c->p[k].addr), "%s", px->addr);
+    cr_assert_eq(pthread_create(&px->th, NULL, proxy_main, px), 0);
+}
+
+static void proxy_stop(struct proxy *px)
+{
+    shutdown(px->lfd, SHUT_RDWR);
+    pthread_join(px->th, NULL);
+    close(px->lfd);
+    for (size_t i = 0; i < px->n_pumps; i++)
+        shutdown(px->pumps[i].from, SHUT_RDWR);
+    for (size_t i = 0; i < px->n_pumps; i++)
+        pthread_join(px->pumps[i].th, NULL);
+    for (size_t i = 0; i < px->n_pumps; i += 2)
+        close(px->pumps[i].from), close(px->pumps[i].to);
+    pthread_mutex_destroy(&px->mu);
+}
+
+static size_t recorded(struct proxy *px)
+{
+    size_t n;
+
+    pthread_mutex_lock(&px->mu);
+    n = px->n_rec;
+    pthread_mutex_unlock(&px->mu);
+    return n;
+}
+
+/* A keyed 2-member cluster whose m-0 reaches m-1 through a proxy, after
+ * one round: the proxy holds m-0's greeting and confirmation. */
+static void proxied_pair(struct cluster *c, struct proxy *px, bool integrity, uint32_t timeout_ms,
+                         size_t flip_at)
+{
+    struct security sec[2] = { { &key_a, integrity }, { &key_a, integrity } };
+
+    quiet();
+    cluster_init_sec(c, 2, 4096 * 8, 0, 0, timeout_ms, sec);
+    proxy_start(px, c, 1, flip_at);
+    adopt(c, 1, NULL);
+}
+
+Test(allreduce, a_replayed_greeting_is_refused)
+{
+    struct cluster c;
+    struct proxy px;
+    uint8_t rec[2 * PEERWIRE_HELLO_BYTES], b[PEERWIRE_HELLO_BYTES];
+    struct peerwire_hello greet, first, again;
+    uint64_t ms;
+    int fd;
+
+    proxied_pair(&c, &px, true, 10000, SIZE_MAX);
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 1, "through the proxy");
+    cr_assert_geq(recorded(&px), sizeof(rec));
+    memcpy(rec, px.rec, sizeof(rec));
+    greet = answer_of(rec, PEERWIRE_GREET);
+    cr_assert_str_eq(greet.id, "m-0");
+    answer_of(rec + PEERWIRE_HELLO_BYTES, PEERWIRE_CONFIRM);
+    pthread_mutex_lock(&px.mu);
+    cr_assert_geq(px.n_rec_down, PEERWIRE_HELLO_BYTES);
+    first = answer_of(px.rec_down, PEERWIRE_ACCEPT);
+    pthread_mutex_unlock(&px.mu);
+
+    /* The recorded greeting and confirmation, sent again to m-1 itself:
+     * it answers with a new nonce, so the old confirmation fails and the
+     * connection is closed at once, not handed to a run. */
+    fd = dial(px.target);
+    cr_assert_eq(send(fd, rec, sizeof(rec), MSG_NOSIGNAL), (ssize_t)sizeof(rec));
+    cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+    again = answer_of(b, PEERWIRE_ACCEPT);
+    cr_assert_neq(memcmp(again.nonce, first.nonce, PEERWIRE_NONCE_BYTES), 0);
+    cr_assert(closed_within(fd, 5000, &ms), "the replay was not closed");
+    cr_assert_lt(ms, 500, "closed by the deadline, not by the failed confirmation");
+    close(fd);
+
+    /* The same replay twice more, and the greeting alone: the same. */
+    for (int i = 0; i < 2; i++) {
+        fd = dial(px.target);
+        cr_assert_eq(send(fd, rec, sizeof(rec), MSG_NOSIGNAL), (ssize_t)sizeof(rec));
+        cr_assert(read_exact(fd, b, sizeof(b), 5000));
+        cr_assert(closed_within(fd, 5000, NULL));
+        close(fd);
+    }
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 2, "after the replays");
+    cluster_fini(&c);
+    proxy_stop(&px);
+}
+
+/* Greets m-1 at `addr` as m-0 with the key, as a member would, with the
+ * given incarnation and serial; returns the connection once confirmed. */
+static int greet_as_member(const char *addr, uint64_t incarnation, uint64_t serial)
+{
+    uint8_t b[PEERWIRE_HELLO_BYTES];
+    struct peerauth_transcript t = { .cohort = COHORT, .connector = "m-0", .acceptor = "m-1",
+                                     .epoch = 1, .reply_epoch = 1, .incarnation = incarnation,
+                                     .serial = serial, .flags = PEERWIRE_F_KEYED };
+    struct peerwire_hello h;
+    int fd = dial(addr);
+
+    greet_bytes(b, 1, "m-0", PEERWIRE_F_KEYED, incarnation, serial, t.nonce_c);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+    h = answer_of(b, PEERWIRE_ACCEPT);
+    memcpy(t.nonce_a, h.nonce, sizeof(t.nonce_a));
+    cr_assert(peerauth_verify(&key_a, PEERAUTH_ACCEPT, &t, h.mac), "m-1 did not prove the key");
+    h = (struct peerwire_hello){ .kind = PEERWIRE_CONFIRM, .flags = PEERWIRE_F_KEYED, .epoch = 1 };
+    snprintf(h.cohort, sizeof(h.cohort), "%s", COHORT);
+    snprintf(h.id, sizeof(h.id), "m-0");
+    cr_assert_eq(peerauth_mac(&key_a, PEERAUTH_CONFIRM, &t, h.mac), 0);
+    cr_assert_eq(peerwire_hello_encode(b, &h), 0);
+    cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+    return fd;
+}
+
+/* What became of a greeting as m-0 with a key: rounds run until the
+ * engine closes it (kept: the live connection stayed) or a round fails
+ * (replaced: m-1 then sent it a frame meant for m-0). */
+enum fate { KEPT, REPLACED };
+
+static enum fate fate_of(struct cluster *c, int fd, uint64_t *round)
+{
+    for (int i = 0; i < 200; i++) {
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+        uint8_t b[PEERWIRE_FRAME_BYTES];
+
+        fill(c, 4096, DTYPE_I64);
+        call_all(c, 4096, DTYPE_I64, DTYPE_SUM, 0, ++*round);
+        if (c->p[0].rc != 0 || c->p[1].rc != 0) {
+            /* m-1 took this connection for m-0's: its frame came here. */
+            cr_assert(read_exact(fd, b, sizeof(b), 5000), "a round failed, and not for this");
+            cr_assert_eq(peerwire_get32(b), PEERWIRE_FRAME_DATA);
+            return REPLACED;
+        }
+        check(c, 4096, DTYPE_I64, DTYPE_SUM, 0, "while the live connection is kept");
+        if (poll(&p, 1, 0) == 1) {
+            cr_assert_eq(recv(fd, b, sizeof(b), 0), 0, "the engine talked to the impostor");
+            return KEPT;
+        }
+    }
+    cr_assert_fail("the greeting was neither refused nor taken");
+    return KEPT;
+}
+
+Test(allreduce, a_live_connection_is_replaced_only_by_a_newer_incarnation)
+{
+    struct cluster c;
+    struct proxy px;
+    struct peerwire_hello greet;
+    uint64_t round = 1;
+    int fd;
+
+    proxied_pair(&c, &px, false, 1000, SIZE_MAX);
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, round, "through the proxy");
+    cr_assert_geq(recorded(&px), PEERWIRE_HELLO_BYTES);
+    greet = answer_of(px.rec, PEERWIRE_GREET);
+
+    /* The same incarnation and serial (a second connection in its name,
+     * authenticated): the live one stays, the new one is closed. */
+    fd = greet_as_member(px.target, greet.incarnation, greet.serial);
+    cr_assert_eq(fate_of(&c, fd, &round), KEPT, "same incarnation and serial");
+    close(fd);
+    /* An older serial of the same incarnation: the same. */
+    fd = greet_as_member(px.target, greet.incarnation, greet.serial - 1);
+    cr_assert_eq(fate_of(&c, fd, &round), KEPT, "an older serial");
+    close(fd);
+    /* A newer serial (the engine dialled again) replaces it. */
+    fd = greet_as_member(px.target, greet.incarnation, greet.serial + 1);
+    cr_assert_eq(fate_of(&c, fd, &round), REPLACED, "a newer serial");
+    close(fd);
+    /* After the failed round m-0 dials again; then another incarnation
+     * (m-0 restarted) replaces that too. */
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, ++round, "after m-0 dialled again");
+    fd = greet_as_member(px.target, greet.incarnation ^ 1, 1);
+    cr_assert_eq(fate_of(&c, fd, &round), REPLACED, "another incarnation");
+    close(fd);
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, ++round, "at the end");
+    cluster_fini(&c);
+    proxy_stop(&px);
+}
+
+/* Flips one payload byte of m-0's first data frame to m-1. */
+static size_t first_payload_byte(bool integrity)
+{
+    return 2 * PEERWIRE_HELLO_BYTES + PEERWIRE_FRAME_BYTES + (integrity ? PEERWIRE_TAG_BYTES : 0) +
+           100;
+}
+
+Test(allreduce, a_tampered_frame_fails_the_call_and_commits_nothing)
+{
+    struct cluster c;
+    struct proxy px;
+
+    /* Sealed: m-1 finds the tag wrong and fails with -EPROTO. No member
+     * returns 0 with a wrong result: m-0, whose data from m-1 was not
+     * touched, may finish its exchange with the right sum (in an
+     * all-reduce a member that has all it needs is done; m-1's failure
+     * reaches it only if it is still listening). */
+    proxied_pair(&c, &px, true, 10000, first_payload_byte(true));
+    fill(&c, 4096, DTYPE_I64);
+    call_all(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 1);
+    cr_assert_eq(c.p[1].rc, -EPROTO, "m-1 got %s", log_strerror(c.p[1].rc));
+    if (c.p[0].rc == 0) {
+        uint8_t *want = malloc(4096 * 8);
+
+        cr_assert_not_null(want);
+        reference(2, 4096, DTYPE_I64, DTYPE_SUM, 0, want);
+        cr_assert_eq(memcmp(c.p[0].buf, want, 4096 * 8), 0, "m-0 committed a wrong result");
+        free(want);
+    }
+    /* The ring: every member forwards what it received, so m-1's failure
+     * ends m-0's call too. */
+    cluster_fini(&c);
+    proxy_stop(&px);
+    {
+        struct security sec[2] = { { &key_a, true }, { &key_a, true } };
+
+        quiet();
+        cluster_init_sec(&c, 2, 4096 * 8, 1024, ALLREDUCE_SMALL_NONE, 10000, sec);
+        proxy_start(&px, &c, 1, first_payload_byte(true));
+        adopt(&c, 1, NULL);
+    }
+    fill(&c, 4096, DTYPE_I64);
+    call_all(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 1);
+    cr_assert_eq(c.p[1].rc, -EPROTO, "m-1 got %s", log_strerror(c.p[1].rc));
+    cr_assert_neq(c.p[0].rc, 0, "m-0 returned a result m-1 did not share");
+    /* The next connection is not tampered with: all is well again. */
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 2, "after the tampered round");
+    cluster_fini(&c);
+    proxy_stop(&px);
+
+    /* The same flip unsealed goes unnoticed: m-1 commits a wrong sum. This
+     * is what the tags are for, and shows the flip hits the payload. */
+    proxied_pair(&c, &px, false, 10000, first_payload_byte(false));
+    fill(&c, 4096, DTYPE_I64);
+    call_all(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 1);
+    cr_assert_eq(c.p[0].rc, 0);
+    cr_assert_eq(c.p[1].rc, 0);
+    cr_assert_neq(memcmp(c.p[0].buf, c.p[1].buf, 4096 * 8), 0, "the flip changed nothing");
+    cluster_fini(&c);
+    proxy_stop(&px);
+}
+
+/* The acceptor's bounds hold with the longer, keyed greeting: hundreds of
+ * idle connections, and a new epoch's greetings get through at once. */
+Test(allreduce, idle_connections_do_not_stall_keyed_greetings)
+{
+    enum { IDLE = 300 };
+    static int idle[IDLE];
+    struct cluster c;
+
+    cluster_start_keyed(&c, 3, 4096 * 8, 0, 0, 10000, &key_a, true);
+    reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, 1, "before the flood");
+    for (int i = 0; i < IDLE; i++)
+        idle[i] = dial_to(c.p[i % 3].addr, false);
+    adopt(&c, 2, NULL);
+    for (uint64_t round = 2; round < 7; round++) {
+        uint64_t t0 = clock_now_ms();
+        reduce_and_check(&c, 4096, DTYPE_I64, DTYPE_SUM, 0, round, "through the flood");
+        cr_assert_lt(clock_now_ms() - t0, 5000, "round %llu took %llu ms",
+                     (unsigned long long)round, (unsigned long long)(clock_now_ms() - t0));
+    }
+    for (int i = 0; i < IDLE; i++)
+        close(idle[i]);
+    cluster_fini(&c);
 }
