@@ -44,9 +44,13 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     args[2].type = GRPC_ARG_INTEGER;
     args[2].key = (char *)GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
     args[2].value.integer = backoff < 100 ? (int)backoff : 100;
+    /* gRPC core reads this argument as the shortest time one connection
+     * attempt gets (TCP, TLS, the server's SETTINGS frame), not as a
+     * backoff: at 100 ms a TLS handshake on a loaded node timed out again
+     * and again. */
     args[3].type = GRPC_ARG_INTEGER;
     args[3].key = (char *)GRPC_ARG_MIN_RECONNECT_BACKOFF_MS;
-    args[3].value.integer = backoff < 100 ? (int)backoff : 100;
+    args[3].value.integer = RPC_CONNECT_TIMEOUT_MS;
     args[4].type = GRPC_ARG_INTEGER;
     args[4].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
     args[4].value.integer = 10000;

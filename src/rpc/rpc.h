@@ -152,6 +152,10 @@ void rpc_stream_on_close(struct rpc_stream *s, rpc_close_fn fn, void *arg);
 
 struct rpc_channel;
 
+/* How long one connection attempt to a server may take, TLS handshake
+ * included, before it is abandoned and retried after the backoff. */
+#define RPC_CONNECT_TIMEOUT_MS 5000
+
 struct rpc_channel_opts {
     size_t max_reply_bytes;     /* 0: LIMIT_RPC_REPLY_BYTES (base/limits.h) */
     uint32_t max_backoff_ms;    /* reconnect backoff cap; 0: LIMIT_BACKOFF_MAX_MS */
