@@ -188,9 +188,11 @@ clean:
 # built with clang against the modules compiled in a tree of their own
 # (build/fuzz/obj) with the fuzzer's instrumentation, ASan and UBSan.
 #
-#   make fuzz [FUZZ_SECONDS=60]  every harness N seconds on its corpus; what
-#                                it finds goes to build/fuzz/corpus/NAME,
-#                                crashes to build/fuzz/crashes/
+#   make fuzz [FUZZ_SECONDS=60]  every harness N seconds on its corpus (or
+#        [FUZZ_RUNS=N]           N inputs); what it finds goes to
+#                                build/fuzz/corpus/NAME, its log to
+#                                build/fuzz/logs/NAME.log, crashes to
+#                                build/fuzz/crashes/
 #   make fuzz-merge              adds what those runs found that covers new
 #                                code to the repository's tests/fuzz/corpus
 #   make fuzz-check              every harness a few seconds (make test)
@@ -218,10 +220,15 @@ FUZZ_FLAGS_ident := -max_len=800
 # second where inputs allocate a lot (cJSON, the broker), with the same
 # checks; rerun a crash without them for the full report.
 FUZZ_ASAN_OPTIONS := quarantine_size_mb=32:malloc_context_size=8
-# Runs one harness: $(1) its name, then libFuzzer's flags and corpus dirs.
+# The recipes loop over the harnesses in the shell, $$t naming one: this
+# sets $$flags to its dictionary and its FUZZ_FLAGS_NAME, and fuzz_run runs
+# it with libFuzzer's flags and corpus directories to follow.
+fuzz_rparen := )
+fuzz_case = $(1)$(fuzz_rparen) flags="$(strip $(if $(wildcard tests/fuzz/$(1).dict),\
+            -dict=tests/fuzz/$(1).dict) $(FUZZ_FLAGS_$(1)))";;
+fuzz_flags = case $$t in $(foreach n,$(FUZZ_NAMES),$(call fuzz_case,$(n))) esac
 fuzz_run = ASAN_OPTIONS=$(ASAN_OPTIONS):$(FUZZ_ASAN_OPTIONS) \
-           $(FUZZ_DIR)/$(1) -artifact_prefix=$(FUZZ_DIR)/crashes/$(1)- \
-           $(if $(wildcard tests/fuzz/$(1).dict),-dict=tests/fuzz/$(1).dict) $(FUZZ_FLAGS_$(1))
+           $(FUZZ_DIR)/$$t -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- $$flags
 
 $(FUZZ_DIR)/gen/%.pb-c.c $(FUZZ_DIR)/gen/%.pb-c.h: proto/%.proto
 	@mkdir -p $(FUZZ_DIR)/gen
@@ -252,18 +259,23 @@ $(FUZZ_DIR)/seeds: $(FUZZ_DIR)/obj/tests/fuzz/seeds.o $(FUZZ_DIR)/lib/libcohort-
 fuzz-build: $(FUZZ_BINS)
 
 fuzz: $(FUZZ_BINS)
-	@mkdir -p $(FUZZ_DIR)/crashes
+	@mkdir -p $(FUZZ_DIR)/crashes $(FUZZ_DIR)/logs
 	@set -e; for t in $(FUZZ_NAMES); do \
 	    mkdir -p $(FUZZ_DIR)/corpus/$$t; \
-	    echo "fuzz: $$t for $(FUZZ_SECONDS) s"; \
-	    $(call fuzz_run,$$t) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
-	        $(FUZZ_DIR)/corpus/$$t tests/fuzz/corpus/$$t; \
+	    echo "fuzz: $$t, $(if $(FUZZ_RUNS),$(FUZZ_RUNS) inputs,$(FUZZ_SECONDS) s)"; \
+	    $(fuzz_flags); $(fuzz_run) -print_final_stats=1 \
+	        $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS)) \
+	        $(FUZZ_DIR)/corpus/$$t tests/fuzz/corpus/$$t 2>$(FUZZ_DIR)/logs/$$t.log \
+	        || { tail -n 60 $(FUZZ_DIR)/logs/$$t.log; exit 1; }; \
+	    grep -E '^#[0-9]+[[:space:]]' $(FUZZ_DIR)/logs/$$t.log | tail -n 1; \
+	    grep -E '^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' \
+	        $(FUZZ_DIR)/logs/$$t.log | tr '\n' ' '; echo; \
 	done
 
 fuzz-merge: $(FUZZ_BINS)
 	@set -e; for t in $(FUZZ_NAMES); do \
 	    mkdir -p $(FUZZ_DIR)/corpus/$$t; \
-	    $(call fuzz_run,$$t) -merge=1 tests/fuzz/corpus/$$t $(FUZZ_DIR)/corpus/$$t; \
+	    $(fuzz_flags); $(fuzz_run) -merge=1 tests/fuzz/corpus/$$t $(FUZZ_DIR)/corpus/$$t; \
 	done
 
 # A few seconds each, from the repository's corpus; new inputs go to a
@@ -273,7 +285,7 @@ fuzz-check: $(FUZZ_BINS)
 	@set -e; for t in $(FUZZ_NAMES); do \
 	    rm -rf $(FUZZ_DIR)/check/$$t; mkdir -p $(FUZZ_DIR)/check/$$t; \
 	    echo "fuzz-check: $$t"; \
-	    $(call fuzz_run,$$t) -max_total_time=$(FUZZ_CHECK_SECONDS) -print_final_stats=1 \
+	    $(fuzz_flags); $(fuzz_run) -max_total_time=$(FUZZ_CHECK_SECONDS) -print_final_stats=1 \
 	        $(FUZZ_DIR)/check/$$t tests/fuzz/corpus/$$t 2>$(FUZZ_DIR)/check/$$t.log \
 	        || { cat $(FUZZ_DIR)/check/$$t.log; exit 1; }; \
 	    grep -E '^stat::number_of_executed_units|^stat::new_units_added' $(FUZZ_DIR)/check/$$t.log \
