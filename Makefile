@@ -228,7 +228,7 @@ fuzz_case = $(1)$(fuzz_rparen) flags="$(strip $(if $(wildcard tests/fuzz/$(1).di
             -dict=tests/fuzz/$(1).dict) $(FUZZ_FLAGS_$(1)))";;
 fuzz_flags = case $$t in $(foreach n,$(FUZZ_NAMES),$(call fuzz_case,$(n))) esac
 fuzz_run = ASAN_OPTIONS=$(ASAN_OPTIONS):$(FUZZ_ASAN_OPTIONS) \
-           $(FUZZ_DIR)/$$t -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- $$flags
+           $(FUZZ_DIR)/$$t -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- -timeout=30 $$flags
 
 $(FUZZ_DIR)/gen/%.pb-c.c $(FUZZ_DIR)/gen/%.pb-c.h: proto/%.proto
 	@mkdir -p $(FUZZ_DIR)/gen
