@@ -155,6 +155,7 @@ test: deps
 	scripts/install-kubectl.sh
 	$(MAKE) -j$$(nproc) asan all
 	$(MAKE) unit proc kube python-test
+	$(MAKE) -j$$(nproc) fuzz-check
 
 # No folder of src/ includes above the layers its README.md names.
 layers:
@@ -191,3 +192,117 @@ bench: deps
 
 clean:
 	rm -rf $(BUILD)
+
+# ---- fuzzing (tests/fuzz/README.md) -----------------------------------------
+# One libFuzzer harness per parser, tests/fuzz/fuzz_NAME.c -> build/fuzz/NAME,
+# built with clang against the modules compiled in a tree of their own
+# (build/fuzz/obj) with the fuzzer's instrumentation, ASan and UBSan.
+#
+#   make fuzz [FUZZ_SECONDS=60]  every harness N seconds on its corpus (or
+#        [FUZZ_RUNS=N]           N inputs); what it finds goes to
+#                                build/fuzz/corpus/NAME, its log to
+#                                build/fuzz/logs/NAME.log, crashes to
+#                                build/fuzz/crashes/
+#   make fuzz-merge              adds what those runs found that covers new
+#                                code to the repository's tests/fuzz/corpus
+#   make fuzz-check              every harness a few seconds (make test)
+#   make fuzz-seeds              rewrites the generated seeds in the corpus
+FUZZ_DIR      := $(BUILD)/fuzz
+FUZZ_CC       ?= clang
+FUZZ_SECONDS  ?= 60
+FUZZ_CHECK_SECONDS ?= 3
+FUZZ_NAMES    := $(sort $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c)))
+FUZZ_BINS     := $(addprefix $(FUZZ_DIR)/,$(FUZZ_NAMES))
+FUZZ_SAN      := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+FUZZ_CFLAGS   := $(BASE_CFLAGS) -I$(FUZZ_DIR)/gen -O1 -fno-omit-frame-pointer $(FUZZ_SAN) \
+                 -fsanitize=fuzzer-no-link
+FUZZ_OBJS     := $(call objs,$(FUZZ_DIR),$(LIB_SRCS)) $(call gen_objs,$(FUZZ_DIR))
+# Per harness: inputs no longer than the messages they stand for.
+FUZZ_FLAGS_tlink := -max_len=1100
+FUZZ_FLAGS_tlink_trainer := -max_len=2048
+FUZZ_FLAGS_peerwire := -max_len=1200
+FUZZ_FLAGS_broker := -max_len=128
+FUZZ_FLAGS_reconcile := -max_len=2048
+FUZZ_FLAGS_opt := -max_len=256
+FUZZ_FLAGS_secret := -max_len=300
+FUZZ_FLAGS_ident := -max_len=800
+# A small quarantine and short allocation stacks: twice the executions a
+# second where inputs allocate a lot (cJSON, the broker), with the same
+# checks; rerun a crash without them for the full report.
+FUZZ_ASAN_OPTIONS := quarantine_size_mb=32:malloc_context_size=8
+# The recipes loop over the harnesses in the shell, $$t naming one: this
+# sets $$flags to its dictionary and its FUZZ_FLAGS_NAME, and fuzz_run runs
+# it with libFuzzer's flags and corpus directories to follow.
+fuzz_rparen := )
+fuzz_case = $(1)$(fuzz_rparen) flags="$(strip $(if $(wildcard tests/fuzz/$(1).dict),\
+            -dict=tests/fuzz/$(1).dict) $(FUZZ_FLAGS_$(1)))";;
+fuzz_flags = case $$t in $(foreach n,$(FUZZ_NAMES),$(call fuzz_case,$(n))) esac
+fuzz_run = ASAN_OPTIONS=$(ASAN_OPTIONS):$(FUZZ_ASAN_OPTIONS) \
+           $(FUZZ_DIR)/$$t -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- -timeout=30 $$flags
+
+$(FUZZ_DIR)/gen/%.pb-c.c $(FUZZ_DIR)/gen/%.pb-c.h: proto/%.proto
+	@mkdir -p $(FUZZ_DIR)/gen
+	protoc-c --proto_path=proto --c_out=$(FUZZ_DIR)/gen $<
+
+$(FUZZ_DIR)/obj/%.o: %.c $(call gen_srcs,$(FUZZ_DIR))
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -MMD -MP -c $< -o $@
+
+$(FUZZ_DIR)/obj/gen/%.o: $(FUZZ_DIR)/gen/%.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -Wno-missing-prototypes -c $< -o $@
+
+$(FUZZ_DIR)/lib/libcohort-fuzz.a: $(FUZZ_OBJS)
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(FUZZ_BINS): $(FUZZ_DIR)/%: $(FUZZ_DIR)/obj/tests/fuzz/fuzz_%.o $(FUZZ_DIR)/lib/libcohort-fuzz.a
+	$(FUZZ_CC) -fsanitize=fuzzer $(FUZZ_SAN) -o $@ $^ $(LDLIBS)
+
+$(FUZZ_DIR)/seeds: $(FUZZ_DIR)/obj/tests/fuzz/seeds.o $(FUZZ_DIR)/lib/libcohort-fuzz.a
+	$(FUZZ_CC) $(FUZZ_SAN) -o $@ $^ $(LDLIBS)
+
+-include $(shell find $(FUZZ_DIR)/obj -name '*.d' 2>/dev/null)
+
+.PHONY: fuzz fuzz-build fuzz-check fuzz-merge fuzz-seeds
+fuzz-build: $(FUZZ_BINS)
+
+fuzz: $(FUZZ_BINS)
+	@mkdir -p $(FUZZ_DIR)/crashes $(FUZZ_DIR)/logs
+	@set -e; for t in $(FUZZ_NAMES); do \
+	    mkdir -p $(FUZZ_DIR)/corpus/$$t; \
+	    echo "fuzz: $$t, $(if $(FUZZ_RUNS),$(FUZZ_RUNS) inputs,$(FUZZ_SECONDS) s)"; \
+	    $(fuzz_flags); $(fuzz_run) -print_final_stats=1 \
+	        $(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS)) \
+	        $(FUZZ_DIR)/corpus/$$t tests/fuzz/corpus/$$t 2>$(FUZZ_DIR)/logs/$$t.log \
+	        || { tail -n 60 $(FUZZ_DIR)/logs/$$t.log; exit 1; }; \
+	    grep -E '^#[0-9]+[[:space:]]' $(FUZZ_DIR)/logs/$$t.log | tail -n 1; \
+	    grep -E '^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' \
+	        $(FUZZ_DIR)/logs/$$t.log | tr '\n' ' '; echo; \
+	done
+
+fuzz-merge: $(FUZZ_BINS)
+	@set -e; for t in $(FUZZ_NAMES); do \
+	    mkdir -p $(FUZZ_DIR)/corpus/$$t; \
+	    $(fuzz_flags); $(fuzz_run) -merge=1 tests/fuzz/corpus/$$t $(FUZZ_DIR)/corpus/$$t; \
+	done
+
+# A few seconds each, from the repository's corpus; new inputs go to a
+# scratch directory, so the corpus is only read.
+fuzz-check: $(FUZZ_BINS)
+	@mkdir -p $(FUZZ_DIR)/crashes
+	@set -e; for t in $(FUZZ_NAMES); do \
+	    rm -rf $(FUZZ_DIR)/check/$$t; mkdir -p $(FUZZ_DIR)/check/$$t; \
+	    echo "fuzz-check: $$t"; \
+	    $(fuzz_flags); $(fuzz_run) -max_total_time=$(FUZZ_CHECK_SECONDS) -print_final_stats=1 \
+	        $(FUZZ_DIR)/check/$$t tests/fuzz/corpus/$$t 2>$(FUZZ_DIR)/check/$$t.log \
+	        || { cat $(FUZZ_DIR)/check/$$t.log; exit 1; }; \
+	    grep -E '^stat::number_of_executed_units|^stat::new_units_added' $(FUZZ_DIR)/check/$$t.log \
+	        | tr '\n' ' '; echo; \
+	done
+
+fuzz-seeds: $(FUZZ_DIR)/seeds
+	@mkdir -p tests/fuzz/corpus
+	$(FUZZ_DIR)/seeds tests/fuzz/corpus
+	$(PYTHON) tests/fuzz/seeds.py tests/fuzz/corpus

@@ -68,12 +68,17 @@ static int call(struct sidecar *s, uint16_t type, const void *body, uint32_t len
      * included, and published their effects before it answered. */
     s->consume_posted = false;
     s->answered = true;
-    if (h.type != TL_REPLY || (h.status == 0 && out_len >= 0 && h.len != (uint32_t)out_len)) {
+    /* A status is 0 or a negative errno (-4095, the kernel's MAX_ERRNO, at
+     * most): anything else would reach the trainer as neither. */
+    if (h.type != TL_REPLY || h.status > 0 || h.status < -4095 ||
+        (h.status == 0 && out_len >= 0 && h.len != (uint32_t)out_len)) {
         for (int i = 0; i < ngot; i++)
             close(got[i]);
         return -EPROTO;
     }
-    if (out && h.len)
+    /* Only a success's body is known to have the size the caller wants;
+     * a refusal's, of any size, is not copied. */
+    if (out && h.len && h.status == 0)
         memcpy(out, buf, h.len);
     if (fd_out)
         *fd_out = ngot ? got[0] : -1;

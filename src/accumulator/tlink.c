@@ -126,14 +126,18 @@ int tlink_recv(int sock, struct tlink_hdr *h, void *body, uint32_t cap, long wan
     } while (n < 0 && errno == EINTR);
     if (n < 0)
         return errno == ECONNRESET ? -ECONNRESET : -errno;
-    if (n == 0)
-        return -ECONNRESET;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
             int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
             for (int i = 0; i < k && ngot < 16; i++)
                 memcpy(&got[ngot++], CMSG_DATA(c) + (size_t)i * sizeof(int), sizeof(int));
         }
+    }
+    /* The peer hung up, or sent an empty message, which may still carry
+     * descriptors: those are closed like any others refused. */
+    if (n == 0) {
+        rc = -ECONNRESET;
+        goto bad;
     }
     /* A truncated message or descriptor list cannot be trusted. */
     if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || (size_t)n < sizeof(*h) || ngot > TLINK_FDS_MAX) {

@@ -68,26 +68,15 @@ static int reply(int sock, uint16_t type, int32_t status, const void *body, uint
     return tlink_send(sock, TL_REPLY, status, body, len, fds, nfds);
 }
 
-/* Offsets and sizes from the trainer are checked against the memfd's real
- * size before anything is mapped or touched. */
-static int check_layout(const struct tlink_register *r, int fd)
+int trainerd_check_layout(const struct tlink_register *r, uint64_t region_size)
 {
-    struct stat st;
-    struct statfs fs;
     uint64_t gbytes, end, rend;
 
     if (r->mem != TL_MEM_HOST)
         return -EOPNOTSUPP;
-    /* An ordinary memfd lives on shmem. A hugetlbfs one could fault with
-     * SIGBUS whenever the pool of huge pages runs dry. */
-    if (fstatfs(fd, &fs) < 0 || fs.f_type != TMPFS_MAGIC)
-        return -EPERM;
     if (!dtype_valid((int)r->grad_dtype) || r->grad_count == 0)
         return -EINVAL;
-    /* Sealed first, so the size checked here is the size for good. */
-    if ((fcntl(fd, F_GET_SEALS) & TLINK_SEALS) != TLINK_SEALS)
-        return -EPERM;
-    if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != r->region_bytes || r->region_bytes == 0)
+    if (region_size != r->region_bytes || r->region_bytes == 0)
         return -EINVAL;
     if ((r->params_off | r->grads_off | r->results_off | r->buffers_off | r->shared_off) % 64 != 0 ||
         (r->params_bytes | r->buffers_bytes) % 8 != 0)
@@ -112,6 +101,27 @@ static int check_layout(const struct tlink_register *r, int fd)
         r->buffers_off + r->buffers_bytes > r->region_bytes)
         return -EINVAL;
     return 0;
+}
+
+/* Offsets and sizes from the trainer are checked against the memfd's real
+ * size before anything is mapped or touched. */
+static int check_layout(const struct tlink_register *r, int fd)
+{
+    struct stat st;
+    struct statfs fs;
+
+    if (r->mem != TL_MEM_HOST)
+        return -EOPNOTSUPP;
+    /* An ordinary memfd lives on shmem. A hugetlbfs one could fault with
+     * SIGBUS whenever the pool of huge pages runs dry. */
+    if (fstatfs(fd, &fs) < 0 || fs.f_type != TMPFS_MAGIC)
+        return -EPERM;
+    /* Sealed first, so the size checked here is the size for good. */
+    if ((fcntl(fd, F_GET_SEALS) & TLINK_SEALS) != TLINK_SEALS)
+        return -EPERM;
+    if (fstat(fd, &st) < 0)
+        return -EINVAL;
+    return trainerd_check_layout(r, (uint64_t)st.st_size);
 }
 
 static int do_register(struct trainerd *t, struct session *s, const struct tlink_register *r,

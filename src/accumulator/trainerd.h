@@ -8,6 +8,8 @@
 #ifndef COHORT_TRAINERD_H
 #define COHORT_TRAINERD_H
 
+#include <stdint.h>
+
 #include "accumulator/node.h"
 
 struct trainerd;
@@ -25,6 +27,17 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out);
 /* Stops serving (the current trainer's member leaves) and removes the
  * socket file. NULL is fine. */
 void trainerd_stop(struct trainerd *t);
+
+struct tlink_register;
+/* The sidecar's check of a REGISTER layout against the size of the memfd
+ * that came with it (region_size, from fstat once its seals are checked):
+ * host memory, a valid gradient type and a nonzero count, region_bytes
+ * equal to region_size, every offset 64-byte aligned, every region inside
+ * the memfd without wrapping around, the results apart from the gradients
+ * and the view page (VIEWPAGE_BYTES) after every tensor. Returns 0,
+ * -EOPNOTSUPP (not host memory) or -EINVAL. Pure, so that tests/fuzz can
+ * call it. */
+int trainerd_check_layout(const struct tlink_register *r, uint64_t region_size);
 
 /* Trainers served so far (for tests). */
 unsigned trainerd_sessions(struct trainerd *t);

@@ -82,34 +82,39 @@ static void client_close(struct client *c)
     *c = (struct client){ .fd = -1 };
 }
 
+int probe_parse_request(const char *req, char *path, size_t cap, bool *head)
+{
+    const char *sp, *q;
+    size_t pl;
+
+    *head = strncmp(req, "HEAD ", 5) == 0;
+    if (strncmp(req, "GET ", 4) != 0 && !*head)
+        return 405;
+    sp = strchr(req, ' ') + 1;
+    q = sp + strcspn(sp, " ?\r\n");
+    pl = (size_t)(q - sp);
+    if (pl == 0 || pl >= cap)
+        return 400;
+    memcpy(path, sp, pl);
+    path[pl] = '\0';
+    return 200;
+}
+
 /* Builds the reply to a complete request in c->out. */
 static int answer(struct probe *p, struct client *c)
 {
     struct probe_reply r = { .code = 200, .body = p->body, .cap = BODY_MAX };
-    const char *req = c->in;
     char head[256], path[1024];
-    const char *sp, *q;
-    bool head_only = strncmp(req, "HEAD ", 5) == 0;
-    size_t pl;
+    bool head_only;
     int w;
 
-    if (strncmp(req, "GET ", 4) != 0 && !head_only) {
-        r.code = 405;
+    r.code = probe_parse_request(c->in, path, sizeof(path), &head_only);
+    if (r.code == 405)
         probe_printf(&r, "only GET\n");
-        goto reply;
-    }
-    sp = strchr(req, ' ') + 1;
-    q = sp + strcspn(sp, " ?\r\n");
-    pl = (size_t)(q - sp);
-    if (pl == 0 || pl >= sizeof(path)) {
-        r.code = 400;
+    else if (r.code == 400)
         probe_printf(&r, "bad request line\n");
-        goto reply;
-    }
-    memcpy(path, sp, pl);
-    path[pl] = '\0';
-    p->fn(p->arg, path, &r);
-reply:
+    else
+        p->fn(p->arg, path, &r);
     w = snprintf(head, sizeof(head), "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
                  "Connection: close\r\n\r\n", r.code, reason_of(r.code),
                  r.content_type ? r.content_type : "text/plain; charset=utf-8", r.len);

@@ -8,6 +8,7 @@
 #ifndef COHORT_PROBE_H
 #define COHORT_PROBE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 struct probe;
@@ -31,6 +32,14 @@ int probe_start(const char *listen, probe_fn fn, void *arg, struct probe **out);
 /* The bound port. */
 int probe_port(const struct probe *p);
 void probe_stop(struct probe *p);          /* NULL is fine */
+
+/* Reads the request line of one complete request: what a client sent up
+ * to its blank line, NUL-terminated. Returns 200 with the path, without
+ * its query, in path[0..cap); 405 for a method other than GET and HEAD;
+ * 400 for an empty path or one that does not fit in cap bytes with its
+ * NUL. *head says whether the method is HEAD. Pure: the server's own
+ * parser, so that tests/fuzz can call it. */
+int probe_parse_request(const char *req, char *path, size_t cap, bool *head);
 
 /* Appends printf-style text to r->body, truncating at r->cap. */
 void probe_printf(struct probe_reply *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
