@@ -33,6 +33,7 @@
 #include "base/ident.h"
 #include "cohort.pb-c.h"
 #include "membership/broker.h"
+#include "membership/proof.h"
 #include "membership/wire.h"
 
 #define SLOTS 8
@@ -381,6 +382,28 @@ static ProtobufCMessage *unpack(struct fuzz_in *in, const ProtobufCMessageDescri
     return protobuf_c_message_unpack(d, NULL, len, p);
 }
 
+/* The proof a request carries, as brokerd.c reads it before anything
+ * else: whatever the input put there does not verify under a key it never
+ * saw; a proof made for the request does, and a MAC with one bit flipped
+ * does not. */
+static void check_proof(const ProtobufCMessage *m, const Cohort__V1__Proof *carried)
+{
+    static struct secret key;
+    static bool have_key;
+    Cohort__V1__Proof p;
+    uint8_t mac[SECRET_MAC_BYTES];
+
+    if (!have_key) {
+        CHECK(secret_generate(&key) == 0);
+        have_key = true;
+    }
+    CHECK(!proof_valid(&key, m, carried));
+    CHECK(proof_sign(&key, m, 7, 1700000000000ull, &p, mac) == 0);
+    CHECK(proof_valid(&key, m, &p));
+    mac[mac[0] % SECRET_MAC_BYTES] ^= 0x10;
+    CHECK(!proof_valid(&key, m, &p));
+}
+
 static void raw(struct fuzz_in *in, uint8_t what)
 {
     ProtobufCMessage *m;
@@ -392,6 +415,7 @@ static void raw(struct fuzz_in *in, uint8_t what)
         if (!m)
             return;
         q = (Cohort__V1__JoinRequest *)m;
+        check_proof(m, q->proof);
         join(&(struct broker_join){
             .cohort = q->cohort, .id = q->id, .address = q->address,
             .model_version = q->model_version, .session = q->session,
@@ -406,6 +430,7 @@ static void raw(struct fuzz_in *in, uint8_t what)
         if (!m)
             return;
         q = (Cohort__V1__HeartbeatRequest *)m;
+        check_proof(m, q->proof);
         heartbeat(q->cohort, q->id, q->session,
                   &(struct broker_beat){ .model_version = q->model_version,
                                          .declare = q->declare_version, .adopted = q->epoch });
@@ -417,6 +442,7 @@ static void raw(struct fuzz_in *in, uint8_t what)
         if (!m)
             return;
         q = (Cohort__V1__LeaveRequest *)m;
+        check_proof(m, q->proof);
         leave(q->cohort, q->id, q->session);
         break;
     }
@@ -426,6 +452,7 @@ static void raw(struct fuzz_in *in, uint8_t what)
         if (!m)
             return;
         q = (Cohort__V1__WatchRequest *)m;
+        check_proof(m, q->proof);
         watch(q->cohort, q->id, q->session, (size_t)q->session);
         break;
     }
@@ -435,6 +462,7 @@ static void raw(struct fuzz_in *in, uint8_t what)
         if (!m)
             return;
         q = (Cohort__V1__StatusRequest *)m;
+        check_proof(m, q->proof);
         status(q->cohort);
         break;
     }
