@@ -370,10 +370,11 @@ static void *trainerd_main(void *arg)
     return NULL;
 }
 
-/* Binds `fd` at `path` with mode 0600, with no moment at which anyone
- * else could connect: the socket is made in a fresh 0700 directory beside
- * `path`, restricted there, then renamed into place, replacing a dead
- * sidecar's file. */
+/* Binds `fd` at `path` with mode 0600 and listens, with no moment at which
+ * anyone else could connect: the socket is made in a fresh 0700 directory
+ * beside `path`, restricted there, then renamed into place, replacing a
+ * dead sidecar's file. It listens before the rename, so a trainer that
+ * finds the file can connect at once. */
 static int bind_private(int fd, const char *path)
 {
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
@@ -392,7 +393,7 @@ static int bind_private(int fd, const char *path)
     }
     memcpy(sa.sun_path, tmp, (size_t)n + 1);
     if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(tmp, 0600) < 0 ||
-        rename(tmp, path) < 0)
+        listen(fd, 4) < 0 || rename(tmp, path) < 0)
         rc = -errno;
     unlink(tmp);
 out_dir:
@@ -461,10 +462,6 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
     rc = bind_private(t->lfd, t->path);
     if (rc < 0)
         goto err;
-    if (listen(t->lfd, 4) < 0) {
-        rc = -errno;
-        goto err_unlink;
-    }
     if (pthread_create(&t->thread, NULL, trainerd_main, t) != 0) {
         rc = -EAGAIN;
         goto err_unlink;
