@@ -170,12 +170,23 @@ static void set_env(cJSON *c, const char *cohort_key, const char *broker)
 {
     static const char *const ours[] = { "COHORT_SOCKET", "COHORT_COHORT", "COHORT_ID",
                                         "COHORT_BROKER", "COHORT_POD_IP" };
-    cJSON *env = cJSON_GetObjectItemCaseSensitive(c, "env");
+    cJSON *env = NULL, *it, *next;
 
-    if (!cJSON_IsArray(env)) {
-        cJSON_DeleteItemFromObjectCaseSensitive(c, "env");
-        env = cJSON_AddArrayToObject(c, "env");
+    /* One env array, whatever came in: JSON may repeat a key, and a pod
+     * whose env is ambiguous would be read one way here and another by
+     * the API server. The first array stays; other "env" keys go. */
+    for (it = c->child; it; it = next) {
+        next = it->next;
+        if (!it->string || strcmp(it->string, "env") != 0)
+            continue;
+        if (!env && cJSON_IsArray(it)) {
+            env = it;
+            continue;
+        }
+        cJSON_Delete(cJSON_DetachItemViaPointer(c, it));
     }
+    if (!env)
+        env = cJSON_AddArrayToObject(c, "env");
     for (int i = cJSON_GetArraySize(env) - 1; i >= 0; i--) {
         const char *n = str(cJSON_GetArrayItem(env, i), "name");
         for (size_t j = 0; n && j < sizeof(ours) / sizeof(ours[0]); j++)

@@ -632,3 +632,28 @@ Test(reconcile, selector_names_the_cohort_label)
     cr_assert_str_eq(buf, "cohort.dev/cohort=lr");
     cr_assert_eq(reconcile_selector("lr", buf, 5), -ENAMETOOLONG);
 }
+
+/* JSON may repeat a key. A container with "env" twice (a string, then an
+ * array) gets exactly one env array, holding the template's variables and
+ * the operator's: never a pod the API server would read another way. */
+Test(reconcile, pod_has_one_env_whatever_the_template_repeats)
+{
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                      "\"spec\":{\"template\":{\"spec\":{\"containers\":[{\"name\":\"t\","
+                      "\"env\":\"junk\",\"env\":[{\"name\":\"X\",\"value\":\"1\"}],"
+                      "\"env\":[{\"name\":\"Y\",\"value\":\"2\"}]}]}}}}");
+    const cJSON *c, *it;
+    cJSON *pod = NULL;
+    int envs = 0;
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    c = cJSON_GetArrayItem(cJSON_GetObjectItem(cJSON_GetObjectItem(pod, "spec"), "containers"), 0);
+    cJSON_ArrayForEach(it, c)
+        envs += it->string && strcmp(it->string, "env") == 0;
+    cr_assert_eq(envs, 1);
+    cr_assert(cJSON_IsArray(cJSON_GetObjectItem(c, "env")));
+    cr_assert(has_env(c, "X") && has_env(c, "COHORT_BROKER") && has_env(c, "COHORT_ID"));
+    cr_assert_not(has_env(c, "Y"), "the first array is the one kept");
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
