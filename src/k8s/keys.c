@@ -38,7 +38,7 @@ int keys_secret(const cJSON *tc, const struct secret *key, const char *ca_pem, c
     const cJSON *meta = get(tc, "metadata");
     const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
     char sname[IDENT_NAME_MAX + 1], hex[SECRET_HEX_CHARS + 1];
-    cJSON *s, *m, *owner, *data;
+    cJSON *s, *m, *data;
     bool ok;
 
     *out = NULL;
@@ -53,14 +53,7 @@ int keys_secret(const cJSON *tc, const struct secret *key, const char *ca_pem, c
     cJSON_AddStringToObject(m, "name", sname);
     cJSON_AddStringToObject(m, "namespace", ns);
     cJSON_AddStringToObject(cJSON_AddObjectToObject(m, "labels"), RECONCILE_LABEL_COHORT, name);
-    owner = cJSON_CreateObject();
-    cJSON_AddStringToObject(owner, "apiVersion", RECONCILE_API_VERSION);
-    cJSON_AddStringToObject(owner, "kind", RECONCILE_KIND);
-    cJSON_AddStringToObject(owner, "name", name);
-    cJSON_AddStringToObject(owner, "uid", uid);
-    cJSON_AddBoolToObject(owner, "controller", 1);
-    cJSON_AddBoolToObject(owner, "blockOwnerDeletion", 1);
-    cJSON_AddItemToArray(cJSON_AddArrayToObject(m, "ownerReferences"), owner);
+    reconcile_add_owner(m, name, uid);
     cJSON_AddStringToObject(s, "type", "Opaque");
     data = cJSON_AddObjectToObject(s, "data");
     secret_format(key, hex);
@@ -69,7 +62,7 @@ int keys_secret(const cJSON *tc, const struct secret *key, const char *ca_pem, c
     if (ok && ca_pem)
         ok = add_data(data, RECONCILE_SECRET_CA, ca_pem, strlen(ca_pem));
     /* cJSON reports allocation failures only by leaving things out. */
-    if (!ok || !get(m, "ownerReferences") || !str(owner, "uid") || !get(s, "type")) {
+    if (!ok || !str(cJSON_GetArrayItem(get(m, "ownerReferences"), 0), "uid") || !get(s, "type")) {
         cJSON_Delete(s);
         return -ENOMEM;
     }

@@ -275,7 +275,7 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
     const cJSON *tmeta = get(tmpl, "metadata"), *it;
     const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
     char pod_name[320], ord[16], key[LIMIT_KUBE_KEY_MAX], secret_name[IDENT_NAME_MAX + 1];
-    cJSON *pod, *pm, *labels, *owners, *owner, *spec, *inits, *vols, *vol, *sec, *conts, *cont;
+    cJSON *pod, *pm, *labels, *spec, *inits, *vols, *vol, *sec, *conts, *cont;
 
     *out = NULL;
     if (!name || !ns || !uid || !cJSON_IsObject(get(tmpl, "spec")) ||
@@ -307,15 +307,7 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
         cJSON_DeleteItemFromObjectCaseSensitive(ann, RECONCILE_ANNOTATION_KEY_ID);
         cJSON_AddStringToObject(ann, RECONCILE_ANNOTATION_KEY_ID, key_id);
     }
-    owners = cJSON_AddArrayToObject(pm, "ownerReferences");
-    owner = cJSON_CreateObject();
-    cJSON_AddStringToObject(owner, "apiVersion", RECONCILE_API_VERSION);
-    cJSON_AddStringToObject(owner, "kind", RECONCILE_KIND);
-    cJSON_AddStringToObject(owner, "name", name);
-    cJSON_AddStringToObject(owner, "uid", uid);
-    cJSON_AddBoolToObject(owner, "controller", 1);
-    cJSON_AddBoolToObject(owner, "blockOwnerDeletion", 1);
-    cJSON_AddItemToArray(owners, owner);
+    reconcile_add_owner(pm, name, uid);
 
     spec = cJSON_Duplicate(get(tmpl, "spec"), 1);
     if (!spec)
@@ -389,6 +381,19 @@ int reconcile_selector(const char *cohort, char *buf, size_t n)
 {
     int w = snprintf(buf, n, RECONCILE_LABEL_COHORT "=%s", cohort);
     return w < 0 || (size_t)w >= n ? -ENAMETOOLONG : 0;
+}
+
+void reconcile_add_owner(cJSON *meta, const char *name, const char *uid)
+{
+    cJSON *owner = cJSON_CreateObject();
+
+    cJSON_AddStringToObject(owner, "apiVersion", RECONCILE_API_VERSION);
+    cJSON_AddStringToObject(owner, "kind", RECONCILE_KIND);
+    cJSON_AddStringToObject(owner, "name", name);
+    cJSON_AddStringToObject(owner, "uid", uid);
+    cJSON_AddBoolToObject(owner, "controller", 1);
+    cJSON_AddBoolToObject(owner, "blockOwnerDeletion", 1);
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(meta, "ownerReferences"), owner);
 }
 
 int reconcile_secret_name(const char *cohort, char *buf, size_t n)

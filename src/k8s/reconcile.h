@@ -116,6 +116,11 @@ int reconcile_selector(const char *cohort, char *buf, size_t n);
  * limit). */
 int reconcile_secret_name(const char *cohort, char *buf, size_t n);
 
+/* Adds to `meta` (an object's metadata) the ownerReferences that make
+ * TrainingCohort `name` with `uid` (both copied) its controlling owner,
+ * deleted with it: what a cohort's pods and its Secret carry. */
+void reconcile_add_owner(cJSON *meta, const char *name, const char *uid);
+
 enum reconcile_phase {
     RECONCILE_POD_PENDING,
     RECONCILE_POD_RUNNING,
