@@ -18,13 +18,12 @@ Each fails on the broker before proofs, clamps and TLS flags existed.
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 
 import pytest
 
-from cohorttest import (BIN, RUN_TIMEOUT, bin_path, cohortctl, explain_run, finish, read_text,
+from cohorttest import (BIN, RUN_TIMEOUT, Procs, bin_path, cohortctl, explain_run, finish, read_text,
                         spawn_group, wait_until)
 from cohorttest.programs import (TLS_NAME, broker_call, make_tls, start_broker, start_sidecar,
                                  write_key)
@@ -32,27 +31,6 @@ from cohorttest.programs import (TLS_NAME, broker_call, make_tls, start_broker, 
 LOGREG = os.path.join(BIN, "examples", "logreg")
 DEAD = "127.0.0.1:9"        # nothing listens there: a member that never answers
 HUGE_TIMEOUT = 4294967295   # 2^32-1 ms, about 49.7 days: finding 3's Join
-
-
-class Procs:
-    """Processes a test starts, stopped at its end; a sanitizer report or
-    an unclean exit of one of them fails the test."""
-
-    def __init__(self):
-        self.procs = []
-
-    def add(self, p):
-        self.procs.append(p)
-        return p
-
-    def close(self):
-        bad = []
-        for p in reversed(self.procs):
-            rc = p.stop()
-            if rc not in (0, -signal.SIGKILL):
-                bad.append("%s exited %s" % (p.name, rc))
-            bad += ["%s: %s" % (p.name, l) for l in p.sanitizer_report()]
-        assert not bad, "\n".join(bad)
 
 
 @pytest.fixture

@@ -8,35 +8,18 @@ import time
 
 import pytest
 
-from cohorttest import (all_see, bin_path, cohortctl, free_port, latest_epoch, start_broker,
+from cohorttest import (Procs, all_see, bin_path, cohortctl, free_port, latest_epoch, start_broker,
                         start_sidecar, status_json, wait_until)
 
 TIMEOUT_S = 5.0          # the default member timeout the issue names
 
 
-class Cohort:
-    def __init__(self):
-        self.procs = []
-
+class Cohort(Procs):
     def broker(self, *extra, **kw):
-        b = start_broker(*extra, **kw)
-        self.procs.append(b)
-        return b
+        return self.add(start_broker(*extra, **kw))
 
     def sidecar(self, broker, cohort, member_id, *extra):
-        s = start_sidecar(broker.address, cohort, member_id, *extra)
-        self.procs.append(s)
-        return s
-
-    def close(self):
-        bad = []
-        for p in reversed(self.procs):
-            rc = p.stop()
-            # A graceful stop exits 0; a process the test killed is excused.
-            if rc not in (0, -signal.SIGKILL):
-                bad.append("%s exited %s" % (p.name, rc))
-            bad += ["%s: %s" % (p.name, l) for l in p.sanitizer_report()]
-        assert not bad, "\n".join(bad)
+        return self.add(start_sidecar(broker.address, cohort, member_id, *extra))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ through `pythonpath` in the repository's pytest.ini; a script or a child
 process needs tests/lib on its path (pyproc.child_env adds it).
 """
 from .core import DEADLINE, KEEP, ROOT, free_port, make_tmp, read_text, remove_tmp, wait_until
-from .procs import PROC_TIMEOUT, Proc, finish, run_group, spawn_group, stop_process
+from .procs import PROC_TIMEOUT, Proc, Procs, finish, run_group, spawn_group, stop_process
 from .programs import (BIN, RUN_TIMEOUT, all_see, bin_dir, bin_path, cohortctl,
                        cohortctl_run, explain_run, latest_epoch, start_broker, start_sidecar,
                        status_json)
@@ -22,7 +22,7 @@ from .kube import (CRD_FILE, EXAMPLES, ApiServer, Kubectl, Kubelet, Operator, co
                    pod_path_dir, sidecar_speaks_tls)
 
 __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "remove_tmp",
-           "wait_until", "Proc", "finish", "run_group", "spawn_group", "stop_process", "BIN",
+           "wait_until", "Proc", "Procs", "finish", "run_group", "spawn_group", "stop_process", "BIN",
            "PROC_TIMEOUT", "RUN_TIMEOUT", "all_see", "bin_dir", "bin_path", "cohortctl",
            "cohortctl_run", "explain_run", "latest_epoch", "start_broker", "start_sidecar",
            "status_json", "CRD_FILE", "EXAMPLES", "ApiServer", "Kubectl", "Kubelet", "Operator",

@@ -102,3 +102,25 @@ def finish(p, timeout=PROC_TIMEOUT, what=None):
 def run_group(argv, timeout=PROC_TIMEOUT, env=None, what=None):
     """Runs argv as spawn_group() and finish() do."""
     return finish(spawn_group(argv, env), timeout, what)
+
+
+class Procs:
+    """Processes a test starts, stopped at its end (last first); a
+    sanitizer report or an unclean exit of one of them fails the test. A
+    graceful stop exits 0; a process the test killed is excused."""
+
+    def __init__(self):
+        self.procs = []
+
+    def add(self, p):
+        self.procs.append(p)
+        return p
+
+    def close(self):
+        bad = []
+        for p in reversed(self.procs):
+            rc = p.stop()
+            if rc not in (0, -signal.SIGKILL):
+                bad.append("%s exited %s" % (p.name, rc))
+            bad += ["%s: %s" % (p.name, l) for l in p.sanitizer_report()]
+        assert not bad, "\n".join(bad)
