@@ -1,5 +1,6 @@
 """Protobuf request bodies. kubectl's generator commands (create namespace,
-configmap, secret, serviceaccount) send typed objects as protobuf, with no
+configmap, secret, serviceaccount) and helm's release storage (Secrets, and
+the DeleteOptions that delete them) send typed objects as protobuf, with no
 fallback to JSON. These few kinds are decoded from their field numbers in
 k8s.io/api's generated.proto; any other protobuf body gets 415.
 """
@@ -23,6 +24,12 @@ PB_KINDS = {
                4: ("stringData", "map"), 5: ("immutable", "bool")},
     "ServiceAccount": {1: ("metadata", "msg", PB_META),
                        4: ("automountServiceAccountToken", "bool")},
+    # helm deletes its release Secrets with a protobuf DeleteOptions.
+    "DeleteOptions": {1: ("gracePeriodSeconds", "int"),
+                      2: ("preconditions", "msg", {1: ("uid", "string"),
+                                                   2: ("resourceVersion", "string")}),
+                      3: ("orphanDependents", "bool"), 4: ("propagationPolicy", "string"),
+                      5: ("dryRun", "strings")},
 }
 
 

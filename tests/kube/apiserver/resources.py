@@ -110,6 +110,8 @@ def builtin_types():
           "clusterrolebinding", False),
         T("policy", ["v1"], "PodDisruptionBudget", "poddisruptionbudgets", "poddisruptionbudget",
           True, ["pdb"], status=True),
+        T("networking.k8s.io", ["v1"], "NetworkPolicy", "networkpolicies", "networkpolicy", True,
+          ["netpol"]),
         T("autoscaling", ["v2"], "HorizontalPodAutoscaler", "horizontalpodautoscalers",
           "horizontalpodautoscaler", True, ["hpa"], ["all"], status=True),
     ]

@@ -311,9 +311,7 @@ class Handler(BaseHTTPRequestHandler):
                     return self._send_json(200, self.store.get_scale(rt, version, ns, name))
                 obj = self.store.out(rt, version, self.store.must_get(rt, ns, name))
             return self._send_object(200, rt, version, obj)
-        dry = self.q.get("dryRun") == "All"
-        if dry is False and self.q.get("dryRun"):
-            raise err_bad_request('unsupported dryRun value "%s"' % self.q["dryRun"])
+        dry = self._dry_run(body if method == "DELETE" else None)
         fv = self.q.get("fieldValidation") or "Warn"
         if fv not in ("Ignore", "Warn", "Strict"):
             raise err_bad_request('fieldValidation must be one of "Ignore", "Warn" or "Strict"')
@@ -376,6 +374,19 @@ class Handler(BaseHTTPRequestHandler):
         raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the "
                        "requested resource")
 
+    def _dry_run(self, delete_options=None):
+        """dryRun=All from the query, or for a DELETE from its
+        DeleteOptions body too (client-go sends it there): the request is
+        validated, defaulted and admitted, and nothing is stored."""
+        values = [self.q["dryRun"]] if self.q.get("dryRun") else []
+        if isinstance(delete_options, dict):
+            dr = delete_options.get("dryRun") or []
+            values += dr if isinstance(dr, list) else [dr]
+        for v in values:
+            if v != "All":
+                raise err_bad_request('unsupported dryRun value "%s"' % v)
+        return bool(values)
+
     def _delete_options(self, body):
         opts = dict(body) if isinstance(body, dict) else {}
         if "propagationPolicy" in self.q:
@@ -393,7 +404,7 @@ class Handler(BaseHTTPRequestHandler):
         sel = Selector.parse(self.q.get("labelSelector"))
         fterms = parse_field_selector(self.q.get("fieldSelector"), rt)
         opts = self._delete_options(body)
-        dry = self.q.get("dryRun") == "All"
+        dry = self._dry_run(body)
         with self.store.lock:
             items, at, _, _ = self.store.list(rt, ns, sel, fterms)
             out = []

@@ -17,6 +17,7 @@ import uuid
 
 from .common import dumps, go_value, is_int, rfc3339, utcnow
 from .errors import ApiError, FieldError, err_bad_request, err_conflict, err_invalid, err_not_found
+from .kinds import defaults_and_errors
 from .patch import PatchError, json_patch, merge_patch, strategic_merge_patch
 from .resources import builtin_types, type_from_crd
 from .schema import apply_defaults, prune, validate_rules, validate_schema
@@ -29,6 +30,7 @@ Ev = collections.namedtuple("Ev", "rv key type obj old")
 
 GENERATION_KINDS = {("apiextensions.k8s.io", "customresourcedefinitions"), ("apps", "deployments"),
                     ("policy", "poddisruptionbudgets"),
+                    ("networking.k8s.io", "networkpolicies"),
                     ("autoscaling", "horizontalpodautoscalers")}
 PROTECTED_NAMESPACES = ("default", "kube-system", "kube-public")
 CRD_CLEANUP = "customresourcecleanup.apiextensions.k8s.io"
@@ -259,7 +261,8 @@ class Store:
         obj["apiVersion"] = rt.gv()
         obj["kind"] = rt.kind
 
-    def _ensure_namespace(self, rt, ns):
+    def _ensure_namespace(self, rt, ns, dry=False):
+        """A dry run checks the namespace as a write would, and makes none."""
         if not rt.namespaced:
             return
         nsrt = self.types[("", "namespaces")]
@@ -267,6 +270,8 @@ class Store:
         if cur is None:
             if self.strict_namespaces:
                 raise err_not_found(nsrt, ns)
+            if dry:
+                return
             # Lenient by design (see docs/sandbox.md): a namespace is made on first use.
             self.create(nsrt, "v1", "", {"metadata": {"name": ns}})
         elif meta_of(cur).get("deletionTimestamp"):
@@ -349,8 +354,10 @@ class Store:
             spec = obj.setdefault("spec", {})
             spec.setdefault("type", "ClusterIP")
             if not spec.get("clusterIP"):
+                # A dry run shows the address it would get and keeps it free.
                 spec["clusterIP"] = "10.96.%d.%d" % divmod(self.next_cluster_ip, 256)
-                self.next_cluster_ip += 1
+                if not dry:
+                    self.next_cluster_ip += 1
             spec["clusterIPs"] = [spec["clusterIP"]]
             obj["status"] = {"loadBalancer": {}}
         elif rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
@@ -363,11 +370,13 @@ class Store:
                 crd_status(obj, None)
         elif rt.has_status() and rt.key != ("", "nodes"):
             obj.pop("status", None)
+        if rt.crd is None:
+            errs = errs + defaults_and_errors(rt, obj, None)
         validate_meta(rt, obj, errs)
         if errs:
             raise err_invalid(rt, name, errs)
-        if rt.namespaced and not dry:
-            self._ensure_namespace(rt, ns)
+        if rt.namespaced:
+            self._ensure_namespace(rt, ns, dry)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = rfc3339()
         if rt.generation:
@@ -447,6 +456,8 @@ class Store:
             errs = validate_crd(obj)
             if not errs:
                 crd_status(obj, old)
+        if rt.crd is None and sub != "status":
+            errs = errs + defaults_and_errors(rt, obj, old)
         if om.get("deletionTimestamp"):
             added = [f for f in meta.get("finalizers") or []
                      if f not in (om.get("finalizers") or [])]

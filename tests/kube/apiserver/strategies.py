@@ -181,7 +181,10 @@ def validate_pod(pod, old):
 def validate_meta(rt, obj, errs):
     meta = obj.get("metadata") or {}
     name = meta.get("name") or ""
-    label = rt.key in (("", "namespaces"), ("", "services"))
+    # Services' names are DNS-1035 labels, checked with their spec (kinds.py).
+    label = rt.key == ("", "namespaces")
+    if rt.key == ("", "services"):
+        name = ""
     if name and (len(name) > (63 if label else 253) or
                  not (DNS_LABEL if label else DNS_SUBDOMAIN).match(name)):
         errs.append(FieldError("Invalid", "metadata.name", name,
