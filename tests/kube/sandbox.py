@@ -63,8 +63,9 @@ def operator_command(path_env, kubeconfig):
     # The broker on a fixed loopback port, so that pods keep reaching it if
     # the operator is restarted; pods on 127.0.0.x reach 127.0.0.1. TLS
     # (the operator's default) only once the sidecar can speak it.
-    cmd = [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % free_port(),
-           "--metrics-listen", "127.0.0.1:0"]
+    port = free_port()
+    cmd = [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % port,
+           "--broker-address", "127.0.0.1:%d" % port, "--metrics-listen", "127.0.0.1:0"]
     sidecar = shutil.which("cohort-sidecar", path=path_env)
     if not sidecar or not sidecar_speaks_tls(os.path.dirname(os.path.realpath(sidecar))):
         cmd += ["--broker-tls", "off"]

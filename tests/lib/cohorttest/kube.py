@@ -162,9 +162,11 @@ class Kubelet:
 
 
 class Operator:
-    """cohort-operator in Kubernetes mode against `server`. tls: True for
-    the operator's default (--broker-tls auto), False for off, None for
-    auto when the sidecar can speak TLS and off otherwise."""
+    """cohort-operator in Kubernetes mode against `server`, run outside the
+    cluster: pods are told its loopback broker address with
+    --broker-address (in a cluster it is the broker Service's name). tls:
+    True for the operator's default (--broker-tls auto), False for off,
+    None for auto when the sidecar can speak TLS and off otherwise."""
 
     def __init__(self, server, tmp, name, broker_port, *extra, tls=None):
         self.name = name
@@ -176,6 +178,7 @@ class Operator:
         self.p = subprocess.Popen([os.path.join(bin_dir(), "cohort-operator"), "--kubeconfig",
                                    server.kubeconfig, "--identity", name,
                                    "--listen", "127.0.0.1:%d" % broker_port,
+                                   "--broker-address", "127.0.0.1:%d" % broker_port,
                                    "--metrics-listen", "127.0.0.1:0",
                                    "--lease-duration", "3s", "--renew-deadline", "2s",
                                    "--retry-period", "500ms", "--status-period", "1s",
