@@ -47,6 +47,7 @@ def pod_path_dir(tmp, bindir=None):
     d = os.path.join(tmp, "bin")
     os.makedirs(d, exist_ok=True)
     for name, target in (("cohort-sidecar", os.path.join(bindir, "cohort-sidecar")),
+                         ("cohort-operator", os.path.join(bindir, "cohort-operator")),
                          ("cohort-example-logreg", os.path.join(bindir, "examples", "logreg"))):
         link = os.path.join(d, name)
         if not os.path.lexists(link):
@@ -142,7 +143,9 @@ class Kubelet:
     (127.0.0.x by default) never hands out the same ones."""
 
     def __init__(self, server, tmp, *extra, ip_prefix=None):
-        self.ip_prefix = ip_prefix or "127.%d.%d" % (random.randint(1, 254),
+        # Never 127.96: Services' clusterIPs are there.
+        self.ip_prefix = ip_prefix or "127.%d.%d" % (random.choice([i for i in range(1, 255)
+                                                                    if i != 96]),
                                                      random.randint(0, 255))
         self.log_path = os.path.join(tmp, "kubelet.log")
         self.log = open(self.log_path, "w")
@@ -276,3 +279,25 @@ def cohort_manifest(name, replicas, args=None, min_replicas=1, max_restarts=5, e
     spec.update(extra_spec or {})
     return {"apiVersion": "cohort.dev/v1alpha1", "kind": "TrainingCohort",
             "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+class Controllers:
+    """The stand-in's controllers (tests/kube/controllers.py) against
+    `server`: Deployments, Endpoints, the kubernetes Service and default
+    ServiceAccounts. Its log is tmp/controllers.log."""
+
+    def __init__(self, server, tmp):
+        self.log_path = os.path.join(tmp, "controllers.log")
+        self.log = open(self.log_path, "w")
+        self.p = subprocess.Popen([PYTHON, os.path.join(STANDIN, "controllers.py"),
+                                   "--kubeconfig", server.kubeconfig, "--resync", "2"],
+                                  stdout=self.log, stderr=subprocess.STDOUT)
+        wait_until(lambda: server.call("GET", "/api/v1/namespaces/default/endpoints/"
+                                       "kubernetes")[0] == 200 or self.p.poll() is not None,
+                   "the controllers to make the kubernetes Service")
+        assert self.p.poll() is None, open(self.log_path).read()
+
+    def stop(self):
+        rc = stop_process(self.p, 10)
+        self.log.close()
+        return rc
