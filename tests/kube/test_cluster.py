@@ -179,3 +179,103 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
     wait_until(lambda: len(operator_pods(c, ready=True)) == 1, "the operator to be back")
     wait_training(c, "svc", "after the broker had no endpoint")
     assert {n: p["metadata"]["uid"] for n, p in trainer_pods(c, "svc").items()} == uids
+
+
+def web_pods(c):
+    items = get(c, "/api/v1/namespaces/default/pods?labelSelector=app%3Dweb").get("items") or []
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_deployments_endpoints_and_cluster_dns(cluster):
+    """The stand-in's pieces on their own: a Deployment keeps its replicas
+    and rolls a changed template; Endpoints list ready pods only (unless
+    publishNotReadyAddresses); a pod resolves a Service by each of its
+    names."""
+    c = cluster
+    server = ["python3", "-m", "http.server", "--bind", "$(POD_IP)", "8000"]
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment",
+           "metadata": {"name": "web", "namespace": "default"},
+           "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+                    "template": {"metadata": {"labels": {"app": "web"}}, "spec": {
+                        "terminationGracePeriodSeconds": 1,
+                        "containers": [{"name": "web", "image": "python", "command": server,
+                                        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {
+                                            "fieldPath": "status.podIP"}}}],
+                                        "readinessProbe": {"tcpSocket": {"port": 8000},
+                                                           "periodSeconds": 1}}]}}}}
+    svcs = [{"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": name, "namespace": "default"},
+             "spec": {"selector": {"app": "web"}, "publishNotReadyAddresses": publish,
+                      "ports": [{"port": 80, "targetPort": 8000}]}}
+            for name, publish in (("web", False), ("web-all", True))]
+    for obj in [dep] + svcs:
+        c.kubectl("apply", "-f", "-", stdin=json.dumps(obj))
+
+    def ready_ips():
+        return sorted(p["status"]["podIP"] for p in web_pods(c)
+                      if any(cd["type"] == "Ready" and cd["status"] == "True"
+                             for cd in p["status"].get("conditions") or []))
+
+    def ep(name):
+        e = get(c, "/api/v1/namespaces/default/endpoints/" + name)
+        return sorted(a["ip"] for ss in e.get("subsets") or [] for a in ss.get("addresses") or [])
+
+    wait_until(lambda: len(ready_ips()) == 2 and ep("web") == ready_ips(),
+               "two ready web pods, the web Service's endpoints")
+    first = {p["metadata"]["name"] for p in web_pods(c)}
+
+    # A deleted pod is replaced.
+    victim = sorted(first)[0]
+    c.kubectl("delete", "pod", victim, "--wait=false")
+    wait_until(lambda: len(ready_ips()) == 2 and victim not in
+               {p["metadata"]["name"] for p in web_pods(c)}, "the deleted pod to be replaced")
+
+    # A pod that is not ready is left out of addresses, but not with
+    # publishNotReadyAddresses.
+    c.kubectl("patch", "deployment", "web", "--type", "json", "-p", json.dumps([
+        {"op": "replace", "path": "/spec/template/spec/containers/0/readinessProbe",
+         "value": {"tcpSocket": {"port": 9}, "periodSeconds": 1}}]))
+    wait_until(lambda: len(web_pods(c)) >= 3, "a pod of the new template")
+    new_hash = lambda p: p["metadata"]["labels"]["pod-template-hash"]  # noqa: E731
+    hashes = {new_hash(p) for p in web_pods(c)}
+    assert len(hashes) == 2, hashes
+    unready = [p for p in web_pods(c) if p["status"].get("podIP") and
+               p["metadata"]["name"] not in first and not any(
+                   cd["type"] == "Ready" and cd["status"] == "True"
+                   for cd in p["status"].get("conditions") or [])]
+    wait_until(lambda: ep("web-all") and set(ep("web-all")) > set(ep("web")),
+               "web-all to list the not-ready pods too")
+    assert not set(p["status"]["podIP"] for p in unready) & set(ep("web"))
+    d = get(c, "/apis/apps/v1/namespaces/default/deployments/web")["status"]
+    assert d["updatedReplicas"] >= 1 and d["readyReplicas"] == 2, d
+
+    # A template that becomes ready again rolls through: only pods of the
+    # last template remain.
+    c.kubectl("patch", "deployment", "web", "--type", "json", "-p", json.dumps([
+        {"op": "replace", "path": "/spec/template/spec/containers/0/readinessProbe",
+         "value": {"tcpSocket": {"port": 8000}, "periodSeconds": 2}}]))
+    wait_until(lambda: len({new_hash(p) for p in web_pods(c)}) == 1 and
+               len(ready_ips()) == 2 and len(web_pods(c)) == 2 and
+               new_hash(web_pods(c)[0]) not in hashes, "the rollout to finish")
+    wait_until(lambda: get(c, "/apis/apps/v1/namespaces/default/deployments/web")["status"]
+               .get("updatedReplicas") == 2, "the Deployment's status to catch up")
+
+    # Cluster DNS: a pod resolves the Service by every name it has, and
+    # reaches it through the clusterIP.
+    ip = get(c, "/api/v1/namespaces/default/services/web")["spec"]["clusterIP"]
+    names = ["web", "web.default", "web.default.svc", "web.default.svc.cluster.local"]
+    script = ("import socket, urllib.request\n"
+              "for n in %r: print(n, socket.gethostbyname(n))\n"
+              "print('http', urllib.request.urlopen('http://web/', timeout=10).status)\n" % names)
+    c.kubectl("apply", "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dig", "namespace": "default"},
+        "spec": {"restartPolicy": "Never", "containers": [{
+            "name": "dig", "image": "python", "command": ["python3", "-c", script]}]}}))
+    wait_until(lambda: get(c, "/api/v1/namespaces/default/pods/dig").get("status", {})
+               .get("phase") in ("Succeeded", "Failed"), "the dig pod to finish")
+    out = c.kubectl("logs", "dig").stdout
+    for n in names:
+        assert "%s %s" % (n, ip) in out, out
+    assert "http 200" in out, out
+    c.kubectl("delete", "deployment", "web")
+    wait_until(lambda: not web_pods(c), "the Deployment's pods to go with it")

@@ -2,12 +2,12 @@
 cluster's names (a hosts file over /etc/hosts) and its ServiceAccount
 token at /var/run/secrets/kubernetes.io/serviceaccount. The process
 runtime gives each container process its own mount namespace with those
-bind-mounted (util-linux unshare and mount; root only); the functions
+bind-mounted (unshare(2) and mount(2) before exec; root only); the functions
 that make the files are apart from that, for other runtimes (a podman
 runtime passes the same hosts file and token directory as bind mounts).
 """
+import ctypes
 import os
-import shlex
 import subprocess
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -78,18 +78,36 @@ def write_token_dir(secrets_dir, token, ca_pem, namespace):
     return d
 
 
-def wrap_argv(argv, hosts_file=None, secrets_dir=None):
-    """argv run in a new mount namespace with the hosts file over
-    /etc/hosts and the secrets directory over /run/secrets. The process
-    keeps its pid: unshare and sh each exec the next."""
-    steps = []
+CLONE_NEWNS = 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+_libc = ctypes.CDLL(None, use_errno=True)
+_unshare, _mount = _libc.unshare, _libc.mount
+
+
+def preexec(hosts_file=None, secrets_dir=None):
+    """A preexec_fn for subprocess.Popen that moves the child into a new
+    mount namespace with the hosts file over /etc/hosts and the secrets
+    directory over /run/secrets, or None when there is nothing to mount.
+    It runs between fork and exec, so Popen returns only once the process
+    runs the container's command in its namespace, as a runtime reports a
+    container started only after setting it up (a signal sent at once
+    reaches the command, not the set-up). Everything it calls is looked up
+    here, before the fork; the child makes system calls only."""
+    binds = []
     if hosts_file:
-        steps.append("mount --bind %s /etc/hosts" % shlex.quote(hosts_file))
+        binds.append((hosts_file.encode(), b"/etc/hosts"))
     if secrets_dir:
         os.makedirs(SECRETS_MOUNT, exist_ok=True)
-        steps.append("mount --bind %s %s" % (shlex.quote(secrets_dir), SECRETS_MOUNT))
-    if not steps:
-        return argv
-    script = " && ".join(steps) + ' && exec "$@"'
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script,
-            "sh"] + list(argv)
+        binds.append((secrets_dir.encode(), SECRETS_MOUNT.encode()))
+    if not binds:
+        return None
+
+    def enter():
+        if _unshare(CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+        if _mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            raise OSError(ctypes.get_errno(), "making / private failed")
+        for src, dst in binds:
+            if _mount(src, dst, None, MS_BIND, None) != 0:
+                raise OSError(ctypes.get_errno(), "bind mount failed")
+    return enter

@@ -382,16 +382,18 @@ class PodWorker(threading.Thread):
         os.makedirs(os.path.join(self.log_dir, c.name), exist_ok=True)
         c.log_path = os.path.join(self.log_dir, c.name, "%d.log" % c.restarts)
         try:
-            argv = isolation.wrap_argv(self._argv(c, env), self.hosts_file, self.secrets_dir)
+            argv = self._argv(c, env)
             cwd = substitute_paths(c.spec.get("workingDir"), self._mounts(c)) or None
             logf = open(c.log_path, "ab")
             try:
                 c.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                           stdout=logf, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=isolation.preexec(self.hosts_file,
+                                                                       self.secrets_dir))
             finally:
                 logf.close()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
             c.proc = None
             now = rfc3339()
             c.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
