@@ -34,7 +34,13 @@ PKGS     := grpc libprotobuf-c libcjson libcurl yaml-0.1 libcrypto
 WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 # Everything is compiled with hidden visibility: only what include/cohort.h
 # marks public survives into libcohort.a's symbol table.
-BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -Iinclude -Isrc $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+# The project's version, from the one file that holds it: the operator's
+# default sidecar image is ghcr.io/cohort-dev/cohort:$(VERSION). Anything
+# else that needs it (the image's labels, the chart) reads it from here
+# with `make -s print-version`, never from a copy.
+VERSION  := $(shell cat VERSION)
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -Iinclude -Isrc \
+               -DCOHORT_VERSION='"$(VERSION)"' $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 # The shared libgrpc pulls in abseil, re2 and the rest itself (see
 # pkg-config --libs grpc for the static list).
 LDLIBS   := -lgrpc -lgpr -lprotobuf-c -lcjson -lcurl -lyaml -lcrypto -lpthread -lm
@@ -126,6 +132,12 @@ endef
 
 $(eval $(call build_tree,$(BUILD),$(OPT_CFLAGS),))
 $(eval $(call build_tree,$(ASAN_DIR),$(ASAN_CFLAGS),$(ASAN_LDFLAGS)))
+# What COHORT_VERSION reaches is rebuilt when VERSION changes.
+$(BUILD)/obj/operator/main.o $(ASAN_DIR)/obj/operator/main.o: VERSION
+
+.PHONY: print-version
+print-version:
+	@echo $(VERSION)
 
 BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 

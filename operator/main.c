@@ -28,6 +28,11 @@
 
 #define PROG "cohort-operator"
 #define MAX_COHORT_FLAGS 256
+/* The Makefile passes the project's version (the VERSION file). */
+#ifndef COHORT_VERSION
+#error "COHORT_VERSION is not defined: build with make"
+#endif
+#define DEFAULT_SIDECAR_IMAGE "ghcr.io/cohort-dev/cohort:" COHORT_VERSION
 
 static const char usage[] =
     "Usage: " PROG " --kubeconfig PATH | --in-cluster [options]\n"
@@ -46,10 +51,15 @@ static const char usage[] =
     "  --namespace NS            watch TrainingCohorts and pods in NS only\n"
     "                            (default: all namespaces)\n"
     "  --broker-address ADDR     host:port that trainer pods are told to reach the\n"
-    "                            broker at (default: the --listen address if its\n"
-    "                            host is not 0.0.0.0, else $POD_IP with its port)\n"
-    "  --sidecar-image IMAGE     sidecar image when a cohort sets none\n"
-    "                            (default ghcr.io/cohort-dev/cohort:latest)\n"
+    "                            broker at (default: the broker Service's name,\n"
+    "                            NAME.NS.svc:PORT with NAME from --broker-service,\n"
+    "                            NS the operator's namespace and PORT the --listen\n"
+    "                            port; the Service must serve that port)\n"
+    "  --sidecar-image IMAGE     sidecar image when a cohort sets none (default\n"
+    "                            " DEFAULT_SIDECAR_IMAGE ", this operator's own)\n"
+    "  --sidecar-pull-policy P   Always, IfNotPresent or Never: the sidecar's\n"
+    "                            imagePullPolicy when a cohort sets none (default\n"
+    "                            IfNotPresent)\n"
     "  --sidecar-command CMD     the sidecar container's command (default\n"
     "                            cohort-sidecar)\n"
     "  --lease-name NAME         Lease used for leader election (default\n"
@@ -80,10 +90,11 @@ static const char usage[] =
     "                            --broker-ca-secret (made on first start); every\n"
     "                            cohort's Secret carries the CA for its sidecars.\n"
     "                            off: plaintext\n"
-    "  --broker-service NAME     the broker's Service: the certificate names NAME,\n"
-    "                            NAME.NS, NAME.NS.svc, NAME.NS.svc.cluster.local\n"
-    "                            and the host pods are told (--broker-address);\n"
-    "                            sidecars check NAME.NS.svc. NS is the operator's\n"
+    "  --broker-service NAME     the broker's Service, by whose name pods reach the\n"
+    "                            broker: the certificate names NAME, NAME.NS,\n"
+    "                            NAME.NS.svc, NAME.NS.svc.cluster.local and the\n"
+    "                            host of --broker-address if given; sidecars\n"
+    "                            check NAME.NS.svc. NS is the operator's\n"
     "                            namespace: $POD_NAMESPACE, else the kubeconfig\n"
     "                            context's or service account's (default\n"
     "                            cohort-broker)\n"
@@ -204,7 +215,7 @@ enum { O_STANDALONE = 256, O_LISTEN, O_COHORT, O_ANY, O_HB, O_TO, O_COALESCE, O_
        /* Keys and TLS: broker flags, handled by auth_flag(). */
        O_SECRET = 512, O_ADMIN, O_TLSCERT, O_TLSKEY, O_INSECURE, O_MAXTO };
 /* Kubernetes mode's broker TLS. */
-enum { O_BTLS = O_APITIMEOUT + 1, O_BSVC, O_BCASECRET };
+enum { O_BTLS = O_APITIMEOUT + 1, O_BSVC, O_BCASECRET, O_SPULL };
 
 /* Everything Kubernetes mode needs beyond the broker's settings. */
 struct kopts {
@@ -215,6 +226,7 @@ struct kopts {
         watch_s, api_timeout_ms;
     bool broker_tls;
     const char *broker_service, *broker_ca_secret;
+    const char *sidecar_pull_policy;        /* static: reconcile_pull_policy() */
 };
 
 /* What the metrics thread reads while the main thread starts and stops
@@ -339,24 +351,23 @@ static void serve_probe(void *arg, const char *path, struct probe_reply *r)
     }
 }
 
-/* The address pods are told: the flag, else the listen address when it
- * names a host, else $POD_IP. */
-static int broker_address_for(const struct kopts *ko, const char *listen, int port, char *buf,
+/* The address pods are told: the flag, else the broker Service's name in
+ * the operator's namespace, NAME.NS.svc:PORT. A name, never a pod's
+ * address: a Service keeps it when the leader moves to another pod, and
+ * the sidecars' connections find the new leader behind it. */
+static int broker_address_for(const struct kopts *ko, const char *ns, int port, char *buf,
                               size_t n)
 {
-    const char *colon = strrchr(listen, ':');
-    int hostlen = colon ? (int)(colon - listen) : 0;
-    const char *pod_ip = getenv("POD_IP");
+    int len;
 
     if (ko->broker_address)
-        snprintf(buf, n, "%s", ko->broker_address);
-    else if (hostlen > 0 && strncmp(listen, "0.0.0.0", (size_t)hostlen) != 0 &&
-             strncmp(listen, "[::]", (size_t)hostlen) != 0)
-        snprintf(buf, n, "%.*s:%d", hostlen, listen, port);
-    else if (pod_ip && *pod_ip)
-        snprintf(buf, n, "%s:%d", pod_ip, port);
+        len = snprintf(buf, n, "%s", ko->broker_address);
+    else if (ns && *ns)
+        len = snprintf(buf, n, "%s.%s.svc:%d", ko->broker_service, ns, port);
     else
         return -EINVAL;
+    if (len < 0 || (size_t)len >= n)
+        return -ENAMETOOLONG;
     return ident_valid_address(buf) ? 0 : -EINVAL;
 }
 
@@ -389,8 +400,9 @@ static int broker_tls(struct op *op, const struct kopts *ko, struct brokerd_conf
     op->renew_at_ms = 0;
     if (!ko->broker_tls)
         return 0;
-    /* Only the host matters here; the port is the broker's to pick. */
-    if (broker_address_for(ko, b->listen, 1, addr, sizeof(addr)) == 0 &&
+    /* The Service's names are in the certificate already; an address
+     * given with --broker-address is added. Only its host matters. */
+    if (ko->broker_address && broker_address_for(ko, tc.namespace, 1, addr, sizeof(addr)) == 0 &&
         (colon = strrchr(addr, ':'))) {
         const char *h = addr;
         int n = (int)(colon - addr);
@@ -442,9 +454,11 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
                  LF_S("listen", b.listen), LF_ERR(rc));
         goto out;
     }
-    rc = broker_address_for(ko, b.listen, brokerd_port(d), addr, sizeof(addr));
+    rc = broker_address_for(ko, operator_namespace(op), brokerd_port(d), addr, sizeof(addr));
     if (rc < 0) {
-        log_error("operator", "No address to give pods for the broker: set --broker-address.");
+        log_error("operator", "No address to give pods for the broker: the Service's name with "
+                  "this namespace is not a valid address; set --broker-address.",
+                  LF_S("service", ko->broker_service), LF_S("namespace", operator_namespace(op)));
         goto out_broker;
     }
     cc.kube = op->kube;
@@ -453,6 +467,7 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
     cc.identity = ko->identity;
     cc.env.broker_address = addr;
     cc.env.sidecar_image = ko->sidecar_image;
+    cc.env.sidecar_pull_policy = ko->sidecar_pull_policy;
     cc.env.sidecar_command = ko->sidecar_command;
     cc.workers = ko->workers;
     cc.status_period_ms = ko->status_period_ms;
@@ -888,6 +903,12 @@ static int kube_flag(struct kopts *ko, int opt, const char *arg)
         break;
     case O_SIMG: ko->sidecar_image = arg; break;
     case O_SCMD: ko->sidecar_command = arg; break;
+    case O_SPULL:
+        ko->sidecar_pull_policy = reconcile_pull_policy(arg);
+        if (!ko->sidecar_pull_policy)
+            return opt_usage(PROG, "bad --sidecar-pull-policy \"%s\": Always, IfNotPresent or "
+                             "Never", arg);
+        break;
     case O_LNAME: ko->lease_name = arg; break;
     case O_LNS: ko->lease_namespace = arg; break;
     case O_IDENT: ko->identity = arg; break;
@@ -982,6 +1003,7 @@ static int parse_flags(int argc, char **argv, struct flags *f)
         { "broker-address", required_argument, NULL, O_BADDR },
         { "sidecar-image", required_argument, NULL, O_SIMG },
         { "sidecar-command", required_argument, NULL, O_SCMD },
+        { "sidecar-pull-policy", required_argument, NULL, O_SPULL },
         { "lease-name", required_argument, NULL, O_LNAME },
         { "lease-namespace", required_argument, NULL, O_LNS },
         { "identity", required_argument, NULL, O_IDENT },
@@ -1012,7 +1034,8 @@ static int parse_flags(int argc, char **argv, struct flags *f)
     f->bcfg.listen = "0.0.0.0:7070";
     broker_config_default(&f->bcfg.broker);
     f->ko = (struct kopts){
-        .sidecar_image = "ghcr.io/cohort-dev/cohort:latest", .sidecar_command = "cohort-sidecar",
+        .sidecar_image = DEFAULT_SIDECAR_IMAGE, .sidecar_command = "cohort-sidecar",
+        .sidecar_pull_policy = "IfNotPresent",
         .lease_name = "cohort-operator", .metrics_listen = "0.0.0.0:8080",
         .lease_ms = 15000, .renew_ms = 10000, .retry_ms = 2000, .workers = 2,
         .status_period_ms = 5000, .resync_ms = 30000, .watch_s = 300, .api_timeout_ms = 30000,

@@ -234,6 +234,63 @@ static void add_key(cJSON *c, const struct reconcile_env *env)
     }
 }
 
+const char *reconcile_pull_policy(const char *s)
+{
+    static const char *const policies[] = { "Always", "IfNotPresent", "Never" };
+
+    for (size_t i = 0; s && i < sizeof(policies) / sizeof(policies[0]); i++)
+        if (strcmp(s, policies[i]) == 0)
+            return policies[i];
+    return NULL;
+}
+
+/* The restricted profile of the Pod Security Standards, whole: the
+ * sidecar is ours, and its image is built to run under it. */
+static void restrict_sidecar(cJSON *c)
+{
+    cJSON *sc = cJSON_AddObjectToObject(c, "securityContext"), *caps;
+
+    cJSON_AddBoolToObject(sc, "runAsNonRoot", 1);
+    cJSON_AddBoolToObject(sc, "readOnlyRootFilesystem", 1);
+    cJSON_AddBoolToObject(sc, "allowPrivilegeEscalation", 0);
+    caps = cJSON_AddObjectToObject(sc, "capabilities");
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(caps, "drop"), cJSON_CreateString("ALL"));
+    cJSON_AddStringToObject(cJSON_AddObjectToObject(sc, "seccompProfile"), "type",
+                            "RuntimeDefault");
+}
+
+/* What a trainer's image cannot notice: no setuid gains, the runtime's
+ * seccomp profile, a supplementary group. Not runAsNonRoot (most training
+ * images run as root), not a read-only root filesystem (caches under
+ * $HOME and /tmp), not dropping capabilities (root in an image that
+ * chowns or writes files it does not own). A container's securityContext
+ * is the user's whole statement for it: one that is there is left as it
+ * is (privileged or CAP_SYS_ADMIN with allowPrivilegeEscalation false is
+ * an invalid pod). The pod's is per field: seccompProfile and fsGroup are
+ * added when missing, whatever else it sets. */
+static void restrict_trainers(cJSON *spec)
+{
+    cJSON *psc = cJSON_GetObjectItemCaseSensitive(spec, "securityContext"), *c;
+
+    if (!cJSON_IsObject(psc)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "securityContext");
+        psc = cJSON_AddObjectToObject(spec, "securityContext");
+    }
+    if (!get(psc, "seccompProfile"))
+        cJSON_AddStringToObject(cJSON_AddObjectToObject(psc, "seccompProfile"), "type",
+                                "RuntimeDefault");
+    if (!get(psc, "fsGroup")) {
+        cJSON_AddNumberToObject(psc, "fsGroup", RECONCILE_FS_GROUP);
+        /* The user's volumes are walked once, not at every start. */
+        if (!get(psc, "fsGroupChangePolicy"))
+            cJSON_AddStringToObject(psc, "fsGroupChangePolicy", "OnRootMismatch");
+    }
+    cJSON_ArrayForEach(c, cJSON_GetObjectItemCaseSensitive(spec, "containers"))
+        if (cJSON_IsObject(c) && !get(c, "securityContext"))
+            cJSON_AddBoolToObject(cJSON_AddObjectToObject(c, "securityContext"),
+                                  "allowPrivilegeEscalation", 0);
+}
+
 static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env,
                                 const char *cohort_key)
 {
@@ -244,8 +301,11 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
 
     cJSON_AddStringToObject(c, "name", RECONCILE_SIDECAR);
     cJSON_AddStringToObject(c, "image", image ? image : env->sidecar_image);
+    if (!pull)
+        pull = env->sidecar_pull_policy;
     if (pull)
         cJSON_AddStringToObject(c, "imagePullPolicy", pull);
+    restrict_sidecar(c);
     /* A native sidecar: started before the trainer, kept running beside
      * it, stopped after it. */
     cJSON_AddStringToObject(c, "restartPolicy", "Always");
@@ -320,6 +380,9 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
         set_env(cont, key, env->broker_address);
         add_mount(cont);
     }
+    /* The trainers' and the pod's defaults; the sidecar, added below,
+     * brings its own. */
+    restrict_trainers(spec);
     /* The sidecar goes first among the init containers, so that it is up
      * before anything of the user's runs. */
     inits = cJSON_GetObjectItemCaseSensitive(spec, "initContainers");

@@ -50,6 +50,12 @@
 #define RECONCILE_KEY_FILE RECONCILE_KEY_MOUNT "/" RECONCILE_SECRET_KEY
 #define RECONCILE_CA_FILE RECONCILE_KEY_MOUNT "/" RECONCILE_SECRET_CA
 #define RECONCILE_KEY_MODE 0400
+/* The pod's fsGroup when its template sets none: the kubelet makes the
+ * Secret's files group-readable by it, and every container of the pod
+ * runs with it as a supplementary group, so a sidecar that runs as a
+ * non-root user (whichever its image names) can read its key. The
+ * trainer gets the group too, but never mounts the Secret. */
+#define RECONCILE_FS_GROUP 65532
 #define RECONCILE_ANNOTATION_KEY_ID "cohort.dev/key-id"
 #define RECONCILE_REASON_MAX 64
 #define RECONCILE_MESSAGE_MAX 512
@@ -81,6 +87,10 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
 struct reconcile_env {
     const char *broker_address;     /* host:port, what the sidecar is told */
     const char *sidecar_image;      /* used when spec.sidecar.image is unset */
+    /* Always, IfNotPresent or Never: used when spec.sidecar.imagePullPolicy
+     * is unset; NULL leaves it to the cluster. A static string (see
+     * reconcile_pull_policy()), so that the controller need not copy it. */
+    const char *sidecar_pull_policy;
     const char *sidecar_command;    /* argv[0] of the sidecar container */
     /* The name the broker's TLS certificate carries (its Service's
      * NAME.NS.svc), which the sidecar checks; NULL: the broker serves
@@ -88,10 +98,21 @@ struct reconcile_env {
     const char *broker_server_name;
 };
 
+/* The static spelling of an image pull policy (Always, IfNotPresent or
+ * Never, exactly), or NULL when `s` is none of them. */
+const char *reconcile_pull_policy(const char *s);
+
 /* The pod for `ordinal` of cohort `tc` (borrowed): the template's pod
  * with the sidecar injected as a native sidecar (an init container with
  * restartPolicy Always), the shared emptyDir, the COHORT_* environment
  * in every trainer container, labels and a controller owner reference.
+ * Security defaults (docs/operator.md, "Security context"): the sidecar
+ * runs restricted (non-root, read-only root filesystem, no privilege
+ * escalation, no capabilities, seccomp RuntimeDefault); the pod gets
+ * seccomp RuntimeDefault and an fsGroup (so a non-root sidecar can read
+ * its key) where its securityContext does not set them; a trainer
+ * container without a securityContext of its own gets
+ * allowPrivilegeEscalation false and nothing else.
  * The sidecar alone mounts the cohort's Secret read-only and is
  * told where its key (COHORT_SECRET_FILE) and, with TLS, the broker's CA
  * (COHORT_BROKER_CA) and name (COHORT_BROKER_SERVER_NAME) are; `key_id`

@@ -26,8 +26,9 @@
 #define NOW "2024-05-01T12:00:00Z"
 
 static const struct reconcile_env env = {
-    .broker_address = "cohort-broker.cohort-system:7070",
-    .sidecar_image = "ghcr.io/cohort-dev/cohort:latest",
+    .broker_address = "cohort-broker.cohort-system.svc:7070",
+    .sidecar_image = "ghcr.io/cohort-dev/cohort:0.1.0",
+    .sidecar_pull_policy = "IfNotPresent",
     .sidecar_command = "cohort-sidecar",
     .broker_server_name = "cohort-broker.cohort-system.svc",
 };

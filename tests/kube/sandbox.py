@@ -1,10 +1,18 @@
 #!/usr/bin/python3
 """A local stand-in cluster to try cohort with kubectl: the API server
-stand-in, the process kubelet and, once it has a Kubernetes mode, the
-cohort operator. Runs in the foreground until Ctrl-C, then stops
-everything it started (the kubelet stops every pod's processes).
+stand-in, its controllers (Deployments, Endpoints, the kubernetes
+Service), the process kubelet and the cohort operator. Runs in the
+foreground until Ctrl-C, then stops everything it started (the kubelet
+stops every pod's processes).
 
-    tests/kube/sandbox.py [--port N] [--dir build/sandbox]
+    tests/kube/sandbox.py [--port N] [--dir build/sandbox] [--in-cluster]
+
+By default the operator runs as a process beside the stand-in, with a
+kubeconfig. --in-cluster runs it as a cluster would: the API server
+serves TLS, and tests/kube/operator-in-cluster.yaml (a Deployment with
+its ServiceAccount, and the broker Service) is applied, so the operator
+is a pod that uses its ServiceAccount's token and trainer pods reach the
+broker through the Service by name.
 
 It writes DIR/kubeconfig and prints the export line and example kubectl
 commands. Containers run as local processes found on PATH, with build/,
@@ -63,8 +71,9 @@ def operator_command(path_env, kubeconfig):
     # The broker on a fixed loopback port, so that pods keep reaching it if
     # the operator is restarted; pods on 127.0.0.x reach 127.0.0.1. TLS
     # (the operator's default) only once the sidecar can speak it.
-    cmd = [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % free_port(),
-           "--metrics-listen", "127.0.0.1:0"]
+    port = free_port()
+    cmd = [exe, "--kubeconfig", kubeconfig, "--listen", "127.0.0.1:%d" % port,
+           "--broker-address", "127.0.0.1:%d" % port, "--metrics-listen", "127.0.0.1:0"]
     sidecar = shutil.which("cohort-sidecar", path=path_env)
     if not sidecar or not sidecar_speaks_tls(os.path.dirname(os.path.realpath(sidecar))):
         cmd += ["--broker-tls", "off"]
@@ -79,6 +88,9 @@ def main(argv=None):
     ap.add_argument("--port", type=int, default=0, help="API server port (default: a free one)")
     ap.add_argument("--token", help="make the API server require this bearer token")
     ap.add_argument("--no-operator", action="store_true", help="do not start cohort-operator")
+    ap.add_argument("--in-cluster", action="store_true",
+                    help="serve the API over TLS and run the operator as a Deployment pod "
+                    "(tests/kube/operator-in-cluster.yaml) behind the broker Service")
     ap.add_argument("--verbose", action="store_true",
                     help="also print the API server's request log (always in DIR/apiserver.log)")
     args = ap.parse_args(argv)
@@ -116,7 +128,7 @@ def main(argv=None):
 
     def stop_all():
         stopping.set()
-        for name, p in reversed(children):     # operator, kubelet, then the API server
+        for name, p in reversed(children):     # operator, kubelet, controllers, API server
             if p.poll() is None and stop_process(p, 20) == -signal.SIGKILL:
                 say("%s did not stop in 20 s; killed it" % name)
         for f in (kubeconfig, port_file):
@@ -129,6 +141,8 @@ def main(argv=None):
                     "--port-file", port_file, "--kubeconfig", kubeconfig]
         if args.token:
             api_argv += ["--token", args.token]
+        if args.in_cluster:
+            api_argv += ["--tls"]
         api = start("apiserver", api_argv, prefix="" if args.verbose else None,
                     logname="apiserver.log")
         try:
@@ -142,12 +156,25 @@ def main(argv=None):
         with open(port_file) as f:
             port = int(f.read())
         env = dict(os.environ, PATH=path_env)
+        start("controllers", [PYTHON, os.path.join(HERE, "controllers.py"), "--kubeconfig",
+                              kubeconfig], prefix="", logname="controllers.log")
         start("kubelet", [PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig", kubeconfig,
                           "--logs-dir", os.path.join(sandbox, "logs"),
                           "--state-dir", os.path.join(sandbox, "state")],
               env=env, prefix="", logname="kubelet.log")
         op_note = "not started (--no-operator)"
-        if not args.no_operator:
+        if args.in_cluster and not args.no_operator:
+            kubectl = [os.path.join(tools, "kubectl"), "--kubeconfig", kubeconfig]
+            for f in (os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml"),
+                      os.path.join(HERE, "operator-in-cluster.yaml")):
+                r = subprocess.run(kubectl + ["apply", "-f", f], capture_output=True, text=True,
+                                   timeout=60)
+                if r.returncode != 0:
+                    say("kubectl apply -f %s failed: %s" % (f, r.stderr.strip()))
+                    return 1
+            op_note = ("a Deployment pod in cohort-system (kubectl -n cohort-system get "
+                       "deploy,pods,endpoints)")
+        elif not args.no_operator:
             cmd, why = operator_command(path_env, kubeconfig)
             if cmd:
                 start("cohort-operator", cmd, env=env, prefix="operator: ",
@@ -157,7 +184,7 @@ def main(argv=None):
                 op_note = "not started: " + why
         rel = os.path.relpath(sandbox, os.getcwd())
         print("""
-Kubernetes stand-in is up: API server http://127.0.0.1:%d, node cohort-node.
+Kubernetes stand-in is up: API server %s://127.0.0.1:%d, node cohort-node.
 cohort-operator: %s
 
   export KUBECONFIG=%s
@@ -171,7 +198,7 @@ cohort-operator: %s
 
 Logs: %s/apiserver.log, %s/kubelet.log, containers under %s/logs/.
 Ctrl-C stops everything.
-""" % (port, op_note, kubeconfig, tools, rel, rel, rel))
+""" % ("https" if args.in_cluster else "http", port, op_note, kubeconfig, tools, rel, rel, rel))
         sys.stdout.flush()
         while not stopping.is_set():
             for name, p in children:

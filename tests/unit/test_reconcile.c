@@ -137,7 +137,8 @@ static const cJSON *item(const cJSON *arr, const char *name)
     return NULL;
 }
 
-static const char *sget(const cJSON *o, const char *path)
+/* The item at a dotted path of object keys, or NULL. */
+static const cJSON *sget_item(const cJSON *o, const char *path)
 {
     char buf[256];
     const cJSON *cur = o;
@@ -149,6 +150,13 @@ static const char *sget(const cJSON *o, const char *path)
             *dot++ = '\0';
         cur = cJSON_GetObjectItemCaseSensitive(cur, seg);
     }
+    return cur;
+}
+
+static const char *sget(const cJSON *o, const char *path)
+{
+    const cJSON *cur = sget_item(o, path);
+
     return cJSON_IsString(cur) ? cur->valuestring : NULL;
 }
 
@@ -656,4 +664,128 @@ Test(reconcile, pod_has_one_env_whatever_the_template_repeats)
     cr_assert_not(has_env(c, "Y"), "the first array is the one kept");
     cJSON_Delete(pod);
     cJSON_Delete(tc);
+}
+
+Test(reconcile, pull_policy_is_one_of_three_exact_words)
+{
+    cr_assert_str_eq(reconcile_pull_policy("Always"), "Always");
+    cr_assert_str_eq(reconcile_pull_policy("IfNotPresent"), "IfNotPresent");
+    cr_assert_str_eq(reconcile_pull_policy("Never"), "Never");
+    cr_assert_null(reconcile_pull_policy("always"));
+    cr_assert_null(reconcile_pull_policy("IfNotPresent "));
+    cr_assert_null(reconcile_pull_policy(""));
+    cr_assert_null(reconcile_pull_policy(NULL));
+}
+
+Test(reconcile, sidecar_pull_policy_is_the_cohorts_else_the_operators)
+{
+    struct reconcile_env e = env;
+    cJSON *tc = cohort("lr", "\"sidecar\":{\"imagePullPolicy\":\"Always\"}");
+    cJSON *plain = cohort("lr", "");
+    cJSON *pod = NULL;
+
+    e.sidecar_pull_policy = "IfNotPresent";
+    cr_assert_eq(reconcile_pod(tc, &e, NULL, 0, &pod), 0);
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0),
+                          "imagePullPolicy"), "Always", "the cohort's own wins");
+    cJSON_Delete(pod);
+    cr_assert_eq(reconcile_pod(plain, &e, NULL, 0, &pod), 0);
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0),
+                          "imagePullPolicy"), "IfNotPresent");
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0), "image"),
+                     "img:1", "the operator's image when the cohort names none");
+    cJSON_Delete(pod);
+    e.sidecar_pull_policy = NULL;
+    cr_assert_eq(reconcile_pod(plain, &e, NULL, 0, &pod), 0);
+    cr_assert_null(cJSON_GetObjectItem(cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0),
+                                       "imagePullPolicy"), "none given: the cluster's default");
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+    cJSON_Delete(plain);
+}
+
+static void assert_restricted(const cJSON *sc)
+{
+    const cJSON *drop = sget_item(sc, "capabilities.drop");
+
+    cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(sc, "runAsNonRoot")));
+    cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(sc, "readOnlyRootFilesystem")));
+    cr_assert(cJSON_IsFalse(cJSON_GetObjectItem(sc, "allowPrivilegeEscalation")));
+    cr_assert_eq(cJSON_GetArraySize(drop), 1);
+    cr_assert_str_eq(cJSON_GetArrayItem(drop, 0)->valuestring, "ALL");
+    cr_assert_str_eq(sget(sc, "seccompProfile.type"), "RuntimeDefault");
+}
+
+Test(reconcile, pod_without_security_settings_gets_the_defaults)
+{
+    cJSON *tc = cohort("lr", "");
+    cJSON *pod = NULL;
+    const cJSON *spec, *trainer, *tsc;
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    spec = cJSON_GetObjectItem(pod, "spec");
+    assert_restricted(sget_item(cJSON_GetArrayItem(cJSON_GetObjectItem(spec, "initContainers"), 0),
+                                "securityContext"));
+    cr_assert_str_eq(sget(spec, "securityContext.seccompProfile.type"), "RuntimeDefault");
+    cr_assert_eq(sget_item(spec, "securityContext.fsGroup")->valueint, RECONCILE_FS_GROUP,
+                 "a non-root sidecar reads its key through the pod's fsGroup");
+    cr_assert_str_eq(sget(spec, "securityContext.fsGroupChangePolicy"), "OnRootMismatch");
+    trainer = item(cJSON_GetObjectItem(spec, "containers"), "trainer");
+    tsc = cJSON_GetObjectItem(trainer, "securityContext");
+    cr_assert(cJSON_IsFalse(cJSON_GetObjectItem(tsc, "allowPrivilegeEscalation")));
+    cr_assert_eq(cJSON_GetArraySize(tsc), 1,
+                 "nothing that could stop a trainer image: no runAsNonRoot, read-only root "
+                 "filesystem or dropped capabilities");
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, template_security_settings_win)
+{
+    /* A privileged trainer with its own context, a pod context that sets
+     * a user, a group and its own seccomp profile, and a second trainer
+     * without a context. */
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                      "\"spec\":{\"template\":{\"spec\":{"
+                      "\"securityContext\":{\"runAsUser\":0,\"fsGroup\":7,"
+                      "\"seccompProfile\":{\"type\":\"Unconfined\"}},"
+                      "\"containers\":[{\"name\":\"gpu\",\"securityContext\":{\"privileged\":true}},"
+                      "{\"name\":\"plain\"}]}}}}");
+    cJSON *half = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                        "\"spec\":{\"template\":{\"spec\":{"
+                        "\"securityContext\":{\"runAsUser\":1000},"
+                        "\"containers\":[{\"name\":\"t\",\"securityContext\":{}}]}}}}");
+    cJSON *pod = NULL;
+    const cJSON *spec, *gpu;
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    spec = cJSON_GetObjectItem(pod, "spec");
+    cr_assert_str_eq(sget(spec, "securityContext.seccompProfile.type"), "Unconfined");
+    cr_assert_eq(sget_item(spec, "securityContext.fsGroup")->valueint, 7);
+    cr_assert_null(sget_item(spec, "securityContext.fsGroupChangePolicy"),
+                   "the user's fsGroup comes with the user's policy");
+    cr_assert_eq(sget_item(spec, "securityContext.runAsUser")->valueint, 0);
+    gpu = item(cJSON_GetObjectItem(spec, "containers"), "gpu");
+    cr_assert_null(sget_item(gpu, "securityContext.allowPrivilegeEscalation"),
+                   "privileged with allowPrivilegeEscalation false is an invalid pod");
+    cr_assert(cJSON_IsTrue(sget_item(gpu, "securityContext.privileged")));
+    cr_assert(cJSON_IsFalse(sget_item(item(cJSON_GetObjectItem(spec, "containers"), "plain"),
+                                      "securityContext.allowPrivilegeEscalation")));
+    assert_restricted(sget_item(cJSON_GetArrayItem(cJSON_GetObjectItem(spec, "initContainers"), 0),
+                                "securityContext"));
+    cJSON_Delete(pod);
+
+    /* Per field at the pod: a context that says nothing of seccomp or
+     * fsGroup gets both; an empty container context is the user's. */
+    cr_assert_eq(reconcile_pod(half, &env, NULL, 0, &pod), 0);
+    spec = cJSON_GetObjectItem(pod, "spec");
+    cr_assert_eq(sget_item(spec, "securityContext.runAsUser")->valueint, 1000);
+    cr_assert_str_eq(sget(spec, "securityContext.seccompProfile.type"), "RuntimeDefault");
+    cr_assert_eq(sget_item(spec, "securityContext.fsGroup")->valueint, RECONCILE_FS_GROUP);
+    cr_assert_eq(cJSON_GetArraySize(sget_item(cJSON_GetArrayItem(cJSON_GetObjectItem(spec,
+                                                                 "containers"), 0),
+                                              "securityContext")), 0);
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+    cJSON_Delete(half);
 }

@@ -354,8 +354,11 @@ class Store:
             spec = obj.setdefault("spec", {})
             spec.setdefault("type", "ClusterIP")
             if not spec.get("clusterIP"):
-                # A dry run shows the address it would get and keeps it free.
-                spec["clusterIP"] = "10.96.%d.%d" % divmod(self.next_cluster_ip, 256)
+                # Loopback, apart from the pods' 127.x.y.z, so that the
+                # process kubelet's service proxy can listen on it; .0.1
+                # is the kubernetes Service's (tests/kube/controllers). A
+                # dry run shows the address it would get and keeps it free.
+                spec["clusterIP"] = "127.96.%d.%d" % divmod(self.next_cluster_ip, 256)
                 if not dry:
                     self.next_cluster_ip += 1
             spec["clusterIPs"] = [spec["clusterIP"]]

@@ -43,6 +43,14 @@ For each pod on its node it:
 It serves container logs on an HTTP port named in its Node's
 daemonEndpoints, so `kubectl logs` works through the API server.
 
+It also does what kube-proxy and cluster DNS do for pods (services.py):
+a TCP proxy on each Service's clusterIP:port to its ready endpoints, and,
+as root, a hosts file per pod that names every Service, mounted over
+/etc/hosts in each container process's own mount namespace, beside the
+pod's ServiceAccount token at /var/run/secrets/kubernetes.io/
+serviceaccount (from the TokenRequest API). isolation.py holds those
+pieces apart from the process runtime, for other runtimes.
+
 With --no-processes it runs nothing: every pod bound to it is reported
 Running and Ready at once with an address from 10.244.0.0/16, and a pod
 being deleted is removed at once. The operator benchmark uses this to
@@ -52,9 +60,13 @@ The parts, one module each:
 
     cli.py     flags, then running until SIGTERM and stopping every pod
     node.py    the Node and its Lease, the pod informer, binding, pod addresses
-    pod.py     one pod: containers as processes, volumes, probes, status, deletion
+    pod.py     one pod: containers as processes, volumes, probes, status, deletion,
+               its token
+    services.py  the service proxy and cluster DNS (the hosts files)
+    isolation.py the hosts file, the token directory, a process's mount namespace
+    informer.py  list and watch with a cache (the controllers use it too)
     logs.py    /containerLogs, which the API server proxies pods/log to
-    api.py     the API client and the kubeconfig reader
+    api.py     the API client (HTTP or HTTPS) and the kubeconfig reader
     common.py  the log line and the timestamp format
 
 tests/kube/kubelet.py is the command:

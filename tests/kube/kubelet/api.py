@@ -1,9 +1,11 @@
 """The API client: JSON over HTTP/1.1 to the API server, watch streams,
 and the server and token read from a kubeconfig.
 """
+import base64
 import http.client
 import json
 import re
+import ssl
 import threading
 import urllib.parse
 
@@ -18,14 +20,28 @@ class ApiError(Exception):
 class Client:
     """JSON over HTTP/1.1 to the API server, one connection per thread."""
 
-    def __init__(self, server, token=None, token_file=None):
+    def __init__(self, server, token=None, token_file=None, ca_pem=None):
         u = urllib.parse.urlsplit(server)
-        if u.scheme != "http":
-            raise SystemExit("kubelet: only http:// API servers are supported, not %s" % server)
-        self.host, self.port = u.hostname, u.port or 80
+        if u.scheme not in ("http", "https"):
+            raise SystemExit("kubelet: only http:// and https:// API servers are supported, "
+                             "not %s" % server)
+        self.https = u.scheme == "https"
+        self.host, self.port = u.hostname, u.port or (443 if self.https else 80)
         self.token = token
         self.token_file = token_file
+        # The CA the server's certificate is checked against: also what a
+        # pod's service account volume carries as ca.crt.
+        self.ca_pem = ca_pem
+        self.ssl = None
+        if self.https:
+            self.ssl = ssl.create_default_context(cadata=ca_pem.decode() if ca_pem else None)
         self.local = threading.local()
+
+    def _new_conn(self, timeout):
+        if self.https:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.ssl)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def _token(self):
         if self.token_file:
@@ -39,7 +55,7 @@ class Client:
     def _conn(self, timeout=30):
         c = getattr(self.local, "conn", None)
         if c is None:
-            c = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            c = self._new_conn(timeout)
             self.local.conn = c
         return c
 
@@ -78,7 +94,7 @@ class Client:
         tok = self._token()
         if tok:
             headers["Authorization"] = "Bearer " + tok
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = self._new_conn(timeout)
         try:
             conn.request("GET", path, None, headers)
             resp = conn.getresponse()
@@ -95,21 +111,29 @@ class Client:
 
 
 def read_kubeconfig(path):
-    """server and token (or tokenFile) of the current context's cluster.
-    A line-based reader: enough for the kubeconfigs the stand-in writes and
-    for simple hand-written ones, without a YAML library."""
-    server = token = token_file = None
+    """server, token, tokenFile and the CA (PEM bytes, from
+    certificate-authority-data or certificate-authority) of the current
+    context's cluster. A line-based reader: enough for the kubeconfigs the
+    stand-in writes and for simple hand-written ones, without a YAML
+    library."""
+    server = token = token_file = ca = None
     with open(path) as f:
         for line in f:
-            m = re.match(r"^\s*(server|token|tokenFile):\s*(\S+)\s*$", line)
+            m = re.match(r"^\s*(server|token|tokenFile|certificate-authority-data|"
+                         r"certificate-authority):\s*(\S+)\s*$", line)
             if m:
-                val = m.group(2).strip("'\"")
-                if m.group(1) == "server" and server is None:
+                key, val = m.group(1), m.group(2).strip("'\"")
+                if key == "server" and server is None:
                     server = val
-                elif m.group(1) == "token" and token is None:
+                elif key == "token" and token is None:
                     token = val
-                elif m.group(1) == "tokenFile" and token_file is None:
+                elif key == "tokenFile" and token_file is None:
                     token_file = val
+                elif key == "certificate-authority-data" and ca is None:
+                    ca = base64.b64decode(val)
+                elif key == "certificate-authority" and ca is None:
+                    with open(val, "rb") as cf:
+                        ca = cf.read()
     if not server:
         raise SystemExit("kubelet: no server in %s" % path)
-    return server, token, token_file
+    return server, token, token_file, ca

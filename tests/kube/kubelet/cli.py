@@ -42,12 +42,12 @@ def main(argv=None):
                     "of the control plane)")
     args = ap.parse_args(argv)
     if args.kubeconfig:
-        server, token, token_file = read_kubeconfig(args.kubeconfig)
+        server, token, token_file, ca = read_kubeconfig(args.kubeconfig)
     elif args.server:
-        server, token, token_file = args.server, args.token, None
+        server, token, token_file, ca = args.server, args.token, None, None
     else:
         ap.error("--kubeconfig or --server is required")
-    api = Client(server, token, token_file)
+    api = Client(server, token, token_file, ca)
     k = Kubelet(args, api)
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LogHandler)
@@ -56,6 +56,8 @@ def main(argv=None):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     k.register(httpd.server_address[1])
     threading.Thread(target=k.lease_loop, daemon=True).start()
+    if k.net:
+        k.net.start()
     threading.Thread(target=k.informer, daemon=True).start()
     log("node %s registered with %s; container logs under %s, volumes under %s" %
         (k.node, server, k.logs_dir, k.state_dir))

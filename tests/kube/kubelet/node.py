@@ -14,6 +14,7 @@ import urllib.parse
 from .api import ApiError
 from .common import log, rfc3339
 from .pod import PodWorker
+from .services import ServiceNetwork
 
 
 KUBELET_VERSION = "v1.32.0-cohort-process-kubelet"
@@ -33,9 +34,13 @@ class Kubelet:
         self.lock = threading.RLock()
         self.workers = {}                  # uid -> PodWorker
         self.ips = {}                      # ip -> uid
+        self.next_ip = 0                   # the next address to try: PREFIX.(2 + next_ip)
         self.fake_ips = {}                 # uid -> ip, with --no-processes
         self.fake_next = 0
         self.stopping = threading.Event()
+        # kube-proxy's and cluster DNS's part (services.py); not with
+        # --no-processes, where nothing would use them.
+        self.net = None if args.no_processes else ServiceNetwork(api, self.stopping)
         os.makedirs(self.logs_dir, exist_ok=True)
 
     # -- pod addresses --------------------------------------------------------
@@ -45,10 +50,15 @@ class Kubelet:
             for ip, owner in self.ips.items():
                 if owner == uid:
                     return ip
-            for x in range(2, 255):
+            # Round robin from the last one given, as host-local IPAM
+            # does: a pod made right after another went gets a new address,
+            # never the one clients of the old pod may still be dialing.
+            for i in range(253):
+                x = 2 + (self.next_ip + i) % 253
                 ip = "%s.%d" % (self.args.pod_ip_prefix, x)
                 if ip not in self.ips:
                     self.ips[ip] = uid
+                    self.next_ip = x - 1
                     return ip
         raise RuntimeError("no pod addresses left")
 
@@ -274,6 +284,8 @@ class Kubelet:
     def shutdown(self):
         """Stops every pod's processes: they must not outlive the kubelet."""
         self.stopping.set()
+        if self.net:
+            self.net.close()
         with self.lock:
             workers = list(self.workers.values())
         for w in workers:

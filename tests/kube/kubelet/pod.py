@@ -4,6 +4,7 @@ conditions and status, and its deletion (preStop hooks, SIGTERM, the
 grace period, SIGKILL).
 """
 import base64
+import calendar
 import http.client
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import threading
 import time
 
+from . import isolation
 from .api import ApiError
 from .common import log, rfc3339
 
@@ -131,6 +133,9 @@ class PodWorker(threading.Thread):
         self.last_status = None
         self.terminating = False
         self.started_mono = time.monotonic()
+        self.hosts_file = None             # cluster DNS: mounted over /etc/hosts
+        self.secrets_dir = None            # the token's, mounted over /run/secrets
+        self.token_refresh_at = None
 
     # -- inputs from the informer -----------------------------------------
 
@@ -296,6 +301,68 @@ class PodWorker(threading.Thread):
             os.chmod(tmp, fmode & 0o777)
             os.replace(tmp, p)
 
+    # -- the cluster, as the pod sees it ------------------------------------------
+
+    def _setup_cluster_access(self):
+        """Cluster DNS (a hosts file kept up to date by services.py) and the
+        ServiceAccount token, when processes can get their own mount
+        namespace (isolation.available()); runtimes mount them."""
+        if not isolation.available() or not self.k.net:
+            return
+        if not self.hosts_file:
+            self.hosts_file = os.path.join(self.pod_dir, "etc-hosts")
+            os.makedirs(self.pod_dir, exist_ok=True)
+            self.k.net.add_hosts(self.hosts_file, self.ns, self.name, self.ip)
+        spec = self.pod.get("spec") or {}
+        if spec.get("automountServiceAccountToken", True) is not False and not self.secrets_dir:
+            if self._refresh_token():
+                self.secrets_dir = os.path.join(self.pod_dir, "run-secrets")
+
+    def _refresh_token(self):
+        """A token of the pod's ServiceAccount bound to the pod, through the
+        TokenRequest API as the kubelet gets it, refreshed at 80% of its
+        life. Returns False when the ServiceAccount does not exist: the
+        pod runs without a token (a real API server's ServiceAccount
+        admission would have refused the pod; a stand-in without the
+        controllers has no default ServiceAccounts). Any other refusal is
+        a ConfigError: the pod waits, as one whose token volume cannot be
+        made."""
+        sa = (self.pod.get("spec") or {}).get("serviceAccountName") or "default"
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"audiences": [], "expirationSeconds": 3607,
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                            "name": self.name, "uid": self.uid}}}
+        try:
+            tr = self.k.api.request("POST", "/api/v1/namespaces/%s/serviceaccounts/%s/token" %
+                                    (self.ns, sa), body)
+            token = tr["status"]["token"]
+        except ApiError as e:
+            if e.code == 404 and self.token_refresh_at is None:
+                log('%s/%s: no serviceaccount "%s": no token mounted' % (self.ns, self.name, sa))
+                return False
+            raise ConfigError('cannot get a token for serviceaccount "%s": %s' % (sa, e))
+        except (OSError, KeyError, TypeError) as e:
+            raise ConfigError('cannot get a token for serviceaccount "%s": %s' % (sa, e))
+        isolation.write_token_dir(os.path.join(self.pod_dir, "run-secrets"), token,
+                                  self.k.api.ca_pem, self.ns)
+        life = 3607.0
+        try:
+            exp = calendar.timegm(time.strptime(tr["status"]["expirationTimestamp"],
+                                                "%Y-%m-%dT%H:%M:%SZ"))
+            life = max(10.0, exp - time.time())
+        except (KeyError, ValueError, TypeError):
+            pass
+        self.token_refresh_at = time.monotonic() + 0.8 * life
+        return True
+
+    def _tend_token(self, now):
+        if self.token_refresh_at is not None and now >= self.token_refresh_at:
+            try:
+                self._refresh_token()
+            except ConfigError as e:
+                log("%s/%s: token refresh failed, retrying: %s" % (self.ns, self.name, e))
+                self.token_refresh_at = now + 10
+
     # -- processes ------------------------------------------------------------
 
     def _start(self, c):
@@ -321,10 +388,12 @@ class PodWorker(threading.Thread):
             try:
                 c.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                           stdout=logf, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=isolation.preexec(self.hosts_file,
+                                                                       self.secrets_dir))
             finally:
                 logf.close()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
             c.proc = None
             now = rfc3339()
             c.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
@@ -583,6 +652,8 @@ class PodWorker(threading.Thread):
             for c in self.containers:
                 self._signal(c, signal.SIGKILL)
         finally:
+            if self.hosts_file and self.k.net:
+                self.k.net.remove_hosts(self.hosts_file)
             self.k.worker_done(self)
 
     def _deadline_exceeded(self):
@@ -594,6 +665,7 @@ class PodWorker(threading.Thread):
         while True:
             try:
                 self._setup_volumes()
+                self._setup_cluster_access()
                 break
             except ConfigError as e:
                 self.message = "MountVolume failed: %s" % e
@@ -629,6 +701,7 @@ class PodWorker(threading.Thread):
 
     def _step(self):
         now = time.monotonic()
+        self._tend_token(now)
         if not self.initialized:
             # Init containers in order: a regular one must exit 0, a sidecar
             # must be started, before the next one starts.

@@ -18,12 +18,13 @@ from .procs import PROC_TIMEOUT, Proc, Procs, finish, run_group, spawn_group, st
 from .programs import (BIN, RUN_TIMEOUT, all_see, bin_dir, bin_path, cohortctl,
                        cohortctl_run, explain_run, latest_epoch, start_broker, start_sidecar,
                        status_json)
-from .kube import (CRD_FILE, EXAMPLES, ApiServer, Kubectl, Kubelet, Operator, cohort_manifest,
-                   pod_path_dir, sidecar_speaks_tls)
+from .kube import (CRD_FILE, EXAMPLES, ApiServer, Controllers, Kubectl, Kubelet, Operator,
+                   cohort_manifest, pod_path_dir, sidecar_speaks_tls)
 
 __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "remove_tmp",
            "wait_until", "Proc", "Procs", "finish", "run_group", "spawn_group", "stop_process", "BIN",
            "PROC_TIMEOUT", "RUN_TIMEOUT", "all_see", "bin_dir", "bin_path", "cohortctl",
            "cohortctl_run", "explain_run", "latest_epoch", "start_broker", "start_sidecar",
-           "status_json", "CRD_FILE", "EXAMPLES", "ApiServer", "Kubectl", "Kubelet", "Operator",
+           "status_json", "CRD_FILE", "EXAMPLES", "ApiServer", "Controllers", "Kubectl", "Kubelet",
+           "Operator",
            "cohort_manifest", "pod_path_dir", "sidecar_speaks_tls"]

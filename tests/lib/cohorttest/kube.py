@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -46,6 +47,7 @@ def pod_path_dir(tmp, bindir=None):
     d = os.path.join(tmp, "bin")
     os.makedirs(d, exist_ok=True)
     for name, target in (("cohort-sidecar", os.path.join(bindir, "cohort-sidecar")),
+                         ("cohort-operator", os.path.join(bindir, "cohort-operator")),
                          ("cohort-example-logreg", os.path.join(bindir, "examples", "logreg"))):
         link = os.path.join(d, name)
         if not os.path.lexists(link):
@@ -71,22 +73,32 @@ class ApiServer:
         assert self.p.poll() is None, open(self.log.name).read()
         with open(port_file) as f:
             self.port = int(f.read())
-        self.url = "http://127.0.0.1:%d" % self.port
+        # With --tls the server is https and its CA is tmp/ca.crt (its
+        # --cert-dir defaults to the kubeconfig's folder).
+        with open(self.kubeconfig) as f:
+            self.tls = "server: https://" in f.read()
+        self.url = "%s://127.0.0.1:%d" % ("https" if self.tls else "http", self.port)
+        self.ssl_context = None
+        if self.tls:
+            self.ssl_context = ssl.create_default_context(cafile=os.path.join(tmp, "ca.crt"))
+        self.default_token = None       # sent by call() when it is given no token
 
     def call(self, method, path, body=None, ctype="application/json", token=None, headers=None):
         """(status, parsed JSON body, response headers) of one request. A
         body that is bytes goes as it is, anything else as JSON; a reply
-        that is not JSON comes back as text."""
+        that is not JSON comes back as text. token None sends
+        default_token, "" none."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", ctype)
+        token = self.default_token if token is None else token
         if token:
             req.add_header("Authorization", "Bearer " + token)
         for k, v in (headers or {}).items():
             req.add_header(k, v)
         try:
-            with urllib.request.urlopen(req, timeout=DEADLINE) as r:
+            with urllib.request.urlopen(req, timeout=DEADLINE, context=self.ssl_context) as r:
                 raw = r.read()
                 return r.status, (json.loads(raw) if raw.strip() else None), r.headers
         except urllib.error.HTTPError as e:
@@ -131,7 +143,9 @@ class Kubelet:
     (127.0.0.x by default) never hands out the same ones."""
 
     def __init__(self, server, tmp, *extra, ip_prefix=None):
-        self.ip_prefix = ip_prefix or "127.%d.%d" % (random.randint(1, 254),
+        # Never 127.96: Services' clusterIPs are there.
+        self.ip_prefix = ip_prefix or "127.%d.%d" % (random.choice([i for i in range(1, 255)
+                                                                    if i != 96]),
                                                      random.randint(0, 255))
         self.log_path = os.path.join(tmp, "kubelet.log")
         self.log = open(self.log_path, "w")
@@ -162,9 +176,11 @@ class Kubelet:
 
 
 class Operator:
-    """cohort-operator in Kubernetes mode against `server`. tls: True for
-    the operator's default (--broker-tls auto), False for off, None for
-    auto when the sidecar can speak TLS and off otherwise."""
+    """cohort-operator in Kubernetes mode against `server`, run outside the
+    cluster: pods are told its loopback broker address with
+    --broker-address (in a cluster it is the broker Service's name). tls:
+    True for the operator's default (--broker-tls auto), False for off,
+    None for auto when the sidecar can speak TLS and off otherwise."""
 
     def __init__(self, server, tmp, name, broker_port, *extra, tls=None):
         self.name = name
@@ -176,6 +192,7 @@ class Operator:
         self.p = subprocess.Popen([os.path.join(bin_dir(), "cohort-operator"), "--kubeconfig",
                                    server.kubeconfig, "--identity", name,
                                    "--listen", "127.0.0.1:%d" % broker_port,
+                                   "--broker-address", "127.0.0.1:%d" % broker_port,
                                    "--metrics-listen", "127.0.0.1:0",
                                    "--lease-duration", "3s", "--renew-deadline", "2s",
                                    "--retry-period", "500ms", "--status-period", "1s",
@@ -262,3 +279,25 @@ def cohort_manifest(name, replicas, args=None, min_replicas=1, max_restarts=5, e
     spec.update(extra_spec or {})
     return {"apiVersion": "cohort.dev/v1alpha1", "kind": "TrainingCohort",
             "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+class Controllers:
+    """The stand-in's controllers (tests/kube/controllers.py) against
+    `server`: Deployments, Endpoints, the kubernetes Service and default
+    ServiceAccounts. Its log is tmp/controllers.log."""
+
+    def __init__(self, server, tmp):
+        self.log_path = os.path.join(tmp, "controllers.log")
+        self.log = open(self.log_path, "w")
+        self.p = subprocess.Popen([PYTHON, os.path.join(STANDIN, "controllers.py"),
+                                   "--kubeconfig", server.kubeconfig, "--resync", "2"],
+                                  stdout=self.log, stderr=subprocess.STDOUT)
+        wait_until(lambda: server.call("GET", "/api/v1/namespaces/default/endpoints/"
+                                       "kubernetes")[0] == 200 or self.p.poll() is not None,
+                   "the controllers to make the kubernetes Service")
+        assert self.p.poll() is None, open(self.log_path).read()
+
+    def stop(self):
+        rc = stop_process(self.p, 10)
+        self.log.close()
+        return rc
