@@ -4,14 +4,17 @@ stand-in, the process kubelet and, once it has a Kubernetes mode, the
 cohort operator. Runs in the foreground until Ctrl-C, then stops
 everything it started (the kubelet stops every pod's processes).
 
-    tests/kube/sandbox.py [--port N] [--dir build/sandbox]
+    tests/kube/sandbox.py [--port N] [--dir build/sandbox] [--runtime podman]
 
 It writes DIR/kubeconfig and prints the export line and example kubectl
 commands. Containers run as local processes found on PATH, with build/,
 build/examples/ and build/tools/ put first, so the sidecar and the example
 trainers built by `make` are used; DIR/bin, first on PATH, maps the
 commands the example manifests name (cohort-example-logreg) to the
-build's binaries. What the stand-in leaves out is listed in docs/sandbox.md.
+build's binaries. With --runtime podman the kubelet runs every container
+as a podman container of its image instead (`make image` builds
+localhost/cohort:dev, which the operator then gives its sidecars). What
+the stand-in leaves out is listed in docs/sandbox.md.
 """
 import argparse
 import os
@@ -79,6 +82,12 @@ def main(argv=None):
     ap.add_argument("--port", type=int, default=0, help="API server port (default: a free one)")
     ap.add_argument("--token", help="make the API server require this bearer token")
     ap.add_argument("--no-operator", action="store_true", help="do not start cohort-operator")
+    ap.add_argument("--runtime", choices=("process", "podman"), default="process",
+                    help="how the kubelet runs containers: local processes found on PATH "
+                    "(default), or podman containers of their images")
+    ap.add_argument("--image", default="localhost/cohort:dev",
+                    help="with --runtime podman, the image the operator started here gives "
+                    "its sidecars (default localhost/cohort:dev, from `make image`)")
     ap.add_argument("--verbose", action="store_true",
                     help="also print the API server's request log (always in DIR/apiserver.log)")
     args = ap.parse_args(argv)
@@ -100,6 +109,11 @@ def main(argv=None):
     if not os.access(os.path.join(tools, "kubectl"), os.X_OK):
         say("installing kubectl into build/tools")
         subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")])
+
+    if args.runtime == "podman" and subprocess.run(
+            ["podman", "image", "exists", args.image], stdin=subprocess.DEVNULL).returncode != 0:
+        say("%s is not in podman's store (make image builds localhost/cohort:dev); pods "
+            "naming it will wait in ErrImagePull" % args.image)
 
     children = []
     stopping = threading.Event()
@@ -144,11 +158,14 @@ def main(argv=None):
         env = dict(os.environ, PATH=path_env)
         start("kubelet", [PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig", kubeconfig,
                           "--logs-dir", os.path.join(sandbox, "logs"),
-                          "--state-dir", os.path.join(sandbox, "state")],
+                          "--state-dir", os.path.join(sandbox, "state"),
+                          "--runtime", args.runtime],
               env=env, prefix="", logname="kubelet.log")
         op_note = "not started (--no-operator)"
         if not args.no_operator:
             cmd, why = operator_command(path_env, kubeconfig)
+            if cmd and args.runtime == "podman":
+                cmd += ["--sidecar-image", args.image]
             if cmd:
                 start("cohort-operator", cmd, env=env, prefix="operator: ",
                       logname="operator.log")
@@ -172,6 +189,11 @@ cohort-operator: %s
 Logs: %s/apiserver.log, %s/kubelet.log, containers under %s/logs/.
 Ctrl-C stops everything.
 """ % (port, op_note, kubeconfig, tools, rel, rel, rel))
+        if args.runtime == "podman":
+            print("""Containers run with podman: the example's trainer image is a placeholder, so
+  sed 's|ghcr.io/cohort-dev/cohort-examples:latest|%s|' examples/k8s/cohort.yaml \\
+      | kubectl apply -f -
+""" % args.image)
         sys.stdout.flush()
         while not stopping.is_set():
             for name, p in children:

@@ -17,13 +17,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
-from cohorttest import (CRD_FILE, DEADLINE, ROOT, ApiServer, Kubectl, Kubelet, free_port,
-                        make_tmp, remove_tmp, wait_until)
+from cohorttest import (CRD_FILE, DEADLINE, ROOT, ApiServer, Kubectl, Kubelet,
+                        cohort_manifest, make_tmp, remove_tmp, wait_until)
 from kubelet.podman import LABEL, containers_conf
 
 BASE = "localhost/debian:bookworm-slim"
@@ -195,18 +194,23 @@ def test_readiness_exec_probe_runs_in_the_container(node):
 
 
 def test_secret_env_and_read_only_secret_volume(node):
+    # The operator's pods in miniature: a Secret's key readable by its
+    # owner alone (0400), a container that is not root, the pod's fsGroup.
     node.api.ok("POST", "/api/v1/namespaces/default/secrets",
                 {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s1"},
                  "stringData": {"token": "s3cret", "file.txt": "in a file"}})
     script = ('echo "env=$TOKEN"; cat /etc/s1/file.txt; echo; '
               'touch /etc/s1/new 2>/dev/null && echo writable || echo read-only; '
-              'stat -c %a /etc/s1/file.txt')
+              'stat -c "%a %g" /etc/s1/file.txt; touch /scratch/mine && echo scratch ok')
     node.create("sec", [sh("c", script, env=[{"name": "TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": "s1", "key": "token"}}}], volumeMounts=[{"name": "s", "mountPath": "/etc/s1"}])],
-        volumes=[{"name": "s", "secret": {"secretName": "s1", "defaultMode": 0o440}}],
-        restartPolicy="Never")
+        "name": "s1", "key": "token"}}}], securityContext={"runAsUser": 1000},
+        volumeMounts=[{"name": "s", "mountPath": "/etc/s1"},
+                      {"name": "scratch", "mountPath": "/scratch"}])],
+        volumes=[{"name": "s", "secret": {"secretName": "s1", "defaultMode": 0o400}},
+                 {"name": "scratch", "emptyDir": {}}],
+        securityContext={"fsGroup": 2000}, restartPolicy="Never")
     node.wait_phase("sec", "Succeeded")
-    assert node.logs("sec") == "env=s3cret\nin a file\nread-only\n440\n"
+    assert node.logs("sec") == "env=s3cret\nin a file\nread-only\n440 2000\nscratch ok\n"
     node.delete("sec")
 
 
@@ -338,3 +342,85 @@ def test_leftovers_are_removed_and_nothing_outlives_the_kubelet():
         n.stop()
     assert podman("ps", "-a", "-q", "--filter", label, env=env).stdout.split() == []
     remove_tmp(tmp)
+
+
+def ensure_image(env):
+    """None once IMAGE is in podman's store, built by `make image` if it
+    was not; else why it cannot be had."""
+    if podman("image", "exists", IMAGE, env=env).returncode == 0:
+        return None
+    if subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True).returncode != 0:
+        return "%s is not in podman's store and this checkout has no `make image`" % IMAGE
+    print("building %s with make image" % IMAGE)
+    r = subprocess.run(["make", "image"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1800)
+    if r.returncode != 0 or podman("image", "exists", IMAGE, env=env).returncode != 0:
+        return "make image did not make %s: %s" % (IMAGE, (r.stderr or r.stdout)[-2000:])
+    return None
+
+
+def test_operator_from_the_image_trains_a_cohort(node):
+    """The operator runs as a pod of the project's image, with the
+    kubeconfig from a Secret; a TrainingCohort applied afterwards gets
+    pods whose sidecars and trainers are containers of the same image,
+    and trains."""
+    why = ensure_image(node.env)
+    if why:
+        print("skipping the operator-from-the-image test:", why)
+        pytest.skip(why)
+    with open(node.api.kubeconfig) as f:
+        kubeconfig = f.read()
+    node.api.ok("POST", "/api/v1/namespaces/default/secrets",
+                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "op-kubeconfig"},
+                 "stringData": {"kubeconfig": kubeconfig}})
+    node.kubectl("apply", "-f", CRD_FILE)
+    args = ["--kubeconfig", "/etc/cohort-kube/kubeconfig", "--listen", "$(POD_IP):7070",
+            "--metrics-listen", "$(POD_IP):8080", "--sidecar-image", IMAGE,
+            "--lease-duration", "3s", "--renew-deadline", "2s", "--retry-period", "500ms",
+            "--status-period", "1s", "--resync", "5s", "--api-timeout", "5s"]
+    # TLS to the broker (the operator's default) once the image's sidecar
+    # can speak it.
+    helps = podman("run", "--rm", IMAGE, "cohort-sidecar", "--help", env=node.env).stdout
+    if "--broker-ca" not in helps:
+        args += ["--broker-tls", "off"]
+    node.create("operator", [{
+        "name": "operator", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
+        "command": ["cohort-operator"], "args": args,
+        "env": [POD_IP, {"name": "POD_NAME", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.name"}}}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": 8080}, "periodSeconds": 1},
+        "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "kube", "mountPath": "/etc/cohort-kube", "readOnly": True}]}],
+        securityContext={"fsGroup": 65532},
+        volumes=[{"name": "kube", "secret": {"secretName": "op-kubeconfig",
+                                             "defaultMode": 0o400}}])
+    wait_until(lambda: (node.status("operator") or {}).get("ready"), "the operator pod to be "
+               "ready (its /readyz through the pod IP)")
+    tc = cohort_manifest("fromimage", 2)
+    trainer = tc["spec"]["template"]["spec"]["containers"][0]
+    trainer["image"] = IMAGE
+    node.kubectl("apply", "-f", "-", stdin=json.dumps(tc))
+    path = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts/fromimage"
+
+    def status():
+        return (node.api.get(path) or {}).get("status") or {}
+    wait_until(lambda: status().get("readyReplicas") == 2 and
+               (status().get("modelVersion") or 0) > 0, "two ready members training")
+    version = status()["modelVersion"]
+    wait_until(lambda: (status().get("modelVersion") or 0) > version, "training to go on")
+    pods = node.api.get("/api/v1/namespaces/default/pods?labelSelector="
+                        "cohort.dev%2Fcohort%3Dfromimage")["items"]
+    assert len(pods) == 2
+    for p in pods:
+        sts = p["status"]["containerStatuses"] + p["status"]["initContainerStatuses"]
+        assert sorted(st["image"] for st in sts) == [IMAGE, IMAGE], sts
+        assert all(st["imageID"].startswith("podman://") and st["ready"] for st in sts), sts
+    assert node.logs(pods[0]["metadata"]["name"], "-c", "trainer").strip()
+    node.kubectl("delete", "trainingcohort", "fromimage", "--wait=true")
+    wait_until(lambda: not node.api.get("/api/v1/namespaces/default/pods?labelSelector="
+                                        "cohort.dev%2Fcohort%3Dfromimage")["items"],
+               "the cohort's pods to go")
+    node.delete("operator")
+    assert node.ours() == []

@@ -49,6 +49,8 @@ CONTAINERD_EXTRA_CAPS = ("NET_RAW", "MKNOD", "AUDIT_WRITE")
 # the exec session is podman's cost, not the command's.
 EXEC_SLACK = 5.0
 
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
 # Volume kinds a kubelet always mounts read-only.
 READ_ONLY_KINDS = ("secret", "configMap", "projected", "downwardAPI")
 
@@ -282,8 +284,9 @@ class PodmanWorker(PodWorker):
     def _setup_volumes(self):
         """As the process runtime, then as a kubelet does for a container's
         users: emptyDirs are mode 0777; with the pod's fsGroup, emptyDir,
-        Secret and ConfigMap files belong to that group, group-readable
-        (and writable, for emptyDirs), directories setgid."""
+        Secret and ConfigMap files belong to that group and gain 0440
+        (0660 for emptyDirs), directories also 0110 and setgid, as the
+        kubelet's SetVolumeOwnership does (whatever fsGroupChangePolicy)."""
         super()._setup_volumes()
         fs_group = ((self.pod.get("spec") or {}).get("securityContext") or {}).get("fsGroup")
         for name, d in self.volumes.items():
@@ -292,10 +295,10 @@ class PodmanWorker(PodWorker):
                 os.chmod(d, 0o777)
             if fs_group is None or kind not in ("emptyDir", "secret", "configMap"):
                 continue
-            mask = 0o660 if kind == "emptyDir" else 0o440
+            mask = 0o660 if kind == "emptyDir" else 0o440        # the kubelet's rw, ro masks
             for root, dirs, files in os.walk(d):
                 os.chown(root, -1, int(fs_group))
-                os.chmod(root, os.stat(root).st_mode & 0o7777 | 0o2070)
+                os.chmod(root, os.stat(root).st_mode & 0o7777 | mask | 0o110 | 0o2000)
                 for f in files:
                     p = os.path.join(root, f)
                     os.chown(p, -1, int(fs_group))
@@ -320,9 +323,23 @@ class PodmanWorker(PodWorker):
             ro = m.get("readOnly") or self._volume_kind(name) in READ_ONLY_KINDS
             args += ["--mount", "type=bind,source=%s,destination=%s%s" %
                      (src, dst, ",ro=true" if ro else "")]
+        # Cluster DNS and the ServiceAccount token, where the kubelet makes
+        # them (hosts_file, secrets_dir: the process runtime's, services.py).
+        hosts = getattr(self, "hosts_file", None)
+        if hosts and os.path.exists(hosts):
+            args += ["--mount", "type=bind,source=%s,destination=/etc/hosts,ro=true" % hosts]
+        secrets = getattr(self, "secrets_dir", None)
+        sa = os.path.join(secrets or "", "kubernetes.io", "serviceaccount")
+        if secrets and os.path.isdir(sa):
+            args += ["--mount", "type=bind,source=%s,destination=%s,ro=true" % (sa, SA_DIR)]
         return args
 
     # -- containers -------------------------------------------------------------
+
+    def _start(self, c):
+        if self.k.stopping.is_set():       # nothing new once the kubelet stops
+            return False
+        return super()._start(c)
 
     def _plan(self, c, env):
         """The `podman run` flags and podman's environment for c. Command
@@ -356,8 +373,6 @@ class PodmanWorker(PodWorker):
 
     def _launch(self, c, env, logf, plan):
         """`podman run` of c, attached, its output into logf."""
-        if self.k.stopping.is_set():
-            raise OSError("the kubelet is stopping")
         args, podman_env = plan
         return subprocess.Popen([PODMAN, "run", "--name", self._cname(c)] + args, env=podman_env,
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
