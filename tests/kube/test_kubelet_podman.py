@@ -26,7 +26,8 @@ from cohorttest import (CRD_FILE, DEADLINE, ROOT, ApiServer, Kubectl, Kubelet,
 from kubelet.podman import LABEL, containers_conf
 
 BASE = "localhost/debian:bookworm-slim"
-IMAGE = "localhost/cohort:dev"
+# The project's image; COHORT_IMAGE names another build of it.
+IMAGE = os.environ.get("COHORT_IMAGE") or "localhost/cohort:dev"
 
 
 def podman(*args, env, timeout=DEADLINE, check=False):
@@ -349,6 +350,8 @@ def ensure_image(env):
     was not; else why it cannot be had."""
     if podman("image", "exists", IMAGE, env=env).returncode == 0:
         return None
+    if IMAGE != "localhost/cohort:dev":
+        return "COHORT_IMAGE %s is not in podman's store" % IMAGE
     if subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True).returncode != 0:
         return "%s is not in podman's store and this checkout has no `make image`" % IMAGE
     print("building %s with make image" % IMAGE)
@@ -374,7 +377,9 @@ def test_operator_from_the_image_trains_a_cohort(node):
                 {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "op-kubeconfig"},
                  "stringData": {"kubeconfig": kubeconfig}})
     node.kubectl("apply", "-f", CRD_FILE)
+    # Pods are told the operator pod's own address (no Service here).
     args = ["--kubeconfig", "/etc/cohort-kube/kubeconfig", "--listen", "$(POD_IP):7070",
+            "--broker-address", "$(POD_IP):7070",
             "--metrics-listen", "$(POD_IP):8080", "--sidecar-image", IMAGE,
             "--lease-duration", "3s", "--renew-deadline", "2s", "--retry-period", "500ms",
             "--status-period", "1s", "--resync", "5s", "--api-timeout", "5s"]

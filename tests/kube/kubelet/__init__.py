@@ -43,6 +43,11 @@ For each pod on its node it:
 It serves container logs on an HTTP port named in its Node's
 daemonEndpoints, so `kubectl logs` works through the API server.
 
+With --runtime podman each container is a `podman run` of its image
+instead (podman.py): host network, volumes bind-mounted at their
+mountPaths, the securityContext and limits mapped, images from the local
+store only; everything else above is shared.
+
 With --no-processes it runs nothing: every pod bound to it is reported
 Running and Ready at once with an address from 10.244.0.0/16, and a pod
 being deleted is removed at once. The operator benchmark uses this to
@@ -53,6 +58,7 @@ The parts, one module each:
     cli.py     flags, then running until SIGTERM and stopping every pod
     node.py    the Node and its Lease, the pod informer, binding, pod addresses
     pod.py     one pod: containers as processes, volumes, probes, status, deletion
+    podman.py  --runtime podman: the same pod, its containers podman containers
     logs.py    /containerLogs, which the API server proxies pods/log to
     api.py     the API client and the kubeconfig reader
     common.py  the log line and the timestamp format
