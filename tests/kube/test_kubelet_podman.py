@@ -332,15 +332,19 @@ def test_leftovers_are_removed_and_nothing_outlives_the_kubelet():
     state_dir = os.path.join(tmp, "st")
     label = "label=%s=%s" % (LABEL, state_dir)
     # A container as an earlier kubelet with this state dir left it.
-    podman("run", "-d", "--name", "cohort-leftover-%d" % os.getpid(), "--label",
-           "%s=%s" % (LABEL, state_dir), BASE, "sleep", "600", env=env, check=True)
-    n = Node(tmp)
+    leftover = "cohort-leftover-%d" % os.getpid()
+    podman("run", "-d", "--name", leftover, "--label", "%s=%s" % (LABEL, state_dir), BASE,
+           "sleep", "600", env=env, check=True)
     try:
-        assert podman("ps", "-a", "-q", "--filter", label, env=env).stdout.split() == []
-        n.create("lives", [sh("c", "trap 'exit 0' TERM; while :; do sleep 0.1; done")])
-        wait_until(lambda: len(n.ours()) == 1, "the pod's container")
+        n = Node(tmp)
+        try:
+            assert podman("ps", "-a", "-q", "--filter", label, env=env).stdout.split() == []
+            n.create("lives", [sh("c", "trap 'exit 0' TERM; while :; do sleep 0.1; done")])
+            wait_until(lambda: len(n.ours()) == 1, "the pod's container")
+        finally:
+            n.stop()
     finally:
-        n.stop()
+        podman("rm", "-f", "-t", "0", leftover, env=env)
     assert podman("ps", "-a", "-q", "--filter", label, env=env).stdout.split() == []
     remove_tmp(tmp)
 
