@@ -6,6 +6,7 @@ foreground until Ctrl-C, then stops everything it started (the kubelet
 stops every pod's processes).
 
     tests/kube/sandbox.py [--port N] [--dir build/sandbox] [--in-cluster]
+                          [--runtime podman]
 
 By default the operator runs as a process beside the stand-in, with a
 kubeconfig. --in-cluster runs it as a cluster would: the API server
@@ -19,7 +20,10 @@ commands. Containers run as local processes found on PATH, with build/,
 build/examples/ and build/tools/ put first, so the sidecar and the example
 trainers built by `make` are used; DIR/bin, first on PATH, maps the
 commands the example manifests name (cohort-example-logreg) to the
-build's binaries. What the stand-in leaves out is listed in docs/sandbox.md.
+build's binaries. With --runtime podman the kubelet runs every container
+as a podman container of its image instead (`make image` builds
+localhost/cohort:dev, which the operator then gives its sidecars). What
+the stand-in leaves out is listed in docs/sandbox.md.
 """
 import argparse
 import os
@@ -91,6 +95,12 @@ def main(argv=None):
     ap.add_argument("--in-cluster", action="store_true",
                     help="serve the API over TLS and run the operator as a Deployment pod "
                     "(tests/kube/operator-in-cluster.yaml) behind the broker Service")
+    ap.add_argument("--runtime", choices=("process", "podman"), default="process",
+                    help="how the kubelet runs containers: local processes found on PATH "
+                    "(default), or podman containers of their images")
+    ap.add_argument("--image", default="localhost/cohort:dev",
+                    help="with --runtime podman, the image the operator started here gives "
+                    "its sidecars (default localhost/cohort:dev, from `make image`)")
     ap.add_argument("--verbose", action="store_true",
                     help="also print the API server's request log (always in DIR/apiserver.log)")
     args = ap.parse_args(argv)
@@ -112,6 +122,11 @@ def main(argv=None):
     if not os.access(os.path.join(tools, "kubectl"), os.X_OK):
         say("installing kubectl into build/tools")
         subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")])
+
+    if args.runtime == "podman" and subprocess.run(
+            ["podman", "image", "exists", args.image], stdin=subprocess.DEVNULL).returncode != 0:
+        say("%s is not in podman's store (make image builds localhost/cohort:dev); pods "
+            "naming it will wait in ErrImagePull" % args.image)
 
     children = []
     stopping = threading.Event()
@@ -160,7 +175,8 @@ def main(argv=None):
                               kubeconfig], prefix="", logname="controllers.log")
         start("kubelet", [PYTHON, os.path.join(HERE, "kubelet.py"), "--kubeconfig", kubeconfig,
                           "--logs-dir", os.path.join(sandbox, "logs"),
-                          "--state-dir", os.path.join(sandbox, "state")],
+                          "--state-dir", os.path.join(sandbox, "state"),
+                          "--runtime", args.runtime],
               env=env, prefix="", logname="kubelet.log")
         op_note = "not started (--no-operator)"
         if args.in_cluster and not args.no_operator:
@@ -176,6 +192,8 @@ def main(argv=None):
                        "deploy,pods,endpoints)")
         elif not args.no_operator:
             cmd, why = operator_command(path_env, kubeconfig)
+            if cmd and args.runtime == "podman":
+                cmd += ["--sidecar-image", args.image]
             if cmd:
                 start("cohort-operator", cmd, env=env, prefix="operator: ",
                       logname="operator.log")
@@ -199,6 +217,11 @@ cohort-operator: %s
 Logs: %s/apiserver.log, %s/kubelet.log, containers under %s/logs/.
 Ctrl-C stops everything.
 """ % ("https" if args.in_cluster else "http", port, op_note, kubeconfig, tools, rel, rel, rel))
+        if args.runtime == "podman":
+            print("""Containers run with podman: the example's trainer image is a placeholder, so
+  sed 's|ghcr.io/cohort-dev/cohort-examples:latest|%s|' examples/k8s/cohort.yaml \\
+      | kubectl apply -f -
+""" % args.image)
         sys.stdout.flush()
         while not stopping.is_set():
             for name, p in children:

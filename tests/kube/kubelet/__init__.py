@@ -51,6 +51,11 @@ pod's ServiceAccount token at /var/run/secrets/kubernetes.io/
 serviceaccount (from the TokenRequest API). isolation.py holds those
 pieces apart from the process runtime, for other runtimes.
 
+With --runtime podman each container is a `podman run` of its image
+instead (podman.py): host network, volumes bind-mounted at their
+mountPaths, the securityContext and limits mapped, images from the local
+store only; everything else above is shared.
+
 With --no-processes it runs nothing: every pod bound to it is reported
 Running and Ready at once with an address from 10.244.0.0/16, and a pod
 being deleted is removed at once. The operator benchmark uses this to
@@ -62,6 +67,7 @@ The parts, one module each:
     node.py    the Node and its Lease, the pod informer, binding, pod addresses
     pod.py     one pod: containers as processes, volumes, probes, status, deletion,
                its token
+    podman.py  --runtime podman: the same pod, its containers podman containers
     services.py  the service proxy and cluster DNS (the hosts files)
     isolation.py the hosts file, the token directory, a process's mount namespace
     informer.py  list and watch with a cache (the controllers use it too)

@@ -18,7 +18,7 @@ from .node import Kubelet
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Runs the stand-in API server's pods as local "
-                                 "processes.")
+                                 "processes or podman containers.")
     ap.add_argument("--kubeconfig", help="kubeconfig naming the API server (and token)")
     ap.add_argument("--server", help="API server URL, e.g. http://127.0.0.1:PORT (instead of "
                     "--kubeconfig)")
@@ -40,7 +40,14 @@ def main(argv=None):
     ap.add_argument("--no-processes", action="store_true", help="run nothing: report every pod "
                     "Running and Ready at once, and remove deleted pods at once (for benchmarks "
                     "of the control plane)")
+    ap.add_argument("--runtime", choices=("process", "podman"), default="process",
+                    help="process (default): each container is a local process found on PATH; "
+                    "podman: each container is a `podman run` of its image on the host's "
+                    "network (podman must work; CONTAINERS_CONF, else one the kubelet writes "
+                    "under --state-dir)")
     args = ap.parse_args(argv)
+    if args.no_processes and args.runtime != "process":
+        ap.error("--no-processes runs nothing; it takes no --runtime")
     if args.kubeconfig:
         server, token, token_file, ca = read_kubeconfig(args.kubeconfig)
     elif args.server:
@@ -59,8 +66,8 @@ def main(argv=None):
     if k.net:
         k.net.start()
     threading.Thread(target=k.informer, daemon=True).start()
-    log("node %s registered with %s; container logs under %s, volumes under %s" %
-        (k.node, server, k.logs_dir, k.state_dir))
+    log("node %s registered with %s; %s runtime, container logs under %s, volumes under %s" %
+        (k.node, server, k.runtime.name, k.logs_dir, k.state_dir))
     if args.port_file:
         with open(args.port_file + ".tmp", "w") as f:
             f.write("%d\n" % httpd.server_address[1])

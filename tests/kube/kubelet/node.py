@@ -5,7 +5,6 @@ PodWorker per pod, and --no-processes.
 import http.client
 import os
 import random
-import signal
 import tempfile
 import threading
 import time
@@ -13,7 +12,7 @@ import urllib.parse
 
 from .api import ApiError
 from .common import log, rfc3339
-from .pod import PodWorker
+from .pod import ProcessRuntime
 from .services import ServiceNetwork
 
 
@@ -42,6 +41,11 @@ class Kubelet:
         # --no-processes, where nothing would use them.
         self.net = None if args.no_processes else ServiceNetwork(api, self.stopping)
         os.makedirs(self.logs_dir, exist_ok=True)
+        if getattr(args, "runtime", "process") == "podman":
+            from .podman import PodmanRuntime
+            self.runtime = PodmanRuntime(self)
+        else:
+            self.runtime = ProcessRuntime(self)
 
     # -- pod addresses --------------------------------------------------------
 
@@ -89,8 +93,8 @@ class Kubelet:
                                   "pods": "253"},
                   "nodeInfo": {"kubeletVersion": KUBELET_VERSION, "operatingSystem": "linux",
                                "architecture": "amd64", "containerRuntimeVersion":
-                               "cohort-processes://1", "kernelVersion": os.uname().release,
-                               "osImage": "local processes", "kubeProxyVersion": "",
+                               self.runtime.version, "kernelVersion": os.uname().release,
+                               "osImage": self.runtime.os_image, "kubeProxyVersion": "",
                                "machineID": "", "systemUUID": "", "bootID": ""}}
         deadline = time.monotonic() + 30
         while True:
@@ -158,7 +162,7 @@ class Kubelet:
                         # Finished before this kubelet saw it: just finish the delete.
                         threading.Thread(target=self._remove, args=(pod,), daemon=True).start()
                     return
-                w = PodWorker(self, pod)
+                w = self.runtime.worker(self, pod)
                 self.workers[uid] = w
                 w.start()
                 return
@@ -282,18 +286,10 @@ class Kubelet:
         return None, None
 
     def shutdown(self):
-        """Stops every pod's processes: they must not outlive the kubelet."""
+        """Stops every pod's containers: they must not outlive the kubelet."""
         self.stopping.set()
         if self.net:
             self.net.close()
         with self.lock:
             workers = list(self.workers.values())
-        for w in workers:
-            for c in w.containers:
-                w._signal(c, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for w in workers:
-            for c in w.containers:
-                while c.running() and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                w._signal(c, signal.SIGKILL)
+        self.runtime.shutdown(workers)

@@ -1,7 +1,13 @@
-"""One pod on this node: its containers as local processes (environment,
-volumes, path substitution, restarts with back-off), its probes, its
-conditions and status, and its deletion (preStop hooks, SIGTERM, the
-grace period, SIGKILL).
+"""One pod on this node: its containers (environment, volumes, restarts
+with back-off), its probes, its conditions and status, and its deletion
+(preStop hooks, SIGTERM, the grace period, SIGKILL).
+
+PodWorker runs containers as local processes (path substitution, process
+groups). What a container runtime does is in a few methods that
+podman.py's PodmanWorker overrides: _prepare (the image), _host_env,
+_paths, _launch, _exit_info, _signal, _exec, _container_id and
+_setup_volumes; everything else (states, back-off, probes, status,
+deletion) is shared.
 """
 import base64
 import calendar
@@ -29,6 +35,14 @@ class ConfigError(Exception):
     """A container cannot start yet (CreateContainerConfigError)."""
 
 
+class ImageError(Exception):
+    """A container's image cannot be had (ErrImagePull, ErrImageNeverPull)."""
+
+    def __init__(self, reason, message):
+        super().__init__(message)
+        self.reason = reason
+
+
 class Container:
     """One container of a pod and its current process."""
 
@@ -53,17 +67,19 @@ class Container:
         self.backoff = 0.0
         self.probe_state = {}             # probe kind -> [successes, failures, next due, running]
         self.log_path = None
+        self.image_id = ""
+        self.pull_failures = 0            # image pulls failed in a row
 
     def running(self):
         return self.proc is not None and self.proc.poll() is None
 
-    def status(self, pod_uid):
+    def status(self, container_id):
         st = {"name": self.name, "state": self.state, "lastState": self.last_state,
               "ready": self.ready, "restartCount": self.restarts,
-              "image": self.spec.get("image", ""), "imageID": "",
+              "image": self.spec.get("image", ""), "imageID": self.image_id,
               "started": self.started if "running" in self.state else False}
         if self.proc is not None:
-            st["containerID"] = "cohort://%s-%s-%d" % (pod_uid[:8], self.name, self.instance)
+            st["containerID"] = container_id
         return st
 
 
@@ -198,16 +214,26 @@ class PodWorker(threading.Thread):
         return [(m["mountPath"], self.volumes[m["name"]]) for m in c.spec.get("volumeMounts") or []
                 if m.get("name") in self.volumes and m.get("mountPath")]
 
-    def _env(self, c):
+    def _host_env(self, c):
+        """What a process takes from the kubelet's environment and its
+        volumes' real directories (a container takes neither)."""
         env = {k: os.environ[k] for k in PASSED_ENV + tuple(self.k.pass_env) if k in os.environ}
-        env["HOSTNAME"] = self.name
-        env["KUBERNETES_SERVICE_HOST"] = self.k.api.host
-        env["KUBERNETES_SERVICE_PORT"] = str(self.k.api.port)
-        mounts = self._mounts(c)
         for m in c.spec.get("volumeMounts") or []:
             if m.get("name") in self.volumes:
                 env["COHORT_VOLUME_" + m["name"].upper().replace("-", "_")] = \
                     self.volumes[m["name"]]
+        return env
+
+    def _paths(self, c, text):
+        """A container path as the process sees it: under a mountPath, the
+        volume's real directory."""
+        return substitute_paths(text, self._mounts(c))
+
+    def _env(self, c):
+        env = self._host_env(c)
+        env["HOSTNAME"] = self.name
+        env["KUBERNETES_SERVICE_HOST"] = self.k.api.host
+        env["KUBERNETES_SERVICE_PORT"] = str(self.k.api.port)
         for src in c.spec.get("envFrom") or []:
             prefix = src.get("prefix", "")
             for kind, field in (("configmaps", "configMapRef"), ("secrets", "secretRef")):
@@ -237,7 +263,7 @@ class PodWorker(threading.Thread):
                     continue
             else:
                 val = ""
-            env[name] = substitute_paths(val, mounts)
+            env[name] = self._paths(c, val)
         return env
 
     def _argv(self, c, env):
@@ -365,14 +391,50 @@ class PodWorker(threading.Thread):
 
     # -- processes ------------------------------------------------------------
 
+    def _prepare(self, c):
+        """The image, before the container's configuration: a process
+        kubelet has none to get. Raises ImageError or ConfigError."""
+
+    def _plan(self, c, env):
+        """What _launch needs beyond env, checked before anything starts:
+        nothing for a process. Raises ConfigError."""
+
+    def _launch(self, c, env, logf, plan):
+        """Starts c with env, its output going to logf; returns an object
+        with Popen's poll(), wait(), returncode and pid."""
+        argv = self._argv(c, env)
+        cwd = self._paths(c, c.spec.get("workingDir")) or None
+        # The pod's hosts file and token directory, mounted in the process's
+        # own mount namespace just before it runs its command.
+        return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=isolation.preexec(self.hosts_file, self.secrets_dir))
+
+    def _container_id(self, c):
+        return "cohort://%s-%s-%d" % (self.uid[:8], c.name, c.instance)
+
     def _start(self, c):
         """Starts c's process; on a start failure records it as exited."""
         try:
+            self._prepare(c)
             env = self._env(c)
+            plan = self._plan(c, env)
+        except ImageError as e:
+            # As the kubelet: ErrImagePull, then ImagePullBackOff while it
+            # waits to try again, with the restart back-off's timings.
+            c.pull_failures += 1
+            reason = e.reason
+            if reason == "ErrImagePull" and c.pull_failures > 1:
+                reason = "ImagePullBackOff"
+            delay = min(self.k.backoff_initial * 2 ** (c.pull_failures - 1), self.k.backoff_max)
+            c.state = {"waiting": {"reason": reason, "message": str(e)}}
+            c.backoff_until = time.monotonic() + (1.0 if e.reason != "ErrImagePull" else delay)
+            return False
         except ConfigError as e:
             c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
             c.backoff_until = time.monotonic() + 1.0
             return False
+        c.pull_failures = 0
         # restartCount counts container instances created after the first,
         # so it goes up when the restart happens, not when it is planned.
         if c.pending_restart:
@@ -382,15 +444,9 @@ class PodWorker(threading.Thread):
         os.makedirs(os.path.join(self.log_dir, c.name), exist_ok=True)
         c.log_path = os.path.join(self.log_dir, c.name, "%d.log" % c.restarts)
         try:
-            argv = self._argv(c, env)
-            cwd = substitute_paths(c.spec.get("workingDir"), self._mounts(c)) or None
             logf = open(c.log_path, "ab")
             try:
-                c.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                          stdout=logf, stderr=subprocess.STDOUT,
-                                          start_new_session=True,
-                                          preexec_fn=isolation.preexec(self.hosts_file,
-                                                                       self.secrets_dir))
+                c.proc = self._launch(c, env, logf, plan)
             finally:
                 logf.close()
         except (OSError, ValueError, subprocess.SubprocessError) as e:
@@ -413,18 +469,26 @@ class PodWorker(threading.Thread):
             (self.ns, self.name, c.name, c.proc.pid, self.ip, c.log_path))
         return True
 
+    def _exit_info(self, c):
+        """The terminated state's exitCode, reason, and signal or message,
+        of c's ended process."""
+        rc = c.proc.returncode
+        code = 128 - rc if rc < 0 else rc
+        term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}
+        if rc < 0:
+            term["signal"] = -rc
+        return term
+
     def _reap(self, c):
         """If c's process ended, records the exit; returns True then."""
         if c.proc is None or c.proc.poll() is None:
             return False
-        rc = c.proc.returncode
-        code = 128 - rc if rc < 0 else rc
+        term = self._exit_info(c)
+        code = term["exitCode"]
         c.exit_code = code
-        term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                "startedAt": c.started_at, "finishedAt": rfc3339(),
-                "containerID": "cohort://%s-%s-%d" % (self.uid[:8], c.name, c.instance)}
-        if rc < 0:
-            term["signal"] = -rc
+        term.setdefault("startedAt", c.started_at)
+        term.setdefault("finishedAt", rfc3339())
+        term["containerID"] = self._container_id(c)
         c.state = {"terminated": term}
         c.ready = False
         c.proc = None
@@ -461,24 +525,32 @@ class PodWorker(threading.Thread):
 
     # -- probes ---------------------------------------------------------------
 
+    def _exec(self, c, command, timeout):
+        """Runs command in c's environment (an exec probe, a preStop
+        hook); its exit status, or None when it ran past timeout or could
+        not start. Raises ConfigError when c's environment cannot be made."""
+        env = self._env(c)
+        argv = [self._paths(c, expand_vars(a, env)) for a in command]
+        if argv and "/" not in argv[0]:
+            argv[0] = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
+        try:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except (OSError, ValueError):
+            return None
+        try:
+            return proc.wait(max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+
     def _probe_once(self, c, p):
         timeout = probe_defaults(p)["timeoutSeconds"]
         try:
             if "exec" in p:
-                env = self._env(c)
-                argv = [substitute_paths(expand_vars(a, env), self._mounts(c))
-                        for a in p["exec"].get("command") or []]
-                if argv and "/" not in argv[0]:
-                    argv[0] = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
-                try:
-                    return proc.wait(timeout) == 0
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    return False
+                return self._exec(c, p["exec"].get("command") or [], timeout) == 0
             if "tcpSocket" in p:
                 port = self._port(c, p["tcpSocket"].get("port"))
                 host = p["tcpSocket"].get("host") or self.ip
@@ -599,9 +671,9 @@ class PodWorker(threading.Thread):
               "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
               "podIP": self.ip, "podIPs": [{"ip": self.ip}], "startTime": self.start_time,
               "qosClass": (self.pod.get("status") or {}).get("qosClass", "BestEffort"),
-              "containerStatuses": [c.status(self.uid) for c in self.containers
+              "containerStatuses": [c.status(self._container_id(c)) for c in self.containers
                                     if c.kind == "main"]}
-        inits = [c.status(self.uid) for c in self.containers if c.kind != "main"]
+        inits = [c.status(self._container_id(c)) for c in self.containers if c.kind != "main"]
         if inits:
             st["initContainerStatuses"] = inits
         if self.reason:
@@ -790,12 +862,8 @@ class PodWorker(threading.Thread):
         hook = ((c.spec.get("lifecycle") or {}).get("preStop") or {})
         if "exec" in hook and c.running():
             try:
-                env = self._env(c)
-                argv = [expand_vars(a, env) for a in hook["exec"].get("command") or []]
-                subprocess.run(argv, env=env, timeout=max(0.1, deadline - time.monotonic()),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-            except (OSError, subprocess.TimeoutExpired, ConfigError):
+                self._exec(c, hook["exec"].get("command") or [], deadline - time.monotonic())
+            except ConfigError:
                 pass
         elif "sleep" in hook and c.running():
             time.sleep(min(float(hook["sleep"].get("seconds", 0)),
@@ -855,3 +923,27 @@ class PodWorker(threading.Thread):
                     log("%s/%s: final delete failed: %s" % (self.ns, self.name, e))
         shutil.rmtree(self.pod_dir, ignore_errors=True)
         log("%s/%s: stopped" % (self.ns, self.name))
+
+
+class ProcessRuntime:
+    """Pods as local processes: the kubelet's default runtime."""
+
+    name = "process"
+    version = "cohort-processes://1"
+    os_image = "local processes"
+    worker = PodWorker
+
+    def __init__(self, kubelet):
+        self.k = kubelet
+
+    def shutdown(self, workers):
+        """Stops every pod's processes: they must not outlive the kubelet."""
+        for w in workers:
+            for c in w.containers:
+                w._signal(c, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for w in workers:
+            for c in w.containers:
+                while c.running() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                w._signal(c, signal.SIGKILL)
