@@ -162,10 +162,17 @@ if [ -n "${SOURCE_DATE_EPOCH:-}" ]; then
     created=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%dT%H:%M:%SZ)
 fi
 
+# The labels that change with the commit are given twice: as build
+# arguments for the Dockerfile's LABEL (a build without this script), and
+# as --label, because buildah 1.28 reuses a cached LABEL step whose
+# arguments changed (the image kept the previous commit's revision).
+labels=(--label "org.opencontainers.image.version=$version"
+        --label "org.opencontainers.image.revision=$revision"
+        --label "org.opencontainers.image.created=$created")
 t0=$(date +%s)
 podman build --layers --jobs 1 "${ts_args[@]}" \
     --build-arg VERSION="$version" --build-arg REVISION="$revision" \
-    --build-arg CREATED="$created" \
+    --build-arg CREATED="$created" "${labels[@]}" \
     -t "$REPO:$version" -t "$REPO:dev" -f "$ROOT/Dockerfile" "$@" "$ROOT"
 echo "image: built $REPO:$version and $REPO:dev in $(( $(date +%s) - t0 )) s"
 
