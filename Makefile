@@ -170,7 +170,7 @@ image:
 
 # The image's smoke test: skips, saying why, where podman cannot run.
 image-test:
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests/image
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/image
 
 # Tests run against the sanitizer build. halt_on_error keeps a sanitizer
 # report from being mistaken for a flaky failure.

@@ -24,13 +24,13 @@ class Containers:
         self.names.append(n)
         return n
 
-    def run_argv(self, image, what, *argv, volumes=(), env=(), network_host=True):
+    def run_argv(self, image, what, *argv, volumes=(), env=(), network="host"):
         """`podman run` of argv in a container of its own named for `what`:
         removed when it exits, with an init that forwards signals (SIGTERM
-        to `podman run` reaches the program), on the host's loopback."""
-        cmd = ["podman", "run", "--rm", "--init", "--name", self.name(what)]
-        if network_host:
-            cmd.append("--network=host")
+        to `podman run` reaches the program), on the host's loopback (or
+        with no network: "none")."""
+        cmd = ["podman", "run", "--rm", "--init", "--name", self.name(what),
+               "--network=" + network]
         for host, guest in volumes:
             cmd += ["-v", "%s:%s" % (host, guest)]
         for kv in env:

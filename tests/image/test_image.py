@@ -38,8 +38,11 @@ def image_config(image):
     return json.loads(r.stdout)
 
 
-def run_in(image, *argv, timeout=120):
-    return podman("run", "--rm", image, *argv, timeout=timeout)
+def run_in(containers, image, *argv, timeout=120):
+    """argv in a container of the image, off the host's network (removed at the
+    test's end even when the command times out)."""
+    return podman(*containers.run_argv(image, "run", *argv, network="none")[1:],
+                  timeout=timeout)
 
 
 def image_user(image):
@@ -71,18 +74,18 @@ def tmp(image):
 # ---- what it holds -----------------------------------------------------------
 
 @pytest.mark.parametrize("name", BINARIES)
-def test_each_binary_runs_its_help_from_path(image, name):
-    r = run_in(image, name, "--help")
+def test_each_binary_runs_its_help_from_path(image, containers, name):
+    r = run_in(containers, image, name, "--help")
     assert r.returncode == 0, "%s --help: exit %d\n%s" % (name, r.returncode, r.stderr)
     assert "Usage" in r.stdout + r.stderr, r.stdout
 
 
-def test_runs_as_a_numeric_non_root_user(image):
+def test_runs_as_a_numeric_non_root_user(image, containers):
     user = image_config(image)["User"]
     m = re.fullmatch(r"(\d+):(\d+)", user)
     assert m, "USER %r is not numeric uid:gid (Kubernetes' runAsNonRoot needs one)" % user
     assert int(m.group(1)) != 0 and int(m.group(2)) != 0
-    r = run_in(image, "id", "-u")
+    r = run_in(containers, image, "id", "-u")
     assert r.returncode == 0 and r.stdout.strip() == m.group(1), r.stdout + r.stderr
 
 
@@ -105,11 +108,11 @@ def test_carries_the_oci_labels_of_this_checkout(image):
                              labels["org.opencontainers.image.revision"])
 
 
-def test_holds_only_runtime_libraries_and_every_binary_finds_its_own(image):
+def test_holds_only_runtime_libraries_and_every_binary_finds_its_own(image, containers):
     script = ("dpkg-query -W -f '${Package}=${Version}\\n'; echo ---; "
               "cat /usr/share/cohort/runtime-packages; echo ---; "
               "for b in %s; do ldd /usr/local/bin/$b; done" % " ".join(BINARIES))
-    r = run_in(image, "sh", "-c", script)
+    r = run_in(containers, image, "sh", "-c", script)
     assert r.returncode == 0, r.stderr
     installed, wanted, ldd = r.stdout.split("---\n")
     names = [l.split("=")[0] for l in installed.split()]
@@ -170,10 +173,10 @@ def test_two_member_cohort_from_the_image_trains_and_agrees(image, containers, t
             assert latest_epoch(s) is not None
 
         # Single-process SGD at the same virtual batch, in the image too.
-        ref = subprocess.run(["podman", "run", "--rm", "-v", "%s:/out" % tmp, image,
-                              "cohort-example-logreg", "--local", *common,
-                              "--params-out", "/out/local.txt"],
-                             capture_output=True, text=True, timeout=DEADLINE)
+        ref = podman(*containers.run_argv(image, "local", "cohort-example-logreg", "--local",
+                                          *common, "--params-out", "/out/local.txt",
+                                          volumes=[(tmp, "/out")], network="none")[1:],
+                     timeout=DEADLINE)
         assert ref.returncode == 0, ref.stderr
         want = read_params(os.path.join(tmp, "local.txt"))
         for i in range(2):
@@ -195,7 +198,7 @@ def test_missing_key_file_is_a_clear_error(image, containers):
                                             "--id", "a"]),
                         ("cohort-operator", ["--standalone", "--listen", "127.0.0.1:0"])):
         r = podman(*containers.run_argv(image, prog, prog, *extra, "--secret-file",
-                                        "/etc/cohort/key", network_host=False)[1:])
+                                        "/etc/cohort/key", network="none")[1:])
         assert r.returncode == 2, (prog, r.returncode, r.stderr)
         assert 'cannot use --secret-file "/etc/cohort/key": No such file or directory' \
             in r.stderr, r.stderr
@@ -211,6 +214,6 @@ def test_key_file_the_image_user_cannot_read_is_a_clear_error(image, containers,
     r = podman(*containers.run_argv(image, "sidecar", "cohort-sidecar", "--broker",
                                     "127.0.0.1:1", "--cohort", "c", "--id", "a",
                                     "--secret-file", "/etc/cohort/key",
-                                    volumes=[(keydir, "/etc/cohort:ro")], network_host=False)[1:])
+                                    volumes=[(keydir, "/etc/cohort:ro")], network="none")[1:])
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert 'cannot use --secret-file "/etc/cohort/key": Permission denied' in r.stderr, r.stderr
