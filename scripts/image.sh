@@ -111,7 +111,7 @@ make_base() {
     local mirror dir t0
     mirror=$(debian_mirror)
     dir=$(mktemp -d "${TMPDIR:-/tmp}/cohort-base.XXXXXX")
-    trap 'rm -rf "$dir"' EXIT
+    trap '$SUDO rm -rf "$dir"' EXIT
     t0=$(date +%s)
     echo "image: making $BASE with debootstrap from $mirror (once; about 100 s)"
     $SUDO debootstrap --variant=minbase bookworm "$dir" "$mirror" > "$CONF_DIR/debootstrap.log" 2>&1 \
