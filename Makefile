@@ -6,6 +6,8 @@
 #                   into build/asan/ and runs every test against it (the
 #                   Python tests against the release build: see python/python.mk)
 #   make demo       installs missing packages and runs a local cohort
+#   make image      the container image localhost/cohort:$(cat VERSION)
+#                   (and :dev) with podman (scripts/image.sh, Dockerfile)
 #
 # Sources are found by directory, so a new module is a new .c/.h pair and
 # nothing more: src/<subsystem>/ -> the libraries below, operator/ sidecar/
@@ -144,7 +146,8 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 # Generated sources are kept: they are inputs to the objects, not temporaries.
 .SECONDARY:
 
-.PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean
+.PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean \
+        bins install image image-test
 all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) \
      $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) python
 
@@ -156,6 +159,31 @@ asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAM
 deps:
 	@scripts/install-deps.sh
 
+# The release binaries the image holds, and nothing else (no Python, no
+# test tools): the Dockerfile's builder stage runs `make install`.
+bins: $(addprefix $(BUILD)/,cohort-operator cohort-sidecar cohortctl) \
+      $(addprefix $(BUILD)/examples/,$(EXAMPLES))
+
+# Example trainers are installed as cohort-example-NAME: the name pods run
+# (examples/k8s/), which the sandbox maps to build/examples/NAME.
+PREFIX  ?= /usr/local
+install: bins
+	install -d $(DESTDIR)$(PREFIX)/bin
+	install -m 0755 $(addprefix $(BUILD)/,cohort-operator cohort-sidecar cohortctl) \
+		$(DESTDIR)$(PREFIX)/bin/
+	for e in $(EXAMPLES); do \
+	    install -m 0755 $(BUILD)/examples/$$e $(DESTDIR)$(PREFIX)/bin/cohort-example-$$e || exit 1; \
+	done
+
+# The container image, with Debian's podman (docs/install.md, "The image").
+# IMAGE_ARGS go to podman build, e.g. --build-arg RUNTIME_BASE=...
+image:
+	scripts/image.sh $(IMAGE_ARGS)
+
+# The image's smoke test: skips, saying why, where podman cannot run.
+image-test:
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/image
+
 # Tests run against the sanitizer build. halt_on_error keeps a sanitizer
 # report from being mistaken for a flaky failure.
 export ASAN_OPTIONS  := detect_leaks=1:abort_on_error=0:halt_on_error=1
@@ -166,7 +194,7 @@ test: deps
 	scripts/check-layers.py
 	scripts/install-kubectl.sh
 	$(MAKE) -j$$(nproc) asan all
-	$(MAKE) unit proc kube python-test
+	$(MAKE) unit proc kube python-test image-test
 	$(MAKE) -j$$(nproc) fuzz-check
 
 # No folder of src/ includes above the layers its README.md names.
