@@ -2,21 +2,27 @@
 serving until interrupted. tests/kube/apiserver.py runs main().
 """
 import argparse
+import base64
 import os
 import sys
 
 from .server import Server
 from .store import Store
+from .tls import server_context, serving_files
 
 
-def kubeconfig_text(server_url, token, token_file=None):
+def kubeconfig_text(server_url, token, token_file=None, ca_file=None):
     user = "    tokenFile: %s\n" % token_file if token_file else "    token: %s\n" % token
+    ca = ""
+    if ca_file:
+        with open(ca_file, "rb") as f:
+            ca = "    certificate-authority-data: %s\n" % base64.b64encode(f.read()).decode()
     return ("apiVersion: v1\nkind: Config\n"
-            "clusters:\n- name: cohort-standin\n  cluster:\n    server: %s\n"
+            "clusters:\n- name: cohort-standin\n  cluster:\n    server: %s\n%s"
             "users:\n- name: cohort-standin\n  user:\n%s"
             "contexts:\n- name: cohort-standin\n  context:\n    cluster: cohort-standin\n"
             "    user: cohort-standin\n    namespace: default\n"
-            "current-context: cohort-standin\n" % (server_url, user))
+            "current-context: cohort-standin\n" % (server_url, ca, user))
 
 
 def write_atomic(path, text):
@@ -37,6 +43,23 @@ def parse_args(argv=None):
     ap.add_argument("--token", help="require this bearer token (default: accept any)")
     ap.add_argument("--token-file", help="require the token in this file, re-read on change; "
                     "the kubeconfig then names the file (tokenFile)")
+    ap.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM); needs "
+                    "--tls-private-key-file")
+    ap.add_argument("--tls-private-key-file", help="the key of --tls-cert-file (PEM)")
+    ap.add_argument("--tls", action="store_true",
+                    help="serve HTTPS with a CA and a serving certificate for 127.0.0.1 and "
+                    "localhost made into --cert-dir (kept there when present); the kubeconfig "
+                    "then carries the CA as certificate-authority-data")
+    ap.add_argument("--cert-dir", help="where --tls makes its ca.crt, ca.key, apiserver.crt and "
+                    "apiserver.key (default: the kubeconfig's folder, else the current one)")
+    ap.add_argument("--client-ca-file", help="verify client certificates against this CA bundle; "
+                    "a verified certificate authenticates its CN as the user and each O as a "
+                    "group, as kube-apiserver does")
+    ap.add_argument("--kubeconfig-ca-file", help="with --tls-cert-file: the CA the written "
+                    "kubeconfig trusts (certificate-authority-data)")
+    ap.add_argument("--min-token-expiration", type=int, default=600,
+                    help="the shortest expirationSeconds a TokenRequest may ask for (default "
+                    "600, the real server's 10 minutes; tests lower it)")
     ap.add_argument("--history-size", type=int, default=1000,
                     help="events kept for watches and consistent pages; older resourceVersions "
                     "get 410 Gone (default 1000)")
@@ -56,13 +79,20 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.tls and not args.cert_dir:
+        args.cert_dir = os.path.dirname(os.path.abspath(args.kubeconfig)) if args.kubeconfig \
+            else os.getcwd()
     store = Store(args.history_size, args.strict_namespaces)
     server = Server((args.host, args.port), store, args)
+    cert, key, ca = serving_files(args)
+    if cert:
+        server.serve_tls(server_context(cert, key, args.client_ca_file))
     host, port = server.server_address[:2]
-    url = "http://%s:%d" % (host, port)
+    url = "%s://%s:%d" % ("https" if cert else "http", host, port)
     if args.kubeconfig:
         write_atomic(args.kubeconfig, kubeconfig_text(url, args.token or "cohort-standin",
-                                                      args.token_file))
+                                                      args.token_file,
+                                                      ca or args.kubeconfig_ca_file))
     if args.port_file:
         write_atomic(args.port_file, "%d\n" % port)
     sys.stderr.write("apiserver: listening on %s\n" % url)

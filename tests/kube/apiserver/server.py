@@ -11,6 +11,7 @@ import os
 import random
 import select
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .authn import Authenticator
 from .common import dumps
 from .discovery import (AGGREGATED, VERSION_INFO, aggregated_discovery, api_group, groups_of,
                         openapi_doc, resource_list, subresources_of)
@@ -44,25 +46,38 @@ class Server(ThreadingHTTPServer):
         self.store = store
         self.args = args
         self.requests = collections.deque(maxlen=10000)
-        self._token_cache = (None, None)
+        self.authn = Authenticator(args, store)
+        self.authz = None                  # set by cli.main under --authorization-mode RBAC
+        self.ssl_context = None            # set by serve_tls()
         self.fault_lock = threading.Lock()
         self.faults = []                   # /debug/cohort/faults
         self.watch_generation = 0          # bumped by /debug/cohort/drop-watches
 
-    def required_token(self):
-        """The token a request must carry, or None for any. A token file is
-        re-read when it changes, so tests can rotate the token."""
-        if self.args.token_file:
+    def serve_tls(self, context):
+        """Serve HTTPS with context from now on. The handshake runs in the
+        request's thread (finish_request), so a slow client holds up no
+        other."""
+        self.ssl_context = context
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        if self.ssl_context is not None:
+            sock = self.ssl_context.wrap_socket(sock, server_side=True,
+                                                do_handshake_on_connect=False)
+        return sock, addr
+
+    def finish_request(self, request, client_address):
+        if self.ssl_context is not None:
             try:
-                st = os.stat(self.args.token_file)
-            except OSError:
-                return self.args.token
-            stamp = (st.st_mtime_ns, st.st_size)
-            if self._token_cache[0] != stamp:
-                with open(self.args.token_file) as f:
-                    self._token_cache = (stamp, f.read().strip())
-            return self._token_cache[1]
-        return self.args.token
+                request.settimeout(10)
+                request.do_handshake()
+                request.settimeout(None)
+            except (ssl.SSLError, OSError) as e:
+                if not self.args.quiet:
+                    sys.stderr.write("apiserver: TLS handshake with %s:%d failed: %s\n" %
+                                     (client_address[0], client_address[1], e))
+                return
+        super().finish_request(request, client_address)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -107,6 +122,7 @@ class Handler(BaseHTTPRequestHandler):
         t0 = time.monotonic()
         self.code = 0
         self.token = None
+        self.user = None                    # {"name", "groups"}, set by authentication
         self.warnings = []
         url = urllib.parse.urlsplit(self.path)
         self.q = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True)
@@ -117,11 +133,16 @@ class Handler(BaseHTTPRequestHandler):
             h = self.headers.get("Authorization", "")
             if h.startswith("Bearer "):
                 self.token = h[7:].strip()
-            open_paths = path.startswith("/debug/") or path in ("/healthz", "/livez", "/readyz")
-            want = self.server.required_token()
-            if want is not None and self.token != want and not open_paths:
-                self._drain_body()
-                raise ApiError(401, "Unauthorized", "Unauthorized")
+            health = path in ("/healthz", "/livez", "/readyz")
+            open_paths = path.startswith("/debug/") or health
+            if not path.startswith("/debug/"):
+                try:
+                    self.user = self.server.authn.authenticate(self.connection, self.token)
+                except ApiError:
+                    if not health:
+                        self._drain_body()
+                        raise
+                    self.user = {"name": "system:anonymous", "groups": ["system:unauthenticated"]}
             body = self._read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else None
             if not open_paths:
                 self._inject_fault(method, path)
@@ -143,6 +164,7 @@ class Handler(BaseHTTPRequestHandler):
             ua = self.headers.get("User-Agent", "-")
             self.server.requests.append({"method": method, "path": path, "query": url.query,
                                          "code": self.code, "token": self.token,
+                                         "user": (self.user or {}).get("name"),
                                          "userAgent": ua,
                                          "contentType": self.headers.get("Content-Type")})
             if not self.server.args.quiet:
@@ -554,6 +576,10 @@ class Handler(BaseHTTPRequestHandler):
     def _client_gone(self):
         try:
             r, _, _ = select.select([self.connection], [], [], 0)
+            if r and isinstance(self.connection, ssl.SSLSocket):
+                # An HTTP/1.1 client sends nothing while it reads a watch:
+                # bytes here are its close_notify alert before the FIN.
+                return True
             return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True

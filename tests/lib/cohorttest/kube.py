@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -71,22 +72,32 @@ class ApiServer:
         assert self.p.poll() is None, open(self.log.name).read()
         with open(port_file) as f:
             self.port = int(f.read())
-        self.url = "http://127.0.0.1:%d" % self.port
+        # With --tls the server is https and its CA is tmp/ca.crt (its
+        # --cert-dir defaults to the kubeconfig's folder).
+        with open(self.kubeconfig) as f:
+            self.tls = "server: https://" in f.read()
+        self.url = "%s://127.0.0.1:%d" % ("https" if self.tls else "http", self.port)
+        self.ssl_context = None
+        if self.tls:
+            self.ssl_context = ssl.create_default_context(cafile=os.path.join(tmp, "ca.crt"))
+        self.default_token = None       # sent by call() when it is given no token
 
     def call(self, method, path, body=None, ctype="application/json", token=None, headers=None):
         """(status, parsed JSON body, response headers) of one request. A
         body that is bytes goes as it is, anything else as JSON; a reply
-        that is not JSON comes back as text."""
+        that is not JSON comes back as text. token None sends
+        default_token, "" none."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", ctype)
+        token = self.default_token if token is None else token
         if token:
             req.add_header("Authorization", "Bearer " + token)
         for k, v in (headers or {}).items():
             req.add_header(k, v)
         try:
-            with urllib.request.urlopen(req, timeout=DEADLINE) as r:
+            with urllib.request.urlopen(req, timeout=DEADLINE, context=self.ssl_context) as r:
                 raw = r.read()
                 return r.status, (json.loads(raw) if raw.strip() else None), r.headers
         except urllib.error.HTTPError as e:
