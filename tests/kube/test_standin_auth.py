@@ -98,3 +98,60 @@ def test_client_certificates_name_the_user_and_groups(fresh_tmp):
         assert "default" in k("get", "namespaces", "-o", "name").stdout
     finally:
         srv.stop()
+
+
+def test_service_account_tokens(fresh_tmp):
+    srv = ApiServer(fresh_tmp, "--tls", "--token", "admin-secret", "--min-token-expiration", "2")
+    srv.default_token = "admin-secret"
+    try:
+        k = kubectl_or_skip(srv, fresh_tmp)
+        k("create", "serviceaccount", "bob")
+        r = k("create", "token", "bob", check=False)
+        assert r.returncode == 0, r.stderr
+        token = r.stdout.strip()
+        assert srv.call("GET", "/api/v1/namespaces", token=token)[0] == 200
+        assert srv.requests()[-1]["user"] == "system:serviceaccount:default:bob"
+        # The TokenRequest as the API answers it.
+        tr = srv.ok("POST", SA + "/bob/token", {"apiVersion": "authentication.k8s.io/v1",
+                                                "kind": "TokenRequest",
+                                                "spec": {"expirationSeconds": 2}})
+        assert tr["kind"] == "TokenRequest" and tr["spec"]["expirationSeconds"] == 2
+        assert tr["status"]["expirationTimestamp"].endswith("Z")
+        short = tr["status"]["token"]
+        assert srv.call("GET", "/api/v1/namespaces", token=short)[0] == 200
+        wait_until(lambda: srv.call("GET", "/api/v1/namespaces", token=short)[0] == 401,
+                   "the 2 s token to expire")
+        code, st, _ = srv.call("POST", SA + "/bob/token", {"spec": {"expirationSeconds": 1}})
+        assert code == 422 and st["reason"] == "Invalid"
+        assert "spec.expirationSeconds: Invalid value: 1: may not specify a duration less " \
+               "than 2 seconds" in st["message"]
+        code, st, _ = srv.call("POST", SA + "/nobody/token", {})
+        assert code == 404 and st["message"] == 'serviceaccounts "nobody" not found'
+        # Bound to the ServiceAccount: deleting it ends the token, and a new
+        # ServiceAccount of the same name does not revive it.
+        k("delete", "serviceaccount", "bob")
+        k("create", "serviceaccount", "bob")
+        code, st, _ = srv.call("GET", "/api/v1/namespaces", token=token)
+        assert code == 401 and st["reason"] == "Unauthorized"
+        assert srv.call("GET", "/api/v1/namespaces", token="made-up")[0] == 401
+    finally:
+        srv.stop()
+
+
+def test_kubectl_create_token_honours_the_real_minimum(fresh_tmp):
+    # kubectl sends no bearer token over plain http: tokens need --tls.
+    srv = ApiServer(fresh_tmp, "--tls", "--token", "admin-secret")
+    try:
+        k = kubectl_or_skip(srv, fresh_tmp)
+        k("create", "serviceaccount", "carol")
+        r = k("create", "token", "carol", "--duration", "60s", check=False)
+        assert r.returncode != 0
+        assert "may not specify a duration less than 10 minutes" in r.stderr
+        r = k("create", "token", "carol", "--duration", "15m", "-o", "json", check=False)
+        assert r.returncode == 0, r.stderr
+        tr = json.loads(r.stdout)
+        assert tr["spec"]["expirationSeconds"] == 900
+        assert tr["status"]["expirationTimestamp"] > time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                   time.gmtime())
+    finally:
+        srv.stop()

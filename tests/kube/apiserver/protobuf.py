@@ -1,5 +1,5 @@
 """Protobuf request bodies. kubectl's generator commands (create namespace,
-configmap, secret, serviceaccount) send typed objects as protobuf, with no
+configmap, secret, serviceaccount, token) send typed objects as protobuf, with no
 fallback to JSON. These few kinds are decoded from their field numbers in
 k8s.io/api's generated.proto; any other protobuf body gets 415.
 """
@@ -23,6 +23,13 @@ PB_KINDS = {
                4: ("stringData", "map"), 5: ("immutable", "bool")},
     "ServiceAccount": {1: ("metadata", "msg", PB_META),
                        4: ("automountServiceAccountToken", "bool")},
+    # kubectl create token
+    "TokenRequest": {1: ("metadata", "msg", PB_META),
+                     2: ("spec", "msg", {1: ("audiences", "strings"),
+                                         3: ("boundObjectRef", "msg", {
+                                             1: ("kind", "string"), 2: ("apiVersion", "string"),
+                                             3: ("name", "string"), 4: ("uid", "string")}),
+                                         4: ("expirationSeconds", "int")})},
 }
 
 

@@ -80,6 +80,10 @@ def builtin_types():
                            "status.podIP", "status.nominatedNodeName"))
     pods.extra_subresources = [("binding", "", "v1", "Binding", ["create"]),
                                ("log", "", "v1", "Pod", ["get"])]
+    serviceaccounts = T("", ["v1"], "ServiceAccount", "serviceaccounts", "serviceaccount", True,
+                        ["sa"])
+    serviceaccounts.extra_subresources = [("token", "authentication.k8s.io", "v1", "TokenRequest",
+                                           ["create"])]
     return [
         T("", ["v1"], "Namespace", "namespaces", "namespace", False, ["ns"], status=True,
           field_labels=("status.phase",)),
@@ -92,7 +96,7 @@ def builtin_types():
         T("", ["v1"], "ConfigMap", "configmaps", "configmap", True, ["cm"]),
         T("", ["v1"], "Secret", "secrets", "secret", True, field_labels=("type",)),
         T("", ["v1"], "Service", "services", "service", True, ["svc"], ["all"], status=True),
-        T("", ["v1"], "ServiceAccount", "serviceaccounts", "serviceaccount", True, ["sa"]),
+        serviceaccounts,
         T("", ["v1"], "Endpoints", "endpoints", "endpoints", True, ["ep"]),
         T("", ["v1"], "Node", "nodes", "node", False, ["no"], status=True,
           field_labels=("spec.unschedulable",)),

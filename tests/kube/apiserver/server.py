@@ -316,7 +316,7 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         allowed = {None: ("GET", "PUT", "PATCH", "DELETE", "POST"),
                    "status": ("GET", "PUT", "PATCH"), "scale": ("GET", "PUT", "PATCH"),
-                   "binding": ("POST",), "log": ("GET",)}
+                   "binding": ("POST",), "log": ("GET",), "token": ("POST",)}
         if method not in allowed.get(sub, ()):
             raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the "
                            "requested resource")
@@ -345,6 +345,8 @@ class Handler(BaseHTTPRequestHandler):
                     self.store.bind(ns, name, body)
                 return self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {},
                                              "status": "Success", "code": 201})
+            if sub == "token":
+                return self._send_json(201, self.server.authn.token_request(ns, name, body))
             if name is not None:
                 raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on "
                                "the requested resource")
