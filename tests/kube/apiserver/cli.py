@@ -6,6 +6,7 @@ import base64
 import os
 import sys
 
+from .rbac import Authorizer, bootstrap
 from .server import Server
 from .store import Store
 from .tls import server_context, serving_files
@@ -60,6 +61,12 @@ def parse_args(argv=None):
     ap.add_argument("--min-token-expiration", type=int, default=600,
                     help="the shortest expirationSeconds a TokenRequest may ask for (default "
                     "600, the real server's 10 minutes; tests lower it)")
+    ap.add_argument("--authorization-mode", choices=("AlwaysAllow", "RBAC"),
+                    default="AlwaysAllow",
+                    help="AlwaysAllow (default) lets every authenticated request through; RBAC "
+                    "enforces Roles, ClusterRoles and their bindings as Kubernetes does, with "
+                    "its default discovery roles, and records which rule allowed each request "
+                    "(/debug/cohort/rbac)")
     ap.add_argument("--history-size", type=int, default=1000,
                     help="events kept for watches and consistent pages; older resourceVersions "
                     "get 410 Gone (default 1000)")
@@ -84,6 +91,9 @@ def main(argv=None):
             else os.getcwd()
     store = Store(args.history_size, args.strict_namespaces)
     server = Server((args.host, args.port), store, args)
+    if args.authorization_mode == "RBAC":
+        bootstrap(store)
+        server.authz = Authorizer(store)
     cert, key, ca = serving_files(args)
     if cert:
         server.serve_tls(server_context(cert, key, args.client_ca_file))

@@ -1,5 +1,6 @@
 """Protobuf request bodies. kubectl's generator commands (create namespace,
-configmap, secret, serviceaccount, token) send typed objects as protobuf, with no
+configmap, secret, serviceaccount, token, role, rolebinding,
+clusterrole, clusterrolebinding) send typed objects as protobuf, with no
 fallback to JSON. These few kinds are decoded from their field numbers in
 k8s.io/api's generated.proto; any other protobuf body gets 415.
 """
@@ -13,6 +14,11 @@ PB_META = {1: ("name", "string"), 2: ("generateName", "string"), 3: ("namespace"
            5: ("uid", "string"), 6: ("resourceVersion", "string"), 7: ("generation", "int"),
            11: ("labels", "map"), 12: ("annotations", "map"),
            13: ("ownerReferences", "msgs", PB_OWNER_REF), 14: ("finalizers", "strings")}
+PB_RULE = {1: ("verbs", "strings"), 2: ("apiGroups", "strings"), 3: ("resources", "strings"),
+           4: ("resourceNames", "strings"), 5: ("nonResourceURLs", "strings")}
+PB_SUBJECT = {1: ("kind", "string"), 2: ("apiGroup", "string"), 3: ("name", "string"),
+              4: ("namespace", "string")}
+PB_ROLE_REF = {1: ("apiGroup", "string"), 2: ("kind", "string"), 3: ("name", "string")}
 PB_KINDS = {
     "Namespace": {1: ("metadata", "msg", PB_META),
                   2: ("spec", "msg", {1: ("finalizers", "strings")}),
@@ -23,6 +29,13 @@ PB_KINDS = {
                4: ("stringData", "map"), 5: ("immutable", "bool")},
     "ServiceAccount": {1: ("metadata", "msg", PB_META),
                        4: ("automountServiceAccountToken", "bool")},
+    # kubectl create role, clusterrole, rolebinding, clusterrolebinding
+    "Role": {1: ("metadata", "msg", PB_META), 2: ("rules", "msgs", PB_RULE)},
+    "ClusterRole": {1: ("metadata", "msg", PB_META), 2: ("rules", "msgs", PB_RULE)},
+    "RoleBinding": {1: ("metadata", "msg", PB_META), 2: ("subjects", "msgs", PB_SUBJECT),
+                    3: ("roleRef", "msg", PB_ROLE_REF)},
+    "ClusterRoleBinding": {1: ("metadata", "msg", PB_META), 2: ("subjects", "msgs", PB_SUBJECT),
+                           3: ("roleRef", "msg", PB_ROLE_REF)},
     # kubectl create token
     "TokenRequest": {1: ("metadata", "msg", PB_META),
                      2: ("spec", "msg", {1: ("audiences", "strings"),

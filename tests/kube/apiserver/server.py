@@ -2,7 +2,8 @@
 /apis paths to the store, bodies (JSON, a few protobuf kinds), tokens,
 Table and PartialObjectMetadata representations, chunked watch streams,
 pods/log proxied to the kubelet, and the /debug/cohort endpoints (request
-log, injected faults, dropped watches).
+log, injected faults, dropped watches, RBAC decisions). TLS, who a request
+is (authn.py) and whether it may (rbac.py) are decided before routing.
 """
 import collections
 import hashlib
@@ -27,6 +28,7 @@ from .discovery import (AGGREGATED, VERSION_INFO, aggregated_discovery, api_grou
                         openapi_doc, resource_list, subresources_of)
 from .errors import ApiError, FieldError, err_bad_request, err_invalid
 from .protobuf import PB_KINDS, decode_k8s_protobuf
+from .rbac import request_info
 from .selection import Selector, fields_match, parse_field_selector
 from .store import meta_of, nkey, without
 from .tables import table_for
@@ -143,6 +145,12 @@ class Handler(BaseHTTPRequestHandler):
                         self._drain_body()
                         raise
                     self.user = {"name": "system:anonymous", "groups": ["system:unauthenticated"]}
+                if self.server.authz is not None:
+                    err = self.server.authz.authorize(self.user, request_info(method, path,
+                                                                              url.query))
+                    if err is not None:
+                        self._drain_body()
+                        raise err
             body = self._read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else None
             if not open_paths:
                 self._inject_fault(method, path)
@@ -249,6 +257,10 @@ class Handler(BaseHTTPRequestHandler):
             return self._send_json(200, VERSION_INFO)
         if path == "/debug/cohort/requests":
             return self._send_json(200, list(self.server.requests))
+        if path == "/debug/cohort/rbac":
+            if self.server.authz is None:
+                raise ApiError(404, "NotFound", "authorization is AlwaysAllow: nothing recorded")
+            return self._send_json(200, self.server.authz.report())
         if path == "/debug/cohort/faults":
             return self._faults(method, body)
         if path == "/debug/cohort/drop-watches" and method == "POST":

@@ -182,7 +182,14 @@ def validate_meta(rt, obj, errs):
     meta = obj.get("metadata") or {}
     name = meta.get("name") or ""
     label = rt.key in (("", "namespaces"), ("", "services"))
-    if name and (len(name) > (63 if label else 253) or
+    if rt.group == "rbac.authorization.k8s.io":
+        # RBAC names are path segments (system:discovery), as
+        # ValidateRBACName checks them.
+        if name in (".", "..") or "/" in name or "%" in name:
+            errs.append(FieldError("Invalid", "metadata.name", name,
+                                   "may not be '.' or '..'" if name in (".", "..") else
+                                   "may not contain '%s'" % ("/" if "/" in name else "%")))
+    elif name and (len(name) > (63 if label else 253) or
                  not (DNS_LABEL if label else DNS_SUBDOMAIN).match(name)):
         errs.append(FieldError("Invalid", "metadata.name", name,
                                "a lowercase RFC 1123 %s must consist of lower case alphanumeric "
