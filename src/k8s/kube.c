@@ -585,6 +585,57 @@ static int map_curl(CURLcode cc)
     }
 }
 
+/* ---- the calling thread's last error ------------------------------------ */
+
+static _Thread_local struct kube_error last_err;
+static _Thread_local char err_text[1024];
+
+static void err_clear(void)
+{
+    memset(&last_err, 0, sizeof(last_err));
+}
+
+static void err_copy(char *dst, size_t n, const char *src)
+{
+    snprintf(dst, n, "%s", src ? src : "");
+}
+
+/* Records a failed call: the status and what the metav1.Status body says
+ * (status may be NULL, or not a Status at all), or a transport error. */
+static void err_set(int rc, long code, const cJSON *status, const char *transport)
+{
+    last_err.rc = rc;
+    last_err.status = code;
+    err_copy(last_err.reason, sizeof(last_err.reason), str_field(status, "reason"));
+    err_copy(last_err.message, sizeof(last_err.message),
+             transport ? transport : str_field(status, "message"));
+}
+
+const struct kube_error *kube_last_error(void)
+{
+    return &last_err;
+}
+
+const char *kube_strerror(int rc)
+{
+    const struct kube_error *e = &last_err;
+
+    if (rc >= 0)
+        return "success";
+    if (e->rc != rc || (!e->status && !e->message[0]))
+        return log_strerror(rc);
+    const char *reason = e->reason[0] ? e->reason : "(no reason)";
+    int w;
+
+    /* A message cut to fit is still the message's start: a log line. */
+    if (!e->status)
+        w = snprintf(err_text, sizeof(err_text), "%s", e->message);
+    else
+        w = snprintf(err_text, sizeof(err_text), "HTTP %ld %.63s%s%.511s", e->status, reason,
+                     e->message[0] ? ": " : "", e->message);
+    return w < 0 ? log_strerror(rc) : err_text;
+}
+
 /* Maps an HTTP status (and, for 409, the Status reason) to -errno. */
 static int map_http(long code, const cJSON *status)
 {
@@ -626,6 +677,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
 
     if (out)
         *out = NULL;
+    err_clear();
     if (url_for(k, path, url, sizeof(url)) < 0)
         return -ENAMETOOLONG;
     if (body && !(payload = cJSON_PrintUnformatted(body)))
@@ -656,6 +708,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
         }
         if (cc != CURLE_OK) {
             rc = map_curl(cc);
+            err_set(rc, 0, NULL, curl_easy_strerror(cc));
             log_warn("kube", "A request to the API server failed.", LF_S("method", method),
                      LF_S("path", path), LF_S("error", curl_easy_strerror(cc)));
             break;
@@ -668,21 +721,26 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
     free(payload);
     if (rc < 0) {
         atomic_fetch_add(&k->n_failures, 1);
+        if (rc == -EMSGSIZE)
+            err_set(rc, code, NULL, "the API server's answer is over the size cap");
         goto out;
     }
     if (resp.len > 0) {
         parsed = cJSON_ParseWithLength(resp.buf, resp.len);
         if (!parsed && code >= 200 && code < 300) {
             rc = -EBADMSG;
+            err_set(rc, code, NULL, "the API server's answer is not JSON");
             goto out;
         }
     }
     rc = map_http(code, parsed);
     if (rc < 0) {
         atomic_fetch_add(&k->n_failures, 1);
+        err_set(rc, code, parsed, NULL);
         log_emit(code == 404 || code == 409 ? LOG_DEBUG : LOG_WARN, "kube",
                  "The API server refused a request.", LF_S("method", method), LF_S("path", path),
-                 LF_I("status", code), LF_S("message", str_field(parsed, "message")), LOG_END);
+                 LF_I("status", code), LF_S("reason", last_err.reason),
+                 LF_S("message", last_err.message), LOG_END);
         cJSON_Delete(parsed);
         parsed = NULL;
     }
@@ -880,6 +938,7 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
     long code = 0;
     int running = 1, rc;
 
+    err_clear();
     if (url_for(k, path, q, sizeof(q)) < 0)
         return -ENAMETOOLONG;
     snprintf(ts, sizeof(ts), "%u", timeout_s);
@@ -924,14 +983,20 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
         int left;
         rc = 0;
         while ((msg = curl_multi_info_read(multi, &left)))
-            if (msg->msg == CURLMSG_DONE && msg->data.result != CURLE_OK)
+            if (msg->msg == CURLMSG_DONE && msg->data.result != CURLE_OK) {
                 rc = map_curl(msg->data.result);
+                err_set(rc, 0, NULL, curl_easy_strerror(msg->data.result));
+            }
         curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
         if (rc == 0 && code != 200) {
             cJSON *st = w.line.len ? cJSON_ParseWithLength(w.line.buf, w.line.len) : NULL;
             rc = map_http(code, st);
             if (rc == 0)
                 rc = -EIO;
+            err_set(rc, code, st, NULL);
+            log_warn("kube", "The API server refused a watch.", LF_S("path", path),
+                     LF_I("status", code), LF_S("reason", last_err.reason),
+                     LF_S("message", last_err.message));
             cJSON_Delete(st);
         }
     }

@@ -8,8 +8,9 @@
  *   or list from) -EREMCHG; 400/422 -EINVAL; 401 -EACCES (after the token
  *   was re-read once); 403 -EPERM; 413 -E2BIG; 429 -EAGAIN; other 5xx -EIO;
  *   a body over the cap -EMSGSIZE; an unparsable body -EBADMSG; transport:
- *   -ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH. The server's own message is
- *   logged once with the status.
+ *   -ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH. The server's own reason and
+ *   message are logged once with the status, and kept for the caller
+ *   (kube_last_error, kube_strerror) so its log lines can say them too.
  */
 #ifndef COHORT_KUBE_H
 #define COHORT_KUBE_H
@@ -106,6 +107,27 @@ struct kube_stats {
     uint64_t requests, failures, watches;
 };
 void kube_stats(struct kube *k, struct kube_stats *out);
+
+/* Why the calling thread's last kube_ call failed, as the API said it:
+ * the -errno it returned, the HTTP status (0 for a transport error or
+ * none), and the metav1.Status reason and message ("" when the body had
+ * none; message holds curl's error for a transport failure). Each
+ * kube_request, kube_get..., kube_list and kube_watch call clears it
+ * first; a kube_list that fails holds its failed page's. Borrowed,
+ * thread-local. */
+struct kube_error {
+    int rc;
+    long status;
+    char reason[64];
+    char message[512];
+};
+const struct kube_error *kube_last_error(void);
+
+/* rc as one phrase for a log line: "HTTP 403 Forbidden: pods is
+ * forbidden: ..." when rc is the calling thread's last kube_ error and the
+ * API answered it, curl's words for a transport error, else strerror's.
+ * Borrowed, thread-local, valid until the thread's next call. */
+const char *kube_strerror(int rc);
 
 /* metadata.name etc. of an object, or NULL. Borrowed from obj. */
 const char *kube_meta(const cJSON *obj, const char *field);

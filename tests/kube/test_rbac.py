@@ -249,6 +249,9 @@ def test_a_missing_verb_is_logged_as_the_403_and_the_operator_goes_on():
         lines = wait_until(logged, "the operator to log the 403")
         assert "status=403" in lines[0] and "reason=Forbidden" in lines[0], lines[0]
         assert "No such file" not in lines[0] and "Permission denied" not in lines[0], lines[0]
+        # The controller's own line says it too, not an errno sentence.
+        wait_until(lambda: [ln for ln in op.text().splitlines() if "A reconcile failed" in ln and
+                            "HTTP 403 Forbidden: " + want in ln], "the reconcile's failure line")
         assert op.p.poll() is None and op.metrics().get("is_leader") == 1
     finally:
         stop(e)
