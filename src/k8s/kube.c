@@ -13,7 +13,9 @@
 #include <curl/curl.h>
 #include <yaml.h>
 
+#include "base/clock.h"
 #include "base/log.h"
+#include "k8s/execcred.h"
 
 #define DEFAULT_MAX_BODY (32u * 1024u * 1024u)
 #define DEFAULT_TIMEOUT_MS 30000u
@@ -30,6 +32,10 @@ struct kube {
     struct kube_opts opts;
     char *token;                /* current bearer token */
     struct timespec token_mtime;
+    struct execcred *exec;      /* the exec plugin, or NULL */
+    char *exec_cert, *exec_key; /* its client certificate, when it gives one */
+    int exec_rc;                /* why the last plugin run failed, or 0 */
+    char exec_why[EXECCRED_WHY_MAX];
     atomic_uint_fast64_t n_requests, n_failures, n_watches;
 };
 
@@ -255,6 +261,7 @@ void kube_config_cleanup(struct kube_config *c)
     free(c->cert_data);
     free(c->key_data);
     free(c->namespace);
+    cJSON_Delete(c->exec);
     memset(c, 0, sizeof(*c));
 }
 
@@ -387,6 +394,17 @@ int kube_config_load(const char *path, const char *context, struct kube_config *
         if ((rc = decode_field(user, "client-certificate-data", &c->cert_data, &c->cert_data_len)) < 0 ||
             (rc = decode_field(user, "client-key-data", &c->key_data, &c->key_data_len)) < 0)
             goto out;
+        if (cJSON_GetObjectItemCaseSensitive(user, "exec")) {
+            const cJSON *ex = cJSON_GetObjectItemCaseSensitive(user, "exec");
+            if (!cJSON_IsObject(ex)) {
+                rc = -EINVAL;
+                goto out;
+            }
+            if (!(c->exec = cJSON_Duplicate(ex, 1))) {
+                rc = -ENOMEM;
+                goto out;
+            }
+        }
     }
     rc = c->server && c->namespace ? 0 : -ENOMEM;
 out:
@@ -437,6 +455,23 @@ int kube_create(const struct kube_config *c, const struct kube_opts *opts, struc
     k->cfg.namespace = strdup(c->namespace ? c->namespace : "default");
     k->cfg.insecure = c->insecure;
     k->req = curl_easy_init();
+    if (c->exec) {
+        char *ca64 = c->ca_data ? kube_base64(c->ca_data, c->ca_data_len) : NULL;
+        struct execcred_cluster cl = { .server = c->server, .ca_data_b64 = ca64,
+                                       .insecure = c->insecure };
+        char why[EXECCRED_WHY_MAX] = "";
+        int rc = (c->ca_data && !ca64) ? -ENOMEM
+                                       : execcred_create(c->exec, &cl, NULL, &k->exec, why,
+                                                         sizeof(why));
+        free(ca64);
+        if (rc < 0) {
+            if (rc == -EINVAL)
+                log_error("kube", "The kubeconfig's exec credential plugin cannot be used.",
+                          LF_S("why", why));
+            kube_destroy(k);
+            return rc;
+        }
+    }
     if (!k->cfg.server || !k->cfg.namespace || !k->req ||
         copy_blob(&k->cfg.ca_data, &k->cfg.ca_data_len, c->ca_data, c->ca_data_len) < 0 ||
         copy_blob(&k->cfg.cert_data, &k->cfg.cert_data_len, c->cert_data, c->cert_data_len) < 0 ||
@@ -455,6 +490,9 @@ void kube_destroy(struct kube *k)
     if (k->req)
         curl_easy_cleanup(k->req);
     kube_config_cleanup(&k->cfg);
+    execcred_destroy(k->exec);
+    free(k->exec_cert);
+    free(k->exec_key);
     free(k->token);
     pthread_mutex_destroy(&k->lock);
     free(k);
@@ -467,11 +505,50 @@ const char *kube_namespace(const struct kube *k)
 
 /* Re-reads the token file when it changed (projected tokens rotate) or
  * when `force` (after a 401). Lock held. */
+static void refresh_exec_locked(struct kube *k, bool force)
+{
+    const struct execcred_cred *cred;
+    char *tok = NULL, *cert = NULL, *key = NULL;
+    int rc = execcred_get(k->exec, (int64_t)clock_wall_ms(), force, &cred, k->exec_why,
+                          sizeof(k->exec_why));
+
+    if (rc < 0) {
+        /* Said once per failure streak, not per request. */
+        if (!k->exec_rc)
+            log_error("kube", "The exec credential plugin gave no credential.",
+                      LF_S("why", k->exec_why));
+        k->exec_rc = rc;
+        return;
+    }
+    k->exec_rc = 0;
+    if ((cred->token && !(tok = strdup(cred->token))) ||
+        (cred->cert_pem && (!(cert = strdup(cred->cert_pem)) || !(key = strdup(cred->key_pem))))) {
+        free(tok);
+        free(cert);
+        free(key);
+        k->exec_rc = -ENOMEM;
+        snprintf(k->exec_why, sizeof(k->exec_why), "out of memory");
+        return;
+    }
+    free(k->token);
+    free(k->exec_cert);
+    if (k->exec_key)
+        explicit_bzero(k->exec_key, strlen(k->exec_key));
+    free(k->exec_key);
+    k->token = tok;
+    k->exec_cert = cert;
+    k->exec_key = key;
+}
+
 static void refresh_token_locked(struct kube *k, bool force)
 {
     struct stat st;
     char *t = NULL;
 
+    if (k->exec) {
+        refresh_exec_locked(k, force);
+        return;
+    }
     if (!k->cfg.token_file) {
         if (!k->token && k->cfg.token)
             k->token = strdup(k->cfg.token);
@@ -559,6 +636,12 @@ static struct curl_slist *setup(struct kube *k, CURL *h, const char *method, con
     if (k->cfg.key_data) {
         struct curl_blob blob = { k->cfg.key_data, k->cfg.key_data_len, CURL_BLOB_COPY };
         curl_easy_setopt(h, CURLOPT_SSLKEY_BLOB, &blob);
+    }
+    if (k->exec_cert && k->exec_key) {
+        struct curl_blob cb = { k->exec_cert, strlen(k->exec_cert), CURL_BLOB_COPY };
+        struct curl_blob kb = { k->exec_key, strlen(k->exec_key), CURL_BLOB_COPY };
+        curl_easy_setopt(h, CURLOPT_SSLCERT_BLOB, &cb);
+        curl_easy_setopt(h, CURLOPT_SSLKEY_BLOB, &kb);
     }
     hdr = curl_slist_append(hdr, "Accept: application/json");
     if (content_type) {
@@ -689,6 +772,11 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
 
         /* A 401 may mean the token rotated under us: re-read once. */
         refresh_token_locked(k, attempt > 0);
+        if (k->exec && k->exec_rc) {
+            rc = -ENOKEY;
+            err_set(rc, 0, NULL, k->exec_why);
+            break;
+        }
         hdr = setup(k, k->req, method, url, body ? (content_type ? content_type : "application/json")
                                                  : NULL, false);
         if (payload) {
@@ -714,7 +802,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
             break;
         }
         curl_easy_getinfo(k->req, CURLINFO_RESPONSE_CODE, &code);
-        if (code != 401 || !k->cfg.token_file)
+        if (code != 401 || (!k->cfg.token_file && !k->exec))
             break;
     }
     pthread_mutex_unlock(&k->lock);
@@ -956,6 +1044,12 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
     }
     pthread_mutex_lock(&k->lock);
     refresh_token_locked(k, false);
+    if (k->exec && k->exec_rc) {
+        rc = -ENOKEY;
+        err_set(rc, 0, NULL, k->exec_why);
+        pthread_mutex_unlock(&k->lock);
+        goto out;
+    }
     hdr = setup(k, h, "GET", q, NULL, true);
     pthread_mutex_unlock(&k->lock);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, watch_write);

@@ -8,7 +8,8 @@
  *   or list from) -EREMCHG; 400/422 -EINVAL; 401 -EACCES (after the token
  *   was re-read once); 403 -EPERM; 413 -E2BIG; 429 -EAGAIN; other 5xx -EIO;
  *   a body over the cap -EMSGSIZE; an unparsable body -EBADMSG; transport:
- *   -ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH. The server's own reason and
+ *   -ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH; no credential to send (an
+ *   exec plugin failed) -ENOKEY. The server's own reason and
  *   message are logged once with the status, and kept for the caller
  *   (kube_last_error, kube_strerror) so its log lines can say them too.
  */
@@ -33,6 +34,7 @@ struct kube_config {
     size_t cert_data_len, key_data_len;
     bool insecure;              /* insecure-skip-tls-verify */
     char *namespace;            /* default namespace ("default" if unknown) */
+    cJSON *exec;                /* users[].user.exec (execcred.h), or NULL; owned */
 };
 
 /* From the pod's service account: KUBERNETES_SERVICE_HOST/_PORT and the
@@ -57,7 +59,12 @@ struct kube_opts {
     uint32_t list_page;         /* items per list page; 0: 500 */
 };
 
-/* A client for `c` (copied). Returns 0, -EINVAL (no server), -ENOMEM.
+/* A client for `c` (copied). Returns 0, -EINVAL (no server, or an exec
+ * plugin configuration that cannot work: logged with why), -ENOMEM.
+ * Credentials: a token, a token file (re-read when it changes and on a
+ * 401), a client certificate and key (files or data), or an exec plugin
+ * (run when no credential is cached, before the cached one expires, and
+ * on a 401; a plugin that fails makes the request fail with -ENOKEY).
  * Thread-safe: requests from several threads are serialised on one
  * reused connection; each watch has a connection of its own. The caller
  * frees with kube_destroy(). */
