@@ -159,8 +159,11 @@ int execcred_create(const cJSON *exec, const struct execcred_cluster *cluster,
             say(why, n, "exec plugin: invalid interactiveMode \"%s\"", mode);
         return -EINVAL;
     }
+    /* The kubeconfig's YAML loader gives scalars as strings. */
+    bool provide = cJSON_IsTrue(pci) || (cJSON_IsString(pci) && strcmp(pci->valuestring, "true") == 0);
     if ((args && !cJSON_IsArray(args)) || (env && !cJSON_IsArray(env)) ||
-        (pci && !cJSON_IsBool(pci))) {
+        (pci && !cJSON_IsBool(pci) && !(cJSON_IsString(pci) &&
+                                         (provide || strcmp(pci->valuestring, "false") == 0)))) {
         say(why, n, "exec plugin %s: args and env must be lists, provideClusterInfo a "
             "boolean", cmd);
         return -EINVAL;
@@ -221,7 +224,7 @@ int execcred_create(const cJSON *exec, const struct execcred_cluster *cluster,
         }
         i++;
     }
-    if (!(e->env[i++] = exec_info(api, cluster, cJSON_IsTrue(pci))))
+    if (!(e->env[i++] = exec_info(api, cluster, provide)))
         goto nomem;
     *out = e;
     return 0;

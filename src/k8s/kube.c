@@ -35,9 +35,14 @@ struct kube {
     struct execcred *exec;      /* the exec plugin, or NULL */
     char *exec_cert, *exec_key; /* its client certificate, when it gives one */
     int exec_rc;                /* why the last plugin run failed, or 0 */
+    uint64_t auth_fail_ms;      /* since when no credential got through; 0: it does */
+    char auth_why[600];
     char exec_why[EXECCRED_WHY_MAX];
     atomic_uint_fast64_t n_requests, n_failures, n_watches;
 };
+
+static void err_set(int rc, long code, const cJSON *status, const char *transport);
+static void err_clear(void);
 
 /* ---- small helpers ----------------------------------------------------- */
 
@@ -435,6 +440,7 @@ int kube_create(const struct kube_config *c, const struct kube_opts *opts, struc
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     struct kube *k;
 
+    err_clear();
     if (!c || !c->server || !*c->server)
         return -EINVAL;
     /* curl_global_init is not thread-safe: once per process. */
@@ -465,9 +471,8 @@ int kube_create(const struct kube_config *c, const struct kube_opts *opts, struc
                                                          sizeof(why));
         free(ca64);
         if (rc < 0) {
-            if (rc == -EINVAL)
-                log_error("kube", "The kubeconfig's exec credential plugin cannot be used.",
-                          LF_S("why", why));
+            /* The caller's one log line says why (kube_strerror). */
+            err_set(rc, 0, NULL, why[0] ? why : NULL);
             kube_destroy(k);
             return rc;
         }
@@ -515,7 +520,7 @@ static void refresh_exec_locked(struct kube *k, bool force)
     if (rc < 0) {
         /* Said once per failure streak, not per request. */
         if (!k->exec_rc)
-            log_error("kube", "The exec credential plugin gave no credential.",
+            log_warn("kube", "The exec credential plugin gave no credential.",
                       LF_S("why", k->exec_why));
         k->exec_rc = rc;
         return;
@@ -664,6 +669,7 @@ static int map_curl(CURLcode cc)
     case CURLE_OPERATION_TIMEDOUT: return -ETIMEDOUT;
     case CURLE_COULDNT_RESOLVE_HOST: return -EHOSTUNREACH;
     case CURLE_OUT_OF_MEMORY: return -ENOMEM;
+    case CURLE_SSL_CERTPROBLEM: return -ENOKEY;     /* our client certificate or key */
     default: return -EIO;
     }
 }
@@ -717,6 +723,38 @@ const char *kube_strerror(int rc)
         w = snprintf(err_text, sizeof(err_text), "HTTP %ld %.63s%s%.511s", e->status, reason,
                      e->message[0] ? ": " : "", e->message);
     return w < 0 ? log_strerror(rc) : err_text;
+}
+
+/* Notes whether a request got past authentication: a 401 (after fresh
+ * credentials) or no credential at all starts the clock, anything else the
+ * server answered stops it. Lock not held. */
+static void note_auth(struct kube *k, int rc, long code)
+{
+    pthread_mutex_lock(&k->lock);
+    if (rc == -ENOKEY || code == 401) {
+        if (!k->auth_fail_ms)
+            k->auth_fail_ms = clock_now_ms();
+        snprintf(k->auth_why, sizeof(k->auth_why), "%s", kube_strerror(rc));
+    } else if (code) {
+        k->auth_fail_ms = 0;
+    }
+    pthread_mutex_unlock(&k->lock);
+}
+
+uint64_t kube_auth_failing_ms(struct kube *k, char *why, size_t n)
+{
+    uint64_t since, out = 0;
+
+    pthread_mutex_lock(&k->lock);
+    since = k->auth_fail_ms;
+    if (since) {
+        uint64_t now = clock_now_ms();
+        out = now > since ? now - since : 1;
+        if (why && n)
+            snprintf(why, n, "%s", k->auth_why);
+    }
+    pthread_mutex_unlock(&k->lock);
+    return out;
 }
 
 /* Maps an HTTP status (and, for 409, the Status reason) to -errno. */
@@ -833,6 +871,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
         parsed = NULL;
     }
 out:
+    note_auth(k, rc, code);
     free(resp.buf);
     if (out)
         *out = parsed;
@@ -1048,6 +1087,7 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
         rc = -ENOKEY;
         err_set(rc, 0, NULL, k->exec_why);
         pthread_mutex_unlock(&k->lock);
+        note_auth(k, rc, 0);
         goto out;
     }
     hdr = setup(k, h, "GET", q, NULL, true);
@@ -1096,6 +1136,7 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
     }
     curl_multi_remove_handle(multi, h);
     curl_slist_free_all(hdr);
+    note_auth(k, rc, code ? code : (w.stopped || rc == 0 ? 200 : 0));
 out:
     if (h)
         curl_easy_cleanup(h);

@@ -60,7 +60,7 @@ struct kube_opts {
 };
 
 /* A client for `c` (copied). Returns 0, -EINVAL (no server, or an exec
- * plugin configuration that cannot work: logged with why), -ENOMEM.
+ * plugin configuration that cannot work: kube_strerror says why), -ENOMEM.
  * Credentials: a token, a token file (re-read when it changes and on a
  * 401), a client certificate and key (files or data), or an exec plugin
  * (run when no credential is cached, before the cached one expires, and
@@ -135,6 +135,12 @@ const struct kube_error *kube_last_error(void);
  * API answered it, curl's words for a transport error, else strerror's.
  * Borrowed, thread-local, valid until the thread's next call. */
 const char *kube_strerror(int rc);
+
+/* How long (ms) requests have failed for want of a credential the API
+ * server accepts: a 401 that fresh credentials did not cure, or an exec
+ * plugin that gave none. 0 when the last answered request got through
+ * authentication. *why (unless NULL) gets the last reason. */
+uint64_t kube_auth_failing_ms(struct kube *k, char *why, size_t n);
 
 /* metadata.name etc. of an object, or NULL. Borrowed from obj. */
 const char *kube_meta(const cJSON *obj, const char *field);
