@@ -6,6 +6,7 @@ on a 401; client certificates; and an authentication the operator cannot
 do, which ends it with one clear line and a non-zero exit, at start and
 when a running operator loses its credential.
 """
+import base64
 import json
 import os
 import subprocess
@@ -57,7 +58,6 @@ def env():
 def kubeconfig(e, name, user):
     """A kubeconfig (JSON, which is YAML too) for the stand-in with `user`."""
     with open(os.path.join(e.tmp, "ca.crt"), "rb") as f:
-        import base64
         ca = base64.b64encode(f.read()).decode()
     path = os.path.join(e.tmp, name)
     with open(path, "w") as f:
@@ -142,7 +142,6 @@ def test_client_certificates_authenticate_the_operator(env):
         cert_pem = f.read().encode()
     with open(key) as f:
         key_pem = f.read().encode()
-    import base64
     assert op.stop() == 0           # the next one leads once it is gone
     op2 = start_operator(e, kubeconfig(e, "certdata.kubeconfig", {
         "client-certificate-data": base64.b64encode(cert_pem).decode(),

@@ -8,7 +8,6 @@ is (authn.py) and whether it may (rbac.py) are decided before routing.
 import collections
 import hashlib
 import json
-import os
 import random
 import select
 import socket
