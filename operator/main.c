@@ -48,6 +48,11 @@ static const char usage[] =
     "  --context NAME            kubeconfig context (default: the current one)\n"
     "  --in-cluster              use the pod's service account (the default when\n"
     "                            neither --kubeconfig nor --standalone is given)\n"
+    "                            Credentials: token, tokenFile, client certificate\n"
+    "                            and key (files or -data), exec plugins (v1,\n"
+    "                            v1beta1); not auth-provider or basic auth. One\n"
+    "                            that the server refuses ends the operator with\n"
+    "                            exit status 1 (see docs/operator.md).\n"
     "  --namespace NS            watch TrainingCohorts and pods in NS only\n"
     "                            (default: all namespaces)\n"
     "  --broker-address ADDR     host:port that trainer pods are told to reach the\n"
@@ -537,8 +542,21 @@ static int kube_connect(struct kopts *ko, struct kube_config *kc, struct op *op,
     }
     rc = kube_create(kc, &kopt, &op->kube);
     if (rc < 0) {
-        log_error("operator", "The API client could not be created.", LF_ERR(rc));
+        log_error("operator", "The API client could not be created.",
+                  LF_S("error", kube_strerror(rc)));
         return rc;
+    }
+    /* A credential the server refuses is no passing trouble: say so once
+     * and stop, rather than retry forever. A server not up yet is. */
+    {
+        cJSON *v = NULL;
+        rc = kube_get(op->kube, "/version", &v);
+        cJSON_Delete(v);
+        if (rc == -EACCES || rc == -ENOKEY) {
+            log_error("operator", "Cannot authenticate to the API server; exiting.",
+                      LF_S("server", kc->server), LF_S("error", kube_strerror(rc)));
+            return rc;
+        }
     }
     if (!ko->identity) {
         char host[256] = "operator";
@@ -604,11 +622,13 @@ static int campaign(const struct kopts *ko, struct op *op)
 
 /* The leader election loop: leads (broker and controller) while the Lease
  * is ours, steps down when it is lost, and retries a failed start after a
- * second, until SIGINT or SIGTERM. Returns that signal. */
+ * second, until SIGINT or SIGTERM. Returns that signal, or 0 when the API
+ * server has refused every credential for longer than the Lease lasts. */
 static int follow_lease(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg,
                         const sigset_t *sigs)
 {
     uint64_t next_try = 0;
+    char why[600];
     int sig;
 
     for (;;) {
@@ -631,6 +651,14 @@ static int follow_lease(struct op *op, const struct kopts *ko, const struct brok
             log_info("operator", "The broker's certificate is due for renewal; restarting the "
                      "broker and the controller with a new one.");
             step_down(op);
+        }
+        /* Longer without a credential the server takes than the Lease
+         * lasts: this replica cannot lead, and a restart (a new
+         * service-account token, a working plugin) is what can cure it. */
+        if (kube_auth_failing_ms(op->kube, why, sizeof(why)) > ko->lease_ms) {
+            log_error("operator", "Lost the credential the API server accepts; exiting.",
+                      LF_S("error", why));
+            return 0;
         }
         sig = sigtimedwait(sigs, NULL, &ts);
         if (sig > 0)
@@ -668,8 +696,10 @@ static int run_kube(const struct kopts *ko_in, const struct brokerd_config *bcfg
     if (campaign(&ko, &op) < 0)
         goto out_probe;
     sig = follow_lease(&op, &ko, bcfg, sigs);
-    log_info("operator", "Stopping.", LF_S("signal", strsignal(sig)));
-    status = 0;
+    if (sig > 0) {
+        log_info("operator", "Stopping.", LF_S("signal", strsignal(sig)));
+        status = 0;
+    }
     resign(&op);
 out_probe:
     probe_stop(probe);

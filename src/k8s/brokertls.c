@@ -115,7 +115,7 @@ int brokertls_load(const struct brokertls_config *cfg, struct brokertls *out)
     rc = get_or_make(cfg, name, &sec, &out->created);
     if (rc < 0) {
         log_error("brokertls", "The broker's CA Secret could not be read or made.",
-                  LF_S("secret", name), LF_S("namespace", cfg->namespace), LF_ERR(rc));
+                  LF_S("secret", name), LF_S("namespace", cfg->namespace), LF_S("error", kube_strerror(rc)));
         goto out;
     }
     if (kube_secret_data(sec, "tls.crt", &ca.cert, NULL) < 0 ||
@@ -129,7 +129,7 @@ int brokertls_load(const struct brokertls_config *cfg, struct brokertls *out)
                     "is: delete it and a new CA is made, and every cohort's pods are replaced."
                   : "The broker's CA Secret holds no usable CA (tls.crt must be a CA certificate "
                     "and tls.key its private key); it is left as it is: fix or delete it.",
-                  LF_S("secret", name), LF_S("namespace", cfg->namespace), LF_ERR(rc));
+                  LF_S("secret", name), LF_S("namespace", cfg->namespace), LF_S("error", kube_strerror(rc)));
         goto out;
     }
     if (ca_end - (int64_t)time(NULL) < (int64_t)WARN_DAYS * 86400)
@@ -141,7 +141,7 @@ int brokertls_load(const struct brokertls_config *cfg, struct brokertls *out)
     rc = pki_issue_server(&ca, &names, PKI_SERVER_DAYS, &out->server);
     if (rc < 0) {
         log_error("brokertls", "The broker's certificate could not be issued.",
-                  LF_S("service", svc), LF_ERR(rc));
+                  LF_S("service", svc), LF_S("error", kube_strerror(rc)));
         goto out;
     }
     rc = -ENOMEM;

@@ -250,7 +250,7 @@ static void event(struct controller *c, const cJSON *tc, bool warning, const cha
              LF_S("namespace", ns), LF_S("reason", reason), LOG_END);
     if (rc < 0)
         log_warn("controller", "An Event could not be recorded.", LF_S("reason", reason),
-                 LF_ERR(rc));
+                 LF_S("error", kube_strerror(rc)));
 }
 
 /* ---- reconcile ---------------------------------------------------------- */
@@ -848,7 +848,7 @@ static void *worker_main(void *arg)
         if (rc < 0) {
             atomic_fetch_add(&c->n.errors, 1);
             log_warn("controller", "A reconcile failed; it will be retried with backoff.",
-                     LF_S("cohort", key), LF_ERR(rc), LF_U("failures", workq_failures(c->q, key) + 1));
+                     LF_S("cohort", key), LF_S("error", kube_strerror(rc)), LF_U("failures", workq_failures(c->q, key) + 1));
             workq_add_rate_limited(c->q, key, now);
         } else {
             workq_forget(c->q, key);

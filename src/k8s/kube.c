@@ -13,7 +13,9 @@
 #include <curl/curl.h>
 #include <yaml.h>
 
+#include "base/clock.h"
 #include "base/log.h"
+#include "k8s/execcred.h"
 
 #define DEFAULT_MAX_BODY (32u * 1024u * 1024u)
 #define DEFAULT_TIMEOUT_MS 30000u
@@ -30,8 +32,17 @@ struct kube {
     struct kube_opts opts;
     char *token;                /* current bearer token */
     struct timespec token_mtime;
+    struct execcred *exec;      /* the exec plugin, or NULL */
+    char *exec_cert, *exec_key; /* its client certificate, when it gives one */
+    int exec_rc;                /* why the last plugin run failed, or 0 */
+    uint64_t auth_fail_ms;      /* since when no credential got through; 0: it does */
+    char auth_why[600];
+    char exec_why[EXECCRED_WHY_MAX];
     atomic_uint_fast64_t n_requests, n_failures, n_watches;
 };
+
+static void err_set(int rc, long code, const cJSON *status, const char *transport);
+static void err_clear(void);
 
 /* ---- small helpers ----------------------------------------------------- */
 
@@ -255,6 +266,7 @@ void kube_config_cleanup(struct kube_config *c)
     free(c->cert_data);
     free(c->key_data);
     free(c->namespace);
+    cJSON_Delete(c->exec);
     memset(c, 0, sizeof(*c));
 }
 
@@ -387,6 +399,17 @@ int kube_config_load(const char *path, const char *context, struct kube_config *
         if ((rc = decode_field(user, "client-certificate-data", &c->cert_data, &c->cert_data_len)) < 0 ||
             (rc = decode_field(user, "client-key-data", &c->key_data, &c->key_data_len)) < 0)
             goto out;
+        if (cJSON_GetObjectItemCaseSensitive(user, "exec")) {
+            const cJSON *ex = cJSON_GetObjectItemCaseSensitive(user, "exec");
+            if (!cJSON_IsObject(ex)) {
+                rc = -EINVAL;
+                goto out;
+            }
+            if (!(c->exec = cJSON_Duplicate(ex, 1))) {
+                rc = -ENOMEM;
+                goto out;
+            }
+        }
     }
     rc = c->server && c->namespace ? 0 : -ENOMEM;
 out:
@@ -417,6 +440,7 @@ int kube_create(const struct kube_config *c, const struct kube_opts *opts, struc
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     struct kube *k;
 
+    err_clear();
     if (!c || !c->server || !*c->server)
         return -EINVAL;
     /* curl_global_init is not thread-safe: once per process. */
@@ -437,6 +461,22 @@ int kube_create(const struct kube_config *c, const struct kube_opts *opts, struc
     k->cfg.namespace = strdup(c->namespace ? c->namespace : "default");
     k->cfg.insecure = c->insecure;
     k->req = curl_easy_init();
+    if (c->exec) {
+        char *ca64 = c->ca_data ? kube_base64(c->ca_data, c->ca_data_len) : NULL;
+        struct execcred_cluster cl = { .server = c->server, .ca_data_b64 = ca64,
+                                       .insecure = c->insecure };
+        char why[EXECCRED_WHY_MAX] = "";
+        int rc = (c->ca_data && !ca64) ? -ENOMEM
+                                       : execcred_create(c->exec, &cl, NULL, &k->exec, why,
+                                                         sizeof(why));
+        free(ca64);
+        if (rc < 0) {
+            /* The caller's one log line says why (kube_strerror). */
+            err_set(rc, 0, NULL, why[0] ? why : NULL);
+            kube_destroy(k);
+            return rc;
+        }
+    }
     if (!k->cfg.server || !k->cfg.namespace || !k->req ||
         copy_blob(&k->cfg.ca_data, &k->cfg.ca_data_len, c->ca_data, c->ca_data_len) < 0 ||
         copy_blob(&k->cfg.cert_data, &k->cfg.cert_data_len, c->cert_data, c->cert_data_len) < 0 ||
@@ -455,6 +495,9 @@ void kube_destroy(struct kube *k)
     if (k->req)
         curl_easy_cleanup(k->req);
     kube_config_cleanup(&k->cfg);
+    execcred_destroy(k->exec);
+    free(k->exec_cert);
+    free(k->exec_key);
     free(k->token);
     pthread_mutex_destroy(&k->lock);
     free(k);
@@ -467,11 +510,50 @@ const char *kube_namespace(const struct kube *k)
 
 /* Re-reads the token file when it changed (projected tokens rotate) or
  * when `force` (after a 401). Lock held. */
+static void refresh_exec_locked(struct kube *k, bool force)
+{
+    const struct execcred_cred *cred;
+    char *tok = NULL, *cert = NULL, *key = NULL;
+    int rc = execcred_get(k->exec, (int64_t)clock_wall_ms(), force, &cred, k->exec_why,
+                          sizeof(k->exec_why));
+
+    if (rc < 0) {
+        /* Said once per failure streak, not per request. */
+        if (!k->exec_rc)
+            log_warn("kube", "The exec credential plugin gave no credential.",
+                      LF_S("why", k->exec_why));
+        k->exec_rc = rc;
+        return;
+    }
+    k->exec_rc = 0;
+    if ((cred->token && !(tok = strdup(cred->token))) ||
+        (cred->cert_pem && (!(cert = strdup(cred->cert_pem)) || !(key = strdup(cred->key_pem))))) {
+        free(tok);
+        free(cert);
+        free(key);
+        k->exec_rc = -ENOMEM;
+        snprintf(k->exec_why, sizeof(k->exec_why), "out of memory");
+        return;
+    }
+    free(k->token);
+    free(k->exec_cert);
+    if (k->exec_key)
+        explicit_bzero(k->exec_key, strlen(k->exec_key));
+    free(k->exec_key);
+    k->token = tok;
+    k->exec_cert = cert;
+    k->exec_key = key;
+}
+
 static void refresh_token_locked(struct kube *k, bool force)
 {
     struct stat st;
     char *t = NULL;
 
+    if (k->exec) {
+        refresh_exec_locked(k, force);
+        return;
+    }
     if (!k->cfg.token_file) {
         if (!k->token && k->cfg.token)
             k->token = strdup(k->cfg.token);
@@ -560,6 +642,12 @@ static struct curl_slist *setup(struct kube *k, CURL *h, const char *method, con
         struct curl_blob blob = { k->cfg.key_data, k->cfg.key_data_len, CURL_BLOB_COPY };
         curl_easy_setopt(h, CURLOPT_SSLKEY_BLOB, &blob);
     }
+    if (k->exec_cert && k->exec_key) {
+        struct curl_blob cb = { k->exec_cert, strlen(k->exec_cert), CURL_BLOB_COPY };
+        struct curl_blob kb = { k->exec_key, strlen(k->exec_key), CURL_BLOB_COPY };
+        curl_easy_setopt(h, CURLOPT_SSLCERT_BLOB, &cb);
+        curl_easy_setopt(h, CURLOPT_SSLKEY_BLOB, &kb);
+    }
     hdr = curl_slist_append(hdr, "Accept: application/json");
     if (content_type) {
         char ct[128];
@@ -581,8 +669,92 @@ static int map_curl(CURLcode cc)
     case CURLE_OPERATION_TIMEDOUT: return -ETIMEDOUT;
     case CURLE_COULDNT_RESOLVE_HOST: return -EHOSTUNREACH;
     case CURLE_OUT_OF_MEMORY: return -ENOMEM;
+    case CURLE_SSL_CERTPROBLEM: return -ENOKEY;     /* our client certificate or key */
     default: return -EIO;
     }
+}
+
+/* ---- the calling thread's last error ------------------------------------ */
+
+static _Thread_local struct kube_error last_err;
+static _Thread_local char err_text[1024];
+
+static void err_clear(void)
+{
+    memset(&last_err, 0, sizeof(last_err));
+}
+
+static void err_copy(char *dst, size_t n, const char *src)
+{
+    snprintf(dst, n, "%s", src ? src : "");
+}
+
+/* Records a failed call: the status and what the metav1.Status body says
+ * (status may be NULL, or not a Status at all), or a transport error. */
+static void err_set(int rc, long code, const cJSON *status, const char *transport)
+{
+    last_err.rc = rc;
+    last_err.status = code;
+    err_copy(last_err.reason, sizeof(last_err.reason), str_field(status, "reason"));
+    err_copy(last_err.message, sizeof(last_err.message),
+             transport ? transport : str_field(status, "message"));
+}
+
+const struct kube_error *kube_last_error(void)
+{
+    return &last_err;
+}
+
+const char *kube_strerror(int rc)
+{
+    const struct kube_error *e = &last_err;
+
+    if (rc >= 0)
+        return "success";
+    if (e->rc != rc || (!e->status && !e->message[0]))
+        return log_strerror(rc);
+    const char *reason = e->reason[0] ? e->reason : "(no reason)";
+    int w;
+
+    /* A message cut to fit is still the message's start: a log line. */
+    if (!e->status)
+        w = snprintf(err_text, sizeof(err_text), "%s", e->message);
+    else
+        w = snprintf(err_text, sizeof(err_text), "HTTP %ld %.63s%s%.511s", e->status, reason,
+                     e->message[0] ? ": " : "", e->message);
+    return w < 0 ? log_strerror(rc) : err_text;
+}
+
+/* Notes whether a request got past authentication: a 401 (after fresh
+ * credentials) or no credential at all starts the clock, anything else the
+ * server answered stops it. Lock not held. */
+static void note_auth(struct kube *k, int rc, long code)
+{
+    pthread_mutex_lock(&k->lock);
+    if (rc == -ENOKEY || code == 401) {
+        if (!k->auth_fail_ms)
+            k->auth_fail_ms = clock_now_ms();
+        snprintf(k->auth_why, sizeof(k->auth_why), "%s", kube_strerror(rc));
+    } else if (code) {
+        k->auth_fail_ms = 0;
+    }
+    pthread_mutex_unlock(&k->lock);
+}
+
+uint64_t kube_auth_failing_ms(struct kube *k, char *why, size_t n)
+{
+    uint64_t since, out = 0;
+
+    pthread_mutex_lock(&k->lock);
+    since = k->auth_fail_ms;
+    if (since) {
+        uint64_t now = clock_now_ms();
+        out = now > since ? now - since : 1;
+        if (why && n)
+            snprintf(why, n, "%s", k->auth_why);
+    }
+    pthread_mutex_unlock(&k->lock);
+    return out;
 }
 
 /* Maps an HTTP status (and, for 409, the Status reason) to -errno. */
@@ -626,6 +798,7 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
 
     if (out)
         *out = NULL;
+    err_clear();
     if (url_for(k, path, url, sizeof(url)) < 0)
         return -ENAMETOOLONG;
     if (body && !(payload = cJSON_PrintUnformatted(body)))
@@ -637,6 +810,11 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
 
         /* A 401 may mean the token rotated under us: re-read once. */
         refresh_token_locked(k, attempt > 0);
+        if (k->exec && k->exec_rc) {
+            rc = -ENOKEY;
+            err_set(rc, 0, NULL, k->exec_why);
+            break;
+        }
         hdr = setup(k, k->req, method, url, body ? (content_type ? content_type : "application/json")
                                                  : NULL, false);
         if (payload) {
@@ -656,37 +834,44 @@ int kube_request(struct kube *k, const char *method, const char *path, const cha
         }
         if (cc != CURLE_OK) {
             rc = map_curl(cc);
+            err_set(rc, 0, NULL, curl_easy_strerror(cc));
             log_warn("kube", "A request to the API server failed.", LF_S("method", method),
                      LF_S("path", path), LF_S("error", curl_easy_strerror(cc)));
             break;
         }
         curl_easy_getinfo(k->req, CURLINFO_RESPONSE_CODE, &code);
-        if (code != 401 || !k->cfg.token_file)
+        if (code != 401 || (!k->cfg.token_file && !k->exec))
             break;
     }
     pthread_mutex_unlock(&k->lock);
     free(payload);
     if (rc < 0) {
         atomic_fetch_add(&k->n_failures, 1);
+        if (rc == -EMSGSIZE)
+            err_set(rc, code, NULL, "the API server's answer is over the size cap");
         goto out;
     }
     if (resp.len > 0) {
         parsed = cJSON_ParseWithLength(resp.buf, resp.len);
         if (!parsed && code >= 200 && code < 300) {
             rc = -EBADMSG;
+            err_set(rc, code, NULL, "the API server's answer is not JSON");
             goto out;
         }
     }
     rc = map_http(code, parsed);
     if (rc < 0) {
         atomic_fetch_add(&k->n_failures, 1);
+        err_set(rc, code, parsed, NULL);
         log_emit(code == 404 || code == 409 ? LOG_DEBUG : LOG_WARN, "kube",
                  "The API server refused a request.", LF_S("method", method), LF_S("path", path),
-                 LF_I("status", code), LF_S("message", str_field(parsed, "message")), LOG_END);
+                 LF_I("status", code), LF_S("reason", last_err.reason),
+                 LF_S("message", last_err.message), LOG_END);
         cJSON_Delete(parsed);
         parsed = NULL;
     }
 out:
+    note_auth(k, rc, code);
     free(resp.buf);
     if (out)
         *out = parsed;
@@ -880,6 +1065,7 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
     long code = 0;
     int running = 1, rc;
 
+    err_clear();
     if (url_for(k, path, q, sizeof(q)) < 0)
         return -ENAMETOOLONG;
     snprintf(ts, sizeof(ts), "%u", timeout_s);
@@ -897,6 +1083,13 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
     }
     pthread_mutex_lock(&k->lock);
     refresh_token_locked(k, false);
+    if (k->exec && k->exec_rc) {
+        rc = -ENOKEY;
+        err_set(rc, 0, NULL, k->exec_why);
+        pthread_mutex_unlock(&k->lock);
+        note_auth(k, rc, 0);
+        goto out;
+    }
     hdr = setup(k, h, "GET", q, NULL, true);
     pthread_mutex_unlock(&k->lock);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, watch_write);
@@ -924,19 +1117,26 @@ int kube_watch(struct kube *k, const char *path, const char *selector, char **rv
         int left;
         rc = 0;
         while ((msg = curl_multi_info_read(multi, &left)))
-            if (msg->msg == CURLMSG_DONE && msg->data.result != CURLE_OK)
+            if (msg->msg == CURLMSG_DONE && msg->data.result != CURLE_OK) {
                 rc = map_curl(msg->data.result);
+                err_set(rc, 0, NULL, curl_easy_strerror(msg->data.result));
+            }
         curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
         if (rc == 0 && code != 200) {
             cJSON *st = w.line.len ? cJSON_ParseWithLength(w.line.buf, w.line.len) : NULL;
             rc = map_http(code, st);
             if (rc == 0)
                 rc = -EIO;
+            err_set(rc, code, st, NULL);
+            log_warn("kube", "The API server refused a watch.", LF_S("path", path),
+                     LF_I("status", code), LF_S("reason", last_err.reason),
+                     LF_S("message", last_err.message));
             cJSON_Delete(st);
         }
     }
     curl_multi_remove_handle(multi, h);
     curl_slist_free_all(hdr);
+    note_auth(k, rc, code ? code : (w.stopped || rc == 0 ? 200 : 0));
 out:
     if (h)
         curl_easy_cleanup(h);

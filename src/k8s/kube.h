@@ -8,8 +8,10 @@
  *   or list from) -EREMCHG; 400/422 -EINVAL; 401 -EACCES (after the token
  *   was re-read once); 403 -EPERM; 413 -E2BIG; 429 -EAGAIN; other 5xx -EIO;
  *   a body over the cap -EMSGSIZE; an unparsable body -EBADMSG; transport:
- *   -ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH. The server's own message is
- *   logged once with the status.
+ *   -ECONNREFUSED, -ETIMEDOUT, -EHOSTUNREACH; no credential to send (an
+ *   exec plugin failed) -ENOKEY. The server's own reason and
+ *   message are logged once with the status, and kept for the caller
+ *   (kube_last_error, kube_strerror) so its log lines can say them too.
  */
 #ifndef COHORT_KUBE_H
 #define COHORT_KUBE_H
@@ -32,6 +34,7 @@ struct kube_config {
     size_t cert_data_len, key_data_len;
     bool insecure;              /* insecure-skip-tls-verify */
     char *namespace;            /* default namespace ("default" if unknown) */
+    cJSON *exec;                /* users[].user.exec (execcred.h), or NULL; owned */
 };
 
 /* From the pod's service account: KUBERNETES_SERVICE_HOST/_PORT and the
@@ -56,7 +59,12 @@ struct kube_opts {
     uint32_t list_page;         /* items per list page; 0: 500 */
 };
 
-/* A client for `c` (copied). Returns 0, -EINVAL (no server), -ENOMEM.
+/* A client for `c` (copied). Returns 0, -EINVAL (no server, or an exec
+ * plugin configuration that cannot work: kube_strerror says why), -ENOMEM.
+ * Credentials: a token, a token file (re-read when it changes and on a
+ * 401), a client certificate and key (files or data), or an exec plugin
+ * (run when no credential is cached, before the cached one expires, and
+ * on a 401; a plugin that fails makes the request fail with -ENOKEY).
  * Thread-safe: requests from several threads are serialised on one
  * reused connection; each watch has a connection of its own. The caller
  * frees with kube_destroy(). */
@@ -106,6 +114,33 @@ struct kube_stats {
     uint64_t requests, failures, watches;
 };
 void kube_stats(struct kube *k, struct kube_stats *out);
+
+/* Why the calling thread's last kube_ call failed, as the API said it:
+ * the -errno it returned, the HTTP status (0 for a transport error or
+ * none), and the metav1.Status reason and message ("" when the body had
+ * none; message holds curl's error for a transport failure). Each
+ * kube_request, kube_get..., kube_list and kube_watch call clears it
+ * first; a kube_list that fails holds its failed page's. Borrowed,
+ * thread-local. */
+struct kube_error {
+    int rc;
+    long status;
+    char reason[64];
+    char message[512];
+};
+const struct kube_error *kube_last_error(void);
+
+/* rc as one phrase for a log line: "HTTP 403 Forbidden: pods is
+ * forbidden: ..." when rc is the calling thread's last kube_ error and the
+ * API answered it, curl's words for a transport error, else strerror's.
+ * Borrowed, thread-local, valid until the thread's next call. */
+const char *kube_strerror(int rc);
+
+/* How long (ms) requests have failed for want of a credential the API
+ * server accepts: a 401 that fresh credentials did not cure, or an exec
+ * plugin that gave none. 0 when the last answered request got through
+ * authentication. *why (unless NULL) gets the last reason. */
+uint64_t kube_auth_failing_ms(struct kube *k, char *why, size_t n);
 
 /* metadata.name etc. of an object, or NULL. Borrowed from obj. */
 const char *kube_meta(const cJSON *obj, const char *field);

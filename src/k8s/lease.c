@@ -195,10 +195,10 @@ static void *lease_main(void *arg)
         } else if (atomic_load(&l->leader) && now - last_ok >= l->cfg.renew_deadline_ms) {
             /* Stop before the Lease can expire for the others. */
             log_warn("lease", "Could not renew the leadership lease in time.", LF_S("lease", l->name),
-                     LF_ERR(rc));
+                     LF_S("error", kube_strerror(rc)));
             set_leader(l, false);
         } else if (!atomic_load(&l->leader) && rc != -EBUSY && rc != -ESTALE) {
-            log_warn("lease", "A leadership lease attempt failed.", LF_S("lease", l->name), LF_ERR(rc));
+            log_warn("lease", "A leadership lease attempt failed.", LF_S("lease", l->name), LF_S("error", kube_strerror(rc)));
         }
         wait_period(l, l->cfg.retry_period_ms);
     }

@@ -186,7 +186,7 @@ failed:
         r->stats.errors++;
         pthread_mutex_unlock(&r->lock);
         log_warn("reflector", "Listing or watching failed; retrying after a pause.",
-                 LF_S("path", r->path), LF_ERR(rc), LF_U("pause_ms", backoff));
+                 LF_S("path", r->path), LF_S("error", kube_strerror(rc)), LF_U("pause_ms", backoff));
         nap(r, backoff);
         backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
         /* A watch that failed for a reason other than 410 may resume; a

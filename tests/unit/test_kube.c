@@ -224,6 +224,60 @@ Test(kube, statuses_map_to_errno)
     cr_assert_eq(get_with(200, "{\"truncated\":", &o), -EBADMSG);
 }
 
+Test(kube, errors_keep_the_status_reason_and_message)
+{
+    cJSON *o = NULL;
+    const struct kube_error *e;
+
+    cr_assert_eq(get_with(403, "{\"kind\":\"Status\",\"reason\":\"Forbidden\",\"code\":403,"
+                          "\"message\":\"pods \\\"p\\\" is forbidden: User \\\"u\\\" cannot get "
+                          "resource \\\"pods\\\"\"}", &o), -EPERM);
+    e = kube_last_error();
+    cr_assert_eq(e->rc, -EPERM);
+    cr_assert_eq(e->status, 403);
+    cr_assert_str_eq(e->reason, "Forbidden");
+    cr_assert_str_eq(e->message, "pods \"p\" is forbidden: User \"u\" cannot get resource \"pods\"");
+    cr_assert_str_eq(kube_strerror(-EPERM), "HTTP 403 Forbidden: pods \"p\" is forbidden: User \"u\" "
+                     "cannot get resource \"pods\"");
+    /* Another errno than the last call's is only strerror's words. */
+    cr_assert_str_eq(kube_strerror(-ENOENT), "No such file or directory");
+    /* A 404 says so, not "No such file or directory". */
+    cr_assert_eq(get_with(404, "{\"kind\":\"Status\",\"reason\":\"NotFound\",\"code\":404,"
+                          "\"message\":\"pods \\\"p\\\" not found\"}", &o), -ENOENT);
+    cr_assert_str_eq(kube_strerror(-ENOENT), "HTTP 404 NotFound: pods \"p\" not found");
+    /* A body that is no Status still names the status. */
+    cr_assert_eq(get_with(503, "not even json", &o), -EIO);
+    cr_assert_str_eq(kube_strerror(-EIO), "HTTP 503 (no reason)");
+    /* A huge message is cut, not overflowed. */
+    {
+        static char big[4096];
+        int n = snprintf(big, sizeof(big), "{\"reason\":\"Invalid\",\"message\":\"");
+        memset(big + n, 'x', 3000);
+        snprintf(big + n + 3000, sizeof(big) - (size_t)n - 3000, "\"}");
+        cr_assert_eq(get_with(422, big, &o), -EINVAL);
+        cr_assert_eq(strlen(kube_last_error()->message), sizeof(e->message) - 1);
+        cr_assert(strncmp(kube_strerror(-EINVAL), "HTTP 422 Invalid: xxx", 21) == 0);
+    }
+    /* A success clears it. */
+    cr_assert_eq(get_with(200, "{}", &o), 0);
+    cJSON_Delete(o);
+    cr_assert_eq(kube_last_error()->status, 0);
+    cr_assert_str_eq(kube_strerror(-EIO), "Input/output error");
+}
+
+Test(kube, a_transport_error_says_curls_words)
+{
+    struct kube_config c = { .server = "http://127.0.0.1:1", .namespace = "x" };
+    struct kube *k;
+    cJSON *o;
+
+    cr_assert_eq(kube_create(&c, NULL, &k), 0);
+    cr_assert_eq(kube_get(k, "/x", &o), -ECONNREFUSED);
+    cr_assert_eq(kube_last_error()->status, 0);
+    cr_assert_str_eq(kube_strerror(-ECONNREFUSED), "Couldn't connect to server");
+    kube_destroy(k);
+}
+
 Test(kube, oversized_body_is_refused)
 {
     static char big[200000];

@@ -41,9 +41,20 @@ What it implements, and how faithfully:
   /version, OpenAPI v3 documents that advertise fieldValidation (so kubectl
   leaves validation to this server), Table output from the CRD's
   additionalPrinterColumns and for pods, and fieldValidation=Strict/Warn.
-- Auth: any bearer token is accepted and recorded, unless --token or
-  --token-file names the one token to require (401 otherwise; the file is
-  re-read when it changes, so tests can rotate it).
+- TLS (tls.py): --tls makes a CA and a serving certificate (or
+  --tls-cert-file and --tls-private-key-file), and --client-ca-file
+  verifies client certificates.
+- Authentication (authn.py): a client certificate (CN user, O groups), the
+  admin token (--token, --token-file re-read on change; group
+  system:masters), ServiceAccount tokens from the TokenRequest subresource
+  (kubectl create token) that expire and end with their ServiceAccount; 401
+  for anything else. With no token flag and no RBAC any token is the
+  admin, as older tests expect.
+- Authorization (rbac.py): --authorization-mode RBAC evaluates Roles,
+  ClusterRoles and their bindings as the rbac authorizer does, answers the
+  real 403 Status, creates the default discovery roles, and records which
+  rule allowed each request (/debug/cohort/rbac);
+  --enable-admission-plugins OwnerReferencesPermissionEnforcement.
 
 Everything it leaves out is listed in docs/sandbox.md. Only the Python 3
 standard library is used, so it runs on a bare Debian machine.
@@ -51,7 +62,10 @@ standard library is used, so it runs on a bare Debian machine.
 The parts, one module each:
 
     cli.py         flags, the kubeconfig and port file, serving
-    server.py      HTTP: routing, bodies, tokens, watches, pods/log, /debug/cohort
+    server.py      HTTP(S): routing, bodies, watches, pods/log, /debug/cohort
+    tls.py         serving and client certificates, CAs for tests
+    authn.py       who a request is: certificates, admin token, ServiceAccount tokens
+    rbac.py        RBAC: request attributes, rules and bindings, 403s, default roles
     store.py       objects, resourceVersions, list pages, watch history, writes, GC
     discovery.py   /version, discovery, OpenAPI v3
     tables.py      Table output (kubectl get columns)
@@ -68,6 +82,7 @@ The parts, one module each:
 tests/kube/apiserver.py is the command:
 
     apiserver.py [--port 0] [--port-file F] [--kubeconfig F] [--token T]
+                 [--tls] [--client-ca-file F] [--authorization-mode RBAC]
 """
 from .cel import CelError, cel_compile, cel_eval
 from .cli import main

@@ -5,6 +5,7 @@ import argparse
 import base64
 import os
 import sys
+import threading
 
 from .rbac import Authorizer, bootstrap
 from .server import Server
@@ -67,6 +68,14 @@ def parse_args(argv=None):
                     "enforces Roles, ClusterRoles and their bindings as Kubernetes does, with "
                     "its default discovery roles, and records which rule allowed each request "
                     "(/debug/cohort/rbac)")
+    ap.add_argument("--enable-admission-plugins", type=lambda v: [p for p in v.split(",") if p],
+                    default=[], help="OwnerReferencesPermissionEnforcement (with RBAC): a new "
+                    "blockOwnerDeletion ownerReference needs update on the owner's finalizers, "
+                    "changing ownerReferences of an existing object needs delete on it")
+    ap.add_argument("--http-kubeconfig", help="with TLS: also serve plain HTTP on a second free "
+                    "port (same objects, same authentication and authorization, like the old "
+                    "--insecure-port but not exempt from them) and write a kubeconfig for it "
+                    "here, for clients that speak only HTTP (the process kubelet)")
     ap.add_argument("--history-size", type=int, default=1000,
                     help="events kept for watches and consistent pages; older resourceVersions "
                     "get 410 Gone (default 1000)")
@@ -86,6 +95,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    unknown = set(args.enable_admission_plugins) - {"OwnerReferencesPermissionEnforcement"}
+    if unknown:
+        raise SystemExit("apiserver: unknown admission plugins: %s" % ", ".join(sorted(unknown)))
     if args.tls and not args.cert_dir:
         args.cert_dir = os.path.dirname(os.path.abspath(args.kubeconfig)) if args.kubeconfig \
             else os.getcwd()
@@ -103,6 +115,14 @@ def main(argv=None):
         write_atomic(args.kubeconfig, kubeconfig_text(url, args.token or "cohort-standin",
                                                       args.token_file,
                                                       ca or args.kubeconfig_ca_file))
+    if args.http_kubeconfig:
+        plain = Server((args.host, 0), store, args)
+        plain.authn, plain.authz = server.authn, server.authz
+        threading.Thread(target=plain.serve_forever, kwargs={"poll_interval": 0.2},
+                         daemon=True).start()
+        write_atomic(args.http_kubeconfig, kubeconfig_text(
+            "http://%s:%d" % plain.server_address[:2], args.token or "cohort-standin",
+            args.token_file))
     if args.port_file:
         write_atomic(args.port_file, "%d\n" % port)
     sys.stderr.write("apiserver: listening on %s\n" % url)

@@ -304,3 +304,71 @@ def bootstrap(store):
                 annotations={"rbac.authorization.kubernetes.io/autoupdate": "true"})
             if store.get(rt, "", obj["metadata"]["name"]) is None:
                 store.create(rt, "v1", "", body)
+
+
+def _blocking_refs(obj):
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return [r for r in refs if isinstance(r, dict) and r.get("blockOwnerDeletion") is True]
+
+
+def _refs(obj):
+    return ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+
+
+def owner_references_check(authz, store, user, info, method, body, ctype):
+    """The OwnerReferencesPermissionEnforcement admission plugin
+    (--enable-admission-plugins): changing an object's ownerReferences
+    other than on create needs delete on the object, and a new
+    blockOwnerDeletion reference needs update on the owner's finalizers
+    subresource. Returns None or the 403 ApiError, worded as the
+    plugin's."""
+    if not info["resource"] or info["subresource"] or method not in ("POST", "PUT", "PATCH"):
+        return None
+    with store.lock:
+        rt = store.lookup(info["group"], info["version"], info["resource_name"])
+        if rt is None:
+            return None
+        old = store.get(rt, info["namespace"], info["name"]) if info["name"] else None
+        new = body if isinstance(body, dict) else None
+        if method == "PATCH" and old is not None:
+            ptype = {"application/json-patch+json": "json",
+                     "application/merge-patch+json": "merge",
+                     "application/strategic-merge-patch+json": "strategic"}.get(ctype)
+            if ptype is None:
+                return None
+            try:
+                new = store.patch(rt, info["version"], info["namespace"], info["name"], ptype,
+                                  body, None, True, "Ignore", [])
+            except ApiError:
+                return None         # the real request reports it
+        if new is None or _refs(new) == _refs(old):
+            return None
+        ns = info["namespace"]
+        kind_of = {(t.group, t.kind): t for t in store.types.values()}
+
+    def denied(why):
+        qualified = info["resource_name"] + ("." + info["group"] if info["group"] else "")
+        name = info["name"] or ((new.get("metadata") or {}).get("name") or "")
+        return ApiError(403, "Forbidden", '%s "%s" is forbidden: %s' % (qualified, name, why),
+                        {"name": name, "group": info["group"], "kind": info["resource_name"]})
+    if method != "POST":
+        rec = dict(info, verb="delete", subresource="")
+        if authz.authorize(user, rec) is not None:
+            return denied("cannot set an ownerRef on a resource you can't delete: , <nil>")
+    had = {(r.get("uid"), r.get("name")) for r in _blocking_refs(old)}
+    for ref in _blocking_refs(new):
+        if (ref.get("uid"), ref.get("name")) in had:
+            continue
+        group, _, version = (ref.get("apiVersion") or "").rpartition("/")
+        t = kind_of.get((group, ref.get("kind")))
+        if t is None:
+            return denied("cannot set blockOwnerDeletion in this case because cannot find "
+                          "RESTMapping for APIVersion %s Kind %s" % (ref.get("apiVersion"),
+                                                                    ref.get("kind")))
+        rec = {"resource": True, "verb": "update", "path": info["path"], "group": group,
+               "version": version, "namespace": ns, "resource_name": t.plural,
+               "subresource": "finalizers", "name": ref.get("name") or ""}
+        if authz.authorize(user, rec) is not None:
+            return denied("cannot set blockOwnerDeletion if an ownerReference refers to a "
+                          "resource you can't set finalizers on: , <nil>")
+    return None

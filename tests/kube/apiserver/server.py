@@ -8,7 +8,6 @@ is (authn.py) and whether it may (rbac.py) are decided before routing.
 import collections
 import hashlib
 import json
-import os
 import random
 import select
 import socket
@@ -28,7 +27,7 @@ from .discovery import (AGGREGATED, VERSION_INFO, aggregated_discovery, api_grou
                         openapi_doc, resource_list, subresources_of)
 from .errors import ApiError, FieldError, err_bad_request, err_invalid
 from .protobuf import PB_KINDS, decode_k8s_protobuf
-from .rbac import request_info
+from .rbac import owner_references_check, request_info
 from .selection import Selector, fields_match, parse_field_selector
 from .store import meta_of, nkey, without
 from .tables import table_for
@@ -50,6 +49,7 @@ class Server(ThreadingHTTPServer):
         self.requests = collections.deque(maxlen=10000)
         self.authn = Authenticator(args, store)
         self.authz = None                  # set by cli.main under --authorization-mode RBAC
+        self.admission_plugins = set(getattr(args, "enable_admission_plugins", None) or ())
         self.ssl_context = None            # set by serve_tls()
         self.fault_lock = threading.Lock()
         self.faults = []                   # /debug/cohort/faults
@@ -152,6 +152,13 @@ class Handler(BaseHTTPRequestHandler):
                         self._drain_body()
                         raise err
             body = self._read_body() if method in ("POST", "PUT", "PATCH", "DELETE") else None
+            if self.server.authz is not None and not open_paths and \
+                    "OwnerReferencesPermissionEnforcement" in self.server.admission_plugins:
+                err = owner_references_check(
+                    self.server.authz, self.store, self.user, request_info(method, path, url.query),
+                    method, body, (self.headers.get("Content-Type") or "").split(";")[0].strip())
+                if err is not None:
+                    raise err
             if not open_paths:
                 self._inject_fault(method, path)
             self._route(method, path, body)
