@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 OPNS = "cohort-system"
 RELEASE = "cohort"              # the chart's objects are named after it
+SA_USER = "system:serviceaccount:%s:%s" % (OPNS, RELEASE)
 TC = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts/"
 
 
@@ -41,7 +42,13 @@ def cluster():
         pytest.skip("cluster DNS and ServiceAccount tokens in pods need root (mount namespaces)")
     c = Cluster()
     c.tmp = make_tmp("ccl-")
-    c.server = ApiServer(c.tmp, "--tls", "--bookmark-interval", "0.5")
+    # RBAC enforced, as a cluster does: the operator has only what the
+    # chart's roles grant its ServiceAccount; everyone else here is the
+    # admin (the kubeconfig's token).
+    c.server = ApiServer(c.tmp, "--tls", "--bookmark-interval", "0.5", "--authorization-mode",
+                         "RBAC", "--enable-admission-plugins",
+                         "OwnerReferencesPermissionEnforcement")
+    c.server.default_token = "cohort-standin"
     c.controllers = Controllers(c.server, c.tmp)
     c.kubelet = Kubelet(c.server, c.tmp)
     c.kubectl = Kubectl(c.server, c.tmp)
@@ -100,6 +107,14 @@ def lease_holder(c):
     return (lease.get("spec") or {}).get("holderIdentity")
 
 
+def assert_rbac_allowed_all(c):
+    got = [d for d in c.server.call("GET", "/debug/cohort/rbac")[1]["decisions"]
+           if d["user"] == SA_USER]
+    assert got, "no request of the operator's was authorized"
+    denied = [d for d in got if not d["allowed"]]
+    assert not denied, "the operator was refused: %s" % json.dumps(denied[:5], indent=1)
+
+
 def refused(ip, port):
     s = socket.socket()
     s.settimeout(5)
@@ -146,10 +161,11 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
     assert env["COHORT_BROKER"] == "cohort-broker.%s.svc:7070" % OPNS, env
     wait_training(c, "svc", "before the operator moves")
     assert lease_holder(c) == op1["metadata"]["name"]
-    # The operator used its ServiceAccount's token (the chart's): the API
-    # server saw its requests as that ServiceAccount's.
+    # The operator used the chart's ServiceAccount's token, and its roles
+    # allowed every request.
     users = {r["user"] for r in c.server.requests() if "cohort-operator" in (r["userAgent"] or "")}
-    assert users == {"system:serviceaccount:%s:%s" % (OPNS, RELEASE)}, users
+    assert users == {SA_USER}, users
+    assert_rbac_allowed_all(c)
 
     # Delete the operator's pod at once: the Deployment makes another, on
     # another address; it takes the Lease, serves the broker behind the
@@ -190,6 +206,7 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
     wait_until(lambda: len(operator_pods(c, ready=True)) == 1, "the operator to be back")
     wait_training(c, "svc", "after the broker had no endpoint")
     assert {n: p["metadata"]["uid"] for n, p in trainer_pods(c, "svc").items()} == uids
+    assert_rbac_allowed_all(c)
 
 
 def web_pods(c):
