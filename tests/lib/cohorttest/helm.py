@@ -51,10 +51,10 @@ class Helm:
                                                                  r.stderr)
         return r
 
-    def install_cohort(self, *sets, release="cohort", namespace="cohort-system"):
+    def install_cohort(self, *sets, release="cohort", namespace="cohort-system", check=True):
         """`helm install` of charts/cohort into namespace (made if missing)
         with STANDIN_SETS and `sets` (helm --set strings)."""
         argv = ["install", release, CHART, "--namespace", namespace, "--create-namespace"]
         for s in STANDIN_SETS + tuple(sets):
             argv += ["--set", s]
-        return self(*argv)
+        return self(*argv, check=check)
