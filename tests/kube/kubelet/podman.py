@@ -301,6 +301,9 @@ class PodmanWorker(PodWorker):
                     os.chown(p, -1, int(fs_group))
                     os.chmod(p, os.stat(p).st_mode & 0o7777 | mask)
 
+    def _mounts_cluster_files(self):
+        return True                        # podman binds them, root or not
+
     def _mount_args(self, c):
         args = []
         for m in c.spec.get("volumeMounts") or []:
