@@ -202,6 +202,8 @@ def test_the_charts_operator_runs_from_the_image_and_the_broker_moves(cluster):
         assert set(sts) == {"cohort-sidecar", "trainer"}, sts
         for s in sts.values():
             assert s["image"] == img and s["imageID"] == "podman://" + c.pinned.id, s
+        side = [x for x in p["spec"]["initContainers"] if x["name"] == "cohort-sidecar"][0]
+        assert side["image"] == img and side["imagePullPolicy"] == "IfNotPresent", side
         env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
         assert env["COHORT_BROKER"] == "cohort-broker.%s.svc:7070" % OPNS, env
     users = {r["user"] for r in c.server.requests() if "cohort-operator" in (r["userAgent"] or "")}
