@@ -207,9 +207,13 @@ unit:
 proc:
 	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc
 
-# The API server stand-in and process kubelet, with the real kubectl.
+# The API server stand-in and process kubelet, with the real kubectl and
+# helm. Its podman tests (test_cluster_podman.py, test_kubelet_podman.py)
+# build the image first (scripts/image.sh: seconds when nothing changed,
+# 10 to 15 minutes cold), once; image-test then finds it in the cache.
+# Skips are listed with their reasons (-rs).
 kube:
-	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/kube
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/kube
 
 # A Kubernetes stand-in in the foreground: kubectl works against it.
 sandbox: deps

@@ -10,10 +10,11 @@ stops every pod's processes).
 
 By default the operator runs as a process beside the stand-in, with a
 kubeconfig. --in-cluster runs it as a cluster would: the API server
-serves TLS, and tests/kube/operator-in-cluster.yaml (a Deployment with
-its ServiceAccount, and the broker Service) is applied, so the operator
-is a pod that uses its ServiceAccount's token and trainer pods reach the
-broker through the Service by name.
+serves TLS and enforces RBAC, and the chart (charts/cohort) is installed
+with the real helm into cohort-system as a user installs it, so the
+operator is a Deployment of two pods that use the chart's ServiceAccount
+under its roles, and trainer pods reach the broker through the Service by
+name.
 
 It writes DIR/kubeconfig and prints the export line and example kubectl
 commands. Containers run as local processes found on PATH, with build/,
@@ -21,9 +22,12 @@ build/examples/ and build/tools/ put first, so the sidecar and the example
 trainers built by `make` are used; DIR/bin, first on PATH, maps the
 commands the example manifests name (cohort-example-logreg) to the
 build's binaries. With --runtime podman the kubelet runs every container
-as a podman container of its image instead (`make image` builds
-localhost/cohort:dev, which the operator then gives its sidecars). What
-the stand-in leaves out is listed in docs/sandbox.md.
+as a podman container of its image instead: the sandbox first builds
+localhost/cohort:dev from this tree with scripts/image.sh (seconds when
+nothing changed) unless --image names another, and the operator, its
+sidecars and the example's trainers run that image; with --in-cluster too
+it is the chart's operator from the image. What the stand-in leaves out
+is listed in docs/sandbox.md.
 """
 import argparse
 import os
@@ -36,11 +40,13 @@ import threading
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 PYTHON = sys.executable
+DEFAULT_IMAGE = "localhost/cohort:dev"
+OPNS = "cohort-system"
 # Run as a program, not under pytest: the test helpers' package is not on
 # the path by itself.
 sys.path.insert(0, os.path.join(ROOT, "tests", "lib"))
-from cohorttest import (free_port, pod_path_dir, sidecar_speaks_tls, stop_process,  # noqa: E402
-                        wait_until)
+from cohorttest import (Helm, STANDIN_SETS, free_port, pod_path_dir,  # noqa: E402
+                        sidecar_speaks_tls, stop_process, wait_until)
 
 
 def say(msg):
@@ -93,14 +99,16 @@ def main(argv=None):
     ap.add_argument("--token", help="make the API server require this bearer token")
     ap.add_argument("--no-operator", action="store_true", help="do not start cohort-operator")
     ap.add_argument("--in-cluster", action="store_true",
-                    help="serve the API over TLS and run the operator as a Deployment pod "
-                    "(tests/kube/operator-in-cluster.yaml) behind the broker Service")
+                    help="serve the API over TLS with RBAC enforced, and helm install the chart "
+                    "charts/cohort into %s: the operator runs as its Deployment's pods, "
+                    "behind the broker Service" % OPNS)
     ap.add_argument("--runtime", choices=("process", "podman"), default="process",
                     help="how the kubelet runs containers: local processes found on PATH "
                     "(default), or podman containers of their images")
-    ap.add_argument("--image", default="localhost/cohort:dev",
-                    help="with --runtime podman, the image the operator started here gives "
-                    "its sidecars (default localhost/cohort:dev, from `make image`)")
+    ap.add_argument("--image", default=DEFAULT_IMAGE,
+                    help="with --runtime podman, the image the operator runs (--in-cluster) and "
+                    "gives its sidecars (default %s, built from this tree first with "
+                    "scripts/image.sh; another is used as it is)" % DEFAULT_IMAGE)
     ap.add_argument("--verbose", action="store_true",
                     help="also print the API server's request log (always in DIR/apiserver.log)")
     args = ap.parse_args(argv)
@@ -123,10 +131,23 @@ def main(argv=None):
         say("installing kubectl into build/tools")
         subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")])
 
-    if args.runtime == "podman" and subprocess.run(
-            ["podman", "image", "exists", args.image], stdin=subprocess.DEVNULL).returncode != 0:
-        say("%s is not in podman's store (make image builds localhost/cohort:dev); pods "
-            "naming it will wait in ErrImagePull" % args.image)
+    if args.runtime == "podman":
+        image_sh = os.path.join(ROOT, "scripts", "image.sh")
+        r = subprocess.run([image_sh, "--conf"], capture_output=True, text=True)
+        if r.returncode != 0:
+            say("scripts/image.sh --conf failed: %s" % (r.stderr or r.stdout).strip())
+            return 1
+        os.environ["CONTAINERS_CONF"] = r.stdout.strip().splitlines()[-1]
+        if args.image == DEFAULT_IMAGE:
+            say("building %s from this tree with scripts/image.sh (seconds when nothing "
+                "changed; the first build takes minutes)" % DEFAULT_IMAGE)
+            if subprocess.run([image_sh], stdout=sys.stderr).returncode != 0:
+                say("scripts/image.sh failed; see its output above")
+                return 1
+        elif subprocess.run(["podman", "image", "exists", args.image],
+                            stdin=subprocess.DEVNULL).returncode != 0:
+            say("%s is not in podman's store; pods naming it will wait in ErrImagePull"
+                % args.image)
 
     children = []
     stopping = threading.Event()
@@ -144,8 +165,10 @@ def main(argv=None):
     def stop_all():
         stopping.set()
         for name, p in reversed(children):     # operator, kubelet, controllers, API server
-            if p.poll() is None and stop_process(p, 20) == -signal.SIGKILL:
-                say("%s did not stop in 20 s; killed it" % name)
+            # podman stops and removes each container with a command or two.
+            limit = 60 if name == "kubelet" and args.runtime == "podman" else 20
+            if p.poll() is None and stop_process(p, limit) == -signal.SIGKILL:
+                say("%s did not stop in %d s; killed it" % (name, limit))
         for f in (kubeconfig, port_file):
             if os.path.exists(f):
                 os.remove(f)
@@ -157,7 +180,7 @@ def main(argv=None):
         if args.token:
             api_argv += ["--token", args.token]
         if args.in_cluster:
-            api_argv += ["--tls"]
+            api_argv += ["--tls", "--authorization-mode", "RBAC"]
         api = start("apiserver", api_argv, prefix="" if args.verbose else None,
                     logname="apiserver.log")
         try:
@@ -180,16 +203,21 @@ def main(argv=None):
               env=env, prefix="", logname="kubelet.log")
         op_note = "not started (--no-operator)"
         if args.in_cluster and not args.no_operator:
-            kubectl = [os.path.join(tools, "kubectl"), "--kubeconfig", kubeconfig]
-            for f in (os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml"),
-                      os.path.join(HERE, "operator-in-cluster.yaml")):
-                r = subprocess.run(kubectl + ["apply", "-f", f], capture_output=True, text=True,
-                                   timeout=60)
-                if r.returncode != 0:
-                    say("kubectl apply -f %s failed: %s" % (f, r.stderr.strip()))
-                    return 1
-            op_note = ("a Deployment pod in cohort-system (kubectl -n cohort-system get "
-                       "deploy,pods,endpoints)")
+            helm = Helm(kubeconfig, sandbox)
+            if not helm.available():
+                say("no helm in build/tools: %s" % helm.why_missing)
+                return 1
+            sets = []
+            if args.runtime == "podman":
+                repo, _, tag = args.image.rpartition(":")
+                sets = ["image.repository=" + repo, "image.tag=" + tag]
+            r = helm.install_cohort(*sets, release="cohort", namespace=OPNS, check=False)
+            if r.returncode != 0:
+                say("helm install failed: %s" % (r.stderr or r.stdout).strip())
+                return 1
+            op_note = ("the chart's Deployment in %s: helm install cohort charts/cohort -n %s "
+                       "--create-namespace %s" % (OPNS, OPNS, " ".join(
+                           "--set " + x for x in STANDIN_SETS + tuple(sets))))
         elif not args.no_operator:
             cmd, why = operator_command(path_env, kubeconfig)
             if cmd and args.runtime == "podman":
@@ -201,27 +229,40 @@ def main(argv=None):
             else:
                 op_note = "not started: " + why
         rel = os.path.relpath(sandbox, os.getcwd())
+        apply_example = "kubectl apply -f examples/k8s/cohort.yaml"
+        if args.runtime == "podman":
+            # The example names a placeholder trainer image; the built one
+            # holds the example trainers too.
+            apply_example = ("sed 's|ghcr.io/cohort-dev/cohort-examples:latest|%s|' "
+                             "examples/k8s/cohort.yaml \\\n      | kubectl apply -f -" % args.image)
+        lines = ["export KUBECONFIG=" + kubeconfig, "export PATH=%s:$PATH" % tools]
+        if args.in_cluster and not args.no_operator:
+            lines += ["helm status cohort -n %s" % OPNS,
+                      "kubectl -n %s get deploy,pods,endpoints,lease -o wide" % OPNS,
+                      apply_example, "kubectl get tc,pods -o wide",
+                      "# the broker moves: delete the leading operator's pod (the Lease names "
+                      "it);",
+                      "# the standby takes over and the same trainer pods train on",
+                      "kubectl -n %s delete pod \"$(kubectl -n %s get lease cohort-operator "
+                      "-o jsonpath='{.spec.holderIdentity}')\"" % (OPNS, OPNS),
+                      "kubectl get tc -w",
+                      "helm uninstall cohort -n %s      # the CRD and cohorts stay" % OPNS]
+        else:
+            lines += ["kubectl apply -f crds/trainingcohorts.cohort.dev.yaml", apply_example,
+                      "kubectl get tc,pods -o wide", "kubectl scale tc/logreg --replicas=5",
+                      "kubectl get events --field-selector involvedObject.name=logreg",
+                      "kubectl logs logreg-0 -c trainer"]
         print("""
-Kubernetes stand-in is up: API server %s://127.0.0.1:%d, node cohort-node.
+Kubernetes stand-in is up: API server %s://127.0.0.1:%d, node cohort-node%s.
 cohort-operator: %s
 
-  export KUBECONFIG=%s
-  export PATH=%s:$PATH
-  kubectl apply -f crds/trainingcohorts.cohort.dev.yaml
-  kubectl apply -f examples/k8s/cohort.yaml
-  kubectl get tc,pods -o wide
-  kubectl scale tc/logreg --replicas=5
-  kubectl get events --field-selector involvedObject.name=logreg
-  kubectl logs logreg-0 -c trainer
+%s
 
 Logs: %s/apiserver.log, %s/kubelet.log, containers under %s/logs/.
 Ctrl-C stops everything.
-""" % ("https" if args.in_cluster else "http", port, op_note, kubeconfig, tools, rel, rel, rel))
-        if args.runtime == "podman":
-            print("""Containers run with podman: the example's trainer image is a placeholder, so
-  sed 's|ghcr.io/cohort-dev/cohort-examples:latest|%s|' examples/k8s/cohort.yaml \\
-      | kubectl apply -f -
-""" % args.image)
+""" % ("https" if args.in_cluster else "http", port,
+       ", containers with podman" if args.runtime == "podman" else "", op_note,
+       "\n".join("  " + ln for ln in lines), rel, rel, rel))
         sys.stdout.flush()
         while not stopping.is_set():
             for name, p in children:

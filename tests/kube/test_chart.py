@@ -51,6 +51,8 @@ COMBOS = {
     "no-rbac": ["rbac.create=false"],
     "one-replica": ["operator.replicas=1", "podDisruptionBudget.enabled=true"],
     "pdb": ["podDisruptionBudget.enabled=true"],
+    "sandbox": ["operator.listenOnPodIP=true",
+                "operator.extraArgs={--lease-duration,5s,--renew-deadline,3s}"],
 }
 
 # A small ServiceMonitor CRD, as a cluster with the Prometheus operator has
@@ -305,6 +307,13 @@ def test_operator_flags_and_environment(env):
         "cohort-op"
     _, objs = render(env, "one-replica")
     assert one(objs, "Deployment")["spec"]["replicas"] == 1
+    # The sandbox's pods share the host's network: each operator listens on
+    # its own pod IP; extraArgs come last, as given.
+    _, objs = render(env, "sandbox")
+    args = operator_container(objs)["args"]
+    assert flags(args)["--listen"] == "$(POD_IP):7070"
+    assert flags(args)["--metrics-listen"] == "$(POD_IP):8080"
+    assert args[-4:] == ["--lease-duration", "5s", "--renew-deadline", "3s"]
 
 
 def test_broker_service_is_named_exactly_and_selects_the_operator(env):
@@ -405,6 +414,7 @@ def test_optional_objects_follow_their_values(env):
     assert kinds["one-replica"] == base
     assert kinds["networkpolicy"] == sorted(base + ["NetworkPolicy"])
     assert kinds["networkpolicy-namespaced"] == sorted(base + ["NetworkPolicy"] * 2)
+    assert kinds["sandbox"] == base
 
     _, objs = render(env, "servicemonitor")
     sm = one(objs, "ServiceMonitor")

@@ -1,14 +1,17 @@
-"""The operator as a cluster runs it, on the stand-in: a Deployment pod
-(tests/kube/operator-in-cluster.yaml) that talks to the API server with
-its ServiceAccount's token (--in-cluster, over TLS), with the broker
-Service in front of it; the stand-in's controllers (Deployments,
-Endpoints), the process kubelet's service proxy and cluster DNS, and
-trainer pods whose sidecars reach the broker by the Service's name.
+"""The operator as a cluster runs it, on the stand-in: the chart
+(charts/cohort), installed with the real helm, makes a Deployment whose
+pod talks to the API server with its ServiceAccount's token
+(--in-cluster, over TLS), with the broker Service in front of it; the
+stand-in's controllers (Deployments, Endpoints), the process kubelet's
+service proxy and cluster DNS, and trainer pods whose sidecars reach the
+broker by the Service's name.
 
 The proof of issue 14's broker Service: the operator's pod is deleted,
 the Deployment brings it back on another address, and the same trainer
 pods rejoin its broker and train on. With no ready endpoint, the
-clusterIP refuses connections and the sidecars keep retrying.
+clusterIP refuses connections and the sidecars keep retrying. The same
+proof with the operator, sidecars and trainers as podman containers of
+the image is test_cluster_podman.py.
 """
 import json
 import os
@@ -16,12 +19,14 @@ import socket
 
 import pytest
 
-from cohorttest import (ApiServer, Controllers, Kubectl, Kubelet, bin_dir, cohort_manifest,
-                        make_tmp, remove_tmp, wait_until)
+from cohorttest import (QUICK_SETS, ApiServer, Controllers, Helm, Kubectl, Kubelet, bin_dir,
+                        cohort_manifest, make_tmp, remove_tmp, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 OPNS = "cohort-system"
+RELEASE = "cohort"              # the chart's objects are named after it
+SA_USER = "system:serviceaccount:%s:%s" % (OPNS, RELEASE)
 TC = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts/"
 
 
@@ -37,15 +42,22 @@ def cluster():
         pytest.skip("cluster DNS and ServiceAccount tokens in pods need root (mount namespaces)")
     c = Cluster()
     c.tmp = make_tmp("ccl-")
-    c.server = ApiServer(c.tmp, "--tls", "--bookmark-interval", "0.5")
+    # RBAC enforced, as a cluster does: the operator has only what the
+    # chart's roles grant its ServiceAccount; everyone else here is the
+    # admin (the kubeconfig's token).
+    c.server = ApiServer(c.tmp, "--tls", "--bookmark-interval", "0.5", "--authorization-mode",
+                         "RBAC", "--enable-admission-plugins",
+                         "OwnerReferencesPermissionEnforcement")
+    c.server.default_token = "cohort-standin"
     c.controllers = Controllers(c.server, c.tmp)
     c.kubelet = Kubelet(c.server, c.tmp)
     c.kubectl = Kubectl(c.server, c.tmp)
+    c.helm = Helm(c.server.kubeconfig, c.tmp)
     try:
         if not c.kubectl.available():
             pytest.skip("kubectl is not in build/tools: %s" % c.kubectl.why_missing)
-        c.kubectl("apply", "-f", os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml"))
-        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
+        if not c.helm.available():
+            pytest.skip("helm is not in build/tools: %s" % c.helm.why_missing)
         yield c
     finally:
         c.kubelet.stop()
@@ -59,8 +71,8 @@ def get(c, path):
 
 
 def operator_pods(c, ready=None):
-    items = get(c, "/api/v1/namespaces/%s/pods?labelSelector=app.kubernetes.io%%2Fname%%3D"
-                   "cohort-operator" % OPNS).get("items") or []
+    items = get(c, "/api/v1/namespaces/%s/pods?labelSelector=app.kubernetes.io%%2Finstance%%3D"
+                   "%s" % (OPNS, RELEASE)).get("items") or []
     out = [p for p in items if not p["metadata"].get("deletionTimestamp")]
     if ready is not None:
         out = [p for p in out if any(cd["type"] == "Ready" and cd["status"] == "True"
@@ -95,6 +107,14 @@ def lease_holder(c):
     return (lease.get("spec") or {}).get("holderIdentity")
 
 
+def assert_rbac_allowed_all(c):
+    got = [d for d in c.server.call("GET", "/debug/cohort/rbac")[1]["decisions"]
+           if d["user"] == SA_USER]
+    assert got, "no request of the operator's was authorized"
+    denied = [d for d in got if not d["allowed"]]
+    assert not denied, "the operator was refused: %s" % json.dumps(denied[:5], indent=1)
+
+
 def refused(ip, port):
     s = socket.socket()
     s.settimeout(5)
@@ -115,7 +135,11 @@ def sidecar_log(c, pod):
 
 def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_moving(cluster):
     c = cluster
-    c.kubectl("apply", "-f", os.path.join(HERE, "operator-in-cluster.yaml"))
+    # The chart as a user installs it (its CRD included), one replica so
+    # that the deleted pod's replacement is the next leader, and a Lease
+    # short enough for a test.
+    c.helm.install_cohort("operator.replicas=1", *QUICK_SETS, release=RELEASE, namespace=OPNS)
+    c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
     svc = get(c, "/api/v1/namespaces/%s/services/cohort-broker" % OPNS)
     cluster_ip = svc["spec"]["clusterIP"]
     assert cluster_ip.startswith("127.96."), svc["spec"]
@@ -125,11 +149,9 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
     assert op1["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
     wait_until(lambda: broker_endpoints(c) == [op1["status"]["podIP"]],
                "the broker Service's endpoint to be the operator pod")
-    dep = get(c, "/apis/apps/v1/namespaces/%s/deployments/cohort-operator" % OPNS)
+    dep = get(c, "/apis/apps/v1/namespaces/%s/deployments/%s" % (OPNS, RELEASE))
     assert dep["status"]["readyReplicas"] == 1, dep["status"]
 
-    # The operator used its ServiceAccount's token: the API server saw
-    # requests from it as system:serviceaccount:cohort-system:cohort-operator.
     c.kubectl("apply", "-f", "-", stdin=json.dumps(cohort_manifest("svc", 2)))
     pods = {}
     wait_until(lambda: status(c, "svc").get("readyReplicas") == 2, "two members of svc")
@@ -139,6 +161,11 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
     assert env["COHORT_BROKER"] == "cohort-broker.%s.svc:7070" % OPNS, env
     wait_training(c, "svc", "before the operator moves")
     assert lease_holder(c) == op1["metadata"]["name"]
+    # The operator used the chart's ServiceAccount's token, and its roles
+    # allowed every request.
+    users = {r["user"] for r in c.server.requests() if "cohort-operator" in (r["userAgent"] or "")}
+    assert users == {SA_USER}, users
+    assert_rbac_allowed_all(c)
 
     # Delete the operator's pod at once: the Deployment makes another, on
     # another address; it takes the Lease, serves the broker behind the
@@ -162,7 +189,7 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
 
     # No ready endpoint: the clusterIP refuses connections, the sidecars
     # keep retrying without crashing; training resumes once one is back.
-    c.kubectl("scale", "-n", OPNS, "deployment/cohort-operator", "--replicas=0")
+    c.kubectl("scale", "-n", OPNS, "deployment/" + RELEASE, "--replicas=0")
     wait_until(lambda: not operator_pods(c) and not broker_endpoints(c),
                "the operator pods and the endpoints to be gone")
     wait_until(lambda: refused(cluster_ip, 7070), "the clusterIP to refuse connections")
@@ -175,10 +202,11 @@ def test_trainers_reach_the_broker_through_its_service_and_survive_the_operator_
         side = [s for s in p["status"].get("initContainerStatuses") or []
                 if s["name"] == "cohort-sidecar"][0]
         assert side["restartCount"] == 0 and "running" in side["state"], side
-    c.kubectl("scale", "-n", OPNS, "deployment/cohort-operator", "--replicas=1")
+    c.kubectl("scale", "-n", OPNS, "deployment/" + RELEASE, "--replicas=1")
     wait_until(lambda: len(operator_pods(c, ready=True)) == 1, "the operator to be back")
     wait_training(c, "svc", "after the broker had no endpoint")
     assert {n: p["metadata"]["uid"] for n, p in trainer_pods(c, "svc").items()} == uids
+    assert_rbac_allowed_all(c)
 
 
 def web_pods(c):

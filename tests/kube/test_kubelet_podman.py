@@ -3,31 +3,26 @@ containers are real `podman run`s of their images, against the API server
 stand-in, with the real kubectl for logs.
 
 Skipped, with the reason printed, only where podman cannot run a
-container of the base image localhost/debian:bookworm-slim (see
-/work/shared/README.md: debootstrap, then `podman import`). The last test
-runs the operator from the project's image localhost/cohort:dev as a pod
-and trains a TrainingCohort whose sidecars and trainers come from the
-same image; it builds the image with `make image` when it is missing, and
-is skipped with the reason when that cannot be done.
+container of the base image localhost/debian:bookworm-slim. The base is
+made, as the image is, by scripts/image.sh (cohorttest.image builds the
+image once per test process, which makes the base when it is missing).
+The operator from the image, installed with the chart, is
+test_cluster_podman.py.
 
 Every pod here is small and short: a container costs podman about half a
 second to start, and one more podman call to inspect and remove it.
 """
-import json
 import os
-import shutil
 import subprocess
 import time
 
 import pytest
 
-from cohorttest import (CRD_FILE, DEADLINE, ROOT, ApiServer, Kubectl, Kubelet,
-                        cohort_manifest, make_tmp, remove_tmp, wait_until)
-from kubelet.podman import LABEL, containers_conf
+from cohorttest import DEADLINE, ApiServer, Kubectl, Kubelet, make_tmp, remove_tmp, wait_until
+from cohorttest import image as cimage
+from kubelet.podman import LABEL
 
-BASE = "localhost/debian:bookworm-slim"
-# The project's image; COHORT_IMAGE names another build of it.
-IMAGE = os.environ.get("COHORT_IMAGE") or "localhost/cohort:dev"
+BASE = cimage.BASE
 
 
 def podman(*args, env, timeout=DEADLINE, check=False):
@@ -38,26 +33,17 @@ def podman(*args, env, timeout=DEADLINE, check=False):
     return r
 
 
-def podman_env(tmp):
-    """The environment the kubelet gives podman: CONTAINERS_CONF as set,
-    else the file the kubelet writes."""
-    env = dict(os.environ)
-    if not env.get("CONTAINERS_CONF"):
-        env["CONTAINERS_CONF"] = containers_conf(tmp)
-    return env
+def podman_env():
+    """The environment the kubelet gives podman: CONTAINERS_CONF names the
+    file scripts/image.sh --conf writes (cohorttest.image sets it)."""
+    return dict(os.environ)
 
 
-def why_no_podman(env):
-    if not shutil.which("podman"):
-        return "podman is not installed"
-    r = podman("image", "exists", BASE, env=env)
-    if r.returncode != 0:
-        return "the base image %s is not in podman's store (%s)" % (BASE, r.stderr.strip() or
-                                                                   "podman image exists: 1")
-    r = podman("run", "--rm", "--network=host", BASE, "true", env=env)
-    if r.returncode != 0:
-        return "podman cannot run a container: %s" % r.stderr.strip()
-    return None
+def why_no_podman():
+    try:
+        return cimage.why_podman_cannot_run()
+    except cimage.BuildError as e:
+        pytest.fail(str(e))
 
 
 class Node:
@@ -65,7 +51,7 @@ class Node:
 
     def __init__(self, tmp, *extra):
         self.tmp = tmp
-        self.env = podman_env(tmp)
+        self.env = podman_env()
         self.api = ApiServer(tmp)
         self.kubelet = Kubelet(self.api, tmp, "--runtime", "podman", *extra)
         self.state_dir = os.path.join(tmp, "st")
@@ -116,12 +102,11 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node():
-    tmp = make_tmp("cohort-podman-")
-    why = why_no_podman(podman_env(tmp))
+    why = why_no_podman()
     if why:
         print("skipping the podman kubelet tests:", why)
-        remove_tmp(tmp)
         pytest.skip(why)
+    tmp = make_tmp("cohort-podman-")
     n = Node(tmp)
     if not n.kubectl.available():
         n.stop()
@@ -323,12 +308,12 @@ def test_command_and_args_override_entrypoint_and_cmd(node):
 
 
 def test_leftovers_are_removed_and_nothing_outlives_the_kubelet():
-    tmp = make_tmp("cohort-podman-")
-    env = podman_env(tmp)
-    why = why_no_podman(env)
+    why = why_no_podman()
     if why:
-        remove_tmp(tmp)
+        print("skipping the podman kubelet tests:", why)
         pytest.skip(why)
+    tmp = make_tmp("cohort-podman-")
+    env = podman_env()
     state_dir = os.path.join(tmp, "st")
     label = "label=%s=%s" % (LABEL, state_dir)
     # A container as an earlier kubelet with this state dir left it.
@@ -347,89 +332,3 @@ def test_leftovers_are_removed_and_nothing_outlives_the_kubelet():
         podman("rm", "-f", "-t", "0", leftover, env=env)
     assert podman("ps", "-a", "-q", "--filter", label, env=env).stdout.split() == []
     remove_tmp(tmp)
-
-
-def ensure_image(env):
-    """None once IMAGE is in podman's store, built by `make image` if it
-    was not; else why it cannot be had."""
-    if podman("image", "exists", IMAGE, env=env).returncode == 0:
-        return None
-    if IMAGE != "localhost/cohort:dev":
-        return "COHORT_IMAGE %s is not in podman's store" % IMAGE
-    if subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True).returncode != 0:
-        return "%s is not in podman's store and this checkout has no `make image`" % IMAGE
-    print("building %s with make image" % IMAGE)
-    r = subprocess.run(["make", "image"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1800)
-    if r.returncode != 0 or podman("image", "exists", IMAGE, env=env).returncode != 0:
-        return "make image did not make %s: %s" % (IMAGE, (r.stderr or r.stdout)[-2000:])
-    return None
-
-
-def test_operator_from_the_image_trains_a_cohort(node):
-    """The operator runs as a pod of the project's image, with the
-    kubeconfig from a Secret; a TrainingCohort applied afterwards gets
-    pods whose sidecars and trainers are containers of the same image,
-    and trains."""
-    why = ensure_image(node.env)
-    if why:
-        print("skipping the operator-from-the-image test:", why)
-        pytest.skip(why)
-    with open(node.api.kubeconfig) as f:
-        kubeconfig = f.read()
-    node.api.ok("POST", "/api/v1/namespaces/default/secrets",
-                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "op-kubeconfig"},
-                 "stringData": {"kubeconfig": kubeconfig}})
-    node.kubectl("apply", "-f", CRD_FILE)
-    # Pods are told the operator pod's own address (no Service here).
-    args = ["--kubeconfig", "/etc/cohort-kube/kubeconfig", "--listen", "$(POD_IP):7070",
-            "--broker-address", "$(POD_IP):7070",
-            "--metrics-listen", "$(POD_IP):8080", "--sidecar-image", IMAGE,
-            "--lease-duration", "3s", "--renew-deadline", "2s", "--retry-period", "500ms",
-            "--status-period", "1s", "--resync", "5s", "--api-timeout", "5s"]
-    # TLS to the broker (the operator's default) once the image's sidecar
-    # can speak it.
-    helps = podman("run", "--rm", IMAGE, "cohort-sidecar", "--help", env=node.env).stdout
-    if "--broker-ca" not in helps:
-        args += ["--broker-tls", "off"]
-    node.create("operator", [{
-        "name": "operator", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
-        "command": ["cohort-operator"], "args": args,
-        "env": [POD_IP, {"name": "POD_NAME", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.name"}}}],
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": 8080}, "periodSeconds": 1},
-        "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
-                            "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [{"name": "kube", "mountPath": "/etc/cohort-kube", "readOnly": True}]}],
-        securityContext={"fsGroup": 65532},
-        volumes=[{"name": "kube", "secret": {"secretName": "op-kubeconfig",
-                                             "defaultMode": 0o400}}])
-    wait_until(lambda: (node.status("operator") or {}).get("ready"), "the operator pod to be "
-               "ready (its /readyz through the pod IP)")
-    tc = cohort_manifest("fromimage", 2)
-    trainer = tc["spec"]["template"]["spec"]["containers"][0]
-    trainer["image"] = IMAGE
-    node.kubectl("apply", "-f", "-", stdin=json.dumps(tc))
-    path = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts/fromimage"
-
-    def status():
-        return (node.api.get(path) or {}).get("status") or {}
-    wait_until(lambda: status().get("readyReplicas") == 2 and
-               (status().get("modelVersion") or 0) > 0, "two ready members training")
-    version = status()["modelVersion"]
-    wait_until(lambda: (status().get("modelVersion") or 0) > version, "training to go on")
-    pods = node.api.get("/api/v1/namespaces/default/pods?labelSelector="
-                        "cohort.dev%2Fcohort%3Dfromimage")["items"]
-    assert len(pods) == 2
-    for p in pods:
-        sts = p["status"]["containerStatuses"] + p["status"]["initContainerStatuses"]
-        assert sorted(st["image"] for st in sts) == [IMAGE, IMAGE], sts
-        assert all(st["imageID"].startswith("podman://") and st["ready"] for st in sts), sts
-    assert node.logs(pods[0]["metadata"]["name"], "-c", "trainer").strip()
-    node.kubectl("delete", "trainingcohort", "fromimage", "--wait=true")
-    wait_until(lambda: not node.api.get("/api/v1/namespaces/default/pods?labelSelector="
-                                        "cohort.dev%2Fcohort%3Dfromimage")["items"],
-               "the cohort's pods to go")
-    node.delete("operator")
-    assert node.ours() == []

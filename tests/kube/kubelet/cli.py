@@ -43,8 +43,8 @@ def main(argv=None):
     ap.add_argument("--runtime", choices=("process", "podman"), default="process",
                     help="process (default): each container is a local process found on PATH; "
                     "podman: each container is a `podman run` of its image on the host's "
-                    "network (podman must work; CONTAINERS_CONF, else one the kubelet writes "
-                    "under --state-dir)")
+                    "network (podman must work; CONTAINERS_CONF, else the one scripts/image.sh "
+                    "--conf writes, build/podman/containers.conf)")
     args = ap.parse_args(argv)
     if args.no_processes and args.runtime != "process":
         ap.error("--no-processes runs nothing; it takes no --runtime")

@@ -329,11 +329,16 @@ class PodWorker(threading.Thread):
 
     # -- the cluster, as the pod sees it ------------------------------------------
 
+    def _mounts_cluster_files(self):
+        """Whether this runtime can show the pod's processes its hosts file
+        and token: processes need a mount namespace of their own (root)."""
+        return isolation.available()
+
     def _setup_cluster_access(self):
         """Cluster DNS (a hosts file kept up to date by services.py) and the
         ServiceAccount token, when processes can get their own mount
         namespace (isolation.available()); runtimes mount them."""
-        if not isolation.available() or not self.k.net:
+        if not self._mounts_cluster_files() or not self.k.net:
             return
         if not self.hosts_file:
             self.hosts_file = os.path.join(self.pod_dir, "etc-hosts")

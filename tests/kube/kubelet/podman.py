@@ -21,7 +21,6 @@ _prepare).
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import time
@@ -32,6 +31,8 @@ from .pod import ConfigError, ImageError, PodWorker, expand_vars
 
 PODMAN = "podman"
 LABEL = "io.cohort.kubelet"
+IMAGE_SH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts",
+                        "image.sh")
 
 # Variables podman itself reads: a container's value for one of these goes
 # on podman's command line. Every other value reaches the container through
@@ -68,24 +69,20 @@ def quantity(q):
     return float(m.group(1)) * SUFFIX[m.group(2)]
 
 
-def containers_conf(state_dir):
-    """A containers.conf with the settings podman needs on these machines
-    (runc, cgroupfs, events in a file, ulimits below the hard limits),
-    written under the state dir; used when CONTAINERS_CONF names none."""
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-    inf = resource.RLIM_INFINITY
-    # At the hard limit runc fails ("error setting rlimit type 6").
-    nofile = 1024 if nofile == inf else min(1024, nofile - 1)
-    nproc = 4096 if nproc == inf else min(4096, nproc - 1)
-    os.makedirs(state_dir, exist_ok=True)
-    path = os.path.join(state_dir, "containers.conf")
-    with open(path + ".tmp", "w") as f:
-        f.write('[containers]\ndefault_ulimits = ["nofile=%d:%d", "nproc=%d:%d"]\n'
-                '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\n'
-                'events_logger = "file"\n' % (nofile, nofile, nproc, nproc))
-    os.replace(path + ".tmp", path)
-    return path
+def containers_conf():
+    """The containers.conf that scripts/image.sh --conf writes
+    (build/podman/containers.conf: runc, cgroupfs, events in a file,
+    ulimits below the hard limits), so that the image is built and run with
+    one configuration; used when CONTAINERS_CONF names none."""
+    try:
+        r = subprocess.run([IMAGE_SH, "--conf"], capture_output=True, text=True, timeout=900,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SystemExit("kubelet: --runtime podman: %s --conf failed: %s" % (IMAGE_SH, e))
+    if r.returncode != 0 or not r.stdout.strip():
+        raise SystemExit("kubelet: --runtime podman: %s --conf failed: %s" %
+                         (IMAGE_SH, (r.stderr or r.stdout).strip()[-1000:]))
+    return r.stdout.strip().splitlines()[-1]
 
 
 class PodmanRuntime:
@@ -99,7 +96,7 @@ class PodmanRuntime:
         self.k = kubelet
         self.env = dict(os.environ)
         if not self.env.get("CONTAINERS_CONF"):
-            self.env["CONTAINERS_CONF"] = containers_conf(kubelet.state_dir)
+            self.env["CONTAINERS_CONF"] = containers_conf()
         r = self.run("version", "--format", "{{.Client.Version}}")
         if r.returncode != 0:
             raise SystemExit("kubelet: --runtime podman: `podman version` failed: %s" %
@@ -303,6 +300,9 @@ class PodmanWorker(PodWorker):
                     p = os.path.join(root, f)
                     os.chown(p, -1, int(fs_group))
                     os.chmod(p, os.stat(p).st_mode & 0o7777 | mask)
+
+    def _mounts_cluster_files(self):
+        return True                        # podman binds them, root or not
 
     def _mount_args(self, c):
         args = []

@@ -7,6 +7,9 @@ tests/python, and the sandbox and the operator benchmark.
 - programs: cohort's binaries (brokers, sidecars, cohortctl, `cohortctl run`)
 - kube: the Kubernetes stand-in's processes (API server and its client,
   process kubelet, operator, kubectl)
+- helm: the real helm, and the cohort chart as the stand-in runs it
+- image: podman's configuration and a current build of the project's
+  image, for the podman kubelet's tests (imported as cohorttest.image)
 
 Tests wait on conditions with generous deadlines, never on fixed sleeps,
 and every server listens on a free port. pytest finds this package
@@ -20,6 +23,7 @@ from .programs import (BIN, RUN_TIMEOUT, all_see, bin_dir, bin_path, cohortctl,
                        status_json)
 from .kube import (CRD_FILE, EXAMPLES, ApiServer, Controllers, Kubectl, Kubelet, Operator,
                    cohort_manifest, pod_path_dir, sidecar_speaks_tls)
+from .helm import CHART, HELM, QUICK_SETS, STANDIN_SETS, Helm
 
 __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "remove_tmp",
            "wait_until", "Proc", "Procs", "finish", "run_group", "spawn_group", "stop_process", "BIN",
@@ -27,4 +31,5 @@ __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "re
            "cohortctl_run", "explain_run", "latest_epoch", "start_broker", "start_sidecar",
            "status_json", "CRD_FILE", "EXAMPLES", "ApiServer", "Controllers", "Kubectl", "Kubelet",
            "Operator",
-           "cohort_manifest", "pod_path_dir", "sidecar_speaks_tls"]
+           "cohort_manifest", "pod_path_dir", "sidecar_speaks_tls", "CHART", "HELM", "QUICK_SETS",
+           "STANDIN_SETS", "Helm"]
