@@ -184,6 +184,10 @@ int cohort_zero_gradients(struct cohort *c);
 /* Declares a model version (after loading a checkpoint): it counts at the
  * next election. */
 int cohort_set_model_version(struct cohort *c, uint64_t version);
+/* Returns 0, -EINVAL (0), or -EACCES when the cohort pins another size
+ * (a sidecar started with --virtual-batch-size, which the operator passes
+ * from a TrainingCohort's spec.accumulator.virtualBatchSize): the cohort's
+ * size stays in force; asking for the pinned size succeeds. */
 int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size);
 /* Contributions in flight at once, 1 (the default) to 8. With n > 1 each
  * reduce_gradients copies the gradients aside and zeroes them, and
@@ -192,7 +196,9 @@ int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size);
  * one at a time, in order, the same on every member, and may be up to n
  * versions old. A round that needs more samples than one contribution per
  * member sums the next queued ones. Returns 0, -EINVAL, or -EBUSY while
- * contributions are outstanding (change it between rounds). */
+ * contributions are outstanding (change it between rounds), or -EACCES
+ * when the cohort pins another count (--parallel-gradients,
+ * spec.accumulator.parallelGradients), as for the virtual batch size. */
 int cohort_set_parallel_gradients(struct cohort *c, unsigned n);
 
 struct cohort_gradient_stats {

@@ -20,6 +20,7 @@
 #include "base/opt.h"
 #include "base/secret.h"
 #include "rpc/rpc.h"
+#include "accumulator/node.h"
 #include "accumulator/trainerd.h"
 
 #define PROG "cohort-sidecar"
@@ -59,6 +60,19 @@ static const char usage[] =
     "                            carries a MAC too (needs --secret-file; every\n"
     "                            member must agree)\n"
     "  --model-version N         model version to join with (default 0)\n"
+    "  --virtual-batch-size N    pin the trainer's virtual batch size to N (1 to\n"
+    "                            2^63-1): rounds commit at N samples from the\n"
+    "                            start, and a trainer that asks for another size\n"
+    "                            gets an error (EACCES). Without it the trainer's\n"
+    "                            own call decides (default 1). Needs --socket\n"
+    "  --parallel-gradients N    pin the contributions in flight at once, 1 to 8,\n"
+    "                            the same way. Needs --socket\n"
+    "  --allreduce ALG           the data plane's all-reduce algorithm: auto\n"
+    "                            (default: recursive doubling up to 256 KiB on\n"
+    "                            the wire, the ring beyond), ring (always), or\n"
+    "                            doubling (up to 64 MiB, the ring beyond). The\n"
+    "                            first all-reduce of each logs its name. Needs\n"
+    "                            --socket\n"
     "  --heartbeat-interval DUR  ask for this heartbeat (default: the cohort's)\n"
     "  --member-timeout DUR      ask for this timeout (default: the cohort's). The\n"
     "                            broker clamps both to the cohort's limits, and\n"
@@ -112,7 +126,7 @@ out:
 static char *ca;
 
 enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY,
-       O_CA, O_SNAME };
+       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG };
 
 /* Signals go to the main thread only, which waits for them: blocked
  * before gRPC starts its threads, so none of those ever receives one.
@@ -132,8 +146,21 @@ static int start_process(sigset_t *sigs)
 }
 
 /* Serves a trainer until a signal: the node runs per trainer session. */
+static const char *const algorithm_names[] = {
+    [NODE_ALGORITHM_AUTO] = "auto", [NODE_ALGORITHM_RING] = "ring",
+    [NODE_ALGORITHM_DOUBLING] = "doubling",
+};
+
+/* The settings a cohort pins on its trainers (--virtual-batch-size,
+ * --parallel-gradients, --allreduce); 0 and auto: not pinned. */
+struct pinned {
+    uint64_t vbs;
+    unsigned parallel;
+    enum node_algorithm algorithm;
+};
+
 static int serve_trainer(const struct member_config *mc, bool integrity_mac, const char *socket_path,
-                         const char *host, const sigset_t *sigs)
+                         const char *host, const struct pinned *pin, const sigset_t *sigs)
 {
     struct trainerd_config tc = {
         .socket_path = socket_path,
@@ -141,7 +168,8 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
                   .model_version = mc->model_version, .heartbeat_ms = mc->heartbeat_ms,
                   .timeout_ms = mc->timeout_ms, .key = mc->key,
                   .integrity_mac = integrity_mac, .tls_ca_pem = mc->tls_ca_pem,
-                  .tls_server_name = mc->tls_server_name },
+                  .tls_server_name = mc->tls_server_name, .virtual_batch_size = pin->vbs,
+                  .parallel_gradients = pin->parallel, .algorithm = pin->algorithm },
     };
     struct trainerd *t;
     int rc, sig;
@@ -154,7 +182,9 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
     }
     log_info("sidecar", "Waiting for the trainer.", LF_S("socket", socket_path),
              LF_S("broker", mc->broker), LF_S("cohort", mc->cohort), LF_S("id", mc->id),
-             LF_S("host", host));
+             LF_S("host", host), LF_U("virtual_batch_size", pin->vbs),
+             LF_U("parallel_gradients", pin->parallel),
+             LF_S("allreduce", algorithm_names[pin->algorithm]));
     while (sigwait(sigs, &sig) != 0)
         ;
     log_info("sidecar", "Stopping; leaving the cohort.", LF_S("signal", strsignal(sig)));
@@ -178,6 +208,9 @@ int main(int argc, char **argv)
         { "integrity", required_argument, NULL, O_INTEGRITY },
         { "broker-ca", required_argument, NULL, O_CA },
         { "broker-server-name", required_argument, NULL, O_SNAME },
+        { "virtual-batch-size", required_argument, NULL, O_VBS },
+        { "parallel-gradients", required_argument, NULL, O_PARALLEL },
+        { "allreduce", required_argument, NULL, O_ALG },
         { "log-format", required_argument, NULL, O_LOGF },
         { "log-level", required_argument, NULL, O_LOGL },
         { "help", no_argument, NULL, 'h' },
@@ -189,6 +222,8 @@ int main(int argc, char **argv)
     const char *secret_file = getenv("COHORT_SECRET_FILE");
     const char *ca_file = getenv("COHORT_BROKER_CA");
     struct secret key;
+    struct pinned pin = { 0 };
+    bool pinned = false;
     bool integrity_mac = false;
     char host[256], address[IDENT_ADDRESS_MAX + 1];
     struct member *m = NULL;
@@ -221,6 +256,29 @@ int main(int argc, char **argv)
             if (opt_duration_ms(optarg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v == 0)
                 return opt_usage(PROG, "bad --member-timeout \"%s\"", optarg);
             mc.timeout_ms = (uint32_t)v;
+            break;
+        case O_VBS:
+            if (opt_uint(optarg, 1, INT64_MAX, &pin.vbs) < 0)
+                return opt_usage(PROG, "bad --virtual-batch-size \"%s\" (1 to 2^63-1)", optarg);
+            pinned = true;
+            break;
+        case O_PARALLEL:
+            if (opt_uint(optarg, 1, NODE_PARALLEL_MAX, &v) < 0)
+                return opt_usage(PROG, "bad --parallel-gradients \"%s\" (1 to %d)", optarg,
+                                 NODE_PARALLEL_MAX);
+            pin.parallel = (unsigned)v;
+            pinned = true;
+            break;
+        case O_ALG:
+            if (strcmp(optarg, "auto") == 0)
+                pin.algorithm = NODE_ALGORITHM_AUTO;
+            else if (strcmp(optarg, "ring") == 0)
+                pin.algorithm = NODE_ALGORITHM_RING;
+            else if (strcmp(optarg, "doubling") == 0)
+                pin.algorithm = NODE_ALGORITHM_DOUBLING;
+            else
+                return opt_usage(PROG, "bad --allreduce \"%s\": auto, ring or doubling", optarg);
+            pinned = pinned || pin.algorithm != NODE_ALGORITHM_AUTO;
             break;
         case O_SECRET: secret_file = optarg; break;
         case O_CA: ca_file = optarg; break;
@@ -299,11 +357,15 @@ int main(int argc, char **argv)
                              "interfaces");
         if (start_process(&sigs) < 0)
             return 1;
-        rc = serve_trainer(&mc, integrity_mac, socket_path, host, &sigs);
+        rc = serve_trainer(&mc, integrity_mac, socket_path, host, &pin, &sigs);
         rpc_shutdown();
         rpc_pem_free(ca);
         return rc;
     }
+    /* Without a trainer there is no accumulator and no data plane. */
+    if (pinned)
+        return opt_usage(PROG, "--virtual-batch-size, --parallel-gradients and --allreduce "
+                         "need --socket");
     fd = bind_data(listen_addr, host, sizeof(host), &port);
     if (fd < 0)
         return opt_usage(PROG, "cannot listen on --data-listen \"%s\"", listen_addr);

@@ -430,11 +430,14 @@ class Accumulator:
 
     def set_virtual_batch_size(self, n):
         """A round commits once the cohort's contributions since the last
-        commit add up to at least n samples."""
+        commit add up to at least n samples. Raises cohort.Error (EACCES)
+        when the cohort pins another size (its TrainingCohort's
+        spec.accumulator.virtualBatchSize); that size stays in force."""
         self._c().set_virtual_batch_size(n)
 
     def set_parallel_gradients(self, n):
-        """Rounds in flight at once."""
+        """Rounds in flight at once. Raises cohort.Error (EACCES) when the
+        cohort pins another count (spec.accumulator.parallelGradients)."""
         self._c().set_parallel_gradients(n)
 
     def get_gradient_stats(self):

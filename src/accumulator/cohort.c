@@ -444,6 +444,7 @@ const char *cohort_strerror(int err)
     case EPROTO: return "the sidecar speaks another protocol version, or sent something malformed";
     case ENODEV: return "no tensors registered";
     case ENOTSUP: return "not supported by this build";
+    case EACCES: return "the cohort sets this (its TrainingCohort's spec.accumulator, the sidecar's --virtual-batch-size or --parallel-gradients) to another value; the sidecar's log names it";
     default: return log_strerror(err);
     }
 }

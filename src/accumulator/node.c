@@ -72,7 +72,7 @@
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
 #define SYNC_RETRY_MS 50
 #define DEFAULT_REDUCE_TIMEOUT_MS 60000u
-#define PARALLEL_MAX 8
+#define PARALLEL_MAX NODE_PARALLEL_MAX
 #define ADD_CHUNK 4096                  /* elements widened at a time */
 #define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
 #define COUNTERS 4                      /* batch, contributions, skips, vbs */
@@ -757,7 +757,8 @@ int node_start(const struct node_config *cfg, struct node **out)
     int rc;
 
     if (!cfg || !cfg->broker || !ident_valid_cohort(cfg->cohort) ||
-        !ident_valid_member_id(cfg->id) || !cfg->host)
+        !ident_valid_member_id(cfg->id) || !cfg->host || cfg->parallel_gradients > PARALLEL_MAX ||
+        cfg->algorithm > NODE_ALGORITHM_DOUBLING)
         return -EINVAL;
     n = calloc(1, sizeof(*n));
     if (!n)
@@ -766,8 +767,8 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->cohort = strdup(cfg->cohort);
     n->id = strdup(cfg->id);
     n->version = cfg->model_version;
-    n->vbs = 1;
-    n->parallel = 1;
+    n->vbs = cfg->virtual_batch_size ? cfg->virtual_batch_size : 1;
+    n->parallel = cfg->parallel_gradients ? cfg->parallel_gradients : 1;
     n->round_slot = -1;
     for (int i = 0; i < PARALLEL_MAX; i++)
         n->slots[i].h = -1;
@@ -792,6 +793,9 @@ int node_start(const struct node_config *cfg, struct node **out)
     ac.member_timeout_ms = cfg->reduce_timeout_ms ? cfg->reduce_timeout_ms : DEFAULT_REDUCE_TIMEOUT_MS;
     ac.key = cfg->key;
     ac.integrity_mac = cfg->integrity_mac;
+    ac.small_bytes = cfg->algorithm == NODE_ALGORITHM_RING       ? ALLREDUCE_SMALL_NONE
+                     : cfg->algorithm == NODE_ALGORITHM_DOUBLING ? ALLREDUCE_SMALL_MAX
+                                                                 : 0;
     rc = allreduce_create(&ac, &n->ar);
     if (rc < 0)
         goto err;
@@ -1158,6 +1162,12 @@ int node_set_parallel_gradients(struct node *n, unsigned count)
 
     if (count == 0 || count > PARALLEL_MAX)
         return -EINVAL;
+    if (n->cfg.parallel_gradients && count != n->cfg.parallel_gradients) {
+        log_warn("node", "Refused the trainer's parallel gradients: the cohort sets them.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("asked", count),
+                 LF_U("cohort_setting", n->cfg.parallel_gradients));
+        return -EACCES;
+    }
     pthread_mutex_lock(&n->lock);
     if (count != n->parallel && outstanding_locked(n) > 0)
         rc = -EBUSY;
@@ -1172,6 +1182,12 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size)
 {
     if (size == 0)
         return -EINVAL;
+    if (n->cfg.virtual_batch_size && size != n->cfg.virtual_batch_size) {
+        log_warn("node", "Refused the trainer's virtual batch size: the cohort sets it.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("asked", size),
+                 LF_U("cohort_setting", n->cfg.virtual_batch_size));
+        return -EACCES;
+    }
     pthread_mutex_lock(&n->lock);
     n->vbs = size;
     pthread_mutex_unlock(&n->lock);

@@ -48,6 +48,15 @@ struct node;
 
 struct node_view;
 
+/* The engine's all-reduce algorithm (spec.reduction.algorithm). AUTO:
+ * recursive doubling up to the engine's measured threshold (256 KiB on the
+ * wire), the ring beyond; RING: the ring for every all-reduce; DOUBLING:
+ * recursive doubling for every all-reduce up to ALLREDUCE_SMALL_MAX
+ * (64 MiB on the wire: its scratch holds no more), the ring beyond. */
+enum node_algorithm { NODE_ALGORITHM_AUTO, NODE_ALGORITHM_RING, NODE_ALGORITHM_DOUBLING };
+
+#define NODE_PARALLEL_MAX 8
+
 struct node_config {
     const char *broker;         /* broker address */
     const char *cohort;
@@ -64,6 +73,13 @@ struct node_config {
     bool integrity_mac;         /* authenticate every data-plane frame (needs key) */
     const char *tls_ca_pem;     /* TLS to the broker: CA certificates, PEM; NULL: plaintext */
     const char *tls_server_name;/* the name the broker's certificate carries; NULL: its host */
+    /* Settings the cohort pins (a TrainingCohort's spec.accumulator): the
+     * node starts with them, and a trainer's call that asks for another
+     * value is refused with -EACCES; 0: the trainer's own call decides
+     * (moolib's default, 1, until it makes one). */
+    uint64_t virtual_batch_size;
+    unsigned parallel_gradients;    /* 0, or 1 to NODE_PARALLEL_MAX */
+    enum node_algorithm algorithm;  /* the engine's all-reduce algorithm */
     /* Called with the node's lock held whenever the view may have
      * changed, from any of its threads: copy it and return; never call
      * into the node. May be NULL. */
@@ -146,10 +162,13 @@ int node_take_state(struct node *n, void **state, size_t *len);
 /* moolib's knobs. A version set here is declared to the broker and counts
  * at the next election. */
 int node_set_model_version(struct node *n, uint64_t version);
+/* Returns 0, -EINVAL (0), or -EACCES when the config pins another size
+ * (logged with both values); the pinned size is asked again harmlessly. */
 int node_set_virtual_batch_size(struct node *n, uint64_t size);
-/* Contributions in flight at once, 1 to 8 (see node.c). Returns 0,
- * -EINVAL, or -EBUSY while contributions are outstanding: change it
- * between rounds. */
+/* Contributions in flight at once, 1 to NODE_PARALLEL_MAX (see node.c).
+ * Returns 0, -EINVAL, -EACCES (the config pins another count, as for the
+ * virtual batch size), or -EBUSY while contributions are outstanding:
+ * change it between rounds. */
 int node_set_parallel_gradients(struct node *n, unsigned count);
 
 /* The data-plane address this node advertises. */

@@ -96,7 +96,7 @@
 #define DEFAULT_SEGMENT_BYTES ((size_t)256 << 10)
 #define DEFAULT_SMALL_BYTES ((size_t)256 << 10)
 #define MAX_SEGMENT_BYTES ((size_t)64 << 20)
-#define MAX_SMALL_BYTES ((size_t)64 << 20)
+#define MAX_SMALL_BYTES ALLREDUCE_SMALL_MAX
 
 #define ABORT_GRACE_MS 50       /* finishing half-sent frames before a BYE */
 
@@ -362,6 +362,7 @@ static int table_reset(struct allreduce *a, struct epoch *e)
 enum algorithm_id { ALGORITHM_RING, ALGORITHM_DOUBLING };
 
 struct algorithm {
+    const char *name;
     /* The members that member `me` of `n` talks to, into need[] (MAX_NEED). */
     size_t (*needs)(size_t n, size_t me, size_t *need);
     int (*run)(struct run *x);
@@ -370,8 +371,9 @@ struct algorithm {
 };
 
 static const struct algorithm algorithms[] = {
-    [ALGORITHM_RING] = { .needs = ring_needs, .run = ring_run, .in_place = false },
-    [ALGORITHM_DOUBLING] = { .needs = doubling_needs, .run = doubling_run, .in_place = true },
+    [ALGORITHM_RING] = { .name = "ring", .needs = ring_needs, .run = ring_run, .in_place = false },
+    [ALGORITHM_DOUBLING] = { .name = "doubling", .needs = doubling_needs, .run = doubling_run,
+                             .in_place = true },
 };
 
 /* The one place a call's algorithm is chosen: recursive doubling up to
@@ -419,6 +421,14 @@ static int run_call(struct run *x)
         rc = table_reset(a, x->e);
         if (rc < 0)
             return rc;
+    }
+    /* Once per algorithm and engine: what a cohort's setting (or the
+     * threshold) chose shows in the log without a line per call. */
+    if (!a->alg_used[alg - algorithms]) {
+        a->alg_used[alg - algorithms] = true;
+        log_info(COMPONENT, "First all-reduce with this algorithm.", LF_S("cohort", a->cohort),
+                 LF_S("algorithm", alg->name), LF_U("members", x->n),
+                 LF_U("bytes", x->count * x->asz));
     }
     n_need = alg->needs(x->n, x->me, need);
     rc = conn_connect_peers(x, need, n_need);

@@ -36,6 +36,8 @@ struct allreduce;
 #define ALLREDUCE_DEFAULT_TIMEOUT_MS 10000u
 /* small_bytes that turns recursive doubling off: the ring for every size. */
 #define ALLREDUCE_SMALL_NONE ((size_t)-1)
+/* The largest small_bytes: recursive doubling's scratch is 2 x this. */
+#define ALLREDUCE_SMALL_MAX ((size_t)64 << 20)
 #define ALLREDUCE_MAX_BUFFERS 1024
 
 struct allreduce_config {
@@ -56,7 +58,10 @@ struct allreduce_config {
     size_t small_bytes;             /* all-reduces of at most this many bytes on the
                                      * wire (count x accumulation size) use recursive
                                      * doubling; 0: the measured default;
-                                     * ALLREDUCE_SMALL_NONE: never; at most 64 MiB */
+                                     * ALLREDUCE_SMALL_NONE: never; at most
+                                     * ALLREDUCE_SMALL_MAX. The first all-reduce
+                                     * each algorithm runs is logged (info), so
+                                     * the choice shows in the member's log */
     const struct secret *key;       /* the cohort's key, copied; NULL: greetings
                                      * are not authenticated (tests, and cohorts
                                      * whose broker runs without a key). Keyed and

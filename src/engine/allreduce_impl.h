@@ -122,6 +122,7 @@ struct allreduce {
     int listen_fd;
     uint32_t timeout_ms;
     size_t seg_bytes, small_bytes;
+    bool alg_used[2];           /* run_call logged this algorithm (ring, doubling) */
     int abort_fd;               /* set_epoch -> run */
     int wake_fd;                /* set_epoch, destroy -> acceptor */
     int inbox_fd;               /* acceptor -> run */

@@ -69,6 +69,21 @@ static int duration_field(const cJSON *t, const char *k, uint32_t def, uint32_t 
     return 0;
 }
 
+/* spec.reduction.algorithm's static spelling, "auto" when absent, NULL
+ * when it is none of the CRD's values. */
+static const char *algorithm_field(const cJSON *spec)
+{
+    static const char *const names[] = { "auto", "ring", "doubling" };
+    const cJSON *v = get(get(spec, "reduction"), "algorithm");
+
+    if (!v)
+        return names[0];
+    for (size_t i = 0; cJSON_IsString(v) && i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(v->valuestring, names[i]) == 0)
+            return names[i];
+    return NULL;
+}
+
 static bool has_named(const cJSON *arr, const char *name)
 {
     const cJSON *it;
@@ -123,6 +138,24 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (s->timeout_ms <= s->heartbeat_ms)
         return refuse(why, "InvalidTimeouts", "spec.timeouts.memberTimeout must be longer than "
                       "spec.timeouts.heartbeatInterval");
+    if (int_field(get(spec, "accumulator"), "virtualBatchSize", 0, 1, RECONCILE_VBS_MAX, &v) < 0)
+        return refuse(why, "InvalidSpec", "spec.accumulator.virtualBatchSize must be an integer "
+                      "from 1 to %lld", RECONCILE_VBS_MAX);
+    s->virtual_batch_size = (uint64_t)v;
+    if (int_field(get(spec, "accumulator"), "parallelGradients", 0, 1, RECONCILE_PARALLEL_MAX,
+                  &v) < 0)
+        return refuse(why, "InvalidSpec", "spec.accumulator.parallelGradients must be an integer "
+                      "from 1 to %d", RECONCILE_PARALLEL_MAX);
+    s->parallel_gradients = (uint32_t)v;
+    s->algorithm = algorithm_field(spec);
+    if (!s->algorithm)
+        return refuse(why, "InvalidSpec", "spec.reduction.algorithm must be auto, ring or "
+                      "doubling");
+    if (get(get(spec, "reduction"), "compression") &&
+        (!str(get(spec, "reduction"), "compression") ||
+         strcmp(str(get(spec, "reduction"), "compression"), "none") != 0))
+        return refuse(why, "InvalidSpec", "spec.reduction.compression must be none: no "
+                      "compression is implemented yet");
     tmpl = get(spec, "template");
     pspec = get(tmpl, "spec");
     conts = get(pspec, "containers");
@@ -296,8 +329,11 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
 {
     const cJSON *sc = get(get(tc, "spec"), "sidecar");
     const char *image = str(sc, "image"), *pull = str(sc, "imagePullPolicy");
-    const char *level = str(sc, "logLevel");
+    const char *level = str(sc, "logLevel"), *alg = algorithm_field(get(tc, "spec"));
+    const cJSON *acc = get(get(tc, "spec"), "accumulator");
     cJSON *c = cJSON_CreateObject(), *cmd, *args;
+    char num[32];
+    long v;
 
     cJSON_AddStringToObject(c, "name", RECONCILE_SIDECAR);
     cJSON_AddStringToObject(c, "image", image ? image : env->sidecar_image);
@@ -320,6 +356,20 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
     cJSON_AddItemToArray(args, cJSON_CreateString("$(COHORT_POD_IP):0"));
     cJSON_AddItemToArray(args, cJSON_CreateString("--log-level"));
     cJSON_AddItemToArray(args, cJSON_CreateString(level ? level : "info"));
+    /* reconcile_parse refused anything out of range before a pod is made;
+     * the checks here only keep a bad value off the command line. */
+    cJSON_AddItemToArray(args, cJSON_CreateString("--allreduce"));
+    cJSON_AddItemToArray(args, cJSON_CreateString(alg ? alg : "auto"));
+    if (int_field(acc, "virtualBatchSize", 0, 1, RECONCILE_VBS_MAX, &v) == 0 && v > 0) {
+        snprintf(num, sizeof(num), "%ld", v);
+        cJSON_AddItemToArray(args, cJSON_CreateString("--virtual-batch-size"));
+        cJSON_AddItemToArray(args, cJSON_CreateString(num));
+    }
+    if (int_field(acc, "parallelGradients", 0, 1, RECONCILE_PARALLEL_MAX, &v) == 0 && v > 0) {
+        snprintf(num, sizeof(num), "%ld", v);
+        cJSON_AddItemToArray(args, cJSON_CreateString("--parallel-gradients"));
+        cJSON_AddItemToArray(args, cJSON_CreateString(num));
+    }
     if (cJSON_IsObject(get(sc, "resources")))
         cJSON_AddItemToObject(c, "resources", cJSON_Duplicate(get(sc, "resources"), 1));
     set_env(c, cohort_key, env->broker_address);

@@ -59,12 +59,22 @@
 #define RECONCILE_ANNOTATION_KEY_ID "cohort.dev/key-id"
 #define RECONCILE_REASON_MAX 64
 #define RECONCILE_MESSAGE_MAX 512
+/* spec.accumulator.virtualBatchSize's largest value: a JSON number is
+ * exact up to 2^53. */
+#define RECONCILE_VBS_MAX 9007199254740991LL
+#define RECONCILE_PARALLEL_MAX 8
 
 /* What the operator interprets of spec, after defaults and checks. */
 struct reconcile_spec {
     uint32_t replicas, min_replicas, max_restarts;
     bool suspend;
     uint32_t heartbeat_ms, timeout_ms;
+    /* spec.accumulator, pinned on every member's sidecar; 0: unset, the
+     * trainer's own calls decide. */
+    uint64_t virtual_batch_size;
+    uint32_t parallel_gradients;
+    /* spec.reduction.algorithm: "auto", "ring" or "doubling" (static). */
+    const char *algorithm;
 };
 
 /* Why a cohort cannot be reconciled: a condition reason (CamelCase) and a
@@ -78,7 +88,9 @@ struct reconcile_why {
  * for fields that are missing (an object written before the CRD was
  * updated, or a server without defaulting). Returns 0, or -EINVAL with
  * *why filled: a name too long for the pod names and labels, replicas out
- * of range, durations that do not parse or timeout <= heartbeat, a
+ * of range, durations that do not parse or timeout <= heartbeat,
+ * spec.accumulator or spec.reduction values the CRD does not allow
+ * (reduction.compression other than none: no codec exists yet), a
  * template without containers or with a container or volume name that
  * the operator reserves. */
 int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_why *why);
@@ -106,6 +118,10 @@ const char *reconcile_pull_policy(const char *s);
  * with the sidecar injected as a native sidecar (an init container with
  * restartPolicy Always), the shared emptyDir, the COHORT_* environment
  * in every trainer container, labels and a controller owner reference.
+ * The sidecar is told spec.reduction.algorithm (--allreduce) and, when
+ * set, spec.accumulator's virtualBatchSize and parallelGradients
+ * (--virtual-batch-size, --parallel-gradients), which it pins on the
+ * trainer's Accumulator.
  * Security defaults (docs/operator.md, "Security context"): the sidecar
  * runs restricted (non-root, read-only root filesystem, no privilege
  * escalation, no capabilities, seccomp RuntimeDefault); the pod gets

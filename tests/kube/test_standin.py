@@ -216,12 +216,18 @@ def test_cohort_crd_rules(kubectl, cluster):
     assert "spec.replicas must not be below spec.minReplicas" in refused(
         "t4", {"replicas": 1, "minReplicas": 2})
     assert 'Unsupported value: "zstd"' in refused("t5", {"reduction": {"compression": "zstd"}})
+    # No codec exists yet: only none; tree was never an algorithm of the engine.
+    assert 'Unsupported value: "fp16"' in refused("t5", {"reduction": {"compression": "fp16"}})
+    assert 'Unsupported value: "tree"' in refused("t5", {"reduction": {"algorithm": "tree"}})
+    assert "spec.accumulator.parallelGradients" in refused(
+        "t5", {"accumulator": {"parallelGradients": 9}})
     assert "reserved for the injected sidecar" in refused("t6", {"template": {"spec": {
         "containers": [{"name": "cohort-sidecar", "image": "x"}]}}})
     assert "spec.template: Required value" in refused("t7", {"template": None})
     ok = cluster.ok("POST", TC, cohort("t8", {"timeouts": {"memberTimeout": "2m"}}))
     assert ok["spec"]["timeouts"] == {"heartbeatInterval": "1s", "memberTimeout": "2m"}
-    assert ok["spec"]["accumulator"] == {"virtualBatchSize": 1, "parallelGradients": 1}
+    # No defaults: unset, the trainer's own calls decide.
+    assert ok["spec"]["accumulator"] == {}
     cluster.ok("DELETE", TC + "/t8")
 
 

@@ -5,11 +5,16 @@ that the node's threads never start inside the pytest process:
     child_checks.py misuse ADDRESS      refusals of a connected accumulator
     child_checks.py sidecar unix:PATH   connect before the sidecar listens, train,
                                         then report the error once it is killed
+    child_checks.py pinned unix:PATH    one of two members whose sidecars may pin a
+                                        virtual batch size of 8: three rounds of
+                                        reduce_gradients(2), then the setters; prints
+                                        each round's stats
 
 Each prints "ok" last on success; a failed check raises. tests/lib is on
 the path (pyproc.child_env puts it there); pyproc is beside this file.
 """
 import errno
+import json
 import sys
 import time
 
@@ -163,5 +168,40 @@ def check_sidecar(address):
     print("ok")
 
 
+def check_pinned(address):
+    # Never calls set_virtual_batch_size before training: the rounds follow
+    # the sidecar's --virtual-batch-size 8 or nothing.
+    m = model()
+    acc = connected(address, m)
+    def serve():
+        acc.update()
+        if acc.wants_state():
+            acc.set_state({})
+        if acc.has_new_state():
+            acc.state()
+    # Both members in one epoch, with state, before anyone contributes.
+    wait(lambda: (serve(), acc.size() == 2 and acc.wants_gradients())[1], "two members")
+    rounds = []
+    while len(rounds) < 3:
+        serve()
+        if acc.has_gradients():
+            rounds.append(acc.get_gradient_stats())
+            acc.zero_gradients()
+        elif acc.wants_gradients():
+            m(torch.randn(2, 6)).sum().backward()
+            acc.reduce_gradients(2)
+        else:
+            acc.wait(0.05)
+    print("rounds " + json.dumps(rounds), flush=True)
+    # Another size or count is refused, the cohort's own is accepted.
+    msg = expect(cohort.Error, acc.set_virtual_batch_size, 4, code=errno.EACCES)
+    assert "the cohort sets this" in msg, msg
+    expect(cohort.Error, acc.set_parallel_gradients, 1, code=errno.EACCES)
+    acc.set_virtual_batch_size(8)
+    acc.set_parallel_gradients(2)
+    print("ok")
+
+
 if __name__ == "__main__":
-    {"round": check_round, "misuse": check_misuse, "sidecar": check_sidecar}[sys.argv[1]](sys.argv[2])
+    {"round": check_round, "misuse": check_misuse, "sidecar": check_sidecar,
+     "pinned": check_pinned}[sys.argv[1]](sys.argv[2])

@@ -789,3 +789,82 @@ Test(reconcile, template_security_settings_win)
     cJSON_Delete(tc);
     cJSON_Delete(half);
 }
+
+/* The sidecar's args as one space-separated string. */
+static void sidecar_args(const cJSON *pod, char *buf, size_t n)
+{
+    const cJSON *side = cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0), *it;
+    size_t used = 0;
+
+    buf[0] = '\0';
+    cJSON_ArrayForEach(it, cJSON_GetObjectItem(side, "args"))
+        used += (size_t)snprintf(buf + used, n - used, "%s%s", used ? " " : "", it->valuestring);
+    cr_assert_lt(used, n);
+}
+
+Test(reconcile, parse_reads_accumulator_and_reduction)
+{
+    cJSON *tc = cohort("lr", "\"accumulator\":{\"virtualBatchSize\":9007199254740991,"
+                             "\"parallelGradients\":8},"
+                             "\"reduction\":{\"algorithm\":\"ring\",\"compression\":\"none\"}");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_eq(s.virtual_batch_size, 9007199254740991ull);
+    cr_assert_eq(s.parallel_gradients, 8);
+    cr_assert_str_eq(s.algorithm, "ring");
+    cJSON_Delete(tc);
+    /* Unset: nothing pinned, the engine's own choice. */
+    tc = cohort("lr", "\"accumulator\":{},\"reduction\":{}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_eq(s.virtual_batch_size, 0);
+    cr_assert_eq(s.parallel_gradients, 0);
+    cr_assert_str_eq(s.algorithm, "auto");
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, parse_refuses_accumulator_and_reduction_out_of_range)
+{
+    refused("lr", "\"accumulator\":{\"virtualBatchSize\":0}", "InvalidSpec");
+    refused("lr", "\"accumulator\":{\"virtualBatchSize\":9007199254740992}", "InvalidSpec");
+    refused("lr", "\"accumulator\":{\"virtualBatchSize\":1e300}", "InvalidSpec");
+    refused("lr", "\"accumulator\":{\"virtualBatchSize\":\"8\"}", "InvalidSpec");
+    refused("lr", "\"accumulator\":{\"parallelGradients\":9}", "InvalidSpec");
+    refused("lr", "\"accumulator\":{\"parallelGradients\":1.5}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"algorithm\":\"tree\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"algorithm\":7}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":\"fp16\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":null}", "InvalidSpec");
+}
+
+Test(reconcile, pod_tells_the_sidecar_the_accumulator_and_the_algorithm)
+{
+    cJSON *tc = cohort("lr", "\"accumulator\":{\"virtualBatchSize\":256,\"parallelGradients\":3},"
+                             "\"reduction\":{\"algorithm\":\"doubling\",\"compression\":\"none\"}");
+    cJSON *pod = NULL;
+    char args[1024];
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    sidecar_args(pod, args, sizeof(args));
+    cr_assert(strstr(args, " --allreduce doubling"), "%s", args);
+    cr_assert(strstr(args, " --virtual-batch-size 256"), "%s", args);
+    cr_assert(strstr(args, " --parallel-gradients 3"), "%s", args);
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_without_accumulator_settings_pins_nothing)
+{
+    cJSON *tc = cohort("lr", "");
+    cJSON *pod = NULL;
+    char args[1024];
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    sidecar_args(pod, args, sizeof(args));
+    cr_assert(strstr(args, " --allreduce auto"), "%s", args);
+    cr_assert_null(strstr(args, "--virtual-batch-size"), "%s", args);
+    cr_assert_null(strstr(args, "--parallel-gradients"), "%s", args);
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
