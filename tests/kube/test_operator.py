@@ -235,6 +235,40 @@ def test_cohort_trains_scales_recovers_drains_and_is_deleted(cluster):
     assert m["pods_created_total"] >= 6 and m["reconcile_errors_total"] == 0, m
 
 
+def test_accumulator_and_reduction_fields_reach_every_member(cluster):
+    """spec.accumulator and spec.reduction become the sidecars' flags, and
+    the sidecars run with them: the settings they pinned and the
+    algorithm their all-reduces use show in their logs."""
+    c = cluster
+    args = ["--steps", "10000000", "--delay", "20ms", "--log-every", "50", "--stall-timeout",
+            "60s", "--virtual-batch", "4"]
+    apply(c, cohort_manifest("pin", 2, args=args, extra_spec={
+        "accumulator": {"virtualBatchSize": 4, "parallelGradients": 2},
+        "reduction": {"algorithm": "ring"}}))
+    wait_members(c, "pin", ["pin-0", "pin-1"])
+    wait_training(c, "pin")
+    for pod in live_pods(c, "pin"):
+        side = pod["spec"]["initContainers"][0]
+        flags = side.get("args") or side.get("command")
+        for flag, value in (("--virtual-batch-size", "4"), ("--parallel-gradients", "2"),
+                            ("--allreduce", "ring")):
+            assert flags[flags.index(flag) + 1] == value, flags
+        name = pod["metadata"]["name"]
+
+        def log(name=name):
+            return c.kubectl("logs", name, "-c", "cohort-sidecar").stdout
+        wait_until(lambda: "First all-reduce with this algorithm." in log(),
+                   "%s's sidecar to reduce" % name)
+        waiting = [ln for ln in log().splitlines() if "Waiting for the trainer." in ln]
+        assert waiting and "virtual_batch_size=4" in waiting[-1] and \
+            "parallel_gradients=2" in waiting[-1] and "allreduce=ring" in waiting[-1], waiting
+        algs = {m for m in re.findall(r"First all-reduce with this algorithm\..*?algorithm=(\S+)",
+                                      log())}
+        assert algs == {"ring"}, algs
+    c.kubectl("delete", "tc", "pin", "--wait=true")
+    wait_until(lambda: not pods(c, "pin"), "pin's pods to be gone")
+
+
 def test_invalid_cohorts_are_refused_or_get_a_reason(cluster):
     c = cluster
     # The schema's CEL rule refuses replicas above maxReplicas.
