@@ -680,9 +680,7 @@ static void plan_rollout(const struct reconcile_spec *s, const struct reconcile_
                          const size_t *cand, size_t n_cand, uint32_t running,
                          struct reconcile_plan *p)
 {
-    /* Names are unique, so running <= want; the guard is for the fuzzer's
-     * duplicates. */
-    uint32_t unavailable = p->want > running ? p->want - running : 0, floor, taken = 0;
+    uint32_t unavailable = p->want - running, floor, taken = 0;
 
     floor = s->replicas > s->min_replicas ? s->min_replicas : s->min_replicas - 1;
     /* Drains under way go on whatever the budget says now: stopping one
@@ -742,7 +740,7 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
     }
     for (size_t i = 0; i < n; i++) {
         const struct reconcile_pod_view *v = &pods[i];
-        bool wanted = v->ordinal >= 0 && (uint32_t)v->ordinal < p->want;
+        bool wanted = v->ordinal >= 0 && (uint32_t)v->ordinal < p->want, first;
 
         if (v->phase == RECONCILE_POD_TERMINATING) {
             p->terminating++;
@@ -758,14 +756,17 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
         }
         if (seen[v->ordinal] == 2)
             p->blocked--;               /* a new pod already holds the name */
+        /* Names are unique, so an ordinal is held once; counts hold to
+         * that whatever the caller passes. */
+        first = seen[v->ordinal] != 1;
         seen[v->ordinal] = 1;
         if (v->phase == RECONCILE_POD_SUCCEEDED)
             succeeded++;
-        if (v->phase == RECONCILE_POD_RUNNING)
+        if (v->phase == RECONCILE_POD_RUNNING && first)
             running++;
-        if (v->outdated && v->phase != RECONCILE_POD_SUCCEEDED)
+        if (v->outdated && v->phase != RECONCILE_POD_SUCCEEDED && first)
             p->outdated++;
-        else if (!v->outdated)
+        else if (!v->outdated && first)
             p->updated++;
         if (v->phase == RECONCILE_POD_FAILED) {
             p->failed_pods++;
@@ -778,7 +779,7 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
             }
         } else if (v->stale && v->phase != RECONCILE_POD_SUCCEEDED) {
             p->roll[p->n_roll++] = i;
-        } else if (v->outdated && v->phase != RECONCILE_POD_SUCCEEDED) {
+        } else if (v->outdated && v->phase != RECONCILE_POD_SUCCEEDED && first) {
             cand[n_cand++] = i;
         }
     }

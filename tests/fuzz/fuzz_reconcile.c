@@ -104,12 +104,18 @@ static void check_plan(const struct reconcile_spec *s, uint32_t restarts,
     uint32_t running = 0, min_wait = 0, taken = 0, newly = 0, floor;
 
     CHECK(p->want == (s->suspend ? 0 : s->replicas));
+    memset(held, 0, sizeof(held));
     for (size_t i = 0; i < n; i++) {
         bool wanted = v[i].ordinal >= 0 && (uint32_t)v[i].ordinal < p->want;
         terminating += v[i].phase == RECONCILE_POD_TERMINATING;
         excess += v[i].phase != RECONCILE_POD_TERMINATING && !wanted;
         failed_wanted += v[i].phase == RECONCILE_POD_FAILED && wanted;
-        running += v[i].phase == RECONCILE_POD_RUNNING && wanted;
+        /* The first pod that holds an ordinal counts (names are unique in
+         * a cluster; inputs may repeat them). */
+        if (wanted && v[i].phase != RECONCILE_POD_TERMINATING && !held[v[i].ordinal]) {
+            held[v[i].ordinal] = true;
+            running += v[i].phase == RECONCILE_POD_RUNNING;
+        }
         if (v[i].phase == RECONCILE_POD_FAILED && wanted && v[i].backoff_ms) {
             waiting++;
             min_wait = !min_wait || v[i].backoff_ms < min_wait ? v[i].backoff_ms : min_wait;
@@ -137,8 +143,7 @@ static void check_plan(const struct reconcile_spec *s, uint32_t restarts,
         else if (u->phase == RECONCILE_POD_RUNNING)
             newly++;
     }
-    CHECK(newly == 0 || (p->want > running ? p->want - running : 0) + taken + newly <=
-                             s->max_unavailable);
+    CHECK(newly == 0 || (p->want - running) + taken + newly <= s->max_unavailable);
     CHECK(newly == 0 || running - taken - newly >= floor);
     CHECK(p->terminating == terminating && p->n_excess == excess);
     CHECK(p->failed_pods == failed_wanted && p->blocked <= p->want);
