@@ -734,7 +734,12 @@ static void note_failures(struct controller *c, const cJSON *tc, struct cstate *
                     event(c, tc, true, "BackOff", "Back-off restarting failed pod %s.", v->name);
             }
             v->backoff_ms = o->backoff.until_ms > now ? (uint32_t)(o->backoff.until_ms - now) : 0;
-        } else if (bad && f.exit_code < 0 && !f.signal) {
+        } else if (!(bad && f.exit_code < 0 && !f.signal)) {
+            /* Started after all: a later ErrImagePull is told again. */
+            for (size_t j = 0; j < s->n_ords; j++)
+                if (s->ords[j].ordinal == (uint32_t)v->ordinal)
+                    s->ords[j].waiting[0] = '\0';
+        } else {
             o = ostate_of(s, (uint32_t)v->ordinal);
             if (!o)
                 continue;
@@ -777,8 +782,11 @@ static void refused(struct controller *c, const cJSON *tc, struct cstate *s, con
     event(c, tc, true, reason, "Error %s pod %s: %s", verb, pod, what);
 }
 
-/* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff. */
-static int reconcile(struct controller *c, const char *key)
+/* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff.
+ * A refused create or delete also fills err (the API's words: later calls
+ * of this pass, its Event and status write, replace the thread's last
+ * error). */
+static int reconcile(struct controller *c, const char *key, char *err, size_t err_n)
 {
     char ns[LIMIT_KUBE_LABEL_MAX + 1], sel[128], prefix[LIMIT_KUBE_KEY_MAX + 2];
     char path[PATH_MAX_], stamp[32], hash[RECONCILE_HASH_CHARS + 1];
@@ -1074,7 +1082,9 @@ status:
         fails[n_fails].pod = fail_names[n_fails];
         fails[n_fails].f = &o->failure;
         fails[n_fails].at = o->at;
-        fails[n_fails].backoff_ms = o->backoff.until_ms > now ? (uint32_t)(o->backoff.until_ms - now)
+        /* The wait decided, not what is left of it: status stays the
+         * same from pass to pass, and time + backoffSeconds says when. */
+        fails[n_fails].backoff_ms = o->backoff.until_ms > now ? reconcile_backoff_ms(o->backoff.streak)
                                                               : 0;
         /* Only while its failed pod still waits: a new pod is past it. */
         if (fails[n_fails].backoff_ms) {
@@ -1113,8 +1123,10 @@ status:
         again = again && (uint32_t)again < wait ? again : (int)wait;
         rc = 0;
     }
-    if (rc == 0 && fail_rc < 0)
+    if (rc == 0 && fail_rc < 0) {
         rc = fail_rc;
+        snprintf(err, err_n, "%s", s->refused.message);
+    }
 out:
     bview_cleanup(&b);
     reconcile_plan_cleanup(&plan);
@@ -1134,7 +1146,7 @@ out:
 static void *worker_main(void *arg)
 {
     struct controller *c = arg;
-    char key[LIMIT_KUBE_KEY_MAX];
+    char key[LIMIT_KUBE_KEY_MAX], why[RECONCILE_MESSAGE_MAX];
 
     while (!atomic_load(&c->stop)) {
         int rc = workq_wait(c->q, key, sizeof(key), 500);
@@ -1144,13 +1156,15 @@ static void *worker_main(void *arg)
             break;
         if (rc < 0)
             continue;
-        rc = reconcile(c, key);
+        why[0] = '\0';
+        rc = reconcile(c, key, why, sizeof(why));
         now = clock_now_ms();
         atomic_fetch_add(&c->n.reconciles, 1);
         if (rc < 0) {
             atomic_fetch_add(&c->n.errors, 1);
             log_warn("controller", "A reconcile failed; it will be retried with backoff.",
-                     LF_S("cohort", key), LF_S("error", kube_strerror(rc)), LF_U("failures", workq_failures(c->q, key) + 1));
+                     LF_S("cohort", key), LF_S("error", why[0] ? why : kube_strerror(rc)),
+                     LF_U("failures", workq_failures(c->q, key) + 1));
             workq_add_rate_limited(c->q, key, now);
         } else {
             workq_forget(c->q, key);

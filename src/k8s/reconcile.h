@@ -267,6 +267,14 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
                    const struct reconcile_pod_view *pods, size_t n, struct reconcile_plan *p);
 void reconcile_plan_cleanup(struct reconcile_plan *p);
 
+/* One pod name's last failure, for status. Borrowed. */
+struct reconcile_pod_failure {
+    const char *pod;
+    const struct reconcile_failure *f;
+    uint32_t backoff_ms;            /* the back-off its replacement waits, 0: none now */
+    const char *at;                 /* when it was seen, RFC 3339 */
+};
+
 /* The broker's view of the cohort, borrowed. */
 struct reconcile_member {
     const char *id, *address;
@@ -292,13 +300,8 @@ struct reconcile_observed {
     const struct reconcile_why *replica_failure;
     /* The last failure of each pod name that failed (a member's entry
      * gets it as lastFailure; a pod that is no member gets an entry of
-     * its own), and the back-off left, ms. */
-    const struct reconcile_pod_failure {
-        const char *pod;
-        const struct reconcile_failure *f;
-        uint32_t backoff_ms;
-        const char *at;             /* RFC 3339 */
-    } *failures;
+     * its own). */
+    const struct reconcile_pod_failure *failures;
     size_t n_failures;
 };
 
