@@ -25,6 +25,7 @@
 #include "base/ident.h"
 #include "base/secret.h"
 #include "k8s/drain.h"
+#include "k8s/evrec.h"
 #include "k8s/keys.h"
 #include "k8s/kube.h"
 #include "base/limits.h"
@@ -36,12 +37,30 @@
 #define WORKERS_MAX 16
 #define POLL_AGAIN_MS 250           /* while pods start or drains run */
 #define HANDLED_MAX 256             /* failed pod uids remembered per cohort */
+#define RESTART_TIMES 1024          /* replacement times kept for the budget's window */
+
+/* One ordinal's crash loop and its last failure. */
+struct ostate {
+    uint32_t ordinal;
+    struct reconcile_backoff backoff;
+    char uid[64];                   /* the failed pod whose failure was counted */
+    bool has_failure;
+    struct reconcile_failure failure;
+    char at[32];                    /* when it was seen, RFC 3339 */
+    char waiting[RECONCILE_REASON_MAX];     /* a waiting reason already told in an Event */
+};
 
 /* What one cohort's reconciles remember. */
 struct cstate {
     char key[LIMIT_KUBE_KEY_MAX];
     bool restarts_known;
     uint32_t restarts;
+    uint64_t restart_at[RESTART_TIMES];     /* ring: when replacements were made */
+    size_t n_restart_at, next_restart_at;
+    struct ostate *ords;
+    size_t n_ords;
+    bool has_refused;               /* the API refused a create or delete in the last pass */
+    struct reconcile_why refused;
     char *handled[HANDLED_MAX];     /* uids of failed pods already replaced */
     size_t n_handled, next_handled;
     struct drain_set drains;        /* members being drained before their pods go */
@@ -62,6 +81,7 @@ struct controller {
     char cohorts_path[PATH_MAX_], pods_path[PATH_MAX_], secrets_path[PATH_MAX_];
     struct reflector *cohorts, *pods, *secrets;
     struct workq *q;
+    struct evrec *events;
     pthread_t workers[WORKERS_MAX], ticker;
     uint32_t n_workers;
     bool ticker_started;
@@ -145,6 +165,7 @@ static void state_free(struct cstate *s)
     for (size_t i = 0; i < s->n_handled; i++)
         free(s->handled[i]);
     drain_set_cleanup(&s->drains);
+    free(s->ords);
     cJSON_Delete(s->written);
     free(s);
 }
@@ -202,8 +223,10 @@ static void event(struct controller *c, const cJSON *tc, bool warning, const cha
 {
     const cJSON *meta = get(tc, "metadata");
     const char *ns = str(meta, "namespace"), *name = str(meta, "name");
-    char msg[1024], ename[LIMIT_KUBE_KEY_MAX + 24], path[PATH_MAX_], stamp[32];
+    char msg[1024], ename[EVREC_NAME_MAX], path[PATH_MAX_], stamp[32];
+    char okey[LIMIT_KUBE_KEY_MAX];
     cJSON *ev, *m, *io, *src;
+    uint32_t count = 0;
     uint64_t r = 0;
     va_list ap;
     int rc;
@@ -213,11 +236,41 @@ static void event(struct controller *c, const cJSON *tc, bool warning, const cha
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    snprintf(okey, sizeof(okey), "%s/%s", ns, name);
+    now_rfc3339(stamp, sizeof(stamp));
+    switch (evrec_decide(c->events, okey, warning, reason, msg, clock_now_ms(), ename, &count)) {
+    case EVREC_DROP:
+        log_emit(warning ? LOG_WARN : LOG_INFO, "controller", msg, LF_S("cohort", name),
+                 LF_S("namespace", ns), LF_S("reason", reason), LF_B("event_dropped", true),
+                 LOG_END);
+        return;
+    case EVREC_PATCH:
+        /* client-go's recorder: the same Event again raises its count. */
+        snprintf(path, sizeof(path), "/api/v1/namespaces/%s/events/%s", ns, ename);
+        ev = cJSON_CreateObject();
+        if (!ev)
+            return;
+        cJSON_AddNumberToObject(ev, "count", count);
+        cJSON_AddStringToObject(ev, "lastTimestamp", stamp);
+        rc = kube_merge_patch(c->cfg.kube, path, ev, NULL);
+        cJSON_Delete(ev);
+        if (rc == 0) {
+            atomic_fetch_add(&c->n.events, 1);
+            log_emit(warning ? LOG_WARN : LOG_INFO, "controller", msg, LF_S("cohort", name),
+                     LF_S("namespace", ns), LF_S("reason", reason), LF_U("count", count),
+                     LOG_END);
+            return;
+        }
+        /* Gone (Events expire) or refused: make a new one. */
+        evrec_forget_event(c->events, ename);
+        break;
+    default:
+        break;
+    }
     if (getrandom(&r, sizeof(r), 0) != sizeof(r))
         r = clock_now_us();
     snprintf(ename, sizeof(ename), "%s.%016" PRIx64, name, r);
     snprintf(path, sizeof(path), "/api/v1/namespaces/%s/events", ns);
-    now_rfc3339(stamp, sizeof(stamp));
     ev = cJSON_CreateObject();
     if (!ev)
         return;
@@ -245,6 +298,8 @@ static void event(struct controller *c, const cJSON *tc, bool warning, const cha
     cJSON_AddStringToObject(ev, "reportingInstance", c->identity);
     rc = kube_create_object(c->cfg.kube, path, ev, NULL);
     cJSON_Delete(ev);
+    if (rc == 0)
+        evrec_note(c->events, okey, warning, reason, msg, ename, clock_now_ms());
     atomic_fetch_add(&c->n.events, 1);
     log_emit(warning ? LOG_WARN : LOG_INFO, "controller", msg, LF_S("cohort", name),
              LF_S("namespace", ns), LF_S("reason", reason), LOG_END);
@@ -588,12 +643,159 @@ static void restore_key(struct controller *c, const cJSON *tc, const char *key)
     cJSON_Delete(sec);
 }
 
-/* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff. */
-static int reconcile(struct controller *c, const char *key)
+/* ---- failures and back-off ------------------------------------------- */
+
+static struct ostate *ostate_of(struct cstate *s, uint32_t ordinal)
+{
+    struct ostate *o;
+
+    for (size_t i = 0; i < s->n_ords; i++)
+        if (s->ords[i].ordinal == ordinal)
+            return &s->ords[i];
+    o = realloc(s->ords, (s->n_ords + 1) * sizeof(*o));
+    if (!o)
+        return NULL;
+    s->ords = o;
+    o = &s->ords[s->n_ords++];
+    memset(o, 0, sizeof(*o));
+    o->ordinal = ordinal;
+    return o;
+}
+
+/* metav1.Time to seconds since the epoch; false when it is none. */
+static bool parse_time(const char *t, time_t *out)
+{
+    struct tm tm = { 0 };
+    const char *end = t ? strptime(t, "%Y-%m-%dT%H:%M:%S", &tm) : NULL;
+
+    if (!end)
+        return false;
+    *out = timegm(&tm);
+    return true;
+}
+
+/* How long the container that failed in `pod` ran, ms; 0 when its
+ * status does not say (the streak then goes on: the cautious side). */
+static uint64_t ran_ms(const cJSON *pod, const char *container)
+{
+    static const char *const lists[] = { "containerStatuses", "initContainerStatuses" };
+    const cJSON *cs;
+
+    for (size_t i = 0; i < 2; i++)
+        cJSON_ArrayForEach(cs, get(get(pod, "status"), lists[i])) {
+            const cJSON *t = get(get(cs, "state"), "terminated");
+            time_t a, b;
+            if (!str(cs, "name") || strcmp(str(cs, "name"), container) != 0)
+                continue;
+            if (parse_time(str(t, "startedAt"), &a) && parse_time(str(t, "finishedAt"), &b) &&
+                b > a)
+                return (uint64_t)(b - a) * 1000;
+            return 0;
+        }
+    return 0;
+}
+
+/* Notes what failed among the cohort's pods: a Failed pod seen for the
+ * first time gets an Event (PodFailed, with its exit code, signal or
+ * reason) and its ordinal's back-off is advanced (Event BackOff when the
+ * replacement waits); a pod that cannot start (ErrImagePull, ...) gets
+ * an Event once per reason. Each view's backoff_ms is set for the plan.
+ * Events repeat word for word across a crash loop, so that the recorder
+ * counts them (evrec.h) instead of making new ones. */
+static void note_failures(struct controller *c, const cJSON *tc, struct cstate *s,
+                          struct reconcile_pod_view *views, const cJSON **objs, size_t n,
+                          uint64_t now, const char *stamp)
+{
+    for (size_t i = 0; i < n; i++) {
+        struct reconcile_pod_view *v = &views[i];
+        struct reconcile_failure f;
+        struct ostate *o;
+        bool bad;
+
+        if (v->ordinal < 0 || v->phase == RECONCILE_POD_TERMINATING)
+            continue;
+        bad = reconcile_pod_failure(objs[i], &f);
+        if (v->phase == RECONCILE_POD_FAILED) {
+            o = ostate_of(s, (uint32_t)v->ordinal);
+            if (!o)
+                continue;
+            if (!v->uid || strcmp(o->uid, v->uid) != 0) {
+                uint32_t wait = reconcile_backoff_fail(&o->backoff, now,
+                                                       bad ? ran_ms(objs[i], f.container) : 0);
+                snprintf(o->uid, sizeof(o->uid), "%s", v->uid ? v->uid : "");
+                o->has_failure = true;
+                o->failure = f;
+                if (!bad)
+                    snprintf(o->failure.reason, sizeof(o->failure.reason), "Failed");
+                snprintf(o->at, sizeof(o->at), "%s", stamp);
+                event(c, tc, true, "PodFailed", "Pod %s failed: %s.", v->name,
+                      bad ? f.message : "its status gives no reason");
+                if (wait)
+                    event(c, tc, true, "BackOff", "Back-off restarting failed pod %s.", v->name);
+            }
+            v->backoff_ms = o->backoff.until_ms > now ? (uint32_t)(o->backoff.until_ms - now) : 0;
+        } else if (!(bad && f.exit_code < 0 && !f.signal)) {
+            /* Started after all: a later ErrImagePull is told again. */
+            for (size_t j = 0; j < s->n_ords; j++)
+                if (s->ords[j].ordinal == (uint32_t)v->ordinal)
+                    s->ords[j].waiting[0] = '\0';
+        } else {
+            o = ostate_of(s, (uint32_t)v->ordinal);
+            if (!o)
+                continue;
+            o->has_failure = true;
+            o->failure = f;
+            if (strcmp(o->waiting, f.reason) != 0) {
+                snprintf(o->at, sizeof(o->at), "%s", stamp);
+                snprintf(o->waiting, sizeof(o->waiting), "%s", f.reason);
+                event(c, tc, true, f.reason, "Pod %s cannot start: %s.", v->name, f.message);
+            }
+        }
+    }
+}
+
+/* True when rc is an answer of the API server (a refusal), not a
+ * transport error or one of ours. */
+static bool api_refused(int rc)
+{
+    const struct kube_error *e = kube_last_error();
+
+    return rc < 0 && e && e->rc == rc && e->status >= 400;
+}
+
+/* The API refused to create or delete pod `pod`: kept for the
+ * ReplicaFailure condition and told in a Warning Event (reason
+ * FailedCreate or FailedDelete, as a ReplicaSet's), with the API's status,
+ * reason and message. */
+static void refused(struct controller *c, const cJSON *tc, struct cstate *s, const char *reason,
+                    const char *verb, const char *pod, int rc)
+{
+    char what[RECONCILE_MESSAGE_MAX];
+
+    snprintf(what, sizeof(what), "%s", kube_strerror(rc));
+    s->has_refused = true;
+    snprintf(s->refused.reason, sizeof(s->refused.reason), "%s", reason);
+    /* A long API message keeps its start; the Event has it whole. */
+    if (snprintf(s->refused.message, sizeof(s->refused.message), "error %s pod %s: %s", verb, pod,
+                 what) < 0)
+        s->refused.message[0] = '\0';
+    event(c, tc, true, reason, "Error %s pod %s: %s", verb, pod, what);
+}
+
+/* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff.
+ * A refused create or delete also fills err (the API's words: later calls
+ * of this pass, its Event and status write, replace the thread's last
+ * error). */
+static int reconcile(struct controller *c, const char *key, char *err, size_t err_n)
 {
     char ns[LIMIT_KUBE_LABEL_MAX + 1], sel[128], prefix[LIMIT_KUBE_KEY_MAX + 2];
-    char path[PATH_MAX_], stamp[32];
+    char path[PATH_MAX_], stamp[32], hash[RECONCILE_HASH_CHARS + 1];
     const char *name;
+    struct reconcile_pod_failure *fails = NULL;
+    char (*fail_names)[LIMIT_KUBE_KEY_MAX] = NULL;
+    bool *updating = NULL;
+    size_t n_fails = 0;
+    int fail_rc = 0;
     cJSON *tc = NULL, *pods = NULL, *want = NULL, *it;
     struct reconcile_spec spec;
     struct reconcile_why why;
@@ -620,6 +822,7 @@ static int reconcile(struct controller *c, const char *key)
             log_info("controller", "The cohort is gone; removed it from the broker.",
                      LF_S("cohort", key));
         state_drop(c, key);
+        evrec_forget(c->events, key);
         return 0;
     }
     if (get(get(tc, "metadata"), "deletionTimestamp"))
@@ -678,7 +881,8 @@ static int reconcile(struct controller *c, const char *key)
     }
     views = calloc((size_t)cJSON_GetArraySize(pods) + 1, sizeof(*views));
     objs = calloc((size_t)cJSON_GetArraySize(pods) + 1, sizeof(*objs));
-    if (!views || !objs) {
+    updating = calloc((size_t)cJSON_GetArraySize(pods) + 1, sizeof(*updating));
+    if (!views || !objs || !updating) {
         rc = -ENOMEM;
         goto out;
     }
@@ -691,9 +895,22 @@ static int reconcile(struct controller *c, const char *key)
             live++;
         objs[n++] = it;
     }
-    rc = reconcile_plan(&spec, s->restarts, views, n, &plan);
+    rc = reconcile_template_hash(tc, hash);
     if (rc < 0)
         goto out;
+    for (size_t i = 0; i < n; i++) {
+        views[i].outdated = !views[i].template_hash || strcmp(views[i].template_hash, hash) != 0;
+        views[i].draining = drain_set_find(&s->drains, views[i].name) != NULL;
+    }
+    note_failures(c, tc, s, views, objs, n, now, stamp);
+    s->has_refused = false;
+    rc = reconcile_plan(&spec, reconcile_restarts_within(s->restart_at, s->n_restart_at, now,
+                                                         RECONCILE_RESTART_WINDOW_MS),
+                        views, n, &plan);
+    if (rc < 0)
+        goto out;
+    for (size_t i = 0; i < plan.n_update; i++)
+        updating[plan.update[i]] = true;
     if (broker_view(c, key, &b) < 0)
         bview_cleanup(&b);
 
@@ -704,13 +921,24 @@ static int reconcile(struct controller *c, const char *key)
         if (handled(s, v->uid))
             continue;
         rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc < 0 && api_refused(rc)) {
+            refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
+            fail_rc = rc;
+            goto status;
+        }
         if (rc < 0)
             goto out;
         remember(s, v->uid);
         s->restarts++;
+        s->restart_at[s->next_restart_at] = now;
+        s->next_restart_at = (s->next_restart_at + 1) % RESTART_TIMES;
+        if (s->n_restart_at < RESTART_TIMES)
+            s->n_restart_at++;
         atomic_fetch_add(&c->n.replaced, 1);
-        event(c, tc, true, "Replacing", "Pod %s failed (exit code %d); replacing it (restart %u "
-              "of %u).", v->name, exit_code(objs[plan.replace[i]]), s->restarts, spec.max_restarts);
+        /* Word for word the same each time, so that the recorder counts
+         * a crash loop's replacements in one Event. */
+        event(c, tc, true, "Replacing", "Replacing failed pod %s (exit code %d).", v->name,
+              exit_code(objs[plan.replace[i]]));
         again = POLL_AGAIN_MS;
     }
     /* Pods made with another key or CA cannot prove themselves: made
@@ -718,6 +946,11 @@ static int reconcile(struct controller *c, const char *key)
     for (size_t i = 0; i < plan.n_roll; i++) {
         const struct reconcile_pod_view *v = &views[plan.roll[i]];
         rc = delete_pod(c, ns, v->name, v->uid);
+        if (rc < 0 && api_refused(rc)) {
+            refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
+            fail_rc = rc;
+            goto status;
+        }
         if (rc < 0)
             goto out;
         atomic_fetch_add(&c->n.rolled, 1);
@@ -728,8 +961,8 @@ static int reconcile(struct controller *c, const char *key)
         event(c, tc, false, "RollingKey", "Replacing %u pod(s) made with an earlier key or CA.",
               rolled);
     if (plan.failed && !s->failed_reported) {
-        event(c, tc, true, "TooManyRestarts", "A trainer pod failed after %u restarts "
-              "(spec.maxRestarts %u); failed pods are no longer replaced.", s->restarts,
+        event(c, tc, true, "TooManyRestarts", "A trainer pod failed after spec.maxRestarts (%u) "
+              "replacements within the last hour; failed pods are no longer replaced.",
               spec.max_restarts);
         s->failed_reported = true;
     } else if (!plan.failed) {
@@ -743,7 +976,8 @@ static int reconcile(struct controller *c, const char *key)
      * stays: take it back into the epochs. */
     for (size_t i = 0; i < n; i++) {
         const struct reconcile_pod_view *v = &views[i];
-        if (v->ordinal >= 0 && (uint32_t)v->ordinal < plan.want && drain_set_find(&s->drains, v->name)) {
+        if (v->ordinal >= 0 && (uint32_t)v->ordinal < plan.want && !updating[i] &&
+            drain_set_find(&s->drains, v->name)) {
             brokerd_drain(c->cfg.broker, key, v->name, false);
             drain_set_forget(&s->drains, v->name);
             event(c, tc, false, "DrainCancelled", "Member %s is wanted again; its drain was "
@@ -765,6 +999,13 @@ static int reconcile(struct controller *c, const char *key)
             atomic_fetch_add(&c->n.created, 1);
             event(c, tc, false, "Created", "Created pod %s.", kube_meta(pod, "name"));
             live++;
+        } else if (rc != -EEXIST && api_refused(rc)) {
+            /* The same refusal would meet every other pod: one try per
+             * pass, status says why, and the queue backs off. */
+            refused(c, tc, s, "FailedCreate", "creating", kube_meta(pod, "name"), rc);
+            fail_rc = rc;
+            cJSON_Delete(pod);
+            goto status;
         }
         cJSON_Delete(pod);
         /* AlreadyExists: the cache is behind our own create, or another
@@ -780,6 +1021,11 @@ static int reconcile(struct controller *c, const char *key)
         for (size_t i = 0; i < plan.n_excess; i++) {
             const struct reconcile_pod_view *v = &views[plan.excess[i]];
             rc = drain_step(c, tc, s, key, ns, v, &b, deadline, now);
+            if (rc < 0 && api_refused(rc)) {
+                refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
+                fail_rc = rc;
+                goto status;
+            }
             if (rc < 0)
                 goto out;
             if (rc == 1) {
@@ -790,9 +1036,70 @@ static int reconcile(struct controller *c, const char *key)
             }
             rc = 0;
         }
+        /* A template change: outdated pods go through the same drain, a
+         * few at a time (the plan picks them), and come back from the
+         * current template under their names. */
+        for (size_t i = 0; i < plan.n_update; i++) {
+            const struct reconcile_pod_view *v = &views[plan.update[i]];
+            rc = drain_step(c, tc, s, key, ns, v, &b, deadline, now);
+            if (rc < 0 && api_refused(rc)) {
+                refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
+                fail_rc = rc;
+                goto status;
+            }
+            if (rc < 0)
+                goto out;
+            if (rc == 1) {
+                draining++;
+            } else {
+                live--;
+                event(c, tc, false, "RollingUpdate", "Deleted pod %s, made from an earlier "
+                      "template; it is made again from the current one.", v->name);
+            }
+            rc = 0;
+        }
     }
-    if (plan.blocked || plan.terminating || plan.n_create)
+    if (plan.blocked || plan.terminating || plan.n_create || plan.outdated)
         again = POLL_AGAIN_MS;
+    /* A replacement waiting out its back-off: look again when it ends. */
+    if (plan.requeue_ms && (!again || plan.requeue_ms + 20 < (uint32_t)again))
+        again = (int)(plan.requeue_ms + 20);
+
+status:
+    rc = 0;
+    /* Each wanted ordinal's last failure, for its entry in status. */
+    fails = calloc(s->n_ords + 1, sizeof(*fails));
+    fail_names = calloc(s->n_ords + 1, sizeof(*fail_names));
+    if (!fails || !fail_names) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (size_t i = 0; i < s->n_ords; i++) {
+        const struct ostate *o = &s->ords[i];
+        if (!o->has_failure || o->ordinal >= plan.want)
+            continue;
+        snprintf(fail_names[n_fails], sizeof(fail_names[n_fails]), "%s-%u", name, o->ordinal);
+        fails[n_fails].pod = fail_names[n_fails];
+        fails[n_fails].f = &o->failure;
+        fails[n_fails].at = o->at;
+        /* The wait decided, not what is left of it: status stays the
+         * same from pass to pass, and time + backoffSeconds says when. */
+        fails[n_fails].backoff_ms = o->backoff.until_ms > now ? reconcile_backoff_ms(o->backoff.streak)
+                                                              : 0;
+        /* Only while its failed pod still waits: a new pod is past it. */
+        if (fails[n_fails].backoff_ms) {
+            bool still = false;
+            for (size_t j = 0; j < n; j++)
+                still = still || (views[j].uid && strcmp(views[j].uid, o->uid) == 0 &&
+                                  views[j].phase == RECONCILE_POD_FAILED);
+            if (!still)
+                fails[n_fails].backoff_ms = 0;
+        }
+        n_fails++;
+    }
+    obs.failures = fails;
+    obs.n_failures = n_fails;
+    obs.replica_failure = s->has_refused ? &s->refused : NULL;
 
     obs.generation = (int64_t)cJSON_GetNumberValue(get(get(tc, "metadata"), "generation"));
     obs.selector = sel;
@@ -816,9 +1123,16 @@ static int reconcile(struct controller *c, const char *key)
         again = again && (uint32_t)again < wait ? again : (int)wait;
         rc = 0;
     }
+    if (rc == 0 && fail_rc < 0) {
+        rc = fail_rc;
+        snprintf(err, err_n, "%s", s->refused.message);
+    }
 out:
     bview_cleanup(&b);
     reconcile_plan_cleanup(&plan);
+    free(fails);
+    free(fail_names);
+    free(updating);
     free(views);
     free(objs);
     cJSON_Delete(want);
@@ -832,7 +1146,7 @@ out:
 static void *worker_main(void *arg)
 {
     struct controller *c = arg;
-    char key[LIMIT_KUBE_KEY_MAX];
+    char key[LIMIT_KUBE_KEY_MAX], why[RECONCILE_MESSAGE_MAX];
 
     while (!atomic_load(&c->stop)) {
         int rc = workq_wait(c->q, key, sizeof(key), 500);
@@ -842,13 +1156,15 @@ static void *worker_main(void *arg)
             break;
         if (rc < 0)
             continue;
-        rc = reconcile(c, key);
+        why[0] = '\0';
+        rc = reconcile(c, key, why, sizeof(why));
         now = clock_now_ms();
         atomic_fetch_add(&c->n.reconciles, 1);
         if (rc < 0) {
             atomic_fetch_add(&c->n.errors, 1);
             log_warn("controller", "A reconcile failed; it will be retried with backoff.",
-                     LF_S("cohort", key), LF_S("error", kube_strerror(rc)), LF_U("failures", workq_failures(c->q, key) + 1));
+                     LF_S("cohort", key), LF_S("error", why[0] ? why : kube_strerror(rc)),
+                     LF_U("failures", workq_failures(c->q, key) + 1));
             workq_add_rate_limited(c->q, key, now);
         } else {
             workq_forget(c->q, key);
@@ -971,6 +1287,7 @@ static void controller_free(struct controller *c)
     for (size_t i = 0; i < c->n_states; i++)
         state_free(c->states[i]);
     free(c->states);
+    evrec_destroy(c->events);
     free(c->namespace);
     free(c->identity);
     free(c->broker_address);
@@ -1039,6 +1356,8 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
         snprintf(c->pods_path, sizeof(c->pods_path), "/api/v1/pods");
         snprintf(c->secrets_path, sizeof(c->secrets_path), "/api/v1/secrets");
     }
+    if (evrec_create(NULL, &c->events) < 0)
+        goto err_free;
     if (workq_create(NULL, &c->q) < 0)
         goto err_free;
     rc_cohorts = (struct reflector_config){ .kube = cfg->kube, .path = c->cohorts_path,

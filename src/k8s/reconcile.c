@@ -130,6 +130,12 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (int_field(spec, "maxRestarts", 10, 0, INT32_MAX, &v) < 0)
         return refuse(why, "InvalidSpec", "spec.maxRestarts must be a non-negative integer");
     s->max_restarts = (uint32_t)v;
+    if (get(spec, "rollout") && !cJSON_IsObject(get(spec, "rollout")))
+        return refuse(why, "InvalidSpec", "spec.rollout must be an object");
+    if (int_field(get(spec, "rollout"), "maxUnavailable", 1, 1, RECONCILE_REPLICAS_MAX, &v) < 0)
+        return refuse(why, "InvalidSpec", "spec.rollout.maxUnavailable must be an integer from 1 "
+                      "to %u", RECONCILE_REPLICAS_MAX);
+    s->max_unavailable = (uint32_t)v;
     s->suspend = cJSON_IsTrue(get(spec, "suspend"));
     if (duration_field(get(spec, "timeouts"), "heartbeatInterval", 1000, &s->heartbeat_ms) < 0 ||
         duration_field(get(spec, "timeouts"), "memberTimeout", 5000, &s->timeout_ms) < 0)
@@ -408,6 +414,12 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
             cJSON_AddStringToObject(labels, it->string, it->valuestring);
     cJSON_AddStringToObject(labels, RECONCILE_LABEL_COHORT, name);
     cJSON_AddStringToObject(labels, RECONCILE_LABEL_ORDINAL, ord);
+    {
+        char hash[RECONCILE_HASH_CHARS + 1];
+        if (reconcile_template_hash(tc, hash) < 0)
+            goto err_pod;
+        cJSON_AddStringToObject(labels, RECONCILE_LABEL_TEMPLATE_HASH, hash);
+    }
     if (cJSON_IsObject(get(tmeta, "annotations")))
         cJSON_AddItemToObject(pm, "annotations", cJSON_Duplicate(get(tmeta, "annotations"), 1));
     if (key_id) {
@@ -471,6 +483,169 @@ err_pod:
     return -ENOMEM;
 }
 
+/* ---- template hash, back-off, failures --------------------------------- */
+
+/* Sorts every object's members by key, recursively, so that equal
+ * templates print equal whatever order their keys came in. */
+static void sort_keys(cJSON *o)
+{
+    cJSON *it;
+
+    if (cJSON_IsObject(o) && o->child) {
+        /* Insertion sort of the child list: templates are small. */
+        cJSON *sorted = NULL, *next;
+        for (it = o->child; it; it = next) {
+            cJSON **pp = &sorted;
+            next = it->next;
+            while (*pp && strcmp((*pp)->string, it->string) <= 0)
+                pp = &(*pp)->next;
+            it->next = *pp;
+            *pp = it;
+        }
+        /* cJSON keeps prev links, and the head's prev is the tail. */
+        o->child = sorted;
+        for (it = sorted; it->next; it = it->next)
+            it->next->prev = it;
+        sorted->prev = it;
+    }
+    for (it = o ? o->child : NULL; it; it = it->next)
+        sort_keys(it);
+}
+
+int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1])
+{
+    const cJSON *tmpl = get(get(tc, "spec"), "template");
+    uint64_t h = 0xcbf29ce484222325ull;
+    cJSON *copy;
+    char *text;
+
+    if (!cJSON_IsObject(tmpl))
+        return -EINVAL;
+    copy = cJSON_Duplicate(tmpl, 1);
+    if (!copy)
+        return -ENOMEM;
+    sort_keys(copy);
+    text = cJSON_PrintUnformatted(copy);
+    cJSON_Delete(copy);
+    if (!text)
+        return -ENOMEM;
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++)
+        h = (h ^ *p) * 0x100000001b3ull;
+    free(text);
+    snprintf(out, RECONCILE_HASH_CHARS + 1, "%016" PRIx64, h);
+    return 0;
+}
+
+uint32_t reconcile_backoff_ms(uint32_t streak)
+{
+    uint64_t ms = RECONCILE_BACKOFF_INITIAL_MS;
+
+    if (streak <= 1)
+        return 0;
+    for (uint32_t i = 2; i < streak && ms < RECONCILE_BACKOFF_MAX_MS; i++)
+        ms *= 2;
+    return ms < RECONCILE_BACKOFF_MAX_MS ? (uint32_t)ms : RECONCILE_BACKOFF_MAX_MS;
+}
+
+uint32_t reconcile_backoff_fail(struct reconcile_backoff *b, uint64_t now_ms, uint64_t ran_ms)
+{
+    uint32_t wait;
+
+    if (ran_ms >= RECONCILE_BACKOFF_RESET_MS)
+        b->streak = 0;
+    if (b->streak < UINT32_MAX)
+        b->streak++;
+    wait = reconcile_backoff_ms(b->streak);
+    b->until_ms = now_ms + wait;
+    return wait;
+}
+
+uint32_t reconcile_restarts_within(const uint64_t *times, size_t n, uint64_t now_ms,
+                                   uint64_t window_ms)
+{
+    uint32_t k = 0;
+
+    for (size_t i = 0; i < n; i++)
+        if (times[i] <= now_ms && now_ms - times[i] < window_ms)
+            k++;
+    return k;
+}
+
+/* Waiting reasons that say the container will not start by itself. */
+static const char *const stuck_reasons[] = {
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+    "CrashLoopBackOff",
+};
+
+static bool one_failure(const cJSON *cs, struct reconcile_failure *f)
+{
+    const cJSON *term = get(get(cs, "state"), "terminated"), *wait = get(get(cs, "state"), "waiting");
+    const char *name = str(cs, "name"), *reason, *msg;
+
+    if (!name)
+        name = "?";
+    if (cJSON_IsObject(term)) {
+        const cJSON *code = get(term, "exitCode"), *sig = get(term, "signal");
+        int ec = cJSON_IsNumber(code) ? code->valueint : -1;
+        int sn = cJSON_IsNumber(sig) ? sig->valueint : 0;
+        reason = str(term, "reason");
+        if (ec == 0 && sn == 0)
+            return false;
+        snprintf(f->container, sizeof(f->container), "%s", name);
+        snprintf(f->reason, sizeof(f->reason), "%s", reason ? reason : "Error");
+        f->exit_code = ec;
+        f->signal = sn;
+        if (sn)
+            snprintf(f->message, sizeof(f->message), "container %s was killed by signal %d "
+                     "(%s, exit code %d)", name, sn, f->reason, ec);
+        else
+            snprintf(f->message, sizeof(f->message), "container %s exited with code %d (%s)",
+                     name, ec, f->reason);
+        return true;
+    }
+    reason = str(wait, "reason");
+    if (!reason)
+        return false;
+    for (size_t i = 0; i < sizeof(stuck_reasons) / sizeof(stuck_reasons[0]); i++) {
+        if (strcmp(reason, stuck_reasons[i]) != 0)
+            continue;
+        msg = str(wait, "message");
+        snprintf(f->container, sizeof(f->container), "%s", name);
+        snprintf(f->reason, sizeof(f->reason), "%s", reason);
+        f->exit_code = -1;
+        f->signal = 0;
+        snprintf(f->message, sizeof(f->message), "container %s is waiting: %s%s%s", name, reason,
+                 msg ? ": " : "", msg ? msg : "");
+        return true;
+    }
+    return false;
+}
+
+bool reconcile_pod_failure(const cJSON *pod, struct reconcile_failure *f)
+{
+    static const char *const lists[] = { "containerStatuses", "initContainerStatuses" };
+    const cJSON *st = get(pod, "status"), *cs;
+
+    memset(f, 0, sizeof(*f));
+    for (size_t i = 0; i < 2; i++)
+        cJSON_ArrayForEach(cs, get(st, lists[i]))
+            if (one_failure(cs, f))
+                return true;
+    /* Failed with no container status that says why (evicted, a node
+     * lost): the pod's own reason. */
+    if (str(st, "phase") && strcmp(str(st, "phase"), "Failed") == 0) {
+        const char *reason = str(st, "reason"), *msg = str(st, "message");
+        snprintf(f->reason, sizeof(f->reason), "%s", reason ? reason : "Failed");
+        snprintf(f->message, sizeof(f->message), "the pod failed%s%s", msg ? ": " : "",
+                 msg ? msg : "");
+        f->exit_code = -1;
+        return true;
+    }
+    memset(f, 0, sizeof(*f));
+    return false;
+}
+
 long reconcile_ordinal(const char *cohort, const char *pod)
 {
     size_t cl = strlen(cohort);
@@ -527,6 +702,7 @@ int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_vi
         return -EINVAL;
     v->uid = str(meta, "uid");
     v->key_id = str(get(meta, "annotations"), RECONCILE_ANNOTATION_KEY_ID);
+    v->template_hash = str(get(meta, "labels"), RECONCILE_LABEL_TEMPLATE_HASH);
     v->ordinal = reconcile_ordinal(cohort, v->name);
     if (get(meta, "deletionTimestamp") && !cJSON_IsNull(get(meta, "deletionTimestamp")))
         v->phase = RECONCILE_POD_TERMINATING;
@@ -548,28 +724,73 @@ int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_vi
 
 /* ---- the plan ----------------------------------------------------------- */
 
+/* The outdated pods to drain and replace now (see reconcile.h), in
+ * p->update. `cand` holds the indices of the outdated wanted pods. */
+static void plan_rollout(const struct reconcile_spec *s, const struct reconcile_pod_view *pods,
+                         const size_t *cand, size_t n_cand, uint32_t running,
+                         struct reconcile_plan *p)
+{
+    uint32_t unavailable = p->want - running, floor, taken = 0;
+
+    floor = s->replicas > s->min_replicas ? s->min_replicas : s->min_replicas - 1;
+    /* Drains under way go on whatever the budget says now: stopping one
+     * halfway would leave a member out of the epochs with its pod up. */
+    for (size_t i = 0; i < n_cand; i++)
+        if (pods[cand[i]].draining && pods[cand[i]].phase == RECONCILE_POD_RUNNING) {
+            p->update[p->n_update++] = cand[i];
+            taken++;
+        }
+    /* Not running: no member to lose. */
+    for (size_t i = 0; i < n_cand; i++)
+        if (pods[cand[i]].phase == RECONCILE_POD_PENDING)
+            p->update[p->n_update++] = cand[i];
+    /* Running ones, highest ordinal first, within the budget. */
+    for (;;) {
+        size_t best = SIZE_MAX;
+        if (unavailable + taken >= s->max_unavailable || running - taken <= floor)
+            break;
+        for (size_t i = 0; i < n_cand; i++) {
+            const struct reconcile_pod_view *v = &pods[cand[i]];
+            bool chosen = false;
+            if (v->phase != RECONCILE_POD_RUNNING || v->draining)
+                continue;
+            for (size_t j = 0; j < p->n_update; j++)
+                chosen = chosen || p->update[j] == cand[i];
+            if (!chosen && (best == SIZE_MAX || v->ordinal > pods[best].ordinal))
+                best = cand[i];
+        }
+        if (best == SIZE_MAX)
+            break;
+        p->update[p->n_update++] = best;
+        taken++;
+    }
+}
+
 int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
                    const struct reconcile_pod_view *pods, size_t n, struct reconcile_plan *p)
 {
-    uint32_t succeeded = 0;
+    uint32_t succeeded = 0, running = 0;
     uint8_t *seen = NULL;
-    size_t failed_at = 0;
+    size_t failed_at = 0, *cand = NULL, n_cand = 0;
 
     memset(p, 0, sizeof(*p));
     p->want = s->suspend ? 0 : s->replicas;
     seen = calloc(p->want ? p->want : 1, 1);
+    cand = calloc(n ? n : 1, sizeof(*cand));
     p->create = calloc(p->want ? p->want : 1, sizeof(*p->create));
     p->replace = calloc(n ? n : 1, sizeof(*p->replace));
     p->excess = calloc(n ? n : 1, sizeof(*p->excess));
     p->roll = calloc(n ? n : 1, sizeof(*p->roll));
-    if (!seen || !p->create || !p->replace || !p->excess || !p->roll) {
+    p->update = calloc(n ? n : 1, sizeof(*p->update));
+    if (!seen || !cand || !p->create || !p->replace || !p->excess || !p->roll || !p->update) {
         free(seen);
+        free(cand);
         reconcile_plan_cleanup(p);
         return -ENOMEM;
     }
     for (size_t i = 0; i < n; i++) {
         const struct reconcile_pod_view *v = &pods[i];
-        bool wanted = v->ordinal >= 0 && (uint32_t)v->ordinal < p->want;
+        bool wanted = v->ordinal >= 0 && (uint32_t)v->ordinal < p->want, first;
 
         if (v->phase == RECONCILE_POD_TERMINATING) {
             p->terminating++;
@@ -585,14 +806,31 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
         }
         if (seen[v->ordinal] == 2)
             p->blocked--;               /* a new pod already holds the name */
+        /* Names are unique, so an ordinal is held once; counts hold to
+         * that whatever the caller passes. */
+        first = seen[v->ordinal] != 1;
         seen[v->ordinal] = 1;
         if (v->phase == RECONCILE_POD_SUCCEEDED)
             succeeded++;
+        if (v->phase == RECONCILE_POD_RUNNING && first)
+            running++;
+        if (v->outdated && v->phase != RECONCILE_POD_SUCCEEDED && first)
+            p->outdated++;
+        else if (!v->outdated && first)
+            p->updated++;
         if (v->phase == RECONCILE_POD_FAILED) {
             p->failed_pods++;
-            p->replace[p->n_replace++] = i;
+            if (v->backoff_ms) {
+                p->backing_off++;
+                if (!p->requeue_ms || v->backoff_ms < p->requeue_ms)
+                    p->requeue_ms = v->backoff_ms;
+            } else {
+                p->replace[p->n_replace++] = i;
+            }
         } else if (v->stale && v->phase != RECONCILE_POD_SUCCEEDED) {
             p->roll[p->n_roll++] = i;
+        } else if (v->outdated && v->phase != RECONCILE_POD_SUCCEEDED && first) {
+            cand[n_cand++] = i;
         }
     }
     for (uint32_t o = 0; o < p->want; o++)
@@ -606,6 +844,9 @@ int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
         p->n_replace = failed_at;
         p->failed = true;
     }
+    if (!p->failed)
+        plan_rollout(s, pods, cand, n_cand, running, p);
+    free(cand);
     p->complete = p->want > 0 && succeeded == p->want;
     return 0;
 }
@@ -616,6 +857,7 @@ void reconcile_plan_cleanup(struct reconcile_plan *p)
     free(p->replace);
     free(p->excess);
     free(p->roll);
+    free(p->update);
     memset(p, 0, sizeof(*p));
 }
 
@@ -684,7 +926,36 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
             leader_version = m->model_version;
         cJSON_AddItemToArray(members, e);
     }
+    /* Pods that failed: a member's entry gets its lastFailure, a pod
+     * that is not a member (it failed, or cannot start) an entry of its
+     * own, so that kubectl shows why without reading the pods. */
+    for (size_t i = 0; i < o->n_failures; i++) {
+        const struct reconcile_pod_failure *pf = &o->failures[i];
+        cJSON *e = NULL, *it, *lf;
+        cJSON_ArrayForEach(it, members)
+            if (str(it, "id") && strcmp(str(it, "id"), pf->pod) == 0)
+                e = it;
+        if (!e) {
+            e = cJSON_CreateObject();
+            cJSON_AddStringToObject(e, "id", pf->pod);
+            cJSON_AddStringToObject(e, "pod", pf->pod);
+            cJSON_AddItemToArray(members, e);
+        }
+        lf = cJSON_AddObjectToObject(e, "lastFailure");
+        cJSON_AddStringToObject(lf, "reason", pf->f->reason);
+        cJSON_AddStringToObject(lf, "message", pf->f->message);
+        if (pf->f->exit_code >= 0)
+            cJSON_AddNumberToObject(lf, "exitCode", pf->f->exit_code);
+        if (pf->f->signal)
+            cJSON_AddNumberToObject(lf, "signal", pf->f->signal);
+        if (pf->at)
+            cJSON_AddStringToObject(lf, "time", pf->at);
+        if (pf->backoff_ms)
+            cJSON_AddNumberToObject(lf, "backoffSeconds", (pf->backoff_ms + 999) / 1000);
+    }
     cJSON_AddNumberToObject(st, "readyReplicas", ready);
+    if (p)
+        cJSON_AddNumberToObject(st, "updatedReplicas", p->updated);
     if (o->broker_known && o->epoch) {
         cJSON_AddNumberToObject(st, "epoch", (double)o->epoch);
         if (o->leader) {
@@ -724,11 +995,20 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
         uint32_t want = p ? p->want : 0;
         bool draining = o->draining > 0;
         bool scaling = p && (p->n_create || p->n_excess || p->blocked || p->n_replace ||
-                             p->n_roll);
+                             p->n_roll || p->backing_off);
         bool joining = !s->suspend && !(p && p->complete) && ready != want;
         if (p && p->failed) {
             condition(conds, old, "Progressing", false, "TooManyRestarts",
                       "no more failed pods are replaced", o->generation, now);
+        } else if (p && p->outdated) {
+            snprintf(msg, sizeof(msg), "%u of %u pods run the current template; replacing the "
+                     "others %u at a time (spec.rollout.maxUnavailable)", p->updated, want,
+                     s->max_unavailable);
+            condition(conds, old, "Progressing", true, "RollingUpdate", msg, o->generation, now);
+        } else if (p && p->backing_off) {
+            snprintf(msg, sizeof(msg), "%u failed pod(s) wait out their back-off before they are "
+                     "replaced", p->backing_off);
+            condition(conds, old, "Progressing", true, "BackOff", msg, o->generation, now);
         } else if (draining) {
             snprintf(msg, sizeof(msg), "draining %u member(s) before their pods are deleted",
                      o->draining);
@@ -751,8 +1031,8 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
                   o->generation, now);
     }
     if (p && p->failed) {
-        snprintf(msg, sizeof(msg), "a trainer pod failed after %u restarts (spec.maxRestarts %u)",
-                 o->restarts, s->max_restarts);
+        snprintf(msg, sizeof(msg), "a trainer pod failed after spec.maxRestarts (%u) "
+                 "replacements within the last hour (%u in all)", s->max_restarts, o->restarts);
         condition(conds, old, "Failed", true, "TooManyRestarts", msg, o->generation, now);
     } else {
         condition(conds, old, "Failed", false, "AsExpected", "restarts within spec.maxRestarts",
@@ -764,6 +1044,10 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
     if (p && p->complete)
         condition(conds, old, "Complete", true, "Completed", "every trainer finished",
                   o->generation, now);
+    /* As a ReplicaSet's: present only while the API refuses the pods. */
+    if (o->replica_failure)
+        condition(conds, old, "ReplicaFailure", true, o->replica_failure->reason,
+                  o->replica_failure->message, o->generation, now);
     return st;
 }
 

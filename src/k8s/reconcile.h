@@ -19,6 +19,15 @@
  *   cohort.dev/key-id annotation differs) cannot prove itself to the
  *   broker: it is "rolled", deleted and made again, without counting as a
  *   restart.
+ * - A pod that failed is replaced after a back-off, as a kubelet restarts a
+ *   crashing container: at once the first time, then 10 s doubling to
+ *   5 min per ordinal, the streak forgotten once a pod ran 10 minutes.
+ *   maxRestarts counts the replacements of the last hour, so a transient
+ *   fault never fails a cohort.
+ * - A pod made from another template than the cohort's (its
+ *   cohort.dev/template-hash label differs) is "outdated": drained and
+ *   replaced a few at a time (spec.rollout.maxUnavailable), highest
+ *   ordinal first, keeping at least minReplicas running pods.
  */
 #ifndef COHORT_RECONCILE_H
 #define COHORT_RECONCILE_H
@@ -57,6 +66,16 @@
  * trainer gets the group too, but never mounts the Secret. */
 #define RECONCILE_FS_GROUP 65532
 #define RECONCILE_ANNOTATION_KEY_ID "cohort.dev/key-id"
+/* The hash of spec.template a pod was made from (reconcile_template_hash),
+ * as a Deployment's pods carry pod-template-hash. */
+#define RECONCILE_LABEL_TEMPLATE_HASH "cohort.dev/template-hash"
+#define RECONCILE_HASH_CHARS 16
+/* Back-off between replacements of one ordinal's failed pods. */
+#define RECONCILE_BACKOFF_INITIAL_MS 10000u
+#define RECONCILE_BACKOFF_MAX_MS 300000u
+#define RECONCILE_BACKOFF_RESET_MS 600000u      /* a pod that ran this long ends the streak */
+/* spec.maxRestarts counts the replacements within this window. */
+#define RECONCILE_RESTART_WINDOW_MS 3600000u
 #define RECONCILE_REASON_MAX 64
 #define RECONCILE_MESSAGE_MAX 512
 /* spec.accumulator.virtualBatchSize's largest value: a JSON number is
@@ -67,6 +86,7 @@
 /* What the operator interprets of spec, after defaults and checks. */
 struct reconcile_spec {
     uint32_t replicas, min_replicas, max_restarts;
+    uint32_t max_unavailable;       /* spec.rollout.maxUnavailable, >= 1 */
     bool suspend;
     uint32_t heartbeat_ms, timeout_ms;
     /* spec.accumulator, pinned on every member's sidecar; 0: unset, the
@@ -140,6 +160,49 @@ const char *reconcile_pull_policy(const char *s);
 int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *key_id,
                   uint32_t ordinal, cJSON **out);
 
+/* The hash of cohort `tc`'s spec.template (borrowed) as the user wrote
+ * it: FNV-1a 64 of its canonical JSON (object keys sorted, no spaces), as
+ * 16 hex digits into out. reconcile_pod() labels each pod with it.
+ * Returns 0, -EINVAL (no template), -ENOMEM. */
+int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1]);
+
+/* The wait before replacing an ordinal's pod that failed for the
+ * `streak`-th time in a row: 0 for the first, then 10 s doubling, capped
+ * at 5 min. */
+uint32_t reconcile_backoff_ms(uint32_t streak);
+
+/* One ordinal's crash loop, kept by the caller across reconciles. */
+struct reconcile_backoff {
+    uint32_t streak;                /* failures in a row */
+    uint64_t until_ms;              /* no replacement before this (caller's clock) */
+};
+
+/* Notes a failure, seen at `now_ms`, of a pod that ran `ran_ms`: a pod
+ * that ran RECONCILE_BACKOFF_RESET_MS or more starts a new streak.
+ * Returns the wait before its replacement (also stored in until_ms). */
+uint32_t reconcile_backoff_fail(struct reconcile_backoff *b, uint64_t now_ms, uint64_t ran_ms);
+
+/* How many of the `n` replacement times (ms, any order) lie within
+ * `window_ms` before `now_ms`: what spec.maxRestarts is held to. */
+uint32_t reconcile_restarts_within(const uint64_t *times, size_t n, uint64_t now_ms,
+                                   uint64_t window_ms);
+
+/* Why a pod failed or cannot start, from its container statuses: the
+ * first trainer or sidecar container that terminated with a non-zero
+ * exit code or a signal (reason OOMKilled, Error, ...), or waits for a
+ * reason that needs a person (ErrImagePull, ImagePullBackOff,
+ * CreateContainerConfigError, InvalidImageName, CrashLoopBackOff, ...).
+ * Fills *f (strings copied) and returns true, or false when nothing is
+ * wrong that the statuses show. */
+struct reconcile_failure {
+    char container[64];
+    char reason[RECONCILE_REASON_MAX];
+    char message[RECONCILE_MESSAGE_MAX];  /* one sentence, for Events */
+    int exit_code;                  /* -1: none */
+    int signal;                     /* 0: none */
+};
+bool reconcile_pod_failure(const cJSON *pod, struct reconcile_failure *f);
+
 /* The ordinal of pod `pod` if it is named <cohort>-<n> (n without leading
  * zeros, below RECONCILE_REPLICAS_MAX), else -1. */
 long reconcile_ordinal(const char *cohort, const char *pod);
@@ -174,6 +237,10 @@ struct reconcile_pod_view {
     bool ready;
     const char *key_id;             /* its cohort.dev/key-id annotation, or NULL */
     bool stale;                     /* made with another key or CA: set by the caller */
+    const char *template_hash;      /* its cohort.dev/template-hash label, or NULL */
+    bool outdated;                  /* made from another template: set by the caller */
+    bool draining;                  /* being drained: set by the caller */
+    uint32_t backoff_ms;            /* Failed and in back-off for this long: set by the caller */
 };
 
 /* Reads a pod object into a view (strings borrowed from pod). Returns 0
@@ -189,6 +256,12 @@ struct reconcile_plan {
     size_t n_excess;
     size_t *roll;                   /* indices into pods: stale, delete (not counted) */
     size_t n_roll;
+    size_t *update;                 /* indices into pods: outdated, drain then delete now */
+    size_t n_update;
+    uint32_t updated;               /* wanted pods made from the current template */
+    uint32_t outdated;              /* wanted pods made from another (Succeeded ones aside) */
+    uint32_t backing_off;           /* Failed pods waiting out their back-off */
+    uint32_t requeue_ms;            /* the shortest back-off left: look again then (0: none) */
     uint32_t want;                  /* pods wanted: 0 when suspended */
     uint32_t terminating;           /* pods being deleted */
     uint32_t blocked;               /* wanted ordinals waiting for a pod to go */
@@ -198,11 +271,25 @@ struct reconcile_plan {
 };
 
 /* Decides what to do for a cohort with spec `s`, `restarts` replacements
- * made so far and `pods` (borrowed). Fills *p; the caller frees it with
+ * made within RECONCILE_RESTART_WINDOW_MS and `pods` (borrowed). Failed
+ * pods in back-off are not replaced yet. Outdated pods are drained and
+ * replaced while fewer than spec.rollout.maxUnavailable wanted pods are
+ * not Running and at least minReplicas run (minReplicas - 1 when
+ * replicas == minReplicas, which could never roll otherwise): those
+ * already draining first, then Pending ones (unavailable anyway), then
+ * Running ones from the highest ordinal down. Fills *p; the caller frees it with
  * reconcile_plan_cleanup(). Returns 0 or -ENOMEM. */
 int reconcile_plan(const struct reconcile_spec *s, uint32_t restarts,
                    const struct reconcile_pod_view *pods, size_t n, struct reconcile_plan *p);
 void reconcile_plan_cleanup(struct reconcile_plan *p);
+
+/* One pod name's last failure, for status. Borrowed. */
+struct reconcile_pod_failure {
+    const char *pod;
+    const struct reconcile_failure *f;
+    uint32_t backoff_ms;            /* the back-off its replacement waits, 0: none now */
+    const char *at;                 /* when it was seen, RFC 3339 */
+};
 
 /* The broker's view of the cohort, borrowed. */
 struct reconcile_member {
@@ -224,10 +311,19 @@ struct reconcile_observed {
     size_t n_members;
     const struct reconcile_plan *plan;      /* NULL with `invalid` */
     const struct reconcile_why *invalid;    /* non-NULL: the spec was refused */
+    /* A create or delete the API refused in this pass (reason FailedCreate
+     * or FailedDelete): the ReplicaFailure condition. NULL: none. */
+    const struct reconcile_why *replica_failure;
+    /* The last failure of each pod name that failed (a member's entry
+     * gets it as lastFailure; a pod that is no member gets an entry of
+     * its own). */
+    const struct reconcile_pod_failure *failures;
+    size_t n_failures;
 };
 
 /* The status the cohort should have. Conditions (Available, Progressing,
- * Degraded, Failed, Suspended, Complete) keep their lastTransitionTime
+ * Degraded, Failed, Suspended, Complete, and ReplicaFailure while the API
+ * refuses a create or delete) keep their lastTransitionTime
  * from `old` (borrowed, may be NULL) while their status stays the same;
  * `now` is an RFC 3339 time for those that change. Returns a new object
  * (caller frees) or NULL on allocation failure. */

@@ -100,15 +100,51 @@ static void check_plan(const struct reconcile_spec *s, uint32_t restarts,
                        const struct reconcile_pod_view *v, size_t n, const struct reconcile_plan *p)
 {
     static bool held[RECONCILE_REPLICAS_MAX];
-    size_t terminating = 0, excess = 0, failed_wanted = 0, k = 0;
+    size_t terminating = 0, excess = 0, failed_wanted = 0, k = 0, waiting = 0;
+    uint32_t running = 0, min_wait = 0, taken = 0, newly = 0, floor;
 
     CHECK(p->want == (s->suspend ? 0 : s->replicas));
+    memset(held, 0, sizeof(held));
     for (size_t i = 0; i < n; i++) {
         bool wanted = v[i].ordinal >= 0 && (uint32_t)v[i].ordinal < p->want;
         terminating += v[i].phase == RECONCILE_POD_TERMINATING;
         excess += v[i].phase != RECONCILE_POD_TERMINATING && !wanted;
         failed_wanted += v[i].phase == RECONCILE_POD_FAILED && wanted;
+        /* The first pod that holds an ordinal counts (names are unique in
+         * a cluster; inputs may repeat them). */
+        if (wanted && v[i].phase != RECONCILE_POD_TERMINATING && !held[v[i].ordinal]) {
+            held[v[i].ordinal] = true;
+            running += v[i].phase == RECONCILE_POD_RUNNING;
+        }
+        if (v[i].phase == RECONCILE_POD_FAILED && wanted && v[i].backoff_ms) {
+            waiting++;
+            min_wait = !min_wait || v[i].backoff_ms < min_wait ? v[i].backoff_ms : min_wait;
+        }
     }
+    /* A failed pod in back-off is neither replaced nor counted yet. */
+    CHECK(p->backing_off == waiting && p->requeue_ms == min_wait);
+    for (size_t i = 0; i < p->n_replace; i++)
+        CHECK(v[p->replace[i]].backoff_ms == 0);
+    /* Rollout: only outdated wanted pods that no other rule takes, each
+     * once; drains under way and Pending pods always, Running ones only
+     * within maxUnavailable and above the floor of running pods. */
+    CHECK(p->updated + p->outdated <= p->want);
+    CHECK(!p->failed || p->n_update == 0);
+    floor = s->replicas > s->min_replicas ? s->min_replicas : s->min_replicas - 1;
+    for (size_t i = 0; i < p->n_update; i++) {
+        const struct reconcile_pod_view *u = &v[p->update[i]];
+        CHECK(p->update[i] < n && u->outdated && !u->stale && u->ordinal >= 0 &&
+              (uint32_t)u->ordinal < p->want);
+        CHECK(u->phase == RECONCILE_POD_RUNNING || u->phase == RECONCILE_POD_PENDING);
+        for (size_t j = 0; j < i; j++)
+            CHECK(p->update[j] != p->update[i]);
+        if (u->phase == RECONCILE_POD_RUNNING && u->draining)
+            taken++;
+        else if (u->phase == RECONCILE_POD_RUNNING)
+            newly++;
+    }
+    CHECK(newly == 0 || (p->want - running) + taken + newly <= s->max_unavailable);
+    CHECK(newly == 0 || running - taken - newly >= floor);
     CHECK(p->terminating == terminating && p->n_excess == excess);
     CHECK(p->failed_pods == failed_wanted && p->blocked <= p->want);
     /* Exactly the wanted ordinals no pod holds, each once, in order. */
@@ -135,7 +171,7 @@ static void check_plan(const struct reconcile_spec *s, uint32_t restarts,
     }
     /* Never beyond spec.maxRestarts. */
     CHECK((uint64_t)restarts + p->n_replace <= s->max_restarts || p->n_replace == 0);
-    CHECK(p->failed == ((uint64_t)restarts + failed_wanted > s->max_restarts));
+    CHECK(p->failed == ((uint64_t)restarts + failed_wanted - waiting > s->max_restarts));
     CHECK(!p->complete || p->want > 0);
 }
 
@@ -202,7 +238,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     struct reconcile_spec spec;
     struct reconcile_why why;
     const char *name;
-    char sel[512];
+    char sel[512], hash[RECONCILE_HASH_CHARS + 1];
     size_t n = 0;
     uint32_t restarts = 0;
     int rc;
@@ -254,6 +290,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(rc == 0 || rc == -EINVAL);
         if (rc == 0) {
             CHECK(views[n].ordinal >= -1 && views[n].ordinal < (long)RECONCILE_REPLICAS_MAX);
+            /* What the controller sets, from the input: the template hash
+             * as it would, drains and back-offs from the input's size. */
+            views[n].outdated = !views[n].template_hash ||
+                                reconcile_template_hash(tc, hash) < 0 ||
+                                strcmp(views[n].template_hash, hash) != 0;
+            views[n].draining = (size >> (n % 16)) & 1;
+            if (views[n].phase == RECONCILE_POD_FAILED && ((size >> ((n + 3) % 16)) & 1))
+                views[n].backoff_ms = 1000 * (uint32_t)(n + 1);
             n++;
         }
     }

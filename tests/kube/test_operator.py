@@ -22,6 +22,7 @@ import ssl
 import stat
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -98,8 +99,10 @@ def events(c, name, reason=None):
 
 
 def members(c, name):
+    """The broker's members: an entry without modelVersion is a pod that
+    failed and is no member (it has lastFailure alone)."""
     return sorted(m["id"] for m in status(c, name).get("members") or []
-                  if not m.get("draining"))
+                  if not m.get("draining") and "modelVersion" in m)
 
 
 def condition(c, name, ctype):
@@ -666,3 +669,121 @@ def test_tls_cohort_secret_carries_the_ca_and_sidecars_are_told(tls_cluster):
         wait_training(c, "tlsc")
     c.kubectl("delete", "tc", "tlsc")
     wait_until(lambda: not pods(c, "tlsc") and secret(c, "tlsc") is None, "tlsc to be gone")
+
+
+# ---- failures, back-off and rollouts ----------------------------------------
+
+def test_a_refused_pod_create_is_a_condition_and_a_warning_event(cluster):
+    """A template the API server refuses (a container without an image:
+    422) shows in kubectl within seconds: the ReplicaFailure condition with
+    the API's reason and message, and a Warning Event. Fixing the template
+    clears it and the pod is made."""
+    c = cluster
+    m = cohort_manifest("noimg", 1)
+    del m["spec"]["template"]["spec"]["containers"][0]["image"]
+    t0 = time.monotonic()
+    apply(c, m)
+    cond = wait_until(lambda: condition(c, "noimg", "ReplicaFailure"),
+                      "the ReplicaFailure condition", timeout=5)
+    ev = wait_until(lambda: events(c, "noimg", "FailedCreate"), "a FailedCreate Event",
+                    timeout=max(0.5, 5 - (time.monotonic() - t0)))
+    assert cond["status"] == "True" and cond["reason"] == "FailedCreate", cond
+    assert "422" in cond["message"] and "Invalid" in cond["message"], cond
+    assert "image" in cond["message"] and "noimg-0" in cond["message"], cond
+    assert ev[0]["type"] == "Warning" and "image" in ev[0]["message"], ev
+    assert not live_pods(c, "noimg")
+    # kubectl shows it too.
+    out = c.kubectl("get", "tc/noimg", "-o",
+                    "jsonpath={.status.conditions[?(@.type=='ReplicaFailure')].message}").stdout
+    assert "422" in out, out
+    # Retried with back-off, not in a loop: one Event, counted.
+    assert len(events(c, "noimg", "FailedCreate")) == 1, events(c, "noimg", "FailedCreate")
+    c.kubectl("patch", "tc/noimg", "--type", "json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/template/spec/containers/0/image", "value": "cohort-examples"}]))
+    wait_until(lambda: not condition(c, "noimg", "ReplicaFailure") and live_pods(c, "noimg"),
+               "the condition to clear and the pod to be made")
+    c.kubectl("delete", "tc/noimg", "--wait=true")
+
+
+def test_a_crash_loop_backs_off_and_does_not_spend_the_budget(cluster):
+    """A trainer that exits 1 at once: the first replacement is immediate,
+    the next waits 10 s, then 20 s (as a kubelet's CrashLoopBackOff), so
+    maxRestarts 3 is not spent within half a minute; the exit code is in
+    the pod's status entry and in Events, which are counted, not
+    repeated."""
+    c = cluster
+    m = cohort_manifest("crash", 1, max_restarts=3)
+    m["spec"]["template"]["spec"]["containers"][0]["command"] = ["sh", "-c", "exit 1"]
+    m["spec"]["template"]["spec"]["containers"][0]["args"] = []
+    apply(c, m)
+    seen = {}
+
+    def restarts():
+        r = status(c, "crash").get("restarts") or 0
+        seen.setdefault(r, time.monotonic())
+        return r
+
+    wait_until(lambda: restarts() >= 1, "the first replacement")
+    wait_until(lambda: restarts() >= 2, "the second replacement")
+    assert seen[2] - seen[1] >= 9, "replaced again after %.1f s" % (seen[2] - seen[1])
+    # The third failure waits 20 s: visible in status and in Events.
+    entry = wait_until(lambda: [e for e in status(c, "crash").get("members") or []
+                                if e["id"] == "crash-0" and
+                                (e.get("lastFailure") or {}).get("backoffSeconds", 0) > 10],
+                       "crash-0's back-off in status")[0]
+    assert entry["lastFailure"]["exitCode"] == 1, entry
+    assert "exited with code 1" in entry["lastFailure"]["message"], entry
+    assert (condition(c, "crash", "Progressing") or {}).get("reason") == "BackOff"
+    backoff = wait_until(lambda: [e for e in events(c, "crash", "BackOff") if e["count"] >= 2],
+                         "the BackOff Event counted twice")
+    assert backoff[0]["type"] == "Warning" and "crash-0" in backoff[0]["message"], backoff
+    failed = events(c, "crash", "PodFailed")
+    assert len(failed) == 1 and failed[0]["count"] >= 3, failed
+    assert "exit" in failed[0]["message"] and "code 1" in failed[0]["message"], failed
+    assert restarts() == 2, "replaced during its back-off"
+    assert (condition(c, "crash", "Failed") or {}).get("status") != "True"
+    # A handful of Events, not one per failure and replacement.
+    assert len(events(c, "crash")) <= 8, [(e["reason"], e.get("count")) for e in events(c, "crash")]
+    c.kubectl("delete", "tc/crash", "--wait=true")
+
+
+def test_a_template_change_replaces_every_pod_max_unavailable_at_a_time(cluster):
+    """A patched template rolls out: every pod made from the old one is
+    drained and made again from the new one, one at a time
+    (spec.rollout.maxUnavailable 1), while the others keep running;
+    updatedReplicas reaches replicas and the restarts are not counted."""
+    c = cluster
+    apply(c, cohort_manifest("roll", 3))
+    wait_members(c, "roll", ["roll-0", "roll-1", "roll-2"])
+    assert status(c, "roll").get("updatedReplicas") == 3
+    old = {p["metadata"]["uid"] for p in live_pods(c, "roll")}
+    old_hash = {p["metadata"]["labels"]["cohort.dev/template-hash"] for p in live_pods(c, "roll")}
+    assert len(old) == 3 and len(old_hash) == 1
+    c.kubectl("patch", "tc/roll", "--type", "json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/template/spec/containers/0/env",
+         "value": [{"name": "ROLLED", "value": "1"}]}]))
+    worst = {"down": 0, "deleting": 0}
+
+    def done():
+        ps = pods(c, "roll")
+        up = {p["metadata"]["name"] for p in ps if not p["metadata"].get("deletionTimestamp")
+              and (p.get("status") or {}).get("phase") == "Running"}
+        worst["down"] = max(worst["down"], 3 - len(up & {"roll-0", "roll-1", "roll-2"}))
+        worst["deleting"] = max(worst["deleting"],
+                                sum(1 for p in ps if p["metadata"].get("deletionTimestamp")))
+        st = status(c, "roll")
+        return (not old & {p["metadata"]["uid"] for p in ps} and len(up) == 3 and
+                st.get("updatedReplicas") == 3 and
+                (condition(c, "roll", "Progressing") or {}).get("reason") != "RollingUpdate")
+
+    wait_until(done, "every pod of roll made from the new template", timeout=120)
+    assert worst["down"] <= 1, "%d pods were down at once" % worst["down"]
+    assert worst["deleting"] <= 1, "%d pods were deleted at once" % worst["deleting"]
+    for p in live_pods(c, "roll"):
+        assert p["metadata"]["labels"]["cohort.dev/template-hash"] not in old_hash
+        env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0].get("env") or []}
+        assert env.get("ROLLED") == "1", p["metadata"]["name"]
+    assert len(events(c, "roll", "RollingUpdate")) == 3
+    assert status(c, "roll").get("restarts") == 0
+    wait_members(c, "roll", ["roll-0", "roll-1", "roll-2"], "the new pods to join")
+    c.kubectl("delete", "tc/roll", "--wait=true")

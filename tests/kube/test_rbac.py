@@ -5,10 +5,11 @@ the API server stand-in enforcing RBAC (with
 OwnerReferencesPermissionEnforcement, as hardened clusters run), and the
 real operator runs with a token of that ServiceAccount through a cohort's
 life: its pods come up on the process kubelet, it trains, is scaled,
-status is written, it is deleted. No request of the operator's is refused
-and every rule of the chart allows at least one of them (the stand-in
-records which rule allowed each request). A role missing one verb makes
-the operator log the 403 (status, reason, message) and go on running.
+status is written, an Event is counted again, it is deleted. No request of
+the operator's is refused and every rule of the chart allows at least one
+of them (the stand-in records which rule allowed each request). A role
+missing one verb makes the operator log the 403 (status, reason, message)
+and go on running.
 """
 import json
 import os
@@ -172,6 +173,13 @@ def run_scenario(e, ns):
     e.kubectl("scale", "-n", ns, "tc/lr", "--replicas=2")
     wait_until(lambda: members(e, ns, "lr") == ["lr-0", "lr-1"] and
                len(pods(e, ns, "lr")) == 2, "lr scaled back to two")
+    # lr-2 made again: the same Event raises the first one's count (a
+    # patch of events), as client-go's recorder does.
+    e.kubectl("scale", "-n", ns, "tc/lr", "--replicas=3")
+    wait_until(lambda: [ev for ev in (e.server.get("/api/v1/namespaces/%s/events" % ns) or
+                                      {"items": []})["items"]
+                        if ev.get("message") == "Created pod lr-2." and ev.get("count") == 2],
+               "the Created Event of lr-2 counted twice")
     e.kubectl("delete", "-n", ns, "tc/lr", "--wait=true")
     wait_until(lambda: not pods(e, ns, "lr"), "lr's pods to go")
 

@@ -1,7 +1,8 @@
 /* tests/unit/test_reconcile.c: the operator's pure decisions: spec checks,
  * the pod it makes (the key's Secret in the sidecar alone), ordinals, the
  * plan (create, replace, drain, suspend, maxRestarts, pods of an old key),
- * status, conditions and the status patch. */
+ * status, conditions and the status patch; back-off between replacements,
+ * the restart budget's window, template rollouts and failures in status. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
@@ -867,4 +868,348 @@ Test(reconcile, pod_without_accumulator_settings_pins_nothing)
     cr_assert_null(strstr(args, "--parallel-gradients"), "%s", args);
     cJSON_Delete(pod);
     cJSON_Delete(tc);
+}
+
+/* ---- back-off, the budget's window, rollouts, failures ------------------ */
+
+Test(reconcile, backoff_is_none_then_10s_doubling_to_5min)
+{
+    static const uint32_t want[] = { 0, 0, 10000, 20000, 40000, 80000, 160000, 300000, 300000 };
+
+    for (uint32_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_assert_eq(reconcile_backoff_ms(i), want[i], "streak %u: %u", i, reconcile_backoff_ms(i));
+    cr_assert_eq(reconcile_backoff_ms(UINT32_MAX), RECONCILE_BACKOFF_MAX_MS);
+}
+
+Test(reconcile, backoff_streak_ends_after_a_pod_ran_ten_minutes)
+{
+    struct reconcile_backoff b = { 0 };
+
+    cr_assert_eq(reconcile_backoff_fail(&b, 1000, 50), 0);
+    cr_assert_eq(reconcile_backoff_fail(&b, 2000, 50), 10000);
+    cr_assert_eq(b.until_ms, 12000);
+    cr_assert_eq(reconcile_backoff_fail(&b, 20000, RECONCILE_BACKOFF_RESET_MS - 1), 20000);
+    cr_assert_eq(b.streak, 3);
+    /* Ran ten minutes: a fault of its own, replaced at once. */
+    cr_assert_eq(reconcile_backoff_fail(&b, 900000, RECONCILE_BACKOFF_RESET_MS), 0);
+    cr_assert_eq(b.streak, 1);
+    cr_assert_eq(reconcile_backoff_fail(&b, 900100, 0), 10000);
+}
+
+Test(reconcile, restart_budget_counts_the_last_hour_only)
+{
+    uint64_t h = RECONCILE_RESTART_WINDOW_MS;
+    uint64_t t[] = { 0, 1000, h + 500, h + 900, h + 5000 /* later than now: not counted */ };
+
+    cr_assert_eq(reconcile_restarts_within(t, 5, h + 1000, h), 2);
+    cr_assert_eq(reconcile_restarts_within(t, 5, h - 1, h), 2);
+    cr_assert_eq(reconcile_restarts_within(t, 0, h, h), 0);
+}
+
+Test(reconcile, plan_waits_out_a_back_off_without_spending_the_budget)
+{
+    struct reconcile_pod_view pods[3];
+    struct reconcile_plan p;
+
+    ordinal_pods(pods, 3, (enum reconcile_phase[]){ RECONCILE_POD_FAILED, RECONCILE_POD_FAILED,
+                                                    RECONCILE_POD_RUNNING });
+    pods[0].backoff_ms = 7000;
+    pods[1].backoff_ms = 3000;
+    /* Budget spent (2 of 2), but nothing is replaced yet: not Failed. */
+    cr_assert_eq(reconcile_plan(&spec3, 2, pods, 3, &p), 0);
+    cr_assert_eq(p.n_replace, 0);
+    cr_assert(!p.failed);
+    cr_assert_eq(p.backing_off, 2);
+    cr_assert_eq(p.requeue_ms, 3000);
+    cr_assert_eq(p.failed_pods, 2);
+    cr_assert_eq(p.n_create, 0);
+    reconcile_plan_cleanup(&p);
+    /* Back-off over: the replacement spends the budget. */
+    pods[1].backoff_ms = 0;
+    cr_assert_eq(reconcile_plan(&spec3, 2, pods, 3, &p), 0);
+    cr_assert(p.failed);
+    cr_assert_eq(p.n_replace, 0);
+    reconcile_plan_cleanup(&p);
+    cr_assert_eq(reconcile_plan(&spec3, 1, pods, 3, &p), 0);
+    cr_assert(!p.failed);
+    cr_assert_eq(p.n_replace, 1);
+    cr_assert_str_eq(pods[p.replace[0]].name, "lr-1");
+    cr_assert_eq(p.requeue_ms, 7000);
+    reconcile_plan_cleanup(&p);
+}
+
+static const struct reconcile_spec spec4 = { .replicas = 4, .min_replicas = 1, .max_restarts = 2,
+                                             .max_unavailable = 1, .heartbeat_ms = 1000,
+                                             .timeout_ms = 5000 };
+
+/* Pods lr-0 .. lr-3, all Running and outdated. */
+static void outdated4(struct reconcile_pod_view *pods)
+{
+    ordinal_pods(pods, 4, (enum reconcile_phase[]){ RECONCILE_POD_RUNNING, RECONCILE_POD_RUNNING,
+                                                    RECONCILE_POD_RUNNING, RECONCILE_POD_RUNNING });
+    for (size_t i = 0; i < 4; i++)
+        pods[i].outdated = true;
+}
+
+Test(reconcile, rollout_replaces_the_highest_ordinal_first_within_max_unavailable)
+{
+    struct reconcile_pod_view pods[4];
+    struct reconcile_spec s = spec4;
+    struct reconcile_plan p;
+
+    outdated4(pods);
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 1);
+    cr_assert_str_eq(pods[p.update[0]].name, "lr-3");
+    cr_assert_eq(p.outdated, 4);
+    cr_assert_eq(p.updated, 0);
+    cr_assert_eq(p.n_create + p.n_replace + p.n_roll + p.n_excess, 0);
+    reconcile_plan_cleanup(&p);
+    s.max_unavailable = 2;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 2);
+    cr_assert_str_eq(pods[p.update[0]].name, "lr-3");
+    cr_assert_str_eq(pods[p.update[1]].name, "lr-2");
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, rollout_waits_while_a_replaced_pod_is_not_back)
+{
+    struct reconcile_pod_view pods[4];
+    struct reconcile_plan p;
+
+    outdated4(pods);
+    /* lr-3 was replaced: the new one is Pending from the new template. */
+    pods[3].outdated = false;
+    pods[3].phase = RECONCILE_POD_PENDING;
+    cr_assert_eq(reconcile_plan(&spec4, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 0);
+    cr_assert_eq(p.updated, 1);
+    cr_assert_eq(p.outdated, 3);
+    reconcile_plan_cleanup(&p);
+    /* Its name still taken by the old one, terminating: the same. */
+    pods[3].phase = RECONCILE_POD_TERMINATING;
+    cr_assert_eq(reconcile_plan(&spec4, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 0);
+    reconcile_plan_cleanup(&p);
+    /* Running again: the next one goes. */
+    pods[3].phase = RECONCILE_POD_RUNNING;
+    cr_assert_eq(reconcile_plan(&spec4, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 1);
+    cr_assert_str_eq(pods[p.update[0]].name, "lr-2");
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, rollout_keeps_min_replicas_running)
+{
+    struct reconcile_pod_view pods[4];
+    struct reconcile_spec s = spec4;
+    struct reconcile_plan p;
+
+    outdated4(pods);
+    s.max_unavailable = 4;
+    s.min_replicas = 3;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 1, "%zu", p.n_update);
+    reconcile_plan_cleanup(&p);
+    /* replicas == minReplicas: one at a time, else it could never roll. */
+    s.min_replicas = 4;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 1);
+    reconcile_plan_cleanup(&p);
+    /* One pod down already: none more. */
+    pods[0].phase = RECONCILE_POD_PENDING;
+    pods[0].outdated = false;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_update, 0);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, rollout_finishes_drains_and_takes_pending_pods_at_once)
+{
+    struct reconcile_pod_view pods[4];
+    struct reconcile_plan p;
+
+    outdated4(pods);
+    pods[1].draining = true;                /* chosen earlier */
+    pods[2].phase = RECONCILE_POD_PENDING;  /* unavailable anyway */
+    cr_assert_eq(reconcile_plan(&spec4, 0, pods, 4, &p), 0);
+    /* Over the budget, but a drain is never left halfway, and a pod that
+     * is not running costs nothing. lr-3 waits. */
+    cr_assert_eq(p.n_update, 2);
+    cr_assert_str_eq(pods[p.update[0]].name, "lr-1");
+    cr_assert_str_eq(pods[p.update[1]].name, "lr-2");
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, rollout_leaves_finished_failed_and_stale_pods_to_their_rules)
+{
+    struct reconcile_pod_view pods[4];
+    struct reconcile_spec s = spec4;
+    struct reconcile_plan p;
+
+    outdated4(pods);
+    pods[0].phase = RECONCILE_POD_SUCCEEDED;
+    pods[1].phase = RECONCILE_POD_FAILED;
+    pods[2].stale = true;
+    s.max_unavailable = 4;
+    cr_assert_eq(reconcile_plan(&s, 0, pods, 4, &p), 0);
+    cr_assert_eq(p.n_replace, 1);
+    cr_assert_eq(p.n_roll, 1);
+    cr_assert_eq(p.n_update, 1);
+    cr_assert_str_eq(pods[p.update[0]].name, "lr-3");
+    cr_assert_eq(p.outdated, 3);
+    reconcile_plan_cleanup(&p);
+    /* No rollout once the cohort failed: its pods stay for inspection. */
+    cr_assert_eq(reconcile_plan(&s, 2, pods, 4, &p), 0);
+    cr_assert(p.failed);
+    cr_assert_eq(p.n_update, 0);
+    reconcile_plan_cleanup(&p);
+}
+
+Test(reconcile, parse_reads_max_unavailable_with_its_default)
+{
+    cJSON *tc = cohort("lr", "");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0);
+    cr_assert_eq(s.max_unavailable, 1);
+    cJSON_Delete(tc);
+    tc = cohort("lr", "\"rollout\":{\"maxUnavailable\":3}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0);
+    cr_assert_eq(s.max_unavailable, 3);
+    cJSON_Delete(tc);
+    refused("lr", "\"rollout\":{\"maxUnavailable\":0}", "InvalidSpec");
+    refused("lr", "\"rollout\":{\"maxUnavailable\":\"25%\"}", "InvalidSpec");
+    refused("lr", "\"rollout\":7", "InvalidSpec");
+}
+
+Test(reconcile, template_hash_is_of_the_template_whatever_its_key_order)
+{
+    cJSON *a = parse("{\"metadata\":{\"name\":\"x\"},\"spec\":{\"template\":{\"spec\":{\"containers\":"
+                     "[{\"name\":\"t\",\"image\":\"i\"}],\"restartPolicy\":\"Never\"}},\"replicas\":1}}");
+    cJSON *b = parse("{\"spec\":{\"replicas\":7,\"template\":{\"spec\":{\"restartPolicy\":\"Never\","
+                     "\"containers\":[{\"image\":\"i\",\"name\":\"t\"}]}}}}");
+    cJSON *c = parse("{\"spec\":{\"template\":{\"spec\":{\"restartPolicy\":\"Never\","
+                     "\"containers\":[{\"image\":\"i2\",\"name\":\"t\"}]}}}}");
+    cJSON *none = parse("{\"spec\":{}}");
+    char ha[RECONCILE_HASH_CHARS + 1], hb[RECONCILE_HASH_CHARS + 1], hc[RECONCILE_HASH_CHARS + 1];
+
+    cr_assert_eq(reconcile_template_hash(a, ha), 0);
+    cr_assert_eq(reconcile_template_hash(b, hb), 0);
+    cr_assert_eq(reconcile_template_hash(c, hc), 0);
+    cr_assert_eq(strlen(ha), RECONCILE_HASH_CHARS);
+    cr_assert_str_eq(ha, hb, "the order of keys and other spec fields do not count");
+    cr_assert_str_neq(ha, hc);
+    cr_assert_eq(reconcile_template_hash(none, ha), -EINVAL);
+    cJSON_Delete(a);
+    cJSON_Delete(b);
+    cJSON_Delete(c);
+    cJSON_Delete(none);
+}
+
+Test(reconcile, pod_is_labelled_with_its_template_hash_and_views_read_it)
+{
+    cJSON *tc = cohort("lr", ""), *pod = NULL;
+    char h[RECONCILE_HASH_CHARS + 1];
+    struct reconcile_pod_view v;
+
+    cr_assert_eq(reconcile_template_hash(tc, h), 0);
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    cr_assert_str_eq(cJSON_GetObjectItem(sget_item(pod, "metadata.labels"),
+                                         RECONCILE_LABEL_TEMPLATE_HASH)->valuestring, h);
+    cr_assert_eq(reconcile_view("lr", pod, &v), 0);
+    cr_assert_str_eq(v.template_hash, h);
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_failure_names_exit_code_signal_and_image_errors)
+{
+    struct reconcile_failure f;
+    cJSON *p;
+
+    p = parse("{\"status\":{\"phase\":\"Failed\",\"containerStatuses\":[{\"name\":\"trainer\","
+              "\"state\":{\"terminated\":{\"exitCode\":3,\"reason\":\"Error\"}}}]}}");
+    cr_assert(reconcile_pod_failure(p, &f));
+    cr_assert_eq(f.exit_code, 3);
+    cr_assert_str_eq(f.reason, "Error");
+    cr_assert_str_eq(f.container, "trainer");
+    cr_assert(strstr(f.message, "exited with code 3"), "%s", f.message);
+    cJSON_Delete(p);
+    p = parse("{\"status\":{\"phase\":\"Failed\",\"containerStatuses\":[{\"name\":\"ok\",\"state\":"
+              "{\"terminated\":{\"exitCode\":0}}},{\"name\":\"trainer\",\"state\":{\"terminated\":"
+              "{\"exitCode\":137,\"signal\":9,\"reason\":\"OOMKilled\"}}}]}}");
+    cr_assert(reconcile_pod_failure(p, &f));
+    cr_assert_str_eq(f.reason, "OOMKilled");
+    cr_assert_eq(f.signal, 9);
+    cr_assert(strstr(f.message, "signal 9"), "%s", f.message);
+    cJSON_Delete(p);
+    p = parse("{\"status\":{\"phase\":\"Pending\",\"containerStatuses\":[{\"name\":\"trainer\","
+              "\"state\":{\"waiting\":{\"reason\":\"ImagePullBackOff\",\"message\":\"no such image\"}}}]}}");
+    cr_assert(reconcile_pod_failure(p, &f));
+    cr_assert_str_eq(f.reason, "ImagePullBackOff");
+    cr_assert_eq(f.exit_code, -1);
+    cr_assert(strstr(f.message, "no such image"), "%s", f.message);
+    cJSON_Delete(p);
+    /* Waiting to be created, or running: nothing wrong. */
+    p = parse("{\"status\":{\"phase\":\"Pending\",\"initContainerStatuses\":[{\"name\":\"s\","
+              "\"state\":{\"waiting\":{\"reason\":\"ContainerCreating\"}}}],"
+              "\"containerStatuses\":[{\"name\":\"trainer\",\"state\":{\"running\":{}}}]}}");
+    cr_assert(!reconcile_pod_failure(p, &f));
+    cJSON_Delete(p);
+    /* Failed without a container's word: the pod's reason. */
+    p = parse("{\"status\":{\"phase\":\"Failed\",\"reason\":\"Evicted\",\"message\":\"low memory\"}}");
+    cr_assert(reconcile_pod_failure(p, &f));
+    cr_assert_str_eq(f.reason, "Evicted");
+    cJSON_Delete(p);
+}
+
+Test(reconcile, status_shows_failures_refusals_and_the_rollout)
+{
+    struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 4, false } };
+    struct reconcile_pod_view pods[4];
+    struct reconcile_failure f0 = { .container = "trainer", .reason = "Error",
+                                    .message = "container trainer exited with code 1 (Error)",
+                                    .exit_code = 1 };
+    struct reconcile_failure f1 = { .container = "trainer", .reason = "ErrImagePull",
+                                    .message = "container trainer is waiting: ErrImagePull",
+                                    .exit_code = -1 };
+    struct reconcile_pod_failure fl[] = { { "lr-0", &f0, 0, "t0" }, { "lr-1", &f1, 9500, "t1" } };
+    struct reconcile_why no = { "FailedCreate", "error creating pod lr-2: HTTP 422 Invalid: x" };
+    struct reconcile_plan p;
+    struct reconcile_observed o = { .members = m, .n_members = 1, .epoch = 1, .plan = &p,
+                                    .failures = fl, .n_failures = 2, .replica_failure = &no };
+    const cJSON *mem, *lf;
+    cJSON *st;
+
+    outdated4(pods);
+    pods[3].outdated = false;
+    cr_assert_eq(reconcile_plan(&spec4, 0, pods, 4, &p), 0);
+    st = reconcile_status(&spec4, &o, NULL, "t");
+    cr_assert_eq(cJSON_GetObjectItem(st, "updatedReplicas")->valueint, 1);
+    cr_assert_str_eq(sget(cond(st, "Progressing"), "reason"), "RollingUpdate");
+    cr_assert(strstr(sget(cond(st, "Progressing"), "message"), "1 of 4"));
+    cr_assert_str_eq(sget(cond(st, "ReplicaFailure"), "reason"), "FailedCreate");
+    cr_assert_str_eq(sget(cond(st, "ReplicaFailure"), "status"), "True");
+    cr_assert(strstr(sget(cond(st, "ReplicaFailure"), "message"), "422 Invalid"));
+    mem = cJSON_GetObjectItem(st, "members");
+    cr_assert_eq(cJSON_GetArraySize(mem), 2, "a pod that is no member gets an entry");
+    lf = cJSON_GetObjectItem(cJSON_GetArrayItem(mem, 0), "lastFailure");
+    cr_assert_eq(cJSON_GetObjectItem(lf, "exitCode")->valueint, 1);
+    cr_assert_null(cJSON_GetObjectItem(lf, "backoffSeconds"));
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(mem, 0), "address"), "1.1.1.1:5");
+    lf = cJSON_GetObjectItem(cJSON_GetArrayItem(mem, 1), "lastFailure");
+    cr_assert_str_eq(sget(lf, "reason"), "ErrImagePull");
+    cr_assert_null(cJSON_GetObjectItem(lf, "exitCode"));
+    cr_assert_eq(cJSON_GetObjectItem(lf, "backoffSeconds")->valueint, 10);
+    cr_assert_eq(cJSON_GetObjectItem(st, "readyReplicas")->valueint, 1);
+    cJSON_Delete(st);
+    /* Without a refusal the condition is gone, as a ReplicaSet's. */
+    o.replica_failure = NULL;
+    st = reconcile_status(&spec4, &o, NULL, "t");
+    cr_assert_null(cond(st, "ReplicaFailure"));
+    reconcile_plan_cleanup(&p);
+    cJSON_Delete(st);
 }
