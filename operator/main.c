@@ -437,6 +437,19 @@ static int broker_tls(struct op *op, const struct kopts *ko, struct brokerd_conf
 
 /* Becomes the working leader: broker, then controller. Returns 0 or -errno
  * with nothing left running. */
+/* True when SIGINT or SIGTERM waits to be taken: they are blocked in
+ * every thread and taken by sigtimedwait in follow_lease(), so a start
+ * that asks this can give way to them. */
+static bool stop_pending(void *arg)
+{
+    sigset_t pending;
+
+    (void)arg;
+    if (sigpending(&pending) < 0)
+        return false;
+    return sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1;
+}
+
 static int lead(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg)
 {
     struct controller_config cc = { 0 };
@@ -479,7 +492,10 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
     cc.drain_timeout_ms = ko->drain_ms;
     cc.resync_ms = ko->resync_ms;
     cc.watch_timeout_s = ko->watch_s;
+    cc.cancelled = stop_pending;
     rc = controller_start(&cc, 60000, &ctl);
+    if (rc == -ECANCELED)
+        goto out_broker;
     if (rc < 0) {
         log_warn("operator", "The controller could not start; trying again.", LF_ERR(rc));
         goto out_broker;
@@ -620,6 +636,35 @@ static int campaign(const struct kopts *ko, struct op *op)
     return 0;
 }
 
+/* How often a leader without the CRD looks for it: it is seen within
+ * this long of being created. Discovery is cheap and served from memory. */
+#define CRD_POLL_MS 500
+
+/* Whether the controller can start: false while the API server does not
+ * serve TrainingCohorts, said once (and once more when the CRD comes)
+ * instead of the reflector's backing off, which would notice a new CRD
+ * only up to 16 s late. Any other error lets the start go on and report
+ * it. */
+static bool crd_ready(struct op *op, bool *missing)
+{
+    int rc = controller_crd_served(op->kube);
+
+    if (rc == -ENOENT) {
+        if (!*missing)
+            log_warn("operator", "The TrainingCohort CustomResourceDefinition is not installed; "
+                     "waiting for it. Install it with kubectl apply -f "
+                     "crds/trainingcohorts.cohort.dev.yaml, or with helm install (the chart's "
+                     "crds/).", LF_S("crd", "trainingcohorts." RECONCILE_GROUP));
+        *missing = true;
+        return false;
+    }
+    if (*missing)
+        log_info("operator", "The TrainingCohort CustomResourceDefinition is served; starting "
+                 "the controller.");
+    *missing = false;
+    return true;
+}
+
 /* The leader election loop: leads (broker and controller) while the Lease
  * is ours, steps down when it is lost, and retries a failed start after a
  * second, until SIGINT or SIGTERM. Returns that signal, or 0 when the API
@@ -628,6 +673,7 @@ static int follow_lease(struct op *op, const struct kopts *ko, const struct brok
                         const sigset_t *sigs)
 {
     uint64_t next_try = 0;
+    bool crd_missing = false;
     char why[600];
     int sig;
 
@@ -639,7 +685,9 @@ static int follow_lease(struct op *op, const struct kopts *ko, const struct brok
         running = op->ctl != NULL;
         pthread_mutex_unlock(&op->lock);
         if (leading && !running && clock_now_ms() >= next_try) {
-            if (lead(op, ko, bcfg) < 0)
+            if (!crd_ready(op, &crd_missing))
+                next_try = clock_now_ms() + CRD_POLL_MS;
+            else if (lead(op, ko, bcfg) < 0)
                 next_try = clock_now_ms() + 1000;
         } else if (!leading && running) {
             log_warn("operator", "Lost the Lease; stopping the controller and the broker.");
