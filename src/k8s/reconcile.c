@@ -607,7 +607,7 @@ static void keep_final(cJSON *st, const cJSON *old)
 
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
         const cJSON *v = get(old, keys[i]);
-        if (v && (cJSON_IsNumber(v) || cJSON_IsString(v)))
+        if (v && (cJSON_IsNumber(v) || cJSON_IsString(v)) && !get(st, keys[i]))
             cJSON_AddItemToObject(st, keys[i], cJSON_Duplicate(v, 0));
     }
 }
@@ -672,11 +672,14 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
             cJSON_AddStringToObject(st, "leader", o->leader);
             cJSON_AddNumberToObject(st, "modelVersion", (double)leader_version);
         }
-    } else if (p && p->complete && !o->invalid) {
-        /* The broker forgets a cohort whose trainers all finished; the
-         * last epoch, leader and model version it reported stay true. */
-        keep_final(st, old);
     }
+    /* With no leader now (trainers that finished left the broker, which
+     * forgets the cohort once all have; a suspended cohort; between
+     * epochs) the last epoch, leader and model version stay: the model
+     * the cohort reached is still a fact, and a finished cohort's final
+     * one is what its user asks for. */
+    if (!o->invalid && !(o->broker_known && o->epoch && o->leader))
+        keep_final(st, old);
     cJSON_AddItemToObject(st, "members", members);
     cJSON_AddStringToObject(st, "phase", status_phase(s, o, ready));
 

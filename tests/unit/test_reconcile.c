@@ -634,7 +634,7 @@ Test(reconcile, status_phase_is_the_first_that_holds)
     cJSON_Delete(st);
 }
 
-Test(reconcile, status_after_complete_keeps_the_last_leader_and_model_version)
+Test(reconcile, status_keeps_the_last_leader_and_model_version_when_none_leads)
 {
     struct reconcile_plan p = { .complete = true };
     struct reconcile_observed o = { .plan = &p };     /* the broker forgot the cohort */
@@ -650,11 +650,30 @@ Test(reconcile, status_after_complete_keeps_the_last_leader_and_model_version)
                      "lr-1", "the patch does not null them");
     cJSON_Delete(patch);
     cJSON_Delete(st);
-    /* Not complete: a cohort with no leader now shows none. */
+    /* The broker still has the cohort, in a later epoch, with no leader. */
+    o.broker_known = true;
+    o.epoch = 6;
+    st = reconcile_status(&s, &o, old, "t");
+    cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-1");
+    cr_assert_eq(cJSON_GetObjectItem(st, "epoch")->valueint, 6, "the broker's own epoch wins");
+    cJSON_Delete(st);
+    /* Not complete, and no leader now (suspended, between epochs): the
+     * last ones stay too. */
     p.complete = false;
     st = reconcile_status(&s, &o, old, "t");
-    cr_assert_null(cJSON_GetObjectItem(st, "leader"));
+    cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-1");
     cJSON_Delete(st);
+    /* A new leader replaces them. */
+    {
+        struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 1300, false } };
+        o.leader = "lr-0";
+        o.members = m;
+        o.n_members = 1;
+        st = reconcile_status(&s, &o, old, "t");
+        cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-0");
+        cr_assert_eq(cJSON_GetObjectItem(st, "modelVersion")->valueint, 1300);
+        cJSON_Delete(st);
+    }
     cJSON_Delete(old);
 }
 
