@@ -248,6 +248,7 @@ struct op {
     struct controller_stats base;   /* counters of controllers already stopped */
     uint64_t leader_terms;
     uint64_t renew_at_ms;           /* the broker's certificate is renewed then; 0: never */
+    uint32_t lease_ms;              /* --lease-duration */
 };
 
 static void add_stats(struct controller_stats *a, const struct controller_stats *b)
@@ -440,17 +441,22 @@ static int broker_tls(struct op *op, const struct kopts *ko, struct brokerd_conf
 
 /* Becomes the working leader: broker, then controller. Returns 0 or -errno
  * with nothing left running. */
-/* True when SIGINT or SIGTERM waits to be taken: they are blocked in
- * every thread and taken by sigtimedwait in follow_lease(), so a start
- * that asks this can give way to them. */
-static bool stop_pending(void *arg)
+/* Whether a controller start should give way to follow_lease(), which
+ * acts on each of these: SIGINT or SIGTERM waiting to be taken (they are
+ * blocked in every thread and taken by sigtimedwait there), the Lease
+ * lost, or the credential refused for longer than the Lease lasts. Called
+ * on follow_lease()'s own thread, inside lead(). */
+static bool start_cancelled(void *arg)
 {
+    struct op *op = arg;
     sigset_t pending;
 
-    (void)arg;
-    if (sigpending(&pending) < 0)
-        return false;
-    return sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1;
+    if (sigpending(&pending) == 0 &&
+        (sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1))
+        return true;
+    if (!lease_is_leader(op->lease))
+        return true;
+    return kube_auth_failing_ms(op->kube, NULL, 0) > op->lease_ms;
 }
 
 static int lead(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg)
@@ -495,10 +501,11 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
     cc.drain_timeout_ms = ko->drain_ms;
     cc.resync_ms = ko->resync_ms;
     cc.watch_timeout_s = ko->watch_s;
-    cc.cancelled = stop_pending;
+    cc.cancelled = start_cancelled;
+    cc.cancel_arg = op;
     rc = controller_start(&cc, 60000, &ctl);
     if (rc == -ECANCELED)
-        goto out_broker;
+        goto out_broker;                /* follow_lease() says why */
     if (rc < 0) {
         log_warn("operator", "The controller could not start; trying again.", LF_ERR(rc));
         goto out_broker;
@@ -740,6 +747,7 @@ static int run_kube(const struct kopts *ko_in, const struct brokerd_config *bcfg
     int sig, status = 1;
 
     pthread_mutex_init(&op.lock, NULL);
+    op.lease_ms = ko.lease_ms;
     if (kube_connect(&ko, &kc, &op, ident, sizeof(ident)) < 0)
         goto out_kube;
     if (serve_metrics(&ko, &op, &probe) < 0)
