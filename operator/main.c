@@ -153,6 +153,9 @@ static const char usage[] =
     "cohort reports it. To rotate a key, delete the Secret: a new key is made\n"
     "and the cohort's pods are replaced.\n"
     "\n"
+    "The TrainingCohort CRD (crds/, or the chart's) must be installed: until\n"
+    "it is served, the leader says so once and looks again every 500 ms.\n"
+    "\n"
     "Endpoints: /healthz answers 200 while the process runs. /readyz answers\n"
     "200 only on the leader once its caches of cohorts, pods and their\n"
     "Secrets are synced, and 503 with the reason on a standby replica, so a\n"
@@ -245,6 +248,7 @@ struct op {
     struct controller_stats base;   /* counters of controllers already stopped */
     uint64_t leader_terms;
     uint64_t renew_at_ms;           /* the broker's certificate is renewed then; 0: never */
+    uint32_t lease_ms;              /* --lease-duration */
 };
 
 static void add_stats(struct controller_stats *a, const struct controller_stats *b)
@@ -437,6 +441,24 @@ static int broker_tls(struct op *op, const struct kopts *ko, struct brokerd_conf
 
 /* Becomes the working leader: broker, then controller. Returns 0 or -errno
  * with nothing left running. */
+/* Whether a controller start should give way to follow_lease(), which
+ * acts on each of these: SIGINT or SIGTERM waiting to be taken (they are
+ * blocked in every thread and taken by sigtimedwait there), the Lease
+ * lost, or the credential refused for longer than the Lease lasts. Called
+ * on follow_lease()'s own thread, inside lead(). */
+static bool start_cancelled(void *arg)
+{
+    struct op *op = arg;
+    sigset_t pending;
+
+    if (sigpending(&pending) == 0 &&
+        (sigismember(&pending, SIGTERM) == 1 || sigismember(&pending, SIGINT) == 1))
+        return true;
+    if (!lease_is_leader(op->lease))
+        return true;
+    return kube_auth_failing_ms(op->kube, NULL, 0) > op->lease_ms;
+}
+
 static int lead(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg)
 {
     struct controller_config cc = { 0 };
@@ -479,7 +501,11 @@ static int lead(struct op *op, const struct kopts *ko, const struct brokerd_conf
     cc.drain_timeout_ms = ko->drain_ms;
     cc.resync_ms = ko->resync_ms;
     cc.watch_timeout_s = ko->watch_s;
+    cc.cancelled = start_cancelled;
+    cc.cancel_arg = op;
     rc = controller_start(&cc, 60000, &ctl);
+    if (rc == -ECANCELED)
+        goto out_broker;                /* follow_lease() says why */
     if (rc < 0) {
         log_warn("operator", "The controller could not start; trying again.", LF_ERR(rc));
         goto out_broker;
@@ -620,6 +646,35 @@ static int campaign(const struct kopts *ko, struct op *op)
     return 0;
 }
 
+/* How often a leader without the CRD looks for it: it is seen within
+ * this long of being created. Discovery is cheap and served from memory. */
+#define CRD_POLL_MS 500
+
+/* Whether the controller can start: false while the API server does not
+ * serve TrainingCohorts, said once (and once more when the CRD comes)
+ * instead of the reflector's backing off, which would notice a new CRD
+ * only up to 16 s late. Any other error lets the start go on and report
+ * it. */
+static bool crd_ready(struct op *op, bool *missing)
+{
+    int rc = controller_crd_served(op->kube);
+
+    if (rc == -ENOENT) {
+        if (!*missing)
+            log_warn("operator", "The TrainingCohort CustomResourceDefinition is not installed; "
+                     "waiting for it. Install it with kubectl apply -f "
+                     "crds/trainingcohorts.cohort.dev.yaml, or with helm install (the chart's "
+                     "crds/).", LF_S("crd", "trainingcohorts." RECONCILE_GROUP));
+        *missing = true;
+        return false;
+    }
+    if (*missing)
+        log_info("operator", "The TrainingCohort CustomResourceDefinition is served; starting "
+                 "the controller.");
+    *missing = false;
+    return true;
+}
+
 /* The leader election loop: leads (broker and controller) while the Lease
  * is ours, steps down when it is lost, and retries a failed start after a
  * second, until SIGINT or SIGTERM. Returns that signal, or 0 when the API
@@ -628,6 +683,7 @@ static int follow_lease(struct op *op, const struct kopts *ko, const struct brok
                         const sigset_t *sigs)
 {
     uint64_t next_try = 0;
+    bool crd_missing = false;
     char why[600];
     int sig;
 
@@ -639,7 +695,9 @@ static int follow_lease(struct op *op, const struct kopts *ko, const struct brok
         running = op->ctl != NULL;
         pthread_mutex_unlock(&op->lock);
         if (leading && !running && clock_now_ms() >= next_try) {
-            if (lead(op, ko, bcfg) < 0)
+            if (!crd_ready(op, &crd_missing))
+                next_try = clock_now_ms() + CRD_POLL_MS;
+            else if (lead(op, ko, bcfg) < 0)
                 next_try = clock_now_ms() + 1000;
         } else if (!leading && running) {
             log_warn("operator", "Lost the Lease; stopping the controller and the broker.");
@@ -689,6 +747,7 @@ static int run_kube(const struct kopts *ko_in, const struct brokerd_config *bcfg
     int sig, status = 1;
 
     pthread_mutex_init(&op.lock, NULL);
+    op.lease_ms = ko.lease_ms;
     if (kube_connect(&ko, &kc, &op, ident, sizeof(ident)) < 0)
         goto out_kube;
     if (serve_metrics(&ko, &op, &probe) < 0)

@@ -1299,6 +1299,41 @@ static void controller_free(struct controller *c)
     free(c);
 }
 
+/* Waits for the three caches in slices, so that cfg.cancelled is heard
+ * within 100 ms. Returns 0, -ETIMEDOUT or -ECANCELED. */
+static int wait_synced(struct controller *c, uint32_t timeout_ms)
+{
+    uint64_t end = clock_now_ms() + timeout_ms;
+
+    for (;;) {
+        if (reflector_wait_synced(c->cohorts, 0) && reflector_wait_synced(c->pods, 0) &&
+            reflector_wait_synced(c->secrets, 0))
+            return 0;
+        if (c->cfg.cancelled && c->cfg.cancelled(c->cfg.cancel_arg))
+            return -ECANCELED;
+        if (clock_now_ms() >= end)
+            return -ETIMEDOUT;
+        reflector_wait_synced(c->cohorts, 100);
+    }
+}
+
+int controller_crd_served(struct kube *kube)
+{
+    cJSON *list = NULL, *r;
+    int rc = kube_get(kube, "/apis/" RECONCILE_GROUP "/v1alpha1", &list);
+
+    if (rc < 0)
+        return rc;
+    rc = -ENOENT;
+    cJSON_ArrayForEach(r, get(list, "resources")) {
+        const char *name = str(r, "name");
+        if (name && strcmp(name, "trainingcohorts") == 0)
+            rc = 0;
+    }
+    cJSON_Delete(list);
+    return rc;
+}
+
 int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_ms,
                      struct controller **out)
 {
@@ -1385,12 +1420,9 @@ int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_
     rc = reflector_start(&rc_secrets, &c->secrets);
     if (rc < 0)
         goto err_pods;
-    if (!reflector_wait_synced(c->cohorts, sync_timeout_ms) ||
-        !reflector_wait_synced(c->pods, sync_timeout_ms) ||
-        !reflector_wait_synced(c->secrets, sync_timeout_ms)) {
-        rc = -ETIMEDOUT;
+    rc = wait_synced(c, sync_timeout_ms);
+    if (rc < 0)
         goto err_secrets;
-    }
     /* Declared before any worker runs, so that sidecars rejoining a new
      * leader's broker find their cohorts. */
     all = reflector_list(c->cohorts, NULL);

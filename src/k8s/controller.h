@@ -41,12 +41,25 @@ struct controller_config {
     uint32_t broker_poll_ms;        /* how often broker membership is compared; 0: 250 */
     uint32_t drain_timeout_ms;      /* 0: 2 x the cohort's member timeout */
     unsigned watch_timeout_s;       /* per watch request; 0: 300 */
+    /* Asked every 100 ms while controller_start() waits for its caches:
+     * true ends the wait with -ECANCELED (a SIGTERM must not wait out the
+     * sync timeout). NULL: never. */
+    bool (*cancelled)(void *arg);
+    void *cancel_arg;
 };
+
+/* Whether the API server serves TrainingCohorts, by discovery of
+ * /apis/cohort.dev/v1alpha1: 0 when it lists trainingcohorts, -ENOENT when
+ * it does not (the CRD is not installed, or not yet Established), another
+ * -errno when the server cannot tell. Discovery needs no RBAC rule (every
+ * authenticated client has system:discovery). */
+int controller_crd_served(struct kube *kube);
 
 /* Starts the reflectors (cohorts, their pods, their Secrets), waits up to
  * `sync_timeout_ms` for their first lists, declares every cached cohort in
- * the broker with the key its Secret holds, then starts the workers. Returns 0, -EINVAL, -ETIMEDOUT (caches did not fill; nothing
- * is left running), -ENOMEM, -EAGAIN. The caller stops and frees it with
+ * the broker with the key its Secret holds, then starts the workers. Returns
+ * 0, -EINVAL, -ETIMEDOUT (caches did not fill; nothing is left running),
+ * -ECANCELED (cfg->cancelled said so while waiting), -ENOMEM, -EAGAIN. The caller stops and frees it with
  * controller_stop(). */
 int controller_start(const struct controller_config *cfg, uint32_t sync_timeout_ms,
                      struct controller **out);

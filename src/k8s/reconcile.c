@@ -893,6 +893,37 @@ static void condition(cJSON *arr, const cJSON *old, const char *type, bool statu
     cJSON_AddItemToArray(arr, c);
 }
 
+static void keep_final(cJSON *st, const cJSON *old)
+{
+    static const char *const keys[] = {"epoch", "leader", "modelVersion"};
+
+    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+        const cJSON *v = get(old, keys[i]);
+        if (v && (cJSON_IsNumber(v) || cJSON_IsString(v)) && !get(st, keys[i]))
+            cJSON_AddItemToObject(st, keys[i], cJSON_Duplicate(v, 0));
+    }
+}
+
+/* One word for kubectl get, from the same facts as the conditions, the
+ * first that holds winning (docs/operator.md defines each). */
+static const char *status_phase(const struct reconcile_spec *s, const struct reconcile_observed *o,
+                                uint32_t ready)
+{
+    const struct reconcile_plan *p = o->plan;
+
+    if (o->invalid || (p && p->failed))
+        return "Failed";
+    if (p && p->complete)
+        return "Complete";
+    if (s->suspend)
+        return "Suspended";
+    if (p && p->failed_pods)
+        return "Degraded";
+    if (o->epoch && ready >= s->min_replicas)
+        return "Running";
+    return "Pending";
+}
+
 cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_observed *o,
                         const cJSON *old, const char *now)
 {
@@ -963,7 +994,15 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
             cJSON_AddNumberToObject(st, "modelVersion", (double)leader_version);
         }
     }
+    /* With no leader now (trainers that finished left the broker, which
+     * forgets the cohort once all have; a suspended cohort; between
+     * epochs) the last epoch, leader and model version stay: the model
+     * the cohort reached is still a fact, and a finished cohort's final
+     * one is what its user asks for. */
+    if (!o->invalid && !(o->broker_known && o->epoch && o->leader))
+        keep_final(st, old);
     cJSON_AddItemToObject(st, "members", members);
+    cJSON_AddStringToObject(st, "phase", status_phase(s, o, ready));
 
     conds = cJSON_AddArrayToObject(st, "conditions");
     if (o->invalid) {

@@ -138,11 +138,13 @@ def test_kubectl_applies_crd_and_cohort_and_shows_columns(kubectl, cluster):
     assert tc["spec"]["suspend"] is False
     # The operator's view of the world, written through /status.
     tc["status"] = {"replicas": 3, "readyReplicas": 3, "epoch": 7, "leader": "logreg-1",
-                    "modelVersion": 42, "selector": "cohort.dev/name=logreg"}
+                    "modelVersion": 42, "selector": "cohort.dev/name=logreg",
+                    "phase": "Running"}
     cluster.ok("PUT", TC + "/logreg/status", tc)
     out = kubectl("get", "tc").stdout.splitlines()
-    assert out[0].split() == ["NAME", "DESIRED", "READY", "EPOCH", "LEADER", "MODELVERSION", "AGE"]
-    assert out[1].split()[:6] == ["logreg", "3", "3", "7", "logreg-1", "42"]
+    assert out[0].split() == ["NAME", "DESIRED", "READY", "EPOCH", "LEADER", "MODELVERSION",
+                              "PHASE", "AGE"]
+    assert out[1].split()[:7] == ["logreg", "3", "3", "7", "logreg-1", "42", "Running"]
     wide = kubectl("get", "trainingcohorts", "-o", "wide").stdout.splitlines()
     assert wide[0].split()[-3:] == ["MIN", "MAX", "SUSPENDED"]
     assert wide[1].split()[-3:] == ["2", "8", "false"]

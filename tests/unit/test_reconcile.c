@@ -589,6 +589,95 @@ Test(reconcile, status_failed_after_max_restarts)
     cJSON_Delete(st);
 }
 
+static const char *phase_of(const cJSON *st)
+{
+    return cJSON_GetObjectItem(st, "phase")->valuestring;
+}
+
+Test(reconcile, status_phase_is_the_first_that_holds)
+{
+    struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 7, false } };
+    struct reconcile_plan p = { 0 };
+    struct reconcile_why why = { "NameTooLong", "too long" };
+    struct reconcile_observed o = { .pods = 1, .broker_known = true, .members = m,
+                                    .n_members = 1, .plan = &p };
+    struct reconcile_spec s = spec3;
+    cJSON *st;
+
+    s.min_replicas = 1;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Pending", "no epoch yet");
+    cJSON_Delete(st);
+    o.epoch = 2;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Running");
+    cJSON_Delete(st);
+    p.failed_pods = 1;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Degraded");
+    cJSON_Delete(st);
+    s.suspend = true;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Suspended");
+    cJSON_Delete(st);
+    p.complete = true;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Complete");
+    cJSON_Delete(st);
+    p.failed = true;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Failed");
+    cJSON_Delete(st);
+    o.invalid = &why;
+    o.plan = NULL;
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_str_eq(phase_of(st), "Failed", "a refused spec");
+    cJSON_Delete(st);
+}
+
+Test(reconcile, status_keeps_the_last_leader_and_model_version_when_none_leads)
+{
+    struct reconcile_plan p = { .complete = true };
+    struct reconcile_observed o = { .plan = &p };     /* the broker forgot the cohort */
+    struct reconcile_spec s = spec3;
+    cJSON *old = parse("{\"epoch\":5,\"leader\":\"lr-1\",\"modelVersion\":1234}");
+    cJSON *st = reconcile_status(&s, &o, old, "t"), *patch;
+
+    cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-1");
+    cr_assert_eq(cJSON_GetObjectItem(st, "modelVersion")->valueint, 1234);
+    cr_assert_eq(cJSON_GetObjectItem(st, "epoch")->valueint, 5);
+    patch = reconcile_status_patch(old, st);
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(patch, "status"), "leader")->valuestring,
+                     "lr-1", "the patch does not null them");
+    cJSON_Delete(patch);
+    cJSON_Delete(st);
+    /* The broker still has the cohort, in a later epoch, with no leader. */
+    o.broker_known = true;
+    o.epoch = 6;
+    st = reconcile_status(&s, &o, old, "t");
+    cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-1");
+    cr_assert_eq(cJSON_GetObjectItem(st, "epoch")->valueint, 6, "the broker's own epoch wins");
+    cJSON_Delete(st);
+    /* Not complete, and no leader now (suspended, between epochs): the
+     * last ones stay too. */
+    p.complete = false;
+    st = reconcile_status(&s, &o, old, "t");
+    cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-1");
+    cJSON_Delete(st);
+    /* A new leader replaces them. */
+    {
+        struct reconcile_member m[] = { { "lr-0", "1.1.1.1:5", 1300, false } };
+        o.leader = "lr-0";
+        o.members = m;
+        o.n_members = 1;
+        st = reconcile_status(&s, &o, old, "t");
+        cr_assert_str_eq(cJSON_GetObjectItem(st, "leader")->valuestring, "lr-0");
+        cr_assert_eq(cJSON_GetObjectItem(st, "modelVersion")->valueint, 1300);
+        cJSON_Delete(st);
+    }
+    cJSON_Delete(old);
+}
+
 Test(reconcile, model_versions_alone_are_a_minor_difference)
 {
     cJSON *a = parse("{\"epoch\":3,\"modelVersion\":10,\"members\":[{\"id\":\"a\",\"modelVersion\":10}]}");

@@ -286,7 +286,7 @@ class Store:
         unknown = []
         obj = prune(obj, schema, "", unknown, root=True)
         apply_defaults(obj, schema)
-        self._field_validation(unknown, warnings, fv)
+        self._field_validation(unknown, warnings, fv, rt, version)
         errs = []
         ratchet = old is not None
         validate_schema(obj, schema, "", errs, old, ratchet)
@@ -295,12 +295,17 @@ class Store:
         return obj, errs
 
     @staticmethod
-    def _field_validation(unknown, warnings, fv):
+    def _field_validation(unknown, warnings, fv, rt=None, version=None):
         if not unknown:
             return
         if fv == "Strict":
-            raise err_bad_request("strict decoding error: " + ", ".join('unknown field "%s"' % u
-                                                                        for u in unknown))
+            # The real decoder's words: the object "cannot be handled as" its kind.
+            prefix = ""
+            if rt is not None:
+                prefix = '%s in version "%s" cannot be handled as a %s: ' % (rt.kind, version,
+                                                                            rt.kind)
+            raise err_bad_request(prefix + "strict decoding error: " +
+                                  ", ".join('unknown field "%s"' % u for u in unknown))
         if fv != "Ignore":
             warnings.extend('unknown field "%s"' % u for u in unknown)
 
