@@ -187,30 +187,39 @@ def test_complete_keeps_the_last_leader_and_model_version(cluster):
     c.kubectl("delete", "tc", "done")
 
 
+def discovery_looks(c):
+    """The operator's GETs of the cohort.dev group version (how it learns
+    whether the CRD is served)."""
+    return [r for r in c.server.requests() if r["method"] == "GET" and
+            r["path"].rstrip("/") == "/apis/cohort.dev/v1alpha1" and
+            r["userAgent"].startswith("cohort-operator")]
+
+
 MISSING = "The TrainingCohort CustomResourceDefinition is not installed"
 SERVED = "The TrainingCohort CustomResourceDefinition is served"
 
 
-def test_an_operator_started_before_the_crd_sees_it_within_2s():
+def test_an_operator_started_before_the_crd_says_so_once_and_sees_it_at_once():
     c = start("tcn-", crd=False, kubelet=False)
     try:
         op = Operator(c.server, c.tmp, "op-n", free_port(), tls=False)
         c.operators.append(op)
         wait_until(lambda: MISSING in op.text(), "the operator to say the CRD is missing")
         assert "kubectl apply -f crds/trainingcohorts.cohort.dev.yaml" in op.text()
-        # Said once, not once per look (it looks every 500 ms). That
-        # something is not said can only be seen by waiting: 1.5 s is three
-        # more looks.
+        # Said once, not once per look: three more looks at discovery (it
+        # looks every 500 ms) after it leads, and the line is still one.
         wait_until(lambda: op.metrics().get("is_leader") == 1, "op-n to lead")
-        t0 = time.monotonic()
-        wait_until(lambda: time.monotonic() - t0 > 1.5, "three more looks", interval=0.1)
+        looks = len(discovery_looks(c))
+        wait_until(lambda: len(discovery_looks(c)) >= looks + 3, "three more looks")
         assert op.text().count(MISSING) == 1, op.text()
         c.kubectl("create", "-f", CRD_FILE)
         created = time.monotonic()
         wait_until(lambda: SERVED in op.text(), "the operator to see the CRD", interval=0.02)
         took = time.monotonic() - created
         print("CRD noticed %.3f s after kubectl create returned" % took)
-        assert took < 2.0, "noticed after %.3f s" % took
+        # Generous for a loaded machine; the back-off this replaced waited
+        # 16 s and more between looks.
+        assert took < 10.0, "noticed after %.3f s" % took
         wait_until(lambda: "Caches are synced; reconciling." in op.text(), "the controller")
     finally:
         stop(c)
@@ -235,7 +244,9 @@ def test_sigterm_before_the_crd_ends_the_operator_promptly():
         took = time.monotonic() - t0
         print("SIGTERM to exit: %.3f s" % took)
         assert rc == 0, op.text()[-3000:]
-        assert took < 5.0, "exited %.3f s after SIGTERM" % took
+        # The old wait held it for up to 60 s; a loaded machine may take
+        # a few seconds for a clean stop.
+        assert took < 15.0, "exited %.3f s after SIGTERM" % took
         op.log.close()
     finally:
         stop(c)
