@@ -462,6 +462,7 @@ static int drain_step(struct controller *c, const cJSON *tc, struct cstate *s, c
     }
 }
 
+
 /* Writes status when it changed; versions alone at most once per period.
  * Returns 0, 1 when a version-only change waits for the period, -errno. */
 static int write_status(struct controller *c, struct cstate *s, const cJSON *tc, const char *ns,
@@ -782,6 +783,37 @@ static void refused(struct controller *c, const cJSON *tc, struct cstate *s, con
     event(c, tc, true, reason, "Error %s pod %s: %s", verb, pod, what);
 }
 
+/* Drains and deletes the pods views[idx[0..n)] one drain_step each,
+ * counting the drains still going on in *draining and the pods deleted off
+ * *live. An outdated pod (a template change) gets a RollingUpdate event
+ * when it is deleted. A delete the API refused stops the walk and becomes
+ * the cohort's FailedDelete condition and event. Returns 0 or -errno. */
+static int drain_pods(struct controller *c, const cJSON *tc, struct cstate *s, const char *key,
+                      const char *ns, const struct reconcile_pod_view *views, const size_t *idx,
+                      size_t n, bool outdated, const struct bview *b, uint32_t deadline_ms,
+                      uint64_t now, uint32_t *draining, uint32_t *live)
+{
+    for (size_t i = 0; i < n; i++) {
+        const struct reconcile_pod_view *v = &views[idx[i]];
+        int rc = drain_step(c, tc, s, key, ns, v, b, deadline_ms, now);
+
+        if (rc < 0) {
+            if (api_refused(rc))
+                refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
+            return rc;
+        }
+        if (rc == 1) {
+            (*draining)++;
+            continue;
+        }
+        (*live)--;
+        if (outdated)
+            event(c, tc, false, "RollingUpdate", "Deleted pod %s, made from an earlier "
+                  "template; it is made again from the current one.", v->name);
+    }
+    return 0;
+}
+
 /* Returns 0 done, >0 requeue after that many ms, -errno retry with backoff.
  * A refused create or delete also fills err (the API's words: later calls
  * of this pass, its Event and status write, replace the thread's last
@@ -1018,46 +1050,22 @@ static int reconcile(struct controller *c, const char *key, char *err, size_t er
     {
         uint32_t deadline = c->cfg.drain_timeout_ms ? c->cfg.drain_timeout_ms
                                                     : 2 * spec.timeout_ms;
-        for (size_t i = 0; i < plan.n_excess; i++) {
-            const struct reconcile_pod_view *v = &views[plan.excess[i]];
-            rc = drain_step(c, tc, s, key, ns, v, &b, deadline, now);
-            if (rc < 0 && api_refused(rc)) {
-                refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
-                fail_rc = rc;
-                goto status;
-            }
-            if (rc < 0)
-                goto out;
-            if (rc == 1) {
-                draining++;
-                again = POLL_AGAIN_MS;
-            } else {
-                live--;
-            }
-            rc = 0;
-        }
+        rc = drain_pods(c, tc, s, key, ns, views, plan.excess, plan.n_excess, false, &b,
+                        deadline, now, &draining, &live);
         /* A template change: outdated pods go through the same drain, a
          * few at a time (the plan picks them), and come back from the
          * current template under their names. */
-        for (size_t i = 0; i < plan.n_update; i++) {
-            const struct reconcile_pod_view *v = &views[plan.update[i]];
-            rc = drain_step(c, tc, s, key, ns, v, &b, deadline, now);
-            if (rc < 0 && api_refused(rc)) {
-                refused(c, tc, s, "FailedDelete", "deleting", v->name, rc);
-                fail_rc = rc;
-                goto status;
-            }
-            if (rc < 0)
-                goto out;
-            if (rc == 1) {
-                draining++;
-            } else {
-                live--;
-                event(c, tc, false, "RollingUpdate", "Deleted pod %s, made from an earlier "
-                      "template; it is made again from the current one.", v->name);
-            }
-            rc = 0;
+        if (rc == 0)
+            rc = drain_pods(c, tc, s, key, ns, views, plan.update, plan.n_update, true, &b,
+                            deadline, now, &draining, &live);
+        if (rc < 0 && api_refused(rc)) {
+            fail_rc = rc;
+            goto status;
         }
+        if (rc < 0)
+            goto out;
+        if (draining)
+            again = POLL_AGAIN_MS;
     }
     if (plan.blocked || plan.terminating || plan.n_create || plan.outdated)
         again = POLL_AGAIN_MS;
