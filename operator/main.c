@@ -439,8 +439,6 @@ static int broker_tls(struct op *op, const struct kopts *ko, struct brokerd_conf
     return 0;
 }
 
-/* Becomes the working leader: broker, then controller. Returns 0 or -errno
- * with nothing left running. */
 /* Whether a controller start should give way to follow_lease(), which
  * acts on each of these: SIGINT or SIGTERM waiting to be taken (they are
  * blocked in every thread and taken by sigtimedwait there), the Lease
@@ -459,6 +457,8 @@ static bool start_cancelled(void *arg)
     return kube_auth_failing_ms(op->kube, NULL, 0) > op->lease_ms;
 }
 
+/* Becomes the working leader: broker, then controller. Returns 0 or -errno
+ * with nothing left running. */
 static int lead(struct op *op, const struct kopts *ko, const struct brokerd_config *bcfg)
 {
     struct controller_config cc = { 0 };
