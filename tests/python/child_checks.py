@@ -172,7 +172,10 @@ def check_pinned(address):
     # Never calls set_virtual_batch_size before training: the rounds follow
     # the sidecar's --virtual-batch-size 8 or nothing.
     m = model()
-    acc = connected(address, m)
+    # Not connected(): it only updates, and two members that join at once
+    # wait on each other's state forever unless both serve it.
+    acc = cohort.Accumulator("child", m.parameters(), m.buffers())
+    acc.connect(address)
     def serve():
         acc.update()
         if acc.wants_state():
@@ -180,7 +183,8 @@ def check_pinned(address):
         if acc.has_new_state():
             acc.state()
     # Both members in one epoch, with state, before anyone contributes.
-    wait(lambda: (serve(), acc.size() == 2 and acc.wants_gradients())[1], "two members")
+    wait(lambda: (serve(), acc.connected() and acc.size() == 2 and acc.wants_gradients())[1],
+         "two members")
     rounds = []
     while len(rounds) < 3:
         serve()
