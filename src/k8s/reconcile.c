@@ -991,6 +991,12 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
         cJSON_AddNumberToObject(st, "epoch", (double)o->epoch);
         if (o->leader) {
             cJSON_AddStringToObject(st, "leader", o->leader);
+            /* 0 is no version at all: a sidecar whose trainer exited
+             * reports none until its pod ends. The version reached stays
+             * (a cohort made anew shows it until its first commit). */
+            const cJSON *was = get(old, "modelVersion");
+            if (!leader_version && cJSON_IsNumber(was) && was->valuedouble > 0)
+                leader_version = (uint64_t)was->valuedouble;
             cJSON_AddNumberToObject(st, "modelVersion", (double)leader_version);
         }
     }

@@ -167,11 +167,15 @@ def test_phase_column_shows_failed_for_a_failed_cohort(cluster):
 
 def test_complete_keeps_the_last_leader_and_model_version(cluster):
     c = cluster
-    m = cohort_manifest("done", 2, args=["--steps", "150", "--delay", "20ms", "--log-every",
+    # Long enough for the operator to see a model version while it runs
+    # (it keeps the last one it saw; a run shorter than its status writes
+    # would leave none to keep).
+    m = cohort_manifest("done", 2, args=["--steps", "600", "--delay", "20ms", "--log-every",
                                          "50", "--stall-timeout", "60s"])
     c.kubectl("apply", "-f", "-", stdin=json.dumps(m))
     wait_until(lambda: status(c, "done").get("leader") and status(c, "done").get("phase") ==
-               "Running", "a leader while running")
+               "Running" and status(c, "done").get("modelVersion", 0) > 0,
+               "a leader and a model version while running")
     wait_until(lambda: status(c, "done").get("phase") == "Complete", "phase Complete")
     st = status(c, "done")
     assert st.get("leader", "").startswith("done-"), st
