@@ -3,6 +3,7 @@ free ports, and temp dirs that can outlive a run for its logs."""
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 
@@ -51,3 +52,16 @@ def read_text(path):
             return f.read()
     except OSError:
         return ""
+
+
+def tool_available(path):
+    """(True, None) once the tool at `path` (build/tools/kubectl or helm)
+    is there, installing both with scripts/install-kubectl.sh if it is
+    missing; (False, the script's last words) when that fails."""
+    if os.access(path, os.X_OK):
+        return True, None
+    r = subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
+                       capture_output=True, text=True, timeout=600)
+    if os.access(path, os.X_OK):
+        return True, None
+    return False, (r.stderr.strip() or r.stdout.strip())[-1000:]

@@ -10,7 +10,7 @@ port, and so would a Service's clusterIP:port beside them.
 import os
 import subprocess
 
-from .core import DEADLINE, ROOT
+from .core import DEADLINE, ROOT, tool_available
 
 HELM = os.path.join(ROOT, "build", "tools", "helm")
 CHART = os.path.join(ROOT, "charts", "cohort")
@@ -37,11 +37,8 @@ class Helm:
     def available(self):
         """Installs helm if it is missing; False (and why_missing) when
         that fails."""
-        if not os.access(self.path, os.X_OK):
-            r = subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
-                               capture_output=True, text=True, timeout=600)
-            self.why_missing = (r.stderr.strip() or r.stdout.strip())[-1000:]
-        return os.access(self.path, os.X_OK)
+        ok, self.why_missing = tool_available(self.path)
+        return ok
 
     def __call__(self, *args, check=True, timeout=DEADLINE):
         r = subprocess.run([self.path, *args], env=self.env, capture_output=True, text=True,

@@ -21,7 +21,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from .core import DEADLINE, ROOT, wait_until
+from .core import DEADLINE, ROOT, tool_available, wait_until
 from .procs import stop_process
 from .programs import bin_dir
 
@@ -250,11 +250,8 @@ class Kubectl:
     def available(self):
         """Installs kubectl if it is missing; False (and why_missing) when
         that fails."""
-        if not os.access(self.path, os.X_OK):
-            r = subprocess.run([os.path.join(ROOT, "scripts", "install-kubectl.sh")],
-                               capture_output=True, text=True, timeout=600)
-            self.why_missing = r.stderr.strip() or r.stdout.strip()
-        return os.access(self.path, os.X_OK)
+        ok, self.why_missing = tool_available(self.path)
+        return ok
 
     def __call__(self, *args, check=True, stdin=None):
         r = subprocess.run([self.path, *args], env=self.env, capture_output=True, text=True,
