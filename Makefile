@@ -65,6 +65,7 @@ CLI_SRCS   := $(wildcard cli/*.c)
 UNIT_SRCS  := $(wildcard tests/unit/*.c)
 TOOLS      := $(patsubst tests/tools/%.c,%,$(wildcard tests/tools/*.c))
 EXAMPLES   := $(patsubst examples/c/%.c,%,$(wildcard examples/c/*.c))
+CHAOS      := $(patsubst tests/chaos/%.c,%,$(wildcard tests/chaos/*.c))
 
 # Generated protobuf-c sources live beside each build's objects.
 gen_srcs = $(patsubst proto/%.proto,$(1)/gen/%.pb-c.c,$(PROTOS))
@@ -125,6 +126,13 @@ $(1)/tests/tools/%: $(1)/obj/tests/tools/%.o $(1)/lib/libcohort-core.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
+# Each tests/chaos/NAME.c is a trainer of the chaos trials
+# (tests/chaos/README.md): build/tests/chaos/NAME. Like an example, it
+# links the trainer library and nothing else of ours.
+$(1)/tests/chaos/%: $(1)/obj/tests/chaos/%.o $(1)/libcohort.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
 $(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort-k8s.a $(1)/lib/libcohort-core.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS) -lcriterion
@@ -149,12 +157,13 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 .PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean \
         bins install image image-test
 all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) \
-     $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) python
+     $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) $(addprefix $(BUILD)/tests/chaos/,$(CHAOS)) python
 
 include python/python.mk
 
 asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) \
-      $(addprefix $(ASAN_DIR)/tests/tools/,$(TOOLS)) $(ASAN_DIR)/tests/unit
+      $(addprefix $(ASAN_DIR)/tests/tools/,$(TOOLS)) $(addprefix $(ASAN_DIR)/tests/chaos/,$(CHAOS)) \
+      $(ASAN_DIR)/tests/unit
 
 deps:
 	@scripts/install-deps.sh
