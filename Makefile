@@ -6,6 +6,7 @@
 #                   into build/asan/ and runs every test against it (the
 #                   Python tests against the release build: see python/python.mk)
 #   make demo       installs missing packages and runs a local cohort
+#   make chaos      the long chaos trials (TRIALS=N, SEED=S): tests/chaos/
 #   make image      the container image localhost/cohort:$(cat VERSION)
 #                   (and :dev) with podman (scripts/image.sh, Dockerfile)
 #
@@ -154,7 +155,7 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 # Generated sources are kept: they are inputs to the objects, not temporaries.
 .SECONDARY:
 
-.PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean \
+.PHONY: all asan deps test layers unit proc kube chaos demo demo-membership bench sandbox clean \
         bins install image image-test
 all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) \
      $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) $(addprefix $(BUILD)/tests/chaos/,$(CHAOS)) python
@@ -213,8 +214,19 @@ layers:
 unit:
 	$(ASAN_DIR)/tests/unit --jobs=2
 
+# tests/chaos/test_chaos.py is the short chaos suite: four trials, about a
+# minute on two loaded cores.
 proc:
-	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc tests/chaos
+
+# The long chaos trials (tests/chaos/README.md) against the release build:
+#   make chaos [TRIALS=100] [SEED=S] [CHAOS_ARGS='--kinds broker --keep']
+# Each trial prints its seed; `make chaos SEED=S TRIALS=1` replays one.
+TRIALS ?= 10
+chaos: $(addprefix $(BUILD)/,cohort-operator cohort-sidecar) \
+       $(addprefix $(BUILD)/tests/chaos/,$(CHAOS))
+	COHORT_BIN=$(CURDIR)/$(BUILD) $(PYTHON) tests/chaos/chaos.py --trials $(TRIALS) \
+		$(if $(SEED),--seed $(SEED)) $(CHAOS_ARGS)
 
 # The API server stand-in and process kubelet, with the real kubectl and
 # helm. Its podman tests (test_cluster_podman.py, test_kubelet_podman.py)

@@ -59,8 +59,9 @@ def sanitizer_lines(text):
 
 
 class Trial:
-    def __init__(self, seed, kinds, kills, tmp):
+    def __init__(self, seed, kinds, kills, tmp, wait_for=True):
         self.seed = seed
+        self.wait_for = wait_for
         self.rng = random.Random(seed)
         self.tmp = tmp
         self.n = self.rng.choice([3, 4])
@@ -129,8 +130,8 @@ class Trial:
         m["slot"] = slot
         m["trainer"] = subprocess.Popen(
             [TRAINER, "--slot", str(slot), "--log", os.path.join(self.tmp, "t%d.jsonl" % slot),
-             "--steps", str(self.steps), "--vb", str(self.vb), "--delay-ms", "5",
-             "--stall-s", str(int(2 * DEADLINE))],
+             "--steps", str(self.steps), "--vb", str(self.vb), "--delay-ms", "30",
+             "--stall-s", str(int(2 * DEADLINE)), "--wait-for", str(self.n if self.wait_for else 1)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
         err.close()
 
@@ -258,11 +259,11 @@ class Trial:
             self.broker.stop()
 
 
-def run_trial(seed, kinds, kills, keep=False):
+def run_trial(seed, kinds, kills, keep=False, wait_for=True):
     """One trial; returns its figures, or raises TrialFailed / CheckFailed
     with the seed and where its logs are."""
     tmp = make_tmp("chaos-")
-    t = Trial(seed, kinds, kills, tmp)
+    t = Trial(seed, kinds, kills, tmp, wait_for)
     desc = "seed %d: %d members, %d steps, vb %d, kills %s" % (
         seed, t.n, t.steps, t.vb,
         ", ".join("%s of m%d after v%d" % (k["kind"], k["victim"], k["after_v"]) for k in t.plan))
@@ -295,6 +296,9 @@ def main():
     ap.add_argument("--kills", type=int, default=3, help="kills per trial (default 3)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="what may be killed (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep every trial's logs")
+    ap.add_argument("--no-wait-for", action="store_true",
+                    help="trainers at model version 0 contribute without waiting for all N "
+                    "members (exposes the split history after a broker restart: docs/chaos.md)")
     a = ap.parse_args()
     kinds = [k for k in a.kinds.split(",") if k]
     if not kinds or any(k not in KINDS for k in kinds):
@@ -306,7 +310,7 @@ def main():
     results, failures = [], []
     for i in range(a.trials):
         try:
-            results.append(run_trial(seed + i, kinds, a.kills, a.keep))
+            results.append(run_trial(seed + i, kinds, a.kills, a.keep, not a.no_wait_for))
         except (TrialFailed, CheckFailed) as e:
             failures.append(str(e))
             print("chaos: " + str(e), flush=True)

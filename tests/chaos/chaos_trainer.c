@@ -6,6 +6,12 @@
  * every committed round exactly.
  *
  *   chaos_trainer --slot S --log PATH --steps N [--vb B] [--delay-ms D]
+ *                 [--wait-for N] [--stall-s S]
+ *
+ * --wait-for N: at model version 0, contribute only once the cohort has N
+ * members (as examples/c/logreg.c's flag), so a trainer that starts alone
+ * does not begin a history of its own (see docs/chaos.md for what happens
+ * without it after a broker restart).
  *
  * Contributions. Each trainer process has its own slot S (0 to SLOTS - 1;
  * the driver gives every process a new one, restarts included). Its c-th
@@ -66,7 +72,7 @@ static void on_term(int sig)
 
 struct trainer {
     unsigned slot;
-    uint64_t steps, vb, delay_ms, stall_s, seq;
+    uint64_t steps, vb, delay_ms, stall_s, seq, wait_for;
     const char *id;
     int log_fd;
     uint64_t my_version, last_epoch;
@@ -250,7 +256,8 @@ static int step(struct trainer *t, struct cohort *c, bool *idle)
         rc = cohort_zero_gradients(c);
         if (rc < 0)
             return rc;
-    } else if (!t->done && cohort_wants_gradients(c) && cohort_model_version(c) < t->steps) {
+    } else if (!t->done && cohort_wants_gradients(c) && cohort_model_version(c) < t->steps &&
+               (cohort_model_version(c) > 0 || cohort_size(c) >= t->wait_for)) {
         *idle = false;
         rc = contribute(t, c);
         if (rc < 0)
@@ -361,6 +368,8 @@ int main(int argc, char **argv)
             rc = parse_u64(v, 1000, &t.vb);
         else if (strcmp(a, "--delay-ms") == 0)
             rc = parse_u64(v, 10000, &t.delay_ms);
+        else if (strcmp(a, "--wait-for") == 0)
+            rc = parse_u64(v, 1000, &t.wait_for);
         else if (strcmp(a, "--stall-s") == 0)
             rc = parse_u64(v, 100000, &t.stall_s);
         else if (strcmp(a, "--log") == 0)
@@ -370,7 +379,7 @@ int main(int argc, char **argv)
         if (rc < 0 || !v) {
             fprintf(stderr, PROG ": bad or missing value for %s\n"
                     "Usage: " PROG " --slot S --log PATH [--steps N] [--vb B] [--delay-ms D]"
-                    " [--stall-s S]\n", a);
+                    " [--wait-for N] [--stall-s S]\n", a);
             return 2;
         }
         i++;
