@@ -6,6 +6,7 @@
 #                   into build/asan/ and runs every test against it (the
 #                   Python tests against the release build: see python/python.mk)
 #   make demo       installs missing packages and runs a local cohort
+#   make chaos      the long chaos trials (TRIALS=N, SEED=S): tests/chaos/
 #   make image      the container image localhost/cohort:$(cat VERSION)
 #                   (and :dev) with podman (scripts/image.sh, Dockerfile)
 #
@@ -65,6 +66,7 @@ CLI_SRCS   := $(wildcard cli/*.c)
 UNIT_SRCS  := $(wildcard tests/unit/*.c)
 TOOLS      := $(patsubst tests/tools/%.c,%,$(wildcard tests/tools/*.c))
 EXAMPLES   := $(patsubst examples/c/%.c,%,$(wildcard examples/c/*.c))
+CHAOS      := $(patsubst tests/chaos/%.c,%,$(wildcard tests/chaos/*.c))
 
 # Generated protobuf-c sources live beside each build's objects.
 gen_srcs = $(patsubst proto/%.proto,$(1)/gen/%.pb-c.c,$(PROTOS))
@@ -125,6 +127,13 @@ $(1)/tests/tools/%: $(1)/obj/tests/tools/%.o $(1)/lib/libcohort-core.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
 
+# Each tests/chaos/NAME.c is a trainer of the chaos trials
+# (tests/chaos/README.md): build/tests/chaos/NAME. Like an example, it
+# links the trainer library and nothing else of ours.
+$(1)/tests/chaos/%: $(1)/obj/tests/chaos/%.o $(1)/libcohort.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS)
+
 $(1)/tests/unit: $(call objs,$(1),$(UNIT_SRCS)) $(1)/libcohort-k8s.a $(1)/lib/libcohort-core.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(3) -o $$@ $$^ $$(LDLIBS) -lcriterion
@@ -146,15 +155,16 @@ BINS = cohort-operator cohort-sidecar cohortctl libcohort.a libcohort-k8s.a
 # Generated sources are kept: they are inputs to the objects, not temporaries.
 .SECONDARY:
 
-.PHONY: all asan deps test layers unit proc kube demo demo-membership bench sandbox clean \
+.PHONY: all asan deps test layers unit proc kube chaos demo demo-membership bench sandbox clean \
         bins install image image-test
 all: $(addprefix $(BUILD)/,$(BINS)) $(addprefix $(BUILD)/examples/,$(EXAMPLES)) \
-     $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) python
+     $(addprefix $(BUILD)/tests/tools/,$(TOOLS)) $(addprefix $(BUILD)/tests/chaos/,$(CHAOS)) python
 
 include python/python.mk
 
 asan: $(addprefix $(ASAN_DIR)/,$(BINS)) $(addprefix $(ASAN_DIR)/examples/,$(EXAMPLES)) \
-      $(addprefix $(ASAN_DIR)/tests/tools/,$(TOOLS)) $(ASAN_DIR)/tests/unit
+      $(addprefix $(ASAN_DIR)/tests/tools/,$(TOOLS)) $(addprefix $(ASAN_DIR)/tests/chaos/,$(CHAOS)) \
+      $(ASAN_DIR)/tests/unit
 
 deps:
 	@scripts/install-deps.sh
@@ -204,8 +214,19 @@ layers:
 unit:
 	$(ASAN_DIR)/tests/unit --jobs=2
 
+# tests/chaos/test_chaos.py is the short chaos suite: four trials, about a
+# minute on two loaded cores.
 proc:
-	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc tests/chaos
+
+# The long chaos trials (tests/chaos/README.md) against the release build:
+#   make chaos [TRIALS=100] [SEED=S] [CHAOS_ARGS='--kinds broker --keep']
+# Each trial prints its seed; `make chaos SEED=S TRIALS=1` replays one.
+TRIALS ?= 10
+chaos: $(addprefix $(BUILD)/,cohort-operator cohort-sidecar) \
+       $(addprefix $(BUILD)/tests/chaos/,$(CHAOS))
+	COHORT_BIN=$(CURDIR)/$(BUILD) $(PYTHON) tests/chaos/chaos.py --trials $(TRIALS) \
+		$(if $(SEED),--seed $(SEED)) $(CHAOS_ARGS)
 
 # The API server stand-in and process kubelet, with the real kubectl and
 # helm. Its podman tests (test_cluster_podman.py, test_kubelet_podman.py)
