@@ -40,6 +40,7 @@ static const char usage[] =
     "this program's directory) and N trainer processes running CMD, each told\n"
     "how to reach its own sidecar through its environment:\n"
     "  COHORT_SOCKET=unix:PATH  COHORT_COHORT=NAME  COHORT_ID=ID  COHORT_RUN_INDEX=I\n"
+    "  COHORT_RUN_DIR=DIR (the run directory, which all the run's trainers share)\n"
     "Peer I has member id peer-I (see --id-prefix). A trainer's stdout and stderr\n"
     "go to I.out and I.err in the run directory, its sidecar's log to\n"
     "I.sidecar.log. At the end each trainer's last stdout line is shown, and the\n"
@@ -417,7 +418,7 @@ int cli_run(int argc, char **argv)
         return 1;
     }
     r.peers = calloc(MAX_PEERS, sizeof(*r.peers));
-    r.env = run_base_env(4, &n_env);
+    r.env = run_base_env(5, &n_env);
     if (!r.peers || !r.env)
         goto out_free;
     if (make_dirs(&r, run_dir) < 0)
