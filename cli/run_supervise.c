@@ -166,7 +166,7 @@ int run_start_peer(struct run *r, uint64_t now)
 static int start_trainer(struct run *r, struct peer *p)
 {
     char sock[160], cohort[IDENT_NAME_MAX + 16], id[IDENT_NAME_MAX + 16], idx[48];
-    char dir[sizeof(r->dir) + 16];
+    char dir[sizeof(r->shared) + 16];
     size_t n = 0;
     int rc;
 
@@ -182,7 +182,7 @@ static int start_trainer(struct run *r, struct peer *p)
     r->env[n + 3] = idx;
     /* A directory every trainer of the run can read: where the example
      * leaves its checkpoint for a peer that arrives after the others. */
-    snprintf(dir, sizeof(dir), "COHORT_RUN_DIR=%s", r->dir);
+    snprintf(dir, sizeof(dir), "COHORT_RUN_DIR=%s", r->shared);
     r->env[n + 4] = dir;
     rc = spawn(r->cmd, r->env, p->out_path, p->err_path, true, &p->trainer.pid);
     for (size_t k = n; k < n + 5; k++)

@@ -24,10 +24,12 @@ parameters and BatchNorm buffers come with it through the shared memory.
 The end. Training stops when the cohort's model version reaches --steps,
 however many rounds this member took part in. Each member that gets
 there writes the final model to --checkpoint (under `cohortctl run`, a
-file in the run directory that every trainer of the run shares). A
+file in $COHORT_RUN_DIR, the new directory every trainer of the run
+shares). A
 trainer that arrives after the others have finished and left (an added
-peer whose interpreter started slowly) finds itself alone at version 0:
-it loads that checkpoint and ends with the cohort's model instead of
+peer whose interpreter started slowly) finds itself alone at version 0
+(while they linger, they hand it their state as to any joiner): it loads
+that checkpoint and ends with the cohort's model instead of
 training a model of its own from scratch, as an elastic job's late
 worker resumes from the job's snapshot.
 
@@ -200,10 +202,6 @@ def train(a):
     initial_eval = evaluate(model, data)
     flags = {"features": FEATURES, "hidden": a.hidden, "seed": a.seed, "vb": a.virtual_batch,
              "lr": a.lr, "batch": a.batch}
-    final = load_final(a.checkpoint, a.steps, flags)
-    if final:
-        return finish_from(final, model, torch.optim.Adam(model.parameters(), lr=a.lr), data,
-                           initial_eval)
 
     # moolib's example, line for line, with cohort underneath.
     peer = moolib.Rpc()
@@ -260,7 +258,9 @@ def train(a):
         version = accumulator.model_version()
         # A trainer alone at version 0 that has not trained yet may have
         # come after the cohort finished: then it takes the final model.
-        if version == 0 and not contributed and accumulator.size() == 1:
+        # A cohort still there (members linger) hands its state instead.
+        if version == 0 and not contributed and accumulator.size() == 1 and \
+                accumulator.is_leader():
             final = load_final(a.checkpoint, a.steps, flags)
             if final:
                 accumulator.close()
