@@ -15,6 +15,7 @@
  * This file parses the flags and drives the loop; run.h says where the
  * rest lives.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <signal.h>
@@ -40,6 +41,8 @@ static const char usage[] =
     "this program's directory) and N trainer processes running CMD, each told\n"
     "how to reach its own sidecar through its environment:\n"
     "  COHORT_SOCKET=unix:PATH  COHORT_COHORT=NAME  COHORT_ID=ID  COHORT_RUN_INDEX=I\n"
+    "  COHORT_RUN_DIR=DIR (a new directory that all the run's trainers share,\n"
+    "  removed with what they left there when the run ends)\n"
     "Peer I has member id peer-I (see --id-prefix). A trainer's stdout and stderr\n"
     "go to I.out and I.err in the run directory, its sidecar's log to\n"
     "I.sidecar.log. At the end each trainer's last stdout line is shown, and the\n"
@@ -150,16 +153,47 @@ static int make_dirs(struct run *r, const char *run_dir)
         }
         r->own_dir = true;
     }
+    /* New for each run, even in a --run-dir used before: a trainer must
+     * never find what an earlier run's trainers left there. */
+    if (run_fmt_into(r->shared, sizeof(r->shared), "%s/shared-XXXXXX", r->dir) < 0 ||
+        !mkdtemp(r->shared)) {
+        fprintf(stderr, PROG ": cannot create a shared directory in %s: %s\n", r->dir,
+                strerror(errno));
+        r->shared[0] = '\0';
+        if (r->own_dir)
+            rmdir(r->dir);
+        return -EIO;
+    }
     /* Sockets get a short private directory of their own: a Unix socket
      * path must fit in 108 bytes, wherever the logs go. */
     snprintf(r->sockdir, sizeof(r->sockdir), "/tmp/cohort-sock-XXXXXX");
     if (!mkdtemp(r->sockdir)) {
         fprintf(stderr, PROG ": cannot create a socket directory in /tmp: %s\n", strerror(errno));
+        run_remove_shared(r);
         if (r->own_dir)
             rmdir(r->dir);
         return -errno;
     }
     return 0;
+}
+
+void run_remove_shared(struct run *r)
+{
+    char path[PATH_MAX];
+    struct dirent *e;
+    DIR *dir;
+
+    if (!r->shared[0])
+        return;
+    dir = opendir(r->shared);
+    while (dir && (e = readdir(dir)))
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0 &&
+            run_fmt_into(path, sizeof(path), "%s/%s", r->shared, e->d_name) == 0)
+            unlink(path);
+    if (dir)
+        closedir(dir);
+    rmdir(r->shared);
+    r->shared[0] = '\0';
 }
 
 static void remove_sockdir(struct run *r)
@@ -417,7 +451,7 @@ int cli_run(int argc, char **argv)
         return 1;
     }
     r.peers = calloc(MAX_PEERS, sizeof(*r.peers));
-    r.env = run_base_env(4, &n_env);
+    r.env = run_base_env(5, &n_env);
     if (!r.peers || !r.env)
         goto out_free;
     if (make_dirs(&r, run_dir) < 0)
@@ -442,6 +476,7 @@ out_dirs:
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
     remove_sockdir(&r);
+    run_remove_shared(&r);
     if (status != 0 && r.own_dir && r.n_peers == 0)
         rmdir(r.dir);
 out_free:

@@ -84,6 +84,9 @@ struct run {
     char **cmd;
     /* Where things are. */
     char sidecar[PATH_MAX], dir[PATH_MAX - 64], sockdir[64];
+    /* A new directory under dir for each run, which every trainer gets
+     * as $COHORT_RUN_DIR; emptied and removed when the run ends. */
+    char shared[PATH_MAX];
     bool own_dir;
     char **env;
     /* Schedule and peers. */
@@ -190,5 +193,7 @@ void run_print_json(struct run *r, const struct verdict *v, uint64_t now);
 /* Removes the files this run made in its directory, then the directory
  * (left alone if it holds anything else). */
 void run_remove_files(struct run *r);
+/* Empties and removes r->shared (files only: what the trainers left). */
+void run_remove_shared(struct run *r);
 
 #endif

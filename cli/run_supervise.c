@@ -22,7 +22,8 @@ extern char **environ;
 char **run_base_env(size_t extra, size_t *n_out)
 {
     static const char *const drop[] = { "COHORT_SOCKET=", "COHORT_COHORT=", "COHORT_ID=",
-                                        "COHORT_RUN_INDEX=", "COHORT_BROKER=" };
+                                        "COHORT_RUN_INDEX=", "COHORT_BROKER=",
+                                        "COHORT_RUN_DIR=" };
     size_t n = 0, k = 0;
     char **env;
 
@@ -165,6 +166,7 @@ int run_start_peer(struct run *r, uint64_t now)
 static int start_trainer(struct run *r, struct peer *p)
 {
     char sock[160], cohort[IDENT_NAME_MAX + 16], id[IDENT_NAME_MAX + 16], idx[48];
+    char dir[sizeof(r->shared) + 16];
     size_t n = 0;
     int rc;
 
@@ -178,8 +180,12 @@ static int start_trainer(struct run *r, struct peer *p)
     r->env[n + 1] = cohort;
     r->env[n + 2] = id;
     r->env[n + 3] = idx;
+    /* A directory every trainer of the run can read: where the example
+     * leaves its checkpoint for a peer that arrives after the others. */
+    snprintf(dir, sizeof(dir), "COHORT_RUN_DIR=%s", r->shared);
+    r->env[n + 4] = dir;
     rc = spawn(r->cmd, r->env, p->out_path, p->err_path, true, &p->trainer.pid);
-    for (size_t k = n; k < n + 4; k++)
+    for (size_t k = n; k < n + 5; k++)
         r->env[k] = NULL;       /* the base environment again */
     p->trainer_pending = false;
     if (rc < 0) {

@@ -220,5 +220,6 @@ void run_remove_files(struct run *r)
         unlink(r->peers[i].err_path);
         unlink(r->peers[i].sc_path);
     }
+    run_remove_shared(r);
     rmdir(r->dir);
 }

@@ -21,6 +21,18 @@ State. The leader hands joiners the Adam state_dict, the count of
 committed samples and the flags that must match (set_state/state); the
 parameters and BatchNorm buffers come with it through the shared memory.
 
+The end. Training stops when the cohort's model version reaches --steps,
+however many rounds this member took part in. Each member that gets
+there writes the final model to --checkpoint (under `cohortctl run`, a
+file in $COHORT_RUN_DIR, the new directory every trainer of the run
+shares). A
+trainer that arrives after the others have finished and left (an added
+peer whose interpreter started slowly) finds itself alone at version 0
+(while they linger, they hand it their state as to any joiner): it loads
+that checkpoint and ends with the cohort's model instead of
+training a model of its own from scratch, as an elastic job's late
+worker resumes from the job's snapshot.
+
 Output. Progress lines on stderr ("model_version=V loss=L samples=S ...",
 which `cohortctl run` reads); at the end one "done:" line on stderr with
 the held-out loss before and after training and a digest of the
@@ -137,6 +149,12 @@ def parse_args(argv):
     ap.add_argument("--stall-timeout", type=float, default=120.0,
                     help="give up when no round commits for this many seconds (120)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    run_dir = os.environ.get("COHORT_RUN_DIR")
+    ap.add_argument("--checkpoint",
+                    default=os.path.join(run_dir, "train.ckpt") if run_dir else None,
+                    help="where members that reach --steps write the final model, and where a "
+                         "trainer that finds the cohort finished reads it (default: "
+                         "$COHORT_RUN_DIR/train.ckpt under cohortctl run, else none)")
     a = ap.parse_args(argv)
     for name in ("steps", "virtual_batch", "hidden", "log_every"):
         if getattr(a, name) < 1:
@@ -144,6 +162,26 @@ def parse_args(argv):
     if a.batch < 0 or a.threads < 1 or a.delay < 0 or a.linger < 0 or a.stall_timeout <= 0:
         ap.error("--batch, --threads, --delay, --linger and --stall-timeout must be positive")
     return a
+
+
+def save_final(path, version, model, opt, samples, flags):
+    """Writes the final model to path; a rename makes it whole or absent,
+    and members that finish together write the same parameters."""
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    torch.save({"version": version, "flags": flags, "model": model.state_dict(),
+                "optimizer": opt.state_dict(), "samples": samples}, tmp)
+    os.replace(tmp, path)
+
+
+def load_final(path, steps, flags):
+    """The checkpoint at path when it holds a finished run with these
+    flags, else None."""
+    if not path or not os.path.exists(path):
+        return None
+    ck = torch.load(path)
+    if ck["version"] < steps or ck["flags"] != flags:
+        return None
+    return ck
 
 
 def main(argv=None):
@@ -174,6 +212,7 @@ def train(a):
     accumulator.connect(a.connect)
     accumulator.set_virtual_batch_size(a.virtual_batch)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    contributed = False
 
     samples = 0             # samples the cohort has committed
     loss = float("nan")
@@ -217,6 +256,16 @@ def train(a):
                 accumulator.model_version(), samples))
 
         version = accumulator.model_version()
+        # A trainer alone at version 0 that has not trained yet may have
+        # come after the cohort finished: then it takes the final model.
+        # A cohort still there (members linger) hands its state instead.
+        if version == 0 and not contributed and accumulator.size() == 1 and \
+                accumulator.is_leader():
+            final = load_final(a.checkpoint, a.steps, flags)
+            if final:
+                accumulator.close()
+                return finish_from(final, model, opt, data, initial_eval)
+
         # 2. Generate our gradients then reduce them.
         if accumulator.wants_gradients() and done_at is None and version < a.steps and \
                 (version > 0 or accumulator.size() >= a.wait_for):
@@ -232,6 +281,7 @@ def train(a):
             loss = loss_t.item()
             accumulator.reduce_gradients(n)  # has_gradients() -> True after this
             k += 1
+            contributed = True
 
         # 3. Step our gradients then reset.
         if accumulator.has_gradients():
@@ -249,6 +299,8 @@ def train(a):
             last_progress = now
         if version >= a.steps and done_at is None:
             done_at = now
+            if a.checkpoint:
+                save_final(a.checkpoint, version, model, opt, samples, flags)
         if done_at is not None and now - done_at >= a.linger:
             break
         if done_at is None and now - last_progress > a.stall_timeout:
@@ -260,12 +312,27 @@ def train(a):
             accumulator.wait(0.1)
 
     version = accumulator.model_version()
+    report(version, model, opt, data, initial_eval, samples)
+    accumulator.close()
+    return 0
+
+
+def finish_from(final, model, opt, data, initial_eval):
+    """Ends with the finished run's model from its checkpoint."""
+    say("the cohort finished before this trainer joined it; taking its final model "
+        "(model_version=%d)." % final["version"])
+    with torch.no_grad():
+        model.load_state_dict(final["model"])
+    opt.load_state_dict(final["optimizer"])
+    report(final["version"], model, opt, data, initial_eval, final["samples"])
+    return 0
+
+
+def report(version, model, opt, data, initial_eval, samples):
     final_eval = evaluate(model, data)
     say("done: model_version=%d initial_eval_loss=%.4f eval_loss=%.4f samples=%d "
         "optimizer_digest=%s." % (version, initial_eval, final_eval, samples, optimizer_digest(opt)))
     print("final model_version=%d digest=%s" % (version, params_digest(model)), flush=True)
-    accumulator.close()
-    return 0
 
 
 if __name__ == "__main__":

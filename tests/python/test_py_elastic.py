@@ -9,6 +9,8 @@ trainers, kills and additions on a schedule.
 - A trainer killed with SIGKILL, a sidecar killed under its trainer (which
   fails with a clear message) and a peer added, all mid-run: the survivors
   and the newcomer agree.
+- A peer added after the others finished and left takes the final model
+  from the checkpoint they wrote in $COHORT_RUN_DIR: it agrees with them.
 """
 from cohorttest import explain_run, read_text
 from pyproc import FINAL, done_line, run_train
@@ -79,3 +81,16 @@ def test_kill_trainer_kill_sidecar_add_peer_survivors_agree(tmp_path):
     assert "Traceback" not in read_text(p2["stderr"])
     # The added peer caught up through the leader's state.
     assert "received the leader's state at model_version=" in read_text(s["peers"][4]["stderr"])
+
+
+def test_a_peer_added_after_the_end_takes_the_final_model(tmp_path):
+    # peer-0 leaves as soon as it reaches version 20 (--linger 0), when the
+    # addition fires: the new interpreter finds nobody to learn from, and
+    # must end with the cohort's model, not one of its own from version 0.
+    rc, s, err = run_train(tmp_path, 1, ["--steps", "20", "--linger", "0"],
+                           "--schedule", "add@v=20")
+    assert rc == 0, explain_run(s, err)
+    assert [p["id"] for p in s["peers"]] == ["peer-0", "peer-1"]
+    check_agree(s, err, 20)
+    assert "the cohort finished before this trainer joined it" in \
+        read_text(s["peers"][1]["stderr"]), read_text(s["peers"][1]["stderr"])[-2000:]
