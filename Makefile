@@ -42,7 +42,12 @@ WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototy
 # else that needs it (the image's labels, the chart) reads it from here
 # with `make -s print-version`, never from a copy.
 VERSION  := $(shell cat VERSION)
-BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -Iinclude -Isrc \
+# -ffp-contract=off: no FMA contraction anywhere, so that a kernel's
+# result does not depend on the instruction set it was compiled for
+# (src/engine/dtype.c compiles its kernels for several, and every member
+# of a cohort must compute the same bytes).
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE $(WARN) -g -fvisibility=hidden -ffp-contract=off \
+               -Iinclude -Isrc \
                -DCOHORT_VERSION='"$(VERSION)"' $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 # The shared libgrpc pulls in abseil, re2 and the rest itself (see
 # pkg-config --libs grpc for the static list).

@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 /* clang knows "f16c" to __builtin_cpu_supports from version 18 on
@@ -21,6 +22,12 @@
 #define HAVE_F16C 1
 #else
 #define HAVE_F16C 0
+#endif
+/* Kernel variants for wider vector units: see "kernel variants". */
+#if defined(__x86_64__)
+#define HAVE_X86_VARIANTS 1
+#else
+#define HAVE_X86_VARIANTS 0
 #endif
 
 #define BLOCK 16
@@ -300,41 +307,14 @@ __attribute__((target("avx,f16c"))) static void combine_widen_f16c(enum dtype_op
 }
 #endif
 
-void dtype_widen(enum dtype t, float *restrict dst, const uint16_t *restrict src, size_t n)
-{
-#if HAVE_F16C
-    if (t == DTYPE_F16 && f16c()) {
-        widen_f16c(dst, src, n);
-        return;
-    }
-#endif
-    if (t == DTYPE_F16)
-        FOR_EACH(n, dst[i] = f16_to_f32(src[i]));
-    else
-        FOR_EACH(n, dst[i] = bf16_to_f32(src[i]));
-}
-
-void dtype_narrow(enum dtype t, uint16_t *restrict dst, const float *restrict src, size_t n)
-{
-#if HAVE_F16C
-    if (t == DTYPE_F16 && f16c()) {
-        narrow_f16c(dst, src, n);
-        return;
-    }
-#endif
-    if (t == DTYPE_F16)
-        FOR_EACH(n, dst[i] = f32_to_f16(src[i]));
-    else
-        FOR_EACH(n, dst[i] = f32_to_bf16(src[i]));
-}
-
 /* --- combining ---------------------------------------------------------- */
 
 /* d[i] = a[i] op b[i], generated twice per type: in place (a is d) and
  * out of place (nothing overlaps). Two bodies rather than one with `a`
  * allowed to alias `d`, because only restrict-qualified loops vectorize at
  * -O2. Integer sums go through unsigned arithmetic so that overflow wraps
- * instead of being undefined. */
+ * instead of being undefined. Always inlined: each kernel variant below
+ * compiles them again for its own instruction set. */
 #define COMBINE_BODY(MINF, MAXF, ADD, T, A)                                         \
     switch (op) {                                                                   \
     case DTYPE_MIN:                                                                 \
@@ -347,13 +327,14 @@ void dtype_narrow(enum dtype t, uint16_t *restrict dst, const float *restrict sr
         FOR_EACH(n, d[i] = ADD(T, A[i], b[i]));                                     \
         break;                                                                      \
     }
+#define INLINE static inline __attribute__((always_inline))
 #define DEFINE_COMBINE(name, T, MINF, MAXF, ADD)                                    \
-    static void name##_inplace(enum dtype_op op, T *restrict d, const T *restrict b, \
+    INLINE void name##_inplace(enum dtype_op op, T *restrict d, const T *restrict b, \
                                size_t n)                                            \
     {                                                                               \
         COMBINE_BODY(MINF, MAXF, ADD, T, d)                                         \
     }                                                                               \
-    static void name##_into(enum dtype_op op, T *restrict d, const T *restrict a,   \
+    INLINE void name##_into(enum dtype_op op, T *restrict d, const T *restrict a,   \
                             const T *restrict b, size_t n)                          \
     {                                                                               \
         COMBINE_BODY(MINF, MAXF, ADD, T, a)                                         \
@@ -367,8 +348,8 @@ DEFINE_COMBINE(combine_f64, double, FMIN, FMAX, FADD)
 DEFINE_COMBINE(combine_i32, int32_t, IMIN, IMAX, IADD32)
 DEFINE_COMBINE(combine_i64, int64_t, IMIN, IMAX, IADD64)
 
-void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
-                   const void *restrict src, size_t n)
+INLINE void combine_any(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict src, size_t n)
 {
     switch (acc) {
     case DTYPE_F32: combine_f32_inplace(op, dst, src, n); break;
@@ -379,8 +360,8 @@ void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
     }
 }
 
-void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
-                        const void *restrict a, const void *restrict b, size_t n)
+INLINE void combine_into_any(enum dtype acc, enum dtype_op op, void *restrict dst,
+                             const void *restrict a, const void *restrict b, size_t n)
 {
     switch (acc) {
     case DTYPE_F32: combine_f32_into(op, dst, a, b, n); break;
@@ -391,17 +372,29 @@ void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
     }
 }
 
-void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict d,
-                         const uint16_t *restrict s, size_t n)
+/* The portable float16 paths and both bfloat16 ones (F16C, above, takes
+ * float16 first where the CPU has it). */
+INLINE void widen_any(enum dtype t, float *restrict dst, const uint16_t *restrict src, size_t n)
+{
+    if (t == DTYPE_F16)
+        FOR_EACH(n, dst[i] = f16_to_f32(src[i]));
+    else
+        FOR_EACH(n, dst[i] = bf16_to_f32(src[i]));
+}
+
+INLINE void narrow_any(enum dtype t, uint16_t *restrict dst, const float *restrict src, size_t n)
+{
+    if (t == DTYPE_F16)
+        FOR_EACH(n, dst[i] = f32_to_f16(src[i]));
+    else
+        FOR_EACH(n, dst[i] = f32_to_bf16(src[i]));
+}
+
+INLINE void combine_widen_any(enum dtype t, enum dtype_op op, float *restrict d,
+                              const uint16_t *restrict s, size_t n)
 {
     bool half = t == DTYPE_F16;
 
-#if HAVE_F16C
-    if (half && f16c()) {
-        combine_widen_f16c(op, d, s, n);
-        return;
-    }
-#endif
     switch (op) {
     case DTYPE_MIN:
         if (half)
@@ -422,6 +415,216 @@ void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict d,
             FOR_EACH(n, d[i] += bf16_to_f32(s[i]));
         break;
     }
+}
+
+/* Floats only: integers divide in scale_i32/scale_i64 (no SIMD divides
+ * integers). A true division, not a multiply by the reciprocal: IEEE 754
+ * rounds a quotient correctly in every instruction set, so every variant
+ * and every member gets the bytes of x / d, and the documented meaning of
+ * avg holds exactly. Vectorised, it costs no more than the memory traffic
+ * (bench/dtype_kernels.c). */
+INLINE void scale_float_any(enum dtype acc, void *restrict buf, size_t n, double divisor)
+{
+    if (acc == DTYPE_F32) {
+        float *restrict d = buf, v = (float)divisor;
+        FOR_EACH(n, d[i] = d[i] / v);
+    } else {
+        double *restrict d = buf;
+        FOR_EACH(n, d[i] = d[i] / divisor);
+    }
+}
+
+/* --- kernel variants ------------------------------------------------------ */
+
+/* One set of the kernels above per instruction set, compiled from the same
+ * source with a target attribute. Only operations that IEEE 754 rounds
+ * exactly appear (add, divide, compare, select, bit moves), each element
+ * on its own, and the build contracts nothing (-ffp-contract=off in the
+ * Makefile: an FMA would round once where the scalar code rounds twice),
+ * so every variant writes the same bytes; tests/unit/test_dtype.c holds
+ * them to it. */
+struct kernels {
+    const char *name;
+    void (*combine)(enum dtype, enum dtype_op, void *restrict, const void *restrict, size_t);
+    void (*combine_into)(enum dtype, enum dtype_op, void *restrict, const void *restrict,
+                         const void *restrict, size_t);
+    void (*widen)(enum dtype, float *restrict, const uint16_t *restrict, size_t);
+    void (*narrow)(enum dtype, uint16_t *restrict, const float *restrict, size_t);
+    void (*combine_widen)(enum dtype, enum dtype_op, float *restrict, const uint16_t *restrict,
+                          size_t);
+    void (*scale_float)(enum dtype, void *restrict, size_t, double);
+};
+
+#define DEFINE_VARIANT(V, TARGET)                                                        \
+    TARGET static void combine_##V(enum dtype acc, enum dtype_op op, void *restrict d,     \
+                                   const void *restrict s, size_t n)                     \
+    {                                                                                    \
+        combine_any(acc, op, d, s, n);                                                   \
+    }                                                                                    \
+    TARGET static void combine_into_##V(enum dtype acc, enum dtype_op op, void *restrict d, \
+                                        const void *restrict a, const void *restrict b,   \
+                                        size_t n)                                        \
+    {                                                                                    \
+        combine_into_any(acc, op, d, a, b, n);                                           \
+    }                                                                                    \
+    TARGET static void widen_##V(enum dtype t, float *restrict d, const uint16_t *restrict s, \
+                                 size_t n)                                               \
+    {                                                                                    \
+        widen_any(t, d, s, n);                                                           \
+    }                                                                                    \
+    TARGET static void narrow_##V(enum dtype t, uint16_t *restrict d,                     \
+                                  const float *restrict s, size_t n)                     \
+    {                                                                                    \
+        narrow_any(t, d, s, n);                                                          \
+    }                                                                                    \
+    TARGET static void combine_widen_##V(enum dtype t, enum dtype_op op, float *restrict d, \
+                                         const uint16_t *restrict s, size_t n)           \
+    {                                                                                    \
+        combine_widen_any(t, op, d, s, n);                                               \
+    }                                                                                    \
+    TARGET static void scale_float_##V(enum dtype acc, void *restrict d, size_t n,        \
+                                       double divisor)                                   \
+    {                                                                                    \
+        scale_float_any(acc, d, n, divisor);                                             \
+    }
+#define VARIANT(V) { #V, combine_##V, combine_into_##V, widen_##V, narrow_##V, \
+                     combine_widen_##V, scale_float_##V }
+
+DEFINE_VARIANT(baseline, )
+#if HAVE_X86_VARIANTS
+/* x86-64's SSE2 is the baseline; AVX2 doubles the width, AVX-512 (with
+ * BW and VL for the 16-bit lanes and the masks) doubles it again. */
+DEFINE_VARIANT(avx2, __attribute__((target("avx2"))))
+DEFINE_VARIANT(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))))
+
+static bool has_avx2(void)
+{
+    return __builtin_cpu_supports("avx2");
+}
+
+static bool has_avx512(void)
+{
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#endif
+
+static bool always(void)
+{
+    return true;
+}
+
+/* Worst first: the last one the CPU supports is the default. */
+static const struct kernels variants[] = {
+    VARIANT(baseline),
+#if HAVE_X86_VARIANTS
+    VARIANT(avx2),
+    VARIANT(avx512),
+#endif
+};
+static bool (*const variant_supported[])(void) = {
+    always,
+#if HAVE_X86_VARIANTS
+    has_avx2,
+    has_avx512,
+#endif
+};
+#define N_VARIANTS (sizeof(variants) / sizeof(variants[0]))
+
+/* The variant in use, chosen on first use; a race between two first uses
+ * stores the same answer twice. */
+static _Atomic(const struct kernels *) active;
+
+static const struct kernels *kernels(void)
+{
+    const struct kernels *k = atomic_load_explicit(&active, memory_order_relaxed);
+
+    if (!k) {
+        size_t best = 0;
+
+        for (size_t i = 1; i < N_VARIANTS; i++)
+            if (variant_supported[i]())
+                best = i;
+        k = &variants[best];
+        atomic_store_explicit(&active, k, memory_order_relaxed);
+    }
+    return k;
+}
+
+size_t dtype_kernels_count(void)
+{
+    return N_VARIANTS;
+}
+
+const char *dtype_kernels_name(size_t i)
+{
+    return i < N_VARIANTS ? variants[i].name : NULL;
+}
+
+bool dtype_kernels_supported(size_t i)
+{
+    return i < N_VARIANTS && variant_supported[i]();
+}
+
+int dtype_kernels_use(size_t i)
+{
+    if (i >= N_VARIANTS)
+        return -EINVAL;
+    if (!variant_supported[i]())
+        return -ENOTSUP;
+    atomic_store_explicit(&active, &variants[i], memory_order_relaxed);
+    return 0;
+}
+
+size_t dtype_kernels_current(void)
+{
+    return (size_t)(kernels() - variants);
+}
+
+void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
+                   const void *restrict src, size_t n)
+{
+    kernels()->combine(acc, op, dst, src, n);
+}
+
+void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict a, const void *restrict b, size_t n)
+{
+    kernels()->combine_into(acc, op, dst, a, b, n);
+}
+
+void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict d,
+                         const uint16_t *restrict s, size_t n)
+{
+#if HAVE_F16C
+    if (t == DTYPE_F16 && f16c()) {
+        combine_widen_f16c(op, d, s, n);
+        return;
+    }
+#endif
+    kernels()->combine_widen(t, op, d, s, n);
+}
+
+void dtype_widen(enum dtype t, float *restrict dst, const uint16_t *restrict src, size_t n)
+{
+#if HAVE_F16C
+    if (t == DTYPE_F16 && f16c()) {
+        widen_f16c(dst, src, n);
+        return;
+    }
+#endif
+    kernels()->widen(t, dst, src, n);
+}
+
+void dtype_narrow(enum dtype t, uint16_t *restrict dst, const float *restrict src, size_t n)
+{
+#if HAVE_F16C
+    if (t == DTYPE_F16 && f16c()) {
+        narrow_f16c(dst, src, n);
+        return;
+    }
+#endif
+    kernels()->narrow(t, dst, src, n);
 }
 
 /* --- finishing ---------------------------------------------------------- */
@@ -449,16 +652,10 @@ void dtype_scale(enum dtype acc, void *buf, size_t n, double divisor)
     if (divisor == 1)
         return;
     switch (acc) {
-    case DTYPE_F32: {
-        float *d = buf, v = (float)divisor;
-        FOR_EACH(n, d[i] = d[i] / v);
+    case DTYPE_F32:
+    case DTYPE_F64:
+        kernels()->scale_float(acc, buf, n, divisor);
         break;
-    }
-    case DTYPE_F64: {
-        double *d = buf;
-        FOR_EACH(n, d[i] = d[i] / divisor);
-        break;
-    }
     case DTYPE_I32:
         scale_i32(buf, n, (int64_t)divisor);
         break;

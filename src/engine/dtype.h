@@ -6,9 +6,11 @@
  * type itself, except float16 and bfloat16, which accumulate in float32 so
  * that a sum over many members rounds once, at the end, and not at every
  * hop. The kernels are plain loops over restrict pointers in fixed-size
- * blocks, which gcc -O2 (its "very cheap" vectoriser) turns into SIMD;
- * float16 conversions use the F16C instructions where the CPU has them,
- * with results identical to the portable code.
+ * blocks, which gcc -O2 (its "very cheap" vectoriser) turns into SIMD,
+ * compiled once per instruction set (x86-64: baseline SSE2, AVX2,
+ * AVX-512) and chosen at run time for the CPU; float16 conversions use
+ * the F16C instructions where the CPU has them. Every variant writes the
+ * same bytes as the portable code.
  *
  * Semantics every member must agree on, fixed here:
  *   - integer sums wrap modulo 2^32 or 2^64 (two's complement);
@@ -81,6 +83,18 @@ void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict dst,
 /* Divides n elements of an accumulation type in place by `divisor` (from
  * dtype_divisor); a divisor of 1 leaves them as they are. */
 void dtype_scale(enum dtype acc, void *buf, size_t n, double divisor);
+
+/* Kernel variants, by index from 0 (the portable baseline) up to
+ * dtype_kernels_count() - 1, worst to best; the best the CPU supports is
+ * used unless dtype_kernels_use() picks another (tests and benchmarks do,
+ * to compare them; the choice is process-wide). Names are static
+ * ("baseline", "avx2", "avx512"), NULL out of range. dtype_kernels_use
+ * returns 0, -EINVAL out of range or -ENOTSUP when the CPU lacks it. */
+size_t dtype_kernels_count(void);
+const char *dtype_kernels_name(size_t i);
+bool dtype_kernels_supported(size_t i);
+int dtype_kernels_use(size_t i);
+size_t dtype_kernels_current(void);
 
 /* Bulk conversions between a 16-bit float type `t` and float32. */
 void dtype_widen(enum dtype t, float *restrict dst, const uint16_t *restrict src, size_t n);

@@ -406,3 +406,177 @@ Test(dtype, scale_floats_and_truncating_ints)
     dtype_scale(DTYPE_F32, f, 19, 1);   /* divisor 1: untouched */
     cr_assert_eq(fbits(f[3]), fbits(1.0f));
 }
+
+/* --- kernel variants ------------------------------------------------------ *
+ *
+ * Every variant the CPU supports against the baseline, byte for byte. The
+ * sanitized build that runs these compiles each variant for its own
+ * instruction set but does not vectorise (sanitizers stop gcc's
+ * vectoriser); bench/dtype_kernels.c makes the same comparison on the
+ * release build's vectorised code. */
+
+static uint64_t rng_next(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+/* n bytes of awkward values for type t: random bit patterns (every
+ * exponent, so subnormals and NaN payloads too) mixed with the special
+ * values, in runs, so that whole vectors of them occur. */
+static void awkward(uint8_t *p, size_t n, enum dtype t, uint64_t *s)
+{
+    static const uint32_t f32s[] = { 0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7f800000u,
+                                     0xff800000u, 0x00000000u, 0x80000000u, 0x00000001u,
+                                     0x807fffffu, 0x7f7fffffu, 0x00800000u, 0x3f800000u };
+    static const uint64_t f64s[] = { 0x7ff8000000000000u, 0xfff0000000000001u,
+                                     0x7ff0000000000000u, 0xfff0000000000000u, 0,
+                                     0x8000000000000000u, 1, 0x800fffffffffffffu,
+                                     0x7fefffffffffffffu, 0x3ff0000000000000u };
+    size_t es = dtype_size(t);
+
+    for (size_t i = 0; i + es <= n; i += es) {
+        uint64_t r = rng_next(s), v = rng_next(s);
+
+        if (r % 3 == 0 && t == DTYPE_F32) {
+            uint32_t u = f32s[v % (sizeof(f32s) / sizeof(f32s[0]))];
+            memcpy(p + i, &u, 4);
+        } else if (r % 3 == 0 && t == DTYPE_F64) {
+            memcpy(p + i, &f64s[v % (sizeof(f64s) / sizeof(f64s[0]))], 8);
+        } else if (r % 3 == 0 && es == 2) {
+            /* 16-bit: Inf, NaN, zero, subnormal of either sign */
+            static const uint16_t h[] = { 0x7c00, 0x7e01, 0xfc00, 0x0000, 0x8000, 0x0001,
+                                          0x7f80, 0x7fc1, 0x0080, 0x8001 };
+            memcpy(p + i, &h[v % 10], 2);
+        } else if (r % 3 == 1 && t == DTYPE_F32) {
+            float f = (float)((int64_t)(v % 2001) - 1000) * 0.375f;   /* exact sums */
+            memcpy(p + i, &f, 4);
+        } else {
+            memcpy(p + i, &v, es);
+        }
+    }
+}
+
+/* Runs `call` (which writes `out`) with every supported variant and
+ * compares its bytes with the baseline's. */
+#define FOR_EVERY_VARIANT(out, bytes, setup, call, what, ...)                        \
+    do {                                                                            \
+        static uint8_t want_[4096 + 64];                                            \
+        for (size_t v_ = 0; v_ < dtype_kernels_count(); v_++) {                      \
+            if (!dtype_kernels_supported(v_))                                       \
+                continue;                                                           \
+            cr_assert_eq(dtype_kernels_use(v_), 0);                                 \
+            setup;                                                                  \
+            call;                                                                   \
+            if (v_ == 0)                                                            \
+                memcpy(want_, out, bytes);                                          \
+            else                                                                    \
+                cr_assert(memcmp(want_, out, bytes) == 0, "%s differs from baseline: " what, \
+                          dtype_kernels_name(v_), __VA_ARGS__);                     \
+        }                                                                           \
+    } while (0)
+
+Test(dtype, variants_write_the_same_bytes)
+{
+    static const enum dtype accs[] = { DTYPE_F32, DTYPE_F64, DTYPE_I32, DTYPE_I64 };
+    /* Odd element counts around every vector width, and offsets that
+     * misalign the arrays. */
+    static const size_t lens[] = { 0, 1, 3, 7, 15, 16, 17, 31, 33, 63, 65, 127, 129, 255, 257, 511 };
+    static uint8_t a[4096 + 64], b[4096 + 64], d[4096 + 64];
+    uint64_t seed = 0x9e3779b97f4a7c15u;
+    size_t tried = 0;
+
+    for (size_t ti = 0; ti < 4; ti++)
+        for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++)
+            for (size_t off = 0; off < 3; off += 2)
+                for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+                    enum dtype t = accs[ti];
+                    size_t es = dtype_size(t), n = lens[li], bytes = n * es + off * es;
+                    uint8_t *pa = a + off * es, *pb = b + off * es, *pd = d + off * es;
+
+                    if (n * es + off * es > 4096)
+                        continue;
+                    awkward(a, sizeof(a), t, &seed);
+                    awkward(b, sizeof(b), t, &seed);
+                    FOR_EVERY_VARIANT(d, bytes, memcpy(d, a, sizeof(d)),
+                                      dtype_combine(t, (enum dtype_op)op, pd, pb, n),
+                                      "combine %s op %d n %zu off %zu", dtype_name(t), op, n,
+                                      off);
+                    FOR_EVERY_VARIANT(d, bytes, memset(d, 0xa5, sizeof(d)),
+                                      dtype_combine_into(t, (enum dtype_op)op, pd, pa, pb, n),
+                                      "combine_into %s op %d n %zu off %zu", dtype_name(t), op,
+                                      n, off);
+                    tried++;
+                }
+    cr_assert_gt(tried, 500);
+}
+
+Test(dtype, variants_scale_the_same_bytes)
+{
+    static const double divs[] = { 3, 7, 4, -5, 0.1, 1e-30, 1e30, 4.9e-324, 1.0 / 3.0 };
+    static uint8_t a[4096 + 64], d[4096 + 64];
+    uint64_t seed = 12345;
+
+    for (size_t ti = 0; ti < 2; ti++)
+        for (size_t n = 0; n < 300; n += n < 40 ? 1 : 37)
+            for (size_t di = 0; di < sizeof(divs) / sizeof(divs[0]); di++) {
+                enum dtype t = ti ? DTYPE_F64 : DTYPE_F32;
+                size_t es = dtype_size(t), bytes = (n + 1) * es;
+
+                awkward(a, sizeof(a), t, &seed);
+                FOR_EVERY_VARIANT(d, bytes, memcpy(d, a, sizeof(d)),
+                                  dtype_scale(t, d + es, n, divs[di]),
+                                  "scale %s n %zu by %g", dtype_name(t), n, divs[di]);
+            }
+}
+
+Test(dtype, variants_convert_the_same_bytes)
+{
+    static uint8_t h[4096 + 64], f[8192 + 64], out[8192 + 64];
+    uint64_t seed = 777;
+
+    for (int ti = 0; ti < 2; ti++)
+        for (size_t n = 0; n < 600; n += n < 70 ? 1 : 53)
+            for (int op = 0; op < DTYPE_OP_COUNT; op++) {
+                enum dtype t = ti ? DTYPE_BF16 : DTYPE_F16;
+
+                awkward(h, sizeof(h), t, &seed);
+                awkward(f, sizeof(f), DTYPE_F32, &seed);
+                FOR_EVERY_VARIANT(out, (n + 1) * 4, memcpy(out, f, sizeof(out)),
+                                  dtype_combine_widen(t, (enum dtype_op)op, (float *)out + 1,
+                                                      (const uint16_t *)h + 1, n),
+                                  "combine_widen %s op %d n %zu", dtype_name(t), op, n);
+                if (op)
+                    continue;
+                FOR_EVERY_VARIANT(out, (n + 1) * 4, memset(out, 0, sizeof(out)),
+                                  dtype_widen(t, (float *)out + 1, (const uint16_t *)h + 1, n),
+                                  "widen %s n %zu", dtype_name(t), n);
+                FOR_EVERY_VARIANT(out, (n + 1) * 2, memset(out, 0, sizeof(out)),
+                                  dtype_narrow(t, (uint16_t *)out + 1, (const float *)f + 1, n),
+                                  "narrow %s n %zu", dtype_name(t), n);
+            }
+}
+
+Test(dtype, variants_are_chosen_and_named)
+{
+    size_t n = dtype_kernels_count(), best = 0;
+
+    cr_assert_geq(n, 1);
+    cr_assert_str_eq(dtype_kernels_name(0), "baseline");
+    cr_assert(dtype_kernels_supported(0));
+    cr_assert_null(dtype_kernels_name(n));
+    cr_assert_not(dtype_kernels_supported(n));
+    for (size_t i = 0; i < n; i++)
+        if (dtype_kernels_supported(i))
+            best = i;
+    cr_assert_eq(dtype_kernels_current(), best, "the best the CPU supports is the default");
+    cr_assert_eq(dtype_kernels_use(n), -EINVAL);
+    cr_assert_eq(dtype_kernels_current(), best, "a refused choice changes nothing");
+    for (size_t i = 0; i < n; i++)
+        if (!dtype_kernels_supported(i))
+            cr_assert_eq(dtype_kernels_use(i), -ENOTSUP);
+    cr_assert_eq(dtype_kernels_use(0), 0);
+    cr_assert_eq(dtype_kernels_current(), 0);
+}
