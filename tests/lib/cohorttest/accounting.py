@@ -37,7 +37,7 @@ def vsum(vs):
     return tuple(sum(x) for x in zip(*vs)) if vs else (0, 0, 0, 0)
 
 
-def check_accounting(stats, steps):
+def check_accounting(stats, steps, discarded=None):
     """Every committed round: result x num_gradients == the contributions of
     its epoch's members. Each member's part is known from its own log: the
     contributions since its last commit or drop. The rest of a round may
@@ -46,7 +46,13 @@ def check_accounting(stats, steps):
     used once and every drop used (nothing lost), or from members that died
     with contributions open (any first few of them: a trainer killed
     between logging a contribution and making it leaves one line too many).
-    Returns the number of rounds checked."""
+    Returns the number of rounds checked.
+
+    A member that was evicted while its contribution was open, and came
+    back behind the leader, drops that contribution too, but it was never
+    counted: the others committed the round without it. With `discarded`
+    (a list) such drops are allowed and appended to it as (version, member
+    id); without, every drop must be in a committed round."""
     commits, drops, dead = {}, {}, {}
     for mid, evs in stats.items():
         pending, finished = [], False
@@ -103,5 +109,8 @@ def check_accounting(stats, steps):
                        if c is not None and i < len(drops.get(v, []))}
     # Nothing lost: whatever the node dropped was in a committed round.
     lost = [(v, mid) for v, ds in drops.items() for mid, _ in ds if (v, mid) not in used_drops]
-    assert not lost, "contributions dropped but never committed: %s" % lost
+    if discarded is not None:
+        discarded.extend(lost)
+    else:
+        assert not lost, "contributions dropped but never committed: %s" % lost
     return len(commits)
