@@ -275,7 +275,7 @@ def test_member_partitioned_from_its_peers_not_the_broker(net, cohort_factory):
     "after the heal the members rejoin one at a time, and a member can adopt an epoch of "
     "itself alone (seen: epochs {m2}, {m0,m2}, {m0}, {m0,m1}); its trainer then got EAGAIN "
     "from the accumulator and exited 1 (logreg: 'the accumulator failed: Resource "
-    "temporarily unavailable'), 1 run of 2; not yet explained"))
+    "temporarily unavailable'), 1 run of 3; not yet explained"))
 def test_broker_partitioned_from_everyone(net, cohort_factory):
     c = cohort_factory(STEPS, PACE)
     c.wait_versions(c.ids, 5, "all three training")
