@@ -13,7 +13,6 @@ sidecars and the example trainer (examples/c/logreg.c) as real processes.
 - `cohortctl run` fails when a trainer fails unexpectedly, on a timeout and
   on Ctrl-C, stops everything, and refuses bad flags with exit status 2.
 """
-import itertools
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import time
 
 import pytest
 
+from cohorttest.accounting import check_accounting, load_stats
 from cohorttest import (BIN, DEADLINE, PROC_TIMEOUT, RUN_TIMEOUT, bin_path, cohortctl_run,
                         explain_run, finish, run_group, spawn_group)
 
@@ -67,24 +67,6 @@ def sanitizer_reports(summary):
 def read_params(path):
     with open(path) as f:
         return [float(l) for l in f if l.strip()]
-
-
-def load_stats(directory):
-    """{member id: [event dicts]} from the trainers' --stats-file. A trainer
-    killed mid-line leaves a cut last line; it is ignored."""
-    stats = {}
-    for name in sorted(os.listdir(directory)):
-        if not name.endswith(".jsonl"):
-            continue
-        evs = []
-        with open(os.path.join(directory, name)) as f:
-            for line in f:
-                try:
-                    evs.append(json.loads(line))
-                except ValueError:
-                    pass
-        stats[name[:-len(".jsonl")]] = evs
-    return stats
 
 
 # ---- the trainer alone ------------------------------------------------------
@@ -212,84 +194,6 @@ def test_time_triggered_kill_peer_and_add(tmp_path):
         assert s["peers"][1]["trainer"]["signal"] == "KILL"
         assert s["peers"][1]["sidecar"]["signal"] == "KILL"
     no_children_left(s)
-
-
-def vec(e):
-    return (e["total"], e["wsum"], 1, e["batch"])
-
-
-def vsum(vs):
-    return tuple(sum(x) for x in zip(*vs)) if vs else (0, 0, 0, 0)
-
-
-def check_accounting(stats, steps):
-    """Every committed round: result x num_gradients == the contributions of
-    its epoch's members. Each member's part is known from its own log: the
-    contributions since its last commit or drop. The rest of a round may
-    only come from members that missed its commit (they fell behind and the
-    node dropped their contributions when they received state), each drop
-    used once and every drop used (nothing lost), or from members that died
-    with contributions open (any first few of them: a trainer killed
-    between logging a contribution and making it leaves one line too many).
-    Returns the number of rounds checked."""
-    commits, drops, dead = {}, {}, {}
-    for mid, evs in stats.items():
-        pending, finished = [], False
-        for e in evs:
-            if e["ev"] == "contrib":
-                pending.append(e)
-            elif e["ev"] == "undo":
-                pending.pop()
-            elif e["ev"] == "commit":
-                part = vsum([vec(c) for c in pending])
-                # The trainer's own tally agrees with its contribution lines.
-                assert (e["mine_total"], e["mine_wsum"], e["mine_calls"]) == part[:3], (mid, e)
-                assert all(c["v"] == e["v"] - 1 for c in pending), (mid, e)
-                commits.setdefault(e["v"], []).append((mid, e, part))
-                pending = []
-            elif e["ev"] == "state" and e["dropped"]:
-                part = vsum([vec(c) for c in pending])
-                assert (e["mine_total"], e["mine_wsum"], e["mine_calls"]) == part[:3], (mid, e)
-                if pending:
-                    drops.setdefault(e["from_v"] + 1, []).append((mid, [part]))
-                pending = []
-            elif e["ev"] == "final":
-                finished = True
-        if pending and not finished:
-            prefixes = [vsum([vec(c) for c in pending[:k]]) for k in range(1, len(pending) + 1)]
-            dead.setdefault(pending[-1]["v"] + 1, []).append((mid, prefixes))
-
-    assert sorted(commits) == list(range(1, steps + 1)), "rounds nobody logged"
-    used_drops = set()
-    for v, recs in sorted(commits.items()):
-        results = {(e["total"], e["wsum"], e["G"], e["batch"]) for _, e, _ in recs}
-        assert len(results) == 1, "members committed different results in round %d: %s" % (v, recs)
-        result = results.pop()
-        assert result[2] > 0 and result[0] > 0, (v, result)
-        base = vsum([part for _, _, part in recs])
-        residual = tuple(a - b for a, b in zip(result, base))
-        assert all(x >= 0 for x in residual), \
-            "round %d counted something twice: result %s, committers' parts %s" % (v, result, base)
-        # The rest: each member that missed the commit or died adds nothing
-        # or one of its alternatives. (Which epoch committed the round is
-        # not in the API: the stats' epoch is the one current when the
-        # trainer saw the result.)
-        cands = drops.get(v, []) + dead.get(v, [])
-        match = None
-        for choice in itertools.product(*[[None] + alts for _, alts in cands]):
-            if vsum([c for c in choice if c is not None]) == residual:
-                match = choice
-                break
-        assert match is not None, (
-            "round %d: result %s; the committers %s hold %s; no choice among the dropped "
-            "or dead members' contributions %s makes up the rest" %
-            (v, result, [m for m, _, _ in recs], base, cands))
-        used_drops |= {(v, cands[i][0]) for i, c in enumerate(match)
-                       if c is not None and i < len(drops.get(v, []))}
-    # Nothing lost: whatever the node dropped was in a committed round.
-    lost = [(v, mid) for v, ds in drops.items() for mid, _ in ds if (v, mid) not in used_drops]
-    assert not lost, "contributions dropped but never committed: %s" % lost
-    return len(commits)
 
 
 def test_exact_accounting_with_integer_gradients_through_kills_and_an_add(tmp_path):
