@@ -923,8 +923,26 @@ static struct note read_note(int fd, int within_ms)
  * sent `sig`. Returns after checking that the survivors failed with an
  * error (`want`, or any error if want is 0) within `within_ms` of the
  * signal. */
+/* The peers an engine reported lost (allreduce_config.on_peer_lost). */
+struct lost_note {
+    pthread_mutex_t lock;
+    char ids[4][24];
+    size_t n;
+};
+
+static void note_lost(void *arg, const char *peer)
+{
+    struct lost_note *l = arg;
+
+    pthread_mutex_lock(&l->lock);
+    if (l->n < 4)
+        snprintf(l->ids[l->n++], sizeof(l->ids[0]), "%s", peer);
+    pthread_mutex_unlock(&l->lock);
+}
+
 static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t within_ms)
 {
+    static struct lost_note lost = { .lock = PTHREAD_MUTEX_INITIALIZER };
     struct cluster c = { .n = 3 };
     struct epoch *e;
     pid_t pids[3] = { 0 };
@@ -932,7 +950,8 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     size_t count = 4u << 20;
     struct peer *me = &c.p[0];
     struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
-                                    .member_timeout_ms = timeout_ms };
+                                    .member_timeout_ms = timeout_ms, .on_peer_lost = note_lost,
+                                    .peer_lost_arg = &lost };
     struct note n;
     uint64_t t_sig;
 
@@ -992,6 +1011,15 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     if (want)
         cr_assert_eq(n.rc, want, "got %s", log_strerror(n.rc));
     cr_assert_lt(clock_now_ms() - t_sig, within_ms);
+    /* m-0 is m-2's neighbour both ways round a ring of three: a killed
+     * m-2's socket resets under it, and is reported; a stopped one's stays
+     * open, and a timeout is not a death. */
+    if (sig == SIGKILL) {
+        cr_assert_eq(lost.n, 1, "reported %zu peers lost", lost.n);
+        cr_assert_str_eq(lost.ids[0], "m-2");
+    } else {
+        cr_assert_eq(lost.n, 0, "reported %s lost", lost.ids[0]);
+    }
 
     kill(pids[2], SIGKILL);
     for (size_t i = 1; i < 3; i++) {
