@@ -20,6 +20,10 @@
  *   out (a join and a leave of the same session) forms none.
  * - No epoch forms before start + startup_hold_ms, so that the members
  *   rejoining a restarted broker land in one epoch, not one each.
+ * - A member leaves its epochs by a Leave, by silence past its timeout,
+ *   or, when its watch stream is cut without a Leave (its process died),
+ *   after stream_grace_ms; at once when a peer also reported it lost
+ *   (broker_report_lost). A report alone evicts nobody: any member may lie.
  * - Versions advanced by committed rounds (declare == false) are recorded,
  *   shown in status and used at the next election, but never force one:
  *   members report them at different moments, and electing on that skew
@@ -233,8 +237,9 @@ int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char 
  * drain. -ENOENT for an unknown cohort. */
 int broker_drained(const struct broker *b, const char *cohort, const char *id);
 
-/* Evicts members silent for longer than their timeout, forms and publishes
- * the epochs that are due. Returns the milliseconds until the next thing
+/* Evicts the members that are due (silent past their timeout, or their
+ * stream lost past the grace or with a peer's report: see
+ * broker_stream_lost), forms and publishes the epochs that are due. Returns the milliseconds until the next thing
  * that can fall due (an eviction or a coalescing deadline), capped at 1000,
  * so the host knows how long it may sleep. */
 uint32_t broker_tick(struct broker *b, uint64_t now);
