@@ -169,7 +169,7 @@ def trial(kind, bindir, n, port):
                         "the survivors to commit with %d members" % (n - 1))
         return done - t0
     finally:
-        if kind == "stopped":
+        if kind == "stopped" and len(c.sidecars) == n:
             c.sidecars[n - 1].kill()    # a stopped process would not heed SIGTERM
         c.close()
 
