@@ -28,6 +28,7 @@ job runs in this benchmark.
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -172,6 +173,8 @@ def trial(kind, bindir, n, port):
         if kind == "stopped" and len(c.sidecars) == n:
             c.sidecars[n - 1].kill()    # a stopped process would not heed SIGTERM
         c.close()
+        if os.environ.get("COHORT_KEEP_LOGS") != "1":
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def free_port():
@@ -205,11 +208,11 @@ def main():
         rows.append((kind, xs))
         if a.json:
             print(json.dumps({"kind": kind, "seconds": xs}), flush=True)
-    print("| `kill -9` of | trials | median | p90 | vs torchrun's detection |")
+    print("| fault | trials | median | p90 | vs torchrun's detection |")
     print("|---|---|---|---|---|")
-    names = {"sidecar": "sidecar", "trainer": "trainer",
-             "broker": "broker (restarted at once)",
-             "stopped": "none: SIGSTOP of a sidecar (silence, so the 5 s timeout)"}
+    names = {"sidecar": "`kill -9` of a sidecar", "trainer": "`kill -9` of a trainer",
+             "broker": "`kill -9` of the broker (restarted at once)",
+             "stopped": "SIGSTOP of a sidecar (silence, not a death: the 5 s timeout)"}
     for kind, xs in rows:
         med = statistics.median(xs)
         print("| %s | %d | %.2f s | %.2f s | %.1fx sooner |" % (

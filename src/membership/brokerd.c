@@ -447,7 +447,7 @@ static void watcher_closed(void *arg, struct rpc_stream *s)
 {
     struct watcher *w = arg;
     struct brokerd *d = w->d;
-
+    uint64_t held = 0;
     bool lost = false;
 
     pthread_mutex_lock(&d->lock);
@@ -462,9 +462,11 @@ static void watcher_closed(void *arg, struct rpc_stream *s)
     if (lost)
         pthread_cond_signal(&d->wake);     /* an earlier deadline */
     pthread_mutex_unlock(&d->lock);
-    if (lost)
+    /* Rate-limited: a member can open and drop proved watches at will. */
+    if (lost && log_allowed(d, &held))
         log_info("broker", "A member's stream was cut without a Leave; it is out unless it "
-                 "comes back within the grace.", LF_S("cohort", w->cohort), LF_S("id", w->id));
+                 "comes back within the grace.", LF_S("cohort", w->cohort), LF_S("id", w->id),
+                 LF_U("held_back", held));
     rpc_stream_unref(w->s);
     free(w);
 }

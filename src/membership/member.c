@@ -688,15 +688,20 @@ int member_leave(struct member *m, uint32_t timeout_ms)
     w = m->watch;
     m->watch = NULL;
     pthread_mutex_unlock(&m->lock);
-    rpc_watch_close(w);
-    if (!joined)
+    if (!joined) {
+        rpc_watch_close(w);
         return 0;
+    }
+    /* The Leave first: the broker ends the watch itself then, where a
+     * watch closed first would look to it like a death for a moment. */
     rc = leave_call(m, timeout_ms, &st);
+    rpc_watch_close(w);
     if (rc == 0) {
         log_emit(info_level(m), "member", "Left the cohort.", LF_S("cohort", m->cohort),
                  LF_S("id", m->id), LOG_END);
     } else {
-        log_warn("member", "The leave did not reach the broker; it will evict this member at the timeout.",
+        log_warn("member", "The leave did not reach the broker; it will evict this member once "
+                 "it sees the stream gone, or at the timeout.",
                  LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("code", rpc_code_name(st.code)));
     }
     return rc;
