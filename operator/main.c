@@ -119,6 +119,10 @@ static const char usage[] =
     "  --startup-hold DUR        publish no epoch this long after start, so members\n"
     "                            rejoining a restarted broker share one (default\n"
     "                            2 x heartbeat interval)\n"
+    "  --stream-grace DUR        a member whose stream to the broker is cut without\n"
+    "                            a Leave (its process died) is out after this,\n"
+    "                            unless it reconnects first (default 300ms);\n"
+    "                            silence alone still takes the member timeout\n"
     "  --max-members N           members per cohort (default 4096)\n"
     "  --max-cohorts N           cohorts per broker (default 1024)\n"
     "  --max-member-timeout DUR  the longest member timeout a join may ask for\n"
@@ -217,7 +221,8 @@ static int parse_cohort(const char *arg, struct cohort_spec *c)
 /* The broker's flags and those of both modes come first, up to O_LOGL;
  * parse_flags() hands the rest to kube_flag(). */
 enum { O_STANDALONE = 256, O_LISTEN, O_COHORT, O_ANY, O_HB, O_TO, O_COALESCE, O_HOLD,
-       O_MAXM, O_MAXC, O_LOGF, O_LOGL, O_KUBECONFIG, O_CONTEXT, O_INCLUSTER, O_NS, O_BADDR,
+       O_GRACE, O_MAXM, O_MAXC, O_LOGF, O_LOGL, O_KUBECONFIG, O_CONTEXT, O_INCLUSTER, O_NS,
+       O_BADDR,
        O_SIMG, O_SCMD, O_LNAME, O_LNS, O_IDENT, O_LDUR, O_LRENEW, O_LRETRY, O_METRICS,
        O_WORKERS, O_STPERIOD, O_DRAIN, O_RESYNC, O_WTIMEOUT, O_APITIMEOUT,
        /* Keys and TLS: broker flags, handled by auth_flag(). */
@@ -953,6 +958,11 @@ static int broker_flag(struct flags *f, int opt, const char *arg)
         b->startup_hold_ms = (uint32_t)v;
         f->hold_set = true;
         break;
+    case O_GRACE:
+        if (opt_duration_ms(arg, 60000, &v) < 0)
+            return opt_usage(PROG, "bad --stream-grace \"%s\" (at most 1m)", arg);
+        b->stream_grace_ms = (uint32_t)v;
+        break;
     case O_MAXM:
         if (opt_uint(arg, 1, 1u << 20, &v) < 0)
             return opt_usage(PROG, "bad --max-members \"%s\" (1 to 1048576)", arg);
@@ -1081,6 +1091,7 @@ static int parse_flags(int argc, char **argv, struct flags *f)
         { "member-timeout", required_argument, NULL, O_TO },
         { "coalesce", required_argument, NULL, O_COALESCE },
         { "startup-hold", required_argument, NULL, O_HOLD },
+        { "stream-grace", required_argument, NULL, O_GRACE },
         { "max-members", required_argument, NULL, O_MAXM },
         { "max-cohorts", required_argument, NULL, O_MAXC },
         { "log-format", required_argument, NULL, O_LOGF },

@@ -219,6 +219,18 @@ static void *member_main(void *arg)
     return NULL;
 }
 
+/* The engine saw a peer's connection reset with no BYE (its process
+ * died): the broker hears it in a heartbeat sent at once. Runs on the
+ * node thread, inside a failed run; signalled without n->lock, since a
+ * missed wakeup costs one poll interval at most. */
+static void on_peer_lost(void *arg, const char *peer)
+{
+    struct node *n = arg;
+
+    if (member_report_lost(n->member, peer) == 0)
+        pthread_cond_signal(&n->member_cond);
+}
+
 /* ---- helpers run on the node thread ------------------------------------- */
 
 /* True when a newer epoch than the one in use has arrived. Lock held. */
@@ -793,6 +805,8 @@ int node_start(const struct node_config *cfg, struct node **out)
     ac.member_timeout_ms = cfg->reduce_timeout_ms ? cfg->reduce_timeout_ms : DEFAULT_REDUCE_TIMEOUT_MS;
     ac.key = cfg->key;
     ac.integrity_mac = cfg->integrity_mac;
+    ac.on_peer_lost = on_peer_lost;
+    ac.peer_lost_arg = n;
     ac.small_bytes = cfg->algorithm == NODE_ALGORITHM_RING       ? ALLREDUCE_SMALL_NONE
                      : cfg->algorithm == NODE_ALGORITHM_DOUBLING ? ALLREDUCE_SMALL_MAX
                                                                  : 0;

@@ -221,6 +221,8 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
             goto err_alloc;
     }
     a->cohort_hash = peerwire_cohort_hash(a->cohort);
+    a->on_peer_lost = cfg->on_peer_lost;
+    a->peer_lost_arg = cfg->peer_lost_arg;
     a->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     a->inbox_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -439,6 +441,8 @@ static int run_call(struct run *x)
                  LF_U("epoch", x->e->number), LF_U("round", x->round), LF_ERR(rc),
                  LF_S("peer", x->fail_peer < x->n ? x->e->members[x->fail_peer].id : NULL));
         conn_close_all(a, rc, newest_epoch(a), clock_now_ms() + ABORT_GRACE_MS);
+        if (x->peer_reset && x->fail_peer < x->n && x->fail_peer != x->me && a->on_peer_lost)
+            a->on_peer_lost(a->peer_lost_arg, x->e->members[x->fail_peer].id);
     }
     return rc;
 }

@@ -68,6 +68,13 @@ struct allreduce_config {
                                      * unkeyed members refuse each other. */
     bool integrity_mac;             /* authenticate every frame too (needs key; every
                                      * member must agree, or they refuse each other) */
+    /* Called on the run's thread, after a run failed because a peer's
+     * connection closed or reset with no BYE before it (its process died,
+     * most likely), with the peer's id (borrowed for the call). May be
+     * NULL. The membership layer passes it on to the broker as evidence
+     * (member_report_lost). */
+    void (*on_peer_lost)(void *arg, const char *peer_id);
+    void *peer_lost_arg;            /* borrowed */
 };
 
 /* Binds a TCP listener to `host` (a numeric IPv4 or IPv6 address) on a

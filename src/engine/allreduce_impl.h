@@ -121,6 +121,8 @@ struct allreduce {
     uint64_t incarnation;       /* random, this engine's: see acceptor.c */
     int listen_fd;
     uint32_t timeout_ms;
+    void (*on_peer_lost)(void *arg, const char *peer_id);   /* the config's */
+    void *peer_lost_arg;
     size_t seg_bytes, small_bytes;
     bool alg_used[2];           /* run_call logged this algorithm (ring, doubling) */
     int abort_fd;               /* set_epoch -> run */
@@ -173,6 +175,9 @@ struct run {
     size_t esz, asz;            /* user and accumulation element sizes */
     bool wide;                  /* 16-bit float: accumulate in float32 */
     size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
+    /* fail_peer's socket itself closed or reset, with no BYE before: its
+     * process died (or its host went away), not a failed call of its own. */
+    bool peer_reset;
 };
 
 /* True once an epoch newer than the call's was adopted. Checked on every

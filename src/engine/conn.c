@@ -404,10 +404,13 @@ int conn_rx_pump(struct run *x, struct conn *c)
     do
         r = recvmsg(c->fd, &m, MSG_DONTWAIT);
     while (r < 0 && errno == EINTR);
-    if (r < 0)
-        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -ECONNRESET;
-    if (r == 0)
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return 0;
+    if (r <= 0) {
+        /* A BYE would have arrived before the end of the stream. */
+        x->peer_reset = true;
         return -ECONNRESET;
+    }
     c->rx_done += (size_t)r;
     c->rx_moved = true;
     if (!c->rx_checked && c->rx_done >= hl) {
@@ -433,8 +436,10 @@ int conn_refine(struct run *x, struct conn *c, int err)
 
     if (c->rx_busy && c->rx_done > 0)
         return err;             /* mid-frame: a BYE would be further on */
-    if (recv(c->fd, b, c->hdr_len, MSG_DONTWAIT | MSG_PEEK) != (ssize_t)c->hdr_len)
+    if (recv(c->fd, b, c->hdr_len, MSG_DONTWAIT | MSG_PEEK) != (ssize_t)c->hdr_len) {
+        x->peer_reset = true;   /* no BYE waits: the socket just went */
         return err;
+    }
     if (peerwire_frame_decode(b, PEERWIRE_FRAME_BYTES, &f) < 0)
         return err;
     if (c->sealed && !peerauth_stream_peek(&c->rx_mac, b, b + PEERWIRE_FRAME_BYTES))

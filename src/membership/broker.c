@@ -50,6 +50,13 @@ struct entry {
     uint64_t adopted;           /* the epoch it last said it runs in */
     bool draining;              /* left out of epochs (broker_drain) */
     void *watcher;              /* borrowed from the host; NULL if none */
+    /* When its watch stream ended without a Leave (the host saw the
+     * connection reset or closed: its process died), 0 while it has one
+     * or gave a sign of life since. */
+    uint64_t gone_at;
+    /* When a peer last reported its data connection reset, 0 if none
+     * since its last sign of life. */
+    uint64_t accused_at;
     uint64_t seq_top;           /* highest proof seq accepted; 0: joined unproved */
     uint64_t seq_seen;          /* bit i: seq_top - 1 - i was accepted */
 };
@@ -98,6 +105,7 @@ void broker_config_default(struct broker_config *cfg)
         .max_members = 4096,
         .max_cohorts = 1024,
         .max_timeout_ms = BROKER_MEMBER_TIMEOUT_CAP_MS,
+        .stream_grace_ms = BROKER_STREAM_GRACE_MS,
         .allow_any_cohort = false,
     };
 }
@@ -141,11 +149,28 @@ static void *grow(void *arr, size_t *cap, size_t need, size_t size)
     return p;
 }
 
-/* The first moment at which `m` has been silent for longer than its
- * timeout. */
-static uint64_t entry_deadline(const struct entry *m)
+/* The first moment at which `m` is due for eviction: silent for longer
+ * than its timeout; or its stream gone for longer than the grace; or its
+ * stream gone and a peer's data connection to it reset (two independent
+ * signs that its process died, so no grace is waited for). */
+static uint64_t entry_deadline(const struct broker *b, const struct entry *m)
 {
-    return m->last_seen + m->timeout_ms + 1;
+    uint64_t d = m->last_seen + m->timeout_ms + 1;
+
+    if (m->gone_at) {
+        d = min_u64(d, m->gone_at + b->cfg.stream_grace_ms);
+        if (m->accused_at)
+            d = min_u64(d, max_u64(m->gone_at, m->accused_at));
+    }
+    return d;
+}
+
+/* A sign of life from `m` (a heartbeat, a rejoin, a new watch): whatever
+ * suggested its death is outweighed. */
+static void entry_alive(struct entry *m)
+{
+    m->gone_at = 0;
+    m->accused_at = 0;
 }
 
 static void entry_free(struct entry *m)
@@ -568,7 +593,7 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
 
     for (size_t i = 0; i < c->n_members; i++) {
         struct entry *m = c->members[i];
-        uint64_t d = entry_deadline(m);
+        uint64_t d = entry_deadline(b, m);
 
         if (now >= d) {
             detach(b, m, -ETIMEDOUT);
@@ -694,7 +719,7 @@ static int join_new(struct broker *b, struct cohort *c, size_t at, uint64_t now,
     memmove(&arr[at + 1], &arr[at], (c->n_members - at) * sizeof *arr);
     arr[at] = m;
     c->n_members++;
-    c->next_evict = min_u64(c->next_evict, entry_deadline(m));
+    c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
     mark_pending(c, now);
     return 0;
 
@@ -715,7 +740,7 @@ static int join_existing(struct broker *b, struct cohort *c, struct entry *m,
         /* Checked against the clock, not against whether a tick has
          * evicted it yet, so that the answer does not depend on how
          * often the host ticks. */
-        if (now < entry_deadline(m))
+        if (now < entry_deadline(b, m))
             return -EEXIST;
         changed = true;
     }
@@ -742,10 +767,11 @@ static int join_existing(struct broker *b, struct cohort *c, struct entry *m,
     }
     m->model_version = j->model_version;
     m->last_seen = max_u64(m->last_seen, now);
+    entry_alive(m);
     m->heartbeat_ms = heartbeat_ms;
     m->timeout_ms = timeout_ms;
     /* A shorter timeout may bring the deadline earlier than the bound. */
-    c->next_evict = min_u64(c->next_evict, entry_deadline(m));
+    c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
     if (changed)
         mark_pending(c, now);
     return 0;
@@ -834,6 +860,7 @@ int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const c
     if (!m)
         return -ENOENT;
     m->last_seen = max_u64(m->last_seen, now);
+    entry_alive(m);
     m->model_version = beat->model_version;
     /* No member runs in an epoch that was never published. */
     m->adopted = max_u64(m->adopted, min_u64(beat->adopted, c->cur ? c->cur->number : 0));
@@ -946,6 +973,7 @@ int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t 
     if (m->watcher != watcher)
         detach(b, m, -EEXIST);
     m->watcher = watcher;
+    entry_alive(m);
     if (c->cur && b->ops.publish)
         b->ops.publish(b->ops.arg, c->cur, &watcher, 1);
     return 0;
@@ -957,6 +985,40 @@ void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *
 
     if (m && watcher && m->watcher == watcher)
         m->watcher = NULL;
+}
+
+int broker_stream_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                       void *watcher)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m = entry_get(c, id, 0);
+
+    if (!m || !watcher || m->watcher != watcher)
+        return -ENOENT;
+    m->watcher = NULL;
+    m->gone_at = now ? now : 1;
+    /* The deadline moved earlier: the bound must follow. */
+    c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    return 0;
+}
+
+int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                       uint64_t session, const char *peer)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+
+    if (!session || !entry_get(c, id, session))
+        return -ENOENT;
+    if (!peer || strcmp(peer, id) == 0)
+        return -EINVAL;
+    m = entry_get(c, peer, 0);
+    if (!m)
+        return -ENOENT;
+    if (!m->accused_at)
+        m->accused_at = now ? now : 1;
+    c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    return 0;
 }
 
 uint32_t broker_tick(struct broker *b, uint64_t now)

@@ -20,6 +20,10 @@
  *   out (a join and a leave of the same session) forms none.
  * - No epoch forms before start + startup_hold_ms, so that the members
  *   rejoining a restarted broker land in one epoch, not one each.
+ * - A member leaves its epochs by a Leave, by silence past its timeout,
+ *   or, when its watch stream is cut without a Leave (its process died),
+ *   after stream_grace_ms; at once when a peer also reported it lost
+ *   (broker_report_lost). A report alone evicts nobody: any member may lie.
  * - Versions advanced by committed rounds (declare == false) are recorded,
  *   shown in status and used at the next election, but never force one:
  *   members report them at different moments, and electing on that skew
@@ -47,6 +51,11 @@ struct broker_config {
     /* The longest member timeout a join may ask for beyond its cohort's
      * own (BROKER_MEMBER_TIMEOUT_CAP_MS; 0 means that too). */
     uint32_t max_timeout_ms;
+    /* How long a member whose watch stream ended without a Leave (its
+     * connection reset or closed: its process died) stays in, so that a
+     * reconnect of the same session can win (BROKER_STREAM_GRACE_MS).
+     * Silence alone still takes the member timeout. */
+    uint32_t stream_grace_ms;
     bool allow_any_cohort;      /* a join to an unknown cohort creates it */
 };
 
@@ -114,6 +123,10 @@ struct broker_join {
  * own is shorter: a member that asked for 1 ms would make the broker
  * answer a thousand heartbeats a second. */
 #define BROKER_HEARTBEAT_FLOOR_MS 100u
+/* The default stream grace: longer than a member takes to reopen a
+ * watch it closed itself (a reopen after a missed push is one call on a
+ * live channel), far shorter than a member timeout. */
+#define BROKER_STREAM_GRACE_MS 300u
 /* Retired sessions the broker remembers (wire.h's replay rules): a member
  * that left, or was evicted, after a proved join. The oldest is forgotten
  * first when more retire within the time they are kept. */
@@ -188,6 +201,26 @@ int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t 
  * if it is still the member's watcher; no detach callback. */
 void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher);
 
+/* The host's side of `watcher` ended without the broker's doing: the
+ * client's connection was reset or closed, or it cancelled the call. The
+ * broker forgets the watcher (no detach callback) and evicts the member
+ * once stream_grace_ms passes without a sign of life from it (a
+ * heartbeat, a rejoin or a new watch of the same session). Returns 0, or
+ * -ENOENT when `watcher` is not the member's (replaced, or the member is
+ * gone): then nothing changes. */
+int broker_stream_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                       void *watcher);
+/* Member `id` (with `session`, a live member of `cohort`) reports that its
+ * data connection to member `peer` was reset. Evidence, not a verdict,
+ * since any member may lie: a peer reported lost whose own stream is also
+ * gone (broker_stream_lost) is evicted at once instead of after the
+ * grace; a report against a member whose stream is up changes nothing
+ * that member's next sign of life does not undo. Returns 0, -ENOENT (no
+ * such reporter session, or no member `peer`), -EINVAL (peer is the
+ * reporter itself, or NULL). */
+int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                       uint64_t session, const char *peer);
+
 /* Draining takes a member out of the cohort's epochs while it stays
  * connected, so that the others move on without it, at a round boundary,
  * before its pod is deleted (a scale-down). A draining member keeps its
@@ -204,8 +237,9 @@ int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char 
  * drain. -ENOENT for an unknown cohort. */
 int broker_drained(const struct broker *b, const char *cohort, const char *id);
 
-/* Evicts members silent for longer than their timeout, forms and publishes
- * the epochs that are due. Returns the milliseconds until the next thing
+/* Evicts the members that are due (silent past their timeout, or their
+ * stream lost past the grace or with a peer's report: see
+ * broker_stream_lost), forms and publishes the epochs that are due. Returns the milliseconds until the next thing
  * that can fall due (an eviction or a coalescing deadline), capped at 1000,
  * so the host knows how long it may sleep. */
 uint32_t broker_tick(struct broker *b, uint64_t now);

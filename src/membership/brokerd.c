@@ -328,6 +328,25 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
     rpc_reply_ok(r, &rep.base);
 }
 
+/* A heartbeat's lost_peers: at most WIRE_LOST_PEERS_MAX valid member ids.
+ * Otherwise fills `why`. */
+static bool lost_peers_valid(const Cohort__V1__HeartbeatRequest *q, char *why, size_t len)
+{
+    if (q->n_lost_peers > WIRE_LOST_PEERS_MAX) {
+        snprintf(why, len, "a heartbeat reports at most %u lost peers, not %zu",
+                 WIRE_LOST_PEERS_MAX, q->n_lost_peers);
+        return false;
+    }
+    for (size_t i = 0; i < q->n_lost_peers; i++) {
+        if (!ident_valid_member_id(q->lost_peers[i])) {
+            snprintf(why, len, "invalid member id \"%.64s\" among the lost peers",
+                     q->lost_peers[i] ? q->lost_peers[i] : "");
+            return false;
+        }
+    }
+    return true;
+}
+
 static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
 {
     const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
@@ -338,21 +357,37 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
     };
     struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];
-    uint64_t held = 0;
+    uint64_t held = 0, now;
+    size_t reported = 0;
     int rc, proved;
 
     if (!check_common(d, r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
         return;
+    if (!lost_peers_valid(q, why, sizeof(why))) {
+        refuse(d, r, "Heartbeat", q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
+        return;
+    }
     proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
         refuse_auth(d, r, "Heartbeat", q->cohort, q->id, why);
         return;
     }
     pthread_mutex_lock(&d->lock);
+    now = clock_now_ms();
     rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
     if (rc == 0)
-        rc = broker_heartbeat(d->b, clock_now_ms(), q->cohort, q->id, q->session, &beat, &res);
+        rc = broker_heartbeat(d->b, now, q->cohort, q->id, q->session, &beat, &res);
+    /* Evidence only: broker.h says what a report can and cannot do. */
+    for (size_t i = 0; rc == 0 && i < q->n_lost_peers; i++)
+        reported += broker_report_lost(d->b, now, q->cohort, q->id, q->session,
+                                       q->lost_peers[i]) == 0;
+    if (reported)
+        pthread_cond_signal(&d->wake);
     pthread_mutex_unlock(&d->lock);
+    if (reported && log_allowed(d, &held))
+        log_info("broker", "A member reported peers' data connections reset.",
+                 LF_S("cohort", q->cohort), LF_S("id", q->id), LF_S("first", q->lost_peers[0]),
+                 LF_U("peers", q->n_lost_peers), LF_U("held_back", held));
     if (rc == -EALREADY) {
         refuse_auth(d, r, "Heartbeat", q->cohort, q->id, replayed);
         return;
@@ -412,12 +447,26 @@ static void watcher_closed(void *arg, struct rpc_stream *s)
 {
     struct watcher *w = arg;
     struct brokerd *d = w->d;
+    uint64_t held = 0;
+    bool lost = false;
 
     pthread_mutex_lock(&d->lock);
-    if (w->attached)
+    /* Attached and not finished by us: the member's end went away without
+     * a Leave. Most often its process died (the kernel reset or closed its
+     * connection); the state machine gives it a short grace to reconnect. */
+    if (w->attached && rpc_stream_cancelled(s) && !d->stopping)
+        lost = broker_stream_lost(d->b, clock_now_ms(), w->cohort, w->id, w) == 0;
+    else if (w->attached)
         broker_unwatch(d->b, w->cohort, w->id, w);
     w->attached = false;
+    if (lost)
+        pthread_cond_signal(&d->wake);     /* an earlier deadline */
     pthread_mutex_unlock(&d->lock);
+    /* Rate-limited: a member can open and drop proved watches at will. */
+    if (lost && log_allowed(d, &held))
+        log_info("broker", "A member's stream was cut without a Leave; it is out unless it "
+                 "comes back within the grace.", LF_S("cohort", w->cohort), LF_S("id", w->id),
+                 LF_U("held_back", held));
     rpc_stream_unref(w->s);
     free(w);
 }

@@ -37,6 +37,10 @@ struct member {
     uint64_t session;
     uint64_t model_version;
     bool declare_pending;
+    /* Peers whose data connection reset, for the next heartbeat, which
+     * goes out at the next poll (member_report_lost). */
+    char *lost[WIRE_LOST_PEERS_MAX];
+    size_t n_lost;
     uint32_t want_hb_ms, want_to_ms;    /* asked for; 0: the cohort's */
     uint32_t hb_ms, to_ms;              /* granted by the broker */
     uint32_t backoff_max_ms, backoff_ms;
@@ -354,6 +358,13 @@ static void start_join_locked(struct member *m)
     }
 }
 
+static void lost_clear_locked(struct member *m)
+{
+    for (size_t i = 0; i < m->n_lost; i++)
+        free(m->lost[i]);
+    m->n_lost = 0;
+}
+
 static void start_heartbeat_locked(struct member *m, uint64_t now)
 {
     Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
@@ -370,6 +381,8 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
      * received is the one the user runs in: the broker counts on it to
      * know when a drained member may go. */
     q.epoch = m->epoch ? m->epoch->number : 0;
+    q.n_lost_peers = m->n_lost;
+    q.lost_peers = m->lost;
     sign_locked(m, &q.base, &q.proof, &pf, mac);
     m->hb_gen = m->join_gen;
     /* One interval of patience: a stuck call must not delay the next. */
@@ -378,6 +391,9 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
         m->hb_inflight = true;
         m->inflight++;
         m->declare_pending = false;
+        /* Sent once: a report is evidence of a moment, and a lost
+         * heartbeat's is not worth a retry (the timeout still works). */
+        lost_clear_locked(m);
     }
     m->next_hb_at = now + m->hb_ms;
 }
@@ -481,7 +497,7 @@ uint32_t member_poll(struct member *m, uint64_t now)
             open_watch_locked(m, now);
         if (!m->watch)
             wait = until(m->next_watch_at, now, wait);
-        if (!m->hb_inflight && (now >= m->next_hb_at || m->declare_pending))
+        if (!m->hb_inflight && (now >= m->next_hb_at || m->declare_pending || m->n_lost))
             start_heartbeat_locked(m, now);
         wait = until(m->next_hb_at, now, wait);
         break;
@@ -562,6 +578,32 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare)
     if (declare)
         m->declare_pending = true;
     pthread_mutex_unlock(&m->lock);
+}
+
+int member_report_lost(struct member *m, const char *peer)
+{
+    int rc = 0;
+    char *dup;
+
+    if (!ident_valid_member_id(peer) || strcmp(peer, m->id) == 0)
+        return -EINVAL;
+    pthread_mutex_lock(&m->lock);
+    for (size_t i = 0; i < m->n_lost; i++)
+        if (strcmp(m->lost[i], peer) == 0)
+            goto out;
+    if (m->n_lost == WIRE_LOST_PEERS_MAX) {
+        rc = -ENOSPC;
+        goto out;
+    }
+    dup = strdup(peer);
+    if (!dup) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    m->lost[m->n_lost++] = dup;
+out:
+    pthread_mutex_unlock(&m->lock);
+    return rc;
 }
 
 struct epoch *member_epoch(struct member *m)
@@ -646,15 +688,20 @@ int member_leave(struct member *m, uint32_t timeout_ms)
     w = m->watch;
     m->watch = NULL;
     pthread_mutex_unlock(&m->lock);
-    rpc_watch_close(w);
-    if (!joined)
+    if (!joined) {
+        rpc_watch_close(w);
         return 0;
+    }
+    /* The Leave first: the broker ends the watch itself then, where a
+     * watch closed first would look to it like a death for a moment. */
     rc = leave_call(m, timeout_ms, &st);
+    rpc_watch_close(w);
     if (rc == 0) {
         log_emit(info_level(m), "member", "Left the cohort.", LF_S("cohort", m->cohort),
                  LF_S("id", m->id), LOG_END);
     } else {
-        log_warn("member", "The leave did not reach the broker; it will evict this member at the timeout.",
+        log_warn("member", "The leave did not reach the broker; it will evict this member once "
+                 "it sees the stream gone, or at the timeout.",
                  LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("code", rpc_code_name(st.code)));
     }
     return rc;
@@ -682,6 +729,7 @@ void member_destroy(struct member *m)
     free(m->cohort);
     free(m->id);
     free(m->address);
+    lost_clear_locked(m);
     pthread_cond_destroy(&m->idle);
     pthread_mutex_destroy(&m->lock);
     free(m);

@@ -79,6 +79,14 @@ uint32_t member_poll(struct member *m, uint64_t now);
  * leadership; otherwise it rides the next regular heartbeat. */
 void member_set_model_version(struct member *m, uint64_t version, bool declare);
 
+/* Reports that this member's data connection to member `peer` was reset
+ * (copied): evidence that peer died, which the broker weighs
+ * (broker_report_lost). Sent in a heartbeat at the next member_poll(),
+ * once. Returns 0 (queued, or already queued), -EINVAL (an invalid id, or
+ * this member's own), -ENOSPC (WIRE_LOST_PEERS_MAX are queued already),
+ * -ENOMEM. */
+int member_report_lost(struct member *m, const char *peer);
+
 /* The latest epoch received, with a reference for the caller, or NULL. */
 struct epoch *member_epoch(struct member *m);
 /* True while the member has joined and its latest epoch lists it. */

@@ -7,7 +7,8 @@
 
 #include "membership/wire.h"
 
-#define MAX_PARTS 14
+/* Join's 12; Heartbeat's 10, a count and WIRE_LOST_PEERS_MAX ids. */
+#define MAX_PARTS (11 + WIRE_LOST_PEERS_MAX)
 
 uint64_t proof_now_ms(void)
 {
@@ -20,7 +21,7 @@ uint64_t proof_now_ms(void)
 /* The integers of one MAC input, kept apart so that each part can point
  * at its own 8 bytes. */
 struct ints {
-    uint64_t version, session, seq, time_ms, a, b, c, d;
+    uint64_t version, session, seq, time_ms, a, b, c, d, n_lost;
 };
 
 static const char *str(const char *s)
@@ -97,9 +98,19 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         parts[n++] = SECRET_U64(v->c);
         parts[n++] = SECRET_U64(v->d);
     } else if (d == &cohort__v1__heartbeat_request__descriptor) {
+        const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
+
         parts[n++] = SECRET_U64(v->a);
         parts[n++] = SECRET_U64(v->b);
         parts[n++] = SECRET_U64(v->c);
+        if (q->n_lost_peers > WIRE_LOST_PEERS_MAX)
+            return 0;           /* nothing this long is signed or accepted */
+        if (q->n_lost_peers > 0) {
+            v->n_lost = q->n_lost_peers;
+            parts[n++] = SECRET_U64(v->n_lost);
+            for (size_t i = 0; i < q->n_lost_peers; i++)
+                parts[n++] = SECRET_STR(str(q->lost_peers[i]));
+        }
     }
     return n;
 }

@@ -41,7 +41,10 @@
  *   and then the fields that say what the request does:
  *   Join          address, model_version, heartbeat_ms, timeout_ms,
  *                 last_epoch (integers as 8 bytes)
- *   Heartbeat     model_version, declare_version (8 bytes, 0 or 1), epoch
+ *   Heartbeat     model_version, declare_version (8 bytes, 0 or 1), epoch,
+ *                 and, only when it reports any, the number of lost_peers
+ *                 (8 bytes) and each of them (so a heartbeat that reports
+ *                 none is signed as before the field existed)
  *   Leave, Watch, Status: nothing more.
  *
  * Integers are little-endian. So a proof names one method of one member
@@ -69,6 +72,9 @@
  * Status proof can be replayed within its window (a read). TLS keeps
  * proofs from being captured at all.
  */
+/* The most peers one heartbeat may report lost; a heartbeat with more
+ * is INVALID_ARGUMENT. */
+#define WIRE_LOST_PEERS_MAX 16u
 #define WIRE_PROOF_LABEL "cohort/broker/v1"
 #define WIRE_PROOF_SKEW_MS 120000u
 #define WIRE_PROOF_SEQ_WINDOW 64u

@@ -147,6 +147,11 @@ void rpc_stream_finish(struct rpc_stream *s, enum rpc_code code, const char *mes
  * handler, before the stream is shared. */
 typedef void (*rpc_close_fn)(void *arg, struct rpc_stream *s);
 void rpc_stream_on_close(struct rpc_stream *s, rpc_close_fn fn, void *arg);
+/* True once the call is over without the server's status reaching the
+ * client: the client cancelled it, or its connection was reset or closed
+ * (its process died), or the server is going away. False while the call
+ * is open and after the server finished it. Meant for on_close. */
+bool rpc_stream_cancelled(struct rpc_stream *s);
 
 /* ---- client ------------------------------------------------------------ */
 

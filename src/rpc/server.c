@@ -701,6 +701,16 @@ void rpc_stream_finish(struct rpc_stream *st, enum rpc_code code, const char *me
     pthread_mutex_unlock(&st->lock);
 }
 
+bool rpc_stream_cancelled(struct rpc_stream *st)
+{
+    bool c;
+
+    pthread_mutex_lock(&st->lock);
+    c = st->closed && st->cancelled != 0;
+    pthread_mutex_unlock(&st->lock);
+    return c;
+}
+
 void rpc_stream_on_close(struct rpc_stream *st, rpc_close_fn fn, void *arg)
 {
     bool now;

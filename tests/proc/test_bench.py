@@ -2,10 +2,12 @@
 that they work and refuse bad flags, not their figures, which belong to
 the README) against the sanitizer build."""
 import json
+import os
+import sys
 
 import pytest
 
-from cohorttest import DEADLINE, bin_path, run_group
+from cohorttest import DEADLINE, ROOT, bin_dir, bin_path, run_group
 
 
 def cohortctl(*args):
@@ -54,3 +56,14 @@ def test_bench_refuses_bad_flags_before_running(args):
     assert rc == 2, (rc, err)
     assert out == "", "nothing ran, so nothing is reported"
     assert "cohortctl bench" in err
+
+
+def test_bench_failover_times_a_sidecars_death():
+    rc, out, err = run_group([sys.executable, os.path.join(ROOT, "bench", "failover.py"),
+                              "--bin", bin_dir(), "--trials", "1", "--members", "2",
+                              "--kinds", "sidecar", "--json"], 4 * DEADLINE,
+                             what="bench/failover.py")
+    assert rc == 0, err[-4000:]
+    row = json.loads(out.splitlines()[0])
+    assert row["kind"] == "sidecar" and len(row["seconds"]) == 1 and row["seconds"][0] > 0
+    assert "| torchrun's documented detection" in out

@@ -34,7 +34,7 @@ static const char usage[] =
     "           [--heartbeat-ms N] [--timeout-ms N] [--last-epoch N] [--epoch N]\n"
     "           [--secret-file PATH [--seq N] [--time-ms N | --time-offset-ms N]]\n"
     "           [--broker-ca PATH [--broker-server-name NAME]] [--watch-for DUR]\n"
-    "           [--repeat N]\n"
+    "           [--repeat N] [--lost-peer ID]...\n"
     "One raw call to a broker (or N of the same, one after the other, on one\n"
     "connection); prints the outcome of the last as one JSON line, with the\n"
     "count of calls that failed.\n";
@@ -45,6 +45,8 @@ struct args {
     int64_t time_offset_ms;
     uint64_t watch_ms;
     uint64_t repeat;
+    char *lost[32];             /* --lost-peer, for heartbeat (more than the broker takes) */
+    size_t n_lost;
 };
 
 /* A watch: the epochs it got and how it ended. */
@@ -104,7 +106,8 @@ static int outcome(const struct rpc_status *st, const char *extra)
 static int parse(int argc, char **argv, struct args *a)
 {
     enum { O_BROKER = 256, O_COHORT, O_ID, O_SESSION, O_ADDRESS, O_MV, O_HB, O_TO, O_LAST,
-           O_EPOCH, O_SECRET, O_SEQ, O_TIME, O_OFFSET, O_CA, O_SNAME, O_WATCH, O_REPEAT };
+           O_EPOCH, O_SECRET, O_SEQ, O_TIME, O_OFFSET, O_CA, O_SNAME, O_WATCH, O_REPEAT,
+           O_LOST };
     static const struct option longopts[] = {
         { "broker", required_argument, NULL, O_BROKER },
         { "cohort", required_argument, NULL, O_COHORT },
@@ -124,6 +127,7 @@ static int parse(int argc, char **argv, struct args *a)
         { "broker-server-name", required_argument, NULL, O_SNAME },
         { "watch-for", required_argument, NULL, O_WATCH },
         { "repeat", required_argument, NULL, O_REPEAT },
+        { "lost-peer", required_argument, NULL, O_LOST },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -155,6 +159,11 @@ static int parse(int argc, char **argv, struct args *a)
         case O_SEQ: u = &a->seq; break;
         case O_TIME: u = &a->time_ms; break;
         case O_REPEAT: u = &a->repeat; break;
+        case O_LOST:
+            if (a->n_lost == sizeof(a->lost) / sizeof(a->lost[0]))
+                return opt_usage(PROG, "at most 32 --lost-peer");
+            a->lost[a->n_lost++] = optarg;
+            break;
         case O_OFFSET: {
             char *end;
             errno = 0;
@@ -211,6 +220,8 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
         h->session = a->session;
         h->model_version = a->model_version;
         h->epoch = a->epoch;
+        h->n_lost_peers = a->n_lost;
+        h->lost_peers = a->lost;
         *proof = &h->proof;
         return &h->base;
     }

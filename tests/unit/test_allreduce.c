@@ -874,7 +874,16 @@ struct note {
     int32_t round;
     int32_t finished;           /* 0: about to call, 1: returned rc */
     int32_t rc;
+    int32_t lost;               /* the peer its engine reported lost (on_peer_lost), or -1 */
 };
+
+static int32_t child_lost = -1;
+
+/* A child's on_peer_lost: ids are "m-<digit>" here. */
+static void note_child_lost(void *arg, const char *peer)
+{
+    child_lost = peer[2] - '0';
+}
 
 /* A member in its own process: runs rounds of `count` f32 sums until one
  * fails, reporting before and after each call. Never returns. */
@@ -882,7 +891,8 @@ static void child_member(int listen_fd, const char *id, struct epoch *e, size_t 
                          uint32_t timeout_ms, int out)
 {
     struct allreduce_config cfg = { .cohort = COHORT, .member_id = id, .listen_fd = listen_fd,
-                                    .member_timeout_ms = timeout_ms };
+                                    .member_timeout_ms = timeout_ms,
+                                    .on_peer_lost = note_child_lost };
     struct allreduce *ar;
     float *buf;
     int h;
@@ -893,7 +903,7 @@ static void child_member(int listen_fd, const char *id, struct epoch *e, size_t 
         _exit(3);
     h = allreduce_register(ar, buf, count * 4);
     for (int32_t round = 1;; round++) {
-        struct note n = { round, 0, 0 };
+        struct note n = { round, 0, 0, -1 };
 
         for (size_t i = 0; i < count; i++)
             buf[i] = (float)(i % 5);
@@ -901,6 +911,7 @@ static void child_member(int listen_fd, const char *id, struct epoch *e, size_t 
             _exit(4);
         n.rc = allreduce_run(ar, h, count, DTYPE_F32, DTYPE_SUM, 0, (uint64_t)round);
         n.finished = 1;
+        n.lost = child_lost;
         if (n.rc == 0 && buf[count - 1] != 3.0f * (float)((count - 1) % 5))
             n.rc = -EBADMSG;
         if (write(out, &n, sizeof(n)) != sizeof(n) || n.rc != 0)
@@ -923,8 +934,26 @@ static struct note read_note(int fd, int within_ms)
  * sent `sig`. Returns after checking that the survivors failed with an
  * error (`want`, or any error if want is 0) within `within_ms` of the
  * signal. */
+/* The peers an engine reported lost (allreduce_config.on_peer_lost). */
+struct lost_note {
+    pthread_mutex_t lock;
+    char ids[4][24];
+    size_t n;
+};
+
+static void note_lost(void *arg, const char *peer)
+{
+    struct lost_note *l = arg;
+
+    pthread_mutex_lock(&l->lock);
+    if (l->n < 4)
+        snprintf(l->ids[l->n++], sizeof(l->ids[0]), "%s", peer);
+    pthread_mutex_unlock(&l->lock);
+}
+
 static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t within_ms)
 {
+    static struct lost_note lost = { .lock = PTHREAD_MUTEX_INITIALIZER };
     struct cluster c = { .n = 3 };
     struct epoch *e;
     pid_t pids[3] = { 0 };
@@ -932,7 +961,8 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     size_t count = 4u << 20;
     struct peer *me = &c.p[0];
     struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
-                                    .member_timeout_ms = timeout_ms };
+                                    .member_timeout_ms = timeout_ms, .on_peer_lost = note_lost,
+                                    .peer_lost_arg = &lost };
     struct note n;
     uint64_t t_sig;
 
@@ -992,6 +1022,18 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     if (want)
         cr_assert_eq(n.rc, want, "got %s", log_strerror(n.rc));
     cr_assert_lt(clock_now_ms() - t_sig, within_ms);
+    /* A killed m-2's sockets reset under its neighbours: at least one of
+     * m-0 and m-1 sees that itself (the other may hear a BYE first) and
+     * reports m-2, and nobody reports anyone else. A stopped m-2's sockets
+     * stay open, and a timeout is not a death: nobody reports it. */
+    cr_assert_leq(lost.n, 1, "reported %zu peers lost", lost.n);
+    if (lost.n)
+        cr_assert_str_eq(lost.ids[0], "m-2");
+    cr_assert(n.lost == -1 || n.lost == 2, "m-1 reported m-%d lost", n.lost);
+    if (sig == SIGKILL)
+        cr_assert(lost.n == 1 || n.lost == 2, "no survivor reported the killed m-2");
+    else
+        cr_assert(lost.n == 0 && n.lost == -1, "a stopped member was reported lost");
 
     kill(pids[2], SIGKILL);
     for (size_t i = 1; i < 3; i++) {

@@ -600,6 +600,68 @@ Test(brokerd_keys, a_proof_holds_for_its_own_request_only)
     protobuf_c_message_free_unpacked(out, NULL);
 }
 
+/* A heartbeat's lost_peers are bound into its proof (changing, adding or
+ * dropping one after signing is a wrong key), and more than
+ * WIRE_LOST_PEERS_MAX, or an invalid id among them, is INVALID_ARGUMENT;
+ * a heartbeat that reports none is signed as before the field existed. */
+Test(brokerd_keys, a_heartbeats_lost_peers_are_bound_and_checked)
+{
+    Cohort__V1__HeartbeatRequest h = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+    char *peers[WIRE_LOST_PEERS_MAX + 1], *other[] = { "c" }, *bad[] = { "NOT VALID" };
+    uint64_t seq = 2;
+
+    for (size_t i = 0; i <= WIRE_LOST_PEERS_MAX; i++)
+        peers[i] = "b";
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
+    cr_assert_eq(kjoin(&key_a, "demo", "b", 8, 1, 0, &st), 0);
+    h.protocol_version = WIRE_PROTOCOL_VERSION;
+    h.cohort = "demo";
+    h.id = "a";
+    h.session = 7;
+    for (int change = 0; change < 3; change++) {
+        h.lost_peers = peers;
+        h.n_lost_peers = 1;
+        cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+        h.proof = &pf;
+        switch (change) {
+        case 0: h.lost_peers = other; break;
+        case 1: h.n_lost_peers = 2; break;
+        case 2: h.n_lost_peers = 0; break;
+        }
+        assert_refused(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                                &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st),
+                       &st, "wrong key");
+    }
+    /* Signed as sent: accepted, and b, whose stream is up, stays. */
+    h.lost_peers = peers;
+    h.n_lost_peers = 1;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), 0,
+                 "%s", st.message);
+    protobuf_c_message_free_unpacked(out, NULL);
+    cr_assert_eq(held("demo"), 2);
+
+    h.n_lost_peers = WIRE_LOST_PEERS_MAX + 1;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), -EINVAL,
+                 "nothing too long is signed");
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), -EINVAL);
+    cr_assert_eq(st.code, RPC_INVALID_ARGUMENT, "%s", st.message);
+    cr_assert(strstr(st.message, "at most 16 lost peers"), "%s", st.message);
+    h.lost_peers = bad;
+    h.n_lost_peers = 1;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), -EINVAL);
+    cr_assert(strstr(st.message, "among the lost peers"), "%s", st.message);
+    cr_assert_eq(held("demo"), 2);
+}
+
 Test(brokerd_keys, a_replayed_heartbeat_or_leave_is_refused)
 {
     struct rpc_status st;
