@@ -7,7 +7,7 @@
 
 #include "membership/wire.h"
 
-#define MAX_PARTS 14
+#define MAX_PARTS 16
 
 uint64_t proof_now_ms(void)
 {
@@ -20,7 +20,8 @@ uint64_t proof_now_ms(void)
 /* The integers of one MAC input, kept apart so that each part can point
  * at its own 8 bytes. */
 struct ints {
-    uint64_t version, session, seq, time_ms, a, b, c, d;
+    uint64_t version, session, seq, time_ms, a, b, c, d, e, f, g;
+    bool more;                  /* a Heartbeat's optional checkpoint parts */
 };
 
 static const char *str(const char *s)
@@ -61,6 +62,10 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         v->a = q->model_version;
         v->b = q->declare_version ? 1 : 0;
         v->c = q->epoch;
+        v->more = q->checkpoint_version != 0 || q->checkpoint_skipped != NULL;
+        v->e = q->checkpoint_version;
+        v->f = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0;
+        v->g = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0;
     } else if (d == &cohort__v1__leave_request__descriptor) {
         const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
         method = "Leave";
@@ -100,6 +105,11 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         parts[n++] = SECRET_U64(v->a);
         parts[n++] = SECRET_U64(v->b);
         parts[n++] = SECRET_U64(v->c);
+        if (v->more) {
+            parts[n++] = SECRET_U64(v->e);
+            parts[n++] = SECRET_U64(v->f);
+            parts[n++] = SECRET_U64(v->g);
+        }
     }
     return n;
 }
