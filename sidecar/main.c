@@ -73,6 +73,18 @@ static const char usage[] =
     "                            doubling (up to 64 MiB, the ring beyond). The\n"
     "                            first all-reduce of each logs its name. Needs\n"
     "                            --socket\n"
+    "  --checkpoint-dir DIR      keep checkpoints of the cohort's state in DIR\n"
+    "                            (created if missing). On start the newest valid\n"
+    "                            one ahead of --model-version is loaded (invalid\n"
+    "                            ones are renamed NAME.skipped and reported); while\n"
+    "                            this member leads it writes one every\n"
+    "                            --checkpoint-every versions or\n"
+    "                            --checkpoint-interval (one of them is required).\n"
+    "                            Needs --socket\n"
+    "  --checkpoint-every N      a checkpoint every N model versions (1 to 2^63-1)\n"
+    "  --checkpoint-interval DUR a checkpoint at the first commit this long after\n"
+    "                            the last (at least 1s)\n"
+    "  --checkpoint-keep N       checkpoints kept, 1 to 1000 (default 3)\n"
     "  --heartbeat-interval DUR  ask for this heartbeat (default: the cohort's)\n"
     "  --member-timeout DUR      ask for this timeout (default: the cohort's). The\n"
     "                            broker clamps both to the cohort's limits, and\n"
@@ -126,7 +138,7 @@ out:
 static char *ca;
 
 enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY,
-       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG };
+       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG, O_CKDIR, O_CKEVERY, O_CKINT, O_CKKEEP };
 
 /* Signals go to the main thread only, which waits for them: blocked
  * before gRPC starts its threads, so none of those ever receives one.
@@ -159,8 +171,17 @@ struct pinned {
     enum node_algorithm algorithm;
 };
 
+/* --checkpoint-*: dir NULL for none. */
+struct checkpoints {
+    const char *dir;
+    uint64_t every;
+    uint32_t interval_s;
+    unsigned keep;
+};
+
 static int serve_trainer(const struct member_config *mc, bool integrity_mac, const char *socket_path,
-                         const char *host, const struct pinned *pin, const sigset_t *sigs)
+                         const char *host, const struct pinned *pin,
+                         const struct checkpoints *ck, const sigset_t *sigs)
 {
     struct trainerd_config tc = {
         .socket_path = socket_path,
@@ -169,7 +190,9 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
                   .timeout_ms = mc->timeout_ms, .key = mc->key,
                   .integrity_mac = integrity_mac, .tls_ca_pem = mc->tls_ca_pem,
                   .tls_server_name = mc->tls_server_name, .virtual_batch_size = pin->vbs,
-                  .parallel_gradients = pin->parallel, .algorithm = pin->algorithm },
+                  .parallel_gradients = pin->parallel, .algorithm = pin->algorithm,
+                  .checkpoint_dir = ck->dir, .checkpoint_every_versions = ck->every,
+                  .checkpoint_every_s = ck->interval_s, .checkpoint_keep = ck->keep },
     };
     struct trainerd *t;
     int rc, sig;
@@ -184,7 +207,9 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
              LF_S("broker", mc->broker), LF_S("cohort", mc->cohort), LF_S("id", mc->id),
              LF_S("host", host), LF_U("virtual_batch_size", pin->vbs),
              LF_U("parallel_gradients", pin->parallel),
-             LF_S("allreduce", algorithm_names[pin->algorithm]));
+             LF_S("allreduce", algorithm_names[pin->algorithm]),
+             LF_S("checkpoint_dir", ck->dir ? ck->dir : ""), LF_U("checkpoint_every", ck->every),
+             LF_U("checkpoint_interval_s", ck->interval_s));
     while (sigwait(sigs, &sig) != 0)
         ;
     log_info("sidecar", "Stopping; leaving the cohort.", LF_S("signal", strsignal(sig)));
@@ -211,6 +236,10 @@ int main(int argc, char **argv)
         { "virtual-batch-size", required_argument, NULL, O_VBS },
         { "parallel-gradients", required_argument, NULL, O_PARALLEL },
         { "allreduce", required_argument, NULL, O_ALG },
+        { "checkpoint-dir", required_argument, NULL, O_CKDIR },
+        { "checkpoint-every", required_argument, NULL, O_CKEVERY },
+        { "checkpoint-interval", required_argument, NULL, O_CKINT },
+        { "checkpoint-keep", required_argument, NULL, O_CKKEEP },
         { "log-format", required_argument, NULL, O_LOGF },
         { "log-level", required_argument, NULL, O_LOGL },
         { "help", no_argument, NULL, 'h' },
@@ -223,6 +252,8 @@ int main(int argc, char **argv)
     const char *ca_file = getenv("COHORT_BROKER_CA");
     struct secret key;
     struct pinned pin = { 0 };
+    struct checkpoints ck = { 0 };
+    bool ck_set = false;
     bool pinned = false;
     bool integrity_mac = false;
     char host[256], address[IDENT_ADDRESS_MAX + 1];
@@ -280,6 +311,28 @@ int main(int argc, char **argv)
                 return opt_usage(PROG, "bad --allreduce \"%s\": auto, ring or doubling", optarg);
             pinned = pinned || pin.algorithm != NODE_ALGORITHM_AUTO;
             break;
+        case O_CKDIR:
+            if (!*optarg)
+                return opt_usage(PROG, "bad --checkpoint-dir: empty");
+            ck.dir = optarg;
+            break;
+        case O_CKEVERY:
+            if (opt_uint(optarg, 1, INT64_MAX, &ck.every) < 0)
+                return opt_usage(PROG, "bad --checkpoint-every \"%s\" (1 to 2^63-1)", optarg);
+            ck_set = true;
+            break;
+        case O_CKINT:
+            if (opt_duration_ms(optarg, LIMIT_MEMBERSHIP_FLAG_MS, &v) < 0 || v < 1000)
+                return opt_usage(PROG, "bad --checkpoint-interval \"%s\" (1s or more)", optarg);
+            ck.interval_s = (uint32_t)(v / 1000);
+            ck_set = true;
+            break;
+        case O_CKKEEP:
+            if (opt_uint(optarg, 1, 1000, &v) < 0)
+                return opt_usage(PROG, "bad --checkpoint-keep \"%s\" (1 to 1000)", optarg);
+            ck.keep = (unsigned)v;
+            ck_set = true;
+            break;
         case O_SECRET: secret_file = optarg; break;
         case O_CA: ca_file = optarg; break;
         case O_SNAME: mc.tls_server_name = optarg; break;
@@ -312,6 +365,12 @@ int main(int argc, char **argv)
     if (!mc.id || !ident_valid_member_id(mc.id))
         return mc.id ? opt_usage(PROG, "bad --id: letters, digits, '.', '_', '-'")
                      : opt_usage(PROG, "--id is required");
+    if (ck_set && !ck.dir)
+        return opt_usage(PROG, "--checkpoint-every, --checkpoint-interval and --checkpoint-keep "
+                         "need --checkpoint-dir");
+    if (ck.dir && !ck.every && !ck.interval_s)
+        return opt_usage(PROG, "--checkpoint-dir needs --checkpoint-every or "
+                         "--checkpoint-interval");
     if (mc.heartbeat_ms && mc.timeout_ms && mc.timeout_ms <= mc.heartbeat_ms)
         return opt_usage(PROG, "--member-timeout must be longer than --heartbeat-interval");
 
@@ -357,15 +416,15 @@ int main(int argc, char **argv)
                              "interfaces");
         if (start_process(&sigs) < 0)
             return 1;
-        rc = serve_trainer(&mc, integrity_mac, socket_path, host, &pin, &sigs);
+        rc = serve_trainer(&mc, integrity_mac, socket_path, host, &pin, &ck, &sigs);
         rpc_shutdown();
         rpc_pem_free(ca);
         return rc;
     }
     /* Without a trainer there is no accumulator and no data plane. */
-    if (pinned)
-        return opt_usage(PROG, "--virtual-batch-size, --parallel-gradients and --allreduce "
-                         "need --socket");
+    if (pinned || ck.dir)
+        return opt_usage(PROG, "--virtual-batch-size, --parallel-gradients, --allreduce and "
+                         "--checkpoint-dir need --socket");
     fd = bind_data(listen_addr, host, sizeof(host), &port);
     if (fd < 0)
         return opt_usage(PROG, "cannot listen on --data-listen \"%s\"", listen_addr);

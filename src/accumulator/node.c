@@ -67,6 +67,7 @@
 #include "base/limits.h"
 #include "base/log.h"
 #include "membership/member.h"
+#include "accumulator/ckpt.h"
 #include "accumulator/tally.h"
 
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
@@ -146,12 +147,21 @@ struct node {
     bool drop_grads;            /* zero the gradients at the trainer's next call */
     uint64_t failed_at;         /* a step failed with no new epoch yet; 0: none */
     struct node_view stats;     /* counters kept in the view's shape */
+    /* Checkpoints: the writer (NULL without a directory), whether one is
+     * due and waits for the trainer's set_state, whether set_state is
+     * copying the parameters (a sync must not write them meanwhile), and
+     * when the last was taken. */
+    struct ckpt_writer *ckpt;
+    bool ckpt_wanted, ckpt_copying;
+    uint64_t ckpt_last_version, ckpt_last_ms;
+    struct node_checkpoints ckpt_info;
     struct node_view last_view; /* as last published */
     bool published;
 };
 
 static void view_locked(const struct node *n, struct node_view *v);
 static void publish_locked(struct node *n);
+static void checkpoint_due_locked(struct node *n);
 
 /* Wakes the node's threads and republishes the view: the state changed. */
 static void changed_locked(struct node *n)
@@ -194,6 +204,28 @@ static void on_epoch(void *arg, struct epoch *e)
     pthread_mutex_unlock(&n->lock);
 }
 
+/* The checkpoint this member last wrote or resumed from, and the newest
+ * it found invalid, ride its heartbeats: the operator shows the one and
+ * reports the other. Lock held. */
+static void report_checkpoints_locked(struct node *n)
+{
+    struct ckpt_writer_stats ws;
+    struct node_checkpoints *c = &n->ckpt_info;
+
+    if (!n->ckpt)
+        return;
+    ckpt_writer_stats(n->ckpt, &ws);
+    c->written_version = ws.last_version;
+    c->written = ws.written;
+    c->failed = ws.failed;
+    c->last_bytes = ws.last_bytes;
+    c->last_us = ws.last_us;
+    member_set_checkpoint(n->member,
+                          c->written_version > c->loaded_version ? c->written_version
+                                                                 : c->loaded_version,
+                          c->skipped_version, c->skipped_reason);
+}
+
 /* Membership runs on a thread of its own: heartbeats must go on while
  * the node thread waits in an all-reduce, or a slow step would get this
  * member evicted. It joins only once tensors are registered: a member in
@@ -208,6 +240,7 @@ static void *member_main(void *arg)
         struct timespec ts;
 
         if (n->registered) {
+            report_checkpoints_locked(n);
             pthread_mutex_unlock(&n->lock);
             wait = member_poll(n->member, clock_now_ms());
             pthread_mutex_lock(&n->lock);
@@ -266,6 +299,8 @@ static void set_leader_locked(struct node *n, size_t index)
 
     snprintf(n->leader_id, sizeof(n->leader_id), "%s", id);
     n->leader = (long)index == n->my_index;
+    if (!n->leader)
+        n->ckpt_wanted = false;     /* only a leader checkpoints */
 }
 
 /* Broadcasts `bytes` from the leader's `buf`. Receivers get them in their
@@ -367,9 +402,13 @@ static int sync_epoch(struct node *n)
     } else {
         n->small[0] = 0;
         n->small[1] = 0;
-        /* A cut-short transfer leaves no valid parameters behind. */
+        /* A cut-short transfer leaves no valid parameters behind. The
+         * parameters are overwritten only once a checkpoint taken while
+         * this member led has copied them. */
         if (need)
             n->has_state = false;
+        while (need && n->ckpt_copying)
+            pthread_cond_wait(&n->cond, &n->lock);
     }
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
@@ -643,6 +682,8 @@ static int run_step(struct node *n)
             return rc;
     }
     pthread_mutex_lock(&n->lock);
+    while (sync_buffers && !n->leader && n->ckpt_copying)
+        pthread_cond_wait(&n->cond, &n->lock);
     if (sync_buffers && !n->leader)
         memcpy(n->t.buffers, n->buf_scratch, n->t.buffers_bytes);
     if (grads == 0)     /* everyone skipped: a zero step */
@@ -662,9 +703,25 @@ static int run_step(struct node *n)
     n->stats.num_gradients = grads;
     n->stats.num_skipped = skips;
     n->stats.rounds_committed++;
+    checkpoint_due_locked(n);
     changed_locked(n);
     pthread_mutex_unlock(&n->lock);
     return 0;
+}
+
+/* After a commit: the leader asks its trainer for its state (the view's
+ * wants_state, once the result is applied) when a checkpoint is due and
+ * the writer is free. A write still in progress postpones the next one to
+ * a later commit: one copy of the state at most is ever held. */
+static void checkpoint_due_locked(struct node *n)
+{
+    uint64_t every = n->cfg.checkpoint_every_versions, secs = n->cfg.checkpoint_every_s;
+
+    if (!n->ckpt || !n->leader || n->ckpt_wanted || ckpt_writer_busy(n->ckpt))
+        return;
+    if ((every && n->version >= n->ckpt_last_version + every) ||
+        (secs && clock_now_ms() - n->ckpt_last_ms >= secs * 1000))
+        n->ckpt_wanted = true;
 }
 
 /* A step failed and no new epoch explains it (a peer timed out, members
@@ -770,7 +827,9 @@ int node_start(const struct node_config *cfg, struct node **out)
 
     if (!cfg || !cfg->broker || !ident_valid_cohort(cfg->cohort) ||
         !ident_valid_member_id(cfg->id) || !cfg->host || cfg->parallel_gradients > PARALLEL_MAX ||
-        cfg->algorithm > NODE_ALGORITHM_DOUBLING)
+        cfg->algorithm > NODE_ALGORITHM_DOUBLING ||
+        (cfg->checkpoint_dir && (!*cfg->checkpoint_dir || cfg->checkpoint_keep > CKPT_KEEP_MAX ||
+                                 (!cfg->checkpoint_every_versions && !cfg->checkpoint_every_s))))
         return -EINVAL;
     n = calloc(1, sizeof(*n));
     if (!n)
@@ -883,6 +942,7 @@ void node_stop(struct node *n)
     }
     pthread_mutex_unlock(&n->lock);
     pthread_join(n->thread, NULL);
+    ckpt_writer_destroy(n->ckpt);   /* a checkpoint being written is finished */
     member_destroy(n->member);
     allreduce_destroy(n->ar);
     if (n->own_fd)
@@ -903,6 +963,57 @@ void node_stop(struct node *n)
     pthread_cond_destroy(&n->member_cond);
     pthread_mutex_destroy(&n->lock);
     free(n);
+}
+
+/* At registration, before the member joins: resume from the newest
+ * valid checkpoint ahead of this node's version, and start the writer.
+ * Loading in every member that starts costs each a read of the state, but
+ * no member has to know whether the cohort has a live member: the
+ * election takes the highest version, so a checkpoint older than the
+ * cohort's state is only replaced by the leader's, and one ahead of it
+ * (a cohort with no live member) leads. Lock held. */
+static int open_checkpoints_locked(struct node *n)
+{
+    const struct node_config *c = &n->cfg;
+    struct ckpt_layout l = { .cohort = n->cohort, .params_bytes = n->t.params_bytes,
+                             .buffers_bytes = n->t.buffers_bytes };
+    struct ckpt_loaded got;
+    int rc;
+
+    rc = ckpt_load(c->checkpoint_dir, &l, n->version, n->t.params, n->t.buffers, &got);
+    if (got.n_skipped > 0) {
+        n->ckpt_info.skipped_version = got.skipped[0].version;
+        n->ckpt_info.skipped_reason = got.skipped[0].reason;
+    }
+    if (rc == 0) {
+        log_info("node", "Resumed from a checkpoint.", LF_S("cohort", n->cohort), LF_S("id", n->id),
+                 LF_S("dir", c->checkpoint_dir), LF_U("version", got.version),
+                 LF_U("bytes", got.bytes), LF_U("skipped", got.n_skipped));
+        n->version = got.version;
+        n->has_state = true;
+        free(n->state_in);
+        n->state_in = got.state;
+        n->state_in_len = got.state_len;
+        n->has_new_state = true;
+        n->ckpt_info.loaded_version = got.version;
+        member_set_model_version(n->member, got.version, true);
+    } else if (rc != -ENOENT) {
+        log_error("node", "Could not read the checkpoints.", LF_S("cohort", n->cohort),
+                  LF_S("id", n->id), LF_S("dir", c->checkpoint_dir), LF_ERR(rc));
+        return rc;
+    }
+    rc = ckpt_writer_create(c->checkpoint_dir, &l, c->checkpoint_keep ? c->checkpoint_keep : 3,
+                            &n->ckpt);
+    if (rc < 0) {
+        log_error("node", "Could not open the checkpoint directory.", LF_S("cohort", n->cohort),
+                  LF_S("id", n->id), LF_S("dir", c->checkpoint_dir), LF_ERR(rc));
+        return rc;
+    }
+    n->ckpt_last_version = ckpt_newest_version(c->checkpoint_dir);
+    if (n->ckpt_last_version < n->version)
+        n->ckpt_last_version = n->version;
+    n->ckpt_last_ms = clock_now_ms();
+    return 0;
 }
 
 int node_register(struct node *n, const struct node_tensors *t)
@@ -952,6 +1063,8 @@ int node_register(struct node *n, const struct node_tensors *t)
             goto out;
         }
     }
+    if (n->cfg.checkpoint_dir && (rc = open_checkpoints_locked(n)) < 0)
+        goto out;
     n->registered = true;
     pthread_cond_broadcast(&n->member_cond);   /* it joins now */
     changed_locked(n);
@@ -980,7 +1093,8 @@ static void view_locked(const struct node *n, struct node_view *v)
      * trainer must still apply a committed result and, as leader, answer
      * wants_state, or the sync would wait on it forever. */
     v->connected = n->has_state;
-    v->wants_state = n->leader && n->wants_state && !n->state_out_ready;
+    v->wants_state = n->leader && ((n->wants_state && !n->state_out_ready) ||
+                                   (n->ckpt_wanted && !n->has_gradients));
     v->has_new_state = n->has_new_state;
     if (n->parallel == 1)
         v->wants_after_consume = n->phase == PH_RUN && !n->contributed;
@@ -1116,8 +1230,45 @@ int node_consume(struct node *n, uint64_t round)
     return rc;
 }
 
+/* The checkpoint's copy is taken here, on the trainer's call, because
+ * only now are the parameters known to be those of the model version: the
+ * trainer applied the last result (no result is held) and waits for this
+ * call to return before it changes them again. */
+static void take_checkpoint(struct node *n, const void *state, size_t len)
+{
+    struct ckpt_parts p = { .params = n->t.params, .buffers = n->t.buffers,
+                            .state = state, .state_len = len };
+    int rc;
+
+    pthread_mutex_lock(&n->lock);
+    if (!n->leader || !n->ckpt_wanted || n->has_gradients || n->ckpt_copying) {
+        pthread_mutex_unlock(&n->lock);
+        return;
+    }
+    n->ckpt_wanted = false;
+    n->ckpt_copying = true;
+    p.version = n->version;
+    pthread_mutex_unlock(&n->lock);
+
+    rc = ckpt_writer_submit(n->ckpt, &p);
+
+    pthread_mutex_lock(&n->lock);
+    n->ckpt_copying = false;
+    if (rc == 0) {
+        n->ckpt_last_version = p.version;
+        n->ckpt_last_ms = clock_now_ms();
+    } else {
+        log_warn("node", "A checkpoint could not be taken; the next commit tries again.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("version", p.version),
+                 LF_ERR(rc));
+    }
+    changed_locked(n);
+    pthread_mutex_unlock(&n->lock);
+}
+
 int node_set_state(struct node *n, const void *state, size_t len)
 {
+    bool for_sync, for_ckpt;
     void *copy;
     int rc = 0;
 
@@ -1128,18 +1279,30 @@ int node_set_state(struct node *n, const void *state, size_t len)
         return -ENOMEM;
     memcpy(copy, state, len);
     pthread_mutex_lock(&n->lock);
-    if (!n->leader || !n->wants_state || n->state_out_ready) {
-        rc = -EPERM;
-        free(copy);
-    } else {
+    for_sync = n->leader && n->wants_state && !n->state_out_ready;
+    for_ckpt = n->leader && n->ckpt_wanted && !n->has_gradients;
+    if (for_sync) {
         free(n->state_out);
         n->state_out = copy;
         n->state_out_len = len;
         n->state_out_ready = true;
         changed_locked(n);
+    } else {
+        free(copy);
+        rc = for_ckpt ? 0 : -EPERM;
     }
     pthread_mutex_unlock(&n->lock);
+    if (for_ckpt)
+        take_checkpoint(n, state, len);
     return rc;
+}
+
+void node_checkpoints(struct node *n, struct node_checkpoints *out)
+{
+    pthread_mutex_lock(&n->lock);
+    report_checkpoints_locked(n);
+    *out = n->ckpt_info;
+    pthread_mutex_unlock(&n->lock);
 }
 
 int node_take_state(struct node *n, void **state, size_t *len)

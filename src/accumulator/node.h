@@ -80,6 +80,16 @@ struct node_config {
     uint64_t virtual_batch_size;
     unsigned parallel_gradients;    /* 0, or 1 to NODE_PARALLEL_MAX */
     enum node_algorithm algorithm;  /* the engine's all-reduce algorithm */
+    /* Checkpoints (ckpt.h; a TrainingCohort's spec.checkpoint). With a
+     * directory, the node loads the newest valid checkpoint there when the
+     * trainer registers (if it is ahead of the version the node starts
+     * with), and while it leads it writes one every checkpoint_every_versions
+     * commits or checkpoint_every_s seconds (0: not by that measure; at
+     * least one must be set), keeping checkpoint_keep (0: 3). NULL: none. */
+    const char *checkpoint_dir;
+    uint64_t checkpoint_every_versions;
+    uint32_t checkpoint_every_s;
+    unsigned checkpoint_keep;
     /* Called with the node's lock held whenever the view may have
      * changed, from any of its threads: copy it and return; never call
      * into the node. May be NULL. */
@@ -112,7 +122,12 @@ int node_start(const struct node_config *cfg, struct node **out);
 void node_stop(struct node *n);
 
 /* Registers the tensors (once; -EBUSY after). The gradient buffer is
- * zeroed. Returns 0, -EINVAL (alignment, sizes), -ENOMEM. */
+ * zeroed. With a checkpoint directory, the newest valid checkpoint above
+ * the node's model version is loaded into the parameters and buffers, its
+ * version becomes the node's and its opaque state is the trainer's to take
+ * (has_new_state), before the member joins. Returns 0, -EINVAL
+ * (alignment, sizes), -ENOMEM, -EIO (a checkpoint changed while it was
+ * read: the parameters hold no valid model). */
 int node_register(struct node *n, const struct node_tensors *t);
 
 /* What the trainer sees; a snapshot taken under the node's lock. */
@@ -152,7 +167,10 @@ int node_contribute(struct node *n, uint64_t batch_size);
 int node_consume(struct node *n, uint64_t round);
 
 /* Leader: the trainer's opaque state, copied, sent with the parameters
- * and buffers to every member waiting for it. Returns 0, -EPERM (not
+ * and buffers to every member waiting for it, and written with them into
+ * a checkpoint when one is due (the view asks for the state then too; the
+ * parameters are copied during this call, while the trainer waits, so
+ * they are those of the view's model version). Returns 0, -EPERM (not
  * leader or not wanted), -E2BIG (over 1 GiB), -ENOMEM. */
 int node_set_state(struct node *n, const void *state, size_t len);
 /* Takes the received opaque state (the caller frees *state); clears
@@ -170,6 +188,17 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size);
  * virtual batch size), or -EBUSY while contributions are outstanding:
  * change it between rounds. */
 int node_set_parallel_gradients(struct node *n, unsigned count);
+
+/* What this node knows of checkpoints, for its member's reports. */
+struct node_checkpoints {
+    uint64_t loaded_version;    /* the checkpoint it resumed from (0: none) */
+    uint64_t written_version;   /* the newest it wrote (0: none) */
+    uint64_t written, failed;   /* writes */
+    uint64_t last_bytes, last_us;
+    uint64_t skipped_version;   /* the newest checkpoint it found invalid (0: none) */
+    unsigned skipped_reason;    /* enum ckpt_reason */
+};
+void node_checkpoints(struct node *n, struct node_checkpoints *out);
 
 /* The data-plane address this node advertises. */
 const char *node_address(const struct node *n);

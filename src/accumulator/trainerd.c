@@ -30,7 +30,7 @@
 struct trainerd {
     char *path;
     struct node_config ncfg;
-    char *broker, *cohort, *id, *host;
+    char *broker, *cohort, *id, *host, *checkpoint_dir;
     int lfd;
     pthread_t thread;
     atomic_bool stop;
@@ -409,6 +409,7 @@ static void free_trainerd(struct trainerd *t)
     free(t->cohort);
     free(t->id);
     free(t->host);
+    free(t->checkpoint_dir);
     free(t);
 }
 
@@ -432,7 +433,9 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
     t->cohort = strdup(cfg->node.cohort);
     t->id = strdup(cfg->node.id);
     t->host = strdup(cfg->node.host);
-    if (!t->path || !t->broker || !t->cohort || !t->id || !t->host) {
+    t->checkpoint_dir = cfg->node.checkpoint_dir ? strdup(cfg->node.checkpoint_dir) : NULL;
+    if (!t->path || !t->broker || !t->cohort || !t->id || !t->host ||
+        (cfg->node.checkpoint_dir && !t->checkpoint_dir)) {
         rc = -ENOMEM;
         goto err;
     }
@@ -441,6 +444,7 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
     t->ncfg.cohort = t->cohort;
     t->ncfg.id = t->id;
     t->ncfg.host = t->host;
+    t->ncfg.checkpoint_dir = t->checkpoint_dir;
     memcpy(sa.sun_path, t->path, strlen(t->path) + 1);
     t->lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (t->lfd < 0) {

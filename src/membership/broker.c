@@ -49,6 +49,7 @@ struct entry {
     uint32_t timeout_ms;
     uint64_t adopted;           /* the epoch it last said it runs in */
     bool draining;              /* left out of epochs (broker_drain) */
+    struct broker_checkpoint ckpt;  /* as last reported */
     void *watcher;              /* borrowed from the host; NULL if none */
     /* When its watch stream ended without a Leave (the host saw the
      * connection reset or closed: its process died), 0 while it has one
@@ -862,6 +863,7 @@ int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const c
     m->last_seen = max_u64(m->last_seen, now);
     entry_alive(m);
     m->model_version = beat->model_version;
+    m->ckpt = beat->ckpt;
     /* No member runs in an epoch that was never published. */
     m->adopted = max_u64(m->adopted, min_u64(beat->adopted, c->cur ? c->cur->number : 0));
     /* Only a declare may move the leader. Already pending or already
@@ -1052,6 +1054,7 @@ static void cohort_status_cleanup(struct broker_cohort_status *cs)
     }
     free(cs->members);
     free(cs->draining);
+    free(cs->checkpoints);
     free(cs->leader);
     free(cs->name);
 }
@@ -1072,13 +1075,15 @@ static int cohort_status_fill(const struct cohort *c, struct broker_cohort_statu
     cs->timeout_ms = c->timeout_ms;
     cs->members = calloc(c->n_members ? c->n_members : 1, sizeof *cs->members);
     cs->draining = calloc(c->n_members ? c->n_members : 1, sizeof *cs->draining);
-    if (!cs->members || !cs->draining)
+    cs->checkpoints = calloc(c->n_members ? c->n_members : 1, sizeof *cs->checkpoints);
+    if (!cs->members || !cs->draining || !cs->checkpoints)
         return -ENOMEM;
     for (size_t i = 0; i < c->n_members; i++) {
         const struct entry *m = c->members[i];
 
         cs->n_members++;
         cs->draining[i] = m->draining;
+        cs->checkpoints[i] = m->ckpt;
         cs->members[i].model_version = m->model_version;
         cs->members[i].id = strdup(m->id);
         cs->members[i].address = strdup(m->address);

@@ -159,10 +159,19 @@ struct broker_join_result {
 int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
                 struct broker_join_result *res);
 
+/* What a member reports of checkpoints (HeartbeatRequest): kept as it
+ * said, for the operator; the broker decides nothing from it. */
+struct broker_checkpoint {
+    uint64_t version;           /* newest written or resumed from; 0: none */
+    uint64_t skipped_version;   /* newest found invalid; 0: none */
+    uint32_t skipped_reason;    /* ckpt.h's enum ckpt_reason, as reported */
+};
+
 struct broker_beat {
     uint64_t model_version;
     bool declare;               /* the trainer set this version (see the rules) */
     uint64_t adopted;           /* the epoch the member runs in; 0 if none */
+    struct broker_checkpoint ckpt;  /* what it reports of checkpoints */
 };
 
 struct broker_beat_result {
@@ -253,6 +262,7 @@ struct broker_cohort_status {
     size_t n_members;
     struct epoch_member *members;   /* current members in member order, latest versions */
     bool *draining;                 /* n_members flags: asked to drain */
+    struct broker_checkpoint *checkpoints;  /* n_members: as last reported */
 };
 
 struct broker_status {

@@ -354,6 +354,9 @@ static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_repl
     struct brokerd *d = arg;
     struct broker_beat beat = {
         .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
+        .ckpt = { .version = q->checkpoint_version,
+                  .skipped_version = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0,
+                  .skipped_reason = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0 },
     };
     struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];

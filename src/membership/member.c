@@ -41,6 +41,8 @@ struct member {
      * goes out at the next poll (member_report_lost). */
     char *lost[WIRE_LOST_PEERS_MAX];
     size_t n_lost;
+    uint64_t ckpt_version, ckpt_skipped_version;    /* reported in heartbeats */
+    uint32_t ckpt_skipped_reason;
     uint32_t want_hb_ms, want_to_ms;    /* asked for; 0: the cohort's */
     uint32_t hb_ms, to_ms;              /* granted by the broker */
     uint32_t backoff_max_ms, backoff_ms;
@@ -368,6 +370,7 @@ static void lost_clear_locked(struct member *m)
 static void start_heartbeat_locked(struct member *m, uint64_t now)
 {
     Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
 
@@ -383,6 +386,12 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
     q.epoch = m->epoch ? m->epoch->number : 0;
     q.n_lost_peers = m->n_lost;
     q.lost_peers = m->lost;
+    q.checkpoint_version = m->ckpt_version;
+    if (m->ckpt_skipped_version) {
+        skip.version = m->ckpt_skipped_version;
+        skip.reason = m->ckpt_skipped_reason;
+        q.checkpoint_skipped = &skip;
+    }
     sign_locked(m, &q.base, &q.proof, &pf, mac);
     m->hb_gen = m->join_gen;
     /* One interval of patience: a stuck call must not delay the next. */
@@ -604,6 +613,16 @@ int member_report_lost(struct member *m, const char *peer)
 out:
     pthread_mutex_unlock(&m->lock);
     return rc;
+}
+
+void member_set_checkpoint(struct member *m, uint64_t version, uint64_t skipped_version,
+                           unsigned skipped_reason)
+{
+    pthread_mutex_lock(&m->lock);
+    m->ckpt_version = version;
+    m->ckpt_skipped_version = skipped_version;
+    m->ckpt_skipped_reason = skipped_version ? skipped_reason : 0;
+    pthread_mutex_unlock(&m->lock);
 }
 
 struct epoch *member_epoch(struct member *m)

@@ -87,6 +87,12 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare);
  * -ENOMEM. */
 int member_report_lost(struct member *m, const char *peer);
 
+/* Records what the member's heartbeats report of checkpoints (the
+ * newest written or resumed from; the newest skipped as invalid and why;
+ * 0 for none): they ride the next heartbeat. */
+void member_set_checkpoint(struct member *m, uint64_t version, uint64_t skipped_version,
+                           unsigned skipped_reason);
+
 /* The latest epoch received, with a reference for the caller, or NULL. */
 struct epoch *member_epoch(struct member *m);
 /* True while the member has joined and its latest epoch lists it. */

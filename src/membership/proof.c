@@ -7,8 +7,9 @@
 
 #include "membership/wire.h"
 
-/* Join's 12; Heartbeat's 10, a count and WIRE_LOST_PEERS_MAX ids. */
-#define MAX_PARTS (11 + WIRE_LOST_PEERS_MAX)
+/* Join's 12; Heartbeat's 10, 3 for checkpoints, a count and
+ * WIRE_LOST_PEERS_MAX ids. */
+#define MAX_PARTS (14 + WIRE_LOST_PEERS_MAX)
 
 uint64_t proof_now_ms(void)
 {
@@ -21,7 +22,8 @@ uint64_t proof_now_ms(void)
 /* The integers of one MAC input, kept apart so that each part can point
  * at its own 8 bytes. */
 struct ints {
-    uint64_t version, session, seq, time_ms, a, b, c, d, n_lost;
+    uint64_t version, session, seq, time_ms, a, b, c, d, e, f, g, n_lost;
+    bool more;                  /* a Heartbeat's optional checkpoint parts */
 };
 
 static const char *str(const char *s)
@@ -62,6 +64,10 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         v->a = q->model_version;
         v->b = q->declare_version ? 1 : 0;
         v->c = q->epoch;
+        v->more = q->checkpoint_version != 0 || q->checkpoint_skipped != NULL;
+        v->e = q->checkpoint_version;
+        v->f = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0;
+        v->g = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0;
     } else if (d == &cohort__v1__leave_request__descriptor) {
         const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
         method = "Leave";
@@ -103,6 +109,11 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         parts[n++] = SECRET_U64(v->a);
         parts[n++] = SECRET_U64(v->b);
         parts[n++] = SECRET_U64(v->c);
+        if (v->more) {
+            parts[n++] = SECRET_U64(v->e);
+            parts[n++] = SECRET_U64(v->f);
+            parts[n++] = SECRET_U64(v->g);
+        }
         if (q->n_lost_peers > WIRE_LOST_PEERS_MAX)
             return 0;           /* nothing this long is signed or accepted */
         if (q->n_lost_peers > 0) {

@@ -42,6 +42,12 @@
  *   Join          address, model_version, heartbeat_ms, timeout_ms,
  *                 last_epoch (integers as 8 bytes)
  *   Heartbeat     model_version, declare_version (8 bytes, 0 or 1), epoch,
+ *                 and, only when checkpoint_version is not 0 or
+ *                 checkpoint_skipped is present: checkpoint_version,
+ *                 checkpoint_skipped's version and reason (0 when absent).
+ *                 A member that reports no checkpoint signs what a member
+ *                 before checkpoints signed, so both speak version 1;
+ *                 stripping the fields breaks the proof, as any change does;
  *                 and, only when it reports any, the number of lost_peers
  *                 (8 bytes) and each of them (so a heartbeat that reports
  *                 none is signed as before the field existed)

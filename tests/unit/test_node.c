@@ -12,7 +12,9 @@
 
 #include "base/clock.h"
 #include "fixture.h"
+#include "accumulator/ckpt.h"
 #include "accumulator/node.h"
+#include "membership/broker.h"
 #include "membership/brokerd.h"
 
 #define P 1031                  /* parameters: a prime, not a multiple of anything */
@@ -20,6 +22,10 @@
 
 static struct brokerd *d;
 static char broker[64];
+/* Trainers started while this is set keep checkpoints there, every
+ * CKPT_EVERY versions. */
+static const char *ckpt_dir;
+#define CKPT_EVERY 5
 
 /* The fixture's broker with a startup hold: the trainers a test starts
  * together join within it and land in one first epoch, instead of the
@@ -49,6 +55,8 @@ struct trainer {
     _Alignas(64) double buffers[2];
     uint64_t target;                    /* stop at this model version */
     uint32_t together;                  /* members to wait for before training */
+    uint64_t pause_at;                  /* from this version (0: never), contribute */
+    uint32_t pause_until;               /* only in epochs of this many members */
     bool started;                       /* an epoch had them: contributing */
     atomic_bool quit;
     pthread_t t;
@@ -56,6 +64,9 @@ struct trainer {
     uint64_t applied;                   /* results applied */
     uint64_t sum_check_failures;
     uint64_t states;
+    char last_state[64];                /* the opaque state last received */
+    uint64_t highest;                   /* the highest model version seen */
+    bool went_back;                     /* a later view had a lower one */
 };
 
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
@@ -74,6 +85,10 @@ static void *trainer_main(void *arg)
 
     while (!atomic_load(&tr->quit)) {
         node_view(tr->n, &v);
+        if (v.model_version < tr->highest)
+            tr->went_back = true;
+        if (v.model_version > tr->highest)
+            tr->highest = v.model_version;
         if (v.model_version >= tr->target && !v.has_gradients)
             break;
         if (!v.connected) {
@@ -90,6 +105,7 @@ static void *trainer_main(void *arg)
             size_t len;
             if (node_take_state(tr->n, &s, &len) == 0) {
                 tr->states++;
+                snprintf(tr->last_state, sizeof(tr->last_state), "%.*s", (int)len, (char *)s);
                 free(s);
             }
         }
@@ -114,7 +130,8 @@ static void *trainer_main(void *arg)
             memset(tr->grads, 0, sizeof(tr->grads));
             if (node_consume(tr->n, v.rounds_committed) < 0)
                 tr->sum_check_failures++;
-        } else if (v.wants_gradients && (tr->started || v.size >= tr->together)) {
+        } else if (v.wants_gradients && (tr->started || v.size >= tr->together) &&
+                   !(tr->pause_at && v.model_version >= tr->pause_at && v.size < tr->pause_until)) {
             tr->started = true;
             for (int i = 0; i < P; i++)
                 tr->grads[i] += (float)(tr->index + 1);
@@ -132,7 +149,9 @@ static void *trainer_main(void *arg)
 static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32_t together)
 {
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
-                             .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5 };
+                             .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5,
+                             .checkpoint_dir = ckpt_dir,
+                             .checkpoint_every_versions = ckpt_dir ? CKPT_EVERY : 0 };
     struct node_tensors t;
     char id[16];
 
@@ -309,4 +328,184 @@ Test(node, misuse_is_refused)
     node_stop(n);
     c.id = "bad id";
     cr_assert_eq(node_start(&c, &n), -EINVAL);
+}
+
+/* ---- checkpoints ---------------------------------------------------------- */
+
+/* A temporary checkpoint directory for one test; ckpt_dir points at it. */
+static char ckdir[] = "/tmp/cohort-node-ckpt-XXXXXX";
+
+static void ckpt_dir_make(void)
+{
+    cr_assert_not_null(mkdtemp(ckdir));
+    ckpt_dir = ckdir;
+}
+
+static void ckpt_dir_remove(void)
+{
+    char cmd[128];
+
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", ckdir);
+    cr_assert_eq(system(cmd), 0);
+    ckpt_dir = NULL;
+}
+
+/* The parameters trainer_main gives after `rounds` rounds whose results
+ * are all `mean`, from `from` (the same float operations, so the same
+ * bytes). */
+static void params_after(float *p, const float *from, int rounds, float mean)
+{
+    memcpy(p, from, sizeof(float) * (P + 1));
+    for (int r = 0; r < rounds; r++)
+        for (int i = 0; i < P; i++)
+            p[i] -= 0.01f * mean;
+}
+
+static bool newest_is_20(void *unused)
+{
+    return ckpt_newest_version(ckdir) >= 20;
+}
+
+Test(node, a_cohort_with_no_live_member_resumes_from_its_newest_checkpoint)
+{
+    static struct trainer trs[2], again[2];
+    static float init[P + 1], at_ck[P + 1], after[P + 1];
+    struct node_checkpoints ck;
+    struct node_view v;
+    uint64_t newest;
+    char want_state[64];
+
+    ckpt_dir_make();
+    trainers_start(trs, 2, 28, 2);      /* results are the mean of 1 and 2 */
+    trainers_join(trs, 2);
+    cr_assert(fixture_wait_until(newest_is_20, NULL, 60000), "no checkpoint at version 20");
+    node_checkpoints(trs[0].n, &ck);
+    cr_assert_geq(ck.written, 1, "w-0 led and wrote nothing");
+    trainers_stop(trs, 2);              /* every member gone; writes finished */
+    newest = ckpt_newest_version(ckdir);
+    cr_assert(newest >= 20 && newest <= 28);
+
+    /* New trainers, with parameters of their own: the checkpoint's win,
+     * and training goes on from its version, not 0. */
+    for (int i = 0; i < P; i++)
+        init[i] = (float)i;             /* w-0's, the leader's (the pad stays 0) */
+    params_after(at_ck, init, (int)newest, 1.5f);
+    trainer_start(&again[0], 2, newest + 10, 2);
+    trainer_start(&again[1], 3, newest + 10, 2);
+    node_set_virtual_batch_size(again[0].n, 2);
+    node_set_virtual_batch_size(again[1].n, 2);
+    trainers_join(again, 2);
+    params_after(after, at_ck, 10, 3.5f);  /* the mean of 3 and 4 */
+    for (int i = 0; i < 2; i++) {
+        node_view(again[i].n, &v);
+        node_checkpoints(again[i].n, &ck);
+        cr_assert_eq(ck.loaded_version, newest, "w-%d resumed from %llu, not %llu", i + 2,
+                     (unsigned long long)ck.loaded_version, (unsigned long long)newest);
+        cr_assert_eq(v.model_version, newest + 10);
+        cr_assert_eq(memcmp(again[i].params, after, sizeof(after)), 0,
+                     "w-%d's parameters are not the checkpoint's trained 10 more rounds", i + 2);
+        cr_assert(!again[i].went_back);
+        cr_assert_eq(again[i].sum_check_failures, 0);
+    }
+    /* The trainer got the opaque state the leader gave at that version. */
+    snprintf(want_state, sizeof(want_state), "state of 0 at %llu", (unsigned long long)newest);
+    cr_assert_str_eq(again[0].last_state, want_state);
+    trainers_stop(again, 2);
+    ckpt_dir_remove();
+}
+
+static bool skip_reported(void *unused)
+{
+    struct broker_status *s = NULL;
+    bool seen = false;
+
+    if (brokerd_status(d, "train", &s) < 0)
+        return false;
+    for (size_t i = 0; i < s->cohorts[0].n_members; i++)
+        seen = seen || (s->cohorts[0].checkpoints[i].skipped_version == 9 &&
+                        s->cohorts[0].checkpoints[i].skipped_reason == CKPT_CHECKSUM &&
+                        s->cohorts[0].checkpoints[i].version == 7);
+    broker_status_free(s);
+    return seen;
+}
+
+Test(node, a_corrupt_newest_checkpoint_is_skipped_and_reported)
+{
+    static struct trainer tr;
+    static float params[P + 1], p7[P + 1];
+    double buffers[2] = { 0 };
+    struct ckpt_layout l = { .cohort = "train", .params_bytes = sizeof(params),
+                             .buffers_bytes = sizeof(buffers) };
+    struct ckpt_parts parts = { .params = params, .buffers = buffers, .state = "s7",
+                                .state_len = 2 };
+    struct node_checkpoints ck;
+    char path[256];
+    FILE *f;
+
+    ckpt_dir_make();
+    for (int i = 0; i < P + 1; i++)
+        params[i] = 7.0f + (float)i;
+    memcpy(p7, params, sizeof(p7));
+    parts.version = 7;
+    cr_assert_eq(ckpt_write(ckdir, &l, &parts, 3, NULL), 0);
+    params[0] = 9.0f;
+    parts.version = 9;
+    cr_assert_eq(ckpt_write(ckdir, &l, &parts, 3, NULL), 0);
+    snprintf(path, sizeof(path), "%s/ckpt-%020d.cohort", ckdir, 9);
+    f = fopen(path, "r+");
+    cr_assert_not_null(f);
+    fseek(f, CKPT_HEADER_BYTES + 4, SEEK_SET);
+    fputc(0x55, f);                     /* a parameter's byte */
+    fclose(f);
+
+    trainer_start(&tr, 0, 9, 1);
+    trainer_join(&tr);
+    node_checkpoints(tr.n, &ck);
+    cr_assert_eq(ck.loaded_version, 7);
+    cr_assert_eq(ck.skipped_version, 9);
+    cr_assert_eq(ck.skipped_reason, CKPT_CHECKSUM);
+    cr_assert_str_eq(tr.last_state, "s7");
+    /* Two rounds of its own (+1 each) on top of version 7's parameters. */
+    params_after(p7, p7, 2, 1.0f);
+    cr_assert_eq(memcmp(tr.params, p7, sizeof(p7)), 0);
+    /* The member's heartbeats told the broker, for the operator. */
+    cr_assert(fixture_wait_until(skip_reported, NULL, 30000), "the skip never reached the broker");
+    node_stop(tr.n);
+    ckpt_dir_remove();
+}
+
+static bool w0_reached_12(void *tr)
+{
+    return ((struct trainer *)tr)->highest >= 12;
+}
+
+Test(node, a_checkpoint_behind_the_cohort_never_pulls_a_member_back)
+{
+    static struct trainer trs[3];
+    struct node_checkpoints ck;
+    struct node_view v;
+
+    ckpt_dir_make();
+    trainers_start(trs, 2, 40, 1);
+    /* They wait at 12 for the joiner (their loops must still answer its
+     * sync when it comes). */
+    trs[0].pause_at = trs[1].pause_at = 12;
+    trs[0].pause_until = trs[1].pause_until = 3;
+    cr_assert(fixture_wait_until(w0_reached_12, &trs[0], 60000), "w-0 never reached 12");
+    /* A joiner finds checkpoints behind the cohort: it loads one, and the
+     * election gives it the leader's state instead. */
+    trainer_start(&trs[2], 2, 40, 3);
+    node_set_virtual_batch_size(trs[2].n, 1);
+    trainers_join(trs, 3);
+    node_checkpoints(trs[2].n, &ck);
+    cr_assert_geq(ck.loaded_version, CKPT_EVERY, "the joiner loaded no checkpoint");
+    cr_assert_geq(trs[2].states, 1, "the joiner never received the leader's state");
+    for (int i = 0; i < 3; i++) {
+        node_view(trs[i].n, &v);
+        cr_assert_eq(v.model_version, 40);
+        cr_assert(!trs[i].went_back, "w-%d's model version went back", i);
+        cr_assert_eq(memcmp(trs[i].params, trs[0].params, sizeof(trs[0].params)), 0);
+    }
+    trainers_stop(trs, 3);
+    ckpt_dir_remove();
 }
