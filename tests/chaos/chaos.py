@@ -18,8 +18,9 @@ interleaving.
 What a kill means:
 - trainer: SIGKILL to one trainer; its sidecar stays, and a new trainer
   (a new slot) connects to it.
-- sidecar: SIGKILL to one sidecar; its trainer finds it gone and exits 1;
-  a new sidecar (a new member id) and a new trainer replace them.
+- sidecar: SIGKILL to one sidecar (once its trainer has connected to it);
+  its trainer finds it gone and exits 1; a new sidecar (a new member id)
+  and a new trainer replace them.
 - broker: SIGKILL to the broker; a new one listens on the same port, and
   the sidecars rejoin it.
 
@@ -178,6 +179,11 @@ class Trial:
             time.sleep(k["down_ms"] / 1000)
             self.start_trainer(m)
         else:
+            # A trainer that has not connected yet would keep trying for a
+            # minute (its sidecar may be starting), not exit: kill only a
+            # sidecar its trainer has reached.
+            self.wait(lambda: any(e["ev"] == "connected" for e in self.events(m["slot"])),
+                      "trainer slot %d to connect" % m["slot"])
             m["sidecar"].kill()
             m["sidecar"].stop()
             self.dead.append(m["sidecar"])

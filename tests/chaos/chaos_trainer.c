@@ -30,6 +30,7 @@
  * the act it describes where that matters (a contribution), so a process
  * killed at any moment leaves whole lines and at most one line too many:
  *   start    slot, id, pid
+ *   connected: it reached its sidecar
  *   contrib  seq, v (model version), epoch
  *   undo     seq, error: that contribution was not made
  *   commit   v, G (gradient count), epoch, res ([slot, k, s1, s2] per slot
@@ -297,6 +298,10 @@ static int run(struct trainer *t)
         say("cannot connect: %s.", cohort_strerror(rc));
         goto out;
     }
+    /* The harness kills a sidecar only after this line: a trainer still
+     * connecting keeps trying for a minute, as one would while its pod's
+     * sidecar container starts. */
+    log_line(t, "{\"ev\":\"connected\"}");
     rc = cohort_set_virtual_batch_size(c, t->vb);
     if (rc < 0) {
         say("cannot set the virtual batch size: %s.", cohort_strerror(rc));
