@@ -19,10 +19,12 @@ Every wait is on a condition with a generous deadline, never a fixed sleep.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from cohorttest import (CRD_FILE, ApiServer, Kubectl, Kubelet, Operator, bin_dir,
+from cohorttest import (CRD_FILE, ROOT, ApiServer, Kubectl, Kubelet, Operator, bin_dir,
                         cohort_manifest, free_port, make_tmp, remove_tmp, wait_until)
 
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
@@ -93,11 +95,13 @@ def checkpoints(d):
                   reverse=True)
 
 
-def manifest(name, volume_dir, replicas=2):
+def manifest(name, volume, replicas=2):
+    """volume: a directory for a hostPath, or a volume source."""
     m = cohort_manifest(name, replicas, args=["--steps", "10000000", "--delay", "20ms",
                                               "--log-every", "50", "--stall-timeout", "60s"])
-    m["spec"]["checkpoint"] = {"volume": {"hostPath": {"path": volume_dir}},
-                               "everyVersions": 20, "keep": 3}
+    if isinstance(volume, str):
+        volume = {"hostPath": {"path": volume}}
+    m["spec"]["checkpoint"] = {"volume": volume, "everyVersions": 20, "keep": 3}
     return m
 
 
@@ -113,11 +117,12 @@ def sidecar_resumed(c, pod):
     return int(m.group(1)) if m else None
 
 
-def train_then_suspend(c, name, d, at_least):
+def train_then_suspend(c, name, d, at_least, volume=None):
     """Runs cohort `name` until it has checkpoints of at least version
-    `at_least` in d, then suspends it and waits until no pod is left."""
+    `at_least` in d (the volume's directory: a hostPath's unless `volume`
+    says otherwise), then suspends it and waits until no pod is left."""
     sub = os.path.join(d, "default", name)
-    c.kubectl("apply", "-f", "-", stdin=json.dumps(manifest(name, d)))
+    c.kubectl("apply", "-f", "-", stdin=json.dumps(manifest(name, volume or d)))
     wait_until(lambda: checkpoints(sub) and checkpoints(sub)[0] >= at_least and
                len(checkpoints(sub)) >= 2, "checkpoints of version %d in %s" % (at_least, sub),
                timeout=120)
@@ -149,10 +154,16 @@ def resume_and_check(c, name, expect):
     assert not lows, "members reported versions below the checkpoint's %d: %s" % (expect, lows)
 
 
-def test_a_suspended_cohort_resumes_from_its_newest_checkpoint(cluster):
+@pytest.mark.parametrize("kind", ["hostPath", "persistentVolumeClaim"])
+def test_a_suspended_cohort_resumes_from_its_newest_checkpoint(cluster, kind):
     c = cluster
-    d = os.path.join(c.tmp, "ck-a")
-    train_then_suspend(c, "ck-a", d, 60)
+    if kind == "hostPath":
+        d, volume = os.path.join(c.tmp, "ck-a"), None
+    else:
+        # The stand-in's claim: a directory of its node's (tests/kube/kubelet/pod.py).
+        d = os.path.join(c.tmp, "st", "claims", "default", "shared")
+        volume = {"persistentVolumeClaim": {"claimName": "shared"}}
+    train_then_suspend(c, "ck-a", d, 60, volume)
     files = checkpoints(os.path.join(d, "default", "ck-a"))
     assert files and not checkpoints(d), "under NAMESPACE/NAME of the volume alone"
     assert len(files) <= 3, "keep: 3 (%s)" % files
@@ -166,6 +177,9 @@ def test_a_suspended_cohort_resumes_from_its_newest_checkpoint(cluster):
                "status.checkpoint to show the version resumed from")
     assert not events(c, "ck-a", "CheckpointSkipped")
     c.kubectl("delete", "tc", "ck-a")
+    wait_until(lambda: not c.server.get(
+        "/api/v1/namespaces/default/pods?labelSelector=cohort.dev%2Fcohort%3Dck-a")["items"],
+        "the pods of ck-a to be gone")
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_and_told_once(cluster):
@@ -217,3 +231,14 @@ def test_a_bad_checkpoint_spec_is_refused_by_the_api_server(cluster, change, wor
     r = c.kubectl("apply", "-f", "-", stdin=json.dumps(m), check=False)
     assert r.returncode != 0 and words in r.stderr, r.stderr
     assert c.kubectl("get", "tc", "ck-bad", check=False).returncode != 0, "nothing was stored"
+
+
+def test_the_crd_blocks_are_what_the_generator_makes(tmp_path):
+    """spec.checkpoint.volume is the template's Volume less its name and the
+    read-only sources: regenerating both blocks from the CRD changes
+    nothing, so neither was edited by hand."""
+    copy = tmp_path / "crd.yaml"
+    copy.write_bytes(open(CRD_FILE, "rb").read())
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen-podtemplate-schema.py"),
+                    "--from-crd", str(copy), str(copy)], check=True)
+    assert copy.read_bytes() == open(CRD_FILE, "rb").read()
