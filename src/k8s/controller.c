@@ -563,8 +563,8 @@ static void note_checkpoints(struct controller *c, const cJSON *tc, struct cstat
             continue;
         tell_skip(s, ck->skipped_version);
         event(c, tc, true, "CheckpointSkipped", "Member %s found the checkpoint of model version "
-              "%" PRIu64 " invalid (%s) and set it aside as NAME.skipped; the cohort goes on from "
-              "an older one.", b->cs->members[i].id, ck->skipped_version,
+              "%" PRIu64 " invalid (%s) and renamed its file with the suffix .skipped; it is not "
+              "used.", b->cs->members[i].id, ck->skipped_version,
               reconcile_ckpt_reason(ck->skipped_reason));
     }
 }
