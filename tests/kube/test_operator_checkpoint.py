@@ -3,10 +3,11 @@ against the API server stand-in and the process kubelet, whose pods run
 the C example trainer (which keeps its state only in the cohort) beside
 the injected cohort-sidecar.
 
-- a cohort with spec.checkpoint on a hostPath volume trains, is suspended
-  until every pod is gone, and resumes from the newest checkpoint (its
-  sidecars say so, and no member reports a version below it), not from
-  version 0; status.checkpoint shows the version;
+- a cohort with spec.checkpoint on a hostPath volume (and on a claim)
+  trains, is suspended until every pod is gone, and resumes from the
+  newest checkpoint (its sidecars say so, and no member reports a version
+  below it), not from version 0; status.checkpoint shows the version; a
+  changed spec.checkpoint replaces the pods as a template change does;
 - the newest checkpoint damaged while the cohort is suspended: the
   resumed cohort goes on from the older valid one, the damaged file is
   renamed NAME.skipped, and exactly one CheckpointSkipped Warning tells it
@@ -176,6 +177,19 @@ def test_a_suspended_cohort_resumes_from_its_newest_checkpoint(cluster, kind):
     wait_until(lambda: status(c, "ck-a")["checkpoint"]["version"] >= newest,
                "status.checkpoint to show the version resumed from")
     assert not events(c, "ck-a", "CheckpointSkipped")
+    if kind == "hostPath":
+        # A changed spec.checkpoint rolls out as a template change does.
+        hashes = {p["metadata"]["labels"]["cohort.dev/template-hash"] for p in live_pods(c, "ck-a")}
+        c.kubectl("patch", "tc", "ck-a", "--type", "merge", "-p",
+                  json.dumps({"spec": {"checkpoint": {"keep": 2}}}))
+
+        def rolled():
+            pods = live_pods(c, "ck-a")
+            return len(pods) == 2 and all(
+                p["metadata"]["labels"]["cohort.dev/template-hash"] not in hashes and
+                "--checkpoint-keep 2" in " ".join(p["spec"]["initContainers"][0]["args"])
+                for p in pods)
+        wait_until(rolled, "the pods of ck-a to be made again with keep 2", timeout=120)
     c.kubectl("delete", "tc", "ck-a")
     wait_until(lambda: not c.server.get(
         "/api/v1/namespaces/default/pods?labelSelector=cohort.dev%2Fcohort%3Dck-a")["items"],
