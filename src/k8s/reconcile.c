@@ -1294,9 +1294,29 @@ bool reconcile_status_differs(const cJSON *a, const cJSON *b, bool ignore_versio
     return differ;
 }
 
+/* Sets to null, in `want` (a copy being made into a merge patch), every
+ * member of `old` that it lacks, at every depth of objects both have: a
+ * merge patch merges nested objects, so a field that went away inside
+ * one (status.checkpoint's) must be nulled too. */
+static void null_missing(const cJSON *old, cJSON *want)
+{
+    const cJSON *it;
+
+    cJSON_ArrayForEach(it, old) {
+        cJSON *w;
+        if (!it->string)
+            continue;
+        w = cJSON_GetObjectItemCaseSensitive(want, it->string);
+        if (!w)
+            cJSON_AddNullToObject(want, it->string);
+        else if (cJSON_IsObject(w) && cJSON_IsObject(it))
+            null_missing(it, w);
+    }
+}
+
 cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want)
 {
-    cJSON *patch = cJSON_CreateObject(), *st, *it;
+    cJSON *patch = cJSON_CreateObject(), *st;
 
     if (!patch)
         return NULL;
@@ -1305,9 +1325,7 @@ cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want)
         cJSON_Delete(patch);
         return NULL;
     }
-    cJSON_ArrayForEach(it, old)
-        if (it->string && !cJSON_GetObjectItemCaseSensitive(st, it->string))
-            cJSON_AddNullToObject(st, it->string);
+    null_missing(old, st);
     cJSON_AddItemToObject(patch, "status", st);
     return patch;
 }

@@ -378,7 +378,8 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
 bool reconcile_status_differs(const cJSON *a, const cJSON *b, bool ignore_versions);
 
 /* A JSON merge patch {"status": ...} taking `old` to `want`: fields in old
- * and not in want are set to null. Returns a new object or NULL. */
+ * and not in want are set to null, inside objects both have too. Returns
+ * a new object or NULL. */
 cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want);
 
 #endif

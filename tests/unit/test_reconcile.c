@@ -710,6 +710,24 @@ Test(reconcile, status_patch_nulls_fields_that_went_away)
     cJSON_Delete(want);
 }
 
+Test(reconcile, status_patch_nulls_fields_that_went_away_inside_an_object)
+{
+    cJSON *old = parse("{\"checkpoint\":{\"version\":40,\"time\":\"t\","
+                       "\"lastSkipped\":{\"version\":40,\"reason\":\"r\"}}}");
+    cJSON *want = parse("{\"checkpoint\":{\"lastSkipped\":{\"version\":40}}}");
+    cJSON *patch = reconcile_status_patch(old, want);
+    const cJSON *ck = cJSON_GetObjectItem(cJSON_GetObjectItem(patch, "status"), "checkpoint");
+
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(ck, "version")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(ck, "time")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(cJSON_GetObjectItem(ck, "lastSkipped"), "reason")));
+    cr_assert_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(ck, "lastSkipped"), "version")->valueint,
+                 40);
+    cJSON_Delete(patch);
+    cJSON_Delete(old);
+    cJSON_Delete(want);
+}
+
 Test(reconcile, secret_name_is_the_cohort_name_and_a_suffix)
 {
     char name[300], out[400];
