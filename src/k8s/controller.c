@@ -38,6 +38,7 @@
 #define POLL_AGAIN_MS 250           /* while pods start or drains run */
 #define HANDLED_MAX 256             /* failed pod uids remembered per cohort */
 #define RESTART_TIMES 1024          /* replacement times kept for the budget's window */
+#define SKIPS_TOLD 16               /* skipped checkpoint versions told in an Event */
 
 /* One ordinal's crash loop and its last failure. */
 struct ostate {
@@ -71,6 +72,9 @@ struct cstate {
     uint64_t sig, vsig;             /* broker membership and versions last compared */
     bool seen;                      /* present in the last broker poll */
     bool has_key;                   /* the broker has the key of the Secret */
+    uint64_t skips_told[SKIPS_TOLD];        /* ring: checkpoint versions told skipped */
+    size_t n_skips_told, next_skip_told;
+    bool skips_seeded;              /* status's lastSkipped counted as told */
     char key_id[KEYS_ID_CHARS + 1]; /* keys_id() of that key and the CA */
 };
 
@@ -509,6 +513,62 @@ static int write_status(struct controller *c, struct cstate *s, const cJSON *tc,
     return 0;
 }
 
+/* ---- checkpoints -------------------------------------------------------- */
+
+static bool skip_told(const struct cstate *s, uint64_t version)
+{
+    for (size_t i = 0; i < s->n_skips_told; i++)
+        if (s->skips_told[i] == version)
+            return true;
+    return false;
+}
+
+static void tell_skip(struct cstate *s, uint64_t version)
+{
+    if (s->n_skips_told < SKIPS_TOLD) {
+        s->skips_told[s->n_skips_told++] = version;
+        return;
+    }
+    s->skips_told[s->next_skip_told] = version;
+    s->next_skip_told = (s->next_skip_told + 1) % SKIPS_TOLD;
+}
+
+/* Folds what the members report of checkpoints into *seen, and tells
+ * each checkpoint a member set aside in one Warning Event: a member
+ * reports its skip in every heartbeat for as long as it lives, and
+ * several members may find the same file, so the versions told are
+ * remembered (and, across an operator restart, status's lastSkipped
+ * counts as told). */
+static void note_checkpoints(struct controller *c, const cJSON *tc, struct cstate *s,
+                             const struct bview *b, struct reconcile_ckpt_seen *seen)
+{
+    memset(seen, 0, sizeof(*seen));
+    if (!s->skips_seeded) {
+        const cJSON *v = get(get(get(get(tc, "status"), "checkpoint"), "lastSkipped"), "version");
+        if (cJSON_IsNumber(v) && v->valuedouble > 0)
+            tell_skip(s, (uint64_t)v->valuedouble);
+        s->skips_seeded = true;
+    }
+    for (size_t i = 0; b->cs && b->cs->checkpoints && i < b->cs->n_members; i++) {
+        const struct broker_checkpoint *ck = &b->cs->checkpoints[i];
+        if (ck->version > seen->version)
+            seen->version = ck->version;
+        if (!ck->skipped_version)
+            continue;
+        if (ck->skipped_version > seen->skipped_version) {
+            seen->skipped_version = ck->skipped_version;
+            seen->skipped_reason = ck->skipped_reason;
+        }
+        if (skip_told(s, ck->skipped_version))
+            continue;
+        tell_skip(s, ck->skipped_version);
+        event(c, tc, true, "CheckpointSkipped", "Member %s found the checkpoint of model version "
+              "%" PRIu64 " invalid (%s) and renamed its file with the suffix .skipped; it is not "
+              "used.", b->cs->members[i].id, ck->skipped_version,
+              reconcile_ckpt_reason(ck->skipped_reason));
+    }
+}
+
 /* ---- the cohort's key -------------------------------------------------- */
 
 static int secret_path(char *buf, size_t n, const char *ns, const char *name)
@@ -945,6 +1005,7 @@ static int reconcile(struct controller *c, const char *key, char *err, size_t er
         updating[plan.update[i]] = true;
     if (broker_view(c, key, &b) < 0)
         bview_cleanup(&b);
+    note_checkpoints(c, tc, s, &b, &obs.ckpt);
 
     /* Failed pods: delete, count once per pod (by uid), make again below
      * once the name is free. */
@@ -1222,6 +1283,12 @@ static void *ticker_main(void *arg)
                         sig = fnv(sig, cs->members[j].address, strlen(cs->members[j].address));
                     sig = fnv(sig, &dr, sizeof(dr));
                     vsig = fnv(vsig, &cs->members[j].model_version, sizeof(uint64_t));
+                    /* A new checkpoint or a skip is told at once (a
+                     * skip's Event, status.checkpoint): they are rare. */
+                    if (cs->checkpoints) {
+                        sig = fnv(sig, &cs->checkpoints[j].version, sizeof(uint64_t));
+                        sig = fnv(sig, &cs->checkpoints[j].skipped_version, sizeof(uint64_t));
+                    }
                 }
                 s = state_of(c, cs->name, false);
                 if (!s)

@@ -84,6 +84,52 @@ static const char *algorithm_field(const cJSON *spec)
     return NULL;
 }
 
+/* The one source of spec.checkpoint.volume (its key), or NULL when it
+ * has none, more than one, or one that Kubernetes mounts read-only. */
+static const cJSON *ckpt_source(const cJSON *vol)
+{
+    static const char *const read_only[] = { "configMap", "secret", "downwardAPI", "projected",
+                                             "image" };
+
+    if (!cJSON_IsObject(vol) || cJSON_GetArraySize(vol) != 1 || !cJSON_IsObject(vol->child))
+        return NULL;
+    for (size_t i = 0; i < sizeof(read_only) / sizeof(read_only[0]); i++)
+        if (strcmp(vol->child->string, read_only[i]) == 0)
+            return NULL;
+    return vol->child;
+}
+
+static int parse_checkpoint(const cJSON *ck, struct reconcile_spec *s, struct reconcile_why *why)
+{
+    long v;
+
+    if (!ck)
+        return 0;
+    if (!cJSON_IsObject(ck))
+        return refuse(why, "InvalidCheckpoint", "spec.checkpoint must be an object");
+    if (!ckpt_source(get(ck, "volume")))
+        return refuse(why, "InvalidCheckpoint", "spec.checkpoint.volume must name exactly one "
+                      "writable volume source (persistentVolumeClaim, hostPath, nfs, emptyDir, "
+                      "...)");
+    if (int_field(ck, "everyVersions", 0, 1, RECONCILE_VBS_MAX, &v) < 0)
+        return refuse(why, "InvalidCheckpoint", "spec.checkpoint.everyVersions must be an "
+                      "integer from 1 to %lld", RECONCILE_VBS_MAX);
+    s->ckpt_every_versions = (uint64_t)v;
+    if (int_field(ck, "everySeconds", 0, 1, RECONCILE_CKPT_SECONDS_MAX, &v) < 0)
+        return refuse(why, "InvalidCheckpoint", "spec.checkpoint.everySeconds must be an "
+                      "integer from 1 to %d", RECONCILE_CKPT_SECONDS_MAX);
+    s->ckpt_every_s = (uint32_t)v;
+    if (!s->ckpt_every_versions && !s->ckpt_every_s)
+        return refuse(why, "InvalidCheckpoint", "spec.checkpoint needs a period: everyVersions, "
+                      "everySeconds or both");
+    if (int_field(ck, "keep", RECONCILE_CKPT_KEEP_DEFAULT, 1, RECONCILE_CKPT_KEEP_MAX, &v) < 0)
+        return refuse(why, "InvalidCheckpoint", "spec.checkpoint.keep must be an integer from 1 "
+                      "to %d", RECONCILE_CKPT_KEEP_MAX);
+    s->ckpt_keep = (uint32_t)v;
+    s->checkpoint = true;
+    return 0;
+}
+
 static bool has_named(const cJSON *arr, const char *name)
 {
     const cJSON *it;
@@ -162,6 +208,8 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
          strcmp(str(get(spec, "reduction"), "compression"), "none") != 0))
         return refuse(why, "InvalidSpec", "spec.reduction.compression must be none: no "
                       "compression is implemented yet");
+    if (parse_checkpoint(get(spec, "checkpoint"), s, why) < 0)
+        return -EINVAL;
     tmpl = get(spec, "template");
     pspec = get(tmpl, "spec");
     conts = get(pspec, "containers");
@@ -178,6 +226,9 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (has_named(get(pspec, "volumes"), RECONCILE_KEY_VOLUME))
         return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the cohort's "
                       "key", RECONCILE_KEY_VOLUME);
+    if (has_named(get(pspec, "volumes"), RECONCILE_CKPT_VOLUME))
+        return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the cohort's "
+                      "checkpoints", RECONCILE_CKPT_VOLUME);
     return 0;
 }
 
@@ -330,6 +381,45 @@ static void restrict_trainers(cJSON *spec)
                                   "allowPrivilegeEscalation", 0);
 }
 
+static void add_arg(cJSON *args, const char *flag, const char *value)
+{
+    cJSON_AddItemToArray(args, cJSON_CreateString(flag));
+    cJSON_AddItemToArray(args, cJSON_CreateString(value));
+}
+
+/* spec.checkpoint (parsed already by reconcile_parse) in the sidecar: the
+ * volume mounted at a fixed path, one directory per cohort (subPath
+ * NAMESPACE/NAME, which the kubelet makes when it is missing), and the
+ * flags. The trainer never sees the files: its sidecar reads and writes
+ * them. */
+static void add_checkpoints(cJSON *c, const cJSON *ck, const char *cohort_key)
+{
+    cJSON *args = cJSON_GetObjectItemCaseSensitive(c, "args"), *m;
+    char num[32];
+    long v;
+
+    if (!ckpt_source(get(ck, "volume")))
+        return;
+    m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "name", RECONCILE_CKPT_VOLUME);
+    cJSON_AddStringToObject(m, "mountPath", RECONCILE_CKPT_MOUNT);
+    cJSON_AddStringToObject(m, "subPath", cohort_key);
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(c, "volumeMounts"), m);
+    add_arg(args, "--checkpoint-dir", RECONCILE_CKPT_MOUNT);
+    if (int_field(ck, "everyVersions", 0, 1, RECONCILE_VBS_MAX, &v) == 0 && v > 0) {
+        snprintf(num, sizeof(num), "%ld", v);
+        add_arg(args, "--checkpoint-every", num);
+    }
+    if (int_field(ck, "everySeconds", 0, 1, RECONCILE_CKPT_SECONDS_MAX, &v) == 0 && v > 0) {
+        snprintf(num, sizeof(num), "%lds", v);
+        add_arg(args, "--checkpoint-interval", num);
+    }
+    if (int_field(ck, "keep", RECONCILE_CKPT_KEEP_DEFAULT, 1, RECONCILE_CKPT_KEEP_MAX, &v) == 0) {
+        snprintf(num, sizeof(num), "%ld", v);
+        add_arg(args, "--checkpoint-keep", num);
+    }
+}
+
 static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env,
                                 const char *cohort_key)
 {
@@ -381,6 +471,7 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
     set_env(c, cohort_key, env->broker_address);
     add_mount(c);
     add_key(c, env);
+    add_checkpoints(c, get(get(tc, "spec"), "checkpoint"), cohort_key);
     return c;
 }
 
@@ -388,7 +479,7 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
                   uint32_t ordinal, cJSON **out)
 {
     const cJSON *meta = get(tc, "metadata"), *tmpl = get(get(tc, "spec"), "template");
-    const cJSON *tmeta = get(tmpl, "metadata"), *it;
+    const cJSON *tmeta = get(tmpl, "metadata"), *it, *src;
     const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
     char pod_name[320], ord[16], key[LIMIT_KUBE_KEY_MAX], secret_name[IDENT_NAME_MAX + 1];
     cJSON *pod, *pm, *labels, *spec, *inits, *vols, *vol, *sec, *conts, *cont;
@@ -476,6 +567,17 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
      * check at the end that the last additions are all there. */
     if (!get(pod, "spec") || cJSON_GetArraySize(vols) < 2 || !get(get(vol, "secret"), "defaultMode"))
         goto err_pod;
+    src = ckpt_source(get(get(get(tc, "spec"), "checkpoint"), "volume"));
+    if (src) {
+        vol = cJSON_CreateObject();
+        if (!vol)
+            goto err_pod;
+        cJSON_AddItemToArray(vols, vol);
+        cJSON_AddStringToObject(vol, "name", RECONCILE_CKPT_VOLUME);
+        cJSON_AddItemToObject(vol, src->string, cJSON_Duplicate(src, 1));
+        if (!get(vol, src->string))
+            goto err_pod;
+    }
     *out = pod;
     return 0;
 err_pod:
@@ -514,14 +616,26 @@ static void sort_keys(cJSON *o)
 
 int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1])
 {
-    const cJSON *tmpl = get(get(tc, "spec"), "template");
+    const cJSON *tmpl = get(get(tc, "spec"), "template"), *ck = get(get(tc, "spec"), "checkpoint");
     uint64_t h = 0xcbf29ce484222325ull;
     cJSON *copy;
     char *text;
 
     if (!cJSON_IsObject(tmpl))
         return -EINVAL;
-    copy = cJSON_Duplicate(tmpl, 1);
+    if (ck) {
+        copy = cJSON_CreateObject();
+        if (copy) {
+            cJSON_AddItemToObject(copy, "template", cJSON_Duplicate(tmpl, 1));
+            cJSON_AddItemToObject(copy, "checkpoint", cJSON_Duplicate(ck, 1));
+            if (!get(copy, "template") || !get(copy, "checkpoint")) {
+                cJSON_Delete(copy);
+                copy = NULL;
+            }
+        }
+    } else {
+        copy = cJSON_Duplicate(tmpl, 1);
+    }
     if (!copy)
         return -ENOMEM;
     sort_keys(copy);
@@ -904,6 +1018,59 @@ static void keep_final(cJSON *st, const cJSON *old)
     }
 }
 
+const char *reconcile_ckpt_reason(unsigned reason)
+{
+    /* ckpt.h's enum ckpt_reason, in order: the wire carries the number. */
+    static const char *const names[] = { "valid", "truncated or extended", "checksum mismatch",
+                                         "not a checkpoint of a known format",
+                                         "parameter or buffer sizes differ from the model's",
+                                         "another cohort's", "read error" };
+
+    return reason < sizeof(names) / sizeof(names[0]) ? names[reason] : "unknown";
+}
+
+static uint64_t num_u64(const cJSON *o, const char *k)
+{
+    const cJSON *v = get(o, k);
+
+    return cJSON_IsNumber(v) && v->valuedouble > 0 ? (uint64_t)v->valuedouble : 0;
+}
+
+/* status.checkpoint (see reconcile_status()). The version the members
+ * report wins when it is newer, or when a member set aside the one
+ * status showed (the cohort resumed from an older one); else the old one
+ * stays: members that joined since the last write report less, and a
+ * suspended cohort reports nothing. */
+static void checkpoint_status(cJSON *st, const cJSON *old, const struct reconcile_observed *o,
+                              const char *now)
+{
+    const cJSON *oc = get(old, "checkpoint"), *osk = get(oc, "lastSkipped");
+    uint64_t was = num_u64(oc, "version"), v = was, skipped = num_u64(osk, "version");
+    const char *reason = str(osk, "reason"), *at = str(oc, "time");
+    cJSON *ck;
+
+    if (o->ckpt.skipped_version && o->ckpt.skipped_version != skipped) {
+        skipped = o->ckpt.skipped_version;
+        reason = reconcile_ckpt_reason(o->ckpt.skipped_reason);
+    }
+    if (o->ckpt.version > v || (o->ckpt.version && was && o->ckpt.skipped_version >= was))
+        v = o->ckpt.version;
+    if (!v && !skipped)
+        return;
+    ck = cJSON_AddObjectToObject(st, "checkpoint");
+    if (!ck)
+        return;
+    if (v) {
+        cJSON_AddNumberToObject(ck, "version", (double)v);
+        cJSON_AddStringToObject(ck, "time", v == was && at ? at : now);
+    }
+    if (skipped) {
+        cJSON *sk = cJSON_AddObjectToObject(ck, "lastSkipped");
+        cJSON_AddNumberToObject(sk, "version", (double)skipped);
+        cJSON_AddStringToObject(sk, "reason", reason ? reason : "unknown");
+    }
+}
+
 /* One word for kubectl get, from the same facts as the conditions, the
  * first that holds winning (docs/operator.md defines each). */
 static const char *status_phase(const struct reconcile_spec *s, const struct reconcile_observed *o,
@@ -1007,6 +1174,7 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
      * one is what its user asks for. */
     if (!o->invalid && !(o->broker_known && o->epoch && o->leader))
         keep_final(st, old);
+    checkpoint_status(st, old, o, now);
     cJSON_AddItemToObject(st, "members", members);
     cJSON_AddStringToObject(st, "phase", status_phase(s, o, ready));
 
@@ -1126,9 +1294,29 @@ bool reconcile_status_differs(const cJSON *a, const cJSON *b, bool ignore_versio
     return differ;
 }
 
+/* Sets to null, in `want` (a copy being made into a merge patch), every
+ * member of `old` that it lacks, at every depth of objects both have: a
+ * merge patch merges nested objects, so a field that went away inside
+ * one (status.checkpoint's) must be nulled too. */
+static void null_missing(const cJSON *old, cJSON *want)
+{
+    const cJSON *it;
+
+    cJSON_ArrayForEach(it, old) {
+        cJSON *w;
+        if (!it->string)
+            continue;
+        w = cJSON_GetObjectItemCaseSensitive(want, it->string);
+        if (!w)
+            cJSON_AddNullToObject(want, it->string);
+        else if (cJSON_IsObject(w) && cJSON_IsObject(it))
+            null_missing(it, w);
+    }
+}
+
 cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want)
 {
-    cJSON *patch = cJSON_CreateObject(), *st, *it;
+    cJSON *patch = cJSON_CreateObject(), *st;
 
     if (!patch)
         return NULL;
@@ -1137,9 +1325,7 @@ cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want)
         cJSON_Delete(patch);
         return NULL;
     }
-    cJSON_ArrayForEach(it, old)
-        if (it->string && !cJSON_GetObjectItemCaseSensitive(st, it->string))
-            cJSON_AddNullToObject(st, it->string);
+    null_missing(old, st);
     cJSON_AddItemToObject(patch, "status", st);
     return patch;
 }

@@ -82,6 +82,14 @@
  * exact up to 2^53. */
 #define RECONCILE_VBS_MAX 9007199254740991LL
 #define RECONCILE_PARALLEL_MAX 8
+/* spec.checkpoint: its volume, mounted into the sidecar alone at
+ * RECONCILE_CKPT_MOUNT with subPath NAMESPACE/NAME, so that cohorts that
+ * share a volume never read each other's files. */
+#define RECONCILE_CKPT_VOLUME "cohort-checkpoints"
+#define RECONCILE_CKPT_MOUNT "/var/lib/cohort/checkpoints"
+#define RECONCILE_CKPT_SECONDS_MAX 3600
+#define RECONCILE_CKPT_KEEP_MAX 1000
+#define RECONCILE_CKPT_KEEP_DEFAULT 3
 
 /* What the operator interprets of spec, after defaults and checks. */
 struct reconcile_spec {
@@ -95,6 +103,11 @@ struct reconcile_spec {
     uint32_t parallel_gradients;
     /* spec.reduction.algorithm: "auto", "ring" or "doubling" (static). */
     const char *algorithm;
+    /* spec.checkpoint: periods (0: that one unset; one at least is set)
+     * and how many to keep. */
+    bool checkpoint;
+    uint64_t ckpt_every_versions;
+    uint32_t ckpt_every_s, ckpt_keep;
 };
 
 /* Why a cohort cannot be reconciled: a condition reason (CamelCase) and a
@@ -111,8 +124,10 @@ struct reconcile_why {
  * of range, durations that do not parse or timeout <= heartbeat,
  * spec.accumulator or spec.reduction values the CRD does not allow
  * (reduction.compression other than none: no codec exists yet), a
- * template without containers or with a container or volume name that
- * the operator reserves. */
+ * spec.checkpoint without one volume source (or with a read-only one:
+ * configMap, secret, downwardAPI, projected, image) or without a period,
+ * or with keep out of range, a template without containers or with a
+ * container or volume name that the operator reserves. */
 int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_why *why);
 
 /* How pods reach the operator, and what they run besides the trainer. */
@@ -141,7 +156,11 @@ const char *reconcile_pull_policy(const char *s);
  * The sidecar is told spec.reduction.algorithm (--allreduce) and, when
  * set, spec.accumulator's virtualBatchSize and parallelGradients
  * (--virtual-batch-size, --parallel-gradients), which it pins on the
- * trainer's Accumulator.
+ * trainer's Accumulator. With spec.checkpoint, the pod gets its volume
+ * (named RECONCILE_CKPT_VOLUME), the sidecar alone mounts it at
+ * RECONCILE_CKPT_MOUNT with subPath NAMESPACE/NAME and is told
+ * --checkpoint-dir, --checkpoint-every and/or --checkpoint-interval, and
+ * --checkpoint-keep.
  * Security defaults (docs/operator.md, "Security context"): the sidecar
  * runs restricted (non-root, read-only root filesystem, no privilege
  * escalation, no capabilities, seccomp RuntimeDefault); the pod gets
@@ -161,8 +180,11 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
                   uint32_t ordinal, cJSON **out);
 
 /* The hash of cohort `tc`'s spec.template (borrowed) as the user wrote
- * it: FNV-1a 64 of its canonical JSON (object keys sorted, no spaces), as
- * 16 hex digits into out. reconcile_pod() labels each pod with it.
+ * it, and of spec.checkpoint when it is set (it changes the pod too):
+ * FNV-1a 64 of their canonical JSON (object keys sorted, no spaces), as
+ * 16 hex digits into out. Without spec.checkpoint the hash is the
+ * template's alone, as before checkpoints existed, so that pods made then
+ * are not replaced. reconcile_pod() labels each pod with it.
  * Returns 0, -EINVAL (no template), -ENOMEM. */
 int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1]);
 
@@ -298,6 +320,20 @@ struct reconcile_member {
     bool draining;
 };
 
+/* What the members report of checkpoints (the newest any of them wrote
+ * or resumed from, the newest any found invalid). */
+struct reconcile_ckpt_seen {
+    uint64_t version;               /* 0: none */
+    uint64_t skipped_version;       /* 0: none */
+    unsigned skipped_reason;        /* ckpt.h's enum ckpt_reason, as on the wire */
+};
+
+/* The name of a skip's reason as ckpt.h's ckpt_reason_str() gives it
+ * ("truncated", "checksum mismatch", ...; "unknown" for a code this
+ * build does not know). The numbers are the wire's
+ * (CheckpointSkipped.reason); a unit test holds the two lists equal. */
+const char *reconcile_ckpt_reason(unsigned reason);
+
 struct reconcile_observed {
     int64_t generation;
     const char *selector;
@@ -319,9 +355,14 @@ struct reconcile_observed {
      * its own). */
     const struct reconcile_pod_failure *failures;
     size_t n_failures;
+    struct reconcile_ckpt_seen ckpt;        /* all zero: nothing reported */
 };
 
-/* The status the cohort should have. Conditions (Available, Progressing,
+/* The status the cohort should have. status.checkpoint: the newest
+ * version the members report (o->ckpt), kept from `old` while none
+ * reports one as new, unless a member set that one aside; its time is
+ * `now` when the version changes; lastSkipped is the newest skip seen.
+ * Conditions (Available, Progressing,
  * Degraded, Failed, Suspended, Complete, and ReplicaFailure while the API
  * refuses a create or delete) keep their lastTransitionTime
  * from `old` (borrowed, may be NULL) while their status stays the same;
@@ -337,7 +378,8 @@ cJSON *reconcile_status(const struct reconcile_spec *s, const struct reconcile_o
 bool reconcile_status_differs(const cJSON *a, const cJSON *b, bool ignore_versions);
 
 /* A JSON merge patch {"status": ...} taking `old` to `want`: fields in old
- * and not in want are set to null. Returns a new object or NULL. */
+ * and not in want are set to null, inside objects both have too. Returns
+ * a new object or NULL. */
 cJSON *reconcile_status_patch(const cJSON *old, const cJSON *want);
 
 #endif

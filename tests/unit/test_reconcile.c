@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "accumulator/ckpt.h"
 #include "k8s/reconcile.h"
 
 static cJSON *parse(const char *json)
@@ -709,6 +710,24 @@ Test(reconcile, status_patch_nulls_fields_that_went_away)
     cJSON_Delete(want);
 }
 
+Test(reconcile, status_patch_nulls_fields_that_went_away_inside_an_object)
+{
+    cJSON *old = parse("{\"checkpoint\":{\"version\":40,\"time\":\"t\","
+                       "\"lastSkipped\":{\"version\":40,\"reason\":\"r\"}}}");
+    cJSON *want = parse("{\"checkpoint\":{\"lastSkipped\":{\"version\":40}}}");
+    cJSON *patch = reconcile_status_patch(old, want);
+    const cJSON *ck = cJSON_GetObjectItem(cJSON_GetObjectItem(patch, "status"), "checkpoint");
+
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(ck, "version")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(ck, "time")));
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(cJSON_GetObjectItem(ck, "lastSkipped"), "reason")));
+    cr_assert_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(ck, "lastSkipped"), "version")->valueint,
+                 40);
+    cJSON_Delete(patch);
+    cJSON_Delete(old);
+    cJSON_Delete(want);
+}
+
 Test(reconcile, secret_name_is_the_cohort_name_and_a_suffix)
 {
     char name[300], out[400];
@@ -1301,4 +1320,171 @@ Test(reconcile, status_shows_failures_refusals_and_the_rollout)
     cr_assert_null(cond(st, "ReplicaFailure"));
     reconcile_plan_cleanup(&p);
     cJSON_Delete(st);
+}
+
+/* ---- spec.checkpoint ---------------------------------------------------- */
+
+#define CKPT_HOSTPATH "\"volume\":{\"hostPath\":{\"path\":\"/data/ck\"}}"
+
+Test(reconcile, parse_reads_checkpoint_with_its_defaults)
+{
+    cJSON *tc = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":50}");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert(s.checkpoint);
+    cr_assert_eq(s.ckpt_every_versions, 50);
+    cr_assert_eq(s.ckpt_every_s, 0);
+    cr_assert_eq(s.ckpt_keep, RECONCILE_CKPT_KEEP_DEFAULT);
+    cJSON_Delete(tc);
+    tc = cohort("lr", "\"checkpoint\":{\"volume\":{\"persistentVolumeClaim\":{\"claimName\":\"c\"}},"
+                      "\"everySeconds\":30,\"keep\":1}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_eq(s.ckpt_every_s, 30);
+    cr_assert_eq(s.ckpt_keep, 1);
+    cJSON_Delete(tc);
+    tc = cohort("lr", "");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert(!s.checkpoint, "unset: no checkpoints");
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, parse_refuses_a_checkpoint_without_volume_period_or_keep)
+{
+    refused("lr", "\"checkpoint\":{\"everyVersions\":5}", "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{" CKPT_HOSTPATH "}", "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":5,\"keep\":0}",
+            "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everySeconds\":3601}", "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":0}", "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{\"volume\":{},\"everyVersions\":5}", "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{\"volume\":{\"hostPath\":{\"path\":\"/a\"},\"emptyDir\":{}},"
+                  "\"everyVersions\":5}", "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":{\"volume\":{\"configMap\":{\"name\":\"x\"}},\"everyVersions\":5}",
+            "InvalidCheckpoint");
+    refused("lr", "\"checkpoint\":7", "InvalidCheckpoint");
+}
+
+Test(reconcile, pod_mounts_the_checkpoint_volume_in_the_sidecar_alone)
+{
+    cJSON *tc = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":50,"
+                             "\"everySeconds\":60,\"keep\":2}");
+    const cJSON *side, *trainer, *m, *vol;
+    cJSON *pod = NULL;
+    char args[1024];
+    bool mounted = false;
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    sidecar_args(pod, args, sizeof(args));
+    cr_assert(strstr(args, " --checkpoint-dir " RECONCILE_CKPT_MOUNT " --checkpoint-every 50 "
+                           "--checkpoint-interval 60s --checkpoint-keep 2"), "%s", args);
+    vol = item(sget_item(pod, "spec.volumes"), RECONCILE_CKPT_VOLUME);
+    cr_assert_not_null(vol);
+    cr_assert_str_eq(sget(vol, "hostPath.path"), "/data/ck");
+    side = cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0);
+    cJSON_ArrayForEach(m, cJSON_GetObjectItem(side, "volumeMounts"))
+        if (strcmp(cJSON_GetObjectItem(m, "name")->valuestring, RECONCILE_CKPT_VOLUME) == 0) {
+            cr_assert_str_eq(cJSON_GetObjectItem(m, "mountPath")->valuestring,
+                             RECONCILE_CKPT_MOUNT);
+            cr_assert_str_eq(cJSON_GetObjectItem(m, "subPath")->valuestring, "ns/lr",
+                             "one directory per cohort");
+            mounted = true;
+        }
+    cr_assert(mounted);
+    trainer = cJSON_GetArrayItem(sget_item(pod, "spec.containers"), 0);
+    cJSON_ArrayForEach(m, cJSON_GetObjectItem(trainer, "volumeMounts"))
+        cr_assert_str_neq(cJSON_GetObjectItem(m, "name")->valuestring, RECONCILE_CKPT_VOLUME);
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+    /* Without spec.checkpoint: no volume, no flags. */
+    tc = cohort("lr", "");
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    sidecar_args(pod, args, sizeof(args));
+    cr_assert_null(strstr(args, "--checkpoint"), "%s", args);
+    cr_assert_null(item(sget_item(pod, "spec.volumes"), RECONCILE_CKPT_VOLUME));
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, parse_refuses_the_checkpoint_volume_name_in_the_template)
+{
+    char fields[512];
+    cJSON *tc;
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    snprintf(fields, sizeof(fields), "{\"metadata\":{\"name\":\"lr\"},\"spec\":{\"template\":"
+             "{\"spec\":{\"containers\":[{\"name\":\"t\"}],\"volumes\":[{\"name\":\"%s\","
+             "\"emptyDir\":{}}]}}}}", RECONCILE_CKPT_VOLUME);
+    tc = parse(fields);
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
+    cr_assert_str_eq(why.reason, "InvalidTemplate");
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, template_hash_covers_the_checkpoint_and_only_when_set)
+{
+    cJSON *plain = cohort("lr", ""), *a = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ","
+                                                       "\"everyVersions\":50}");
+    cJSON *b = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":60}");
+    char hp[RECONCILE_HASH_CHARS + 1], ha[RECONCILE_HASH_CHARS + 1], hb[RECONCILE_HASH_CHARS + 1];
+
+    cr_assert_eq(reconcile_template_hash(plain, hp), 0);
+    cr_assert_eq(reconcile_template_hash(a, ha), 0);
+    cr_assert_eq(reconcile_template_hash(b, hb), 0);
+    cr_assert_str_neq(hp, ha, "adding spec.checkpoint rolls the pods");
+    cr_assert_str_neq(ha, hb, "changing it rolls them too");
+    cJSON_Delete(plain);
+    cJSON_Delete(a);
+    cJSON_Delete(b);
+}
+
+static const cJSON *ck_of(const cJSON *st, const char *k)
+{
+    return cJSON_GetObjectItem(cJSON_GetObjectItem(st, "checkpoint"), k);
+}
+
+Test(reconcile, status_checkpoint_is_the_newest_reported_and_stays_while_none_runs)
+{
+    struct reconcile_plan p = { 0 };
+    struct reconcile_observed o = { .plan = &p, .ckpt = { .version = 40 } };
+    struct reconcile_spec s = spec3;
+    cJSON *st = reconcile_status(&s, &o, NULL, "t1"), *st2, *st3;
+
+    cr_assert_eq(ck_of(st, "version")->valueint, 40);
+    cr_assert_str_eq(ck_of(st, "time")->valuestring, "t1");
+    /* Nobody reports (suspended): kept, with its time. */
+    o.ckpt.version = 0;
+    st2 = reconcile_status(&s, &o, st, "t2");
+    cr_assert_eq(ck_of(st2, "version")->valueint, 40);
+    cr_assert_str_eq(ck_of(st2, "time")->valuestring, "t1");
+    /* A joiner that loaded nothing newer reports less: kept. */
+    o.ckpt.version = 10;
+    st3 = reconcile_status(&s, &o, st2, "t3");
+    cr_assert_eq(ck_of(st3, "version")->valueint, 40);
+    cJSON_Delete(st3);
+    /* The newest was set aside and the members resumed from 30. */
+    o.ckpt = (struct reconcile_ckpt_seen){ .version = 30, .skipped_version = 40,
+                                           .skipped_reason = 2 };
+    st3 = reconcile_status(&s, &o, st2, "t4");
+    cr_assert_eq(ck_of(st3, "version")->valueint, 30);
+    cr_assert_str_eq(ck_of(st3, "time")->valuestring, "t4");
+    cr_assert_eq(cJSON_GetObjectItem(ck_of(st3, "lastSkipped"), "version")->valueint, 40);
+    cr_assert_str_eq(cJSON_GetObjectItem(ck_of(st3, "lastSkipped"), "reason")->valuestring,
+                     "checksum mismatch");
+    cJSON_Delete(st3);
+    cJSON_Delete(st2);
+    cJSON_Delete(st);
+    /* Nothing ever reported: no field. */
+    o.ckpt = (struct reconcile_ckpt_seen){ 0 };
+    st = reconcile_status(&s, &o, NULL, "t");
+    cr_assert_null(cJSON_GetObjectItem(st, "checkpoint"));
+    cJSON_Delete(st);
+}
+
+Test(reconcile, checkpoint_reasons_are_named_as_ckpt_names_them)
+{
+    for (unsigned r = 0; r <= CKPT_REASON_MAX + 1; r++)
+        cr_assert_str_eq(reconcile_ckpt_reason(r), ckpt_reason_str(r), "reason %u", r);
 }

@@ -211,8 +211,21 @@ class PodWorker(threading.Thread):
         return data[key]
 
     def _mounts(self, c):
-        return [(m["mountPath"], self.volumes[m["name"]]) for m in c.spec.get("volumeMounts") or []
+        return [(m["mountPath"], self._mount_source(m)) for m in c.spec.get("volumeMounts") or []
                 if m.get("name") in self.volumes and m.get("mountPath")]
+
+    def _mount_source(self, m):
+        """The real directory behind a volumeMount: the volume's, or its
+        subPath, made when missing as the kubelet makes it."""
+        src = self.volumes[m["name"]]
+        sub = m.get("subPath")
+        if not sub:
+            return src
+        if os.path.isabs(sub) or ".." in sub.split("/"):
+            raise ConfigError("invalid subPath %s" % sub)
+        src = os.path.join(src, sub)
+        os.makedirs(src, exist_ok=True)
+        return src
 
     def _host_env(self, c):
         """What a process takes from the kubelet's environment and its
@@ -221,7 +234,7 @@ class PodWorker(threading.Thread):
         for m in c.spec.get("volumeMounts") or []:
             if m.get("name") in self.volumes:
                 env["COHORT_VOLUME_" + m["name"].upper().replace("-", "_")] = \
-                    self.volumes[m["name"]]
+                    self._mount_source(m)
         return env
 
     def _paths(self, c, text):
@@ -289,6 +302,9 @@ class PodWorker(threading.Thread):
             if "hostPath" in v:
                 self.volumes[name] = v["hostPath"].get("path", "/")
                 continue
+            if "persistentVolumeClaim" in v:
+                self.volumes[name] = self._claim_dir(v["persistentVolumeClaim"])
+                continue
             d = os.path.join(self.pod_dir, "volumes", name)
             os.makedirs(d, exist_ok=True)
             self.volumes[name] = d
@@ -296,6 +312,19 @@ class PodWorker(threading.Thread):
                                           ("secrets", "secret", "secretName")):
                 if field in v:
                     self._fill_volume(d, kind, v[field], ref_name)
+
+    def _claim_dir(self, src):
+        """A persistentVolumeClaim as a directory of this node's that
+        outlives the pods, one per namespace and claim name: no
+        PersistentVolumeClaim object is read, nothing is bound or
+        provisioned, capacity and access modes are not enforced, and the
+        data is on this node alone (docs/operator.md)."""
+        claim = src.get("claimName") or ""
+        if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", claim):
+            raise ConfigError("invalid claimName %r" % claim)
+        d = os.path.join(self.k.state_dir, "claims", self.ns, claim)
+        os.makedirs(d, exist_ok=True)
+        return d
 
     def _fill_volume(self, d, kind, src, ref_name):
         """Writes a ConfigMap's or Secret's keys as files, with the
