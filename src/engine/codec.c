@@ -106,12 +106,19 @@ INLINE float int8_encode_block(int8_t *restrict q, const float *restrict x, size
         b.u--;
         s = b.f;
     }
+    /* Two passes, and the clamp on integers: gcc vectorises them for
+     * SSE2 and AVX2 only so (float selects stay branches there). |x| <=
+     * max|x| keeps |x / s| within a rounding of 127, so the rounding trick
+     * and the conversion are exact; rounding first and clamping after is
+     * the same as the other way round. */
+    int32_t t[CODEC_INT8_BLOCK];
+    for (size_t i = 0; i < len; i++)
+        t[i] = (int32_t)((x[i] / s + MAGIC) - MAGIC);
     for (size_t i = 0; i < len; i++) {
-        float v = x[i] / s;
-        v = v > QMAX ? QMAX : v;
-        v = v < -QMAX ? -QMAX : v;
-        v = (v + MAGIC) - MAGIC;
-        q[i] = (int8_t)(int32_t)v;
+        int32_t v = t[i];
+        v = v > 127 ? 127 : v;
+        v = v < -127 ? -127 : v;
+        q[i] = (int8_t)v;
     }
     return s;
 }
@@ -122,6 +129,19 @@ INLINE void int8_decode_block(float *restrict d, const int8_t *restrict q, float
         d[i] = (float)q[i] * s;
 }
 
+/* Whole blocks get functions of their own: called as block(..., len) in
+ * a branch where len == CODEC_INT8_BLOCK, gcc merges the two calls into
+ * one with a variable length and vectorises neither. */
+INLINE float int8_encode_whole(int8_t *restrict q, const float *restrict x)
+{
+    return int8_encode_block(q, x, CODEC_INT8_BLOCK);
+}
+
+INLINE void int8_decode_whole(float *restrict d, const int8_t *restrict q, float s)
+{
+    int8_decode_block(d, q, s, CODEC_INT8_BLOCK);
+}
+
 INLINE void int8_encode_any(void *restrict dst, const float *restrict src, size_t n)
 {
     uint8_t *scales = dst;
@@ -129,7 +149,7 @@ INLINE void int8_encode_any(void *restrict dst, const float *restrict src, size_
 
     for (size_t i = 0, k = 0; i < n; i += CODEC_INT8_BLOCK, k++) {
         size_t len = n - i < CODEC_INT8_BLOCK ? n - i : CODEC_INT8_BLOCK;
-        float s = len == CODEC_INT8_BLOCK ? int8_encode_block(q + i, src + i, CODEC_INT8_BLOCK)
+        float s = len == CODEC_INT8_BLOCK ? int8_encode_whole(q + i, src + i)
                                           : int8_encode_block(q + i, src + i, len);
         memcpy(scales + 4 * k, &s, 4);
     }
@@ -146,7 +166,7 @@ INLINE void int8_decode_any(float *restrict dst, const void *restrict src, size_
 
         memcpy(&s, scales + 4 * k, 4);
         if (len == CODEC_INT8_BLOCK)
-            int8_decode_block(dst + i, q + i, s, CODEC_INT8_BLOCK);
+            int8_decode_whole(dst + i, q + i, s);
         else
             int8_decode_block(dst + i, q + i, s, len);
     }
