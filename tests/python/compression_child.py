@@ -1,11 +1,12 @@
 """One of two members reducing gradients with each codec in turn:
 
-    compression_child.py ADDRESS INDEX
+    compression_child.py ADDRESS INDEX [CASE,...]
 
-Joins the broker at ADDRESS (cohort "comp", the node in this process),
-waits for the second member, then runs one round per case of CASES:
-"none", "fp16", "bf16", "int8", and "mixed" (member 0 asks for fp16,
-member 1 for int8: the members disagree). Gradients are 100,003 float32
+Joins the broker at ADDRESS (cohort "comp", the node in this process), or
+its sidecar ("unix:PATH"), waits for the second member, then runs one
+round per case (default: "none", "fp16", "bf16", "int8", and "mixed":
+member 0 asks for fp16, member 1 for int8, so the members disagree;
+"default" asks for nothing, leaving the sidecar's --compression). Gradients are 100,003 float32
 values (400 KB: more than the 256 KiB a fused step carries), different on
 each member and none of them a float16 value. Prints one JSON line per
 round: the codec, a SHA-256 of the result's bytes, the largest error
@@ -24,7 +25,8 @@ from cohorttest import DEADLINE, wait_until
 
 ADDRESS, INDEX = sys.argv[1], int(sys.argv[2])
 N = 100003
-CASES = ["none", "fp16", "bf16", "int8", "mixed"]
+CASES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "fp16", "bf16", "int8",
+                                                           "mixed"]
 
 
 def step(acc):
@@ -63,8 +65,8 @@ wait(acc, lambda: acc.connected() and acc.size() == 2 and acc.wants_gradients(),
      "both members in")
 acc.set_virtual_batch_size(2)
 for r, case in enumerate(CASES):
-    codec = case if case != "mixed" else ("fp16" if INDEX == 0 else "int8")
-    acc.set_compression(codec)
+    if case != "default":
+        acc.set_compression(case if case != "mixed" else ("fp16" if INDEX == 0 else "int8"))
     mine = grads(INDEX, r)
     acc.gradients().copy_(mine)
     acc.reduce_gradients(1)
@@ -79,7 +81,7 @@ for r, case in enumerate(CASES):
         "max_err": float((got.double() - exact).abs().max()),
         "max_abs": float(torch.maximum(g0.abs(), g1.abs()).max()),
         "uncompressed": bool(torch.equal(got, f32)),
-        "representable": representable(got, case),
+        "representable": {c: representable(got, c) for c in ("fp16", "bf16")},
         "num_gradients": acc.get_gradient_stats()["num_gradients"],
     }), flush=True)
     acc.zero_gradients()
