@@ -50,9 +50,11 @@
  * every member asked for c (m x sum of squares = square of the sum holds
  * only when all are equal); otherwise, when members disagree, it runs
  * uncompressed, which is always correct, and each member logs that once.
- * The fused step carries exact counters, so it is never compressed: small
- * gradients (FUSE_MAX) gain nothing from it anyway. Only float32
- * gradients are compressed.
+ * The fused step carries exact counters, so it is never compressed, and
+ * gradients that fit one (FUSE_MAX) are not compressed in unfused rounds
+ * either, so that a setting gives the same results whichever rounds
+ * fuse; they gain nothing from it anyway. Only float32 gradients are
+ * compressed.
  *
  * Parallel gradients (n > 1): a contribution is copied into one of n
  * private slots and the trainer's gradients are zeroed, so the trainer
@@ -593,7 +595,9 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads, enum codec 
     }
     return allreduce_run_codec(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
                                DTYPE_AVG_BY, (double)grads,
-                               codec_supports(codec, n->t.grad_type) ? codec : CODEC_NONE,
+                               codec_supports(codec, n->t.grad_type) && bytes > FUSE_MAX
+                                   ? codec
+                                   : CODEC_NONE,
                                round_of(n));
 }
 
