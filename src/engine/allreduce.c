@@ -30,12 +30,12 @@
  *
  * Between them the connections (conn.c) move opaque bytes of the length
  * the frame header states, and that length is the one the stage returned.
- * A codec (compression) plugs in there: it encodes in the stage into a
- * staging slot and returns the encoded length, and decodes in the combine.
- * Two things it has to change besides: the length a receive expects
- * (ring_recv_start, exchange's rlen) becomes a bound, and the all-gather
- * and the result an extra doubling member gets back, which today land in
- * the user buffer untouched, must land in a slot and be decoded too.
+ * A codec (codec.h, allreduce_run_codec) plugs in there: the stage
+ * encodes into a staging slot and returns the encoded length, the combine
+ * decodes, and the length a receive expects is the codec's for the
+ * element count (still exact: every codec is fixed-length). In a coded
+ * call the all-gather and the result an extra doubling member gets back
+ * land in a slot and are decoded too (ring.c, doubling.c).
  *
  * THRESHOLDS
  *

@@ -168,7 +168,8 @@ static bool ring_send_ready(const struct ring *g)
  * send cursor's unit and sets *bytes to their wire length. Step 0 sends
  * our own contribution; every later step sends a partial sum or a result,
  * which live in buf, except that 16-bit partial sums travel as float32
- * from a staging slot (g->tx_slot, freed once sent). */
+ * from a staging slot (g->tx_slot, freed once sent), and coded calls send
+ * every later step from its slot, encoded. */
 static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
 {
     const struct cursor *s = &g->s;
@@ -249,10 +250,6 @@ static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
     return true;
 }
 
-/* Where a received payload is combined: a reduce-scatter segment arrived
- * in g->rx_slot, so fold our own data in. At the last reduce-scatter step
- * the segment is final here: scale it (avg) and, for 16-bit types, round
- * it into the user buffer. An all-gather segment is already in place. */
 /* The coded half of ring_combine: see the top of the file. */
 static void ring_combine_coded(struct run *x, struct ring *g)
 {
@@ -286,6 +283,10 @@ static void ring_combine_coded(struct run *x, struct ring *g)
     g->fifo_len++;
 }
 
+/* Where a received payload is combined: a reduce-scatter segment arrived
+ * in g->rx_slot, so fold our own data in. At the last reduce-scatter step
+ * the segment is final here: scale it (avg) and, for 16-bit types, round
+ * it into the user buffer. An all-gather segment is already in place. */
 static void ring_combine(struct run *x, struct ring *g)
 {
     const struct cursor *q = &g->q;
