@@ -34,8 +34,12 @@ static const char usage[] =
     "listener on 127.0.0.1, forms one epoch by hand and times in-place\n"
     "all-reduces for each size. Prints per size: peers, bytes, time_ms (mean\n"
     "per all-reduce, slowest member), algbw_gbs (bytes/time), busbw_gbs\n"
-    "(algbw * 2(N-1)/N), in GB/s of 10^9 bytes, as nccl-tests does, and the\n"
-    "integrity setting.\n"
+    "(algbw * 2(N-1)/N), in GB/s of 10^9 bytes, as nccl-tests does, the\n"
+    "integrity setting, the codec, and wire_bytes: the payload bytes one\n"
+    "member sends per all-reduce, 2(N-1) chunks of bytes/N through the codec\n"
+    "(frame headers left out; both algorithms send about that, the ring\n"
+    "exactly that). busbw counts the uncompressed bytes, so a codec's\n"
+    "gain shows as a higher busbw.\n"
     "\n"
     "  --peers N          members (default 2, at most 64)\n"
     "  --bytes SIZE       buffer size; K, M, G suffixes (powers of 1024); may be\n"
@@ -50,6 +54,8 @@ static const char usage[] =
     "  --integrity none|mac  none (default): members prove a key (generated for\n"
     "                     the run) when they connect; mac: every frame carries\n"
     "                     a MAC too, as cohort-sidecar --integrity mac\n"
+    "  --codec C          none (default), fp16, bf16 or int8: payloads on the\n"
+    "                     wire encoded, float32 accumulation (f32 only)\n"
     "  -o, --output FMT   table (default) or json (one object per line)\n"
     "  -h, --help         show this text\n";
 
@@ -64,6 +70,7 @@ struct bench {
     uint64_t timeout_ms;
     bool json;
     bool integrity;
+    enum codec codec;
     struct secret key;          /* generated for the run */
     int listen_fds[MAX_PEERS];
     char addrs[MAX_PEERS][64];
@@ -173,10 +180,10 @@ static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
         if (r.rc == 0) {
             fill(buf, b->type, count, me);
             for (uint64_t j = 0; j < w && r.rc == 0; j++)
-                r.rc = allreduce_run(ar, h, count, b->type, b->op, 1, ++round);
+                r.rc = allreduce_run_codec(ar, h, h, count, b->type, b->op, 1, b->codec, ++round);
             t0 = clock_now_us();
             for (uint64_t j = 0; j < k && r.rc == 0; j++)
-                r.rc = allreduce_run(ar, h, count, b->type, b->op, 1, ++round);
+                r.rc = allreduce_run_codec(ar, h, h, count, b->type, b->op, 1, b->codec, ++round);
             r.mean_ms = (double)(clock_now_us() - t0) / 1000.0 / (double)k;
         }
         if (!write_all(out, &r, sizeof(r)))
@@ -202,14 +209,20 @@ static void print_row(const struct bench *b, uint64_t bytes, double ms)
     double busbw = algbw * 2.0 * (double)(b->peers - 1) / (double)b->peers;
 
     const char *integrity = b->integrity ? "mac" : "none";
+    size_t count = bytes / dtype_size(b->type);
+    uint64_t wire = b->peers < 2 ? 0
+                    : 2 * (b->peers - 1) *
+                          (b->codec == CODEC_NONE ? bytes / b->peers
+                                                  : codec_bytes(b->codec, count / b->peers));
 
     if (b->json)
         printf("{\"peers\":%zu,\"bytes\":%" PRIu64 ",\"time_ms\":%.4f,\"algbw_gbs\":%.4f,"
-               "\"busbw_gbs\":%.4f,\"integrity\":\"%s\"}\n",
-               b->peers, bytes, ms, algbw, busbw, integrity);
+               "\"busbw_gbs\":%.4f,\"integrity\":\"%s\",\"codec\":\"%s\","
+               "\"wire_bytes\":%" PRIu64 "}\n",
+               b->peers, bytes, ms, algbw, busbw, integrity, codec_name(b->codec), wire);
     else
-        printf("%6zu %12" PRIu64 " %11.4f %10.3f %10.3f %9s\n", b->peers, bytes, ms, algbw, busbw,
-               integrity);
+        printf("%6zu %12" PRIu64 " %11.4f %10.3f %10.3f %9s %5s %12" PRIu64 "\n", b->peers, bytes,
+               ms, algbw, busbw, integrity, codec_name(b->codec), wire);
     fflush(stdout);
 }
 
@@ -224,6 +237,7 @@ static int parse_args(struct bench *b, int argc, char **argv)
         { "segment", required_argument, NULL, 's' }, { "small", required_argument, NULL, 'S' },
         { "timeout", required_argument, NULL, 't' }, { "output", required_argument, NULL, 'o' },
         { "integrity", required_argument, NULL, 'I' }, { "help", no_argument, NULL, 'h' },
+        { "codec", required_argument, NULL, 'C' },
         { NULL, 0, NULL, 0 },
     };
     const struct option *o;
@@ -280,6 +294,10 @@ static int parse_args(struct bench *b, int argc, char **argv)
                 goto bad;
             b->integrity = strcmp(optarg, "mac") == 0;
             break;
+        case 'C':
+            if (codec_parse(optarg, &b->codec) < 0)
+                goto bad;
+            break;
         case 'o':
             if (strcmp(optarg, "json") == 0)
                 b->json = true;
@@ -293,6 +311,8 @@ static int parse_args(struct bench *b, int argc, char **argv)
             return OPT_EXIT_USAGE;
         }
     }
+    if (!codec_supports(b->codec, b->type))
+        return opt_usage(PROG, "--codec %s needs --dtype f32", codec_name(b->codec));
     return opt_no_operands(PROG, argc, argv, optind);
 bad:
     for (o = opts; o->name && o->val != c; o++)
@@ -369,8 +389,8 @@ int cli_bench_allreduce(int argc, char **argv)
         close(pipes[i][1]);
     }
     if (!b.json)
-        printf("%6s %12s %11s %10s %10s %9s\n", "peers", "bytes", "time_ms", "algbw_gbs",
-               "busbw_gbs", "integrity");
+        printf("%6s %12s %11s %10s %10s %9s %5s %12s\n", "peers", "bytes", "time_ms", "algbw_gbs",
+               "busbw_gbs", "integrity", "codec", "wire_bytes");
     status = 0;
     for (size_t s = 0; s < b.n_sizes; s++) {
         double worst = 0;

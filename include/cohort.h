@@ -201,6 +201,36 @@ int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size);
  * spec.accumulator.parallelGradients), as for the virtual batch size. */
 int cohort_set_parallel_gradients(struct cohort *c, unsigned n);
 
+/* How gradient steps travel between members (the engine's codecs: see
+ * docs/architecture.md, "Compression"). Members accumulate in float32
+ * and every member gets the same bytes; only what crosses the network is
+ * encoded. Values are fixed: they travel in the trainer link. */
+enum cohort_compression {
+    COHORT_COMPRESSION_NONE = 0,    /* float32 as it is (the default) */
+    COHORT_COMPRESSION_FP16 = 1,    /* IEEE half precision, nearest even: half the bytes,
+                                     * relative error 2^-11 per encoding */
+    COHORT_COMPRESSION_BF16 = 2,    /* bfloat16: half the bytes, float32's range,
+                                     * relative error 2^-8 per encoding */
+    COHORT_COMPRESSION_INT8 = 3,    /* 8 bits per value and a float32 scale per block
+                                     * of 256: about a quarter of the bytes, error at
+                                     * most half of max|block| / 127 per encoding */
+};
+
+/* Compresses this member's gradient steps with `codec` from the next
+ * round on. A round is compressed only when every member of it asks for
+ * the same codec; when they differ it runs uncompressed (always correct)
+ * and each member logs it once, so a cohort changes codec by changing
+ * every member. Applies to float32 parameters whose gradients exceed
+ * 256 KiB; smaller ones reduce in one exact step with the round's
+ * counters, and other dtypes are not compressed. A partial sum is
+ * encoded at each hop, so with n members a result carries up to n
+ * encodings' error; the result is itself a value of the codec. A sidecar
+ * may set a default (--compression, from a TrainingCohort's
+ * spec.reduction.compression); this call replaces it for this member.
+ * Returns 0, -EINVAL (unknown codec), -ENOTCONN, or -EPROTO from a
+ * sidecar that predates compression. */
+int cohort_set_compression(struct cohort *c, enum cohort_compression codec);
+
 struct cohort_gradient_stats {
     uint64_t batch_size;        /* of the last committed round */
     uint64_t num_gradients;     /* reduce_gradients calls in it, all members */

@@ -73,6 +73,12 @@ static const char usage[] =
     "                            doubling (up to 64 MiB, the ring beyond). The\n"
     "                            first all-reduce of each logs its name. Needs\n"
     "                            --socket\n"
+    "  --compression CODEC       how gradient steps travel between members: none\n"
+    "                            (default), fp16, bf16 or int8 (8 bits and a\n"
+    "                            scale per 256 values); float32 accumulation. A\n"
+    "                            default: the trainer's set_compression replaces\n"
+    "                            it, and a round is compressed only when every\n"
+    "                            member asks for the same codec. Needs --socket\n"
     "  --checkpoint-dir DIR      keep checkpoints of the cohort's state in DIR\n"
     "                            (created if missing). On start the newest valid\n"
     "                            one ahead of --model-version is loaded (invalid\n"
@@ -138,7 +144,7 @@ out:
 static char *ca;
 
 enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY,
-       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG, O_CKDIR, O_CKEVERY, O_CKINT, O_CKKEEP };
+       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG, O_CKDIR, O_CKEVERY, O_CKINT, O_CKKEEP, O_COMP };
 
 /* Signals go to the main thread only, which waits for them: blocked
  * before gRPC starts its threads, so none of those ever receives one.
@@ -164,11 +170,13 @@ static const char *const algorithm_names[] = {
 };
 
 /* The settings a cohort pins on its trainers (--virtual-batch-size,
- * --parallel-gradients, --allreduce); 0 and auto: not pinned. */
+ * --parallel-gradients, --allreduce); 0 and auto: not pinned. And one it
+ * only defaults (--compression), which the trainer may change. */
 struct pinned {
     uint64_t vbs;
     unsigned parallel;
     enum node_algorithm algorithm;
+    enum codec compression;
 };
 
 /* --checkpoint-*: dir NULL for none. */
@@ -191,6 +199,7 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
                   .integrity_mac = integrity_mac, .tls_ca_pem = mc->tls_ca_pem,
                   .tls_server_name = mc->tls_server_name, .virtual_batch_size = pin->vbs,
                   .parallel_gradients = pin->parallel, .algorithm = pin->algorithm,
+                  .compression = pin->compression,
                   .checkpoint_dir = ck->dir, .checkpoint_every_versions = ck->every,
                   .checkpoint_every_s = ck->interval_s, .checkpoint_keep = ck->keep },
     };
@@ -208,6 +217,7 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
              LF_S("host", host), LF_U("virtual_batch_size", pin->vbs),
              LF_U("parallel_gradients", pin->parallel),
              LF_S("allreduce", algorithm_names[pin->algorithm]),
+             LF_S("compression", codec_name(pin->compression)),
              LF_S("checkpoint_dir", ck->dir ? ck->dir : ""), LF_U("checkpoint_every", ck->every),
              LF_U("checkpoint_interval_s", ck->interval_s));
     while (sigwait(sigs, &sig) != 0)
@@ -236,6 +246,7 @@ int main(int argc, char **argv)
         { "virtual-batch-size", required_argument, NULL, O_VBS },
         { "parallel-gradients", required_argument, NULL, O_PARALLEL },
         { "allreduce", required_argument, NULL, O_ALG },
+        { "compression", required_argument, NULL, O_COMP },
         { "checkpoint-dir", required_argument, NULL, O_CKDIR },
         { "checkpoint-every", required_argument, NULL, O_CKEVERY },
         { "checkpoint-interval", required_argument, NULL, O_CKINT },
@@ -299,6 +310,12 @@ int main(int argc, char **argv)
                                  NODE_PARALLEL_MAX);
             pin.parallel = (unsigned)v;
             pinned = true;
+            break;
+        case O_COMP:
+            if (codec_parse(optarg, &pin.compression) < 0)
+                return opt_usage(PROG, "bad --compression \"%s\": none, fp16, bf16 or int8",
+                                 optarg);
+            pinned = pinned || pin.compression != CODEC_NONE;
             break;
         case O_ALG:
             if (strcmp(optarg, "auto") == 0)
@@ -423,8 +440,8 @@ int main(int argc, char **argv)
     }
     /* Without a trainer there is no accumulator and no data plane. */
     if (pinned || ck.dir)
-        return opt_usage(PROG, "--virtual-batch-size, --parallel-gradients, --allreduce and "
-                         "--checkpoint-dir need --socket");
+        return opt_usage(PROG, "--virtual-batch-size, --parallel-gradients, --allreduce, "
+                         "--compression and --checkpoint-dir need --socket");
     fd = bind_data(listen_addr, host, sizeof(host), &port);
     if (fd < 0)
         return opt_usage(PROG, "cannot listen on --data-listen \"%s\"", listen_addr);

@@ -456,6 +456,9 @@ U64_SETTER(core_set_virtual_batch_size, "virtual batch size", 1, UINT64_MAX,
            cohort_set_virtual_batch_size(c, v))
 U64_SETTER(core_set_parallel_gradients, "parallel gradients", 1, UINT_MAX,
            cohort_set_parallel_gradients(c, (unsigned)v))
+/* COHORT_COMPRESSION_*: accumulator.py maps the names. */
+U64_SETTER(core_set_compression, "compression", COHORT_COMPRESSION_NONE, COHORT_COMPRESSION_INT8,
+           cohort_set_compression(c, (enum cohort_compression)v))
 
 static PyObject *core_close(struct core *self, PyObject *unused)
 {
@@ -642,6 +645,7 @@ static PyMethodDef core_methods[] = {
     { "set_model_version", (PyCFunction)core_set_model_version, METH_O, NULL },
     { "set_virtual_batch_size", (PyCFunction)core_set_virtual_batch_size, METH_O, NULL },
     { "set_parallel_gradients", (PyCFunction)core_set_parallel_gradients, METH_O, NULL },
+    { "set_compression", (PyCFunction)core_set_compression, METH_O, NULL },
     { "connected", (PyCFunction)core_connected, METH_NOARGS, NULL },
     { "wants_state", (PyCFunction)core_wants_state, METH_NOARGS, NULL },
     { "has_new_state", (PyCFunction)core_has_new_state, METH_NOARGS, NULL },

@@ -440,6 +440,29 @@ class Accumulator:
         cohort pins another count (spec.accumulator.parallelGradients)."""
         self._c().set_parallel_gradients(n)
 
+    def set_compression(self, codec):
+        """How this member's gradient steps travel between members from the
+        next round on: "none" (or None, the default), "fp16", "bf16" (half
+        the bytes), or "int8" (8 bits per value and a float32 scale per
+        block of 256: about a quarter). Members accumulate in float32 and
+        every member gets the same bytes; only what crosses the network is
+        encoded, once per hop, so with n members a result carries up to n
+        encodings' error (fp16: relative 2^-11 each; bf16: 2^-8; int8: half
+        of max|block| / 127) and is itself a value of the codec.
+
+        A round is compressed only when every member asks for the same
+        codec; members that differ run it uncompressed and log it once.
+        Only float32 parameters with more than 256 KiB of gradients are
+        compressed (smaller ones reduce in one exact step with the round's
+        counters). A sidecar's --compression (a TrainingCohort's
+        spec.reduction.compression) is the default this replaces. Raises
+        ValueError for another name, cohort.Error when not connected."""
+        names = {None: 0, "none": 0, "fp16": 1, "bf16": 2, "int8": 3}
+        if codec not in names:
+            raise ValueError("compression must be one of none, fp16, bf16, int8, not %r"
+                             % (codec,))
+        self._c().set_compression(names[codec])
+
     def get_gradient_stats(self):
         """Statistics of the last committed round (batch_size,
         num_gradients, num_skipped) and of the run (rounds_committed,

@@ -18,6 +18,7 @@
 
 #include "base/clock.h"
 #include "base/secret.h"
+#include "engine/codec.h"
 #include "engine/dtype.h"
 #include "base/ident.h"
 #include "base/limits.h"
@@ -412,6 +413,20 @@ int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size)
     if (!c->link)
         return -ENOTCONN;
     return settle(c, c->link->ops->set_virtual_batch_size(c->link, size));
+}
+
+/* The public values are the engine's, so they pass through unchanged. */
+_Static_assert(COHORT_COMPRESSION_NONE == (int)CODEC_NONE && COHORT_COMPRESSION_FP16 == (int)CODEC_FP16 &&
+                   COHORT_COMPRESSION_BF16 == (int)CODEC_BF16 && COHORT_COMPRESSION_INT8 == (int)CODEC_INT8,
+               "cohort.h's compression values are engine/codec.h's");
+
+int cohort_set_compression(struct cohort *c, enum cohort_compression codec)
+{
+    if (!codec_valid((int)codec))
+        return -EINVAL;
+    if (!c->link)
+        return -ENOTCONN;
+    return settle(c, c->link->ops->set_compression(c->link, (unsigned)codec));
 }
 
 int cohort_set_parallel_gradients(struct cohort *c, unsigned n)

@@ -87,6 +87,11 @@ static int set_parallel_gradients(struct link *l, unsigned n)
     return node_set_parallel_gradients(node_of(l), n);
 }
 
+static int set_compression(struct link *l, unsigned codec)
+{
+    return node_set_compression(node_of(l), (enum codec)codec);
+}
+
 static void destroy(struct link *l)
 {
     node_stop(node_of(l));
@@ -106,6 +111,7 @@ static const struct link_ops node_ops = {
     .set_model_version = set_model_version,
     .set_virtual_batch_size = set_virtual_batch_size,
     .set_parallel_gradients = set_parallel_gradients,
+    .set_compression = set_compression,
     .destroy = destroy,
 };
 

@@ -222,6 +222,11 @@ static int set_parallel_gradients(struct link *l, unsigned n)
     return call_u64(of(l), TL_SET_PARALLEL, n);
 }
 
+static int set_compression(struct link *l, unsigned codec)
+{
+    return call_u64(of(l), TL_SET_COMPRESSION, codec);
+}
+
 static void destroy(struct link *l)
 {
     lost(of(l));                /* the sidecar's member leaves */
@@ -240,6 +245,7 @@ static const struct link_ops sidecar_ops = {
     .set_model_version = set_model_version,
     .set_virtual_batch_size = set_virtual_batch_size,
     .set_parallel_gradients = set_parallel_gradients,
+    .set_compression = set_compression,
     .destroy = destroy,
 };
 

@@ -42,6 +42,20 @@
  * fused only while the previous round of the epoch committed at its first
  * step. Every member sees the same counts, so all decide alike.
  *
+ * Compression: a gradient step may carry its payload encoded (a codec,
+ * engine/codec.h: fp16, bf16 or int8 on the wire, float32 accumulation).
+ * Every member must make the same call, so the codec is agreed, not
+ * taken on trust: each count step also sums each member's codec and its
+ * square, and a step is compressed with codec c only when the sums say
+ * every member asked for c (m x sum of squares = square of the sum holds
+ * only when all are equal); otherwise, when members disagree, it runs
+ * uncompressed, which is always correct, and each member logs that once.
+ * The fused step carries exact counters, so it is never compressed, and
+ * gradients that fit one (FUSE_MAX) are not compressed in unfused rounds
+ * either, so that a setting gives the same results whichever rounds
+ * fuse; they gain nothing from it anyway. Only float32 gradients are
+ * compressed.
+ *
  * Parallel gradients (n > 1): a contribution is copied into one of n
  * private slots and the trainer's gradients are zeroed, so the trainer
  * computes its next batch while rounds go on. Slots queue in order; each
@@ -76,7 +90,8 @@
 #define PARALLEL_MAX NODE_PARALLEL_MAX
 #define ADD_CHUNK 4096                  /* elements widened at a time */
 #define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
-#define COUNTERS 4                      /* batch, contributions, skips, vbs */
+#define COUNTERS 6                      /* batch, contributions, skips, vbs,
+                                         * codec, codec squared */
 
 enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
 
@@ -115,7 +130,7 @@ struct node {
     int h_grads, h_results, h_params, h_buffers, h_small;
     void *buf_scratch;          /* the leader's buffers, received at a sync round */
     int h_buf_scratch;
-    int64_t small[4];           /* counters and sync words */
+    int64_t small[COUNTERS];    /* counters and sync words */
 
     /* Accumulator state. */
     uint64_t version;
@@ -135,6 +150,8 @@ struct node {
     void *fuse_in, *fuse_out;   /* [gradients | counter digits]; NULL: never fused */
     int h_fuse_in, h_fuse_out;
     bool fuse_next;             /* node thread: the next step is fused */
+    enum codec compression;     /* under lock: what this member asks for */
+    bool codec_split_logged;    /* node thread: members disagree, said once */
     uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
@@ -558,7 +575,7 @@ static void *round_grads(const struct node *n, bool slots)
 /* The gradient step, out of place into the results region (AVG_BY the
  * `grads` contributions). The round's slot is registered on first use,
  * on this thread, as the engine wants. */
-static int gradient_step(struct node *n, bool slots, uint64_t grads)
+static int gradient_step(struct node *n, bool slots, uint64_t grads, enum codec codec)
 {
     size_t bytes = grad_bytes(n);
     int src = n->h_grads;
@@ -576,8 +593,29 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads)
             return sl->h;
         src = sl->h;
     }
-    return allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
-                              DTYPE_AVG_BY, (double)grads, round_of(n));
+    return allreduce_run_codec(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
+                               DTYPE_AVG_BY, (double)grads,
+                               codec_supports(codec, n->t.grad_type) && bytes > FUSE_MAX
+                                   ? codec
+                                   : CODEC_NONE,
+                               round_of(n));
+}
+
+/* The codec the count step's sums agree on (see the top of the file):
+ * the members' common choice, or none when they differ. */
+static enum codec agreed_codec(struct node *n, uint64_t sum, uint64_t sum_sq, enum codec mine)
+{
+    uint64_t m = n->cur->n_members;
+
+    if (sum_sq * m == sum * sum && sum % m == 0 && codec_valid((int)(sum / m))) {
+        n->codec_split_logged = false;
+        return (enum codec)(sum / m);
+    }
+    if (!n->codec_split_logged)
+        log_warn("node", "Members ask for different compression; gradient steps run uncompressed until they agree.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_S("mine", codec_name(mine)));
+    n->codec_split_logged = true;
+    return CODEC_NONE;
 }
 
 /* The count step and the gradient step in one SUM (see the top of the
@@ -609,6 +647,7 @@ static int fused_step(struct node *n, bool slots, uint64_t *c)
 static int run_step(struct node *n)
 {
     uint64_t c[COUNTERS], batch, grads, skips, vbs;
+    enum codec mine;
     size_t bytes = grad_bytes(n);
     int rc;
     bool take, slots, fused;
@@ -623,6 +662,9 @@ static int run_step(struct node *n)
     c[1] = n->acc_grads;
     c[2] = n->acc_skips;
     c[3] = n->vbs;
+    mine = n->compression;
+    c[4] = (uint64_t)mine;
+    c[5] = c[4] * c[4];
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
@@ -662,7 +704,8 @@ static int run_step(struct node *n)
     if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
-    } else if (grads > 0 && (rc = gradient_step(n, slots, grads)) < 0) {
+    } else if (grads > 0 &&
+               (rc = gradient_step(n, slots, grads, agreed_codec(n, c[4], c[5], mine))) < 0) {
         return rc;
     }
     /* Every buffer_sync_rounds commits of this epoch, the leader's buffers
@@ -839,6 +882,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->id = strdup(cfg->id);
     n->version = cfg->model_version;
     n->vbs = cfg->virtual_batch_size ? cfg->virtual_batch_size : 1;
+    n->compression = codec_valid((int)cfg->compression) ? cfg->compression : CODEC_NONE;
     n->parallel = cfg->parallel_gradients ? cfg->parallel_gradients : 1;
     n->round_slot = -1;
     for (int i = 0; i < PARALLEL_MAX; i++)
@@ -1367,6 +1411,16 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size)
     }
     pthread_mutex_lock(&n->lock);
     n->vbs = size;
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
+int node_set_compression(struct node *n, enum codec codec)
+{
+    if (!codec_valid((int)codec))
+        return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    n->compression = codec;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }

@@ -40,6 +40,7 @@
 #include <stdint.h>
 
 #include "base/ident.h"
+#include "engine/codec.h"
 #include "engine/dtype.h"
 
 struct secret;
@@ -80,6 +81,11 @@ struct node_config {
     uint64_t virtual_batch_size;
     unsigned parallel_gradients;    /* 0, or 1 to NODE_PARALLEL_MAX */
     enum node_algorithm algorithm;  /* the engine's all-reduce algorithm */
+    /* How gradient steps compress their payloads until the trainer asks
+     * for another (node_set_compression; a TrainingCohort's
+     * spec.reduction.compression through cohort-sidecar --compression).
+     * A default, not a pin: see node.c, "Compression". */
+    enum codec compression;
     /* Checkpoints (ckpt.h; a TrainingCohort's spec.checkpoint). With a
      * directory, the node loads the newest valid checkpoint there when the
      * trainer registers (if it is ahead of the version the node starts
@@ -188,6 +194,12 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size);
  * virtual batch size), or -EBUSY while contributions are outstanding:
  * change it between rounds. */
 int node_set_parallel_gradients(struct node *n, unsigned count);
+
+/* The codec this member asks its gradient steps to use (engine/codec.h).
+ * A step is compressed only when every member of its round asks for the
+ * same codec, and only for float32 gradients of more than 256 KiB (see
+ * node.c, "Compression"). Returns 0 or -EINVAL (unknown codec). */
+int node_set_compression(struct node *n, enum codec codec);
 
 /* What this node knows of checkpoints, for its member's reports. */
 struct node_checkpoints {

@@ -30,6 +30,7 @@ long tlink_body_size(uint16_t type, bool reply)
     case TL_SET_VERSION:
     case TL_SET_VBS:
     case TL_SET_PARALLEL:
+    case TL_SET_COMPRESSION:
     case TL_CONSUME: return reply ? 0 : (long)sizeof(struct tlink_u64);
     case TL_SET_STATE: return reply ? 0 : (long)sizeof(struct tlink_u64);
     case TL_TAKE_STATE: return reply ? (long)sizeof(struct tlink_u64) : 0;

@@ -39,6 +39,8 @@ enum tlink_type {
     TL_SET_VERSION = 8,
     TL_SET_VBS = 9,
     TL_SET_PARALLEL = 10,
+    TL_SET_COMPRESSION = 11,    /* tlink_u64: an enum codec; a sidecar from before
+                                 * it refuses the type (EPROTO) */
     TL_REPLY = 100,
 };
 

@@ -30,12 +30,12 @@
  *
  * Between them the connections (conn.c) move opaque bytes of the length
  * the frame header states, and that length is the one the stage returned.
- * A codec (compression) plugs in there: it encodes in the stage into a
- * staging slot and returns the encoded length, and decodes in the combine.
- * Two things it has to change besides: the length a receive expects
- * (ring_recv_start, exchange's rlen) becomes a bound, and the all-gather
- * and the result an extra doubling member gets back, which today land in
- * the user buffer untouched, must land in a slot and be decoded too.
+ * A codec (codec.h, allreduce_run_codec) plugs in there: the stage
+ * encodes into a staging slot and returns the encoded length, the combine
+ * decodes, and the length a receive expects is the codec's for the
+ * element count (still exact: every codec is fixed-length). In a coded
+ * call the all-gather and the result an extra doubling member gets back
+ * land in a slot and are decoded too (ring.c, doubling.c).
  *
  * THRESHOLDS
  *
@@ -211,7 +211,7 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
     rc = -ENOMEM;
     a->cohort = strdup(cfg->cohort);
     a->id = strdup(cfg->member_id);
-    a->stage = malloc((SLOTS + 1) * seg);
+    a->stage = malloc((SLOTS + 2) * seg);
     if (!a->cohort || !a->id || !a->stage)
         goto err_alloc;
     if (small != ALLREDUCE_SMALL_NONE) {
@@ -331,6 +331,10 @@ static void run_alone(struct run *x)
 
     if (!x->wide) {
         dtype_scale(x->acc, x->buf, x->count, x->div);
+        /* The result is what a cohort would give: decode(encode(r)). */
+        for (size_t i = 0; x->coded && i < x->count; i += seg)
+            codec_round_trip(x->codec, (float *)x->buf + i, x->a->stage,
+                             x->count - i < seg ? x->count - i : seg);
         return;
     }
     for (size_t i = 0; i < x->count && x->div != 1; i += seg) {
@@ -383,7 +387,10 @@ static const struct algorithm algorithms[] = {
  * beyond. */
 static const struct algorithm *choose_algorithm(const struct allreduce *a, const struct run *x)
 {
-    bool small = a->small_bytes != ALLREDUCE_SMALL_NONE && x->count <= a->small_bytes / x->asz;
+    /* Coded, the scratch must hold the encoded buffer too (int8 of one
+     * element is 5 bytes). */
+    bool small = a->small_bytes != ALLREDUCE_SMALL_NONE && x->count <= a->small_bytes / x->asz &&
+                 (!x->coded || codec_bytes(x->codec, x->count) <= a->small_bytes);
 
     return &algorithms[small ? ALGORITHM_DOUBLING : ALGORITHM_RING];
 }
@@ -461,12 +468,19 @@ int allreduce_run(struct allreduce *a, int handle, size_t count, enum dtype type
 int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                        enum dtype_op op, double denominator, uint64_t round)
 {
+    return allreduce_run_codec(a, in, out, count, type, op, denominator, CODEC_NONE, round);
+}
+
+int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                        enum dtype_op op, double denominator, enum codec codec, uint64_t round)
+{
     struct run x = { .a = a, .round = round, .count = count, .type = type, .op = op,
-                     .div = denominator, .fail_peer = SIZE_MAX };
+                     .div = denominator, .codec = codec, .coded = codec != CODEC_NONE,
+                     .fail_peer = SIZE_MAX };
     int rc;
 
     if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
-        !dtype_op_valid((int)op))
+        !dtype_op_valid((int)op) || !codec_valid((int)codec) || !codec_supports(codec, type))
         return -EINVAL;
     x.esz = dtype_size(type);
     x.acc = dtype_acc(type);

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "base/secret.h"
+#include "engine/codec.h"
 #include "engine/dtype.h"
 #include "membership/epoch.h"
 
@@ -153,6 +154,22 @@ int allreduce_run(struct allreduce *a, int handle, size_t count, enum dtype type
  * either registration. */
 int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                        enum dtype_op op, double denominator, uint64_t round);
+
+/* allreduce_run_into with the payloads compressed by `codec`
+ * (engine/codec.h), which every member must give alike: data on the wire
+ * is encoded, accumulation is float32, and the result is identical on
+ * every member. The result is decode(encode(r)) of the float32 reduction
+ * r (the member that finishes a chunk keeps the decoded bytes of what it
+ * sends), so every result value is one the codec represents; partial
+ * sums are encoded at every hop, so with n members an element carries up
+ * to n - 1 encodings in its sum and one at the end. The algorithm is
+ * chosen as without a codec (by uncompressed bytes). CODEC_NONE is
+ * allreduce_run_into. Same returns; -EINVAL also for an unknown codec or
+ * one that does not take the type (codec_supports: only float32); -EPROTO
+ * also when a member's frames name another codec, which both ends log
+ * with the two codecs. */
+int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                        enum dtype_op op, double denominator, enum codec codec, uint64_t round);
 
 /* True while a run is in flight (for status and tests). */
 bool allreduce_busy(const struct allreduce *a);

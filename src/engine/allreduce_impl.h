@@ -19,6 +19,7 @@
 
 #include "base/ident.h"
 #include "base/secret.h"
+#include "engine/codec.h"
 #include "engine/dtype.h"
 #include "engine/peerauth.h"
 #include "engine/peerwire.h"
@@ -28,12 +29,15 @@
  * writes it. */
 #define COMPONENT "allreduce"
 
-/* Segments per chunk per window for 16-bit types, and the staging slots
- * that makes necessary: see ring.c. */
+/* Segments per chunk per window for 16-bit types and coded calls, and the
+ * staging slots that makes necessary: see ring.c. Behind the slots the
+ * staging area has a spare segment (SLOTS: what step 0 sends, widened or
+ * encoded) and a scratch one (SCRATCH: a coded segment decoded). */
 #ifndef WINDOW_UNITS_WIDE
 #define WINDOW_UNITS_WIDE 4
 #endif
 #define SLOTS (WINDOW_UNITS_WIDE + 2)
+#define SCRATCH (SLOTS + 1)
 
 #define MAX_PENDING 64          /* accepted connections still greeting */
 #define PENDING_PER_SOURCE 16   /* of those, from one source address */
@@ -153,7 +157,7 @@ struct allreduce {
 
     /* The caller thread's. */
     uint64_t serial;            /* connections dialled so far */
-    uint8_t *stage;             /* SLOTS + 1 segments */
+    uint8_t *stage;             /* SLOTS + 2 segments */
     uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
 };
@@ -174,6 +178,8 @@ struct run {
     const uint8_t *src;         /* this member's contribution: buf, or a buffer never written */
     size_t esz, asz;            /* user and accumulation element sizes */
     bool wide;                  /* 16-bit float: accumulate in float32 */
+    enum codec codec;           /* how payloads travel (float32 only) */
+    bool coded;                 /* codec != CODEC_NONE */
     size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
     /* fail_peer's socket itself closed or reset, with no BYE before: its
      * process died (or its host went away), not a failed call of its own. */

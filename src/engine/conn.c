@@ -354,12 +354,25 @@ static int check_header(struct run *x, struct conn *c)
         what = "another round";
     else if (f.count != w->count || f.dtype != w->dtype || f.op != w->op)
         what = "another count, type or op";
+    else if (f.codec != w->codec)
+        what = "another codec";
     else if (f.phase != w->phase || f.step != w->step || f.offset != w->offset ||
              f.length != w->length)
         what = "a segment other than the one due";
     if (!what)
         return c->sealed && peerauth_stream_begin(&c->rx_mac, c->rx_hdr) < 0 ? bad_tag(x, c, &f)
                                                                               : 0;
+    if (what && strcmp(what, "another codec") == 0) {
+        /* The one mismatch a setting causes rather than a bug or a lie:
+         * say both sides' codecs, so the operator sees which to align. */
+        log_error(COMPONENT, "Refused a peer's frame: it compresses with another codec.",
+                  LF_S("cohort", x->a->cohort), LF_S("peer", x->e->members[c->peer].id),
+                  LF_S("ours", codec_name(x->codec)),
+                  LF_S("theirs", codec_valid(f.codec) ? codec_name((enum codec)f.codec)
+                                                      : "unknown"),
+                  LF_U("epoch", f.epoch), LF_U("round", f.round));
+        return -EPROTO;
+    }
     log_warn(COMPONENT, "Dropped a frame that does not match the call.",
              LF_S("cohort", x->a->cohort), LF_S("peer", x->e->members[c->peer].id),
              LF_S("reason", what), LF_U("epoch", f.epoch), LF_U("round", f.round),
@@ -489,7 +502,7 @@ struct peerwire_frame conn_frame(const struct run *x, uint8_t phase, uint32_t st
                                     .cohort = x->a->cohort_hash, .epoch = x->e->number,
                                     .round = x->round, .offset = offset, .count = x->count,
                                     .dtype = (uint8_t)x->type, .op = (uint8_t)x->op,
-                                    .phase = phase, .step = step };
+                                    .phase = phase, .codec = (uint8_t)x->codec, .step = step };
 }
 
 /* --- connecting --------------------------------------------------------- */

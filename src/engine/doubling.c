@@ -12,7 +12,15 @@
  * makes once at the start, and every payload that arrives is folded in by
  * rd_combine(): recursive doubling's half of the codec seam described in
  * allreduce.c. (The result an extra member gets back at the end moves in
- * the user's type and lands in place, like the ring's all-gather.) */
+ * the user's type and lands in place, like the ring's all-gather.)
+ *
+ * A coded call (float32 with a codec, engine/codec.h) is doubling_coded():
+ * partners must compute the same bytes, so before each exchange a member
+ * replaces its accumulator with decode(encode(acc)) and sends those
+ * encoded bytes, and each combines the two decoded values, lower group
+ * first. The finished result goes through the codec once more, which the
+ * extra members get encoded, so that every member holds decode(encode(r))
+ * as in the ring. */
 #include "engine/doubling.h"
 
 #include <errno.h>
@@ -163,6 +171,64 @@ size_t doubling_needs(size_t n, size_t me, size_t *need)
     return k;
 }
 
+/* Receives a coded payload into rd_b and decodes it into rd_a (free by
+ * then: what was sent from it has gone). */
+static int coded_exchange(struct run *x, struct conn *to, struct conn *from, size_t wire,
+                          uint32_t step)
+{
+    struct allreduce *a = x->a;
+    int rc = exchange(x, to, a->rd_a, to ? wire : 0, from, a->rd_b, from ? wire : 0, step);
+
+    if (rc == 0 && from)
+        codec_decode(x->codec, (float *)a->rd_a, a->rd_b, x->count);
+    return rc;
+}
+
+static int doubling_coded(struct run *x)
+{
+    struct allreduce *a = x->a;
+    struct rd_shape s = rd_shape(x->n);
+    size_t r = x->me, wire = codec_bytes(x->codec, x->count), v;
+    float *acc = (float *)x->buf;
+    uint32_t step = 1;
+    int rc;
+
+    if (r < 2 * s.rem && r % 2 == 0) {
+        struct conn *c = a->conns[r + 1];
+
+        codec_encode(x->codec, a->rd_a, acc, x->count);
+        rc = exchange(x, c, a->rd_a, wire, NULL, NULL, 0, 0);
+        if (rc == 0)
+            rc = exchange(x, NULL, NULL, 0, c, a->rd_b, wire, UINT32_MAX);
+        if (rc == 0)
+            codec_decode(x->codec, acc, a->rd_b, x->count);
+        return rc;
+    }
+    if (r < 2 * s.rem) {
+        rc = coded_exchange(x, NULL, a->conns[r - 1], wire, 0);
+        if (rc < 0)
+            return rc;
+        rd_combine(x, acc, a->rd_a, false);
+        v = r / 2;
+    } else {
+        v = r - s.rem;
+    }
+    for (size_t mask = 1; mask < s.p2; mask <<= 1, step++) {
+        struct conn *c = a->conns[rd_real(s, v ^ mask)];
+
+        codec_round_trip(x->codec, acc, a->rd_a, x->count);
+        rc = coded_exchange(x, c, c, wire, step);
+        if (rc < 0)
+            return rc;
+        rd_combine(x, acc, a->rd_a, v < (v ^ mask));
+    }
+    dtype_scale(DTYPE_F32, acc, x->count, x->div);
+    codec_round_trip(x->codec, acc, a->rd_a, x->count);
+    if (r < 2 * s.rem)
+        return exchange(x, a->conns[r - 1], a->rd_a, wire, NULL, NULL, 0, UINT32_MAX);
+    return 0;
+}
+
 int doubling_run(struct run *x)
 {
     struct allreduce *a = x->a;
@@ -173,6 +239,8 @@ int doubling_run(struct run *x)
     uint32_t step = 1;
     int rc;
 
+    if (x->coded)
+        return doubling_coded(x);
     if (r < 2 * s.rem && r % 2 == 0) {
         /* An extra member: hand our data over, get the result back. */
         struct conn *c = a->conns[r + 1];

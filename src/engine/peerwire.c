@@ -153,7 +153,7 @@ void peerwire_frame_encode(uint8_t *b, const struct peerwire_frame *f)
     b[48] = f->dtype;
     b[49] = f->op;
     b[50] = f->phase;
-    b[51] = 0;
+    b[51] = f->codec;
     peerwire_put32(b + 52, f->step);
 }
 
@@ -171,6 +171,7 @@ int peerwire_frame_decode(const uint8_t *b, size_t len, struct peerwire_frame *f
     f->dtype = b[48];
     f->op = b[49];
     f->phase = b[50];
+    f->codec = b[51];
     f->step = peerwire_get32(b + 52);
     return f->magic == PEERWIRE_FRAME_DATA || f->magic == PEERWIRE_FRAME_BYE ? 0 : -EPROTO;
 }

@@ -84,10 +84,13 @@ struct peerwire_hello {
 /* FRAME header, PEERWIRE_FRAME_BYTES, before every payload:
  *   0  u32 magic (DATA or BYE)   32 u64 offset (first element)
  *   4  u32 payload length        40 u64 count
- *   8  u64 cohort hash           48 u8 dtype, u8 op, u8 phase, u8 0
+ *   8  u64 cohort hash           48 u8 dtype, u8 op, u8 phase, u8 codec
  *   16 u64 epoch                 52 u32 step (data) or errno (bye)
  *   24 u64 round
  * A BYE has no payload; it says the sender is leaving the call and why.
+ * `codec` (engine/codec.h) says how the payload's floats are encoded; 0,
+ * none, is what peers before codecs wrote into this then reserved byte,
+ * so they and uncompressed calls agree.
  * With --integrity mac a tag of PEERWIRE_TAG_BYTES follows the header, then
  * the payload: the MAC of header and payload (engine/peerauth.h). */
 struct peerwire_frame {
@@ -95,6 +98,7 @@ struct peerwire_frame {
     uint32_t length;
     uint64_t cohort, epoch, round, offset, count;
     uint8_t dtype, op, phase;
+    uint8_t codec;              /* enum codec; 0 in a BYE */
     uint32_t step;              /* the errno, in a BYE */
 };
 
@@ -131,14 +135,13 @@ const char *peerwire_hello_early(const uint8_t *b, size_t got);
  * string, also for reasons this version does not know. */
 const char *peerwire_refusal_text(uint8_t reason);
 
-/* Writes f's header into b[0..PEERWIRE_FRAME_BYTES); the reserved byte is
- * written 0. */
+/* Writes f's header into b[0..PEERWIRE_FRAME_BYTES). */
 void peerwire_frame_encode(uint8_t *b, const struct peerwire_frame *f);
 
 /* Reads a header from b[0..len) into *f. Returns 0 for a data frame or a
  * BYE, -EPROTO for any other magic, -EINVAL when len is short of a whole
  * header (*f untouched). On -EPROTO *f is filled all the same, for the
- * log line. The reserved byte is not read. Fields are not judged: which
+ * log line. Fields are not judged: which
  * frame is due is the receiver's to know (conn.c). */
 int peerwire_frame_decode(const uint8_t *b, size_t len, struct peerwire_frame *f);
 

@@ -36,7 +36,22 @@
  * cannot hold all around the ring at once, so the ring cannot deadlock on
  * slots. Other types reduce into the user buffer and free their slot at
  * once, so their windows can be longer: more slack when members share
- * cores. */
+ * cores.
+ *
+ * A coded call (a codec, engine/codec.h; float32 only) moves encoded
+ * segments in both halves and accumulates in float32 in the user buffer.
+ * Step 0 encodes our contribution into the spare slot. A reduce-scatter
+ * segment that arrives is decoded (into the scratch segment), combined
+ * with ours into the user buffer, and encoded back into its slot to be
+ * forwarded; at the last reduce-scatter step the owner scales the sum,
+ * encodes it into the slot and decodes that back into the user buffer,
+ * so that its own copy is the bytes every other member will decode. An
+ * all-gather segment is decoded into the user buffer and its slot is
+ * forwarded as it came, never encoded again (int8 is not idempotent),
+ * except at the last step, which nobody forwards. So every slot that is
+ * not the last step's is queued to be sent, in the order received, which
+ * is the order of the sends that forward them: the 16-bit scheme above,
+ * extended to the all-gather, with the same window length and slots. */
 #include "engine/ring.h"
 
 #include <errno.h>
@@ -153,7 +168,8 @@ static bool ring_send_ready(const struct ring *g)
  * send cursor's unit and sets *bytes to their wire length. Step 0 sends
  * our own contribution; every later step sends a partial sum or a result,
  * which live in buf, except that 16-bit partial sums travel as float32
- * from a staging slot (g->tx_slot, freed once sent). */
+ * from a staging slot (g->tx_slot, freed once sent), and coded calls send
+ * every later step from its slot, encoded. */
 static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
 {
     const struct cursor *s = &g->s;
@@ -161,6 +177,17 @@ static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
 
     *bytes = s->len * x->esz;
     g->tx_slot = -1;
+    if (x->coded) {
+        *bytes = codec_bytes(x->codec, s->len);
+        if (s->t == 0) {
+            codec_encode(x->codec, slot_ptr(x, SLOTS), (const float *)src, s->len);
+            return slot_ptr(x, SLOTS);
+        }
+        g->tx_slot = g->fifo[g->fifo_head];
+        g->fifo_head = (g->fifo_head + 1) % SLOTS;
+        g->fifo_len--;
+        return slot_ptr(x, g->tx_slot);
+    }
     if (x->wide && s->t < x->n - 1) {
         *bytes = s->len * x->asz;
         if (s->t == 0) {
@@ -191,7 +218,9 @@ static void ring_send_start(struct run *x, struct ring *g, struct conn *c)
 
 /* Starts the next receive if it has somewhere to land: a free staging
  * slot in the reduce-scatter (ring_combine takes it from there), the
- * user buffer in the all-gather. */
+ * user buffer in the all-gather; a slot for both when coded. The length
+ * it expects is the codec's for the segment's element count, so a frame
+ * of any other length fails the call. */
 static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
 {
     const struct cursor *q = &g->q;
@@ -200,7 +229,7 @@ static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
     void *dst;
     size_t bytes;
 
-    if (rs) {
+    if (rs || x->coded) {
         int slot = -1;
 
         for (int i = 0; i < SLOTS && slot < 0; i++)
@@ -211,7 +240,7 @@ static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
         g->slot_busy[slot] = true;
         g->rx_slot = slot;
         dst = slot_ptr(x, slot);
-        bytes = q->len * x->asz;
+        bytes = x->coded ? codec_bytes(x->codec, q->len) : q->len * x->asz;
     } else {
         dst = x->buf + q->base * x->esz;
         bytes = q->len * x->esz;
@@ -219,6 +248,39 @@ static bool ring_recv_start(struct run *x, struct ring *g, struct conn *c)
     f = conn_frame(x, rs ? PEERWIRE_PHASE_RS : PEERWIRE_PHASE_AG, (uint32_t)q->t, q->base, bytes);
     conn_rx_start(c, &f, dst);
     return true;
+}
+
+/* The coded half of ring_combine: see the top of the file. */
+static void ring_combine_coded(struct run *x, struct ring *g)
+{
+    const struct cursor *q = &g->q;
+    uint8_t *slot = slot_ptr(x, g->rx_slot);
+    float *dst = (float *)x->buf + q->base;
+
+    if (q->t < x->n - 1) {
+        float *got = (float *)slot_ptr(x, SCRATCH);
+
+        codec_decode(x->codec, got, slot, q->len);
+        if (x->src != x->buf)
+            dtype_combine_into(DTYPE_F32, x->op, dst, (const float *)x->src + q->base, got,
+                               q->len);
+        else
+            dtype_combine(DTYPE_F32, x->op, dst, got, q->len);
+        if (q->t == x->n - 2) {
+            dtype_scale(DTYPE_F32, dst, q->len, x->div);
+            codec_round_trip(x->codec, dst, slot, q->len);
+        } else {
+            codec_encode(x->codec, slot, dst, q->len);
+        }
+    } else {
+        codec_decode(x->codec, dst, slot, q->len);
+        if (q->t == g->steps - 1) {
+            g->slot_busy[g->rx_slot] = false;
+            return;
+        }
+    }
+    g->fifo[(g->fifo_head + g->fifo_len) % SLOTS] = g->rx_slot;
+    g->fifo_len++;
 }
 
 /* Where a received payload is combined: a reduce-scatter segment arrived
@@ -231,6 +293,10 @@ static void ring_combine(struct run *x, struct ring *g)
     bool last = q->t == x->n - 2;
     uint8_t *slot;
 
+    if (x->coded) {
+        ring_combine_coded(x, g);
+        return;
+    }
     if (q->t >= x->n - 1)
         return;                 /* all-gather: it landed in the user buffer */
     slot = slot_ptr(x, g->rx_slot);
@@ -317,7 +383,8 @@ int ring_run(struct run *x)
 
     g.seg = a->seg_bytes / x->asz;
     g.win = x->n * g.seg *
-            (x->wide ? WINDOW_UNITS_WIDE : x->n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS);
+            (x->wide || x->coded ? WINDOW_UNITS_WIDE
+                                 : x->n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS);
     g.n_windows = (x->count + g.win - 1) / g.win;
     g.steps = 2 * (x->n - 1);
     cursor_settle(x, &g, &g.s, 0);

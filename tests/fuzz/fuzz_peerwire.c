@@ -99,7 +99,7 @@ static void frame(const uint8_t *data, size_t size)
     CHECK(again.magic == f.magic && again.length == f.length && again.cohort == f.cohort &&
           again.epoch == f.epoch && again.round == f.round && again.offset == f.offset &&
           again.count == f.count && again.dtype == f.dtype && again.op == f.op &&
-          again.phase == f.phase && again.step == f.step);
+          again.phase == f.phase && again.codec == f.codec && again.step == f.step);
     /* A sealed frame as --integrity mac reads it: header, tag, payload.
      * A tag the input made up does not verify. */
     if (size >= PEERWIRE_FRAME_BYTES + PEERWIRE_TAG_BYTES) {

@@ -50,6 +50,7 @@ struct peer {
     enum dtype type;
     enum dtype_op op;
     double denom;
+    enum codec codec;           /* CODEC_NONE unless a test sets it */
     uint64_t round;
     int rc;
     uint64_t done_ms;
@@ -164,7 +165,10 @@ static void *call_main(void *arg)
 {
     struct peer *p = arg;
 
-    if (p->hin >= 0)
+    if (p->codec != CODEC_NONE)
+        p->rc = allreduce_run_codec(p->ar, p->hin >= 0 ? p->hin : p->h, p->h, p->count, p->type,
+                                    p->op, p->denom, p->codec, p->round);
+    else if (p->hin >= 0)
         p->rc = allreduce_run_into(p->ar, p->hin, p->h, p->count, p->type, p->op, p->denom,
                                    p->round);
     else
@@ -1770,4 +1774,209 @@ Test(allreduce, idle_connections_do_not_stall_keyed_greetings)
     for (int i = 0; i < IDLE; i++)
         close(idle[i]);
     cluster_fini(&c);
+}
+
+/* --- codecs ------------------------------------------------------------- */
+
+/* Float inputs that are not small integers, so int8's scales matter. */
+static float coded_input(size_t peer, size_t i)
+{
+    return (float)((long)((i * 7919 + peer * 104729 + i / 5) % 2001) - 1000) / 37.0f +
+           (i % 97 == 0 ? 100.0f : 0);
+}
+
+/* Every member reduces coded_input with `codec`; the results must be
+ * identical on every member, within the codec's bound of the exact
+ * reduction, and, for the 16-bit codecs, values the codec represents. */
+static void coded_check(struct cluster *c, size_t count, enum dtype_op op, enum codec codec,
+                        uint64_t round, const char *what)
+{
+    size_t n = c->n;
+    double worst = 0;
+
+    for (size_t k = 0; k < n; k++) {
+        float *dst = c->p[k].in ? c->p[k].in : c->p[k].buf;
+
+        if (c->p[k].in)
+            memset(c->p[k].buf, 0xa5, count * 4);
+        for (size_t i = 0; i < count; i++)
+            dst[i] = coded_input(k, i);
+        c->p[k].codec = codec;
+    }
+    call_all(c, count, DTYPE_F32, op, 3, round);
+    for (size_t k = 0; k < n; k++) {
+        cr_assert_eq(c->p[k].rc, 0, "%s: n=%zu %s %s: member %zu: %s", what, n,
+                     codec_name(codec), dtype_op_name(op), k, log_strerror(c->p[k].rc));
+        cr_assert_eq(memcmp(c->p[k].buf, c->p[0].buf, count * 4), 0,
+                     "%s: n=%zu %s %s: member %zu differs from member 0", what, n,
+                     codec_name(codec), dtype_op_name(op), k);
+    }
+    for (size_t i = 0; i < count; i++) {
+        double sum = 0, lo = INFINITY, hi = -INFINITY, amax = 0, want, err, bound;
+        float got = ((float *)c->p[0].buf)[i];
+
+        for (size_t k = 0; k < n; k++) {
+            double x = coded_input(k, i);
+            sum += x;
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+            amax += fabs(x);
+        }
+        want = op == DTYPE_SUM ? sum : op == DTYPE_AVG ? sum / (double)n
+             : op == DTYPE_AVG_BY ? sum / 3 : op == DTYPE_MIN ? lo : hi;
+        /* Each of up to n encodings of a partial value errs by at most a
+         * relative 2^-11 (fp16), 2^-8 (bf16), or, for int8, half a step of
+         * its block, whose extreme is at most 1100 x n here. */
+        if (codec == CODEC_INT8)
+            bound = (double)n * (1100.0 * (double)n / 254) * 1.001;
+        else
+            bound = (double)n * amax * (codec == CODEC_FP16 ? 0x1p-11 : 0x1p-8) * 1.001;
+        err = fabs((double)got - want);
+        worst = err > worst ? err : worst;
+        cr_assert_leq(err, bound + 1e-6, "%s: n=%zu %s %s: element %zu is %a, want %a", what, n,
+                      codec_name(codec), dtype_op_name(op), i, got, want);
+        if (codec != CODEC_INT8) {
+            uint16_t w;
+            float back;
+
+            codec_encode(codec, &w, &got, 1);
+            codec_decode(codec, &back, &w, 1);
+            cr_assert_eq(back, got, "%s: element %zu is not a %s value", what, i,
+                         codec_name(codec));
+        }
+    }
+}
+
+static void coded_matrix(size_t seg, size_t small, size_t count, size_t n_hi, bool oop,
+                         const char *what)
+{
+    static const enum dtype_op ops[] = { DTYPE_SUM, DTYPE_AVG, DTYPE_MIN, DTYPE_MAX,
+                                         DTYPE_AVG_BY };
+
+    for (size_t n = 1; n <= n_hi; n++) {
+        struct cluster c;
+        uint64_t round = 0;
+
+        quiet();
+        cluster_init(&c, n, count * 4, seg, small, 30000);
+        if (oop)
+            cluster_out_of_place(&c);
+        adopt(&c, 1, NULL);
+        for (int codec = 1; codec < CODEC_COUNT; codec++)
+            for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++)
+                coded_check(&c, count, ops[o], (enum codec)codec, ++round, what);
+        /* Uncompressed calls still work on the same connections. */
+        for (size_t k = 0; k < n; k++)
+            c.p[k].codec = CODEC_NONE;
+        reduce_and_check(&c, count, DTYPE_F32, DTYPE_SUM, 0, ++round, what);
+        cluster_fini(&c);
+    }
+}
+
+/* Segments of 512 floats: many windows, tails, and int8 blocks cut by
+ * segment ends (2053 is prime). */
+Test(allreduce, coded_ring_identical_everywhere_within_bounds)
+{
+    coded_matrix(2048, ALLREDUCE_SMALL_NONE, 2053 * 4, 5, false, "ring");
+}
+
+Test(allreduce, coded_ring_out_of_place)
+{
+    coded_matrix(2048, ALLREDUCE_SMALL_NONE, 2053 * 3, 4, true, "ring, out of place");
+}
+
+/* n = 3 and 5 have extra members handing their data over. */
+Test(allreduce, coded_doubling_identical_everywhere_within_bounds)
+{
+    coded_matrix(0, 0, 1031, 5, false, "doubling");
+}
+
+/* One element of int8 is 5 bytes: more than its 4 uncompressed, which a
+ * scratch of exactly that size could not hold; the ring takes it. */
+Test(allreduce, coded_single_element_with_tight_scratch)
+{
+    struct cluster c;
+
+    quiet();
+    cluster_init(&c, 3, 64, 0, 4, 30000);
+    adopt(&c, 1, NULL);
+    coded_check(&c, 1, DTYPE_SUM, CODEC_INT8, 1, "one element");
+    coded_check(&c, 1, DTYPE_SUM, CODEC_FP16, 2, "one element");
+    cluster_fini(&c);
+}
+
+Test(allreduce, codec_misuse_is_einval)
+{
+    struct cluster c;
+
+    cluster_start(&c, 1, 64, 0, 0, 1000);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F64, DTYPE_SUM, 0,
+                                     CODEC_FP16, 1), -EINVAL);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
+                                     (enum codec)CODEC_COUNT, 1), -EINVAL);
+    cluster_fini(&c);
+}
+
+/* Members that disagree on the codec fail fast with -EPROTO (the frames
+ * name it), with either algorithm, and reduce again once they agree. */
+Test(allreduce, a_peer_with_another_codec_is_refused)
+{
+    static const size_t counts[] = { 100, 100000 };
+
+    for (size_t k = 0; k < 2; k++) {
+        struct cluster c;
+        uint64_t t0 = clock_now_ms();
+
+        cluster_start(&c, 3, 100000 * 4, 0, 0, 20000);
+        fill(&c, counts[k], DTYPE_F32);
+        c.p[0].codec = CODEC_FP16;
+        c.p[1].codec = CODEC_FP16;
+        c.p[2].codec = k ? CODEC_INT8 : CODEC_NONE;
+        call_all(&c, counts[k], DTYPE_F32, DTYPE_SUM, 0, 1);
+        for (size_t i = 0; i < 3; i++)
+            cr_assert_neq(c.p[i].rc, 0, "member %zu completed a mixed call", i);
+        cr_assert(c.p[0].rc == -EPROTO || c.p[1].rc == -EPROTO || c.p[2].rc == -EPROTO);
+        cr_assert_lt(clock_now_ms() - t0, 5000, "failed fast, not by timeout");
+        c.p[2].codec = CODEC_FP16;
+        coded_check(&c, counts[k], DTYPE_SUM, CODEC_FP16, 2, "after agreeing");
+        cluster_fini(&c);
+    }
+}
+
+/* A peer that names the right codec but sends the uncompressed length
+ * (or any other) is refused before a payload byte is read as data. */
+Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
+{
+    static const uint32_t lengths[] = { 500 * 4, 500 * 2 - 2, 500 * 2 + 1 };
+
+    for (size_t k = 0; k < 3; k++) {
+        struct cluster c;
+        uint8_t b[PEERWIRE_HELLO_BYTES], hdr[PEERWIRE_FRAME_BYTES];
+        struct peerwire_frame f = { .magic = PEERWIRE_FRAME_DATA, .length = lengths[k],
+                                    .cohort = peerwire_cohort_hash(COHORT), .epoch = 1,
+                                    .round = 1, .offset = 0, .count = 1000,
+                                    .dtype = DTYPE_F32, .op = DTYPE_SUM,
+                                    .phase = PEERWIRE_PHASE_RS, .codec = CODEC_FP16, .step = 0 };
+        int fd;
+
+        quiet();
+        cluster_init(&c, 2, 1000 * 4, 0, ALLREDUCE_SMALL_NONE, 20000);
+        adopt(&c, 1, NULL);
+        /* m-0 is played here: greet m-1 as it, then send the frame m-1
+         * expects first (chunk 0, 500 elements: 1000 bytes of fp16) with
+         * a wrong length. */
+        fd = dial(c.p[1].addr);
+        greet_bytes(b, 1, "m-0", 0, 77, 1, NULL);
+        cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+        cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+        answer_of(b, PEERWIRE_ACCEPT);
+        c.p[1].codec = CODEC_FP16;
+        call_start(&c.p[1], 1000, DTYPE_F32, DTYPE_SUM, 0, 1);
+        peerwire_frame_encode(hdr, &f);
+        cr_assert_eq(send(fd, hdr, sizeof(hdr), MSG_NOSIGNAL), (ssize_t)sizeof(hdr));
+        call_join(&c.p[1]);
+        cr_assert_eq(c.p[1].rc, -EPROTO, "length %u: %s", lengths[k], log_strerror(c.p[1].rc));
+        close(fd);
+        cluster_fini(&c);
+    }
 }

@@ -343,7 +343,7 @@ static struct peerwire_frame sample(void)
                                     .round = 0x3132333435363738ull,
                                     .offset = 0x4142434445464748ull,
                                     .count = 0x5152535455565758ull, .dtype = 0x61, .op = 0x62,
-                                    .phase = 0x63, .step = 0x71727374u };
+                                    .phase = 0x63, .codec = 0x64, .step = 0x71727374u };
 }
 
 static void assert_frames_eq(const struct peerwire_frame *a, const struct peerwire_frame *b)
@@ -358,6 +358,7 @@ static void assert_frames_eq(const struct peerwire_frame *a, const struct peerwi
     cr_assert_eq(a->dtype, b->dtype);
     cr_assert_eq(a->op, b->op);
     cr_assert_eq(a->phase, b->phase);
+    cr_assert_eq(a->codec, b->codec);
     cr_assert_eq(a->step, b->step);
 }
 
@@ -372,7 +373,7 @@ Test(peerwire, frame_has_the_documented_layout)
         0x38, 0x37, 0x36, 0x35, 0x34, 0x33, 0x32, 0x31,   /* round */
         0x48, 0x47, 0x46, 0x45, 0x44, 0x43, 0x42, 0x41,   /* offset */
         0x58, 0x57, 0x56, 0x55, 0x54, 0x53, 0x52, 0x51,   /* count */
-        0x61, 0x62, 0x63, 0x00, 0x74, 0x73, 0x72, 0x71,   /* dtype op phase 0 step */
+        0x61, 0x62, 0x63, 0x64, 0x74, 0x73, 0x72, 0x71,   /* dtype op phase codec step */
     };
 
     memset(b, 0xee, sizeof(b));
@@ -404,22 +405,22 @@ Test(peerwire, frame_round_trips_every_field)
                                  .cohort = UINT64_MAX, .epoch = UINT64_MAX,
                                  .round = UINT64_MAX, .offset = UINT64_MAX,
                                  .count = UINT64_MAX, .dtype = 0xff, .op = 0xff,
-                                 .phase = 0xff, .step = UINT32_MAX };
+                                 .phase = 0xff, .codec = 0xff, .step = UINT32_MAX };
     peerwire_frame_encode(b, &f);
-    cr_assert_eq(b[51], 0, "the reserved byte stays 0");
     cr_assert_eq(peerwire_frame_decode(b, sizeof(b), &g), 0);
     assert_frames_eq(&g, &f);
 }
 
-Test(peerwire, frame_decode_ignores_the_reserved_byte)
+/* Peers from before codecs wrote 0 into byte 51: no codec. */
+Test(peerwire, frame_codec_byte_zero_is_none)
 {
     struct peerwire_frame f = sample(), g;
     uint8_t b[PEERWIRE_FRAME_BYTES];
 
     peerwire_frame_encode(b, &f);
-    b[51] = 0xff;
+    b[51] = 0;
     cr_assert_eq(peerwire_frame_decode(b, sizeof(b), &g), 0);
-    assert_frames_eq(&g, &f);
+    cr_assert_eq(g.codec, 0);
 }
 
 Test(peerwire, frame_decode_rejects_short_and_foreign_headers)

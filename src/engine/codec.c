@@ -1,0 +1,257 @@
+/* src/engine/codec.c: see codec.h.
+ *
+ * FP16 and BF16 are dtype.c's conversions (dtype_narrow, dtype_widen),
+ * which are already dispatched per instruction set and tested against
+ * references. INT8 is here: a block's loops have a fixed trip count of
+ * CODEC_INT8_BLOCK when the block is whole, which gcc -O2 vectorises (see
+ * dtype.c), and a variable one for the last block. Every operation is one
+ * IEEE 754 rounds exactly or an integer one: the absolute maximum is an
+ * integer maximum of the bits with the sign cleared (for non-negative
+ * floats the orders agree, and Inf and NaN sort above every finite
+ * value), the quotient x / s a true division, the rounding to an integer
+ * the add-and-subtract of 1.5 x 2^23 (exact, nearest even, for |v| <=
+ * 2^22), and the decoding one product. So every variant writes the bytes
+ * of the portable code. */
+#include "engine/codec.h"
+
+#include <errno.h>
+#include <string.h>
+
+static const char *const names[CODEC_COUNT] = { "none", "fp16", "bf16", "int8" };
+
+#define MAGIC 12582912.0f       /* 1.5 x 2^23: v + MAGIC - MAGIC rounds v to an integer */
+#define QMAX 127.0f
+
+bool codec_valid(int c)
+{
+    return c >= 0 && c < CODEC_COUNT;
+}
+
+const char *codec_name(enum codec c)
+{
+    return codec_valid((int)c) ? names[c] : "unknown";
+}
+
+int codec_parse(const char *s, enum codec *out)
+{
+    for (int c = 0; c < CODEC_COUNT; c++)
+        if (s && strcmp(s, names[c]) == 0) {
+            *out = (enum codec)c;
+            return 0;
+        }
+    return -EINVAL;
+}
+
+bool codec_supports(enum codec c, enum dtype t)
+{
+    return c == CODEC_NONE || t == DTYPE_F32;
+}
+
+static size_t int8_blocks(size_t n)
+{
+    return (n + CODEC_INT8_BLOCK - 1) / CODEC_INT8_BLOCK;
+}
+
+size_t codec_bytes(enum codec c, size_t n)
+{
+    switch (c) {
+    case CODEC_FP16:
+    case CODEC_BF16:
+        return 2 * n;
+    case CODEC_INT8:
+        return 4 * int8_blocks(n) + n;
+    default:
+        return 4 * n;
+    }
+}
+
+/* --- int8 kernels ----------------------------------------------------- */
+
+union bits32 {
+    float f;
+    uint32_t u;
+};
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* One block of len elements: its scale, and q. */
+INLINE float int8_encode_block(int8_t *restrict q, const float *restrict x, size_t len)
+{
+    uint32_t m = 0;
+    union bits32 b;
+    float s;
+
+    for (size_t i = 0; i < len; i++) {
+        union bits32 v = { .f = x[i] };
+        uint32_t a = v.u & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    if (m >= 0x7f800000u) {
+        /* NaN or Inf: not representable; the whole block decodes as NaN. */
+        memset(q, 0, len);
+        b.u = 0x7fc00000u;
+        return b.f;
+    }
+    b.u = m;
+    s = b.f / QMAX;
+    if (s == 0) {
+        /* Zeros, or values so small that their scale underflows. */
+        memset(q, 0, len);
+        return 0;
+    }
+    if (s * QMAX > 3.4028234663852886e38f) {
+        /* Near FLT_MAX the rounded scale times 127 overflows: one ulp less
+         * decodes the extreme as a finite value (clamped below). */
+        b.f = s;
+        b.u--;
+        s = b.f;
+    }
+    /* Two passes, and the clamp on integers: gcc vectorises them for
+     * SSE2 and AVX2 only so (float selects stay branches there). |x| <=
+     * max|x| keeps |x / s| within a rounding of 127, so the rounding trick
+     * and the conversion are exact; rounding first and clamping after is
+     * the same as the other way round. */
+    int32_t t[CODEC_INT8_BLOCK];
+    for (size_t i = 0; i < len; i++)
+        t[i] = (int32_t)((x[i] / s + MAGIC) - MAGIC);
+    for (size_t i = 0; i < len; i++) {
+        int32_t v = t[i];
+        v = v > 127 ? 127 : v;
+        v = v < -127 ? -127 : v;
+        q[i] = (int8_t)v;
+    }
+    return s;
+}
+
+INLINE void int8_decode_block(float *restrict d, const int8_t *restrict q, float s, size_t len)
+{
+    for (size_t i = 0; i < len; i++)
+        d[i] = (float)q[i] * s;
+}
+
+/* Whole blocks get functions of their own: called as block(..., len) in
+ * a branch where len == CODEC_INT8_BLOCK, gcc merges the two calls into
+ * one with a variable length and vectorises neither. */
+INLINE float int8_encode_whole(int8_t *restrict q, const float *restrict x)
+{
+    return int8_encode_block(q, x, CODEC_INT8_BLOCK);
+}
+
+INLINE void int8_decode_whole(float *restrict d, const int8_t *restrict q, float s)
+{
+    int8_decode_block(d, q, s, CODEC_INT8_BLOCK);
+}
+
+INLINE void int8_encode_any(void *restrict dst, const float *restrict src, size_t n)
+{
+    uint8_t *scales = dst;
+    int8_t *q = (int8_t *)dst + 4 * int8_blocks(n);
+
+    for (size_t i = 0, k = 0; i < n; i += CODEC_INT8_BLOCK, k++) {
+        size_t len = n - i < CODEC_INT8_BLOCK ? n - i : CODEC_INT8_BLOCK;
+        float s = len == CODEC_INT8_BLOCK ? int8_encode_whole(q + i, src + i)
+                                          : int8_encode_block(q + i, src + i, len);
+        memcpy(scales + 4 * k, &s, 4);
+    }
+}
+
+INLINE void int8_decode_any(float *restrict dst, const void *restrict src, size_t n)
+{
+    const uint8_t *scales = src;
+    const int8_t *q = (const int8_t *)src + 4 * int8_blocks(n);
+
+    for (size_t i = 0, k = 0; i < n; i += CODEC_INT8_BLOCK, k++) {
+        size_t len = n - i < CODEC_INT8_BLOCK ? n - i : CODEC_INT8_BLOCK;
+        float s;
+
+        memcpy(&s, scales + 4 * k, 4);
+        if (len == CODEC_INT8_BLOCK)
+            int8_decode_whole(dst + i, q + i, s);
+        else
+            int8_decode_block(dst + i, q + i, s, len);
+    }
+}
+
+/* Variants, as dtype.c's and in the same order, so that dtype's index
+ * (dtype_kernels_current) picks the same instruction set here. */
+struct kernels {
+    void (*encode)(void *restrict, const float *restrict, size_t);
+    void (*decode)(float *restrict, const void *restrict, size_t);
+};
+
+#define DEFINE_VARIANT(V, TARGET)                                                       \
+    TARGET static void encode_##V(void *restrict d, const float *restrict s, size_t n)  \
+    {                                                                                   \
+        int8_encode_any(d, s, n);                                                       \
+    }                                                                                   \
+    TARGET static void decode_##V(float *restrict d, const void *restrict s, size_t n)  \
+    {                                                                                   \
+        int8_decode_any(d, s, n);                                                       \
+    }
+
+DEFINE_VARIANT(baseline, )
+#if defined(__x86_64__)
+DEFINE_VARIANT(avx2, __attribute__((target("avx2"))))
+DEFINE_VARIANT(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))))
+#endif
+
+static const struct kernels variants[] = {
+    { encode_baseline, decode_baseline },
+#if defined(__x86_64__)
+    { encode_avx2, decode_avx2 },
+    { encode_avx512, decode_avx512 },
+#endif
+};
+#define N_VARIANTS (sizeof(variants) / sizeof(variants[0]))
+
+static const struct kernels *kernels(void)
+{
+    size_t i = dtype_kernels_current();
+
+    return &variants[i < N_VARIANTS ? i : 0];
+}
+
+/* --- the interface ---------------------------------------------------- */
+
+void codec_encode(enum codec c, void *restrict dst, const float *restrict src, size_t n)
+{
+    switch (c) {
+    case CODEC_FP16:
+        dtype_narrow(DTYPE_F16, dst, src, n);
+        break;
+    case CODEC_BF16:
+        dtype_narrow(DTYPE_BF16, dst, src, n);
+        break;
+    case CODEC_INT8:
+        kernels()->encode(dst, src, n);
+        break;
+    default:
+        memcpy(dst, src, 4 * n);
+        break;
+    }
+}
+
+void codec_decode(enum codec c, float *restrict dst, const void *restrict src, size_t n)
+{
+    switch (c) {
+    case CODEC_FP16:
+        dtype_widen(DTYPE_F16, dst, src, n);
+        break;
+    case CODEC_BF16:
+        dtype_widen(DTYPE_BF16, dst, src, n);
+        break;
+    case CODEC_INT8:
+        kernels()->decode(dst, src, n);
+        break;
+    default:
+        memcpy(dst, src, 4 * n);
+        break;
+    }
+}
+
+void codec_round_trip(enum codec c, float *x, void *scratch, size_t n)
+{
+    codec_encode(c, scratch, x, n);
+    if (c != CODEC_NONE)
+        codec_decode(c, x, scratch, n);
+}

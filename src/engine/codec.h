@@ -1,0 +1,85 @@
+/* src/engine/codec.h: what float32 values look like on the wire when a
+ * reduction is compressed. The engine accumulates in float32 and only
+ * the bytes between members are encoded (allreduce.c, "the codec seam").
+ *
+ *   CODEC_NONE  the float32 values themselves, 4 bytes each;
+ *   CODEC_FP16  IEEE binary16, 2 bytes each: round to nearest even,
+ *               overflow past 65504 to Inf, subnormals kept, NaN kept
+ *               (made quiet, sign kept); relative error at most 2^-11
+ *               for normal values;
+ *   CODEC_BF16  bfloat16 (float32's top 16 bits), 2 bytes each: round to
+ *               nearest even, the same range as float32, NaN kept
+ *               (quiet); relative error at most 2^-8;
+ *   CODEC_INT8  blockwise 8-bit: blocks of CODEC_INT8_BLOCK elements
+ *               (the last may be shorter), each with a float32 scale
+ *               s = max|x| / 127 and one signed byte per element,
+ *               q = round-to-nearest-even(x / s) clamped to [-127, 127];
+ *               decoded as q * s. Absolute error at most s / 2 (and a
+ *               few float32 ulps of the division and the product) per
+ *               block. A block of zeros is scale 0. A block holding NaN
+ *               or Inf is not representable: its scale is NaN and all
+ *               of it decodes as NaN, so the non-finite value still
+ *               shows in the result (an AMP grad scaler still skips the
+ *               step). -0 decodes as +0.
+ *
+ * Wire layout of n elements, little-endian like every float the engine
+ * sends: FP16/BF16 n x u16; INT8 ceil(n / CODEC_INT8_BLOCK) x f32 scales,
+ * then n x i8. codec_bytes() says how many bytes that is; every receiver
+ * checks a frame's length against it for the element count it expects.
+ *
+ * Every codec is a fixed-length, stateless map of a run of elements: a
+ * segment is encoded alone, so a ring encodes each segment it sends.
+ * Encoding is not the identity, so a member that keeps its own copy of
+ * values it sends uses codec_decode(codec_encode(x)) to agree with its
+ * peers. FP16 and BF16 are idempotent on their own output (encoding a
+ * decoded value gives the same bytes); INT8 need not be, so encoded bytes
+ * are forwarded as received, never re-encoded.
+ *
+ * Where later codecs fit: top-k keeps k = ratio x n (index, value) pairs,
+ * still a fixed length per element count; its error feedback is a
+ * residual per member that the caller (not the engine) keeps and adds
+ * back before the next encode. PowerSGD is not a segment codec but two
+ * smaller all-reduces (P and Q) that the accumulator runs through the
+ * engine; it needs no wire format here.
+ *
+ * The kernels follow dtype.c: compiled once per instruction set, the one
+ * in use chosen with dtype_kernels_use(), every variant writing the same
+ * bytes (only operations IEEE 754 rounds exactly, and -ffp-contract=off). */
+#ifndef COHORT_CODEC_H
+#define COHORT_CODEC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/dtype.h"
+
+/* Values travel in frames and tlink messages: never renumber. */
+enum codec { CODEC_NONE = 0, CODEC_FP16 = 1, CODEC_BF16 = 2, CODEC_INT8 = 3 };
+#define CODEC_COUNT 4
+#define CODEC_INT8_BLOCK 256
+
+bool codec_valid(int c);
+/* "none" "fp16" "bf16" "int8" (static). codec_parse returns 0 or -EINVAL. */
+const char *codec_name(enum codec c);
+int codec_parse(const char *s, enum codec *out);
+
+/* True when values of type t can be reduced with codec c: every type
+ * with CODEC_NONE, only float32 with the others. */
+bool codec_supports(enum codec c, enum dtype t);
+
+/* Bytes on the wire for n float32 elements. */
+size_t codec_bytes(enum codec c, size_t n);
+
+/* Encodes n float32 values at src into codec_bytes(c, n) bytes at dst,
+ * and back. The buffers must not overlap and are 4-byte aligned (the
+ * engine's staging slots are). Decoding never fails: any bytes decode to
+ * some floats (a lying peer's garbage is garbage, never a fault). */
+void codec_encode(enum codec c, void *restrict dst, const float *restrict src, size_t n);
+void codec_decode(enum codec c, float *restrict dst, const void *restrict src, size_t n);
+
+/* x = decode(encode(x)) in place, through `scratch` (codec_bytes(c, n)
+ * bytes), which keeps the encoded bytes: what the caller sends. */
+void codec_round_trip(enum codec c, float *x, void *scratch, size_t n);
+
+#endif

@@ -1,0 +1,364 @@
+/* tests/unit/test_codec.c: the wire codecs against references computed
+ * here: the compiler's _Float16 for fp16, a double-precision nearest-even
+ * rounding for bf16, and a double-precision error bound and exact cases
+ * for int8; halfway cases, NaN, Inf, subnormals, zero blocks, block
+ * extremes and short tails; and every kernel variant against the
+ * baseline, byte for byte. */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/codec.h"
+#include "engine/dtype.h"
+
+#define BITCAST(To, From, x) (((union { From from; To to; }){ .from = (x) }).to)
+
+static uint32_t fbits(float f)
+{
+    return BITCAST(uint32_t, float, f);
+}
+
+static float bitsf(uint32_t u)
+{
+    return BITCAST(float, uint32_t, u);
+}
+
+/* xorshift: the same inputs every run. */
+static uint32_t rnd(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return (uint32_t)(*s >> 11);
+}
+
+/* Finite floats of every magnitude float16 and bfloat16 care about, and
+ * the special ones. */
+static void make_inputs(float *x, size_t n, uint64_t seed)
+{
+    static const uint32_t special[] = {
+        0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0xffc12345, 0x7f800001,
+        0x00000001, 0x807fffff, 0x33000000, 0x33000001, 0x387fc000, 0x38800000, 0x477fe000,
+        0x477ff000, 0x477fefff, 0x7f7fffff, 0xff7f8000, 0x7f7f8000, 0x3f808000, 0x3f818000,
+    };
+
+    for (size_t i = 0; i < n; i++) {
+        uint32_t r = rnd(&seed);
+
+        if (i % 13 == 0)
+            x[i] = bitsf(special[(i / 13) % (sizeof special / sizeof special[0])]);
+        else if (i % 3 == 0)    /* anywhere from subnormal to huge */
+            x[i] = bitsf(r & 0xffffffffu);
+        else                    /* around float16's range */
+            x[i] = bitsf((r & 0x807fffffu) | ((uint32_t)(100 + r % 60) << 23));
+        if (isnan(x[i]) && i % 13 != 0)
+            x[i] = 1.0f;
+    }
+}
+
+/* bfloat16 by definition: the nearer of the two candidates that keep the
+ * top 16 bits, ties to the even one, past the largest finite to Inf. */
+static float ref_bf16(float f)
+{
+    uint32_t x = fbits(f), lo = x & 0xffff0000u, hi = lo + 0x10000u;
+    double v = f, dl, dh;
+
+    if (isnan(f))
+        return bitsf(((x >> 16) | 0x40) << 16);
+    if ((x & 0xffffu) == 0)
+        return f;
+    dl = fabs(v - (double)bitsf(lo));
+    dh = fabs(((hi & 0x7f800000u) == 0x7f800000u ? copysign(ldexp(1.0, 128), v)
+                                                  : (double)bitsf(hi)) - v);
+    if (dl < dh || (dl == dh && (lo & 0x10000u) == 0))
+        return bitsf(lo);
+    return bitsf(hi);
+}
+
+static void assert_same_float(float got, float want, const char *what, size_t i, float in)
+{
+    if (isnan(want)) {
+        cr_assert(isnan(got), "%s: element %zu (%a): want NaN, got %a", what, i, in, got);
+        return;
+    }
+    cr_assert_eq(fbits(got), fbits(want), "%s: element %zu (%a): want %a, got %a", what, i,
+                 in, want, got);
+}
+
+Test(codec, names_sizes_and_support)
+{
+    enum codec c;
+
+    for (int k = 0; k < CODEC_COUNT; k++) {
+        cr_assert_eq(codec_parse(codec_name((enum codec)k), &c), 0);
+        cr_assert_eq(c, (enum codec)k);
+    }
+    cr_assert_eq(codec_parse("int4", &c), -EINVAL);
+    cr_assert_eq(codec_parse(NULL, &c), -EINVAL);
+    cr_assert(!codec_valid(CODEC_COUNT));
+    cr_assert(!codec_valid(-1));
+    cr_assert_eq(codec_bytes(CODEC_NONE, 1000), 4000);
+    cr_assert_eq(codec_bytes(CODEC_FP16, 1000), 2000);
+    cr_assert_eq(codec_bytes(CODEC_BF16, 7), 14);
+    cr_assert_eq(codec_bytes(CODEC_INT8, 0), 0);
+    cr_assert_eq(codec_bytes(CODEC_INT8, 1), 5);
+    cr_assert_eq(codec_bytes(CODEC_INT8, 256), 260);
+    cr_assert_eq(codec_bytes(CODEC_INT8, 257), 265);
+    cr_assert_eq(codec_bytes(CODEC_INT8, 65536), 65536 + 1024);
+    cr_assert(codec_supports(CODEC_NONE, DTYPE_I64));
+    cr_assert(codec_supports(CODEC_INT8, DTYPE_F32));
+    cr_assert(!codec_supports(CODEC_FP16, DTYPE_F64));
+    cr_assert(!codec_supports(CODEC_BF16, DTYPE_BF16));
+}
+
+#define N 20011
+
+Test(codec, fp16_matches_the_compilers_float16)
+{
+    float *x = malloc(N * 4), *back = malloc(N * 4);
+    uint16_t *w = malloc(N * 2);
+
+    make_inputs(x, N, 7);
+    codec_encode(CODEC_FP16, w, x, N);
+    codec_decode(CODEC_FP16, back, w, N);
+    for (size_t i = 0; i < N; i++)
+        assert_same_float(back[i], (float)(_Float16)x[i], "fp16", i, x[i]);
+    free(x);
+    free(back);
+    free(w);
+}
+
+/* Every value halfway between two neighbouring float16 values (exact in
+ * float32) rounds to the even one, in the normal and subnormal ranges,
+ * with either sign; and the overflow threshold 65520 goes to Inf. */
+Test(codec, fp16_halfway_cases_round_to_even)
+{
+    static float x[2 * 0x7bff], back[2 * 0x7bff];
+    static uint16_t w[2 * 0x7bff];
+    size_t n = 0;
+
+    for (uint32_t h = 0; h < 0x7bff; h++) {
+        float a = (float)BITCAST(_Float16, uint16_t, (uint16_t)h);
+        float b = (float)BITCAST(_Float16, uint16_t, (uint16_t)(h + 1));
+        float mid = a + (b - a) / 2;
+
+        x[n++] = mid;
+        x[n++] = -mid;
+    }
+    codec_encode(CODEC_FP16, w, x, n);
+    codec_decode(CODEC_FP16, back, w, n);
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h = (uint16_t)(i / 2);
+        uint16_t want = (h & 1) ? (uint16_t)(h + 1) : h;
+
+        cr_assert_eq(w[i] & 0x7fffu, want, "midpoint above %04x went to %04x", h, w[i]);
+        assert_same_float(back[i], (float)(_Float16)x[i], "fp16 halfway", i, x[i]);
+    }
+    x[0] = 65520.0f;
+    x[1] = 65519.99609375f;
+    x[2] = -INFINITY;
+    x[3] = bitsf(0x7f800001);   /* signalling NaN: kept NaN, made quiet */
+    codec_encode(CODEC_FP16, w, x, 4);
+    cr_assert_eq(w[0], 0x7c00);
+    cr_assert_eq(w[1], 0x7bff);
+    cr_assert_eq(w[2], 0xfc00);
+    cr_assert_eq(w[3] & 0x7e00u, 0x7e00u);
+}
+
+Test(codec, bf16_matches_a_double_reference)
+{
+    float *x = malloc(N * 4), *back = malloc(N * 4);
+    uint16_t *w = malloc(N * 2);
+
+    make_inputs(x, N, 11);
+    codec_encode(CODEC_BF16, w, x, N);
+    codec_decode(CODEC_BF16, back, w, N);
+    for (size_t i = 0; i < N; i++)
+        assert_same_float(back[i], ref_bf16(x[i]), "bf16", i, x[i]);
+    /* Halfway cases: both neighbours' midpoint, even and odd below. */
+    for (size_t i = 0; i < N; i++)
+        x[i] = bitsf(((rnd(&(uint64_t){ i + 1 }) & 0xff7f0000u) | 0x8000u) + (i % 2) * 0x10000u);
+    codec_encode(CODEC_BF16, w, x, N);
+    codec_decode(CODEC_BF16, back, w, N);
+    for (size_t i = 0; i < N; i++) {
+        uint32_t lo = fbits(x[i]) & 0xffff0000u;
+
+        assert_same_float(back[i], ref_bf16(x[i]), "bf16 halfway", i, x[i]);
+        if (!isnan(x[i]) && !isinf(back[i]))
+            cr_assert_eq(fbits(back[i]), (lo & 0x10000u) ? lo + 0x10000u : lo);
+    }
+    free(x);
+    free(back);
+    free(w);
+}
+
+/* Every block's error within half a step of its scale (and float32's
+ * rounding of the quotient and the product), the block's extreme exact
+ * (+-127 steps), other blocks untouched by a non-finite value. */
+Test(codec, int8_within_half_a_step_per_block)
+{
+    size_t n = 10 * CODEC_INT8_BLOCK + 37;
+    float *x = malloc(n * 4), *back = malloc(n * 4);
+    uint8_t *w = malloc(codec_bytes(CODEC_INT8, n));
+    uint64_t seed = 3;
+
+    for (size_t i = 0; i < n; i++) {
+        size_t blk = i / CODEC_INT8_BLOCK;
+        /* Each block its own magnitude: 1e-40 (subnormal) up to 1e37. */
+        static const float mag[] = { 1, 1e-3f, 1e-40f, 1e37f, 3e5f, 0.5f, 1e-20f, 7, 1e10f,
+                                     2e-38f, 1 };
+        x[i] = mag[blk] * (((float)(rnd(&seed) % 20001) - 10000.0f) / 10000.0f);
+    }
+    codec_encode(CODEC_INT8, w, x, n);
+    codec_decode(CODEC_INT8, back, w, n);
+    for (size_t b = 0; b * CODEC_INT8_BLOCK < n; b++) {
+        size_t lo = b * CODEC_INT8_BLOCK, hi = lo + CODEC_INT8_BLOCK < n ? lo + CODEC_INT8_BLOCK : n;
+        double amax = 0, s, bound;
+        float scale;
+
+        for (size_t i = lo; i < hi; i++)
+            amax = fabs(x[i]) > amax ? fabs(x[i]) : amax;
+        memcpy(&scale, w + 4 * b, 4);
+        s = (double)(float)((float)amax / 127.0f);
+        cr_assert_eq(fbits(scale), fbits((float)s), "block %zu scale", b);
+        bound = s / 2 * (1 + 1e-6) + 128 * s * 0x1p-23 + 0x1p-149;
+        for (size_t i = lo; i < hi; i++) {
+            double err = fabs((double)back[i] - (double)x[i]);
+
+            cr_assert_leq(err, bound, "block %zu element %zu: %a -> %a", b, i, x[i], back[i]);
+            if (fabs(x[i]) == amax && s > 0)
+                cr_assert_eq(fabs((double)back[i]), (double)(float)(127.0f * (float)s),
+                             "the extreme maps to 127 steps");
+        }
+    }
+    free(x);
+    free(back);
+    free(w);
+}
+
+Test(codec, int8_exact_cases_zero_blocks_and_non_finite)
+{
+    size_t n = 3 * CODEC_INT8_BLOCK + 5;
+    float x[3 * CODEC_INT8_BLOCK + 5], back[3 * CODEC_INT8_BLOCK + 5];
+    uint8_t w[4 * 4 + 3 * CODEC_INT8_BLOCK + 5];
+    float s;
+
+    /* Block 0: scale exactly 1, so halfway values show the rounding. */
+    memset(x, 0, sizeof x);
+    x[0] = 127;
+    x[1] = 2.5f;
+    x[2] = 3.5f;
+    x[3] = -2.5f;
+    x[4] = -127;
+    x[5] = 0.5f;
+    x[6] = 1.5f;
+    x[7] = -0.0f;
+    /* Block 1: all zero. Block 2: holds Inf (and NaN). Tail: 5 values. */
+    x[2 * CODEC_INT8_BLOCK + 9] = INFINITY;
+    x[2 * CODEC_INT8_BLOCK + 10] = NAN;
+    x[2 * CODEC_INT8_BLOCK + 11] = 4;
+    for (size_t i = 3 * CODEC_INT8_BLOCK; i < n; i++)
+        x[i] = -(float)(i - 3 * CODEC_INT8_BLOCK);      /* 0, -1 .. -4 */
+    cr_assert_eq(codec_bytes(CODEC_INT8, n), sizeof w);
+    codec_encode(CODEC_INT8, w, x, n);
+    codec_decode(CODEC_INT8, back, w, n);
+    memcpy(&s, w, 4);
+    cr_assert_eq(s, 1.0f);
+    cr_assert_eq(back[0], 127);
+    cr_assert_eq(back[1], 2);
+    cr_assert_eq(back[2], 4);
+    cr_assert_eq(back[3], -2);
+    cr_assert_eq(back[4], -127);
+    cr_assert_eq(back[5], 0);
+    cr_assert_eq(back[6], 2);
+    cr_assert_eq(fbits(back[7]), 0, "-0 decodes as +0");
+    memcpy(&s, w + 4, 4);
+    cr_assert_eq(fbits(s), 0, "a zero block has scale 0");
+    for (size_t i = CODEC_INT8_BLOCK; i < 2 * CODEC_INT8_BLOCK; i++)
+        cr_assert_eq(fbits(back[i]), 0);
+    memcpy(&s, w + 8, 4);
+    cr_assert(isnan(s));
+    for (size_t i = 2 * CODEC_INT8_BLOCK; i < 3 * CODEC_INT8_BLOCK; i++)
+        cr_assert(isnan(back[i]), "a non-finite block decodes as NaN");
+    memcpy(&s, w + 12, 4);
+    cr_assert_eq(s, 4.0f / 127.0f);
+    for (size_t i = 3 * CODEC_INT8_BLOCK; i < n; i++)
+        cr_assert_leq(fabsf(back[i] - x[i]), s / 2 * 1.000001f);
+    cr_assert_eq(back[n - 1], -127.0f * s, "the tail's extreme is 127 steps: %a", back[n - 1]);
+
+    /* Extremes of the float range: no overflow in x / s. */
+    x[0] = FLT_MAX;
+    x[1] = -FLT_MAX;
+    x[2] = FLT_MAX / 3;
+    x[3] = bitsf(1);            /* the smallest subnormal: its own scale underflows */
+    codec_encode(CODEC_INT8, w, x, 3);
+    codec_decode(CODEC_INT8, back, w, 3);
+    cr_assert(isfinite(back[0]) && isfinite(back[1]));
+    cr_assert_eq(back[0], -back[1]);
+    cr_assert_leq(fabs((double)back[2] - (double)x[2]), (double)FLT_MAX / 254 * 1.000001);
+    codec_encode(CODEC_INT8, w, x + 3, 1);
+    codec_decode(CODEC_INT8, back, w, 1);
+    cr_assert_eq(fbits(back[0]), 0);
+}
+
+/* What a ring owner relies on: fp16 and bf16 give the same bytes when a
+ * decoded value is encoded again. */
+Test(codec, sixteen_bit_codecs_are_idempotent_on_their_output)
+{
+    float *x = malloc(N * 4), *back = malloc(N * 4);
+    uint16_t *w = malloc(N * 2), *w2 = malloc(N * 2);
+
+    make_inputs(x, N, 5);
+    for (enum codec c = CODEC_FP16; c <= CODEC_BF16; c++) {
+        codec_encode(c, w, x, N);
+        codec_decode(c, back, w, N);
+        codec_encode(c, w2, back, N);
+        cr_assert_eq(memcmp(w, w2, N * 2), 0, "%s", codec_name(c));
+    }
+    free(x);
+    free(back);
+    free(w);
+    free(w2);
+}
+
+/* The sanitized build does not vectorise; bench/compression.sh runs the
+ * release build's variants through the same comparison. */
+Test(codec, every_kernel_variant_writes_the_baselines_bytes)
+{
+    size_t n = 7 * CODEC_INT8_BLOCK + 101, best = dtype_kernels_current();
+    float *x = malloc(n * 4), *ref_back = malloc(n * 4), *back = malloc(n * 4);
+    uint8_t *ref = malloc(codec_bytes(CODEC_NONE, n)), *w = malloc(codec_bytes(CODEC_NONE, n));
+
+    make_inputs(x, n, 9);
+    for (size_t i = 0; i < n; i += 97)
+        x[i] = NAN;             /* some blocks non-finite, most not */
+    for (int c = 1; c < CODEC_COUNT; c++) {
+        size_t bytes = codec_bytes((enum codec)c, n);
+
+        cr_assert_eq(dtype_kernels_use(0), 0);
+        codec_encode((enum codec)c, ref, x, n);
+        codec_decode((enum codec)c, ref_back, ref, n);
+        for (size_t v = 1; v < dtype_kernels_count(); v++) {
+            if (!dtype_kernels_supported(v))
+                continue;
+            cr_assert_eq(dtype_kernels_use(v), 0);
+            codec_encode((enum codec)c, w, x, n);
+            codec_decode((enum codec)c, back, ref, n);
+            cr_assert_eq(memcmp(w, ref, bytes), 0, "%s %s encode", codec_name((enum codec)c),
+                         dtype_kernels_name(v));
+            cr_assert_eq(memcmp(back, ref_back, n * 4), 0, "%s %s decode",
+                         codec_name((enum codec)c), dtype_kernels_name(v));
+        }
+    }
+    dtype_kernels_use(best);
+    free(x);
+    free(ref_back);
+    free(back);
+    free(ref);
+    free(w);
+}
