@@ -19,6 +19,7 @@
 
 #define P 1031                  /* parameters: a prime, not a multiple of anything */
 #define MAXN 6
+#define APPLIED_LOG 128
 
 static struct brokerd *d;
 static char broker[64];
@@ -67,6 +68,11 @@ struct trainer {
     char last_state[64];                /* the opaque state last received */
     uint64_t highest;                   /* the highest model version seen */
     bool went_back;                     /* a later view had a lower one */
+    /* Each result applied, in order: its mean and the model version it
+     * made (the first APPLIED_LOG). A round's mix of contributions is the
+     * machine's timing, so exact parameters are recomputed from these. */
+    float applied_mean[APPLIED_LOG];
+    uint64_t applied_version[APPLIED_LOG];
 };
 
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
@@ -121,7 +127,11 @@ static void *trainer_main(void *arg)
                     tr->sum_check_failures++;
                 tr->params[i] -= 0.01f * tr->results[i];
             }
-            tr->buffers[0] += 1;
+            if (tr->applied < APPLIED_LOG) {
+            tr->applied_mean[tr->applied] = g;
+            tr->applied_version[tr->applied] = v.model_version;
+        }
+        tr->buffers[0] += 1;
             /* Drift early on, each its own value; the periodic sync (every
              * 5 commits) must bring everyone back to the leader's. */
             if (v.model_version < 8)
@@ -353,12 +363,24 @@ static void ckpt_dir_remove(void)
 /* The parameters trainer_main gives after `rounds` rounds whose results
  * are all `mean`, from `from` (the same float operations, so the same
  * bytes). */
-static void params_after(float *p, const float *from, int rounds, float mean)
+/* `from` with the results tr applied that made versions above `above`
+ * and up to `upto`, applied as trainer_main does. */
+static void params_after(float *p, const float *from, const struct trainer *tr, uint64_t above,
+                         uint64_t upto)
 {
+    uint64_t n = 0;
+
+    cr_assert_leq(tr->applied, APPLIED_LOG);
     memcpy(p, from, sizeof(float) * (P + 1));
-    for (int r = 0; r < rounds; r++)
+    for (uint64_t r = 0; r < tr->applied; r++) {
+        if (tr->applied_version[r] <= above || tr->applied_version[r] > upto)
+            continue;
         for (int i = 0; i < P; i++)
-            p[i] -= 0.01f * mean;
+            p[i] -= 0.01f * tr->applied_mean[r];
+        n++;
+    }
+    cr_assert_eq(n, upto - above, "w-%d applied %llu results in (%llu, %llu]", tr->index,
+                 (unsigned long long)n, (unsigned long long)above, (unsigned long long)upto);
 }
 
 static bool newest_is_20(void *unused)
@@ -369,7 +391,11 @@ static bool newest_is_20(void *unused)
 Test(node, a_cohort_with_no_live_member_resumes_from_its_newest_checkpoint)
 {
     static struct trainer trs[2], again[2];
-    static float init[P + 1], at_ck[P + 1], after[P + 1];
+    static float init[P + 1], at_ck[P + 1], in_file[P + 1], after[P + 1];
+    double buffers[2];
+    struct ckpt_layout l = { .cohort = "train", .params_bytes = sizeof(in_file),
+                             .buffers_bytes = sizeof(buffers) };
+    struct ckpt_loaded loaded;
     struct node_checkpoints ck;
     struct node_view v;
     uint64_t newest;
@@ -385,18 +411,27 @@ Test(node, a_cohort_with_no_live_member_resumes_from_its_newest_checkpoint)
     newest = ckpt_newest_version(ckdir);
     cr_assert(newest >= 20 && newest <= 28);
 
-    /* New trainers, with parameters of their own: the checkpoint's win,
-     * and training goes on from its version, not 0. */
+    /* The newest file holds w-0's parameters (the leader's) at its
+     * version, exactly. */
     for (int i = 0; i < P; i++)
         init[i] = (float)i;             /* w-0's, the leader's (the pad stays 0) */
-    params_after(at_ck, init, (int)newest, 1.5f);
+    params_after(at_ck, init, &trs[0], 0, newest);
+    cr_assert_eq(ckpt_load(ckdir, &l, 0, in_file, buffers, &loaded), 0);
+    cr_assert_eq(loaded.version, newest);
+    free(loaded.state);
+    cr_assert_eq(memcmp(in_file, at_ck, sizeof(at_ck)), 0,
+                 "the checkpoint of version %llu does not hold w-0's parameters at it",
+                 (unsigned long long)newest);
+
+    /* New trainers, with parameters of their own: the checkpoint's win,
+     * and training goes on from its version, not 0. */
     trainer_start(&again[0], 2, newest + 10, 2);
     trainer_start(&again[1], 3, newest + 10, 2);
     node_set_virtual_batch_size(again[0].n, 2);
     node_set_virtual_batch_size(again[1].n, 2);
     trainers_join(again, 2);
-    params_after(after, at_ck, 10, 3.5f);  /* the mean of 3 and 4 */
     for (int i = 0; i < 2; i++) {
+        params_after(after, at_ck, &again[i], newest, newest + 10);
         node_view(again[i].n, &v);
         node_checkpoints(again[i].n, &ck);
         cr_assert_eq(ck.loaded_version, newest, "w-%d resumed from %llu, not %llu", i + 2,
@@ -466,8 +501,9 @@ Test(node, a_corrupt_newest_checkpoint_is_skipped_and_reported)
     cr_assert_eq(ck.skipped_reason, CKPT_CHECKSUM);
     cr_assert_str_eq(tr.last_state, "s7");
     /* Two rounds of its own (+1 each) on top of version 7's parameters. */
-    params_after(p7, p7, 2, 1.0f);
-    cr_assert_eq(memcmp(tr.params, p7, sizeof(p7)), 0);
+    cr_assert(tr.applied == 2 && tr.applied_mean[0] == 1.0f && tr.applied_mean[1] == 1.0f);
+    params_after(params, p7, &tr, 7, 9);
+    cr_assert_eq(memcmp(tr.params, params, sizeof(params)), 0);
     /* The member's heartbeats told the broker, for the operator. */
     cr_assert(fixture_wait_until(skip_reported, NULL, 30000), "the skip never reached the broker");
     node_stop(tr.n);
