@@ -519,7 +519,7 @@ static int sync_epoch(struct node *n)
         (rc = broadcast(n, true, h_state, state, state_pad + lineage_bytes)) < 0)
         goto out;
     got_lineage = lineage_decode((int64_t *)((char *)state + state_pad), &got) == 0;
-    if (!got_lineage && !n->leader) {
+    if (!got_lineage && need) {
         log_warn("node", "The leader's lineage is malformed; the versions it holds count as "
                          "unknown.", LF_S("cohort", n->cohort), LF_S("id", n->id),
                  LF_S("leader", n->leader_id));
@@ -562,9 +562,9 @@ static int sync_epoch(struct node *n)
             n->drop_grads = true;
         n->sync_refused = false;
     }
-    /* Every member that was sent the state now shares the leader's account
-     * of the versions it holds. */
-    if (!n->leader)
+    /* A member that took the leader's state takes its account of the
+     * versions in it; one that kept its own keeps its own. */
+    if (!n->leader && need)
         n->lineage = got;
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
