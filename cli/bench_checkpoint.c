@@ -218,7 +218,7 @@ static void *member_main(void *arg)
 struct run_result {
     double rounds_per_s;
     uint64_t written, failed;   /* checkpoints, by the leader */
-    double write_mibs;          /* their own throughput, in the run */
+    uint64_t bytes, us;         /* what those writes took, in the run */
 };
 
 /* One run: `peers` members, checkpoints every `every` versions into a
@@ -302,8 +302,8 @@ static int run_cohort(const char *dir, int peers, size_t bytes, uint64_t every, 
         node_checkpoints(m[i].n, &ck);
         out->written += ck.written;
         out->failed += ck.failed;
-        if (ck.total_us)
-            out->write_mibs = (double)ck.total_bytes / (1 << 20) / ((double)ck.total_us / 1e6);
+        out->bytes += ck.total_bytes;
+        out->us += ck.total_us;
     }
 out:
     for (int i = 0; i < started; i++)
@@ -411,8 +411,8 @@ int cli_bench_checkpoint(int argc, char **argv)
     for (size_t s = 0; s < n_sizes; s++) {
         size_t bytes = (size_t)sizes[s];
         double med, lo, hi, rps[MAX_EVERY + 1][MAX_REPS], ratio[MAX_EVERY + 1][MAX_REPS];
-        double wmibs[MAX_EVERY + 1][MAX_REPS];
         uint64_t written[MAX_EVERY + 1] = { 0 }, failed[MAX_EVERY + 1] = { 0 };
+        uint64_t wbytes[MAX_EVERY + 1] = { 0 }, wus[MAX_EVERY + 1] = { 0 };
         char wdir[600];
         int rc;
 
@@ -435,7 +435,8 @@ int cli_bench_checkpoint(int argc, char **argv)
                 struct run_result r;
                 rc = run_cohort(dir, peers, bytes, every[e], seconds, &r);
                 rps[e][k] = r.rounds_per_s;
-                wmibs[e][k] = r.write_mibs;
+                wbytes[e] += r.bytes;
+                wus[e] += r.us;
                 written[e] += r.written;
                 failed[e] += r.failed;
             }
@@ -451,7 +452,9 @@ int cli_bench_checkpoint(int argc, char **argv)
             printf("%10s %5s %14s %10s %7s %10s %12s\n", "MiB", "peers", "checkpoint", "rounds/s",
                    "ratio", "written", "write MiB/s");
         for (size_t e = 0; e <= n_every; e++) {
-            double r = median(rps[e], reps), q = median(ratio[e], reps), w = median(wmibs[e], reps);
+            double r = median(rps[e], reps), q = median(ratio[e], reps);
+            /* The writes of every repetition together. */
+            double w = wus[e] ? (double)wbytes[e] / (1 << 20) / ((double)wus[e] / 1e6) : 0;
             char label[32];
 
             if (every[e])
