@@ -27,7 +27,7 @@ uint64_t lineage_epoch_id(const struct epoch *e)
         h = fnv(h, e->members[i].id, strlen(e->members[i].id) + 1);
         h = fnv(h, e->members[i].address, strlen(e->members[i].address) + 1);
     }
-    return h ? h : 1;
+    return h && h != LINEAGE_UNSURE ? h : 1;
 }
 
 void lineage_reset(struct lineage *l, uint64_t version)
@@ -69,8 +69,11 @@ enum lineage_answer lineage_holds(const struct lineage *l, uint64_t version, uin
     if (version <= l->base)
         return LINEAGE_UNKNOWN;
     for (uint32_t i = 0; i < l->n; i++)
-        if (version >= l->runs[i].first && version <= l->runs[i].last)
+        if (version >= l->runs[i].first && version <= l->runs[i].last) {
+            if (l->runs[i].epoch == LINEAGE_UNSURE)
+                return LINEAGE_UNKNOWN;
             return l->runs[i].epoch == epoch_id ? LINEAGE_YES : LINEAGE_NO;
+        }
     return LINEAGE_UNKNOWN;     /* cannot happen: the runs cover (base, top] */
 }
 

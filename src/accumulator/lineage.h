@@ -48,9 +48,16 @@ enum lineage_answer {
     LINEAGE_UNKNOWN,    /* at or below base: nobody can say */
 };
 
+/* The epoch of a commit made while a newer epoch had already reached the
+ * engine: the engine runs a step among the members of the epoch it has,
+ * so the step may have run in either, and a lone member's step completes
+ * at once. lineage_holds answers LINEAGE_UNKNOWN for such versions. */
+#define LINEAGE_UNSURE UINT64_MAX
+
 /* An id for an epoch that tells apart two epochs of the same number from
  * different brokers (a restarted broker may reuse a number): a hash of
- * the number, the member ids and their data addresses. Never 0. */
+ * the number, the member ids and their data addresses. Never 0 or
+ * LINEAGE_UNSURE. */
 uint64_t lineage_epoch_id(const struct epoch *e);
 
 /* Starts an empty record at `version` (nothing below it known). */

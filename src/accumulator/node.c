@@ -129,6 +129,7 @@ struct node {
     uint64_t acc_batch, acc_grads, acc_skips;   /* since the last commit */
     uint64_t acc_epoch;         /* the epoch (lineage id) whose step last reduced
                                  * them; 0: none has */
+    uint64_t acc_epoch_no;      /* that epoch's number, for the logs */
     struct lineage lineage;     /* the epochs that committed the recent versions */
     bool contributed;           /* a contribution awaits its count step */
     unsigned parallel;          /* contributions outstanding at most */
@@ -373,12 +374,15 @@ static bool behind_holds_pending_locked(struct node *n, const struct lineage *le
         log_info("node", "Behind the leader, whose rounds were committed without this member's "
                          "pending contributions; they are kept for the next round.",
                  LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("version", n->version),
-                 LF_U("leader_version", vmax), LF_U("pending", pending));
+                 LF_U("leader_version", vmax), LF_U("pending", pending),
+                 LF_U("reduced_in_epoch", n->acc_epoch_no));
     else if (a == LINEAGE_YES)
         log_info("node", "Behind the leader, whose next round holds this member's pending "
                          "contributions; they are dropped, not counted twice.",
                  LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("version", n->version),
-                 LF_U("leader_version", vmax), LF_U("pending", pending));
+                 LF_U("leader_version", vmax), LF_U("pending", pending),
+                 LF_U("reduced_in_epoch", n->acc_epoch_no), LF_U("epoch_id", n->acc_epoch),
+                 LF_U("lineage_base", leader->base), LF_U("lineage_runs", leader->n));
     else
         log_warn("node", "Behind the leader, whose record does not reach this member's round; its "
                          "pending contributions may be in it and are dropped rather than risk "
@@ -723,6 +727,7 @@ static int run_step(struct node *n)
     /* From here the others may finish this round without us (we miss its
      * result): if they do, these contributions are in it (sync_epoch). */
     n->acc_epoch = n->cur_id;
+    n->acc_epoch_no = n->cur->number;
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
@@ -789,7 +794,10 @@ static int run_step(struct node *n)
     if (grads == 0)     /* everyone skipped: a zero step */
         memset(n->t.results, 0, bytes);
     n->version++;
-    lineage_commit(&n->lineage, n->cur_id, n->version);
+    /* A newer epoch may have reached the engine during the step, which
+     * then ran among its members (the engine has no other): which epoch
+     * committed this round is not known for sure. */
+    lineage_commit(&n->lineage, epoch_moved_locked(n) ? LINEAGE_UNSURE : n->cur_id, n->version);
     n->epoch_commits++;
     n->fuse_next = n->round_counts == 1;
     n->round_counts = 0;

@@ -129,3 +129,18 @@ Test(lineage, epochs_of_one_number_from_different_brokers_differ)
     epoch_unref(e3);
     epoch_unref(e4);
 }
+
+Test(lineage, a_commit_of_an_unsure_epoch_is_unknown)
+{
+    struct lineage l;
+
+    /* Round 89 committed while a newer epoch had reached the engine. */
+    lineage_reset(&l, 0);
+    for (uint64_t v = 1; v <= 88; v++)
+        lineage_commit(&l, 4, v);
+    lineage_commit(&l, LINEAGE_UNSURE, 89);
+    lineage_commit(&l, 6, 90);
+    cr_assert_eq(lineage_holds(&l, 89, 4), LINEAGE_UNKNOWN);
+    cr_assert_eq(lineage_holds(&l, 90, 6), LINEAGE_YES);
+    cr_assert_eq(lineage_holds(&l, 88, 4), LINEAGE_YES);
+}
