@@ -60,7 +60,8 @@
  *   twice, and the next update() zeroes the gradients. When the leader's
  *   record of which epoch committed its versions does not reach that
  *   round (its version was declared or loaded from a checkpoint, or more
- *   than 32 committing epochs passed), they are dropped too, and logged:
+ *   than 32 committing epochs passed) or is unsure of it (the round was
+ *   committed just as a newer epoch began), they are dropped too, and logged:
  *   counting twice would corrupt a committed result. Every drop is in
  *   contributions_dropped. A reduce made while the state is being
  *   transferred returns -EAGAIN: the next update() zeroes the gradients

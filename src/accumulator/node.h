@@ -31,8 +31,10 @@
  * kept and counted into the next round. The leader's state carries which
  * epoch committed each of its recent versions (lineage.h) to tell; where
  * that record does not reach (versions declared or loaded from a
- * checkpoint, or over LINEAGE_RUNS committing epochs back) they are
- * dropped, and logged: a gradient counted twice would corrupt a result.
+ * checkpoint, or over LINEAGE_RUNS committing epochs back) or does not
+ * know for sure (a round committed after a newer epoch reached the
+ * engine), they are dropped, and logged: a gradient counted twice would
+ * corrupt a result.
  * So a committed result is the reduction of one epoch's members'
  * contributions, each counted once, and every member applies the same
  * bytes.
