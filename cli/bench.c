@@ -485,14 +485,16 @@ int cli_bench(int argc, char **argv)
         return cli_bench_allreduce(argc - 1, argv + 1);
     if (argc >= 2 && strcmp(argv[1], "accumulator") == 0)
         return cli_bench_accumulator(argc - 1, argv + 1);
+    if (argc >= 2 && strcmp(argv[1], "checkpoint") == 0)
+        return cli_bench_checkpoint(argc - 1, argv + 1);
     if (argc < 2 || strcmp(argv[1], "broker") != 0) {
         if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-            fputs("Usage: cohortctl bench broker|allreduce|accumulator [options]\n"
+            fputs("Usage: cohortctl bench broker|allreduce|accumulator|checkpoint [options]\n"
                   "Run 'cohortctl bench NAME --help' for a benchmark's options.\n", stdout);
             return 0;
         }
         return opt_usage("cohortctl bench",
-                         "want a benchmark name: broker, allreduce or accumulator");
+                         "want a benchmark name: broker, allreduce, accumulator or checkpoint");
     }
     optind = 2;
     while ((opt = opt_next(PROG, argc, argv, "o:h", longopts)) != -1) {

@@ -9,5 +9,6 @@ int cli_run(int argc, char **argv);              /* argv[0] is "run" */
 int cli_bench(int argc, char **argv);
 int cli_bench_allreduce(int argc, char **argv);   /* argv[0] is "allreduce" */
 int cli_bench_accumulator(int argc, char **argv); /* argv[0] is "accumulator" */
+int cli_bench_checkpoint(int argc, char **argv);  /* argv[0] is "checkpoint" */
 
 #endif

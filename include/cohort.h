@@ -52,10 +52,21 @@
  *   contribution or a result is pending is -EPERM; zero_gradients with no
  *   result is -EPERM; a sidecar that is gone is -ENOTCONN.
  * - A contribution that races the start of a new epoch is kept for after
- *   it. If this member turns out to be behind the leader, its pending
- *   contribution is dropped (it is already in the rounds the leader
- *   committed), has_new_state becomes true, and the next update() zeroes
- *   the gradients; a reduce in between returns -EAGAIN: compute again.
+ *   it. A member behind the leader receives its state (has_new_state
+ *   becomes true) and keeps its pending contributions, counted into the
+ *   next round, unless the round after its own version is one the leader
+ *   committed with them in it (this member took part in its last step in
+ *   that epoch and missed the result): then they are dropped, not counted
+ *   twice, and the next update() zeroes the gradients. When the leader's
+ *   record of which epoch committed its versions does not reach that
+ *   round (its version was declared or loaded from a checkpoint, or more
+ *   than 32 committing epochs passed) or is unsure of it (the round was
+ *   committed just as a newer epoch began), they are dropped too, and logged:
+ *   counting twice would corrupt a committed result. Every drop is in
+ *   contributions_dropped. A reduce made while the state is being
+ *   transferred returns -EAGAIN: the next update() zeroes the gradients
+ *   (with them any kept contributions, counted as dropped): compute
+ *   again.
  *
  * All functions return 0 or a negative errno unless they answer a
  * question. A struct cohort is used from one thread at a time.
@@ -239,8 +250,9 @@ struct cohort_gradient_stats {
     uint64_t rounds_retried;    /* interrupted by a membership change */
     uint64_t epochs_seen;
     uint64_t states_received;
-    uint64_t contributions_dropped;  /* already in rounds the leader committed
-                                      * before this member caught up */
+    uint64_t contributions_dropped;  /* in a round the leader committed before
+                                      * this member caught up, or possibly so
+                                      * (see the top of this file) */
     uint64_t epoch;             /* current */
 };
 int cohort_get_gradient_stats(const struct cohort *c, struct cohort_gradient_stats *out);

@@ -41,8 +41,9 @@
  * --stats-file PATH writes one JSON object per line for tests ("%i" in
  * PATH is replaced by the member id): each contribution before it is made
  * ("contrib"), each committed round ("commit"), each received state
- * ("state", with the contributions the node dropped because the leader was
- * ahead) and the end ("final"). With --integer-grads each contribution is
+ * ("state", with whether the node dropped this member's pending
+ * contributions because the leader's rounds hold them) and the end
+ * ("final"). With --integer-grads each contribution is
  * a vector of small integers, so the accounting of every round can be
  * checked exactly: "total" is the sum of the elements, "wsum" the sum of
  * (j + 1) * element j, and a commit reports the committed result times
@@ -129,6 +130,7 @@ struct trainer {
     int64_t tally[NPARAM];
     uint64_t tally_calls;
     uint64_t my_version;        /* the version this trainer last acted on */
+    uint64_t dropped_seen;      /* the node's contributions_dropped, last read */
     uint64_t k_version, k;      /* contributions made in round k_version */
     uint64_t last_epoch;
 };
@@ -648,9 +650,16 @@ static int step(struct trainer *t, struct cohort *c, float *w, float *g, bool do
         if (rc < 0)
             return rc;
         vec_sums(t->tally, &mt, &mw);
-        /* Behind the leader: the node dropped our pending contributions,
-         * which the leader's rounds already hold. */
-        bool dropped = v != t->my_version;
+        /* Behind the leader, the node drops our pending contributions only
+         * where the leader's rounds hold them (or may: include/cohort.h);
+         * otherwise they stay ours, for the next round. Its count says
+         * which. */
+        struct cohort_gradient_stats gs;
+        rc = cohort_get_gradient_stats(c, &gs);
+        if (rc < 0)
+            return rc;
+        bool dropped = gs.contributions_dropped != t->dropped_seen;
+        t->dropped_seen = gs.contributions_dropped;
         stat_line(t, "{\"ev\":\"state\",\"from_v\":%" PRIu64 ",\"to_v\":%" PRIu64 ",\"epoch\":%"
                   PRIu64 ",\"dropped\":%s,\"mine_total\":%" PRId64 ",\"mine_wsum\":%" PRId64 ","
                   "\"mine_calls\":%" PRIu64 "}", t->my_version, v, t->last_epoch,
@@ -658,8 +667,8 @@ static int step(struct trainer *t, struct cohort *c, float *w, float *g, bool do
         if (dropped) {
             memset(t->tally, 0, sizeof(t->tally));
             t->tally_calls = 0;
-            t->my_version = v;
         }
+        t->my_version = v;
         if (state_adopt(t, state, len) < 0)
             return -ECANCELED;          /* said why already */
         say("received the leader's state at model_version=%" PRIu64 " (samples=%" PRIu64 ").", v,

@@ -159,7 +159,7 @@ class Accumulator:
                 self._bviews.append(bv)
         self._grads = self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
         self._on_results = False    # .grad points at the round's result
-        self._pending = None        # (batch_size or 0 for a skip, model_version)
+        self._pending = None        # (batch_size or 0 for a skip, contributions_dropped)
         self._asked = False         # the last update() said wants_gradients
         self._state = None
         self._address = None        # a connect() to retry: the sidecar was not there yet
@@ -246,10 +246,12 @@ class Accumulator:
             self._point_at_results()
         self._asked = False
         if self._pending is not None:
-            batch, version = self._pending
-            if core.has_new_state() or core.model_version() != version:
-                # Behind the leader: the node dropped the contribution (its
-                # rounds hold it) and zeroes the gradients.
+            batch, dropped = self._pending
+            if self._dropped() != dropped:
+                # Behind the leader, whose rounds hold this member's pending
+                # contributions: the node dropped them and zeroed the
+                # gradients, this one's too. Otherwise it is still owed
+                # (a state transfer keeps what no round holds).
                 self._pending = None
             elif core.wants_gradients():
                 rc = core.reduce_gradients(batch) if batch else core.skip_gradients()
@@ -335,9 +337,9 @@ class Accumulator:
                 raise Error(errno.EPERM, "%s: %s" % (what, _cohort.strerror(-errno.EPERM)))
             # Asked by the last update(), refused now: the view moved under
             # us. Kept for the next update() that wants gradients.
-            self._pending = (batch, core.model_version())
-        # EAGAIN: the leader's rounds already hold this work; the next
-        # update() zeroes the gradients.
+            self._pending = (batch, self._dropped())
+        # EAGAIN: a state transfer is under way; the next update() zeroes
+        # the gradients: compute again.
 
     def reduce_gradients(self, batch_size):
         """Contributes the gradients in the parameters' .grad (which live in
@@ -462,6 +464,9 @@ class Accumulator:
             raise ValueError("compression must be one of none, fp16, bf16, int8, not %r"
                              % (codec,))
         self._c().set_compression(names[codec])
+
+    def _dropped(self):
+        return self._c().view()["stats"]["contributions_dropped"]
 
     def get_gradient_stats(self):
         """Statistics of the last committed round (batch_size,

@@ -10,7 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <openssl/evp.h>
@@ -524,6 +526,14 @@ struct ckpt_writer {
 static void *writer_main(void *arg)
 {
     struct ckpt_writer *w = arg;
+
+    /* The lowest priority for this thread alone (Linux's nice is per
+     * thread): checksumming and copying into the page cache take CPU,
+     * and where the cores are busy with rounds, those must win, not the
+     * checkpoint (bench/checkpoint.sh). On idle cores it runs at full
+     * speed. Failing to lower it only costs that. */
+    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19) < 0)
+        log_info("ckpt", "Could not lower the checkpoint writer's priority.", LF_ERR(-errno));
 
     pthread_mutex_lock(&w->lock);
     for (;;) {

@@ -82,6 +82,7 @@
 #include "base/log.h"
 #include "membership/member.h"
 #include "accumulator/ckpt.h"
+#include "accumulator/lineage.h"
 #include "accumulator/tally.h"
 
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
@@ -119,6 +120,7 @@ struct node {
 
     /* Epochs: `latest` from the watch, `cur` the one being worked in. */
     struct epoch *latest, *cur;
+    uint64_t cur_id;            /* lineage_epoch_id(cur) */
     uint32_t step;              /* all-reduces done in cur */
     uint64_t epoch_commits;     /* commits in cur */
     enum phase phase;
@@ -140,6 +142,10 @@ struct node {
     uint64_t vbs;               /* virtual batch size */
     uint32_t buffer_sync_rounds;
     uint64_t acc_batch, acc_grads, acc_skips;   /* since the last commit */
+    uint64_t acc_epoch;         /* the epoch (lineage id) whose step last reduced
+                                 * them; 0: none has */
+    uint64_t acc_epoch_no;      /* that epoch's number, for the logs */
+    struct lineage lineage;     /* the epochs that committed the recent versions */
     bool contributed;           /* a contribution awaits its count step */
     unsigned parallel;          /* contributions outstanding at most */
     struct slot slots[PARALLEL_MAX];
@@ -162,6 +168,8 @@ struct node {
     size_t state_in_len;
     bool has_new_state;
     bool drop_grads;            /* zero the gradients at the trainer's next call */
+    bool sync_refused;          /* a contribution was refused with -EAGAIN during a
+                                 * transfer: its gradients are in the trainer's buffer */
     uint64_t failed_at;         /* a step failed with no new epoch yet; 0: none */
     struct node_view stats;     /* counters kept in the view's shape */
     /* Checkpoints: the writer (NULL without a directory), whether one is
@@ -237,6 +245,8 @@ static void report_checkpoints_locked(struct node *n)
     c->failed = ws.failed;
     c->last_bytes = ws.last_bytes;
     c->last_us = ws.last_us;
+    c->total_bytes = ws.total_bytes;
+    c->total_us = ws.total_us;
     member_set_checkpoint(n->member,
                           c->written_version > c->loaded_version ? c->written_version
                                                                  : c->loaded_version,
@@ -351,6 +361,75 @@ static int broadcast(struct node *n, bool receive, int h, void *buf, size_t byte
     return rc;
 }
 
+/* A member behind the leader, about to take its state: whether the round
+ * it holds contributions for (version + 1) is among the leader's rounds
+ * with them in it. Only if this member's last step on them was in the
+ * epoch that committed that round: the others finished it and this member
+ * missed the result. A round committed in any other epoch was reduced by
+ * members this one was not among, so its contributions are in none of the
+ * leader's rounds and are kept for the next one; contributions no step
+ * ever reduced likewise. When the leader's lineage does not reach that
+ * far back (a version declared or loaded from a checkpoint, or more than
+ * LINEAGE_RUNS committing epochs since), nobody can tell: they are dropped,
+ * since counting a gradient twice corrupts a committed result while
+ * losing one only loses that batch, and the drop is logged. Lock held. */
+static bool behind_holds_pending_locked(struct node *n, const struct lineage *leader, uint64_t vmax)
+{
+    uint64_t pending = n->acc_grads + n->acc_skips;
+    enum lineage_answer a;
+
+    if (pending == 0 && !n->contributed)
+        return false;
+    if (n->acc_epoch == 0) {
+        log_info("node", "Behind the leader with contributions no step has reduced yet; they are "
+                         "kept for the next round.", LF_S("cohort", n->cohort), LF_S("id", n->id),
+                 LF_U("version", n->version), LF_U("leader_version", vmax), LF_U("pending", pending));
+        return false;
+    }
+    a = lineage_holds(leader, n->version + 1, n->acc_epoch);
+    if (a == LINEAGE_NO)
+        log_info("node", "Behind the leader, whose rounds were committed without this member's "
+                         "pending contributions; they are kept for the next round.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("version", n->version),
+                 LF_U("leader_version", vmax), LF_U("pending", pending),
+                 LF_U("reduced_in_epoch", n->acc_epoch_no));
+    else if (a == LINEAGE_YES)
+        log_info("node", "Behind the leader, whose next round holds this member's pending "
+                         "contributions; they are dropped, not counted twice.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("version", n->version),
+                 LF_U("leader_version", vmax), LF_U("pending", pending),
+                 LF_U("reduced_in_epoch", n->acc_epoch_no), LF_U("epoch_id", n->acc_epoch),
+                 LF_U("lineage_base", leader->base), LF_U("lineage_runs", leader->n));
+    else
+        log_warn("node", "Behind the leader, whose record does not reach this member's round; its "
+                         "pending contributions may be in it and are dropped rather than risk "
+                         "counting them twice.", LF_S("cohort", n->cohort), LF_S("id", n->id),
+                 LF_U("version", n->version), LF_U("leader_version", vmax),
+                 LF_U("pending", pending));
+    return a != LINEAGE_NO;
+}
+
+/* Drops the contributions of the open round: the leader's state holds
+ * them (behind_holds_pending_locked). Lock held. */
+static void drop_pending_locked(struct node *n)
+{
+    n->stats.contributions_dropped += n->acc_grads + n->acc_skips;
+    n->acc_batch = n->acc_grads = n->acc_skips = 0;
+    n->acc_epoch = 0;
+    n->contributed = false;
+    n->has_gradients = false;
+    if (n->round_slot >= 0) {
+        slot_release_locked(n, n->round_slot);
+        n->round_slot = -1;
+    }
+    /* With one round in flight the contribution is the trainer's own
+     * buffer, which it may be writing right now: it is zeroed on its own
+     * next call instead (node_view). Queued slots of parallel gradients
+     * were never in a count step, so nobody counted them: they stay. */
+    if (n->parallel == 1)
+        n->drop_grads = true;
+}
+
 /* The sync steps of a new epoch. Returns 0, or the engine's error. */
 static int sync_epoch(struct node *n)
 {
@@ -358,6 +437,9 @@ static int sync_epoch(struct node *n)
     size_t leader;
     bool need, any_need, was_behind;
     uint64_t vmax, state_len;
+    size_t state_pad, lineage_bytes = LINEAGE_WORDS * sizeof(int64_t);
+    struct lineage got;
+    bool got_lineage;
     void *state = NULL;
     int h_state = -1, rc;
 
@@ -436,20 +518,34 @@ static int sync_epoch(struct node *n)
     was_behind = n->version != vmax;
     if (state_len > LIMIT_STATE_BYTES)
         return -EPROTO;
-    state = calloc(1, (state_len + 7) / 8 * 8 + 8);
+    /* The leader's lineage rides behind the opaque state: which epochs
+     * committed the versions it holds (lineage.h). */
+    state_pad = (state_len + 7) / 8 * 8;
+    state = calloc(1, state_pad + lineage_bytes + 8);
     if (!state)
         return -ENOMEM;
-    if (n->leader)
+    if (n->leader) {
         memcpy(state, n->state_out, state_len);
-    h_state = allreduce_register(n->ar, state, (state_len + 7) / 8 * 8);
+        pthread_mutex_lock(&n->lock);
+        lineage_encode(&n->lineage, (int64_t *)((char *)state + state_pad));
+        pthread_mutex_unlock(&n->lock);
+    }
+    h_state = allreduce_register(n->ar, state, state_pad + lineage_bytes);
     if (h_state < 0) {
         rc = h_state;
         goto out;
     }
     if ((rc = broadcast(n, need, n->h_params, n->t.params, n->t.params_bytes)) < 0 ||
         (rc = broadcast(n, need, n->h_buffers, n->t.buffers, n->t.buffers_bytes)) < 0 ||
-        (rc = broadcast(n, true, h_state, state, state_len)) < 0)
+        (rc = broadcast(n, true, h_state, state, state_pad + lineage_bytes)) < 0)
         goto out;
+    got_lineage = lineage_decode((int64_t *)((char *)state + state_pad), &got) == 0;
+    if (!got_lineage && need) {
+        log_warn("node", "The leader's lineage is malformed; the versions it holds count as "
+                         "unknown.", LF_S("cohort", n->cohort), LF_S("id", n->id),
+                 LF_S("leader", n->leader_id));
+        lineage_reset(&got, vmax);
+    }
 
     pthread_mutex_lock(&n->lock);
     if (n->leader) {
@@ -458,6 +554,9 @@ static int sync_epoch(struct node *n)
         free(n->state_out);
         n->state_out = NULL;
     } else if (need) {
+        /* Decided on the version this member had. */
+        bool drop = was_behind && behind_holds_pending_locked(n, &got, vmax);
+
         n->version = vmax;
         n->has_state = true;
         free(n->state_in);
@@ -466,26 +565,28 @@ static int sync_epoch(struct node *n)
         state = NULL;
         n->has_new_state = true;
         n->stats.states_received++;
-        if (was_behind) {
-            /* The leader is ahead: our pending contribution went into the
-             * rounds it committed. Counting it again would count it twice. */
-            n->stats.contributions_dropped += n->acc_grads + n->acc_skips;
-            n->acc_batch = n->acc_grads = n->acc_skips = 0;
-            n->contributed = false;
-            n->has_gradients = false;
-            if (n->round_slot >= 0) {
-                slot_release_locked(n, n->round_slot);
-                n->round_slot = -1;
-            }
-            /* With one round in flight the contribution is the trainer's
-             * own buffer, which it may be writing right now: it is zeroed
-             * on its own next call instead (node_view). Queued slots of
-             * parallel gradients were never in a count step, so nobody
-             * counted them: they stay. */
-            if (n->parallel == 1)
-                n->drop_grads = true;
+
+        /* A reduce refused during the transfer (-EAGAIN) left its gradients
+         * in the trainer's buffer, which it was told to compute again: the
+         * buffer is zeroed, and with one round in flight the kept round's
+         * gradients are in that same buffer and go with it (counted). */
+        if (!drop && n->sync_refused && n->parallel == 1 && n->acc_grads + n->acc_skips > 0) {
+            log_warn("node", "A contribution refused during the state transfer shares the "
+                             "gradient buffer with the pending ones; all are dropped.",
+                     LF_S("cohort", n->cohort), LF_S("id", n->id),
+                     LF_U("pending", n->acc_grads + n->acc_skips));
+            drop = true;
         }
+        if (drop)
+            drop_pending_locked(n);
+        if (n->sync_refused)
+            n->drop_grads = true;
+        n->sync_refused = false;
     }
+    /* A member that took the leader's state takes its account of the
+     * versions in it; one that kept its own keeps its own. */
+    if (!n->leader && need)
+        n->lineage = got;
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     log_info("node", "State synced from the leader.", LF_S("cohort", n->cohort), LF_S("id", n->id),
@@ -665,6 +766,10 @@ static int run_step(struct node *n)
     mine = n->compression;
     c[4] = (uint64_t)mine;
     c[5] = c[4] * c[4];
+    /* From here the others may finish this round without us (we miss its
+     * result): if they do, these contributions are in it (sync_epoch). */
+    n->acc_epoch = n->cur_id;
+    n->acc_epoch_no = n->cur->number;
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
@@ -732,6 +837,10 @@ static int run_step(struct node *n)
     if (grads == 0)     /* everyone skipped: a zero step */
         memset(n->t.results, 0, bytes);
     n->version++;
+    /* A newer epoch may have reached the engine during the step, which
+     * then ran among its members (the engine has no other): which epoch
+     * committed this round is not known for sure. */
+    lineage_commit(&n->lineage, epoch_moved_locked(n) ? LINEAGE_UNSURE : n->cur_id, n->version);
     n->epoch_commits++;
     n->fuse_next = n->round_counts == 1;
     n->round_counts = 0;
@@ -742,6 +851,7 @@ static int run_step(struct node *n)
         n->round_slot = -1;
     }
     n->acc_batch = n->acc_grads = n->acc_skips = 0;
+    n->acc_epoch = 0;
     n->stats.batch_size = batch;
     n->stats.num_gradients = grads;
     n->stats.num_skipped = skips;
@@ -797,6 +907,7 @@ static void adopt_epoch_locked(struct node *n)
 {
     epoch_unref(n->cur);
     n->cur = epoch_ref(n->latest);
+    n->cur_id = lineage_epoch_id(n->cur);
     n->step = 0;
     n->epoch_commits = 0;
     n->fuse_next = true;
@@ -881,6 +992,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->cohort = strdup(cfg->cohort);
     n->id = strdup(cfg->id);
     n->version = cfg->model_version;
+    lineage_reset(&n->lineage, n->version);
     n->vbs = cfg->virtual_batch_size ? cfg->virtual_batch_size : 1;
     n->compression = codec_valid((int)cfg->compression) ? cfg->compression : CODEC_NONE;
     n->parallel = cfg->parallel_gradients ? cfg->parallel_gradients : 1;
@@ -1034,6 +1146,7 @@ static int open_checkpoints_locked(struct node *n)
                  LF_S("dir", c->checkpoint_dir), LF_U("version", got.version),
                  LF_U("bytes", got.bytes), LF_U("skipped", got.n_skipped));
         n->version = got.version;
+        lineage_reset(&n->lineage, got.version);
         n->has_state = true;
         free(n->state_in);
         n->state_in = got.state;
@@ -1217,6 +1330,7 @@ int node_contribute(struct node *n, uint64_t batch_size)
     /* A state transfer under way has made the parameters invalid: the
      * gradients were computed on what is being replaced. */
     if (n->registered && !n->has_state && n->phase == PH_SYNC) {
+        n->sync_refused = true;
         pthread_mutex_unlock(&n->lock);
         return -EAGAIN;
     }
@@ -1371,6 +1485,7 @@ int node_set_model_version(struct node *n, uint64_t version)
 {
     pthread_mutex_lock(&n->lock);
     n->version = version;
+    lineage_reset(&n->lineage, version);
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     member_set_model_version(n->member, version, true);

@@ -22,10 +22,22 @@
  * the highest version (ties: the first in member order). A member whose
  * version differs from the leader's, or that never had state, fetches the
  * leader's state (parameters, buffers and the trainer's opaque state)
- * before anyone contributes again, and drops its pending contribution: if
- * the leader is ahead, that contribution is already in the leader's state.
+ * before anyone contributes again. A member behind the leader may hold
+ * contributions for the round after its own version. They are in the
+ * leader's state only if that round was committed in the epoch in which
+ * this member last reduced them (it took part in the round's last step
+ * and missed the result): then they are dropped (contributions_dropped).
+ * Otherwise that round was reduced by others without them, and they are
+ * kept and counted into the next round. The leader's state carries which
+ * epoch committed each of its recent versions (lineage.h) to tell; where
+ * that record does not reach (versions declared or loaded from a
+ * checkpoint, or over LINEAGE_RUNS committing epochs back) or does not
+ * know for sure (a round committed after a newer epoch reached the
+ * engine), they are dropped, and logged: a gradient counted twice would
+ * corrupt a result.
  * So a committed result is the reduction of one epoch's members'
- * contributions, and every member applies the same bytes.
+ * contributions, each counted once, and every member applies the same
+ * bytes.
  *
  * Buffers (statistics that are not reduced, such as BatchNorm's) drift
  * between members; every buffer_sync_rounds commits the leader's are
@@ -153,7 +165,8 @@ struct node_view {
     /* Last committed round, and totals. */
     uint64_t batch_size, num_gradients, num_skipped;
     uint64_t rounds_committed, rounds_retried, epochs_seen, states_received;
-    uint64_t contributions_dropped;  /* already in rounds the leader committed */
+    uint64_t contributions_dropped;  /* in a round the leader committed (or possibly:
+                                      * node.h's top comment) */
 };
 void node_view(struct node *n, struct node_view *v);
 
@@ -161,9 +174,11 @@ void node_view(struct node *n, struct node_view *v);
  * (0 = skip). A contribution made as a new epoch begins is kept for after
  * its sync. With parallel gradients the contents are copied aside and the
  * buffer is zeroed. Returns 0, -EPERM (no state yet, a result is pending,
- * or as many contributions as allowed are), -EAGAIN (a state transfer
- * dropped the buffer's contents; the next node_view zeroes it: compute
- * again), -ENODEV (nothing registered), -ENOMEM. */
+ * or as many contributions as allowed are), -EAGAIN (a state transfer is
+ * replacing the parameters these gradients were computed on, or dropped
+ * the buffer's contents: the next node_view zeroes it, compute again;
+ * with one round in flight, kept contributions in that same buffer go
+ * with it, counted in contributions_dropped), -ENODEV (nothing registered), -ENOMEM. */
 int node_contribute(struct node *n, uint64_t batch_size);
 /* The trainer has applied the result of round `round` (the view's
  * rounds_committed) and zeroed the gradient buffer itself: clears
@@ -207,6 +222,7 @@ struct node_checkpoints {
     uint64_t written_version;   /* the newest it wrote (0: none) */
     uint64_t written, failed;   /* writes */
     uint64_t last_bytes, last_us;
+    uint64_t total_bytes, total_us; /* every write, fsync and rename included */
     uint64_t skipped_version;   /* the newest checkpoint it found invalid (0: none) */
     unsigned skipped_reason;    /* enum ckpt_reason */
 };

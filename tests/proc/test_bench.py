@@ -39,6 +39,23 @@ def test_bench_allreduce_reports_each_size():
     assert all(r["peers"] == 2 and r["time_ms"] > 0 for r in rows)
 
 
+def test_bench_checkpoint_reports_writes_and_rounds_with_and_without(tmp_path):
+    rc, out, err = cohortctl("bench", "checkpoint", "--peers", "2", "--bytes", "1M",
+                             "--every", "1,4", "--seconds", "1", "--reps", "1", "--writes", "2",
+                             "--dir", str(tmp_path), "-o", "json")
+    assert rc == 0, err[-4000:]
+    rows = json_lines(out)
+    writes = [r for r in rows if r["measure"] == "write"]
+    rounds = [r for r in rows if r["measure"] == "rounds"]
+    assert len(writes) == 1 and writes[0]["bytes"] == 1 << 20 and writes[0]["mib_per_s"] > 0
+    assert [r["every"] for r in rounds] == [0, 1, 4]
+    assert all(r["rounds_per_s"] > 0 and r["failed"] == 0 for r in rounds)
+    assert rounds[0]["ratio"] == 1.0 and rounds[0]["written"] == 0
+    # Every version: the leader wrote checkpoints while the rounds ran.
+    assert rounds[1]["written"] >= 1 and rounds[1]["write_mib_per_s"] > 0
+    assert os.listdir(tmp_path) == [], "the benchmark leaves nothing behind"
+
+
 @pytest.mark.parametrize("args", [
     ["accumulator", "--bytes", "6"],            # not whole float32 elements
     ["accumulator", "--bytes", "4K,,8K"],
@@ -50,6 +67,12 @@ def test_bench_allreduce_reports_each_size():
     ["allreduce", "--bytes", "4T"],
     ["allreduce", "--bytes", "-4K"],
     ["allreduce", "--segment", "12"],           # not a multiple of 8
+    ["checkpoint", "--bytes", "12"],            # not a multiple of 8
+    ["checkpoint", "--every", "0"],
+    ["checkpoint", "--every", "1,2,3,4,5,6,7"],
+    ["checkpoint", "--peers", "5"],
+    ["checkpoint", "--seconds", "0"],
+    ["checkpoint", "--dir", "/nonexistent/x"],
 ])
 def test_bench_refuses_bad_flags_before_running(args):
     rc, out, err = cohortctl("bench", *args)

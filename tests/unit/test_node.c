@@ -27,6 +27,10 @@ static char broker[64];
  * CKPT_EVERY versions. */
 static const char *ckpt_dir;
 #define CKPT_EVERY 5
+/* Trainers started while this is set start with a budget of 0
+ * contributions (trainer.budget), so a test places each one. */
+static bool start_held;
+#define VERSIONS 64             /* results recorded per trainer, by version */
 
 /* The fixture's broker with a startup hold: the trainers a test starts
  * together join within it and land in one first epoch, instead of the
@@ -59,6 +63,8 @@ struct trainer {
     uint64_t pause_at;                  /* from this version (0: never), contribute */
     uint32_t pause_until;               /* only in epochs of this many members */
     bool started;                       /* an epoch had them: contributing */
+    atomic_int budget;                  /* contributions left to make; -1: no limit */
+    atomic_int made;                    /* contributions made (accepted) */
     atomic_bool quit;
     pthread_t t;
     /* What it saw. */
@@ -72,7 +78,11 @@ struct trainer {
      * made (the first APPLIED_LOG). A round's mix of contributions is the
      * machine's timing, so exact parameters are recomputed from these. */
     float applied_mean[APPLIED_LOG];
-    uint64_t applied_version[APPLIED_LOG];
+    uint64_t applied_at[APPLIED_LOG];
+    /* Per committed version it applied: the result and its count. */
+    float result_at[VERSIONS];
+    uint64_t gradients_at[VERSIONS];
+    atomic_uint_fast64_t applied_version;   /* the newest it applied */
 };
 
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
@@ -129,9 +139,15 @@ static void *trainer_main(void *arg)
             }
             if (tr->applied < APPLIED_LOG) {
             tr->applied_mean[tr->applied] = g;
-            tr->applied_version[tr->applied] = v.model_version;
+            tr->applied_at[tr->applied] = v.model_version;
         }
         tr->buffers[0] += 1;
+            if (v.model_version < VERSIONS) {
+                tr->result_at[v.model_version] = g;
+                tr->gradients_at[v.model_version] = v.num_gradients;
+            }
+            atomic_store(&tr->applied_version, v.model_version);
+            tr->buffers[0] += 1;
             /* Drift early on, each its own value; the periodic sync (every
              * 5 commits) must bring everyone back to the leader's. */
             if (v.model_version < 8)
@@ -141,11 +157,20 @@ static void *trainer_main(void *arg)
             if (node_consume(tr->n, v.rounds_committed) < 0)
                 tr->sum_check_failures++;
         } else if (v.wants_gradients && (tr->started || v.size >= tr->together) &&
-                   !(tr->pause_at && v.model_version >= tr->pause_at && v.size < tr->pause_until)) {
+                   !(tr->pause_at && v.model_version >= tr->pause_at && v.size < tr->pause_until) &&
+                   atomic_load(&tr->budget) != 0) {
             tr->started = true;
             for (int i = 0; i < P; i++)
                 tr->grads[i] += (float)(tr->index + 1);
-            node_contribute(tr->n, 1);
+            if (node_contribute(tr->n, 1) == 0) {
+                atomic_fetch_add(&tr->made, 1);
+                if (atomic_load(&tr->budget) > 0)
+                    atomic_fetch_sub(&tr->budget, 1);
+            } else {
+                /* Refused (-EAGAIN: the next view zeroes them): not made. */
+                for (int i = 0; i < P; i++)
+                    tr->grads[i] -= (float)(tr->index + 1);
+            }
         } else {
             clock_sleep_ms(1);
         }
@@ -169,6 +194,7 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
     tr->index = index;
     tr->target = target;
     tr->together = together;
+    atomic_store(&tr->budget, start_held ? 0 : -1);
     /* Different initial parameters: state sync must make them equal. */
     for (int i = 0; i < P; i++)
         tr->params[i] = (float)(index * 1000 + i);
@@ -373,7 +399,7 @@ static void params_after(float *p, const float *from, const struct trainer *tr, 
     cr_assert_leq(tr->applied, APPLIED_LOG);
     memcpy(p, from, sizeof(float) * (P + 1));
     for (uint64_t r = 0; r < tr->applied; r++) {
-        if (tr->applied_version[r] <= above || tr->applied_version[r] > upto)
+        if (tr->applied_at[r] <= above || tr->applied_at[r] > upto)
             continue;
         for (int i = 0; i < P; i++)
             p[i] -= 0.01f * tr->applied_mean[r];
@@ -544,4 +570,118 @@ Test(node, a_checkpoint_behind_the_cohort_never_pulls_a_member_back)
     }
     trainers_stop(trs, 3);
     ckpt_dir_remove();
+}
+
+static struct node_view view_of(struct trainer *tr)
+{
+    struct node_view v;
+
+    node_view(tr->n, &v);
+    return v;
+}
+
+/* w-0 and w-1 (contributions of 1 and 2, batch 1 each, virtual batch 3),
+ * both held, in one epoch of two at version 0. Each makes one
+ * contribution; the count step finds 2 of 3 and commits nothing, so both
+ * hold a pending contribution that a step has reduced in this epoch.
+ * Then w-0 leaves the epoch (drained) with it. Returns that epoch. */
+static uint64_t w0_pending_then_out(struct trainer *trs)
+{
+    uint64_t e1;
+
+    start_held = true;
+    trainers_start(trs, 2, 1000, 3);
+    start_held = false;
+    FIXTURE_WAIT_FOR(view_of(&trs[0]).size == 2 && view_of(&trs[0]).wants_gradients &&
+                     view_of(&trs[1]).size == 2 && view_of(&trs[1]).wants_gradients,
+                     "w-0 and w-1 never shared an epoch");
+    e1 = view_of(&trs[0]).epoch;
+    atomic_store(&trs[0].budget, 1);
+    atomic_store(&trs[1].budget, 1);
+    FIXTURE_WAIT_FOR(atomic_load(&trs[0].made) == 1 && atomic_load(&trs[1].made) == 1 &&
+                     view_of(&trs[0]).wants_gradients && view_of(&trs[1]).wants_gradients,
+                     "the count step of w-0's and w-1's contributions never ran");
+    cr_assert_eq(view_of(&trs[0]).model_version, 0);
+    cr_assert_eq(view_of(&trs[0]).epoch, e1, "the epoch changed under the test");
+    cr_assert_eq(brokerd_drain(d, "train", "w-0", true), 0);
+    FIXTURE_WAIT_FOR(view_of(&trs[1]).size == 1 && view_of(&trs[1]).epoch > e1,
+                     "w-1 never had an epoch of its own");
+    return e1;
+}
+
+static void trainers_quit(struct trainer *trs, int n)
+{
+    for (int i = 0; i < n; i++)
+        atomic_store(&trs[i].quit, true);
+    trainers_join(trs, n);
+    trainers_stop(trs, n);
+}
+
+/* Seed 1015's shape (docs/chaos.md): a member's pending contribution was
+ * reduced in no round of the epoch that committed the leader's newer
+ * versions. Taking the leader's state must keep it, and the next round
+ * counts it exactly once. */
+Test(node, a_member_behind_keeps_contributions_no_round_of_the_leader_holds)
+{
+    static struct trainer trs[2];
+
+    w0_pending_then_out(trs);
+    /* w-1 alone commits versions 1 and 2: its pending 2 and five more. */
+    atomic_store(&trs[1].budget, 5);
+    FIXTURE_WAIT_FOR(atomic_load(&trs[1].applied_version) == 2, "w-1 never committed 1 and 2");
+    cr_assert_eq(trs[1].gradients_at[1], 3);
+    cr_assert_eq(trs[1].result_at[1], 2.0f);
+    cr_assert_eq(trs[1].result_at[2], 2.0f);
+
+    /* w-0 comes back behind (0 against 2) and takes w-1's state. */
+    cr_assert_eq(brokerd_drain(d, "train", "w-0", false), 0);
+    FIXTURE_WAIT_FOR(view_of(&trs[0]).size == 2 && view_of(&trs[0]).model_version == 2 &&
+                     trs[0].states >= 1, "w-0 never took the leader's state");
+    cr_assert_eq(view_of(&trs[0]).contributions_dropped, 0,
+                 "w-0 dropped a contribution that none of the leader's rounds holds");
+
+    /* Round 3: w-0's kept 1, one more 1 from w-0 and a 2 from w-1. */
+    atomic_store(&trs[0].budget, 1);
+    atomic_store(&trs[1].budget, 1);
+    FIXTURE_WAIT_FOR(atomic_load(&trs[0].applied_version) == 3 &&
+                     atomic_load(&trs[1].applied_version) == 3, "round 3 never committed");
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(trs[i].gradients_at[3], 3, "w-%d: round 3 reduced %llu contributions", i,
+                     (unsigned long long)trs[i].gradients_at[3]);
+        cr_assert_float_eq(trs[i].result_at[3] * 3.0f, 4.0f, 1e-5, "w-%d: round 3's result is %f",
+                           i, (double)trs[i].result_at[3]);
+        cr_assert_eq(trs[i].sum_check_failures, 0);
+    }
+    cr_assert_eq(memcmp(trs[0].params, trs[1].params, sizeof(trs[0].params)), 0);
+    /* 9 contributions made, 3 rounds of 3: none lost, none twice. */
+    cr_assert_eq(atomic_load(&trs[0].made) + atomic_load(&trs[1].made), 9);
+    cr_assert_eq(view_of(&trs[1]).contributions_dropped, 0);
+    trainers_quit(trs, 2);
+}
+
+/* The same, but the leader's versions came from a declaration (as from a
+ * trainer's own checkpoint): its record cannot say whether a round holds
+ * w-0's contribution, and counting it twice would corrupt a committed
+ * result, so it is dropped (and counted as dropped), in no round. */
+Test(node, a_member_behind_an_unrecorded_history_drops_rather_than_counts_twice)
+{
+    static struct trainer trs[2];
+
+    w0_pending_then_out(trs);
+    cr_assert_eq(node_set_model_version(trs[1].n, 5), 0);
+    cr_assert_eq(brokerd_drain(d, "train", "w-0", false), 0);
+    FIXTURE_WAIT_FOR(view_of(&trs[0]).size == 2 && view_of(&trs[0]).model_version == 5 &&
+                     trs[0].states >= 1, "w-0 never took the leader's state");
+    cr_assert_eq(view_of(&trs[0]).contributions_dropped, 1);
+    /* Round 6: w-1's pending 2, a 2 more from w-1 and a new 1 from w-0. */
+    atomic_store(&trs[0].budget, 1);
+    atomic_store(&trs[1].budget, 1);
+    FIXTURE_WAIT_FOR(atomic_load(&trs[0].applied_version) == 6 &&
+                     atomic_load(&trs[1].applied_version) == 6, "round 6 never committed");
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(trs[i].gradients_at[6], 3);
+        cr_assert_float_eq(trs[i].result_at[6] * 3.0f, 5.0f, 1e-5, "w-%d: round 6's result is %f",
+                           i, (double)trs[i].result_at[6]);
+    }
+    trainers_quit(trs, 2);
 }

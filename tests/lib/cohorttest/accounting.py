@@ -48,11 +48,13 @@ def check_accounting(stats, steps, discarded=None):
     between logging a contribution and making it leaves one line too many).
     Returns the number of rounds checked.
 
-    A member that was evicted while its contribution was open, and came
-    back behind the leader, drops that contribution too, but it was never
-    counted: the others committed the round without it. With `discarded`
-    (a list) such drops are allowed and appended to it as (version, member
-    id); without, every drop must be in a committed round."""
+    A member behind the leader whose pending contributions no round of
+    the leader holds keeps them (a "state" line with dropped false): they
+    are its part of a later round, made at an older version. Where the
+    node cannot tell, it drops them although no round may hold them. With
+    `discarded` (a list) such drops are allowed and appended to it as
+    (version, member id); without, every drop must be in a committed
+    round."""
     commits, drops, dead = {}, {}, {}
     for mid, evs in stats.items():
         pending, finished = [], False
@@ -65,9 +67,12 @@ def check_accounting(stats, steps, discarded=None):
                 part = vsum([vec(c) for c in pending])
                 # The trainer's own tally agrees with its contribution lines.
                 assert (e["mine_total"], e["mine_wsum"], e["mine_calls"]) == part[:3], (mid, e)
-                assert all(c["v"] == e["v"] - 1 for c in pending), (mid, e)
+                assert all(c["v"] == e["v"] - 1 or c.get("kept") for c in pending), (mid, e)
                 commits.setdefault(e["v"], []).append((mid, e, part))
                 pending = []
+            elif e["ev"] == "state" and not e["dropped"]:
+                for c in pending:
+                    c["kept"] = True
             elif e["ev"] == "state" and e["dropped"]:
                 part = vsum([vec(c) for c in pending])
                 assert (e["mine_total"], e["mine_wsum"], e["mine_calls"]) == part[:3], (mid, e)
