@@ -84,6 +84,21 @@ static const char *algorithm_field(const cJSON *spec)
     return NULL;
 }
 
+/* spec.reduction.compression's static spelling, "none" when absent, NULL
+ * when it is none of the CRD's values (the sidecar's --compression). */
+static const char *compression_field(const cJSON *spec)
+{
+    static const char *const names[] = { "none", "fp16", "bf16", "int8" };
+    const cJSON *v = get(get(spec, "reduction"), "compression");
+
+    if (!v)
+        return names[0];
+    for (size_t i = 0; cJSON_IsString(v) && i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(v->valuestring, names[i]) == 0)
+            return names[i];
+    return NULL;
+}
+
 /* The one source of spec.checkpoint.volume (its key), or NULL when it
  * has none, more than one, or one that Kubernetes mounts read-only. */
 static const cJSON *ckpt_source(const cJSON *vol)
@@ -203,11 +218,10 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (!s->algorithm)
         return refuse(why, "InvalidSpec", "spec.reduction.algorithm must be auto, ring or "
                       "doubling");
-    if (get(get(spec, "reduction"), "compression") &&
-        (!str(get(spec, "reduction"), "compression") ||
-         strcmp(str(get(spec, "reduction"), "compression"), "none") != 0))
-        return refuse(why, "InvalidSpec", "spec.reduction.compression must be none: no "
-                      "compression is implemented yet");
+    s->compression = compression_field(spec);
+    if (!s->compression)
+        return refuse(why, "InvalidSpec", "spec.reduction.compression must be none, fp16, bf16 "
+                      "or int8");
     if (parse_checkpoint(get(spec, "checkpoint"), s, why) < 0)
         return -EINVAL;
     tmpl = get(spec, "template");
@@ -426,6 +440,7 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
     const cJSON *sc = get(get(tc, "spec"), "sidecar");
     const char *image = str(sc, "image"), *pull = str(sc, "imagePullPolicy");
     const char *level = str(sc, "logLevel"), *alg = algorithm_field(get(tc, "spec"));
+    const char *codec = compression_field(get(tc, "spec"));
     const cJSON *acc = get(get(tc, "spec"), "accumulator");
     cJSON *c = cJSON_CreateObject(), *cmd, *args;
     char num[32];
@@ -456,6 +471,10 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
      * the checks here only keep a bad value off the command line. */
     cJSON_AddItemToArray(args, cJSON_CreateString("--allreduce"));
     cJSON_AddItemToArray(args, cJSON_CreateString(alg ? alg : "auto"));
+    if (codec && strcmp(codec, "none") != 0) {
+        cJSON_AddItemToArray(args, cJSON_CreateString("--compression"));
+        cJSON_AddItemToArray(args, cJSON_CreateString(codec));
+    }
     if (int_field(acc, "virtualBatchSize", 0, 1, RECONCILE_VBS_MAX, &v) == 0 && v > 0) {
         snprintf(num, sizeof(num), "%ld", v);
         cJSON_AddItemToArray(args, cJSON_CreateString("--virtual-batch-size"));

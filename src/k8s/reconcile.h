@@ -103,6 +103,10 @@ struct reconcile_spec {
     uint32_t parallel_gradients;
     /* spec.reduction.algorithm: "auto", "ring" or "doubling" (static). */
     const char *algorithm;
+    /* spec.reduction.compression: "none", "fp16", "bf16" or "int8"
+     * (static): the sidecar's default codec, which a trainer's
+     * set_compression replaces. */
+    const char *compression;
     /* spec.checkpoint: periods (0: that one unset; one at least is set)
      * and how many to keep. */
     bool checkpoint;
@@ -153,7 +157,8 @@ const char *reconcile_pull_policy(const char *s);
  * with the sidecar injected as a native sidecar (an init container with
  * restartPolicy Always), the shared emptyDir, the COHORT_* environment
  * in every trainer container, labels and a controller owner reference.
- * The sidecar is told spec.reduction.algorithm (--allreduce) and, when
+ * The sidecar is told spec.reduction.algorithm (--allreduce), a
+ * spec.reduction.compression other than none (--compression) and, when
  * set, spec.accumulator's virtualBatchSize and parallelGradients
  * (--virtual-batch-size, --parallel-gradients), which it pins on the
  * trainer's Accumulator. With spec.checkpoint, the pod gets its volume

@@ -218,8 +218,8 @@ def test_cohort_crd_rules(kubectl, cluster):
     assert "spec.replicas must not be below spec.minReplicas" in refused(
         "t4", {"replicas": 1, "minReplicas": 2})
     assert 'Unsupported value: "zstd"' in refused("t5", {"reduction": {"compression": "zstd"}})
-    # No codec exists yet: only none; tree was never an algorithm of the engine.
-    assert 'Unsupported value: "fp16"' in refused("t5", {"reduction": {"compression": "fp16"}})
+    # The engine's codecs only; tree was never an algorithm of the engine.
+    assert 'Unsupported value: "int4"' in refused("t5", {"reduction": {"compression": "int4"}})
     assert 'Unsupported value: "tree"' in refused("t5", {"reduction": {"algorithm": "tree"}})
     assert "spec.accumulator.parallelGradients" in refused(
         "t5", {"accumulator": {"parallelGradients": 9}})

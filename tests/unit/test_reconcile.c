@@ -923,6 +923,11 @@ Test(reconcile, parse_reads_accumulator_and_reduction)
     cr_assert_eq(s.virtual_batch_size, 9007199254740991ull);
     cr_assert_eq(s.parallel_gradients, 8);
     cr_assert_str_eq(s.algorithm, "ring");
+    cr_assert_str_eq(s.compression, "none");
+    cJSON_Delete(tc);
+    tc = cohort("lr", "\"reduction\":{\"compression\":\"int8\"}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_str_eq(s.compression, "int8");
     cJSON_Delete(tc);
     /* Unset: nothing pinned, the engine's own choice. */
     tc = cohort("lr", "\"accumulator\":{},\"reduction\":{}");
@@ -930,6 +935,7 @@ Test(reconcile, parse_reads_accumulator_and_reduction)
     cr_assert_eq(s.virtual_batch_size, 0);
     cr_assert_eq(s.parallel_gradients, 0);
     cr_assert_str_eq(s.algorithm, "auto");
+    cr_assert_str_eq(s.compression, "none");
     cJSON_Delete(tc);
 }
 
@@ -943,20 +949,22 @@ Test(reconcile, parse_refuses_accumulator_and_reduction_out_of_range)
     refused("lr", "\"accumulator\":{\"parallelGradients\":1.5}", "InvalidSpec");
     refused("lr", "\"reduction\":{\"algorithm\":\"tree\"}", "InvalidSpec");
     refused("lr", "\"reduction\":{\"algorithm\":7}", "InvalidSpec");
-    refused("lr", "\"reduction\":{\"compression\":\"fp16\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":\"zstd\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":16}", "InvalidSpec");
     refused("lr", "\"reduction\":{\"compression\":null}", "InvalidSpec");
 }
 
 Test(reconcile, pod_tells_the_sidecar_the_accumulator_and_the_algorithm)
 {
     cJSON *tc = cohort("lr", "\"accumulator\":{\"virtualBatchSize\":256,\"parallelGradients\":3},"
-                             "\"reduction\":{\"algorithm\":\"doubling\",\"compression\":\"none\"}");
+                             "\"reduction\":{\"algorithm\":\"doubling\",\"compression\":\"bf16\"}");
     cJSON *pod = NULL;
     char args[1024];
 
     cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
     sidecar_args(pod, args, sizeof(args));
     cr_assert(strstr(args, " --allreduce doubling"), "%s", args);
+    cr_assert(strstr(args, " --compression bf16"), "%s", args);
     cr_assert(strstr(args, " --virtual-batch-size 256"), "%s", args);
     cr_assert(strstr(args, " --parallel-gradients 3"), "%s", args);
     cJSON_Delete(pod);
@@ -973,6 +981,7 @@ Test(reconcile, pod_without_accumulator_settings_pins_nothing)
     sidecar_args(pod, args, sizeof(args));
     cr_assert(strstr(args, " --allreduce auto"), "%s", args);
     cr_assert_null(strstr(args, "--virtual-batch-size"), "%s", args);
+    cr_assert_null(strstr(args, "--compression"), "%s", args);
     cr_assert_null(strstr(args, "--parallel-gradients"), "%s", args);
     cJSON_Delete(pod);
     cJSON_Delete(tc);
