@@ -117,8 +117,11 @@ static const char usage[] =
     "  --member-timeout DUR      default silence before eviction (default 5s)\n"
     "  --coalesce DUR            changes this close share one epoch (default 50ms)\n"
     "  --startup-hold DUR        publish no epoch this long after start, so members\n"
-    "                            rejoining a restarted broker share one (default\n"
-    "                            2 x heartbeat interval)\n"
+    "                            rejoining a restarted broker share one (default:\n"
+    "                            the members' longest reconnect, 1.2s of gRPC\n"
+    "                            backoff, then max(heartbeat interval, 1s) for\n"
+    "                            their next try, plus a heartbeat interval: 3.2s\n"
+    "                            at the default 1s heartbeat)\n"
     "  --stream-grace DUR        a member whose stream to the broker is cut without\n"
     "                            a Leave (its process died) is out after this,\n"
     "                            unless it reconnects first (default 300ms);\n"
@@ -1074,7 +1077,7 @@ static int check_flags(struct flags *f)
     if (b->timeout_ms <= b->heartbeat_ms)
         return opt_usage(PROG, "--member-timeout must be longer than --heartbeat-interval");
     if (!f->hold_set)
-        b->startup_hold_ms = 2 * b->heartbeat_ms;
+        b->startup_hold_ms = broker_startup_hold_ms(b->heartbeat_ms);
     return check_auth(f);
 }
 

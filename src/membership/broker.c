@@ -24,6 +24,8 @@
 #include "membership/broker.h"
 
 #include "base/ident.h"
+#include "base/limits.h"
+#include "rpc/rpc.h"
 #include "membership/wire.h"
 
 #include <errno.h>
@@ -96,13 +98,21 @@ struct broker {
     size_t r_head, r_n;         /* oldest slot, slots in use */
 };
 
+uint32_t broker_startup_hold_ms(uint32_t heartbeat_ms)
+{
+    uint64_t retry = heartbeat_ms > LIMIT_BACKOFF_MAX_MS ? heartbeat_ms : LIMIT_BACKOFF_MAX_MS;
+    uint64_t hold = (uint64_t)RPC_RECONNECT_MAX_MS + retry + heartbeat_ms;
+
+    return hold > UINT32_MAX ? UINT32_MAX : (uint32_t)hold;
+}
+
 void broker_config_default(struct broker_config *cfg)
 {
     *cfg = (struct broker_config){
         .heartbeat_ms = WIRE_DEFAULT_HEARTBEAT_MS,
         .timeout_ms = WIRE_DEFAULT_TIMEOUT_MS,
         .coalesce_ms = 50,
-        .startup_hold_ms = 2000,
+        .startup_hold_ms = broker_startup_hold_ms(WIRE_DEFAULT_HEARTBEAT_MS),
         .max_members = 4096,
         .max_cohorts = 1024,
         .max_timeout_ms = BROKER_MEMBER_TIMEOUT_CAP_MS,

@@ -45,7 +45,10 @@ struct broker_config {
     uint32_t heartbeat_ms;      /* default heartbeat interval (WIRE_DEFAULT_HEARTBEAT_MS) */
     uint32_t timeout_ms;        /* default member timeout (WIRE_DEFAULT_TIMEOUT_MS) */
     uint32_t coalesce_ms;       /* epoch coalescing window (50) */
-    uint32_t startup_hold_ms;   /* no epoch before start + this (2 * heartbeat) */
+    /* No epoch before start + this: broker_startup_hold_ms(heartbeat_ms),
+     * so that every member of a restarted broker is back before the first
+     * epoch forms. */
+    uint32_t startup_hold_ms;
     uint32_t max_members;       /* per cohort (4096) */
     uint32_t max_cohorts;       /* (1024) */
     /* The longest member timeout a join may ask for beyond its cohort's
@@ -61,6 +64,20 @@ struct broker_config {
 
 /* Fills *cfg with the defaults above. */
 void broker_config_default(struct broker_config *cfg);
+
+/* The startup hold that covers the longest a member takes to reach a
+ * restarted broker again, for heartbeat interval `heartbeat_ms`:
+ * - its channel's reconnect backoff at its cap: LIMIT_BACKOFF_MAX_MS plus
+ *   gRPC's 20 % jitter (RPC_RECONNECT_MAX_MS);
+ * - then its next try of the call that failed: a heartbeat interval (a
+ *   protocol 1 member's next Heartbeat) or the member's own backoff, also
+ *   capped at LIMIT_BACKOFF_MAX_MS (a protocol 2 member's stream reopen);
+ * - then one heartbeat interval for its Join's round trip.
+ * A member at version 0 that is back first (a new trainer behind an old
+ * sidecar) must not form an epoch alone while members that carry the
+ * cohort's state are still in their backoff: it would lead, and train a
+ * second history (docs/chaos.md). Saturates at UINT32_MAX. */
+uint32_t broker_startup_hold_ms(uint32_t heartbeat_ms);
 
 /* Epochs are the shared type of epoch.h: published with one reference per
  * holder, immutable, and dropped with epoch_unref() on any thread. */

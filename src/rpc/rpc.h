@@ -19,6 +19,8 @@
 
 #include <protobuf-c/protobuf-c.h>
 
+#include "base/limits.h"
+
 /* gRPC status codes, by their gRPC numbers (grpc/status.h stays private). */
 enum rpc_code {
     RPC_OK = 0,
@@ -160,6 +162,12 @@ struct rpc_channel;
 /* How long one connection attempt to a server may take, TLS handshake
  * included, before it is abandoned and retried after the backoff. */
 #define RPC_CONNECT_TIMEOUT_MS 5000
+
+/* The longest wait between a channel's reconnect attempts at its default
+ * cap: LIMIT_BACKOFF_MAX_MS, which gRPC stretches by up to 20 % of jitter
+ * (its backoff's fixed jitter). A restarted server sees every client of
+ * a default channel try again within this (broker_startup_hold_ms). */
+#define RPC_RECONNECT_MAX_MS (LIMIT_BACKOFF_MAX_MS + LIMIT_BACKOFF_MAX_MS / 5u)
 
 struct rpc_channel_opts {
     size_t max_reply_bytes;     /* 0: LIMIT_RPC_REPLY_BYTES (base/limits.h) */

@@ -23,7 +23,8 @@ Test(broker, config_default_values)
     cr_assert_eq(cfg.heartbeat_ms, 1000);
     cr_assert_eq(cfg.timeout_ms, 5000);
     cr_assert_eq(cfg.coalesce_ms, 50);
-    cr_assert_eq(cfg.startup_hold_ms, 2 * cfg.heartbeat_ms);
+    cr_assert_eq(cfg.startup_hold_ms, broker_startup_hold_ms(cfg.heartbeat_ms));
+    cr_assert_eq(cfg.startup_hold_ms, 3200);
     cr_assert_eq(cfg.max_members, 4096);
     cr_assert_eq(cfg.max_cohorts, 1024);
     cr_assert_not(cfg.allow_any_cohort);
@@ -148,6 +149,7 @@ static void start_open(uint32_t max_cohorts)
     struct broker_config cfg;
 
     broker_config_default(&cfg);
+    cfg.startup_hold_ms = FIXTURE_HOLD - FIXTURE_T0;
     cfg.allow_any_cohort = true;
     if (max_cohorts)
         cfg.max_cohorts = max_cohorts;
@@ -369,6 +371,7 @@ Test(broker, scale_heartbeats_stay_quiet, .timeout = 60)
     struct broker_config cfg;
 
     broker_config_default(&cfg);
+    cfg.startup_hold_ms = FIXTURE_HOLD - FIXTURE_T0;
     cfg.allow_any_cohort = true;
     cr_assert_eq(broker_create(&cfg, &fixture_host_ops, FIXTURE_T0, &fixture_sm), 0);
     scale_every_member(true, FIXTURE_T0);

@@ -9,7 +9,9 @@
 #include <stdio.h>
 
 #include "fixture.h"
+#include "base/limits.h"
 #include "membership/broker.h"
+#include "rpc/rpc.h"
 
 /* Distinct addresses that stand in for the host's watcher handles. */
 static int wa, wb;
@@ -142,4 +144,61 @@ Test(broker, join_rejects_last_epoch_that_would_wrap)
     cr_assert_eq(fixture_sm_join_full("demo", "a", FIXTURE_ADDR, 0, 1, UINT64_MAX, FIXTURE_T0),
                  -EINVAL);
     cr_assert_eq(fixture_sm_members("demo"), 0);
+}
+
+/* ---- the startup hold of a restarted broker ---- */
+
+/* docs/chaos.md's finding: the broker restarts with no memory; member m0,
+ * a new trainer at version 0 behind an old sidecar, is back at once, and
+ * the three members that carry the cohort's state come back as late as
+ * their reconnect backoff allows. The default hold for the cohort's
+ * heartbeat (as cohort-operator derives it) must not publish m0 alone in
+ * between: it would lead and train a second history. */
+Test(broker, restart_hold_waits_for_members_in_reconnect_backoff)
+{
+    const uint32_t hb = 200;        /* the chaos trials' heartbeat */
+    const uint64_t late = FIXTURE_T0 + RPC_RECONNECT_MAX_MS +
+                          (hb > LIMIT_BACKOFF_MAX_MS ? hb : LIMIT_BACKOFF_MAX_MS);
+    const char *ids[] = { "m0", "m1", "m2", "m3" };
+    struct broker_config cfg;
+    uint64_t t;
+
+    broker_config_default(&cfg);
+    cfg.heartbeat_ms = hb;
+    cfg.timeout_ms = 5 * hb;
+    cfg.startup_hold_ms = broker_startup_hold_ms(hb);
+    cr_assert(fixture_sm == NULL);
+    cr_assert_eq(broker_create(&cfg, &fixture_host_ops, FIXTURE_T0, &fixture_sm), 0);
+    cr_assert_eq(broker_cohort_declare(fixture_sm, "demo", 0, 0), 0);
+
+    cr_assert_eq(fixture_sm_join_full("demo", "m0", FIXTURE_ADDR, 0, 10, 30, FIXTURE_T0 + 1), 0);
+    for (t = FIXTURE_T0 + 10; t < late; t += 10) {
+        /* m0 keeps beating while the others are still in backoff. */
+        if (t % hb == 0)
+            cr_assert_eq(fixture_sm_beat(t, "demo", "m0", 10, 0, false, NULL), 0);
+        broker_tick(fixture_sm, t);
+        cr_assert_eq(fixture_host.n_pubs, 0, "an epoch formed at +%llu ms with m0 alone",
+                     (unsigned long long)(t - FIXTURE_T0));
+    }
+    for (size_t i = 1; i < 4; i++)
+        cr_assert_eq(fixture_sm_join_full("demo", ids[i], FIXTURE_ADDR, 5, 10 + i, 30, late), 0);
+    broker_tick(fixture_sm, FIXTURE_T0 + cfg.startup_hold_ms + cfg.coalesce_ms);
+    cr_assert_eq(fixture_host.n_pubs, 1);
+    cr_assert_eq(fixture_sm_last_pub()->number, 31);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 4, ids);
+    /* The leader carries the state: the highest version, not m0. */
+    cr_assert_str_eq(epoch_leader_id(fixture_sm_last_pub()), "m1");
+}
+
+Test(broker, startup_hold_is_derived_from_the_heartbeat)
+{
+    cr_assert_eq(broker_startup_hold_ms(1000), RPC_RECONNECT_MAX_MS + 1000 + 1000);
+    cr_assert_eq(broker_startup_hold_ms(200), RPC_RECONNECT_MAX_MS + LIMIT_BACKOFF_MAX_MS + 200);
+    cr_assert_eq(broker_startup_hold_ms(5000), RPC_RECONNECT_MAX_MS + 5000 + 5000);
+    cr_assert_eq(broker_startup_hold_ms(UINT32_MAX), UINT32_MAX);
+    /* Covers the gRPC reconnect and the member's next try, with a
+     * heartbeat to spare, at any heartbeat. */
+    for (uint32_t hb = 50; hb <= 10000; hb += 50)
+        cr_assert_geq(broker_startup_hold_ms(hb), RPC_RECONNECT_MAX_MS +
+                      (hb > LIMIT_BACKOFF_MAX_MS ? hb : LIMIT_BACKOFF_MAX_MS) + hb);
 }
