@@ -69,34 +69,35 @@ static int duration_field(const cJSON *t, const char *k, uint32_t def, uint32_t 
     return 0;
 }
 
-/* spec.reduction.algorithm's static spelling, "auto" when absent, NULL
- * when it is none of the CRD's values. */
-static const char *algorithm_field(const cJSON *spec)
+/* spec.reduction.<key>'s static spelling among names[0..n) (names[0],
+ * the CRD's default, when absent), or NULL when it is none of them. */
+static const char *reduction_choice(const cJSON *spec, const char *key,
+                                    const char *const *names, size_t n)
 {
-    static const char *const names[] = { "auto", "ring", "doubling" };
-    const cJSON *v = get(get(spec, "reduction"), "algorithm");
+    const cJSON *v = get(get(spec, "reduction"), key);
 
     if (!v)
         return names[0];
-    for (size_t i = 0; cJSON_IsString(v) && i < sizeof(names) / sizeof(names[0]); i++)
+    for (size_t i = 0; cJSON_IsString(v) && i < n; i++)
         if (strcmp(v->valuestring, names[i]) == 0)
             return names[i];
     return NULL;
 }
 
-/* spec.reduction.compression's static spelling, "none" when absent, NULL
- * when it is none of the CRD's values (the sidecar's --compression). */
+/* spec.reduction.algorithm: the sidecar's --allreduce. */
+static const char *algorithm_field(const cJSON *spec)
+{
+    static const char *const names[] = { "auto", "ring", "doubling" };
+
+    return reduction_choice(spec, "algorithm", names, sizeof(names) / sizeof(names[0]));
+}
+
+/* spec.reduction.compression: the sidecar's --compression. */
 static const char *compression_field(const cJSON *spec)
 {
     static const char *const names[] = { "none", "fp16", "bf16", "int8" };
-    const cJSON *v = get(get(spec, "reduction"), "compression");
 
-    if (!v)
-        return names[0];
-    for (size_t i = 0; cJSON_IsString(v) && i < sizeof(names) / sizeof(names[0]); i++)
-        if (strcmp(v->valuestring, names[i]) == 0)
-            return names[i];
-    return NULL;
+    return reduction_choice(spec, "compression", names, sizeof(names) / sizeof(names[0]));
 }
 
 /* The one source of spec.checkpoint.volume (its key), or NULL when it
