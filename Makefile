@@ -57,6 +57,22 @@ ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined,float-ca
                -fno-sanitize-recover=undefined,float-cast-overflow
 ASAN_LDFLAGS := -fsanitize=address,undefined,float-cast-overflow
 
+# ---- GPU support (docs/gpu.md) ----------------------------------------------
+# src/gpu/ is compiled against CUDA's and NCCL's own headers, with -Werror
+# and -DCOHORT_GPU, where both are found under CUDA_HOME; elsewhere it
+# compiles to its refusals ("no GPU support in this build") and needs no
+# CUDA header. Either way no binary links libcuda or libnccl: src/gpu/
+# loads them at run time, so one binary runs on machines with and without
+# a driver. `make GPU=off` builds without it where the headers exist.
+CUDA_HOME ?= /usr/local/cuda
+GPU ?= $(if $(and $(wildcard $(CUDA_HOME)/include/cuda.h),$(wildcard $(CUDA_HOME)/include/nccl.h)),on,off)
+GPU_CFLAGS := $(if $(filter on,$(GPU)),-DCOHORT_GPU -I$(CUDA_HOME)/include)
+ifeq ($(MAKELEVEL)$(GPU),0off)
+$(info GPU support is off: no cuda.h and nccl.h under CUDA_HOME=$(CUDA_HOME) (docs/gpu.md).)
+endif
+$(BUILD)/obj/src/gpu/%.o $(ASAN_DIR)/obj/src/gpu/%.o: BASE_CFLAGS += $(GPU_CFLAGS)
+# ---- end of GPU support -----------------------------------------------------
+
 PROTOS     := $(wildcard proto/*.proto)
 LIB_SRCS   := $(wildcard src/*/*.c)
 K8S_SRCS   := $(wildcard src/k8s/*.c)
