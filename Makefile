@@ -71,6 +71,18 @@ ifeq ($(MAKELEVEL)$(GPU),0off)
 $(info GPU support is off: no cuda.h and nccl.h under CUDA_HOME=$(CUDA_HOME) (docs/gpu.md).)
 endif
 $(BUILD)/obj/src/gpu/%.o $(ASAN_DIR)/obj/src/gpu/%.o: BASE_CFLAGS += $(GPU_CFLAGS)
+
+# make test-gpu: the checks that need a GPU (tests/gpu/README.md), against
+# the sanitizer build; they skip, saying why, where there is none. The
+# sanitizer build compiles them, so make test keeps them building.
+GPU_CHECK := $(ASAN_DIR)/tests/gpu/gpu_check
+$(GPU_CHECK): $(ASAN_DIR)/obj/tests/gpu/gpu_check.o $(ASAN_DIR)/lib/libcohort-core.a
+	@mkdir -p $(dir $@)
+	$(CC) $(ASAN_LDFLAGS) -o $@ $^ $(LDLIBS)
+asan: $(GPU_CHECK)
+.PHONY: test-gpu
+test-gpu: $(GPU_CHECK)
+	$(GPU_CHECK)
 # ---- end of GPU support -----------------------------------------------------
 
 PROTOS     := $(wildcard proto/*.proto)
