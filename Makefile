@@ -80,6 +80,16 @@ $(GPU_CHECK): $(ASAN_DIR)/obj/tests/gpu/gpu_check.o $(ASAN_DIR)/lib/libcohort-co
 	@mkdir -p $(dir $@)
 	$(CC) $(ASAN_LDFLAGS) -o $@ $^ $(LDLIBS)
 asan: $(GPU_CHECK)
+# A stand-in for libcuda.so.1 (tests/gpu/fake_cuda.c), for the driver
+# paths' tests on machines without a driver; it needs cuda.h.
+FAKE_CUDA := $(ASAN_DIR)/tests/gpu/fake/libcuda.so.1
+$(FAKE_CUDA): tests/gpu/fake_cuda.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -Wno-missing-prototypes -g -fPIC -shared \
+		-I$(CUDA_HOME)/include -o $@ $<
+ifeq ($(GPU),on)
+asan: $(FAKE_CUDA)
+endif
 .PHONY: test-gpu
 test-gpu: $(GPU_CHECK)
 	$(GPU_CHECK)

@@ -169,6 +169,10 @@ int cudrv_check(const struct gpuid *id, const char **why)
     int ordinal, rc;
 
     rc = cudrv_open(&d);
+    if (rc == -ENXIO) {
+        *why = "The CUDA driver sees no device at all.";
+        return rc;
+    }
     if (rc == 0) {
         rc = cudrv_find(d, id, &ordinal);
         cudrv_close(d);

@@ -45,7 +45,8 @@ int cudrv_list(struct cudrv *d, struct gpuid *ids, size_t max);
 int cudrv_find(struct cudrv *d, const struct gpuid *id, int *ordinal);
 
 /* Whether a GPU with UUID `id` can be served here: opens the driver,
- * looks for the device and closes again. Returns 0 or the refusal above;
+ * looks for the device and closes again (-ENXIO both for no device at all
+ * and for none with this UUID; the sentence tells which). Returns 0 or the refusal above;
  * `why` gets a whole sentence naming the cause (borrowed, static). */
 int cudrv_check(const struct gpuid *id, const char **why);
 #endif

@@ -5,10 +5,14 @@
  * status 1 when a check failed.
  *
  *   gpu_check              all checks
+ *   gpu_check --driver-only  the driver's checks alone, without NCCL
+ *                          (tests/proc/test_gpu_driver.py runs them
+ *                          against the stand-in, tests/gpu/fake_cuda.c)
  *   gpu_check --import FD  (internal) the importing side of the handover,
  *                          speaking over the Unix socket FD
  */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,6 +213,8 @@ int main(int argc, char **argv)
     const char *why = "";
     int rc, n;
 
+    bool driver_only = argc == 2 && strcmp(argv[1], "--driver-only") == 0;
+
     if (argc == 3 && strcmp(argv[1], "--import") == 0) {
         uint64_t sock;
         if (opt_uint(argv[2], 0, 1 << 20, &sock) < 0)
@@ -239,8 +245,10 @@ int main(int argc, char **argv)
     n = cudrv_list(d, ids, CUDRV_DEVICES_MAX);
     printf("test-gpu: %d device(s) visible.\n", n);
     handover(d, "/proc/self/exe");
-    nccl_one_rank();
-    printf("test-gpu: NCCL across two or more GPUs: skipped (not built yet; docs/gpu.md).\n");
+    if (!driver_only) {
+        nccl_one_rank();
+        printf("test-gpu: NCCL across two or more GPUs: skipped (not built yet; docs/gpu.md).\n");
+    }
     cudrv_close(d);
     printf("test-gpu: %s.\n", failures ? "FAILED" : "passed");
     return failures ? 1 : 0;
