@@ -9,8 +9,6 @@
 #include "base/clock.h"
 #include "base/log.h"
 
-/* How long ncomm_destroy waits for an abort. */
-#define DESTROY_ABORT_MS 10000
 /* Between two polls of a starting communicator. */
 #define POLL_SLEEP_MS 1
 
@@ -64,7 +62,7 @@ void ncomm_destroy(struct ncomm *c)
 {
     if (!c)
         return;
-    ncomm_abort(c, DESTROY_ABORT_MS);
+    ncomm_abort(c, NCOMM_ABORT_MS);
     free(c);
 }
 
@@ -93,7 +91,7 @@ bool ncomm_can_shrink(const struct ncomm *c, const char *const *members, size_t 
 int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const char *self,
                 const struct ncomm_channel *ch, struct ncomm_plan *plan)
 {
-    uint64_t vote, x[NCOMM_XCHG_WORDS] = { 0 };
+    uint64_t mine, vote, x[NCOMM_XCHG_WORDS] = { 0 };
     struct ncomm_id id;
     int me, rc;
 
@@ -102,11 +100,12 @@ int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const cha
     me = index_of(members, n, self);
     if (me < 0)
         return -EINVAL;
-    vote = ncomm_can_shrink(c, members, n) ? 1 : 0;
+    mine = vote = ncomm_can_shrink(c, members, n) ? 1 : 0;
     rc = ch->sum_u64(ch->arg, &vote, 1);
     if (rc < 0)
         return rc;
-    if (vote > n)
+    /* More votes than members, or all of them without this one's. */
+    if (vote > n || (vote == n && !mine))
         return -EPROTO;
     if (vote == n) {
         *plan = (struct ncomm_plan){ .shrink = true };
@@ -181,7 +180,7 @@ static int do_shrink(struct ncomm *c, const char *const *members, size_t n, cons
     if (rc < 0 && rc != -EINPROGRESS) {
         log_warn("gpu", "NCCL could not shrink the communicator; the next agreement rebuilds it.",
                  LF_ERR(rc));
-        ncomm_abort(c, DESTROY_ABORT_MS);
+        ncomm_abort(c, NCOMM_ABORT_MS);
         return rc;
     }
     /* The parent is spent, but a child still starting may use it: it is
@@ -192,7 +191,7 @@ static int do_shrink(struct ncomm *c, const char *const *members, size_t n, cons
     c->state = NCOMM_STARTING;
     rc = copy_members(c, members, n, self);
     if (rc < 0) {
-        ncomm_abort(c, DESTROY_ABORT_MS);
+        ncomm_abort(c, NCOMM_ABORT_MS);
         return rc;
     }
     return 0;
@@ -217,14 +216,14 @@ int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, siz
     }
     /* A rebuild: the old communicator goes first, so no rank of it waits
      * on this one while the new one is made. */
-    ncomm_abort(c, DESTROY_ABORT_MS);
+    ncomm_abort(c, NCOMM_ABORT_MS);
     rc = c->ops->init_rank(c->ops->arg, &comm, (int)n, &plan->id, rank);
     if (rc < 0 && rc != -EINPROGRESS) {
         log_warn("gpu", "NCCL could not create the epoch's communicator.", LF_ERR(rc),
                  LF_U("epoch", epoch));
         /* NCCL may have made the handle before it failed. */
         if (comm)
-            bounded_abort(c, comm, DESTROY_ABORT_MS);
+            bounded_abort(c, comm, NCOMM_ABORT_MS);
         return rc;
     }
     c->comm = comm;
@@ -232,7 +231,7 @@ int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, siz
     c->epoch = epoch;
     rc = copy_members(c, members, n, self);
     if (rc < 0) {
-        ncomm_abort(c, DESTROY_ABORT_MS);
+        ncomm_abort(c, NCOMM_ABORT_MS);
         return rc;
     }
     return 0;
@@ -250,7 +249,7 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
         if (rc == 0) {
             c->state = NCOMM_READY;
             if (c->parent) {
-                bounded_abort(c, c->parent, DESTROY_ABORT_MS);
+                bounded_abort(c, c->parent, NCOMM_ABORT_MS);
                 c->parent = NULL;
             }
             break;
@@ -258,13 +257,13 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
         if (rc != -EINPROGRESS) {
             log_warn("gpu", "The epoch's NCCL communicator failed while it was made.", LF_ERR(rc),
                      LF_U("epoch", c->epoch));
-            ncomm_abort(c, DESTROY_ABORT_MS);
+            ncomm_abort(c, NCOMM_ABORT_MS);
             return rc;
         }
         if (clock_now_ms() >= until) {
             log_warn("gpu", "The epoch's NCCL communicator was not ready by its deadline; it is aborted.",
                      LF_U("epoch", c->epoch), LF_U("deadline_ms", deadline_ms));
-            ncomm_abort(c, DESTROY_ABORT_MS);
+            ncomm_abort(c, NCOMM_ABORT_MS);
             return -ETIMEDOUT;
         }
         clock_sleep_ms(POLL_SLEEP_MS);

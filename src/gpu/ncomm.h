@@ -18,6 +18,9 @@
  * bounded: an ncclCommAbort that does not return by the deadline is left
  * to finish on a thread of its own with the communicator it owns, counted
  * in ncomm_leaked(), and the machine is empty and usable at once.
+ *
+ * Not thread-safe: one thread drives a machine, the one that also polls
+ * the collectives in flight and so is the one to see an epoch change.
  */
 #ifndef COHORT_NCOMM_H
 #define COHORT_NCOMM_H
@@ -30,7 +33,10 @@
 #define NCOMM_ID_WORDS (NCOMM_ID_BYTES / 8)
 /* Words of the id exchange: the count of members that gave an id, then the id. */
 #define NCOMM_XCHG_WORDS (1 + NCOMM_ID_WORDS)
-#define NCOMM_MEMBERS_MAX 4096  /* LIMIT_MEMBERS or more is refused */
+#define NCOMM_MEMBERS_MAX 4096  /* a longer member list is refused */
+/* How long an abort inside ncomm_start, ncomm_wait and ncomm_destroy may
+ * take before it is left to its thread (ncomm_leaked). */
+#define NCOMM_ABORT_MS 10000
 
 struct ncomm_id {
     uint8_t b[NCOMM_ID_BYTES];

@@ -575,10 +575,10 @@ Test(ncomm_agree, one_member_that_cannot_shrink_makes_everyone_rebuild)
     members_end(&g, ms, 3);
 }
 
-Test(ncomm_agree, no_id_or_two_ids_are_refused_by_everyone)
+Test(ncomm_agree, no_id_two_ids_or_false_votes_are_refused_by_everyone)
 {
     struct group g;
-    struct member ms[2];
+    struct member ms[3];
 
     members_init(&g, ms, AB, 2, false);
     ms[0].f.fail_id = -EIO;                 /* the first member could not make one */
@@ -594,6 +594,14 @@ Test(ncomm_agree, no_id_or_two_ids_are_refused_by_everyone)
     for (int i = 0; i < 2; i++)
         cr_assert_eq(ms[i].rc, -EPROTO, "member %d", i);
     members_end(&g, ms, 2);
+
+    members_init(&g, ms, ABC, 3, false);
+    g.lie = 3;                              /* 0 + 0 + 0 votes to shrink, said to be 3 */
+    agree_all(ms, 3);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(ms[i].rc, -EPROTO, "member %d: all voted, though it did not", i);
+    cr_assert_eq(g.calls, 1, "refused at the vote");
+    members_end(&g, ms, 3);
 
     members_init(&g, ms, AB, 2, false);
     g.fail = -ECONNRESET;                   /* the channel broke */
