@@ -49,7 +49,9 @@ int cudrv_open(struct cudrv **out)
     d = calloc(1, sizeof(*d));
     if (!d)
         return -ENOMEM;
-    d->lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    /* Never unloaded: a driver initialised once keeps threads and state
+     * that do not survive dlclose. */
+    d->lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (!d->lib) {
         log_info("gpu", "The CUDA driver library could not be loaded.", LF_S("dlerror", dlerror()));
         rc = -ELIBACC;
