@@ -68,9 +68,15 @@ CUDA_HOME ?= /usr/local/cuda
 GPU ?= $(if $(and $(wildcard $(CUDA_HOME)/include/cuda.h),$(wildcard $(CUDA_HOME)/include/nccl.h)),on,off)
 GPU_CFLAGS := $(if $(filter on,$(GPU)),-DCOHORT_GPU -I$(CUDA_HOME)/include)
 ifeq ($(MAKELEVEL)$(GPU),0off)
-$(info GPU support is off: no cuda.h and nccl.h under CUDA_HOME=$(CUDA_HOME) (docs/gpu.md).)
+$(info GPU support is off: $(if $(filter file undefined,$(origin GPU)),no cuda.h and nccl.h under CUDA_HOME=$(CUDA_HOME),GPU=off was given) (docs/gpu.md).)
 endif
 $(BUILD)/obj/src/gpu/%.o $(ASAN_DIR)/obj/src/gpu/%.o: BASE_CFLAGS += $(GPU_CFLAGS)
+# src/gpu/ is compiled again when GPU support is turned on or off: the
+# stamp holds the flags and changes only with them.
+GPU_STAMP := $(BUILD)/gpu-flags
+$(shell mkdir -p $(BUILD) && (echo '$(GPU_CFLAGS)' | cmp -s - $(GPU_STAMP) || \
+        echo '$(GPU_CFLAGS)' > $(GPU_STAMP)))
+$(foreach t,$(BUILD) $(ASAN_DIR),$(patsubst %.c,$(t)/obj/%.o,$(wildcard src/gpu/*.c))): $(GPU_STAMP)
 
 # make test-gpu: the checks that need a GPU (tests/gpu/README.md), against
 # the sanitizer build; they skip, saying why, where there is none. The
