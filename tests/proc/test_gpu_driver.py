@@ -24,8 +24,20 @@ FAKE_DIR = bin_path(os.path.join("tests", "gpu", "fake"))
 GPU_CHECK = bin_path(os.path.join("tests", "gpu", "gpu_check"))
 DEVICE = "GPU-1f3a5c7e-0b2d-4e6f-8091-a2b3c4d5e6f7"
 
+
+
+def gpu_support():
+    """Whether the binaries under test were built with GPU support, as
+    gpu_check itself says (a stand-in left from an earlier build does not
+    make it so)."""
+    if not os.path.exists(os.path.join(FAKE_DIR, "libcuda.so.1")):
+        return False
+    out = subprocess.run([GPU_CHECK], capture_output=True, text=True, timeout=4 * DEADLINE)
+    return "no GPU support in this build" not in out.stdout
+
+
 pytestmark = pytest.mark.skipif(
-    not os.path.exists(os.path.join(FAKE_DIR, "libcuda.so.1")),
+    not gpu_support(),
     reason="no GPU support in this build (no cuda.h and nccl.h under CUDA_HOME), "
            "so no stand-in driver was built")
 
