@@ -57,6 +57,50 @@ ASAN_CFLAGS := -O1 -fno-omit-frame-pointer -fsanitize=address,undefined,float-ca
                -fno-sanitize-recover=undefined,float-cast-overflow
 ASAN_LDFLAGS := -fsanitize=address,undefined,float-cast-overflow
 
+# ---- GPU support (docs/gpu.md) ----------------------------------------------
+# src/gpu/ is compiled against CUDA's and NCCL's own headers, with -Werror
+# and -DCOHORT_GPU, where both are found under CUDA_HOME; elsewhere it
+# compiles to its refusals ("no GPU support in this build") and needs no
+# CUDA header. Either way no binary links libcuda or libnccl: src/gpu/
+# loads them at run time, so one binary runs on machines with and without
+# a driver. `make GPU=off` builds without it where the headers exist.
+CUDA_HOME ?= /usr/local/cuda
+GPU ?= $(if $(and $(wildcard $(CUDA_HOME)/include/cuda.h),$(wildcard $(CUDA_HOME)/include/nccl.h)),on,off)
+GPU_CFLAGS := $(if $(filter on,$(GPU)),-DCOHORT_GPU -I$(CUDA_HOME)/include)
+ifeq ($(MAKELEVEL)$(GPU),0off)
+$(info GPU support is off: $(if $(filter file undefined,$(origin GPU)),no cuda.h and nccl.h under CUDA_HOME=$(CUDA_HOME),GPU=off was given) (docs/gpu.md).)
+endif
+$(BUILD)/obj/src/gpu/%.o $(ASAN_DIR)/obj/src/gpu/%.o: BASE_CFLAGS += $(GPU_CFLAGS)
+# src/gpu/ is compiled again when GPU support is turned on or off: the
+# stamp holds the flags and changes only with them.
+GPU_STAMP := $(BUILD)/gpu-flags
+$(shell mkdir -p $(BUILD) && (echo '$(GPU_CFLAGS)' | cmp -s - $(GPU_STAMP) || \
+        echo '$(GPU_CFLAGS)' > $(GPU_STAMP)))
+$(foreach t,$(BUILD) $(ASAN_DIR),$(patsubst %.c,$(t)/obj/%.o,$(wildcard src/gpu/*.c))): $(GPU_STAMP)
+
+# make test-gpu: the checks that need a GPU (tests/gpu/README.md), against
+# the sanitizer build; they skip, saying why, where there is none. The
+# sanitizer build compiles them, so make test keeps them building.
+GPU_CHECK := $(ASAN_DIR)/tests/gpu/gpu_check
+$(GPU_CHECK): $(ASAN_DIR)/obj/tests/gpu/gpu_check.o $(ASAN_DIR)/lib/libcohort-core.a
+	@mkdir -p $(dir $@)
+	$(CC) $(ASAN_LDFLAGS) -o $@ $^ $(LDLIBS)
+asan: $(GPU_CHECK)
+# A stand-in for libcuda.so.1 (tests/gpu/fake_cuda.c), for the driver
+# paths' tests on machines without a driver; it needs cuda.h.
+FAKE_CUDA := $(ASAN_DIR)/tests/gpu/fake/libcuda.so.1
+$(FAKE_CUDA): tests/gpu/fake_cuda.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -Wno-missing-prototypes -g -fPIC -shared \
+		-I$(CUDA_HOME)/include -o $@ $<
+ifeq ($(GPU),on)
+asan: $(FAKE_CUDA)
+endif
+.PHONY: test-gpu
+test-gpu: $(GPU_CHECK)
+	$(GPU_CHECK)
+# ---- end of GPU support -----------------------------------------------------
+
 PROTOS     := $(wildcard proto/*.proto)
 LIB_SRCS   := $(wildcard src/*/*.c)
 K8S_SRCS   := $(wildcard src/k8s/*.c)

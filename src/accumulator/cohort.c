@@ -458,7 +458,9 @@ const char *cohort_strerror(int err)
     case EFAULT: return "the sidecar could not read the trainer's shared memory; it ended the session";
     case EPROTO: return "the sidecar speaks another protocol version, or sent something malformed";
     case ENODEV: return "no tensors registered";
-    case ENOTSUP: return "not supported by this build";
+    case ENOTSUP: return "not supported by this build (for GPU memory: no GPU support in this build, or not served yet; the sidecar's log names the cause)";
+    case ELIBACC: return "no CUDA driver: the sidecar could not load libcuda.so.1";
+    case ENXIO: return "no GPU with the UUID the trainer named is visible to the sidecar";
     case EACCES: return "the cohort sets this (its TrainingCohort's spec.accumulator, the sidecar's --virtual-batch-size or --parallel-gradients) to another value; the sidecar's log names it";
     default: return log_strerror(err);
     }

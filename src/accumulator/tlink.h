@@ -9,9 +9,11 @@
  * is corrected as tlink_view.wants_after_consume says.
  *
  * The registration names the kind of memory of each region, so that GPU
- * tensors can be registered as CUDA IPC handles in the same message; this
- * build's sidecar accepts host memory and refuses the rest with
- * -EOPNOTSUPP.
+ * tensors can be registered in the same message. This build's sidecar
+ * serves host memory; a GPU registration is refused with the cause as its
+ * code (docs/gpu.md): -EOPNOTSUPP (no GPU support in this build, a legacy
+ * CUDA IPC handle, or a device found but not yet served), -ELIBACC (no
+ * CUDA driver), -ENXIO (no device with the UUID the trainer named).
  */
 #ifndef COHORT_TLINK_H
 #define COHORT_TLINK_H
@@ -57,7 +59,12 @@ struct tlink_hello {
     char name[TLINK_NAME_MAX];      /* accumulator name, NUL-terminated */
 };
 
-enum tlink_mem { TL_MEM_HOST = 0, TL_MEM_CUDA_IPC = 1 };
+/* TL_MEM_CUDA_IPC: a legacy cudaIpcMemHandle_t, always refused (it fails
+ * across the PID namespaces of a pod's containers). TL_MEM_CUDA_VMM: a
+ * region of the driver's virtual-memory API on the device named by
+ * cuda_uuid (never by index: CUDA_VISIBLE_DEVICES differs between
+ * containers). */
+enum tlink_mem { TL_MEM_HOST = 0, TL_MEM_CUDA_IPC = 1, TL_MEM_CUDA_VMM = 2 };
 
 struct tlink_register {
     uint32_t mem;               /* enum tlink_mem */
@@ -68,7 +75,10 @@ struct tlink_register {
     uint64_t results_off;       /* grad_count elements of the gradients' type */
     uint64_t shared_off;        /* VIEWPAGE_BYTES: the view page (viewpage.h) */
     uint64_t buffers_off, buffers_bytes;
-    uint8_t cuda_handle[64];    /* cudaIpcMemHandle_t, for TL_MEM_CUDA_IPC */
+    union {
+        uint8_t cuda_handle[64];    /* TL_MEM_CUDA_IPC: cudaIpcMemHandle_t */
+        uint8_t cuda_uuid[16];      /* TL_MEM_CUDA_VMM: the device's UUID */
+    };
     int32_t cuda_device;
     uint32_t pad;
 };

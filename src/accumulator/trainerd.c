@@ -24,6 +24,7 @@
 #include "base/log.h"
 #include "accumulator/tlink.h"
 #include "accumulator/viewpage.h"
+#include "gpu/cudrv.h"
 
 #define POLL_MS 200
 
@@ -103,15 +104,44 @@ int trainerd_check_layout(const struct tlink_register *r, uint64_t region_size)
     return 0;
 }
 
+int trainerd_check_gpu(const struct tlink_register *r, const char **why)
+{
+    struct gpuid id;
+    char text[GPUID_TEXT_MAX];
+    int rc;
+
+    if (r->mem == TL_MEM_CUDA_IPC) {
+        *why = "Legacy CUDA IPC handles are refused: they fail across the PID namespaces of a pod's containers.";
+        return -EOPNOTSUPP;
+    }
+    if (r->mem != TL_MEM_CUDA_VMM) {
+        *why = "The registration names a kind of memory this sidecar does not know.";
+        return -EOPNOTSUPP;
+    }
+    memcpy(id.b, r->cuda_uuid, GPUID_BYTES);
+    rc = cudrv_check(&id, why);
+    if (rc == 0) {
+        *why = "The device is here, but this sidecar does not reduce GPU tensors yet.";
+        rc = -EOPNOTSUPP;
+    } else if (rc != -EOPNOTSUPP && rc != -ELIBACC && rc != -ENXIO) {
+        rc = -EIO;
+    }
+    log_warn("sidecar", "A trainer registered GPU memory, which is refused.",
+             LF_S("device", gpuid_format(&id, text, sizeof(text))), LF_S("cause", *why),
+             LF_ERR(rc));
+    return rc;
+}
+
 /* Offsets and sizes from the trainer are checked against the memfd's real
  * size before anything is mapped or touched. */
 static int check_layout(const struct tlink_register *r, int fd)
 {
     struct stat st;
     struct statfs fs;
+    const char *why;
 
     if (r->mem != TL_MEM_HOST)
-        return -EOPNOTSUPP;
+        return trainerd_check_gpu(r, &why);
     /* An ordinary memfd lives on shmem. A hugetlbfs one could fault with
      * SIGBUS whenever the pool of huge pages runs dry. */
     if (fstatfs(fd, &fs) < 0 || fs.f_type != TMPFS_MAGIC)

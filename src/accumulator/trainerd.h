@@ -39,6 +39,14 @@ struct tlink_register;
  * call it. */
 int trainerd_check_layout(const struct tlink_register *r, uint64_t region_size);
 
+/* Why GPU memory (r->mem not TL_MEM_HOST) cannot be served here, as the
+ * code the trainer gets: -EOPNOTSUPP (no GPU support in this build, a
+ * legacy CUDA IPC handle, an unknown kind, or a device that is present
+ * but not yet served), -ELIBACC (no CUDA driver), -ENXIO (no device with
+ * r->cuda_uuid), -EIO (the driver failed). `why` gets a whole sentence
+ * naming the cause (static). Logs the refusal with the device's UUID. */
+int trainerd_check_gpu(const struct tlink_register *r, const char **why);
+
 /* Trainers served so far (for tests). */
 unsigned trainerd_sessions(struct trainerd *t);
 

@@ -27,6 +27,8 @@
 #include "fixture.h"
 #include "accumulator/tlink.h"
 #include "accumulator/trainerd.h"
+#include "gpu/cudrv.h"
+#include "gpu/gpuid.h"
 
 #define NP 777
 
@@ -772,6 +774,19 @@ Test(cohort, malformed_messages_and_bad_layouts_are_refused)
     cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EINVAL);
     r.mem = TL_MEM_CUDA_IPC;
     cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EOPNOTSUPP);
+    /* GPU memory by device UUID: refused with the cause the driver gives
+     * (no GPU support in this build, no driver, or no such device). */
+    {
+        struct gpuid id;
+        const char *why;
+        cr_assert_eq(gpuid_parse("GPU-1f3a5c7e-0b2d-4e6f-8091-a2b3c4d5e6f7", &id), 0);
+        r.mem = TL_MEM_CUDA_VMM;
+        memcpy(r.cuda_uuid, id.b, GPUID_BYTES);
+        cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), cudrv_check(&id, &why));
+        if (!cudrv_built())
+            cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), &mfd, 1), -EOPNOTSUPP);
+        memset(r.cuda_handle, 0, sizeof(r.cuda_handle));
+    }
     r.mem = TL_MEM_HOST;
     cr_assert_eq(raw_call(fd, TL_REGISTER, &r, sizeof(r), NULL, 0), -EPROTO, "no descriptor");
     close(mfd);

@@ -1,0 +1,398 @@
+/* src/gpu/ncomm.c: see ncomm.h. */
+#include "gpu/ncomm.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+
+/* Between two polls of a starting communicator. */
+#define POLL_SLEEP_MS 1
+
+static int bounded_abort(struct ncomm *c, void *comm, uint32_t deadline_ms);
+
+struct ncomm {
+    const struct ncomm_ops *ops;        /* borrowed */
+    enum ncomm_state state;
+    void *comm;                         /* ncclComm_t, when state != NONE */
+    void *parent;                       /* what a shrink started from, until ready */
+    uint64_t epoch;
+    char **members;                     /* the communicator's, copied */
+    size_t n;
+    int rank;
+    bool busy;
+    unsigned leaked;
+};
+
+int ncomm_create(const struct ncomm_ops *ops, struct ncomm **out)
+{
+    struct ncomm *c = calloc(1, sizeof(*c));
+
+    if (!c)
+        return -ENOMEM;
+    c->ops = ops;
+    c->rank = -1;
+    *out = c;
+    return 0;
+}
+
+static void forget_members(struct ncomm *c)
+{
+    for (size_t i = 0; i < c->n; i++)
+        free(c->members[i]);
+    free(c->members);
+    c->members = NULL;
+    c->n = 0;
+    c->rank = -1;
+}
+
+static void clear(struct ncomm *c)
+{
+    c->state = NCOMM_NONE;
+    c->comm = NULL;
+    c->parent = NULL;
+    c->busy = false;
+    forget_members(c);
+}
+
+void ncomm_destroy(struct ncomm *c)
+{
+    if (!c)
+        return;
+    ncomm_abort(c, NCOMM_ABORT_MS);
+    free(c);
+}
+
+static int index_of(const char *const *members, size_t n, const char *id)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(members[i], id) == 0)
+            return (int)i;
+    return -1;
+}
+
+bool ncomm_can_shrink(const struct ncomm *c, const char *const *members, size_t n)
+{
+    size_t j = 0;
+
+    if (!c->ops->shrink || c->state != NCOMM_READY || n == 0 || n >= c->n)
+        return false;
+    /* The new list must be the old one with some members taken out, in
+     * the same order: NCCL keeps the survivors' relative order. */
+    for (size_t i = 0; i < c->n && j < n; i++)
+        if (strcmp(c->members[i], members[j]) == 0)
+            j++;
+    return j == n && index_of(members, n, c->members[c->rank]) >= 0;
+}
+
+int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const char *self,
+                const struct ncomm_channel *ch, struct ncomm_plan *plan)
+{
+    uint64_t mine, vote, x[NCOMM_XCHG_WORDS] = { 0 };
+    struct ncomm_id id;
+    int me, rc;
+
+    if (n == 0 || n > NCOMM_MEMBERS_MAX)
+        return -EINVAL;
+    me = index_of(members, n, self);
+    if (me < 0)
+        return -EINVAL;
+    mine = vote = ncomm_can_shrink(c, members, n) ? 1 : 0;
+    rc = ch->sum_u64(ch->arg, &vote, 1);
+    if (rc < 0)
+        return rc;
+    /* More votes than members, or all of them without this one's. */
+    if (vote > n || (vote == n && !mine))
+        return -EPROTO;
+    if (vote == n) {
+        *plan = (struct ncomm_plan){ .shrink = true };
+        return 0;
+    }
+    /* A rebuild. Every member takes part in this sum whatever it voted,
+     * so the epoch's all-reduces stay in step. */
+    if (me == 0) {
+        rc = c->ops->get_unique_id(c->ops->arg, &id);
+        if (rc < 0) {
+            log_warn("gpu", "NCCL could not make a unique id; this epoch gets no communicator.",
+                     LF_ERR(rc));
+            /* Still take part, contributing nothing: the others see no
+             * giver and refuse the result as this member does. */
+        } else {
+            x[0] = 1;
+            memcpy(&x[1], id.b, NCOMM_ID_BYTES);
+        }
+    }
+    rc = ch->sum_u64(ch->arg, x, NCOMM_XCHG_WORDS);
+    if (rc < 0)
+        return rc;
+    if (x[0] != 1)
+        return -EPROTO;
+    *plan = (struct ncomm_plan){ .shrink = false };
+    memcpy(plan->id.b, &x[1], NCOMM_ID_BYTES);
+    return 0;
+}
+
+static int copy_members(struct ncomm *c, const char *const *members, size_t n, const char *self)
+{
+    c->members = calloc(n, sizeof(*c->members));
+    if (!c->members)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        c->members[i] = strdup(members[i]);
+        if (!c->members[i]) {
+            c->n = i;
+            forget_members(c);
+            return -ENOMEM;
+        }
+    }
+    c->n = n;
+    c->rank = index_of(members, n, self);
+    return 0;
+}
+
+/* The ranks of the old communicator that are not in `members`. */
+static int excluded(const struct ncomm *c, const char *const *members, size_t n, int *out)
+{
+    int k = 0;
+
+    for (size_t i = 0; i < c->n; i++)
+        if (index_of(members, n, c->members[i]) < 0)
+            out[k++] = (int)i;
+    return k;
+}
+
+static int do_shrink(struct ncomm *c, const char *const *members, size_t n, const char *self)
+{
+    void *parent = c->comm, *child = NULL;
+    int *ex, nex, rc;
+
+    if (!ncomm_can_shrink(c, members, n))
+        return -EINVAL;
+    ex = calloc(c->n, sizeof(*ex));
+    if (!ex)
+        return -ENOMEM;
+    nex = excluded(c, members, n, ex);
+    rc = c->ops->shrink(c->ops->arg, parent, ex, nex, &child, c->busy);
+    free(ex);
+    if (rc < 0 && rc != -EINPROGRESS) {
+        log_warn("gpu", "NCCL could not shrink the communicator; the next agreement rebuilds it.",
+                 LF_ERR(rc));
+        ncomm_abort(c, NCOMM_ABORT_MS);
+        return rc;
+    }
+    /* The parent is spent, but a child still starting may use it: it is
+     * freed once the child is ready (ncomm_wait) or given up. */
+    forget_members(c);
+    c->parent = parent;
+    c->comm = child;
+    c->state = NCOMM_STARTING;
+    rc = copy_members(c, members, n, self);
+    if (rc < 0) {
+        ncomm_abort(c, NCOMM_ABORT_MS);
+        return rc;
+    }
+    return 0;
+}
+
+int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
+                const char *self, const struct ncomm_plan *plan)
+{
+    void *comm = NULL;
+    int rank, rc;
+
+    if (n == 0 || n > NCOMM_MEMBERS_MAX)
+        return -EINVAL;
+    rank = index_of(members, n, self);
+    if (rank < 0)
+        return -EINVAL;
+    if (plan->shrink) {
+        rc = do_shrink(c, members, n, self);
+        if (rc == 0)
+            c->epoch = epoch;
+        return rc;
+    }
+    /* A rebuild: the old communicator goes first, so no rank of it waits
+     * on this one while the new one is made. */
+    ncomm_abort(c, NCOMM_ABORT_MS);
+    rc = c->ops->init_rank(c->ops->arg, &comm, (int)n, &plan->id, rank);
+    if (rc < 0 && rc != -EINPROGRESS) {
+        log_warn("gpu", "NCCL could not create the epoch's communicator.", LF_ERR(rc),
+                 LF_U("epoch", epoch));
+        /* NCCL may have made the handle before it failed. */
+        if (comm)
+            bounded_abort(c, comm, NCOMM_ABORT_MS);
+        return rc;
+    }
+    c->comm = comm;
+    c->state = rc == 0 ? NCOMM_READY : NCOMM_STARTING;
+    c->epoch = epoch;
+    rc = copy_members(c, members, n, self);
+    if (rc < 0) {
+        ncomm_abort(c, NCOMM_ABORT_MS);
+        return rc;
+    }
+    return 0;
+}
+
+int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
+{
+    uint64_t until = clock_now_ms() + deadline_ms;
+    int rc;
+
+    if (c->state == NCOMM_NONE)
+        return -ENOTCONN;
+    while (c->state == NCOMM_STARTING) {
+        rc = c->ops->async_error(c->ops->arg, c->comm);
+        if (rc == 0) {
+            c->state = NCOMM_READY;
+            if (c->parent) {
+                bounded_abort(c, c->parent, NCOMM_ABORT_MS);
+                c->parent = NULL;
+            }
+            break;
+        }
+        if (rc != -EINPROGRESS) {
+            log_warn("gpu", "The epoch's NCCL communicator failed while it was made.", LF_ERR(rc),
+                     LF_U("epoch", c->epoch));
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return rc;
+        }
+        if (clock_now_ms() >= until) {
+            log_warn("gpu", "The epoch's NCCL communicator was not ready by its deadline; it is aborted.",
+                     LF_U("epoch", c->epoch), LF_U("deadline_ms", deadline_ms));
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return -ETIMEDOUT;
+        }
+        clock_sleep_ms(POLL_SLEEP_MS);
+    }
+    return 0;
+}
+
+void ncomm_set_busy(struct ncomm *c, bool busy)
+{
+    c->busy = busy;
+}
+
+/* One ncclCommAbort on a thread of its own. Whoever of the thread and the
+ * waiter finishes last frees it. */
+struct abort_job {
+    const struct ncomm_ops *ops;
+    void *comm;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done, abandoned;
+    int rc;
+};
+
+static void *abort_main(void *arg)
+{
+    struct abort_job *j = arg;
+    int rc = j->ops->abort(j->ops->arg, j->comm);
+    bool free_it;
+
+    pthread_mutex_lock(&j->mu);
+    j->done = true;
+    j->rc = rc;
+    free_it = j->abandoned;
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (free_it) {
+        log_info("gpu", "An NCCL abort that overran its deadline has returned.", LF_ERR(rc));
+        pthread_cond_destroy(&j->cv);
+        pthread_mutex_destroy(&j->mu);
+        free(j);
+    }
+    return NULL;
+}
+
+/* ncclCommAbort(comm), waiting at most deadline_ms. Returns 0, or
+ * -ETIMEDOUT when it was left running on its thread. */
+static int bounded_abort(struct ncomm *c, void *comm, uint32_t deadline_ms)
+{
+    struct abort_job *j;
+    struct timespec until;
+    pthread_t t;
+    int rc = 0;
+
+    j = calloc(1, sizeof(*j));
+    if (!j || clock_cond_init(&j->cv) != 0) {
+        /* No thread to bound it with: abort inline rather than leak. */
+        free(j);
+        c->ops->abort(c->ops->arg, comm);
+        return 0;
+    }
+    pthread_mutex_init(&j->mu, NULL);
+    j->ops = c->ops;
+    j->comm = comm;
+    if (pthread_create(&t, NULL, abort_main, j) != 0) {
+        pthread_cond_destroy(&j->cv);
+        pthread_mutex_destroy(&j->mu);
+        free(j);
+        c->ops->abort(c->ops->arg, comm);
+        return 0;
+    }
+    pthread_detach(t);
+    until = clock_deadline(deadline_ms);
+    pthread_mutex_lock(&j->mu);
+    while (!j->done && rc == 0)
+        rc = pthread_cond_timedwait(&j->cv, &j->mu, &until);
+    if (!j->done) {
+        j->abandoned = true;
+        pthread_mutex_unlock(&j->mu);
+        c->leaked++;
+        log_warn("gpu", "ncclCommAbort did not return by its deadline; the communicator is left to it and a new one will be made.",
+                 LF_U("epoch", c->epoch), LF_U("deadline_ms", deadline_ms));
+        return -ETIMEDOUT;
+    }
+    if (j->rc < 0)
+        log_info("gpu", "ncclCommAbort reported an error; the communicator is gone all the same.",
+                 LF_ERR(j->rc));
+    pthread_mutex_unlock(&j->mu);
+    pthread_cond_destroy(&j->cv);
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+    return 0;
+}
+
+int ncomm_abort(struct ncomm *c, uint32_t deadline_ms)
+{
+    int rc = 0, prc = 0;
+
+    if (c->state == NCOMM_NONE)
+        return 0;
+    /* The child first: it is what a collective in flight runs on. */
+    if (c->comm)
+        rc = bounded_abort(c, c->comm, deadline_ms);
+    if (c->parent)
+        prc = bounded_abort(c, c->parent, deadline_ms);
+    clear(c);
+    return rc < 0 ? rc : prc;
+}
+
+enum ncomm_state ncomm_state(const struct ncomm *c)
+{
+    return c->state;
+}
+
+uint64_t ncomm_epoch(const struct ncomm *c)
+{
+    return c->epoch;
+}
+
+int ncomm_rank(const struct ncomm *c)
+{
+    return c->state == NCOMM_NONE ? -1 : c->rank;
+}
+
+void *ncomm_handle(const struct ncomm *c)
+{
+    return c->comm;
+}
+
+unsigned ncomm_leaked(const struct ncomm *c)
+{
+    return c->leaked;
+}

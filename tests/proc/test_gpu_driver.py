@@ -1,0 +1,92 @@
+"""src/gpu/'s driver paths, on a machine without a GPU: the unit suite
+gpu_driver and tests/gpu/gpu_check run against a stand-in for the CUDA
+driver (tests/gpu/fake_cuda.c, device memory played by memfds), put first
+on the library path, so that cohort's dlopen("libcuda.so.1") finds it.
+
+What it shows: the versioned entry points resolve, devices are found by
+UUID, each refusal has its cause, a region is exported and imported in
+NVIDIA's sample's order and handed to another process over SCM_RIGHTS, and
+every failing driver call unwinds what was taken. What it cannot show:
+anything about a real driver or a real GPU (docs/gpu.md).
+
+The stand-in is built only with GPU support (it needs cuda.h); without
+it these tests skip, saying so.
+"""
+import os
+import re
+import subprocess
+
+import pytest
+
+from cohorttest import DEADLINE, bin_path
+
+FAKE_DIR = bin_path(os.path.join("tests", "gpu", "fake"))
+GPU_CHECK = bin_path(os.path.join("tests", "gpu", "gpu_check"))
+DEVICE = "GPU-1f3a5c7e-0b2d-4e6f-8091-a2b3c4d5e6f7"
+
+
+
+def gpu_support():
+    """Whether the binaries under test were built with GPU support, as
+    gpu_check itself says (a stand-in left from an earlier build does not
+    make it so)."""
+    if not os.path.exists(os.path.join(FAKE_DIR, "libcuda.so.1")):
+        return False
+    out = subprocess.run([GPU_CHECK], capture_output=True, text=True, timeout=4 * DEADLINE)
+    return "no GPU support in this build" not in out.stdout
+
+
+pytestmark = pytest.mark.skipif(
+    not gpu_support(),
+    reason="no GPU support in this build (no cuda.h and nccl.h under CUDA_HOME), "
+           "so no stand-in driver was built")
+
+
+def fake_env(**extra):
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = FAKE_DIR + (":" + env["LD_LIBRARY_PATH"]
+                                         if env.get("LD_LIBRARY_PATH") else "")
+    env.update(extra)
+    return env
+
+
+def test_the_driver_suite_passes_against_the_stand_in():
+    out = subprocess.run([bin_path(os.path.join("tests", "unit")), "--filter", "gpu_driver/*",
+                          "--jobs=1"],
+                         env=fake_env(COHORT_FAKE_CUDA="1"), capture_output=True, text=True,
+                         timeout=4 * DEADLINE)
+    text = out.stdout + out.stderr
+    m = re.search(r"Tested: (\d+) \| Passing: (\d+) \| Failing: (\d+) \| Crashing: (\d+)", text)
+    assert m, text
+    tested, passing, failing, crashing = map(int, m.groups())
+    assert (failing, crashing) == (0, 0), text
+    assert tested == passing >= 4, "every test ran, none skipped:\n" + text
+    assert out.returncode == 0, text
+
+
+def test_a_region_reaches_another_process_over_the_socket():
+    out = subprocess.run([GPU_CHECK, "--driver-only"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"handover .*: ok", out.stdout), out.stdout
+
+
+def test_a_failed_mapping_in_the_exporter_fails_the_check():
+    out = subprocess.run([GPU_CHECK, "--driver-only"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
+                                      COHORT_FAKE_CUDA_FAIL="cuMemMap"),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAIL" in out.stdout and "test-gpu: FAILED." in out.stdout, out.stdout
+
+
+def test_no_device_and_no_driver_are_skips_with_their_reason():
+    out = subprocess.run([GPU_CHECK], env=fake_env(COHORT_FAKE_CUDA_INIT="nodev"),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "test-gpu: skipped: no GPU on this machine." in out.stdout, out.stdout
+    out = subprocess.run([GPU_CHECK], env=fake_env(COHORT_FAKE_CUDA_INIT="stub"),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "test-gpu: skipped: no CUDA driver" in out.stdout, out.stdout

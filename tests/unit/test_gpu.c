@@ -1,0 +1,305 @@
+/* tests/unit/test_gpu.c: what src/gpu/ does without a GPU, in whichever
+ * build this is: the refusals and their causes, NCCL loaded or refused,
+ * and the granularity arithmetic of device regions. With GPU support
+ * compiled in, the driver is loaded for real; on a machine without one
+ * that is the "no CUDA driver" path. */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "accumulator/tlink.h"
+#include "accumulator/trainerd.h"
+#include "gpu/cudrv.h"
+#include "gpu/gpuid.h"
+#include "gpu/nccllib.h"
+#include "gpu/ncomm.h"
+#include "gpu/vmm.h"
+
+static bool a_refusal(int rc)
+{
+    return rc == -EOPNOTSUPP || rc == -ELIBACC || rc == -ENXIO;
+}
+
+Test(gpu, the_driver_opens_or_says_why_not)
+{
+    struct cudrv *d = NULL;
+    int rc = cudrv_open(&d);
+
+    if (!cudrv_built())
+        cr_assert_eq(rc, -EOPNOTSUPP, "no GPU support in this build");
+    else
+        cr_assert(rc == 0 || rc == -ELIBACC || rc == -ENXIO, "%d", rc);
+    cudrv_close(d);
+}
+
+Test(gpu, every_cause_has_its_sentence)
+{
+    struct gpuid id;
+    const char *why = NULL;
+    int rc;
+
+    cr_assert_eq(gpuid_parse("GPU-00000000-0000-0000-0000-000000000000", &id), 0);
+    rc = cudrv_check(&id, &why);
+    cr_assert_not_null(why);
+    if (!cudrv_built()) {
+        cr_assert_eq(rc, -EOPNOTSUPP);
+        cr_assert(strstr(why, "no GPU support"), "%s", why);
+    } else if (rc == -ELIBACC) {
+        cr_assert(strstr(why, "No usable CUDA driver"), "%s", why);
+    } else {
+        /* A driver, but no device has the all-zero UUID, or none at all. */
+        cr_assert_eq(rc, -ENXIO);
+        cr_assert(strstr(why, "No device with this UUID") || strstr(why, "no device at all"), "%s", why);
+    }
+}
+
+Test(gpu, a_gpu_registration_is_refused_with_its_cause)
+{
+    struct tlink_register r;
+    const char *why = NULL, *direct = NULL;
+    struct gpuid id;
+    int rc;
+
+    memset(&r, 0, sizeof(r));
+    r.mem = TL_MEM_CUDA_IPC;
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -EOPNOTSUPP, "a legacy handle, in any build");
+    cr_assert(strstr(why, "Legacy CUDA IPC"), "%s", why);
+    r.mem = 77;
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -EOPNOTSUPP, "an unknown kind");
+    r.mem = TL_MEM_CUDA_VMM;
+    cr_assert_eq(gpuid_parse("GPU-1f3a5c7e-0b2d-4e6f-8091-a2b3c4d5e6f7", &id), 0);
+    memcpy(r.cuda_uuid, id.b, GPUID_BYTES);
+    rc = trainerd_check_gpu(&r, &why);
+    cr_assert(a_refusal(rc), "%d", rc);
+    cr_assert_eq(rc, cudrv_check(&id, &direct), "the driver's own answer, as the trainer's code");
+    cr_assert_str_eq(why, direct);
+    /* The layout check, pure, refuses anything but host memory whatever
+     * the device: the fuzz harness relies on it. */
+    cr_assert_eq(trainerd_check_layout(&r, 0), -EOPNOTSUPP);
+}
+
+Test(gpu, nccl_loads_with_or_without_shrink_or_says_why_not)
+{
+    const struct ncomm_ops *ops = NULL;
+    int rc = nccllib_load(&ops);
+
+    if (!cudrv_built()) {
+        cr_assert_eq(rc, -EOPNOTSUPP);
+        cr_assert_eq(nccllib_version(), 0);
+        return;
+    }
+    if (rc == -ELIBACC) {
+        cr_assert_eq(nccllib_version(), 0);
+        return;
+    }
+    cr_assert_eq(rc, 0);
+    cr_assert_geq(nccllib_version(), 21400);
+    cr_assert_not_null(ops->get_unique_id);
+    cr_assert_not_null(ops->init_rank);
+    cr_assert_not_null(ops->async_error);
+    cr_assert_not_null(ops->abort);
+    cr_assert_eq(ops->shrink != NULL, nccllib_version() >= 22700,
+                 "ncclCommShrink exactly where NCCL has it (2.27)");
+    cr_assert_eq(nccllib_load(&ops), 0, "loaded once, the same answer after");
+}
+
+Test(gpu, regions_are_whole_granules)
+{
+    const size_t g = 2u << 20;
+
+    cr_assert_eq(vmm_round(1, g), g);
+    cr_assert_eq(vmm_round(g, g), g);
+    cr_assert_eq(vmm_round(g + 1, g), 2 * g);
+    cr_assert_eq(vmm_round(3000, 1000), 3000, "not only powers of two");
+    cr_assert_eq(vmm_round(0, g), 0);
+    cr_assert_eq(vmm_round(5, 0), 0);
+    cr_assert_eq(vmm_round(SIZE_MAX - 5, g), 0, "would wrap");
+}
+
+Test(gpu, regions_are_refused_without_gpu_support)
+{
+    struct vmm_region *r = NULL;
+    int fd = -1;
+
+    if (cudrv_built())
+        return;     /* the real calls need a device: make test-gpu */
+    cr_assert_eq(vmm_export(NULL, 0, 4096, &r, &fd), -EOPNOTSUPP);
+    cr_assert_eq(vmm_import(NULL, 0, 0, 4096, &r), -EOPNOTSUPP);
+    cr_assert_null(r);
+    cr_assert_eq(fd, -1);
+}
+
+/* ---- the driver paths, against tests/gpu/fake_cuda.c ----
+ *
+ * tests/proc/test_gpu_driver.py runs this suite with the stand-in driver
+ * first on the library path and COHORT_FAKE_CUDA=1; elsewhere it skips. */
+
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define DEV_A "GPU-1f3a5c7e-0b2d-4e6f-8091-a2b3c4d5e6f7"
+#define DEV_B "GPU-00000000-0000-0000-0000-0000000000b2"
+
+static const char *(*fake_log)(void);
+static int (*fake_live)(void);
+
+/* Opens the driver (the stand-in) with devices A and B. */
+static struct cudrv *fake_driver(void)
+{
+    struct cudrv *d = NULL;
+    void *h;
+
+    if (!getenv("COHORT_FAKE_CUDA"))
+        cr_skip_test("run by tests/proc/test_gpu_driver.py against the stand-in driver");
+    cr_assert(cudrv_built(), "the stand-in is only built with GPU support");
+    setenv("COHORT_FAKE_CUDA_DEVICES", DEV_A "," DEV_B, 1);
+    cr_assert_eq(cudrv_open(&d), 0);
+    h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    cr_assert_not_null(h, "the driver cohort loaded is the stand-in");
+    *(void **)&fake_log = dlsym(h, "fake_cuda_log");
+    *(void **)&fake_live = dlsym(h, "fake_cuda_live");
+    cr_assert(fake_log && fake_live, "the stand-in's own calls");
+    dlclose(h);
+    return d;
+}
+
+Test(gpu_driver, devices_are_found_by_uuid)
+{
+    struct cudrv *d = fake_driver();
+    struct gpuid ids[CUDRV_DEVICES_MAX], a, b, c;
+    char text[GPUID_TEXT_MAX];
+    int ordinal = -1;
+
+    cr_assert_eq(gpuid_parse(DEV_A, &a), 0);
+    cr_assert_eq(gpuid_parse(DEV_B, &b), 0);
+    cr_assert_eq(gpuid_parse("GPU-00000000-0000-0000-0000-00000000000c", &c), 0);
+    cr_assert_eq(cudrv_list(d, ids, CUDRV_DEVICES_MAX), 2);
+    cr_assert_str_eq(gpuid_format(&ids[1], text, sizeof(text)), DEV_B);
+    cr_assert_eq(cudrv_list(d, ids, 1), 1, "no more than asked for");
+    cr_assert_eq(cudrv_find(d, &b, &ordinal), 0);
+    cr_assert_eq(ordinal, 1);
+    cr_assert_eq(cudrv_find(d, &c, &ordinal), -ENXIO);
+    /* The other container sees B alone, as its device 0. */
+    setenv("COHORT_FAKE_CUDA_DEVICES", DEV_B, 1);
+    cr_assert_eq(cudrv_find(d, &b, &ordinal), 0);
+    cr_assert_eq(ordinal, 0);
+    cr_assert_eq(cudrv_find(d, &a, &ordinal), -ENXIO);
+    cudrv_close(d);
+}
+
+Test(gpu_driver, each_refusal_has_its_cause)
+{
+    struct cudrv *d = fake_driver();
+    struct tlink_register r;
+    struct gpuid a, c;
+    const char *why;
+
+    cudrv_close(d);
+    cr_assert_eq(gpuid_parse(DEV_A, &a), 0);
+    cr_assert_eq(gpuid_parse("GPU-00000000-0000-0000-0000-00000000000c", &c), 0);
+    memset(&r, 0, sizeof(r));
+    r.mem = TL_MEM_CUDA_VMM;
+    memcpy(r.cuda_uuid, c.b, GPUID_BYTES);
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -ENXIO, "no device with that UUID");
+    cr_assert(strstr(why, "No device with this UUID"), "%s", why);
+    memcpy(r.cuda_uuid, a.b, GPUID_BYTES);
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -EOPNOTSUPP, "present, not served yet");
+    cr_assert(strstr(why, "does not reduce GPU tensors yet"), "%s", why);
+    setenv("COHORT_FAKE_CUDA_INIT", "nodev", 1);
+    cr_assert_eq(cudrv_open(&d), -ENXIO, "a driver without devices");
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -ENXIO);
+    cr_assert(strstr(why, "no device at all"), "%s", why);
+    setenv("COHORT_FAKE_CUDA_INIT", "stub", 1);
+    cr_assert_eq(cudrv_open(&d), -ELIBACC, "the toolkit's stub is no driver");
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -ELIBACC);
+    cr_assert(strstr(why, "No usable CUDA driver"), "%s", why);
+    unsetenv("COHORT_FAKE_CUDA_INIT");
+    setenv("COHORT_FAKE_CUDA_FAIL", "cuInit", 1);
+    cr_assert_eq(cudrv_open(&d), -EIO, "any other failure");
+    cr_assert_eq(trainerd_check_gpu(&r, &why), -EIO);
+}
+
+Test(gpu_driver, a_region_is_exported_and_imported_in_the_samples_order)
+{
+    struct cudrv *d = fake_driver();
+    struct vmm_region *out = NULL, *in = NULL;
+    uint8_t w[64], rd[64];
+    int fd = -1;
+    const char *start;
+
+    start = fake_log() + strlen(fake_log());
+    cr_assert_eq(vmm_export(d, 1, 3u << 20, &out, &fd), 0);
+    cr_assert_str_eq(start,
+                     "cuDeviceGet cuDevicePrimaryCtxRetain cuCtxSetCurrent "
+                     "cuMemGetAllocationGranularity cuMemCreate cuMemAddressReserve cuMemMap "
+                     "cuMemSetAccess cuMemExportToShareableHandle ");
+    cr_assert_eq(vmm_bytes(out), 4u << 20, "rounded up to whole granules");
+    cr_assert_eq(vmm_import(d, 1, fd, (3u << 20) + 1, &in), -EINVAL, "not whole granules");
+    start = fake_log() + strlen(fake_log());
+    cr_assert_eq(vmm_import(d, 1, fd, vmm_bytes(out), &in), 0);
+    cr_assert_str_eq(start,
+                     "cuDeviceGet cuDevicePrimaryCtxRetain cuCtxSetCurrent "
+                     "cuMemGetAllocationGranularity cuMemImportFromShareableHandle "
+                     "cuMemAddressReserve cuMemMap cuMemSetAccess ");
+    close(fd);                          /* the mapping does not need it */
+    cr_assert_neq(vmm_addr(in), vmm_addr(out));
+    for (size_t i = 0; i < sizeof(w); i++)
+        w[i] = (uint8_t)(i * 7 + 1);
+    cr_assert_eq(vmm_write(out, vmm_bytes(out) - sizeof(w), w, sizeof(w)), 0);
+    cr_assert_eq(vmm_read(in, vmm_bytes(in) - sizeof(rd), rd, sizeof(rd)), 0);
+    cr_assert_arr_eq(rd, w, sizeof(w), "one memory, two mappings");
+    cr_assert_eq(vmm_write(in, vmm_bytes(in) - 8, w, 9), -EINVAL, "past the end");
+    cr_assert_eq(vmm_read(in, SIZE_MAX, rd, 1), -EINVAL);
+    start = fake_log() + strlen(fake_log());
+    vmm_destroy(in);
+    cr_assert_str_eq(start, "cuMemUnmap cuMemAddressFree cuMemRelease cuDevicePrimaryCtxRelease ");
+    vmm_destroy(out);
+    cr_assert_eq(fake_live(), 0, "nothing left of either");
+    cudrv_close(d);
+}
+
+/* Whichever call fails, what was taken is given back, and only that. */
+Test(gpu_driver, every_failing_call_unwinds_what_was_taken)
+{
+    static const char *const export_calls[] = {
+        "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
+        "cuMemGetAllocationGranularity", "cuMemCreate", "cuMemAddressReserve", "cuMemMap",
+        "cuMemSetAccess", "cuMemExportToShareableHandle",
+    };
+    static const char *const import_calls[] = {
+        "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
+        "cuMemGetAllocationGranularity", "cuMemImportFromShareableHandle",
+        "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess",
+    };
+    struct cudrv *d = fake_driver();
+    struct vmm_region *src = NULL, *r;
+    int fd = -1, f2;
+
+    for (size_t i = 0; i < sizeof(export_calls) / sizeof(export_calls[0]); i++) {
+        r = NULL;
+        f2 = -1;
+        setenv("COHORT_FAKE_CUDA_FAIL", export_calls[i], 1);
+        cr_assert_lt(vmm_export(d, 0, 1, &r, &f2), 0, "%s", export_calls[i]);
+        cr_assert_null(r);
+        cr_assert_eq(f2, -1);
+        cr_assert_eq(fake_live(), 0, "after %s failed", export_calls[i]);
+    }
+    unsetenv("COHORT_FAKE_CUDA_FAIL");
+    cr_assert_eq(vmm_export(d, 0, 1, &src, &fd), 0);
+    for (size_t i = 0; i < sizeof(import_calls) / sizeof(import_calls[0]); i++) {
+        int before = fake_live();
+        r = NULL;
+        setenv("COHORT_FAKE_CUDA_FAIL", import_calls[i], 1);
+        cr_assert_lt(vmm_import(d, 0, fd, vmm_bytes(src), &r), 0, "%s", import_calls[i]);
+        cr_assert_null(r);
+        cr_assert_eq(fake_live(), before, "after %s failed", import_calls[i]);
+    }
+    unsetenv("COHORT_FAKE_CUDA_FAIL");
+    close(fd);
+    vmm_destroy(src);
+    cr_assert_eq(fake_live(), 0);
+    cudrv_close(d);
+}
