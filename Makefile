@@ -97,7 +97,8 @@ ifeq ($(GPU),on)
 asan: $(FAKE_CUDA)
 endif
 .PHONY: test-gpu
-test-gpu: $(GPU_CHECK)
+test-gpu: deps
+	$(MAKE) -j$$(nproc) $(GPU_CHECK)
 	$(GPU_CHECK)
 # ---- end of GPU support -----------------------------------------------------
 

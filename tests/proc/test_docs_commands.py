@@ -88,8 +88,13 @@ def commands(text):
 
 
 def skip_reason(cmd):
+    """SKIP's reason for cmd, matching whole words: "make test" leaves out
+    `make test` and `make test ARGS`, not `make test-gpu`."""
     for start, why in SKIP.items():
-        if cmd.startswith(start):
+        if not cmd.startswith(start):
+            continue
+        rest = cmd[len(start):]
+        if not rest or not start[-1].isalnum() or rest[0] in " ;|&":
             return why
     return None
 
