@@ -2,18 +2,26 @@
  *
  * KERNELS
  *
- * The three matrix products and the Gram-Schmidt are plain loops here,
- * not a BLAS call. What decides it is agreement: P^ and the result must
+ * The matrix products and the Gram-Schmidt are plain loops here, not a
+ * BLAS call. What decides it is agreement: P^ and the result must
  * be the same bytes on every member, whatever its CPU, and a BLAS picks
  * its blocking and its instructions (FMA or not) per CPU at run time, so
  * two members could round differently. Here every output element is a
- * sum in one fixed order (the index noted at each kernel, ascending) of
+ * sum in one order written in the source (noted at each kernel) of
  * products rounded on their own (-ffp-contract=off for the whole build),
  * which every x86-64 and arm64 CPU computes alike, vectorised or not: the
- * compiler may only vectorise across independent outputs. The loops run
- * along rows of M' (row-major), so the products stream the matrix once
- * each. Only the first product, M'^T P^ and the result depend on the
- * matrix size; the factors are rows x r and cols x r.
+ * compiler may only vectorise across independent outputs or the explicit
+ * lanes of dot(). Q is kept transposed (r x cols), so every inner loop
+ * runs along a row of M', of Q^T or of the output, contiguous, and each
+ * product streams the matrix once; the error is finished row by row while
+ * the row is in cache. Measured on the shared 2-core development VM
+ * (`cohortctl bench allreduce --peers 1 --bytes 64M --codec powersgd`, a
+ * 4096 x 4096 view, rank 4, gcc 12 -O2, medians of 5 back to back): 555 ms
+ * a round with Q untransposed (inner loops over the rank, 4 long) and a
+ * separate error pass, 350 ms with these. A BLAS was not measured: Debian's
+ * reference libblas is what this machine has, and OpenBLAS would need its
+ * run-time kernel choice pinned (OPENBLAS_CORETYPE) and FMA ruled out for
+ * the results to agree across members' CPUs.
  *
  * Orthonormalisation is the mlbench / paper reference's: each column in
  * turn is divided by its norm plus 1e-8 (a zero column stays zero rather
@@ -47,9 +55,9 @@ struct powersgd {
     float *err;                 /* rows x cols: E */
     float *mp;                  /* rows x cols: M' of the round in flight */
     float *p;                   /* rows x r, registered */
-    float *q;                   /* cols x r, registered */
-    float *q_warm;              /* cols x r: the last completed round's Q */
-    float *q_own;               /* cols x r: this member's Q before the all-reduce */
+    float *q;                   /* Q transposed, r x cols, registered */
+    float *q_warm;              /* r x cols: the last completed round's Q */
+    float *q_own;               /* r x cols: this member's Q before the all-reduce */
     int hp, hq;
 };
 
@@ -69,60 +77,76 @@ static float uniform(uint64_t *s)
     return (float)(splitmix(s) >> 40) * (1.0f / 8388608.0f) - 1.0f;
 }
 
-/* out (rows x r) = a (rows x cols) b (cols x r); each sum over j ascending. */
-static void mul_ab(float *restrict out, const float *restrict a, const float *restrict b,
+/* The lanes of a dot product: lane l sums the products j = l (mod LANES)
+ * in ascending j, and the lanes are added in a fixed tree. The order is
+ * written out, so it is the same whether the compiler vectorises the
+ * lanes or not; summing in plain j order would forbid vectorising. */
+#define LANES 16
+
+static float dot(const float *restrict a, const float *restrict b, size_t n)
+{
+    float acc[LANES] = { 0 };
+    size_t j = 0;
+
+    for (; j + LANES <= n; j += LANES)
+        for (size_t l = 0; l < LANES; l++)
+            acc[l] += a[j + l] * b[j + l];
+    for (size_t l = 0; j + l < n; l++)
+        acc[l] += a[j + l] * b[j + l];
+    for (size_t w = LANES / 2; w > 0; w /= 2)
+        for (size_t l = 0; l < w; l++)
+            acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* p (rows x r) = a (rows x cols) qt^T, qt being Q transposed (r x cols):
+ * each element a dot() of a row of a with a row of qt. */
+static void mul_p(float *restrict p, const float *restrict a, const float *restrict qt,
+                  size_t rows, size_t cols, size_t r)
+{
+    for (size_t i = 0; i < rows; i++)
+        for (size_t c = 0; c < r; c++)
+            p[i * r + c] = dot(a + i * cols, qt + c * cols, cols);
+}
+
+/* qt (r x cols) = (a^T p)^T, a rows x cols, p rows x r: each element a
+ * sum over i ascending, the loop along a's rows (vectorised across j). */
+static void mul_qt(float *restrict qt, const float *restrict a, const float *restrict p,
                    size_t rows, size_t cols, size_t r)
 {
+    memset(qt, 0, r * cols * sizeof(float));
     for (size_t i = 0; i < rows; i++) {
-        float *o = out + i * r;
         const float *ai = a + i * cols;
 
-        memset(o, 0, r * sizeof(float));
-        for (size_t j = 0; j < cols; j++) {
-            float x = ai[j];
-            const float *bj = b + j * r;
+        for (size_t c = 0; c < r; c++) {
+            float x = p[i * r + c];
+            float *o = qt + c * cols;
 
-            for (size_t c = 0; c < r; c++)
-                o[c] += x * bj[c];
+            for (size_t j = 0; j < cols; j++)
+                o[j] += ai[j] * x;
         }
     }
 }
 
-/* out (cols x r) = a^T (a: rows x cols) p (rows x r); each sum over i ascending. */
-static void mul_atb(float *restrict out, const float *restrict a, const float *restrict p,
-                    size_t rows, size_t cols, size_t r)
-{
-    memset(out, 0, cols * r * sizeof(float));
-    for (size_t i = 0; i < rows; i++) {
-        const float *ai = a + i * cols;
-        const float *pi = p + i * r;
-
-        for (size_t j = 0; j < cols; j++) {
-            float x = ai[j];
-            float *o = out + j * r;
-
-            for (size_t c = 0; c < r; c++)
-                o[c] += x * pi[c];
-        }
-    }
-}
-
-/* out (rows x cols) = p (rows x r) q^T (q: cols x r); each sum over c ascending. */
-static void mul_abt(float *restrict out, const float *restrict p, const float *restrict q,
-                    size_t rows, size_t cols, size_t r)
+/* out (rows x cols) = p qt (p rows x r, qt r x cols): each element a sum
+ * over c ascending, vectorised across j. With `from`, out = from - p qt,
+ * each row finished while it is in cache. */
+static void mul_out(float *restrict out, const float *restrict p, const float *restrict qt,
+                    const float *restrict from, size_t rows, size_t cols, size_t r)
 {
     for (size_t i = 0; i < rows; i++) {
-        const float *pi = p + i * r;
         float *o = out + i * cols;
 
-        for (size_t j = 0; j < cols; j++) {
-            const float *qj = q + j * r;
-            float s = 0;
+        memset(o, 0, cols * sizeof(float));
+        for (size_t c = 0; c < r; c++) {
+            float x = p[i * r + c];
+            const float *q = qt + c * cols;
 
-            for (size_t c = 0; c < r; c++)
-                s += pi[c] * qj[c];
-            o[j] = s;
+            for (size_t j = 0; j < cols; j++)
+                o[j] += x * q[j];
         }
+        for (size_t j = 0; from && j < cols; j++)
+            o[j] = from[i * cols + j] - o[j];
     }
 }
 
@@ -229,14 +253,14 @@ int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t rou
         return -EINVAL;
     for (size_t i = 0; i < cells; i++)
         p->mp[i] = m[i] + p->err[i];
-    mul_ab(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
+    mul_p(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
     /* P is only a basis: its scale goes in the orthonormalisation, so a
      * sum does (mlbench never divides it either). */
     rc = allreduce_run(p->ar, p->hp, p->rows * p->r, DTYPE_F32, DTYPE_SUM, 0, round);
     if (rc < 0)
         return rc;
     orthonormalise(p->p, p->rows, p->r);
-    mul_atb(p->q, p->mp, p->p, p->rows, p->cols, p->r);
+    mul_qt(p->q, p->mp, p->p, p->rows, p->cols, p->r);
     memcpy(p->q_own, p->q, p->cols * p->r * sizeof(float));
     rc = allreduce_run(p->ar, p->hq, p->cols * p->r, DTYPE_F32, op, 0, round + 1);
     if (rc < 0)
@@ -245,10 +269,8 @@ int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t rou
     /* Committed: the result (the same bytes on every member), this
      * member's error (what its own share P^ Q_own^T left out), and the
      * warm start. */
-    mul_abt(m, p->p, p->q, p->rows, p->cols, p->r);
-    mul_abt(p->err, p->p, p->q_own, p->rows, p->cols, p->r);
-    for (size_t i = 0; i < cells; i++)
-        p->err[i] = p->mp[i] - p->err[i];
+    mul_out(m, p->p, p->q, NULL, p->rows, p->cols, p->r);
+    mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
     memcpy(p->q_warm, p->q, p->cols * p->r * sizeof(float));
     return 0;
 }
