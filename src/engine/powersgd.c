@@ -44,6 +44,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -172,6 +173,16 @@ static void orthonormalise(float *p, size_t rows, size_t r)
     }
 }
 
+/* A NaN or Inf anywhere in a member's M' spreads through the reduced P
+ * into every member's Q, so this is the same answer on every member. */
+static bool all_finite(const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return false;
+    return true;
+}
+
 int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank, uint64_t seed,
                     struct powersgd **out)
 {
@@ -270,6 +281,8 @@ int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t rou
      * member's error (what its own share P^ Q_own^T left out), and the
      * warm start. */
     mul_out(m, p->p, p->q, NULL, p->rows, p->cols, p->r);
+    if (!all_finite(p->q, p->cols * p->r))
+        return 0;
     mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
     memcpy(p->q_warm, p->q, p->cols * p->r * sizeof(float));
     return 0;

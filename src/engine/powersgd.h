@@ -34,7 +34,13 @@
  * completed: a failed round leaves them as they were, so the retry sends
  * the same thing. A joining member starts with E = 0 and the seeded Q;
  * its first round still ends with the cohort's Q, since Q is all-reduced.
- * A leaving member's E leaves with it. */
+ * A leaving member's E leaves with it.
+ *
+ * A NaN or Inf in any member's M' reaches every member's reduced Q. Such
+ * a round still delivers its result, non-finite values and all (so an AMP
+ * grad scaler sees them and skips the step), but keeps every member's E
+ * and the warm start as they were: the step is dropped, not folded into
+ * the error, which would otherwise stay NaN for good. */
 #ifndef COHORT_POWERSGD_H
 #define COHORT_POWERSGD_H
 

@@ -300,3 +300,52 @@ Test(powersgd, an_aborted_round_changes_nothing, .timeout = 120)
     }
     engines_stop(&c);
 }
+
+/* A NaN in one member's gradient shows in every member's result, and
+ * leaves every member's error as it was (not NaN for good); the next
+ * finite round is as if the NaN round had not happened. */
+Test(powersgd, a_nan_step_is_dropped_not_remembered, .timeout = 120)
+{
+    static struct run r;
+    static float e[2][ROWS * COLS];
+    struct engines c;
+    unsigned seed = 41;
+
+    memset(&r, 0, sizeof(r));
+    engines_start(&c, 2, TIMEOUT_MS);
+    r.op = DTYPE_AVG;
+    for (size_t m = 0; m < 2; m++) {
+        cr_assert_eq(powersgd_create(c.p[m].ar, ROWS, COLS, 2, SEED, &r.p[m]), 0);
+        for (size_t i = 0; i < ROWS * COLS; i++)
+            r.m[m][i] = uniform(&seed);
+    }
+    r.round = 1;
+    engines_each(&c, 2, reduce_one, &r);
+    for (size_t m = 0; m < 2; m++)
+        memcpy(e[m], powersgd_error(r.p[m]), sizeof(e[m]));
+
+    for (size_t m = 0; m < 2; m++)
+        for (size_t i = 0; i < ROWS * COLS; i++)
+            r.m[m][i] = uniform(&seed);
+    r.m[1][7] = NAN;
+    r.round = 3;
+    engines_each(&c, 2, reduce_one, &r);
+    for (size_t m = 0; m < 2; m++) {
+        cr_assert_eq(r.rc[m], 0);
+        cr_assert(isnan(r.m[m][0]), "member %zu", m);
+        cr_assert_arr_eq(powersgd_error(r.p[m]), e[m], sizeof(e[m]), "member %zu", m);
+    }
+    for (size_t m = 0; m < 2; m++)
+        for (size_t i = 0; i < ROWS * COLS; i++)
+            r.m[m][i] = uniform(&seed);
+    r.round = 5;
+    engines_each(&c, 2, reduce_one, &r);
+    for (size_t m = 0; m < 2; m++) {
+        cr_assert_eq(r.rc[m], 0);
+        for (size_t i = 0; i < ROWS * COLS; i++)
+            cr_assert(isfinite(r.m[m][i]) && isfinite(powersgd_error(r.p[m])[i]));
+    }
+    for (size_t m = 0; m < 2; m++)
+        powersgd_destroy(r.p[m]);
+    engines_stop(&c);
+}
