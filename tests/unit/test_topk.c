@@ -392,3 +392,52 @@ Test(topk, a_lying_peer_changes_nothing, .timeout = 120)
     topk_destroy(r.t[0]);
     engines_stop(&c);
 }
+
+struct big {
+    struct topk *t[ENGINES_MAX];
+    float *grad[ENGINES_MAX];
+    size_t n;
+    int rc[ENGINES_MAX];
+};
+
+static void reduce_big(size_t i, void *arg)
+{
+    struct big *b = arg;
+
+    b->rc[i] = topk_reduce(b->t[i], b->grad[i], DTYPE_SUM, 1);
+}
+
+/* Pairs over the engine's 256 KiB in all travel by the ring, not by
+ * recursive doubling: the same exact result. */
+Test(topk, large_exchanges_go_by_the_ring, .timeout = 120)
+{
+    enum { BIG_N = 60001, BIG_K = 15000, MEMBERS = 3 };
+    struct big b = { .n = BIG_N };
+    float *expect = calloc(BIG_N, sizeof(float));
+    uint32_t *idx = calloc(BIG_K, sizeof(uint32_t));
+    unsigned seed = 13;
+    struct engines c;
+
+    cr_assert(expect && idx);
+    engines_start(&c, MEMBERS, TIMEOUT_MS);
+    for (size_t m = 0; m < MEMBERS; m++) {
+        b.grad[m] = malloc(BIG_N * sizeof(float));
+        cr_assert(b.grad[m]);
+        for (size_t i = 0; i < BIG_N; i++)
+            b.grad[m][i] = (float)((int)(rand_r(&seed) % 2001) - 1000);
+        cr_assert_eq(topk_select(b.grad[m], BIG_N, BIG_K, idx), 0);
+        for (size_t j = 0; j < BIG_K; j++)
+            expect[idx[j]] += b.grad[m][idx[j]];
+        cr_assert_eq(topk_create(c.p[m].ar, BIG_N, BIG_K, &b.t[m]), 0);
+    }
+    engines_each(&c, MEMBERS, reduce_big, &b);
+    for (size_t m = 0; m < MEMBERS; m++) {
+        cr_assert_eq(b.rc[m], 0, "member %zu: %d", m, b.rc[m]);
+        cr_assert_arr_eq(b.grad[m], expect, BIG_N * sizeof(float), "member %zu", m);
+        topk_destroy(b.t[m]);
+        free(b.grad[m]);
+    }
+    engines_stop(&c);
+    free(expect);
+    free(idx);
+}
