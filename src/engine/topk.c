@@ -12,7 +12,12 @@
  * index order, so the indices come out ascending with no sort. Four passes
  * over n, no allocation, and no dependence on a library sort's tie rule.
  * The selection reads gradient + residual on the fly rather than keeping
- * the sum, so a reducer holds n floats (the residual), not 2n.
+ * the sum, so a reducer holds n floats (the residual), not 2n. Measured
+ * on the shared 2-core development VM (gcc 12 -O2, uniform values), the
+ * selection of 1% of 16 Mi entries takes 110 to 180 ms: it, not the
+ * exchange, is most of a 64 MiB round (README, "Top-k and PowerSGD"). A
+ * finer first histogram (16 bits, 256 KiB of counters) would save one of
+ * the four passes.
  *
  * EXCHANGE
  *
