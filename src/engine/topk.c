@@ -5,19 +5,22 @@
  * A radix select on the magnitude's bits: for float32, |x| ordered as a
  * number and (bits & 0x7fffffff) ordered as an unsigned integer agree, NaN
  * patterns lying above Inf, so the key needs no float comparison and the
- * order is total once ties go to the lower index. Three histogram passes
- * (11, 10 and 10 bits, 16 KiB of counters on the stack) find the key T of
- * the k-th entry and how many entries equal to T are still wanted; a last
- * pass takes every entry above T and the first of those equal to T, in
- * index order, so the indices come out ascending with no sort. Four passes
- * over n, no allocation, and no dependence on a library sort's tie rule.
+ * order is total once ties go to the lower index. Two histogram passes
+ * (the key's top 16 bits, then its low 15 among the entries that share
+ * the chosen top; 256 KiB of counters, allocated with the reducer) find
+ * the key T of the k-th entry and how many entries equal to T are still
+ * wanted; a last pass takes every entry above T and the first of those
+ * equal to T, in index order, so the indices come out ascending with no
+ * sort. Three passes over n, and no dependence on a library sort's tie
+ * rule.
  * The selection reads gradient + residual on the fly rather than keeping
  * the sum, so a reducer holds n floats (the residual), not 2n. Measured
- * on the shared 2-core development VM (gcc 12 -O2, uniform values), the
- * selection of 1% of 16 Mi entries takes 110 to 180 ms: it, not the
- * exchange, is most of a 64 MiB round (README, "Top-k and PowerSGD"). A
- * finer first histogram (16 bits, 256 KiB of counters) would save one of
- * the four passes.
+ * on the shared 2-core development VM (gcc 12 -O2, uniform values, the
+ * thread's CPU time, best of 5 in each of 3 interleaved runs), selecting
+ * 1% of 16 Mi entries took 85 to 96 ms with three histograms of 11, 10
+ * and 10 bits (16 KiB of counters, four passes) and 58 to 71 ms with
+ * these two; it, not the exchange, is most of a 64 MiB round on loopback
+ * (README, "Top-k and PowerSGD").
  *
  * EXCHANGE
  *
@@ -42,6 +45,7 @@ struct topk {
     size_t n, k;
     float *residual;                /* n */
     uint32_t *idx;                  /* k: this round's selection */
+    uint32_t *hist;                 /* HIST_BINS: the selection's scratch */
     uint8_t *block;                 /* k pairs: what this member sends */
     int hblock;
     uint8_t *gather;                /* gather_members blocks */
@@ -62,17 +66,21 @@ static float entry(const float *g, const float *r, size_t i)
     return r ? g[i] + r[i] : g[i];
 }
 
-/* The top k of g + r (r may be NULL) into idx, ascending. */
-static void select_sum(const float *g, const float *r, size_t n, size_t k, uint32_t *idx)
+/* Counters of the first histogram: the key's top 16 bits. */
+#define HIST_BINS (1u << 16)
+
+/* The top k of g + r (r may be NULL) into idx, ascending, with `hist`
+ * (HIST_BINS counters) as scratch. */
+static void select_sum(const float *g, const float *r, size_t n, size_t k, uint32_t *idx,
+                       uint32_t *hist)
 {
-    static const unsigned shift[3] = { 20, 10, 0 };
-    static const unsigned width[3] = { 11, 10, 10 };
-    size_t hist[1u << 11];
+    static const unsigned shift[2] = { 15, 0 };
+    static const unsigned width[2] = { 16, 15 };
     uint32_t prefix = 0;            /* the key's bits chosen so far */
     size_t need = k;                /* entries still wanted among those matching prefix */
     size_t got = 0;
 
-    for (int lv = 0; lv < 3; lv++) {
+    for (int lv = 0; lv < 2; lv++) {
         size_t bins = (size_t)1 << width[lv];
         unsigned above = shift[lv] + width[lv];     /* bits above this level */
 
@@ -105,9 +113,15 @@ static void select_sum(const float *g, const float *r, size_t n, size_t k, uint3
 
 int topk_select(const float *x, size_t n, size_t k, uint32_t *idx)
 {
+    uint32_t *hist;
+
     if (!x || !idx || k == 0 || k > n || n > UINT32_MAX)
         return -EINVAL;
-    select_sum(x, NULL, n, k, idx);
+    hist = malloc(HIST_BINS * sizeof(*hist));
+    if (!hist)
+        return -ENOMEM;
+    select_sum(x, NULL, n, k, idx, hist);
+    free(hist);
     return 0;
 }
 
@@ -168,7 +182,8 @@ int topk_create(struct allreduce *ar, size_t n, size_t k, struct topk **out)
     t->hblock = t->hgather = -1;
     t->residual = calloc(n, sizeof(float));
     t->idx = calloc(k, sizeof(uint32_t));
-    if (!t->residual || !t->idx || posix_memalign((void **)&t->block, 64, k * TOPK_PAIR_BYTES))
+    t->hist = malloc(HIST_BINS * sizeof(uint32_t));
+    if (!t->residual || !t->idx || !t->hist || posix_memalign((void **)&t->block, 64, k * TOPK_PAIR_BYTES))
         goto fail;
     rc = allreduce_register(ar, t->block, k * TOPK_PAIR_BYTES);
     if (rc < 0)
@@ -196,6 +211,7 @@ void topk_destroy(struct topk *t)
     free(t->gather);
     free(t->block);
     free(t->idx);
+    free(t->hist);
     free(t->residual);
     free(t);
 }
@@ -232,7 +248,7 @@ int topk_reduce(struct topk *t, float *grad, enum dtype_op op, uint64_t round)
     if (rc < 0)
         return rc;
 
-    select_sum(grad, t->residual, t->n, t->k, t->idx);
+    select_sum(grad, t->residual, t->n, t->k, t->idx, t->hist);
     for (size_t j = 0; j < t->k; j++) {
         float v = grad[t->idx[j]] + t->residual[t->idx[j]];
         uint32_t bits;

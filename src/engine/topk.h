@@ -43,8 +43,8 @@ struct topk;
 
 /* The k entries of largest |x[i]| of n (ties: lower index first; NaN
  * largest), their indices into idx[] in ascending order. Needs
- * 1 <= k <= n <= UINT32_MAX. Returns 0 or -EINVAL. Reads x, writes idx
- * only; allocates nothing. */
+ * 1 <= k <= n <= UINT32_MAX. Returns 0, -EINVAL or -ENOMEM (256 KiB of
+ * counters for the call). Reads x, writes idx. */
 int topk_select(const float *x, size_t n, size_t k, uint32_t *idx);
 
 /* A reducer of n float32 gradients keeping k of them per round, on engine
