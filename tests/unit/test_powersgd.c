@@ -349,3 +349,32 @@ Test(powersgd, a_nan_step_is_dropped_not_remembered, .timeout = 120)
         powersgd_destroy(r.p[m]);
     engines_stop(&c);
 }
+
+/* Members that view their gradients with different shapes reduce factors
+ * of different sizes: the round fails at both and changes nothing. */
+Test(powersgd, members_that_disagree_on_the_shape_change_nothing, .timeout = 120)
+{
+    static struct run r;
+    static float m0[2][ROWS * COLS];
+    struct engines c;
+    unsigned seed = 43;
+
+    memset(&r, 0, sizeof(r));
+    engines_start(&c, 2, 2000);
+    r.op = DTYPE_AVG;
+    cr_assert_eq(powersgd_create(c.p[0].ar, ROWS, COLS, 2, SEED, &r.p[0]), 0);
+    cr_assert_eq(powersgd_create(c.p[1].ar, COLS, ROWS, 2, SEED, &r.p[1]), 0);
+    for (size_t m = 0; m < 2; m++)
+        for (size_t i = 0; i < ROWS * COLS; i++)
+            m0[m][i] = r.m[m][i] = uniform(&seed);
+    r.round = 1;
+    engines_each(&c, 2, reduce_one, &r);
+    for (size_t m = 0; m < 2; m++) {
+        cr_assert_lt(r.rc[m], 0, "member %zu", m);
+        cr_assert_arr_eq(r.m[m], m0[m], sizeof(m0[m]));
+        for (size_t i = 0; i < ROWS * COLS; i++)
+            cr_assert_eq(powersgd_error(r.p[m])[i], 0);
+        powersgd_destroy(r.p[m]);
+    }
+    engines_stop(&c);
+}

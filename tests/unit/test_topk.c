@@ -441,3 +441,31 @@ Test(topk, large_exchanges_go_by_the_ring, .timeout = 120)
     free(expect);
     free(idx);
 }
+
+/* Members that disagree on k send blocks of different sizes: the round
+ * fails at both, and neither's gradient or residual changes. */
+Test(topk, members_that_disagree_on_k_change_nothing, .timeout = 120)
+{
+    static struct run r;
+    static float g[2][N];
+    struct engines c;
+    unsigned seed = 19;
+
+    memset(&r, 0, sizeof(r));
+    engines_start(&c, 2, 2000);
+    r.op = DTYPE_SUM;
+    cr_assert_eq(topk_create(c.p[0].ar, N, K, &r.t[0]), 0);
+    cr_assert_eq(topk_create(c.p[1].ar, N, K + 1, &r.t[1]), 0);
+    integer_grads(r.grad, 2, &seed);
+    memcpy(g, r.grad, sizeof(g));
+    r.round = 1;
+    engines_each(&c, 2, reduce_one, &r);
+    for (size_t m = 0; m < 2; m++) {
+        cr_assert_lt(r.rc[m], 0, "member %zu", m);
+        cr_assert_arr_eq(r.grad[m], g[m], sizeof(g[m]));
+        for (size_t i = 0; i < N; i++)
+            cr_assert_eq(topk_residual(r.t[m])[i], 0);
+        topk_destroy(r.t[m]);
+    }
+    engines_stop(&c);
+}
