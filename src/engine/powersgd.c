@@ -18,10 +18,18 @@
  * (`cohortctl bench allreduce --peers 1 --bytes 64M --codec powersgd`, a
  * 4096 x 4096 view, rank 4, gcc 12 -O2, medians of 5 back to back): 555 ms
  * a round with Q untransposed (inner loops over the rank, 4 long) and a
- * separate error pass, 350 ms with these. A BLAS was not measured: Debian's
- * reference libblas is what this machine has, and OpenBLAS would need its
- * run-time kernel choice pinned (OPENBLAS_CORETYPE) and FMA ruled out for
- * the results to agree across members' CPUs.
+ * separate error pass, 350 ms with these.
+ *
+ * Against OpenBLAS 0.3.21 (Debian's libopenblas-dev, one thread, cblas_sgemm
+ * on the same operands, the thread's CPU time, best of 5, AVX2 and FMA on
+ * the VM): M'Q 19-20 ms here against 13, M'^T P^ 11-16 against 7.5, P^ Q^T
+ * 40-52 against 16, and never the same bytes (it fuses multiplies and adds
+ * and blocks the sums its own way, per CPU). Only P^ Q^T must be the same
+ * bytes on every member; M'Q and M'^T P^ are this member's own and are
+ * summed by the all-reduce, so a BLAS could take those two. That would
+ * save about 15 ms of a 350 ms round (the rest is passes over memory: M',
+ * the result, the error), not worth a library in every image; P^ Q^T
+ * stays here in any case.
  *
  * Orthonormalisation is the mlbench / paper reference's: each column in
  * turn is divided by its norm plus 1e-8 (a zero column stays zero rather
