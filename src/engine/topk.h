@@ -50,8 +50,9 @@ int topk_select(const float *x, size_t n, size_t k, uint32_t *idx);
 /* A reducer of n float32 gradients keeping k of them per round, on engine
  * `ar` (borrowed; it must outlive the reducer, and its runs belong to the
  * thread that calls topk_reduce). Allocates the residual (n floats, zero),
- * the pair block and the gather buffer, and registers the latter two with
- * ar. Returns 0, -EINVAL (k of 0, k > n, n > UINT32_MAX), -ENOMEM, or
+ * the selection's 256 KiB of counters, the pair block and the gather
+ * buffer (one block per member of the current epoch; topk_reduce grows it
+ * with the epoch), and registers the latter two with ar. Returns 0, -EINVAL (k of 0, k > n, n > UINT32_MAX), -ENOMEM, or
  * -ENOSPC (the engine's registrations are full). The caller frees *out
  * with topk_destroy(). */
 int topk_create(struct allreduce *ar, size_t n, size_t k, struct topk **out);
