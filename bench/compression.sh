@@ -8,14 +8,19 @@
 # the codec kernels of this build (bench/codec_kernels.c), every
 # instruction set this CPU has, checked byte for byte against the
 # baseline (same_bytes), the vectorised code the sanitized unit tests do
-# not run.
+# not run. topk and powersgd are timed per whole round (selection or
+# matrix products, exchange, error feedback) on 4 processes sharing the
+# machine's cores, so on a small machine their CPU work counts as it would
+# on a loaded host; their wire_bytes are their exchanges' (cohortctl bench
+# allreduce --help).
 #
 #   bench/compression.sh
 #   PEERS="2 4" SIZES="4M 64M" REPS=7 bench/compression.sh
 #
 # Environment: PEERS (default 4), SIZES (default 64M), REPS (default 5),
-# CODECS (default "none fp16 bf16 int8"), COHORTCTL (default
-# build/cohortctl, built here).
+# CODECS (default "none fp16 bf16 int8 topk powersgd"), TOPK_RATIO (default
+# 0.01), RANK (PowerSGD's, default 4), COHORTCTL (default build/cohortctl,
+# built here).
 set -eu
 
 cd "$(dirname "$0")/.."
@@ -23,7 +28,9 @@ ROOT=$(pwd)
 PEERS=${PEERS:-4}
 SIZES=${SIZES:-64M}
 REPS=${REPS:-5}
-CODECS=${CODECS:-"none fp16 bf16 int8"}
+CODECS=${CODECS:-"none fp16 bf16 int8 topk powersgd"}
+TOPK_RATIO=${TOPK_RATIO:-0.01}
+RANK=${RANK:-4}
 COHORTCTL=${COHORTCTL:-$ROOT/build/cohortctl}
 OUT=$ROOT/build/bench
 mkdir -p "$OUT"
@@ -41,7 +48,8 @@ rep=1
 while [ "$rep" -le "$REPS" ]; do
     for n in $PEERS; do
         for codec in $CODECS; do
-            "$COHORTCTL" bench allreduce --peers "$n" --bytes "$comma" --codec "$codec" -o json |
+            "$COHORTCTL" bench allreduce --peers "$n" --bytes "$comma" --codec "$codec" \
+                --topk-ratio "$TOPK_RATIO" --rank "$RANK" -o json |
                 sed -n "s/^{\(.*\)}\$/{\"rep\":$rep,\1}/p" >>"$RAW"
         done
     done

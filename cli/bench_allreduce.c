@@ -17,6 +17,8 @@
 #include "cli.h"
 #include "base/clock.h"
 #include "engine/dtype.h"
+#include "engine/powersgd.h"
+#include "engine/topk.h"
 #include "membership/epoch.h"
 #include "base/log.h"
 #include "base/opt.h"
@@ -39,7 +41,12 @@ static const char usage[] =
     "member sends per all-reduce, 2(N-1) chunks of bytes/N through the codec\n"
     "(frame headers left out; both algorithms send about that, the ring\n"
     "exactly that). busbw counts the uncompressed bytes, so a codec's\n"
-    "gain shows as a higher busbw.\n"
+    "gain shows as a higher busbw. topk and powersgd time the whole round\n"
+    "(selection or matrix products, the exchange, the error feedback); their\n"
+    "wire_bytes are those of their exchanges: topk all-gathers k pairs of 8\n"
+    "bytes per member as an all-reduce of N blocks, 2(N-1) x 8k; powersgd\n"
+    "all-reduces P and Q of a rows x cols view (rows the power of two nearest\n"
+    "the square root), 2(N-1)/N x 4 x (rows + cols) x rank.\n"
     "\n"
     "  --peers N          members (default 2, at most 64)\n"
     "  --bytes SIZE       buffer size; K, M, G suffixes (powers of 1024); may be\n"
@@ -55,7 +62,11 @@ static const char usage[] =
     "                     the run) when they connect; mac: every frame carries\n"
     "                     a MAC too, as cohort-sidecar --integrity mac\n"
     "  --codec C          none (default), fp16, bf16 or int8: payloads on the\n"
-    "                     wire encoded, float32 accumulation (f32 only)\n"
+    "                     wire encoded, float32 accumulation (f32 only); topk or\n"
+    "                     powersgd: compression with error feedback (f32, sum or\n"
+    "                     avg)\n"
+    "  --topk-ratio R     topk: the share of entries sent, in (0, 1] (default 0.01)\n"
+    "  --rank R           powersgd: the rank (default 4)\n"
     "  -o, --output FMT   table (default) or json (one object per line)\n"
     "  -h, --help         show this text\n";
 
@@ -71,6 +82,9 @@ struct bench {
     bool json;
     bool integrity;
     enum codec codec;
+    enum method { METHOD_CODEC, METHOD_TOPK, METHOD_POWERSGD } method;
+    double topk_ratio;
+    size_t rank;
     struct secret key;          /* generated for the run */
     int listen_fds[MAX_PEERS];
     char addrs[MAX_PEERS][64];
@@ -148,6 +162,35 @@ static void fill(void *buf, enum dtype t, size_t count, size_t me)
     }
 }
 
+/* The matrix powersgd views `count` floats as: rows the power of two
+ * nearest sqrt(count) that divides it (1 at worst), cols the rest. */
+static void matrix_shape(size_t count, size_t *rows, size_t *cols)
+{
+    size_t r = 1;
+
+    while (r * r * 4 <= count && count % (r * 2) == 0)
+        r *= 2;
+    *rows = r;
+    *cols = count / r;
+}
+
+/* One timed step of the method in use: a codec's all-reduce, or a round
+ * of top-k or PowerSGD on their reducers (made per size). */
+static int step(struct bench *b, struct allreduce *ar, int h, void *buf, size_t count,
+                struct topk *tk, struct powersgd *ps, uint64_t *round)
+{
+    switch (b->method) {
+    case METHOD_TOPK:
+        return topk_reduce(tk, buf, b->op, ++*round);
+    case METHOD_POWERSGD:
+        *round += POWERSGD_ROUNDS;
+        return powersgd_reduce(ps, buf, b->op, *round);
+    case METHOD_CODEC:
+        break;
+    }
+    return allreduce_run_codec(ar, h, h, count, b->type, b->op, 1, b->codec, ++*round);
+}
+
 /* A member: runs every size and writes one struct result per size to
  * `out`. Runs in a forked child; never returns. */
 static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
@@ -174,18 +217,30 @@ static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
         rc = h;
     for (size_t i = 0; i < b->n_sizes; i++) {
         struct result r = { .rc = rc };
-        size_t count = b->sizes[i] / dtype_size(b->type);
+        size_t count = b->sizes[i] / dtype_size(b->type), kk, rows, cols;
         uint64_t k = iters_for(b, b->sizes[i]), w = warmup_for(b, b->sizes[i]), t0;
+        struct topk *tk = NULL;
+        struct powersgd *ps = NULL;
 
+        if (r.rc == 0 && b->method == METHOD_TOPK) {
+            r.rc = topk_k_for_ratio(count, b->topk_ratio, &kk);
+            if (r.rc == 0)
+                r.rc = topk_create(ar, count, kk, &tk);
+        } else if (r.rc == 0 && b->method == METHOD_POWERSGD) {
+            matrix_shape(count, &rows, &cols);
+            r.rc = powersgd_create(ar, rows, cols, b->rank, 1, &ps);
+        }
         if (r.rc == 0) {
             fill(buf, b->type, count, me);
             for (uint64_t j = 0; j < w && r.rc == 0; j++)
-                r.rc = allreduce_run_codec(ar, h, h, count, b->type, b->op, 1, b->codec, ++round);
+                r.rc = step(b, ar, h, buf, count, tk, ps, &round);
             t0 = clock_now_us();
             for (uint64_t j = 0; j < k && r.rc == 0; j++)
-                r.rc = allreduce_run_codec(ar, h, h, count, b->type, b->op, 1, b->codec, ++round);
+                r.rc = step(b, ar, h, buf, count, tk, ps, &round);
             r.mean_ms = (double)(clock_now_us() - t0) / 1000.0 / (double)k;
         }
+        topk_destroy(tk);
+        powersgd_destroy(ps);
         if (!write_all(out, &r, sizeof(r)))
             break;
         rc = r.rc;
@@ -209,20 +264,36 @@ static void print_row(const struct bench *b, uint64_t bytes, double ms)
     double busbw = algbw * 2.0 * (double)(b->peers - 1) / (double)b->peers;
 
     const char *integrity = b->integrity ? "mac" : "none";
-    size_t count = bytes / dtype_size(b->type);
+    const char *codec = codec_name(b->codec);
+    size_t count = bytes / dtype_size(b->type), k = 0, rows, cols;
     uint64_t wire = b->peers < 2 ? 0
                     : 2 * (b->peers - 1) *
                           (b->codec == CODEC_NONE ? bytes / b->peers
                                                   : codec_bytes(b->codec, count / b->peers));
 
+    if (b->method == METHOD_TOPK) {
+        codec = "topk";
+        if (topk_k_for_ratio(count, b->topk_ratio, &k) < 0)
+            k = 0;
+        wire = b->peers < 2 ? 0 : 2 * (b->peers - 1) * (uint64_t)k * TOPK_PAIR_BYTES;
+    } else if (b->method == METHOD_POWERSGD) {
+        size_t r = b->rank;
+
+        codec = "powersgd";
+        matrix_shape(count, &rows, &cols);
+        r = r < rows ? r : rows;
+        r = r < cols ? r : cols;
+        wire = 2 * (b->peers - 1) * (uint64_t)(rows + cols) * r * sizeof(float) / b->peers;
+    }
+
     if (b->json)
         printf("{\"peers\":%zu,\"bytes\":%" PRIu64 ",\"time_ms\":%.4f,\"algbw_gbs\":%.4f,"
                "\"busbw_gbs\":%.4f,\"integrity\":\"%s\",\"codec\":\"%s\","
                "\"wire_bytes\":%" PRIu64 "}\n",
-               b->peers, bytes, ms, algbw, busbw, integrity, codec_name(b->codec), wire);
+               b->peers, bytes, ms, algbw, busbw, integrity, codec, wire);
     else
         printf("%6zu %12" PRIu64 " %11.4f %10.3f %10.3f %9s %5s %12" PRIu64 "\n", b->peers, bytes,
-               ms, algbw, busbw, integrity, codec_name(b->codec), wire);
+               ms, algbw, busbw, integrity, codec, wire);
     fflush(stdout);
 }
 
@@ -238,6 +309,7 @@ static int parse_args(struct bench *b, int argc, char **argv)
         { "timeout", required_argument, NULL, 't' }, { "output", required_argument, NULL, 'o' },
         { "integrity", required_argument, NULL, 'I' }, { "help", no_argument, NULL, 'h' },
         { "codec", required_argument, NULL, 'C' },
+        { "topk-ratio", required_argument, NULL, 'R' }, { "rank", required_argument, NULL, 'r' },
         { NULL, 0, NULL, 0 },
     };
     const struct option *o;
@@ -295,8 +367,27 @@ static int parse_args(struct bench *b, int argc, char **argv)
             b->integrity = strcmp(optarg, "mac") == 0;
             break;
         case 'C':
-            if (codec_parse(optarg, &b->codec) < 0)
+            b->method = strcmp(optarg, "topk") == 0       ? METHOD_TOPK
+                        : strcmp(optarg, "powersgd") == 0 ? METHOD_POWERSGD
+                                                          : METHOD_CODEC;
+            if (b->method == METHOD_CODEC && codec_parse(optarg, &b->codec) < 0)
                 goto bad;
+            if (b->method != METHOD_CODEC)
+                b->codec = CODEC_NONE;
+            break;
+        case 'R': {
+            char *end;
+
+            errno = 0;
+            b->topk_ratio = strtod(optarg, &end);
+            if (errno || end == optarg || *end || !(b->topk_ratio > 0 && b->topk_ratio <= 1))
+                goto bad;
+            break;
+        }
+        case 'r':
+            if (opt_uint(optarg, 1, POWERSGD_MAX_RANK, &v) < 0)
+                goto bad;
+            b->rank = (size_t)v;
             break;
         case 'o':
             if (strcmp(optarg, "json") == 0)
@@ -313,6 +404,10 @@ static int parse_args(struct bench *b, int argc, char **argv)
     }
     if (!codec_supports(b->codec, b->type))
         return opt_usage(PROG, "--codec %s needs --dtype f32", codec_name(b->codec));
+    if (b->method != METHOD_CODEC &&
+        (b->type != DTYPE_F32 || (b->op != DTYPE_SUM && b->op != DTYPE_AVG)))
+        return opt_usage(PROG, "--codec %s needs --dtype f32 and --op sum or avg",
+                         b->method == METHOD_TOPK ? "topk" : "powersgd");
     return opt_no_operands(PROG, argc, argv, optind);
 bad:
     for (o = opts; o->name && o->val != c; o++)
@@ -322,7 +417,8 @@ bad:
 
 int cli_bench_allreduce(int argc, char **argv)
 {
-    struct bench b = { .peers = 2, .type = DTYPE_F32, .op = DTYPE_SUM, .timeout_ms = 30000 };
+    struct bench b = { .peers = 2, .type = DTYPE_F32, .op = DTYPE_SUM, .timeout_ms = 30000,
+                       .topk_ratio = 0.01, .rank = 4 };
     struct epoch_member members[MAX_PEERS];
     struct epoch *e = NULL;
     pid_t pids[MAX_PEERS];

@@ -471,6 +471,32 @@ int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum 
     return allreduce_run_codec(a, in, out, count, type, op, denominator, CODEC_NONE, round);
 }
 
+/* Claims the engine for call x and pins the epoch it runs in; -EBUSY
+ * when another call holds it. run_finish() undoes it. */
+static int run_claim(struct run *x)
+{
+    struct allreduce *a = x->a;
+
+    pthread_mutex_lock(&a->mu);
+    if (atomic_load(&a->running)) {
+        pthread_mutex_unlock(&a->mu);
+        return -EBUSY;
+    }
+    atomic_store(&a->running, true);
+    x->e = epoch_ref(a->epoch);
+    x->gen = atomic_load(&a->gen);
+    pthread_mutex_unlock(&a->mu);
+    return 0;
+}
+
+static void run_finish(struct run *x)
+{
+    pthread_mutex_lock(&x->a->mu);
+    atomic_store(&x->a->running, false);
+    pthread_mutex_unlock(&x->a->mu);
+    epoch_unref(x->e);
+}
+
 int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                         enum dtype_op op, double denominator, enum codec codec, uint64_t round)
 {
@@ -490,22 +516,75 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
     x.src = a->regs[in].buf;
     if (count > a->regs[in].bytes / x.esz || count > a->regs[out].bytes / x.esz)
         return -EINVAL;
-    pthread_mutex_lock(&a->mu);
-    if (atomic_load(&a->running)) {
-        pthread_mutex_unlock(&a->mu);
-        return -EBUSY;
-    }
-    atomic_store(&a->running, true);
-    x.e = epoch_ref(a->epoch);
-    x.gen = atomic_load(&a->gen);
-    pthread_mutex_unlock(&a->mu);
-
+    rc = run_claim(&x);
+    if (rc < 0)
+        return rc;
     rc = run_call(&x);
+    run_finish(&x);
+    return rc;
+}
+
+/* The gather is an all-reduce in disguise: every member zeroes the
+ * others' blocks and sums 32-bit integers, and x + 0 is exact for every
+ * bit pattern (integer sums wrap, so nothing can overflow into a
+ * neighbour, and float bits are never interpreted). It moves twice the
+ * bytes a ring all-gather would (a ring all-reduce of B bytes sends
+ * 2(n-1)/n B per member; an all-gather of the same B, (n-1)/n B), in
+ * exchange for the schedules, checks, abort and timeouts the all-reduce
+ * already has. The epoch is pinned before the blocks are placed, so
+ * every member places its block by the same epoch its run uses. */
+int allreduce_gather(struct allreduce *a, int in, int out, size_t block_bytes, uint64_t round,
+                     size_t *members, size_t *index)
+{
+    struct run x = { .a = a, .round = round, .type = DTYPE_I32, .op = DTYPE_SUM, .div = 1,
+                     .codec = CODEC_NONE, .fail_peer = SIZE_MAX };
+    long me;
+    size_t n;
+    int rc;
+
+    if (!a || !handle_ok(a, in) || !handle_ok(a, out) || block_bytes % 4 != 0 ||
+        block_bytes > a->regs[in].bytes)
+        return -EINVAL;
+    x.esz = x.asz = sizeof(int32_t);
+    x.acc = DTYPE_I32;
+    x.buf = a->regs[out].buf;
+    rc = run_claim(&x);
+    if (rc < 0)
+        return rc;
+    me = x.e ? epoch_find(x.e, a->id) : -1;
+    if (me < 0) {
+        rc = -ESTALE;
+        goto finish;
+    }
+    n = x.e->n_members;
+    if (members)
+        *members = n;
+    if (index)
+        *index = (size_t)me;
+    if (block_bytes > 0 && n > a->regs[out].bytes / block_bytes) {
+        rc = -ENOSPC;
+        goto finish;
+    }
+    /* Own block first: in and out may be the same buffer. */
+    memmove(x.buf + (size_t)me * block_bytes, a->regs[in].buf, block_bytes);
+    memset(x.buf, 0, (size_t)me * block_bytes);
+    memset(x.buf + ((size_t)me + 1) * block_bytes, 0, (n - (size_t)me - 1) * block_bytes);
+    x.src = x.buf;
+    x.count = n * block_bytes / sizeof(int32_t);
+    rc = run_call(&x);
+finish:
+    run_finish(&x);
+    return rc;
+}
+
+size_t allreduce_members(struct allreduce *a)
+{
+    size_t n = 0;
 
     pthread_mutex_lock(&a->mu);
-    atomic_store(&a->running, false);
+    if (a->epoch && epoch_find(a->epoch, a->id) >= 0)
+        n = a->epoch->n_members;
     pthread_mutex_unlock(&a->mu);
-    epoch_unref(x.e);
-    return rc;
+    return n;
 }
 

@@ -171,6 +171,29 @@ int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum 
 int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                         enum dtype_op op, double denominator, enum codec codec, uint64_t round);
 
+/* All-gathers a block of `block_bytes` (a multiple of 4) from the start
+ * of registered buffer `in` from every member of the current epoch: member
+ * i's block lands at out + i x block_bytes, for every i in the epoch's
+ * member order, identical on every member. All members make the same call
+ * (block_bytes, round). Sets *members and *index (either may be NULL) to
+ * the epoch's member count and this member's place in it whenever the
+ * call got that far, so a caller can size `out` and retry. `in` may be
+ * `out` (the block moves to its place first). Top-k compression
+ * (engine/topk.h) exchanges its pairs with it.
+ *
+ * Returns allreduce_run's codes, and -ENOSPC when `out` holds fewer than
+ * members x block_bytes; that is found before this member sends a byte,
+ * and the peers see its call fail (-ECONNRESET or -ETIMEDOUT), as when a
+ * member gives up; size `out` from allreduce_members() first. -EINVAL also
+ * for a block_bytes that is not a multiple of 4 or exceeds `in`. */
+int allreduce_gather(struct allreduce *a, int in, int out, size_t block_bytes, uint64_t round,
+                     size_t *members, size_t *index);
+
+/* The member count of the current epoch, 0 when none was adopted or this
+ * member is not in it. Safe from any thread; the epoch may change right
+ * after, which the next call then finds (-ESTALE or -ENOSPC). */
+size_t allreduce_members(struct allreduce *a);
+
 /* True while a run is in flight (for status and tests). */
 bool allreduce_busy(const struct allreduce *a);
 

@@ -35,12 +35,12 @@
  * decoded value gives the same bytes); INT8 need not be, so encoded bytes
  * are forwarded as received, never re-encoded.
  *
- * Where later codecs fit: top-k keeps k = ratio x n (index, value) pairs,
- * still a fixed length per element count; its error feedback is a
- * residual per member that the caller (not the engine) keeps and adds
- * back before the next encode. PowerSGD is not a segment codec but two
- * smaller all-reduces (P and Q) that the accumulator runs through the
- * engine; it needs no wire format here.
+ * Compression with error feedback lives beside the codecs, not among
+ * them: neither is a stateless map of a segment. Top-k (engine/topk.h)
+ * keeps a residual per member and all-gathers k (index, value) pairs,
+ * since the members' index sets differ and a ring cannot sum them
+ * segment by segment; PowerSGD (engine/powersgd.h) keeps an error per
+ * member and runs two smaller all-reduces (P and Q) of plain float32.
  *
  * The kernels follow dtype.c: compiled once per instruction set, the one
  * in use chosen with dtype_kernels_use(), every variant writing the same

@@ -39,6 +39,23 @@ def test_bench_allreduce_reports_each_size():
     assert all(r["peers"] == 2 and r["time_ms"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("codec,extra,wire", [
+    # 4 KiB: 1024 floats; 1% is k = 11 pairs of 8 bytes, 2(N-1) times.
+    ("topk", [], 2 * 2 * 11 * 8),
+    ("topk", ["--topk-ratio", "0.5"], 2 * 2 * 512 * 8),
+    # A 32 x 32 view at rank 2: P and Q, 2(N-1)/N x 4 x 64 x 2 bytes.
+    ("powersgd", ["--rank", "2"], 2 * 2 * 4 * 64 * 2 // 3),
+])
+def test_bench_allreduce_times_the_reducers_with_error_feedback(codec, extra, wire):
+    rc, out, err = cohortctl("bench", "allreduce", "--peers", "3", "--bytes", "4K",
+                             "--iters", "3", "--warmup", "2", "--codec", codec, "--op", "avg",
+                             *extra, "-o", "json")
+    assert rc == 0, err[-4000:]
+    rows = json_lines(out)
+    assert len(rows) == 1 and rows[0]["codec"] == codec and rows[0]["time_ms"] > 0
+    assert rows[0]["wire_bytes"] == wire
+
+
 def test_bench_checkpoint_reports_writes_and_rounds_with_and_without(tmp_path):
     rc, out, err = cohortctl("bench", "checkpoint", "--peers", "2", "--bytes", "1M",
                              "--every", "1,4", "--seconds", "1", "--reps", "1", "--writes", "2",
@@ -67,6 +84,13 @@ def test_bench_checkpoint_reports_writes_and_rounds_with_and_without(tmp_path):
     ["allreduce", "--bytes", "4T"],
     ["allreduce", "--bytes", "-4K"],
     ["allreduce", "--segment", "12"],           # not a multiple of 8
+    ["allreduce", "--codec", "topk", "--topk-ratio", "0"],
+    ["allreduce", "--codec", "topk", "--topk-ratio", "1.5"],
+    ["allreduce", "--codec", "topk", "--topk-ratio", "nan"],
+    ["allreduce", "--codec", "topk", "--op", "max"],
+    ["allreduce", "--codec", "powersgd", "--rank", "0"],
+    ["allreduce", "--codec", "powersgd", "--dtype", "f64"],
+    ["allreduce", "--codec", "sparse"],
     ["checkpoint", "--bytes", "12"],            # not a multiple of 8
     ["checkpoint", "--every", "0"],
     ["checkpoint", "--every", "1,2,3,4,5,6,7"],

@@ -1,0 +1,297 @@
+/* src/engine/powersgd.c: see powersgd.h.
+ *
+ * KERNELS
+ *
+ * The matrix products and the Gram-Schmidt are plain loops here, not a
+ * BLAS call. What decides it is agreement: P^ and the result must
+ * be the same bytes on every member, whatever its CPU, and a BLAS picks
+ * its blocking and its instructions (FMA or not) per CPU at run time, so
+ * two members could round differently. Here every output element is a
+ * sum in one order written in the source (noted at each kernel) of
+ * products rounded on their own (-ffp-contract=off for the whole build),
+ * which every x86-64 and arm64 CPU computes alike, vectorised or not: the
+ * compiler may only vectorise across independent outputs or the explicit
+ * lanes of dot(). Q is kept transposed (r x cols), so every inner loop
+ * runs along a row of M', of Q^T or of the output, contiguous, and each
+ * product streams the matrix once; the error is finished row by row while
+ * the row is in cache. Measured on the shared 2-core development VM
+ * (`cohortctl bench allreduce --peers 1 --bytes 64M --codec powersgd`, a
+ * 4096 x 4096 view, rank 4, gcc 12 -O2, medians of 5 back to back): 555 ms
+ * a round with Q untransposed (inner loops over the rank, 4 long) and a
+ * separate error pass, 350 ms with these.
+ *
+ * Against OpenBLAS 0.3.21 (Debian's libopenblas-dev, one thread, cblas_sgemm
+ * on the same operands, the thread's CPU time, best of 5, AVX2 and FMA on
+ * the VM): M'Q 19-20 ms here against 13, M'^T P^ 11-16 against 7.5, P^ Q^T
+ * 40-52 against 16, and never the same bytes (it fuses multiplies and adds
+ * and blocks the sums its own way, per CPU). Only P^ Q^T must be the same
+ * bytes on every member; M'Q and M'^T P^ are this member's own and are
+ * summed by the all-reduce, so a BLAS could take those two. That would
+ * save about 15 ms of a 350 ms round (the rest is passes over memory: M',
+ * the result, the error), not worth a library in every image; P^ Q^T
+ * stays here in any case.
+ *
+ * Orthonormalisation is the mlbench / paper reference's: each column in
+ * turn is divided by its norm plus 1e-8 (a zero column stays zero rather
+ * than dividing by zero), then its projection is taken off every later
+ * column. The reference's eps (1e-8) is kept so results compare.
+ *
+ * ERROR FEEDBACK
+ *
+ * Each member keeps what its own contribution lost: E = M' - P^ Q_own^T,
+ * with Q_own = M'^T P^ before the all-reduce. The compression is linear
+ * once P^ is shared, so the members' shares P^ Q_own^T add up to the
+ * result (sum), and sum(results) + sum(E) = sum(gradients) over any run
+ * of rounds, for the sum and, times the member count, for the mean: the
+ * same bookkeeping as top-k, and the paper's "memorize local errors"
+ * (Vogels et al., Algorithm 2). The mlbench and epfml code instead keep
+ * M' - (the mean's approximation), which holds each member's deviation
+ * from the mean as error too and does not balance for a sum; the cost
+ * here is one more rows x cols x r product per round and a cols x r copy. */
+#include "engine/powersgd.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ORTHO_EPS 1e-8f
+
+struct powersgd {
+    struct allreduce *ar;       /* borrowed */
+    size_t rows, cols, r;
+    float *err;                 /* rows x cols: E */
+    float *mp;                  /* rows x cols: M' of the round in flight */
+    float *p;                   /* rows x r, registered */
+    float *q;                   /* Q transposed, r x cols, registered */
+    float *q_warm;              /* r x cols: the last completed round's Q */
+    float *q_own;               /* r x cols: this member's Q before the all-reduce */
+    int hp, hq;
+};
+
+/* splitmix64: the first Q from the seed alone, the same on every member. */
+static uint64_t splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1), exactly representable: 24 random bits. */
+static float uniform(uint64_t *s)
+{
+    return (float)(splitmix(s) >> 40) * (1.0f / 8388608.0f) - 1.0f;
+}
+
+/* The lanes of a dot product: lane l sums the products j = l (mod LANES)
+ * in ascending j, and the lanes are added in a fixed tree. The order is
+ * written out, so it is the same whether the compiler vectorises the
+ * lanes or not; summing in plain j order would forbid vectorising. */
+#define LANES 16
+
+static float dot(const float *restrict a, const float *restrict b, size_t n)
+{
+    float acc[LANES] = { 0 };
+    size_t j = 0;
+
+    for (; j + LANES <= n; j += LANES)
+        for (size_t l = 0; l < LANES; l++)
+            acc[l] += a[j + l] * b[j + l];
+    for (size_t l = 0; j + l < n; l++)
+        acc[l] += a[j + l] * b[j + l];
+    for (size_t w = LANES / 2; w > 0; w /= 2)
+        for (size_t l = 0; l < w; l++)
+            acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* p (rows x r) = a (rows x cols) qt^T, qt being Q transposed (r x cols):
+ * each element a dot() of a row of a with a row of qt. */
+static void mul_p(float *restrict p, const float *restrict a, const float *restrict qt,
+                  size_t rows, size_t cols, size_t r)
+{
+    for (size_t i = 0; i < rows; i++)
+        for (size_t c = 0; c < r; c++)
+            p[i * r + c] = dot(a + i * cols, qt + c * cols, cols);
+}
+
+/* qt (r x cols) = (a^T p)^T, a rows x cols, p rows x r: each element a
+ * sum over i ascending, the loop along a's rows (vectorised across j). */
+static void mul_qt(float *restrict qt, const float *restrict a, const float *restrict p,
+                   size_t rows, size_t cols, size_t r)
+{
+    memset(qt, 0, r * cols * sizeof(float));
+    for (size_t i = 0; i < rows; i++) {
+        const float *ai = a + i * cols;
+
+        for (size_t c = 0; c < r; c++) {
+            float x = p[i * r + c];
+            float *o = qt + c * cols;
+
+            for (size_t j = 0; j < cols; j++)
+                o[j] += ai[j] * x;
+        }
+    }
+}
+
+/* out (rows x cols) = p qt (p rows x r, qt r x cols): each element a sum
+ * over c ascending, vectorised across j. With `from`, out = from - p qt,
+ * each row finished while it is in cache. */
+static void mul_out(float *restrict out, const float *restrict p, const float *restrict qt,
+                    const float *restrict from, size_t rows, size_t cols, size_t r)
+{
+    for (size_t i = 0; i < rows; i++) {
+        float *o = out + i * cols;
+
+        memset(o, 0, cols * sizeof(float));
+        for (size_t c = 0; c < r; c++) {
+            float x = p[i * r + c];
+            const float *q = qt + c * cols;
+
+            for (size_t j = 0; j < cols; j++)
+                o[j] += x * q[j];
+        }
+        for (size_t j = 0; from && j < cols; j++)
+            o[j] = from[i * cols + j] - o[j];
+    }
+}
+
+/* Gram-Schmidt on the r columns of p (rows x r), in place; sums over rows ascending. */
+static void orthonormalise(float *p, size_t rows, size_t r)
+{
+    for (size_t c = 0; c < r; c++) {
+        float ss = 0, norm;
+
+        for (size_t i = 0; i < rows; i++)
+            ss += p[i * r + c] * p[i * r + c];
+        norm = sqrtf(ss) + ORTHO_EPS;
+        for (size_t i = 0; i < rows; i++)
+            p[i * r + c] = p[i * r + c] / norm;
+        for (size_t d = c + 1; d < r; d++) {
+            float dot = 0;
+
+            for (size_t i = 0; i < rows; i++)
+                dot += p[i * r + c] * p[i * r + d];
+            for (size_t i = 0; i < rows; i++)
+                p[i * r + d] -= dot * p[i * r + c];
+        }
+    }
+}
+
+/* A NaN or Inf anywhere in a member's M' spreads through the reduced P
+ * into every member's Q, so this is the same answer on every member. */
+static bool all_finite(const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return false;
+    return true;
+}
+
+int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank, uint64_t seed,
+                    struct powersgd **out)
+{
+    struct powersgd *p;
+    size_t r, cells;
+    int rc = -ENOMEM;
+
+    if (!ar || !out || rank == 0 || rank > POWERSGD_MAX_RANK || rows == 0 || cols == 0 ||
+        rows > SIZE_MAX / sizeof(float) / cols)
+        return -EINVAL;
+    r = rank < rows ? rank : rows;
+    r = r < cols ? r : cols;
+    cells = rows * cols;
+    p = calloc(1, sizeof(*p));
+    if (!p)
+        return -ENOMEM;
+    p->ar = ar;
+    p->rows = rows;
+    p->cols = cols;
+    p->r = r;
+    p->hp = p->hq = -1;
+    p->err = calloc(cells, sizeof(float));
+    p->mp = malloc(cells * sizeof(float));
+    p->q_warm = malloc(cols * r * sizeof(float));
+    p->q_own = malloc(cols * r * sizeof(float));
+    if (!p->err || !p->mp || !p->q_warm || !p->q_own || posix_memalign((void **)&p->p, 64, rows * r * 4) ||
+        posix_memalign((void **)&p->q, 64, cols * r * 4))
+        goto fail;
+    rc = allreduce_register(ar, p->p, rows * r * sizeof(float));
+    if (rc < 0)
+        goto fail;
+    p->hp = rc;
+    rc = allreduce_register(ar, p->q, cols * r * sizeof(float));
+    if (rc < 0)
+        goto fail;
+    p->hq = rc;
+    for (size_t i = 0; i < cols * r; i++)
+        p->q_warm[i] = uniform(&seed);
+    *out = p;
+    return 0;
+fail:
+    powersgd_destroy(p);
+    return rc;
+}
+
+void powersgd_destroy(struct powersgd *p)
+{
+    if (!p)
+        return;
+    if (p->hq >= 0)
+        allreduce_unregister(p->ar, p->hq);
+    if (p->hp >= 0)
+        allreduce_unregister(p->ar, p->hp);
+    free(p->q);
+    free(p->p);
+    free(p->q_warm);
+    free(p->q_own);
+    free(p->mp);
+    free(p->err);
+    free(p);
+}
+
+size_t powersgd_rank(const struct powersgd *p)
+{
+    return p->r;
+}
+
+const float *powersgd_error(const struct powersgd *p)
+{
+    return p->err;
+}
+
+int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t round)
+{
+    size_t cells = p->rows * p->cols;
+    int rc;
+
+    if (!m || (op != DTYPE_SUM && op != DTYPE_AVG))
+        return -EINVAL;
+    for (size_t i = 0; i < cells; i++)
+        p->mp[i] = m[i] + p->err[i];
+    mul_p(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
+    /* P is only a basis: its scale goes in the orthonormalisation, so a
+     * sum does (mlbench never divides it either). */
+    rc = allreduce_run(p->ar, p->hp, p->rows * p->r, DTYPE_F32, DTYPE_SUM, 0, round);
+    if (rc < 0)
+        return rc;
+    orthonormalise(p->p, p->rows, p->r);
+    mul_qt(p->q, p->mp, p->p, p->rows, p->cols, p->r);
+    memcpy(p->q_own, p->q, p->cols * p->r * sizeof(float));
+    rc = allreduce_run(p->ar, p->hq, p->cols * p->r, DTYPE_F32, op, 0, round + 1);
+    if (rc < 0)
+        return rc;
+
+    /* Committed: the result (the same bytes on every member), this
+     * member's error (what its own share P^ Q_own^T left out), and the
+     * warm start. */
+    mul_out(m, p->p, p->q, NULL, p->rows, p->cols, p->r);
+    if (!all_finite(p->q, p->cols * p->r))
+        return 0;
+    mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
+    memcpy(p->q_warm, p->q, p->cols * p->r * sizeof(float));
+    return 0;
+}

@@ -1,0 +1,90 @@
+/* src/engine/powersgd.h: PowerSGD (Vogels et al., 2019) with error
+ * feedback: a float32 matrix gradient is reduced as a rank-r product,
+ * through two small all-reduces instead of one of the whole matrix.
+ *
+ *   struct powersgd *p;
+ *   powersgd_create(ar, rows, cols, rank, seed, &p);   // one per matrix
+ *   for (round = 1;; round += POWERSGD_ROUNDS)
+ *       rc = powersgd_reduce(p, grad, DTYPE_AVG, round); // retry on -ESTALE
+ *   powersgd_destroy(p);
+ *
+ * One round, for this member's gradient M (rows x cols, row-major: a
+ * tensor viewed as shape[0] x the rest) and its error E:
+ *   M' = M + E
+ *   P  = M' Q            Q: the previous round's (warm start), or on the
+ *                        first round a seeded pseudo-random one
+ *   P  = sum of P        all-reduce, round `round`
+ *   P^ = P's columns orthonormalised (Gram-Schmidt, column by column)
+ *   Q  = M'^T P^
+ *   Q_own = Q            this member's share, before the next step
+ *   Q  = sum (or mean) of Q   all-reduce, round `round + 1`
+ *   M  = P^ Q^T          the result, on every member
+ *   E  = M' - P^ Q_own^T what this member's share left out, kept for
+ *                        the next round
+ * So a member sends (rows + cols) x r floats, twice over the ring, rather
+ * than rows x cols. The result is P^ P^T applied to the sum (or mean) of
+ * the members' M': exact when that has rank <= r and the random start
+ * spans it. One-dimensional tensors (biases) are not for this: reduce
+ * them uncompressed.
+ *
+ * Every member ends with the same bytes: P^ and the result are computed
+ * from the all-reduced P and Q by the same code in the same order of
+ * operations (powersgd.c, "KERNELS"). E, the reduced Q (the next warm
+ * start) and the caller's matrix change only when both all-reduces
+ * completed: a failed round leaves them as they were, so the retry sends
+ * the same thing. A joining member starts with E = 0 and the seeded Q;
+ * its first round still ends with the cohort's Q, since Q is all-reduced.
+ * A leaving member's E leaves with it.
+ *
+ * A NaN or Inf in any member's M' reaches every member's reduced Q. Such
+ * a round still delivers its result, non-finite values and all (so an AMP
+ * grad scaler sees them and skips the step), but keeps every member's E
+ * and the warm start as they were: the step is dropped, not folded into
+ * the error, which would otherwise stay NaN for good. */
+#ifndef COHORT_POWERSGD_H
+#define COHORT_POWERSGD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/allreduce.h"
+#include "engine/dtype.h"
+
+/* The all-reduce rounds one powersgd_reduce uses: round, round + 1. */
+#define POWERSGD_ROUNDS 2u
+/* Largest rank accepted (the paper's experiments use 1 to 4; 32 x 64 Ki
+ * columns is already 8 MiB of Q). */
+#define POWERSGD_MAX_RANK 1024u
+
+struct powersgd;
+
+/* A reducer of a rows x cols float32 matrix with rank min(rank, rows,
+ * cols), on engine `ar` (borrowed; it must outlive the reducer, and its
+ * runs belong to the thread that calls powersgd_reduce). `seed` picks the
+ * first Q: every member must give the same one. Allocates 2 x rows x cols
+ * floats (E and M') and the factors, and registers P and Q with ar.
+ * Returns 0, -EINVAL (a rank of 0 or above POWERSGD_MAX_RANK, rows or
+ * cols of 0, a size that overflows), -ENOMEM, or -ENOSPC (the engine's
+ * registrations are full). The caller frees *out with powersgd_destroy(). */
+int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank, uint64_t seed,
+                    struct powersgd **out);
+void powersgd_destroy(struct powersgd *p);      /* NULL is fine */
+
+/* One round: replaces m (rows x cols floats, borrowed for the call) with
+ * the rank-r approximation of the members' sum (DTYPE_SUM) or mean
+ * (DTYPE_AVG) of their error-corrected gradients, identical on every
+ * member, and keeps this member's new error. Every member calls with the
+ * same round and op; the call uses rounds `round` and `round + 1`.
+ * Returns 0; or, with m, the error and the warm start untouched,
+ * allreduce_run's codes (-ESTALE when the epoch changed: retry), or
+ * -EINVAL for another op. */
+int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t round);
+
+/* The effective rank: min(rank, rows, cols). */
+size_t powersgd_rank(const struct powersgd *p);
+
+/* This member's error E, rows x cols, read-only, valid until the next
+ * powersgd_reduce or powersgd_destroy. */
+const float *powersgd_error(const struct powersgd *p);
+
+#endif
