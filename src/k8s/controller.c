@@ -1192,6 +1192,16 @@ static int reconcile(struct controller *c, const char *key, char *err, size_t er
         rc = pod_path(path, sizeof(path), ns, NULL);
         if (rc < 0)
             goto out;
+        /* New pods name the claim template: make sure it is still there
+         * (someone may have deleted it since it was made), or they would
+         * wait for a claim nothing can make. A refusal is told by the
+         * next pass, which asks again. */
+        if (spec.gpu_mode == RECONCILE_GPU_DRA) {
+            s->gpu_sig = 0;
+            rc = gpu_template(c, tc, &spec, s, key, ns, name, &why);
+            if (rc < 0)
+                goto out;
+        }
     }
     for (size_t i = 0; i < plan.n_create; i++) {
         cJSON *pod = NULL;

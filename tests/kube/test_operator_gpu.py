@@ -6,7 +6,8 @@ with dynamic resource allocation does) and the process kubelet.
   devices of the named class, owned by the cohort) before its pods, and
   every pod names it in spec.resourceClaims, with the trainer and the
   sidecar both listing the claim; a changed spec.gpu makes the template
-  again and rolls the pods; deleting the cohort takes the template with it;
+  again and rolls the pods; a template deleted by hand is made again
+  before the next pod; deleting the cohort takes the template with it;
 - mode devicePlugin: the trainer alone gets nvidia.com/gpu, no template;
 - bad spec.gpu values are refused by the API server with the CRD's words,
   and nothing is stored;
@@ -148,6 +149,19 @@ def test_dra_pods_share_one_claim_between_trainer_and_sidecar(cluster):
     c.kubectl("delete", "tc", "gd", "--wait=true")
     wait_until(lambda: template(c, "gd") is None and not live_pods(c, "gd"),
                "gd's template and pods to go with it")
+
+
+def test_a_template_deleted_by_hand_is_made_again_before_new_pods(cluster):
+    c = cluster
+    apply(c, manifest("gx", {"mode": "dra"}, replicas=1))
+    wait_until(lambda: template(c, "gx") and live_pods(c, "gx"), "gx's template and pod")
+    c.kubectl("delete", "resourceclaimtemplate", "gx-gpu")
+    assert template(c, "gx") is None
+    c.kubectl("scale", "tc/gx", "--replicas=2")
+    wait_until(lambda: len(live_pods(c, "gx")) == 2, "gx's second pod")
+    t = wait_until(lambda: template(c, "gx"), "gx's template made again")
+    assert t["metadata"]["ownerReferences"][0]["name"] == "gx"
+    c.kubectl("delete", "tc", "gx", "--wait=true")
 
 
 def test_device_plugin_gives_the_trainer_alone_the_gpus(cluster):
