@@ -751,8 +751,10 @@ static int gpu_template(struct controller *c, const cJSON *tc, const struct reco
             rc = -EINVAL;
             goto out;
         }
-        if (cJSON_Compare(cJSON_GetObjectItem(have, "spec"), cJSON_GetObjectItem(want, "spec"),
-                          true))
+        /* The claim's spec alone: the server writes the template's own
+         * metadata back as {"creationTimestamp": null}. */
+        if (cJSON_Compare(cJSON_GetObjectItem(cJSON_GetObjectItem(have, "spec"), "spec"),
+                          cJSON_GetObjectItem(cJSON_GetObjectItem(want, "spec"), "spec"), true))
             goto made;
         /* Templates have no finalizers: once deleted the name is free. */
         rc = kube_delete(c->cfg.kube, path);

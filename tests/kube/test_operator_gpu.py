@@ -161,6 +161,13 @@ def test_a_template_deleted_by_hand_is_made_again_before_new_pods(cluster):
     wait_until(lambda: len(live_pods(c, "gx")) == 2, "gx's second pod")
     t = wait_until(lambda: template(c, "gx"), "gx's template made again")
     assert t["metadata"]["ownerReferences"][0]["name"] == "gx"
+    # Another pod finds the template as the operator would make it: it is
+    # kept (the server's writing of it back compares equal), not made again.
+    uid = t["metadata"]["uid"]
+    c.kubectl("scale", "tc/gx", "--replicas=3")
+    wait_until(lambda: len(live_pods(c, "gx")) == 3, "gx's third pod")
+    assert template(c, "gx")["metadata"]["uid"] == uid
+    assert not events(c, "gx", "GPUClaimTemplateReplaced")
     c.kubectl("delete", "tc", "gx", "--wait=true")
 
 

@@ -479,7 +479,10 @@ ALLOCATION_MODES = ("All", "ExactCount")
 
 def claim_template_defaults(obj, old):
     """ResourceClaimTemplate's defaults (pkg/apis/resource/v1beta1):
-    allocationMode ExactCount, and count 1 for it."""
+    allocationMode ExactCount, and count 1 for it; and the template's
+    metadata as Go writes an empty ObjectMeta back."""
+    if isinstance(obj.get("spec"), dict):
+        obj["spec"].setdefault("metadata", {"creationTimestamp": None})
     spec = ((obj.get("spec") or {}).get("spec") or {})
     for r in ((spec.get("devices") or {}).get("requests") or []):
         if isinstance(r, dict):
