@@ -570,11 +570,15 @@ static cJSON *array_in(cJSON *c, const char *key)
     return cJSON_AddArrayToObject(c, key);
 }
 
-/* Container `c` lists the pod's GPU claim. Returns 0 or -ENOMEM. */
+/* Container `c` lists the pod's GPU claim (once: a template may list it
+ * already, and a name listed twice is refused). Returns 0 or -ENOMEM. */
 static int list_gpu_claim(cJSON *c)
 {
-    cJSON *claims = array_in(object_in(c, "resources"), "claims"), *ref = cJSON_CreateObject();
+    cJSON *claims = array_in(object_in(c, "resources"), "claims"), *ref;
 
+    if (claims && has_named(claims, RECONCILE_GPU_CLAIM))
+        return 0;
+    ref = cJSON_CreateObject();
     if (!claims || !ref || !cJSON_AddStringToObject(ref, "name", RECONCILE_GPU_CLAIM)) {
         cJSON_Delete(ref);
         return -ENOMEM;

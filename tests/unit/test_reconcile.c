@@ -1612,7 +1612,8 @@ Test(reconcile, pod_with_dra_keeps_the_templates_own_claims_and_sidecar_resource
                       "\"limits\":{\"cpu\":\"1\"}}},\"template\":{\"spec\":{\"resourceClaims\":"
                       "[{\"name\":\"nic\",\"resourceClaimName\":\"rdma\"}],\"containers\":["
                       "{\"name\":\"t\",\"image\":\"i\",\"resources\":{\"claims\":[{\"name\":"
-                      "\"nic\"}]}},{\"name\":\"logger\",\"image\":\"i\"}]}}}}");
+                      "\"nic\"},{\"name\":\"" RECONCILE_GPU_CLAIM "\"}]}},{\"name\":\"logger\","
+                      "\"image\":\"i\"}]}}}}");
     const cJSON *side, *logger;
     cJSON *pod = NULL;
     char names[256];
