@@ -76,6 +76,7 @@ struct cstate {
     size_t n_skips_told, next_skip_told;
     bool skips_seeded;              /* status's lastSkipped counted as told */
     char key_id[KEYS_ID_CHARS + 1]; /* keys_id() of that key and the CA */
+    uint64_t gpu_sig;               /* FNV-1a of the GPU claim template last made sure of, 0: none */
 };
 
 struct controller {
@@ -681,6 +682,114 @@ out:
     return rc;
 }
 
+/* ---- the cohort's GPU claims (spec.gpu mode dra) ------------------------ */
+
+static uint64_t fnv1a(const char *text)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++)
+        h = (h ^ *p) * 0x100000001b3ull;
+    return h | 1;                   /* never 0, which means none */
+}
+
+/* Makes sure cohort `tc` with spec.gpu mode dra has its
+ * ResourceClaimTemplate as reconcile_gpu_template() makes it, before any
+ * pod that names it is made. A template's spec cannot be changed, so one
+ * that differs (spec.gpu changed) is deleted and made again; the claims
+ * Kubernetes made from the old one stay with their pods, which the
+ * template hash rolls (and go with them). Asked of the API server only when the template
+ * wanted changes (or the last try failed), not at every reconcile.
+ * Returns 0, -EINVAL with *why filled (the API server does not serve
+ * resource.k8s.io/v1beta1, or the name is another object's), or another
+ * -errno to retry. */
+static int gpu_template(struct controller *c, const cJSON *tc, const struct reconcile_spec *spec,
+                        struct cstate *s, const char *key, const char *ns, const char *name,
+                        struct reconcile_why *why)
+{
+    char tname[IDENT_NAME_MAX + 1] = "", path[PATH_MAX_];
+    cJSON *want = NULL, *have = NULL;
+    const char *owner, *uid;
+    uint64_t sig;
+    char *text;
+    int rc, w;
+
+    rc = reconcile_gpu_template(tc, &want);
+    if (rc < 0)
+        return rc;
+    text = cJSON_PrintUnformatted(want);
+    if (!text) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    sig = fnv1a(text);
+    free(text);
+    if (sig == s->gpu_sig)
+        goto out;
+    rc = reconcile_gpu_template_name(name, tname, sizeof(tname));
+    if (rc < 0)
+        goto out;
+    w = snprintf(path, sizeof(path), "/apis/resource.k8s.io/v1beta1/namespaces/%s/"
+                 "resourceclaimtemplates", ns);
+    if (w < 0 || (size_t)w >= sizeof(path) - sizeof(tname) - 1) {
+        rc = -ENAMETOOLONG;
+        goto out;
+    }
+    rc = kube_create_object(c->cfg.kube, path, want, NULL);
+    if (rc == -EEXIST) {
+        snprintf(path + w, sizeof(path) - (size_t)w, "/%s", tname);
+        rc = kube_get(c->cfg.kube, path, &have);
+        if (rc < 0)
+            goto out;
+        owner = cJSON_GetStringValue(cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(
+            cJSON_GetObjectItem(have, "metadata"), "ownerReferences"), 0), "uid"));
+        uid = kube_meta(tc, "uid");
+        if (!owner || !uid || strcmp(owner, uid) != 0) {
+            snprintf(why->reason, sizeof(why->reason), "GPUClaimTemplateTaken");
+            snprintf(why->message, sizeof(why->message), "the ResourceClaimTemplate %s exists "
+                     "and is not this cohort's; delete or rename it", tname);
+            rc = -EINVAL;
+            goto out;
+        }
+        /* The claim's spec alone: the server writes the template's own
+         * metadata back as {"creationTimestamp": null}. */
+        if (cJSON_Compare(cJSON_GetObjectItem(cJSON_GetObjectItem(have, "spec"), "spec"),
+                          cJSON_GetObjectItem(cJSON_GetObjectItem(want, "spec"), "spec"), true))
+            goto made;
+        /* Templates have no finalizers: once deleted the name is free. */
+        rc = kube_delete(c->cfg.kube, path);
+        if (rc == 0 || rc == -ENOENT) {
+            path[w] = '\0';
+            rc = kube_create_object(c->cfg.kube, path, want, NULL);
+        }
+        if (rc == 0)
+            event(c, tc, false, "GPUClaimTemplateReplaced", "spec.gpu changed; made "
+                  "ResourceClaimTemplate %s again for %u GPUs of class %s per pod.", tname,
+                  spec->gpu_count, spec->gpu_class);
+    } else if (rc == 0) {
+        event(c, tc, false, "GPUClaimTemplateCreated", "Created ResourceClaimTemplate %s for %u "
+              "GPUs of class %s per pod.", tname, spec->gpu_count, spec->gpu_class);
+    }
+    if (rc == -ENOENT) {
+        snprintf(why->reason, sizeof(why->reason), "DRAUnavailable");
+        snprintf(why->message, sizeof(why->message), "spec.gpu.mode dra needs the API "
+                 "resource.k8s.io/v1beta1 (dynamic resource allocation), which this cluster "
+                 "does not serve; use mode devicePlugin or enable it");
+        rc = -EINVAL;
+    }
+made:
+    if (rc == 0)
+        s->gpu_sig = sig;
+    else if (rc != -EINVAL)
+        log_warn("controller", "The cohort's ResourceClaimTemplate could not be made; trying "
+                 "again.", LF_S("cohort", key), LF_S("template", tname), LF_S("error",
+                 kube_strerror(rc)));
+out:
+    cJSON_Delete(have);
+    cJSON_Delete(want);
+    return rc;
+}
+
 /* A new leader's first look: the key of each cached cohort's Secret goes
  * to the broker before any worker runs, so that members rejoining find
  * their cohort's key. A cohort whose Secret is missing or unusable is left
@@ -927,6 +1036,10 @@ static int reconcile(struct controller *c, const char *key, char *err, size_t er
     invalid = reconcile_parse(tc, &spec, &why);
     if (invalid == 0) {
         rc = cohort_key(c, tc, s, key, ns, name, &why);
+        if (rc == 0 && spec.gpu_mode == RECONCILE_GPU_DRA)
+            rc = gpu_template(c, tc, &spec, s, key, ns, name, &why);
+        else if (rc == 0)
+            s->gpu_sig = 0;
         if (rc == -EINVAL)
             invalid = rc;
         else if (rc < 0)
@@ -1081,6 +1194,16 @@ static int reconcile(struct controller *c, const char *key, char *err, size_t er
         rc = pod_path(path, sizeof(path), ns, NULL);
         if (rc < 0)
             goto out;
+        /* New pods name the claim template: make sure it is still there
+         * (someone may have deleted it since it was made), or they would
+         * wait for a claim nothing can make. A refusal is told by the
+         * next pass, which asks again. */
+        if (spec.gpu_mode == RECONCILE_GPU_DRA) {
+            s->gpu_sig = 0;
+            rc = gpu_template(c, tc, &spec, s, key, ns, name, &why);
+            if (rc < 0)
+                goto out;
+        }
     }
     for (size_t i = 0; i < plan.n_create; i++) {
         cJSON *pod = NULL;

@@ -146,6 +146,54 @@ static int parse_checkpoint(const cJSON *ck, struct reconcile_spec *s, struct re
     return 0;
 }
 
+/* A DNS subdomain (RFC 1123), what Kubernetes names a DeviceClass with. */
+static bool dns_subdomain(const char *s)
+{
+    size_t n = strlen(s);
+
+    if (n == 0 || n > 253)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char ch = s[i];
+        bool alnum = (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9');
+        if (!alnum && ch != '-' && ch != '.')
+            return false;
+        if (!alnum && (i == 0 || i == n - 1 || s[i - 1] == '.' || (ch == '.' && s[i - 1] == '-')))
+            return false;
+    }
+    return true;
+}
+
+static int parse_gpu(const cJSON *g, struct reconcile_spec *s, struct reconcile_why *why)
+{
+    const char *mode = str(g, "mode");
+    const cJSON *cls = get(g, "deviceClassName");
+    long v;
+
+    if (!g)
+        return 0;
+    if (!cJSON_IsObject(g))
+        return refuse(why, "InvalidGPU", "spec.gpu must be an object");
+    if (mode && strcmp(mode, "dra") == 0)
+        s->gpu_mode = RECONCILE_GPU_DRA;
+    else if (mode && strcmp(mode, "devicePlugin") == 0)
+        s->gpu_mode = RECONCILE_GPU_DEVICE_PLUGIN;
+    else
+        return refuse(why, "InvalidGPU", "spec.gpu.mode must be dra or devicePlugin");
+    if (int_field(g, "count", 1, 1, RECONCILE_GPU_MAX, &v) < 0)
+        return refuse(why, "InvalidGPU", "spec.gpu.count must be an integer from 1 to %d",
+                      RECONCILE_GPU_MAX);
+    s->gpu_count = (uint32_t)v;
+    if (cls && s->gpu_mode != RECONCILE_GPU_DRA)
+        return refuse(why, "InvalidGPU", "spec.gpu.deviceClassName is only for mode dra");
+    if (cls && (!cJSON_IsString(cls) || !dns_subdomain(cls->valuestring)))
+        return refuse(why, "InvalidGPU", "spec.gpu.deviceClassName must be a DNS subdomain "
+                      "(lower case letters, digits, '-' and '.'), at most 253 characters");
+    if (s->gpu_mode == RECONCILE_GPU_DRA)
+        s->gpu_class = cls ? cls->valuestring : RECONCILE_GPU_CLASS_DEFAULT;
+    return 0;
+}
+
 static bool has_named(const cJSON *arr, const char *name)
 {
     const cJSON *it;
@@ -225,6 +273,8 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
                       "or int8");
     if (parse_checkpoint(get(spec, "checkpoint"), s, why) < 0)
         return -EINVAL;
+    if (parse_gpu(get(spec, "gpu"), s, why) < 0)
+        return -EINVAL;
     tmpl = get(spec, "template");
     pspec = get(tmpl, "spec");
     conts = get(pspec, "containers");
@@ -244,6 +294,9 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
     if (has_named(get(pspec, "volumes"), RECONCILE_CKPT_VOLUME))
         return refuse(why, "InvalidTemplate", "the volume name %s is reserved for the cohort's "
                       "checkpoints", RECONCILE_CKPT_VOLUME);
+    if (has_named(get(pspec, "resourceClaims"), RECONCILE_GPU_CLAIM))
+        return refuse(why, "InvalidTemplate", "the resource claim name %s is reserved for the "
+                      "cohort's GPUs", RECONCILE_GPU_CLAIM);
     return 0;
 }
 
@@ -495,6 +548,93 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
     return c;
 }
 
+/* The object c[key], made (replacing a value of another type) when
+ * missing; NULL on allocation failure. */
+static cJSON *object_in(cJSON *c, const char *key)
+{
+    cJSON *o = cJSON_GetObjectItemCaseSensitive(c, key);
+
+    if (cJSON_IsObject(o))
+        return o;
+    cJSON_DeleteItemFromObjectCaseSensitive(c, key);
+    return cJSON_AddObjectToObject(c, key);
+}
+
+static cJSON *array_in(cJSON *c, const char *key)
+{
+    cJSON *a = cJSON_GetObjectItemCaseSensitive(c, key);
+
+    if (cJSON_IsArray(a))
+        return a;
+    cJSON_DeleteItemFromObjectCaseSensitive(c, key);
+    return cJSON_AddArrayToObject(c, key);
+}
+
+/* Container `c` lists the pod's GPU claim (once: a template may list it
+ * already, and a name listed twice is refused). Returns 0 or -ENOMEM. */
+static int list_gpu_claim(cJSON *c)
+{
+    cJSON *claims = array_in(object_in(c, "resources"), "claims"), *ref;
+
+    if (claims && has_named(claims, RECONCILE_GPU_CLAIM))
+        return 0;
+    ref = cJSON_CreateObject();
+    if (!claims || !ref || !cJSON_AddStringToObject(ref, "name", RECONCILE_GPU_CLAIM)) {
+        cJSON_Delete(ref);
+        return -ENOMEM;
+    }
+    cJSON_AddItemToArray(claims, ref);
+    return 0;
+}
+
+/* spec.gpu in pod spec `spec` (the sidecar already in its init
+ * containers): see reconcile_pod(). Returns 0, -EINVAL (a spec.gpu that
+ * reconcile_parse() refuses) or -ENOMEM. */
+static int add_gpu(const cJSON *tc, cJSON *spec)
+{
+    struct reconcile_spec s = { 0 };
+    struct reconcile_why why;
+    cJSON *trainer = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(spec, "containers"), 0);
+    cJSON *sidecar = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(spec, "initContainers"), 0);
+    cJSON *claims, *claim, *res, *lim, *req;
+    char name[IDENT_NAME_MAX + 1], num[16];
+
+    if (parse_gpu(get(get(tc, "spec"), "gpu"), &s, &why) < 0)
+        return -EINVAL;
+    if (s.gpu_mode == RECONCILE_GPU_NONE)
+        return 0;
+    if (!trainer || !sidecar)
+        return -EINVAL;
+    snprintf(num, sizeof(num), "%u", s.gpu_count);
+    if (s.gpu_mode == RECONCILE_GPU_DEVICE_PLUGIN) {
+        /* An extended resource is all limit: a request, if any, must
+         * equal it, so the template's is replaced rather than kept. */
+        res = object_in(trainer, "resources");
+        lim = res ? object_in(res, "limits") : NULL;
+        if (!lim)
+            return -ENOMEM;
+        cJSON_DeleteItemFromObjectCaseSensitive(lim, RECONCILE_GPU_RESOURCE);
+        req = cJSON_GetObjectItemCaseSensitive(res, "requests");
+        cJSON_DeleteItemFromObjectCaseSensitive(req, RECONCILE_GPU_RESOURCE);
+        return cJSON_AddStringToObject(lim, RECONCILE_GPU_RESOURCE, num) ? 0 : -ENOMEM;
+    }
+    if (reconcile_gpu_template_name(str(get(tc, "metadata"), "name"), name, sizeof(name)) < 0)
+        return -EINVAL;
+    claims = array_in(spec, "resourceClaims");
+    claim = cJSON_CreateObject();
+    if (!claims || !claim) {
+        cJSON_Delete(claim);
+        return -ENOMEM;
+    }
+    cJSON_AddItemToArray(claims, claim);
+    if (!cJSON_AddStringToObject(claim, "name", RECONCILE_GPU_CLAIM) ||
+        !cJSON_AddStringToObject(claim, "resourceClaimTemplateName", name))
+        return -ENOMEM;
+    if (list_gpu_claim(trainer) < 0 || list_gpu_claim(sidecar) < 0)
+        return -ENOMEM;
+    return 0;
+}
+
 int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *key_id,
                   uint32_t ordinal, cJSON **out)
 {
@@ -564,6 +704,13 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
         inits = cJSON_AddArrayToObject(spec, "initContainers");
     }
     cJSON_InsertItemInArray(inits, 0, sidecar_container(tc, env, key));
+    {
+        int rc = add_gpu(tc, spec);
+        if (rc < 0) {
+            cJSON_Delete(pod);
+            return rc;
+        }
+    }
     vols = cJSON_GetObjectItemCaseSensitive(spec, "volumes");
     if (!cJSON_IsArray(vols)) {
         cJSON_DeleteItemFromObjectCaseSensitive(spec, "volumes");
@@ -637,18 +784,23 @@ static void sort_keys(cJSON *o)
 int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1])
 {
     const cJSON *tmpl = get(get(tc, "spec"), "template"), *ck = get(get(tc, "spec"), "checkpoint");
+    const cJSON *gpu = get(get(tc, "spec"), "gpu");
     uint64_t h = 0xcbf29ce484222325ull;
     cJSON *copy;
     char *text;
 
     if (!cJSON_IsObject(tmpl))
         return -EINVAL;
-    if (ck) {
+    if (ck || gpu) {
         copy = cJSON_CreateObject();
         if (copy) {
             cJSON_AddItemToObject(copy, "template", cJSON_Duplicate(tmpl, 1));
-            cJSON_AddItemToObject(copy, "checkpoint", cJSON_Duplicate(ck, 1));
-            if (!get(copy, "template") || !get(copy, "checkpoint")) {
+            if (ck)
+                cJSON_AddItemToObject(copy, "checkpoint", cJSON_Duplicate(ck, 1));
+            if (gpu)
+                cJSON_AddItemToObject(copy, "gpu", cJSON_Duplicate(gpu, 1));
+            if (!get(copy, "template") || (ck && !get(copy, "checkpoint")) ||
+                (gpu && !get(copy, "gpu"))) {
                 cJSON_Delete(copy);
                 copy = NULL;
             }
@@ -823,6 +975,58 @@ int reconcile_secret_name(const char *cohort, char *buf, size_t n)
     int w = snprintf(buf, n, "%s" RECONCILE_SECRET_SUFFIX, cohort);
 
     return w < 0 || (size_t)w >= n || w > IDENT_NAME_MAX ? -ENAMETOOLONG : 0;
+}
+
+int reconcile_gpu_template_name(const char *cohort, char *buf, size_t n)
+{
+    int w = snprintf(buf, n, "%s" RECONCILE_GPU_TEMPLATE_SUFFIX, cohort);
+
+    return w < 0 || (size_t)w >= n || w > IDENT_NAME_MAX ? -ENAMETOOLONG : 0;
+}
+
+int reconcile_gpu_template(const cJSON *tc, cJSON **out)
+{
+    const cJSON *meta = get(tc, "metadata");
+    const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
+    struct reconcile_spec s = { 0 };
+    struct reconcile_why why;
+    char tname[IDENT_NAME_MAX + 1];
+    cJSON *t, *m, *req, *reqs;
+
+    *out = NULL;
+    if (!name || !ns || !uid || parse_gpu(get(get(tc, "spec"), "gpu"), &s, &why) < 0 ||
+        s.gpu_mode != RECONCILE_GPU_DRA ||
+        reconcile_gpu_template_name(name, tname, sizeof(tname)) < 0)
+        return -EINVAL;
+    t = cJSON_CreateObject();
+    if (!t)
+        return -ENOMEM;
+    cJSON_AddStringToObject(t, "apiVersion", RECONCILE_DRA_API_VERSION);
+    cJSON_AddStringToObject(t, "kind", RECONCILE_DRA_KIND);
+    m = cJSON_AddObjectToObject(t, "metadata");
+    cJSON_AddStringToObject(m, "name", tname);
+    cJSON_AddStringToObject(m, "namespace", ns);
+    cJSON_AddStringToObject(cJSON_AddObjectToObject(m, "labels"), RECONCILE_LABEL_COHORT, name);
+    reconcile_add_owner(m, name, uid);
+    /* ResourceClaimTemplateSpec holds the claim's spec under spec.spec. */
+    reqs = cJSON_AddArrayToObject(cJSON_AddObjectToObject(cJSON_AddObjectToObject(
+        cJSON_AddObjectToObject(t, "spec"), "spec"), "devices"), "requests");
+    req = cJSON_CreateObject();
+    if (!reqs || !req) {
+        cJSON_Delete(req);
+        goto err_t;
+    }
+    cJSON_AddItemToArray(reqs, req);
+    cJSON_AddStringToObject(req, "name", RECONCILE_GPU_REQUEST);
+    cJSON_AddStringToObject(req, "deviceClassName", s.gpu_class);
+    cJSON_AddStringToObject(req, "allocationMode", "ExactCount");
+    if (!cJSON_AddNumberToObject(req, "count", s.gpu_count) || !get(m, "ownerReferences"))
+        goto err_t;
+    *out = t;
+    return 0;
+err_t:
+    cJSON_Delete(t);
+    return -ENOMEM;
 }
 
 int reconcile_view(const char *cohort, const cJSON *pod, struct reconcile_pod_view *v)

@@ -90,6 +90,25 @@
 #define RECONCILE_CKPT_SECONDS_MAX 3600
 #define RECONCILE_CKPT_KEEP_MAX 1000
 #define RECONCILE_CKPT_KEEP_DEFAULT 3
+/* spec.gpu (docs/gpu.md, "Kubernetes"): GPUs per trainer pod, and how
+ * the pod gets them. With mode dra, the pod's claim RECONCILE_GPU_CLAIM
+ * comes from the cohort's ResourceClaimTemplate NAME-gpu and is listed by
+ * the trainer and the sidecar alike; with mode devicePlugin, the trainer
+ * alone asks for RECONCILE_GPU_RESOURCE. */
+#define RECONCILE_GPU_MAX 16
+#define RECONCILE_GPU_CLAIM "cohort-gpu"
+#define RECONCILE_GPU_REQUEST "gpu"
+#define RECONCILE_GPU_TEMPLATE_SUFFIX "-gpu"
+#define RECONCILE_GPU_CLASS_DEFAULT "gpu.nvidia.com"
+#define RECONCILE_GPU_RESOURCE "nvidia.com/gpu"
+#define RECONCILE_DRA_API_VERSION "resource.k8s.io/v1beta1"
+#define RECONCILE_DRA_KIND "ResourceClaimTemplate"
+
+enum reconcile_gpu_mode {
+    RECONCILE_GPU_NONE,             /* no spec.gpu */
+    RECONCILE_GPU_DRA,              /* a claim both containers list */
+    RECONCILE_GPU_DEVICE_PLUGIN,    /* an extended resource for the trainer alone */
+};
 
 /* What the operator interprets of spec, after defaults and checks. */
 struct reconcile_spec {
@@ -112,6 +131,12 @@ struct reconcile_spec {
     bool checkpoint;
     uint64_t ckpt_every_versions;
     uint32_t ckpt_every_s, ckpt_keep;
+    /* spec.gpu: mode, GPUs per pod (0 without spec.gpu) and, with dra,
+     * the device class (borrowed from the cohort object, or the
+     * static default). */
+    enum reconcile_gpu_mode gpu_mode;
+    uint32_t gpu_count;
+    const char *gpu_class;
 };
 
 /* Why a cohort cannot be reconciled: a condition reason (CamelCase) and a
@@ -130,8 +155,11 @@ struct reconcile_why {
  * (reduction.compression other than none: no codec exists yet), a
  * spec.checkpoint without one volume source (or with a read-only one:
  * configMap, secret, downwardAPI, projected, image) or without a period,
- * or with keep out of range, a template without containers or with a
- * container or volume name that the operator reserves. */
+ * or with keep out of range, a spec.gpu without a known mode, with a
+ * count out of range or a deviceClassName that is not a DNS subdomain or
+ * is given with mode devicePlugin, a template without containers or with
+ * a container, volume or resource claim name that the operator
+ * reserves. */
 int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_why *why);
 
 /* How pods reach the operator, and what they run besides the trainer. */
@@ -166,6 +194,13 @@ const char *reconcile_pull_policy(const char *s);
  * RECONCILE_CKPT_MOUNT with subPath NAMESPACE/NAME and is told
  * --checkpoint-dir, --checkpoint-every and/or --checkpoint-interval, and
  * --checkpoint-keep.
+ * With spec.gpu mode dra, the pod's spec.resourceClaims gets
+ * RECONCILE_GPU_CLAIM from the cohort's ResourceClaimTemplate
+ * (reconcile_gpu_template()), and both the first container of the
+ * template (the trainer) and the sidecar list it in resources.claims,
+ * so that both see the same devices; with mode devicePlugin, the first
+ * container alone gets RECONCILE_GPU_RESOURCE: count in its limits and
+ * requests (replacing what the template said of it).
  * Security defaults (docs/operator.md, "Security context"): the sidecar
  * runs restricted (non-root, read-only root filesystem, no privilege
  * escalation, no capabilities, seccomp RuntimeDefault); the pod gets
@@ -180,18 +215,34 @@ const char *reconcile_pull_policy(const char *s);
  * annotation. restartPolicy defaults to Never, so that a failure reaches
  * the operator, which replaces the pod and counts it. Returns 0 and sets
  * *out (caller frees with cJSON_Delete), -EINVAL (tc lacks a name,
- * namespace, uid or template), -ENOMEM. */
+ * namespace, uid or template, or a spec.gpu reconcile_parse() refuses),
+ * -ENOMEM. */
 int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *key_id,
                   uint32_t ordinal, cJSON **out);
 
 /* The hash of cohort `tc`'s spec.template (borrowed) as the user wrote
- * it, and of spec.checkpoint when it is set (it changes the pod too):
- * FNV-1a 64 of their canonical JSON (object keys sorted, no spaces), as
- * 16 hex digits into out. Without spec.checkpoint the hash is the
- * template's alone, as before checkpoints existed, so that pods made then
- * are not replaced. reconcile_pod() labels each pod with it.
+ * it, and of spec.checkpoint and spec.gpu when they are set (they change
+ * the pod too): FNV-1a 64 of their canonical JSON (object keys sorted, no
+ * spaces), as 16 hex digits into out. Without either the hash is the
+ * template's alone, as before they existed, so that pods made then are
+ * not replaced. reconcile_pod() labels each pod with it.
  * Returns 0, -EINVAL (no template), -ENOMEM. */
 int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1]);
+
+/* The name of cohort `cohort`'s ResourceClaimTemplate, NAME-gpu, into
+ * buf. Returns 0 or -ENAMETOOLONG. */
+int reconcile_gpu_template_name(const char *cohort, char *buf, size_t n);
+
+/* The ResourceClaimTemplate (resource.k8s.io/v1beta1) that cohort `tc`
+ * (borrowed) with spec.gpu mode dra needs: one request, named
+ * RECONCILE_GPU_REQUEST, for exactly spec.gpu.count devices of
+ * spec.gpu.deviceClassName, labelled with the cohort and owned by it.
+ * Kubernetes makes one ResourceClaim from it for each pod that names it,
+ * owned by that pod, and deletes it with the pod. Returns 0 and sets
+ * *out (caller frees with cJSON_Delete), -EINVAL (no name, namespace or
+ * uid; a spec reconcile_parse() refuses; a mode other than dra),
+ * -ENOMEM. */
+int reconcile_gpu_template(const cJSON *tc, cJSON **out);
 
 /* The wait before replacing an ordinal's pod that failed for the
  * `streak`-th time in a row: 0 for the first, then 10 s doubling, capped

@@ -75,6 +75,7 @@ def start(prefix, *sets, operator_args=(), edit=None):
     e.server = ApiServer(e.tmp, "--tls", "--authorization-mode", "RBAC",
                          "--http-kubeconfig", http_kc,
                          "--enable-admission-plugins", "OwnerReferencesPermissionEnforcement",
+                         "--runtime-config", "resource.k8s.io/v1beta1=true",
                          "--bookmark-interval", "0.5")
     e.server.default_token = "cohort-standin"          # the admin's
     e.kubectl = Kubectl(e.server, e.tmp)
@@ -182,6 +183,23 @@ def run_scenario(e, ns):
                "the Created Event of lr-2 counted twice")
     e.kubectl("delete", "-n", ns, "tc/lr", "--wait=true")
     wait_until(lambda: not pods(e, ns, "lr"), "lr's pods to go")
+    # A GPU cohort with a DRA claim: its ResourceClaimTemplate is made
+    # (create), made again when spec.gpu changes (get, delete, create),
+    # and goes with the cohort.
+    tmpl = "/apis/resource.k8s.io/v1beta1/namespaces/%s/resourceclaimtemplates/gp-gpu" % ns
+
+    def count():
+        code, t, _ = e.server.call("GET", tmpl, token="cohort-standin")
+        return t["spec"]["spec"]["devices"]["requests"][0]["count"] if code == 200 else None
+    m = cohort_manifest("gp", 1, extra_spec={"gpu": {"mode": "dra", "count": 1}})
+    m["metadata"]["namespace"] = ns
+    e.kubectl("apply", "-f", "-", stdin=json.dumps(m))
+    wait_until(lambda: count() == 1, "gp's ResourceClaimTemplate")
+    e.kubectl("patch", "-n", ns, "tc/gp", "--type", "merge", "-p",
+              json.dumps({"spec": {"gpu": {"count": 2}}}))
+    wait_until(lambda: count() == 2, "gp's ResourceClaimTemplate made again for two GPUs")
+    e.kubectl("delete", "-n", ns, "tc/gp", "--wait=true")
+    wait_until(lambda: count() is None and not pods(e, ns, "gp"), "gp's template and pods to go")
 
 
 def check_all_allowed_and_every_rule_used(e):

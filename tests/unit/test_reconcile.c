@@ -1497,3 +1497,240 @@ Test(reconcile, checkpoint_reasons_are_named_as_ckpt_names_them)
     for (unsigned r = 0; r <= CKPT_REASON_MAX + 1; r++)
         cr_assert_str_eq(reconcile_ckpt_reason(r), ckpt_reason_str(r), "reason %u", r);
 }
+
+/* ---- spec.gpu ------------------------------------------------------------ */
+
+/* The names in container `c`'s resources.claims, space-separated. */
+static void claim_names(const cJSON *c, char *buf, size_t n)
+{
+    const cJSON *it;
+    size_t used = 0;
+
+    buf[0] = '\0';
+    cJSON_ArrayForEach(it, cJSON_GetObjectItem(cJSON_GetObjectItem(c, "resources"), "claims"))
+        used += (size_t)snprintf(buf + used, n - used, "%s ",
+                                 cJSON_GetObjectItem(it, "name")->valuestring);
+}
+
+/* o[path][key], a string, for keys with dots in them. */
+static const char *dotted(const cJSON *o, const char *path, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(sget_item(o, path), key);
+
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+Test(reconcile, parse_reads_gpu_with_its_defaults)
+{
+    cJSON *tc = cohort("lr", "\"gpu\":{\"mode\":\"dra\"}");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_eq(s.gpu_mode, RECONCILE_GPU_DRA);
+    cr_assert_eq(s.gpu_count, 1);
+    cr_assert_str_eq(s.gpu_class, RECONCILE_GPU_CLASS_DEFAULT);
+    cJSON_Delete(tc);
+    tc = cohort("lr", "\"gpu\":{\"mode\":\"devicePlugin\",\"count\":4}");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
+    cr_assert_eq(s.gpu_mode, RECONCILE_GPU_DEVICE_PLUGIN);
+    cr_assert_eq(s.gpu_count, 4);
+    cr_assert_null(s.gpu_class);
+    cJSON_Delete(tc);
+    tc = cohort("lr", "");
+    cr_assert_eq(reconcile_parse(tc, &s, &why), 0);
+    cr_assert_eq(s.gpu_mode, RECONCILE_GPU_NONE);
+    cr_assert_eq(s.gpu_count, 0);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, parse_refuses_bad_gpu_specs)
+{
+    refused("lr", "\"gpu\":{}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"mig\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":7}", "InvalidGPU");
+    refused("lr", "\"gpu\":[1]", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":0}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":17}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":1.5}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":\"2\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"devicePlugin\",\"deviceClassName\":\"gpu.nvidia.com\"}",
+            "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":\"GPU.nvidia.com\"}",
+            "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":\"gpu..nvidia\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":\"-gpu\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":\"\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":5}", "InvalidGPU");
+}
+
+Test(reconcile, parse_refuses_the_gpu_claim_name_in_the_template)
+{
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\"},\"spec\":{\"template\":{\"spec\":{"
+                      "\"containers\":[{\"name\":\"t\"}],\"resourceClaims\":[{\"name\":\""
+                      RECONCILE_GPU_CLAIM "\",\"resourceClaimName\":\"x\"}]}}}}");
+    struct reconcile_spec s;
+    struct reconcile_why why;
+
+    cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL);
+    cr_assert_str_eq(why.reason, "InvalidTemplate");
+    cr_assert(strstr(why.message, RECONCILE_GPU_CLAIM), "%s", why.message);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_with_dra_shares_one_claim_between_trainer_and_sidecar)
+{
+    cJSON *tc = cohort("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":2}");
+    const cJSON *claims, *side, *trainer;
+    cJSON *pod = NULL;
+    char names[256];
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    claims = sget_item(pod, "spec.resourceClaims");
+    cr_assert_eq(cJSON_GetArraySize(claims), 1);
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(claims, 0), "name"), RECONCILE_GPU_CLAIM);
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(claims, 0), "resourceClaimTemplateName"), "lr-gpu",
+                     "a claim per pod, made by Kubernetes from the cohort's template");
+    cr_assert_null(cJSON_GetObjectItem(cJSON_GetArrayItem(claims, 0), "resourceClaimName"));
+    trainer = cJSON_GetArrayItem(sget_item(pod, "spec.containers"), 0);
+    side = cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0);
+    cr_assert_str_eq(sget(side, "name"), RECONCILE_SIDECAR);
+    claim_names(trainer, names, sizeof(names));
+    cr_assert_str_eq(names, RECONCILE_GPU_CLAIM " ");
+    claim_names(side, names, sizeof(names));
+    cr_assert_str_eq(names, RECONCILE_GPU_CLAIM " ", "the sidecar sees the trainer's devices");
+    cr_assert_null(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(trainer,
+                   "resources"), "limits"), RECONCILE_GPU_RESOURCE), "no device plugin in dra");
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_with_dra_keeps_the_templates_own_claims_and_sidecar_resources)
+{
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                      "\"spec\":{\"gpu\":{\"mode\":\"dra\"},\"sidecar\":{\"resources\":{"
+                      "\"limits\":{\"cpu\":\"1\"}}},\"template\":{\"spec\":{\"resourceClaims\":"
+                      "[{\"name\":\"nic\",\"resourceClaimName\":\"rdma\"}],\"containers\":["
+                      "{\"name\":\"t\",\"image\":\"i\",\"resources\":{\"claims\":[{\"name\":"
+                      "\"nic\"},{\"name\":\"" RECONCILE_GPU_CLAIM "\"}]}},{\"name\":\"logger\","
+                      "\"image\":\"i\"}]}}}}");
+    const cJSON *side, *logger;
+    cJSON *pod = NULL;
+    char names[256];
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    cr_assert_eq(cJSON_GetArraySize(sget_item(pod, "spec.resourceClaims")), 2);
+    claim_names(cJSON_GetArrayItem(sget_item(pod, "spec.containers"), 0), names, sizeof(names));
+    cr_assert_str_eq(names, "nic " RECONCILE_GPU_CLAIM " ");
+    logger = cJSON_GetArrayItem(sget_item(pod, "spec.containers"), 1);
+    claim_names(logger, names, sizeof(names));
+    cr_assert_str_eq(names, "", "only the first container is the trainer");
+    side = cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0);
+    cr_assert_str_eq(sget(side, "resources.limits.cpu"), "1");
+    claim_names(side, names, sizeof(names));
+    cr_assert_str_eq(names, RECONCILE_GPU_CLAIM " ");
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_with_device_plugin_gives_the_trainer_alone_the_gpus)
+{
+    cJSON *tc = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                      "\"spec\":{\"gpu\":{\"mode\":\"devicePlugin\",\"count\":3},\"template\":"
+                      "{\"spec\":{\"containers\":[{\"name\":\"t\",\"image\":\"i\",\"resources\":"
+                      "{\"requests\":{\"cpu\":\"2\",\"nvidia.com/gpu\":\"1\"},\"limits\":{"
+                      "\"nvidia.com/gpu\":\"1\"}}}]}}}}");
+    const cJSON *trainer, *side;
+    cJSON *pod = NULL;
+    char names[256];
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+    trainer = cJSON_GetArrayItem(sget_item(pod, "spec.containers"), 0);
+    cr_assert_str_eq(dotted(trainer, "resources.limits", RECONCILE_GPU_RESOURCE), "3");
+    cr_assert_null(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(trainer,
+                   "resources"), "requests"), RECONCILE_GPU_RESOURCE),
+                   "the template's request would contradict the limit");
+    cr_assert_str_eq(sget(trainer, "resources.requests.cpu"), "2");
+    side = cJSON_GetArrayItem(sget_item(pod, "spec.initContainers"), 0);
+    cr_assert_null(cJSON_GetObjectItem(cJSON_GetObjectItem(side, "resources"), "limits"));
+    claim_names(side, names, sizeof(names));
+    cr_assert_str_eq(names, "");
+    cr_assert_null(sget_item(pod, "spec.resourceClaims"));
+    cJSON_Delete(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, pod_refuses_a_bad_gpu_spec)
+{
+    cJSON *tc = cohort("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":99}");
+    cJSON *pod = NULL;
+
+    cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), -EINVAL);
+    cr_assert_null(pod);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, gpu_template_asks_for_count_devices_of_the_class)
+{
+    cJSON *tc = cohort("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":2,\"deviceClassName\":"
+                             "\"gpu.example.com\"}");
+    const cJSON *req;
+    cJSON *t = NULL;
+
+    cr_assert_eq(reconcile_gpu_template(tc, &t), 0);
+    cr_assert_str_eq(sget(t, "apiVersion"), "resource.k8s.io/v1beta1");
+    cr_assert_str_eq(sget(t, "kind"), "ResourceClaimTemplate");
+    cr_assert_str_eq(sget(t, "metadata.name"), "lr-gpu");
+    cr_assert_str_eq(sget(t, "metadata.namespace"), "ns");
+    cr_assert_str_eq(dotted(t, "metadata.labels", RECONCILE_LABEL_COHORT), "lr");
+    cr_assert_str_eq(sget(cJSON_GetArrayItem(sget_item(t, "metadata.ownerReferences"), 0), "uid"),
+                     "u-1");
+    cr_assert_eq(cJSON_GetArraySize(sget_item(t, "spec.spec.devices.requests")), 1);
+    req = cJSON_GetArrayItem(sget_item(t, "spec.spec.devices.requests"), 0);
+    cr_assert_str_eq(sget(req, "name"), RECONCILE_GPU_REQUEST);
+    cr_assert_str_eq(sget(req, "deviceClassName"), "gpu.example.com");
+    cr_assert_str_eq(sget(req, "allocationMode"), "ExactCount");
+    cr_assert_eq(cJSON_GetObjectItem(req, "count")->valuedouble, 2);
+    cJSON_Delete(t);
+    cJSON_Delete(tc);
+}
+
+Test(reconcile, gpu_template_only_for_dra)
+{
+    cJSON *plain = cohort("lr", ""), *dp = cohort("lr", "\"gpu\":{\"mode\":\"devicePlugin\"}");
+    cJSON *bad = cohort("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":0}");
+    cJSON *nouid = parse("{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\"},\"spec\":{\"gpu\":"
+                         "{\"mode\":\"dra\"}}}");
+    cJSON *t = (cJSON *)1;
+
+    cr_assert_eq(reconcile_gpu_template(plain, &t), -EINVAL);
+    cr_assert_null(t);
+    cr_assert_eq(reconcile_gpu_template(dp, &t), -EINVAL);
+    cr_assert_eq(reconcile_gpu_template(bad, &t), -EINVAL);
+    cr_assert_eq(reconcile_gpu_template(nouid, &t), -EINVAL);
+    cr_assert_null(t);
+    cJSON_Delete(plain);
+    cJSON_Delete(dp);
+    cJSON_Delete(bad);
+    cJSON_Delete(nouid);
+}
+
+Test(reconcile, template_hash_covers_gpu_and_only_when_set)
+{
+    cJSON *plain = cohort("lr", ""), *a = cohort("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":1}");
+    cJSON *b = cohort("lr", "\"gpu\":{\"mode\":\"dra\",\"count\":2}");
+    cJSON *c = cohort("lr", "\"gpu\":{\"mode\":\"devicePlugin\",\"count\":2}");
+    cJSON *ck = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":50}");
+    cJSON *both = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":50},"
+                               "\"gpu\":{\"mode\":\"dra\",\"count\":1}");
+    char h[6][RECONCILE_HASH_CHARS + 1];
+    cJSON *all[6] = { plain, a, b, c, ck, both };
+
+    for (int i = 0; i < 6; i++)
+        cr_assert_eq(reconcile_template_hash(all[i], h[i]), 0);
+    for (int i = 0; i < 6; i++)
+        for (int j = i + 1; j < 6; j++)
+            cr_assert_str_neq(h[i], h[j], "cohorts %d and %d must roll apart", i, j);
+    for (int i = 0; i < 6; i++)
+        cJSON_Delete(all[i]);
+}

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from .rbac import Authorizer, bootstrap
+from .resources import OPTIONAL_APIS
 from .server import Server
 from .store import Store
 from .tls import server_context, serving_files
@@ -89,6 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--strict-namespaces", action="store_true",
                     help="refuse objects in namespaces that do not exist (404), as a real "
                     "cluster does; by default such a namespace is created on first use")
+    ap.add_argument("--runtime-config", default="",
+                    help="GROUP/VERSION=true,... : optional APIs to serve, as kube-apiserver's "
+                    "flag; known: resource.k8s.io/v1beta1 (off by default, as in 1.32)")
     ap.add_argument("--quiet", action="store_true", help="no per-request log lines")
     return ap.parse_args(argv)
 
@@ -101,7 +105,14 @@ def main(argv=None):
     if args.tls and not args.cert_dir:
         args.cert_dir = os.path.dirname(os.path.abspath(args.kubeconfig)) if args.kubeconfig \
             else os.getcwd()
-    store = Store(args.history_size, args.strict_namespaces)
+    apis = set()
+    for item in (i for i in args.runtime_config.split(",") if i):
+        gv, _, on = item.partition("=")
+        if gv not in OPTIONAL_APIS or on not in ("", "true", "false"):
+            raise SystemExit("apiserver: --runtime-config: unknown or malformed %r" % item)
+        if on != "false":
+            apis.add(gv)
+    store = Store(args.history_size, args.strict_namespaces, apis)
     server = Server((args.host, args.port), store, args)
     if args.authorization_mode == "RBAC":
         bootstrap(store)

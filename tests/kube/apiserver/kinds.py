@@ -1,7 +1,8 @@
 """Defaults and validation of the workload and network kinds a Helm chart
 creates: apps/v1 Deployments (with their pod template), v1 Services,
 policy/v1 PodDisruptionBudgets, networking.k8s.io/v1 NetworkPolicies, and
-the label selectors they share. Each check is one the real API server
+the label selectors they share; and of resource.k8s.io/v1beta1
+ResourceClaimTemplates, which the operator makes for GPU cohorts. Each check is one the real API server
 makes (pkg/apis/*/validation), worded as it words it, so that what the
 stand-in accepts a real cluster accepts too; what it does not check is
 listed in docs/sandbox.md.
@@ -470,6 +471,77 @@ def validate_networkpolicy(obj, old):
     return errs
 
 
+# -- resource.k8s.io/v1beta1 ResourceClaimTemplate ---------------------------
+
+MAX_DEVICE_REQUESTS = 32
+ALLOCATION_MODES = ("All", "ExactCount")
+
+
+def claim_template_defaults(obj, old):
+    """ResourceClaimTemplate's defaults (pkg/apis/resource/v1beta1):
+    allocationMode ExactCount, and count 1 for it; and the template's
+    metadata as Go writes an empty ObjectMeta back."""
+    if isinstance(obj.get("spec"), dict):
+        obj["spec"].setdefault("metadata", {"creationTimestamp": None})
+    spec = ((obj.get("spec") or {}).get("spec") or {})
+    for r in ((spec.get("devices") or {}).get("requests") or []):
+        if isinstance(r, dict):
+            r.setdefault("allocationMode", "ExactCount")
+            if r["allocationMode"] == "ExactCount":
+                r.setdefault("count", 1)
+
+
+def validate_claim_template(obj, old):
+    """ValidateResourceClaimTemplate, for what a claim's device requests
+    say (selectors, constraints and configs are not checked), and its spec
+    immutable on update."""
+    errs = []
+    spec = (obj.get("spec") or {}).get("spec")
+    if not isinstance(spec, dict):
+        spec = {}
+    reqs = (spec.get("devices") or {}).get("requests") or []
+    if len(reqs) > MAX_DEVICE_REQUESTS:
+        errs.append(FieldError("TooMany", "spec.spec.devices.requests", len(reqs),
+                               "must have at most %d items" % MAX_DEVICE_REQUESTS))
+    names = set()
+    for i, r in enumerate(reqs):
+        p = "spec.spec.devices.requests[%d]" % i
+        if not isinstance(r, dict):
+            errs.append(FieldError("Invalid", p, r, "must be an object"))
+            continue
+        n = r.get("name")
+        if not n:
+            errs.append(FieldError("Required", p + ".name"))
+        elif not isinstance(n, str) or len(n) > 63 or not DNS_LABEL.match(n):
+            errs.append(FieldError("Invalid", p + ".name", n, "a lowercase RFC 1123 label must "
+                                   "consist of lower case alphanumeric characters or '-', and "
+                                   "must start and end with an alphanumeric character"))
+        elif n in names:
+            errs.append(FieldError("Duplicate", p + ".name", n))
+        names.add(n)
+        cls = r.get("deviceClassName")
+        if not cls:
+            errs.append(FieldError("Required", p + ".deviceClassName"))
+        elif not isinstance(cls, str) or len(cls) > 253 or not DNS_SUBDOMAIN.match(cls):
+            errs.append(FieldError("Invalid", p + ".deviceClassName", cls, "a lowercase RFC 1123 "
+                                   "subdomain must consist of lower case alphanumeric "
+                                   "characters, '-' or '.', and must start and end with an "
+                                   "alphanumeric character"))
+        mode = r.get("allocationMode")
+        if mode not in ALLOCATION_MODES:
+            errs.append(FieldError("NotSupported", p + ".allocationMode", mode,
+                                   'supported values: "All", "ExactCount"'))
+        elif mode == "ExactCount" and (not is_int(r.get("count")) or r["count"] <= 0):
+            errs.append(FieldError("Invalid", p + ".count", r.get("count"),
+                                   "must be greater than zero"))
+        elif mode == "All" and r.get("count") not in (None, 0):
+            errs.append(FieldError("Invalid", p + ".count", r.get("count"),
+                                   "must not be specified when allocationMode is 'All'"))
+    if old is not None and (old.get("spec") or {}) != (obj.get("spec") or {}):
+        errs.append(FieldError("Invalid", "spec", shown='"object"', detail="field is immutable"))
+    return errs
+
+
 def _noop(obj, old):
     pass
 
@@ -479,6 +551,8 @@ KINDS = {
     ("", "services"): (service_defaults, validate_service),
     ("policy", "poddisruptionbudgets"): (_noop, validate_pdb),
     ("networking.k8s.io", "networkpolicies"): (networkpolicy_defaults, validate_networkpolicy),
+    ("resource.k8s.io", "resourceclaimtemplates"): (claim_template_defaults,
+                                                    validate_claim_template),
 }
 
 

@@ -72,7 +72,15 @@ class ResourceType:
         return self.schemas.get(version or self.storage_version)
 
 
-def builtin_types():
+# Served only when named in --runtime-config, as Kubernetes 1.32 serves
+# its beta resource.k8s.io API only with --runtime-config (and the
+# DynamicResourceAllocation feature gate).
+OPTIONAL_APIS = ("resource.k8s.io/v1beta1",)
+
+
+def builtin_types(runtime_config=()):
+    """The built-in types, with the optional APIs named in runtime_config
+    (group/version strings)."""
     T = ResourceType
     pods = T("", ["v1"], "Pod", "pods", "pod", True, ["po"], ["all"], status=True,
              field_labels=("spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
@@ -118,7 +126,8 @@ def builtin_types():
           ["netpol"]),
         T("autoscaling", ["v2"], "HorizontalPodAutoscaler", "horizontalpodautoscalers",
           "horizontalpodautoscaler", True, ["hpa"], ["all"], status=True),
-    ]
+    ] + ([T("resource.k8s.io", ["v1beta1"], "ResourceClaimTemplate", "resourceclaimtemplates",
+            "resourceclaimtemplate", True)] if "resource.k8s.io/v1beta1" in runtime_config else [])
 
 
 def type_from_crd(crd):

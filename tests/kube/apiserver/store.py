@@ -76,7 +76,7 @@ class Store:
     that touches state takes the lock; watchers wait on the condition and
     copy events out, so a slow watcher never holds up a writer."""
 
-    def __init__(self, history_size=1000, strict_namespaces=False):
+    def __init__(self, history_size=1000, strict_namespaces=False, runtime_config=()):
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.rv = 0
@@ -90,7 +90,7 @@ class Store:
         self.strict_namespaces = strict_namespaces
         self.next_cluster_ip = 10
         self.gc_wake = threading.Event()
-        for rt in builtin_types():
+        for rt in builtin_types(runtime_config):
             self.types[rt.key] = rt
             rt.generation = rt.key in GENERATION_KINDS
         with self.lock:

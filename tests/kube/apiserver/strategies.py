@@ -127,6 +127,21 @@ def validate_pod(pod, old):
         errs.append(FieldError("Required", "spec.containers"))
     names = set()
     vols = {v.get("name") for v in spec.get("volumes") or [] if isinstance(v, dict)}
+    claims = set()
+    for i, rc in enumerate(spec.get("resourceClaims") or []):
+        p = "spec.resourceClaims[%d]" % i
+        n = rc.get("name") if isinstance(rc, dict) else None
+        if not n or not isinstance(n, str) or len(n) > 63 or not DNS_LABEL.match(n):
+            errs.append(FieldError("Invalid", p + ".name", n, "a lowercase RFC 1123 label must "
+                                   "consist of lower case alphanumeric characters or '-'"))
+        elif n in claims:
+            errs.append(FieldError("Duplicate", p + ".name", n))
+        else:
+            claims.add(n)
+        if isinstance(rc, dict) and ("resourceClaimName" in rc) == \
+                ("resourceClaimTemplateName" in rc):
+            errs.append(FieldError("Invalid", p, shown='"object"', detail="must specify one of: "
+                                   "`resourceClaimName`, `resourceClaimTemplateName`"))
     for field in ("initContainers", "containers"):
         for i, c in enumerate(spec.get(field) or []):
             p = "spec.%s[%d]" % (field, i)
@@ -157,6 +172,13 @@ def validate_pod(pod, old):
             for j, e in enumerate(c.get("env") or []):
                 if not e.get("name"):
                     errs.append(FieldError("Required", "%s.env[%d].name" % (p, j)))
+            for j, cl in enumerate((c.get("resources") or {}).get("claims") or []):
+                if cl.get("name") not in claims:
+                    errs.append(FieldError("NotFound", "%s.resources.claims[%d]" % (p, j),
+                                           cl.get("name"), "must be one of the names in "
+                                           "pod.spec.resourceClaims" +
+                                           (": " + ", ".join(sorted(claims)) if claims else
+                                            " which is empty")))
     if spec.get("restartPolicy") not in ("Always", "OnFailure", "Never"):
         errs.append(FieldError("NotSupported", "spec.restartPolicy", spec.get("restartPolicy"),
                                'supported values: "Always", "OnFailure", "Never"'))
