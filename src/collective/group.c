@@ -321,6 +321,9 @@ static int sync_epoch(struct group *g, enum kind kind, size_t in_bytes, bool *de
             return rc;
     }
     g->synced = true;
+    log_info("group", "Synced the calls in a new epoch.", LF_S("cohort", g->cohort),
+             LF_S("id", g->id), LF_U("epoch", g->cur->number), LF_U("members", g->cur->n_members),
+             LF_U("calls_done", m), LF_B("delivered", need));
     if (i_need) {
         /* The others completed this call: its result is theirs. */
         if ((kind == K_REDUCE && bytes != in_bytes) ||
@@ -438,6 +441,9 @@ static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
         }
         if (rc == -GROUP_EMISFIT && g->synced)
             return -EPROTO;         /* in step with the others: nothing to mend */
+        log_debug("group", "A collective's attempt failed.", LF_S("cohort", g->cohort),
+                  LF_S("id", g->id), LF_U("epoch", g->cur->number), LF_U("call", g->done + 1),
+                  LF_ERR(rc == -GROUP_EMISFIT ? -EPROTO : rc));
         attempt_failed(g, rc);
         if (rc == -GROUP_EMISFIT)
             return -EPROTO;
