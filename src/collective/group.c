@@ -67,11 +67,11 @@
 /* A peer's connection broke: the broker evicts a dead peer within the
  * member timeout; past this much more, the member forces a new epoch. */
 #define RESYNC_SLACK_MS 2000u
-#define MISMATCH_TRIES 3
-/* Internal: a result the others delivered does not fit this member's
- * call, or the sync's words make no sense. Not retried; the caller sees
- * -EPROTO. */
+/* Internal codes, which the caller sees as -EPROTO: a result the others
+ * delivered does not fit this member's call, or the sync's words make no
+ * sense (EMISFIT); the members' next calls differ (EDIFFER). */
 #define GROUP_EMISFIT 4096
+#define GROUP_EDIFFER 4097
 
 enum kind { K_REDUCE, K_GATHER };
 
@@ -107,7 +107,7 @@ struct group {
     uint64_t done;              /* calls completed */
     struct buf in, out, last;
     size_t last_len;            /* bytes of last's result; 0: none */
-    int64_t small[2];
+    int64_t small[4];
     int h_small;
 
     struct group_stats stats;   /* under lock */
@@ -271,15 +271,41 @@ static int usable_epoch(struct group *g, uint64_t deadline)
 
 /* ---- the sync (the top comment) ------------------------------------------- */
 
+struct call {
+    enum kind kind;
+    size_t count;               /* elements (reduce) */
+    enum dtype type;
+    enum dtype_op op;
+    double denominator;
+    unsigned flags;
+    size_t bytes;               /* of the input */
+};
+
+/* What members must agree on for one call, hashed (FNV-1a) into a
+ * positive 62-bit word. */
+static int64_t signature(const struct call *c)
+{
+    uint64_t v[6] = { c->kind, c->count, c->type, c->op, c->flags, c->bytes }, h = 14695981039346656037ull;
+
+    for (size_t i = 0; i < 6; i++)
+        for (int b = 0; b < 8; b++) {
+            h ^= (v[i] >> (8 * b)) & 0xff;
+            h *= 1099511628211ull;
+        }
+    return (int64_t)((h >> 2) | 1);
+}
+
+
 /* Runs the sync in cur. Sets *delivered when this member's pending call
  * was completed by the others: its result is then in out (out_len bytes).
- * Returns 0 or an engine error. */
-static int sync_epoch(struct group *g, enum kind kind, size_t in_bytes, bool *delivered,
-                      size_t *out_len)
+ * Returns 0, -GROUP_EDIFFER (the members about to make the next call make
+ * different ones: all of them see it, and all fail it), -GROUP_EMISFIT,
+ * or an engine error. */
+static int sync_epoch(struct group *g, const struct call *c, bool *delivered, size_t *out_len)
 {
     uint64_t key, m, bytes;
     size_t source;
-    bool need, i_need;
+    bool need, i_need, differ;
     int rc;
 
     *delivered = false;
@@ -295,11 +321,17 @@ static int sync_epoch(struct group *g, enum kind kind, size_t in_bytes, bool *de
     i_need = g->numbered && m > 0 && g->done == m - 1;
     g->small[0] = i_need;
     g->small[1] = (long)source == g->my_index ? (int64_t)g->last_len : 0;
-    rc = allreduce_run(g->ar, g->h_small, 2, DTYPE_I64, DTYPE_MAX, 0, round_of(g));
+    /* The call's signature and its negation: MAX of both is the largest
+     * and minus the smallest, which differ when the calls do. A member
+     * that needs call M's result is not making call M + 1: neutral. */
+    g->small[2] = i_need ? 0 : signature(c);
+    g->small[3] = i_need ? INT64_MIN : -signature(c);
+    rc = allreduce_run(g->ar, g->h_small, 4, DTYPE_I64, DTYPE_MAX, 0, round_of(g));
     if (rc < 0)
         return rc;
     need = g->small[0] != 0;
     bytes = (uint64_t)g->small[1];
+    differ = g->small[2] != 0 && g->small[2] != -g->small[3];
     if (need) {
         size_t words;
 
@@ -326,8 +358,8 @@ static int sync_epoch(struct group *g, enum kind kind, size_t in_bytes, bool *de
              LF_U("calls_done", m), LF_B("delivered", need));
     if (i_need) {
         /* The others completed this call: its result is theirs. */
-        if ((kind == K_REDUCE && bytes != in_bytes) ||
-            (kind == K_GATHER && (bytes % group_record_bytes(in_bytes)) != 0)) {
+        if ((c->kind == K_REDUCE && bytes != c->bytes) ||
+            (c->kind == K_GATHER && (bytes % group_record_bytes(c->bytes)) != 0)) {
             g->done = m;
             g->numbered = true;
             return -GROUP_EMISFIT;
@@ -345,20 +377,10 @@ static int sync_epoch(struct group *g, enum kind kind, size_t in_bytes, bool *de
         g->done = m;
     }
     g->numbered = true;
-    return 0;
+    return differ ? -GROUP_EDIFFER : 0;
 }
 
 /* ---- one attempt ------------------------------------------------------------- */
-
-struct call {
-    enum kind kind;
-    size_t count;               /* elements (reduce) */
-    enum dtype type;
-    enum dtype_op op;
-    double denominator;
-    unsigned flags;
-    size_t bytes;               /* of the input */
-};
 
 /* One attempt in cur; the result lands in out, *len bytes. */
 static int attempt(struct group *g, const struct call *c, size_t *len)
@@ -397,15 +419,15 @@ static int attempt(struct group *g, const struct call *c, size_t *len)
 /* Runs a call to completion: sync where due, attempts, retries. The input
  * is in `in`; on 0 the result is in `last` (last_len bytes).
  *
- * A frame that does not match the call (-EPROTO from the engine) is
- * retried too, up to MISMATCH_TRIES epochs in a row: an epoch can reach
- * the engine a moment before this thread adopts it, and an attempt
- * started in that moment carries the old epoch's round. Programs that
- * really differ (another count or type) fail every epoch alike. */
+ * A frame that does not match the call (-EPROTO from the engine) is not
+ * taken as the members' programs differing: an epoch can reach the engine
+ * a moment before this thread adopts it, and an attempt started in that
+ * moment carries the old epoch's round. It fails the epoch like any
+ * other error; the next epoch's sync compares the calls themselves, and
+ * every member learns there, alike, whether they differ. */
 static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
 {
     uint64_t deadline = clock_now_ms() + (timeout_ms ? timeout_ms : GROUP_DEFAULT_CALL_TIMEOUT_MS);
-    unsigned mismatches = 0;
     int rc;
 
     rc = buf_reserve(g, &g->out, c->bytes);
@@ -420,7 +442,7 @@ static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
         if (rc < 0)
             return rc;
         if (!g->synced)
-            rc = sync_epoch(g, c->kind, c->bytes, &delivered, &len);
+            rc = sync_epoch(g, c, &delivered, &len);
         if (rc == 0 && !delivered)
             rc = attempt(g, c, &len);
         if (rc == 0) {
@@ -439,25 +461,23 @@ static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
             pthread_mutex_unlock(&g->lock);
             return 0;
         }
-        if (rc == -GROUP_EMISFIT && g->synced)
-            return -EPROTO;         /* in step with the others: nothing to mend */
+        if ((rc == -GROUP_EMISFIT || rc == -GROUP_EDIFFER) && g->synced) {
+            /* In step with the others, who fail it too: nothing to mend. */
+            if (rc == -GROUP_EDIFFER)
+                log_error("group", "Members make different collectives (size, type or "
+                                   "operator): their programs differ.", LF_S("cohort", g->cohort),
+                          LF_S("id", g->id), LF_U("call", g->done + 1), LF_U("count", c->count),
+                          LF_S("type", dtype_name(c->type)), LF_U("bytes", c->bytes));
+            return -EPROTO;
+        }
         log_debug("group", "A collective's attempt failed.", LF_S("cohort", g->cohort),
                   LF_S("id", g->id), LF_U("epoch", g->cur->number), LF_U("call", g->done + 1),
                   LF_ERR(rc == -GROUP_EMISFIT ? -EPROTO : rc));
         attempt_failed(g, rc);
         if (rc == -GROUP_EMISFIT)
             return -EPROTO;
-        if (rc == -EPROTO && ++mismatches >= MISMATCH_TRIES) {
-            log_error("group", "Members disagree on a collective (its size, type or operator): "
-                               "their programs differ.", LF_S("cohort", g->cohort),
-                      LF_S("id", g->id), LF_U("call", g->done + 1), LF_U("count", c->count),
-                      LF_S("type", dtype_name(c->type)), LF_U("bytes", c->bytes));
-            return rc;
-        }
         if (rc == -EACCES || rc == -EINVAL || rc == -E2BIG || rc == -ENOMEM)
             return rc;
-        if (rc != -EPROTO)
-            mismatches = 0;
         pthread_mutex_lock(&g->lock);
         g->stats.retries++;
         pthread_mutex_unlock(&g->lock);
