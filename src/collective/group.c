@@ -94,6 +94,8 @@ struct group {
     pthread_t member_thread;
     bool stop;
     struct epoch *latest;       /* under lock, from the watch */
+    bool running;               /* under lock: a run is in the engine, or about to be */
+    bool interrupted;           /* under lock: a newer epoch reached the engine during it */
 
     /* The caller's thread only. */
     struct epoch *cur;          /* the epoch calls run in */
@@ -115,16 +117,22 @@ struct group {
 
 /* ---- membership ---------------------------------------------------------- */
 
+/* The engine follows the caller's thread, not the watch: it adopts an
+ * epoch when the caller does (usable_epoch), so that every run happens in
+ * the epoch whose member order and step count the caller used. A new
+ * epoch reaches the engine here only to abort a run in flight, and that
+ * run's outcome, even a success, is then taken as -ESTALE (run()). */
 static void on_epoch(void *arg, struct epoch *e)
 {
     struct group *g = arg;
 
-    /* Aborts an attempt in flight at once. */
-    if (g->ar)
-        allreduce_set_epoch(g->ar, e);
     pthread_mutex_lock(&g->lock);
     epoch_unref(g->latest);
     g->latest = epoch_ref(e);
+    if (g->running) {
+        g->interrupted = true;
+        allreduce_set_epoch(g->ar, e);
+    }
     pthread_cond_broadcast(&g->cond);
     pthread_mutex_unlock(&g->lock);
 }
@@ -208,6 +216,33 @@ static uint64_t round_of(struct group *g)
     return (g->cur->number << 32) | g->step++;
 }
 
+/* One engine run in cur (in == out: in place). A run that a newer epoch
+ * may have touched reports -ESTALE even if it completed: whether it ran
+ * in cur cannot be told, and a member that completed the call elsewhere
+ * hands this one its result at the next sync, so nothing is lost. */
+static int run(struct group *g, int in, int out, size_t count, enum dtype type, enum dtype_op op,
+               double denominator)
+{
+    uint64_t round = round_of(g);
+    bool interrupted;
+    int rc;
+
+    pthread_mutex_lock(&g->lock);
+    if (g->latest->number > g->cur->number) {
+        pthread_mutex_unlock(&g->lock);
+        return -ESTALE;
+    }
+    g->running = true;
+    g->interrupted = false;
+    pthread_mutex_unlock(&g->lock);
+    rc = allreduce_run_into(g->ar, in, out, count, type, op, denominator, round);
+    pthread_mutex_lock(&g->lock);
+    g->running = false;
+    interrupted = g->interrupted;
+    pthread_mutex_unlock(&g->lock);
+    return rc == 0 && interrupted ? -ESTALE : rc;
+}
+
 /* An attempt failed in cur: wait for a newer epoch. A dead peer's
  * eviction is the broker's, within the member timeout; a timeout, a
  * mismatch or a refused greeting have no such cure coming, so the member
@@ -264,6 +299,8 @@ static int usable_epoch(struct group *g, uint64_t deadline)
         g->failed = false;
         g->my_index = epoch_find(g->cur, g->id);
         g->stats.epochs++;
+        /* Newer than the engine's, or the one on_epoch gave it already. */
+        allreduce_set_epoch(g->ar, g->cur);
     }
     pthread_mutex_unlock(&g->lock);
     return rc;
@@ -311,7 +348,7 @@ static int sync_epoch(struct group *g, const struct call *c, bool *delivered, si
     *delivered = false;
     key = g->numbered ? g->done : 0;
     g->small[0] = (int64_t)((key << INDEX_BITS) | (INDEX_MASK - (uint64_t)g->my_index));
-    rc = allreduce_run(g->ar, g->h_small, 1, DTYPE_I64, DTYPE_MAX, 0, round_of(g));
+    rc = run(g, g->h_small, g->h_small, 1, DTYPE_I64, DTYPE_MAX, 0);
     if (rc < 0)
         return rc;
     m = (uint64_t)g->small[0] >> INDEX_BITS;
@@ -326,7 +363,7 @@ static int sync_epoch(struct group *g, const struct call *c, bool *delivered, si
      * that needs call M's result is not making call M + 1: neutral. */
     g->small[2] = i_need ? 0 : signature(c);
     g->small[3] = i_need ? INT64_MIN : -signature(c);
-    rc = allreduce_run(g->ar, g->h_small, 4, DTYPE_I64, DTYPE_MAX, 0, round_of(g));
+    rc = run(g, g->h_small, g->h_small, 4, DTYPE_I64, DTYPE_MAX, 0);
     if (rc < 0)
         return rc;
     need = g->small[0] != 0;
@@ -343,11 +380,10 @@ static int sync_epoch(struct group *g, const struct call *c, bool *delivered, si
         if (rc < 0)
             return rc;
         if ((long)source == g->my_index) {
-            rc = allreduce_run_into(g->ar, g->last.h, g->out.h, words, DTYPE_I64, DTYPE_SUM, 0,
-                                    round_of(g));
+            rc = run(g, g->last.h, g->out.h, words, DTYPE_I64, DTYPE_SUM, 0);
         } else {
             memset(g->out.p, 0, words * 8);
-            rc = allreduce_run(g->ar, g->out.h, words, DTYPE_I64, DTYPE_SUM, 0, round_of(g));
+            rc = run(g, g->out.h, g->out.h, words, DTYPE_I64, DTYPE_SUM, 0);
         }
         if (rc < 0)
             return rc;
@@ -402,7 +438,7 @@ static int attempt(struct group *g, const struct call *c, size_t *len)
         snprintf(slot, GROUP_ID_BYTES, "%s", g->id);
         memcpy(slot + GROUP_ID_BYTES, g->in.p, c->bytes);
         *len = n * rec;
-        return allreduce_run(g->ar, g->out.h, n * rec / 8, DTYPE_I64, DTYPE_SUM, 0, round_of(g));
+        return run(g, g->out.h, g->out.h, n * rec / 8, DTYPE_I64, DTYPE_SUM, 0);
     }
     *len = c->bytes;
     if (c->flags & GROUP_DIVIDE_BEFORE) {
@@ -410,10 +446,9 @@ static int attempt(struct group *g, const struct call *c, size_t *len)
 
         memcpy(g->out.p, g->in.p, c->bytes);
         dtype_scale(c->type, g->out.p, c->count, d);
-        return allreduce_run(g->ar, g->out.h, c->count, c->type, DTYPE_SUM, 0, round_of(g));
+        return run(g, g->out.h, g->out.h, c->count, c->type, DTYPE_SUM, 0);
     }
-    return allreduce_run_into(g->ar, g->in.h, g->out.h, c->count, c->type, c->op, c->denominator,
-                              round_of(g));
+    return run(g, g->in.h, g->out.h, c->count, c->type, c->op, c->denominator);
 }
 
 /* Runs a call to completion: sync where due, attempts, retries. The input
