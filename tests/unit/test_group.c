@@ -411,6 +411,54 @@ Test(group, a_member_leaving_mid_call_lets_the_others_finish_on_the_survivors)
         group_destroy(m[i].g);
 }
 
+Test(group, repeated_joins_and_leaves_keep_one_result_per_call)
+{
+    struct churn_member m[3];
+    struct group *g[2];
+    struct group_stats st;
+    uint64_t delivered = 0;
+
+    for (int i = 0; i < 2; i++) {
+        churn_start(&m[i], i, STOP_NEVER);
+        g[i] = m[i].g;
+    }
+    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&m[i].t, NULL, churn_main, &m[i]), 0);
+    for (int cycle = 0; cycle < 4; cycle++) {
+        int64_t from = atomic_load(&m[0].last);
+
+        /* A third member comes, makes calls with the others, and leaves
+         * after a call of its own, while they are in their next one. */
+        churn_start(&m[2], 2, STOP_NEVER);
+        cr_assert_eq(pthread_create(&m[2].t, NULL, churn_main, &m[2]), 0);
+        FIXTURE_WAIT_FOR(atomic_load(&m[2].made) >= 5, "cycle %d: the third member's calls", cycle);
+        atomic_store(&m[2].stop_at, atomic_load(&m[2].last) + 3);
+        pthread_join(m[2].t, NULL);
+        group_stats(m[2].g, &st);
+        delivered += st.delivered;
+        group_destroy(m[2].g);
+        cr_expect_eq(m[2].failures, 0, "cycle %d: %s", cycle, m[2].why);
+        expect_same_results(&m[0], &m[2]);
+        FIXTURE_WAIT_FOR(atomic_load(&m[0].last) >= atomic_load(&m[2].last) + 5,
+                         "cycle %d: the survivors' calls", cycle);
+        cr_expect_gt(m[2].agreed[atomic_load(&m[2].last) % CALLS_MAX], from);
+    }
+    stop_all(m, 2);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(m[i].t, NULL);
+        group_stats(m[i].g, &st);
+        delivered += st.delivered;
+        cr_expect_eq(m[i].failures, 0, "member %d: %s", i, m[i].why);
+    }
+    expect_same_results(&m[0], &m[1]);
+    cr_expect_eq(atomic_load(&m[0].last), atomic_load(&m[1].last));
+    cr_log_info("results delivered by the others after an interrupted call: %llu",
+                (unsigned long long)delivered);
+    for (int i = 0; i < 2; i++)
+        group_destroy(m[i].g);
+}
+
 /* ---- errors ---- */
 
 Test(group, bad_arguments_are_refused_and_change_nothing)
