@@ -8,9 +8,11 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/clock.h"
+#include "cohort.h"
 #include "collective/group.h"
 #include "fixture.h"
 #include "membership/brokerd.h"
@@ -542,4 +544,50 @@ Test(group, a_call_with_no_usable_epoch_times_out_untouched)
     group_destroy(g);
     c.id = "not a valid id!";
     cr_expect_eq(group_create(&c, &g), -EINVAL);
+}
+
+/* ---- the public face (include/cohort.h) ---- */
+
+Test(group, public_api_reads_the_environment_and_checks_its_enums)
+{
+    struct cohort_group *cg = NULL;
+    double x[3] = { 1, 2, 3 };
+    uint32_t rank = 9, size = 9;
+    char id[COHORT_GROUP_ID_BYTES];
+    struct cohort_group_stats st;
+    const void *out;
+    size_t len;
+
+    unsetenv("COHORT_BROKER");
+    cr_expect_eq(cohort_group_create(NULL, "coll", "pub", &cg), -EINVAL, "no broker anywhere");
+    setenv("COHORT_BROKER", broker, 1);
+    setenv("COHORT_COHORT", "coll", 1);
+    setenv("COHORT_ID", "pub", 1);
+    cr_assert_eq(cohort_group_create(NULL, NULL, NULL, &cg), 0);
+    unsetenv("COHORT_BROKER");
+    unsetenv("COHORT_COHORT");
+    unsetenv("COHORT_ID");
+    cr_assert_eq(cohort_group_wait(cg, FIXTURE_WAIT_MS), 0);
+    cr_expect_eq(cohort_group_position(cg, &rank, &size), 0);
+    cr_expect(rank == 0 && size == 1);
+    cr_expect_eq(cohort_group_member_id(cg, 0, id, sizeof(id)), 0);
+    cr_expect_str_eq(id, "pub");
+    cr_expect_eq(cohort_group_member_id(cg, 1, id, sizeof(id)), -ERANGE);
+    cr_expect_eq(cohort_group_allreduce(cg, x, 3, (enum cohort_group_dtype)77, COHORT_GROUP_SUM,
+                                        0, 0, 1000), -EINVAL);
+    cr_expect_eq(cohort_group_allreduce(cg, x, 3, COHORT_GROUP_F64, (enum cohort_group_op)77, 0,
+                                        0, 1000), -EINVAL);
+    cr_expect_eq(cohort_group_allreduce(cg, x, 3, COHORT_GROUP_F64, COHORT_GROUP_AVG_BY, 4, 0,
+                                        10000), 0);
+    cr_expect(x[0] == 0.25 && x[2] == 0.75);
+    cr_expect_eq(cohort_group_allgather(cg, "ab", 2, &out, &len, 10000), 0);
+    cr_expect_eq(len, COHORT_GROUP_ID_BYTES + 8);
+    cr_expect_str_eq((const char *)out, "pub");
+    cohort_group_stats(cg, &st);
+    cr_expect_eq(st.calls, 2);
+    cr_expect_eq(st.members, 1);
+    cr_expect_str_eq(cohort_group_strerror(-EPROTO),
+                     "the members' calls differ (count, type or operator): every member must "
+                     "make the same collectives in the same order");
+    cohort_group_destroy(cg);
 }
