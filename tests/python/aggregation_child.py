@@ -10,7 +10,8 @@ reason on stderr when a result is wrong.
 
 Scenarios:
   ops       every class, op, by_layer/by_model, gradients/weights
-  gossip    DecentralizedAggregation on a path graph 0 - 1 - 2
+  gossip    DecentralizedAggregation on a path graph 0 - 1 - 2; then m-2
+            leaves and the others' graph is mended to the ring of two
   loop      once N members are in, SUM calls in a loop until DIR/stop
             names the last call; each
             result's member bits and call numbers are written to
@@ -145,7 +146,27 @@ def scenario_gossip():
         fail("gossip took op sum")
     except NotImplementedError:
         pass
-    emit(done=True, neighbors=d.neighbors_now())
+    given = d.neighbors_now()
+    if me == 2:
+        # m-2 leaves: m-0 loses its only neighbour, and the graph is mended.
+        emit(done=True, neighbors=given)
+        agg.shutdown()
+        return
+    end = time.monotonic() + 60
+    while agg.world_size() != 2:
+        if time.monotonic() > end:
+            fail("m-2 never left")
+        time.sleep(0.05)
+    mended = d.neighbors_now()
+    m = model(me, 1)
+    d.agg_model(False)(m, "avg")
+    others = [model(i, 1) for i in range(2)]
+    for k, p in enumerate(m.parameters()):
+        vals = [list(o.parameters())[k].data.to(torch.float64) for o in others]
+        want = (sum(vals) / 2).to(p.dtype)
+        if not torch.equal(p.data, want):
+            fail("mended gossip tensor %d: got %s, want %s" % (k, p.data.tolist(), want.tolist()))
+    emit(done=True, neighbors=given, mended=mended)
     agg.shutdown()
 
 

@@ -5,7 +5,8 @@ joined to a real broker, with real torch.
   every op (and mlbench's names for them), by layer and by model, on
   gradients and weights, against a reference each member computes in
   torch from every member's inputs; every member ends with the same bytes.
-- DecentralizedAggregation on a path graph, against the gossip reference.
+- DecentralizedAggregation on a path graph, against the gossip reference;
+  after a member leaves, the graph is mended to the ring of the rest.
 - A member joining mid-run lines up with the others' calls; a member
   killed with SIGKILL mid-run: the survivors' next aggregation completes
   on the new membership, and no call has two results.
@@ -64,9 +65,11 @@ def test_every_class_and_op_by_layer_and_by_model_matches_the_reference(broker):
         assert a == c, (a, c)
 
 
-def test_decentralized_gossip_averages_with_the_given_neighbours(broker):
+def test_decentralized_gossip_averages_with_the_given_neighbours_and_mends_the_graph(broker):
     got = results(members(broker, 3, "gossip"))
     assert [lines[-1]["neighbors"] for lines in got] == [["m-1"], ["m-0", "m-2"], ["m-1"]]
+    # After m-2 left: the ring of the two that remain.
+    assert [lines[-1]["mended"] for lines in got[:2]] == [["m-1"], ["m-0"]]
 
 
 def read_log(path):
