@@ -23,6 +23,7 @@ epoch that completed the call; "sum", "min", "max"; "custom_avg" (mlbench's
 "avg_custom") with `denom`: the sum divided by denom. docs/python.md has the
 rest.
 """
+import errno
 import hashlib
 import warnings
 
@@ -199,7 +200,7 @@ def _gather(t, tag):
     n_bytes = payload.numel()
     rec = _cohort.GROUP_ID_BYTES + (n_bytes + 7) // 8 * 8
     if rec == 0 or len(out) % rec:
-        raise Error(71, "gather: the records do not fit the call")
+        raise Error(errno.EPROTO, "gather: the records do not fit the call")
     res = []
     for off in range(0, len(out), rec):
         mid = out[off:off + _cohort.GROUP_ID_BYTES].split(b"\0", 1)[0].decode()
