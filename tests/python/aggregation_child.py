@@ -10,8 +10,9 @@ reason on stderr when a result is wrong.
 
 Scenarios:
   ops       every class, op, by_layer/by_model, gradients/weights
-  gossip    DecentralizedAggregation on a path graph 0 - 1 - 2; then m-2
-            leaves and the others' graph is mended to the ring of two
+  gossip    DecentralizedAggregation on the path graph 0 - 1 - ... - N-1;
+            then the last member leaves and the others' graph is mended to
+            the ring of the rest
   loop      once N members are in, SUM calls in a loop until DIR/stop
             names the last call; each
             result's member bits and call numbers are written to
@@ -128,7 +129,7 @@ def wait_for_all(at_least=False):
 def scenario_gossip():
     agg.init(broker, "gossip", my_id)
     wait_for_all()
-    graph = {0: [1], 1: [0, 2], 2: [1]}
+    graph = {i: [j for j in (i - 1, i + 1) if 0 <= j < n] for i in range(n)}
     d = agg.DecentralizedAggregation(agg.rank(), graph[agg.rank()])
     for by_layer in (False, True):
         m = model(me, 0)
@@ -147,23 +148,26 @@ def scenario_gossip():
     except NotImplementedError:
         pass
     given = d.neighbors_now()
-    if me == 2:
-        # m-2 leaves: m-0 loses its only neighbour, and the graph is mended.
+    if me == n - 1:
+        # The last member leaves: its neighbour loses one, and the graph is
+        # mended to the ring of the others.
         emit(done=True, neighbors=given)
         agg.shutdown()
         return
     end = time.monotonic() + 60
-    while agg.world_size() != 2:
+    while agg.world_size() != n - 1:
         if time.monotonic() > end:
-            fail("m-2 never left")
+            fail("m-%d never left" % (n - 1))
         time.sleep(0.05)
     mended = d.neighbors_now()
     m = model(me, 1)
     d.agg_model(False)(m, "avg")
-    others = [model(i, 1) for i in range(2)]
+    left = n - 1
+    ring = sorted({me, (me - 1) % left, (me + 1) % left})
+    others = [model(i, 1) for i in range(left)]
     for k, p in enumerate(m.parameters()):
-        vals = [list(o.parameters())[k].data.to(torch.float64) for o in others]
-        want = (sum(vals) / 2).to(p.dtype)
+        vals = [list(others[j].parameters())[k].data.to(torch.float64) for j in ring]
+        want = (sum(vals) / len(vals)).to(p.dtype)
         if not torch.equal(p.data, want):
             fail("mended gossip tensor %d: got %s, want %s" % (k, p.data.tolist(), want.tolist()))
     emit(done=True, neighbors=given, mended=mended)

@@ -66,10 +66,13 @@ def test_every_class_and_op_by_layer_and_by_model_matches_the_reference(broker):
 
 
 def test_decentralized_gossip_averages_with_the_given_neighbours_and_mends_the_graph(broker):
-    got = results(members(broker, 3, "gossip"))
-    assert [lines[-1]["neighbors"] for lines in got] == [["m-1"], ["m-0", "m-2"], ["m-1"]]
-    # After m-2 left: the ring of the two that remain.
-    assert [lines[-1]["mended"] for lines in got[:2]] == [["m-1"], ["m-0"]]
+    got = results(members(broker, 4, "gossip"))
+    assert [lines[-1]["neighbors"] for lines in got] == [["m-1"], ["m-0", "m-2"],
+                                                         ["m-1", "m-3"], ["m-2"]]
+    # After m-3 left: the ring of the three that remain, in which m-0 now
+    # has m-2 too (its given neighbours less the one gone would be m-1 only).
+    assert [lines[-1]["mended"] for lines in got[:3]] == [["m-1", "m-2"], ["m-0", "m-2"],
+                                                          ["m-0", "m-1"]]
 
 
 def read_log(path):
