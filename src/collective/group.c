@@ -27,8 +27,12 @@
  *      member has done (M) and the first member in order that has done
  *      them (the source). A member that never lined up (it just started,
  *      or joined late) contributes 0.
- *   2. MAX of (needs call M's result, source's length of it): a member
- *      that has done M - 1 is in the middle of call M.
+ *   2. MAX of (needs call M's result, source's length of it, the
+ *      signature of the call each member is about to make and its
+ *      negation): a member that has done M - 1 is in the middle of call
+ *      M; the members about to make call M + 1 learn, all alike, whether
+ *      their calls differ (then every one of them fails it with -EPROTO
+ *      and they stay in step).
  *   3. If one does: the source's kept copy of call M's result (`last`)
  *      is broadcast as a SUM of 64-bit words in which only the source
  *      contributes non-zero words (x + 0 is x, whatever the bits). Those
