@@ -260,6 +260,103 @@ int cohort_get_gradient_stats(const struct cohort *c, struct cohort_gradient_sta
 /* A whole sentence for an error code returned by this API. */
 const char *cohort_strerror(int err);
 
+/* ---- Collectives: a group ------------------------------------------------
+ *
+ * A group is this process as a member of a cohort, for collectives the
+ * trainer calls itself (mlbench's Aggregation, torch.distributed's
+ * all_reduce) rather than the Accumulator's rounds. Every member calls
+ * the same collectives in the same order. A call interrupted by a
+ * membership change is retried on the new membership from a copy of its
+ * input: it returns 0 only with the whole result, bytewise the same on
+ * every member of the epoch that completed it, and on an error the
+ * caller's buffer is untouched. A member in the middle of a call that the
+ * others completed gets their result; one that joins late lines up with
+ * the others' calls. docs/architecture.md, "Collectives and mlbench's
+ * Aggregation", says why. A group is used from one thread at a time. */
+
+enum cohort_group_dtype {
+    COHORT_GROUP_F32 = 0,
+    COHORT_GROUP_F64 = 1,
+    COHORT_GROUP_F16 = 2,
+    COHORT_GROUP_BF16 = 3,
+    COHORT_GROUP_I32 = 4,
+    COHORT_GROUP_I64 = 5,
+};
+
+enum cohort_group_op {
+    COHORT_GROUP_SUM = 0,
+    COHORT_GROUP_AVG = 1,       /* sum / members of the epoch that completes the call */
+    COHORT_GROUP_MIN = 2,
+    COHORT_GROUP_MAX = 3,
+    COHORT_GROUP_AVG_BY = 4,    /* sum / the caller's denominator (mlbench's custom_avg) */
+};
+
+/* Divide each member's input before the sum (mlbench's divide_before):
+ * AVG and AVG_BY, float32 and float64 only. */
+#define COHORT_GROUP_DIVIDE_BEFORE 1u
+
+struct cohort_group;
+
+/* Joins the cohort as a member of a group. `broker` is "host:port"; NULL
+ * means $COHORT_BROKER. `cohort` and `id` NULL mean $COHORT_COHORT and
+ * $COHORT_ID; the listen address is $COHORT_HOST (127.0.0.1), the key
+ * $COHORT_SECRET_FILE and TLS to the broker $COHORT_BROKER_CA and
+ * $COHORT_BROKER_SERVER_NAME, as for cohort_connect(). Does not wait for
+ * an epoch (cohort_group_wait). Returns 0, -EINVAL (a missing or invalid
+ * address, cohort or id), -ENOMEM, or the key's, CA's or socket's
+ * -errno. The caller frees *out with cohort_group_destroy(). */
+int cohort_group_create(const char *broker, const char *cohort, const char *id,
+                        struct cohort_group **out);
+/* Leaves the cohort and frees the group. NULL is fine. */
+void cohort_group_destroy(struct cohort_group *g);
+
+/* Waits until the cohort's latest epoch lists this member. 0 or -ETIMEDOUT. */
+int cohort_group_wait(struct cohort_group *g, int timeout_ms);
+
+/* This member's rank and the number of members, in the latest epoch.
+ * Returns 0 or -ENOTCONN (not a member of it). */
+int cohort_group_position(struct cohort_group *g, uint32_t *rank, uint32_t *size);
+
+/* The id of the member at `rank` in the latest epoch, into id (len bytes;
+ * 254 hold any). Returns 0, -ENOTCONN, -ERANGE. */
+int cohort_group_member_id(struct cohort_group *g, uint32_t rank, char *id, size_t len);
+
+/* All-reduces `count` elements at buf (borrowed for the call) in place.
+ * `denominator` is read by COHORT_GROUP_AVG_BY only; flags are 0 or
+ * COHORT_GROUP_DIVIDE_BEFORE; timeout_ms bounds the call's waits, retries
+ * included (0: 300 s). Returns 0, or with buf untouched: -EINVAL (bad
+ * type, op, flags, or a zero denominator), -E2BIG (over 1 GiB), -EPROTO
+ * (the members' calls differ: count, type or op), -EACCES (keys
+ * differ), -ETIMEDOUT, -ENOMEM. */
+int cohort_group_allreduce(struct cohort_group *g, void *buf, size_t count,
+                           enum cohort_group_dtype dtype, enum cohort_group_op op,
+                           double denominator, unsigned flags, int timeout_ms);
+
+/* Gathers `bytes` at `in` from every member of the epoch that completes
+ * the call. On 0, *out (owned by the group, valid until its next call)
+ * holds one record per member in member order, each
+ * COHORT_GROUP_ID_BYTES of the member's id, NUL-padded, then its bytes
+ * padded with zeros to a multiple of 8; *out_len is the whole length.
+ * Same errors as cohort_group_allreduce. */
+#define COHORT_GROUP_ID_BYTES 256u
+int cohort_group_allgather(struct cohort_group *g, const void *in, size_t bytes,
+                           const void **out, size_t *out_len, int timeout_ms);
+
+struct cohort_group_stats {
+    uint64_t calls;             /* completed */
+    uint64_t retries;           /* attempts retried after a failure */
+    uint64_t delivered;         /* calls whose result came from the others */
+    uint64_t lined_up;          /* times this member took the others' numbering */
+    uint64_t epochs;            /* epochs its calls ran in */
+    uint64_t epoch;             /* the epoch that completed the last call */
+    uint32_t members;           /* its members */
+};
+void cohort_group_stats(struct cohort_group *g, struct cohort_group_stats *out);
+
+/* A whole sentence for an error code returned by a cohort_group call. */
+const char *cohort_group_strerror(int err);
+
+
 #if defined(__GNUC__)
 #pragma GCC visibility pop
 #endif

@@ -734,6 +734,274 @@ static PyTypeObject region_type = {
     .tp_as_buffer = &region_as_buffer,
 };
 
+/* ---- Group: collectives (cohort_group_*) ---------------------------------
+ *
+ * _cohort.Group(broker, cohort, id): one struct cohort_group, for
+ * cohort.aggregation. Tensors cross as (address, count) pairs that the
+ * Python layer takes from contiguous CPU tensors it holds for the call;
+ * every call runs with the GIL released and under the Group's lock (a
+ * group is used by one thread at a time). */
+
+struct pygroup {
+    PyObject_HEAD
+    struct cohort_group *g;             /* NULL once closed */
+    PyThread_type_lock lock;
+};
+
+static PyObject *group_raise(const char *what, int rc)
+{
+    char msg[512];
+    PyObject *args;
+
+    snprintf(msg, sizeof(msg), "%s: %s", what, cohort_group_strerror(rc));
+    args = Py_BuildValue("(is)", rc < 0 ? -rc : rc, msg);
+    if (args) {
+        PyErr_SetObject(cohort_error, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+static int group_open(struct pygroup *self)
+{
+    if (!self->g) {
+        PyErr_SetString(PyExc_ValueError, "the group is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int pygroup_init(struct pygroup *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = { "broker", "cohort", "id", NULL };
+    const char *broker = NULL, *cohort = NULL, *id = NULL;
+    struct cohort_group *g = NULL;
+    int rc;
+
+    if (self->g || self->lock) {
+        PyErr_SetString(PyExc_RuntimeError, "Group.__init__ may be called once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zzz", kwlist, &broker, &cohort, &id))
+        return -1;
+    self->lock = PyThread_allocate_lock();
+    if (!self->lock) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_group_create(broker, cohort, id, &g);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        group_raise("cannot join the cohort (a broker address, $COHORT_BROKER, $COHORT_COHORT "
+                    "and $COHORT_ID are needed)", rc);
+        return -1;
+    }
+    self->g = g;
+    return 0;
+}
+
+static void pygroup_close_now(struct pygroup *self)
+{
+    struct cohort_group *g = self->g;
+
+    if (!g)
+        return;
+    self->g = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    cohort_group_destroy(g);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+}
+
+static void pygroup_dealloc(struct pygroup *self)
+{
+    pygroup_close_now(self);
+    if (self->lock)
+        PyThread_free_lock(self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *pygroup_close(struct pygroup *self, PyObject *unused)
+{
+    pygroup_close_now(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pygroup_wait(struct pygroup *self, PyObject *arg)
+{
+    long v = PyLong_AsLong(arg);
+    int ms, rc;
+
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    if (group_open(self) < 0)
+        return NULL;
+    ms = v > INT_MAX ? INT_MAX : v < 0 ? 0 : (int)v;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_group_wait(self->g, ms);
+    Py_END_ALLOW_THREADS
+    if (rc == -ETIMEDOUT)
+        Py_RETURN_FALSE;
+    if (rc < 0)
+        return group_raise("wait", rc);
+    Py_RETURN_TRUE;
+}
+
+/* (rank, size) in the latest epoch, or None while not a member of it. */
+static PyObject *pygroup_position(struct pygroup *self, PyObject *unused)
+{
+    uint32_t rank, size;
+
+    if (group_open(self) < 0)
+        return NULL;
+    if (cohort_group_position(self->g, &rank, &size) < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(II)", rank, size);
+}
+
+static PyObject *pygroup_member_id(struct pygroup *self, PyObject *arg)
+{
+    char id[COHORT_GROUP_ID_BYTES];
+    unsigned long rank;
+    int rc;
+
+    if (group_open(self) < 0)
+        return NULL;
+    rank = PyLong_AsUnsignedLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (rank > UINT32_MAX)
+        return group_raise("member_id", -ERANGE);
+    rc = cohort_group_member_id(self->g, (uint32_t)rank, id, sizeof(id));
+    if (rc < 0)
+        return group_raise("member_id", rc);
+    return PyUnicode_FromString(id);
+}
+
+/* allreduce(address, count, dtype, op, denominator, flags, timeout_ms) */
+static PyObject *pygroup_allreduce(struct pygroup *self, PyObject *args)
+{
+    unsigned long long addr, count;
+    int dtype, op, timeout_ms;
+    unsigned int flags;
+    double denom;
+    int rc;
+
+    if (group_open(self) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "KKiidIi", &addr, &count, &dtype, &op, &denom, &flags,
+                          &timeout_ms))
+        return NULL;
+    if (!addr && count)
+        return group_raise("allreduce", -EINVAL);
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = cohort_group_allreduce(self->g, (void *)(uintptr_t)addr, (size_t)count,
+                                (enum cohort_group_dtype)dtype, (enum cohort_group_op)op, denom,
+                                flags, timeout_ms);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return group_raise("all-reduce", rc);
+    Py_RETURN_NONE;
+}
+
+/* allgather(address, nbytes, timeout_ms) -> bytes: the records */
+static PyObject *pygroup_allgather(struct pygroup *self, PyObject *args)
+{
+    unsigned long long addr, nbytes;
+    const void *out = NULL;
+    size_t len = 0;
+    int timeout_ms, rc;
+    PyObject *res = NULL;
+
+    if (group_open(self) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "KKi", &addr, &nbytes, &timeout_ms))
+        return NULL;
+    if (!addr && nbytes)
+        return group_raise("gather", -EINVAL);
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = cohort_group_allgather(self->g, (const void *)(uintptr_t)addr, (size_t)nbytes, &out, &len,
+                                timeout_ms);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return group_raise("gather", rc);
+    /* The records are valid until the next call; with the GIL held no
+     * other call can start. */
+    res = PyBytes_FromStringAndSize(out, (Py_ssize_t)len);
+    return res;
+}
+
+static PyObject *pygroup_stats(struct pygroup *self, PyObject *unused)
+{
+    struct cohort_group_stats st;
+
+    if (group_open(self) < 0)
+        return NULL;
+    cohort_group_stats(self->g, &st);
+    return Py_BuildValue("{sKsKsKsKsKsKsI}", "calls", (unsigned long long)st.calls, "retries",
+                         (unsigned long long)st.retries, "delivered",
+                         (unsigned long long)st.delivered, "lined_up",
+                         (unsigned long long)st.lined_up, "epochs", (unsigned long long)st.epochs,
+                         "epoch", (unsigned long long)st.epoch, "members", st.members);
+}
+
+static PyMethodDef pygroup_methods[] = {
+    { "close", (PyCFunction)pygroup_close, METH_NOARGS, "Leaves the cohort." },
+    { "wait", (PyCFunction)pygroup_wait, METH_O,
+      "wait(timeout_ms) -> bool: whether the latest epoch lists this member." },
+    { "position", (PyCFunction)pygroup_position, METH_NOARGS,
+      "(rank, size) in the latest epoch, or None while not a member of it." },
+    { "member_id", (PyCFunction)pygroup_member_id, METH_O,
+      "member_id(rank) -> str: the id at that rank in the latest epoch." },
+    { "allreduce", (PyCFunction)pygroup_allreduce, METH_VARARGS,
+      "allreduce(address, count, dtype, op, denominator, flags, timeout_ms), in place." },
+    { "allgather", (PyCFunction)pygroup_allgather, METH_VARARGS,
+      "allgather(address, nbytes, timeout_ms) -> bytes: one record per member." },
+    { "stats", (PyCFunction)pygroup_stats, METH_NOARGS, "Counters, as a dict." },
+    { NULL, NULL, 0, NULL },
+};
+
+static PyTypeObject pygroup_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cohort._cohort.Group",
+    .tp_basicsize = sizeof(struct pygroup),
+    .tp_dealloc = (destructor)pygroup_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Group(broker=None, cohort=None, id=None): this process as a member of a cohort, "
+              "for collectives (cohort.aggregation).",
+    .tp_methods = pygroup_methods,
+    .tp_init = (initproc)pygroup_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* Adds Group and its constants to the module. */
+static int pygroup_add(PyObject *m)
+{
+    if (PyType_Ready(&pygroup_type) < 0 ||
+        PyModule_AddObjectRef(m, "Group", (PyObject *)&pygroup_type) < 0 ||
+        PyModule_AddIntConstant(m, "G_F32", COHORT_GROUP_F32) < 0 ||
+        PyModule_AddIntConstant(m, "G_F64", COHORT_GROUP_F64) < 0 ||
+        PyModule_AddIntConstant(m, "G_F16", COHORT_GROUP_F16) < 0 ||
+        PyModule_AddIntConstant(m, "G_BF16", COHORT_GROUP_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "G_I32", COHORT_GROUP_I32) < 0 ||
+        PyModule_AddIntConstant(m, "G_I64", COHORT_GROUP_I64) < 0 ||
+        PyModule_AddIntConstant(m, "OP_SUM", COHORT_GROUP_SUM) < 0 ||
+        PyModule_AddIntConstant(m, "OP_AVG", COHORT_GROUP_AVG) < 0 ||
+        PyModule_AddIntConstant(m, "OP_MIN", COHORT_GROUP_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "OP_MAX", COHORT_GROUP_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "OP_AVG_BY", COHORT_GROUP_AVG_BY) < 0 ||
+        PyModule_AddIntConstant(m, "DIVIDE_BEFORE", COHORT_GROUP_DIVIDE_BEFORE) < 0 ||
+        PyModule_AddIntConstant(m, "GROUP_ID_BYTES", COHORT_GROUP_ID_BYTES) < 0)
+        return -1;
+    return 0;
+}
+
 /* ---- module ------------------------------------------------------------- */
 
 static PyObject *mod_strerror(PyObject *mod, PyObject *arg)
@@ -781,7 +1049,7 @@ PyMODINIT_FUNC PyInit__cohort(void)
         PyModule_AddIntConstant(m, "F64", COHORT_F64) < 0 ||
         PyModule_AddIntConstant(m, "F16", COHORT_F16) < 0 ||
         PyModule_AddIntConstant(m, "BF16", COHORT_BF16) < 0 ||
-        PyModule_AddIntConstant(m, "API_VERSION", COHORT_API_VERSION) < 0) {
+        PyModule_AddIntConstant(m, "API_VERSION", COHORT_API_VERSION) < 0 || pygroup_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

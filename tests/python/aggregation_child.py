@@ -1,0 +1,242 @@
+"""A member of the aggregation tests (test_py_aggregation.py).
+
+    aggregation_child.py BROKER ID N SCENARIO [DIR]
+
+ID is "m-I": member I of N; every member's inputs are a function of I,
+so each member computes the reference of every aggregation itself, in
+torch, from all N members' inputs. Inputs are small integers, exact in
+every type. Prints one JSON line per result to stdout; exits 1 with the
+reason on stderr when a result is wrong.
+
+Scenarios:
+  ops       every class, op, by_layer/by_model, gradients/weights
+  gossip    DecentralizedAggregation on the path graph 0 - 1 - ... - N-1;
+            then the last member leaves and the others' graph is mended to
+            the ring of the rest
+  loop      once N members are in, SUM calls in a loop until DIR/stop
+            names the last call; each
+            result's member bits and call numbers are written to
+            DIR/ID.log (see test_py_aggregation.py)
+  mismatch  a by_model aggregation of a model whose size depends on I,
+            then a matching call
+"""
+import errno
+import json
+import os
+import sys
+import time
+
+import torch
+
+import cohort.aggregation as agg
+
+broker, my_id, n, scenario = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+me = int(my_id.split("-")[1])
+out_dir = sys.argv[5] if len(sys.argv) > 5 else None
+
+
+def fail(msg):
+    sys.stderr.write("%s: %s\n" % (my_id, msg))
+    sys.exit(1)
+
+
+def emit(**kv):
+    print(json.dumps(kv), flush=True)
+
+
+def model(i, salt):
+    """A model whose parameters and gradients are small integers that
+    depend on member i: float32 and float64 layers."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, dtype=torch.float64))
+    with torch.no_grad():
+        for k, p in enumerate(m.parameters()):
+            base = torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape)
+            p.copy_(((base * 3 + i * 7 + k + salt) % 11) - 5)
+            p.grad = (((base * 5 + i * 3 + k * 2 + salt) % 13) - 6).to(p.dtype)
+    return m
+
+
+def reference(vals, op, denom, dtype, divide_before=False):
+    """vals: every member's tensor (float64, exact integers)."""
+    x = torch.stack(vals)
+    if op in ("sum",):
+        r = x.sum(0)
+    elif op == "min":
+        r = x.min(0).values
+    elif op == "max":
+        r = x.max(0).values
+    else:
+        d = len(vals) if op == "avg" else denom
+        if divide_before:
+            # Each share rounded in the type, then summed: the test allows
+            # the sum's order a last bit.
+            r = (x.to(dtype) / d).to(torch.float64).sum(0)
+            return r.to(dtype)
+        # The engine sums exactly (small integers) and divides once, in
+        # the type's own arithmetic.
+        return x.sum(0).to(dtype) / torch.tensor(d, dtype=dtype)
+    return r.to(dtype)
+
+
+def scenario_ops():
+    agg.init(broker, "aggr", my_id)
+    wait_for_all()
+    a_classes = [("AllReduceAggregation", lambda: agg.AllReduceAggregation(n)),
+                 ("AllReduceAggregationHVD", lambda: agg.AllReduceAggregationHVD(n)),
+                 ("divide_before", lambda: agg.AllReduceAggregation(n, divide_before=True))]
+    salt = 0
+    for cname, make in a_classes:
+        a = make()
+        ops = ["avg", "sum", "min", "max", "custom_avg", "avg_world", "avg_custom"]
+        if cname == "divide_before":
+            ops = ["avg", "custom_avg"]
+        for op in ops:
+            for by_layer in (False, True):
+                for what in ("grad", "model"):
+                    salt += 1
+                    m = model(me, salt)
+                    f = a.agg_grad(by_layer) if what == "grad" else a.agg_model(by_layer)
+                    denom = torch.tensor(4.0) if op in ("custom_avg", "avg_custom") else None
+                    f(m, op, denom)
+                    canon = {"avg_world": "avg", "avg_custom": "custom_avg"}.get(op, op)
+                    others = [model(i, salt) for i in range(n)]
+                    for k, p in enumerate(m.parameters()):
+                        got = p.grad if what == "grad" else p.data
+                        vals = [(list(o.parameters())[k].grad if what == "grad"
+                                 else list(o.parameters())[k].data).to(torch.float64)
+                                for o in others]
+                        want = reference(vals, canon, 4.0, got.dtype, cname == "divide_before")
+                        tol = 1e-5 if cname == "divide_before" else 0
+                        if not torch.allclose(got, want, rtol=0, atol=tol):
+                            fail("%s %s by_layer=%s %s tensor %d: got %s, want %s"
+                                 % (cname, op, by_layer, what, k, got.tolist(), want.tolist()))
+                    emit(cls=cname, op=op, by_layer=by_layer, what=what,
+                         digest=[p.grad.tolist() if what == "grad" else p.data.tolist()
+                                 for p in m.parameters()])
+    emit(done=True, stats=agg.stats())
+    agg.shutdown()
+
+
+def wait_for_all(at_least=False):
+    end = time.monotonic() + 60
+    while agg.world_size() < n if at_least else agg.world_size() != n:
+        if time.monotonic() > end:
+            fail("the cohort never had %d members" % n)
+        time.sleep(0.05)
+
+
+def scenario_gossip():
+    agg.init(broker, "gossip", my_id)
+    wait_for_all()
+    graph = {i: [j for j in (i - 1, i + 1) if 0 <= j < n] for i in range(n)}
+    d = agg.DecentralizedAggregation(agg.rank(), graph[agg.rank()])
+    for by_layer in (False, True):
+        m = model(me, 0)
+        d.agg_model(by_layer)(m, "avg_world")
+        others = [model(i, 0) for i in range(n)]
+        for k, p in enumerate(m.parameters()):
+            vals = [list(others[j].parameters())[k].data.to(torch.float64)
+                    for j in [me] + graph[me]]
+            want = (sum(vals) / len(vals)).to(p.dtype)
+            if not torch.equal(p.data, want):
+                fail("gossip by_layer=%s tensor %d: got %s, want %s"
+                     % (by_layer, k, p.data.tolist(), want.tolist()))
+    try:
+        d._agg(torch.zeros(2), "sum")
+        fail("gossip took op sum")
+    except NotImplementedError:
+        pass
+    given = d.neighbors_now()
+    if me == n - 1:
+        # The last member leaves: its neighbour loses one, and the graph is
+        # mended to the ring of the others.
+        emit(done=True, neighbors=given)
+        agg.shutdown()
+        return
+    end = time.monotonic() + 60
+    while agg.world_size() != n - 1:
+        if time.monotonic() > end:
+            fail("m-%d never left" % (n - 1))
+        time.sleep(0.05)
+    mended = d.neighbors_now()
+    m = model(me, 1)
+    d.agg_model(False)(m, "avg")
+    left = n - 1
+    ring = sorted({me, (me - 1) % left, (me + 1) % left})
+    others = [model(i, 1) for i in range(left)]
+    for k, p in enumerate(m.parameters()):
+        vals = [list(others[j].parameters())[k].data.to(torch.float64) for j in ring]
+        want = (sum(vals) / len(vals)).to(p.dtype)
+        if not torch.equal(p.data, want):
+            fail("mended gossip tensor %d: got %s, want %s" % (k, p.data.tolist(), want.tolist()))
+    emit(done=True, neighbors=given, mended=mended)
+    agg.shutdown()
+
+
+def scenario_loop():
+    """Each call all-reduces (sum, float64) [2^I, k, k^2, first]: whose
+    inputs the result holds, and that all contributors made the same call
+    k (sum k^2 times the contributors = (sum k)^2 only when all k agree).
+    A late member learns k from its first result."""
+    agg.init(broker, "loop", my_id, call_timeout=120)
+    wait_for_all(at_least=True)
+    a = agg.AllReduceAggregation(agg.world_size())
+    log = open(os.path.join(out_dir, my_id + ".log"), "a", buffering=1)
+    stop_file = os.path.join(out_dir, "stop")
+    k, first = 0, True
+    while True:
+        t = torch.tensor([2.0 ** me, k, k * k, 1.0 if first else 0.0], dtype=torch.float64)
+        a._agg(t, "sum")
+        mask, s1, s2, fresh = (int(v) for v in t.tolist())
+        pop = bin(mask).count("1")
+        known = pop - fresh
+        if first:
+            k = s1 // known if known else 1
+            if known and (s1 != k * known or s2 != k * k * known):
+                fail("first call: the others disagree: %s" % t.tolist())
+            first = False
+        elif s1 != known * k or s1 * s1 != known * s2:
+            fail("call %d: contributors made different calls: %s" % (k, t.tolist()))
+        if not mask & (1 << me):
+            fail("call %d: its own input is missing" % k)
+        log.write("%d %d\n" % (k, mask))
+        stop = None
+        if os.path.exists(stop_file):
+            text = open(stop_file).read().strip()
+            stop = int(text) if text else None
+        if stop is not None and k >= stop:
+            break
+        k += 1
+        time.sleep(0.02)
+    emit(done=True, last=k, stats=agg.stats())
+    agg.shutdown()
+
+
+def scenario_mismatch():
+    agg.init(broker, "mismatch", my_id)
+    wait_for_all()
+    a = agg.AllReduceAggregation(n)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4 + me, 2)
+    before = [p.data.clone() for p in m.parameters()]
+    try:
+        a.agg_model(False)(m, "avg")
+        fail("a mismatched aggregation succeeded")
+    except agg.Error as e:
+        if e.errno != errno.EPROTO:
+            fail("mismatch raised %r" % (e,))
+        emit(error=str(e))
+    if not all(torch.equal(b, p.data) for b, p in zip(before, m.parameters())):
+        fail("a failed aggregation changed the model")
+    # The group stays usable: a matching call completes.
+    t = torch.full((3,), float(me + 1))
+    a._agg(t, "sum")
+    if t.tolist() != [float(n * (n + 1) // 2)] * 3:
+        fail("the call after the mismatch: %s" % t.tolist())
+    emit(done=True)
+    agg.shutdown()
+
+
+{"ops": scenario_ops, "gossip": scenario_gossip, "loop": scenario_loop,
+ "mismatch": scenario_mismatch}[scenario]()

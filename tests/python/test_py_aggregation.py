@@ -1,0 +1,186 @@
+"""cohort.aggregation: mlbench's Aggregation classes among real processes
+joined to a real broker, with real torch.
+
+- Every class (AllReduceAggregation, its Horovod twin, divide_before),
+  every op (and mlbench's names for them), by layer and by model, on
+  gradients and weights, against a reference each member computes in
+  torch from every member's inputs; every member ends with the same bytes.
+- DecentralizedAggregation on a path graph, against the gossip reference;
+  after a member leaves, the graph is mended to the ring of the rest.
+- A member joining mid-run lines up with the others' calls; a member
+  killed with SIGKILL mid-run: the survivors' next aggregation completes
+  on the new membership, and no call has two results.
+- Bad input: an unknown op, custom_avg without denom, use_cuda without
+  CUDA, bad ranks, mismatched models across members (a clear error on
+  every member, the models untouched, the group still usable).
+"""
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+import cohort.aggregation as agg
+from cohorttest import finish, start_broker, wait_until
+from pyproc import HERE, spawn
+
+CHILD = os.path.join(HERE, "aggregation_child.py")
+
+
+@pytest.fixture
+def broker():
+    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
+                     "--member-timeout", "2s")
+    yield b
+    b.stop()
+
+
+def members(broker, n, scenario, out_dir=None, first=0, count=None):
+    """Children m-first.. of a cohort of n (they wait for n members)."""
+    extra = [str(out_dir)] if out_dir else []
+    return [spawn([CHILD, broker.address, "m-%d" % i, str(n), scenario, *extra])
+            for i in range(first, first + (count if count is not None else n))]
+
+
+def results(kids):
+    got = []
+    for k in kids:
+        rc, out, err = finish(k)
+        assert rc == 0, err[-4000:]
+        got.append([json.loads(l) for l in out.splitlines() if l.startswith("{")])
+    return got
+
+
+def test_every_class_and_op_by_layer_and_by_model_matches_the_reference(broker):
+    got = results(members(broker, 3, "ops"))
+    for lines in got:
+        assert lines[-1].get("done"), lines[-1]
+    # 2 classes x 7 ops + divide_before x 2 ops, each by layer and by
+    # model, on gradients and on weights.
+    assert len(got[0]) == (2 * 7 + 2) * 4 + 1
+    for a, b in zip(got[0][:-1], got[1][:-1]):
+        assert a == b, (a, b)
+    for a, c in zip(got[0][:-1], got[2][:-1]):
+        assert a == c, (a, c)
+
+
+def test_decentralized_gossip_averages_with_the_given_neighbours_and_mends_the_graph(broker):
+    got = results(members(broker, 4, "gossip"))
+    assert [lines[-1]["neighbors"] for lines in got] == [["m-1"], ["m-0", "m-2"],
+                                                         ["m-1", "m-3"], ["m-2"]]
+    # After m-3 left: the ring of the three that remain, in which m-0 now
+    # has m-2 too (its given neighbours less the one gone would be m-1 only).
+    assert [lines[-1]["mended"] for lines in got[:3]] == [["m-1", "m-2"], ["m-0", "m-2"],
+                                                          ["m-0", "m-1"]]
+
+
+def read_log(path):
+    try:
+        with open(path) as f:
+            return [tuple(int(x) for x in l.split()) for l in f.read().splitlines()
+                    if len(l.split()) == 2]
+    except FileNotFoundError:
+        return []
+
+
+def stop_after(tmp_path, ids, margin=50):
+    top = max((read_log(tmp_path / (i + ".log")) or [(0, 0)])[-1][0] for i in ids)
+    (tmp_path / "stop").write_text(str(top + margin))
+
+
+def check_one_result_per_call(tmp_path, ids):
+    seen = {}
+    for i in ids:
+        for k, mask in read_log(tmp_path / (i + ".log")):
+            assert seen.setdefault(k, mask) == mask, "call %d has two results" % k
+    return seen
+
+
+def test_a_member_joining_mid_run_lines_up_with_the_others(broker, tmp_path):
+    kids = members(broker, 2, "loop", tmp_path)
+    wait_until(lambda: len(read_log(tmp_path / "m-0.log")) >= 10, "the first calls")
+    kids += members(broker, 3, "loop", tmp_path, first=2, count=1)
+    wait_until(lambda: len(read_log(tmp_path / "m-2.log")) >= 10, "the late member's calls")
+    stop_after(tmp_path, ["m-0", "m-1", "m-2"])
+    got = results(kids)
+    assert len({lines[-1]["last"] for lines in got}) == 1, got
+    late = read_log(tmp_path / "m-2.log")
+    assert late[0][0] > 10, "the late member took the others' numbering: %s" % late[:3]
+    assert late[-1][1] == 0b111
+    seen = check_one_result_per_call(tmp_path, ["m-0", "m-1", "m-2"])
+    masks = [seen[k] for k in sorted(seen)]
+    # The two, then all three from the late member's first call on.
+    assert masks == [0b11] * masks.index(0b111) + [0b111] * (len(masks) - masks.index(0b111))
+    assert masks.index(0b111) == late[0][0] - 1, (late[0], masks)
+
+
+def test_a_member_killed_mid_run_the_survivors_go_on(broker, tmp_path):
+    kids = members(broker, 3, "loop", tmp_path)
+    wait_until(lambda: len(read_log(tmp_path / "m-1.log")) >= 10, "the first calls")
+    os.killpg(kids[1].pid, signal.SIGKILL)
+    finish(kids[1])
+    # The survivors' calls complete on the new membership: m-0 and m-2.
+    wait_until(lambda: sum(1 for _, m in read_log(tmp_path / "m-0.log") if m == 0b101) >= 5,
+               "the survivors' calls without the killed member")
+    stop_after(tmp_path, ["m-0", "m-2"])
+    got = results([kids[0], kids[2]])
+    assert got[0][-1]["last"] == got[1][-1]["last"]
+    assert got[0][-1]["stats"]["members"] == 2
+    assert got[0][-1]["stats"]["retries"] >= 1 or got[0][-1]["stats"]["epochs"] >= 2
+    seen = check_one_result_per_call(tmp_path, ["m-0", "m-1", "m-2"])
+    masks = [seen[k] for k in sorted(seen)]
+    assert sorted(seen) == list(range(1, len(seen) + 1)), "calls numbered from 1, none missing"
+    # All three, then the survivors: never a mix after the kill.
+    pair = masks.index(0b101)
+    assert masks == [0b111] * pair + [0b101] * (len(masks) - pair), masks
+
+
+def test_members_with_different_models_get_a_clear_error(broker):
+    got = results(members(broker, 2, "mismatch"))
+    for lines in got:
+        assert "calls differ" in lines[0]["error"], lines
+        assert lines[-1] == {"done": True}
+
+
+def test_bad_input_is_refused_with_a_clear_error(broker):
+    agg.init(broker.address, "alone", "solo")
+    try:
+        assert agg.world_size() == 1 and agg.rank() == 0
+        a = agg.AllReduceAggregation(1)
+        t = torch.tensor([1.0, 2.0])
+        with pytest.raises(NotImplementedError, match="not one of avg, sum, min, max"):
+            a._agg(t, "median")
+        with pytest.raises(ValueError, match="Denominator"):
+            a._agg(t, "custom_avg")
+        with pytest.raises(ValueError, match="Denominator"):
+            a._agg(t, "custom_avg", torch.tensor(0.0))
+        with pytest.raises(ValueError, match="one element"):
+            a._agg(t, "custom_avg", torch.tensor([1.0, 2.0]))
+        with pytest.raises(TypeError, match="not torch.bool"):
+            a._agg(torch.tensor([True]), "sum")
+        with pytest.raises(TypeError, match="divide_before"):
+            agg.AllReduceAggregation(1, divide_before=True)._agg(torch.tensor([4]), "avg")
+        with pytest.raises(ValueError, match="world_size"):
+            agg.AllReduceAggregation(0)
+        with pytest.warns(RuntimeWarning, match="1 members now"):
+            agg.AllReduceAggregation(8)
+        with pytest.raises(ValueError, match="own neighbour"):
+            agg.DecentralizedAggregation(0, [0])
+        with pytest.raises(ValueError, match="not this member's rank"):
+            agg.DecentralizedAggregation(3, [])
+        with pytest.raises(ValueError, match="not ranks"):
+            agg.DecentralizedAggregation(0, [5])
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match="no CUDA device"):
+                agg.AllReduceAggregation(1, use_cuda=True)
+        assert t.tolist() == [1.0, 2.0], "refused calls change nothing"
+        # Alone, a call is the member's own input; custom_avg divides.
+        a._agg(t, "custom_avg", 2)
+        assert t.tolist() == [0.5, 1.0]
+        with pytest.raises(RuntimeError, match="already initialised"):
+            agg.init(broker.address, "alone", "solo2")
+    finally:
+        agg.shutdown()
+    with pytest.raises(RuntimeError, match="init"):
+        agg.world_size()
