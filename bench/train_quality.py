@@ -119,8 +119,8 @@ def member(a):
     return 0
 
 
-def run_codec(a, codec, build):
-    argv = [os.path.join(build, "cohortctl"), "run", "-n", str(a.peers), "--no-view",
+def run_codec(a, codec):
+    argv = [a.cohortctl, "run", "-n", str(a.peers), "--no-view",
             "-o", "json", "--timeout", "%ds" % a.timeout, "--",
             "/usr/bin/python3", os.path.abspath(__file__), "--member", "--codec", codec,
             "--peers", str(a.peers), "--steps", str(a.steps), "--seed", str(a.seed),
@@ -128,7 +128,7 @@ def run_codec(a, codec, build):
             "--lr", str(a.lr), "--eval-every", str(a.eval_every),
             "--target-loss", str(a.target_loss)]
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.path.join(build, "python"))
+               PYTHONPATH=os.environ.get("PYTHONPATH") or os.path.join(ROOT, "build", "python"))
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=a.timeout + 60)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     rows = []
@@ -149,13 +149,14 @@ def ratio(x, base, fmt):
 
 
 def driver(a):
-    build = os.path.abspath(a.build)
-    if not os.access(os.path.join(build, "cohortctl"), os.X_OK):
-        sys.exit("train_quality: no cohortctl in %s (make all python)" % build)
     results = {}
     for rep in range(a.reps):
         for codec in a.codecs:
-            row = run_codec(a, codec, build)
+            try:
+                row = run_codec(a, codec)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print("train_quality: %s" % e, file=sys.stderr)
+                return 1
             results.setdefault(codec, []).append(row)
             print("  rep %d %-8s eval_loss %.4f accuracy %.4f to_target %s s (%.1f s)"
                   % (rep + 1, codec, row["eval_loss"], row["accuracy"], row["to_target_s"],
@@ -198,8 +199,9 @@ def main():
     ap.add_argument("--target-loss", type=float, default=0.6,
                     help="held-out loss whose first crossing is timed (0.6)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per codec's run (600)")
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"),
-                    help="the build with cohortctl and python/ (build)")
+    ap.add_argument("--cohortctl", default=os.path.join(ROOT, "build", "cohortctl"),
+                    help="cohortctl to run the cohort with (build/cohortctl); the package "
+                         "comes from $PYTHONPATH, else build/python")
     ap.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--codec", default="none", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -213,6 +215,8 @@ def main():
         ap.error("--lr and --target-loss must be positive")
     if not a.codecs or a.codecs[0] != "none" or len(set(a.codecs)) != len(a.codecs):
         ap.error("--codecs must start with none and name each codec once")
+    if not a.member and not os.access(a.cohortctl, os.X_OK):
+        ap.error("no cohortctl at %s (make all python)" % a.cohortctl)
     return member(a) if a.member else driver(a)
 
 
