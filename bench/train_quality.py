@@ -18,7 +18,7 @@ accuracy after --steps, the training seconds until the held-out loss first
 reached --target-loss (at an evaluation; "-" if never), and each as a
 ratio to none. Only float32 parameters of more than 256 KiB travel
 compressed (docs/python.md), so the default --hidden 512 gives the
-512 x 512 layer (1 MiB of gradients, 90% of the model) to the codec.
+512 x 512 layer (1 MiB of gradients, 92% of the model) to the codec.
 
 With --member (what `cohortctl run` starts) this is one trainer.
 """
