@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench/train_quality.py: what each gradient codec does to training: the
-PyTorch example's MLP (examples/pytorch/train.py: its model, its teacher
-task, Adam) trained by a local cohort once per codec, with the same seed,
+PyTorch example's MLP (examples/pytorch/train.py: its model, its
+teacher-labelled data, Adam) trained by a local cohort once per codec, with the same seed,
 the same data and the same number of steps, in the same run.
 
     bench/train_quality.py
