@@ -8,6 +8,11 @@ Prints one JSON object per size, as cohortctl does:
 all-reduce of the slowest rank.
 
     /usr/bin/python3 bench/allreduce_gloo.py --peers 4 [--dtype f32] [--iters K] 4K 64M
+
+With --rank R and --master HOST:PORT this process is rank R alone (each
+rank in its own network namespace, say; rank 0 serves the rendezvous at
+HOST:PORT, and prints the rows); set GLOO_SOCKET_IFNAME to the interface
+the ranks share (default lo).
 """
 import argparse
 import json
@@ -30,7 +35,7 @@ def default_iters(nbytes):
     return max(10, min(1000, (1 << 30) // nbytes))
 
 
-def member(rank, peers, port, sizes, dtype_name, iters, out):
+def member(rank, peers, master, sizes, dtype_name, iters, warmup, out):
     import torch
     import torch.distributed as dist
 
@@ -38,13 +43,13 @@ def member(rank, peers, port, sizes, dtype_name, iters, out):
     dtypes = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
               "bf16": torch.bfloat16, "i32": torch.int32, "i64": torch.int64}
     dtype = dtypes[dtype_name]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("gloo", init_method=f"tcp://{master}",
                             rank=rank, world_size=peers)
     esz = torch.tensor([], dtype=dtype).element_size()
     for nbytes in sizes:
         count = nbytes // esz
         k = iters or default_iters(nbytes)
-        w = max(2, k // 10)
+        w = warmup or max(2, k // 10)
         t = torch.zeros(count, dtype=dtype)
         for _ in range(w):
             dist.all_reduce(t)
@@ -69,11 +74,24 @@ def main():
     ap.add_argument("--peers", type=int, default=2)
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--master", default=None, help="HOST:PORT of rank 0's rendezvous")
     ap.add_argument("sizes", nargs="+")
     args = ap.parse_args()
     sizes = [parse_size(x) for part in args.sizes for x in part.split(",") if x]
+    if args.peers < 1 or args.iters < 0 or args.warmup < 0:
+        ap.error("--peers must be positive, --iters and --warmup not negative")
+    if (args.rank is None) != (args.master is None):
+        ap.error("--rank and --master go together")
+    if args.rank is not None and not 0 <= args.rank < args.peers:
+        ap.error("--rank must be below --peers")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.rank is not None:
+        member(args.rank, args.peers, args.master, sizes, args.dtype, args.iters, args.warmup,
+               sys.stdout)
+        return
     with socket.socket() as s:      # a free port for the rendezvous store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -83,7 +101,8 @@ def main():
         if pid == 0:
             code = 0
             try:
-                member(rank, args.peers, port, sizes, args.dtype, args.iters, sys.stdout)
+                member(rank, args.peers, f"127.0.0.1:{port}", sizes, args.dtype, args.iters,
+                       args.warmup, sys.stdout)
             except Exception as e:  # noqa: BLE001 - report and fail the child
                 print(f"allreduce_gloo: rank {rank}: {e}", file=sys.stderr)
                 code = 1

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "engine/allreduce.h"
@@ -28,6 +29,8 @@
 #define MAX_PEERS 64
 #define MAX_SIZES 32
 #define MAX_BENCH_BYTES ((uint64_t)4 << 30)
+#define MAX_RENDEZVOUS_PATH 4096
+#define RENDEZVOUS_POLL_MS 10
 
 static const char usage[] =
     "Usage: cohortctl bench allreduce --peers N [options]\n"
@@ -68,7 +71,20 @@ static const char usage[] =
     "  --topk-ratio R     topk: the share of entries sent, in (0, 1] (default 0.01)\n"
     "  --rank R           powersgd: the rank (default 4)\n"
     "  -o, --output FMT   table (default) or json (one object per line)\n"
-    "  -h, --help         show this text\n";
+    "  -h, --help         show this text\n"
+    "\n"
+    "One member per process (each in its own network namespace, say, so that\n"
+    "its traffic crosses a link of its own):\n"
+    "  --member I         run member I (0..N-1) of the --peers N alone here and\n"
+    "                     print its own times (a table then takes the slowest)\n"
+    "  --rendezvous DIR   a new, empty directory every member of this run can\n"
+    "                     reach (a stale address there is dialled): member I writes\n"
+    "                     its address to DIR/addr.I and waits (--timeout) for the\n"
+    "                     others'; DIR/done.I marks its last all-reduce, so that\n"
+    "                     no member leaves while a peer still reads from it\n"
+    "  --host ADDR        the numeric address member I listens on (default\n"
+    "                     127.0.0.1), on a port the kernel picks\n"
+    "  --key-file PATH    the key every member proves (64 hex digits)\n";
 
 struct bench {
     size_t peers;
@@ -85,7 +101,11 @@ struct bench {
     enum method { METHOD_CODEC, METHOD_TOPK, METHOD_POWERSGD } method;
     double topk_ratio;
     size_t rank;
-    struct secret key;          /* generated for the run */
+    struct secret key;          /* generated for the run, or --key-file's */
+    long member;                /* --member, or -1: every member, forked here */
+    const char *rendezvous;     /* --member's directory (argv's) */
+    const char *host;           /* --member's listening address (argv's) */
+    const char *key_file;       /* --member's key (argv's) */
     int listen_fds[MAX_PEERS];
     char addrs[MAX_PEERS][64];
     char ids[MAX_PEERS][24];
@@ -191,9 +211,16 @@ static int step(struct bench *b, struct allreduce *ar, int h, void *buf, size_t 
     return allreduce_run_codec(ar, h, h, count, b->type, b->op, 1, b->codec, ++*round);
 }
 
-/* A member: runs every size and writes one struct result per size to
- * `out`. Runs in a forked child; never returns. */
-static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
+static void print_row(const struct bench *b, uint64_t bytes, double ms);
+static int rendezvous_barrier(const struct bench *b);
+
+/* A member: runs every size. Forked (out >= 0): writes one struct result
+ * per size to `out`, then waits for the parent to read them all. Alone
+ * (out < 0, --member): prints its own row per size, then waits at the
+ * rendezvous for every member's last all-reduce. Either way no member
+ * leaves while a peer may still read from it. Returns 0 or the first
+ * failure's -errno. */
+static int member_run(struct bench *b, struct epoch *e, size_t me, int out)
 {
     struct allreduce_config cfg = { .cohort = "bench", .member_id = b->ids[me],
                                     .listen_fd = b->listen_fds[me],
@@ -241,21 +268,30 @@ static void member_main(struct bench *b, struct epoch *e, size_t me, int out)
         }
         topk_destroy(tk);
         powersgd_destroy(ps);
-        if (!write_all(out, &r, sizeof(r)))
-            break;
         rc = r.rc;
+        if (out < 0 && rc == 0) {
+            print_row(b, b->sizes[i] / dtype_size(b->type) * dtype_size(b->type), r.mean_ms);
+        } else if (out < 0) {
+            fprintf(stderr, "cohortctl bench allreduce: member %zu: %" PRIu64 " bytes failed: %s\n",
+                    me, b->sizes[i], log_strerror(rc));
+            break;
+        } else if (!write_all(out, &r, sizeof(r))) {
+            break;
+        }
     }
     /* The parent reads every size before any member leaves, so that no one
      * sees a peer close in the middle of its last all-reduce. */
-    {
+    if (out >= 0) {
         char c;
         if (read(out, &c, 1) < 0) {
             /* parent gone: leave anyway */
         }
+    } else if (rc == 0) {
+        rc = rendezvous_barrier(b);
     }
     allreduce_destroy(ar);
     free(buf);
-    _exit(rc == 0 ? 0 : 1);
+    return rc;
 }
 
 static void print_row(const struct bench *b, uint64_t bytes, double ms)
@@ -297,6 +333,130 @@ static void print_row(const struct bench *b, uint64_t bytes, double ms)
     fflush(stdout);
 }
 
+static void sleep_ms(unsigned ms)
+{
+    struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L };
+
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {
+    }
+}
+
+/* Writes `text` to DIR/NAME.I through a temporary name and a rename, so a
+ * reader sees the whole of it or nothing. Returns 0 or -errno. */
+static int rendezvous_put(const struct bench *b, const char *name, const char *text)
+{
+    char tmp[MAX_RENDEZVOUS_PATH], path[MAX_RENDEZVOUS_PATH];
+    size_t len = strlen(text);
+    FILE *f;
+    int rc = 0;
+
+    snprintf(tmp, sizeof(tmp), "%s/.%s.%ld.tmp", b->rendezvous, name, b->member);
+    snprintf(path, sizeof(path), "%s/%s.%ld", b->rendezvous, name, b->member);
+    f = fopen(tmp, "we");
+    if (!f)
+        return -errno;
+    if (fwrite(text, 1, len, f) != len)
+        rc = -EIO;
+    if (fclose(f) != 0 && rc == 0)
+        rc = -errno;
+    if (rc == 0 && rename(tmp, path) < 0)
+        rc = -errno;
+    if (rc < 0)
+        unlink(tmp);
+    return rc;
+}
+
+/* Waits until DIR/NAME.I exists, up to the member timeout from `start`,
+ * and reads it into out (cap bytes with its NUL). Whatever another
+ * process wrote there is input: a file that does not fit, or holds
+ * anything but printable characters, is refused. Returns 0, -ETIMEDOUT,
+ * -EINVAL (refused), or -errno. */
+static int rendezvous_get(const struct bench *b, const char *name, size_t i, uint64_t start,
+                          char *out, size_t cap)
+{
+    char path[MAX_RENDEZVOUS_PATH];
+    FILE *f;
+    size_t n;
+
+    snprintf(path, sizeof(path), "%s/%s.%zu", b->rendezvous, name, i);
+    while (!(f = fopen(path, "re"))) {
+        if (errno != ENOENT)
+            return -errno;
+        if (clock_now_us() - start > b->timeout_ms * 1000)
+            return -ETIMEDOUT;
+        sleep_ms(RENDEZVOUS_POLL_MS);
+    }
+    n = fread(out, 1, cap, f);
+    fclose(f);
+    if (n >= cap)
+        return -EINVAL;
+    out[n] = '\0';
+    for (size_t j = 0; j < n; j++)
+        if (out[j] < 0x21 || out[j] > 0x7e)
+            return -EINVAL;
+    return 0;
+}
+
+/* Marks this member's last all-reduce done and waits for every other's. */
+static int rendezvous_barrier(const struct bench *b)
+{
+    uint64_t start = clock_now_us();
+    char ignored[8];
+    int rc = rendezvous_put(b, "done", "done");
+
+    for (size_t i = 0; i < b->peers && rc == 0; i++)
+        rc = rendezvous_get(b, "done", i, start, ignored, sizeof(ignored));
+    if (rc < 0)
+        fprintf(stderr, "cohortctl bench allreduce: member %ld: waiting for the others to finish: %s\n",
+                b->member, log_strerror(rc));
+    return rc;
+}
+
+/* --member: this process is one member. Listens on --host, publishes the
+ * address, learns the others' from the rendezvous, forms the same epoch
+ * as they do (ids p-0..p-N-1 in order) and runs. Returns the exit status. */
+static int member_alone(struct bench *b)
+{
+    struct epoch_member members[MAX_PEERS];
+    struct epoch *e = NULL;
+    size_t me = (size_t)b->member;
+    uint64_t start = clock_now_us();
+    int rc;
+
+    rc = allreduce_listen(b->host ? b->host : "127.0.0.1", &b->listen_fds[me], b->addrs[me],
+                          sizeof(b->addrs[me]));
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl bench allreduce: cannot listen on %s: %s\n",
+                b->host ? b->host : "127.0.0.1", log_strerror(rc));
+        return 1;
+    }
+    rc = rendezvous_put(b, "addr", b->addrs[me]);
+    for (size_t i = 0; i < b->peers && rc == 0; i++) {
+        snprintf(b->ids[i], sizeof(b->ids[i]), "p-%zu", i);
+        if (i != me)
+            rc = rendezvous_get(b, "addr", i, start, b->addrs[i], sizeof(b->addrs[i]));
+        members[i] = (struct epoch_member){ .id = b->ids[i], .address = b->addrs[i] };
+    }
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl bench allreduce: member %zu: rendezvous in %s: %s\n", me,
+                b->rendezvous, log_strerror(rc));
+        goto out;
+    }
+    rc = epoch_create("bench", 1, 0, members, b->peers, &e);
+    if (rc < 0) {
+        fprintf(stderr, "cohortctl bench allreduce: member %zu: %s\n", me, log_strerror(rc));
+        goto out;
+    }
+    if (!b->json)
+        printf("%6s %12s %11s %10s %10s %9s %5s %12s\n", "peers", "bytes", "time_ms", "algbw_gbs",
+               "busbw_gbs", "integrity", "codec", "wire_bytes");
+    rc = member_run(b, e, me, -1);
+    epoch_unref(e);
+out:
+    close(b->listen_fds[me]);
+    return rc == 0 ? 0 : 1;
+}
+
 /* Fills *b from the command line. Returns 0 to run, 1 after --help, or
  * OPT_EXIT_USAGE after reporting a usage error. */
 static int parse_args(struct bench *b, int argc, char **argv)
@@ -310,6 +470,8 @@ static int parse_args(struct bench *b, int argc, char **argv)
         { "integrity", required_argument, NULL, 'I' }, { "help", no_argument, NULL, 'h' },
         { "codec", required_argument, NULL, 'C' },
         { "topk-ratio", required_argument, NULL, 'R' }, { "rank", required_argument, NULL, 'r' },
+        { "member", required_argument, NULL, 'M' }, { "rendezvous", required_argument, NULL, 'D' },
+        { "host", required_argument, NULL, 'H' }, { "key-file", required_argument, NULL, 'K' },
         { NULL, 0, NULL, 0 },
     };
     const struct option *o;
@@ -389,6 +551,22 @@ static int parse_args(struct bench *b, int argc, char **argv)
                 goto bad;
             b->rank = (size_t)v;
             break;
+        case 'M':
+            if (opt_uint(optarg, 0, MAX_PEERS - 1, &v) < 0)
+                goto bad;
+            b->member = (long)v;
+            break;
+        case 'D':
+            if (!*optarg || strlen(optarg) > MAX_RENDEZVOUS_PATH - 32)
+                goto bad;
+            b->rendezvous = optarg;
+            break;
+        case 'H':
+            b->host = optarg;
+            break;
+        case 'K':
+            b->key_file = optarg;
+            break;
         case 'o':
             if (strcmp(optarg, "json") == 0)
                 b->json = true;
@@ -408,6 +586,12 @@ static int parse_args(struct bench *b, int argc, char **argv)
         (b->type != DTYPE_F32 || (b->op != DTYPE_SUM && b->op != DTYPE_AVG)))
         return opt_usage(PROG, "--codec %s needs --dtype f32 and --op sum or avg",
                          b->method == METHOD_TOPK ? "topk" : "powersgd");
+    if (b->member >= 0 && (!b->rendezvous || !b->key_file))
+        return opt_usage(PROG, "--member needs --rendezvous and --key-file");
+    if (b->member < 0 && (b->rendezvous || b->key_file || b->host))
+        return opt_usage(PROG, "--rendezvous, --key-file and --host go with --member");
+    if (b->member >= (long)b->peers)
+        return opt_usage(PROG, "--member %ld is not below --peers %zu", b->member, b->peers);
     return opt_no_operands(PROG, argc, argv, optind);
 bad:
     for (o = opts; o->name && o->val != c; o++)
@@ -418,7 +602,7 @@ bad:
 int cli_bench_allreduce(int argc, char **argv)
 {
     struct bench b = { .peers = 2, .type = DTYPE_F32, .op = DTYPE_SUM, .timeout_ms = 30000,
-                       .topk_ratio = 0.01, .rank = 4 };
+                       .topk_ratio = 0.01, .rank = 4, .member = -1 };
     struct epoch_member members[MAX_PEERS];
     struct epoch *e = NULL;
     pid_t pids[MAX_PEERS];
@@ -439,6 +623,16 @@ int cli_bench_allreduce(int argc, char **argv)
             return opt_usage(PROG, "%" PRIu64 " bytes hold no %s element", b.sizes[i],
                              dtype_name(b.type));
     log_set_level(LOG_WARN);
+    if (b.member >= 0) {
+        rc = secret_load(b.key_file, &b.key);
+        if (rc < 0) {
+            fprintf(stderr, "cohortctl bench allreduce: %s: %s\n", b.key_file, log_strerror(rc));
+            return 1;
+        }
+        status = member_alone(&b);
+        secret_wipe(&b.key);
+        return status;
+    }
     rc = secret_generate(&b.key);
     if (rc < 0) {
         fprintf(stderr, "cohortctl bench allreduce: cannot make a key: %s\n", log_strerror(rc));
@@ -480,7 +674,7 @@ int cli_bench_allreduce(int argc, char **argv)
                     close(b.listen_fds[j]);
             for (size_t j = 0; j <= i; j++)
                 close(pipes[j][0]);
-            member_main(&b, e, i, pipes[i][1]);
+            _exit(member_run(&b, e, i, pipes[i][1]) == 0 ? 0 : 1);
         }
         close(pipes[i][1]);
     }

@@ -3,11 +3,13 @@ that they work and refuse bad flags, not their figures, which belong to
 the README) against the sanitizer build."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
 from cohorttest import DEADLINE, ROOT, bin_dir, bin_path, run_group
+from cohorttest.programs import write_key
 
 
 def cohortctl(*args):
@@ -114,3 +116,117 @@ def test_bench_failover_times_a_sidecars_death():
     row = json.loads(out.splitlines()[0])
     assert row["kind"] == "sidecar" and len(row["seconds"]) == 1 and row["seconds"][0] > 0
     assert "| torchrun's documented detection" in out
+
+
+def test_bench_allreduce_members_in_their_own_processes_meet_at_a_rendezvous(tmp_path):
+    key = write_key(tmp_path / "key")
+    rv = tmp_path / "rv"
+    rv.mkdir()
+    argv = [bin_path("cohortctl"), "bench", "allreduce", "--peers", "3", "--bytes", "4K,64K",
+            "--iters", "3", "--warmup", "1", "--codec", "int8", "--rendezvous", str(rv),
+            "--key-file", key, "--host", "127.0.0.1", "-o", "json"]
+    procs = [subprocess.Popen(argv + ["--member", str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=4 * DEADLINE)
+        assert p.returncode == 0, err[-4000:]
+        rows = json_lines(out)
+        assert [r["bytes"] for r in rows] == [4096, 65536]
+        assert all(r["peers"] == 3 and r["codec"] == "int8" and r["time_ms"] > 0 for r in rows)
+    assert sorted(os.listdir(rv)) == ["addr.0", "addr.1", "addr.2", "done.0", "done.1", "done.2"]
+
+
+def test_bench_allreduce_member_gives_up_on_a_missing_peer_and_refuses_a_bad_address(tmp_path):
+    key = write_key(tmp_path / "key")
+    base = ["bench", "allreduce", "--peers", "2", "--bytes", "4K", "--rendezvous",
+            str(tmp_path), "--key-file", key]
+    # Member 1 never comes: member 0 waits out its --timeout and says so.
+    rc, out, err = cohortctl(*base, "--member", "0", "--timeout", "300ms")
+    assert rc == 1 and "rendezvous" in err and "timed out" in err, err
+    # What a peer wrote is input: an address with a newline in it is refused.
+    (tmp_path / "addr.0").write_text("127.0.0.1:1\n")
+    rc, out, err = cohortctl(*base, "--member", "1", "--timeout", "5s")
+    assert rc == 1 and "Invalid argument" in err, err
+
+
+@pytest.mark.parametrize("args", [
+    ["--member", "0"],                                      # no rendezvous, no key
+    ["--member", "2", "--peers", "2", "--rendezvous", "/tmp", "--key-file", "/dev/null"],
+    ["--rendezvous", "/tmp"],                               # without --member
+    ["--host", "127.0.0.1"],
+    ["--member", "-1", "--rendezvous", "/tmp", "--key-file", "/dev/null"],
+])
+def test_bench_allreduce_member_flags_are_checked(args):
+    rc, out, err = cohortctl("bench", "allreduce", *args)
+    assert rc == 2 and out == "", (rc, err)
+    assert "cohortctl bench allreduce" in err
+
+
+NETNS = os.path.join(ROOT, "bench", "compression_netns.py")
+QUALITY = os.path.join(ROOT, "bench", "train_quality.py")
+
+
+@pytest.mark.parametrize("args", [
+    ["--peers", "1"],
+    ["--rate", "1gb"],
+    ["--rate", "fast"],
+    ["--codecs", "int8 none"],                  # none first: the ratios' base
+    ["--codecs", "none zip"],
+    ["--reps", "0"],
+    ["--cohortctl", "/nonexistent/cohortctl"],
+])
+def test_compression_netns_refuses_bad_arguments(args):
+    rc, out, err = run_group([sys.executable, NETNS, "--cohortctl", bin_path("cohortctl"), *args],
+                             DEADLINE, what="bench/compression_netns.py")
+    assert rc == 2 and out == "", (rc, err)
+
+
+def test_compression_netns_runs_a_tiny_limited_round():
+    rc, out, err = run_group([sys.executable, NETNS, "--cohortctl", bin_path("cohortctl"),
+                              "--peers", "2", "--bytes", "64K", "--reps", "1", "--iters", "2",
+                              "--codecs", "none int8", "--no-gloo", "--rate", "100mbit"],
+                             4 * DEADLINE, what="bench/compression_netns.py")
+    assert rc == 0, err[-4000:]
+    if out.startswith("compression_netns: skipped:"):
+        pytest.skip(out.strip())
+    rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
+    assert [[c.strip() for c in r[:2]] for r in rows] == [["cohort", "none"], ["cohort", "int8"]]
+    # int8 sends about a quarter of none's bytes through the limited link.
+    assert int(rows[0][3]) == 65536 and int(rows[1][3]) < 65536 // 3
+    assert 0 < float(rows[1][6]) < 0.5
+
+
+@pytest.mark.parametrize("args", [
+    ["--peers", "0"],
+    ["--steps", "0"],
+    ["--codecs", "fp16 none"],
+    ["--codecs", "none none"],
+    ["--target-loss", "-1"],
+    ["--cohortctl", "/nonexistent/cohortctl"],
+])
+def test_train_quality_refuses_bad_arguments(args):
+    rc, out, err = run_group([sys.executable, QUALITY, "--cohortctl", bin_path("cohortctl"),
+                              *args], DEADLINE, what="bench/train_quality.py")
+    assert rc == 2 and out == "", (rc, err)
+
+
+def test_train_quality_trains_once_per_codec_and_reports_ratios():
+    rc, out, err = run_group([sys.executable, QUALITY, "--cohortctl", bin_path("cohortctl"),
+                              "--peers", "2", "--steps", "4", "--eval-every", "2",
+                              "--hidden", "256", "--codecs", "none bf16",
+                              "--target-loss", "100"], 8 * DEADLINE, what="bench/train_quality.py")
+    assert rc == 0, err[-4000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["none", "bf16"]
+    for r in rows:
+        assert float(r[1]) > 0 and 0 <= float(r[2]) <= 1
+        assert float(r[3]) >= 0, "a loss of 100 is reached at the first evaluation"
+    assert rows[0][5:] == ["1.000", "1.000", "1.00"]
+
+
+def test_train_quality_reports_a_codec_the_accumulator_refuses():
+    rc, out, err = run_group([sys.executable, QUALITY, "--cohortctl", bin_path("cohortctl"),
+                              "--peers", "1", "--steps", "2", "--codecs", "none zip"],
+                             8 * DEADLINE, what="bench/train_quality.py")
+    assert rc == 1 and out == "", (rc, out)
+    assert "--codec zip" in err
