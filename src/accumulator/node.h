@@ -52,7 +52,7 @@
 #include <stdint.h>
 
 #include "base/ident.h"
-#include "engine/codec.h"
+#include "accumulator/compress.h"
 #include "engine/dtype.h"
 
 struct secret;
@@ -96,8 +96,8 @@ struct node_config {
     /* How gradient steps compress their payloads until the trainer asks
      * for another (node_set_compression; a TrainingCohort's
      * spec.reduction.compression through cohort-sidecar --compression).
-     * A default, not a pin: see node.c, "Compression". */
-    enum codec compression;
+     * A default, not a pin: see node.c, "Compression". Zero: none. */
+    struct compress compression;
     /* Checkpoints (ckpt.h; a TrainingCohort's spec.checkpoint). With a
      * directory, the node loads the newest valid checkpoint there when the
      * trainer registers (if it is ahead of the version the node starts
@@ -210,11 +210,13 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size);
  * change it between rounds. */
 int node_set_parallel_gradients(struct node *n, unsigned count);
 
-/* The codec this member asks its gradient steps to use (engine/codec.h).
- * A step is compressed only when every member of its round asks for the
- * same codec, and only for float32 gradients of more than 256 KiB (see
- * node.c, "Compression"). Returns 0 or -EINVAL (unknown codec). */
-int node_set_compression(struct node *n, enum codec codec);
+/* What this member asks its gradient steps to compress with (a codec,
+ * top-k with its ratio, PowerSGD with its rank: compress.h; copied). A
+ * step is compressed only when every member of its round asks for the
+ * same method and parameter, and only for float32 gradients of more than
+ * 256 KiB (see node.c, "Compression"). Returns 0 or -EINVAL (not
+ * compress_valid). */
+int node_set_compression(struct node *n, const struct compress *c);
 
 /* What this node knows of checkpoints, for its member's reports. */
 struct node_checkpoints {
