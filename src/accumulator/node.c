@@ -56,6 +56,18 @@
  * fuse; they gain nothing from it anyway. Only float32 gradients are
  * compressed.
  *
+ * Top-k and PowerSGD: the same vote, with two more counters (the
+ * parameter and its square), so members agree on the ratio or the rank as
+ * well as the method. The reducers (engine/topk.h, engine/powersgd.h)
+ * are made on this thread for the parameter agreed, and remade from zero
+ * when it changes. Their gradient step reads the round's gradients (the
+ * trainer's or the round's slot, untouched until the result is consumed)
+ * and sums into the results region, divided here as AVG_BY would; the
+ * residual, the error and the warm start are kept only at the commit
+ * (reducers_commit), since the buffer sync after the step can still fail.
+ * PowerSGD's round is three all-reduces: P, Q, and the elements beyond
+ * rows x cols, uncompressed.
+ *
  * Parallel gradients (n > 1): a contribution is copied into one of n
  * private slots and the trainer's gradients are zeroed, so the trainer
  * computes its next batch while rounds go on. Slots queue in order; each

@@ -39,6 +39,21 @@
  * contributions, each counted once, and every member applies the same
  * bytes.
  *
+ * Top-k and PowerSGD (compress.h) keep this member's error between
+ * rounds. It changes only at the commit (a round that fails after its
+ * gradient step, in an epoch change before the commit, leaves it, and the
+ * retry sends the same thing); it starts at zero on a joiner, leaves with
+ * a member that leaves, and is zeroed when this member receives the
+ * leader's state (it belonged to parameters it no longer holds). The
+ * members vote on the method and its parameter (the ratio, the rank) in
+ * the count step: any difference runs the round uncompressed, logged
+ * once, rather than refusing, so a cohort that changes setting member by
+ * member keeps training. PowerSGD views the whole float32 gradient buffer
+ * of n elements as floor(sqrt(n)) rows of n / rows columns (the node
+ * knows no tensor shapes); the elements left over reduce uncompressed.
+ * See node.c, "Compression", and docs/architecture.md, "Top-k and
+ * PowerSGD, with error feedback".
+ *
  * Buffers (statistics that are not reduced, such as BatchNorm's) drift
  * between members; every buffer_sync_rounds commits the leader's are
  * broadcast with the gradient step and installed with the commit, while
