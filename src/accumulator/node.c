@@ -951,6 +951,9 @@ static int run_step(struct node *n)
     pthread_mutex_unlock(&n->lock);
     if (take && !take_queued(n))
         return 0;
+    /* Only this count step's gradient step may be committed: a reducer
+     * that ran in a round that then failed is not this round's. */
+    n->round_reducer = COMPRESS_NONE;
     pthread_mutex_lock(&n->lock);
     c[0] = n->acc_batch;
     c[1] = n->acc_grads;
@@ -1025,6 +1028,9 @@ static int run_step(struct node *n)
         if (rc < 0)
             return rc;
     }
+    /* Nothing can fail from here: the round commits, and so do the
+     * reducers (outside the lock: a pass over the gradients). */
+    reducers_commit(n);
     pthread_mutex_lock(&n->lock);
     while (sync_buffers && !n->leader && n->ckpt_copying)
         pthread_cond_wait(&n->cond, &n->lock);
@@ -1032,8 +1038,6 @@ static int run_step(struct node *n)
         memcpy(n->t.buffers, n->buf_scratch, n->t.buffers_bytes);
     if (grads == 0)     /* everyone skipped: a zero step */
         memset(n->t.results, 0, bytes);
-    /* The round commits here and nowhere else: so do the reducers. */
-    reducers_commit(n);
     n->version++;
     /* A newer epoch may have reached the engine during the step, which
      * then ran among its members (the engine has no other): which epoch
