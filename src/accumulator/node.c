@@ -757,8 +757,6 @@ static int reducer_ready(struct node *n, const struct compress *c)
     size_t count = n->t.grad_count;
     int rc;
 
-    if (!n->zeros && !(n->zeros = calloc(count, sizeof(float))))
-        return -ENOMEM;
     if (c->method == COMPRESS_TOPK) {
         size_t k;
 
@@ -806,6 +804,8 @@ static int reducer_step(struct node *n, const float *in, uint64_t grads, const s
 
     if ((rc = reducer_ready(n, c)) < 0)
         return rc;
+    if (!in && !n->zeros && !(n->zeros = calloc(count, sizeof(float))))
+        return -ENOMEM;
     if (!in)
         in = n->zeros;
     n->round_reducer = COMPRESS_NONE;

@@ -707,6 +707,12 @@ struct cmember {
     float *seen;                    /* CROUNDS x CG: the result that made version v + 1 */
     uint64_t made, applied;
     bool started;
+    uint64_t target;                /* stop at this model version (CROUNDS) */
+    uint32_t start_size;            /* members in the epoch before the first contribution */
+    uint64_t hold_at;               /* after this many results (0: never), contribute only... */
+    uint32_t hold_size;             /* ...in epochs of this many members */
+    atomic_uint_fast64_t version;   /* the newest model version seen */
+    uint64_t grads_at[CROUNDS + 1]; /* num_gradients of the result that made version v */
     void (*fill)(float *g, int member, uint64_t round);
     int rc;
     pthread_t t;
@@ -720,7 +726,8 @@ static void *cmember_main(void *arg)
 
     while (clock_now_ms() < end) {
         node_view(m->n, &v);
-        if (m->applied >= CROUNDS && !v.has_gradients)
+        atomic_store(&m->version, v.model_version);
+        if (v.model_version >= m->target && !v.has_gradients)
             return NULL;
         if (!v.connected) {
             clock_sleep_ms(1);
@@ -735,13 +742,16 @@ static void *cmember_main(void *arg)
                 free(s);
         }
         if (v.has_gradients) {
-            if (v.model_version >= 1 && v.model_version <= CROUNDS)
+            if (v.model_version >= 1 && v.model_version <= CROUNDS) {
                 memcpy(m->seen + (v.model_version - 1) * CG, m->results, CG * sizeof(float));
+                m->grads_at[v.model_version] = v.num_gradients;
+            }
             memset(m->grads, 0, CG * sizeof(float));
             if (node_consume(m->n, v.rounds_committed) < 0)
                 m->rc = -EPROTO;
             m->applied++;
-        } else if (v.wants_gradients && m->made < CROUNDS && (m->started || v.size == 2)) {
+        } else if (v.wants_gradients && (m->started || v.size == m->start_size) &&
+                   !(m->hold_at && m->applied >= m->hold_at && v.size < m->hold_size)) {
             m->started = true;
             m->fill(m->grads, m->index, m->made);
             if (node_contribute(m->n, 1) == 0)
@@ -759,32 +769,41 @@ static void *cmember_main(void *arg)
 /* Two members of cohort `cohort` (the broker's "train"), member i asking for comp[i], each
  * contributing CROUNDS gradients of fill(); returns once both applied
  * CROUNDS results, each member's in ms[i].seen. */
+/* Member c-<i> of cohort `cohort` (the broker's "train") asking for
+ * `comp`, virtual batch size 2, its loop started. */
+static void cmember_start(const char *cohort, struct cmember *m, int i, const char *comp,
+                          void (*fill)(float *, int, uint64_t), uint32_t start_size)
+{
+    struct node_config c = { .broker = broker, .cohort = cohort, .host = "127.0.0.1",
+                             .reduce_timeout_ms = 20000 };
+    struct node_tensors t;
+    char id[16];
+
+    memset(m, 0, sizeof(*m));
+    m->index = i;
+    m->fill = fill;
+    m->target = CROUNDS;
+    m->start_size = start_size;
+    m->grads = aligned_alloc(64, CG * sizeof(float));
+    m->results = aligned_alloc(64, CG * sizeof(float));
+    m->seen = calloc((size_t)CROUNDS * CG, sizeof(float));
+    cr_assert(m->grads && m->results && m->seen);
+    snprintf(id, sizeof(id), "c-%d", i);
+    c.id = id;
+    cr_assert_eq(compress_parse(comp, &c.compression), 0, "%s", comp);
+    cr_assert_eq(node_start(&c, &m->n), 0);
+    t = (struct node_tensors){ .params = m->params, .params_bytes = sizeof(m->params),
+                               .grads = m->grads, .grad_count = CG, .grad_type = DTYPE_F32,
+                               .results = m->results };
+    cr_assert_eq(node_register(m->n, &t), 0);
+    cr_assert_eq(node_set_virtual_batch_size(m->n, 2), 0);
+}
+
 static void compressed_pair(const char *cohort, struct cmember ms[2], const char *const comp[2],
                             void (*fill)(float *, int, uint64_t))
 {
-    for (int i = 0; i < 2; i++) {
-        struct node_config c = { .broker = broker, .cohort = cohort, .host = "127.0.0.1",
-                                 .reduce_timeout_ms = 20000 };
-        struct node_tensors t;
-        char id[16];
-
-        memset(&ms[i], 0, sizeof(ms[i]));
-        ms[i].index = i;
-        ms[i].fill = fill;
-        ms[i].grads = aligned_alloc(64, CG * sizeof(float));
-        ms[i].results = aligned_alloc(64, CG * sizeof(float));
-        ms[i].seen = calloc((size_t)CROUNDS * CG, sizeof(float));
-        cr_assert(ms[i].grads && ms[i].results && ms[i].seen);
-        snprintf(id, sizeof(id), "c-%d", i);
-        c.id = id;
-        cr_assert_eq(compress_parse(comp[i], &c.compression), 0, "%s", comp[i]);
-        cr_assert_eq(node_start(&c, &ms[i].n), 0);
-        t = (struct node_tensors){ .params = ms[i].params, .params_bytes = sizeof(ms[i].params),
-                                   .grads = ms[i].grads, .grad_count = CG, .grad_type = DTYPE_F32,
-                                   .results = ms[i].results };
-        cr_assert_eq(node_register(ms[i].n, &t), 0);
-        cr_assert_eq(node_set_virtual_batch_size(ms[i].n, 2), 0);
-    }
+    for (int i = 0; i < 2; i++)
+        cmember_start(cohort, &ms[i], i, comp[i], fill, 2);
     for (int i = 0; i < 2; i++)
         pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
     for (int i = 0; i < 2; i++) {
@@ -793,14 +812,18 @@ static void compressed_pair(const char *cohort, struct cmember ms[2], const char
     }
 }
 
+static void cmember_free(struct cmember *m)
+{
+    node_stop(m->n);
+    free(m->grads);
+    free(m->results);
+    free(m->seen);
+}
+
 static void compressed_pair_free(struct cmember ms[2])
 {
-    for (int i = 0; i < 2; i++) {
-        node_stop(ms[i].n);
-        free(ms[i].grads);
-        free(ms[i].results);
-        free(ms[i].seen);
-    }
+    for (int i = 0; i < 2; i++)
+        cmember_free(&ms[i]);
 }
 
 /* Small integers, different per member, entry and round: every sum of
@@ -995,4 +1018,74 @@ Test(node, powersgd_rank_one_of_a_rank_two_sum_is_compressed)
     for (uint64_t r = 0; r < CROUNDS; r++)
         cr_assert_eq(memcmp(ms[0].seen + r * CG, ms[1].seen + r * CG, CG * sizeof(float)), 0);
     compressed_pair_free(ms);
+}
+
+static bool reached_version_2(void *m)
+{
+    return atomic_load(&((struct cmember *)m)->version) >= 2;
+}
+
+/* Top-k across an epoch change: c-0 and c-1 commit versions 1 and 2, then
+ * wait for c-2, which joins, takes the leader's state and contributes to
+ * versions 3 to CROUNDS. Meanwhile c-1 declares version 1, so in the new
+ * epoch it receives c-0's state too. The reducers follow the epoch (the
+ * gather grows to three blocks); the joiner and c-1, which took the
+ * leader's state, go on from a zero residual, and c-0 keeps its own:
+ * every result is exactly what the simulation here gives, the same bytes
+ * on every member that took part. */
+Test(node, topk_residuals_carry_over_an_epoch_change_and_a_joiner_starts_at_zero)
+{
+    static struct cmember ms[3];
+    static float resid[3][CG], acc[CG], expect[CG];
+    static uint32_t idx[CG];
+    size_t k;
+
+    cr_assert_eq(topk_k_for_ratio(CG, (double)COMPRESS_TOPK_DEFAULT / COMPRESS_TOPK_ONE, &k), 0);
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "topk:0.01", fill_integers, 2);
+        ms[i].hold_at = 2;
+        ms[i].hold_size = 3;
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    cr_assert(fixture_wait_until(reached_version_2, &ms[0], 60000), "c-0 never reached version 2");
+    cr_assert(fixture_wait_until(reached_version_2, &ms[1], 60000), "c-1 never reached version 2");
+    cr_assert_eq(node_set_model_version(ms[1].n, 1), 0);
+    cmember_start("train", &ms[2], 2, "topk:0.01", fill_integers, 3);
+    pthread_create(&ms[2].t, NULL, cmember_main, &ms[2]);
+    for (int i = 0; i < 3; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    memset(resid, 0, sizeof(resid));
+    for (uint64_t v = 1; v <= CROUNDS; v++) {
+        int members = v <= 2 ? 2 : 3;
+
+        if (v == 3)
+            memset(resid[1], 0, sizeof(resid[1]));     /* c-1 took the leader's state */
+        cr_assert_eq(ms[0].grads_at[v], (uint64_t)members, "version %d", (int)v);
+        memset(expect, 0, sizeof(expect));
+        for (int m = 0; m < members; m++) {
+            /* c-0 and c-1 sent their (v-1)th gradient; c-2 its (v-3)th. */
+            fill_integers(acc, m, m < 2 ? v - 1 : v - 3);
+            for (size_t i = 0; i < CG; i++)
+                acc[i] += resid[m][i];
+            cr_assert_eq(topk_select(acc, CG, k, idx), 0);
+            for (size_t j = 0; j < k; j++) {
+                expect[idx[j]] += acc[idx[j]];
+                acc[idx[j]] = 0;
+            }
+            memcpy(resid[m], acc, sizeof(acc));
+        }
+        for (size_t i = 0; i < CG; i++)
+            expect[i] /= (float)members;
+        for (int m = 1; m < members; m++)
+            cr_assert_eq(memcmp(ms[0].seen + (v - 1) * CG, ms[m].seen + (v - 1) * CG, CG * sizeof(float)),
+                         0, "version %d: c-%d differs", (int)v, m);
+        for (size_t i = 0; i < CG; i++)
+            cr_assert_eq(ms[0].seen[(v - 1) * CG + i], expect[i], "version %d entry %zu: %g against %g",
+                         (int)v, i, ms[0].seen[(v - 1) * CG + i], expect[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        cmember_free(&ms[i]);
 }
