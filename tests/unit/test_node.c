@@ -838,16 +838,13 @@ static void fill_integers(float *g, int member, uint64_t round)
  * k of its gradient plus its residual, the residuals carried from round
  * to round (computed here with topk_select): error feedback, exact over
  * the rounds, the same bytes on both members. */
-Test(node, topk_rounds_are_exact_with_error_feedback)
+static void check_topk_pair(struct cmember ms[2])
 {
-    static const char *const comp[2] = { "topk:0.01", "topk:0.01" };
-    struct cmember ms[2];
     static float resid[2][CG], acc[CG], expect[CG];
     static uint32_t idx[CG];
     size_t k;
 
     cr_assert_eq(topk_k_for_ratio(CG, (double)COMPRESS_TOPK_DEFAULT / COMPRESS_TOPK_ONE, &k), 0);
-    compressed_pair("train", ms, comp, fill_integers);
     memset(resid, 0, sizeof(resid));
     for (uint64_t r = 0; r < CROUNDS; r++) {
         size_t sent = 0;
@@ -875,6 +872,35 @@ Test(node, topk_rounds_are_exact_with_error_feedback)
             cr_assert_eq(ms[0].seen[r * CG + i], expect[i], "round %d entry %zu: %g against %g", (int)r,
                          i, ms[0].seen[r * CG + i], expect[i]);
     }
+}
+
+Test(node, topk_rounds_are_exact_with_error_feedback)
+{
+    static const char *const comp[2] = { "topk:0.01", "topk:0.01" };
+    struct cmember ms[2];
+
+    compressed_pair("train", ms, comp, fill_integers);
+    check_topk_pair(ms);
+    compressed_pair_free(ms);
+}
+
+/* The same with two contributions in flight: each round reduces (and
+ * commits the residual of) a slot's copy, not the trainer's buffer. */
+Test(node, topk_with_parallel_gradients_is_exact_too)
+{
+    struct cmember ms[2];
+
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "topk:0.01", fill_integers, 2);
+        cr_assert_eq(node_set_parallel_gradients(ms[i].n, 2), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    check_topk_pair(ms);
     compressed_pair_free(ms);
 }
 
