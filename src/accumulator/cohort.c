@@ -419,8 +419,10 @@ int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size)
 
 /* The public values are compress.h's (the codecs' are engine/codec.h's),
  * so they pass through unchanged. */
-_Static_assert(COHORT_COMPRESSION_NONE == (int)COMPRESS_NONE && COHORT_COMPRESSION_FP16 == (int)COMPRESS_FP16 &&
-                   COHORT_COMPRESSION_BF16 == (int)COMPRESS_BF16 && COHORT_COMPRESSION_INT8 == (int)COMPRESS_INT8 &&
+_Static_assert(COHORT_COMPRESSION_NONE == (int)COMPRESS_NONE &&
+                   COHORT_COMPRESSION_FP16 == (int)COMPRESS_FP16 &&
+                   COHORT_COMPRESSION_BF16 == (int)COMPRESS_BF16 &&
+                   COHORT_COMPRESSION_INT8 == (int)COMPRESS_INT8 &&
                    COHORT_COMPRESSION_TOPK == (int)COMPRESS_TOPK &&
                    COHORT_COMPRESSION_POWERSGD == (int)COMPRESS_POWERSGD,
                "cohort.h's compression values are accumulator/compress.h's");

@@ -219,7 +219,8 @@ int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank,
     p->q_warm = malloc(cols * r * sizeof(float));
     p->q_own = malloc(cols * r * sizeof(float));
     p->q_seed = malloc(cols * r * sizeof(float));
-    if (!p->err || !p->mp || !p->q_warm || !p->q_own || !p->q_seed || posix_memalign((void **)&p->p, 64, rows * r * 4) ||
+    if (!p->err || !p->mp || !p->q_warm || !p->q_own || !p->q_seed ||
+        posix_memalign((void **)&p->p, 64, rows * r * 4) ||
         posix_memalign((void **)&p->q, 64, cols * r * 4))
         goto fail;
     rc = allreduce_register(ar, p->p, rows * r * sizeof(float));
