@@ -896,9 +896,11 @@ static struct compress agreed_compress(struct node *n, const uint64_t *c, const 
     struct compress agreed;
     char text[COMPRESS_TEXT_MAX];
 
+    /* The common value must also be this member's own: sums a peer
+     * forged to wrap around can never make it use what it did not ask for. */
     if (all_equal(m, c[4], c[5], &method) && all_equal(m, c[6], c[7], &param) &&
-        method < COMPRESS_METHODS && param <= UINT32_MAX) {
-        agreed = (struct compress){ .method = (enum compress_method)method, .param = (uint32_t)param };
+        method == (uint64_t)mine->method && param == mine->param) {
+        agreed = *mine;
         if (compress_valid(&agreed)) {
             n->codec_split_logged = false;
             return agreed;
