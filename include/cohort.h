@@ -225,6 +225,12 @@ enum cohort_compression {
     COHORT_COMPRESSION_INT8 = 3,    /* 8 bits per value and a float32 scale per block
                                      * of 256: about a quarter of the bytes, error at
                                      * most half of max|block| / 127 per encoding */
+    COHORT_COMPRESSION_TOPK = 4,    /* each member sends the share `ratio` of its
+                                     * entries of largest magnitude (index, value);
+                                     * what it did not send waits in its residual
+                                     * (error feedback) */
+    COHORT_COMPRESSION_POWERSGD = 5,/* the gradient buffer as a matrix, reduced as a
+                                     * rank-`rank` product, with error feedback */
 };
 
 /* Compresses this member's gradient steps with `codec` from the next
@@ -241,6 +247,24 @@ enum cohort_compression {
  * Returns 0, -EINVAL (unknown codec), -ENOTCONN, or -EPROTO from a
  * sidecar that predates compression. */
 int cohort_set_compression(struct cohort *c, enum cohort_compression codec);
+
+/* cohort_set_compression with the method's parameter: for TOPK the ratio
+ * of entries each member sends, in (0, 1], kept to six decimals (rounded
+ * to the nearest millionth, at least one); for POWERSGD the rank, a whole
+ * number from 1 to 1024; 0: the default (0.01; 4), which is what
+ * cohort_set_compression asks for; the codecs take 0 only. Members
+ * compress only when they agree on the method and the parameter;
+ * otherwise the round runs uncompressed and each logs it once. Top-k and
+ * PowerSGD keep this member's error (what it has not sent yet) and add
+ * it to its next round: it changes only when a round commits, starts at
+ * zero on a member that joins or receives the leader's state, and is
+ * lost with a member that leaves. PowerSGD views the whole gradient
+ * buffer (every parameter, in order) as floor(sqrt(n)) rows of n / rows
+ * columns; the elements left over are reduced uncompressed. See
+ * docs/architecture.md, "Top-k and PowerSGD, with error feedback".
+ * Returns 0, -EINVAL (unknown method, parameter out of range), -ENOTCONN,
+ * or -EPROTO / -EINVAL from a sidecar that predates it. */
+int cohort_set_compression_with(struct cohort *c, enum cohort_compression method, double param);
 
 struct cohort_gradient_stats {
     uint64_t batch_size;        /* of the last committed round */

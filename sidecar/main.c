@@ -73,12 +73,19 @@ static const char usage[] =
     "                            doubling (up to 64 MiB, the ring beyond). The\n"
     "                            first all-reduce of each logs its name. Needs\n"
     "                            --socket\n"
-    "  --compression CODEC       how gradient steps travel between members: none\n"
+    "  --compression METHOD      how gradient steps travel between members: none\n"
     "                            (default), fp16, bf16 or int8 (8 bits and a\n"
-    "                            scale per 256 values); float32 accumulation. A\n"
-    "                            default: the trainer's set_compression replaces\n"
-    "                            it, and a round is compressed only when every\n"
-    "                            member asks for the same codec. Needs --socket\n"
+    "                            scale per 256 values), topk:RATIO (each member\n"
+    "                            sends that share of its largest entries, RATIO\n"
+    "                            in (0, 1], six decimals at most; topk alone is\n"
+    "                            topk:0.01) or powersgd:RANK (a rank-RANK\n"
+    "                            product, RANK 1 to 1024; powersgd alone is\n"
+    "                            powersgd:4); top-k and PowerSGD keep what was\n"
+    "                            not sent for the next round. A default: the\n"
+    "                            trainer's set_compression replaces it, and a\n"
+    "                            round is compressed only when every member asks\n"
+    "                            for the same method and parameter. Needs\n"
+    "                            --socket\n"
     "  --checkpoint-dir DIR      keep checkpoints of the cohort's state in DIR\n"
     "                            (created if missing). On start the newest valid\n"
     "                            one ahead of --model-version is loaded (invalid\n"
@@ -176,7 +183,7 @@ struct pinned {
     uint64_t vbs;
     unsigned parallel;
     enum node_algorithm algorithm;
-    enum codec compression;
+    struct compress compression;
 };
 
 /* --checkpoint-*: dir NULL for none. */
@@ -204,6 +211,7 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
                   .checkpoint_every_s = ck->interval_s, .checkpoint_keep = ck->keep },
     };
     struct trainerd *t;
+    char comp_text[COMPRESS_TEXT_MAX];
     int rc, sig;
 
     rc = trainerd_start(&tc, &t);
@@ -217,7 +225,7 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
              LF_S("host", host), LF_U("virtual_batch_size", pin->vbs),
              LF_U("parallel_gradients", pin->parallel),
              LF_S("allreduce", algorithm_names[pin->algorithm]),
-             LF_S("compression", codec_name(pin->compression)),
+             LF_S("compression", compress_format(&pin->compression, comp_text, sizeof(comp_text))),
              LF_S("checkpoint_dir", ck->dir ? ck->dir : ""), LF_U("checkpoint_every", ck->every),
              LF_U("checkpoint_interval_s", ck->interval_s));
     while (sigwait(sigs, &sig) != 0)
@@ -312,10 +320,11 @@ int main(int argc, char **argv)
             pinned = true;
             break;
         case O_COMP:
-            if (codec_parse(optarg, &pin.compression) < 0)
-                return opt_usage(PROG, "bad --compression \"%s\": none, fp16, bf16 or int8",
-                                 optarg);
-            pinned = pinned || pin.compression != CODEC_NONE;
+            if (compress_parse(optarg, &pin.compression) < 0)
+                return opt_usage(PROG, "bad --compression \"%s\": none, fp16, bf16, int8, "
+                                       "topk:RATIO (0 < RATIO <= 1, six decimals at most) or "
+                                       "powersgd:RANK (1 to 1024)", optarg);
+            pinned = pinned || pin.compression.method != COMPRESS_NONE;
             break;
         case O_ALG:
             if (strcmp(optarg, "auto") == 0)

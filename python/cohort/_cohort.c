@@ -456,9 +456,27 @@ U64_SETTER(core_set_virtual_batch_size, "virtual batch size", 1, UINT64_MAX,
            cohort_set_virtual_batch_size(c, v))
 U64_SETTER(core_set_parallel_gradients, "parallel gradients", 1, UINT_MAX,
            cohort_set_parallel_gradients(c, (unsigned)v))
-/* COHORT_COMPRESSION_*: accumulator.py maps the names. */
-U64_SETTER(core_set_compression, "compression", COHORT_COMPRESSION_NONE, COHORT_COMPRESSION_INT8,
-           cohort_set_compression(c, (enum cohort_compression)v))
+/* set_compression(method, param): a COHORT_COMPRESSION_* and its
+ * parameter (top-k's ratio, PowerSGD's rank; 0: the default), which
+ * accumulator.py parses from the text and checks first. */
+static PyObject *core_set_compression(struct core *self, PyObject *args)
+{
+    unsigned method;
+    double param;
+    int rc;
+
+    if (!PyArg_ParseTuple(args, "Id", &method, &param) || check_open(self) < 0)
+        return NULL;
+    if (method > COHORT_COMPRESSION_POWERSGD) {
+        PyErr_Format(PyExc_ValueError, "compression method %u is not one of 0 to %d", method,
+                     COHORT_COMPRESSION_POWERSGD);
+        return NULL;
+    }
+    LOCKED(self, rc = cohort_set_compression_with(c, (enum cohort_compression)method, param));
+    if (rc < 0)
+        return raise_rc("set_compression", rc);
+    Py_RETURN_NONE;
+}
 
 static PyObject *core_close(struct core *self, PyObject *unused)
 {
@@ -645,7 +663,8 @@ static PyMethodDef core_methods[] = {
     { "set_model_version", (PyCFunction)core_set_model_version, METH_O, NULL },
     { "set_virtual_batch_size", (PyCFunction)core_set_virtual_batch_size, METH_O, NULL },
     { "set_parallel_gradients", (PyCFunction)core_set_parallel_gradients, METH_O, NULL },
-    { "set_compression", (PyCFunction)core_set_compression, METH_O, NULL },
+    { "set_compression", (PyCFunction)core_set_compression, METH_VARARGS,
+      "set_compression(method, param)" },
     { "connected", (PyCFunction)core_connected, METH_NOARGS, NULL },
     { "wants_state", (PyCFunction)core_wants_state, METH_NOARGS, NULL },
     { "has_new_state", (PyCFunction)core_has_new_state, METH_NOARGS, NULL },

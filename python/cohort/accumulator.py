@@ -87,6 +87,37 @@ def _sanitize(name):
     return s or "cohort"
 
 
+
+_COMPRESSION_NAMES = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "topk": 4, "powersgd": 5}
+
+
+def _parse_compression(text):
+    """(method, param) from set_compression's text; param 0 is the
+    method's default. The same rules as cohort-sidecar --compression."""
+    if text is None:
+        return 0, 0.0
+    bad = ValueError("compression must be none, fp16, bf16, int8, topk:RATIO (0 < RATIO <= 1, "
+                     "six decimals at most) or powersgd:RANK (1 to 1024), not %r" % (text,))
+    if not isinstance(text, str):
+        raise bad
+    name, colon, arg = text.partition(":")
+    if name not in _COMPRESSION_NAMES or (colon and name not in ("topk", "powersgd")):
+        raise bad
+    if not colon:
+        return _COMPRESSION_NAMES[name], 0.0
+    if name == "topk":
+        whole, _, frac = arg.partition(".")
+        if (not arg or whole not in ("", "0", "1") or len(frac) > 6 or not (whole or frac)
+                or (frac and not frac.isdigit()) or (whole == "1" and frac.strip("0"))):
+            raise bad
+        millionths = int(whole or "0") * 1000000 + int((frac or "0").ljust(6, "0"))
+        if millionths == 0:
+            raise bad
+        return 4, millionths / 1e6
+    if not arg.isdigit() or not 1 <= int(arg) <= 1024:
+        raise bad
+    return 5, float(int(arg))
+
 class Accumulator:
     """Accumulates and synchronizes gradients and state across the members
     of a cohort (moolib.Accumulator).
@@ -445,8 +476,23 @@ class Accumulator:
     def set_compression(self, codec):
         """How this member's gradient steps travel between members from the
         next round on: "none" (or None, the default), "fp16", "bf16" (half
-        the bytes), or "int8" (8 bits per value and a float32 scale per
-        block of 256: about a quarter). Members accumulate in float32 and
+        the bytes), "int8" (8 bits per value and a float32 scale per
+        block of 256: about a quarter), "topk:RATIO" or "powersgd:RANK".
+
+        "topk:RATIO" (RATIO in (0, 1], six decimals at most; "topk" is
+        topk:0.01): each member sends only that share of its gradient's
+        entries, those of largest magnitude, and keeps the rest in its
+        residual, added to its next round (error feedback).
+        "powersgd:RANK" (1 to 1024; "powersgd" is powersgd:4): the
+        gradients of all parameters, in order, viewed as one matrix of
+        floor(sqrt(n)) rows, are reduced as a rank-RANK product (PowerSGD),
+        with error feedback; the elements left over reduce uncompressed.
+        The residual (error) changes only when a round commits, starts at
+        zero on a member that joins or receives the leader's state, and
+        leaves with a member that leaves. Members must agree on the
+        parameter as well as the method.
+
+        For the codecs: members accumulate in float32 and
         every member gets the same bytes; only what crosses the network is
         encoded, once per hop, so with n members a result carries up to n
         encodings' error (fp16: relative 2^-11 each; bf16: 2^-8; int8: half
@@ -459,11 +505,8 @@ class Accumulator:
         counters). A sidecar's --compression (a TrainingCohort's
         spec.reduction.compression) is the default this replaces. Raises
         ValueError for another name, cohort.Error when not connected."""
-        names = {None: 0, "none": 0, "fp16": 1, "bf16": 2, "int8": 3}
-        if codec not in names:
-            raise ValueError("compression must be one of none, fp16, bf16, int8, not %r"
-                             % (codec,))
-        self._c().set_compression(names[codec])
+        method, param = _parse_compression(codec)
+        self._c().set_compression(method, param)
 
     def _dropped(self):
         return self._c().view()["stats"]["contributions_dropped"]

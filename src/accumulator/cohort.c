@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +20,7 @@
 #include "base/clock.h"
 #include "base/secret.h"
 #include "engine/codec.h"
+#include "accumulator/compress.h"
 #include "engine/dtype.h"
 #include "base/ident.h"
 #include "base/limits.h"
@@ -415,18 +417,47 @@ int cohort_set_virtual_batch_size(struct cohort *c, uint64_t size)
     return settle(c, c->link->ops->set_virtual_batch_size(c->link, size));
 }
 
-/* The public values are the engine's, so they pass through unchanged. */
-_Static_assert(COHORT_COMPRESSION_NONE == (int)CODEC_NONE && COHORT_COMPRESSION_FP16 == (int)CODEC_FP16 &&
-                   COHORT_COMPRESSION_BF16 == (int)CODEC_BF16 && COHORT_COMPRESSION_INT8 == (int)CODEC_INT8,
-               "cohort.h's compression values are engine/codec.h's");
+/* The public values are compress.h's (the codecs' are engine/codec.h's),
+ * so they pass through unchanged. */
+_Static_assert(COHORT_COMPRESSION_NONE == (int)COMPRESS_NONE &&
+                   COHORT_COMPRESSION_FP16 == (int)COMPRESS_FP16 &&
+                   COHORT_COMPRESSION_BF16 == (int)COMPRESS_BF16 &&
+                   COHORT_COMPRESSION_INT8 == (int)COMPRESS_INT8 &&
+                   COHORT_COMPRESSION_TOPK == (int)COMPRESS_TOPK &&
+                   COHORT_COMPRESSION_POWERSGD == (int)COMPRESS_POWERSGD,
+               "cohort.h's compression values are accumulator/compress.h's");
 
-int cohort_set_compression(struct cohort *c, enum cohort_compression codec)
+int cohort_set_compression_with(struct cohort *c, enum cohort_compression method, double param)
 {
-    if (!codec_valid((int)codec))
+    struct compress cc;
+
+    if ((unsigned)method >= COMPRESS_METHODS || !(param >= 0))
+        return -EINVAL;
+    cc = compress_default((enum compress_method)method);
+    if (param > 0) {
+        if (method == COHORT_COMPRESSION_TOPK) {
+            /* Millionths, as compress.h keeps it: 1e-6 .. 1. */
+            if (param > 1.0)
+                return -EINVAL;
+            cc.param = (uint32_t)llround(param * COMPRESS_TOPK_ONE);
+        } else if (method == COHORT_COMPRESSION_POWERSGD) {
+            if (param != floor(param) || param > UINT32_MAX)
+                return -EINVAL;
+            cc.param = (uint32_t)param;
+        } else {
+            return -EINVAL;     /* the codecs take none */
+        }
+    }
+    if (!compress_valid(&cc))
         return -EINVAL;
     if (!c->link)
         return -ENOTCONN;
-    return settle(c, c->link->ops->set_compression(c->link, (unsigned)codec));
+    return settle(c, c->link->ops->set_compression(c->link, compress_pack(&cc)));
+}
+
+int cohort_set_compression(struct cohort *c, enum cohort_compression method)
+{
+    return cohort_set_compression_with(c, method, 0);
 }
 
 int cohort_set_parallel_gradients(struct cohort *c, unsigned n)

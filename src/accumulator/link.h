@@ -62,8 +62,9 @@ struct link_ops {
     int (*set_model_version)(struct link *l, uint64_t version);
     int (*set_virtual_batch_size)(struct link *l, uint64_t size);
     int (*set_parallel_gradients)(struct link *l, unsigned n);
-    /* enum codec (engine/codec.h), as cohort.h's COHORT_COMPRESSION_*. */
-    int (*set_compression)(struct link *l, unsigned codec);
+    /* A compress_pack'd struct compress (compress.h): the method, as
+     * cohort.h's COHORT_COMPRESSION_*, and its parameter. */
+    int (*set_compression)(struct link *l, uint64_t packed);
     /* Closes the link and frees it: a sidecar's member leaves when the
      * socket closes, an in-process node leaves and stops. */
     void (*destroy)(struct link *l);

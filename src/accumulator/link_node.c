@@ -87,9 +87,13 @@ static int set_parallel_gradients(struct link *l, unsigned n)
     return node_set_parallel_gradients(node_of(l), n);
 }
 
-static int set_compression(struct link *l, unsigned codec)
+static int set_compression(struct link *l, uint64_t packed)
 {
-    return node_set_compression(node_of(l), (enum codec)codec);
+    struct compress c;
+
+    if (compress_unpack(packed, &c) < 0)
+        return -EINVAL;
+    return node_set_compression(node_of(l), &c);
 }
 
 static void destroy(struct link *l)

@@ -222,9 +222,9 @@ static int set_parallel_gradients(struct link *l, unsigned n)
     return call_u64(of(l), TL_SET_PARALLEL, n);
 }
 
-static int set_compression(struct link *l, unsigned codec)
+static int set_compression(struct link *l, uint64_t packed)
 {
-    return call_u64(of(l), TL_SET_COMPRESSION, codec);
+    return call_u64(of(l), TL_SET_COMPRESSION, packed);
 }
 
 static void destroy(struct link *l)

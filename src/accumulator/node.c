@@ -56,6 +56,18 @@
  * fuse; they gain nothing from it anyway. Only float32 gradients are
  * compressed.
  *
+ * Top-k and PowerSGD: the same vote, with two more counters (the
+ * parameter and its square), so members agree on the ratio or the rank as
+ * well as the method. The reducers (engine/topk.h, engine/powersgd.h)
+ * are made on this thread for the parameter agreed, and remade from zero
+ * when it changes. Their gradient step reads the round's gradients (the
+ * trainer's or the round's slot, untouched until the result is consumed)
+ * and sums into the results region, divided here as AVG_BY would; the
+ * residual, the error and the warm start are kept only at the commit
+ * (reducers_commit), since the buffer sync after the step can still fail.
+ * PowerSGD's round is three all-reduces: P, Q, and the elements beyond
+ * rows x cols, uncompressed.
+ *
  * Parallel gradients (n > 1): a contribution is copied into one of n
  * private slots and the trainer's gradients are zeroed, so the trainer
  * computes its next batch while rounds go on. Slots queue in order; each
@@ -75,6 +87,8 @@
 #include <unistd.h>
 
 #include "engine/allreduce.h"
+#include "engine/powersgd.h"
+#include "engine/topk.h"
 #include "base/clock.h"
 #include "membership/epoch.h"
 #include "base/ident.h"
@@ -82,6 +96,7 @@
 #include "base/log.h"
 #include "membership/member.h"
 #include "accumulator/ckpt.h"
+#include "accumulator/compress.h"
 #include "accumulator/lineage.h"
 #include "accumulator/tally.h"
 
@@ -91,8 +106,9 @@
 #define PARALLEL_MAX NODE_PARALLEL_MAX
 #define ADD_CHUNK 4096                  /* elements widened at a time */
 #define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
-#define COUNTERS 6                      /* batch, contributions, skips, vbs,
-                                         * codec, codec squared */
+#define COUNTERS 8                      /* batch, contributions, skips, vbs,
+                                         * method, method squared, parameter,
+                                         * parameter squared */
 
 enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
 
@@ -156,8 +172,21 @@ struct node {
     void *fuse_in, *fuse_out;   /* [gradients | counter digits]; NULL: never fused */
     int h_fuse_in, h_fuse_out;
     bool fuse_next;             /* node thread: the next step is fused */
-    enum codec compression;     /* under lock: what this member asks for */
+    struct compress compression;    /* under lock: what this member asks for */
     bool codec_split_logged;    /* node thread: members disagree, said once */
+    /* Node thread: the error-feedback reducers (see "Top-k and PowerSGD"),
+     * made for the parameter they run with; which one reduced the open
+     * round, from which input, for its commit. */
+    struct topk *topk;
+    uint32_t topk_param;
+    struct powersgd *psgd;
+    uint32_t psgd_param;
+    size_t psgd_rows, psgd_cols;
+    float *tail;                /* the gradient's elements beyond rows x cols */
+    int h_tail;
+    float *zeros;               /* grad_count zeros: a member whose round was all skips */
+    enum compress_method round_reducer;
+    const float *round_in;
     uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
@@ -187,6 +216,7 @@ struct node {
 static void view_locked(const struct node *n, struct node_view *v);
 static void publish_locked(struct node *n);
 static void checkpoint_due_locked(struct node *n);
+static void reducers_reset(struct node *n);
 
 /* Wakes the node's threads and republishes the view: the state changed. */
 static void changed_locked(struct node *n)
@@ -589,6 +619,8 @@ static int sync_epoch(struct node *n)
         n->lineage = got;
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
+    if (!n->leader && need)
+        reducers_reset(n);
     log_info("node", "State synced from the leader.", LF_S("cohort", n->cohort), LF_S("id", n->id),
              LF_S("leader", n->leader_id), LF_U("version", vmax), LF_U("state_bytes", state_len),
              LF_B("received", need));
@@ -673,14 +705,155 @@ static void *round_grads(const struct node *n, bool slots)
     return slots ? NULL : n->t.grads;
 }
 
+/* PowerSGD's view of the gradient buffer (see "Top-k and PowerSGD" at
+ * the top of the file): rows = floor(sqrt(count)), cols = count / rows;
+ * the count - rows x cols elements left over (fewer than rows) reduce
+ * uncompressed. */
+static void psgd_shape(size_t count, size_t *rows, size_t *cols)
+{
+    size_t r = 1;
+
+    while ((r + 1) <= count / (r + 1))
+        r++;
+    *rows = r;
+    *cols = count / r;
+}
+
+/* Destroys the reducers (node thread; before the engine goes). */
+static void reducers_free(struct node *n)
+{
+    topk_destroy(n->topk);
+    n->topk = NULL;
+    powersgd_destroy(n->psgd);
+    n->psgd = NULL;
+    if (n->h_tail >= 0)
+        allreduce_unregister(n->ar, n->h_tail);
+    n->h_tail = -1;
+    free(n->tail);
+    n->tail = NULL;
+    free(n->zeros);
+    n->zeros = NULL;
+    n->round_reducer = COMPRESS_NONE;
+}
+
+/* This member's parameters were replaced by the leader's: what it had
+ * not sent belongs to gradients of a model that is gone, so it starts
+ * again from zero, as a joiner does. */
+static void reducers_reset(struct node *n)
+{
+    if (n->topk)
+        topk_reset(n->topk);
+    if (n->psgd)
+        powersgd_reset(n->psgd);
+    n->round_reducer = COMPRESS_NONE;
+}
+
+/* The reducer for `c` (top-k or PowerSGD), made or remade for its
+ * parameter. A remade reducer starts from zero (the old residual was
+ * for another parameter; every member remakes it in the same round,
+ * since they all agreed on the new one). */
+static int reducer_ready(struct node *n, const struct compress *c)
+{
+    size_t count = n->t.grad_count;
+    int rc;
+
+    if (c->method == COMPRESS_TOPK) {
+        size_t k;
+
+        if (n->topk && n->topk_param == c->param)
+            return 0;
+        topk_destroy(n->topk);
+        n->topk = NULL;
+        if ((rc = topk_k_for_ratio(count, (double)c->param / COMPRESS_TOPK_ONE, &k)) < 0 ||
+            (rc = topk_create(n->ar, count, k, &n->topk)) < 0)
+            return rc;
+        n->topk_param = c->param;
+        return 0;
+    }
+    if (n->psgd && n->psgd_param == c->param)
+        return 0;
+    powersgd_destroy(n->psgd);
+    n->psgd = NULL;
+    psgd_shape(count, &n->psgd_rows, &n->psgd_cols);
+    if (!n->tail) {
+        /* At most rows - 1 elements; at least one float so it registers. */
+        if (!(n->tail = calloc(n->psgd_rows, sizeof(float))))
+            return -ENOMEM;
+        if ((rc = allreduce_register(n->ar, n->tail, n->psgd_rows * sizeof(float))) < 0)
+            return rc;
+        n->h_tail = rc;
+    }
+    /* The seed is fixed: every member must start from the same Q. */
+    if ((rc = powersgd_create(n->ar, n->psgd_rows, n->psgd_cols, c->param, 0x636f686f7274ull,
+                              &n->psgd)) < 0)
+        return rc;
+    n->psgd_param = c->param;
+    return 0;
+}
+
+/* The gradient step through top-k or PowerSGD: the sum into the results
+ * region, then divided by the contributions as AVG_BY would. The
+ * reducers' state is not touched here: run_step commits it with the
+ * round (reducers_commit), so a round that fails after this step (an
+ * epoch change during the buffer sync) is sent again unchanged. */
+static int reducer_step(struct node *n, const float *in, uint64_t grads, const struct compress *c)
+{
+    float *out = n->t.results;
+    size_t count = n->t.grad_count;
+    int rc;
+
+    if ((rc = reducer_ready(n, c)) < 0)
+        return rc;
+    if (!in && !n->zeros && !(n->zeros = calloc(count, sizeof(float))))
+        return -ENOMEM;
+    if (!in)
+        in = n->zeros;
+    n->round_reducer = COMPRESS_NONE;
+    if (c->method == COMPRESS_TOPK) {
+        rc = topk_reduce_into(n->topk, in, out, DTYPE_SUM, round_of(n));
+    } else {
+        size_t cells = n->psgd_rows * n->psgd_cols, rest = count - cells;
+        uint64_t round = round_of(n);
+
+        n->step++;      /* PowerSGD uses round and round + 1 */
+        rc = powersgd_reduce_into(n->psgd, in, out, DTYPE_SUM, round);
+        if (rc == 0 && rest > 0) {
+            memcpy(n->tail, in + cells, rest * sizeof(float));
+            rc = allreduce_run(n->ar, n->h_tail, rest, DTYPE_F32, DTYPE_SUM, 0, round_of(n));
+            if (rc == 0)
+                memcpy(out + cells, n->tail, rest * sizeof(float));
+        }
+    }
+    if (rc < 0)
+        return rc;
+    dtype_scale(DTYPE_F32, out, count, (double)grads);
+    n->round_reducer = c->method;
+    n->round_in = in;
+    return 0;
+}
+
+/* With the round's commit: the reducer that ran keeps its new residual
+ * (error, warm start), from the same input it reduced. */
+static void reducers_commit(struct node *n)
+{
+    if (n->round_reducer == COMPRESS_TOPK)
+        topk_commit(n->topk, n->round_in);
+    else if (n->round_reducer == COMPRESS_POWERSGD)
+        powersgd_commit(n->psgd);
+    n->round_reducer = COMPRESS_NONE;
+}
+
 /* The gradient step, out of place into the results region (AVG_BY the
  * `grads` contributions). The round's slot is registered on first use,
  * on this thread, as the engine wants. */
-static int gradient_step(struct node *n, bool slots, uint64_t grads, enum codec codec)
+static int gradient_step(struct node *n, bool slots, uint64_t grads, const struct compress *c)
 {
     size_t bytes = grad_bytes(n);
     int src = n->h_grads;
+    bool big = n->t.grad_type == DTYPE_F32 && bytes > FUSE_MAX;
 
+    if (big && (c->method == COMPRESS_TOPK || c->method == COMPRESS_POWERSGD))
+        return reducer_step(n, round_grads(n, slots), grads, c);
     if (!round_grads(n, slots)) {
         /* In place over zeros: the results region is free until commit. */
         memset(n->t.results, 0, bytes);
@@ -696,27 +869,49 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads, enum codec 
     }
     return allreduce_run_codec(n->ar, src, n->h_results, n->t.grad_count, n->t.grad_type,
                                DTYPE_AVG_BY, (double)grads,
-                               codec_supports(codec, n->t.grad_type) && bytes > FUSE_MAX
-                                   ? codec
+                               c->method < COMPRESS_TOPK &&
+                                       codec_supports((enum codec)c->method, n->t.grad_type) && big
+                                   ? (enum codec)c->method
                                    : CODEC_NONE,
                                round_of(n));
 }
 
-/* The codec the count step's sums agree on (see the top of the file):
- * the members' common choice, or none when they differ. */
-static enum codec agreed_codec(struct node *n, uint64_t sum, uint64_t sum_sq, enum codec mine)
+/* Whether every member gave the same value v, from the sums of v and of
+ * v squared over the m members (m x sum of squares = square of the sum
+ * holds only when all are equal); sets *common. */
+static bool all_equal(uint64_t m, uint64_t sum, uint64_t sum_sq, uint64_t *common)
 {
-    uint64_t m = n->cur->n_members;
+    if (sum_sq * m != sum * sum || sum % m != 0)
+        return false;
+    *common = sum / m;
+    return true;
+}
 
-    if (sum_sq * m == sum * sum && sum % m == 0 && codec_valid((int)(sum / m))) {
-        n->codec_split_logged = false;
-        return (enum codec)(sum / m);
+/* The compression the count step's sums agree on (see the top of the
+ * file): the members' common choice, method and parameter, or none when
+ * they differ in either. c[] is the count step's counters. */
+static struct compress agreed_compress(struct node *n, const uint64_t *c, const struct compress *mine)
+{
+    uint64_t m = n->cur->n_members, method, param;
+    struct compress agreed;
+    char text[COMPRESS_TEXT_MAX];
+
+    /* The common value must also be this member's own: sums a peer
+     * forged to wrap around can never make it use what it did not ask for. */
+    if (all_equal(m, c[4], c[5], &method) && all_equal(m, c[6], c[7], &param) &&
+        method == (uint64_t)mine->method && param == mine->param) {
+        agreed = *mine;
+        if (compress_valid(&agreed)) {
+            n->codec_split_logged = false;
+            return agreed;
+        }
     }
     if (!n->codec_split_logged)
         log_warn("node", "Members ask for different compression; gradient steps run uncompressed until they agree.",
-                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_S("mine", codec_name(mine)));
+                 LF_S("cohort", n->cohort), LF_S("id", n->id),
+                 LF_S("mine", compress_format(mine, text, sizeof(text))));
     n->codec_split_logged = true;
-    return CODEC_NONE;
+    return compress_default(COMPRESS_NONE);
 }
 
 /* The count step and the gradient step in one SUM (see the top of the
@@ -748,7 +943,7 @@ static int fused_step(struct node *n, bool slots, uint64_t *c)
 static int run_step(struct node *n)
 {
     uint64_t c[COUNTERS], batch, grads, skips, vbs;
-    enum codec mine;
+    struct compress mine, agreed;
     size_t bytes = grad_bytes(n);
     int rc;
     bool take, slots, fused;
@@ -758,14 +953,19 @@ static int run_step(struct node *n)
     pthread_mutex_unlock(&n->lock);
     if (take && !take_queued(n))
         return 0;
+    /* Only this count step's gradient step may be committed: a reducer
+     * that ran in a round that then failed is not this round's. */
+    n->round_reducer = COMPRESS_NONE;
     pthread_mutex_lock(&n->lock);
     c[0] = n->acc_batch;
     c[1] = n->acc_grads;
     c[2] = n->acc_skips;
     c[3] = n->vbs;
     mine = n->compression;
-    c[4] = (uint64_t)mine;
+    c[4] = (uint64_t)mine.method;
     c[5] = c[4] * c[4];
+    c[6] = mine.param;
+    c[7] = c[6] * c[6];
     /* From here the others may finish this round without us (we miss its
      * result): if they do, these contributions are in it (sync_epoch). */
     n->acc_epoch = n->cur_id;
@@ -809,9 +1009,10 @@ static int run_step(struct node *n)
     if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
-    } else if (grads > 0 &&
-               (rc = gradient_step(n, slots, grads, agreed_codec(n, c[4], c[5], mine))) < 0) {
-        return rc;
+    } else if (grads > 0) {
+        agreed = agreed_compress(n, c, &mine);
+        if ((rc = gradient_step(n, slots, grads, &agreed)) < 0)
+            return rc;
     }
     /* Every buffer_sync_rounds commits of this epoch, the leader's buffers
      * too. Counted per epoch because only that count is the same on every
@@ -829,6 +1030,9 @@ static int run_step(struct node *n)
         if (rc < 0)
             return rc;
     }
+    /* Nothing can fail from here: the round commits, and so do the
+     * reducers (outside the lock: a pass over the gradients). */
+    reducers_commit(n);
     pthread_mutex_lock(&n->lock);
     while (sync_buffers && !n->leader && n->ckpt_copying)
         pthread_cond_wait(&n->cond, &n->lock);
@@ -994,14 +1198,15 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->version = cfg->model_version;
     lineage_reset(&n->lineage, n->version);
     n->vbs = cfg->virtual_batch_size ? cfg->virtual_batch_size : 1;
-    n->compression = codec_valid((int)cfg->compression) ? cfg->compression : CODEC_NONE;
+    n->compression = compress_valid(&cfg->compression) ? cfg->compression
+                                                       : compress_default(COMPRESS_NONE);
     n->parallel = cfg->parallel_gradients ? cfg->parallel_gradients : 1;
     n->round_slot = -1;
     for (int i = 0; i < PARALLEL_MAX; i++)
         n->slots[i].h = -1;
     n->buffer_sync_rounds = cfg->buffer_sync_rounds ? cfg->buffer_sync_rounds : 100;
     n->h_grads = n->h_results = n->h_params = n->h_buffers = n->h_small = n->h_buf_scratch = -1;
-    n->h_fuse_in = n->h_fuse_out = -1;
+    n->h_fuse_in = n->h_fuse_out = n->h_tail = -1;
     n->phase = PH_WAIT_EPOCH;
     pthread_mutex_init(&n->lock, NULL);
     clock_cond_init(&n->cond);
@@ -1100,6 +1305,7 @@ void node_stop(struct node *n)
     pthread_join(n->thread, NULL);
     ckpt_writer_destroy(n->ckpt);   /* a checkpoint being written is finished */
     member_destroy(n->member);
+    reducers_free(n);
     allreduce_destroy(n->ar);
     if (n->own_fd)
         close(n->data_fd);
@@ -1530,12 +1736,12 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size)
     return 0;
 }
 
-int node_set_compression(struct node *n, enum codec codec)
+int node_set_compression(struct node *n, const struct compress *c)
 {
-    if (!codec_valid((int)codec))
+    if (!c || !compress_valid(c))
         return -EINVAL;
     pthread_mutex_lock(&n->lock);
-    n->compression = codec;
+    n->compression = *c;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }

@@ -39,6 +39,21 @@
  * contributions, each counted once, and every member applies the same
  * bytes.
  *
+ * Top-k and PowerSGD (compress.h) keep this member's error between
+ * rounds. It changes only at the commit (a round that fails after its
+ * gradient step, in an epoch change before the commit, leaves it, and the
+ * retry sends the same thing); it starts at zero on a joiner, leaves with
+ * a member that leaves, and is zeroed when this member receives the
+ * leader's state (it belonged to parameters it no longer holds). The
+ * members vote on the method and its parameter (the ratio, the rank) in
+ * the count step: any difference runs the round uncompressed, logged
+ * once, rather than refusing, so a cohort that changes setting member by
+ * member keeps training. PowerSGD views the whole float32 gradient buffer
+ * of n elements as floor(sqrt(n)) rows of n / rows columns (the node
+ * knows no tensor shapes); the elements left over reduce uncompressed.
+ * See node.c, "Compression", and docs/architecture.md, "Top-k and
+ * PowerSGD, with error feedback".
+ *
  * Buffers (statistics that are not reduced, such as BatchNorm's) drift
  * between members; every buffer_sync_rounds commits the leader's are
  * broadcast with the gradient step and installed with the commit, while
@@ -52,7 +67,7 @@
 #include <stdint.h>
 
 #include "base/ident.h"
-#include "engine/codec.h"
+#include "accumulator/compress.h"
 #include "engine/dtype.h"
 
 struct secret;
@@ -96,8 +111,8 @@ struct node_config {
     /* How gradient steps compress their payloads until the trainer asks
      * for another (node_set_compression; a TrainingCohort's
      * spec.reduction.compression through cohort-sidecar --compression).
-     * A default, not a pin: see node.c, "Compression". */
-    enum codec compression;
+     * A default, not a pin: see node.c, "Compression". Zero: none. */
+    struct compress compression;
     /* Checkpoints (ckpt.h; a TrainingCohort's spec.checkpoint). With a
      * directory, the node loads the newest valid checkpoint there when the
      * trainer registers (if it is ahead of the version the node starts
@@ -210,11 +225,13 @@ int node_set_virtual_batch_size(struct node *n, uint64_t size);
  * change it between rounds. */
 int node_set_parallel_gradients(struct node *n, unsigned count);
 
-/* The codec this member asks its gradient steps to use (engine/codec.h).
- * A step is compressed only when every member of its round asks for the
- * same codec, and only for float32 gradients of more than 256 KiB (see
- * node.c, "Compression"). Returns 0 or -EINVAL (unknown codec). */
-int node_set_compression(struct node *n, enum codec codec);
+/* What this member asks its gradient steps to compress with (a codec,
+ * top-k with its ratio, PowerSGD with its rank: compress.h; copied). A
+ * step is compressed only when every member of its round asks for the
+ * same method and parameter, and only for float32 gradients of more than
+ * 256 KiB (see node.c, "Compression"). Returns 0 or -EINVAL (not
+ * compress_valid). */
+int node_set_compression(struct node *n, const struct compress *c);
 
 /* What this node knows of checkpoints, for its member's reports. */
 struct node_checkpoints {

@@ -41,7 +41,8 @@ enum tlink_type {
     TL_SET_VERSION = 8,
     TL_SET_VBS = 9,
     TL_SET_PARALLEL = 10,
-    TL_SET_COMPRESSION = 11,    /* tlink_u64: an enum codec; a sidecar from before
+    TL_SET_COMPRESSION = 11,    /* tlink_u64: a compress_pack'd struct compress (the
+                                 * codecs pack as their enum codec); a sidecar from before
                                  * it refuses the type (EPROTO) */
     TL_REPLY = 100,
 };

@@ -311,12 +311,13 @@ static int serve_one(struct trainerd *t, struct session *s)
                      b.u.value > UINT32_MAX ? -EINVAL
                                             : node_set_parallel_gradients(s->node, (unsigned)b.u.value),
                      NULL, 0, NULL, 0);
-    case TL_SET_COMPRESSION:
+    case TL_SET_COMPRESSION: {
+        struct compress c;
+
         return reply(s->sock, h.type,
-                     codec_valid(b.u.value < CODEC_COUNT ? (int)b.u.value : -1)
-                         ? node_set_compression(s->node, (enum codec)b.u.value)
-                         : -EINVAL,
+                     compress_unpack(b.u.value, &c) == 0 ? node_set_compression(s->node, &c) : -EINVAL,
                      NULL, 0, NULL, 0);
+    }
     default:
         return reply(s->sock, h.type, -EPROTO, NULL, 0, NULL, 0);
     }

@@ -67,7 +67,9 @@ struct powersgd {
     float *q;                   /* Q transposed, r x cols, registered */
     float *q_warm;              /* r x cols: the last completed round's Q */
     float *q_own;               /* r x cols: this member's Q before the all-reduce */
+    float *q_seed;              /* r x cols: the seeded first Q, for powersgd_reset */
     int hp, hq;
+    bool pending;               /* powersgd_reduce_into succeeded, not committed */
 };
 
 /* splitmix64: the first Q from the seed alone, the same on every member. */
@@ -216,7 +218,9 @@ int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank,
     p->mp = malloc(cells * sizeof(float));
     p->q_warm = malloc(cols * r * sizeof(float));
     p->q_own = malloc(cols * r * sizeof(float));
-    if (!p->err || !p->mp || !p->q_warm || !p->q_own || posix_memalign((void **)&p->p, 64, rows * r * 4) ||
+    p->q_seed = malloc(cols * r * sizeof(float));
+    if (!p->err || !p->mp || !p->q_warm || !p->q_own || !p->q_seed ||
+        posix_memalign((void **)&p->p, 64, rows * r * 4) ||
         posix_memalign((void **)&p->q, 64, cols * r * 4))
         goto fail;
     rc = allreduce_register(ar, p->p, rows * r * sizeof(float));
@@ -229,6 +233,7 @@ int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank,
     p->hq = rc;
     for (size_t i = 0; i < cols * r; i++)
         p->q_warm[i] = uniform(&seed);
+    memcpy(p->q_seed, p->q_warm, cols * r * sizeof(float));
     *out = p;
     return 0;
 fail:
@@ -248,6 +253,7 @@ void powersgd_destroy(struct powersgd *p)
     free(p->p);
     free(p->q_warm);
     free(p->q_own);
+    free(p->q_seed);
     free(p->mp);
     free(p->err);
     free(p);
@@ -263,15 +269,17 @@ const float *powersgd_error(const struct powersgd *p)
     return p->err;
 }
 
-int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t round)
+int powersgd_reduce_into(struct powersgd *p, const float *in, float *out, enum dtype_op op,
+                         uint64_t round)
 {
     size_t cells = p->rows * p->cols;
     int rc;
 
-    if (!m || (op != DTYPE_SUM && op != DTYPE_AVG))
+    if (!in || !out || (op != DTYPE_SUM && op != DTYPE_AVG))
         return -EINVAL;
+    p->pending = false;
     for (size_t i = 0; i < cells; i++)
-        p->mp[i] = m[i] + p->err[i];
+        p->mp[i] = in[i] + p->err[i];
     mul_p(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
     /* P is only a basis: its scale goes in the orthonormalisation, so a
      * sum does (mlbench never divides it either). */
@@ -284,14 +292,39 @@ int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t rou
     rc = allreduce_run(p->ar, p->hq, p->cols * p->r, DTYPE_F32, op, 0, round + 1);
     if (rc < 0)
         return rc;
+    /* The result, the same bytes on every member. M', P^, Q_own and the
+     * reduced Q stay as they are until the next reduce, which is all the
+     * commit needs. */
+    mul_out(out, p->p, p->q, NULL, p->rows, p->cols, p->r);
+    p->pending = true;
+    return 0;
+}
 
-    /* Committed: the result (the same bytes on every member), this
-     * member's error (what its own share P^ Q_own^T left out), and the
-     * warm start. */
-    mul_out(m, p->p, p->q, NULL, p->rows, p->cols, p->r);
+void powersgd_commit(struct powersgd *p)
+{
+    if (!p->pending)
+        return;
+    p->pending = false;
+    /* This member's error (what its own share P^ Q_own^T left out) and
+     * the warm start; a non-finite round keeps both (powersgd.h). */
     if (!all_finite(p->q, p->cols * p->r))
-        return 0;
+        return;
     mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
     memcpy(p->q_warm, p->q, p->cols * p->r * sizeof(float));
-    return 0;
+}
+
+void powersgd_reset(struct powersgd *p)
+{
+    memset(p->err, 0, p->rows * p->cols * sizeof(float));
+    memcpy(p->q_warm, p->q_seed, p->cols * p->r * sizeof(float));
+    p->pending = false;
+}
+
+int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t round)
+{
+    int rc = powersgd_reduce_into(p, m, m, op, round);
+
+    if (rc == 0)
+        powersgd_commit(p);
+    return rc;
 }

@@ -80,6 +80,24 @@ void powersgd_destroy(struct powersgd *p);      /* NULL is fine */
  * -EINVAL for another op. */
 int powersgd_reduce(struct powersgd *p, float *m, enum dtype_op op, uint64_t round);
 
+/* powersgd_reduce in two halves, for a caller whose round can still fail
+ * after the reduction (the node: a later step of its round, then its
+ * commit). powersgd_reduce_into writes the result into `out` (rows x cols;
+ * may be `in`) and leaves the error and the warm start as they were;
+ * powersgd_commit then keeps this member's new error and the reduced Q as
+ * the next warm start, from what the last successful reduce_into left
+ * (the reducer keeps M' and the factors until the next reduce). A reduce
+ * that is never committed is forgotten by the next one, so the retry sends
+ * the same thing; powersgd_commit after anything else does nothing. Same
+ * returns as powersgd_reduce. */
+int powersgd_reduce_into(struct powersgd *p, const float *in, float *out, enum dtype_op op,
+                         uint64_t round);
+void powersgd_commit(struct powersgd *p);
+
+/* Zeroes the error, puts back the seeded Q and forgets an uncommitted
+ * round: as a member that just joined (its model was replaced). */
+void powersgd_reset(struct powersgd *p);
+
 /* The effective rank: min(rank, rows, cols). */
 size_t powersgd_rank(const struct powersgd *p);
 

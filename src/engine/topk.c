@@ -37,6 +37,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,6 +52,7 @@ struct topk {
     uint8_t *gather;                /* gather_members blocks */
     size_t gather_members;
     int hgather;
+    bool pending;                   /* topk_reduce_into succeeded, not committed */
 };
 
 static uint32_t key_of(float v)
@@ -234,17 +236,17 @@ static uint32_t get_le32(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-int topk_reduce(struct topk *t, float *grad, enum dtype_op op, uint64_t round)
+/* Selects, fills and all-gathers this member's block; checks every
+ * member's indices. Sets *members. Touches neither grad nor the residual. */
+static int exchange(struct topk *t, const float *grad, uint64_t round, size_t *members)
 {
-    size_t members, me, pairs, block_bytes = t->k * TOPK_PAIR_BYTES;
+    size_t me, block_bytes = t->k * TOPK_PAIR_BYTES;
     int rc;
 
-    if (!grad || (op != DTYPE_SUM && op != DTYPE_AVG))
-        return -EINVAL;
-    members = allreduce_members(t->ar);
-    if (members == 0)
+    *members = allreduce_members(t->ar);
+    if (*members == 0)
         return -ESTALE;
-    rc = gather_reserve(t, members);
+    rc = gather_reserve(t, *members);
     if (rc < 0)
         return rc;
 
@@ -257,37 +259,92 @@ int topk_reduce(struct topk *t, float *grad, enum dtype_op op, uint64_t round)
         put_le32(t->block + j * TOPK_PAIR_BYTES, t->idx[j]);
         put_le32(t->block + j * TOPK_PAIR_BYTES + 4, bits);
     }
-    rc = allreduce_gather(t->ar, t->hblock, t->hgather, block_bytes, round, &members, &me);
+    rc = allreduce_gather(t->ar, t->hblock, t->hgather, block_bytes, round, members, &me);
     if (rc == -ENOSPC) {
         /* The epoch grew between the count and the call: the round is lost
          * at every member anyway; be ready for the retry. */
-        rc = gather_reserve(t, members);
+        rc = gather_reserve(t, *members);
         return rc < 0 ? rc : -ESTALE;
     }
     if (rc < 0)
         return rc;
-    pairs = members * t->k;
-    for (size_t j = 0; j < pairs; j++)
+    for (size_t j = 0; j < *members * t->k; j++)
         if (get_le32(t->gather + j * TOPK_PAIR_BYTES) >= t->n)
             return -EPROTO;
+    return 0;
+}
 
-    /* Committed: the residual keeps what was not sent, then grad takes
-     * the sum, member by member in epoch order. */
+/* The residual keeps what `grad` plus it had and the round did not send. */
+static void fold_residual(struct topk *t, const float *grad)
+{
     for (size_t i = 0; i < t->n; i++)
         t->residual[i] += grad[i];
     for (size_t j = 0; j < t->k; j++)
         t->residual[t->idx[j]] = 0;
-    memset(grad, 0, t->n * sizeof(float));
+}
+
+/* out = the sum of the gathered pairs, member by member in epoch order. */
+static void sum_pairs(const struct topk *t, float *out, size_t members, enum dtype_op op)
+{
+    size_t pairs = members * t->k;
+
+    memset(out, 0, t->n * sizeof(float));
     for (size_t j = 0; j < pairs; j++) {
         const uint8_t *p = t->gather + j * TOPK_PAIR_BYTES;
         uint32_t bits = get_le32(p + 4);
         float v;
 
         memcpy(&v, &bits, sizeof(v));
-        grad[get_le32(p)] += v;
+        out[get_le32(p)] += v;
     }
     if (op == DTYPE_AVG && members > 1)
         for (size_t i = 0; i < t->n; i++)
-            grad[i] = grad[i] / (float)members;
+            out[i] = out[i] / (float)members;
+}
+
+int topk_reduce(struct topk *t, float *grad, enum dtype_op op, uint64_t round)
+{
+    size_t members;
+    int rc;
+
+    if (!grad || (op != DTYPE_SUM && op != DTYPE_AVG))
+        return -EINVAL;
+    t->pending = false;
+    rc = exchange(t, grad, round, &members);
+    if (rc < 0)
+        return rc;
+    /* Committed: the residual first, while grad still holds the input. */
+    fold_residual(t, grad);
+    sum_pairs(t, grad, members, op);
     return 0;
+}
+
+int topk_reduce_into(struct topk *t, const float *in, float *out, enum dtype_op op, uint64_t round)
+{
+    size_t members;
+    int rc;
+
+    if (!in || !out || in == out || (op != DTYPE_SUM && op != DTYPE_AVG))
+        return -EINVAL;
+    t->pending = false;
+    rc = exchange(t, in, round, &members);
+    if (rc < 0)
+        return rc;
+    sum_pairs(t, out, members, op);
+    t->pending = true;
+    return 0;
+}
+
+void topk_commit(struct topk *t, const float *in)
+{
+    if (!t->pending)
+        return;
+    fold_residual(t, in);
+    t->pending = false;
+}
+
+void topk_reset(struct topk *t)
+{
+    memset(t->residual, 0, t->n * sizeof(float));
+    t->pending = false;
 }

@@ -69,6 +69,23 @@ void topk_destroy(struct topk *t);      /* NULL is fine */
  * index outside the gradient (a lying peer changes nothing here). */
 int topk_reduce(struct topk *t, float *grad, enum dtype_op op, uint64_t round);
 
+/* topk_reduce in two halves, for a caller whose round can still fail
+ * after the exchange (the node: a later step of its round, then its
+ * commit). topk_reduce_into writes the sum (or mean) into `out` (n floats,
+ * not `in`) and leaves `in` and the residual untouched; topk_commit(t, in)
+ * then folds the round into the residual, given the very `in` of the last
+ * successful topk_reduce_into. A reduce that is never committed is
+ * forgotten by the next topk_reduce_into, so the retry sends the same
+ * thing. topk_commit after anything but a successful topk_reduce_into
+ * does nothing. Same returns as topk_reduce, and -EINVAL for in == out. */
+int topk_reduce_into(struct topk *t, const float *in, float *out, enum dtype_op op, uint64_t round);
+void topk_commit(struct topk *t, const float *in);
+
+/* Zeroes the residual and forgets an uncommitted round: what this member
+ * had not sent is dropped (its model was replaced, so it belongs to
+ * gradients of parameters that are gone). */
+void topk_reset(struct topk *t);
+
 /* This member's residual: n floats, read-only, valid until the next
  * topk_reduce or topk_destroy. */
 const float *topk_residual(const struct topk *t);

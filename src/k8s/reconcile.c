@@ -92,12 +92,65 @@ static const char *algorithm_field(const cJSON *spec)
     return reduction_choice(spec, "algorithm", names, sizeof(names) / sizeof(names[0]));
 }
 
-/* spec.reduction.compression: the sidecar's --compression. */
+/* "topk:RATIO"'s RATIO: a decimal in (0, 1], a leading 0 or 1 (or none),
+ * at most six fraction digits. */
+static bool topk_ratio_ok(const char *s)
+{
+    bool digits = false, one = false, nonzero = false;
+    int frac = 0;
+
+    if (*s == '0' || *s == '1') {
+        one = *s == '1';
+        nonzero = one;
+        digits = true;
+        s++;
+    }
+    if (*s == '.')
+        for (s++; *s >= '0' && *s <= '9'; s++) {
+            if (++frac > 6 || (one && *s != '0'))
+                return false;
+            nonzero = nonzero || *s != '0';
+            digits = true;
+        }
+    return !*s && digits && nonzero;
+}
+
+/* "powersgd:RANK"'s RANK: 1 to 1024, digits only. */
+static bool powersgd_rank_ok(const char *s)
+{
+    unsigned long v = 0;
+
+    if (!*s)
+        return false;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9')
+            return false;
+        v = v * 10 + (unsigned long)(*s - '0');
+        if (v > 1024)
+            return false;
+    }
+    return v >= 1;
+}
+
+/* spec.reduction.compression: the sidecar's --compression, checked by
+ * the sidecar's own rules (accumulator/compress.h, which this layer may
+ * not include; tests/unit/test_reconcile.c holds the two to the same
+ * answers): a codec name, "topk" or "topk:RATIO", "powersgd" or
+ * "powersgd:RANK". "none" when absent; NULL when not one of them. The
+ * string is the object's (borrowed). */
 static const char *compression_field(const cJSON *spec)
 {
-    static const char *const names[] = { "none", "fp16", "bf16", "int8" };
+    static const char *const names[] = { "none", "fp16", "bf16", "int8", "topk", "powersgd" };
+    const cJSON *v = get(get(spec, "reduction"), "compression");
+    const char *choice = reduction_choice(spec, "compression", names, sizeof(names) / sizeof(names[0]));
 
-    return reduction_choice(spec, "compression", names, sizeof(names) / sizeof(names[0]));
+    if (choice || !cJSON_IsString(v))
+        return choice;
+    if (strncmp(v->valuestring, "topk:", 5) == 0 && topk_ratio_ok(v->valuestring + 5))
+        return v->valuestring;
+    if (strncmp(v->valuestring, "powersgd:", 9) == 0 && powersgd_rank_ok(v->valuestring + 9))
+        return v->valuestring;
+    return NULL;
 }
 
 /* The one source of spec.checkpoint.volume (its key), or NULL when it
@@ -269,8 +322,9 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
                       "doubling");
     s->compression = compression_field(spec);
     if (!s->compression)
-        return refuse(why, "InvalidSpec", "spec.reduction.compression must be none, fp16, bf16 "
-                      "or int8");
+        return refuse(why, "InvalidSpec", "spec.reduction.compression must be none, fp16, bf16, "
+                      "int8, topk:RATIO (0 < RATIO <= 1, six decimals at most) or "
+                      "powersgd:RANK (1 to 1024)");
     if (parse_checkpoint(get(spec, "checkpoint"), s, why) < 0)
         return -EINVAL;
     if (parse_gpu(get(spec, "gpu"), s, why) < 0)

@@ -122,8 +122,9 @@ struct reconcile_spec {
     uint32_t parallel_gradients;
     /* spec.reduction.algorithm: "auto", "ring" or "doubling" (static). */
     const char *algorithm;
-    /* spec.reduction.compression: "none", "fp16", "bf16" or "int8"
-     * (static): the sidecar's default codec, which a trainer's
+    /* spec.reduction.compression: "none", "fp16", "bf16", "int8", "topk",
+     * "topk:RATIO", "powersgd" or "powersgd:RANK" (static, or borrowed from
+     * the object parsed): the sidecar's default, which a trainer's
      * set_compression replaces. */
     const char *compression;
     /* spec.checkpoint: periods (0: that one unset; one at least is set)
@@ -152,7 +153,7 @@ struct reconcile_why {
  * *why filled: a name too long for the pod names and labels, replicas out
  * of range, durations that do not parse or timeout <= heartbeat,
  * spec.accumulator or spec.reduction values the CRD does not allow
- * (reduction.compression other than none: no codec exists yet), a
+ * (reduction.compression that cohort-sidecar --compression would refuse), a
  * spec.checkpoint without one volume source (or with a read-only one:
  * configMap, secret, downwardAPI, projected, image) or without a period,
  * or with keep out of range, a spec.gpu without a known mode, with a

@@ -247,14 +247,14 @@ def test_accumulator_and_reduction_fields_reach_every_member(cluster):
             "60s", "--virtual-batch", "4"]
     apply(c, cohort_manifest("pin", 2, args=args, extra_spec={
         "accumulator": {"virtualBatchSize": 4, "parallelGradients": 2},
-        "reduction": {"algorithm": "ring", "compression": "fp16"}}))
+        "reduction": {"algorithm": "ring", "compression": "topk:0.05"}}))
     wait_members(c, "pin", ["pin-0", "pin-1"])
     wait_training(c, "pin")
     for pod in live_pods(c, "pin"):
         side = pod["spec"]["initContainers"][0]
         flags = side.get("args") or side.get("command")
         for flag, value in (("--virtual-batch-size", "4"), ("--parallel-gradients", "2"),
-                            ("--allreduce", "ring"), ("--compression", "fp16")):
+                            ("--allreduce", "ring"), ("--compression", "topk:0.05")):
             assert flags[flags.index(flag) + 1] == value, flags
         name = pod["metadata"]["name"]
 
@@ -265,7 +265,7 @@ def test_accumulator_and_reduction_fields_reach_every_member(cluster):
         waiting = [ln for ln in log().splitlines() if "Waiting for the trainer." in ln]
         assert waiting and "virtual_batch_size=4" in waiting[-1] and \
             "parallel_gradients=2" in waiting[-1] and "allreduce=ring" in waiting[-1] and \
-            "compression=fp16" in waiting[-1], waiting
+            "compression=topk:0.05" in waiting[-1], waiting
         algs = {m for m in re.findall(r"First all-reduce with this algorithm\..*?algorithm=(\S+)",
                                       log())}
         assert algs == {"ring"}, algs

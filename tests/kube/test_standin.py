@@ -217,9 +217,22 @@ def test_cohort_crd_rules(kubectl, cluster):
     assert "should match" in refused("t3", {"timeouts": {"memberTimeout": "5 seconds"}})
     assert "spec.replicas must not be below spec.minReplicas" in refused(
         "t4", {"replicas": 1, "minReplicas": 2})
-    assert 'Unsupported value: "zstd"' in refused("t5", {"reduction": {"compression": "zstd"}})
-    # The engine's codecs only; tree was never an algorithm of the engine.
-    assert 'Unsupported value: "int4"' in refused("t5", {"reduction": {"compression": "int4"}})
+    # The sidecar's --compression values only (the pattern, then CEL for
+    # the ranges); tree was never an algorithm of the engine.
+    assert "should match" in refused("t5", {"reduction": {"compression": "zstd"}})
+    assert "should match" in refused("t5", {"reduction": {"compression": "int4"}})
+    assert "should match" in refused("t5", {"reduction": {"compression": "topk:1.5"}})
+    assert "should match" in refused("t5", {"reduction": {"compression": "powersgd:2.5"}})
+    assert "topk's ratio must be above 0" in refused(
+        "t5", {"reduction": {"compression": "topk:0.000"}})
+    assert "powersgd's rank must be 1 to 1024" in refused(
+        "t5", {"reduction": {"compression": "powersgd:1025"}})
+    assert "powersgd's rank must be 1 to 1024" in refused(
+        "t5", {"reduction": {"compression": "powersgd:0"}})
+    for good in ("topk:0.05", "topk:1", "powersgd", "powersgd:1024"):
+        ok = cluster.ok("POST", TC, cohort("t9", {"reduction": {"compression": good}}))
+        assert ok["spec"]["reduction"]["compression"] == good
+        cluster.ok("DELETE", TC + "/t9")
     assert 'Unsupported value: "tree"' in refused("t5", {"reduction": {"algorithm": "tree"}})
     assert "spec.accumulator.parallelGradients" in refused(
         "t5", {"accumulator": {"parallelGradients": 9}})

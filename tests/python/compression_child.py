@@ -6,7 +6,9 @@ Joins the broker at ADDRESS (cohort "comp", the node in this process), or
 its sidecar ("unix:PATH"), waits for the second member, then runs one
 round per case (default: "none", "fp16", "bf16", "int8", and "mixed":
 member 0 asks for fp16, member 1 for int8, so the members disagree;
-"default" asks for nothing, leaving the sidecar's --compression). Gradients are 100,003 float32
+"default" asks for nothing, leaving the sidecar's --compression; "topk:R"
+and "powersgd:N" ask for those; "mixedk": member 0 asks for topk:0.01,
+member 1 for topk:0.02, so they disagree on the parameter). Gradients are 100,003 float32
 values (400 KB: more than the 256 KiB a fused step carries), different on
 each member and none of them a float16 value. Prints one JSON line per
 round: the codec, a SHA-256 of the result's bytes, the largest error
@@ -66,7 +68,12 @@ wait(acc, lambda: acc.connected() and acc.size() == 2 and acc.wants_gradients(),
 acc.set_virtual_batch_size(2)
 for r, case in enumerate(CASES):
     if case != "default":
-        acc.set_compression(case if case != "mixed" else ("fp16" if INDEX == 0 else "int8"))
+        if case == "mixed":
+            acc.set_compression("fp16" if INDEX == 0 else "int8")
+        elif case == "mixedk":
+            acc.set_compression("topk:0.01" if INDEX == 0 else "topk:0.02")
+        else:
+            acc.set_compression(case)
     mine = grads(INDEX, r)
     acc.gradients().copy_(mine)
     acc.reduce_gradients(1)
@@ -83,6 +90,8 @@ for r, case in enumerate(CASES):
         "uncompressed": bool(torch.equal(got, f32)),
         "representable": {c: representable(got, c) for c in ("fp16", "bf16")},
         "num_gradients": acc.get_gradient_stats()["num_gradients"],
+        "nonzero": int((got != 0).sum()),
+        "rel_err": float((got.double() - exact).norm() / exact.norm()),
     }), flush=True)
     acc.zero_gradients()
     wait(acc, acc.wants_gradients, "wants_gradients after " + case)

@@ -5,7 +5,8 @@ error is within the codec's bound; the result is a value of the codec
 (so the setting reached the engine: the uncompressed average is not);
 and members that ask for different codecs get the uncompressed result.
 A sidecar's --compression is the default a trainer that asks for nothing
-gets.
+gets. Top-k and PowerSGD (with error feedback) the same ways, in process
+and through a sidecar.
 """
 import json
 import os
@@ -96,3 +97,83 @@ def test_sidecar_refuses_a_bad_compression():
         assert p.p.wait(timeout=DEADLINE) == 2
         p.stop()
         assert any(needle in l for l in p.raw), (flags, p.raw)
+
+
+def run_pair(address_of, cases):
+    kids = [spawn([os.path.join(HERE, "compression_child.py"), address_of(i), str(i), cases])
+            for i in range(2)]
+    rounds = []
+    for rc, out, err in [finish(k) for k in kids]:
+        assert rc == 0, err[-3000:]
+        lines = out.strip().splitlines()
+        assert lines[-1] == "ok", out
+        rounds.append([json.loads(l) for l in lines[:-1]])
+    for a, b in zip(*rounds):
+        assert a["digest"] == b["digest"], (a, b)          # identical on both members
+        assert a["num_gradients"] == 2, a
+    return {r["case"]: r for r in rounds[0]}
+
+
+N = 100003
+
+
+def test_topk_and_powersgd_in_process(broker):
+    by = run_pair(lambda i: broker.address, "topk:0.01,powersgd:2,mixedk,topk:1")
+    k = -(-N // 100)                                        # ceil(0.01 N) per member
+    topk = by["topk:0.01"]
+    assert not topk["uncompressed"] and 0 < topk["nonzero"] <= 2 * k, topk
+    psgd = by["powersgd:2"]
+    assert not psgd["uncompressed"] and psgd["nonzero"] > 2 * k, psgd
+    # A smooth gradient is close to low rank: rank 2 keeps most of it.
+    assert psgd["rel_err"] < 0.5, psgd
+    # Members that differ in the ratio run uncompressed.
+    assert by["mixedk"]["uncompressed"], by["mixedk"]
+    # A ratio of 1 sends everything: the mean, up to the order of the adds
+    # (and what the earlier rounds left in the residuals).
+    assert by["topk:1"]["nonzero"] > N - 10, by["topk:1"]
+
+
+def test_the_sidecars_topk_is_the_default(broker, tmp_path):
+    sidecars = []
+    try:
+        for i in range(2):
+            sock = str(tmp_path / ("s%d.sock" % i))
+            sidecars.append(Proc([bin_path("cohort-sidecar"), "--broker", broker.address,
+                                  "--cohort", "comp", "--id", "m%d" % i, "--socket", sock,
+                                  "--log-format", "json", "--heartbeat-interval", "250ms",
+                                  "--member-timeout", "2s", "--compression", "topk:0.05"],
+                                 "m%d" % i))
+            sidecars[-1].wait_log("Waiting for the trainer.")
+        by = run_pair(lambda i: "unix:" + str(tmp_path / ("s%d.sock" % i)), "default,powersgd:4")
+    finally:
+        for s in sidecars:
+            s.stop()
+    k = -(-N * 5 // 100)
+    assert not by["default"]["uncompressed"] and by["default"]["nonzero"] <= 2 * k, by["default"]
+    assert not by["powersgd:4"]["uncompressed"], by["powersgd:4"]
+    for s in sidecars:
+        assert s.last("Waiting for the trainer.")["compression"] == "topk:0.05"
+        assert not s.sanitizer_report()
+
+
+@pytest.mark.parametrize("text", ["topk:0", "topk:1.5", "topk:0.0000001", "topk:",
+                                  "powersgd:0", "powersgd:1025", "powersgd:2.5", "int8:1", "zip"])
+def test_sidecar_refuses_a_bad_topk_or_powersgd(text):
+    p = Proc([bin_path("cohort-sidecar"), "--broker", "127.0.0.1:1", "--cohort", "c",
+              "--id", "a", "--compression", text], "bad")
+    assert p.p.wait(timeout=DEADLINE) == 2
+    p.stop()
+    assert any("bad --compression" in l and "powersgd:RANK" in l for l in p.raw), (text, p.raw)
+
+
+def test_accumulator_refuses_a_bad_compression():
+    import torch
+    import cohort
+    acc = cohort.Accumulator("comp", [torch.nn.Parameter(torch.zeros(4))])
+    try:
+        for text in ("topk:0", "topk:2", "topk:0.1234567", "powersgd:0", "powersgd:x",
+                     "fp16:1", "zip", 4):
+            with pytest.raises(ValueError):
+                acc.set_compression(text)
+    finally:
+        acc.close()

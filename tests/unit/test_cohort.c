@@ -214,7 +214,10 @@ static void train_pair(const enum via via[2], uint64_t target)
         /* Through either link (the sidecar's is a tlink message); these
          * gradients are small, so their rounds stay fused and exact. */
         cr_assert_eq(cohort_set_compression(l[i].c, COHORT_COMPRESSION_INT8), 0);
-        cr_assert_eq(cohort_set_compression(l[i].c, (enum cohort_compression)4), -EINVAL);
+        cr_assert_eq(cohort_set_compression(l[i].c, (enum cohort_compression)6), -EINVAL);
+        cr_assert_eq(cohort_set_compression_with(l[i].c, COHORT_COMPRESSION_TOPK, 1.5), -EINVAL);
+        cr_assert_eq(cohort_set_compression_with(l[i].c, COHORT_COMPRESSION_POWERSGD, 2.5), -EINVAL);
+        cr_assert_eq(cohort_set_compression_with(l[i].c, COHORT_COMPRESSION_INT8, 1), -EINVAL);
     }
     for (int i = 0; i < 2; i++)
         pthread_create(&l[i].t, NULL, run_loop, &l[i]);

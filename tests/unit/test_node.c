@@ -8,12 +8,15 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/clock.h"
 #include "fixture.h"
 #include "accumulator/ckpt.h"
+#include "accumulator/compress.h"
 #include "accumulator/node.h"
+#include "engine/topk.h"
 #include "membership/broker.h"
 #include "membership/brokerd.h"
 
@@ -689,4 +692,426 @@ Test(node, a_member_behind_an_unrecorded_history_drops_rather_than_counts_twice)
                            i, (double)trs[i].result_at[6]);
     }
     trainers_quit(trs, 2);
+}
+
+/* ---- top-k and PowerSGD through the node's rounds ---- */
+
+#define CG (128u << 10)             /* gradients: 512 KiB of float32, above a fused step */
+#define CROUNDS 5
+
+struct cmember {
+    int index;
+    struct node *n;
+    _Alignas(64) double params[1];
+    float *grads, *results;
+    float *seen;                    /* CROUNDS x CG: the result that made version v + 1 */
+    uint64_t made, applied;
+    bool started;
+    uint64_t target;                /* stop at this model version (CROUNDS) */
+    uint32_t start_size;            /* members in the epoch before the first contribution */
+    uint64_t hold_at;               /* after this many results (0: never), contribute only... */
+    uint32_t hold_size;             /* ...in epochs of this many members */
+    atomic_uint_fast64_t version;   /* the newest model version seen */
+    uint64_t grads_at[CROUNDS + 1]; /* num_gradients of the result that made version v */
+    void (*fill)(float *g, int member, uint64_t round);
+    int rc;
+    pthread_t t;
+};
+
+static void *cmember_main(void *arg)
+{
+    struct cmember *m = arg;
+    uint64_t end = clock_now_ms() + 120000;
+    struct node_view v;
+
+    while (clock_now_ms() < end) {
+        node_view(m->n, &v);
+        atomic_store(&m->version, v.model_version);
+        if (v.model_version >= m->target && !v.has_gradients)
+            return NULL;
+        if (!v.connected) {
+            clock_sleep_ms(1);
+            continue;
+        }
+        if (v.wants_state)
+            node_set_state(m->n, "s", 1);
+        if (v.has_new_state) {
+            void *s;
+            size_t len;
+            if (node_take_state(m->n, &s, &len) == 0)
+                free(s);
+        }
+        if (v.has_gradients) {
+            if (v.model_version >= 1 && v.model_version <= CROUNDS) {
+                memcpy(m->seen + (v.model_version - 1) * CG, m->results, CG * sizeof(float));
+                m->grads_at[v.model_version] = v.num_gradients;
+            }
+            memset(m->grads, 0, CG * sizeof(float));
+            if (node_consume(m->n, v.rounds_committed) < 0)
+                m->rc = -EPROTO;
+            m->applied++;
+        } else if (v.wants_gradients && (m->started || v.size == m->start_size) &&
+                   !(m->hold_at && m->applied >= m->hold_at && v.size < m->hold_size)) {
+            m->started = true;
+            m->fill(m->grads, m->index, m->made);
+            if (node_contribute(m->n, 1) == 0)
+                m->made++;
+            else
+                memset(m->grads, 0, CG * sizeof(float));
+        } else {
+            clock_sleep_ms(1);
+        }
+    }
+    m->rc = -ETIMEDOUT;
+    return NULL;
+}
+
+/* Two members of cohort `cohort` (the broker's "train"), member i asking for comp[i], each
+ * contributing CROUNDS gradients of fill(); returns once both applied
+ * CROUNDS results, each member's in ms[i].seen. */
+/* Member c-<i> of cohort `cohort` (the broker's "train") asking for
+ * `comp`, virtual batch size 2, its loop started. */
+static void cmember_start(const char *cohort, struct cmember *m, int i, const char *comp,
+                          void (*fill)(float *, int, uint64_t), uint32_t start_size)
+{
+    struct node_config c = { .broker = broker, .cohort = cohort, .host = "127.0.0.1",
+                             .reduce_timeout_ms = 20000 };
+    struct node_tensors t;
+    char id[16];
+
+    memset(m, 0, sizeof(*m));
+    m->index = i;
+    m->fill = fill;
+    m->target = CROUNDS;
+    m->start_size = start_size;
+    m->grads = aligned_alloc(64, CG * sizeof(float));
+    m->results = aligned_alloc(64, CG * sizeof(float));
+    m->seen = calloc((size_t)CROUNDS * CG, sizeof(float));
+    cr_assert(m->grads && m->results && m->seen);
+    snprintf(id, sizeof(id), "c-%d", i);
+    c.id = id;
+    cr_assert_eq(compress_parse(comp, &c.compression), 0, "%s", comp);
+    cr_assert_eq(node_start(&c, &m->n), 0);
+    t = (struct node_tensors){ .params = m->params, .params_bytes = sizeof(m->params),
+                               .grads = m->grads, .grad_count = CG, .grad_type = DTYPE_F32,
+                               .results = m->results };
+    cr_assert_eq(node_register(m->n, &t), 0);
+    cr_assert_eq(node_set_virtual_batch_size(m->n, 2), 0);
+}
+
+static void compressed_pair(const char *cohort, struct cmember ms[2], const char *const comp[2],
+                            void (*fill)(float *, int, uint64_t))
+{
+    for (int i = 0; i < 2; i++)
+        cmember_start(cohort, &ms[i], i, comp[i], fill, 2);
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+}
+
+static void cmember_free(struct cmember *m)
+{
+    node_stop(m->n);
+    free(m->grads);
+    free(m->results);
+    free(m->seen);
+}
+
+static void compressed_pair_free(struct cmember ms[2])
+{
+    for (int i = 0; i < 2; i++)
+        cmember_free(&ms[i]);
+}
+
+/* Small integers, different per member, entry and round: every sum of
+ * them is exact in float32. */
+static void fill_integers(float *g, int member, uint64_t round)
+{
+    for (size_t i = 0; i < CG; i++)
+        g[i] = (float)((int)((i * 7 + (size_t)member * 13 + round * 31 + (i >> 9) * 5) % 41) - 20);
+}
+
+/* Top-k: every committed result is exactly the mean of each member's top
+ * k of its gradient plus its residual, the residuals carried from round
+ * to round (computed here with topk_select): error feedback, exact over
+ * the rounds, the same bytes on both members. */
+static void check_topk_pair(struct cmember ms[2])
+{
+    static float resid[2][CG], acc[CG], expect[CG];
+    static uint32_t idx[CG];
+    size_t k;
+
+    cr_assert_eq(topk_k_for_ratio(CG, (double)COMPRESS_TOPK_DEFAULT / COMPRESS_TOPK_ONE, &k), 0);
+    memset(resid, 0, sizeof(resid));
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        size_t sent = 0;
+
+        memset(expect, 0, sizeof(expect));
+        for (int m = 0; m < 2; m++) {
+            fill_integers(acc, m, r);
+            for (size_t i = 0; i < CG; i++)
+                acc[i] += resid[m][i];
+            cr_assert_eq(topk_select(acc, CG, k, idx), 0);
+            for (size_t j = 0; j < k; j++) {
+                expect[idx[j]] += acc[idx[j]];
+                acc[idx[j]] = 0;
+            }
+            memcpy(resid[m], acc, sizeof(acc));
+        }
+        for (size_t i = 0; i < CG; i++) {
+            expect[i] /= 2.0f;
+            sent += expect[i] != 0;
+        }
+        cr_assert_leq(sent, 2 * k, "at most k entries per member");
+        cr_assert_eq(memcmp(ms[0].seen + r * CG, ms[1].seen + r * CG, CG * sizeof(float)), 0,
+                     "round %d: members differ", (int)r);
+        for (size_t i = 0; i < CG; i++)
+            cr_assert_eq(ms[0].seen[r * CG + i], expect[i], "round %d entry %zu: %g against %g", (int)r,
+                         i, ms[0].seen[r * CG + i], expect[i]);
+    }
+}
+
+Test(node, topk_rounds_are_exact_with_error_feedback)
+{
+    static const char *const comp[2] = { "topk:0.01", "topk:0.01" };
+    struct cmember ms[2];
+
+    compressed_pair("train", ms, comp, fill_integers);
+    check_topk_pair(ms);
+    compressed_pair_free(ms);
+}
+
+/* The same with two contributions in flight: each round reduces (and
+ * commits the residual of) a slot's copy, not the trainer's buffer. */
+Test(node, topk_with_parallel_gradients_is_exact_too)
+{
+    struct cmember ms[2];
+
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "topk:0.01", fill_integers, 2);
+        cr_assert_eq(node_set_parallel_gradients(ms[i].n, 2), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    check_topk_pair(ms);
+    compressed_pair_free(ms);
+}
+
+/* PowerSGD's view of CG elements: 362 x 362, and 28 left over. */
+#define PS_ROWS 362u
+#define PS_COLS 362u
+
+/* Member m: (m + 1) u v^T over the matrix, integers, so the sum of the
+ * members' gradients has rank 1; the elements left over, (m + 1) x 3. */
+static void fill_rank1(float *g, int member, uint64_t round)
+{
+    for (size_t i = 0; i < PS_ROWS; i++)
+        for (size_t j = 0; j < PS_COLS; j++)
+            g[i * PS_COLS + j] = (float)((member + 1) * ((int)((i + round) % 5) - 2) * ((int)(j % 3) + 1));
+    for (size_t i = PS_ROWS * PS_COLS; i < CG; i++)
+        g[i] = (float)((member + 1) * 3);
+}
+
+/* PowerSGD, rank 1, on a gradient whose sum has rank 1: both members
+ * commit the same bytes, the result is the mean (close: a rank-1 product
+ * computed in float32), and the elements beyond the matrix are reduced
+ * uncompressed, exactly. */
+Test(node, powersgd_rounds_are_identical_and_reproduce_a_rank_one_mean)
+{
+    static const char *const comp[2] = { "powersgd:1", "powersgd:1" };
+    struct cmember ms[2];
+    static float want[CG], mine[CG];
+
+    compressed_pair("train", ms, comp, fill_rank1);
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        const float *got = ms[0].seen + r * CG;
+
+        fill_rank1(want, 0, r);
+        fill_rank1(mine, 1, r);
+        for (size_t i = 0; i < CG; i++)
+            want[i] = (want[i] + mine[i]) / 2.0f;
+        cr_assert_eq(memcmp(got, ms[1].seen + r * CG, CG * sizeof(float)), 0, "round %d: members differ",
+                     (int)r);
+        for (size_t i = 0; i < PS_ROWS * PS_COLS; i++)
+            cr_assert_leq(fabsf(got[i] - want[i]), 1e-3f, "round %d entry %zu: %g against %g", (int)r, i,
+                          got[i], want[i]);
+        for (size_t i = PS_ROWS * PS_COLS; i < CG; i++)
+            cr_assert_eq(got[i], want[i], "the tail is exact");
+    }
+    compressed_pair_free(ms);
+}
+
+/* Members that ask for top-k with different ratios run uncompressed: the
+ * result is the exact mean of every entry, which top-k would not give. */
+Test(node, members_that_disagree_on_the_parameter_run_uncompressed)
+{
+    static const char *const comp[2] = { "topk:0.01", "topk:0.02" };
+    struct cmember ms[2];
+    static float a[CG], b[CG];
+
+    compressed_pair("train", ms, comp, fill_integers);
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        fill_integers(a, 0, r);
+        fill_integers(b, 1, r);
+        cr_assert_eq(memcmp(ms[0].seen + r * CG, ms[1].seen + r * CG, CG * sizeof(float)), 0);
+        for (size_t i = 0; i < CG; i++)
+            cr_assert_eq(ms[0].seen[r * CG + i], (a[i] + b[i]) / 2.0f, "round %d entry %zu", (int)r, i);
+    }
+    compressed_pair_free(ms);
+}
+
+Test(node, compression_settings_are_checked)
+{
+    struct compress c;
+    char text[COMPRESS_TEXT_MAX];
+    static const char *const bad[] = { "topk:0", "topk:1.5", "topk:0.0000001", "topk:", "topk:-0.1",
+                                       "topk:abc", "powersgd:0", "powersgd:1025", "powersgd:2.5",
+                                       "powersgd:", "int8:1", "zip", "", "topk:1.000001" };
+    static const struct {
+        const char *in, *out;
+    } good[] = { { "topk", "topk:0.01" }, { "topk:0.25", "topk:0.25" }, { "topk:1", "topk:1" },
+                 { "topk:.5", "topk:0.5" }, { "topk:0.000001", "topk:0.000001" },
+                 { "powersgd", "powersgd:4" }, { "powersgd:1024", "powersgd:1024" },
+                 { "int8", "int8" }, { "none", "none" } };
+    struct node_config nc = { 0 };
+
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        cr_assert_eq(compress_parse(bad[i], &c), -EINVAL, "%s", bad[i]);
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        struct compress back;
+
+        cr_assert_eq(compress_parse(good[i].in, &c), 0, "%s", good[i].in);
+        cr_assert_str_eq(compress_format(&c, text, sizeof(text)), good[i].out);
+        cr_assert_eq(compress_unpack(compress_pack(&c), &back), 0);
+        cr_assert(back.method == c.method && back.param == c.param);
+    }
+    cr_assert_eq(compress_unpack(6, &c), -EINVAL);
+    cr_assert_eq(compress_unpack(COMPRESS_TOPK, &c), -EINVAL, "top-k with a ratio of 0");
+    cr_assert_eq(compress_unpack(COMPRESS_INT8 | 1u << 8, &c), -EINVAL, "a codec with a parameter");
+    cr_assert_eq(compress_unpack((uint64_t)1 << 40 | COMPRESS_NONE, &c), -EINVAL);
+    nc = (struct node_config){ .broker = broker, .cohort = "train", .id = "s-0", .host = "127.0.0.1" };
+    {
+        struct node *n;
+        struct compress wrong = { .method = COMPRESS_POWERSGD, .param = 0 };
+
+        cr_assert_eq(node_start(&nc, &n), 0);
+        cr_assert_eq(node_set_compression(n, &wrong), -EINVAL);
+        cr_assert_eq(compress_parse("powersgd:8", &c), 0);
+        cr_assert_eq(node_set_compression(n, &c), 0);
+        node_stop(n);
+    }
+}
+
+/* Member m: a rank-1 matrix of its own (the rows' pattern shifted by m),
+ * so the members' sum has rank 2. */
+static void fill_rank2(float *g, int member, uint64_t round)
+{
+    for (size_t i = 0; i < PS_ROWS; i++)
+        for (size_t j = 0; j < PS_COLS; j++)
+            g[i * PS_COLS + j] = (float)(((int)((i + (size_t)member * 2) % 5) - 2) *
+                                         ((int)((j + (size_t)member) % 3) + 1));
+    for (size_t i = PS_ROWS * PS_COLS; i < CG; i++)
+        g[i] = (float)(member + 1 + (int)round);
+}
+
+/* PowerSGD at rank 1 of a rank-2 sum is compressed, not exact: the result
+ * is not the mean, yet it is the same bytes on both members, and the
+ * elements beyond the matrix are still exact. */
+Test(node, powersgd_rank_one_of_a_rank_two_sum_is_compressed)
+{
+    static const char *const comp[2] = { "powersgd:1", "powersgd:1" };
+    struct cmember ms[2];
+    static float want[CG], other[CG];
+    float worst = 0;
+
+    compressed_pair("train", ms, comp, fill_rank2);
+    fill_rank2(want, 0, 0);
+    fill_rank2(other, 1, 0);
+    for (size_t i = 0; i < CG; i++)
+        want[i] = (want[i] + other[i]) / 2.0f;
+    for (size_t i = 0; i < PS_ROWS * PS_COLS; i++)
+        worst = fmaxf(worst, fabsf(ms[0].seen[i] - want[i]));
+    cr_assert_gt(worst, 0.1f, "a rank-1 product cannot be this rank-2 mean");
+    for (size_t i = PS_ROWS * PS_COLS; i < CG; i++)
+        cr_assert_eq(ms[0].seen[i], want[i]);
+    for (uint64_t r = 0; r < CROUNDS; r++)
+        cr_assert_eq(memcmp(ms[0].seen + r * CG, ms[1].seen + r * CG, CG * sizeof(float)), 0);
+    compressed_pair_free(ms);
+}
+
+static bool reached_version_2(void *m)
+{
+    return atomic_load(&((struct cmember *)m)->version) >= 2;
+}
+
+/* Top-k across an epoch change: c-0 and c-1 commit versions 1 and 2, then
+ * wait for c-2, which joins, takes the leader's state and contributes to
+ * versions 3 to CROUNDS. Meanwhile c-1 declares version 1, so in the new
+ * epoch it receives c-0's state too. The reducers follow the epoch (the
+ * gather grows to three blocks); the joiner and c-1, which took the
+ * leader's state, go on from a zero residual, and c-0 keeps its own:
+ * every result is exactly what the simulation here gives, the same bytes
+ * on every member that took part. */
+Test(node, topk_residuals_carry_over_an_epoch_change_and_a_joiner_starts_at_zero)
+{
+    static struct cmember ms[3];
+    static float resid[3][CG], acc[CG], expect[CG];
+    static uint32_t idx[CG];
+    size_t k;
+
+    cr_assert_eq(topk_k_for_ratio(CG, (double)COMPRESS_TOPK_DEFAULT / COMPRESS_TOPK_ONE, &k), 0);
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "topk:0.01", fill_integers, 2);
+        ms[i].hold_at = 2;
+        ms[i].hold_size = 3;
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    cr_assert(fixture_wait_until(reached_version_2, &ms[0], 60000), "c-0 never reached version 2");
+    cr_assert(fixture_wait_until(reached_version_2, &ms[1], 60000), "c-1 never reached version 2");
+    cr_assert_eq(node_set_model_version(ms[1].n, 1), 0);
+    cmember_start("train", &ms[2], 2, "topk:0.01", fill_integers, 3);
+    pthread_create(&ms[2].t, NULL, cmember_main, &ms[2]);
+    for (int i = 0; i < 3; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    memset(resid, 0, sizeof(resid));
+    for (uint64_t v = 1; v <= CROUNDS; v++) {
+        int members = v <= 2 ? 2 : 3;
+
+        if (v == 3)
+            memset(resid[1], 0, sizeof(resid[1]));     /* c-1 took the leader's state */
+        cr_assert_eq(ms[0].grads_at[v], (uint64_t)members, "version %d", (int)v);
+        memset(expect, 0, sizeof(expect));
+        for (int m = 0; m < members; m++) {
+            /* c-0 and c-1 sent their (v-1)th gradient; c-2 its (v-3)th. */
+            fill_integers(acc, m, m < 2 ? v - 1 : v - 3);
+            for (size_t i = 0; i < CG; i++)
+                acc[i] += resid[m][i];
+            cr_assert_eq(topk_select(acc, CG, k, idx), 0);
+            for (size_t j = 0; j < k; j++) {
+                expect[idx[j]] += acc[idx[j]];
+                acc[idx[j]] = 0;
+            }
+            memcpy(resid[m], acc, sizeof(acc));
+        }
+        for (size_t i = 0; i < CG; i++)
+            expect[i] /= (float)members;
+        for (int m = 1; m < members; m++)
+            cr_assert_eq(memcmp(ms[0].seen + (v - 1) * CG, ms[m].seen + (v - 1) * CG, CG * sizeof(float)),
+                         0, "version %d: c-%d differs", (int)v, m);
+        for (size_t i = 0; i < CG; i++)
+            cr_assert_eq(ms[0].seen[(v - 1) * CG + i], expect[i], "version %d entry %zu: %g against %g",
+                         (int)v, i, ms[0].seen[(v - 1) * CG + i], expect[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        cmember_free(&ms[i]);
 }

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -377,4 +378,101 @@ Test(powersgd, members_that_disagree_on_the_shape_change_nothing, .timeout = 120
         powersgd_destroy(r.p[m]);
     }
     engines_stop(&c);
+}
+
+/* ---- reduce and commit apart (the node's rounds) ---- */
+
+struct split {
+    struct powersgd *p[ENGINES_MAX];
+    uint64_t round;
+    float in[ENGINES_MAX][ROWS * COLS], out[ENGINES_MAX][ROWS * COLS];
+    bool commit;
+    int rc[ENGINES_MAX];
+};
+
+static void reduce_split(size_t i, void *arg)
+{
+    struct split *s = arg;
+
+    s->rc[i] = powersgd_reduce_into(s->p[i], s->in[i], s->out[i], DTYPE_SUM, s->round);
+    if (s->rc[i] == 0 && s->commit)
+        powersgd_commit(s->p[i]);
+}
+
+/* A round reduced but never committed (the node's round failed after its
+ * gradient step) leaves the error and the warm start as they were: the
+ * retry, committed, gives the bytes and the error one powersgd_reduce
+ * gives, round after round, against a twin cohort that never had the
+ * failure. A second commit changes nothing; a reset is a fresh reducer. */
+Test(powersgd, an_uncommitted_round_leaves_the_error, .timeout = 120)
+{
+    static struct split s;
+    static struct run twin;
+    static float before[ENGINES_MAX][ROWS * COLS], in_copy[ENGINES_MAX][ROWS * COLS];
+    const size_t members = 2;
+    unsigned seed = 31;
+    struct engines c, d;
+
+    memset(&s, 0, sizeof(s));
+    memset(&twin, 0, sizeof(twin));
+    engines_start(&c, members, TIMEOUT_MS);
+    engines_start(&d, members, TIMEOUT_MS);
+    twin.op = DTYPE_SUM;
+    for (size_t m = 0; m < members; m++) {
+        cr_assert_eq(powersgd_create(c.p[m].ar, ROWS, COLS, 2, SEED, &s.p[m]), 0);
+        cr_assert_eq(powersgd_create(d.p[m].ar, ROWS, COLS, 2, SEED, &twin.p[m]), 0);
+    }
+    for (uint64_t round = 1; round <= 5; round++) {
+        for (size_t m = 0; m < members; m++)
+            for (size_t i = 0; i < ROWS * COLS; i++)
+                s.in[m][i] = twin.m[m][i] = uniform(&seed);
+        memcpy(in_copy, s.in, sizeof(s.in));
+        for (size_t m = 0; m < members; m++)
+            memcpy(before[m], powersgd_error(s.p[m]), sizeof(before[m]));
+        s.commit = false;
+        s.round = round * 4;
+        engines_each(&c, members, reduce_split, &s);
+        for (size_t m = 0; m < members; m++) {
+            cr_assert_eq(s.rc[m], 0);
+            cr_assert_arr_eq(powersgd_error(s.p[m]), before[m], sizeof(before[m]));
+            cr_assert_arr_eq(s.in[m], in_copy[m], sizeof(in_copy[m]));
+        }
+        s.commit = true;
+        s.round = round * 4 + POWERSGD_ROUNDS;
+        engines_each(&c, members, reduce_split, &s);
+        twin.round = round * POWERSGD_ROUNDS;
+        engines_each(&d, members, reduce_one, &twin);
+        for (size_t m = 0; m < members; m++) {
+            cr_assert_eq(s.rc[m], 0);
+            cr_assert_eq(twin.rc[m], 0);
+            cr_assert_arr_eq(s.out[m], twin.m[m], sizeof(s.out[m]), "member %zu round %d", m, (int)round);
+            cr_assert_arr_eq(powersgd_error(s.p[m]), powersgd_error(twin.p[m]), sizeof(before[m]));
+            memcpy(before[m], powersgd_error(s.p[m]), sizeof(before[m]));
+            powersgd_commit(s.p[m]);
+            cr_assert_arr_eq(powersgd_error(s.p[m]), before[m], sizeof(before[m]), "committed twice");
+        }
+    }
+    /* Reset: the error is zero and the next round is a fresh reducer's. */
+    for (size_t m = 0; m < members; m++) {
+        powersgd_reset(s.p[m]);
+        powersgd_destroy(twin.p[m]);
+        cr_assert_eq(powersgd_create(d.p[m].ar, ROWS, COLS, 2, SEED, &twin.p[m]), 0);
+        for (size_t i = 0; i < ROWS * COLS; i++) {
+            cr_assert_eq(powersgd_error(s.p[m])[i], 0.0f);
+            s.in[m][i] = twin.m[m][i] = uniform(&seed);
+        }
+    }
+    s.round = 100;
+    engines_each(&c, members, reduce_split, &s);
+    twin.round = 100;
+    engines_each(&d, members, reduce_one, &twin);
+    for (size_t m = 0; m < members; m++) {
+        cr_assert_eq(s.rc[m], 0);
+        cr_assert_eq(twin.rc[m], 0);
+        cr_assert_arr_eq(s.out[m], twin.m[m], sizeof(s.out[m]));
+        powersgd_destroy(s.p[m]);
+        powersgd_destroy(twin.p[m]);
+    }
+    engines_stop(&c);
+    engines_stop(&d);
 }

@@ -5,10 +5,12 @@
  * the restart budget's window, template rollouts and failures in status. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "accumulator/ckpt.h"
+#include "accumulator/compress.h"
 #include "k8s/reconcile.h"
 
 static cJSON *parse(const char *json)
@@ -952,6 +954,52 @@ Test(reconcile, parse_refuses_accumulator_and_reduction_out_of_range)
     refused("lr", "\"reduction\":{\"compression\":\"zstd\"}", "InvalidSpec");
     refused("lr", "\"reduction\":{\"compression\":16}", "InvalidSpec");
     refused("lr", "\"reduction\":{\"compression\":null}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":\"topk:0\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":\"topk:1.5\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":\"powersgd:1025\"}", "InvalidSpec");
+    refused("lr", "\"reduction\":{\"compression\":\"int8:1\"}", "InvalidSpec");
+}
+
+/* The operator takes exactly the --compression values the sidecar takes
+ * (reconcile.c cannot include the sidecar's parser, so the two are held
+ * to the same answers here), and passes them on unchanged. */
+Test(reconcile, compression_is_checked_as_the_sidecar_checks_it)
+{
+    static const char *const texts[] = {
+        "none", "fp16", "bf16", "int8", "topk", "powersgd", "topk:0.01", "topk:1", "topk:1.0",
+        "topk:.5", "topk:0.000001", "topk:0.0000001", "topk:0", "topk:0.0", "topk:1.000001",
+        "topk:1.5", "topk:2", "topk:", "topk:-0.1", "topk:0.5x", "topk:00.5", "powersgd:1",
+        "powersgd:4", "powersgd:1024", "powersgd:0", "powersgd:1025", "powersgd:", "powersgd:2.5",
+        "powersgd:-1", "int8:1", "none:", "zip", "", "TOPK", "topk:0.01 ",
+    };
+
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        char body[128];
+        struct compress c;
+        struct reconcile_spec s;
+        struct reconcile_why why;
+        cJSON *tc;
+        bool sidecar = compress_parse(texts[i], &c) == 0;
+
+        snprintf(body, sizeof(body), "\"reduction\":{\"compression\":\"%s\"}", texts[i]);
+        tc = cohort("lr", body);
+        cr_assert_eq(reconcile_parse(tc, &s, &why) == 0, sidecar, "\"%s\": sidecar %s it", texts[i],
+                     sidecar ? "takes" : "refuses");
+        if (sidecar) {
+            cJSON *pod = NULL;
+            char args[1024], want[64];
+
+            cr_assert_str_eq(s.compression, texts[i]);
+            cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0);
+            sidecar_args(pod, args, sizeof(args));
+            snprintf(want, sizeof(want), " --compression %s", texts[i]);
+            cr_assert_eq(strstr(args, want) != NULL, strcmp(texts[i], "none") != 0, "%s", args);
+            cJSON_Delete(pod);
+        } else {
+            cr_assert(strstr(why.message, "powersgd:RANK"), "%s", why.message);
+        }
+        cJSON_Delete(tc);
+    }
 }
 
 Test(reconcile, pod_tells_the_sidecar_the_accumulator_and_the_algorithm)

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -468,4 +469,89 @@ Test(topk, members_that_disagree_on_k_change_nothing, .timeout = 120)
         topk_destroy(r.t[m]);
     }
     engines_stop(&c);
+}
+
+/* ---- reduce and commit apart (the node's rounds) ---- */
+
+struct split {
+    struct topk *t[ENGINES_MAX];
+    uint64_t round;
+    float grad[ENGINES_MAX][N], out[ENGINES_MAX][N];
+    bool commit;
+    int rc[ENGINES_MAX];
+};
+
+static void reduce_split(size_t i, void *arg)
+{
+    struct split *s = arg;
+
+    s->rc[i] = topk_reduce_into(s->t[i], s->grad[i], s->out[i], DTYPE_SUM, s->round);
+    if (s->rc[i] == 0 && s->commit)
+        topk_commit(s->t[i], s->grad[i]);
+}
+
+/* A round reduced but never committed (the node's round failed after its
+ * gradient step) leaves the residual and the input as they were; reduced
+ * again and committed, it gives the bytes and the residual one
+ * topk_reduce gives, round after round, against a twin cohort that never
+ * had the failure. A second commit changes nothing. */
+Test(topk, an_uncommitted_round_leaves_the_residual, .timeout = 120)
+{
+    static struct split s;
+    static struct run twin;
+    static float before[ENGINES_MAX][N], in_copy[ENGINES_MAX][N];
+    const size_t members = 2;
+    unsigned seed = 5;
+    struct engines c, d;
+
+    memset(&s, 0, sizeof(s));
+    memset(&twin, 0, sizeof(twin));
+    engines_start(&c, members, TIMEOUT_MS);
+    engines_start(&d, members, TIMEOUT_MS);
+    twin.c = &d;
+    twin.op = DTYPE_SUM;
+    for (size_t m = 0; m < members; m++) {
+        cr_assert_eq(topk_create(c.p[m].ar, N, K, &s.t[m]), 0);
+        cr_assert_eq(topk_create(d.p[m].ar, N, K, &twin.t[m]), 0);
+    }
+    cr_assert_eq(topk_reduce_into(s.t[0], s.grad[0], s.grad[0], DTYPE_SUM, 1), -EINVAL, "in == out");
+    for (uint64_t round = 1; round <= 6; round++) {
+        integer_grads(s.grad, members, &seed);
+        memcpy(twin.grad, s.grad, sizeof(s.grad));
+        memcpy(in_copy, s.grad, sizeof(s.grad));
+        for (size_t m = 0; m < members; m++)
+            memcpy(before[m], topk_residual(s.t[m]), sizeof(before[m]));
+        s.commit = false;
+        s.round = round * 2;
+        engines_each(&c, members, reduce_split, &s);
+        for (size_t m = 0; m < members; m++) {
+            cr_assert_eq(s.rc[m], 0);
+            cr_assert_arr_eq(topk_residual(s.t[m]), before[m], sizeof(before[m]));
+            cr_assert_arr_eq(s.grad[m], in_copy[m], sizeof(in_copy[m]));
+        }
+        s.commit = true;
+        s.round = round * 2 + 1;
+        engines_each(&c, members, reduce_split, &s);
+        twin.round = round;
+        engines_each(&d, members, reduce_one, &twin);
+        for (size_t m = 0; m < members; m++) {
+            cr_assert_eq(s.rc[m], 0);
+            cr_assert_eq(twin.rc[m], 0);
+            cr_assert_arr_eq(s.out[m], twin.grad[m], sizeof(s.out[m]), "member %zu round %d", m, (int)round);
+            cr_assert_arr_eq(topk_residual(s.t[m]), topk_residual(twin.t[m]), N * sizeof(float));
+            memcpy(before[m], topk_residual(s.t[m]), sizeof(before[m]));
+            topk_commit(s.t[m], s.grad[m]);
+            cr_assert_arr_eq(topk_residual(s.t[m]), before[m], sizeof(before[m]), "committed twice");
+        }
+    }
+    /* A reset forgets the residual. */
+    topk_reset(s.t[0]);
+    for (size_t i = 0; i < N; i++)
+        cr_assert_eq(topk_residual(s.t[0])[i], 0.0f);
+    for (size_t m = 0; m < members; m++) {
+        topk_destroy(s.t[m]);
+        topk_destroy(twin.t[m]);
+    }
+    engines_stop(&c);
+    engines_stop(&d);
 }
