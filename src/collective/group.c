@@ -525,6 +525,11 @@ static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
 
 /* ---- API ------------------------------------------------------------------------ */
 
+const char *group_id(const struct group *g)
+{
+    return g->id;
+}
+
 size_t group_record_bytes(size_t bytes)
 {
     return GROUP_ID_BYTES + round8(bytes);

@@ -118,6 +118,9 @@ int group_allreduce(struct group *g, void *buf, size_t count, enum dtype type, e
 int group_allgather(struct group *g, const void *in, size_t bytes, const void **out,
                     size_t *out_len, uint32_t timeout_ms);
 
+/* This member's id: owned by the group, valid until group_destroy. */
+const char *group_id(const struct group *g);
+
 /* The size of one member's record in a gather of `bytes` each. */
 size_t group_record_bytes(size_t bytes);
 
