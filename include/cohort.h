@@ -353,6 +353,35 @@ struct cohort_group_stats {
 };
 void cohort_group_stats(struct cohort_group *g, struct cohort_group_stats *out);
 
+/* Top-k sparsification with error feedback (mlbench's
+ * SparsifiedAggregation) as the group's collective. A reducer of n
+ * float32 values sends, per call, the k = ceil(ratio x n) entries of
+ * largest magnitude of its input plus its residual (what it did not send
+ * before), and every member gets the same dense sum or mean of what the
+ * members sent. The residual changes only when a call completes; a member
+ * that joins starts with a zero one, and a member that leaves takes its
+ * own with it. Every member creates its reducers alike and calls them in
+ * the same order, interleaved with its other collectives as it likes.
+ * Returns 0, -EINVAL (g NULL, n of 0 or over 2^32 - 1, a ratio outside
+ * (0, 1]), -ENOMEM. The caller frees *out with
+ * cohort_group_topk_destroy(), before the group. */
+struct cohort_group_topk;
+int cohort_group_topk_create(struct cohort_group *g, size_t n, double ratio,
+                             struct cohort_group_topk **out);
+void cohort_group_topk_destroy(struct cohort_group_topk *t);   /* NULL is fine */
+/* k, as computed from the ratio, and n. */
+size_t cohort_group_topk_k(const struct cohort_group_topk *t);
+size_t cohort_group_topk_n(const struct cohort_group_topk *t);
+/* One call: replaces buf (n floats, borrowed for the call) with the sum
+ * (COHORT_GROUP_SUM) or mean over the members (COHORT_GROUP_AVG) of what
+ * they sent. Returns 0; or, with buf and the residual untouched, -EINVAL
+ * (another op), -EPROTO (the members' n or k differ: their models do), or
+ * cohort_group_allreduce's errors. */
+int cohort_group_topk_reduce(struct cohort_group_topk *t, float *buf, enum cohort_group_op op,
+                             int timeout_ms);
+/* The residual: n floats, owned by the reducer, valid until its next call. */
+const float *cohort_group_topk_residual(const struct cohort_group_topk *t);
+
 /* A whole sentence for an error code returned by a cohort_group call. */
 const char *cohort_group_strerror(int err);
 

@@ -19,7 +19,17 @@ Scenarios:
             DIR/ID.log (see test_py_aggregation.py)
   mismatch  a by_model aggregation of a model whose size depends on I,
             then a matching call
+  sparse    SparsifiedAggregation, by model (avg) and by layer (sum), each
+            result and this member's residuals against a reference of
+            every member's top-k with error feedback; then a model of a
+            size that depends on I (EPROTO, nothing changed)
+  sparse_loop  SparsifiedAggregation by model (sum) in a loop, as loop:
+            marker entries 0..3 (2^(10+I)), 4 (the call number) and 5
+            (a first call) are always among the top k; DIR/ID.log gets "call mask crc" per
+            result, and every residual is checked against this member's
+            own reference
 """
+import zlib
 import errno
 import json
 import os
@@ -238,5 +248,157 @@ def scenario_mismatch():
     agg.shutdown()
 
 
+RATIO = 0.25
+
+
+def sparse_model(i, step):
+    """Integer gradients depending on member i and step: float32 and float64
+    layers, 68 entries, so k = 17."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2, dtype=torch.float64))
+    with torch.no_grad():
+        for k, p in enumerate(m.parameters()):
+            base = torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape)
+            p.grad = (((base * 7 + i * 5 + k * 3 + step * 11) % 23) - 11).to(p.dtype)
+    return m
+
+
+def flat_grads(m):
+    return torch.cat([p.grad.detach().reshape(-1).to(torch.float32) for p in m.parameters()])
+
+
+def topk_step(acc, k):
+    """What a member sends (dense) and keeps: the k largest |acc|, ties to
+    the lower index."""
+    order = torch.sort(acc.abs(), descending=True, stable=True).indices[:k]
+    sent = torch.zeros_like(acc)
+    sent[order] = acc[order]
+    kept = acc.clone()
+    kept[order] = 0
+    return sent, kept
+
+
+def scenario_sparse():
+    agg.init(broker, "sparse", my_id)
+    wait_for_all()
+    s = agg.SparsifiedAggregation(sparse_model(me, 0), ratio=RATIO)
+    res = {i: torch.zeros(68) for i in range(n)}
+    layer_res = {}
+    step = 0
+    for by_layer, op in ((False, "avg"), (False, "avg_world"), (True, "sum"), (False, "avg")):
+        for _ in range(3):
+            step += 1
+            m = sparse_model(me, step)
+            s.agg_grad(by_layer)(m, op)
+            got = flat_grads(m)
+            models = [sparse_model(i, step) for i in range(n)]
+            if not by_layer:
+                total = torch.zeros(68)
+                for i in range(n):
+                    sent, res[i] = topk_step(flat_grads(models[i]) + res[i], 17)
+                    total += sent
+                want = total / n if op != "sum" else total
+                mine = s.residual()
+                if not torch.equal(mine, res[me]):
+                    fail("step %d: residual %s, want %s" % (step, mine.tolist(),
+                                                            res[me].tolist()))
+            else:
+                parts = []
+                for k, p in enumerate(m.parameters()):
+                    total = torch.zeros(p.numel())
+                    kk = -(-p.numel() // 4)
+                    for i in range(n):
+                        g = list(models[i].parameters())[k].grad.reshape(-1).to(torch.float32)
+                        r = layer_res.get((i, k), torch.zeros(p.numel()))
+                        sent, layer_res[(i, k)] = topk_step(g + r, kk)
+                        total += sent
+                    parts.append(total)
+                    if s.k(("grad", k)) != kk:
+                        fail("layer %d: k %s, want %d" % (k, s.k(("grad", k)), kk))
+                    if not torch.equal(s.residual(("grad", k)), layer_res[(me, k)]):
+                        fail("layer %d: residual differs" % k)
+                want = torch.cat(parts)
+            if not torch.equal(got, want):
+                fail("step %d by_layer=%s %s: got %s, want %s"
+                     % (step, by_layer, op, got.tolist(), want.tolist()))
+            emit(step=step, crc=zlib.crc32(got.numpy().tobytes()))
+    # Members whose models differ: every member fails, nothing changes.
+    torch.manual_seed(0)
+    odd = torch.nn.Linear(4 + me, 2)
+    for p in odd.parameters():
+        p.grad = torch.ones_like(p)
+    try:
+        agg.SparsifiedAggregation(odd, ratio=RATIO).agg_grad()(odd, "avg")
+        fail("a mismatched top-k succeeded")
+    except agg.Error as e:
+        if e.errno != errno.EPROTO:
+            fail("mismatch raised %r" % (e,))
+        emit(error=str(e))
+    if not all(torch.equal(p.grad, torch.ones_like(p)) for p in odd.parameters()):
+        fail("a failed top-k changed the gradients")
+    emit(done=True, stats=agg.stats())
+    agg.shutdown()
+
+
+def scenario_sparse_loop():
+    agg.init(broker, "sparse-loop", my_id, call_timeout=120)
+    wait_for_all(at_least=True)
+    s = agg.SparsifiedAggregation(sparse_model(me, 0), ratio=RATIO)
+    log = open(os.path.join(out_dir, my_id + ".log"), "a", buffering=1)
+    stop_file = os.path.join(out_dir, "stop")
+    res = torch.zeros(68)
+    k, first, step = 0, True, 0
+    while True:
+        step += 1
+        m = sparse_model(me, step)
+        first_layer = next(iter(m.parameters()))
+        with torch.no_grad():
+            g = first_layer.grad.view(-1)
+            g[0:6] = 0
+            g[me] = 2.0 ** (10 + me)
+            g[4] = 100000 + k
+            g[5] = 50000 if first else 0
+        given = flat_grads(m)
+        s.agg_grad(False)(m, "sum")
+        got = flat_grads(m)
+        mask = 0
+        for j in range(4):
+            if got[j] == 2.0 ** (10 + j):
+                mask |= 1 << j
+            elif got[j] != 0:
+                fail("marker %d: %s" % (j, got[j].item()))
+        pop = bin(mask).count("1")
+        fresh = int(got[5].item()) // 50000
+        known = pop - fresh
+        c = int(got[4].item()) - 100000 * pop
+        if first:
+            # Its own number was 0; the others' is the rest of the sum
+            # (none: every member is new, and this is call 1).
+            k = c // known if known else 1
+            if known and c != k * known:
+                fail("first call: the others disagree: %s" % got[:6].tolist())
+            first = False
+        elif c != k * known:
+            fail("call %d: contributors made different calls: %s" % (k, got[:6].tolist()))
+        if mask & (1 << me):
+            _, res = topk_step(given + res, 17)
+        else:
+            res = given + res   # completed without this member: nothing sent
+        if not torch.equal(s.residual(), res):
+            fail("call %d: the residual is not this member's own unsent gradient" % k)
+        log.write("%d %d %d\n" % (k, mask, zlib.crc32(got.numpy().tobytes())))
+        stop = None
+        if os.path.exists(stop_file):
+            text = open(stop_file).read().strip()
+            stop = int(text) if text else None
+        if stop is not None and k >= stop:
+            break
+        k += 1
+        time.sleep(0.02)
+    emit(done=True, last=k, stats=agg.stats())
+    agg.shutdown()
+
+
 {"ops": scenario_ops, "gossip": scenario_gossip, "loop": scenario_loop,
- "mismatch": scenario_mismatch}[scenario]()
+ "mismatch": scenario_mismatch, "sparse": scenario_sparse,
+ "sparse_loop": scenario_sparse_loop}[scenario]()
