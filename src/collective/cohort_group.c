@@ -225,7 +225,7 @@ const char *cohort_group_strerror(int err)
     switch (err < 0 ? -err : err) {
     case EINVAL: return "invalid argument: an unknown type or operator, a zero or non-finite denominator, or divide_before with other than avg on float32 or float64";
     case E2BIG: return "the collective is larger than the group takes (1 GiB)";
-    case EPROTO: return "the members' calls differ (count, type or operator, or a reducer's size or k: their models differ): every member must make the same collectives in the same order";
+    case EPROTO: return "the members' calls differ (count, type or operator, or a reducer's shape, k or rank: their models differ): every member must make the same collectives in the same order";
     case EACCES: return "the members' keys or integrity settings differ";
     case ETIMEDOUT: return "no membership completed the collective in time";
     case ENOTCONN: return "this member is not in the cohort's current membership";

@@ -587,7 +587,8 @@ Test(group, public_api_reads_the_environment_and_checks_its_enums)
     cr_expect_eq(st.calls, 2);
     cr_expect_eq(st.members, 1);
     cr_expect_str_eq(cohort_group_strerror(-EPROTO),
-                     "the members' calls differ (count, type or operator): every member must "
+                     "the members' calls differ (count, type or operator, or a reducer's "
+                     "shape, k or rank: their models differ): every member must "
                      "make the same collectives in the same order");
     cohort_group_destroy(cg);
 }

@@ -1,0 +1,79 @@
+/* src/collective/group_powersgd.h: PowerSGD with error feedback as a
+ * group's collective (mlbench's PowerAggregation), applied whole or not
+ * at all across membership changes.
+ *
+ *   group_powersgd_create(g, rows, cols, rank, seed, true, &p);
+ *   group_powersgd_reduce(p, grad, DTYPE_AVG, 0);   // every member, in order
+ *   group_powersgd_destroy(p);
+ *
+ * The algorithm is the engine's (engine/powersgd.h, whose comments give
+ * the why of the error's definition): for M' = M + E, P = sum of M'Q,
+ * P^ = P's columns orthonormalised, Q = sum (or mean) of M'^T P^, the
+ * result is P^ Q^T on every member, and E = M' - P^ Q_own^T keeps what
+ * this member's own share left out.
+ *
+ * Why not the engine's powersgd_reduce: it commits E and the warm start
+ * inside its two engine runs, while a group counts a run that a newer
+ * epoch touched as failed even when it completed, and hands a member that
+ * was mid-call the others' result instead of a new one. So one reduce is
+ * one group call of two steps (group_steps): both all-reduces run in one
+ * epoch, or the call is retried whole in the next, and the state is
+ * committed only after the call returns. The call's result is P^, the
+ * reduced Q and the number of the epoch that completed it, the same bytes
+ * on every member; from those the result P^ Q^T is computed here by the
+ * same code on every member, so a member that was mid-call and got the
+ * others' copy ends with the same bytes. Its error depends on whether its
+ * own M' was in the call: it was exactly when it ran an attempt in the
+ * epoch that completed it (a member listed in that epoch must have sent
+ * its share for the others to finish; the sync runs before any attempt in
+ * a later epoch). If it was, E = M' - P^ Q_own^T as usual; if not, E = M',
+ * nothing of it having been sent. Either way the warm start becomes the
+ * cohort's Q.
+ *
+ * Membership: a joiner starts with E = 0 and the seeded Q (every member
+ * passes the same seed); a leaving member's E leaves with it. A round
+ * whose Q is not finite delivers its result but keeps E and the warm
+ * start, as the engine's does. Without reuse_query, every call starts
+ * from the seeded Q (the same on every member, whatever its history);
+ * with it, from the cohort's last Q (warm start). */
+#ifndef COHORT_GROUP_POWERSGD_H
+#define COHORT_GROUP_POWERSGD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "collective/group.h"
+#include "engine/dtype.h"
+
+struct group_powersgd;
+
+/* A reducer of a rows x cols float32 matrix at rank min(rank, rows,
+ * cols), on group g (borrowed: it must outlive the reducer; its calls
+ * belong to the group's caller thread). Allocates 3 x rows x cols floats
+ * (E, M' and the result's scratch is the caller's) and the factors, and
+ * registers P and Q with the group's engine. Returns 0, -EINVAL (g NULL,
+ * a rank of 0 or over POWERSGD_MAX_RANK, rows or cols of 0, a size that
+ * overflows), -ENOMEM or -ENOSPC. The caller frees *out with
+ * group_powersgd_destroy(), before the group. */
+int group_powersgd_create(struct group *g, size_t rows, size_t cols, size_t rank, uint64_t seed,
+                          bool reuse_query, struct group_powersgd **out);
+void group_powersgd_destroy(struct group_powersgd *p);  /* NULL is fine */
+
+/* One call: replaces m (rows x cols floats, borrowed for the call) with
+ * the rank-r approximation of the members' sum (DTYPE_SUM) or mean
+ * (DTYPE_AVG) of their error-corrected matrices, the same bytes on every
+ * member. Returns 0 with E and the warm start updated; or, with m, E and
+ * the warm start untouched: group_allreduce's codes (-EPROTO also when
+ * the members' shapes, ranks or ops differ), or -EINVAL (m NULL, another
+ * op). */
+int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
+                          uint32_t timeout_ms);
+
+size_t group_powersgd_rank(const struct group_powersgd *p);
+
+/* This member's error E, rows x cols, read-only, valid until the next
+ * reduce or destroy. */
+const float *group_powersgd_error(const struct group_powersgd *p);
+
+#endif

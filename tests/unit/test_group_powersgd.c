@@ -1,0 +1,355 @@
+/* tests/unit/test_group_powersgd.c: PowerSGD with error feedback as a
+ * group's collective, among groups in one process over a real broker and
+ * real TCP on loopback. Every member's matrices are a function of its
+ * index and the call, so the test knows every input; results must be the
+ * same bytes on every member, reproduce a sum of rank <= r, and balance:
+ * sum of results + every member's error = every matrix given. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "collective/group.h"
+#include "collective/group_powersgd.h"
+#include "fixture.h"
+#include "membership/brokerd.h"
+
+#define ROWS 24
+#define COLS 16
+#define CELLS (ROWS * COLS)
+#define MEMBERS 3
+#define CALLS 8
+#define SEED 42
+
+static struct brokerd *d;
+static char broker[64];
+
+static void start(void)
+{
+    struct brokerd_config cfg;
+
+    fixture_broker_config(&cfg);
+    cfg.broker.startup_hold_ms = 1000;
+    d = fixture_broker_start_with(&cfg, "power", broker, sizeof(broker));
+}
+
+static void stop(void)
+{
+    fixture_broker_stop(d);
+}
+
+TestSuite(group_powersgd, .init = start, .fini = stop, .timeout = 180);
+
+static struct group *make(const char *id)
+{
+    struct group_config c = { .broker = broker, .cohort = "power", .id = id,
+                              .host = "127.0.0.1", .reduce_timeout_ms = 20000 };
+    struct group *g = NULL;
+
+    cr_assert_eq(group_create(&c, &g), 0, "group_create(%s)", id);
+    return g;
+}
+
+static bool all_see(struct group **g, int n)
+{
+    for (int i = 0; i < n; i++) {
+        uint32_t r, s = 0;
+        if (group_position(g[i], &r, &s, NULL) < 0 || s != (uint32_t)n)
+            return false;
+    }
+    return true;
+}
+
+/* low: a sum of two outer products (rank 2 for every member and for any
+ * sum of members); otherwise a full-rank integer matrix. */
+static float matrix_of(int m, int c, size_t i, size_t j, bool low)
+{
+    if (low)
+        return (float)((m + 1) * (int)((i % 5) + 1) * (int)((j % 3) + 1) +
+                       (c + 2) * (int)((i * 7) % 4) * (int)((j * 5) % 7));
+    return (float)((int)((i * 13 + j * 7 + (size_t)m * 5 + (size_t)c * 3) % 17) - 8);
+}
+
+struct member {
+    int index;
+    struct group *g;
+    struct group_powersgd *p;
+    pthread_t thread;
+    int from, to;
+    bool low;
+    enum dtype_op op;
+    float result[CALLS][CELLS];
+    int rc, failed_at;
+};
+
+static void *member_main(void *arg)
+{
+    struct member *m = arg;
+
+    m->rc = 0;
+    for (int c = m->from; c < m->to; c++) {
+        float x[CELLS];
+
+        for (size_t i = 0; i < ROWS; i++)
+            for (size_t j = 0; j < COLS; j++)
+                x[i * COLS + j] = matrix_of(m->index, c, i, j, m->low);
+        m->rc = group_powersgd_reduce(m->p, x, m->op, 60000);
+        if (m->rc < 0) {
+            m->failed_at = c;
+            break;
+        }
+        memcpy(m->result[c], x, sizeof(x));
+    }
+    return NULL;
+}
+
+static void member_start(struct member *m, int index, size_t rank, bool reuse)
+{
+    char id[16];
+
+    snprintf(id, sizeof(id), "p-%d", index);
+    memset(m, 0, sizeof(*m));
+    m->index = index;
+    m->op = DTYPE_SUM;
+    m->g = make(id);
+    cr_assert_eq(group_powersgd_create(m->g, ROWS, COLS, rank, SEED, reuse, &m->p), 0);
+}
+
+static void run_calls(struct member *m, const int *who, int n, int from, int to)
+{
+    for (int i = 0; i < n; i++) {
+        m[who[i]].from = from;
+        m[who[i]].to = to;
+        cr_assert_eq(pthread_create(&m[who[i]].thread, NULL, member_main, &m[who[i]]), 0);
+    }
+    for (int i = 0; i < n; i++) {
+        pthread_join(m[who[i]].thread, NULL);
+        cr_assert_eq(m[who[i]].rc, 0, "member %d, call %d: %s", who[i], m[who[i]].failed_at,
+                     strerror(-m[who[i]].rc));
+    }
+}
+
+static void expect_same_bytes(const struct member *a, const struct member *b, int from, int to)
+{
+    for (int c = from; c < to; c++)
+        cr_expect_eq(memcmp(a->result[c], b->result[c], sizeof(a->result[c])), 0,
+                     "call %d: members %d and %d differ", c, a->index, b->index);
+}
+
+/* sum(results) + sum(E) = sum(matrices given), up to float rounding. */
+static void expect_balanced(const struct member *m, const float *const *errors, int n_err,
+                            const unsigned *mask, int calls, bool low)
+{
+    double worst = 0, scale = 0;
+
+    for (size_t i = 0; i < ROWS; i++)
+        for (size_t j = 0; j < COLS; j++) {
+            double given = 0, accounted = 0;
+
+            for (int c = 0; c < calls; c++) {
+                accounted += m->result[c][i * COLS + j];
+                for (int k = 0; k < MEMBERS; k++)
+                    if (mask[c] & (1u << k))
+                        given += matrix_of(k, c, i, j, low);
+            }
+            for (int k = 0; k < n_err; k++)
+                accounted += errors[k][i * COLS + j];
+            worst = fmax(worst, fabs(given - accounted));
+            scale = fmax(scale, fabs(given));
+        }
+    cr_expect_lt(worst, 1e-4 * scale + 1e-3, "error feedback: off by %g (largest entry %g)",
+                 worst, scale);
+}
+
+static void finish(struct member *m, int n)
+{
+    for (int i = n - 1; i >= 0; i--) {
+        group_powersgd_destroy(m[i].p);
+        group_destroy(m[i].g);
+    }
+}
+
+Test(group_powersgd, a_sum_of_rank_two_is_reproduced_the_same_on_every_member)
+{
+    static struct member m[MEMBERS];
+    struct group *g[MEMBERS];
+    const int all[MEMBERS] = { 0, 1, 2 };
+
+    for (int i = 0; i < MEMBERS; i++) {
+        member_start(&m[i], i, 2, false);
+        m[i].low = true;
+        m[i].op = DTYPE_AVG;
+        g[i] = m[i].g;
+    }
+    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    run_calls(m, all, MEMBERS, 0, 1);
+    expect_same_bytes(&m[0], &m[1], 0, 1);
+    expect_same_bytes(&m[0], &m[2], 0, 1);
+    for (size_t i = 0; i < ROWS; i++)
+        for (size_t j = 0; j < COLS; j++) {
+            double mean = 0;
+
+            for (int k = 0; k < MEMBERS; k++)
+                mean += matrix_of(k, 0, i, j, true);
+            mean /= MEMBERS;
+            cr_expect(fabs(m[0].result[0][i * COLS + j] - mean) < 1e-3 * (1 + fabs(mean)),
+                      "(%zu, %zu): %g, want %g", i, j, m[0].result[0][i * COLS + j], mean);
+        }
+    finish(m, MEMBERS);
+}
+
+Test(group_powersgd, rank_one_of_full_rank_matrices_balances_with_error_feedback)
+{
+    static struct member m[MEMBERS];
+    struct group *g[MEMBERS];
+    const int all[MEMBERS] = { 0, 1, 2 };
+    unsigned mask[CALLS];
+    const float *errors[MEMBERS];
+
+    for (int i = 0; i < MEMBERS; i++) {
+        member_start(&m[i], i, 1, true);
+        g[i] = m[i].g;
+    }
+    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    run_calls(m, all, MEMBERS, 0, CALLS);
+    expect_same_bytes(&m[0], &m[1], 0, CALLS);
+    expect_same_bytes(&m[0], &m[2], 0, CALLS);
+    for (int c = 0; c < CALLS; c++)
+        mask[c] = 7;
+    for (int i = 0; i < MEMBERS; i++)
+        errors[i] = group_powersgd_error(m[i].p);
+    expect_balanced(&m[0], errors, MEMBERS, mask, CALLS, false);
+    /* Rank 1 of full-rank inputs is lossy: the error holds something. */
+    cr_expect_neq(errors[0][0] + errors[0][1] + errors[0][COLS], 0);
+    finish(m, MEMBERS);
+}
+
+/* A third member joins with E = 0, then leaves in the middle of a call;
+ * the survivors retry it on their own, with E as the failed attempt left
+ * it (untouched), and the books still balance, the leaver's E included. */
+Test(group_powersgd, a_join_and_a_leave_mid_call_keep_every_member_in_step)
+{
+    static struct member m[MEMBERS];
+    static float left_err[CELLS];
+    struct group *g[MEMBERS];
+    const int two[2] = { 0, 1 }, all[MEMBERS] = { 0, 1, 2 };
+    unsigned mask[CALLS];
+    const float *errors[MEMBERS];
+
+    member_start(&m[0], 0, 1, true);
+    member_start(&m[1], 1, 1, true);
+    g[0] = m[0].g;
+    g[1] = m[1].g;
+    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    run_calls(m, two, 2, 0, 3);
+    member_start(&m[2], 2, 1, true);
+    g[2] = m[2].g;
+    for (size_t i = 0; i < CELLS; i++)
+        cr_assert_eq(group_powersgd_error(m[2].p)[i], 0, "a joiner starts with E = 0");
+    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the joiner never shared an epoch");
+    run_calls(m, all, MEMBERS, 3, 5);
+    expect_same_bytes(&m[0], &m[2], 3, 5);
+    memcpy(left_err, group_powersgd_error(m[2].p), sizeof(left_err));
+    for (int i = 0; i < 2; i++) {
+        m[i].from = 5;
+        m[i].to = CALLS;
+        cr_assert_eq(pthread_create(&m[i].thread, NULL, member_main, &m[i]), 0);
+    }
+    group_powersgd_destroy(m[2].p);
+    group_destroy(m[2].g);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(m[i].thread, NULL);
+        cr_assert_eq(m[i].rc, 0, "member %d, call %d: %s", i, m[i].failed_at,
+                     strerror(-m[i].rc));
+    }
+    expect_same_bytes(&m[0], &m[1], 0, CALLS);
+    for (int c = 0; c < CALLS; c++)
+        mask[c] = c < 3 ? 3 : c < 5 ? 7 : 3;
+    errors[0] = group_powersgd_error(m[0].p);
+    errors[1] = group_powersgd_error(m[1].p);
+    errors[2] = left_err;
+    expect_balanced(&m[0], errors, MEMBERS, mask, CALLS, false);
+    finish(m, 2);
+}
+
+/* ---- errors ---- */
+
+Test(group_powersgd, bad_arguments_are_refused_and_alone_full_rank_is_exact)
+{
+    struct group *g = make("bad");
+    struct group_powersgd *p = NULL;
+    float x[6] = { 1, 2, 3, 4, 5, 7 }, e;
+
+    cr_expect_eq(group_powersgd_create(NULL, 2, 3, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, 2, 3, 0, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, 0, 3, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, 2, 0, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, 2, 3, 100000, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, SIZE_MAX / 2, 3, 1, SEED, false, &p), -EINVAL);
+    cr_expect_null(p);
+    cr_assert_eq(group_powersgd_create(g, 2, 3, 5, SEED, false, &p), 0);
+    cr_expect_eq(group_powersgd_rank(p), 2, "the rank is capped at min(rows, cols)");
+    cr_expect_eq(group_powersgd_reduce(p, NULL, DTYPE_SUM, 1000), -EINVAL);
+    cr_expect_eq(group_powersgd_reduce(p, x, DTYPE_MAX, 1000), -EINVAL);
+    cr_expect(x[0] == 1 && x[5] == 7, "the matrix is untouched");
+    cr_assert_eq(group_wait(g, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(group_powersgd_reduce(p, x, DTYPE_AVG, 20000), 0);
+    for (int i = 0; i < 6; i++) {
+        float want = i == 5 ? 7 : (float)(i + 1);
+
+        cr_expect(fabsf(x[i] - want) < 1e-4f, "entry %d: %g", i, x[i]);
+        e = group_powersgd_error(p)[i];
+        cr_expect(fabsf(e + x[i] - want) < 1e-5f, "entry %d: result + error %g", i, e + x[i]);
+    }
+    group_powersgd_destroy(p);
+    group_destroy(g);
+}
+
+struct mismatch {
+    struct group *g;
+    struct group_powersgd *p;
+    size_t cols;
+    float x[64];
+    int rc;
+};
+
+static void *mismatch_main(void *arg)
+{
+    struct mismatch *a = arg;
+
+    for (size_t i = 0; i < 64; i++)
+        a->x[i] = (float)i;
+    a->rc = group_powersgd_reduce(a->p, a->x, DTYPE_AVG, 60000);
+    return NULL;
+}
+
+Test(group_powersgd, matrices_of_different_shapes_get_eproto_and_change_nothing)
+{
+    struct mismatch a[2] = { { .cols = 8 }, { .cols = 6 } };
+    struct group *g[2];
+    pthread_t th[2];
+
+    a[0].g = g[0] = make("x-0");
+    a[1].g = g[1] = make("x-1");
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(group_powersgd_create(a[i].g, 4, a[i].cols, 1, SEED, true, &a[i].p), 0);
+    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, mismatch_main, &a[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_expect_eq(a[i].rc, -EPROTO, "member %d: %s", i, strerror(-a[i].rc));
+        for (size_t j = 0; j < 4 * a[i].cols; j++) {
+            cr_expect_eq(a[i].x[j], (float)j, "member %d's matrix, entry %zu", i, j);
+            cr_expect_eq(group_powersgd_error(a[i].p)[j], 0, "member %d's error", i);
+        }
+        group_powersgd_destroy(a[i].p);
+    }
+    group_destroy(g[1]);
+    group_destroy(g[0]);
+}
