@@ -382,6 +382,44 @@ int cohort_group_topk_reduce(struct cohort_group_topk *t, float *buf, enum cohor
 /* The residual: n floats, owned by the reducer, valid until its next call. */
 const float *cohort_group_topk_residual(const struct cohort_group_topk *t);
 
+/* PowerSGD with error feedback (mlbench's PowerAggregation) as the
+ * group's collective: each of n_mats float32 matrices is reduced as a
+ * product of rank min(rank, rows, cols), all of them and `vectors` floats
+ * sent uncompressed (biases) in one call of two small all-reduces. The
+ * buffer holds the matrices row-major one after the other, then the
+ * vectors. Every member gets the same bytes: each matrix's rank-r
+ * approximation of the members' sum or mean of their matrices plus their
+ * errors (what their earlier shares left out), and the vectors' exact sum
+ * or mean. `seed` picks the first Q and must be the same on every member;
+ * with reuse_query each call starts from the cohort's last Q (warm
+ * start), without it from the seeded one. The error and the warm start
+ * change only when a call completes; a member that joins starts with a
+ * zero error, and one that leaves takes its own with it. mats is copied.
+ * Returns 0, -EINVAL (g NULL, nothing to reduce, a rank of 0 or over
+ * 1024, a zero dimension, over 1 GiB), -ENOMEM, -ENOSPC (the group's
+ * buffers are all registered). The caller frees *out with
+ * cohort_group_powersgd_destroy(), before the group. */
+struct cohort_group_matrix {
+    size_t rows, cols;
+};
+struct cohort_group_powersgd;
+int cohort_group_powersgd_create(struct cohort_group *g, const struct cohort_group_matrix *mats,
+                                 size_t n_mats, size_t vectors, size_t rank, uint64_t seed,
+                                 bool reuse_query, struct cohort_group_powersgd **out);
+void cohort_group_powersgd_destroy(struct cohort_group_powersgd *p);    /* NULL is fine */
+/* The floats a call takes: every matrix, then the vectors. */
+size_t cohort_group_powersgd_size(const struct cohort_group_powersgd *p);
+/* One call: replaces buf (cohort_group_powersgd_size floats, borrowed for
+ * the call) with the result. op: COHORT_GROUP_SUM or COHORT_GROUP_AVG.
+ * Returns 0; or, with buf, the error and the warm start untouched,
+ * -EINVAL (another op), -EPROTO (the members' shapes, ranks or ops
+ * differ), or cohort_group_allreduce's errors. */
+int cohort_group_powersgd_reduce(struct cohort_group_powersgd *p, float *buf,
+                                 enum cohort_group_op op, int timeout_ms);
+/* This member's error, cohort_group_powersgd_size floats, owned by the
+ * reducer, valid until its next call. */
+const float *cohort_group_powersgd_error(const struct cohort_group_powersgd *p);
+
 /* A whole sentence for an error code returned by a cohort_group call. */
 const char *cohort_group_strerror(int err);
 

@@ -11,12 +11,17 @@
 #include "base/log.h"
 #include "base/secret.h"
 #include "collective/group.h"
+#include "collective/group_powersgd.h"
 #include "collective/group_topk.h"
 #include "engine/topk.h"
 #include "rpc/rpc.h"
 
 struct cohort_group {
     struct group *g;
+};
+
+struct cohort_group_powersgd {
+    struct group_powersgd *p;
 };
 
 struct cohort_group_topk {
@@ -204,6 +209,70 @@ int cohort_group_topk_reduce(struct cohort_group_topk *ct, float *buf, enum coho
 const float *cohort_group_topk_residual(const struct cohort_group_topk *ct)
 {
     return group_topk_residual(ct->t);
+}
+
+_Static_assert(sizeof(struct cohort_group_matrix) == sizeof(struct group_powersgd_matrix),
+               "one matrix layout");
+
+int cohort_group_powersgd_create(struct cohort_group *cg, const struct cohort_group_matrix *mats,
+                                 size_t n_mats, size_t vectors, size_t rank, uint64_t seed,
+                                 bool reuse_query, struct cohort_group_powersgd **out)
+{
+    struct group_powersgd_matrix *m = NULL;
+    struct cohort_group_powersgd *cp;
+    int rc;
+
+    if (!cg || !out)
+        return -EINVAL;
+    if (n_mats && !mats)
+        return -EINVAL;
+    cp = calloc(1, sizeof(*cp));
+    if (n_mats && cp)
+        m = calloc(n_mats, sizeof(*m));
+    if (!cp || (n_mats && !m)) {
+        free(cp);
+        return -ENOMEM;
+    }
+    for (size_t k = 0; k < n_mats; k++) {
+        m[k].rows = mats[k].rows;
+        m[k].cols = mats[k].cols;
+    }
+    rc = group_powersgd_create(cg->g, m, n_mats, vectors, rank, seed, reuse_query, &cp->p);
+    free(m);
+    if (rc < 0) {
+        free(cp);
+        return rc;
+    }
+    *out = cp;
+    return 0;
+}
+
+void cohort_group_powersgd_destroy(struct cohort_group_powersgd *cp)
+{
+    if (!cp)
+        return;
+    group_powersgd_destroy(cp->p);
+    free(cp);
+}
+
+size_t cohort_group_powersgd_size(const struct cohort_group_powersgd *cp)
+{
+    return group_powersgd_size(cp->p);
+}
+
+int cohort_group_powersgd_reduce(struct cohort_group_powersgd *cp, float *buf,
+                                 enum cohort_group_op op, int timeout_ms)
+{
+    enum dtype_op o;
+
+    if (!cp || map_op(op, &o) < 0)
+        return -EINVAL;
+    return group_powersgd_reduce(cp->p, buf, o, timeout_of(timeout_ms));
+}
+
+const float *cohort_group_powersgd_error(const struct cohort_group_powersgd *cp)
+{
+    return group_powersgd_error(cp->p);
 }
 
 void cohort_group_stats(struct cohort_group *cg, struct cohort_group_stats *out)

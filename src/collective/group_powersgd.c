@@ -15,14 +15,23 @@
 
 #define ORTHO_EPS 1e-8f
 
+struct mat {
+    size_t rows, cols, r;
+    size_t at;                  /* offset in the caller's buffer (floats) */
+    size_t p_at, q_at;          /* offsets in P and Q (floats) */
+};
+
 struct group_powersgd {
     struct group *g;
-    size_t rows, cols, r;
+    struct mat *mats;
+    size_t n_mats, vectors;     /* vectors: floats after the matrices */
+    size_t cells;               /* the caller's buffer: matrices, then vectors */
+    size_t np, nq;              /* P: sum of rows x r; Q: sum of r x cols, then the vectors */
     bool reuse;
     enum dtype_op op;           /* of the call in progress */
-    float *err, *mp;            /* rows x cols */
-    float *q_seed, *q_warm, *q_own;     /* r x cols (Q transposed) */
-    float *p, *q;               /* registered: rows x r, r x cols */
+    float *err, *mp;            /* cells */
+    float *q_seed, *q_warm, *q_own;     /* nq: each matrix's Q transposed (r x cols) */
+    float *p, *q;               /* registered: np, nq */
     int hp, hq;
     bool attempted;             /* an attempt ran in this call, in attempt_epoch */
     uint64_t attempt_epoch;
@@ -124,44 +133,63 @@ static float uniform(uint64_t *s)
 
 static size_t result_bytes(const struct group_powersgd *p)
 {
-    return (p->rows + p->cols) * p->r * sizeof(float) + sizeof(uint64_t);
+    return (p->np + p->nq) * sizeof(float) + sizeof(uint64_t);
 }
 
 static int attempt(void *arg, struct group *g, uint64_t epoch, void *out)
 {
     struct group_powersgd *p = arg;
-    size_t np = p->rows * p->r, nq = p->cols * p->r;
+    const float *qs = p->reuse ? p->q_warm : p->q_seed;
     int rc;
 
     p->attempted = true;
     p->attempt_epoch = epoch;
-    mul_p(p->p, p->mp, p->reuse ? p->q_warm : p->q_seed, p->rows, p->cols, p->r);
+    for (size_t k = 0; k < p->n_mats; k++) {
+        const struct mat *m = &p->mats[k];
+
+        mul_p(p->p + m->p_at, p->mp + m->at, qs + m->q_at, m->rows, m->cols, m->r);
+    }
     /* P is only a basis: its scale goes in the orthonormalisation. */
-    rc = group_step_allreduce(g, p->hp, np, DTYPE_F32, DTYPE_SUM);
+    if (p->np) {
+        rc = group_step_allreduce(g, p->hp, p->np, DTYPE_F32, DTYPE_SUM);
+        if (rc < 0)
+            return rc;
+    }
+    for (size_t k = 0; k < p->n_mats; k++) {
+        const struct mat *m = &p->mats[k];
+
+        orthonormalise(p->p + m->p_at, m->rows, m->r);
+        mul_qt(p->q + m->q_at, p->mp + m->at, p->p + m->p_at, m->rows, m->cols, m->r);
+    }
+    /* The vectors ride uncompressed with the Qs, under the same op. */
+    memcpy(p->q + (p->nq - p->vectors), p->mp + (p->cells - p->vectors),
+           p->vectors * sizeof(float));
+    rc = group_step_allreduce(g, p->hq, p->nq, DTYPE_F32, p->op);
     if (rc < 0)
         return rc;
-    orthonormalise(p->p, p->rows, p->r);
-    mul_qt(p->q, p->mp, p->p, p->rows, p->cols, p->r);
-    rc = group_step_allreduce(g, p->hq, nq, DTYPE_F32, p->op);
-    if (rc < 0)
-        return rc;
-    memcpy(out, p->p, np * sizeof(float));
-    memcpy((char *)out + np * sizeof(float), p->q, nq * sizeof(float));
-    memcpy((char *)out + (np + nq) * sizeof(float), &epoch, sizeof(epoch));
+    memcpy(out, p->p, p->np * sizeof(float));
+    memcpy((char *)out + p->np * sizeof(float), p->q, p->nq * sizeof(float));
+    memcpy((char *)out + (p->np + p->nq) * sizeof(float), &epoch, sizeof(epoch));
     return 0;
 }
 
-/* What members must agree on, hashed (FNV-1a): shape, rank, op. */
+/* What members must agree on, hashed (FNV-1a): every shape and rank, the
+ * vectors, the op. */
 static uint64_t tag_of(const struct group_powersgd *p, enum dtype_op op)
 {
-    uint64_t v[5] = { 0x70736764u, p->rows, p->cols, p->r, (uint64_t)op };
     uint64_t h = 14695981039346656037ull;
+    uint64_t head[3] = { 0x70736764u, p->vectors, (uint64_t)op };
 
-    for (size_t i = 0; i < 5; i++)
+    for (size_t i = 0; i < 3 + 3 * p->n_mats; i++) {
+        uint64_t v = i < 3 ? head[i] : (i - 3) % 3 == 0 ? p->mats[(i - 3) / 3].rows
+                                     : (i - 3) % 3 == 1 ? p->mats[(i - 3) / 3].cols
+                                                        : p->mats[(i - 3) / 3].r;
+
         for (int b = 0; b < 8; b++) {
-            h ^= (v[i] >> (8 * b)) & 0xff;
+            h ^= (v >> (8 * b)) & 0xff;
             h *= 1099511628211ull;
         }
+    }
     return h;
 }
 
@@ -169,18 +197,16 @@ int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
                           uint32_t timeout_ms)
 {
     struct group_steps s = { .attempt = attempt, .arg = p };
-    size_t cells, np, nq;
     const void *out;
     const float *pp, *qq;
+    size_t vec_at;
     uint64_t epoch;
+    bool mine;
     int rc;
 
     if (!p || !m || (op != DTYPE_SUM && op != DTYPE_AVG))
         return -EINVAL;
-    cells = p->rows * p->cols;
-    np = p->rows * p->r;
-    nq = p->cols * p->r;
-    for (size_t i = 0; i < cells; i++)
+    for (size_t i = 0; i < p->cells; i++)
         p->mp[i] = m[i] + p->err[i];
     p->op = op;
     p->attempted = false;
@@ -193,64 +219,110 @@ int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
     /* Committed. pp and qq are the group's copy, the same bytes on every
      * member; so is the result computed from them. */
     pp = out;
-    qq = (const float *)((const char *)out + np * sizeof(float));
-    memcpy(&epoch, (const char *)out + (np + nq) * sizeof(float), sizeof(epoch));
-    mul_out(m, pp, qq, NULL, p->rows, p->cols, p->r);
-    if (!all_finite(qq, nq))
-        return 0;
-    if (p->attempted && p->attempt_epoch == epoch) {
-        mul_qt(p->q_own, p->mp, pp, p->rows, p->cols, p->r);
-        mul_out(p->err, pp, p->q_own, p->mp, p->rows, p->cols, p->r);
-    } else {
-        memcpy(p->err, p->mp, cells * sizeof(float));
+    qq = (const float *)((const char *)out + p->np * sizeof(float));
+    memcpy(&epoch, (const char *)out + (p->np + p->nq) * sizeof(float), sizeof(epoch));
+    vec_at = p->cells - p->vectors;
+    for (size_t k = 0; k < p->n_mats; k++) {
+        const struct mat *x = &p->mats[k];
+
+        mul_out(m + x->at, pp + x->p_at, qq + x->q_at, NULL, x->rows, x->cols, x->r);
     }
-    memcpy(p->q_warm, qq, nq * sizeof(float));
+    memcpy(m + vec_at, qq + (p->nq - p->vectors), p->vectors * sizeof(float));
+    if (!all_finite(qq, p->nq))
+        return 0;
+    mine = p->attempted && p->attempt_epoch == epoch;
+    for (size_t k = 0; k < p->n_mats && mine; k++) {
+        const struct mat *x = &p->mats[k];
+
+        mul_qt(p->q_own + x->q_at, p->mp + x->at, pp + x->p_at, x->rows, x->cols, x->r);
+        mul_out(p->err + x->at, pp + x->p_at, p->q_own + x->q_at, p->mp + x->at, x->rows,
+                x->cols, x->r);
+    }
+    /* Vectors were sent whole: nothing left over. */
+    if (mine)
+        memset(p->err + vec_at, 0, p->vectors * sizeof(float));
+    else
+        memcpy(p->err, p->mp, p->cells * sizeof(float));
+    memcpy(p->q_warm, qq, (p->nq - p->vectors) * sizeof(float));
     return 0;
 }
 
-int group_powersgd_create(struct group *g, size_t rows, size_t cols, size_t rank, uint64_t seed,
+int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *mats,
+                          size_t n_mats, size_t vectors, size_t rank, uint64_t seed,
                           bool reuse_query, struct group_powersgd **out)
 {
+    const size_t cap = GROUP_DEFAULT_MAX_BYTES / sizeof(float);
     struct group_powersgd *p;
-    size_t r, cells;
+    size_t cells = 0, np = 0, nq = 0;
     int rc = -ENOMEM;
 
-    if (!g || !out || rank == 0 || rank > POWERSGD_MAX_RANK || rows == 0 || cols == 0 ||
-        rows > SIZE_MAX / sizeof(float) / cols || rows > SIZE_MAX / 4 / POWERSGD_MAX_RANK ||
-        cols > SIZE_MAX / 4 / POWERSGD_MAX_RANK)
+    if (!g || !out || (n_mats && !mats) || (n_mats == 0 && vectors == 0) || rank == 0 ||
+        rank > POWERSGD_MAX_RANK || n_mats > cap || vectors > cap)
         return -EINVAL;
-    r = rank < rows ? rank : rows;
-    r = r < cols ? r : cols;
-    cells = rows * cols;
+    /* Sizes from the caller: every sum is checked against a cap that no
+     * product of two of them can overflow past. */
+    for (size_t k = 0; k < n_mats; k++) {
+        size_t rows = mats[k].rows, cols = mats[k].cols, r;
+
+        if (rows == 0 || cols == 0 || rows > cap || cols > cap || rows > cap / cols)
+            return -EINVAL;
+        r = rank < rows ? rank : rows;
+        r = r < cols ? r : cols;
+        cells += rows * cols;
+        np += rows * r;
+        nq += cols * r;
+        if (cells > cap || np > cap || nq > cap)
+            return -EINVAL;
+    }
+    if (cells + vectors > cap || nq + vectors > cap)
+        return -EINVAL;
     p = calloc(1, sizeof(*p));
     if (!p)
         return -ENOMEM;
     p->g = g;
-    p->rows = rows;
-    p->cols = cols;
-    p->r = r;
     p->reuse = reuse_query;
     p->hp = p->hq = -1;
-    p->err = calloc(cells, sizeof(float));
-    p->mp = malloc(cells * sizeof(float));
-    p->q_seed = malloc(cols * r * sizeof(float));
-    p->q_warm = malloc(cols * r * sizeof(float));
-    p->q_own = malloc(cols * r * sizeof(float));
-    if (!p->err || !p->mp || !p->q_seed || !p->q_warm || !p->q_own ||
-        posix_memalign((void **)&p->p, 64, rows * r * sizeof(float)) ||
-        posix_memalign((void **)&p->q, 64, cols * r * sizeof(float)))
+    p->n_mats = n_mats;
+    p->vectors = vectors;
+    p->cells = cells + vectors;
+    p->np = np;
+    p->nq = nq + vectors;
+    p->mats = calloc(n_mats ? n_mats : 1, sizeof(*p->mats));
+    p->err = calloc(p->cells, sizeof(float));
+    p->mp = malloc(p->cells * sizeof(float));
+    p->q_seed = malloc(p->nq * sizeof(float));
+    p->q_warm = malloc(p->nq * sizeof(float));
+    p->q_own = malloc(p->nq * sizeof(float));
+    if (!p->mats || !p->err || !p->mp || !p->q_seed || !p->q_warm || !p->q_own ||
+        posix_memalign((void **)&p->p, 64, (np ? np : 1) * sizeof(float)) ||
+        posix_memalign((void **)&p->q, 64, p->nq * sizeof(float)))
         goto fail;
-    rc = group_register(g, p->p, rows * r * sizeof(float));
+    cells = np = nq = 0;
+    for (size_t k = 0; k < n_mats; k++) {
+        struct mat *x = &p->mats[k];
+
+        x->rows = mats[k].rows;
+        x->cols = mats[k].cols;
+        x->r = rank < x->rows ? rank : x->rows;
+        x->r = x->r < x->cols ? x->r : x->cols;
+        x->at = cells;
+        x->p_at = np;
+        x->q_at = nq;
+        cells += x->rows * x->cols;
+        np += x->rows * x->r;
+        nq += x->cols * x->r;
+    }
+    rc = group_register(g, p->p, (np ? np : 1) * sizeof(float));
     if (rc < 0)
         goto fail;
     p->hp = rc;
-    rc = group_register(g, p->q, cols * r * sizeof(float));
+    rc = group_register(g, p->q, p->nq * sizeof(float));
     if (rc < 0)
         goto fail;
     p->hq = rc;
-    for (size_t i = 0; i < cols * r; i++)
+    for (size_t i = 0; i < p->nq; i++)
         p->q_seed[i] = uniform(&seed);
-    memcpy(p->q_warm, p->q_seed, cols * r * sizeof(float));
+    memcpy(p->q_warm, p->q_seed, p->nq * sizeof(float));
     *out = p;
     return 0;
 fail:
@@ -271,12 +343,13 @@ void group_powersgd_destroy(struct group_powersgd *p)
     free(p->q_seed);
     free(p->mp);
     free(p->err);
+    free(p->mats);
     free(p);
 }
 
-size_t group_powersgd_rank(const struct group_powersgd *p)
+size_t group_powersgd_size(const struct group_powersgd *p)
 {
-    return p->r;
+    return p->cells;
 }
 
 const float *group_powersgd_error(const struct group_powersgd *p)

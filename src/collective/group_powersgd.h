@@ -2,8 +2,9 @@
  * group's collective (mlbench's PowerAggregation), applied whole or not
  * at all across membership changes.
  *
- *   group_powersgd_create(g, rows, cols, rank, seed, true, &p);
- *   group_powersgd_reduce(p, grad, DTYPE_AVG, 0);   // every member, in order
+ *   struct group_powersgd_matrix w[2] = { { 6, 8 }, { 4, 6 } };
+ *   group_powersgd_create(g, w, 2, 10, rank, seed, true, &p);  // + 10 bias floats
+ *   group_powersgd_reduce(p, grads, DTYPE_AVG, 0);  // every member, in order
  *   group_powersgd_destroy(p);
  *
  * The algorithm is the engine's (engine/powersgd.h, whose comments give
@@ -48,21 +49,31 @@
 
 struct group_powersgd;
 
-/* A reducer of a rows x cols float32 matrix at rank min(rank, rows,
- * cols), on group g (borrowed: it must outlive the reducer; its calls
- * belong to the group's caller thread). Allocates 3 x rows x cols floats
- * (E, M' and the result's scratch is the caller's) and the factors, and
- * registers P and Q with the group's engine. Returns 0, -EINVAL (g NULL,
- * a rank of 0 or over POWERSGD_MAX_RANK, rows or cols of 0, a size that
- * overflows), -ENOMEM or -ENOSPC. The caller frees *out with
- * group_powersgd_destroy(), before the group. */
-int group_powersgd_create(struct group *g, size_t rows, size_t cols, size_t rank, uint64_t seed,
+struct group_powersgd_matrix {
+    size_t rows, cols;          /* a tensor viewed as shape[0] x the rest */
+};
+
+/* A reducer of n_mats float32 matrices followed by `vectors` floats sent
+ * uncompressed (biases: the reference's rank-1 tensors), all in one call:
+ * a member that joins lines up with the others' calls, so an aggregation
+ * made of one call cannot be cut in two by a join. Each matrix has rank
+ * min(rank, rows, cols). The caller's buffer holds the matrices
+ * row-major one after the other, then the vectors. On group g (borrowed:
+ * it must outlive the reducer; its calls belong to the group's caller
+ * thread); mats is copied. Registers P and Q with the group's engine.
+ * Returns 0, -EINVAL (g NULL, no matrix and no vector, a rank of 0 or
+ * over POWERSGD_MAX_RANK, a row or column count of 0, sizes over the
+ * group's default largest call), -ENOMEM or -ENOSPC. The caller frees
+ * *out with group_powersgd_destroy(), before the group. */
+int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *mats,
+                          size_t n_mats, size_t vectors, size_t rank, uint64_t seed,
                           bool reuse_query, struct group_powersgd **out);
 void group_powersgd_destroy(struct group_powersgd *p);  /* NULL is fine */
 
-/* One call: replaces m (rows x cols floats, borrowed for the call) with
- * the rank-r approximation of the members' sum (DTYPE_SUM) or mean
- * (DTYPE_AVG) of their error-corrected matrices, the same bytes on every
+/* One call: replaces m (the floats the reducer was made for, borrowed for
+ * the call) with each matrix's rank-r approximation of the members' sum
+ * (DTYPE_SUM) or mean (DTYPE_AVG) of their error-corrected matrices, and
+ * the vectors with their exact sum or mean: the same bytes on every
  * member. Returns 0 with E and the warm start updated; or, with m, E and
  * the warm start untouched: group_allreduce's codes (-EPROTO also when
  * the members' shapes, ranks or ops differ), or -EINVAL (m NULL, another
@@ -70,9 +81,11 @@ void group_powersgd_destroy(struct group_powersgd *p);  /* NULL is fine */
 int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
                           uint32_t timeout_ms);
 
-size_t group_powersgd_rank(const struct group_powersgd *p);
+/* The floats the reducer takes: every matrix, then the vectors. */
+size_t group_powersgd_size(const struct group_powersgd *p);
 
-/* This member's error E, rows x cols, read-only, valid until the next
+/* This member's error E over those floats (zero for the vectors unless a
+ * call completed without this member), read-only, valid until the next
  * reduce or destroy. */
 const float *group_powersgd_error(const struct group_powersgd *p);
 

@@ -74,6 +74,8 @@ static float matrix_of(int m, int c, size_t i, size_t j, bool low)
     return (float)((int)((i * 13 + j * 7 + (size_t)m * 5 + (size_t)c * 3) % 17) - 8);
 }
 
+static const struct group_powersgd_matrix one = { ROWS, COLS };
+
 struct member {
     int index;
     struct group *g;
@@ -116,7 +118,7 @@ static void member_start(struct member *m, int index, size_t rank, bool reuse)
     m->index = index;
     m->op = DTYPE_SUM;
     m->g = make(id);
-    cr_assert_eq(group_powersgd_create(m->g, ROWS, COLS, rank, SEED, reuse, &m->p), 0);
+    cr_assert_eq(group_powersgd_create(m->g, &one, 1, 0, rank, SEED, reuse, &m->p), 0);
 }
 
 static void run_calls(struct member *m, const int *who, int n, int from, int to)
@@ -282,29 +284,37 @@ Test(group_powersgd, bad_arguments_are_refused_and_alone_full_rank_is_exact)
 {
     struct group *g = make("bad");
     struct group_powersgd *p = NULL;
-    float x[6] = { 1, 2, 3, 4, 5, 7 }, e;
+    struct group_powersgd_matrix m23 = { 2, 3 }, zero_rows = { 0, 3 }, zero_cols = { 2, 0 },
+                                 huge = { SIZE_MAX / 2, 3 };
+    /* A 2 x 3 matrix, then 2 floats of vectors. */
+    float x[8] = { 1, 2, 3, 4, 5, 7, -2, 9 }, e;
 
-    cr_expect_eq(group_powersgd_create(NULL, 2, 3, 1, SEED, false, &p), -EINVAL);
-    cr_expect_eq(group_powersgd_create(g, 2, 3, 0, SEED, false, &p), -EINVAL);
-    cr_expect_eq(group_powersgd_create(g, 0, 3, 1, SEED, false, &p), -EINVAL);
-    cr_expect_eq(group_powersgd_create(g, 2, 0, 1, SEED, false, &p), -EINVAL);
-    cr_expect_eq(group_powersgd_create(g, 2, 3, 100000, SEED, false, &p), -EINVAL);
-    cr_expect_eq(group_powersgd_create(g, SIZE_MAX / 2, 3, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(NULL, &m23, 1, 0, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, &m23, 1, 0, 0, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, &zero_rows, 1, 0, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, &zero_cols, 1, 0, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, &m23, 1, 0, 100000, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, &huge, 1, 0, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, NULL, 0, 0, 1, SEED, false, &p), -EINVAL);
+    cr_expect_eq(group_powersgd_create(g, NULL, 1, 0, 1, SEED, false, &p), -EINVAL);
     cr_expect_null(p);
-    cr_assert_eq(group_powersgd_create(g, 2, 3, 5, SEED, false, &p), 0);
-    cr_expect_eq(group_powersgd_rank(p), 2, "the rank is capped at min(rows, cols)");
+    cr_assert_eq(group_powersgd_create(g, &m23, 1, 2, 5, SEED, false, &p), 0);
+    cr_expect_eq(group_powersgd_size(p), 8);
     cr_expect_eq(group_powersgd_reduce(p, NULL, DTYPE_SUM, 1000), -EINVAL);
     cr_expect_eq(group_powersgd_reduce(p, x, DTYPE_MAX, 1000), -EINVAL);
-    cr_expect(x[0] == 1 && x[5] == 7, "the matrix is untouched");
+    cr_expect(x[0] == 1 && x[7] == 9, "the buffer is untouched");
     cr_assert_eq(group_wait(g, FIXTURE_WAIT_MS), 0);
+    /* Alone, with the rank capped at min(2, 3): the matrix comes back
+     * (up to rounding), the vectors exactly. */
     cr_assert_eq(group_powersgd_reduce(p, x, DTYPE_AVG, 20000), 0);
-    for (int i = 0; i < 6; i++) {
-        float want = i == 5 ? 7 : (float)(i + 1);
+    for (int i = 0; i < 8; i++) {
+        float want = (const float[]){ 1, 2, 3, 4, 5, 7, -2, 9 }[i];
 
         cr_expect(fabsf(x[i] - want) < 1e-4f, "entry %d: %g", i, x[i]);
         e = group_powersgd_error(p)[i];
         cr_expect(fabsf(e + x[i] - want) < 1e-5f, "entry %d: result + error %g", i, e + x[i]);
     }
+    cr_expect(x[6] == -2 && x[7] == 9 && group_powersgd_error(p)[7] == 0, "vectors: exact");
     group_powersgd_destroy(p);
     group_destroy(g);
 }
@@ -336,7 +346,9 @@ Test(group_powersgd, matrices_of_different_shapes_get_eproto_and_change_nothing)
     a[0].g = g[0] = make("x-0");
     a[1].g = g[1] = make("x-1");
     for (int i = 0; i < 2; i++)
-        cr_assert_eq(group_powersgd_create(a[i].g, 4, a[i].cols, 1, SEED, true, &a[i].p), 0);
+        cr_assert_eq(group_powersgd_create(a[i].g,
+                                           &(struct group_powersgd_matrix){ 4, a[i].cols }, 1,
+                                           0, 1, SEED, true, &a[i].p), 0);
     FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&th[i], NULL, mismatch_main, &a[i]), 0);
