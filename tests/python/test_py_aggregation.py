@@ -15,6 +15,10 @@ joined to a real broker, with real torch.
   by layer; across a member joining and one killed, every call has one
   result (the same bytes on every member) and every residual is the
   member's own unsent gradient; members whose models differ get EPROTO.
+- PowerAggregation (PowerSGD with error feedback, warm start): every
+  result and error against a float64 reference of every member's
+  PowerSGD, by model and by layer; across a join and a kill, one result
+  per call, the same bytes on every member.
 - Bad input: an unknown op, custom_avg without denom, use_cuda without
   CUDA, bad ranks, mismatched models across members (a clear error on
   every member, the models untouched, the group still usable).
@@ -225,11 +229,10 @@ def stop_sparse_after(tmp_path, ids, margin=30):
     (tmp_path / "stop").write_text(str(top + margin))
 
 
-def test_sparsified_across_a_join_and_a_kill_keeps_one_result_and_exact_residuals(broker,
-                                                                                   tmp_path):
-    kids = members(broker, 2, "sparse_loop", tmp_path)
+def join_and_kill(broker, tmp_path, scenario):
+    kids = members(broker, 2, scenario, tmp_path)
     wait_until(lambda: len(read_sparse_log(tmp_path / "m-0.log")) >= 10, "the first calls")
-    kids += members(broker, 3, "sparse_loop", tmp_path, first=2, count=1)
+    kids += members(broker, 3, scenario, tmp_path, first=2, count=1)
     wait_until(lambda: sum(1 for _, m, _ in read_sparse_log(tmp_path / "m-0.log")
                            if m == 0b111) >= 10, "the calls with the late member")
     late = read_sparse_log(tmp_path / "m-2.log")
@@ -248,6 +251,11 @@ def test_sparsified_across_a_join_and_a_kill_keeps_one_result_and_exact_residual
     joined, killed = masks.index(0b111), masks.index(0b101)
     assert masks == [0b11] * joined + [0b111] * (killed - joined) + \
         [0b101] * (len(masks) - killed), masks
+
+
+def test_sparsified_across_a_join_and_a_kill_keeps_one_result_and_exact_residuals(broker,
+                                                                                   tmp_path):
+    join_and_kill(broker, tmp_path, "sparse_loop")
 
 
 def test_sparsified_refuses_bad_input(broker):
@@ -274,5 +282,50 @@ def test_sparsified_refuses_bad_input(broker):
         assert flat.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 0, 0], flat.tolist()
         assert s.k() == 5
         assert (s.residual() + flat).tolist() == list(range(8)) + [0, 1]
+    finally:
+        agg.shutdown()
+
+
+# ---- PowerAggregation -------------------------------------------------------
+
+def test_power_matches_the_reference_with_error_feedback(broker):
+    got = results(members(broker, 3, "power"))
+    for lines in got:
+        assert lines[-1].get("done"), lines[-1]
+        assert "calls differ" in lines[-2]["error"], lines[-2]
+    steps = [[l for l in lines if "step" in l] for lines in got]
+    assert len(steps[0]) == 8
+    assert steps[0] == steps[1] == steps[2], "the same bytes on every member"
+
+
+def test_power_across_a_join_and_a_kill_keeps_one_result_per_call(broker, tmp_path):
+    join_and_kill(broker, tmp_path, "power_loop")
+
+
+def test_power_refuses_bad_input(broker):
+    agg.init(broker.address, "alone-power", "solo")
+    try:
+        m = torch.nn.Linear(3, 2)
+        for p in m.parameters():
+            p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + 1
+        for bad in (0, -1, 1025, 1.5, True, "2"):
+            with pytest.raises(ValueError, match="rank"):
+                agg.PowerAggregation(m, rank=bad)
+        with pytest.raises(ValueError, match="world_size"):
+            agg.PowerAggregation(m, world_size=0)
+        with pytest.raises(ValueError, match="seed"):
+            agg.PowerAggregation(m, seed=-1)
+        a = agg.PowerAggregation(m, rank=2)
+        with pytest.raises(NotImplementedError, match="sums or averages"):
+            a.agg_grad()(m, "custom_avg")
+        with pytest.raises(TypeError, match="floating"):
+            a._agg(torch.ones(2, 2, dtype=torch.int32), "avg")
+        assert a.error() is None
+        assert m.weight.grad.tolist() == [[1, 2, 3], [4, 5, 6]], "refused calls change nothing"
+        # Alone, rank 2 of a 2 x 3 matrix is the matrix; the bias is exact.
+        a.agg_grad()(m, "avg")
+        assert torch.allclose(m.weight.grad, torch.tensor([[1., 2, 3], [4, 5, 6]]), atol=1e-4)
+        assert m.bias.grad.tolist() == [1, 2]
+        assert a.error().shape == (8,)
     finally:
         agg.shutdown()
