@@ -5,8 +5,10 @@
  * computed here, call by call, from the members each call ran among. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -379,4 +381,177 @@ Test(group_topk, models_of_different_sizes_get_eproto_and_change_nothing)
 Test(group_topk, different_k_gets_eproto_and_changes_nothing)
 {
     mismatch_case(64, 4);
+}
+
+/* ---- churn: joins and leaves while the others make calls ----
+ *
+ * Entries 0..3 carry member j's marker 2^(10 + j), entry 4 the caller's
+ * call number plus 100000, entry 5 50000 on a member's first call: far
+ * above the rest, so always among the top k. A result's markers tell
+ * exactly whose entries it holds; its counter that all of them made the
+ * same call. After each call a member checks its residual against its
+ * own reference: its top k dropped when its marker is in the result, its
+ * whole gradient kept when the call completed without it (a result the
+ * others delivered). */
+#define CHURN_CALLS 400
+
+struct churner {
+    int index;
+    struct group *g;
+    struct group_topk *t;
+    pthread_t thread;
+    _Atomic long long stop_at, last;
+    atomic_int made;
+    float residual[N];
+    uint32_t crc[CHURN_CALLS];          /* by call number, modulo */
+    long long callno[CHURN_CALLS];
+    int failures;
+    char why[200];
+};
+
+static uint32_t crc_of(const float *x, size_t n)
+{
+    uint32_t h = 2166136261u;
+    const unsigned char *b = (const unsigned char *)x;
+
+    for (size_t i = 0; i < n * sizeof(float); i++)
+        h = (h ^ b[i]) * 16777619u;
+    return h | 1;
+}
+
+static void churn_fail(struct churner *m, const char *why, long long k)
+{
+    if (m->failures++ == 0)
+        snprintf(m->why, sizeof(m->why), "call %lld: %s", k, why);
+}
+
+static void *churner_main(void *arg)
+{
+    struct churner *m = arg;
+    long long k = 0;
+    bool first = true;
+
+    for (int c = 0;; c++) {
+        float grad[N], acc[N];
+        bool pick[N];
+        int pop = 0, fresh, known;
+        long long sum;
+        unsigned mask = 0;
+        int rc;
+
+        for (size_t i = 0; i < N; i++)
+            grad[i] = i < 6 ? 0 : grad_of(m->index, c % CALLS, i);
+        grad[m->index] = (float)(1 << (10 + m->index));
+        grad[4] = (float)(100000 + k);
+        grad[5] = first ? 50000 : 0;
+        for (size_t i = 0; i < N; i++)
+            acc[i] = grad[i] + m->residual[i];
+        rc = group_topk_reduce(m->t, grad, DTYPE_SUM, 60000);
+        if (rc < 0) {
+            churn_fail(m, strerror(-rc), k);
+            break;
+        }
+        for (int j = 0; j < 4; j++)
+            if (grad[j] == (float)(1 << (10 + j))) {
+                mask |= 1u << j;
+                pop++;
+            } else if (grad[j] != 0) {
+                churn_fail(m, "a marker is wrong", k);
+            }
+        fresh = (int)(grad[5] / 50000);
+        known = pop - fresh;
+        sum = (long long)grad[4] - 100000LL * pop;
+        if (first) {
+            k = known ? sum / known : 1;
+            first = false;
+        } else if (sum != k * known) {
+            churn_fail(m, "the contributors made different calls", k);
+        }
+        if (mask & (1u << m->index)) {
+            ref_select(acc, pick);
+            for (size_t i = 0; i < N; i++)
+                m->residual[i] = pick[i] ? 0 : acc[i];
+        } else {
+            memcpy(m->residual, acc, sizeof(acc));
+        }
+        if (memcmp(m->residual, group_topk_residual(m->t), sizeof(acc)) != 0)
+            churn_fail(m, "the residual is not this member's own unsent gradient", k);
+        m->crc[k % CHURN_CALLS] = crc_of(grad, N) ^ mask;
+        m->callno[k % CHURN_CALLS] = k;
+        atomic_store(&m->last, k);
+        atomic_fetch_add(&m->made, 1);
+        if (k >= atomic_load(&m->stop_at))
+            break;
+        k++;
+        clock_sleep_ms(1);
+    }
+    return NULL;
+}
+
+static void churner_start(struct churner *m, int index)
+{
+    char id[16];
+
+    snprintf(id, sizeof(id), "ch-%d", index);
+    memset(m, 0, sizeof(*m));
+    m->index = index;
+    atomic_store(&m->stop_at, LLONG_MAX);
+    m->g = make(id);
+    cr_assert_eq(group_topk_create(m->g, N, K, &m->t), 0);
+    cr_assert_eq(pthread_create(&m->thread, NULL, churner_main, m), 0);
+}
+
+static void expect_one_result_per_call(const struct churner *a, const struct churner *b)
+{
+    int shared = 0;
+
+    for (int i = 0; i < CHURN_CALLS; i++)
+        if (a->callno[i] && a->callno[i] == b->callno[i]) {
+            shared++;
+            cr_expect_eq(a->crc[i], b->crc[i], "call %lld: members %d and %d differ",
+                         a->callno[i], a->index, b->index);
+        }
+    cr_expect_gt(shared, 0, "members %d and %d shared no call", a->index, b->index);
+}
+
+Test(group_topk, joins_and_leaves_mid_call_keep_one_result_and_every_residual_exact)
+{
+    static struct churner m[3];
+    struct group_stats st;
+    uint64_t delivered = 0;
+
+    churner_start(&m[0], 0);
+    churner_start(&m[1], 1);
+    FIXTURE_WAIT_FOR(atomic_load(&m[0].made) >= 5, "the first calls");
+    for (int cycle = 0; cycle < 3; cycle++) {
+        churner_start(&m[2], 2);
+        FIXTURE_WAIT_FOR(atomic_load(&m[2].made) >= 5, "cycle %d: the joiner's calls", cycle);
+        /* It stops after a call of its own and leaves while the others
+         * are in their next. */
+        atomic_store(&m[2].stop_at, atomic_load(&m[2].last) + 2);
+        pthread_join(m[2].thread, NULL);
+        group_stats(m[2].g, &st);
+        delivered += st.delivered;
+        cr_expect_eq(m[2].failures, 0, "cycle %d: %s", cycle, m[2].why);
+        expect_one_result_per_call(&m[0], &m[2]);
+        group_topk_destroy(m[2].t);
+        group_destroy(m[2].g);
+        FIXTURE_WAIT_FOR(atomic_load(&m[0].last) >= atomic_load(&m[2].last) + 3,
+                         "cycle %d: the survivors' calls", cycle);
+    }
+    for (int i = 0; i < 2; i++)
+        atomic_store(&m[i].stop_at, atomic_load(&m[0].last) + 3);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(m[i].thread, NULL);
+        group_stats(m[i].g, &st);
+        delivered += st.delivered;
+        cr_expect_eq(m[i].failures, 0, "member %d: %s", i, m[i].why);
+    }
+    expect_one_result_per_call(&m[0], &m[1]);
+    cr_log_info("results delivered by the others after an interrupted call: %llu",
+                (unsigned long long)delivered);
+    for (int i = 1; i >= 0; i--) {
+        group_topk_destroy(m[i].t);
+        group_destroy(m[i].g);
+    }
 }
