@@ -6,8 +6,10 @@
  * sum of results + every member's error = every matrix given. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -364,4 +366,165 @@ Test(group_powersgd, matrices_of_different_shapes_get_eproto_and_change_nothing)
     }
     group_destroy(g[1]);
     group_destroy(g[0]);
+}
+
+/* ---- churn: joins and leaves while the others make calls ----
+ *
+ * One 24 x 16 matrix and 6 vector floats, which travel exactly: vector 0..3
+ * carry member j's marker 2^j, 4 the caller's call number, 5 a first
+ * call. A result's markers tell whose inputs it holds; every call number
+ * must have one result, the same bytes on every member that has it. A
+ * call that completed without this member (delivered) must leave its
+ * whole input in its error. */
+#define CHURN_CALLS 400
+#define VEC 6
+
+static const struct group_powersgd_matrix churn_mat = { ROWS, COLS };
+
+struct churner {
+    int index;
+    struct group *g;
+    struct group_powersgd *p;
+    pthread_t thread;
+    _Atomic long long stop_at, last;
+    atomic_int made;
+    uint32_t crc[CHURN_CALLS];
+    long long callno[CHURN_CALLS];
+    int failures;
+    char why[200];
+};
+
+static uint32_t crc_of(const float *x, size_t n)
+{
+    uint32_t h = 2166136261u;
+    const unsigned char *b = (const unsigned char *)x;
+
+    for (size_t i = 0; i < n * sizeof(float); i++)
+        h = (h ^ b[i]) * 16777619u;
+    return h | 1;
+}
+
+static void churn_fail(struct churner *m, const char *why, long long k)
+{
+    if (m->failures++ == 0)
+        snprintf(m->why, sizeof(m->why), "call %lld: %s", k, why);
+}
+
+static void *churner_main(void *arg)
+{
+    struct churner *m = arg;
+    float x[CELLS + VEC], acc[CELLS + VEC];
+    long long k = 0;
+    bool first = true;
+
+    for (int c = 0;; c++) {
+        float *v = x + CELLS;
+        int pop = 0, fresh, known;
+        unsigned mask = 0;
+        long long sum;
+        int rc;
+
+        for (size_t i = 0; i < ROWS; i++)
+            for (size_t j = 0; j < COLS; j++)
+                x[i * COLS + j] = matrix_of(m->index, c % CALLS, i, j, false);
+        memset(v, 0, VEC * sizeof(float));
+        v[m->index] = (float)(1 << m->index);
+        v[4] = (float)k;
+        v[5] = first;
+        for (size_t i = 0; i < CELLS + VEC; i++)
+            acc[i] = x[i] + group_powersgd_error(m->p)[i];
+        rc = group_powersgd_reduce(m->p, x, DTYPE_SUM, 60000);
+        if (rc < 0) {
+            churn_fail(m, strerror(-rc), k);
+            break;
+        }
+        for (int j = 0; j < 4; j++)
+            if (v[j] == (float)(1 << j)) {
+                mask |= 1u << j;
+                pop++;
+            } else if (v[j] != 0) {
+                churn_fail(m, "a marker is wrong", k);
+            }
+        fresh = (int)v[5];
+        known = pop - fresh;
+        sum = (long long)v[4];
+        if (first) {
+            k = known ? sum / known : 1;
+            first = false;
+        } else if (sum != k * known) {
+            churn_fail(m, "the contributors made different calls", k);
+        }
+        if (!(mask & (1u << m->index)) &&
+            memcmp(acc, group_powersgd_error(m->p), sizeof(acc)) != 0)
+            churn_fail(m, "completed without it, yet its error is not its whole input", k);
+        if ((mask & (1u << m->index)) && group_powersgd_error(m->p)[CELLS] != 0)
+            churn_fail(m, "its vectors were sent, yet its error holds them", k);
+        m->crc[k % CHURN_CALLS] = crc_of(x, CELLS + VEC);
+        m->callno[k % CHURN_CALLS] = k;
+        atomic_store(&m->last, k);
+        atomic_fetch_add(&m->made, 1);
+        if (k >= atomic_load(&m->stop_at))
+            break;
+        k++;
+        clock_sleep_ms(1);
+    }
+    return NULL;
+}
+
+static void churner_start(struct churner *m, int index)
+{
+    char id[16];
+
+    snprintf(id, sizeof(id), "ch-%d", index);
+    memset(m, 0, sizeof(*m));
+    m->index = index;
+    atomic_store(&m->stop_at, LLONG_MAX);
+    m->g = make(id);
+    cr_assert_eq(group_powersgd_create(m->g, &churn_mat, 1, VEC, 2, SEED, true, &m->p), 0);
+    cr_assert_eq(pthread_create(&m->thread, NULL, churner_main, m), 0);
+}
+
+static void expect_one_result_per_call(const struct churner *a, const struct churner *b)
+{
+    int shared = 0;
+
+    for (int i = 0; i < CHURN_CALLS; i++)
+        if (a->callno[i] && a->callno[i] == b->callno[i]) {
+            shared++;
+            cr_expect_eq(a->crc[i], b->crc[i], "call %lld: members %d and %d differ",
+                         a->callno[i], a->index, b->index);
+        }
+    cr_expect_gt(shared, 0, "members %d and %d shared no call", a->index, b->index);
+}
+
+Test(group_powersgd, joins_and_leaves_mid_call_keep_one_result_per_call)
+{
+    static struct churner m[3];
+
+    churner_start(&m[0], 0);
+    churner_start(&m[1], 1);
+    FIXTURE_WAIT_FOR(atomic_load(&m[0].made) >= 5, "the first calls");
+    for (int cycle = 0; cycle < 3; cycle++) {
+        churner_start(&m[2], 2);
+        FIXTURE_WAIT_FOR(atomic_load(&m[2].made) >= 5, "cycle %d: the joiner's calls", cycle);
+        atomic_store(&m[2].stop_at, atomic_load(&m[2].last) + 2);
+        pthread_join(m[2].thread, NULL);
+        cr_expect_eq(m[2].failures, 0, "cycle %d: %s", cycle, m[2].why);
+        expect_one_result_per_call(&m[0], &m[2]);
+        group_powersgd_destroy(m[2].p);
+        group_destroy(m[2].g);
+        FIXTURE_WAIT_FOR(atomic_load(&m[0].last) >= atomic_load(&m[2].last) + 3,
+                         "cycle %d: the survivors' calls", cycle);
+    }
+    for (int i = 0; i < 2; i++)
+        atomic_store(&m[i].stop_at, atomic_load(&m[0].last) + 3);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(m[i].thread, NULL);
+        cr_expect_eq(m[i].failures, 0, "member %d: %s", i, m[i].why);
+    }
+    expect_one_result_per_call(&m[0], &m[1]);
+    for (int i = 1; i >= 0; i--) {
+        group_powersgd_destroy(m[i].p);
+        group_destroy(m[i].g);
+    }
 }
