@@ -20,8 +20,10 @@ own tensors (in place), so an optimizer's references stay valid.
 
 Ops: "avg" (mlbench's "avg_world"): the sum divided by the members of the
 epoch that completed the call; "sum", "min", "max"; "custom_avg" (mlbench's
-"avg_custom") with `denom`: the sum divided by denom. docs/python.md has the
-rest.
+"avg_custom") with `denom`: the sum divided by denom. SparsifiedAggregation
+(top-k) and PowerAggregation (PowerSGD) compress, with error feedback kept
+on each member and committed only when a call completes. docs/python.md has
+the rest.
 """
 import errno
 import hashlib

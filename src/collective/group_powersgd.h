@@ -8,10 +8,12 @@
  *   group_powersgd_destroy(p);
  *
  * The algorithm is the engine's (engine/powersgd.h, whose comments give
- * the why of the error's definition): for M' = M + E, P = sum of M'Q,
- * P^ = P's columns orthonormalised, Q = sum (or mean) of M'^T P^, the
- * result is P^ Q^T on every member, and E = M' - P^ Q_own^T keeps what
- * this member's own share left out.
+ * the why of the error's definition), for each matrix: for M' = M + E,
+ * P = sum of M'Q, P^ = P's columns orthonormalised, Q = sum (or mean) of
+ * M'^T P^, the result is P^ Q^T on every member, and E = M' - P^ Q_own^T
+ * keeps what this member's own share left out. Every matrix's P goes in
+ * one all-reduce and every Q in a second, the vectors appended to the Qs
+ * and so reduced exactly, with the same op.
  *
  * Why not the engine's powersgd_reduce: it commits E and the warm start
  * inside its two engine runs, while a group counts a run that a newer
