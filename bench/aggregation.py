@@ -9,7 +9,10 @@ aggregation averages every gradient ("avg"). by_model packs the gradients
 into one buffer and runs one all-reduce (mlbench's pack_tensors); by_layer
 runs one all-reduce per tensor (weight and bias: 2 per layer). Prints one
 JSON object per (system, mode): the mean milliseconds per aggregation of
-the slowest process.
+the slowest process. The compressed systems run mlbench's
+SparsifiedAggregation (cohort-topk: top-k with error feedback, --ratio)
+and PowerAggregation (cohort-power: PowerSGD with warm start, --rank) on
+the same model; they are left out unless --compressed is given.
 
     make -j2 all python
     /usr/bin/python3 bench/aggregation.py --peers 2 --layers 8 --width 512
@@ -55,7 +58,12 @@ def child_cohort(a):
             sys.exit("the cohort never had %d members" % a.peers)
         time.sleep(0.01)
     m = model(a.layers, a.width)
-    ag = agg.AllReduceAggregation(a.peers)
+    if a.child == "cohort-topk":
+        ag = agg.SparsifiedAggregation(m, ratio=a.ratio)
+    elif a.child == "cohort-power":
+        ag = agg.PowerAggregation(m, reuse_query=True, world_size=a.peers, rank=a.power_rank)
+    else:
+        ag = agg.AllReduceAggregation(a.peers)
     out = {}
     for mode, by_layer in (("by_model", False), ("by_layer", True)):
         f = ag.agg_grad(by_layer)
@@ -129,7 +137,8 @@ def run(system, a, broker=None):
     for r in range(a.peers):
         argv = [PYTHON, __file__, "--child", system, "--rank", str(r), "--peers", str(a.peers),
                 "--layers", str(a.layers), "--width", str(a.width), "--iters", str(a.iters),
-                "--warmup", str(a.warmup), "--port", str(port)]
+                "--warmup", str(a.warmup), "--port", str(port), "--ratio", str(a.ratio),
+                "--rank-power", str(a.power_rank)]
         if broker:
             argv += ["--broker", broker]
         kids.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -141,7 +150,10 @@ def run(system, a, broker=None):
             raise SystemExit("%s child failed" % system)
         res.append(json.loads(out.strip().splitlines()[-1]))
     for mode in ("by_model", "by_layer"):
+        extra = {"ratio": a.ratio} if system == "cohort-topk" else \
+            {"rank": a.power_rank} if system == "cohort-power" else {}
         print(json.dumps({"system": system, "mode": mode, "peers": a.peers, "layers": a.layers,
+                          **extra,
                           "width": a.width,
                           "bytes": a.layers * (a.width * a.width + a.width) * 4,
                           "ms": round(max(r[mode] for r in res), 3)}), flush=True)
@@ -158,8 +170,13 @@ def main():
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--broker")
+    ap.add_argument("--compressed", action="store_true",
+                    help="also run cohort-topk and cohort-power")
+    ap.add_argument("--ratio", type=float, default=0.01, help="top-k: fraction sent")
+    ap.add_argument("--rank-power", dest="power_rank", type=int, default=4,
+                    help="PowerSGD's rank")
     a = ap.parse_args()
-    if a.child == "cohort":
+    if a.child in ("cohort", "cohort-topk", "cohort-power"):
         return child_cohort(a)
     if a.child == "gloo":
         return child_gloo(a)
@@ -167,6 +184,9 @@ def main():
     broker, address = start_broker(os.path.join(BUILD, "bench", "aggregation-broker.log"))
     try:
         run("cohort", a, address)
+        if a.compressed:
+            run("cohort-topk", a, address)
+            run("cohort-power", a, address)
         run("gloo", a)
     finally:
         broker.terminate()

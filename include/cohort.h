@@ -377,6 +377,73 @@ struct cohort_group_stats {
 };
 void cohort_group_stats(struct cohort_group *g, struct cohort_group_stats *out);
 
+/* Top-k sparsification with error feedback (mlbench's
+ * SparsifiedAggregation) as the group's collective. A reducer of n
+ * float32 values sends, per call, the k = ceil(ratio x n) entries of
+ * largest magnitude of its input plus its residual (what it did not send
+ * before), and every member gets the same dense sum or mean of what the
+ * members sent. The residual changes only when a call completes; a member
+ * that joins starts with a zero one, and a member that leaves takes its
+ * own with it. Every member creates its reducers alike and calls them in
+ * the same order, interleaved with its other collectives as it likes.
+ * Returns 0, -EINVAL (g NULL, n of 0 or over 2^32 - 1, a ratio outside
+ * (0, 1]), -ENOMEM. The caller frees *out with
+ * cohort_group_topk_destroy(), before the group. */
+struct cohort_group_topk;
+int cohort_group_topk_create(struct cohort_group *g, size_t n, double ratio,
+                             struct cohort_group_topk **out);
+void cohort_group_topk_destroy(struct cohort_group_topk *t);   /* NULL is fine */
+/* k, as computed from the ratio, and n. */
+size_t cohort_group_topk_k(const struct cohort_group_topk *t);
+size_t cohort_group_topk_n(const struct cohort_group_topk *t);
+/* One call: replaces buf (n floats, borrowed for the call) with the sum
+ * (COHORT_GROUP_SUM) or mean over the members (COHORT_GROUP_AVG) of what
+ * they sent. Returns 0; or, with buf and the residual untouched, -EINVAL
+ * (another op), -EPROTO (the members' n or k differ: their models do), or
+ * cohort_group_allreduce's errors. */
+int cohort_group_topk_reduce(struct cohort_group_topk *t, float *buf, enum cohort_group_op op,
+                             int timeout_ms);
+/* The residual: n floats, owned by the reducer, valid until its next call. */
+const float *cohort_group_topk_residual(const struct cohort_group_topk *t);
+
+/* PowerSGD with error feedback (mlbench's PowerAggregation) as the
+ * group's collective: each of n_mats float32 matrices is reduced as a
+ * product of rank min(rank, rows, cols), all of them and `vectors` floats
+ * sent uncompressed (biases) in one call of two small all-reduces. The
+ * buffer holds the matrices row-major one after the other, then the
+ * vectors. Every member gets the same bytes: each matrix's rank-r
+ * approximation of the members' sum or mean of their matrices plus their
+ * errors (what their earlier shares left out), and the vectors' exact sum
+ * or mean. `seed` picks the first Q and must be the same on every member;
+ * with reuse_query each call starts from the cohort's last Q (warm
+ * start), without it from the seeded one. The error and the warm start
+ * change only when a call completes; a member that joins starts with a
+ * zero error, and one that leaves takes its own with it. mats is copied.
+ * Returns 0, -EINVAL (g NULL, nothing to reduce, a rank of 0 or over
+ * 1024, a zero dimension, over 1 GiB), -ENOMEM, -ENOSPC (the group's
+ * buffers are all registered). The caller frees *out with
+ * cohort_group_powersgd_destroy(), before the group. */
+struct cohort_group_matrix {
+    size_t rows, cols;
+};
+struct cohort_group_powersgd;
+int cohort_group_powersgd_create(struct cohort_group *g, const struct cohort_group_matrix *mats,
+                                 size_t n_mats, size_t vectors, size_t rank, uint64_t seed,
+                                 bool reuse_query, struct cohort_group_powersgd **out);
+void cohort_group_powersgd_destroy(struct cohort_group_powersgd *p);    /* NULL is fine */
+/* The floats a call takes: every matrix, then the vectors. */
+size_t cohort_group_powersgd_size(const struct cohort_group_powersgd *p);
+/* One call: replaces buf (cohort_group_powersgd_size floats, borrowed for
+ * the call) with the result. op: COHORT_GROUP_SUM or COHORT_GROUP_AVG.
+ * Returns 0; or, with buf, the error and the warm start untouched,
+ * -EINVAL (another op), -EPROTO (the members' shapes, ranks or ops
+ * differ), or cohort_group_allreduce's errors. */
+int cohort_group_powersgd_reduce(struct cohort_group_powersgd *p, float *buf,
+                                 enum cohort_group_op op, int timeout_ms);
+/* This member's error, cohort_group_powersgd_size floats, owned by the
+ * reducer, valid until its next call. */
+const float *cohort_group_powersgd_error(const struct cohort_group_powersgd *p);
+
 /* A whole sentence for an error code returned by a cohort_group call. */
 const char *cohort_group_strerror(int err);
 

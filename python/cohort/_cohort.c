@@ -759,12 +759,18 @@ static PyTypeObject region_type = {
  * cohort.aggregation. Tensors cross as (address, count) pairs that the
  * Python layer takes from contiguous CPU tensors it holds for the call;
  * every call runs with the GIL released and under the Group's lock (a
- * group is used by one thread at a time). */
+ * group is used by one thread at a time). The group owns its top-k
+ * reducers: Python names them by index, and they go before the group. */
 
 struct pygroup {
     PyObject_HEAD
     struct cohort_group *g;             /* NULL once closed */
     PyThread_type_lock lock;
+    struct cohort_group_topk **topk;    /* n_topk, under lock */
+    size_t n_topk;
+    struct cohort_group_powersgd **power;       /* n_power, under lock */
+    size_t *power_cells;                /* rows x cols of each */
+    size_t n_power;
 };
 
 static PyObject *group_raise(const char *what, int rc)
@@ -829,6 +835,18 @@ static void pygroup_close_now(struct pygroup *self)
     self->g = NULL;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    for (size_t i = 0; i < self->n_topk; i++)
+        cohort_group_topk_destroy(self->topk[i]);
+    free(self->topk);
+    self->topk = NULL;
+    self->n_topk = 0;
+    for (size_t i = 0; i < self->n_power; i++)
+        cohort_group_powersgd_destroy(self->power[i]);
+    free(self->power);
+    free(self->power_cells);
+    self->power = NULL;
+    self->power_cells = NULL;
+    self->n_power = 0;
     cohort_group_destroy(g);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
@@ -956,6 +974,195 @@ static PyObject *pygroup_allgather(struct pygroup *self, PyObject *args)
     return res;
 }
 
+/* topk_create(n, ratio) -> int: a new top-k reducer of n float32 values. */
+static PyObject *pygroup_topk_create(struct pygroup *self, PyObject *args)
+{
+    unsigned long long n;
+    double ratio;
+    struct cohort_group_topk *t = NULL, **more;
+    int rc;
+
+    if (group_open(self) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "Kd", &n, &ratio))
+        return NULL;
+    if (n > SIZE_MAX)
+        return group_raise("top-k", -EINVAL);
+    rc = cohort_group_topk_create(self->g, (size_t)n, ratio, &t);
+    if (rc < 0)
+        return group_raise("top-k", rc);
+    more = realloc(self->topk, (self->n_topk + 1) * sizeof(*more));
+    if (!more) {
+        cohort_group_topk_destroy(t);
+        return PyErr_NoMemory();
+    }
+    self->topk = more;
+    self->topk[self->n_topk] = t;
+    return PyLong_FromSize_t(self->n_topk++);
+}
+
+static struct cohort_group_topk *topk_of(struct pygroup *self, unsigned long long i)
+{
+    if (group_open(self) < 0)
+        return NULL;
+    if (i >= self->n_topk) {
+        PyErr_SetString(PyExc_ValueError, "no such top-k reducer");
+        return NULL;
+    }
+    return self->topk[i];
+}
+
+/* topk_reduce(reducer, address, op, timeout_ms): n float32 at address, in place. */
+static PyObject *pygroup_topk_reduce(struct pygroup *self, PyObject *args)
+{
+    unsigned long long i, addr;
+    struct cohort_group_topk *t;
+    int op, timeout_ms, rc;
+
+    if (!PyArg_ParseTuple(args, "KKii", &i, &addr, &op, &timeout_ms))
+        return NULL;
+    t = topk_of(self, i);
+    if (!t)
+        return NULL;
+    if (!addr)
+        return group_raise("top-k", -EINVAL);
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = cohort_group_topk_reduce(t, (float *)(uintptr_t)addr, (enum cohort_group_op)op,
+                                  timeout_ms);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return group_raise("top-k", rc);
+    Py_RETURN_NONE;
+}
+
+/* topk_info(reducer) -> (k, residual bytes). */
+static PyObject *pygroup_topk_info(struct pygroup *self, PyObject *arg)
+{
+    unsigned long long i = PyLong_AsUnsignedLongLong(arg);
+    struct cohort_group_topk *t;
+
+    if (PyErr_Occurred())
+        return NULL;
+    t = topk_of(self, i);
+    if (!t)
+        return NULL;
+    return Py_BuildValue("(ny#)", (Py_ssize_t)cohort_group_topk_k(t),
+                         (const char *)cohort_group_topk_residual(t),
+                         (Py_ssize_t)(cohort_group_topk_n(t) * sizeof(float)));
+}
+
+/* powersgd_create(shapes, vectors, rank, seed, reuse_query) -> int: a
+ * PowerSGD reducer of the matrices [(rows, cols), ...] then `vectors`
+ * floats. */
+static PyObject *pygroup_powersgd_create(struct pygroup *self, PyObject *args)
+{
+    unsigned long long vectors, rank, seed;
+    PyObject *shapes, *seq;
+    int reuse, rc;
+    struct cohort_group_matrix *mats = NULL;
+    struct cohort_group_powersgd *p = NULL, **more;
+    size_t *cells, n;
+
+    if (group_open(self) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "OKKKp", &shapes, &vectors, &rank, &seed, &reuse))
+        return NULL;
+    seq = PySequence_Fast(shapes, "shapes must be a sequence of (rows, cols)");
+    if (!seq)
+        return NULL;
+    n = (size_t)PySequence_Fast_GET_SIZE(seq);
+    if (n) {
+        mats = calloc(n, sizeof(*mats));
+        if (!mats) {
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+    }
+    for (size_t k = 0; k < n; k++) {
+        unsigned long long r, c;
+
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "KK", &r, &c)) {
+            free(mats);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        mats[k].rows = (size_t)r;
+        mats[k].cols = (size_t)c;
+    }
+    Py_DECREF(seq);
+    rc = cohort_group_powersgd_create(self->g, mats, n, (size_t)vectors, (size_t)rank, seed,
+                                      reuse != 0, &p);
+    free(mats);
+    if (rc < 0)
+        return group_raise("PowerSGD", rc);
+    more = realloc(self->power, (self->n_power + 1) * sizeof(*more));
+    if (more)
+        self->power = more;
+    cells = more ? realloc(self->power_cells, (self->n_power + 1) * sizeof(*cells)) : NULL;
+    if (!cells) {
+        cohort_group_powersgd_destroy(p);
+        return PyErr_NoMemory();
+    }
+    self->power_cells = cells;
+    self->power[self->n_power] = p;
+    self->power_cells[self->n_power] = cohort_group_powersgd_size(p);
+    return PyLong_FromSize_t(self->n_power++);
+}
+
+static struct cohort_group_powersgd *power_of(struct pygroup *self, unsigned long long i)
+{
+    if (group_open(self) < 0)
+        return NULL;
+    if (i >= self->n_power) {
+        PyErr_SetString(PyExc_ValueError, "no such PowerSGD reducer");
+        return NULL;
+    }
+    return self->power[i];
+}
+
+/* powersgd_reduce(reducer, address, op, timeout_ms): the reducer's floats, in place. */
+static PyObject *pygroup_powersgd_reduce(struct pygroup *self, PyObject *args)
+{
+    unsigned long long i, addr;
+    struct cohort_group_powersgd *p;
+    int op, timeout_ms, rc;
+
+    if (!PyArg_ParseTuple(args, "KKii", &i, &addr, &op, &timeout_ms))
+        return NULL;
+    p = power_of(self, i);
+    if (!p)
+        return NULL;
+    if (!addr)
+        return group_raise("PowerSGD", -EINVAL);
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = cohort_group_powersgd_reduce(p, (float *)(uintptr_t)addr, (enum cohort_group_op)op,
+                                      timeout_ms);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return group_raise("PowerSGD", rc);
+    Py_RETURN_NONE;
+}
+
+/* powersgd_info(reducer) -> (floats, error bytes). */
+static PyObject *pygroup_powersgd_info(struct pygroup *self, PyObject *arg)
+{
+    unsigned long long i = PyLong_AsUnsignedLongLong(arg);
+    struct cohort_group_powersgd *p;
+
+    if (PyErr_Occurred())
+        return NULL;
+    p = power_of(self, i);
+    if (!p)
+        return NULL;
+    return Py_BuildValue("(ny#)", (Py_ssize_t)cohort_group_powersgd_size(p),
+                         (const char *)cohort_group_powersgd_error(p),
+                         (Py_ssize_t)(self->power_cells[i] * sizeof(float)));
+}
+
 static PyObject *pygroup_stats(struct pygroup *self, PyObject *unused)
 {
     struct cohort_group_stats st;
@@ -982,6 +1189,18 @@ static PyMethodDef pygroup_methods[] = {
       "allreduce(address, count, dtype, op, denominator, flags, timeout_ms), in place." },
     { "allgather", (PyCFunction)pygroup_allgather, METH_VARARGS,
       "allgather(address, nbytes, timeout_ms) -> bytes: one record per member." },
+    { "topk_create", (PyCFunction)pygroup_topk_create, METH_VARARGS,
+      "topk_create(n, ratio) -> int: a top-k reducer with error feedback, k = ceil(ratio n)." },
+    { "topk_reduce", (PyCFunction)pygroup_topk_reduce, METH_VARARGS,
+      "topk_reduce(reducer, address, op, timeout_ms): n float32 at address, in place." },
+    { "topk_info", (PyCFunction)pygroup_topk_info, METH_O,
+      "topk_info(reducer) -> (k, residual as float32 bytes)." },
+    { "powersgd_create", (PyCFunction)pygroup_powersgd_create, METH_VARARGS,
+      "powersgd_create(shapes, vectors, rank, seed, reuse_query) -> int: a PowerSGD reducer." },
+    { "powersgd_reduce", (PyCFunction)pygroup_powersgd_reduce, METH_VARARGS,
+      "powersgd_reduce(reducer, address, op, timeout_ms): its float32, in place." },
+    { "powersgd_info", (PyCFunction)pygroup_powersgd_info, METH_O,
+      "powersgd_info(reducer) -> (floats, error as float32 bytes)." },
     { "stats", (PyCFunction)pygroup_stats, METH_NOARGS, "Counters, as a dict." },
     { NULL, NULL, 0, NULL },
 };

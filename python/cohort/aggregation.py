@@ -20,8 +20,10 @@ own tensors (in place), so an optimizer's references stay valid.
 
 Ops: "avg" (mlbench's "avg_world"): the sum divided by the members of the
 epoch that completed the call; "sum", "min", "max"; "custom_avg" (mlbench's
-"avg_custom") with `denom`: the sum divided by denom. docs/python.md has the
-rest.
+"avg_custom") with `denom`: the sum divided by denom. SparsifiedAggregation
+(top-k) and PowerAggregation (PowerSGD) compress, with error feedback kept
+on each member and committed only when a call completes. docs/python.md has
+the rest.
 """
 import errno
 import hashlib
@@ -34,7 +36,7 @@ from ._cohort import Error
 
 __all__ = ["init", "shutdown", "is_initialized", "world_size", "rank", "Aggregation",
            "AllReduceAggregation", "AllReduceAggregationHVD", "DecentralizedAggregation",
-           "Error", "OPS"]
+           "SparsifiedAggregation", "PowerAggregation", "Error", "OPS"]
 
 OPS = ("avg", "sum", "min", "max", "custom_avg")
 # mlbench's own names for the same operators (centralized.py).
@@ -369,6 +371,215 @@ class DecentralizedAggregation(Aggregation):
         if _fingerprint(ids) == self._fp:
             return list(self._neighbor_ids)
         return _ring(ids, self._me)
+
+
+class SparsifiedAggregation(Aggregation):
+    """Top-k sparsification with error feedback (mlbench's class, whose
+    docstring promises it; its body is a stub there). Each call sends,
+    from every member, the k = ceil(ratio x n) entries of largest
+    magnitude of its tensor plus its residual (what it did not send
+    before), as (index, value) pairs; every member gets the same dense sum
+    ("sum") or mean over the members of the membership that completed the
+    call ("avg", mlbench's "avg_world") of what was sent, and keeps the
+    rest as its residual for the next call.
+
+    `ratio` is the fraction of entries sent per call, in (0, 1] (mlbench's
+    optimizer speaks of a number of coordinates; a fraction fits every
+    layer's size). Values travel and residuals are kept in float32: other
+    floating dtypes are converted there and back. by_model keeps one
+    residual for all of the model's tensors packed in parameter order, by
+    layer one per tensor; gradients and weights have residuals of their
+    own. A residual changes only when a call completes: an aggregation
+    that a membership change interrupts is retried on the new membership
+    with the same input. A member that joins starts with zero residuals;
+    one that leaves takes its residuals with it (what it had not sent is
+    lost to the others). Every member must build the class alike and make
+    the same calls: a member whose tensor differs in size (its model
+    does) makes every member's call fail with cohort.Error (EPROTO),
+    tensors and residuals untouched."""
+
+    def __init__(self, model, use_cuda=False, ratio=0.01):
+        super().__init__(use_cuda)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or \
+                not 0 < ratio <= 1:
+            raise ValueError("ratio must be in (0, 1], not %r" % (ratio,))
+        self.model = model
+        self.ratio = float(ratio)
+        self._group = _g()
+        self._reducers = {}
+
+    def _reducer(self, key, n):
+        if _g() is not self._group:
+            raise RuntimeError("cohort.aggregation was initialised again; make a new "
+                               "SparsifiedAggregation")
+        r = self._reducers.get(key)
+        if r is None or r[1] != n:
+            r = (self._group.topk_create(n, self.ratio), n)
+            self._reducers[key] = r
+        return r[0]
+
+    def _sparse(self, tensors, key, op):
+        """One top-k call over `tensors` packed as float32, written back in place."""
+        name = _op_name(op)
+        if name not in ("avg", "sum"):
+            raise NotImplementedError("SparsifiedAggregation sums or averages (op 'avg', "
+                                      "'avg_world' or 'sum'), not %r" % (op,))
+        self._check_device(tensors)
+        for t in tensors:
+            if not t.is_floating_point():
+                raise TypeError("top-k needs floating tensors, not %s" % t.dtype)
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+        if flat.numel() == 0:
+            return
+        h = self._reducer(key, flat.numel())
+        self._group.topk_reduce(h, flat.data_ptr(), _OP_CODES[name], _call_timeout_ms)
+        off = 0
+        with torch.no_grad():
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t))
+                off += n
+
+    def _agg(self, data, op, denom=None):
+        self._sparse([data], ("tensor",), op)
+        return data
+
+    def _agg_gradients_by_layer(self, model, op, denom=None):
+        for i, p in enumerate(model.parameters()):
+            if p.grad is not None:
+                self._sparse([p.grad.data], ("grad", i), op)
+
+    def _agg_gradients_by_model(self, model, op, denom=None):
+        self._sparse([p.grad.data for p in model.parameters() if p.grad is not None],
+                     ("grad",), op)
+
+    def _agg_weights_by_layer(self, model, op, denom=None):
+        for i, p in enumerate(model.parameters()):
+            self._sparse([p.data], ("weights", i), op)
+
+    def _agg_weights_by_model(self, model, op, denom=None):
+        self._sparse([p.data for p in model.parameters()], ("weights",), op)
+
+    def k(self, key=("grad",)):
+        """k of the reducer named by key (("grad",) for gradients by model,
+        ("grad", i) by layer; "weights" alike), or None before its first call."""
+        r = self._reducers.get(tuple(key))
+        return None if r is None else self._group.topk_info(r[0])[0]
+
+    def residual(self, key=("grad",)):
+        """A float32 copy of the residual of the reducer named by key, or
+        None before its first call."""
+        r = self._reducers.get(tuple(key))
+        if r is None:
+            return None
+        return torch.frombuffer(bytearray(self._group.topk_info(r[0])[1]), dtype=torch.float32)
+
+
+class PowerAggregation(Aggregation):
+    """PowerSGD with error feedback (mlbench's class, a copy of the PowerSGD
+    paper's RankKReducer): every matrix (a tensor of two or more
+    dimensions, viewed as shape[0] x the rest) is reduced as a product of
+    rank min(rank, rows, cols) through two small all-reduces, and every
+    vector (biases, norms) is reduced exactly, uncompressed, as in the
+    reference. Every member gets the same bytes. Each member keeps as its
+    error what its own share left out, E = M' - P^ (M'^T P^)^T (the
+    paper's local error; it balances for a sum as well as a mean), and adds
+    it to its next input. With reuse_query each call starts from the
+    cohort's last Q (warm start); without it, from the Q that `seed` picks,
+    the same on every member.
+
+    `rank` is PowerSGD's rank (mlbench's name), from 1 to 1024, not the
+    member's position. `world_size` is mlbench's and only checked: "avg"
+    divides by the members of the membership that completed each call.
+    Ops: "avg" ("avg_world") and "sum". by_model makes one collective of
+    all of the model's tensors (a member joining mid-aggregation cannot cut
+    it in two), by_layer one per tensor. Values travel and errors are kept
+    in float32. The error and the warm start change only when a call
+    completes; a member that joins starts with zero errors and the seeded
+    Q, and one that leaves takes its errors with it. Members whose models
+    differ in shapes get cohort.Error (EPROTO) on every member, with their
+    tensors and errors untouched."""
+
+    def __init__(self, model, use_cuda=False, reuse_query=False, world_size=1, rank=1, seed=1):
+        super().__init__(use_cuda)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1024:
+            raise ValueError("rank (PowerSGD's) must be an int from 1 to 1024, not %r" % (rank,))
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError("world_size must be a positive int, not %r" % (world_size,))
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+            raise ValueError("seed must be an int in [0, 2^64), not %r" % (seed,))
+        self.model = model
+        self.reuse_query = bool(reuse_query)
+        self.rank = rank
+        self.seed = seed
+        self._group = _g()
+        self._reducers = {}
+
+    def _power(self, tensors, key, op):
+        """One PowerSGD call over `tensors` (matrices, then vectors), in place."""
+        name = _op_name(op)
+        if name not in ("avg", "sum"):
+            raise NotImplementedError("PowerAggregation sums or averages (op 'avg', "
+                                      "'avg_world' or 'sum'), not %r" % (op,))
+        self._check_device(tensors)
+        for t in tensors:
+            if not t.is_floating_point():
+                raise TypeError("PowerSGD needs floating tensors, not %s" % t.dtype)
+        tensors = [t for t in tensors if t.numel()]
+        mats = [t for t in tensors if t.dim() > 1]
+        vecs = [t for t in tensors if t.dim() <= 1]
+        if not tensors:
+            return
+        shapes = tuple((t.shape[0], t.numel() // t.shape[0]) for t in mats)
+        n_vec = sum(t.numel() for t in vecs)
+        if _g() is not self._group:
+            raise RuntimeError("cohort.aggregation was initialised again; make a new "
+                               "PowerAggregation")
+        full = (key, shapes, n_vec)
+        h = self._reducers.get(key)
+        if h is None or h[1] != full:
+            h = (self._group.powersgd_create(list(shapes), n_vec, self.rank, self.seed,
+                                             self.reuse_query), full)
+            self._reducers[key] = h
+        order = mats + vecs
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in order])
+        self._group.powersgd_reduce(h[0], flat.data_ptr(), _OP_CODES[name], _call_timeout_ms)
+        off = 0
+        with torch.no_grad():
+            for t in order:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t))
+                off += n
+
+    def _agg(self, data, op, denom=None):
+        self._power([data], ("tensor",), op)
+        return data
+
+    def _agg_gradients_by_layer(self, model, op, denom=None):
+        for i, p in enumerate(model.parameters()):
+            if p.grad is not None:
+                self._power([p.grad.data], ("grad", i), op)
+
+    def _agg_gradients_by_model(self, model, op, denom=None):
+        self._power([p.grad.data for p in model.parameters() if p.grad is not None],
+                    ("grad",), op)
+
+    def _agg_weights_by_layer(self, model, op, denom=None):
+        for i, p in enumerate(model.parameters()):
+            self._power([p.data], ("weights", i), op)
+
+    def _agg_weights_by_model(self, model, op, denom=None):
+        self._power([p.data for p in model.parameters()], ("weights",), op)
+
+    def error(self, key=("grad",)):
+        """A float32 copy of this member's error for the reducer named by
+        key (as SparsifiedAggregation.residual; matrices first, in order,
+        then vectors), or None before its first call."""
+        r = self._reducers.get(tuple(key))
+        if r is None:
+            return None
+        return torch.frombuffer(bytearray(self._group.powersgd_info(r[0])[1]),
+                                dtype=torch.float32)
 
 
 def _ring(ids, me):

@@ -11,10 +11,22 @@
 #include "base/log.h"
 #include "base/secret.h"
 #include "collective/group.h"
+#include "collective/group_powersgd.h"
+#include "collective/group_topk.h"
+#include "engine/topk.h"
 #include "rpc/rpc.h"
 
 struct cohort_group {
     struct group *g;
+};
+
+struct cohort_group_powersgd {
+    struct group_powersgd *p;
+};
+
+struct cohort_group_topk {
+    struct group_topk *t;
+    size_t n, k;
 };
 
 _Static_assert(COHORT_GROUP_ID_BYTES == GROUP_ID_BYTES, "one record layout");
@@ -143,6 +155,126 @@ int cohort_group_allgather(struct cohort_group *cg, const void *in, size_t bytes
     return group_allgather(cg->g, in, bytes, out, out_len, timeout_of(timeout_ms));
 }
 
+int cohort_group_topk_create(struct cohort_group *cg, size_t n, double ratio,
+                             struct cohort_group_topk **out)
+{
+    struct cohort_group_topk *ct;
+    size_t k;
+    int rc;
+
+    if (!cg || !out || n > UINT32_MAX || topk_k_for_ratio(n, ratio, &k) < 0)
+        return -EINVAL;
+    ct = calloc(1, sizeof(*ct));
+    if (!ct)
+        return -ENOMEM;
+    rc = group_topk_create(cg->g, n, k, &ct->t);
+    if (rc < 0) {
+        free(ct);
+        return rc;
+    }
+    ct->n = n;
+    ct->k = k;
+    *out = ct;
+    return 0;
+}
+
+void cohort_group_topk_destroy(struct cohort_group_topk *ct)
+{
+    if (!ct)
+        return;
+    group_topk_destroy(ct->t);
+    free(ct);
+}
+
+size_t cohort_group_topk_k(const struct cohort_group_topk *ct)
+{
+    return ct->k;
+}
+
+size_t cohort_group_topk_n(const struct cohort_group_topk *ct)
+{
+    return ct->n;
+}
+
+int cohort_group_topk_reduce(struct cohort_group_topk *ct, float *buf, enum cohort_group_op op,
+                             int timeout_ms)
+{
+    enum dtype_op o;
+
+    if (!ct || map_op(op, &o) < 0)
+        return -EINVAL;
+    return group_topk_reduce(ct->t, buf, o, timeout_of(timeout_ms));
+}
+
+const float *cohort_group_topk_residual(const struct cohort_group_topk *ct)
+{
+    return group_topk_residual(ct->t);
+}
+
+_Static_assert(sizeof(struct cohort_group_matrix) == sizeof(struct group_powersgd_matrix),
+               "one matrix layout");
+
+int cohort_group_powersgd_create(struct cohort_group *cg, const struct cohort_group_matrix *mats,
+                                 size_t n_mats, size_t vectors, size_t rank, uint64_t seed,
+                                 bool reuse_query, struct cohort_group_powersgd **out)
+{
+    struct group_powersgd_matrix *m = NULL;
+    struct cohort_group_powersgd *cp;
+    int rc;
+
+    if (!cg || !out)
+        return -EINVAL;
+    if (n_mats && !mats)
+        return -EINVAL;
+    cp = calloc(1, sizeof(*cp));
+    if (n_mats && cp)
+        m = calloc(n_mats, sizeof(*m));
+    if (!cp || (n_mats && !m)) {
+        free(cp);
+        return -ENOMEM;
+    }
+    for (size_t k = 0; k < n_mats; k++) {
+        m[k].rows = mats[k].rows;
+        m[k].cols = mats[k].cols;
+    }
+    rc = group_powersgd_create(cg->g, m, n_mats, vectors, rank, seed, reuse_query, &cp->p);
+    free(m);
+    if (rc < 0) {
+        free(cp);
+        return rc;
+    }
+    *out = cp;
+    return 0;
+}
+
+void cohort_group_powersgd_destroy(struct cohort_group_powersgd *cp)
+{
+    if (!cp)
+        return;
+    group_powersgd_destroy(cp->p);
+    free(cp);
+}
+
+size_t cohort_group_powersgd_size(const struct cohort_group_powersgd *cp)
+{
+    return group_powersgd_size(cp->p);
+}
+
+int cohort_group_powersgd_reduce(struct cohort_group_powersgd *cp, float *buf,
+                                 enum cohort_group_op op, int timeout_ms)
+{
+    enum dtype_op o;
+
+    if (!cp || map_op(op, &o) < 0)
+        return -EINVAL;
+    return group_powersgd_reduce(cp->p, buf, o, timeout_of(timeout_ms));
+}
+
+const float *cohort_group_powersgd_error(const struct cohort_group_powersgd *cp)
+{
+    return group_powersgd_error(cp->p);
+}
+
 void cohort_group_stats(struct cohort_group *cg, struct cohort_group_stats *out)
 {
     struct group_stats s;
@@ -162,7 +294,7 @@ const char *cohort_group_strerror(int err)
     switch (err < 0 ? -err : err) {
     case EINVAL: return "invalid argument: an unknown type or operator, a zero or non-finite denominator, or divide_before with other than avg on float32 or float64";
     case E2BIG: return "the collective is larger than the group takes (1 GiB)";
-    case EPROTO: return "the members' calls differ (count, type or operator): every member must make the same collectives in the same order";
+    case EPROTO: return "the members' calls differ (count, type or operator, or a reducer's shape, k or rank: their models differ): every member must make the same collectives in the same order";
     case EACCES: return "the members' keys or integrity settings differ";
     case ETIMEDOUT: return "no membership completed the collective in time";
     case ENOTCONN: return "this member is not in the cohort's current membership";

@@ -77,7 +77,7 @@
 #define GROUP_EMISFIT 4096
 #define GROUP_EDIFFER 4097
 
-enum kind { K_REDUCE, K_GATHER };
+enum kind { K_REDUCE, K_GATHER, K_STEPS };
 
 struct buf {
     void *p;
@@ -319,7 +319,8 @@ struct call {
     enum dtype_op op;
     double denominator;
     unsigned flags;
-    size_t bytes;               /* of the input */
+    size_t bytes;               /* of the input; K_STEPS: of the result */
+    const struct group_steps *steps;    /* K_STEPS */
 };
 
 /* What members must agree on for one call, hashed (FNV-1a) into a
@@ -398,7 +399,7 @@ static int sync_epoch(struct group *g, const struct call *c, bool *delivered, si
              LF_U("calls_done", m), LF_B("delivered", need));
     if (i_need) {
         /* The others completed this call: its result is theirs. */
-        if ((c->kind == K_REDUCE && bytes != c->bytes) ||
+        if ((c->kind != K_GATHER && bytes != c->bytes) ||
             (c->kind == K_GATHER && (bytes % group_record_bytes(c->bytes)) != 0)) {
             g->done = m;
             g->numbered = true;
@@ -428,6 +429,10 @@ static int attempt(struct group *g, const struct call *c, size_t *len)
     size_t n = g->cur->n_members;
     int rc;
 
+    if (c->kind == K_STEPS) {
+        *len = c->bytes;
+        return c->steps->attempt(c->steps->arg, g, g->cur->number, g->out.p);
+    }
     if (c->kind == K_GATHER) {
         size_t rec = group_record_bytes(c->bytes);
         char *slot;
@@ -525,6 +530,11 @@ static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
 
 /* ---- API ------------------------------------------------------------------------ */
 
+const char *group_id(const struct group *g)
+{
+    return g->id;
+}
+
 size_t group_record_bytes(size_t bytes)
 {
     return GROUP_ID_BYTES + round8(bytes);
@@ -583,6 +593,40 @@ int group_allgather(struct group *g, const void *in, size_t bytes, const void **
         *out_len = g->last_len;
     }
     return rc;
+}
+
+int group_steps(struct group *g, const struct group_steps *s, const void **out,
+                uint32_t timeout_ms)
+{
+    struct call c = { .kind = K_STEPS, .count = s ? s->tag : 0, .steps = s };
+    int rc;
+
+    if (!g || !s || !s->attempt || !out || s->out_bytes == 0)
+        return -EINVAL;
+    if (s->out_bytes > g->max_bytes)
+        return -E2BIG;
+    c.bytes = s->out_bytes;
+    rc = run_call(g, &c, timeout_ms);
+    if (rc == 0)
+        *out = g->last.p;
+    return rc;
+}
+
+int group_step_allreduce(struct group *g, int handle, size_t count, enum dtype type,
+                         enum dtype_op op)
+{
+    return run(g, handle, handle, count, type, op, 0);
+}
+
+int group_register(struct group *g, void *p, size_t bytes)
+{
+    return allreduce_register(g->ar, p, bytes);
+}
+
+void group_unregister(struct group *g, int handle)
+{
+    if (handle >= 0)
+        allreduce_unregister(g->ar, handle);
 }
 
 int group_wait(struct group *g, uint32_t timeout_ms)

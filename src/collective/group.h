@@ -118,8 +118,49 @@ int group_allreduce(struct group *g, void *buf, size_t count, enum dtype type, e
 int group_allgather(struct group *g, const void *in, size_t bytes, const void **out,
                     size_t *out_len, uint32_t timeout_ms);
 
+/* This member's id: owned by the group, valid until group_destroy. */
+const char *group_id(const struct group *g);
+
 /* The size of one member's record in a gather of `bytes` each. */
 size_t group_record_bytes(size_t bytes);
+
+/* ---- Calls of several steps, for reducers built on the group
+ * (group_powersgd.c). Not for trainers: include/cohort.h has the
+ * reducers themselves. */
+
+/* One call whose attempt the caller writes: a few all-reduces with local
+ * work between them, applied whole or not at all like any call. */
+struct group_steps {
+    uint64_t tag;               /* what the call is (shape, kind): compared
+                                 * among the members like a call's count */
+    size_t out_bytes;           /* the result's length, kept for the sync */
+    /* One attempt in `epoch`: runs group_step_allreduce on buffers the
+     * caller registered, and on 0 has written out_bytes at out (the
+     * group's scratch). The result must be the same bytes on every member
+     * that completes it, since a member that was mid-call gets another's
+     * copy instead of its own. Returns 0 or a step's error. */
+    int (*attempt)(void *arg, struct group *g, uint64_t epoch, void *out);
+    void *arg;
+};
+
+/* Runs the call to completion, retries and sync included. On 0, *out
+ * points at the result (owned by the group, valid until its next call),
+ * out_bytes long: this member's, or, when it was mid-call as the others
+ * completed it, theirs. Returns group_allreduce's codes; -EINVAL for a
+ * missing attempt or an out_bytes of 0. */
+int group_steps(struct group *g, const struct group_steps *s, const void **out,
+                uint32_t timeout_ms);
+
+/* Within an attempt only: all-reduces count elements of the registered
+ * buffer `handle` in place. Returns 0 or the engine's error, which the
+ * attempt returns as its own. */
+int group_step_allreduce(struct group *g, int handle, size_t count, enum dtype type,
+                         enum dtype_op op);
+
+/* Registers bytes at p (borrowed until group_unregister) with the group's
+ * engine. Returns a handle, or -ENOSPC when its registrations are full. */
+int group_register(struct group *g, void *p, size_t bytes);
+void group_unregister(struct group *g, int handle);      /* -1 is fine */
 
 struct group_stats {
     uint64_t calls;             /* completed */

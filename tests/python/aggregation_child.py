@@ -19,7 +19,23 @@ Scenarios:
             DIR/ID.log (see test_py_aggregation.py)
   mismatch  a by_model aggregation of a model whose size depends on I,
             then a matching call
+  sparse    SparsifiedAggregation, by model (avg) and by layer (sum), each
+            result and this member's residuals against a reference of
+            every member's top-k with error feedback; then a model of a
+            size that depends on I (EPROTO, nothing changed)
+  sparse_loop  SparsifiedAggregation by model (sum) in a loop, as loop:
+            marker entries 0..3 (2^(10+I)), 4 (the call number) and 5
+            (a first call) are always among the top k; DIR/ID.log gets "call mask crc" per
+            result, and every residual is checked against this member's
+            own reference
+  power     PowerAggregation (rank 2, warm start), by model (avg) and by
+            layer (sum), each result and this member's error against a
+            reference of every member's PowerSGD computed here in float64;
+            then a model of a shape that depends on I (EPROTO)
+  power_loop  PowerAggregation by model (sum) in a loop, as sparse_loop,
+            with the markers in a bias (vectors travel exactly)
 """
+import zlib
 import errno
 import json
 import os
@@ -238,5 +254,339 @@ def scenario_mismatch():
     agg.shutdown()
 
 
+RATIO = 0.25
+
+
+def sparse_model(i, step):
+    """Integer gradients depending on member i and step: float32 and float64
+    layers, 68 entries, so k = 17."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2, dtype=torch.float64))
+    with torch.no_grad():
+        for k, p in enumerate(m.parameters()):
+            base = torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape)
+            p.grad = (((base * 7 + i * 5 + k * 3 + step * 11) % 23) - 11).to(p.dtype)
+    return m
+
+
+def flat_grads(m):
+    return torch.cat([p.grad.detach().reshape(-1).to(torch.float32) for p in m.parameters()])
+
+
+def topk_step(acc, k):
+    """What a member sends (dense) and keeps: the k largest |acc|, ties to
+    the lower index."""
+    order = torch.sort(acc.abs(), descending=True, stable=True).indices[:k]
+    sent = torch.zeros_like(acc)
+    sent[order] = acc[order]
+    kept = acc.clone()
+    kept[order] = 0
+    return sent, kept
+
+
+def scenario_sparse():
+    agg.init(broker, "sparse", my_id)
+    wait_for_all()
+    s = agg.SparsifiedAggregation(sparse_model(me, 0), ratio=RATIO)
+    res = {i: torch.zeros(68) for i in range(n)}
+    layer_res = {}
+    step = 0
+    for by_layer, op in ((False, "avg"), (False, "avg_world"), (True, "sum"), (False, "avg")):
+        for _ in range(3):
+            step += 1
+            m = sparse_model(me, step)
+            s.agg_grad(by_layer)(m, op)
+            got = flat_grads(m)
+            models = [sparse_model(i, step) for i in range(n)]
+            if not by_layer:
+                total = torch.zeros(68)
+                for i in range(n):
+                    sent, res[i] = topk_step(flat_grads(models[i]) + res[i], 17)
+                    total += sent
+                want = total / n if op != "sum" else total
+                mine = s.residual()
+                if not torch.equal(mine, res[me]):
+                    fail("step %d: residual %s, want %s" % (step, mine.tolist(),
+                                                            res[me].tolist()))
+            else:
+                parts = []
+                for k, p in enumerate(m.parameters()):
+                    total = torch.zeros(p.numel())
+                    kk = -(-p.numel() // 4)
+                    for i in range(n):
+                        g = list(models[i].parameters())[k].grad.reshape(-1).to(torch.float32)
+                        r = layer_res.get((i, k), torch.zeros(p.numel()))
+                        sent, layer_res[(i, k)] = topk_step(g + r, kk)
+                        total += sent
+                    parts.append(total)
+                    if s.k(("grad", k)) != kk:
+                        fail("layer %d: k %s, want %d" % (k, s.k(("grad", k)), kk))
+                    if not torch.equal(s.residual(("grad", k)), layer_res[(me, k)]):
+                        fail("layer %d: residual differs" % k)
+                want = torch.cat(parts)
+            if not torch.equal(got, want):
+                fail("step %d by_layer=%s %s: got %s, want %s"
+                     % (step, by_layer, op, got.tolist(), want.tolist()))
+            emit(step=step, crc=zlib.crc32(got.numpy().tobytes()))
+    # Members whose models differ: every member fails, nothing changes.
+    torch.manual_seed(0)
+    odd = torch.nn.Linear(4 + me, 2)
+    for p in odd.parameters():
+        p.grad = torch.ones_like(p)
+    try:
+        agg.SparsifiedAggregation(odd, ratio=RATIO).agg_grad()(odd, "avg")
+        fail("a mismatched top-k succeeded")
+    except agg.Error as e:
+        if e.errno != errno.EPROTO:
+            fail("mismatch raised %r" % (e,))
+        emit(error=str(e))
+    if not all(torch.equal(p.grad, torch.ones_like(p)) for p in odd.parameters()):
+        fail("a failed top-k changed the gradients")
+    emit(done=True, stats=agg.stats())
+    agg.shutdown()
+
+
+def scenario_sparse_loop():
+    agg.init(broker, "sparse-loop", my_id, call_timeout=120)
+    wait_for_all(at_least=True)
+    s = agg.SparsifiedAggregation(sparse_model(me, 0), ratio=RATIO)
+    log = open(os.path.join(out_dir, my_id + ".log"), "a", buffering=1)
+    stop_file = os.path.join(out_dir, "stop")
+    res = torch.zeros(68)
+    k, first, step = 0, True, 0
+    while True:
+        step += 1
+        m = sparse_model(me, step)
+        first_layer = next(iter(m.parameters()))
+        with torch.no_grad():
+            g = first_layer.grad.view(-1)
+            g[0:6] = 0
+            g[me] = 2.0 ** (10 + me)
+            g[4] = 100000 + k
+            g[5] = 50000 if first else 0
+        given = flat_grads(m)
+        s.agg_grad(False)(m, "sum")
+        got = flat_grads(m)
+        mask = 0
+        for j in range(4):
+            if got[j] == 2.0 ** (10 + j):
+                mask |= 1 << j
+            elif got[j] != 0:
+                fail("marker %d: %s" % (j, got[j].item()))
+        pop = bin(mask).count("1")
+        fresh = int(got[5].item()) // 50000
+        known = pop - fresh
+        c = int(got[4].item()) - 100000 * pop
+        if first:
+            # Its own number was 0; the others' is the rest of the sum
+            # (none: every member is new, and this is call 1).
+            k = c // known if known else 1
+            if known and c != k * known:
+                fail("first call: the others disagree: %s" % got[:6].tolist())
+            first = False
+        elif c != k * known:
+            fail("call %d: contributors made different calls: %s" % (k, got[:6].tolist()))
+        if mask & (1 << me):
+            _, res = topk_step(given + res, 17)
+        else:
+            res = given + res   # completed without this member: nothing sent
+        if not torch.equal(s.residual(), res):
+            fail("call %d: the residual is not this member's own unsent gradient" % k)
+        log.write("%d %d %d\n" % (k, mask, zlib.crc32(got.numpy().tobytes())))
+        stop = None
+        if os.path.exists(stop_file):
+            text = open(stop_file).read().strip()
+            stop = int(text) if text else None
+        if stop is not None and k >= stop:
+            break
+        k += 1
+        time.sleep(0.02)
+    emit(done=True, last=k, stats=agg.stats())
+    agg.shutdown()
+
+
+M64 = (1 << 64) - 1
+
+
+def seeded_q(seed, count):
+    """cohort's seeded Q: splitmix64, uniform in [-1, 1), as the C code."""
+    out, state = [], seed
+    for _ in range(count):
+        state = (state + 0x9e3779b97f4a7c15) & M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xbf58476d1ce4e5b9) & M64
+        z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) & M64
+        z ^= z >> 31
+        out.append(float((z >> 40) / float(1 << 23) - 1.0))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def orthonormalise(p):
+    p = p.clone()
+    for c in range(p.shape[1]):
+        p[:, c] /= p[:, c].norm() + 1e-8
+        for d in range(c + 1, p.shape[1]):
+            p[:, d] -= (p[:, c] * p[:, d]).sum() * p[:, c]
+    return p
+
+
+class PowerRef:
+    """Every member's PowerSGD of one reducer (matrices, then vectors)."""
+
+    def __init__(self, shapes, n_vec, rank, seed, members):
+        self.shapes, self.n_vec = shapes, n_vec
+        self.r = [min(rank, a, b) for a, b in shapes]
+        nq = sum(b * r for (a, b), r in zip(shapes, self.r))
+        q = seeded_q(seed, nq + n_vec)
+        self.q, off = [], 0
+        for (a, b), r in zip(shapes, self.r):
+            self.q.append(q[off:off + r * b].reshape(r, b).t().clone())   # cols x r
+            off += r * b
+        size = sum(a * b for a, b in shapes) + n_vec
+        self.err = {i: torch.zeros(size, dtype=torch.float64) for i in members}
+
+    def step(self, inputs, avg):
+        """inputs: member -> flat float64; returns the flat result."""
+        n = len(inputs)
+        mp = {i: x + self.err[i] for i, x in inputs.items()}
+        out, off = [], 0
+        for k, ((a, b), r) in enumerate(zip(self.shapes, self.r)):
+            ms = {i: v[off:off + a * b].reshape(a, b) for i, v in mp.items()}
+            p = orthonormalise(sum(m @ self.q[k] for m in ms.values()))
+            own = {i: m.t() @ p for i, m in ms.items()}
+            q = sum(own.values()) / (n if avg else 1)
+            out.append((p @ q.t()).reshape(-1))
+            for i, m in ms.items():
+                self.err[i][off:off + a * b] = (m - p @ own[i].t()).reshape(-1)
+            self.q[k] = q
+            off += a * b
+        vec = sum(v[off:] for v in mp.values()) / (n if avg else 1)
+        for i in mp:
+            self.err[i][off:] = 0
+        out.append(vec)
+        return torch.cat(out)
+
+
+def power_model(i, step):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    with torch.no_grad():
+        for k, p in enumerate(m.parameters()):
+            base = torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape)
+            p.grad = (((base * 7 + i * 5 + k * 3 + step * 11) % 23) - 11).to(p.dtype)
+    return m
+
+
+def power_flat(m):
+    """Matrices first, then vectors: the reducer's order."""
+    ps = list(m.parameters())
+    order = [p for p in ps if p.dim() > 1] + [p for p in ps if p.dim() <= 1]
+    return torch.cat([p.grad.detach().reshape(-1).to(torch.float64) for p in order])
+
+
+def close(got, want):
+    return torch.allclose(got.to(torch.float64), want, rtol=0,
+                          atol=1e-4 * (1 + want.abs().max().item()))
+
+
+def scenario_power():
+    agg.init(broker, "power", my_id)
+    wait_for_all()
+    a = agg.PowerAggregation(power_model(me, 0), reuse_query=True, world_size=n, rank=2)
+    ref = PowerRef([(6, 8), (4, 6)], 10, 2, 1, range(n))
+    layer_refs = {}
+    step = 0
+    for by_layer, op in ((False, "avg"), (False, "avg_world"), (True, "sum"), (False, "avg")):
+        for _ in range(2):
+            step += 1
+            m = power_model(me, step)
+            a.agg_grad(by_layer)(m, op)
+            avg = op != "sum"
+            models = [power_model(i, step) for i in range(n)]
+            if not by_layer:
+                got = power_flat(m)
+                want = ref.step({i: power_flat(models[i]) for i in range(n)}, avg)
+                if not close(a.error(), ref.err[me]):
+                    fail("step %d: error %s, want %s" % (step, a.error().tolist(),
+                                                         ref.err[me].tolist()))
+            else:
+                gots, wants = [], []
+                for k, p in enumerate(m.parameters()):
+                    shapes = [tuple(p.shape)] if p.dim() > 1 else []
+                    r = layer_refs.setdefault(k, PowerRef(shapes, 0 if shapes else p.numel(),
+                                                          2, 1, range(n)))
+                    ins = {i: list(models[i].parameters())[k].grad.reshape(-1)
+                           .to(torch.float64) for i in range(n)}
+                    wants.append(r.step(ins, avg))
+                    gots.append(p.grad.reshape(-1).to(torch.float64))
+                    if not close(a.error(("grad", k)), r.err[me]):
+                        fail("layer %d: the error differs" % k)
+                got, want = torch.cat(gots), torch.cat(wants)
+            if not close(got, want):
+                fail("step %d by_layer=%s %s: got %s, want %s"
+                     % (step, by_layer, op, got.tolist(), want.tolist()))
+            emit(step=step, crc=zlib.crc32(got.to(torch.float32).numpy().tobytes()))
+    torch.manual_seed(0)
+    odd = torch.nn.Linear(4 + me, 2)
+    for p in odd.parameters():
+        p.grad = torch.ones_like(p)
+    try:
+        agg.PowerAggregation(odd, rank=1).agg_grad()(odd, "avg")
+        fail("a mismatched PowerSGD succeeded")
+    except agg.Error as e:
+        if e.errno != errno.EPROTO:
+            fail("mismatch raised %r" % (e,))
+        emit(error=str(e))
+    if not all(torch.equal(p.grad, torch.ones_like(p)) for p in odd.parameters()):
+        fail("a failed PowerSGD changed the gradients")
+    emit(done=True, stats=agg.stats())
+    agg.shutdown()
+
+
+def scenario_power_loop():
+    agg.init(broker, "power-loop", my_id, call_timeout=120)
+    wait_for_all(at_least=True)
+    a = agg.PowerAggregation(power_model(me, 0), reuse_query=True, rank=2)
+    log = open(os.path.join(out_dir, my_id + ".log"), "a", buffering=1)
+    stop_file = os.path.join(out_dir, "stop")
+    k, first, step = 0, True, 0
+    while True:
+        step += 1
+        m = power_model(me, step)
+        bias = m[0].bias.grad
+        with torch.no_grad():
+            bias.zero_()
+            bias[me] = 2.0 ** me
+            bias[4] = k
+            bias[5] = 1 if first else 0
+        a.agg_grad(False)(m, "sum")
+        b = [int(v) for v in m[0].bias.grad.tolist()]
+        mask, c, fresh = b[0] | b[1] | b[2] | b[3], b[4], b[5]
+        if any(b[j] not in (0, 2 ** j) for j in range(4)):
+            fail("markers: %s" % b)
+        known = bin(mask).count("1") - fresh
+        if first:
+            k = c // known if known else 1
+            if known and c != k * known:
+                fail("first call: the others disagree: %s" % b)
+            first = False
+        elif c != k * known:
+            fail("call %d: contributors made different calls: %s" % (k, b))
+        got = power_flat(m).to(torch.float32)
+        log.write("%d %d %d\n" % (k, mask, zlib.crc32(got.numpy().tobytes())))
+        stop = None
+        if os.path.exists(stop_file):
+            text = open(stop_file).read().strip()
+            stop = int(text) if text else None
+        if stop is not None and k >= stop:
+            break
+        k += 1
+        time.sleep(0.02)
+    emit(done=True, last=k, stats=agg.stats())
+    agg.shutdown()
+
+
 {"ops": scenario_ops, "gossip": scenario_gossip, "loop": scenario_loop,
- "mismatch": scenario_mismatch}[scenario]()
+ "mismatch": scenario_mismatch, "sparse": scenario_sparse,
+ "sparse_loop": scenario_sparse_loop, "power": scenario_power,
+ "power_loop": scenario_power_loop}[scenario]()

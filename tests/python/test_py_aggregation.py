@@ -10,6 +10,15 @@ joined to a real broker, with real torch.
 - A member joining mid-run lines up with the others' calls; a member
   killed with SIGKILL mid-run: the survivors' next aggregation completes
   on the new membership, and no call has two results.
+- SparsifiedAggregation (top-k with error feedback): every result and
+  residual against a reference of every member's selection, by model and
+  by layer; across a member joining and one killed, every call has one
+  result (the same bytes on every member) and every residual is the
+  member's own unsent gradient; members whose models differ get EPROTO.
+- PowerAggregation (PowerSGD with error feedback, warm start): every
+  result and error against a float64 reference of every member's
+  PowerSGD, by model and by layer; across a join and a kill, one result
+  per call, the same bytes on every member.
 - Bad input: an unknown op, custom_avg without denom, use_cuda without
   CUDA, bad ranks, mismatched models across members (a clear error on
   every member, the models untouched, the group still usable).
@@ -184,3 +193,139 @@ def test_bad_input_is_refused_with_a_clear_error(broker):
         agg.shutdown()
     with pytest.raises(RuntimeError, match="init"):
         agg.world_size()
+
+
+# ---- SparsifiedAggregation --------------------------------------------------
+
+def test_sparsified_matches_the_reference_with_error_feedback(broker):
+    got = results(members(broker, 3, "sparse"))
+    for lines in got:
+        assert lines[-1].get("done"), lines[-1]
+        assert "calls differ" in lines[-2]["error"], lines[-2]
+    steps = [[l for l in lines if "step" in l] for lines in got]
+    assert len(steps[0]) == 12
+    assert steps[0] == steps[1] == steps[2], "the same bytes on every member"
+
+
+def read_sparse_log(path):
+    try:
+        with open(path) as f:
+            return [tuple(int(x) for x in l.split()) for l in f.read().splitlines()
+                    if len(l.split()) == 3]
+    except FileNotFoundError:
+        return []
+
+
+def one_sparse_result_per_call(tmp_path, ids):
+    seen = {}
+    for i in ids:
+        for k, mask, crc in read_sparse_log(tmp_path / (i + ".log")):
+            assert seen.setdefault(k, (mask, crc)) == (mask, crc), "call %d has two results" % k
+    return seen
+
+
+def stop_sparse_after(tmp_path, ids, margin=30):
+    top = max((read_sparse_log(tmp_path / (i + ".log")) or [(0, 0, 0)])[-1][0] for i in ids)
+    (tmp_path / "stop").write_text(str(top + margin))
+
+
+def join_and_kill(broker, tmp_path, scenario):
+    kids = members(broker, 2, scenario, tmp_path)
+    wait_until(lambda: len(read_sparse_log(tmp_path / "m-0.log")) >= 10, "the first calls")
+    kids += members(broker, 3, scenario, tmp_path, first=2, count=1)
+    wait_until(lambda: sum(1 for _, m, _ in read_sparse_log(tmp_path / "m-0.log")
+                           if m == 0b111) >= 10, "the calls with the late member")
+    late = read_sparse_log(tmp_path / "m-2.log")
+    assert late[0][0] > 10, "the late member took the others' numbering: %s" % late[:3]
+    os.killpg(kids[1].pid, signal.SIGKILL)
+    finish(kids[1])
+    wait_until(lambda: sum(1 for _, m, _ in read_sparse_log(tmp_path / "m-0.log")
+                           if m == 0b101) >= 5, "the survivors' calls without the killed member")
+    stop_sparse_after(tmp_path, ["m-0", "m-2"])
+    got = results([kids[0], kids[2]])
+    assert got[0][-1]["last"] == got[1][-1]["last"]
+    assert got[0][-1]["stats"]["members"] == 2
+    seen = one_sparse_result_per_call(tmp_path, ["m-0", "m-1", "m-2"])
+    assert sorted(seen) == list(range(1, len(seen) + 1)), "calls numbered from 1, none missing"
+    masks = [seen[k][0] for k in sorted(seen)]
+    joined, killed = masks.index(0b111), masks.index(0b101)
+    assert masks == [0b11] * joined + [0b111] * (killed - joined) + \
+        [0b101] * (len(masks) - killed), masks
+
+
+def test_sparsified_across_a_join_and_a_kill_keeps_one_result_and_exact_residuals(broker,
+                                                                                   tmp_path):
+    join_and_kill(broker, tmp_path, "sparse_loop")
+
+
+def test_sparsified_refuses_bad_input(broker):
+    agg.init(broker.address, "alone-sparse", "solo")
+    try:
+        m = torch.nn.Linear(4, 2)
+        for p in m.parameters():
+            p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+        for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "0.1"):
+            with pytest.raises(ValueError, match="ratio"):
+                agg.SparsifiedAggregation(m, ratio=bad)
+        s = agg.SparsifiedAggregation(m, ratio=0.5)
+        with pytest.raises(NotImplementedError, match="sums or averages"):
+            s.agg_grad()(m, "max")
+        with pytest.raises(NotImplementedError, match="not one of"):
+            s.agg_grad()(m, "median")
+        with pytest.raises(TypeError, match="floating"):
+            s._agg(torch.tensor([1, 2]), "sum")
+        assert s.residual() is None
+        assert m.weight.grad.reshape(-1).tolist() == list(range(8)), "refused calls change nothing"
+        # Alone: the top half of the 10 entries is sent, the rest kept.
+        s.agg_grad()(m, "avg")
+        flat = torch.cat([m.weight.grad.reshape(-1), m.bias.grad])
+        assert flat.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 0, 0], flat.tolist()
+        assert s.k() == 5
+        assert (s.residual() + flat).tolist() == list(range(8)) + [0, 1]
+    finally:
+        agg.shutdown()
+
+
+# ---- PowerAggregation -------------------------------------------------------
+
+def test_power_matches_the_reference_with_error_feedback(broker):
+    got = results(members(broker, 3, "power"))
+    for lines in got:
+        assert lines[-1].get("done"), lines[-1]
+        assert "calls differ" in lines[-2]["error"], lines[-2]
+    steps = [[l for l in lines if "step" in l] for lines in got]
+    assert len(steps[0]) == 8
+    assert steps[0] == steps[1] == steps[2], "the same bytes on every member"
+
+
+def test_power_across_a_join_and_a_kill_keeps_one_result_per_call(broker, tmp_path):
+    join_and_kill(broker, tmp_path, "power_loop")
+
+
+def test_power_refuses_bad_input(broker):
+    agg.init(broker.address, "alone-power", "solo")
+    try:
+        m = torch.nn.Linear(3, 2)
+        for p in m.parameters():
+            p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + 1
+        for bad in (0, -1, 1025, 1.5, True, "2"):
+            with pytest.raises(ValueError, match="rank"):
+                agg.PowerAggregation(m, rank=bad)
+        with pytest.raises(ValueError, match="world_size"):
+            agg.PowerAggregation(m, world_size=0)
+        with pytest.raises(ValueError, match="seed"):
+            agg.PowerAggregation(m, seed=-1)
+        a = agg.PowerAggregation(m, rank=2)
+        with pytest.raises(NotImplementedError, match="sums or averages"):
+            a.agg_grad()(m, "custom_avg")
+        with pytest.raises(TypeError, match="floating"):
+            a._agg(torch.ones(2, 2, dtype=torch.int32), "avg")
+        assert a.error() is None
+        assert m.weight.grad.tolist() == [[1, 2, 3], [4, 5, 6]], "refused calls change nothing"
+        # Alone, rank 2 of a 2 x 3 matrix is the matrix; the bias is exact.
+        a.agg_grad()(m, "avg")
+        assert torch.allclose(m.weight.grad, torch.tensor([[1., 2, 3], [4, 5, 6]]), atol=1e-4)
+        assert m.bias.grad.tolist() == [1, 2]
+        assert a.error().shape == (8,)
+    finally:
+        agg.shutdown()

@@ -587,7 +587,58 @@ Test(group, public_api_reads_the_environment_and_checks_its_enums)
     cr_expect_eq(st.calls, 2);
     cr_expect_eq(st.members, 1);
     cr_expect_str_eq(cohort_group_strerror(-EPROTO),
-                     "the members' calls differ (count, type or operator): every member must "
+                     "the members' calls differ (count, type or operator, or a reducer's "
+                     "shape, k or rank: their models differ): every member must "
                      "make the same collectives in the same order");
+    cohort_group_destroy(cg);
+}
+
+/* The reducers' public face: a ratio and a rank checked, op enums mapped
+ * one by one, results through to the caller's buffer. */
+Test(group, public_reducers_check_ratio_rank_and_op)
+{
+    struct cohort_group *cg = NULL;
+    struct cohort_group_topk *t = NULL;
+    struct cohort_group_powersgd *p = NULL;
+    struct cohort_group_matrix m = { 2, 2 };
+    const float given[10] = { 1, -9, 3, 4, 5, 6, 7, 8, 2, 10 };
+    float x[10], y[6] = { 1, 2, 2, 4, 3, -1 };
+
+    cr_assert_eq(cohort_group_create(broker, "coll", "pubr", &cg), 0);
+    cr_assert_eq(cohort_group_wait(cg, FIXTURE_WAIT_MS), 0);
+    memcpy(x, given, sizeof(x));
+    cr_expect_eq(cohort_group_topk_create(cg, 10, 0, &t), -EINVAL);
+    cr_expect_eq(cohort_group_topk_create(cg, 10, 1.01, &t), -EINVAL);
+    cr_expect_eq(cohort_group_topk_create(cg, 10, NAN, &t), -EINVAL);
+    cr_expect_eq(cohort_group_topk_create(cg, 0, 0.5, &t), -EINVAL);
+    cr_expect_eq(cohort_group_topk_create(NULL, 10, 0.5, &t), -EINVAL);
+    cr_expect_null(t);
+    cr_assert_eq(cohort_group_topk_create(cg, 10, 0.25, &t), 0);
+    cr_expect_eq(cohort_group_topk_k(t), 3, "ceil(0.25 x 10)");
+    cr_expect_eq(cohort_group_topk_n(t), 10);
+    cr_expect_eq(cohort_group_topk_reduce(t, x, COHORT_GROUP_MAX, 1000), -EINVAL);
+    cr_expect_eq(cohort_group_topk_reduce(t, x, (enum cohort_group_op)77, 1000), -EINVAL);
+    cr_expect(x[1] == -9, "refused: untouched");
+    cr_assert_eq(cohort_group_topk_reduce(t, x, COHORT_GROUP_SUM, 10000), 0);
+    for (int i = 0; i < 10; i++) {
+        bool sent = i == 1 || i == 7 || i == 9;
+
+        cr_expect_eq(x[i], sent ? given[i] : 0, "entry %d", i);
+        cr_expect_eq(cohort_group_topk_residual(t)[i] == 0, sent, "residual %d", i);
+    }
+    cr_expect_eq(cohort_group_powersgd_create(cg, &m, 1, 2, 0, 1, false, &p), -EINVAL);
+    cr_expect_eq(cohort_group_powersgd_create(cg, &m, 1, 2, 1025, 1, false, &p), -EINVAL);
+    cr_expect_eq(cohort_group_powersgd_create(cg, NULL, 1, 2, 1, 1, false, &p), -EINVAL);
+    cr_expect_eq(cohort_group_powersgd_create(cg, NULL, 0, 0, 1, 1, false, &p), -EINVAL);
+    cr_expect_null(p);
+    cr_assert_eq(cohort_group_powersgd_create(cg, &m, 1, 2, 1, 1, true, &p), 0);
+    cr_expect_eq(cohort_group_powersgd_size(p), 6);
+    cr_expect_eq(cohort_group_powersgd_reduce(p, y, COHORT_GROUP_MIN, 1000), -EINVAL);
+    /* [[1, 2], [2, 4]] has rank 1: rank 1 gives it back; the vector is exact. */
+    cr_assert_eq(cohort_group_powersgd_reduce(p, y, COHORT_GROUP_AVG, 10000), 0);
+    cr_expect(fabsf(y[0] - 1) < 1e-5f && fabsf(y[3] - 4) < 1e-5f, "%g %g", y[0], y[3]);
+    cr_expect(y[4] == 3 && y[5] == -1 && cohort_group_powersgd_error(p)[4] == 0);
+    cohort_group_powersgd_destroy(p);
+    cohort_group_topk_destroy(t);
     cohort_group_destroy(cg);
 }
