@@ -1,19 +1,16 @@
 /* src/collective/group_powersgd.c: see group_powersgd.h.
  *
- * The kernels are the engine's (engine/powersgd.c, "KERNELS"), in their
- * plain loops: what must be the same bytes on every member is P^ Q^T,
- * computed here from shared inputs by one code path with
- * -ffp-contract=off; M'Q and M'^T P^ are this member's own. */
+ * The kernels are the engine's (engine/powersgd.h): what must be the same
+ * bytes on every member is P^ Q^T, computed from shared inputs by one
+ * code path with -ffp-contract=off; M'Q and M'^T P^ are this member's
+ * own. */
 #include "collective/group_powersgd.h"
 
 #include <errno.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "engine/powersgd.h"
-
-#define ORTHO_EPS 1e-8f
 
 struct mat {
     size_t rows, cols, r;
@@ -37,98 +34,6 @@ struct group_powersgd {
     uint64_t attempt_epoch;
 };
 
-/* ---- kernels (engine/powersgd.c's order of operations) ---- */
-
-static float dot(const float *a, const float *b, size_t n)
-{
-    float acc = 0;
-
-    for (size_t j = 0; j < n; j++)
-        acc += a[j] * b[j];
-    return acc;
-}
-
-/* p (rows x r) = a qt^T */
-static void mul_p(float *p, const float *a, const float *qt, size_t rows, size_t cols, size_t r)
-{
-    for (size_t i = 0; i < rows; i++)
-        for (size_t c = 0; c < r; c++)
-            p[i * r + c] = dot(a + i * cols, qt + c * cols, cols);
-}
-
-/* qt (r x cols) = (a^T p)^T */
-static void mul_qt(float *qt, const float *a, const float *p, size_t rows, size_t cols, size_t r)
-{
-    memset(qt, 0, r * cols * sizeof(float));
-    for (size_t i = 0; i < rows; i++)
-        for (size_t c = 0; c < r; c++) {
-            float x = p[i * r + c];
-
-            for (size_t j = 0; j < cols; j++)
-                qt[c * cols + j] += a[i * cols + j] * x;
-        }
-}
-
-/* out = p qt, or from - p qt */
-static void mul_out(float *out, const float *p, const float *qt, const float *from, size_t rows,
-                    size_t cols, size_t r)
-{
-    for (size_t i = 0; i < rows; i++) {
-        float *o = out + i * cols;
-
-        memset(o, 0, cols * sizeof(float));
-        for (size_t c = 0; c < r; c++) {
-            float x = p[i * r + c];
-
-            for (size_t j = 0; j < cols; j++)
-                o[j] += x * qt[c * cols + j];
-        }
-        for (size_t j = 0; from && j < cols; j++)
-            o[j] = from[i * cols + j] - o[j];
-    }
-}
-
-static void orthonormalise(float *p, size_t rows, size_t r)
-{
-    for (size_t c = 0; c < r; c++) {
-        float ss = 0, norm;
-
-        for (size_t i = 0; i < rows; i++)
-            ss += p[i * r + c] * p[i * r + c];
-        norm = sqrtf(ss) + ORTHO_EPS;
-        for (size_t i = 0; i < rows; i++)
-            p[i * r + c] = p[i * r + c] / norm;
-        for (size_t d = c + 1; d < r; d++) {
-            float s = 0;
-
-            for (size_t i = 0; i < rows; i++)
-                s += p[i * r + c] * p[i * r + d];
-            for (size_t i = 0; i < rows; i++)
-                p[i * r + d] -= s * p[i * r + c];
-        }
-    }
-}
-
-static bool all_finite(const float *x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return false;
-    return true;
-}
-
-/* The seeded Q: uniform in [-1, 1) from splitmix64, the same on every
- * member that passes the same seed. */
-static float uniform(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return (float)((double)(z >> 40) / (double)(1ull << 23) - 1.0);
-}
-
 /* ---- the call ---- */
 
 static size_t result_bytes(const struct group_powersgd *p)
@@ -147,7 +52,7 @@ static int attempt(void *arg, struct group *g, uint64_t epoch, void *out)
     for (size_t k = 0; k < p->n_mats; k++) {
         const struct mat *m = &p->mats[k];
 
-        mul_p(p->p + m->p_at, p->mp + m->at, qs + m->q_at, m->rows, m->cols, m->r);
+        powersgd_mul_p(p->p + m->p_at, p->mp + m->at, qs + m->q_at, m->rows, m->cols, m->r);
     }
     /* P is only a basis: its scale goes in the orthonormalisation. */
     if (p->np) {
@@ -158,8 +63,8 @@ static int attempt(void *arg, struct group *g, uint64_t epoch, void *out)
     for (size_t k = 0; k < p->n_mats; k++) {
         const struct mat *m = &p->mats[k];
 
-        orthonormalise(p->p + m->p_at, m->rows, m->r);
-        mul_qt(p->q + m->q_at, p->mp + m->at, p->p + m->p_at, m->rows, m->cols, m->r);
+        powersgd_orthonormalise(p->p + m->p_at, m->rows, m->r);
+        powersgd_mul_qt(p->q + m->q_at, p->mp + m->at, p->p + m->p_at, m->rows, m->cols, m->r);
     }
     /* The vectors ride uncompressed with the Qs, under the same op. */
     memcpy(p->q + (p->nq - p->vectors), p->mp + (p->cells - p->vectors),
@@ -225,17 +130,17 @@ int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
     for (size_t k = 0; k < p->n_mats; k++) {
         const struct mat *x = &p->mats[k];
 
-        mul_out(m + x->at, pp + x->p_at, qq + x->q_at, NULL, x->rows, x->cols, x->r);
+        powersgd_mul_out(m + x->at, pp + x->p_at, qq + x->q_at, NULL, x->rows, x->cols, x->r);
     }
     memcpy(m + vec_at, qq + (p->nq - p->vectors), p->vectors * sizeof(float));
-    if (!all_finite(qq, p->nq))
+    if (!powersgd_all_finite(qq, p->nq))
         return 0;
     mine = p->attempted && p->attempt_epoch == epoch;
     for (size_t k = 0; k < p->n_mats && mine; k++) {
         const struct mat *x = &p->mats[k];
 
-        mul_qt(p->q_own + x->q_at, p->mp + x->at, pp + x->p_at, x->rows, x->cols, x->r);
-        mul_out(p->err + x->at, pp + x->p_at, p->q_own + x->q_at, p->mp + x->at, x->rows,
+        powersgd_mul_qt(p->q_own + x->q_at, p->mp + x->at, pp + x->p_at, x->rows, x->cols, x->r);
+        powersgd_mul_out(p->err + x->at, pp + x->p_at, p->q_own + x->q_at, p->mp + x->at, x->rows,
                 x->cols, x->r);
     }
     /* Vectors were sent whole: nothing left over. */
@@ -320,8 +225,7 @@ int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *m
     if (rc < 0)
         goto fail;
     p->hq = rc;
-    for (size_t i = 0; i < p->nq; i++)
-        p->q_seed[i] = uniform(&seed);
+    powersgd_seed_q(p->q_seed, p->nq, seed);
     memcpy(p->q_warm, p->q_seed, p->nq * sizeof(float));
     *out = p;
     return 0;

@@ -88,6 +88,12 @@ static float uniform(uint64_t *s)
     return (float)(splitmix(s) >> 40) * (1.0f / 8388608.0f) - 1.0f;
 }
 
+void powersgd_seed_q(float *q, size_t n, uint64_t seed)
+{
+    for (size_t i = 0; i < n; i++)
+        q[i] = uniform(&seed);
+}
+
 /* The lanes of a dot product: lane l sums the products j = l (mod LANES)
  * in ascending j, and the lanes are added in a fixed tree. The order is
  * written out, so it is the same whether the compiler vectorises the
@@ -112,7 +118,7 @@ static float dot(const float *restrict a, const float *restrict b, size_t n)
 
 /* p (rows x r) = a (rows x cols) qt^T, qt being Q transposed (r x cols):
  * each element a dot() of a row of a with a row of qt. */
-static void mul_p(float *restrict p, const float *restrict a, const float *restrict qt,
+void powersgd_mul_p(float *restrict p, const float *restrict a, const float *restrict qt,
                   size_t rows, size_t cols, size_t r)
 {
     for (size_t i = 0; i < rows; i++)
@@ -122,7 +128,7 @@ static void mul_p(float *restrict p, const float *restrict a, const float *restr
 
 /* qt (r x cols) = (a^T p)^T, a rows x cols, p rows x r: each element a
  * sum over i ascending, the loop along a's rows (vectorised across j). */
-static void mul_qt(float *restrict qt, const float *restrict a, const float *restrict p,
+void powersgd_mul_qt(float *restrict qt, const float *restrict a, const float *restrict p,
                    size_t rows, size_t cols, size_t r)
 {
     memset(qt, 0, r * cols * sizeof(float));
@@ -142,7 +148,7 @@ static void mul_qt(float *restrict qt, const float *restrict a, const float *res
 /* out (rows x cols) = p qt (p rows x r, qt r x cols): each element a sum
  * over c ascending, vectorised across j. With `from`, out = from - p qt,
  * each row finished while it is in cache. */
-static void mul_out(float *restrict out, const float *restrict p, const float *restrict qt,
+void powersgd_mul_out(float *restrict out, const float *restrict p, const float *restrict qt,
                     const float *restrict from, size_t rows, size_t cols, size_t r)
 {
     for (size_t i = 0; i < rows; i++) {
@@ -162,7 +168,7 @@ static void mul_out(float *restrict out, const float *restrict p, const float *r
 }
 
 /* Gram-Schmidt on the r columns of p (rows x r), in place; sums over rows ascending. */
-static void orthonormalise(float *p, size_t rows, size_t r)
+void powersgd_orthonormalise(float *p, size_t rows, size_t r)
 {
     for (size_t c = 0; c < r; c++) {
         float ss = 0, norm;
@@ -185,7 +191,7 @@ static void orthonormalise(float *p, size_t rows, size_t r)
 
 /* A NaN or Inf anywhere in a member's M' spreads through the reduced P
  * into every member's Q, so this is the same answer on every member. */
-static bool all_finite(const float *x, size_t n)
+bool powersgd_all_finite(const float *x, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         if (!isfinite(x[i]))
@@ -231,8 +237,7 @@ int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank,
     if (rc < 0)
         goto fail;
     p->hq = rc;
-    for (size_t i = 0; i < cols * r; i++)
-        p->q_warm[i] = uniform(&seed);
+    powersgd_seed_q(p->q_warm, cols * r, seed);
     memcpy(p->q_seed, p->q_warm, cols * r * sizeof(float));
     *out = p;
     return 0;
@@ -280,14 +285,14 @@ int powersgd_reduce_into(struct powersgd *p, const float *in, float *out, enum d
     p->pending = false;
     for (size_t i = 0; i < cells; i++)
         p->mp[i] = in[i] + p->err[i];
-    mul_p(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
+    powersgd_mul_p(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
     /* P is only a basis: its scale goes in the orthonormalisation, so a
      * sum does (mlbench never divides it either). */
     rc = allreduce_run(p->ar, p->hp, p->rows * p->r, DTYPE_F32, DTYPE_SUM, 0, round);
     if (rc < 0)
         return rc;
-    orthonormalise(p->p, p->rows, p->r);
-    mul_qt(p->q, p->mp, p->p, p->rows, p->cols, p->r);
+    powersgd_orthonormalise(p->p, p->rows, p->r);
+    powersgd_mul_qt(p->q, p->mp, p->p, p->rows, p->cols, p->r);
     memcpy(p->q_own, p->q, p->cols * p->r * sizeof(float));
     rc = allreduce_run(p->ar, p->hq, p->cols * p->r, DTYPE_F32, op, 0, round + 1);
     if (rc < 0)
@@ -295,7 +300,7 @@ int powersgd_reduce_into(struct powersgd *p, const float *in, float *out, enum d
     /* The result, the same bytes on every member. M', P^, Q_own and the
      * reduced Q stay as they are until the next reduce, which is all the
      * commit needs. */
-    mul_out(out, p->p, p->q, NULL, p->rows, p->cols, p->r);
+    powersgd_mul_out(out, p->p, p->q, NULL, p->rows, p->cols, p->r);
     p->pending = true;
     return 0;
 }
@@ -307,9 +312,9 @@ void powersgd_commit(struct powersgd *p)
     p->pending = false;
     /* This member's error (what its own share P^ Q_own^T left out) and
      * the warm start; a non-finite round keeps both (powersgd.h). */
-    if (!all_finite(p->q, p->cols * p->r))
+    if (!powersgd_all_finite(p->q, p->cols * p->r))
         return;
-    mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
+    powersgd_mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
     memcpy(p->q_warm, p->q, p->cols * p->r * sizeof(float));
 }
 

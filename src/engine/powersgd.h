@@ -44,6 +44,7 @@
 #ifndef COHORT_POWERSGD_H
 #define COHORT_POWERSGD_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -104,5 +105,27 @@ size_t powersgd_rank(const struct powersgd *p);
 /* This member's error E, rows x cols, read-only, valid until the next
  * powersgd_reduce or powersgd_destroy. */
 const float *powersgd_error(const struct powersgd *p);
+
+/* The kernels, each with its order of operations written in powersgd.c,
+ * so that every caller computes the same bytes from the same inputs
+ * (collective/group_powersgd.c runs PowerSGD over a group with them).
+ * Matrices are row-major float32; qt is Q transposed (r x cols). None
+ * allocates; outputs must not overlap inputs. */
+/* p (rows x r) = a (rows x cols) qt^T. */
+void powersgd_mul_p(float *restrict p, const float *restrict a, const float *restrict qt,
+                    size_t rows, size_t cols, size_t r);
+/* qt (r x cols) = (a^T p)^T, p rows x r. */
+void powersgd_mul_qt(float *restrict qt, const float *restrict a, const float *restrict p,
+                     size_t rows, size_t cols, size_t r);
+/* out (rows x cols) = p qt, or from - p qt when `from` is not NULL. */
+void powersgd_mul_out(float *restrict out, const float *restrict p, const float *restrict qt,
+                      const float *restrict from, size_t rows, size_t cols, size_t r);
+/* Gram-Schmidt on the r columns of p (rows x r), in place. */
+void powersgd_orthonormalise(float *p, size_t rows, size_t r);
+/* False when any of x[0..n) is NaN or Inf. */
+bool powersgd_all_finite(const float *x, size_t n);
+/* The seeded Q: n values uniform in [-1, 1) from splitmix64(seed), the
+ * same on every member that passes the same seed. */
+void powersgd_seed_q(float *q, size_t n, uint64_t seed);
 
 #endif
