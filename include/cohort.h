@@ -447,7 +447,6 @@ const float *cohort_group_powersgd_error(const struct cohort_group_powersgd *p);
 /* A whole sentence for an error code returned by a cohort_group call. */
 const char *cohort_group_strerror(int err);
 
-
 #if defined(__GNUC__)
 #pragma GCC visibility pop
 #endif
