@@ -14,9 +14,14 @@ bytes. world_size() and rank() follow the membership.
 
 Tensors: CPU float32, float64, float16, bfloat16, int32 and int64 (CUDA
 tensors with use_cuda=True, staged through host memory). by_model packs
-every tensor of one dtype into one buffer: one collective per dtype; by_layer
-runs one collective per tensor. Results are written back into the model's
-own tensors (in place), so an optimizer's references stay valid.
+every tensor of one dtype into one buffer: one collective per dtype.
+AllReduceAggregation and DecentralizedAggregation aggregate by_layer the
+same way (their operators are elementwise, so the result is the same, and
+one collective cannot be cut by a member joining between two layers); the
+base class, for subclasses with an _agg of their own, and the compressing
+classes run one collective per tensor by_layer. Results are written back
+into the model's own tensors (in place), so an optimizer's references
+stay valid.
 
 Ops: "avg" (mlbench's "avg_world"): the sum divided by the members of the
 epoch that completed the call; "sum", "min", "max"; "custom_avg" (mlbench's
@@ -271,6 +276,18 @@ class Aggregation:
         """Aggregate the model's weights, all layers at once."""
         self._agg_packed([p.data for p in model.parameters()], op, denom)
 
+    def _by_layer_in_one_call(self, model, op, denom, grads):
+        """By layer for an elementwise _agg: every layer in one collective
+        per dtype, as by model. The result is the same as layer by layer,
+        and a member that joins between two layers' collectives cannot cut
+        the aggregation in two (its calls would differ from the others',
+        and every member would fail with some layers aggregated)."""
+        if grads:
+            ts = [p.grad.data for p in model.parameters() if p.grad is not None]
+        else:
+            ts = [p.data for p in model.parameters()]
+        self._agg_packed(ts, op, denom)
+
     def agg_grad(self, by_layer=False):
         return self._agg_gradients_by_layer if by_layer else self._agg_gradients_by_model
 
@@ -303,6 +320,12 @@ class AllReduceAggregation(Aggregation):
 
     def _agg(self, data, op, denom=None):
         return _allreduce(data, op, denom, self.divide_before)
+
+    def _agg_gradients_by_layer(self, model, op, denom=None):
+        self._by_layer_in_one_call(model, op, denom, True)
+
+    def _agg_weights_by_layer(self, model, op, denom=None):
+        self._by_layer_in_one_call(model, op, denom, False)
 
 
 class AllReduceAggregationHVD(AllReduceAggregation):
@@ -363,6 +386,12 @@ class DecentralizedAggregation(Aggregation):
         with torch.no_grad():
             data.copy_(acc.to(data.dtype))
         return data
+
+    def _agg_gradients_by_layer(self, model, op, denom=None):
+        self._by_layer_in_one_call(model, op, denom, True)
+
+    def _agg_weights_by_layer(self, model, op, denom=None):
+        self._by_layer_in_one_call(model, op, denom, False)
 
     def neighbors_now(self):
         """The neighbour ids the next call would use if the membership

@@ -195,6 +195,40 @@ def test_bad_input_is_refused_with_a_clear_error(broker):
         agg.world_size()
 
 
+def test_by_layer_is_one_collective_per_dtype_for_elementwise_classes(broker):
+    """A joiner lines up call by call, so an aggregation made of several
+    calls could be cut between two layers; the all-reduce and gossip
+    classes aggregate by layer in one call per dtype (their results are
+    the same as layer by layer). A subclass's own _agg still sees each
+    layer."""
+    agg.init(broker.address, "bylayer", "solo")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        before = agg.stats()["calls"]
+        agg.AllReduceAggregation(1).agg_grad(by_layer=True)(model, "sum")
+        agg.AllReduceAggregation(1).agg_model(by_layer=True)(model, "avg")
+        agg.DecentralizedAggregation(0, []).agg_model(by_layer=True)(model, "avg")
+        assert agg.stats()["calls"] - before == 3, "one collective per aggregation"
+        assert all(p.grad.eq(1).all() for p in model.parameters()), "alone, a sum is the input"
+
+        class Layers(agg.Aggregation):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def _agg(self, data, op, denom=None):
+                self.seen.append(data.numel())
+                return data
+
+        mine = Layers()
+        mine.agg_grad(by_layer=True)(model, "sum")
+        assert mine.seen == [p.numel() for p in model.parameters()]
+    finally:
+        agg.shutdown()
+
+
 # ---- SparsifiedAggregation --------------------------------------------------
 
 def test_sparsified_matches_the_reference_with_error_feedback(broker):
