@@ -917,38 +917,74 @@ static PyObject *pygroup_member_id(struct pygroup *self, PyObject *arg)
     return PyUnicode_FromString(id);
 }
 
-/* allreduce(address, count, dtype, op, denominator, flags, timeout_ms) */
+/* The bytes of one element of a group dtype; 0 for an unknown one (the
+ * call then refuses it with EINVAL). */
+static size_t group_dtype_size(int dtype)
+{
+    switch (dtype) {
+    case COHORT_GROUP_F16: case COHORT_GROUP_BF16: return 2;
+    case COHORT_GROUP_F32: case COHORT_GROUP_I32: return 4;
+    case COHORT_GROUP_F64: case COHORT_GROUP_I64: return 8;
+    default: return 0;
+    }
+}
+
+/* A buffer's length against what a call will touch: the C side reads and
+ * writes exactly `want` bytes, so any other length is refused before it
+ * runs, never trusted. */
+static int buffer_fits(const Py_buffer *b, size_t want, const char *what)
+{
+    if ((size_t)b->len == want)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s: the buffer holds %zd bytes, the call needs %zu", what,
+                 b->len, want);
+    return -1;
+}
+
+/* allreduce(buffer, count, dtype, op, denominator, flags, timeout_ms):
+ * count elements of dtype in a writable, C-contiguous buffer of exactly
+ * that many bytes, in place. */
 static PyObject *pygroup_allreduce(struct pygroup *self, PyObject *args)
 {
-    unsigned long long addr, count;
+    Py_buffer b;
+    unsigned long long count;
     int dtype, op, timeout_ms;
     unsigned int flags;
     double denom;
+    size_t esz;
     int rc;
 
     if (group_open(self) < 0)
         return NULL;
-    if (!PyArg_ParseTuple(args, "KKiidIi", &addr, &count, &dtype, &op, &denom, &flags,
+    if (!PyArg_ParseTuple(args, "w*KiidIi", &b, &count, &dtype, &op, &denom, &flags,
                           &timeout_ms))
         return NULL;
-    if (!addr && count)
+    esz = group_dtype_size(dtype);
+    if (!esz || count > SIZE_MAX / esz) {
+        PyBuffer_Release(&b);
         return group_raise("allreduce", -EINVAL);
+    }
+    if (buffer_fits(&b, (size_t)count * esz, "allreduce") < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = cohort_group_allreduce(self->g, (void *)(uintptr_t)addr, (size_t)count,
-                                (enum cohort_group_dtype)dtype, (enum cohort_group_op)op, denom,
-                                flags, timeout_ms);
+    rc = cohort_group_allreduce(self->g, b.buf, (size_t)count, (enum cohort_group_dtype)dtype,
+                                (enum cohort_group_op)op, denom, flags, timeout_ms);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
     if (rc < 0)
         return group_raise("all-reduce", rc);
     Py_RETURN_NONE;
 }
 
-/* allgather(address, nbytes, timeout_ms) -> bytes: the records */
+/* allgather(buffer, timeout_ms) -> bytes: the records; the buffer (any
+ * bytes-like object) is this member's contribution, read only. */
 static PyObject *pygroup_allgather(struct pygroup *self, PyObject *args)
 {
-    unsigned long long addr, nbytes;
+    Py_buffer b;
     const void *out = NULL;
     size_t len = 0;
     int timeout_ms, rc;
@@ -956,16 +992,14 @@ static PyObject *pygroup_allgather(struct pygroup *self, PyObject *args)
 
     if (group_open(self) < 0)
         return NULL;
-    if (!PyArg_ParseTuple(args, "KKi", &addr, &nbytes, &timeout_ms))
+    if (!PyArg_ParseTuple(args, "y*i", &b, &timeout_ms))
         return NULL;
-    if (!addr && nbytes)
-        return group_raise("gather", -EINVAL);
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = cohort_group_allgather(self->g, (const void *)(uintptr_t)addr, (size_t)nbytes, &out, &len,
-                                timeout_ms);
+    rc = cohort_group_allgather(self->g, b.buf, (size_t)b.len, &out, &len, timeout_ms);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
     if (rc < 0)
         return group_raise("gather", rc);
     /* The records are valid until the next call; with the GIL held no
@@ -1012,26 +1046,28 @@ static struct cohort_group_topk *topk_of(struct pygroup *self, unsigned long lon
     return self->topk[i];
 }
 
-/* topk_reduce(reducer, address, op, timeout_ms): n float32 at address, in place. */
+/* topk_reduce(reducer, buffer, op, timeout_ms): the reducer's n float32
+ * in a writable buffer of exactly n x 4 bytes, in place. */
 static PyObject *pygroup_topk_reduce(struct pygroup *self, PyObject *args)
 {
-    unsigned long long i, addr;
+    unsigned long long i;
+    Py_buffer b;
     struct cohort_group_topk *t;
     int op, timeout_ms, rc;
 
-    if (!PyArg_ParseTuple(args, "KKii", &i, &addr, &op, &timeout_ms))
+    if (!PyArg_ParseTuple(args, "Kw*ii", &i, &b, &op, &timeout_ms))
         return NULL;
     t = topk_of(self, i);
-    if (!t)
+    if (!t || buffer_fits(&b, cohort_group_topk_n(t) * sizeof(float), "top-k") < 0) {
+        PyBuffer_Release(&b);
         return NULL;
-    if (!addr)
-        return group_raise("top-k", -EINVAL);
+    }
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = cohort_group_topk_reduce(t, (float *)(uintptr_t)addr, (enum cohort_group_op)op,
-                                  timeout_ms);
+    rc = cohort_group_topk_reduce(t, b.buf, (enum cohort_group_op)op, timeout_ms);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
     if (rc < 0)
         return group_raise("top-k", rc);
     Py_RETURN_NONE;
@@ -1122,26 +1158,28 @@ static struct cohort_group_powersgd *power_of(struct pygroup *self, unsigned lon
     return self->power[i];
 }
 
-/* powersgd_reduce(reducer, address, op, timeout_ms): the reducer's floats, in place. */
+/* powersgd_reduce(reducer, buffer, op, timeout_ms): the reducer's floats
+ * in a writable buffer of exactly that many x 4 bytes, in place. */
 static PyObject *pygroup_powersgd_reduce(struct pygroup *self, PyObject *args)
 {
-    unsigned long long i, addr;
+    unsigned long long i;
+    Py_buffer b;
     struct cohort_group_powersgd *p;
     int op, timeout_ms, rc;
 
-    if (!PyArg_ParseTuple(args, "KKii", &i, &addr, &op, &timeout_ms))
+    if (!PyArg_ParseTuple(args, "Kw*ii", &i, &b, &op, &timeout_ms))
         return NULL;
     p = power_of(self, i);
-    if (!p)
+    if (!p || buffer_fits(&b, cohort_group_powersgd_size(p) * sizeof(float), "PowerSGD") < 0) {
+        PyBuffer_Release(&b);
         return NULL;
-    if (!addr)
-        return group_raise("PowerSGD", -EINVAL);
+    }
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = cohort_group_powersgd_reduce(p, (float *)(uintptr_t)addr, (enum cohort_group_op)op,
-                                      timeout_ms);
+    rc = cohort_group_powersgd_reduce(p, b.buf, (enum cohort_group_op)op, timeout_ms);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
     if (rc < 0)
         return group_raise("PowerSGD", rc);
     Py_RETURN_NONE;
@@ -1186,19 +1224,19 @@ static PyMethodDef pygroup_methods[] = {
     { "member_id", (PyCFunction)pygroup_member_id, METH_O,
       "member_id(rank) -> str: the id at that rank in the latest epoch." },
     { "allreduce", (PyCFunction)pygroup_allreduce, METH_VARARGS,
-      "allreduce(address, count, dtype, op, denominator, flags, timeout_ms), in place." },
+      "allreduce(buffer, count, dtype, op, denominator, flags, timeout_ms), in place." },
     { "allgather", (PyCFunction)pygroup_allgather, METH_VARARGS,
-      "allgather(address, nbytes, timeout_ms) -> bytes: one record per member." },
+      "allgather(buffer, timeout_ms) -> bytes: one record per member." },
     { "topk_create", (PyCFunction)pygroup_topk_create, METH_VARARGS,
       "topk_create(n, ratio) -> int: a top-k reducer with error feedback, k = ceil(ratio n)." },
     { "topk_reduce", (PyCFunction)pygroup_topk_reduce, METH_VARARGS,
-      "topk_reduce(reducer, address, op, timeout_ms): n float32 at address, in place." },
+      "topk_reduce(reducer, buffer, op, timeout_ms): its n float32, in place." },
     { "topk_info", (PyCFunction)pygroup_topk_info, METH_O,
       "topk_info(reducer) -> (k, residual as float32 bytes)." },
     { "powersgd_create", (PyCFunction)pygroup_powersgd_create, METH_VARARGS,
       "powersgd_create(shapes, vectors, rank, seed, reuse_query) -> int: a PowerSGD reducer." },
     { "powersgd_reduce", (PyCFunction)pygroup_powersgd_reduce, METH_VARARGS,
-      "powersgd_reduce(reducer, address, op, timeout_ms): its float32, in place." },
+      "powersgd_reduce(reducer, buffer, op, timeout_ms): its float32, in place." },
     { "powersgd_info", (PyCFunction)pygroup_powersgd_info, METH_O,
       "powersgd_info(reducer) -> (floats, error as float32 bytes)." },
     { "stats", (PyCFunction)pygroup_stats, METH_NOARGS, "Counters, as a dict." },

@@ -157,6 +157,13 @@ def _dtype_code(t):
     return code
 
 
+def _bytes_of(t):
+    """The bytes of contiguous CPU tensor t as a writable buffer that
+    shares its memory: the extension checks its length against the call
+    and writes the result through it, so no address crosses as a number."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def _allreduce(t, op, denom=None, divide_before=False):
     """All-reduces tensor t in place (through a contiguous host copy when
     it is not one itself) and returns it."""
@@ -174,7 +181,7 @@ def _allreduce(t, op, denom=None, divide_before=False):
     if work.device.type != "cpu" or not work.is_contiguous():
         work = work.detach().to("cpu").contiguous()
     if work.numel():
-        _g().allreduce(work.data_ptr(), work.numel(), code, _OP_CODES[name], d, flags,
+        _g().allreduce(_bytes_of(work), work.numel(), code, _OP_CODES[name], d, flags,
                        _call_timeout_ms)
     if work is not t:
         with torch.no_grad():
@@ -203,7 +210,7 @@ def _gather(t, tag):
     host = t.detach().to("cpu").contiguous()
     raw = host.view(torch.uint8).reshape(-1) if host.numel() else torch.empty(0, dtype=torch.uint8)
     payload = torch.cat([torch.frombuffer(bytearray(tag), dtype=torch.uint8), raw])
-    out = _g().allgather(payload.data_ptr(), payload.numel(), _call_timeout_ms)
+    out = _g().allgather(_bytes_of(payload), _call_timeout_ms)
     n_bytes = payload.numel()
     rec = _cohort.GROUP_ID_BYTES + (n_bytes + 7) // 8 * 8
     if rec == 0 or len(out) % rec:
@@ -461,7 +468,7 @@ class SparsifiedAggregation(Aggregation):
         if flat.numel() == 0:
             return
         h = self._reducer(key, flat.numel())
-        self._group.topk_reduce(h, flat.data_ptr(), _OP_CODES[name], _call_timeout_ms)
+        self._group.topk_reduce(h, _bytes_of(flat), _OP_CODES[name], _call_timeout_ms)
         off = 0
         with torch.no_grad():
             for t in tensors:
@@ -572,7 +579,7 @@ class PowerAggregation(Aggregation):
             self._reducers[key] = h
         order = mats + vecs
         flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in order])
-        self._group.powersgd_reduce(h[0], flat.data_ptr(), _OP_CODES[name], _call_timeout_ms)
+        self._group.powersgd_reduce(h[0], _bytes_of(flat), _OP_CODES[name], _call_timeout_ms)
         off = 0
         with torch.no_grad():
             for t in order:

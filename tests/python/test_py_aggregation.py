@@ -184,7 +184,22 @@ def test_bad_input_is_refused_with_a_clear_error(broker):
             with pytest.raises(RuntimeError, match="no CUDA device"):
                 agg.AllReduceAggregation(1, use_cuda=True)
         assert t.tolist() == [1.0, 2.0], "refused calls change nothing"
+        # The extension takes buffers, never addresses, and checks their
+        # length against the call before it runs.
+        g = agg._g()
+        with pytest.raises(ValueError, match="holds 3 bytes, the call needs 4"):
+            g.allreduce(memoryview(bytearray(3)), 1, agg._cohort.G_F32, agg._cohort.OP_SUM,
+                        0.0, 0, 1000)
+        with pytest.raises(TypeError):
+            g.allreduce(b"\0\0\0\0", 1, agg._cohort.G_F32, agg._cohort.OP_SUM, 0.0, 0, 1000)
+        with pytest.raises(TypeError):
+            g.allreduce(12345, 1, agg._cohort.G_F32, agg._cohort.OP_SUM, 0.0, 0, 1000)
+        with pytest.raises(agg.Error):
+            g.allreduce(memoryview(bytearray(4)), 1, 99, agg._cohort.OP_SUM, 0.0, 0, 1000)
         # Alone, a call is the member's own input; custom_avg divides.
+        s = torch.tensor(3.0)
+        a._agg(s, "sum")
+        assert s.item() == 3.0, "a 0-dimensional tensor is aggregated too"
         a._agg(t, "custom_avg", 2)
         assert t.tolist() == [0.5, 1.0]
         with pytest.raises(RuntimeError, match="already initialised"):
