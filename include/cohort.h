@@ -409,8 +409,8 @@ size_t cohort_group_topk_n(const struct cohort_group_topk *t);
 /* One call: replaces buf (n floats, borrowed for the call) with the sum
  * (COHORT_GROUP_SUM) or mean over the members (COHORT_GROUP_AVG) of what
  * they sent. Returns 0; or, with buf and the residual untouched, -EINVAL
- * (another op), -EPROTO (the members' n or k differ: their models do), or
- * cohort_group_allreduce's errors. */
+ * (another op), -EPROTO (the members' n, k or segments differ: their
+ * models do), or cohort_group_allreduce's errors. */
 int cohort_group_topk_reduce(struct cohort_group_topk *t, float *buf, enum cohort_group_op op,
                              int timeout_ms);
 /* The residual: n floats, owned by the reducer, valid until its next call. */

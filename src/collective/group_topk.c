@@ -135,8 +135,9 @@ size_t group_topk_members(const struct group_topk *t)
  * and layout as ours, indices ascending, and each segment's k_s pairs
  * inside that segment (the pairs of segment s are the k_s after those of
  * the segments before it, so one pass over the pairs checks it: a record
- * that moves mass from one layer to another is refused). Sets *mine to our record, or NULL when the epoch
- * that completed the call did not list us. */
+ * that moves mass from one layer to another is refused). Sets *mine to
+ * our record, or NULL when the epoch that completed the call did not
+ * list us. */
 static int check(const struct group_topk *t, const uint8_t *recs, size_t len, const char *id,
                  size_t *members, const uint8_t **mine)
 {
