@@ -10,12 +10,18 @@
 
 #define HEADER_BYTES 16u       /* u32 n, u32 k, u64 layout */
 
+/* Segments up to this size are selected here by sorting their keys:
+ * topk_select clears and scans a 64 Ki-bin histogram whatever n is, which
+ * a model's many small layers (biases) would pay once each per call. */
+#define SMALL_SEGMENT 1024u
+
 struct group_topk {
     struct group *g;
     size_t n, k;                /* n = sum of sizes, k = sum of ks */
     size_t n_segments;
     size_t *starts, *sizes, *ks;  /* n_segments each */
     uint64_t layout;            /* a hash of the segments, in each header */
+    uint32_t *keys;             /* the largest small segment's size */
     float *residual;            /* n */
     float *acc;                 /* n: grad + residual, then the next residual */
     uint32_t *idx;              /* k */
@@ -54,6 +60,47 @@ static uint64_t layout_of(const size_t *sizes, const size_t *ks, size_t n_segmen
     return h;
 }
 
+/* The key topk_select orders by: |v|'s bits (NaN above infinity). */
+static uint32_t key_of(float v)
+{
+    uint32_t b;
+
+    memcpy(&b, &v, sizeof(b));
+    return b & 0x7fffffffu;
+}
+
+static int key_desc(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* topk_select's selection, exactly, for n <= SMALL_SEGMENT: the k-th
+ * largest key T from sorted keys, then topk_select's own last pass (every
+ * key above T, and the first entries equal to T, lowest index first). */
+static void select_small(const float *x, size_t n, size_t k, uint32_t *keys, uint32_t *idx)
+{
+    size_t need = 0, got = 0;
+    uint32_t kth;
+
+    for (size_t i = 0; i < n; i++)
+        keys[i] = key_of(x[i]);
+    qsort(keys, n, sizeof(*keys), key_desc);
+    kth = keys[k - 1];
+    for (size_t i = 0; i < k; i++)
+        need += keys[i] == kth;
+    for (size_t i = 0; i < n && got < k; i++) {
+        uint32_t key = key_of(x[i]);
+
+        if (key > kth || (key == kth && need > 0)) {
+            if (key == kth)
+                need--;
+            idx[got++] = (uint32_t)i;
+        }
+    }
+}
+
 static size_t block_bytes(const struct group_topk *t)
 {
     return HEADER_BYTES + t->k * TOPK_PAIR_BYTES;
@@ -68,7 +115,7 @@ int group_topk_create_segments(struct group *g, const size_t *sizes, const size_
                                size_t n_segments, struct group_topk **out)
 {
     struct group_topk *t;
-    size_t n = 0, k = 0;
+    size_t n = 0, k = 0, small = 0;
 
     if (!g || !out || !sizes || !ks || n_segments == 0)
         return -EINVAL;
@@ -77,6 +124,8 @@ int group_topk_create_segments(struct group *g, const size_t *sizes, const size_
             return -EINVAL;
         n += sizes[s];
         k += ks[s];
+        if (sizes[s] <= SMALL_SEGMENT && sizes[s] > small)
+            small = sizes[s];
     }
     t = calloc(1, sizeof(*t));
     if (!t)
@@ -92,8 +141,9 @@ int group_topk_create_segments(struct group *g, const size_t *sizes, const size_
     t->acc = calloc(n, sizeof(float));
     t->idx = calloc(k, sizeof(uint32_t));
     t->block = calloc(1, block_bytes(t));
+    t->keys = calloc(small ? small : 1, sizeof(uint32_t));
     if (!t->starts || !t->sizes || !t->ks || !t->residual || !t->acc || !t->idx ||
-        !t->block) {
+        !t->block || !t->keys) {
         group_topk_destroy(t);
         return -ENOMEM;
     }
@@ -112,6 +162,7 @@ void group_topk_destroy(struct group_topk *t)
     if (!t)
         return;
     free(t->starts);
+    free(t->keys);
     free(t->sizes);
     free(t->ks);
     free(t->residual);
@@ -183,9 +234,13 @@ int group_topk_reduce(struct group_topk *t, float *grad, enum dtype_op op, uint3
     /* Each segment's own top k_s, its indices offset by the segment's
      * start: segments follow one another, so the block stays ascending. */
     for (size_t s = 0, j = 0; s < t->n_segments; j += t->ks[s], s++) {
-        rc = topk_select(t->acc + t->starts[s], t->sizes[s], t->ks[s], t->idx + j);
-        if (rc < 0)
-            return rc;
+        if (t->sizes[s] <= SMALL_SEGMENT) {
+            select_small(t->acc + t->starts[s], t->sizes[s], t->ks[s], t->keys, t->idx + j);
+        } else {
+            rc = topk_select(t->acc + t->starts[s], t->sizes[s], t->ks[s], t->idx + j);
+            if (rc < 0)
+                return rc;
+        }
         for (size_t e = 0; e < t->ks[s]; e++)
             t->idx[j + e] += (uint32_t)t->starts[s];
     }

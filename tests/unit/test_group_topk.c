@@ -16,6 +16,7 @@
 #include "base/clock.h"
 #include "collective/group.h"
 #include "collective/group_topk.h"
+#include "engine/topk.h"
 #include "fixture.h"
 #include "membership/brokerd.h"
 
@@ -756,4 +757,62 @@ Test(group_topk, different_segments_get_eproto_at_every_member_and_change_nothin
     }
     group_destroy(g[1]);
     group_destroy(g[0]);
+}
+
+/* Small segments are selected by sorting, large ones by the engine's
+ * topk_select: both must pick exactly what topk_select picks, ties to the
+ * lower index and NaN largest, on values full of ties, zeros of both
+ * signs, infinities, NaNs and subnormals. Alone, a call's result is what
+ * the member sent, and its residual what it kept. */
+Test(group_topk, segments_select_exactly_as_topk_select_small_and_large)
+{
+    static const size_t sizes[] = { 1, 2, 7, 100, 1024, 1025, 3000, 5 };
+    static const size_t ks[] = { 1, 1, 7, 13, 300, 2, 1000, 3 };
+    enum { S = sizeof(sizes) / sizeof(sizes[0]) };
+    const float vals[] = { 0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, NAN, -NAN, INFINITY,
+                           -INFINITY, 1e-40f, 3.5f, -3.5f };
+    struct group *g = make("small");
+    struct group_topk *t = NULL;
+    size_t n = 0;
+    float *x, *acc, *want, *kept;
+    uint32_t *idx, seed = 12345;
+
+    for (size_t s = 0; s < S; s++)
+        n += sizes[s];
+    x = calloc(n, sizeof(float));
+    acc = calloc(n, sizeof(float));
+    want = calloc(n, sizeof(float));
+    kept = calloc(n, sizeof(float));
+    idx = calloc(n, sizeof(uint32_t));
+    cr_assert(x && acc && want && kept && idx);
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        x[i] = vals[(seed >> 16) % (sizeof(vals) / sizeof(vals[0]))];
+        acc[i] = x[i] + 0.0f;   /* as the reducer adds its zero residual */
+        kept[i] = acc[i];
+    }
+    for (size_t s = 0, start = 0; s < S; start += sizes[s], s++) {
+        cr_assert_eq(topk_select(acc + start, sizes[s], ks[s], idx), 0);
+        for (size_t j = 0; j < ks[s]; j++) {
+            want[start + idx[j]] = 0.0f + acc[start + idx[j]];
+            kept[start + idx[j]] = 0;
+        }
+    }
+    cr_assert_eq(group_topk_create_segments(g, sizes, ks, S, &t), 0);
+    cr_assert_eq(group_wait(g, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(group_topk_reduce(t, x, DTYPE_SUM, 20000), 0);
+    for (size_t s = 0, start = 0; s < S; start += sizes[s], s++) {
+        cr_expect_eq(memcmp(x + start, want + start, sizes[s] * sizeof(float)), 0,
+                     "segment %zu (%zu entries): sent differs from topk_select's", s, sizes[s]);
+        cr_expect_eq(memcmp(group_topk_residual(t) + start, kept + start,
+                            sizes[s] * sizeof(float)), 0,
+                     "segment %zu (%zu entries): kept differs from topk_select's", s, sizes[s]);
+    }
+    group_topk_destroy(t);
+    group_destroy(g);
+    free(x);
+    free(acc);
+    free(want);
+    free(kept);
+    free(idx);
 }
