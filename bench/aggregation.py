@@ -7,7 +7,8 @@ local processes on loopback, in the same run.
 The model is `--layers` Linear(width, width) layers (float32); each
 aggregation averages every gradient ("avg"). by_model packs the gradients
 into one buffer and runs one all-reduce (mlbench's pack_tensors); by_layer
-runs one all-reduce per tensor (weight and bias: 2 per layer). Prints one
+runs one all-reduce per tensor (weight and bias: 2 per layer) in Gloo,
+and one call with the layers kept apart in cohort. Prints one
 JSON object per (system, mode): the mean milliseconds per aggregation of
 the slowest process. The compressed systems run mlbench's
 SparsifiedAggregation (cohort-topk: top-k with error feedback, --ratio)

@@ -392,15 +392,25 @@ void cohort_group_stats(struct cohort_group *g, struct cohort_group_stats *out);
 struct cohort_group_topk;
 int cohort_group_topk_create(struct cohort_group *g, size_t n, double ratio,
                              struct cohort_group_topk **out);
+/* By layer: a reducer of n_segments segments laid one after the other
+ * (a model's layers; n = the sum of sizes, copied), sending per call each
+ * segment's own k_s = ceil(ratio x sizes[s]) entries, all in one call:
+ * mlbench's top-k of each layer, which a member joining between two
+ * layers cannot cut in two. One residual spans the segments. Returns 0,
+ * -EINVAL (as above, or no segment, a segment of size 0), -ENOMEM; the
+ * members' segments must be alike (else their calls fail with -EPROTO). */
+int cohort_group_topk_create_segments(struct cohort_group *g, const size_t *sizes,
+                                      size_t n_segments, double ratio,
+                                      struct cohort_group_topk **out);
 void cohort_group_topk_destroy(struct cohort_group_topk *t);   /* NULL is fine */
-/* k, as computed from the ratio, and n. */
+/* k, as computed from the ratio (the sum over the segments), and n. */
 size_t cohort_group_topk_k(const struct cohort_group_topk *t);
 size_t cohort_group_topk_n(const struct cohort_group_topk *t);
 /* One call: replaces buf (n floats, borrowed for the call) with the sum
  * (COHORT_GROUP_SUM) or mean over the members (COHORT_GROUP_AVG) of what
  * they sent. Returns 0; or, with buf and the residual untouched, -EINVAL
- * (another op), -EPROTO (the members' n or k differ: their models do), or
- * cohort_group_allreduce's errors. */
+ * (another op), -EPROTO (the members' n, k or segments differ: their
+ * models do), or cohort_group_allreduce's errors. */
 int cohort_group_topk_reduce(struct cohort_group_topk *t, float *buf, enum cohort_group_op op,
                              int timeout_ms);
 /* The residual: n floats, owned by the reducer, valid until its next call. */

@@ -1008,21 +1008,57 @@ static PyObject *pygroup_allgather(struct pygroup *self, PyObject *args)
     return res;
 }
 
-/* topk_create(n, ratio) -> int: a new top-k reducer of n float32 values. */
+/* topk_create(n, ratio) -> int: a new top-k reducer of n float32 values;
+ * n may be a sequence of segment sizes (a model's layers), each keeping
+ * its own ceil(ratio x size) per call. */
 static PyObject *pygroup_topk_create(struct pygroup *self, PyObject *args)
 {
-    unsigned long long n;
+    PyObject *sizes_arg, *seq = NULL;
     double ratio;
     struct cohort_group_topk *t = NULL, **more;
+    size_t *sizes = NULL, n_sizes;
     int rc;
 
     if (group_open(self) < 0)
         return NULL;
-    if (!PyArg_ParseTuple(args, "Kd", &n, &ratio))
+    if (!PyArg_ParseTuple(args, "Od", &sizes_arg, &ratio))
         return NULL;
-    if (n > SIZE_MAX)
-        return group_raise("top-k", -EINVAL);
-    rc = cohort_group_topk_create(self->g, (size_t)n, ratio, &t);
+    if (PyLong_Check(sizes_arg)) {
+        unsigned long long n = PyLong_AsUnsignedLongLong(sizes_arg);
+
+        if (PyErr_Occurred())
+            return NULL;
+        if (n > SIZE_MAX)
+            return group_raise("top-k", -EINVAL);
+        rc = cohort_group_topk_create(self->g, (size_t)n, ratio, &t);
+    } else {
+        seq = PySequence_Fast(sizes_arg, "n must be an int or a sequence of segment sizes");
+        if (!seq)
+            return NULL;
+        n_sizes = (size_t)PySequence_Fast_GET_SIZE(seq);
+        if (n_sizes == 0 || n_sizes > UINT32_MAX) {
+            Py_DECREF(seq);
+            return group_raise("top-k", -EINVAL);
+        }
+        sizes = calloc(n_sizes, sizeof(*sizes));
+        if (!sizes) {
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+        for (size_t i = 0; i < n_sizes; i++) {
+            unsigned long long v = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+
+            if (PyErr_Occurred() || v > SIZE_MAX) {
+                free(sizes);
+                Py_DECREF(seq);
+                return PyErr_Occurred() ? NULL : group_raise("top-k", -EINVAL);
+            }
+            sizes[i] = (size_t)v;
+        }
+        rc = cohort_group_topk_create_segments(self->g, sizes, n_sizes, ratio, &t);
+        free(sizes);
+        Py_DECREF(seq);
+    }
     if (rc < 0)
         return group_raise("top-k", rc);
     more = realloc(self->topk, (self->n_topk + 1) * sizeof(*more));
@@ -1228,7 +1264,8 @@ static PyMethodDef pygroup_methods[] = {
     { "allgather", (PyCFunction)pygroup_allgather, METH_VARARGS,
       "allgather(buffer, timeout_ms) -> bytes: one record per member." },
     { "topk_create", (PyCFunction)pygroup_topk_create, METH_VARARGS,
-      "topk_create(n, ratio) -> int: a top-k reducer with error feedback, k = ceil(ratio n)." },
+      "topk_create(n, ratio) -> int: a top-k reducer with error feedback, k = ceil(ratio n); "
+      "n may be a sequence of segment sizes, each with its own k." },
     { "topk_reduce", (PyCFunction)pygroup_topk_reduce, METH_VARARGS,
       "topk_reduce(reducer, buffer, op, timeout_ms): its n float32, in place." },
     { "topk_info", (PyCFunction)pygroup_topk_info, METH_O,

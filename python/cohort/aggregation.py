@@ -16,10 +16,11 @@ Tensors: CPU float32, float64, float16, bfloat16, int32 and int64 (CUDA
 tensors with use_cuda=True, staged through host memory). by_model packs
 every tensor of one dtype into one buffer: one collective per dtype.
 AllReduceAggregation and DecentralizedAggregation aggregate by_layer the
-same way (their operators are elementwise, so the result is the same, and
-one collective cannot be cut by a member joining between two layers); the
-base class, for subclasses with an _agg of their own, and the compressing
-classes run one collective per tensor by_layer. Results are written back
+same way (their operators are elementwise, so the result is the same), and
+SparsifiedAggregation and PowerAggregation aggregate by_layer in one call
+too, each layer compressed on its own: one collective cannot be cut by a
+member joining between two layers. Only the base class, for subclasses
+with an _agg of their own, runs one collective per tensor by_layer. Results are written back
 into the model's own tensors (in place), so an optimizer's references
 stay valid.
 
@@ -422,10 +423,13 @@ class SparsifiedAggregation(Aggregation):
     `ratio` is the fraction of entries sent per call, in (0, 1] (mlbench's
     optimizer speaks of a number of coordinates; a fraction fits every
     layer's size). Values travel and residuals are kept in float32: other
-    floating dtypes are converted there and back. by_model keeps one
-    residual for all of the model's tensors packed in parameter order, by
-    layer one per tensor; gradients and weights have residuals of their
-    own. A residual changes only when a call completes: an aggregation
+    floating dtypes are converted there and back. by_model sends the top k
+    of all of the model's tensors packed in parameter order; by_layer sends
+    each tensor's own top k_i = ceil(ratio x n_i) (mlbench's per-layer
+    top-k), all layers in one call, so a member joining between two layers
+    cannot cut the aggregation in two. Each keeps one residual over the
+    packed tensors; by model, by layer, gradients and weights have
+    residuals of their own. A residual changes only when a call completes: an aggregation
     that a membership change interrupts is retried on the new membership
     with the same input. A member that joins starts with zero residuals;
     one that leaves takes its residuals with it (what it had not sent is
@@ -445,6 +449,8 @@ class SparsifiedAggregation(Aggregation):
         self._reducers = {}
 
     def _reducer(self, key, n):
+        """The reducer for key, of n values (an int) or of segments (a
+        tuple of the layers' sizes, each with its own k)."""
         if _g() is not self._group:
             raise RuntimeError("cohort.aggregation was initialised again; make a new "
                                "SparsifiedAggregation")
@@ -454,8 +460,9 @@ class SparsifiedAggregation(Aggregation):
             self._reducers[key] = r
         return r[0]
 
-    def _sparse(self, tensors, key, op):
-        """One top-k call over `tensors` packed as float32, written back in place."""
+    def _sparse(self, tensors, key, op, by_layer=False):
+        """One top-k call over `tensors` packed as float32, written back in
+        place; by_layer, each tensor is a segment with its own k."""
         name = _op_name(op)
         if name not in ("avg", "sum"):
             raise NotImplementedError("SparsifiedAggregation sums or averages (op 'avg', "
@@ -464,10 +471,13 @@ class SparsifiedAggregation(Aggregation):
         for t in tensors:
             if not t.is_floating_point():
                 raise TypeError("top-k needs floating tensors, not %s" % t.dtype)
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-        if flat.numel() == 0:
+        # An empty tensor sends nothing and has nothing to keep.
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
             return
-        h = self._reducer(key, flat.numel())
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+        size = tuple(t.numel() for t in tensors) if by_layer else flat.numel()
+        h = self._reducer(key, size)
         self._group.topk_reduce(h, _bytes_of(flat), _OP_CODES[name], _call_timeout_ms)
         off = 0
         with torch.no_grad():
@@ -481,30 +491,30 @@ class SparsifiedAggregation(Aggregation):
         return data
 
     def _agg_gradients_by_layer(self, model, op, denom=None):
-        for i, p in enumerate(model.parameters()):
-            if p.grad is not None:
-                self._sparse([p.grad.data], ("grad", i), op)
+        self._sparse([p.grad.data for p in model.parameters() if p.grad is not None],
+                     ("grad", "layers"), op, True)
 
     def _agg_gradients_by_model(self, model, op, denom=None):
         self._sparse([p.grad.data for p in model.parameters() if p.grad is not None],
                      ("grad",), op)
 
     def _agg_weights_by_layer(self, model, op, denom=None):
-        for i, p in enumerate(model.parameters()):
-            self._sparse([p.data], ("weights", i), op)
+        self._sparse([p.data for p in model.parameters()], ("weights", "layers"), op, True)
 
     def _agg_weights_by_model(self, model, op, denom=None):
         self._sparse([p.data for p in model.parameters()], ("weights",), op)
 
     def k(self, key=("grad",)):
         """k of the reducer named by key (("grad",) for gradients by model,
-        ("grad", i) by layer; "weights" alike), or None before its first call."""
+        ("grad", "layers") by layer, where k is the sum of the layers' k_i;
+        "weights" alike), or None before its first call."""
         r = self._reducers.get(tuple(key))
         return None if r is None else self._group.topk_info(r[0])[0]
 
     def residual(self, key=("grad",)):
-        """A float32 copy of the residual of the reducer named by key, or
-        None before its first call."""
+        """A float32 copy of the residual of the reducer named by key (as
+        k; the layers packed in parameter order), or None before its first
+        call."""
         r = self._reducers.get(tuple(key))
         if r is None:
             return None
@@ -527,9 +537,11 @@ class PowerAggregation(Aggregation):
     `rank` is PowerSGD's rank (mlbench's name), from 1 to 1024, not the
     member's position. `world_size` is mlbench's and only checked: "avg"
     divides by the members of the membership that completed each call.
-    Ops: "avg" ("avg_world") and "sum". by_model makes one collective of
-    all of the model's tensors (a member joining mid-aggregation cannot cut
-    it in two), by_layer one per tensor. Values travel and errors are kept
+    Ops: "avg" ("avg_world") and "sum". by_model and by_layer each make
+    one collective of all of the model's tensors (a member joining
+    mid-aggregation cannot cut it in two). Every matrix has its own P and
+    Q either way, so by layer is the same math as by model: the two keep
+    errors and warm starts of their own. Values travel and errors are kept
     in float32. The error and the warm start change only when a call
     completes; a member that joins starts with zero errors and the seeded
     Q, and one that leaves takes its errors with it. Members whose models
@@ -592,25 +604,25 @@ class PowerAggregation(Aggregation):
         return data
 
     def _agg_gradients_by_layer(self, model, op, denom=None):
-        for i, p in enumerate(model.parameters()):
-            if p.grad is not None:
-                self._power([p.grad.data], ("grad", i), op)
+        # Each matrix is compressed on its own in any case: one call.
+        self._power([p.grad.data for p in model.parameters() if p.grad is not None],
+                    ("grad", "layers"), op)
 
     def _agg_gradients_by_model(self, model, op, denom=None):
         self._power([p.grad.data for p in model.parameters() if p.grad is not None],
                     ("grad",), op)
 
     def _agg_weights_by_layer(self, model, op, denom=None):
-        for i, p in enumerate(model.parameters()):
-            self._power([p.data], ("weights", i), op)
+        self._power([p.data for p in model.parameters()], ("weights", "layers"), op)
 
     def _agg_weights_by_model(self, model, op, denom=None):
         self._power([p.data for p in model.parameters()], ("weights",), op)
 
     def error(self, key=("grad",)):
         """A float32 copy of this member's error for the reducer named by
-        key (as SparsifiedAggregation.residual; matrices first, in order,
-        then vectors), or None before its first call."""
+        key (("grad",) by model, ("grad", "layers") by layer, "weights"
+        alike; matrices first, in order, then vectors), or None before its
+        first call."""
         r = self._reducers.get(tuple(key))
         if r is None:
             return None

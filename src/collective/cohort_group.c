@@ -158,16 +158,37 @@ int cohort_group_allgather(struct cohort_group *cg, const void *in, size_t bytes
 int cohort_group_topk_create(struct cohort_group *cg, size_t n, double ratio,
                              struct cohort_group_topk **out)
 {
+    return cohort_group_topk_create_segments(cg, &n, 1, ratio, out);
+}
+
+int cohort_group_topk_create_segments(struct cohort_group *cg, const size_t *sizes,
+                                      size_t n_segments, double ratio,
+                                      struct cohort_group_topk **out)
+{
     struct cohort_group_topk *ct;
-    size_t k;
+    size_t *ks, n = 0, k = 0;
     int rc;
 
-    if (!cg || !out || n > UINT32_MAX || topk_k_for_ratio(n, ratio, &k) < 0)
+    if (!cg || !out || !sizes || n_segments == 0 || n_segments > UINT32_MAX)
         return -EINVAL;
-    ct = calloc(1, sizeof(*ct));
-    if (!ct)
+    ks = calloc(n_segments, sizeof(*ks));
+    if (!ks)
         return -ENOMEM;
-    rc = group_topk_create(cg->g, n, k, &ct->t);
+    for (size_t s = 0; s < n_segments; s++) {
+        if (sizes[s] > UINT32_MAX - n || topk_k_for_ratio(sizes[s], ratio, &ks[s]) < 0) {
+            free(ks);
+            return -EINVAL;
+        }
+        n += sizes[s];
+        k += ks[s];
+    }
+    ct = calloc(1, sizeof(*ct));
+    if (!ct) {
+        free(ks);
+        return -ENOMEM;
+    }
+    rc = group_topk_create_segments(cg->g, sizes, ks, n_segments, &ct->t);
+    free(ks);
     if (rc < 0) {
         free(ct);
         return rc;

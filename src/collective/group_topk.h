@@ -30,11 +30,20 @@
  * most the unsent mass it carried). A member that rejoins with the same
  * reducer keeps its residual, which stays its own unsent gradient.
  *
- * Wire: a block is a header (u32 n, u32 k) and k pairs (u32 index, f32
- * value), little-endian, indices ascending. Every member checks every
- * record: a different n or k (the members' models differ), an index out
- * of range or out of order fails the call with -EPROTO at every member
- * alike, and changes nothing. */
+ * Segments (group_topk_create_segments): the n values may be cut into
+ * segments that follow one another (a model's layers), each with its own
+ * k_s: a member sends each segment's own top k_s, so a layer of small
+ * gradients still sends its share (mlbench's by-layer semantics), and the
+ * whole model is still one call that a joiner cannot cut in two. k is the
+ * sum of the k_s; one residual spans all segments.
+ *
+ * Wire: a block is a header (u32 n, u32 k, u64 a hash of the segments'
+ * sizes and k_s) and k pairs (u32 index, f32 value), little-endian,
+ * indices ascending, segment after segment. Every member checks every
+ * record: a different n or k (the members' models differ), a different
+ * segment hash (their segments differ), an index out of range or out of
+ * order, or a segment whose k_s pairs fall outside it fails the call with
+ * -EPROTO at every member alike, and changes nothing. */
 #ifndef COHORT_GROUP_TOPK_H
 #define COHORT_GROUP_TOPK_H
 
@@ -49,11 +58,20 @@ struct group_topk;
 /* A reducer of n float32 gradients keeping k per call, on group g
  * (borrowed: it must outlive the reducer; its calls belong to the group's
  * caller thread). Allocates the residual (n floats, zero), the selection's
- * counters and a block of 8 + 8k bytes. Returns 0, -EINVAL (g NULL, k of 0,
+ * counters and a block of 16 + 8k bytes. Returns 0, -EINVAL (g NULL, k of 0,
  * k > n, n > UINT32_MAX) or -ENOMEM (a block over the group's max_bytes
  * fails each reduce with -E2BIG). The caller frees *out with
  * group_topk_destroy(). */
 int group_topk_create(struct group *g, size_t n, size_t k, struct group_topk **out);
+
+/* A reducer of the segments sizes[0..n_segments) laid one after the
+ * other (n = their sum), keeping ks[s] of segment s per call. sizes and
+ * ks are copied. Returns 0, -EINVAL (g, sizes or ks NULL, no segment, a
+ * ks[s] of 0 or over sizes[s], so no empty segment either, n over
+ * UINT32_MAX) or -ENOMEM. group_topk_create(g, n, k) is the one segment
+ * (n, k). The caller frees *out with group_topk_destroy(). */
+int group_topk_create_segments(struct group *g, const size_t *sizes, const size_t *ks,
+                               size_t n_segments, struct group_topk **out);
 void group_topk_destroy(struct group_topk *t);  /* NULL is fine */
 
 /* One call: sends the top k of grad + residual, and replaces grad (n
@@ -62,8 +80,8 @@ void group_topk_destroy(struct group_topk *t);  /* NULL is fine */
  * DTYPE_AVG. Returns 0 with the residual updated; or, with grad and the
  * residual untouched: group_allgather's codes (a membership change is
  * retried inside), -EINVAL (grad NULL, an op
- * other than DTYPE_SUM or DTYPE_AVG), or -EPROTO (a member's n or k
- * differs, or its block is malformed). */
+ * other than DTYPE_SUM or DTYPE_AVG), or -EPROTO (a member's n, k or
+ * segments differ, or its block is malformed). */
 int group_topk_reduce(struct group_topk *t, float *grad, enum dtype_op op, uint32_t timeout_ms);
 
 /* The residual: n floats, read-only, valid until the next reduce or

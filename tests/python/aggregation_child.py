@@ -309,20 +309,24 @@ def scenario_sparse():
                     fail("step %d: residual %s, want %s" % (step, mine.tolist(),
                                                             res[me].tolist()))
             else:
-                parts = []
+                # One call: each layer's own top k_i, one residual over
+                # the layers packed in order.
+                parts, kept, ks = [], [], 0
                 for k, p in enumerate(m.parameters()):
                     total = torch.zeros(p.numel())
                     kk = -(-p.numel() // 4)
+                    ks += kk
                     for i in range(n):
                         g = list(models[i].parameters())[k].grad.reshape(-1).to(torch.float32)
                         r = layer_res.get((i, k), torch.zeros(p.numel()))
                         sent, layer_res[(i, k)] = topk_step(g + r, kk)
                         total += sent
                     parts.append(total)
-                    if s.k(("grad", k)) != kk:
-                        fail("layer %d: k %s, want %d" % (k, s.k(("grad", k)), kk))
-                    if not torch.equal(s.residual(("grad", k)), layer_res[(me, k)]):
-                        fail("layer %d: residual differs" % k)
+                    kept.append(layer_res[(me, k)])
+                if s.k(("grad", "layers")) != ks:
+                    fail("by layer: k %s, want %d" % (s.k(("grad", "layers")), ks))
+                if not torch.equal(s.residual(("grad", "layers")), torch.cat(kept)):
+                    fail("by layer: the residual differs")
                 want = torch.cat(parts)
             if not torch.equal(got, want):
                 fail("step %d by_layer=%s %s: got %s, want %s"
@@ -494,7 +498,7 @@ def scenario_power():
     wait_for_all()
     a = agg.PowerAggregation(power_model(me, 0), reuse_query=True, world_size=n, rank=2)
     ref = PowerRef([(6, 8), (4, 6)], 10, 2, 1, range(n))
-    layer_refs = {}
+    layer_ref = None
     step = 0
     for by_layer, op in ((False, "avg"), (False, "avg_world"), (True, "sum"), (False, "avg")):
         for _ in range(2):
@@ -510,18 +514,14 @@ def scenario_power():
                     fail("step %d: error %s, want %s" % (step, a.error().tolist(),
                                                          ref.err[me].tolist()))
             else:
-                gots, wants = [], []
-                for k, p in enumerate(m.parameters()):
-                    shapes = [tuple(p.shape)] if p.dim() > 1 else []
-                    r = layer_refs.setdefault(k, PowerRef(shapes, 0 if shapes else p.numel(),
-                                                          2, 1, range(n)))
-                    ins = {i: list(models[i].parameters())[k].grad.reshape(-1)
-                           .to(torch.float64) for i in range(n)}
-                    wants.append(r.step(ins, avg))
-                    gots.append(p.grad.reshape(-1).to(torch.float64))
-                    if not close(a.error(("grad", k)), r.err[me]):
-                        fail("layer %d: the error differs" % k)
-                got, want = torch.cat(gots), torch.cat(wants)
+                # The same math as by model, in one call, with an error
+                # and a warm start of its own.
+                if layer_ref is None:
+                    layer_ref = PowerRef([(6, 8), (4, 6)], 10, 2, 1, range(n))
+                got = power_flat(m)
+                want = layer_ref.step({i: power_flat(models[i]) for i in range(n)}, avg)
+                if not close(a.error(("grad", "layers")), layer_ref.err[me]):
+                    fail("step %d by layer: the error differs" % step)
             if not close(got, want):
                 fail("step %d by_layer=%s %s: got %s, want %s"
                      % (step, by_layer, op, got.tolist(), want.tolist()))

@@ -244,6 +244,30 @@ def test_by_layer_is_one_collective_per_dtype_for_elementwise_classes(broker):
         agg.shutdown()
 
 
+def test_by_layer_is_one_call_for_the_compressing_classes(broker):
+    """Top-k and PowerSGD compress each layer on its own by layer, all
+    layers in one call, so a joiner cannot cut the aggregation in two."""
+    agg.init(broker.address, "bylayer-compressed", "solo")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        s = agg.SparsifiedAggregation(model, ratio=0.5)
+        a = agg.PowerAggregation(model, rank=1)
+        for f in (s.agg_grad(by_layer=True), s.agg_model(by_layer=True),
+                  a.agg_grad(by_layer=True), a.agg_model(by_layer=True)):
+            before = agg.stats()["calls"]
+            f(model, "sum")
+            assert agg.stats()["calls"] - before == 1, "one collective per aggregation"
+        assert s.residual(("grad", "layers")).numel() == 26
+        assert s.residual(("weights", "layers")).numel() == 26
+        assert a.error(("grad", "layers")).numel() == 26
+        assert a.error(("weights", "layers")).numel() == 26
+        assert s.residual() is None and a.error() is None, "by model keeps its own state"
+    finally:
+        agg.shutdown()
+
+
 # ---- SparsifiedAggregation --------------------------------------------------
 
 def test_sparsified_matches_the_reference_with_error_feedback(broker):
@@ -331,6 +355,26 @@ def test_sparsified_refuses_bad_input(broker):
         assert flat.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 0, 0], flat.tolist()
         assert s.k() == 5
         assert (s.residual() + flat).tolist() == list(range(8)) + [0, 1]
+        # By layer: each layer's own top half (4 of the weight, 1 of the
+        # bias), where the model's top 5 took none of the bias.
+        for p in m.parameters():
+            p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+        s.agg_grad(by_layer=True)(m, "sum")
+        flat = torch.cat([m.weight.grad.reshape(-1), m.bias.grad])
+        assert flat.tolist() == [0, 0, 0, 0, 4, 5, 6, 7, 0, 1], flat.tolist()
+        assert s.k(("grad", "layers")) == 5
+        assert (s.residual(("grad", "layers")) + flat).tolist() == list(range(8)) + [0, 1]
+        # The extension refuses segments that cannot be, and a buffer
+        # whose length is not the segments' sum.
+        g = agg._g()
+        for sizes in ([], [4, 0], [0], [-1, 4]):
+            with pytest.raises((agg.Error, OverflowError)):
+                g.topk_create(sizes, 0.5)
+        with pytest.raises(agg.Error):
+            g.topk_create([4, 4], 1.5)
+        h = g.topk_create([4, 4], 0.5)
+        with pytest.raises(ValueError, match="holds 28 bytes, the call needs 32"):
+            g.topk_reduce(h, memoryview(bytearray(28)), agg._cohort.OP_SUM, 1000)
     finally:
         agg.shutdown()
 

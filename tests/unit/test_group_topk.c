@@ -16,6 +16,7 @@
 #include "base/clock.h"
 #include "collective/group.h"
 #include "collective/group_topk.h"
+#include "engine/topk.h"
 #include "fixture.h"
 #include "membership/brokerd.h"
 
@@ -554,4 +555,264 @@ Test(group_topk, joins_and_leaves_mid_call_keep_one_result_and_every_residual_ex
         group_topk_destroy(m[i].t);
         group_destroy(m[i].g);
     }
+}
+
+/* ---- segments: a model's layers in one call ----
+ *
+ * Four layers of N entries in all, the second scaled far above the rest:
+ * a top-k over the whole model would send only its entries, while each
+ * layer's own top k_s sends from every layer. Checked bit for bit against
+ * a reference that selects layer by layer. */
+#define SEGS 4
+static const size_t seg_size[SEGS] = { 5, 90, 1, 107 };        /* N = 203 */
+static const size_t seg_k[SEGS] = { 2, 9, 1, 5 };              /* K = 17 */
+
+static float seg_grad_of(int m, int c, size_t i)
+{
+    return grad_of(m, c, i) * (i >= 5 && i < 95 ? 1000.0f : 1.0f);
+}
+
+static void ref_seg_call(struct ref *r, int c, unsigned mask)
+{
+    memset(r->result[c], 0, sizeof(r->result[c]));
+    for (int m = 0; m < MEMBERS; m++) {
+        float acc[N];
+        bool pick[N];
+
+        if (!(mask & (1u << m)))
+            continue;
+        for (size_t i = 0; i < N; i++)
+            acc[i] = seg_grad_of(m, c, i) + r->residual[m][i];
+        memset(pick, 0, sizeof(pick));
+        for (size_t s = 0, start = 0; s < SEGS; start += seg_size[s], s++)
+            for (size_t j = 0; j < seg_k[s]; j++) {
+                size_t best = SIZE_MAX;
+
+                for (size_t i = start; i < start + seg_size[s]; i++)
+                    if (!pick[i] && (best == SIZE_MAX || fabsf(acc[i]) > fabsf(acc[best])))
+                        best = i;
+                pick[best] = true;
+            }
+        for (size_t i = 0; i < N; i++) {
+            r->result[c][i] += pick[i] ? acc[i] : 0;
+            r->residual[m][i] = pick[i] ? 0 : acc[i];
+        }
+    }
+}
+
+struct seg_member {
+    struct group *g;
+    struct group_topk *t;
+    pthread_t thread;
+    int index, rc, failed_at;
+    float result[CALLS][N];
+};
+
+static void *seg_member_main(void *arg)
+{
+    struct seg_member *m = arg;
+
+    for (int c = 0; c < CALLS; c++) {
+        for (size_t i = 0; i < N; i++)
+            m->result[c][i] = seg_grad_of(m->index, c, i);
+        m->rc = group_topk_reduce(m->t, m->result[c], DTYPE_SUM, 60000);
+        if (m->rc < 0) {
+            m->failed_at = c;
+            break;
+        }
+    }
+    return NULL;
+}
+
+Test(group_topk, segments_select_per_layer_in_one_call_and_match_the_reference)
+{
+    static struct seg_member m[MEMBERS];
+    static struct ref r;
+    struct group *g[MEMBERS];
+    unsigned mask[CALLS];
+    char id[16];
+
+    memset(&r, 0, sizeof(r));
+    memset(m, 0, sizeof(m));
+    for (int i = 0; i < MEMBERS; i++) {
+        snprintf(id, sizeof(id), "s-%d", i);
+        m[i].index = i;
+        m[i].g = g[i] = make(id);
+        cr_assert_eq(group_topk_create_segments(m[i].g, seg_size, seg_k, SEGS, &m[i].t), 0);
+    }
+    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    for (int i = 0; i < MEMBERS; i++)
+        cr_assert_eq(pthread_create(&m[i].thread, NULL, seg_member_main, &m[i]), 0);
+    for (int i = 0; i < MEMBERS; i++) {
+        pthread_join(m[i].thread, NULL);
+        cr_assert_eq(m[i].rc, 0, "member %d, call %d: %s", i, m[i].failed_at,
+                     strerror(-m[i].rc));
+    }
+    for (int c = 0; c < CALLS; c++) {
+        ref_seg_call(&r, c, 7);
+        mask[c] = 7;
+    }
+    for (int i = 0; i < MEMBERS; i++) {
+        for (int c = 0; c < CALLS; c++)
+            cr_expect_eq(memcmp(m[i].result[c], r.result[c], sizeof(r.result[c])), 0,
+                         "member %d, call %d: the result differs from the reference", i, c);
+        cr_expect_eq(memcmp(group_topk_residual(m[i].t), r.residual[i], N * sizeof(float)), 0,
+                     "member %d: the residual differs from the reference", i);
+    }
+    /* Every layer sent its share: the small layers too. */
+    for (size_t s = 0, start = 0; s < SEGS; start += seg_size[s], s++) {
+        size_t sent = 0;
+
+        for (int c = 0; c < CALLS; c++)
+            for (size_t i = start; i < start + seg_size[s]; i++)
+                sent += m[0].result[c][i] != 0;
+        cr_expect(sent > 0, "layer %zu sent nothing", s);
+    }
+    /* Error feedback, exactly: what was summed plus what is kept is what
+     * was given (as expect_conserved, with the scaled gradients). */
+    for (size_t i = 0; i < N; i++) {
+        double given = 0, accounted = 0;
+
+        for (int c = 0; c < CALLS; c++) {
+            accounted += m[0].result[c][i];
+            for (int k = 0; k < MEMBERS; k++)
+                if (mask[c] & (1u << k))
+                    given += seg_grad_of(k, c, i);
+        }
+        for (int k = 0; k < MEMBERS; k++)
+            accounted += r.residual[k][i];
+        cr_expect_eq(given, accounted, "entry %zu: %g given, %g sent and kept", i, given,
+                     accounted);
+    }
+    for (int i = MEMBERS - 1; i >= 0; i--) {
+        group_topk_destroy(m[i].t);
+        group_destroy(m[i].g);
+    }
+}
+
+Test(group_topk, bad_segments_are_refused)
+{
+    struct group *g = make("bad-seg");
+    struct group_topk *t = NULL;
+    const size_t sizes[3] = { 4, 0, 4 }, ks[3] = { 1, 0, 1 };
+    const size_t big[2] = { UINT32_MAX, 2 }, bigk[2] = { 1, 1 };
+    const size_t ok[2] = { 4, 4 }, zero_k[2] = { 1, 0 }, over_k[2] = { 5, 1 };
+
+    cr_expect_eq(group_topk_create_segments(NULL, ok, ks, 2, &t), -EINVAL);
+    cr_expect_eq(group_topk_create_segments(g, NULL, ks, 2, &t), -EINVAL);
+    cr_expect_eq(group_topk_create_segments(g, ok, NULL, 2, &t), -EINVAL);
+    cr_expect_eq(group_topk_create_segments(g, ok, ks, 0, &t), -EINVAL, "no segment");
+    cr_expect_eq(group_topk_create_segments(g, sizes, ks, 3, &t), -EINVAL, "an empty segment");
+    cr_expect_eq(group_topk_create_segments(g, ok, zero_k, 2, &t), -EINVAL, "a k_s of 0");
+    cr_expect_eq(group_topk_create_segments(g, ok, over_k, 2, &t), -EINVAL, "k_s > size");
+    cr_expect_eq(group_topk_create_segments(g, big, bigk, 2, &t), -EINVAL, "n over 2^32 - 1");
+    cr_expect_null(t);
+    group_destroy(g);
+}
+
+struct seg_mismatch {
+    struct group *g;
+    struct group_topk *t;
+    const size_t *sizes, *ks;
+    float x[64];
+    int rc;
+};
+
+static void *seg_mismatch_main(void *arg)
+{
+    struct seg_mismatch *a = arg;
+
+    for (size_t i = 0; i < 64; i++)
+        a->x[i] = (float)i;
+    a->rc = group_topk_reduce(a->t, a->x, DTYPE_SUM, 60000);
+    return NULL;
+}
+
+/* The same n, k and bytes on the wire, but layers cut elsewhere: one
+ * member's pairs would pass the other's range checks and not the other
+ * way round, so the segments' hash fails both alike. */
+Test(group_topk, different_segments_get_eproto_at_every_member_and_change_nothing)
+{
+    static const size_t s0[2] = { 32, 32 }, s1[2] = { 16, 48 }, ks[2] = { 4, 4 };
+    struct seg_mismatch a[2] = { { .sizes = s0, .ks = ks }, { .sizes = s1, .ks = ks } };
+    struct group *g[2];
+    pthread_t th[2];
+
+    a[0].g = g[0] = make("y-0");
+    a[1].g = g[1] = make("y-1");
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(group_topk_create_segments(a[i].g, a[i].sizes, a[i].ks, 2, &a[i].t), 0);
+    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, seg_mismatch_main, &a[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_expect_eq(a[i].rc, -EPROTO, "member %d: %s", i, strerror(-a[i].rc));
+        for (size_t j = 0; j < 64; j++) {
+            cr_expect_eq(a[i].x[j], (float)j, "member %d's gradient, entry %zu", i, j);
+            cr_expect_eq(group_topk_residual(a[i].t)[j], 0, "member %d's residual", i);
+        }
+        group_topk_destroy(a[i].t);
+    }
+    group_destroy(g[1]);
+    group_destroy(g[0]);
+}
+
+/* Small segments are selected by sorting, large ones by the engine's
+ * topk_select: both must pick exactly what topk_select picks, ties to the
+ * lower index and NaN largest, on values full of ties, zeros of both
+ * signs, infinities, NaNs and subnormals. Alone, a call's result is what
+ * the member sent, and its residual what it kept. */
+Test(group_topk, segments_select_exactly_as_topk_select_small_and_large)
+{
+    static const size_t sizes[] = { 1, 2, 7, 100, 1024, 1025, 3000, 5 };
+    static const size_t ks[] = { 1, 1, 7, 13, 300, 2, 1000, 3 };
+    enum { S = sizeof(sizes) / sizeof(sizes[0]) };
+    const float vals[] = { 0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, NAN, -NAN, INFINITY,
+                           -INFINITY, 1e-40f, 3.5f, -3.5f };
+    struct group *g = make("small");
+    struct group_topk *t = NULL;
+    size_t n = 0;
+    float *x, *acc, *want, *kept;
+    uint32_t *idx, seed = 12345;
+
+    for (size_t s = 0; s < S; s++)
+        n += sizes[s];
+    x = calloc(n, sizeof(float));
+    acc = calloc(n, sizeof(float));
+    want = calloc(n, sizeof(float));
+    kept = calloc(n, sizeof(float));
+    idx = calloc(n, sizeof(uint32_t));
+    cr_assert(x && acc && want && kept && idx);
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        x[i] = vals[(seed >> 16) % (sizeof(vals) / sizeof(vals[0]))];
+        acc[i] = x[i] + 0.0f;   /* as the reducer adds its zero residual */
+        kept[i] = acc[i];
+    }
+    for (size_t s = 0, start = 0; s < S; start += sizes[s], s++) {
+        cr_assert_eq(topk_select(acc + start, sizes[s], ks[s], idx), 0);
+        for (size_t j = 0; j < ks[s]; j++) {
+            want[start + idx[j]] = 0.0f + acc[start + idx[j]];
+            kept[start + idx[j]] = 0;
+        }
+    }
+    cr_assert_eq(group_topk_create_segments(g, sizes, ks, S, &t), 0);
+    cr_assert_eq(group_wait(g, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(group_topk_reduce(t, x, DTYPE_SUM, 20000), 0);
+    for (size_t s = 0, start = 0; s < S; start += sizes[s], s++) {
+        cr_expect_eq(memcmp(x + start, want + start, sizes[s] * sizeof(float)), 0,
+                     "segment %zu (%zu entries): sent differs from topk_select's", s, sizes[s]);
+        cr_expect_eq(memcmp(group_topk_residual(t) + start, kept + start,
+                            sizes[s] * sizeof(float)), 0,
+                     "segment %zu (%zu entries): kept differs from topk_select's", s, sizes[s]);
+    }
+    group_topk_destroy(t);
+    group_destroy(g);
+    free(x);
+    free(acc);
+    free(want);
+    free(kept);
+    free(idx);
 }
