@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "engine/topk.h"
+#include "engine/peerwire.h"
 
 #define HEADER_BYTES 16u       /* u32 n, u32 k, u64 layout */
 
@@ -29,19 +30,6 @@ struct group_topk {
     size_t members;             /* in the last completed call */
 };
 
-static void put_le32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-    p[2] = (uint8_t)(v >> 16);
-    p[3] = (uint8_t)(v >> 24);
-}
-
-static uint32_t get_le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
 /* FNV-1a over the segments' (size, k) as little-endian u32s: members
  * whose segments differ fail every one of them alike (each record's
  * pairs checked against our own segments could pass at one member and
@@ -52,8 +40,8 @@ static uint64_t layout_of(const size_t *sizes, const size_t *ks, size_t n_segmen
     uint8_t b[8];
 
     for (size_t s = 0; s < n_segments; s++) {
-        put_le32(b, (uint32_t)sizes[s]);
-        put_le32(b + 4, (uint32_t)ks[s]);
+        peerwire_put32(b, (uint32_t)sizes[s]);
+        peerwire_put32(b + 4, (uint32_t)ks[s]);
         for (size_t i = 0; i < sizeof(b); i++)
             h = (h ^ b[i]) * 1099511628211ull;
     }
@@ -201,16 +189,15 @@ static int check(const struct group_topk *t, const uint8_t *recs, size_t len, co
     for (size_t m = 0; m < *members; m++) {
         const uint8_t *r = recs + m * rec, *b = r + GROUP_ID_BYTES;
 
-        if (get_le32(b) != t->n || get_le32(b + 4) != t->k ||
-            get_le32(b + 8) != (uint32_t)t->layout ||
-            get_le32(b + 12) != (uint32_t)(t->layout >> 32))
+        if (peerwire_get32(b) != t->n || peerwire_get32(b + 4) != t->k ||
+            peerwire_get64(b + 8) != t->layout)
             return -EPROTO;
         for (size_t s = 0, j = 0; s < t->n_segments; s++) {
             for (size_t e = j + t->ks[s]; j < e; j++) {
-                uint32_t i = get_le32(b + HEADER_BYTES + j * TOPK_PAIR_BYTES);
+                uint32_t i = peerwire_get32(b + HEADER_BYTES + j * TOPK_PAIR_BYTES);
 
                 if (i < t->starts[s] || i - t->starts[s] >= t->sizes[s] ||
-                    (j > 0 && i <= get_le32(b + HEADER_BYTES + (j - 1) * TOPK_PAIR_BYTES)))
+                    (j > 0 && i <= peerwire_get32(b + HEADER_BYTES + (j - 1) * TOPK_PAIR_BYTES)))
                     return -EPROTO;
             }
         }
@@ -244,16 +231,15 @@ int group_topk_reduce(struct group_topk *t, float *grad, enum dtype_op op, uint3
         for (size_t e = 0; e < t->ks[s]; e++)
             t->idx[j + e] += (uint32_t)t->starts[s];
     }
-    put_le32(t->block, (uint32_t)t->n);
-    put_le32(t->block + 4, (uint32_t)t->k);
-    put_le32(t->block + 8, (uint32_t)t->layout);
-    put_le32(t->block + 12, (uint32_t)(t->layout >> 32));
+    peerwire_put32(t->block, (uint32_t)t->n);
+    peerwire_put32(t->block + 4, (uint32_t)t->k);
+    peerwire_put64(t->block + 8, t->layout);
     for (size_t j = 0; j < t->k; j++) {
         uint32_t bits;
 
         memcpy(&bits, &t->acc[t->idx[j]], sizeof(bits));
-        put_le32(t->block + HEADER_BYTES + j * TOPK_PAIR_BYTES, t->idx[j]);
-        put_le32(t->block + HEADER_BYTES + j * TOPK_PAIR_BYTES + 4, bits);
+        peerwire_put32(t->block + HEADER_BYTES + j * TOPK_PAIR_BYTES, t->idx[j]);
+        peerwire_put32(t->block + HEADER_BYTES + j * TOPK_PAIR_BYTES + 4, bits);
     }
     rc = group_allgather(t->g, t->block, block_bytes(t), &out, &len, timeout_ms);
     if (rc < 0)
@@ -280,11 +266,11 @@ int group_topk_reduce(struct group_topk *t, float *grad, enum dtype_op op, uint3
         const uint8_t *b = recs + m * rec + GROUP_ID_BYTES + HEADER_BYTES;
 
         for (size_t j = 0; j < t->k; j++) {
-            uint32_t bits = get_le32(b + j * TOPK_PAIR_BYTES + 4);
+            uint32_t bits = peerwire_get32(b + j * TOPK_PAIR_BYTES + 4);
             float v;
 
             memcpy(&v, &bits, sizeof(v));
-            grad[get_le32(b + j * TOPK_PAIR_BYTES)] += v;
+            grad[peerwire_get32(b + j * TOPK_PAIR_BYTES)] += v;
         }
     }
     if (op == DTYPE_AVG && members > 1)

@@ -41,6 +41,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/peerwire.h"
+
 struct topk {
     struct allreduce *ar;           /* borrowed */
     size_t n, k;
@@ -223,18 +225,6 @@ const float *topk_residual(const struct topk *t)
     return t->residual;
 }
 
-static void put_le32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-    p[2] = (uint8_t)(v >> 16);
-    p[3] = (uint8_t)(v >> 24);
-}
-
-static uint32_t get_le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
 
 /* Selects, fills and all-gathers this member's block; checks every
  * member's indices. Sets *members. Touches neither grad nor the residual. */
@@ -256,8 +246,8 @@ static int exchange(struct topk *t, const float *grad, uint64_t round, size_t *m
         uint32_t bits;
 
         memcpy(&bits, &v, sizeof(bits));
-        put_le32(t->block + j * TOPK_PAIR_BYTES, t->idx[j]);
-        put_le32(t->block + j * TOPK_PAIR_BYTES + 4, bits);
+        peerwire_put32(t->block + j * TOPK_PAIR_BYTES, t->idx[j]);
+        peerwire_put32(t->block + j * TOPK_PAIR_BYTES + 4, bits);
     }
     rc = allreduce_gather(t->ar, t->hblock, t->hgather, block_bytes, round, members, &me);
     if (rc == -ENOSPC) {
@@ -269,7 +259,7 @@ static int exchange(struct topk *t, const float *grad, uint64_t round, size_t *m
     if (rc < 0)
         return rc;
     for (size_t j = 0; j < *members * t->k; j++)
-        if (get_le32(t->gather + j * TOPK_PAIR_BYTES) >= t->n)
+        if (peerwire_get32(t->gather + j * TOPK_PAIR_BYTES) >= t->n)
             return -EPROTO;
     return 0;
 }
@@ -291,11 +281,11 @@ static void sum_pairs(const struct topk *t, float *out, size_t members, enum dty
     memset(out, 0, t->n * sizeof(float));
     for (size_t j = 0; j < pairs; j++) {
         const uint8_t *p = t->gather + j * TOPK_PAIR_BYTES;
-        uint32_t bits = get_le32(p + 4);
+        uint32_t bits = peerwire_get32(p + 4);
         float v;
 
         memcpy(&v, &bits, sizeof(v));
-        out[get_le32(p)] += v;
+        out[peerwire_get32(p)] += v;
     }
     if (op == DTYPE_AVG && members > 1)
         for (size_t i = 0; i < t->n; i++)
