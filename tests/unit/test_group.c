@@ -15,40 +15,17 @@
 #include "cohort.h"
 #include "collective/group.h"
 #include "fixture.h"
-#include "membership/brokerd.h"
+#include "groups.h"
 
 #define MAXN 4
 #define CALLS_MAX 400
 
-static struct brokerd *d;
-static char broker[64];
-
-/* A startup hold, so that members started together form one first epoch. */
 static void start(void)
 {
-    struct brokerd_config cfg;
-
-    fixture_broker_config(&cfg);
-    cfg.broker.startup_hold_ms = 1000;
-    d = fixture_broker_start_with(&cfg, "coll", broker, sizeof(broker));
+    groups_start("coll");
 }
 
-static void stop(void)
-{
-    fixture_broker_stop(d);
-}
-
-TestSuite(group, .init = start, .fini = stop, .timeout = 180);
-
-static struct group *make(const char *id)
-{
-    struct group_config c = { .broker = broker, .cohort = "coll", .id = id, .host = "127.0.0.1",
-                              .reduce_timeout_ms = 20000 };
-    struct group *g = NULL;
-
-    cr_assert_eq(group_create(&c, &g), 0, "group_create(%s)", id);
-    return g;
-}
+TestSuite(group, .init = start, .fini = groups_stop, .timeout = 180);
 
 /* ---- every type and operator, against a reference ---- */
 
@@ -160,7 +137,7 @@ Test(group, every_type_and_op_matches_the_reference)
 
     for (int i = 0; i < 3; i++) {
         snprintf(id, sizeof(id), "m-%d", i);
-        m[i] = (struct ops_member){ .index = i, .n = 3, .g = make(id) };
+        m[i] = (struct ops_member){ .index = i, .n = 3, .g = groups_make(id) };
     }
     for (int i = 0; i < 3; i++)
         cr_assert_eq(group_wait(m[i].g, FIXTURE_WAIT_MS), 0);
@@ -182,17 +159,6 @@ Test(group, every_type_and_op_matches_the_reference)
         group_destroy(m[i].g);
 }
 
-/* Waits until every group in g[0..n) sees an epoch of n members. */
-static bool all_see(struct group **g, int n)
-{
-    for (int i = 0; i < n; i++) {
-        uint32_t r, s = 0;
-        if (group_position(g[i], &r, &s, NULL) < 0 || s != (uint32_t)n)
-            return false;
-    }
-    return true;
-}
-
 struct gather_arg {
     struct group *g;
     const char *in;
@@ -212,13 +178,13 @@ static void *gather_main(void *arg)
 
 Test(group, gather_returns_every_members_record_in_member_order)
 {
-    struct group *g[2] = { make("g-0"), make("g-1") };
+    struct group *g[2] = { groups_make("g-0"), groups_make("g-1") };
     struct gather_arg a[2] = { { .g = g[0], .in = "bytes of g-0!", .bytes = 13 },
                                { .g = g[1], .in = "bytes of g-1!", .bytes = 13 } };
     size_t rec = group_record_bytes(13);
     pthread_t t;
 
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     cr_assert_eq(pthread_create(&t, NULL, gather_main, &a[1]), 0);
     gather_main(&a[0]);
     pthread_join(t, NULL);
@@ -315,7 +281,7 @@ static void churn_start(struct churn_member *m, int index, int64_t stop_at)
     memset(m, 0, sizeof(*m));
     m->index = index;
     atomic_store(&m->stop_at, stop_at);
-    m->g = make(id);
+    m->g = groups_make(id);
 }
 
 /* Every call number two members both completed has one result. */
@@ -353,7 +319,7 @@ Test(group, a_member_joining_lines_up_with_the_others)
     churn_start(&m[1], 1, STOP_NEVER);
     g[0] = m[0].g;
     g[1] = m[1].g;
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&m[i].t, NULL, churn_main, &m[i]), 0);
     FIXTURE_WAIT_FOR(atomic_load(&m[0].made) >= 20, "no calls before the join");
@@ -387,7 +353,7 @@ Test(group, a_member_leaving_mid_call_lets_the_others_finish_on_the_survivors)
         churn_start(&m[i], i, i == 2 ? 30 : STOP_NEVER);
         g[i] = m[i].g;
     }
-    FIXTURE_WAIT_FOR(all_see(g, 3), "the three members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 3), "the three members never shared an epoch");
     for (int i = 0; i < 3; i++)
         cr_assert_eq(pthread_create(&m[i].t, NULL, churn_main, &m[i]), 0);
     /* Member 2 stops after call 30: the others' call 31 waits for it, in
@@ -424,7 +390,7 @@ Test(group, repeated_joins_and_leaves_keep_one_result_per_call)
         churn_start(&m[i], i, STOP_NEVER);
         g[i] = m[i].g;
     }
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&m[i].t, NULL, churn_main, &m[i]), 0);
     for (int cycle = 0; cycle < 4; cycle++) {
@@ -465,7 +431,7 @@ Test(group, repeated_joins_and_leaves_keep_one_result_per_call)
 
 Test(group, bad_arguments_are_refused_and_change_nothing)
 {
-    struct group *g = make("bad");
+    struct group *g = groups_make("bad");
     float x[4] = { 1, 2, 3, 4 };
     int32_t n[2] = { 5, 6 };
 
@@ -508,11 +474,11 @@ static void *mismatch_main(void *arg)
 
 Test(group, members_whose_calls_differ_get_eproto_with_buffers_untouched)
 {
-    struct group *g[2] = { make("x-0"), make("x-1") };
+    struct group *g[2] = { groups_make("x-0"), groups_make("x-1") };
     struct mismatch_arg a[2] = { { .g = g[0], .count = 64 }, { .g = g[1], .count = 48 } };
     pthread_t t[2];
 
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&t[i], NULL, mismatch_main, &a[i]), 0);
     for (int i = 0; i < 2; i++)
@@ -560,7 +526,7 @@ Test(group, public_api_reads_the_environment_and_checks_its_enums)
 
     unsetenv("COHORT_BROKER");
     cr_expect_eq(cohort_group_create(NULL, "coll", "pub", &cg), -EINVAL, "no broker anywhere");
-    setenv("COHORT_BROKER", broker, 1);
+    setenv("COHORT_BROKER", groups_broker(), 1);
     setenv("COHORT_COHORT", "coll", 1);
     setenv("COHORT_ID", "pub", 1);
     cr_assert_eq(cohort_group_create(NULL, NULL, NULL, &cg), 0);
@@ -604,7 +570,7 @@ Test(group, public_reducers_check_ratio_rank_and_op)
     const float given[10] = { 1, -9, 3, 4, 5, 6, 7, 8, 2, 10 };
     float x[10], y[6] = { 1, 2, 2, 4, 3, -1 };
 
-    cr_assert_eq(cohort_group_create(broker, "coll", "pubr", &cg), 0);
+    cr_assert_eq(cohort_group_create(groups_broker(), "coll", "pubr", &cg), 0);
     cr_assert_eq(cohort_group_wait(cg, FIXTURE_WAIT_MS), 0);
     memcpy(x, given, sizeof(x));
     cr_expect_eq(cohort_group_topk_create(cg, 10, 0, &t), -EINVAL);

@@ -18,7 +18,7 @@
 #include "collective/group.h"
 #include "collective/group_powersgd.h"
 #include "fixture.h"
-#include "membership/brokerd.h"
+#include "groups.h"
 
 #define ROWS 24
 #define COLS 16
@@ -27,44 +27,12 @@
 #define CALLS 8
 #define SEED 42
 
-static struct brokerd *d;
-static char broker[64];
-
 static void start(void)
 {
-    struct brokerd_config cfg;
-
-    fixture_broker_config(&cfg);
-    cfg.broker.startup_hold_ms = 1000;
-    d = fixture_broker_start_with(&cfg, "power", broker, sizeof(broker));
+    groups_start("power");
 }
 
-static void stop(void)
-{
-    fixture_broker_stop(d);
-}
-
-TestSuite(group_powersgd, .init = start, .fini = stop, .timeout = 180);
-
-static struct group *make(const char *id)
-{
-    struct group_config c = { .broker = broker, .cohort = "power", .id = id,
-                              .host = "127.0.0.1", .reduce_timeout_ms = 20000 };
-    struct group *g = NULL;
-
-    cr_assert_eq(group_create(&c, &g), 0, "group_create(%s)", id);
-    return g;
-}
-
-static bool all_see(struct group **g, int n)
-{
-    for (int i = 0; i < n; i++) {
-        uint32_t r, s = 0;
-        if (group_position(g[i], &r, &s, NULL) < 0 || s != (uint32_t)n)
-            return false;
-    }
-    return true;
-}
+TestSuite(group_powersgd, .init = start, .fini = groups_stop, .timeout = 180);
 
 /* low: a sum of two outer products (rank 2 for every member and for any
  * sum of members); otherwise a full-rank integer matrix. */
@@ -119,7 +87,7 @@ static void member_start(struct member *m, int index, size_t rank, bool reuse)
     memset(m, 0, sizeof(*m));
     m->index = index;
     m->op = DTYPE_SUM;
-    m->g = make(id);
+    m->g = groups_make(id);
     cr_assert_eq(group_powersgd_create(m->g, &one, 1, 0, rank, SEED, reuse, &m->p), 0);
 }
 
@@ -189,7 +157,7 @@ Test(group_powersgd, a_sum_of_rank_two_is_reproduced_the_same_on_every_member)
         m[i].op = DTYPE_AVG;
         g[i] = m[i].g;
     }
-    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, MEMBERS), "the members never shared an epoch");
     run_calls(m, all, MEMBERS, 0, 1);
     expect_same_bytes(&m[0], &m[1], 0, 1);
     expect_same_bytes(&m[0], &m[2], 0, 1);
@@ -218,7 +186,7 @@ Test(group_powersgd, rank_one_of_full_rank_matrices_balances_with_error_feedback
         member_start(&m[i], i, 1, true);
         g[i] = m[i].g;
     }
-    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, MEMBERS), "the members never shared an epoch");
     run_calls(m, all, MEMBERS, 0, CALLS);
     expect_same_bytes(&m[0], &m[1], 0, CALLS);
     expect_same_bytes(&m[0], &m[2], 0, CALLS);
@@ -248,13 +216,13 @@ Test(group_powersgd, a_join_and_a_leave_mid_call_keep_every_member_in_step)
     member_start(&m[1], 1, 1, true);
     g[0] = m[0].g;
     g[1] = m[1].g;
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     run_calls(m, two, 2, 0, 3);
     member_start(&m[2], 2, 1, true);
     g[2] = m[2].g;
     for (size_t i = 0; i < CELLS; i++)
         cr_assert_eq(group_powersgd_error(m[2].p)[i], 0, "a joiner starts with E = 0");
-    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the joiner never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, MEMBERS), "the joiner never shared an epoch");
     run_calls(m, all, MEMBERS, 3, 5);
     expect_same_bytes(&m[0], &m[2], 3, 5);
     memcpy(left_err, group_powersgd_error(m[2].p), sizeof(left_err));
@@ -284,7 +252,7 @@ Test(group_powersgd, a_join_and_a_leave_mid_call_keep_every_member_in_step)
 
 Test(group_powersgd, bad_arguments_are_refused_and_alone_full_rank_is_exact)
 {
-    struct group *g = make("bad");
+    struct group *g = groups_make("bad");
     struct group_powersgd *p = NULL;
     struct group_powersgd_matrix m23 = { 2, 3 }, zero_rows = { 0, 3 }, zero_cols = { 2, 0 },
                                  huge = { SIZE_MAX / 2, 3 };
@@ -345,13 +313,13 @@ Test(group_powersgd, matrices_of_different_shapes_get_eproto_and_change_nothing)
     struct group *g[2];
     pthread_t th[2];
 
-    a[0].g = g[0] = make("x-0");
-    a[1].g = g[1] = make("x-1");
+    a[0].g = g[0] = groups_make("x-0");
+    a[1].g = g[1] = groups_make("x-1");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(group_powersgd_create(a[i].g,
                                            &(struct group_powersgd_matrix){ 4, a[i].cols }, 1,
                                            0, 1, SEED, true, &a[i].p), 0);
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&th[i], NULL, mismatch_main, &a[i]), 0);
     for (int i = 0; i < 2; i++)
@@ -479,7 +447,7 @@ static void churner_start(struct churner *m, int index)
     memset(m, 0, sizeof(*m));
     m->index = index;
     atomic_store(&m->stop_at, LLONG_MAX);
-    m->g = make(id);
+    m->g = groups_make(id);
     cr_assert_eq(group_powersgd_create(m->g, &churn_mat, 1, VEC, 2, SEED, true, &m->p), 0);
     cr_assert_eq(pthread_create(&m->thread, NULL, churner_main, m), 0);
 }

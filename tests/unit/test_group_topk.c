@@ -18,51 +18,19 @@
 #include "collective/group_topk.h"
 #include "engine/topk.h"
 #include "fixture.h"
-#include "membership/brokerd.h"
+#include "groups.h"
 
 #define N 203                   /* a prime */
 #define K 17
 #define MEMBERS 3
 #define CALLS 12
 
-static struct brokerd *d;
-static char broker[64];
-
 static void start(void)
 {
-    struct brokerd_config cfg;
-
-    fixture_broker_config(&cfg);
-    cfg.broker.startup_hold_ms = 1000;
-    d = fixture_broker_start_with(&cfg, "sparse", broker, sizeof(broker));
+    groups_start("sparse");
 }
 
-static void stop(void)
-{
-    fixture_broker_stop(d);
-}
-
-TestSuite(group_topk, .init = start, .fini = stop, .timeout = 180);
-
-static struct group *make(const char *id)
-{
-    struct group_config c = { .broker = broker, .cohort = "sparse", .id = id,
-                              .host = "127.0.0.1", .reduce_timeout_ms = 20000 };
-    struct group *g = NULL;
-
-    cr_assert_eq(group_create(&c, &g), 0, "group_create(%s)", id);
-    return g;
-}
-
-static bool all_see(struct group **g, int n)
-{
-    for (int i = 0; i < n; i++) {
-        uint32_t r, s = 0;
-        if (group_position(g[i], &r, &s, NULL) < 0 || s != (uint32_t)n)
-            return false;
-    }
-    return true;
-}
+TestSuite(group_topk, .init = start, .fini = groups_stop, .timeout = 180);
 
 /* Member m's gradient at call c: integers in [-40, 40], many ties. */
 static float grad_of(int m, int c, size_t i)
@@ -151,7 +119,7 @@ static void member_start(struct member *m, int index)
     snprintf(id, sizeof(id), "t-%d", index);
     memset(m, 0, sizeof(*m));
     m->index = index;
-    m->g = make(id);
+    m->g = groups_make(id);
     cr_assert_eq(group_topk_create(m->g, N, K, &m->t), 0);
 }
 
@@ -231,7 +199,7 @@ Test(group_topk, three_members_match_the_reference_and_conserve_every_gradient)
         member_start(&m[i], i);
         g[i] = m[i].g;
     }
-    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, MEMBERS), "the members never shared an epoch");
     run_calls(m, all, MEMBERS, 0, CALLS);
     for (int c = 0; c < CALLS; c++) {
         ref_call(&r, c, 7);
@@ -258,11 +226,11 @@ Test(group_topk, a_join_and_a_leave_mid_call_keep_the_state_exact)
     member_start(&m[1], 1);
     g[0] = m[0].g;
     g[1] = m[1].g;
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     run_calls(m, two, 2, 0, 4);
     member_start(&m[2], 2);
     g[2] = m[2].g;
-    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the joiner never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, MEMBERS), "the joiner never shared an epoch");
     run_calls(m, all, MEMBERS, 4, 8);
     /* Member 2 stops; the others' call 8 waits for it until it leaves. */
     for (int i = 0; i < 2; i++) {
@@ -301,7 +269,7 @@ Test(group_topk, a_join_and_a_leave_mid_call_keep_the_state_exact)
 
 Test(group_topk, bad_arguments_are_refused)
 {
-    struct group *g = make("bad");
+    struct group *g = groups_make("bad");
     struct group_topk *t = NULL;
     float x[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
 
@@ -353,11 +321,11 @@ static void mismatch_case(size_t n1, size_t k1)
     struct group *g[2];
     pthread_t th[2];
 
-    a[0].g = g[0] = make("x-0");
-    a[1].g = g[1] = make("x-1");
+    a[0].g = g[0] = groups_make("x-0");
+    a[1].g = g[1] = groups_make("x-1");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(group_topk_create(a[i].g, a[i].n, a[i].k, &a[i].t), 0);
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&th[i], NULL, mismatch_main, &a[i]), 0);
     for (int i = 0; i < 2; i++)
@@ -497,7 +465,7 @@ static void churner_start(struct churner *m, int index)
     memset(m, 0, sizeof(*m));
     m->index = index;
     atomic_store(&m->stop_at, LLONG_MAX);
-    m->g = make(id);
+    m->g = groups_make(id);
     cr_assert_eq(group_topk_create(m->g, N, K, &m->t), 0);
     cr_assert_eq(pthread_create(&m->thread, NULL, churner_main, m), 0);
 }
@@ -637,10 +605,10 @@ Test(group_topk, segments_select_per_layer_in_one_call_and_match_the_reference)
     for (int i = 0; i < MEMBERS; i++) {
         snprintf(id, sizeof(id), "s-%d", i);
         m[i].index = i;
-        m[i].g = g[i] = make(id);
+        m[i].g = g[i] = groups_make(id);
         cr_assert_eq(group_topk_create_segments(m[i].g, seg_size, seg_k, SEGS, &m[i].t), 0);
     }
-    FIXTURE_WAIT_FOR(all_see(g, MEMBERS), "the members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, MEMBERS), "the members never shared an epoch");
     for (int i = 0; i < MEMBERS; i++)
         cr_assert_eq(pthread_create(&m[i].thread, NULL, seg_member_main, &m[i]), 0);
     for (int i = 0; i < MEMBERS; i++) {
@@ -692,7 +660,7 @@ Test(group_topk, segments_select_per_layer_in_one_call_and_match_the_reference)
 
 Test(group_topk, bad_segments_are_refused)
 {
-    struct group *g = make("bad-seg");
+    struct group *g = groups_make("bad-seg");
     struct group_topk *t = NULL;
     const size_t sizes[3] = { 4, 0, 4 }, ks[3] = { 1, 0, 1 };
     const size_t big[2] = { UINT32_MAX, 2 }, bigk[2] = { 1, 1 };
@@ -738,11 +706,11 @@ Test(group_topk, different_segments_get_eproto_at_every_member_and_change_nothin
     struct group *g[2];
     pthread_t th[2];
 
-    a[0].g = g[0] = make("y-0");
-    a[1].g = g[1] = make("y-1");
+    a[0].g = g[0] = groups_make("y-0");
+    a[1].g = g[1] = groups_make("y-1");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(group_topk_create_segments(a[i].g, a[i].sizes, a[i].ks, 2, &a[i].t), 0);
-    FIXTURE_WAIT_FOR(all_see(g, 2), "the two members never shared an epoch");
+    FIXTURE_WAIT_FOR(groups_all_see(g, 2), "the two members never shared an epoch");
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&th[i], NULL, seg_mismatch_main, &a[i]), 0);
     for (int i = 0; i < 2; i++)
@@ -771,7 +739,7 @@ Test(group_topk, segments_select_exactly_as_topk_select_small_and_large)
     enum { S = sizeof(sizes) / sizeof(sizes[0]) };
     const float vals[] = { 0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, NAN, -NAN, INFINITY,
                            -INFINITY, 1e-40f, 3.5f, -3.5f };
-    struct group *g = make("small");
+    struct group *g = groups_make("small");
     struct group_topk *t = NULL;
     size_t n = 0;
     float *x, *acc, *want, *kept;
