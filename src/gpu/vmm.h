@@ -44,6 +44,11 @@ size_t vmm_bytes(const struct vmm_region *r);
 int vmm_write(struct vmm_region *r, size_t off, const void *src, size_t len);
 int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len);
 
+/* Makes the region's device context current on the calling thread, as
+ * every driver call on the region needs (stage.h). Returns 0, -EIO,
+ * -EOPNOTSUPP. */
+int vmm_enter(struct vmm_region *r);
+
 /* Unmaps, frees the address range and releases the allocation: the memory
  * itself goes once every process that mapped it has let go. NULL is fine. */
 void vmm_destroy(struct vmm_region *r);

@@ -15,6 +15,7 @@
 #include "gpu/gpuid.h"
 #include "gpu/nccllib.h"
 #include "gpu/ncomm.h"
+#include "gpu/stage.h"
 #include "gpu/vmm.h"
 
 static bool a_refusal(int rc)
@@ -301,5 +302,141 @@ Test(gpu_driver, every_failing_call_unwinds_what_was_taken)
     close(fd);
     vmm_destroy(src);
     cr_assert_eq(fake_live(), 0);
+    cudrv_close(d);
+}
+
+/* ---- the host-staged path's copies (stage.h), against the stand-in ----
+ *
+ * The stand-in carries out an asynchronous copy only when a
+ * synchronisation covers it, so a staging loop that read a bounce buffer
+ * before its event, or refilled one before the copy that reads it had
+ * run, would move wrong bytes here and fail these tests. */
+
+/* Bytes that differ between any two segments (a pseudo-random stream). */
+static void pattern(uint8_t *p, size_t n, unsigned seed)
+{
+    uint64_t x = 0x9e3779b97f4a7c15ull * (seed + 1);
+
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        p[i] = (uint8_t)x;
+    }
+}
+
+Test(gpu_driver, staging_moves_every_segment_in_order_both_ways)
+{
+    struct cudrv *d = fake_driver();
+    struct vmm_region *r = NULL;
+    struct stage *s = NULL;
+    const size_t seg = 1u << 20, len = 5 * seg + 4093, off = 4096;
+    uint8_t *src = malloc(len), *back = malloc(len), *direct = malloc(len);
+    const char *start, *want;
+    int fd = -1;
+
+    cr_assert(src && back && direct);
+    pattern(src, len, 3);
+    cr_assert_eq(vmm_export(d, 0, len + off, &r, &fd), 0);
+    close(fd);
+    cr_assert_eq(stage_open(d, r, seg, &s), 0);
+    cr_assert_eq(stage_up(s, off, src, len), 0);
+    cr_assert_eq(stage_segments(s), 6, "five whole segments and a partial one");
+    cr_assert_eq(vmm_read(r, off, direct, len), 0);
+    cr_assert_arr_eq(direct, src, len, "on the device when stage_up returned");
+    memset(back, 0, len);
+    start = fake_log() + strlen(fake_log());
+    cr_assert_eq(stage_down(s, off, back, len), 0);
+    cr_assert_arr_eq(back, src, len, "the same bytes back");
+    cr_assert_eq(stage_segments(s), 12);
+    /* Overlap: the second segment is queued before the first is waited on. */
+    want = "cuCtxSetCurrent cuMemcpyDtoHAsync cuEventRecord cuMemcpyDtoHAsync cuEventRecord "
+           "cuEventSynchronize ";
+    cr_assert(strncmp(start, want, strlen(want)) == 0, "%s", start);
+    /* Refilling with other bytes, the last segment first reaching the
+     * device, shows no bounce buffer was overwritten under its copy. */
+    pattern(src, len, 9);
+    cr_assert_eq(stage_up(s, off, src, len), 0);
+    cr_assert_eq(vmm_read(r, off, direct, len), 0);
+    cr_assert_arr_eq(direct, src, len);
+    /* A short copy is one segment; an empty one none. */
+    cr_assert_eq(stage_down(s, off + 10, back, 100), 0);
+    cr_assert_arr_eq(back, src + 10, 100);
+    cr_assert_eq(stage_down(s, 0, back, 0), 0);
+    cr_assert_eq(stage_segments(s), 19);
+    stage_close(s);
+    vmm_destroy(r);
+    cr_assert_eq(fake_live(), 0, "stream, events and pinned buffers released");
+    free(src);
+    free(back);
+    free(direct);
+    cudrv_close(d);
+}
+
+Test(gpu_driver, staging_refuses_ranges_outside_the_region_and_sizes_too_large)
+{
+    struct cudrv *d = fake_driver();
+    struct vmm_region *r = NULL;
+    struct stage *s = NULL;
+    uint8_t buf[64] = { 0 };
+    int fd = -1;
+
+    cr_assert_eq(vmm_export(d, 0, 1, &r, &fd), 0);
+    close(fd);
+    cr_assert_eq(stage_open(d, r, STAGE_SEGMENT_MAX + 1, &s), -EINVAL);
+    cr_assert_null(s);
+    cr_assert_eq(stage_open(d, r, 0, &s), 0);
+    cr_assert_eq(stage_down(s, vmm_bytes(r) - 8, buf, 9), -EINVAL);
+    cr_assert_eq(stage_up(s, vmm_bytes(r) + 1, buf, 0), -EINVAL);
+    cr_assert_eq(stage_up(s, SIZE_MAX, buf, 2), -EINVAL);
+    cr_assert_eq(stage_segments(s), 0, "nothing moved");
+    stage_close(s);
+    vmm_destroy(r);
+    cr_assert_eq(fake_live(), 0);
+    cudrv_close(d);
+}
+
+/* Whichever call fails, the stage gives back what it took, and a failed
+ * copy is an error, not a silent short copy. */
+Test(gpu_driver, staging_unwinds_every_failing_call)
+{
+    static const char *const open_calls[] = {
+        "cuCtxSetCurrent", "cuStreamCreate", "cuEventCreate", "cuMemAllocHost",
+    };
+    static const char *const copy_calls[] = {
+        "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync", "cuEventRecord", "cuEventSynchronize",
+    };
+    struct cudrv *d = fake_driver();
+    struct vmm_region *r = NULL;
+    struct stage *s;
+    uint8_t *buf = calloc(1, 3u << 20);
+    int fd = -1, live;
+
+    cr_assert_not_null(buf);
+    cr_assert_eq(vmm_export(d, 0, 3u << 20, &r, &fd), 0);
+    close(fd);
+    live = fake_live();
+    for (size_t i = 0; i < sizeof(open_calls) / sizeof(open_calls[0]); i++) {
+        s = NULL;
+        setenv("COHORT_FAKE_CUDA_FAIL", open_calls[i], 1);
+        cr_assert_lt(stage_open(d, r, 1u << 20, &s), 0, "%s", open_calls[i]);
+        cr_assert_null(s);
+        cr_assert_eq(fake_live(), live, "after %s failed", open_calls[i]);
+    }
+    unsetenv("COHORT_FAKE_CUDA_FAIL");
+    cr_assert_eq(stage_open(d, r, 1u << 20, &s), 0);
+    for (size_t i = 0; i < sizeof(copy_calls) / sizeof(copy_calls[0]); i++) {
+        bool down = strcmp(copy_calls[i], "cuMemcpyHtoDAsync") != 0;
+        int rc;
+        setenv("COHORT_FAKE_CUDA_FAIL", copy_calls[i], 1);
+        rc = down ? stage_down(s, 0, buf, 3u << 20) : stage_up(s, 0, buf, 3u << 20);
+        cr_assert_eq(rc, -ENOMEM, "%s: the driver's error, mapped", copy_calls[i]);
+        unsetenv("COHORT_FAKE_CUDA_FAIL");
+    }
+    cr_assert_eq(stage_up(s, 0, buf, 3u << 20), 0, "usable after a failure");
+    stage_close(s);
+    vmm_destroy(r);
+    cr_assert_eq(fake_live(), 0);
+    free(buf);
     cudrv_close(d);
 }
