@@ -10,7 +10,11 @@
 #include <string.h>
 
 #include "accumulator/tlink.h"
+#include "accumulator/gpusess.h"
 #include "accumulator/trainerd.h"
+#include "accumulator/viewpage.h"
+#include "base/clock.h"
+#include "fixture.h"
 #include "gpu/cudrv.h"
 #include "gpu/gpuid.h"
 #include "gpu/nccllib.h"
@@ -76,8 +80,10 @@ Test(gpu, a_gpu_registration_is_refused_with_its_cause)
     cr_assert(a_refusal(rc), "%d", rc);
     cr_assert_eq(rc, cudrv_check(&id, &direct), "the driver's own answer, as the trainer's code");
     cr_assert_str_eq(why, direct);
-    /* The layout check, pure, refuses anything but host memory whatever
-     * the device: the fuzz harness relies on it. */
+    /* The layout check, pure, takes a GPU registration's memfd as host
+     * memory's and refuses any other kind whatever the device. */
+    cr_assert_eq(trainerd_check_layout(&r, 0), -EINVAL);
+    r.mem = TL_MEM_CUDA_IPC;
     cr_assert_eq(trainerd_check_layout(&r, 0), -EOPNOTSUPP);
 }
 
@@ -207,8 +213,8 @@ Test(gpu_driver, each_refusal_has_its_cause)
     cr_assert_eq(trainerd_check_gpu(&r, &why), -ENXIO, "no device with that UUID");
     cr_assert(strstr(why, "No device with this UUID"), "%s", why);
     memcpy(r.cuda_uuid, a.b, GPUID_BYTES);
-    cr_assert_eq(trainerd_check_gpu(&r, &why), -EOPNOTSUPP, "present, not served yet");
-    cr_assert(strstr(why, "does not reduce GPU tensors yet"), "%s", why);
+    cr_assert_eq(trainerd_check_gpu(&r, &why), 0, "present: served host-staged");
+    cr_assert(strstr(why, "served host-staged"), "%s", why);
     setenv("COHORT_FAKE_CUDA_INIT", "nodev", 1);
     cr_assert_eq(cudrv_open(&d), -ENXIO, "a driver without devices");
     cr_assert_eq(trainerd_check_gpu(&r, &why), -ENXIO);
@@ -438,5 +444,205 @@ Test(gpu_driver, staging_unwinds_every_failing_call)
     vmm_destroy(r);
     cr_assert_eq(fake_live(), 0);
     free(buf);
+    cudrv_close(d);
+}
+
+/* ---- a GPU registration served host-staged, through real sidecars ----
+ *
+ * Two trainers, each with its gradients in a device region of the
+ * stand-in, register with a sidecar of their own (trainerd, a real node,
+ * a real broker, the engine on loopback): the region's descriptor crosses
+ * the socket beside the memfd, the sidecar imports it by UUID, stages the
+ * device's gradients to the memfd, reduces them with the other member and
+ * puts the result on the device before the view says so. */
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#define GN (5u << 19)          /* floats: 10 MiB, three staging segments */
+
+struct gtrainer {
+    struct trainerd *sd;
+    char path[128];
+    int sock, memfd, devfd;
+    void *map;
+    size_t map_len;
+    struct vmm_region *dev;
+    struct tlink_register r;
+};
+
+static int32_t gcall(int fd, uint16_t type, const void *body, uint32_t len, const int *fds,
+                     int nfds)
+{
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int got[TLINK_FDS_MAX], ngot;
+
+    cr_assert_eq(tlink_send(fd, type, 0, body, len, fds, nfds), 0);
+    if (tlink_recv(fd, &h, buf, sizeof(buf), -1, got, &ngot, 30000) < 0)
+        return INT32_MIN;
+    return h.status;
+}
+
+static void gview(struct gtrainer *t, struct tlink_view *v)
+{
+    viewpage_read((const struct viewpage *)((char *)t->map + t->r.shared_off), v);
+}
+
+/* Plays both trainers' loops on this thread until each holds a result:
+ * the leader hands over its opaque state when asked, and each contributes
+ * one batch once a contribution is wanted in an epoch of all n. */
+static void gtrain(struct gtrainer *t, int n)
+{
+    uint64_t until = clock_now_ms() + 60000;
+    struct tlink_u64 one = { 1 }, len = { 2 };
+    bool sent[2] = { false, false };
+    struct tlink_view v;
+    int done = 0;
+
+    while (done < n) {
+        done = 0;
+        for (int i = 0; i < n; i++) {
+            gview(&t[i], &v);
+            if (v.wants_state) {
+                int fd = tlink_memfd_from("state", "st", 2);
+                cr_assert_eq(gcall(t[i].sock, TL_SET_STATE, &len, sizeof(len), &fd, 1), 0);
+                close(fd);
+            }
+            /* Both in one epoch first, so that the round is theirs. */
+            if (!sent[i] && v.connected && v.wants_gradients && v.size == (uint32_t)n) {
+                cr_assert_eq(gcall(t[i].sock, TL_CONTRIBUTE, &one, sizeof(one), NULL, 0), 0);
+                sent[i] = true;
+            }
+            done += v.has_gradients;
+        }
+        cr_assert_lt(clock_now_ms(), until, "no result within the deadline");
+        usleep(2000);
+    }
+}
+
+/* Starts member `id`'s sidecar and lays out its trainer's memory: a sealed
+ * memfd as for host memory and a device region with the gradients at 0
+ * and the results at `results_off` (0: in place, as moolib's). */
+static void gtrainer_start(struct gtrainer *t, struct cudrv *d, const char *broker,
+                           const char *dir, const char *id, uint64_t results_off)
+{
+    struct trainerd_config tc = { .node = { .broker = broker, .cohort = "gpu", .id = id,
+                                            .host = "127.0.0.1" } };
+    struct tlink_hello hello = { .api_version = TLINK_VERSION, .name = "gpu" };
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    const size_t gbytes = GN * sizeof(float);
+    struct gpuid a;
+
+    memset(t, 0, sizeof(*t));
+    snprintf(t->path, sizeof(t->path), "%s/%s.sock", dir, id);
+    tc.socket_path = t->path;
+    cr_assert_eq(trainerd_start(&tc, &t->sd), 0);
+    t->r.mem = TL_MEM_CUDA_VMM;
+    t->r.grad_dtype = DTYPE_F32;
+    t->r.grad_count = GN;
+    t->r.params_off = 0;
+    t->r.params_bytes = 64;
+    t->r.grads_off = 64;
+    t->r.results_off = 64 + gbytes;
+    t->r.buffers_off = 64 + 2 * gbytes;
+    t->r.shared_off = 64 + 2 * gbytes + 4096 - 64;
+    t->r.region_bytes = t->map_len = t->r.shared_off + VIEWPAGE_BYTES;
+    cr_assert_eq(gpuid_parse(DEV_A, &a), 0);
+    memcpy(t->r.cuda_uuid, a.b, GPUID_BYTES);
+    t->memfd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_eq(ftruncate(t->memfd, (off_t)t->map_len), 0);
+    cr_assert_eq(fcntl(t->memfd, F_ADD_SEALS, TLINK_SEALS), 0);
+    t->map = mmap(NULL, t->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, t->memfd, 0);
+    cr_assert_neq(t->map, MAP_FAILED);
+    cr_assert_eq(vmm_export(d, 0, results_off + gbytes, &t->dev, &t->devfd), 0);
+    t->r.device_bytes = vmm_bytes(t->dev);
+    t->r.device_grads_off = 0;
+    t->r.device_results_off = results_off;
+    t->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    memcpy(sa.sun_path, t->path, strlen(t->path) + 1);
+    cr_assert_eq(connect(t->sock, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    cr_assert_eq(gcall(t->sock, TL_HELLO, &hello, sizeof(hello), NULL, 0), 0);
+}
+
+static void gtrainer_stop(struct gtrainer *t)
+{
+    close(t->sock);
+    trainerd_stop(t->sd);
+    munmap(t->map, t->map_len);
+    close(t->memfd);
+    close(t->devfd);
+    vmm_destroy(t->dev);
+}
+
+Test(gpu_driver, gpu_gradients_are_reduced_host_staged_and_land_on_every_device, .timeout = 120)
+{
+    struct cudrv *d = fake_driver();
+    char broker[64], dir[64] = "/tmp/cohort-gpu-XXXXXX";
+    struct brokerd *bd;
+    struct gtrainer t[2];
+    struct tlink_u64 two = { 2 };
+    struct tlink_view v;
+    float *g = malloc(GN * sizeof(float)), *res[2];
+    int fds[2];
+
+    setenv("COHORT_FAKE_CUDA_DEVICES", DEV_A, 1);
+    cr_assert_not_null(mkdtemp(dir));
+    bd = fixture_broker_start("gpu", broker, sizeof(broker));
+    /* Member 0 gets its result in place of its gradients; member 1 apart. */
+    for (int i = 0; i < 2; i++) {
+        gtrainer_start(&t[i], d, broker, dir, i ? "g-1" : "g-0", i ? 10u << 20 : 0);
+        for (size_t k = 0; k < GN; k++)
+            g[k] = (float)(k % 1000) * (float)(i + 1) - 7.0f * (float)i;
+        cr_assert_eq(vmm_write(t[i].dev, 0, g, GN * sizeof(float)), 0);
+    }
+    /* The refusals first: no device descriptor, a device layout past the
+     * region's end, a UUID no device has. Each changes nothing. */
+    fds[0] = t[0].memfd;
+    fds[1] = t[0].devfd;
+    cr_assert_eq(gcall(t[0].sock, TL_REGISTER, &t[0].r, sizeof(t[0].r), fds, 1), -EPROTO);
+    t[0].r.device_results_off = t[0].r.device_bytes;
+    cr_assert_eq(gcall(t[0].sock, TL_REGISTER, &t[0].r, sizeof(t[0].r), fds, 2), -EINVAL);
+    t[0].r.device_results_off = 0;
+    t[0].r.cuda_uuid[15] ^= 1;
+    cr_assert_eq(gcall(t[0].sock, TL_REGISTER, &t[0].r, sizeof(t[0].r), fds, 2), -ENXIO);
+    t[0].r.cuda_uuid[15] ^= 1;
+    for (int i = 0; i < 2; i++) {
+        fds[0] = t[i].memfd;
+        fds[1] = t[i].devfd;
+        cr_assert_eq(gcall(t[i].sock, TL_REGISTER, &t[i].r, sizeof(t[i].r), fds, 2), 0);
+        cr_assert_eq(gcall(t[i].sock, TL_SET_VBS, &two, sizeof(two), NULL, 0), 0);
+        cr_assert_eq(gcall(t[i].sock, TL_SET_PARALLEL, &two, sizeof(two), NULL, 0), -EOPNOTSUPP,
+                     "parallel gradients are not served host-staged");
+    }
+    gtrain(t, 2);
+    for (int i = 0; i < 2; i++) {
+        gview(&t[i], &v);
+        cr_assert_eq(v.num_gradients, 2, "both members' gradients");
+        res[i] = malloc(GN * sizeof(float));
+        cr_assert_eq(vmm_read(t[i].dev, t[i].r.device_results_off, res[i], GN * sizeof(float)), 0);
+        /* The memfd holds the staged gradients, exactly the device's. */
+        for (size_t k = 0; k < GN; k += 4099) {
+            float want = (float)(k % 1000) * (float)(i + 1) - 7.0f * (float)i;
+            cr_assert_eq(((float *)((char *)t[i].map + t[i].r.grads_off))[k], want);
+        }
+    }
+    cr_assert_arr_eq(res[0], res[1], GN * sizeof(float), "the same bytes on every device");
+    for (size_t k = 0; k < GN; k++) {
+        float want = ((float)(k % 1000) + (float)(k % 1000) * 2.0f - 7.0f) / 2.0f;
+        if (res[0][k] != want)
+            cr_assert_fail("element %zu: %g, not %g", k, (double)res[0][k], (double)want);
+    }
+    for (int i = 0; i < 2; i++) {
+        gtrainer_stop(&t[i]);
+        free(res[i]);
+    }
+    free(g);
+    cr_assert_eq(fake_live(), 0, "every sidecar let go of its device memory and stage");
+    fixture_broker_stop(bd);
+    rmdir(dir);
     cudrv_close(d);
 }
