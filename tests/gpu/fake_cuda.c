@@ -540,3 +540,10 @@ EXPORT CUresult CUDAAPI cuMemFreeHost(void *p)
     live--;
     return CUDA_SUCCESS;
 }
+
+EXPORT CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    ENTER("cuMemsetD8");
+    memset((void *)(uintptr_t)dstDevice, uc, N);
+    return CUDA_SUCCESS;
+}

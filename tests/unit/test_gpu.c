@@ -11,6 +11,7 @@
 
 #include "accumulator/tlink.h"
 #include "accumulator/gpusess.h"
+#include "cohort.h"
 #include "accumulator/trainerd.h"
 #include "accumulator/viewpage.h"
 #include "base/clock.h"
@@ -642,6 +643,98 @@ Test(gpu_driver, gpu_gradients_are_reduced_host_staged_and_land_on_every_device,
     }
     free(g);
     cr_assert_eq(fake_live(), 0, "every sidecar let go of its device memory and stage");
+    fixture_broker_stop(bd);
+    rmdir(dir);
+    cudrv_close(d);
+}
+
+/* ---- the trainer's side: include/cohort.h with cohort_use_gpu ----
+ *
+ * Two trainers through the public API, each with its gradients on the
+ * stand-in's device (written there directly: the stand-in's device
+ * addresses are this process's memory), through sidecars of their own. */
+
+#define CN 300000               /* floats: one partial staging segment */
+
+static void *gpu_addr(const struct cohort *c)
+{
+    return (void *)(uintptr_t)cohort_gpu_grads(c);
+}
+
+Test(gpu_driver, a_trainer_registers_gpu_gradients_through_the_public_api, .timeout = 120)
+{
+    struct cudrv *d = fake_driver();
+    char broker[64], dir[64] = "/tmp/cohort-gpu-XXXXXX", path[2][128], addr[160];
+    struct cohort_tensor p = { "w", COHORT_F32, CN };
+    struct cohort_config cfg = { .name = "m", .parameters = &p, .n_parameters = 1 };
+    struct trainerd *sd[2];
+    struct cohort *c[2], *x = NULL;
+    struct brokerd *bd;
+    bool sent[2] = { false, false };
+    uint64_t until;
+    int done = 0;
+
+    setenv("COHORT_FAKE_CUDA_DEVICES", DEV_B "," DEV_A, 1);
+    cr_assert_not_null(mkdtemp(dir));
+    bd = fixture_broker_start("gapi", broker, sizeof(broker));
+    /* The refusals: not a UUID, no such device, twice, and in-process. */
+    cr_assert_eq(cohort_create(&cfg, &x), 0);
+    cr_assert_eq(cohort_use_gpu(x, "GPU-nonsense"), -EINVAL);
+    cr_assert_eq(cohort_use_gpu(x, "GPU-00000000-0000-0000-0000-00000000000c"), -ENXIO);
+    cr_assert_eq(cohort_gpu_grads(x), 0);
+    cr_assert_eq(cohort_use_gpu(x, DEV_A), 0);
+    cr_assert_eq(cohort_use_gpu(x, DEV_A), -EALREADY);
+    cr_assert_eq(cohort_connect(x, broker), -EOPNOTSUPP, "an in-process node stages nothing");
+    cohort_destroy(x);
+    cr_assert_eq(fake_live(), 0, "the device region went with the cohort");
+    for (int i = 0; i < 2; i++) {
+        struct trainerd_config tc = { .node = { .broker = broker, .cohort = "gapi",
+                                                .id = i ? "a-1" : "a-0", .host = "127.0.0.1" } };
+        snprintf(path[i], sizeof(path[i]), "%s/%d.sock", dir, i);
+        tc.socket_path = path[i];
+        cr_assert_eq(trainerd_start(&tc, &sd[i]), 0);
+        cr_assert_eq(cohort_create(&cfg, &c[i]), 0);
+        cr_assert_eq(cohort_use_gpu(c[i], DEV_A), 0);
+        for (size_t k = 0; k < CN; k++)
+            ((float *)gpu_addr(c[i]))[k] = (float)(k % 77) + 100.0f * (float)i;
+        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
+        cr_assert_eq(cohort_connect(c[i], addr), 0);
+        cr_assert_eq(cohort_set_virtual_batch_size(c[i], 2), 0);
+    }
+    until = clock_now_ms() + 60000;
+    while (done < 2) {
+        done = 0;
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(cohort_update(c[i]), 0);
+            if (cohort_wants_state(c[i]))
+                cr_assert_eq(cohort_set_state(c[i], "st", 2), 0);
+            if (!sent[i] && cohort_wants_gradients(c[i]) && cohort_size(c[i]) == 2) {
+                cr_assert_eq(cohort_reduce_gradients(c[i], 1), 0);
+                sent[i] = true;
+            }
+            done += cohort_has_gradients(c[i]);
+        }
+        cr_assert_lt(clock_now_ms(), until, "no result within the deadline");
+        usleep(2000);
+    }
+    cr_assert_arr_eq(gpu_addr(c[0]), gpu_addr(c[1]), CN * sizeof(float),
+                     "the same result on both devices");
+    for (size_t k = 0; k < CN; k++) {
+        float want = ((float)(k % 77) * 2.0f + 100.0f) / 2.0f;
+        if (((float *)gpu_addr(c[0]))[k] != want)
+            cr_assert_fail("element %zu: %g, not %g", k, (double)((float *)gpu_addr(c[0]))[k],
+                           (double)want);
+    }
+    /* Applying the result zeroes the gradients on the device. */
+    cr_assert_eq(cohort_zero_gradients(c[0]), 0);
+    for (size_t k = 0; k < CN; k++)
+        if (((float *)gpu_addr(c[0]))[k] != 0.0f)
+            cr_assert_fail("element %zu not zeroed", k);
+    for (int i = 0; i < 2; i++) {
+        cohort_destroy(c[i]);
+        trainerd_stop(sd[i]);
+    }
+    cr_assert_eq(fake_live(), 0, "trainers and sidecars let go of everything");
     fixture_broker_stop(bd);
     rmdir(dir);
     cudrv_close(d);
