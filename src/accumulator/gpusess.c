@@ -126,6 +126,16 @@ int gpusess_scatter(struct gpusess *g)
     return rc;
 }
 
+int gpusess_zero_grads(struct gpusess *g)
+{
+    int rc;
+
+    pthread_mutex_lock(&g->lock);
+    rc = vmm_zero(g->region, (size_t)g->grads_off, g->bytes);
+    pthread_mutex_unlock(&g->lock);
+    return rc;
+}
+
 unsigned long gpusess_gathers(const struct gpusess *g)
 {
     return atomic_load(&((struct gpusess *)g)->gathers);

@@ -48,6 +48,9 @@ int gpusess_gather(struct gpusess *g);
 /* The memfd's results onto the device; done there when it returns.
  * Returns 0 or -errno. */
 int gpusess_scatter(struct gpusess *g);
+/* Zeroes the device's gradients, as the node zeroed the memfd's when a
+ * state transfer dropped them. Returns 0 or -errno. */
+int gpusess_zero_grads(struct gpusess *g);
 /* Copies made so far: gathers and scatters. */
 unsigned long gpusess_gathers(const struct gpusess *g);
 unsigned long gpusess_scatters(const struct gpusess *g);

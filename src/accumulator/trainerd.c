@@ -51,6 +51,7 @@ struct session {
     char name[TLINK_NAME_MAX];
     struct gpusess *gpu;        /* a GPU registration's device half, or NULL */
     uint64_t gpu_round;         /* the last round whose result went to the device */
+    bool gpu_drop;              /* the last view published had drop_pending */
     atomic_bool gpu_failed;     /* a copy to the device failed: the session ends */
 };
 
@@ -61,6 +62,15 @@ struct session {
 static bool gpu_result_ready(struct session *s, const struct node_view *v)
 {
     int rc;
+
+    /* Only node_view clears drop_pending, having zeroed the memfd's
+     * gradients: the device's follow, before the trainer's call returns. */
+    if (s->gpu_drop && !v->drop_pending && (rc = gpusess_zero_grads(s->gpu)) < 0) {
+        log_error("sidecar", "Dropped gradients could not be zeroed on the trainer's GPU; "
+                  "ending its session.", LF_ERR(rc));
+        atomic_store(&s->gpu_failed, true);
+    }
+    s->gpu_drop = v->drop_pending;
 
     if (!v->has_gradients || v->rounds_committed == s->gpu_round)
         return !atomic_load(&s->gpu_failed);
