@@ -72,6 +72,23 @@ def test_a_region_reaches_another_process_over_the_socket():
     assert re.search(r"handover .*: ok", out.stdout), out.stdout
 
 
+def test_the_host_staged_reduction_reaches_both_devices_and_a_failed_copy_fails_it():
+    out = subprocess.run([GPU_CHECK, "--driver-only"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"host-staged reduction .*: ok", out.stdout), out.stdout
+    # A result that cannot reach a trainer's device ends its session: the
+    # check fails at once with the sidecar's error, not at its deadline.
+    out = subprocess.run([GPU_CHECK, "--driver-only"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
+                                      COHORT_FAKE_CUDA_FAIL="cuMemcpyHtoDAsync"),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(r"host-staged reduction .*: FAIL \(Input/output error\)", out.stdout), \
+        out.stdout
+
+
 def test_a_failed_mapping_in_the_exporter_fails_the_check():
     out = subprocess.run([GPU_CHECK, "--driver-only"],
                          env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
