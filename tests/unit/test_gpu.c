@@ -739,3 +739,100 @@ Test(gpu_driver, a_trainer_registers_gpu_gradients_through_the_public_api, .time
     rmdir(dir);
     cudrv_close(d);
 }
+
+/* Waits, answering a leader's call for state, until `done` holds of the
+ * n trainers' views. */
+static void gpump(struct gtrainer *t, int n, bool (*done)(struct tlink_view *v, int n))
+{
+    uint64_t until = clock_now_ms() + 60000;
+    struct tlink_u64 len = { 2 };
+    struct tlink_view v[3];
+
+    for (;;) {
+        for (int i = 0; i < n; i++) {
+            gview(&t[i], &v[i]);
+            if (v[i].wants_state) {
+                int fd = tlink_memfd_from("state", "st", 2);
+                cr_assert_eq(gcall(t[i].sock, TL_SET_STATE, &len, sizeof(len), &fd, 1), 0);
+                close(fd);
+            }
+        }
+        if (done(v, n))
+            return;
+        cr_assert_lt(clock_now_ms(), until, "the views never got there");
+        usleep(2000);
+    }
+}
+
+static bool pair_wants(struct tlink_view *v, int n)
+{
+    return v[0].size == 2 && v[1].size == 2 && v[0].connected && v[1].connected &&
+           v[0].wants_gradients && v[1].wants_gradients;
+}
+
+static bool a_dropped(struct tlink_view *v, int n)
+{
+    return v[0].size == 3 && v[0].contributions_dropped == 1 && v[0].drop_pending;
+}
+
+/* A member behind a leader whose versions were declared (no record of
+ * which epoch committed them) drops its pending contribution rather than
+ * count it twice (node.h); on a GPU registration the device's gradients
+ * are zeroed with the memfd's, within the trainer's next call. */
+Test(gpu_driver, dropped_gradients_are_zeroed_on_the_device_too, .timeout = 120)
+{
+    struct cudrv *d = fake_driver();
+    char broker[64], dir[64] = "/tmp/cohort-gpu-XXXXXX";
+    struct tlink_u64 many = { 100 }, one = { 1 }, five = { 5 };
+    struct tlink_view v;
+    struct brokerd *bd;
+    struct gtrainer t[3];
+    float *g = malloc(GN * sizeof(float));
+    int fds[2];
+
+    setenv("COHORT_FAKE_CUDA_DEVICES", DEV_A, 1);
+    cr_assert_not_null(mkdtemp(dir));
+    bd = fixture_broker_start("gpu", broker, sizeof(broker));
+    for (int i = 0; i < 3; i++) {
+        gtrainer_start(&t[i], d, broker, dir, i == 0 ? "d-0" : i == 1 ? "d-1" : "d-2", 0);
+        for (size_t k = 0; k < GN; k++)
+            g[k] = 1.0f + (float)i;
+        cr_assert_eq(vmm_write(t[i].dev, 0, g, GN * sizeof(float)), 0);
+    }
+    /* d-0 and d-1 each contribute once; 100 samples are never reached. */
+    for (int i = 0; i < 2; i++) {
+        fds[0] = t[i].memfd;
+        fds[1] = t[i].devfd;
+        cr_assert_eq(gcall(t[i].sock, TL_REGISTER, &t[i].r, sizeof(t[i].r), fds, 2), 0);
+        cr_assert_eq(gcall(t[i].sock, TL_SET_VBS, &many, sizeof(many), NULL, 0), 0);
+    }
+    gpump(t, 2, pair_wants);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(gcall(t[i].sock, TL_CONTRIBUTE, &one, sizeof(one), NULL, 0), 0);
+    gpump(t, 2, pair_wants);
+    /* d-1 declares version 5; d-2 joins, and at the new epoch d-0, behind
+     * an unrecorded history, drops what it holds. */
+    cr_assert_eq(gcall(t[1].sock, TL_SET_VERSION, &five, sizeof(five), NULL, 0), 0);
+    fds[0] = t[2].memfd;
+    fds[1] = t[2].devfd;
+    cr_assert_eq(gcall(t[2].sock, TL_REGISTER, &t[2].r, sizeof(t[2].r), fds, 2), 0);
+    cr_assert_eq(gcall(t[2].sock, TL_SET_VBS, &many, sizeof(many), NULL, 0), 0);
+    gpump(t, 3, a_dropped);
+    cr_assert_eq(vmm_read(t[0].dev, 0, g, GN * sizeof(float)), 0);
+    cr_assert_eq(g[0], 1.0f, "the device's gradients stand until the trainer's call");
+    /* The trainer's link calls VIEW when a drop is pending (link_sidecar.c). */
+    cr_assert_eq(gcall(t[0].sock, TL_VIEW, NULL, 0, NULL, 0), 0);
+    gview(&t[0], &v);
+    cr_assert_not(v.drop_pending);
+    cr_assert_eq(vmm_read(t[0].dev, 0, g, GN * sizeof(float)), 0);
+    for (size_t k = 0; k < GN; k++)
+        if (g[k] != 0.0f || ((float *)((char *)t[0].map + t[0].r.grads_off))[k] != 0.0f)
+            cr_assert_fail("element %zu not zeroed on the device and in the memfd", k);
+    for (int i = 0; i < 3; i++)
+        gtrainer_stop(&t[i]);
+    free(g);
+    cr_assert_eq(fake_live(), 0);
+    fixture_broker_stop(bd);
+    rmdir(dir);
+    cudrv_close(d);
+}
