@@ -148,7 +148,10 @@ size_t cohort_numel(const struct cohort *c);
  * them on the device; between cohort calls the trainer writes them on
  * any stream. cohort_grads() and cohort_results() are then the sidecar's
  * host staging, not the trainer's. Only through a sidecar ("unix:"); an
- * in-process node is refused at connect (-EOPNOTSUPP). Returns 0,
+ * in-process node is refused at connect (-EOPNOTSUPP). With a GPU,
+ * cohort_reduce_gradients may also fail with the driver's error (-EIO)
+ * or, rarely, -EBUSY (the sidecar could not read its node's view: call it
+ * again). Returns 0,
  * -EINVAL (not a UUID), -EALREADY (connected, or called twice),
  * -EOPNOTSUPP (no GPU support in this build), -ELIBACC (no CUDA driver),
  * -ENXIO (no such device), -ENOMEM, -EIO. */

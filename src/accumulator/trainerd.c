@@ -239,8 +239,15 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     if (r->mem == TL_MEM_CUDA_VMM) {
         rc = gpusess_open(r, devfd, (char *)s->map + r->grads_off,
                           (char *)s->map + r->results_off, &s->gpu);
-        if (rc < 0)
+        if (rc < 0) {
+            /* Nothing was started on the mapping: let it go, so that the
+             * trainer may register again. */
+            busguard_unwatch(s->guard);
+            munmap(s->map, s->map_len);
+            s->map = NULL;
+            s->guard = -1;
             return rc;
+        }
     }
     nc.on_view = publish_view;
     nc.view_arg = s;
@@ -263,17 +270,25 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
 }
 
 /* CONTRIBUTE. A GPU session stages the device's gradients into the memfd
- * first, and only when the node expects a contribution: otherwise the
- * node may be reading the memfd's gradients for a round in flight, and
- * it refuses the contribution anyway. */
+ * first, and only when the node expects a contribution and has no drop
+ * pending: otherwise the node may be reading the memfd's gradients for a
+ * round in flight, and it refuses the contribution anyway. The view is
+ * read from the page, not with node_view, which would carry out a
+ * pending drop and let zeroed gradients through as a contribution. */
 static int contribute(struct session *s, uint64_t batch_size)
 {
-    struct node_view v;
-    int rc;
+    struct tlink_view v;
+    int rc, tries = 0;
 
     if (s->gpu && batch_size > 0) {
-        node_view(s->node, &v);
-        if (v.wants_gradients) {
+        /* A read fails only while the node's thread is publishing: never
+         * for long. Contributing without knowing could pass the memfd's
+         * stale gradients off as this batch's. */
+        while ((rc = viewpage_read(s->shared, &v)) < 0 && ++tries < 100)
+            usleep(1000);
+        if (rc < 0)
+            return -EBUSY;
+        if (v.wants_gradients && !v.drop_pending) {
             rc = gpusess_gather(s->gpu);
             if (rc < 0)
                 return rc;

@@ -611,6 +611,11 @@ Test(gpu_driver, gpu_gradients_are_reduced_host_staged_and_land_on_every_device,
     t[0].r.cuda_uuid[15] ^= 1;
     cr_assert_eq(gcall(t[0].sock, TL_REGISTER, &t[0].r, sizeof(t[0].r), fds, 2), -ENXIO);
     t[0].r.cuda_uuid[15] ^= 1;
+    /* A region said to be larger than it is: the import fails, after the
+     * memfd was mapped, and the session takes a good registration after. */
+    t[0].r.device_bytes += 2u << 20;
+    cr_assert_eq(gcall(t[0].sock, TL_REGISTER, &t[0].r, sizeof(t[0].r), fds, 2), -EINVAL);
+    t[0].r.device_bytes -= 2u << 20;
     for (int i = 0; i < 2; i++) {
         fds[0] = t[i].memfd;
         fds[1] = t[i].devfd;
