@@ -3,13 +3,11 @@
 
 #include <errno.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "accumulator/tlink.h"
-#include "base/log.h"
 #include "engine/dtype.h"
 #include "gpu/cudrv.h"
 #include "gpu/gpuid.h"
@@ -24,7 +22,6 @@ struct gpusess {
     size_t bytes;               /* of the gradients, and of the results */
     uint64_t grads_off, results_off;    /* in the region */
     void *host_grads, *host_results;    /* in the memfd */
-    atomic_ulong gathers, scatters;
 };
 
 /* True when [off, off + len) lies inside [0, size) without wrapping. */
@@ -109,8 +106,6 @@ int gpusess_gather(struct gpusess *g)
     pthread_mutex_lock(&g->lock);
     rc = stage_down(g->stage, g->grads_off, g->host_grads, g->bytes);
     pthread_mutex_unlock(&g->lock);
-    if (rc == 0)
-        atomic_fetch_add(&g->gathers, 1);
     return rc;
 }
 
@@ -121,8 +116,6 @@ int gpusess_scatter(struct gpusess *g)
     pthread_mutex_lock(&g->lock);
     rc = stage_up(g->stage, g->results_off, g->host_results, g->bytes);
     pthread_mutex_unlock(&g->lock);
-    if (rc == 0)
-        atomic_fetch_add(&g->scatters, 1);
     return rc;
 }
 
@@ -134,16 +127,6 @@ int gpusess_zero_grads(struct gpusess *g)
     rc = vmm_zero(g->region, (size_t)g->grads_off, g->bytes);
     pthread_mutex_unlock(&g->lock);
     return rc;
-}
-
-unsigned long gpusess_gathers(const struct gpusess *g)
-{
-    return atomic_load(&((struct gpusess *)g)->gathers);
-}
-
-unsigned long gpusess_scatters(const struct gpusess *g)
-{
-    return atomic_load(&((struct gpusess *)g)->scatters);
 }
 
 void gpusess_close(struct gpusess *g)

@@ -51,9 +51,6 @@ int gpusess_scatter(struct gpusess *g);
 /* Zeroes the device's gradients, as the node zeroed the memfd's when a
  * state transfer dropped them. Returns 0 or -errno. */
 int gpusess_zero_grads(struct gpusess *g);
-/* Copies made so far: gathers and scatters. */
-unsigned long gpusess_gathers(const struct gpusess *g);
-unsigned long gpusess_scatters(const struct gpusess *g);
 /* Unmaps the region and lets the driver go. NULL is fine. */
 void gpusess_close(struct gpusess *g);
 #endif
