@@ -148,7 +148,8 @@ size_t cohort_numel(const struct cohort *c);
  * them on the device; between cohort calls the trainer writes them on
  * any stream. cohort_grads() and cohort_results() are then the sidecar's
  * host staging, not the trainer's. Only through a sidecar ("unix:"); an
- * in-process node is refused at connect (-EOPNOTSUPP). With a GPU,
+ * in-process node is refused at connect (-EOPNOTSUPP). The device memory
+ * is the cohort's, freed by cohort_destroy. With a GPU,
  * cohort_reduce_gradients may also fail with the driver's error (-EIO)
  * or, rarely, -EBUSY (the sidecar could not read its node's view: call it
  * again). Returns 0,
@@ -156,8 +157,9 @@ size_t cohort_numel(const struct cohort *c);
  * -EOPNOTSUPP (no GPU support in this build), -ELIBACC (no CUDA driver),
  * -ENXIO (no such device), -ENOMEM, -EIO. */
 int cohort_use_gpu(struct cohort *c, const char *device_uuid);
-/* The gradients' device address (a CUdeviceptr) after cohort_use_gpu, and
- * their size in bytes (cohort_numel() elements); 0 without. */
+/* The gradients' device address (a CUdeviceptr) after cohort_use_gpu:
+ * cohort_numel() elements of the parameters' dtype, results in place;
+ * 0 without. */
 uint64_t cohort_gpu_grads(const struct cohort *c);
 
 /* Connects to a sidecar ("unix:/path/to/socket") or to a broker
