@@ -135,6 +135,33 @@ void *cohort_grads(struct cohort *c);
 void *cohort_results(struct cohort *c);
 size_t cohort_numel(const struct cohort *c);
 
+/* GPU gradients (docs/gpu.md). Before cohort_connect: the gradient buffer
+ * moves to the GPU whose UUID is `device_uuid` (nvidia-smi -L's
+ * "GPU-..." form, never an index: CUDA_VISIBLE_DEVICES numbers devices
+ * differently in each container), in memory allocated with the driver's
+ * virtual-memory API and handed to the sidecar as a file descriptor;
+ * results land in place, in the same device memory, while
+ * cohort_has_gradients() is true. The sidecar reduces it host-staged
+ * (device to host, the TCP engine, host to device). cohort_reduce_gradients
+ * waits for this process's queued work on the device (cuCtxSynchronize)
+ * before the sidecar reads the gradients, and cohort_zero_gradients zeroes
+ * them on the device; between cohort calls the trainer writes them on
+ * any stream. cohort_grads() and cohort_results() are then the sidecar's
+ * host staging, not the trainer's. Only through a sidecar ("unix:"); an
+ * in-process node is refused at connect (-EOPNOTSUPP). The device memory
+ * is the cohort's, freed by cohort_destroy. With a GPU,
+ * cohort_reduce_gradients may also fail with the driver's error (-EIO)
+ * or, rarely, -EBUSY (the sidecar could not read its node's view: call it
+ * again). Returns 0,
+ * -EINVAL (not a UUID), -EALREADY (connected, or called twice),
+ * -EOPNOTSUPP (no GPU support in this build), -ELIBACC (no CUDA driver),
+ * -ENXIO (no such device), -ENOMEM, -EIO. */
+int cohort_use_gpu(struct cohort *c, const char *device_uuid);
+/* The gradients' device address (a CUdeviceptr) after cohort_use_gpu:
+ * cohort_numel() elements of the parameters' dtype, results in place;
+ * 0 without. */
+uint64_t cohort_gpu_grads(const struct cohort *c);
+
 /* Connects to a sidecar ("unix:/path/to/socket") or to a broker
  * ("host:port": the node then runs inside this process, with no sidecar).
  * NULL means $COHORT_SOCKET, else $COHORT_BROKER (with $COHORT_COHORT and

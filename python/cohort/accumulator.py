@@ -75,9 +75,24 @@ def _check_tensor(t, what, i):
     if t.layout != torch.strided:
         raise ValueError("%s %d has layout %s; cohort holds dense (strided) tensors only"
                          % (what, i, t.layout))
-    if t.device.type != "cpu":
-        raise ValueError("%s %d is on %s; cohort's shared memory holds CPU tensors only "
-                         "(GPU memory is not supported by this build)" % (what, i, t.device))
+    why = _device_refusal(t.device)
+    if why:
+        raise ValueError("%s %d %s" % (what, i, why))
+
+
+def _device_refusal(device):
+    """Why a tensor on `device` cannot be registered, as the end of a
+    sentence; None for the CPU. A CUDA device is told apart by whether this
+    process can reach CUDA at all (docs/gpu.md)."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return ("is on %s, but CUDA is not available to this process "
+                    "(torch.cuda.is_available() is False: no driver or no device)" % device)
+        return ("is on %s; the Python Accumulator registers CPU tensors only: GPU gradients "
+                "are registered through the C API's cohort_use_gpu (docs/gpu.md)" % device)
+    return "is on %s; cohort's shared memory holds CPU tensors only" % device
 
 
 def _sanitize(name):

@@ -25,6 +25,7 @@
 #include "base/ident.h"
 #include "base/limits.h"
 #include "base/log.h"
+#include "accumulator/gputrainer.h"
 #include "accumulator/link_node.h"
 #include "accumulator/link_sidecar.h"
 #include "rpc/rpc.h"
@@ -53,6 +54,7 @@ struct cohort {
     uint32_t seen_gen;                  /* publications counted at the last update */
     void *state;                        /* last received opaque state */
     size_t state_len;
+    struct gputrainer *gpu;             /* cohort_use_gpu's device gradients, or NULL */
 };
 
 static size_t align_up(size_t v)
@@ -150,7 +152,7 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
         rc = -errno;
         goto err;
     }
-    c->mem = (struct link_memory){ .map = c->map, .memfd = c->memfd, .layout = &c->layout,
+    c->mem = (struct link_memory){ .map = c->map, .memfd = c->memfd, .devfd = -1, .layout = &c->layout,
                                    .dtype = c->dtype, .name = c->name };
     *out = c;
     return 0;
@@ -169,6 +171,7 @@ void cohort_destroy(struct cohort *c)
         return;
     if (c->link)
         c->link->ops->destroy(c->link);
+    gputrainer_close(c->gpu);
     if (c->map)
         munmap(c->map, c->map_len);
     if (c->memfd >= 0)
@@ -283,6 +286,8 @@ int cohort_connect(struct cohort *c, const char *address)
         return link_sidecar_connect(address + 5, &c->mem, &c->link);
     if (address[0] == '/')
         return link_sidecar_connect(address, &c->mem, &c->link);
+    if (c->gpu)
+        return -EOPNOTSUPP;     /* only a sidecar stages device memory */
     cohort = c->ident_cohort ? c->ident_cohort : getenv("COHORT_COHORT");
     id = c->ident_id ? c->ident_id : getenv("COHORT_ID");
     host = getenv("COHORT_HOST") ? getenv("COHORT_HOST") : "127.0.0.1";
@@ -349,6 +354,11 @@ int cohort_reduce_gradients(struct cohort *c, uint64_t batch_size)
         return -EINVAL;         /* a batch of nothing is a skip: say so */
     if (!c->link)
         return -ENOTCONN;
+    if (c->gpu) {
+        int rc = gputrainer_sync(c->gpu);
+        if (rc < 0)
+            return rc;
+    }
     return settle(c, c->link->ops->contribute(c->link, batch_size));
 }
 
@@ -369,7 +379,13 @@ int cohort_zero_gradients(struct cohort *c)
         return -ENOTCONN;
     if (!c->view.has_gradients)
         return -EPERM;
-    memset(cohort_grads(c), 0, c->layout.grad_count * dtype_size(c->dtype));
+    if (c->gpu) {
+        int rc = gputrainer_zero(c->gpu);
+        if (rc < 0)
+            return rc;
+    } else {
+        memset(cohort_grads(c), 0, c->layout.grad_count * dtype_size(c->dtype));
+    }
     return settle(c, c->link->ops->consume(c->link, c->view.rounds_committed));
 }
 
@@ -495,4 +511,23 @@ const char *cohort_strerror(int err)
     case EACCES: return "the cohort sets this (its TrainingCohort's spec.accumulator, the sidecar's --virtual-batch-size or --parallel-gradients) to another value; the sidecar's log names it";
     default: return log_strerror(err);
     }
+}
+
+int cohort_use_gpu(struct cohort *c, const char *device_uuid)
+{
+    int rc;
+
+    if (c->link || c->gpu)
+        return -EALREADY;
+    rc = gputrainer_open(device_uuid, c->layout.grad_count * dtype_size(c->dtype), &c->gpu);
+    if (rc < 0)
+        return rc;
+    gputrainer_describe(c->gpu, &c->layout);
+    c->mem.devfd = gputrainer_fd(c->gpu);
+    return 0;
+}
+
+uint64_t cohort_gpu_grads(const struct cohort *c)
+{
+    return c->gpu ? gputrainer_addr(c->gpu) : 0;
 }

@@ -33,7 +33,10 @@
 struct link_memory {
     void *map;                              /* the mapping of memfd */
     int memfd;
-    const struct tlink_register *layout;    /* offsets into map; mem = TL_MEM_HOST */
+    int devfd;                              /* read only when layout->mem is
+                                             * TL_MEM_CUDA_VMM: the device region */
+    const struct tlink_register *layout;    /* offsets into map; mem = TL_MEM_HOST, or
+                                             * TL_MEM_CUDA_VMM with devfd */
     enum dtype dtype;
     const char *name;                       /* the trainer's name, for logs */
 };

@@ -276,7 +276,8 @@ int link_sidecar_connect(const char *path, const struct link_memory *m, struct l
     snprintf(hello.name, sizeof(hello.name), "%s", m->name);
     rc = call(s, TL_HELLO, &hello, sizeof(hello), NULL, 0, NULL, 0, NULL);
     if (rc == 0)
-        rc = call(s, TL_REGISTER, m->layout, sizeof(*m->layout), &m->memfd, 1, NULL, 0, NULL);
+        rc = call(s, TL_REGISTER, m->layout, sizeof(*m->layout), (int[]){ m->memfd, m->devfd },
+                  m->layout->mem == TL_MEM_CUDA_VMM ? 2 : 1, NULL, 0, NULL);
     if (rc < 0)
         goto err;
     *out = &s->link;

@@ -9,11 +9,12 @@
  * is corrected as tlink_view.wants_after_consume says.
  *
  * The registration names the kind of memory of each region, so that GPU
- * tensors can be registered in the same message. This build's sidecar
- * serves host memory; a GPU registration is refused with the cause as its
- * code (docs/gpu.md): -EOPNOTSUPP (no GPU support in this build, a legacy
- * CUDA IPC handle, or a device found but not yet served), -ELIBACC (no
- * CUDA driver), -ENXIO (no device with the UUID the trainer named).
+ * tensors can be registered in the same message. A sidecar serves GPU
+ * memory host-staged (gpusess.h) where its build, driver and device
+ * allow; otherwise the registration is refused with the cause as its code
+ * (docs/gpu.md): -EOPNOTSUPP (no GPU support in this build, or a legacy
+ * CUDA IPC handle), -ELIBACC (no CUDA driver), -ENXIO (no device with the
+ * UUID the trainer named).
  */
 #ifndef COHORT_TLINK_H
 #define COHORT_TLINK_H
@@ -64,7 +65,9 @@ struct tlink_hello {
  * across the PID namespaces of a pod's containers). TL_MEM_CUDA_VMM: a
  * region of the driver's virtual-memory API on the device named by
  * cuda_uuid (never by index: CUDA_VISIBLE_DEVICES differs between
- * containers). */
+ * containers), whose file descriptor comes second with REGISTER, after
+ * the memfd; the memfd is laid out as for host memory, and its gradient
+ * and result areas are where the sidecar stages the device's bytes. */
 enum tlink_mem { TL_MEM_HOST = 0, TL_MEM_CUDA_IPC = 1, TL_MEM_CUDA_VMM = 2 };
 
 struct tlink_register {
@@ -78,7 +81,12 @@ struct tlink_register {
     uint64_t buffers_off, buffers_bytes;
     union {
         uint8_t cuda_handle[64];    /* TL_MEM_CUDA_IPC: cudaIpcMemHandle_t */
-        uint8_t cuda_uuid[16];      /* TL_MEM_CUDA_VMM: the device's UUID */
+        struct {                    /* TL_MEM_CUDA_VMM (gpusess.h) */
+            uint8_t cuda_uuid[16];          /* the device's UUID */
+            uint64_t device_bytes;          /* the exported region's size */
+            uint64_t device_grads_off;      /* grad_count elements: the trainer's gradients */
+            uint64_t device_results_off;    /* grad_count elements: results land here */
+        };
     };
     int32_t cuda_device;
     uint32_t pad;

@@ -22,6 +22,7 @@
 #include "engine/dtype.h"
 #include "base/limits.h"
 #include "base/log.h"
+#include "accumulator/gpusess.h"
 #include "accumulator/tlink.h"
 #include "accumulator/viewpage.h"
 #include "gpu/cudrv.h"
@@ -48,7 +49,41 @@ struct session {
     struct node *node;
     struct viewpage *shared;    /* in map: where the view is published */
     char name[TLINK_NAME_MAX];
+    struct gpusess *gpu;        /* a GPU registration's device half, or NULL */
+    uint64_t gpu_round;         /* the last round whose result went to the device */
+    bool gpu_drop;              /* the last view published had drop_pending */
+    atomic_bool gpu_failed;     /* a copy to the device failed: the session ends */
 };
+
+/* A GPU session's result is the trainer's only once it is on the device:
+ * a newly committed round's results are copied there before the view that
+ * shows them is published (gpusess.h, on ordering). Called with the
+ * node's lock held; false when the copy failed, which ends the session. */
+static bool gpu_result_ready(struct session *s, const struct node_view *v)
+{
+    int rc;
+
+    /* Only node_view clears drop_pending, having zeroed the memfd's
+     * gradients: the device's follow, before the trainer's call returns. */
+    if (s->gpu_drop && !v->drop_pending && (rc = gpusess_zero_grads(s->gpu)) < 0) {
+        log_error("sidecar", "Dropped gradients could not be zeroed on the trainer's GPU; "
+                  "ending its session.", LF_ERR(rc));
+        atomic_store(&s->gpu_failed, true);
+    }
+    s->gpu_drop = v->drop_pending;
+
+    if (!v->has_gradients || v->rounds_committed == s->gpu_round)
+        return !atomic_load(&s->gpu_failed);
+    rc = gpusess_scatter(s->gpu);
+    if (rc < 0) {
+        log_error("sidecar", "A result could not be copied to the trainer's GPU; ending its "
+                  "session.", LF_U("round", v->rounds_committed), LF_ERR(rc));
+        atomic_store(&s->gpu_failed, true);
+        return false;
+    }
+    s->gpu_round = v->rounds_committed;
+    return true;
+}
 
 /* node_config.on_view: the view goes where the trainer reads it. */
 static void publish_view(void *arg, const struct node_view *v)
@@ -57,6 +92,8 @@ static void publish_view(void *arg, const struct node_view *v)
     struct tlink_view w;
 
     tlink_view_fill(&w, v);
+    if (s->gpu && !gpu_result_ready(s, v))
+        w.has_gradients = 0;
     viewpage_publish(s->shared, &w);
 }
 
@@ -73,7 +110,7 @@ int trainerd_check_layout(const struct tlink_register *r, uint64_t region_size)
 {
     uint64_t gbytes, end, rend;
 
-    if (r->mem != TL_MEM_HOST)
+    if (r->mem != TL_MEM_HOST && r->mem != TL_MEM_CUDA_VMM)
         return -EOPNOTSUPP;
     if (!dtype_valid((int)r->grad_dtype) || r->grad_count == 0)
         return -EINVAL;
@@ -121,11 +158,11 @@ int trainerd_check_gpu(const struct tlink_register *r, const char **why)
     memcpy(id.b, r->cuda_uuid, GPUID_BYTES);
     rc = cudrv_check(&id, why);
     if (rc == 0) {
-        *why = "The device is here, but this sidecar does not reduce GPU tensors yet.";
-        rc = -EOPNOTSUPP;
-    } else if (rc != -EOPNOTSUPP && rc != -ELIBACC && rc != -ENXIO) {
-        rc = -EIO;
+        *why = "The device is here; its tensors are served host-staged.";
+        return 0;
     }
+    if (rc != -EOPNOTSUPP && rc != -ELIBACC && rc != -ENXIO)
+        rc = -EIO;
     log_warn("sidecar", "A trainer registered GPU memory, which is refused.",
              LF_S("device", gpuid_format(&id, text, sizeof(text))), LF_S("cause", *why),
              LF_ERR(rc));
@@ -139,9 +176,13 @@ static int check_layout(const struct tlink_register *r, int fd)
     struct stat st;
     struct statfs fs;
     const char *why;
+    int rc;
 
-    if (r->mem != TL_MEM_HOST)
-        return trainerd_check_gpu(r, &why);
+    if (r->mem != TL_MEM_HOST) {
+        rc = trainerd_check_gpu(r, &why);
+        if (rc < 0)
+            return rc;
+    }
     /* An ordinary memfd lives on shmem. A hugetlbfs one could fault with
      * SIGBUS whenever the pool of huge pages runs dry. */
     if (fstatfs(fd, &fs) < 0 || fs.f_type != TMPFS_MAGIC)
@@ -154,8 +195,24 @@ static int check_layout(const struct tlink_register *r, int fd)
     return trainerd_check_layout(r, (uint64_t)st.st_size);
 }
 
+/* The device half of a GPU registration, before anything is mapped: its
+ * descriptor came (host memory has none), its layout holds, and the
+ * cohort does not pin parallel gradients, which the host-staged path does
+ * not serve: the node would zero the memfd's gradients, not the
+ * device's. */
+static int gpu_precheck(const struct trainerd *t, const struct tlink_register *r, int devfd)
+{
+    if (r->mem != TL_MEM_CUDA_VMM)
+        return devfd < 0 ? 0 : -EPROTO;
+    if (devfd < 0)
+        return -EPROTO;
+    if (t->ncfg.parallel_gradients > 1)
+        return -EOPNOTSUPP;
+    return gpusess_check_layout(r);
+}
+
 static int do_register(struct trainerd *t, struct session *s, const struct tlink_register *r,
-                       int fd)
+                       int fd, int devfd)
 {
     struct node_config nc = t->ncfg;
     struct node_tensors nt;
@@ -164,6 +221,9 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     if (s->node)
         return -EALREADY;
     rc = check_layout(r, fd);
+    if (rc < 0)
+        return rc;
+    rc = gpu_precheck(t, r, devfd);
     if (rc < 0)
         return rc;
     s->map = mmap(NULL, r->region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -176,6 +236,19 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     if (s->guard < 0)
         return s->guard;
     s->shared = (struct viewpage *)((char *)s->map + r->shared_off);
+    if (r->mem == TL_MEM_CUDA_VMM) {
+        rc = gpusess_open(r, devfd, (char *)s->map + r->grads_off,
+                          (char *)s->map + r->results_off, &s->gpu);
+        if (rc < 0) {
+            /* Nothing was started on the mapping: let it go, so that the
+             * trainer may register again. */
+            busguard_unwatch(s->guard);
+            munmap(s->map, s->map_len);
+            s->map = NULL;
+            s->guard = -1;
+            return rc;
+        }
+    }
     nc.on_view = publish_view;
     nc.view_arg = s;
     rc = node_start(&nc, &s->node);
@@ -194,6 +267,34 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
                  LF_S("grad_dtype", dtype_name((enum dtype)r->grad_dtype)),
                  LF_U("shared_bytes", r->region_bytes));
     return rc;
+}
+
+/* CONTRIBUTE. A GPU session stages the device's gradients into the memfd
+ * first, and only when the node expects a contribution and has no drop
+ * pending: otherwise the node may be reading the memfd's gradients for a
+ * round in flight, and it refuses the contribution anyway. The view is
+ * read from the page, not with node_view, which would carry out a
+ * pending drop and let zeroed gradients through as a contribution. */
+static int contribute(struct session *s, uint64_t batch_size)
+{
+    struct tlink_view v;
+    int rc, tries = 0;
+
+    if (s->gpu && batch_size > 0) {
+        /* A read fails only while the node's thread is publishing: never
+         * for long. Contributing without knowing could pass the memfd's
+         * stale gradients off as this batch's. */
+        while ((rc = viewpage_read(s->shared, &v)) < 0 && ++tries < 100)
+            usleep(1000);
+        if (rc < 0)
+            return -EBUSY;
+        if (v.wants_gradients && !v.drop_pending) {
+            rc = gpusess_gather(s->gpu);
+            if (rc < 0)
+                return rc;
+        }
+    }
+    return node_contribute(s->node, batch_size);
 }
 
 /* Refuses a request with `err`; `end`: the session ends too. A one-way
@@ -238,8 +339,10 @@ static int serve_one(struct trainerd *t, struct session *s)
             close(fds[i]);
         return refuse(s, h.type, -EPROTO, true);
     }
-    /* Only these requests carry a descriptor, and they must. */
-    if ((h.type == TL_REGISTER || h.type == TL_SET_STATE) != (nfds == 1)) {
+    /* Only these requests carry a descriptor, and they must; a GPU
+     * registration may carry its device region's as a second. */
+    if ((h.type == TL_REGISTER || h.type == TL_SET_STATE) != (nfds >= 1) ||
+        (nfds == 2 && h.type != TL_REGISTER)) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
         return refuse(s, h.type, -EPROTO, false);
@@ -254,8 +357,9 @@ static int serve_one(struct trainerd *t, struct session *s)
         rc = b.hello.api_version == TLINK_VERSION ? 0 : -EPROTO;
         return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
     case TL_REGISTER:
-        rc = do_register(t, s, &b.reg, fds[0]);
-        close(fds[0]);
+        rc = do_register(t, s, &b.reg, fds[0], nfds == 2 ? fds[1] : -1);
+        for (int i = 0; i < nfds; i++)
+            close(fds[i]);
         if (rc < 0)
             log_warn("sidecar", "A trainer's registration was refused.", LF_ERR(rc));
         return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
@@ -267,7 +371,7 @@ static int serve_one(struct trainerd *t, struct session *s)
         return reply(s->sock, h.type, 0, &w, sizeof(w), NULL, 0);
     }
     case TL_CONTRIBUTE:
-        return reply(s->sock, h.type, node_contribute(s->node, b.u.value), NULL, 0, NULL, 0);
+        return reply(s->sock, h.type, contribute(s, b.u.value), NULL, 0, NULL, 0);
     case TL_CONSUME:
         /* One-way: the trainer does not wait. A consume that finds its
          * result already dropped by a state transfer has nothing to do. */
@@ -309,6 +413,7 @@ static int serve_one(struct trainerd *t, struct session *s)
     case TL_SET_PARALLEL:
         return reply(s->sock, h.type,
                      b.u.value > UINT32_MAX ? -EINVAL
+                     : s->gpu && b.u.value > 1 ? -EOPNOTSUPP
                                             : node_set_parallel_gradients(s->node, (unsigned)b.u.value),
                      NULL, 0, NULL, 0);
     case TL_SET_COMPRESSION: {
@@ -327,6 +432,8 @@ static void session_end(struct session *s)
 {
     /* The member leaves first: the cohort moves on without us at once. */
     node_stop(s->node);
+    /* No node thread publishes a view any more: the device may go. */
+    gpusess_close(s->gpu);
     /* Nothing touches the mapping any more: the guard may let go of it. */
     busguard_unwatch(s->guard);
     if (s->map)
@@ -365,6 +472,12 @@ static void *trainerd_main(void *arg)
             log_error("sidecar", "The trainer's shared memory failed (SIGBUS); ending its "
                       "session and leaving the cohort.", LF_S("accumulator", s.name));
             tlink_send(s.sock, TL_REPLY, -EFAULT, NULL, 0, NULL, 0);
+            session_end(&s);
+            continue;
+        }
+
+        if (atomic_load(&s.gpu_failed)) {
+            tlink_send(s.sock, TL_REPLY, -EIO, NULL, 0, NULL, 0);
             session_end(&s);
             continue;
         }

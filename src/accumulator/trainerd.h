@@ -31,20 +31,22 @@ void trainerd_stop(struct trainerd *t);
 struct tlink_register;
 /* The sidecar's check of a REGISTER layout against the size of the memfd
  * that came with it (region_size, from fstat once its seals are checked):
- * host memory, a valid gradient type and a nonzero count, region_bytes
+ * host memory or a GPU registration's memfd (TL_MEM_CUDA_VMM; its device
+ * half is gpusess_check_layout's), a valid gradient type and a nonzero count, region_bytes
  * equal to region_size, every offset 64-byte aligned, every region inside
  * the memfd without wrapping around, the results apart from the gradients
  * and the view page (VIEWPAGE_BYTES) after every tensor. Returns 0,
- * -EOPNOTSUPP (not host memory) or -EINVAL. Pure, so that tests/fuzz can
+ * -EOPNOTSUPP (another kind of memory) or -EINVAL. Pure, so that tests/fuzz can
  * call it. */
 int trainerd_check_layout(const struct tlink_register *r, uint64_t region_size);
 
-/* Why GPU memory (r->mem not TL_MEM_HOST) cannot be served here, as the
- * code the trainer gets: -EOPNOTSUPP (no GPU support in this build, a
- * legacy CUDA IPC handle, an unknown kind, or a device that is present
- * but not yet served), -ELIBACC (no CUDA driver), -ENXIO (no device with
+/* Whether GPU memory (r->mem not TL_MEM_HOST) can be served here: 0 when
+ * the device r->cuda_uuid is present and the driver reaches it (served
+ * host-staged, gpusess.h), else the refusal as the code the trainer gets:
+ * -EOPNOTSUPP (no GPU support in this build, a legacy CUDA IPC handle, an
+ * unknown kind), -ELIBACC (no CUDA driver), -ENXIO (no device with
  * r->cuda_uuid), -EIO (the driver failed). `why` gets a whole sentence
- * naming the cause (static). Logs the refusal with the device's UUID. */
+ * naming the cause (static). Logs a refusal with the device's UUID. */
 int trainerd_check_gpu(const struct tlink_register *r, const char **why);
 
 /* Trainers served so far (for tests). */

@@ -1,6 +1,6 @@
 /* src/gpu/cudrv_fns.h: private to src/gpu/, and only in a build with GPU
  * support: the driver's entry points as cudrv.c resolved them, for the
- * modules of this folder that call the driver (vmm.c). */
+ * modules of this folder that call the driver (vmm.c, stage.c). */
 #ifndef COHORT_CUDRV_FNS_H
 #define COHORT_CUDRV_FNS_H
 #ifdef COHORT_GPU
@@ -17,7 +17,10 @@
     X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
     X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) \
-    X(cuMemcpyHtoD) X(cuMemcpyDtoH)
+    X(cuMemcpyHtoD) X(cuMemcpyDtoH) \
+    X(cuCtxSynchronize) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) \
+    X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize) \
+    X(cuMemAllocHost) X(cuMemFreeHost) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemsetD8)
 
 struct cudrv {
     void *lib;

@@ -236,6 +236,36 @@ int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len)
     return e == CUDA_SUCCESS ? 0 : cudrv_fail(r->d, e, "GPU memory could not be copied to the host.");
 }
 
+int vmm_zero(struct vmm_region *r, size_t off, size_t len)
+{
+    CUresult e;
+
+    if (!in_range(r, off, len))
+        return -EINVAL;
+    e = r->d->cuCtxSetCurrent(r->ctx);
+    if (e == CUDA_SUCCESS)
+        e = r->d->cuMemsetD8(r->addr + off, 0, len);
+    if (e == CUDA_SUCCESS)
+        e = r->d->cuCtxSynchronize();
+    return e == CUDA_SUCCESS ? 0 : cudrv_fail(r->d, e, "GPU memory could not be zeroed.");
+}
+
+int vmm_sync(struct vmm_region *r)
+{
+    CUresult e = r->d->cuCtxSetCurrent(r->ctx);
+
+    if (e == CUDA_SUCCESS)
+        e = r->d->cuCtxSynchronize();
+    return e == CUDA_SUCCESS ? 0 : cudrv_fail(r->d, e, "The GPU's queued work could not be waited for.");
+}
+
+int vmm_enter(struct vmm_region *r)
+{
+    CUresult e = r->d->cuCtxSetCurrent(r->ctx);
+
+    return e == CUDA_SUCCESS ? 0 : cudrv_fail(r->d, e, "The device's primary context could not be made current.");
+}
+
 void vmm_destroy(struct vmm_region *r)
 {
     if (!r)
@@ -283,6 +313,21 @@ int vmm_write(struct vmm_region *r, size_t off, const void *src, size_t len)
 }
 
 int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len)
+{
+    return -EOPNOTSUPP;
+}
+
+int vmm_enter(struct vmm_region *r)
+{
+    return -EOPNOTSUPP;
+}
+
+int vmm_zero(struct vmm_region *r, size_t off, size_t len)
+{
+    return -EOPNOTSUPP;
+}
+
+int vmm_sync(struct vmm_region *r)
 {
     return -EOPNOTSUPP;
 }

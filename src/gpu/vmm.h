@@ -44,6 +44,20 @@ size_t vmm_bytes(const struct vmm_region *r);
 int vmm_write(struct vmm_region *r, size_t off, const void *src, size_t len);
 int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len);
 
+/* Zeroes [off, off + len) of the region, done when it returns (the
+ * driver's own memset, then a synchronisation of the context). Returns 0,
+ * -EINVAL, -EIO, -EOPNOTSUPP. */
+int vmm_zero(struct vmm_region *r, size_t off, size_t len);
+/* Waits for all work queued in the region's device context by this
+ * process (cuCtxSynchronize: every stream of the primary context, which
+ * PyTorch's allocations share). Returns 0, -EIO, -EOPNOTSUPP. */
+int vmm_sync(struct vmm_region *r);
+
+/* Makes the region's device context current on the calling thread, as
+ * every driver call on the region needs (stage.h). Returns 0, -EIO,
+ * -EOPNOTSUPP. */
+int vmm_enter(struct vmm_region *r);
+
 /* Unmaps, frees the address range and releases the allocation: the memory
  * itself goes once every process that mapped it has let go. NULL is fine. */
 void vmm_destroy(struct vmm_region *r);

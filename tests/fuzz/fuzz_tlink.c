@@ -23,6 +23,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "accumulator/gpusess.h"
 #include "accumulator/tlink.h"
 #include "accumulator/trainerd.h"
 #include "accumulator/viewpage.h"
@@ -52,7 +53,8 @@ static bool layout_ok(const struct tlink_register *r, uint64_t size)
 {
     unsigned __int128 g;
 
-    if (r->mem != TL_MEM_HOST || !dtype_valid((int)r->grad_dtype) || r->grad_count == 0 ||
+    if ((r->mem != TL_MEM_HOST && r->mem != TL_MEM_CUDA_VMM) || !dtype_valid((int)r->grad_dtype) ||
+        r->grad_count == 0 ||
         r->region_bytes != size || size == 0)
         return false;
     if (r->params_off % 64 || r->grads_off % 64 || r->results_off % 64 || r->buffers_off % 64 ||
@@ -78,11 +80,16 @@ static void check_layout(const struct tlink_register *r)
     int rc = trainerd_check_layout(r, r->region_bytes);
 
     CHECK(rc == 0 || rc == -EINVAL || rc == -EOPNOTSUPP);
-    CHECK((rc == -EOPNOTSUPP) == (r->mem != TL_MEM_HOST));
+    CHECK((rc == -EOPNOTSUPP) == (r->mem != TL_MEM_HOST && r->mem != TL_MEM_CUDA_VMM));
     CHECK((rc == 0) == layout_ok(r, r->region_bytes));
     /* A memfd of any other size is refused. */
     CHECK(trainerd_check_layout(r, r->region_bytes + 64) != 0);
     CHECK(trainerd_check_layout(r, r->region_bytes - 1) != 0);
+    /* A GPU registration's device half: accepted or refused, nothing else. */
+    rc = gpusess_check_layout(r);
+    CHECK(rc == 0 || rc == -EINVAL);
+    CHECK(rc != 0 || (r->mem == TL_MEM_CUDA_VMM && r->device_results_off < r->device_bytes &&
+                      r->device_grads_off < r->device_bytes));
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

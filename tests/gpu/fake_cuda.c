@@ -12,12 +12,20 @@
  *   COHORT_FAKE_CUDA_FAIL     the name of one call that fails
  *                             (CUDA_ERROR_OUT_OF_MEMORY) before it acts
  * and asked, through dlsym, for fake_cuda_log() (the calls made, by name)
- * and fake_cuda_live() (contexts, allocations, reservations and mappings
- * not yet released).
+ * and fake_cuda_live() (contexts, allocations, reservations, mappings,
+ * streams, events and pinned buffers not yet released).
+ *
+ * Asynchronous copies are played as a device plays them at its slowest:
+ * queued on their stream and carried out only when a synchronisation
+ * covers them (cuEventSynchronize on an event recorded behind them,
+ * cuStreamSynchronize, cuCtxSynchronize). A caller that reads a
+ * destination, or refills a source, before waiting for its copy sees the
+ * old bytes, or sends the new ones, as it could on a real device.
  */
 #include <cuda.h>
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -334,5 +342,208 @@ EXPORT CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_
 {
     ENTER("cuMemcpyDtoH");
     memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+    return CUDA_SUCCESS;
+}
+
+/* ---- streams, events, asynchronous copies and pinned host memory ---- */
+
+#define STREAMS 8
+#define QUEUE 256
+
+struct fake_copy {
+    void *dst;
+    const void *src;
+    size_t n;
+};
+
+struct fake_stream {
+    bool used;
+    struct fake_copy q[QUEUE];
+    size_t queued, done;        /* copies q[done..queued) are pending */
+};
+
+struct fake_event {
+    struct fake_stream *s;      /* NULL: never recorded */
+    size_t mark;                /* copies before it on s */
+};
+
+static pthread_mutex_t stream_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_stream streams[STREAMS];
+
+/* Carries out the copies on s before position `upto`. Under stream_lock. */
+static void run_until(struct fake_stream *s, size_t upto)
+{
+    while (s->done < upto) {
+        struct fake_copy *c = &s->q[s->done % QUEUE];
+        memcpy(c->dst, c->src, c->n);
+        s->done++;
+    }
+}
+
+EXPORT CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+    ENTER("cuStreamCreate");
+    pthread_mutex_lock(&stream_lock);
+    for (int i = 0; i < STREAMS; i++) {
+        if (!streams[i].used) {
+            memset(&streams[i], 0, sizeof(streams[i]));
+            streams[i].used = true;
+            *phStream = (CUstream)&streams[i];
+            live++;
+            pthread_mutex_unlock(&stream_lock);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream)
+{
+    struct fake_stream *s = (struct fake_stream *)hStream;
+
+    ENTER("cuStreamSynchronize");
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    run_until(s, s->queued);
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream)
+{
+    struct fake_stream *s = (struct fake_stream *)hStream;
+
+    ENTER("cuStreamDestroy");
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    /* The driver lets queued work finish after a destroy. */
+    run_until(s, s->queued);
+    s->used = false;
+    live--;
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuCtxSynchronize(void)
+{
+    ENTER("cuCtxSynchronize");
+    pthread_mutex_lock(&stream_lock);
+    for (int i = 0; i < STREAMS; i++)
+        if (streams[i].used)
+            run_until(&streams[i], streams[i].queued);
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    struct fake_event *e;
+
+    ENTER("cuEventCreate");
+    e = calloc(1, sizeof(*e));
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *phEvent = (CUevent)e;
+    live++;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventDestroy(CUevent hEvent)
+{
+    ENTER("cuEventDestroy");
+    if (!hEvent)
+        return CUDA_ERROR_INVALID_VALUE;
+    free(hEvent);
+    live--;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+    struct fake_event *e = (struct fake_event *)hEvent;
+    struct fake_stream *s = (struct fake_stream *)hStream;
+
+    ENTER("cuEventRecord");
+    if (!e || !s)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    e->s = s;
+    e->mark = s->queued;
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent)
+{
+    struct fake_event *e = (struct fake_event *)hEvent;
+
+    ENTER("cuEventSynchronize");
+    if (!e)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    if (e->s)
+        run_until(e->s, e->mark);
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_SUCCESS;
+}
+
+static CUresult enqueue(CUstream hStream, void *dst, const void *src, size_t n)
+{
+    struct fake_stream *s = (struct fake_stream *)hStream;
+    CUresult r = CUDA_SUCCESS;
+
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    /* A full queue drains its oldest copy first, as a device's would. */
+    if (s->queued - s->done == QUEUE)
+        run_until(s, s->done + 1);
+    s->q[s->queued % QUEUE] = (struct fake_copy){ dst, src, n };
+    s->queued++;
+    pthread_mutex_unlock(&stream_lock);
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost,
+                                          size_t ByteCount, CUstream hStream)
+{
+    ENTER("cuMemcpyHtoDAsync");
+    return enqueue(hStream, (void *)(uintptr_t)dstDevice, srcHost, ByteCount);
+}
+
+EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                          CUstream hStream)
+{
+    ENTER("cuMemcpyDtoHAsync");
+    return enqueue(hStream, dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocHost(void **pp, size_t bytesize)
+{
+    ENTER("cuMemAllocHost");
+    *pp = malloc(bytesize ? bytesize : 1);
+    if (!*pp)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    /* Filled, so that a read before its copy shows. */
+    memset(*pp, 0xa5, bytesize);
+    live++;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemFreeHost(void *p)
+{
+    ENTER("cuMemFreeHost");
+    free(p);
+    live--;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    ENTER("cuMemsetD8");
+    memset((void *)(uintptr_t)dstDevice, uc, N);
     return CUDA_SUCCESS;
 }

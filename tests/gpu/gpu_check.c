@@ -16,11 +16,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "accumulator/tlink.h"
+#include "accumulator/trainerd.h"
+#include "accumulator/viewpage.h"
+#include "base/clock.h"
 #include "base/opt.h"
+#include "membership/broker.h"
+#include "membership/brokerd.h"
+#include "rpc/rpc.h"
 #include "gpu/cudrv.h"
 #include "gpu/fdpass.h"
 #include "gpu/gpuid.h"
@@ -176,6 +186,217 @@ out:
     vmm_destroy(r);
 }
 
+/* ---- the host-staged reduction: two trainers on device 0, each through a
+ * sidecar of its own (trainerd, in this process), one broker ---- */
+
+#define STAGED_N (5u << 19)    /* floats: 10 MiB, three staging segments */
+
+struct staged {
+    struct trainerd *sd;
+    char path[96];
+    int sock, memfd, devfd;
+    void *map;
+    size_t map_len;
+    struct vmm_region *dev;
+    struct tlink_register r;
+};
+
+static int32_t staged_call(int fd, uint16_t type, const void *body, uint32_t len, const int *fds,
+                           int nfds)
+{
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int got[TLINK_FDS_MAX], ngot;
+
+    if (tlink_send(fd, type, 0, body, len, fds, nfds) < 0 ||
+        tlink_recv(fd, &h, buf, sizeof(buf), -1, got, &ngot, TIMEOUT_MS) < 0)
+        return -EPIPE;
+    for (int i = 0; i < ngot; i++)
+        close(got[i]);
+    return h.status;
+}
+
+static float staged_grad(int member, size_t k)
+{
+    return (float)(k % 1000) * (float)(member + 1) - 7.0f * (float)member;
+}
+
+/* A trainer's memory (a sealed memfd laid out as for host memory, and a
+ * device region of its gradients, results in place) and its sidecar. */
+static int staged_start(struct staged *t, struct cudrv *d, const struct gpuid *dev,
+                        const char *broker, const char *dir, int member, float *g)
+{
+    struct trainerd_config tc = { .node = { .broker = broker, .cohort = "gpu-check",
+                                            .id = member ? "m-1" : "m-0", .host = "127.0.0.1" } };
+    struct tlink_hello hello = { .api_version = TLINK_VERSION, .name = "gpu-check" };
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    const size_t gbytes = STAGED_N * sizeof(float);
+    int fds[2], rc;
+
+    snprintf(t->path, sizeof(t->path), "%s/%d.sock", dir, member);
+    tc.socket_path = t->path;
+    rc = trainerd_start(&tc, &t->sd);
+    if (rc < 0)
+        return rc;
+    t->r = (struct tlink_register){ .mem = TL_MEM_CUDA_VMM, .grad_dtype = DTYPE_F32,
+                                    .grad_count = STAGED_N, .params_off = 0, .params_bytes = 64,
+                                    .grads_off = 64, .results_off = 64 + gbytes,
+                                    .buffers_off = 64 + 2 * gbytes,
+                                    .shared_off = 2 * gbytes + 4096 };
+    t->r.region_bytes = t->map_len = t->r.shared_off + VIEWPAGE_BYTES;
+    memcpy(t->r.cuda_uuid, dev->b, GPUID_BYTES);
+    t->memfd = memfd_create("gpu-check", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (t->memfd < 0 || ftruncate(t->memfd, (off_t)t->map_len) < 0 ||
+        fcntl(t->memfd, F_ADD_SEALS, TLINK_SEALS) < 0)
+        return -errno;
+    t->map = mmap(NULL, t->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, t->memfd, 0);
+    if (t->map == MAP_FAILED) {
+        t->map = NULL;
+        return -errno;
+    }
+    rc = vmm_export(d, 0, gbytes, &t->dev, &t->devfd);
+    if (rc < 0)
+        return rc;
+    for (size_t k = 0; k < STAGED_N; k++)
+        g[k] = staged_grad(member, k);
+    rc = vmm_write(t->dev, 0, g, gbytes);
+    if (rc < 0)
+        return rc;
+    t->r.device_bytes = vmm_bytes(t->dev);
+    t->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    memcpy(sa.sun_path, t->path, strlen(t->path) + 1);
+    if (t->sock < 0 || connect(t->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0)
+        return -errno;
+    fds[0] = t->memfd;
+    fds[1] = t->devfd;
+    if ((rc = staged_call(t->sock, TL_HELLO, &hello, sizeof(hello), NULL, 0)) < 0 ||
+        (rc = staged_call(t->sock, TL_REGISTER, &t->r, sizeof(t->r), fds, 2)) < 0 ||
+        (rc = staged_call(t->sock, TL_SET_VBS, &(struct tlink_u64){ 2 }, 8, NULL, 0)) < 0)
+        return rc;
+    return 0;
+}
+
+static void staged_stop(struct staged *t)
+{
+    if (t->sock >= 0)
+        close(t->sock);
+    trainerd_stop(t->sd);
+    if (t->map)
+        munmap(t->map, t->map_len);
+    if (t->memfd >= 0)
+        close(t->memfd);
+    if (t->devfd >= 0)
+        close(t->devfd);
+    vmm_destroy(t->dev);
+}
+
+/* Both trainers' loops on this thread until each holds a result. */
+static int staged_rounds(struct staged *t)
+{
+    uint64_t until = clock_now_ms() + TIMEOUT_MS;
+    bool sent[2] = { false, false };
+    struct tlink_view v;
+    int done = 0, rc;
+
+    while (done < 2) {
+        done = 0;
+        for (int i = 0; i < 2; i++) {
+            /* A sidecar says nothing unasked unless it ends the session. */
+            if (tlink_wait(t[i].sock, 0) == 0) {
+                struct tlink_hdr h;
+                char buf[TLINK_BODY_MAX];
+                int got[TLINK_FDS_MAX], ngot;
+                rc = tlink_recv(t[i].sock, &h, buf, sizeof(buf), -1, got, &ngot, 0);
+                for (int k = 0; k < ngot; k++)
+                    close(got[k]);
+                return rc < 0 ? rc : h.status < 0 ? h.status : -EPROTO;
+            }
+            viewpage_read((const struct viewpage *)((char *)t[i].map + t[i].r.shared_off), &v);
+            if (v.wants_state) {
+                int fd = tlink_memfd_from("state", "st", 2);
+                rc = fd < 0 ? fd : staged_call(t[i].sock, TL_SET_STATE, &(struct tlink_u64){ 2 },
+                                               8, &fd, 1);
+                if (fd >= 0)
+                    close(fd);
+                if (rc < 0)
+                    return rc;
+            }
+            if (!sent[i] && v.connected && v.wants_gradients && v.size == 2) {
+                rc = staged_call(t[i].sock, TL_CONTRIBUTE, &(struct tlink_u64){ 1 }, 8, NULL, 0);
+                if (rc < 0)
+                    return rc;
+                sent[i] = true;
+            }
+            done += v.has_gradients;
+        }
+        if (clock_now_ms() > until)
+            return -ETIMEDOUT;
+        usleep(2000);
+    }
+    return 0;
+}
+
+static void host_staged(struct cudrv *d)
+{
+    struct brokerd_config bc = { .listen = "127.0.0.1:0", .open = true };
+    struct staged t[2] = { { .sock = -1, .memfd = -1, .devfd = -1 },
+                           { .sock = -1, .memfd = -1, .devfd = -1 } };
+    struct gpuid ids[CUDRV_DEVICES_MAX];
+    char broker[64], dir[] = "/tmp/cohort-gpu-check-XXXXXX";
+    struct brokerd *bd = NULL;
+    float *g = malloc(STAGED_N * sizeof(float)), *res[2] = { NULL, NULL };
+    const char *detail = NULL;
+    int rc, started = 0;
+    bool rpc_up = false;
+
+    rc = g ? cudrv_list(d, ids, CUDRV_DEVICES_MAX) : -ENOMEM;
+    if (rc >= 0 && !mkdtemp(dir))
+        rc = -errno;
+    if (rc >= 0) {
+        rc = rpc_init();
+        rpc_up = rc == 0;
+    }
+    if (rc >= 0) {
+        broker_config_default(&bc.broker);
+        bc.broker.startup_hold_ms = 0;
+        rc = brokerd_start(&bc, &bd);
+    }
+    if (rc >= 0)
+        rc = brokerd_declare(bd, "gpu-check", 0, 0);
+    if (rc >= 0)
+        snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(bd));
+    for (int i = 0; rc >= 0 && i < 2; i++, started++)
+        rc = staged_start(&t[i], d, &ids[0], broker, dir, i, g);
+    if (rc >= 0)
+        rc = staged_rounds(t);
+    for (int i = 0; rc >= 0 && i < 2; i++) {
+        res[i] = malloc(STAGED_N * sizeof(float));
+        rc = res[i] ? vmm_read(t[i].dev, 0, res[i], STAGED_N * sizeof(float)) : -ENOMEM;
+    }
+    if (rc >= 0 && memcmp(res[0], res[1], STAGED_N * sizeof(float)) != 0) {
+        rc = -EBADMSG;
+        detail = "the two devices hold different results";
+    }
+    for (size_t k = 0; rc >= 0 && k < STAGED_N; k++) {
+        if (res[0][k] != (staged_grad(0, k) + staged_grad(1, k)) / 2.0f) {
+            rc = -EBADMSG;
+            detail = "a result is not the mean of the two members' gradients";
+        }
+    }
+    report("host-staged reduction of two trainers' device gradients through their sidecars "
+           "(device to pinned host, the engine, host to device)", rc < 0 ? rc : 0, detail);
+    for (int i = 0; i < started; i++)
+        staged_stop(&t[i]);
+    if (bd)
+        brokerd_stop(bd);
+    if (rpc_up)
+        rpc_shutdown();
+    rmdir(dir);
+    free(res[0]);
+    free(res[1]);
+    free(g);
+}
+
 /* NCCL on one GPU: a communicator of one rank, made, polled and aborted
  * through the same machine as an epoch's. */
 static void nccl_one_rank(void)
@@ -245,6 +466,7 @@ int main(int argc, char **argv)
     n = cudrv_list(d, ids, CUDRV_DEVICES_MAX);
     printf("test-gpu: %d device(s) visible.\n", n);
     handover(d, "/proc/self/exe");
+    host_staged(d);
     if (!driver_only) {
         nccl_one_rank();
         printf("test-gpu: NCCL across two or more GPUs: skipped (not built yet; docs/gpu.md).\n");

@@ -230,3 +230,13 @@ def test_train_quality_reports_a_codec_the_accumulator_refuses():
                              8 * DEADLINE, what="bench/train_quality.py")
     assert rc == 1 and out == "", (rc, out)
     assert "--codec zip" in err
+
+
+@pytest.mark.skipif(any(os.access(os.path.join(d, "nvidia-smi"), os.X_OK)
+                        for d in os.environ.get("PATH", "").split(os.pathsep)),
+                    reason="nvidia-smi is here: bench/gpu.sh would run for real")
+def test_bench_gpu_skips_with_its_reason_without_a_gpu():
+    out = subprocess.run(["sh", os.path.join(ROOT, "bench", "gpu.sh")], capture_output=True,
+                         text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gpu.sh: skipped: no nvidia-smi" in out.stderr, out.stderr

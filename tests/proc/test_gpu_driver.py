@@ -12,13 +12,14 @@ anything about a real driver or a real GPU (docs/gpu.md).
 The stand-in is built only with GPU support (it needs cuda.h); without
 it these tests skip, saying so.
 """
+import json
 import os
 import re
 import subprocess
 
 import pytest
 
-from cohorttest import DEADLINE, bin_path
+from cohorttest import DEADLINE, ROOT, bin_path
 
 FAKE_DIR = bin_path(os.path.join("tests", "gpu", "fake"))
 GPU_CHECK = bin_path(os.path.join("tests", "gpu", "gpu_check"))
@@ -72,6 +73,23 @@ def test_a_region_reaches_another_process_over_the_socket():
     assert re.search(r"handover .*: ok", out.stdout), out.stdout
 
 
+def test_the_host_staged_reduction_reaches_both_devices_and_a_failed_copy_fails_it():
+    out = subprocess.run([GPU_CHECK, "--driver-only"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"host-staged reduction .*: ok", out.stdout), out.stdout
+    # A result that cannot reach a trainer's device ends its session: the
+    # check fails at once with the sidecar's error, not at its deadline.
+    out = subprocess.run([GPU_CHECK, "--driver-only"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
+                                      COHORT_FAKE_CUDA_FAIL="cuMemcpyHtoDAsync"),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(r"host-staged reduction .*: FAIL \(Input/output error\)", out.stdout), \
+        out.stdout
+
+
 def test_a_failed_mapping_in_the_exporter_fails_the_check():
     out = subprocess.run([GPU_CHECK, "--driver-only"],
                          env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
@@ -90,3 +108,34 @@ def test_no_device_and_no_driver_are_skips_with_their_reason():
                          capture_output=True, text=True, timeout=4 * DEADLINE)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "test-gpu: skipped: no CUDA driver" in out.stdout, out.stdout
+
+
+def test_bench_gpu_trainer_runs_under_cohortctl_run_against_the_stand_in(tmp_path):
+    """bench/gpu.sh's cohort half, end to end through the public API
+    (cohort_use_gpu) and two sidecars: it reduces and reports its rounds.
+    The stand-in times nothing real; this checks the plumbing only."""
+    exe = str(tmp_path / "gpu_trainer")
+    build = subprocess.run(
+        ["cc", "-fsanitize=address,undefined", "-Iinclude", "-o", exe, "bench/gpu_trainer.c",
+         bin_path("libcohort.a"), "-lgrpc", "-lgpr", "-lprotobuf-c", "-lcjson", "-lcurl",
+         "-lyaml", "-lcrypto", "-lpthread", "-lm"],
+        cwd=ROOT, capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert build.returncode == 0, build.stderr
+    out = subprocess.run([bin_path("cohortctl"), "run", "-n", "2", "--no-view", "-o", "json",
+                          "--", exe, "300000", "4", "1"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE, COHORT_GPU_UUID=DEVICE),
+                         capture_output=True, text=True, timeout=8 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = [json.loads(p["last_line"]) for p in summary["peers"]]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["impl"] == "cohort-host-staged" and r["bytes"] == 1200000 and r["rounds"] == 4
+        assert 0 < r["best_ms"] <= r["median_ms"]
+    # A UUID no device has: the trainer says why and fails.
+    out = subprocess.run([bin_path("cohortctl"), "run", "-n", "1", "--no-view", "-o", "json",
+                          "--", exe, "1000", "1", "0"],
+                         env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
+                                      COHORT_GPU_UUID="GPU-00000000-0000-0000-0000-00000000000c"),
+                         capture_output=True, text=True, timeout=8 * DEADLINE)
+    assert out.returncode != 0, out.stdout + out.stderr

@@ -153,6 +153,16 @@ def test_bad_tensors_are_refused_with_clear_messages():
         cohort.Accumulator("x", [torch.zeros(3, device="meta")], [])
     with pytest.raises(ValueError, match="dense"):
         cohort.Accumulator("x", [torch.zeros(3).to_sparse()], [])
+    # A CUDA device: on a machine without CUDA no such tensor can even be
+    # made, so the sentence is asked of the check itself.
+    from cohort.accumulator import _device_refusal
+    assert _device_refusal(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in _device_refusal(torch.device("cuda", 0))
+    else:
+        p_gpu = torch.nn.Parameter(torch.zeros(3, device="cuda"))
+        with pytest.raises(ValueError, match="cohort_use_gpu"):
+            cohort.Accumulator("x", [p_gpu], [])
     with pytest.raises(TypeError, match="name"):
         cohort.Accumulator(None, [p32], [])
     with pytest.raises(TypeError, match="cohort.Group"):

@@ -1,0 +1,142 @@
+/* src/accumulator/gpusess.c: see gpusess.h. */
+#include "accumulator/gpusess.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "accumulator/tlink.h"
+#include "engine/dtype.h"
+#include "gpu/cudrv.h"
+#include "gpu/gpuid.h"
+#include "gpu/stage.h"
+#include "gpu/vmm.h"
+
+struct gpusess {
+    struct cudrv *d;
+    struct vmm_region *region;
+    struct stage *stage;
+    pthread_mutex_t lock;       /* one copy at a time through the stage */
+    size_t bytes;               /* of the gradients, and of the results */
+    uint64_t grads_off, results_off;    /* in the region */
+    void *host_grads, *host_results;    /* in the memfd */
+};
+
+/* True when [off, off + len) lies inside [0, size) without wrapping. */
+static bool inside(uint64_t off, uint64_t len, uint64_t size)
+{
+    return off <= size && len <= size - off;
+}
+
+int gpusess_check_layout(const struct tlink_register *r)
+{
+    uint64_t gbytes;
+
+    if (r->mem != TL_MEM_CUDA_VMM || !dtype_valid((int)r->grad_dtype) || r->grad_count == 0 ||
+        r->device_bytes == 0)
+        return -EINVAL;
+    if (r->grad_count > UINT64_MAX / 8)
+        return -EINVAL;
+    gbytes = r->grad_count * dtype_size((enum dtype)r->grad_dtype);
+    if ((r->device_grads_off | r->device_results_off) % 64 != 0)
+        return -EINVAL;
+    if (!inside(r->device_grads_off, gbytes, r->device_bytes) ||
+        !inside(r->device_results_off, gbytes, r->device_bytes))
+        return -EINVAL;
+    /* The same area, or apart: a partial overlap is no layout cohort makes. */
+    if (r->device_results_off != r->device_grads_off &&
+        r->device_results_off < r->device_grads_off + gbytes &&
+        r->device_grads_off < r->device_results_off + gbytes)
+        return -EINVAL;
+    return 0;
+}
+
+int gpusess_open(const struct tlink_register *r, int devfd, void *host_grads,
+                 void *host_results, struct gpusess **out)
+{
+    struct gpusess *g;
+    struct gpuid id;
+    int ordinal, rc;
+
+    rc = gpusess_check_layout(r);
+    if (rc < 0)
+        return rc;
+    g = calloc(1, sizeof(*g));
+    if (!g)
+        return -ENOMEM;
+    pthread_mutex_init(&g->lock, NULL);
+    g->bytes = (size_t)(r->grad_count * dtype_size((enum dtype)r->grad_dtype));
+    g->grads_off = r->device_grads_off;
+    g->results_off = r->device_results_off;
+    g->host_grads = host_grads;
+    g->host_results = host_results;
+    rc = cudrv_open(&g->d);
+    if (rc < 0)
+        goto fail;
+    memcpy(id.b, r->cuda_uuid, GPUID_BYTES);
+    rc = cudrv_find(g->d, &id, &ordinal);
+    if (rc < 0)
+        goto fail;
+    /* The size is the exporter's, whole granules of this device; import
+     * refuses any other, so a trainer cannot make us map past its
+     * allocation. */
+    if (r->device_bytes > SIZE_MAX) {
+        rc = -EINVAL;
+        goto fail;
+    }
+    rc = vmm_import(g->d, ordinal, devfd, (size_t)r->device_bytes, &g->region);
+    if (rc < 0)
+        goto fail;
+    rc = stage_open(g->d, g->region, 0, &g->stage);
+    if (rc < 0)
+        goto fail;
+    *out = g;
+    return 0;
+fail:
+    gpusess_close(g);
+    return rc;
+}
+
+int gpusess_gather(struct gpusess *g)
+{
+    int rc;
+
+    pthread_mutex_lock(&g->lock);
+    rc = stage_down(g->stage, g->grads_off, g->host_grads, g->bytes);
+    pthread_mutex_unlock(&g->lock);
+    return rc;
+}
+
+int gpusess_scatter(struct gpusess *g)
+{
+    int rc;
+
+    pthread_mutex_lock(&g->lock);
+    rc = stage_up(g->stage, g->results_off, g->host_results, g->bytes);
+    pthread_mutex_unlock(&g->lock);
+    return rc;
+}
+
+int gpusess_zero_grads(struct gpusess *g)
+{
+    int rc;
+
+    pthread_mutex_lock(&g->lock);
+    rc = vmm_zero(g->region, (size_t)g->grads_off, g->bytes);
+    pthread_mutex_unlock(&g->lock);
+    return rc;
+}
+
+void gpusess_close(struct gpusess *g)
+{
+    if (!g)
+        return;
+    /* The stage first: it drains its stream, which reads the region. */
+    stage_close(g->stage);
+    vmm_destroy(g->region);
+    cudrv_close(g->d);
+    pthread_mutex_destroy(&g->lock);
+    free(g);
+}
