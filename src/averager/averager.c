@@ -1,0 +1,610 @@
+/* src/averager/averager.c: see averager.h.
+ *
+ * One attempt is three calls of the engine among the group, which the
+ * engine runs as an epoch: the broker's group id is its number (group
+ * ids only grow, as epochs must) and the group's members, in the
+ * broker's order, are its members. Rounds 1 to 3 of that epoch:
+ *   1. all-gather of 16 bytes per member: its weight (float64) and the
+ *      length of what it gathers. Every member then knows the group's
+ *      total weight, in the same order, so divides by the same number;
+ *      a weight that is negative or not finite, or a length over the cap,
+ *      is a lying peer and fails the attempt (-EPROTO).
+ *   2. SUM of w * x (float32): the engine's result is the same bytes at
+ *      every member, and so is sum / W.
+ *   3. all-gather of the gathered bytes, padded to the longest.
+ * Only when all three succeed is anything written to the caller's data,
+ * so a failed attempt changes nothing and the next one starts from the
+ * same input.
+ *
+ * Exclusion. The engine fails a call at every member within its member
+ * timeout when a peer stalls or dies. The members that are still alive
+ * then ask the broker again and form a group without the stalled one,
+ * because it does not ask. The result therefore names its contributors
+ * exactly: the members of the group whose attempt succeeded.
+ */
+#include "averager/averager.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "base/limits.h"
+#include "base/log.h"
+#include "cohort.pb-c.h"
+#include "engine/allreduce.h"
+#include "membership/epoch.h"
+#include "membership/matchmaker.h"
+#include "membership/member.h"
+#include "rpc/rpc.h"
+
+#define DEFAULT_GATHER_MAX 4096u
+#define META_BYTES 16u
+/* Beyond the step's own timeout, how long the broker's answer may take to
+ * arrive before the call is abandoned. */
+#define MATCHMAKE_SLACK_MS 5000u
+
+struct averager {
+    char *cohort, *id, *prefix;
+    char bits[MATCHMAKER_BITS_MAX + 1];
+    uint32_t target, min, min_wait_ms;
+    size_t count, gather_max, block_max;
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];
+    size_t schema_len;
+    char address[IDENT_ADDRESS_MAX + 1];
+    int data_fd;
+    struct allreduce *ar;
+    struct member *member;
+    pthread_t member_thread;
+    pthread_mutex_t lock;
+    pthread_cond_t member_cond;
+    bool stop;
+
+    float *sum;                 /* count floats: w * x, then the sum */
+    uint8_t meta_in[META_BYTES], *meta_out;         /* out: target records */
+    uint8_t *g_in, *g_out;      /* block_max, target x block_max */
+    int h_sum, h_meta_in, h_meta_out, h_g_in, h_g_out;
+    char err[RPC_MESSAGE_MAX + 64];
+};
+
+/* ---- membership ---------------------------------------------------------- */
+
+static void *member_main(void *arg)
+{
+    struct averager *a = arg;
+
+    pthread_mutex_lock(&a->lock);
+    while (!a->stop) {
+        uint32_t wait;
+        struct timespec ts;
+
+        pthread_mutex_unlock(&a->lock);
+        wait = member_poll(a->member, clock_now_ms());
+        pthread_mutex_lock(&a->lock);
+        ts = clock_deadline(wait > 50 ? 50 : wait);
+        pthread_cond_timedwait(&a->member_cond, &a->lock, &ts);
+    }
+    pthread_mutex_unlock(&a->lock);
+    return NULL;
+}
+
+static void on_peer_lost(void *arg, const char *peer)
+{
+    struct averager *a = arg;
+
+    if (member_report_lost(a->member, peer) == 0)
+        pthread_cond_signal(&a->member_cond);
+}
+
+int averager_wait(struct averager *a, uint32_t timeout_ms)
+{
+    uint64_t end = clock_now_ms() + timeout_ms;
+
+    while (member_joins(a->member) == 0) {
+        if (clock_now_ms() >= end)
+            return -ETIMEDOUT;
+        usleep(10000);
+    }
+    return 0;
+}
+
+/* ---- matchmaking ------------------------------------------------------------ */
+
+struct mm_wait {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    bool ended;
+    struct rpc_status st;
+    Cohort__V1__MatchmakeReply *rep;
+};
+
+static void mm_msg(void *arg, ProtobufCMessage *msg)
+{
+    struct mm_wait *w = arg;
+
+    pthread_mutex_lock(&w->lock);
+    if (w->rep)
+        protobuf_c_message_free_unpacked(&w->rep->base, NULL);
+    w->rep = (Cohort__V1__MatchmakeReply *)msg;
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void mm_end(void *arg, const struct rpc_status *st)
+{
+    struct mm_wait *w = arg;
+
+    pthread_mutex_lock(&w->lock);
+    w->st = *st;
+    w->ended = true;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* Asks the broker for a group, waiting at most timeout_ms for it. On 0
+ * *out is the group as an epoch (checked: valid, unique, ordered ids),
+ * which the caller unrefs. */
+static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out)
+{
+    Cohort__V1__MatchmakeRequest q = COHORT__V1__MATCHMAKE_REQUEST__INIT;
+    struct mm_wait w = { .ended = false };
+    struct rpc_watch *watch = NULL;
+    struct timespec ts;
+    const char *why = NULL;
+    int rc;
+
+    q.prefix = a->prefix;
+    q.group_bits = a->bits;
+    q.target_group_size = a->target;
+    q.min_group_size = a->min;
+    q.min_matchmaking_ms = a->min_wait_ms < timeout_ms ? a->min_wait_ms : timeout_ms;
+    q.timeout_ms = timeout_ms;
+    q.schema.data = a->schema;
+    q.schema.len = a->schema_len;
+    pthread_mutex_init(&w.lock, NULL);
+    clock_cond_init(&w.cond);
+    rc = member_matchmake(a->member, &q, mm_msg, mm_end, &w, &watch);
+    if (rc < 0) {
+        snprintf(a->err, sizeof(a->err), "could not ask the broker for a group: %s",
+                 log_strerror(rc));
+        goto out;
+    }
+    ts = clock_deadline(timeout_ms + MATCHMAKE_SLACK_MS);
+    pthread_mutex_lock(&w.lock);
+    while (!w.ended)
+        if (pthread_cond_timedwait(&w.cond, &w.lock, &ts) == ETIMEDOUT)
+            break;
+    pthread_mutex_unlock(&w.lock);
+    rpc_watch_close(watch);         /* waits for mm_end */
+    if (w.st.code != RPC_OK || !w.rep) {
+        rc = w.st.code == RPC_DEADLINE_EXCEEDED || w.st.code == RPC_CANCELLED
+                 ? -ETIMEDOUT
+             : w.st.code == RPC_FAILED_PRECONDITION ? -EPROTO
+             : w.st.code == RPC_OK ? -EPROTO
+                                   : rpc_code_to_errno(w.st.code);
+        snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s",
+                 rpc_code_name(w.st.code), w.st.code == RPC_OK ? "no group in the reply"
+                                                                : w.st.message);
+        goto out;
+    }
+    {
+        Cohort__V1__Epoch p = COHORT__V1__EPOCH__INIT;
+
+        p.cohort = a->cohort;
+        p.epoch = w.rep->group_id;
+        p.n_members = w.rep->n_members;
+        p.members = w.rep->members;
+        p.leader = w.rep->n_members ? w.rep->members[0]->id : (char *)"";
+        if (w.rep->n_members == 0 || w.rep->n_members > a->target) {
+            rc = -EPROTO;
+            why = "a group of no members, or more than the target";
+        } else {
+            rc = epoch_from_proto(&p, out, &why);
+            if (rc == 0 && epoch_find(*out, a->id) < 0) {
+                epoch_unref(*out);
+                rc = -EPROTO;
+                why = "a group that does not list this averager";
+            }
+        }
+        if (rc < 0)
+            snprintf(a->err, sizeof(a->err), "the broker sent a bad group: %s",
+                     why ? why : log_strerror(rc));
+    }
+out:
+    if (w.rep)
+        protobuf_c_message_free_unpacked(&w.rep->base, NULL);
+    pthread_cond_destroy(&w.cond);
+    pthread_mutex_destroy(&w.lock);
+    return rc;
+}
+
+/* ---- one attempt ------------------------------------------------------------ */
+
+static void put_f64(uint8_t *p, double v)
+{
+    memcpy(p, &v, 8);
+}
+
+static double get_f64(const uint8_t *p)
+{
+    double v;
+
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    memcpy(p, &v, 8);
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    uint64_t v;
+
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static size_t round4(size_t n)
+{
+    return (n + 3) & ~(size_t)3;
+}
+
+static bool retryable(int rc)
+{
+    return rc == -ESTALE || rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -EPIPE ||
+           rc == -ECONNREFUSED;
+}
+
+/* Runs the three calls in group e. On 0 fills *res (without ids) and has
+ * a->sum holding the weighted sum; total weight in *total. */
+static int attempt(struct averager *a, struct epoch *e, const struct averager_step *s,
+                   double *total, struct averager_result **res)
+{
+    size_t n = e->n_members, members = 0, index = 0, longest = 0, block;
+    struct averager_result *r = NULL;
+    double w = 0;
+    int rc;
+
+    rc = allreduce_set_epoch(a->ar, e);
+    if (rc < 0)
+        return rc;
+    put_f64(a->meta_in, s->weight);
+    put_u64(a->meta_in + 8, s->gather_len);
+    rc = allreduce_gather(a->ar, a->h_meta_in, a->h_meta_out, META_BYTES, 1, &members, &index);
+    if (rc < 0)
+        return rc;
+    if (members != n)
+        return -ESTALE;
+    for (size_t i = 0; i < n; i++) {
+        double wi = get_f64(a->meta_out + i * META_BYTES);
+        uint64_t li = get_u64(a->meta_out + i * META_BYTES + 8);
+
+        if (!isfinite(wi) || wi < 0 || li > a->gather_max) {
+            snprintf(a->err, sizeof(a->err), "member %s of the group sent a bad weight or "
+                     "gather length", e->members[i].id);
+            return -EPROTO;
+        }
+        w += wi;
+        if (li > longest)
+            longest = li;
+    }
+    if (w == 0) {
+        snprintf(a->err, sizeof(a->err), "every member of the group was auxiliary");
+        return -ENODATA;
+    }
+    for (size_t i = 0; i < a->count; i++)
+        a->sum[i] = s->weight > 0 ? (float)s->weight * s->data[i] : 0.0f;
+    rc = allreduce_run(a->ar, a->h_sum, a->count, DTYPE_F32, DTYPE_SUM, 0, 2);
+    if (rc < 0)
+        return rc;
+    block = round4(longest);
+    if (block > 0) {
+        memset(a->g_in, 0, block);
+        if (s->gather_len)
+            memcpy(a->g_in, s->gather, s->gather_len);
+        rc = allreduce_gather(a->ar, a->h_g_in, a->h_g_out, block, 3, &members, &index);
+        if (rc < 0)
+            return rc;
+        if (members != n)
+            return -ESTALE;
+    }
+    r = calloc(1, sizeof(*r));
+    if (!r)
+        return -ENOMEM;
+    r->n = n;
+    r->group = e->number;
+    r->ids = calloc(n, sizeof(*r->ids));
+    r->weights = calloc(n, sizeof(*r->weights));
+    r->gathered = calloc(n, sizeof(*r->gathered));
+    r->gathered_len = calloc(n, sizeof(*r->gathered_len));
+    /* The gathered bytes are copied out of the engine's buffer, which the
+     * next step reuses, into one block after the arrays. */
+    {
+        uint8_t *copy = malloc(n * block + 1);
+
+        if (!r->ids || !r->weights || !r->gathered || !r->gathered_len || !copy) {
+            free(copy);
+            averager_result_free(r);
+            return -ENOMEM;
+        }
+        if (block)
+            memcpy(copy, a->g_out, n * block);
+        for (size_t i = 0; i < n; i++) {
+            snprintf(r->ids[i], sizeof(r->ids[i]), "%s", e->members[i].id);
+            r->weights[i] = get_f64(a->meta_out + i * META_BYTES);
+            r->gathered_len[i] = get_u64(a->meta_out + i * META_BYTES + 8);
+            r->gathered[i] = copy + i * block;
+        }
+        /* gathered[0] owns the block (averager_result_free). */
+        r->gathered[0] = copy;
+    }
+    *total = w;
+    *res = r;
+    return 0;
+}
+
+/* The bits after a round at `index` of a group of target (key manager). */
+static void move_bits(struct averager *a, size_t index)
+{
+    size_t len = strlen(a->bits), nb = 0;
+    char idx[MATCHMAKER_BITS_MAX + 1], joined[2 * MATCHMAKER_BITS_MAX + 2];
+
+    while (((size_t)1 << nb) < a->target && nb < MATCHMAKER_BITS_MAX)
+        nb++;
+    if (len == 0 || nb == 0)
+        return;
+    for (size_t i = 0; i < nb; i++)
+        idx[i] = (index >> (nb - 1 - i)) & 1 ? '1' : '0';
+    idx[nb] = '\0';
+    snprintf(joined, sizeof(joined), "%s%s", a->bits, idx);
+    memmove(a->bits, joined + strlen(joined) - len, len + 1);
+}
+
+int averager_step(struct averager *a, const struct averager_step *s,
+                  struct averager_result **out)
+{
+    uint32_t timeout = s->timeout_ms ? s->timeout_ms : AVERAGER_DEFAULT_TIMEOUT_MS;
+    uint64_t end = clock_now_ms() + timeout;
+    uint32_t attempts = 0;
+    int rc = -ETIMEDOUT;
+
+    a->err[0] = '\0';
+    if (!s->data || !isfinite(s->weight) || s->weight < 0 || !(s->alpha > 0 && s->alpha <= 1) ||
+        s->gather_len > a->gather_max || (s->gather_len && !s->gather)) {
+        snprintf(a->err, sizeof(a->err), "bad step: the weight must be finite and at least 0, "
+                 "alpha in (0, 1], and the gather at most %zu bytes", a->gather_max);
+        return -EINVAL;
+    }
+    for (;;) {
+        uint64_t now = clock_now_ms();
+        struct averager_result *r = NULL;
+        struct epoch *e = NULL;
+        double total = 0;
+
+        if (now >= end)
+            break;
+        rc = matchmake(a, (uint32_t)(end - now), &e);
+        if (rc == -ENOTCONN) {          /* not joined yet (or rejoining) */
+            usleep(20000);
+            continue;
+        }
+        if (rc < 0)
+            return rc;
+        attempts++;
+        rc = attempt(a, e, s, &total, &r);
+        if (rc == 0) {
+            long me = epoch_find(e, a->id);
+
+            if (s->weight > 0) {
+                for (size_t i = 0; i < a->count; i++) {
+                    float avg = (float)((double)a->sum[i] / total);
+
+                    s->data[i] = s->alpha == 1 ? avg
+                                               : s->data[i] + (float)s->alpha * (avg - s->data[i]);
+                }
+            }
+            move_bits(a, (size_t)me);
+            r->attempts = attempts;
+            epoch_unref(e);
+            *out = r;
+            return 0;
+        }
+        if (!a->err[0] || retryable(rc))
+            snprintf(a->err, sizeof(a->err), "averaging in group %llu of %zu failed: %s",
+                     (unsigned long long)e->number, e->n_members, log_strerror(rc));
+        log_info("averager", "An averaging attempt failed.", LF_S("id", a->id),
+                 LF_U("group", e->number), LF_U("members", e->n_members),
+                 LF_S("error", log_strerror(rc)), LF_B("retry", !s->no_retries && retryable(rc)));
+        epoch_unref(e);
+        if (s->no_retries || !retryable(rc))
+            return rc == -ESTALE ? -ETIMEDOUT : rc;
+    }
+    if (!a->err[0])
+        snprintf(a->err, sizeof(a->err), "no group completed the round within %u ms", timeout);
+    return -ETIMEDOUT;
+}
+
+void averager_result_free(struct averager_result *r)
+{
+    if (!r)
+        return;
+    if (r->gathered)
+        free((void *)r->gathered[0]);
+    free(r->ids);
+    free(r->weights);
+    free(r->gathered);
+    free(r->gathered_len);
+    free(r);
+}
+
+const char *averager_last_error(const struct averager *a)
+{
+    return a->err;
+}
+
+const char *averager_bits(const struct averager *a)
+{
+    return a->bits;
+}
+
+static bool bits_ok(const char *b)
+{
+    size_t n = 0;
+
+    for (; b[n]; n++)
+        if ((b[n] != '0' && b[n] != '1') || n >= MATCHMAKER_BITS_MAX)
+            return false;
+    return true;
+}
+
+int averager_set_bits(struct averager *a, const char *bits)
+{
+    if (!bits || !bits_ok(bits))
+        return -EINVAL;
+    snprintf(a->bits, sizeof(a->bits), "%s", bits);
+    return 0;
+}
+
+const char *averager_id(const struct averager *a)
+{
+    return a->id;
+}
+
+/* ---- life ------------------------------------------------------------------ */
+
+static int reg(struct averager *a, void *p, size_t bytes, int *h)
+{
+    *h = allreduce_register(a->ar, p, bytes);
+    return *h < 0 ? *h : 0;
+}
+
+int averager_create(const struct averager_config *cfg, struct averager **out)
+{
+    struct member_config mc = { 0 };
+    struct allreduce_config ac = { 0 };
+    struct matchmaker_request check = { 0 };
+    char why[128];
+    struct averager *a;
+    int rc;
+
+    if (!cfg || !cfg->broker || !cfg->host || cfg->count == 0 ||
+        cfg->count > ((size_t)1 << 30) || cfg->gather_max > AVERAGER_GATHER_MAX)
+        return -EINVAL;
+    /* The broker would refuse what the matchmaker refuses: say so now. */
+    check = (struct matchmaker_request){
+        .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
+        .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
+        .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
+        .schema = cfg->schema, .schema_len = cfg->schema_len,
+    };
+    if (matchmaker_check(&check, why, sizeof(why)) < 0)
+        return -EINVAL;
+    a = calloc(1, sizeof(*a));
+    if (!a)
+        return -ENOMEM;
+    a->data_fd = -1;
+    a->h_sum = a->h_meta_in = a->h_meta_out = a->h_g_in = a->h_g_out = -1;
+    pthread_mutex_init(&a->lock, NULL);
+    clock_cond_init(&a->member_cond);
+    a->cohort = strdup(cfg->cohort);
+    a->id = strdup(cfg->id);
+    a->prefix = strdup(cfg->prefix);
+    snprintf(a->bits, sizeof(a->bits), "%s", check.bits);
+    a->target = cfg->target_group_size;
+    a->min = cfg->min_group_size;
+    a->min_wait_ms = cfg->min_matchmaking_ms;
+    a->count = cfg->count;
+    a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
+    a->block_max = round4(a->gather_max);
+    memcpy(a->schema, cfg->schema, cfg->schema_len);
+    a->schema_len = cfg->schema_len;
+    a->sum = calloc(a->count, sizeof(float));
+    a->meta_out = calloc(a->target, META_BYTES);
+    a->g_in = calloc(1, a->block_max);
+    a->g_out = calloc(a->target, a->block_max);
+    if (!a->cohort || !a->id || !a->prefix || !a->sum || !a->meta_out || !a->g_in || !a->g_out) {
+        rc = -ENOMEM;
+        goto err;
+    }
+    rc = allreduce_listen(cfg->host, &a->data_fd, a->address, sizeof(a->address));
+    if (rc < 0)
+        goto err;
+    ac.cohort = a->cohort;
+    ac.member_id = a->id;
+    ac.listen_fd = a->data_fd;
+    ac.member_timeout_ms = cfg->allreduce_timeout_ms ? cfg->allreduce_timeout_ms
+                                                     : AVERAGER_DEFAULT_TIMEOUT_MS;
+    ac.key = cfg->key;
+    ac.on_peer_lost = on_peer_lost;
+    ac.peer_lost_arg = a;
+    rc = allreduce_create(&ac, &a->ar);
+    if (rc < 0)
+        goto err;
+    if ((rc = reg(a, a->sum, a->count * sizeof(float), &a->h_sum)) < 0 ||
+        (rc = reg(a, a->meta_in, sizeof(a->meta_in), &a->h_meta_in)) < 0 ||
+        (rc = reg(a, a->meta_out, a->target * META_BYTES, &a->h_meta_out)) < 0 ||
+        (rc = reg(a, a->g_in, a->block_max, &a->h_g_in)) < 0 ||
+        (rc = reg(a, a->g_out, a->target * a->block_max, &a->h_g_out)) < 0)
+        goto err;
+    mc.broker = cfg->broker;
+    mc.cohort = cfg->cohort;
+    mc.id = cfg->id;
+    mc.address = a->address;
+    mc.key = cfg->key;
+    mc.quiet = true;
+    rc = member_create(&mc, &a->member);
+    if (rc < 0)
+        goto err;
+    if (pthread_create(&a->member_thread, NULL, member_main, a) != 0) {
+        rc = -EAGAIN;
+        goto err;
+    }
+    *out = a;
+    return 0;
+err:
+    member_destroy(a->member);
+    allreduce_destroy(a->ar);
+    if (a->data_fd >= 0)
+        close(a->data_fd);
+    free(a->sum);
+    free(a->meta_out);
+    free(a->g_in);
+    free(a->g_out);
+    free(a->cohort);
+    free(a->id);
+    free(a->prefix);
+    pthread_cond_destroy(&a->member_cond);
+    pthread_mutex_destroy(&a->lock);
+    free(a);
+    return rc;
+}
+
+void averager_destroy(struct averager *a)
+{
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->lock);
+    a->stop = true;
+    pthread_cond_broadcast(&a->member_cond);
+    pthread_mutex_unlock(&a->lock);
+    pthread_join(a->member_thread, NULL);
+    member_leave(a->member, LIMIT_LEAVE_TIMEOUT_MS);
+    member_destroy(a->member);
+    allreduce_destroy(a->ar);
+    close(a->data_fd);
+    free(a->sum);
+    free(a->meta_out);
+    free(a->g_in);
+    free(a->g_out);
+    free(a->cohort);
+    free(a->id);
+    free(a->prefix);
+    pthread_cond_destroy(&a->member_cond);
+    pthread_mutex_destroy(&a->lock);
+    free(a);
+}
