@@ -45,13 +45,13 @@
 #define DEFAULT_GATHER_MAX 4096u
 #define META_BYTES 16u
 /* Beyond the step's own timeout, how long the broker's answer may take to
- * arrive before the call is abandoned. */
-#define MATCHMAKE_SLACK_MS 5000u
+ * arrive before the call is abandoned, unless configured. */
+#define DEFAULT_REQUEST_TIMEOUT_MS 5000u
 
 struct averager {
     char *cohort, *id, *prefix;
     char bits[MATCHMAKER_BITS_MAX + 1];
-    uint32_t target, min, min_wait_ms;
+    uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
     size_t count, gather_max, block_max;
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];
     size_t schema_len;
@@ -172,7 +172,7 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                  log_strerror(rc));
         goto out;
     }
-    ts = clock_deadline(timeout_ms + MATCHMAKE_SLACK_MS);
+    ts = clock_deadline(timeout_ms + a->request_timeout_ms);
     pthread_mutex_lock(&w.lock);
     while (!w.ended)
         if (pthread_cond_timedwait(&w.cond, &w.lock, &ts) == ETIMEDOUT)
@@ -518,6 +518,10 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     a->target = cfg->target_group_size;
     a->min = cfg->min_group_size;
     a->min_wait_ms = cfg->min_matchmaking_ms;
+    a->request_timeout_ms = cfg->request_timeout_ms ? cfg->request_timeout_ms
+                                                    : DEFAULT_REQUEST_TIMEOUT_MS;
+    a->leave_timeout_ms = cfg->leave_timeout_ms ? cfg->leave_timeout_ms
+                                                : LIMIT_LEAVE_TIMEOUT_MS;
     a->count = cfg->count;
     a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
     a->block_max = round4(a->gather_max);
@@ -539,6 +543,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     ac.listen_fd = a->data_fd;
     ac.member_timeout_ms = cfg->allreduce_timeout_ms ? cfg->allreduce_timeout_ms
                                                      : AVERAGER_DEFAULT_TIMEOUT_MS;
+    ac.segment_bytes = cfg->segment_bytes;
     ac.key = cfg->key;
     ac.on_peer_lost = on_peer_lost;
     ac.peer_lost_arg = a;
@@ -593,7 +598,7 @@ void averager_destroy(struct averager *a)
     pthread_cond_broadcast(&a->member_cond);
     pthread_mutex_unlock(&a->lock);
     pthread_join(a->member_thread, NULL);
-    member_leave(a->member, LIMIT_LEAVE_TIMEOUT_MS);
+    member_leave(a->member, a->leave_timeout_ms);
     member_destroy(a->member);
     allreduce_destroy(a->ar);
     close(a->data_fd);

@@ -60,6 +60,12 @@ struct averager_config {
     uint32_t min_group_size;        /* 1..target */
     uint32_t min_matchmaking_ms;    /* wait this long for others before forming */
     uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
+    uint32_t request_timeout_ms;    /* how long past a matchmaking wait the broker's
+                                     * answer may take; 0: 5 s */
+    size_t segment_bytes;           /* the engine's pipelining unit (hivemind's
+                                     * part_size_bytes), a multiple of 8; 0: the
+                                     * engine's default */
+    uint32_t leave_timeout_ms;      /* averager_destroy's Leave; 0: the default */
     size_t count;                   /* float32 elements averaged, at least 1 */
     const void *schema;             /* what is averaged (shapes, dtypes), copied; at
                                      * most 64 bytes; averagers group only with

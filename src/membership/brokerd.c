@@ -691,6 +691,9 @@ static void on_matchmake(void *arg, const ProtobufCMessage *req, struct rpc_stre
     if (rc < 0) {
         log_refusal(d, "Matchmake", q->cohort, q->id, mm_code(rc), why);
         rpc_stream_finish(s, mm_code(rc), why);
+    } else {
+        log_debug("broker", "An averager asks for a group.", LF_S("cohort", q->cohort),
+                  LF_S("id", q->id), LF_S("prefix", q->prefix), LF_S("group_bits", q->group_bits));
     }
     /* Last and outside the lock: if the client is already gone this runs
      * at once, and it takes the lock itself. */
