@@ -540,6 +540,9 @@ const void *cohort_averager_result_gathered(const struct cohort_averager_result 
                                             size_t *len);
 uint64_t cohort_averager_result_group(const struct cohort_averager_result *r);
 uint32_t cohort_averager_result_attempts(const struct cohort_averager_result *r);
+/* Milliseconds from the successful attempt's request to the broker until
+ * its group formed. */
+uint32_t cohort_averager_result_matchmaking_ms(const struct cohort_averager_result *r);
 void cohort_averager_result_free(struct cohort_averager_result *r);     /* NULL is fine */
 
 #if defined(__GNUC__)

@@ -1450,7 +1450,7 @@ static PyObject *pyaverager_wait(struct pyaverager *self, PyObject *arg)
 }
 
 /* step(buffer, weight, alpha, gather, timeout_ms, allow_retries) ->
- * (group, attempts, [(id, weight, gathered bytes), ...]). */
+ * (group, attempts, matchmaking_ms, [(id, weight, gathered bytes), ...]). */
 static PyObject *pyaverager_step(struct pyaverager *self, PyObject *args)
 {
     struct cohort_averager_step st = { 0 };
@@ -1496,8 +1496,9 @@ static PyObject *pyaverager_step(struct pyaverager *self, PyObject *args)
             goto out;
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
-    out = Py_BuildValue("(KIO)", (unsigned long long)cohort_averager_result_group(r),
-                        cohort_averager_result_attempts(r), list);
+    out = Py_BuildValue("(KIIO)", (unsigned long long)cohort_averager_result_group(r),
+                        cohort_averager_result_attempts(r),
+                        cohort_averager_result_matchmaking_ms(r), list);
 out:
     Py_XDECREF(list);
     cohort_averager_result_free(r);
@@ -1536,7 +1537,7 @@ static PyMethodDef pyaverager_methods[] = {
       "wait(timeout_ms) -> bool: whether the averager has joined the cohort." },
     { "step", (PyCFunction)pyaverager_step, METH_VARARGS,
       "step(buffer, weight, alpha, gather, timeout_ms, allow_retries) -> "
-      "(group, attempts, [(id, weight, gathered), ...])." },
+      "(group, attempts, matchmaking_ms, [(id, weight, gathered), ...])." },
     { "bits", (PyCFunction)pyaverager_bits, METH_NOARGS, "The group bits." },
     { "set_bits", (PyCFunction)pyaverager_set_bits, METH_O, "set_bits(str)." },
     { NULL, NULL, 0, NULL },

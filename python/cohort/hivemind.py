@@ -42,7 +42,7 @@ __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression"
            "Float16Compression", "StepControl", "averaging"]
 
 _GROUP_MAX = 256
-_GATHER_MAX = 65536
+_GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
 
 
 class AllreduceException(Exception):
@@ -223,7 +223,9 @@ class DecentralizedAverager:
         self._step_lock = threading.Lock()     # one step at a time
         self._core = None
         self._flat = torch.zeros(self._count, dtype=torch.float32)
-        self.last_group = None  # (group id, attempts, {peer_id: weight}) of the last step
+        # The last step's (group id, attempts, {peer_id: weight}, seconds
+        # of matchmaking), a cohort addition for logs and benchmarks.
+        self.last_group = None
         dht._averager = self
         if start:
             self.run_in_background()
@@ -370,8 +372,8 @@ class DecentralizedAverager:
                         off += n
                 buf = memoryview(self._flat.view(torch.uint8).numpy())
                 try:
-                    group, attempts, members = core.step(buf, weight, self._alpha, blob,
-                                                         timeout_ms, allow_retries)
+                    group, attempts, mm_ms, members = core.step(buf, weight, self._alpha, blob,
+                                                                timeout_ms, allow_retries)
                 except _cohort.Error as e:
                     raise AllreduceException(str(e)) from None
                 if weight > 0:
@@ -385,7 +387,7 @@ class DecentralizedAverager:
             out = {}
             for peer, w, data in members:
                 out[peer] = json.loads(data.decode()) if data else None
-            self.last_group = (group, attempts, {peer: w for peer, w, _ in members})
+            self.last_group = (group, attempts, {peer: w for peer, w, _ in members}, mm_ms / 1000)
             control._result = out
         except AllreduceException as e:
             control._error = e

@@ -1,20 +1,24 @@
 /* src/averager/averager.c: see averager.h.
  *
- * One attempt is three calls of the engine among the group, which the
- * engine runs as an epoch: the broker's group id is its number (group
- * ids only grow, as epochs must) and the group's members, in the
- * broker's order, are its members. Rounds 1 to 3 of that epoch:
- *   1. all-gather of 16 bytes per member: its weight (float64) and the
- *      length of what it gathers. Every member then knows the group's
- *      total weight, in the same order, so divides by the same number;
- *      a weight that is negative or not finite, or a length over the cap,
- *      is a lying peer and fails the attempt (-EPROTO).
- *   2. SUM of w * x (float32): the engine's result is the same bytes at
- *      every member, and so is sum / W.
- *   3. all-gather of the gathered bytes, padded to the longest.
- * Only when all three succeed is anything written to the caller's data,
- * so a failed attempt changes nothing and the next one starts from the
- * same input.
+ * One attempt is one all-reduce (SUM, float32) among the group, which the
+ * engine runs as an epoch: the broker's group id is its number (group ids
+ * only grow, as epochs must) and the group's members, in the broker's
+ * order, are its members. Its buffer holds w * x, then one slot per member
+ * for its weight, one for its gather length, and a block per member for
+ * its gathered bytes (two bytes per float, as an integer below 65536):
+ * each member writes only its own slots, so the sum delivers every
+ * member's values exactly (x + 0 is x) along with sum(w * x). It is one
+ * call and not three (gather, sum, gather) because the engine matches
+ * every frame to the call it expects: a member that finished one call
+ * and began the next could reach a peer still finishing the first. Every
+ * member then divides by the same total weight in the same order, so
+ * the result is the same bytes everywhere; a weight that is negative or
+ * not finite, a length over the cap or a gathered value that is not a
+ * byte pair is a lying peer and fails the attempt (-EPROTO). Only when
+ * the call succeeds is anything written to the caller's data, so a failed
+ * attempt changes nothing and the next one starts from the same input.
+ * The cost is target x (2 + gather_max / 2) floats more per round, which
+ * is why gather_max is small.
  *
  * Exclusion. The engine fails a call at every member within its member
  * timeout when a peer stalls or dies. The members that are still alive
@@ -43,7 +47,6 @@
 #include "rpc/rpc.h"
 
 #define DEFAULT_GATHER_MAX 4096u
-#define META_BYTES 16u
 /* Beyond the step's own timeout, how long the broker's answer may take to
  * arrive before the call is abandoned, unless configured. */
 #define DEFAULT_REQUEST_TIMEOUT_MS 5000u
@@ -52,7 +55,7 @@ struct averager {
     char *cohort, *id, *prefix;
     char bits[MATCHMAKER_BITS_MAX + 1];
     uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
-    size_t count, gather_max, block_max;
+    size_t count, gather_max;
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];
     size_t schema_len;
     char address[IDENT_ADDRESS_MAX + 1];
@@ -64,10 +67,8 @@ struct averager {
     pthread_cond_t member_cond;
     bool stop;
 
-    float *sum;                 /* count floats: w * x, then the sum */
-    uint8_t meta_in[META_BYTES], *meta_out;         /* out: target records */
-    uint8_t *g_in, *g_out;      /* block_max, target x block_max */
-    int h_sum, h_meta_in, h_meta_out, h_g_in, h_g_out;
+    float *sum;                 /* layout_floats(target): the attempt's buffer */
+    int h_sum;
     char err[RPC_MESSAGE_MAX + 64];
 };
 
@@ -223,35 +224,17 @@ out:
 
 /* ---- one attempt ------------------------------------------------------------ */
 
-static void put_f64(uint8_t *p, double v)
+/* Gathered bytes travel two to a float32, as an integer from 0 to 65535,
+ * which float32 holds exactly and a sum with zeros leaves exact. */
+static size_t gather_words(size_t bytes)
 {
-    memcpy(p, &v, 8);
+    return (bytes + 1) / 2;
 }
 
-static double get_f64(const uint8_t *p)
+/* Floats of one attempt's buffer for a group of n. */
+static size_t layout_floats(const struct averager *a, size_t n)
 {
-    double v;
-
-    memcpy(&v, p, 8);
-    return v;
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    memcpy(p, &v, 8);
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v;
-
-    memcpy(&v, p, 8);
-    return v;
-}
-
-static size_t round4(size_t n)
-{
-    return (n + 3) & ~(size_t)3;
+    return a->count + n * (2 + gather_words(a->gather_max));
 }
 
 static bool retryable(int rc)
@@ -260,92 +243,94 @@ static bool retryable(int rc)
            rc == -ECONNREFUSED;
 }
 
-/* Runs the three calls in group e. On 0 fills *res (without ids) and has
- * a->sum holding the weighted sum; total weight in *total. */
+/* Runs the attempt in group e (see the top). On 0 fills *res and leaves
+ * the weighted sum in a->sum[0, count) and the total weight in *total. */
 static int attempt(struct averager *a, struct epoch *e, const struct averager_step *s,
                    double *total, struct averager_result **res)
 {
-    size_t n = e->n_members, members = 0, index = 0, longest = 0, block;
+    size_t n = e->n_members, gw = gather_words(a->gather_max);
+    long me = epoch_find(e, a->id);
+    float *weights = a->sum + a->count, *lens = weights + n, *words = lens + n;
     struct averager_result *r = NULL;
+    uint8_t *copy = NULL;
     double w = 0;
     int rc;
 
     rc = allreduce_set_epoch(a->ar, e);
     if (rc < 0)
         return rc;
-    put_f64(a->meta_in, s->weight);
-    put_u64(a->meta_in + 8, s->gather_len);
-    rc = allreduce_gather(a->ar, a->h_meta_in, a->h_meta_out, META_BYTES, 1, &members, &index);
+    memset(a->sum, 0, layout_floats(a, n) * sizeof(float));
+    for (size_t i = 0; i < a->count && s->weight > 0; i++)
+        a->sum[i] = (float)s->weight * s->data[i];
+    weights[me] = (float)s->weight;
+    lens[me] = (float)s->gather_len;
+    for (size_t b = 0; b < s->gather_len; b++) {
+        const uint8_t *g = s->gather;
+
+        words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
+    }
+    rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
     if (rc < 0)
         return rc;
-    if (members != n)
-        return -ESTALE;
+    /* What the others wrote is checked: a peer may lie, and the caller
+     * gets nothing from a sum that makes no sense. */
     for (size_t i = 0; i < n; i++) {
-        double wi = get_f64(a->meta_out + i * META_BYTES);
-        uint64_t li = get_u64(a->meta_out + i * META_BYTES + 8);
-
-        if (!isfinite(wi) || wi < 0 || li > a->gather_max) {
+        if (!isfinite(weights[i]) || weights[i] < 0 || !(lens[i] >= 0) ||
+            lens[i] > (float)a->gather_max || lens[i] != (float)(size_t)lens[i]) {
             snprintf(a->err, sizeof(a->err), "member %s of the group sent a bad weight or "
                      "gather length", e->members[i].id);
             return -EPROTO;
         }
-        w += wi;
-        if (li > longest)
-            longest = li;
+        w += weights[i];
+    }
+    for (size_t k = 0; k < n * gw; k++) {
+        if (!(words[k] >= 0 && words[k] <= 65535.0f) || words[k] != (float)(uint32_t)words[k]) {
+            snprintf(a->err, sizeof(a->err), "a member of the group sent bad gathered bytes");
+            return -EPROTO;
+        }
     }
     if (w == 0) {
         snprintf(a->err, sizeof(a->err), "every member of the group was auxiliary");
         return -ENODATA;
     }
-    for (size_t i = 0; i < a->count; i++)
-        a->sum[i] = s->weight > 0 ? (float)s->weight * s->data[i] : 0.0f;
-    rc = allreduce_run(a->ar, a->h_sum, a->count, DTYPE_F32, DTYPE_SUM, 0, 2);
-    if (rc < 0)
-        return rc;
-    block = round4(longest);
-    if (block > 0) {
-        memset(a->g_in, 0, block);
-        if (s->gather_len)
-            memcpy(a->g_in, s->gather, s->gather_len);
-        rc = allreduce_gather(a->ar, a->h_g_in, a->h_g_out, block, 3, &members, &index);
-        if (rc < 0)
-            return rc;
-        if (members != n)
-            return -ESTALE;
-    }
     r = calloc(1, sizeof(*r));
-    if (!r)
-        return -ENOMEM;
+    copy = malloc(n * a->gather_max + 1);
+    if (!r || !copy)
+        goto nomem;
     r->n = n;
     r->group = e->number;
     r->ids = calloc(n, sizeof(*r->ids));
     r->weights = calloc(n, sizeof(*r->weights));
     r->gathered = calloc(n, sizeof(*r->gathered));
     r->gathered_len = calloc(n, sizeof(*r->gathered_len));
-    /* The gathered bytes are copied out of the engine's buffer, which the
-     * next step reuses, into one block after the arrays. */
-    {
-        uint8_t *copy = malloc(n * block + 1);
+    if (!r->ids || !r->weights || !r->gathered || !r->gathered_len)
+        goto nomem;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *dst = copy + i * a->gather_max;
 
-        if (!r->ids || !r->weights || !r->gathered || !r->gathered_len || !copy) {
-            free(copy);
-            averager_result_free(r);
-            return -ENOMEM;
+        snprintf(r->ids[i], sizeof(r->ids[i]), "%s", e->members[i].id);
+        r->weights[i] = weights[i];
+        r->gathered_len[i] = (size_t)lens[i];
+        for (size_t b = 0; b < r->gathered_len[i]; b++) {
+            uint32_t v = (uint32_t)words[i * gw + b / 2];
+
+            dst[b] = (uint8_t)(b % 2 ? v & 0xff : v >> 8);
         }
-        if (block)
-            memcpy(copy, a->g_out, n * block);
-        for (size_t i = 0; i < n; i++) {
-            snprintf(r->ids[i], sizeof(r->ids[i]), "%s", e->members[i].id);
-            r->weights[i] = get_f64(a->meta_out + i * META_BYTES);
-            r->gathered_len[i] = get_u64(a->meta_out + i * META_BYTES + 8);
-            r->gathered[i] = copy + i * block;
-        }
-        /* gathered[0] owns the block (averager_result_free). */
-        r->gathered[0] = copy;
+        r->gathered[i] = dst;
     }
+    /* gathered[0] owns the block (averager_result_free). */
     *total = w;
     *res = r;
     return 0;
+nomem:
+    if (r && !r->gathered)
+        free(copy);
+    else if (r && r->gathered)
+        r->gathered[0] = copy;
+    else
+        free(copy);
+    averager_result_free(r);
+    return -ENOMEM;
 }
 
 /* The bits after a round at `index` of a group of target (key manager). */
@@ -370,7 +355,7 @@ int averager_step(struct averager *a, const struct averager_step *s,
 {
     uint32_t timeout = s->timeout_ms ? s->timeout_ms : AVERAGER_DEFAULT_TIMEOUT_MS;
     uint64_t end = clock_now_ms() + timeout;
-    uint32_t attempts = 0;
+    uint32_t attempts = 0, mm_ms = 0;
     int rc = -ETIMEDOUT;
 
     a->err[0] = '\0';
@@ -389,6 +374,7 @@ int averager_step(struct averager *a, const struct averager_step *s,
         if (now >= end)
             break;
         rc = matchmake(a, (uint32_t)(end - now), &e);
+        mm_ms = (uint32_t)(clock_now_ms() - now);
         if (rc == -ENOTCONN) {          /* not joined yet (or rejoining) */
             usleep(20000);
             continue;
@@ -410,6 +396,7 @@ int averager_step(struct averager *a, const struct averager_step *s,
             }
             move_bits(a, (size_t)me);
             r->attempts = attempts;
+            r->matchmaking_ms = mm_ms;
             epoch_unref(e);
             *out = r;
             return 0;
@@ -508,7 +495,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     if (!a)
         return -ENOMEM;
     a->data_fd = -1;
-    a->h_sum = a->h_meta_in = a->h_meta_out = a->h_g_in = a->h_g_out = -1;
+    a->h_sum = -1;
     pthread_mutex_init(&a->lock, NULL);
     clock_cond_init(&a->member_cond);
     a->cohort = strdup(cfg->cohort);
@@ -524,14 +511,10 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
                                                 : LIMIT_LEAVE_TIMEOUT_MS;
     a->count = cfg->count;
     a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
-    a->block_max = round4(a->gather_max);
     memcpy(a->schema, cfg->schema, cfg->schema_len);
     a->schema_len = cfg->schema_len;
-    a->sum = calloc(a->count, sizeof(float));
-    a->meta_out = calloc(a->target, META_BYTES);
-    a->g_in = calloc(1, a->block_max);
-    a->g_out = calloc(a->target, a->block_max);
-    if (!a->cohort || !a->id || !a->prefix || !a->sum || !a->meta_out || !a->g_in || !a->g_out) {
+    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
+    if (!a->cohort || !a->id || !a->prefix || !a->sum) {
         rc = -ENOMEM;
         goto err;
     }
@@ -550,11 +533,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     rc = allreduce_create(&ac, &a->ar);
     if (rc < 0)
         goto err;
-    if ((rc = reg(a, a->sum, a->count * sizeof(float), &a->h_sum)) < 0 ||
-        (rc = reg(a, a->meta_in, sizeof(a->meta_in), &a->h_meta_in)) < 0 ||
-        (rc = reg(a, a->meta_out, a->target * META_BYTES, &a->h_meta_out)) < 0 ||
-        (rc = reg(a, a->g_in, a->block_max, &a->h_g_in)) < 0 ||
-        (rc = reg(a, a->g_out, a->target * a->block_max, &a->h_g_out)) < 0)
+    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0)
         goto err;
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;
@@ -577,9 +556,6 @@ err:
     if (a->data_fd >= 0)
         close(a->data_fd);
     free(a->sum);
-    free(a->meta_out);
-    free(a->g_in);
-    free(a->g_out);
     free(a->cohort);
     free(a->id);
     free(a->prefix);
@@ -603,9 +579,6 @@ void averager_destroy(struct averager *a)
     allreduce_destroy(a->ar);
     close(a->data_fd);
     free(a->sum);
-    free(a->meta_out);
-    free(a->g_in);
-    free(a->g_out);
     free(a->cohort);
     free(a->id);
     free(a->prefix);

@@ -72,7 +72,8 @@ struct averager_config {
                                      * those that give the same */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most
-                                     * AVERAGER_GATHER_MAX */
+                                     * AVERAGER_GATHER_MAX. Every round carries
+                                     * target x gather_max / 2 floats for it */
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
@@ -103,6 +104,8 @@ struct averager_result {
     const uint8_t **gathered;       /* n pointers into the result */
     size_t *gathered_len;           /* n lengths */
     uint32_t attempts;              /* 1 + retries */
+    uint32_t matchmaking_ms;        /* from the successful attempt's request to
+                                     * its group: how long matchmaking took */
 };
 
 /* One round (see the top). On 0 sets *out (the caller frees it with

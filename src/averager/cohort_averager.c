@@ -160,6 +160,11 @@ uint32_t cohort_averager_result_attempts(const struct cohort_averager_result *r)
     return r->r->attempts;
 }
 
+uint32_t cohort_averager_result_matchmaking_ms(const struct cohort_averager_result *r)
+{
+    return r->r->matchmaking_ms;
+}
+
 void cohort_averager_result_free(struct cohort_averager_result *r)
 {
     if (!r)
