@@ -36,11 +36,11 @@ BUILD = os.path.abspath(os.environ.get("BUILD", os.path.join(ROOT, "build")))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 
 
-def start_broker(log_path):
+def start_broker(operator, log_path):
     """cohort-operator --standalone on a free port, open (no keys), its log
     in a file, which is read for the address."""
     log = open(log_path, "w")
-    p = subprocess.Popen([os.path.join(BUILD, "cohort-operator"), "--standalone", "--listen",
+    p = subprocess.Popen([operator, "--standalone", "--listen",
                           "127.0.0.1:0", "--insecure", "--allow-any-cohort", "--log-format",
                           "json"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=log)
@@ -119,11 +119,16 @@ def main():
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--operator", default=os.path.join(BUILD, "cohort-operator"),
+                    help="the cohort-operator binary that serves the broker")
+    ap.add_argument("--log-dir", default=os.path.join(BUILD, "bench"))
     a = ap.parse_args()
+    if a.group < 2 or a.peers < a.group or a.mib < 1 or a.reps < 1:
+        ap.error("need --group >= 2, --peers >= --group, --mib >= 1, --reps >= 1")
     if a.peers % a.group or (a.peers // a.group) & (a.peers // a.group - 1):
-        sys.exit("--peers must be --group times a power of two")
-    os.makedirs(os.path.join(BUILD, "bench"), exist_ok=True)
-    broker, address = start_broker(os.path.join(BUILD, "bench", "averager-broker.log"))
+        ap.error("--peers must be --group times a power of two")
+    os.makedirs(a.log_dir, exist_ok=True)
+    broker, address = start_broker(a.operator, os.path.join(a.log_dir, "averager-broker.log"))
     ctx = multiprocessing.get_context("spawn")
     turns = ctx.Barrier(a.peers + a.group)
     out = ctx.Queue()

@@ -19,14 +19,17 @@ import os
 import signal
 import time
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import cohort.hivemind as hivemind
-from cohorttest import finish, start_broker
+from cohorttest import ROOT, bin_path, finish, start_broker
 from cohorttest.programs import write_key
 from hivemind_child import tensors_of
-from pyproc import HERE, spawn
+from pyproc import HERE, child_env, spawn
 
 CHILD = os.path.join(HERE, "hivemind_child.py")
 
@@ -170,3 +173,23 @@ def test_peers_whose_tensors_differ_are_refused_and_keep_their_tensors(keyed):
     assert second and "schema" in second, second
     assert first and "too few" in first, first
     assert g["untouched"] == [0.0] * 5
+
+
+BENCH = os.path.join(ROOT, "bench", "averager.py")
+
+
+def test_the_benchmark_runs_a_tiny_round_and_refuses_bad_flags(tmp_path):
+    """bench/averager.py end to end at a tiny size (its figures belong to
+    the README), and its flag checks."""
+    run = subprocess.run([sys.executable, BENCH, "--peers", "4", "--group", "2", "--mib", "1",
+                          "--reps", "1", "--operator", bin_path("cohort-operator"),
+                          "--log-dir", str(tmp_path)], capture_output=True, text=True,
+                         env=child_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+    assert [r.get("system") for r in rows[:2]] == ["averager", "allreduce"]
+    assert rows[0]["ms_per_round"] > 0 and rows[0]["matchmaking_ms"] >= 0
+    assert rows[2]["averager/allreduce"] > 0
+    bad = subprocess.run([sys.executable, BENCH, "--peers", "6", "--group", "4"],
+                         capture_output=True, text=True, env=child_env(), timeout=60)
+    assert bad.returncode == 2 and "power of two" in bad.stderr
