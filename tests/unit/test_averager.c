@@ -68,6 +68,7 @@ struct peer {
     struct averager *a;
     float data[COUNT];
     double weight;
+    double alpha;               /* 0: 1 */
     char gather[32];
     uint32_t timeout_ms;
     int rc;
@@ -78,7 +79,8 @@ struct peer {
 static void *step_main(void *arg)
 {
     struct peer *p = arg;
-    struct averager_step s = { .data = p->data, .weight = p->weight, .alpha = 1,
+    struct averager_step s = { .data = p->data, .weight = p->weight,
+                               .alpha = p->alpha ? p->alpha : 1,
                                .gather = p->gather, .gather_len = strlen(p->gather),
                                .timeout_ms = p->timeout_ms ? p->timeout_ms : FIXTURE_WAIT_MS };
 
@@ -172,6 +174,35 @@ Test(averager, pairs_that_mix_by_bits_reach_the_global_mean_in_three_rounds)
         for (int j = 0; j < COUNT; j++)
             cr_assert_eq(p[i].data[j], (float)(28 + j), "w-%d[%d] = %g", i, j, p[i].data[j]);
     free_all(p, N_MAX);
+}
+
+/* averaging_alpha moves each member's data that far toward the average;
+ * a member with no gather bytes gathers an empty entry. */
+Test(averager, alpha_moves_toward_the_average_by_that_fraction)
+{
+    struct peer p[2] = { 0 };
+
+    p[0].a = make("w-0", 2, 2, "", "f32x16");
+    p[1].a = make("w-1", 2, 2, "", "f32x16");
+    for (int i = 0; i < 2; i++) {
+        p[i].weight = 1;
+        p[i].alpha = 0.5;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(4 * i + 8 * j);
+    }
+    snprintf(p[0].gather, sizeof(p[0].gather), "x");
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, 0, "%s", averager_last_error(p[i].a));
+        /* average 2 + 8 j; halfway from 8 j is 1 + 8 j, from 4 + 8 j is 3 + 8 j */
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)(1 + 2 * i + 8 * j), "w-%d[%d] = %g", i, j,
+                         p[i].data[j]);
+        cr_assert_eq(p[i].res->gathered_len[0], 1);
+        cr_assert_eq(p[i].res->gathered[0][0], 'x');
+        cr_assert_eq(p[i].res->gathered_len[1], 0);
+    }
+    free_all(p, 2);
 }
 
 /* ---- a stalled peer ------------------------------------------------------- */
