@@ -82,6 +82,9 @@ struct mm_call {
     struct brokerd *d;
     struct rpc_stream *s;
     bool answered;                  /* the matchmaker no longer holds it */
+    char cohort[IDENT_NAME_MAX + 1];
+    char id[IDENT_NAME_MAX + 1];
+    uint64_t session;
 };
 
 /* One member's membership stream, as the broker knows it. Freed when the
@@ -608,6 +611,21 @@ static void mm_failed(void *arg, void *ctx, int err, const char *why)
     rpc_stream_finish(c->s, mm_code(err), why);
 }
 
+/* Called with d->mm_lock held; takes d->lock, which is never held while
+ * mm_lock is taken. */
+static bool mm_alive(void *arg, void *ctx)
+{
+    struct brokerd *d = arg;
+    struct mm_call *c = ctx;
+    char address[IDENT_ADDRESS_MAX + 1];
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_member_address(d->b, c->cohort, c->id, c->session, address, sizeof(address));
+    pthread_mutex_unlock(&d->lock);
+    return rc == 0;
+}
+
 static void mm_closed(void *arg, struct rpc_stream *s)
 {
     struct mm_call *c = arg;
@@ -680,6 +698,9 @@ static void on_matchmake(void *arg, const ProtobufCMessage *req, struct rpc_stre
     }
     c->d = d;
     c->s = s;           /* the handler's reference, dropped in mm_closed */
+    snprintf(c->cohort, sizeof(c->cohort), "%s", q->cohort);
+    snprintf(c->id, sizeof(c->id), "%s", q->id);
+    c->session = q->session;
     r.address = address;
     r.ctx = c;
     pthread_mutex_lock(&d->mm_lock);
@@ -908,7 +929,8 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
         { WIRE_BROKER_MATCHMAKE, &cohort__v1__matchmake_request__descriptor, NULL, on_matchmake,
           d },
     };
-    struct matchmaker_ops mops = { .formed = mm_formed, .failed = mm_failed, .arg = NULL };
+    struct matchmaker_ops mops = { .formed = mm_formed, .failed = mm_failed, .alive = mm_alive,
+                                   .arg = NULL };
 
     pthread_mutex_init(&d->lock, NULL);
     pthread_mutex_init(&d->log_lock, NULL);

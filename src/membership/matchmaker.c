@@ -225,6 +225,25 @@ static bool due(const struct bucket *b, uint64_t now)
     return b->n >= b->target || (b->n >= b->min && now >= b->form_at);
 }
 
+/* Forms b's group if it is due, once the requests of members that left
+ * the cohort are dropped (which may make it not due after all). */
+static void form_if_due(struct matchmaker *m, struct bucket *b, uint64_t now)
+{
+    if (!due(b, now))
+        return;
+    for (size_t j = 0; m->ops.alive && j < b->n;) {
+        if (m->ops.alive(m->ops.arg, b->reqs[j].ctx)) {
+            j++;
+            continue;
+        }
+        m->ops.failed(m->ops.arg, b->reqs[j].ctx, -ENOENT,
+                      "the member left the cohort while it waited for a group");
+        take_out(m, b, j);
+    }
+    if (due(b, now))
+        form(m, b);
+}
+
 /* Removes a waiting request of the same member anywhere (it asked again). */
 static void supersede(struct matchmaker *m, const char *cohort, const char *id)
 {
@@ -324,8 +343,7 @@ int matchmaker_submit(struct matchmaker *m, uint64_t now, const struct matchmake
     q.deadline = now + r->timeout_ms;
     b->reqs[b->n++] = q;
     m->total++;
-    if (due(b, now))
-        form(m, b);
+    form_if_due(m, b, now);
     sweep(m);
     return 0;
 nomem:
@@ -358,8 +376,7 @@ uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now)
     for (size_t i = 0; i < m->n_buckets; i++) {
         struct bucket *b = m->buckets[i];
 
-        if (due(b, now))
-            form(m, b);
+        form_if_due(m, b, now);
         for (size_t j = 0; j < b->n;) {
             if (b->reqs[j].deadline > now) {
                 j++;

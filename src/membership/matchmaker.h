@@ -21,7 +21,9 @@
  * group of averagers that disagree could only fail later; a request that
  * disagrees with those waiting is refused (-EPROTO) and changes nothing.
  * A member that asks again while it waits replaces its earlier request
- * (which fails with -ECANCELED): one request per member.
+ * (which fails with -ECANCELED): one request per member. A member that
+ * left the cohort while it waited is dropped when its group would form
+ * (ops->alive).
  *
  * Caps, since any member may ask for anything: prefix length and
  * characters, group bits, group size, schema length, timeout, and the
@@ -83,6 +85,11 @@ struct matchmaker_ops {
      * -ECANCELED (the member asked again), -ESHUTDOWN (the matchmaker is
      * going away). `why` is a whole sentence, borrowed for the call. */
     void (*failed)(void *arg, void *ctx, int err, const char *why);
+    /* Whether the member behind ctx is still in its cohort; asked of every
+     * request just before a group forms, so that a member that left or
+     * was evicted while it waited is dropped (failed, -ENOENT) rather than
+     * grouped. NULL: every request counts as alive. */
+    bool (*alive)(void *arg, void *ctx);
     void *arg;                  /* borrowed */
 };
 

@@ -23,6 +23,7 @@ static struct {
 } rec;
 
 static struct matchmaker *mm;
+static long dead_ctx;           /* the ctx whose member has left; 0: none */
 
 static void formed(void *arg, const struct matchmaker_group *g)
 {
@@ -46,11 +47,17 @@ static void failed(void *arg, void *ctx, int err, const char *why)
     snprintf(rec.fail_why[k], sizeof(rec.fail_why[k]), "%s", why);
 }
 
+static bool alive(void *arg, void *ctx)
+{
+    return (long)(intptr_t)ctx != dead_ctx;
+}
+
 static void start(void)
 {
-    struct matchmaker_ops ops = { .formed = formed, .failed = failed };
+    struct matchmaker_ops ops = { .formed = formed, .failed = failed, .alive = alive };
 
     memset(&rec, 0, sizeof(rec));
+    dead_ctx = 0;
     cr_assert_eq(matchmaker_create(&ops, 100, &mm), 0);
 }
 
@@ -274,4 +281,23 @@ Test(matchmaker, group_ids_grow)
     cr_assert_eq(rec.group_id[0], 100);
     cr_assert_eq(rec.group_id[1], 101);
     cr_assert_eq(rec.group_id[2], 102);
+}
+
+Test(matchmaker, a_member_that_left_while_waiting_is_dropped_not_grouped)
+{
+    struct matchmaker_request a = req("a", "", 1), b = req("b", "", 2), c = req("c", "", 3);
+
+    cr_assert_eq(submit(0, &a), 0);
+    cr_assert_eq(submit(0, &b), 0);
+    dead_ctx = 1;                       /* "a" left the cohort */
+    matchmaker_tick(mm, 1000);          /* due, but only "b" is alive: not enough */
+    cr_assert_eq(rec.groups, 0);
+    cr_assert_eq(rec.fails, 1);
+    cr_assert_eq(rec.fail_ctx[0], 1);
+    cr_assert_eq(rec.fail_err[0], -ENOENT);
+    cr_assert_eq(matchmaker_pending(mm, NULL), 1);
+    cr_assert_eq(submit(1001, &c), 0);  /* past the wait: forms at once */
+    cr_assert_eq(rec.groups, 1);
+    cr_assert_str_eq(rec.group_ids[0][0], "b");
+    cr_assert_str_eq(rec.group_ids[0][1], "c");
 }
