@@ -376,6 +376,8 @@ int averager_step(struct averager *a, const struct averager_step *s,
         rc = matchmake(a, (uint32_t)(end - now), &e);
         mm_ms = (uint32_t)(clock_now_ms() - now);
         if (rc == -ENOTCONN) {          /* not joined yet (or rejoining) */
+            snprintf(a->err, sizeof(a->err), "the averager has not joined the cohort (is the "
+                     "broker up, and does it take this cohort's key?)");
             usleep(20000);
             continue;
         }

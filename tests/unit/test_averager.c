@@ -346,6 +346,29 @@ Test(averager, bad_steps_and_disagreeing_schemas_get_clear_errors)
     free_all(p, 2);
 }
 
+/* An averager with another key never joins: its step fails within the
+ * timeout and says why. */
+Test(averager, an_averager_with_another_key_says_it_has_not_joined)
+{
+    struct secret other;
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = "w-wrong", .host = "127.0.0.1", .key = &other,
+        .prefix = "run/avg", .target_group_size = 2, .min_group_size = 2, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6,
+    };
+    struct averager *a = NULL;
+    struct averager_result *r = NULL;
+    float data[COUNT] = { 0 };
+    struct averager_step st = { .data = data, .weight = 1, .alpha = 1, .timeout_ms = 1000 };
+
+    cr_assert_eq(secret_generate(&other), 0);
+    cr_assert_eq(averager_create(&c, &a), 0);
+    cr_assert_eq(averager_wait(a, 500), -ETIMEDOUT);
+    cr_assert_eq(averager_step(a, &st, &r), -ETIMEDOUT);
+    cr_assert(strstr(averager_last_error(a), "not joined"), "%s", averager_last_error(a));
+    averager_destroy(a);
+}
+
 /* ---- Matchmake requests the broker refuses -------------------------------- */
 
 struct ended {
