@@ -244,6 +244,21 @@ static void form_if_due(struct matchmaker *m, struct bucket *b, uint64_t now)
         form(m, b);
 }
 
+/* Whether member `id` of `cohort` has a request waiting. */
+static bool waiting(const struct matchmaker *m, const char *cohort, const char *id)
+{
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        const struct bucket *b = m->buckets[i];
+
+        if (strcmp(b->cohort, cohort) != 0)
+            continue;
+        for (size_t j = 0; j < b->n; j++)
+            if (strcmp(b->reqs[j].id, id) == 0)
+                return true;
+    }
+    return false;
+}
+
 /* Removes a waiting request of the same member anywhere (it asked again). */
 static void supersede(struct matchmaker *m, const char *cohort, const char *id)
 {
@@ -316,19 +331,20 @@ int matchmaker_submit(struct matchmaker *m, uint64_t now, const struct matchmake
                  b->target, b->min);
         return -EPROTO;
     }
-    /* One request per member: a newer one replaces the older, which
-     * frees its place before the caps are judged. */
-    supersede(m, r->cohort, r->id);
-    if (b && b->n == 0)
-        b->form_at = now + r->min_wait_ms;
-    if (m->total >= MATCHMAKER_TOTAL_MAX ||
-        matchmaker_pending(m, r->cohort) >= MATCHMAKER_PENDING_MAX) {
-        sweep(m);
+    /* One request per member: a newer one replaces the older, so a
+     * member asking again takes no more room; the caps are judged first,
+     * so that a refusal changes nothing. */
+    if (!waiting(m, r->cohort, r->id) &&
+        (m->total >= MATCHMAKER_TOTAL_MAX ||
+         matchmaker_pending(m, r->cohort) >= MATCHMAKER_PENDING_MAX)) {
         snprintf(why, len, "too many averagers are waiting for groups in cohort \"%.64s\" "
                  "(at most %u, %u in all)", r->cohort, MATCHMAKER_PENDING_MAX,
                  MATCHMAKER_TOTAL_MAX);
         return -ENOSPC;
     }
+    supersede(m, r->cohort, r->id);
+    if (b && b->n == 0)
+        b->form_at = now + r->min_wait_ms;
     q.id = strdup(r->id);
     q.address = strdup(r->address);
     if (!q.id || !q.address)

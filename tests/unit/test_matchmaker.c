@@ -249,6 +249,13 @@ Test(matchmaker, waiting_requests_per_cohort_are_capped)
     r = req("late", "", 99999);
     cr_assert_eq(matchmaker_submit(mm, 0, &r, why, sizeof(why)), -ENOSPC);
     cr_assert(strstr(why, "too many"), "%s", why);
+    cr_assert_eq(rec.fails, 0, "the refusal changed nothing");
+    r = req("w-0", "", 100000);             /* asking again takes no more room */
+    r.prefix = "w-0";
+    cr_assert_eq(matchmaker_submit(mm, 0, &r, why, sizeof(why)), 0, "%s", why);
+    cr_assert_eq(rec.fails, 1);
+    cr_assert_eq(rec.fail_err[0], -ECANCELED);
+    r = req("late", "", 99999);
     r.cohort = "other";
     cr_assert_eq(matchmaker_submit(mm, 0, &r, why, sizeof(why)), 0, "another cohort has room");
     cr_assert_eq(matchmaker_pending(mm, "demo"), MATCHMAKER_PENDING_MAX);
