@@ -484,6 +484,94 @@ const float *cohort_group_powersgd_error(const struct cohort_group_powersgd *p);
 /* A whole sentence for an error code returned by a cohort_group call. */
 const char *cohort_group_strerror(int err);
 
+/* ---- hivemind's DecentralizedAverager (src/averager/) -------------------
+ *
+ * An averager is a member of a cohort that, at each step, asks the broker
+ * for a group of averagers with the same prefix and group bits and
+ * averages a float32 vector among it, weighted, with every member of the
+ * group ending with the same bytes; it gathers each member's small bytes
+ * too. A peer that stalls past the timeout is excluded and the step
+ * completes with the rest; the result names exactly who was averaged.
+ * docs/architecture.md, "hivemind's DecentralizedAverager", says how. An
+ * averager is used from one thread at a time. */
+
+struct cohort_averager;
+struct cohort_averager_result;
+
+struct cohort_averager_config {
+    const char *broker;             /* "host:port"; NULL: $COHORT_BROKER */
+    const char *cohort;             /* NULL: $COHORT_COHORT */
+    const char *id;                 /* NULL: $COHORT_ID */
+    const char *prefix;             /* matchmaking prefix: 1 to 128 of [A-Za-z0-9._:/-] */
+    const char *initial_bits;       /* group bits, up to 64 of 0 and 1; NULL: "" */
+    uint32_t target_group_size;     /* 1..256 */
+    uint32_t min_group_size;        /* 1..target_group_size */
+    uint32_t min_matchmaking_ms;    /* wait this long for others before a group forms */
+    uint32_t request_timeout_ms;    /* patience for the broker's answer past that; 0: 5 s */
+    uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
+    size_t count;                   /* float32 elements averaged */
+    size_t segment_bytes;           /* pipelining unit, a multiple of 8; 0: default */
+    const void *schema;             /* up to 64 bytes naming what is averaged
+                                     * (copied): only equal schemas group */
+    size_t schema_len;
+    size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */
+    uint32_t leave_timeout_ms;      /* the Leave at destroy; 0: the default */
+};
+
+/* Joins the cohort as an averager; the key, the listen address and TLS to
+ * the broker come from the environment as for cohort_group_create().
+ * Returns 0, -EINVAL (a missing or invalid field), -ENOMEM, or the key's,
+ * CA's or socket's -errno. The caller frees *out with
+ * cohort_averager_destroy(). */
+int cohort_averager_create(const struct cohort_averager_config *cfg,
+                           struct cohort_averager **out);
+/* Leaves the cohort and frees. NULL is fine. */
+void cohort_averager_destroy(struct cohort_averager *a);
+/* Waits until the averager has joined the cohort. 0 or -ETIMEDOUT. */
+int cohort_averager_wait(struct cohort_averager *a, int timeout_ms);
+
+struct cohort_averager_step {
+    float *data;                    /* count floats, averaged in place (borrowed) */
+    double weight;                  /* >= 0; 0: auxiliary (helps, contributes nothing) */
+    double alpha;                   /* (0, 1]: data moves this far toward the average */
+    const void *gather;             /* borrowed for the call */
+    size_t gather_len;
+    int timeout_ms;                 /* the whole step; 0: 30 s */
+    bool allow_retries;             /* after a failed attempt, find a new group */
+};
+
+/* One round. On 0 *out holds the result (the caller frees it with
+ * cohort_averager_result_free) and data the average. Otherwise data is
+ * untouched and: -EINVAL (a bad weight, alpha or gather), -ETIMEDOUT (no
+ * group completed the round in time: too few averagers, or stalls),
+ * -EPROTO (the broker refused the request as disagreeing with the others
+ * waiting: group sizes or schema; or the group's members disagree),
+ * -ENODATA (every member was auxiliary), -EACCES (keys differ), -ENOMEM.
+ * cohort_averager_error() says more. */
+int cohort_averager_step(struct cohort_averager *a, const struct cohort_averager_step *s,
+                         struct cohort_averager_result **out);
+/* The last failure as a sentence, owned by the averager. */
+const char *cohort_averager_error(const struct cohort_averager *a);
+/* The group bits, owned by the averager (valid until its next step). */
+const char *cohort_averager_bits(const struct cohort_averager *a);
+/* Sets the group bits (copied). 0 or -EINVAL. */
+int cohort_averager_set_bits(struct cohort_averager *a, const char *bits);
+
+/* A result: the members of the group in its order, each with its weight
+ * (0: auxiliary, not averaged) and its gathered bytes. Everything is owned
+ * by the result. */
+size_t cohort_averager_result_size(const struct cohort_averager_result *r);
+const char *cohort_averager_result_id(const struct cohort_averager_result *r, size_t i);
+double cohort_averager_result_weight(const struct cohort_averager_result *r, size_t i);
+const void *cohort_averager_result_gathered(const struct cohort_averager_result *r, size_t i,
+                                            size_t *len);
+uint64_t cohort_averager_result_group(const struct cohort_averager_result *r);
+uint32_t cohort_averager_result_attempts(const struct cohort_averager_result *r);
+/* Milliseconds from the successful attempt's request to the broker until
+ * its group formed. */
+uint32_t cohort_averager_result_matchmaking_ms(const struct cohort_averager_result *r);
+void cohort_averager_result_free(struct cohort_averager_result *r);     /* NULL is fine */
+
 #if defined(__GNUC__)
 #pragma GCC visibility pop
 #endif

@@ -1315,6 +1315,246 @@ static int pygroup_add(PyObject *m)
     return 0;
 }
 
+/* ---- Averager: hivemind's DecentralizedAverager (cohort_averager_*) -----
+ *
+ * _cohort.Averager(broker, cohort, id, prefix, bits, target, min,
+ * min_matchmaking_ms, request_timeout_ms, allreduce_timeout_ms, count,
+ * segment_bytes, schema, gather_max, leave_timeout_ms): one struct
+ * cohort_averager, for cohort.hivemind. The averaged floats cross as a
+ * writable buffer of exactly count float32; every call runs with the GIL
+ * released and under the Averager's lock. */
+
+struct pyaverager {
+    PyObject_HEAD
+    struct cohort_averager *a;          /* NULL once closed */
+    PyThread_type_lock lock;
+};
+
+static PyObject *averager_raise(struct pyaverager *self, const char *what, int rc)
+{
+    char msg[768];
+    const char *detail = self->a ? cohort_averager_error(self->a) : "";
+    PyObject *args;
+
+    snprintf(msg, sizeof(msg), "%s: %s%s%s", what, cohort_group_strerror(rc),
+             detail && *detail ? ": " : "", detail ? detail : "");
+    args = Py_BuildValue("(is)", rc < 0 ? -rc : rc, msg);
+    if (args) {
+        PyErr_SetObject(cohort_error, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+static int averager_open(struct pyaverager *self)
+{
+    if (!self->a) {
+        PyErr_SetString(PyExc_ValueError, "the averager is shut down");
+        return -1;
+    }
+    return 0;
+}
+
+static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = { "broker", "cohort", "id", "prefix", "bits", "target", "min",
+                              "min_matchmaking_ms", "request_timeout_ms",
+                              "allreduce_timeout_ms", "count", "segment_bytes", "schema",
+                              "gather_max", "leave_timeout_ms", NULL };
+    struct cohort_averager_config c = { 0 };
+    unsigned long long count = 0, segment = 0, gather_max = 0;
+    Py_buffer schema = { 0 };
+    struct cohort_averager *a = NULL;
+    int rc;
+
+    if (self->a || self->lock) {
+        PyErr_SetString(PyExc_RuntimeError, "Averager.__init__ may be called once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI", kwlist, &c.broker,
+                                     &c.cohort, &c.id, &c.prefix, &c.initial_bits,
+                                     &c.target_group_size, &c.min_group_size,
+                                     &c.min_matchmaking_ms, &c.request_timeout_ms,
+                                     &c.allreduce_timeout_ms, &count, &segment, &schema,
+                                     &gather_max, &c.leave_timeout_ms))
+        return -1;
+    c.count = (size_t)count;
+    c.segment_bytes = (size_t)segment;
+    c.schema = schema.buf;
+    c.schema_len = (size_t)schema.len;
+    c.gather_max = (size_t)gather_max;
+    self->lock = PyThread_allocate_lock();
+    if (!self->lock) {
+        PyBuffer_Release(&schema);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_averager_create(&c, &a);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&schema);
+    if (rc < 0) {
+        averager_raise(self, "cannot start the averager (check the broker address, cohort, "
+                       "id, prefix, group bits and group sizes)", rc);
+        return -1;
+    }
+    self->a = a;
+    return 0;
+}
+
+static void pyaverager_close_now(struct pyaverager *self)
+{
+    struct cohort_averager *a = self->a;
+
+    if (!a)
+        return;
+    self->a = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    cohort_averager_destroy(a);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+}
+
+static void pyaverager_dealloc(struct pyaverager *self)
+{
+    pyaverager_close_now(self);
+    if (self->lock)
+        PyThread_free_lock(self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *pyaverager_close(struct pyaverager *self, PyObject *unused)
+{
+    pyaverager_close_now(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pyaverager_wait(struct pyaverager *self, PyObject *arg)
+{
+    long v = PyLong_AsLong(arg);
+    int rc;
+
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    if (averager_open(self) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_averager_wait(self->a, v > INT_MAX ? INT_MAX : v < 0 ? 0 : (int)v);
+    Py_END_ALLOW_THREADS
+    if (rc == -ETIMEDOUT)
+        Py_RETURN_FALSE;
+    if (rc < 0)
+        return averager_raise(self, "wait", rc);
+    Py_RETURN_TRUE;
+}
+
+/* step(buffer, weight, alpha, gather, timeout_ms, allow_retries) ->
+ * (group, attempts, matchmaking_ms, [(id, weight, gathered bytes), ...]). */
+static PyObject *pyaverager_step(struct pyaverager *self, PyObject *args)
+{
+    struct cohort_averager_step st = { 0 };
+    struct cohort_averager_result *r = NULL;
+    Py_buffer b, g;
+    int retries, rc;
+    PyObject *list = NULL, *out = NULL;
+
+    if (averager_open(self) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "w*ddy*ip", &b, &st.weight, &st.alpha, &g, &st.timeout_ms,
+                          &retries))
+        return NULL;
+    if (b.len % 4 != 0) {
+        PyBuffer_Release(&b);
+        PyBuffer_Release(&g);
+        PyErr_SetString(PyExc_ValueError, "step: the buffer must hold float32");
+        return NULL;
+    }
+    st.data = b.buf;
+    st.gather = g.buf;
+    st.gather_len = (size_t)g.len;
+    st.allow_retries = retries != 0;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = cohort_averager_step(self->a, &st, &r);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&g);
+    if (rc < 0)
+        return averager_raise(self, "averaging step", rc);
+    list = PyList_New((Py_ssize_t)cohort_averager_result_size(r));
+    if (!list)
+        goto out;
+    for (size_t i = 0; i < cohort_averager_result_size(r); i++) {
+        size_t len = 0;
+        const void *p = cohort_averager_result_gathered(r, i, &len);
+        PyObject *item = Py_BuildValue("(sdy#)", cohort_averager_result_id(r, i),
+                                       cohort_averager_result_weight(r, i), (const char *)p,
+                                       (Py_ssize_t)len);
+        if (!item)
+            goto out;
+        PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+    }
+    out = Py_BuildValue("(KIIO)", (unsigned long long)cohort_averager_result_group(r),
+                        cohort_averager_result_attempts(r),
+                        cohort_averager_result_matchmaking_ms(r), list);
+out:
+    Py_XDECREF(list);
+    cohort_averager_result_free(r);
+    return out;
+}
+
+static PyObject *pyaverager_bits(struct pyaverager *self, PyObject *unused)
+{
+    if (averager_open(self) < 0)
+        return NULL;
+    return PyUnicode_FromString(cohort_averager_bits(self->a));
+}
+
+static PyObject *pyaverager_set_bits(struct pyaverager *self, PyObject *arg)
+{
+    const char *bits = PyUnicode_AsUTF8(arg);
+    int rc;
+
+    if (!bits)
+        return NULL;
+    if (averager_open(self) < 0)
+        return NULL;
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = cohort_averager_set_bits(self->a, bits);
+    PyThread_release_lock(self->lock);
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "group bits must be at most 64 characters of 0 and 1");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef pyaverager_methods[] = {
+    { "close", (PyCFunction)pyaverager_close, METH_NOARGS, "Leaves the cohort." },
+    { "wait", (PyCFunction)pyaverager_wait, METH_O,
+      "wait(timeout_ms) -> bool: whether the averager has joined the cohort." },
+    { "step", (PyCFunction)pyaverager_step, METH_VARARGS,
+      "step(buffer, weight, alpha, gather, timeout_ms, allow_retries) -> "
+      "(group, attempts, matchmaking_ms, [(id, weight, gathered), ...])." },
+    { "bits", (PyCFunction)pyaverager_bits, METH_NOARGS, "The group bits." },
+    { "set_bits", (PyCFunction)pyaverager_set_bits, METH_O, "set_bits(str)." },
+    { NULL, NULL, 0, NULL },
+};
+
+static PyTypeObject pyaverager_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cohort._cohort.Averager",
+    .tp_basicsize = sizeof(struct pyaverager),
+    .tp_dealloc = (destructor)pyaverager_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Averager(...): hivemind's DecentralizedAverager's C half (cohort.hivemind).",
+    .tp_methods = pyaverager_methods,
+    .tp_init = (initproc)pyaverager_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* ---- module ------------------------------------------------------------- */
 
 static PyObject *mod_strerror(PyObject *mod, PyObject *arg)
@@ -1362,7 +1602,9 @@ PyMODINIT_FUNC PyInit__cohort(void)
         PyModule_AddIntConstant(m, "F64", COHORT_F64) < 0 ||
         PyModule_AddIntConstant(m, "F16", COHORT_F16) < 0 ||
         PyModule_AddIntConstant(m, "BF16", COHORT_BF16) < 0 ||
-        PyModule_AddIntConstant(m, "API_VERSION", COHORT_API_VERSION) < 0 || pygroup_add(m) < 0) {
+        PyModule_AddIntConstant(m, "API_VERSION", COHORT_API_VERSION) < 0 || pygroup_add(m) < 0 ||
+        PyType_Ready(&pyaverager_type) < 0 ||
+        PyModule_AddObjectRef(m, "Averager", (PyObject *)&pyaverager_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

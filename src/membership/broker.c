@@ -1148,3 +1148,19 @@ void broker_status_free(struct broker_status *s)
     free(s->cohorts);
     free(s);
 }
+
+int broker_member_address(const struct broker *b, const char *cohort, const char *id,
+                          uint64_t session, char *address, size_t len)
+{
+    const struct entry *m;
+
+    if (!session)
+        return -ENOENT;
+    m = entry_get(cohort_get(b, cohort), id, session);
+    if (!m)
+        return -ENOENT;
+    if (strlen(m->address) >= len)
+        return -ENOSPC;
+    memcpy(address, m->address, strlen(m->address) + 1);
+    return 0;
+}

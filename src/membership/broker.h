@@ -292,4 +292,12 @@ struct broker_status {
 int broker_status(const struct broker *b, const char *cohort, struct broker_status **out);
 void broker_status_free(struct broker_status *s);     /* NULL is fine */
 
+/* Copies the data address member `id` of `cohort` joined with, when
+ * `session` is its session, into `address` (len bytes). A matchmade group
+ * (matchmaker.h) names its members by these, never by addresses the
+ * requests carry. Returns 0, -ENOENT (no such member session), or -ENOSPC
+ * (too short). */
+int broker_member_address(const struct broker *b, const char *cohort, const char *id,
+                          uint64_t session, char *address, size_t len);
+
 #endif

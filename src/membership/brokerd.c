@@ -39,6 +39,7 @@
 #include "membership/epoch.h"
 #include "base/ident.h"
 #include "base/log.h"
+#include "membership/matchmaker.h"
 #include "membership/proof.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
@@ -66,6 +67,24 @@ struct brokerd {
     uint64_t log_second;            /* the second the count is for */
     unsigned log_count;             /* lines logged in it */
     uint64_t log_held;              /* lines held back since the last one */
+    /* Matchmaking (matchmaker.h), under its own lock and thread so that
+     * groups never wait on the membership's. */
+    pthread_mutex_t mm_lock;        /* guards mm and every mm_call's answered */
+    pthread_cond_t mm_wake;
+    struct matchmaker *mm;
+    pthread_t mm_thread;
+    bool mm_stopping;
+};
+
+/* One Matchmake call while it waits for its group. Freed when the stream
+ * closes. */
+struct mm_call {
+    struct brokerd *d;
+    struct rpc_stream *s;
+    bool answered;                  /* the matchmaker no longer holds it */
+    char cohort[IDENT_NAME_MAX + 1];
+    char id[IDENT_NAME_MAX + 1];
+    uint64_t session;
 };
 
 /* One member's membership stream, as the broker knows it. Freed when the
@@ -531,6 +550,191 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     rpc_stream_on_close(s, watcher_closed, w);
 }
 
+/* ---- matchmaking ----------------------------------------------------- */
+
+static enum rpc_code mm_code(int err)
+{
+    switch (err) {
+    case -ETIMEDOUT: return RPC_DEADLINE_EXCEEDED;
+    case -ECANCELED: return RPC_ABORTED;
+    case -ESHUTDOWN: return RPC_UNAVAILABLE;
+    case -EPROTO: return RPC_FAILED_PRECONDITION;
+    case -ENOSPC: return RPC_RESOURCE_EXHAUSTED;
+    case -ENOENT: return RPC_NOT_FOUND;
+    case -EINVAL: return RPC_INVALID_ARGUMENT;
+    default: return rpc_code_from_errno(err);
+    }
+}
+
+/* The matchmaker's callbacks, called with d->mm_lock held. */
+static void mm_formed(void *arg, const struct matchmaker_group *g)
+{
+    Cohort__V1__MatchmakeReply rep = COHORT__V1__MATCHMAKE_REPLY__INIT;
+    Cohort__V1__Member storage[MATCHMAKER_GROUP_MAX], *ptrs[MATCHMAKER_GROUP_MAX];
+    struct rpc_buf *buf = NULL;
+    int rc;
+
+    (void)arg;
+    for (size_t i = 0; i < g->n; i++) {
+        cohort__v1__member__init(&storage[i]);
+        storage[i].id = (char *)g->members[i].id;
+        storage[i].address = (char *)g->members[i].address;
+        ptrs[i] = &storage[i];
+    }
+    rep.group_id = g->id;
+    rep.n_members = g->n;
+    rep.members = ptrs;
+    rc = rpc_buf_pack(&rep.base, &buf);
+    for (size_t i = 0; i < g->n; i++) {
+        struct mm_call *c = g->members[i].ctx;
+
+        c->answered = true;
+        if (rc == 0) {
+            rpc_stream_send(c->s, buf);
+            rpc_stream_finish(c->s, RPC_OK, "");
+        } else {
+            rpc_stream_finish(c->s, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        }
+    }
+    rpc_buf_unref(buf);
+    log_debug("broker", "A group of averagers formed.", LF_S("cohort", g->cohort),
+              LF_S("prefix", g->prefix), LF_S("group_bits", g->bits), LF_U("group", g->id),
+              LF_U("size", g->n));
+}
+
+static void mm_failed(void *arg, void *ctx, int err, const char *why)
+{
+    struct mm_call *c = ctx;
+
+    (void)arg;
+    c->answered = true;
+    rpc_stream_finish(c->s, mm_code(err), why);
+}
+
+/* Called with d->mm_lock held; takes d->lock, which is never held while
+ * mm_lock is taken. */
+static bool mm_alive(void *arg, void *ctx)
+{
+    struct brokerd *d = arg;
+    struct mm_call *c = ctx;
+    char address[IDENT_ADDRESS_MAX + 1];
+    int rc;
+
+    pthread_mutex_lock(&d->lock);
+    rc = broker_member_address(d->b, c->cohort, c->id, c->session, address, sizeof(address));
+    pthread_mutex_unlock(&d->lock);
+    return rc == 0;
+}
+
+static void mm_closed(void *arg, struct rpc_stream *s)
+{
+    struct mm_call *c = arg;
+
+    pthread_mutex_lock(&c->d->mm_lock);
+    if (!c->answered)
+        matchmaker_cancel(c->d->mm, c);
+    pthread_mutex_unlock(&c->d->mm_lock);
+    rpc_stream_unref(s);
+    free(c);
+}
+
+static void mm_refuse(struct brokerd *d, struct rpc_stream *s, const char *cohort, const char *id,
+                      enum rpc_code code, const char *why)
+{
+    log_refusal(d, "Matchmake", cohort, id, code, why);
+    rpc_stream_finish(s, code, why);
+    rpc_stream_unref(s);
+}
+
+/* Matchmake: a proved request of a live member session (its seq is
+ * accepted once, as for Heartbeat), which waits in the matchmaker with
+ * the address the member joined with. */
+static void on_matchmake(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+{
+    const Cohort__V1__MatchmakeRequest *q = (const Cohort__V1__MatchmakeRequest *)req;
+    struct brokerd *d = arg;
+    struct matchmaker_request r = {
+        .cohort = q->cohort, .id = q->id, .prefix = q->prefix, .bits = q->group_bits,
+        .target = q->target_group_size, .min = q->min_group_size,
+        .min_wait_ms = q->min_matchmaking_ms, .timeout_ms = q->timeout_ms,
+        .schema = q->schema.data, .schema_len = q->schema.len,
+    };
+    char why[RPC_MESSAGE_MAX], address[IDENT_ADDRESS_MAX + 1];
+    struct mm_call *c;
+    int rc, proved;
+
+    if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
+        !ident_valid_member_id(q->id)) {
+        mm_refuse(d, s, q->cohort, q->id,
+                  q->protocol_version != WIRE_PROTOCOL_VERSION ? RPC_FAILED_PRECONDITION
+                                                               : RPC_INVALID_ARGUMENT,
+                  "bad protocol version, cohort name or member id");
+        return;
+    }
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        mm_refuse(d, s, q->cohort, q->id, RPC_UNAUTHENTICATED, why);
+        return;
+    }
+    pthread_mutex_lock(&d->lock);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_member_address(d->b, q->cohort, q->id, q->session, address,
+                                   sizeof(address));
+    pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        mm_refuse(d, s, q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
+        return;
+    }
+    if (rc < 0) {
+        mm_refuse(d, s, q->cohort, q->id, RPC_NOT_FOUND,
+                  "no member with this session in the cohort: an averager must join it first");
+        return;
+    }
+    c = calloc(1, sizeof(*c));
+    if (!c) {
+        mm_refuse(d, s, q->cohort, q->id, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    c->d = d;
+    c->s = s;           /* the handler's reference, dropped in mm_closed */
+    snprintf(c->cohort, sizeof(c->cohort), "%s", q->cohort);
+    snprintf(c->id, sizeof(c->id), "%s", q->id);
+    c->session = q->session;
+    r.address = address;
+    r.ctx = c;
+    pthread_mutex_lock(&d->mm_lock);
+    rc = matchmaker_submit(d->mm, clock_now_ms(), &r, why, sizeof(why));
+    if (rc < 0)
+        c->answered = true;
+    pthread_cond_signal(&d->mm_wake);     /* a nearer deadline */
+    pthread_mutex_unlock(&d->mm_lock);
+    if (rc < 0) {
+        log_refusal(d, "Matchmake", q->cohort, q->id, mm_code(rc), why);
+        rpc_stream_finish(s, mm_code(rc), why);
+    } else {
+        log_debug("broker", "An averager asks for a group.", LF_S("cohort", q->cohort),
+                  LF_S("id", q->id), LF_S("prefix", q->prefix), LF_S("group_bits", q->group_bits));
+    }
+    /* Last and outside the lock: if the client is already gone this runs
+     * at once, and it takes the lock itself. */
+    rpc_stream_on_close(s, mm_closed, c);
+}
+
+static void *mm_main(void *arg)
+{
+    struct brokerd *d = arg;
+
+    pthread_mutex_lock(&d->mm_lock);
+    while (!d->mm_stopping) {
+        struct timespec ts = clock_deadline(matchmaker_tick(d->mm, clock_now_ms()));
+
+        pthread_cond_timedwait(&d->mm_wake, &d->mm_lock, &ts);
+    }
+    pthread_mutex_unlock(&d->mm_lock);
+    return NULL;
+}
+
 static void fill_members(Cohort__V1__Member **ptrs, Cohort__V1__Member *storage,
                          const struct epoch_member *m, size_t n)
 {
@@ -722,7 +926,11 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
         { WIRE_BROKER_LEAVE, &cohort__v1__leave_request__descriptor, on_leave, NULL, d },
         { WIRE_BROKER_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch, d },
         { WIRE_BROKER_STATUS, &cohort__v1__status_request__descriptor, on_status, NULL, d },
+        { WIRE_BROKER_MATCHMAKE, &cohort__v1__matchmake_request__descriptor, NULL, on_matchmake,
+          d },
     };
+    struct matchmaker_ops mops = { .formed = mm_formed, .failed = mm_failed, .alive = mm_alive,
+                                   .arg = NULL };
 
     pthread_mutex_init(&d->lock, NULL);
     pthread_mutex_init(&d->log_lock, NULL);
@@ -741,6 +949,14 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
     }
     d->open = cfg->open;
     d->max_keys = cfg->broker.max_cohorts;
+    pthread_mutex_init(&d->mm_lock, NULL);
+    clock_cond_init(&d->mm_wake);
+    mops.arg = d;
+    /* Group numbers grow across restarts: a member's engine adopts each
+     * group as an epoch, which must be newer than the last. */
+    rc = matchmaker_create(&mops, proof_now_ms() << 10, &d->mm);
+    if (rc < 0)
+        goto err_locks;
     {
         struct rpc_server_opts so = { .tls_cert_pem = cfg->tls_cert_pem,
                                       .tls_key_pem = cfg->tls_key_pem };
@@ -748,17 +964,31 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
                                &d->srv);
     }
     if (rc < 0)
-        goto err_broker;
+        goto err_matchmaker;
     if (pthread_create(&d->ticker, NULL, tick_main, d) != 0) {
         rc = -EAGAIN;
         goto err_server;
     }
+    if (pthread_create(&d->mm_thread, NULL, mm_main, d) != 0) {
+        rc = -EAGAIN;
+        goto err_ticker;
+    }
     *out = d;
     return 0;
 
+err_ticker:
+    pthread_mutex_lock(&d->lock);
+    d->stopping = true;
+    pthread_cond_signal(&d->wake);
+    pthread_mutex_unlock(&d->lock);
+    pthread_join(d->ticker, NULL);
 err_server:
     rpc_server_destroy(d->srv);
-err_broker:
+err_matchmaker:
+    matchmaker_destroy(d->mm);
+err_locks:
+    pthread_cond_destroy(&d->mm_wake);
+    pthread_mutex_destroy(&d->mm_lock);
     broker_destroy(d->b);
 err_free:
     pthread_cond_destroy(&d->wake);
@@ -873,9 +1103,17 @@ void brokerd_stop(struct brokerd *d)
     pthread_cond_signal(&d->wake);
     pthread_mutex_unlock(&d->lock);
     pthread_join(d->ticker, NULL);
+    pthread_mutex_lock(&d->mm_lock);
+    d->mm_stopping = true;
+    pthread_cond_signal(&d->mm_wake);
+    pthread_mutex_unlock(&d->mm_lock);
+    pthread_join(d->mm_thread, NULL);
     /* Streams close first (their on_close takes the lock and unwatches),
      * then the broker detaches whatever is left. */
     rpc_server_destroy(d->srv);
+    matchmaker_destroy(d->mm);
+    pthread_cond_destroy(&d->mm_wake);
+    pthread_mutex_destroy(&d->mm_lock);
     pthread_mutex_lock(&d->lock);
     broker_destroy(d->b);
     pthread_mutex_unlock(&d->lock);

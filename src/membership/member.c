@@ -753,3 +753,30 @@ void member_destroy(struct member *m)
     pthread_mutex_destroy(&m->lock);
     free(m);
 }
+
+int member_matchmake(struct member *m, Cohort__V1__MatchmakeRequest *q, rpc_msg_fn on_msg,
+                     rpc_end_fn on_end, void *arg, struct rpc_watch **out)
+{
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    int rc;
+
+    pthread_mutex_lock(&m->lock);
+    if (m->state != ST_JOINED) {
+        pthread_mutex_unlock(&m->lock);
+        return -ENOTCONN;
+    }
+    q->protocol_version = WIRE_PROTOCOL_VERSION;
+    q->cohort = m->cohort;
+    q->id = m->id;
+    q->session = m->session;
+    q->proof = NULL;
+    sign_locked(m, &q->base, &q->proof, &pf, mac);
+    /* Opened under the lock, so that the seq goes out in the order signed
+     * with respect to this member's own calls. */
+    rc = rpc_watch_open(m->ch, WIRE_BROKER_MATCHMAKE, &q->base,
+                        &cohort__v1__matchmake_reply__descriptor, 0, on_msg, on_end, arg, out);
+    pthread_mutex_unlock(&m->lock);
+    q->proof = NULL;
+    return rc;
+}

@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "membership/epoch.h"
+#include "rpc/rpc.h"
 
 struct secret;
 
@@ -121,5 +122,15 @@ int member_leave(struct member *m, uint32_t timeout_ms);
  * the same to the broker). Must not be called on a completion thread.
  * NULL is fine. */
 void member_destroy(struct member *m);
+
+/* Opens a Matchmake call (membership/matchmaker.h) as this member: fills
+ * q's protocol_version, cohort, id and session (the caller fills what it
+ * asks for), signs it with the member's next seq when it has a key, and
+ * opens the stream on the member's channel with rpc_watch_open's
+ * callbacks and contract (`q` is borrowed for the call). Returns 0,
+ * -ENOTCONN while the member has not joined, or rpc_watch_open's -errno.
+ * The caller closes *out with rpc_watch_close(). */
+int member_matchmake(struct member *m, Cohort__V1__MatchmakeRequest *q, rpc_msg_fn on_msg,
+                     rpc_end_fn on_end, void *arg, struct rpc_watch **out);
 
 #endif

@@ -87,6 +87,17 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         method = "Status";
         v->version = q->protocol_version;
         cohort = q->cohort;
+    } else if (d == &cohort__v1__matchmake_request__descriptor) {
+        const Cohort__V1__MatchmakeRequest *q = (const Cohort__V1__MatchmakeRequest *)req;
+        method = "Matchmake";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+        id = q->id;
+        v->session = q->session;
+        v->a = q->target_group_size;
+        v->b = q->min_group_size;
+        v->c = q->min_matchmaking_ms;
+        v->d = q->timeout_ms;
     } else {
         return 0;
     }
@@ -122,6 +133,16 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
             for (size_t i = 0; i < q->n_lost_peers; i++)
                 parts[n++] = SECRET_STR(str(q->lost_peers[i]));
         }
+    } else if (d == &cohort__v1__matchmake_request__descriptor) {
+        const Cohort__V1__MatchmakeRequest *q = (const Cohort__V1__MatchmakeRequest *)req;
+
+        parts[n++] = SECRET_STR(str(q->prefix));
+        parts[n++] = SECRET_STR(str(q->group_bits));
+        parts[n++] = SECRET_U64(v->a);
+        parts[n++] = SECRET_U64(v->b);
+        parts[n++] = SECRET_U64(v->c);
+        parts[n++] = SECRET_U64(v->d);
+        parts[n++] = (struct secret_part){ q->schema.data, q->schema.len };
     }
     return n;
 }

@@ -20,6 +20,7 @@
 #define WIRE_BROKER_LEAVE "/cohort.v1.Broker/Leave"
 #define WIRE_BROKER_WATCH "/cohort.v1.Broker/Watch"
 #define WIRE_BROKER_STATUS "/cohort.v1.Broker/Status"
+#define WIRE_BROKER_MATCHMAKE "/cohort.v1.Broker/Matchmake"
 
 /* ---- proofs ------------------------------------------------------------
  *
@@ -32,7 +33,8 @@
  * where each part is preceded by its length as 8 bytes (secret_mac), and
  * the parts are, in order:
  *
- *   method        "Join", "Heartbeat", "Leave", "Watch" or "Status"
+ *   method        "Join", "Heartbeat", "Leave", "Watch", "Status" or
+ *                 "Matchmake"
  *   protocol_version, as 8 bytes
  *   cohort        the request's, "" for a Status of every cohort
  *   id            the member's, "" for Status
@@ -51,6 +53,8 @@
  *                 and, only when it reports any, the number of lost_peers
  *                 (8 bytes) and each of them (so a heartbeat that reports
  *                 none is signed as before the field existed)
+ *   Matchmake     prefix, group_bits, target_group_size, min_group_size,
+ *                 min_matchmaking_ms, timeout_ms, schema (its bytes)
  *   Leave, Watch, Status: nothing more.
  *
  * Integers are little-endian. So a proof names one method of one member
@@ -63,7 +67,8 @@
  *   above the highest it accepted, or one of the WIRE_PROOF_SEQ_WINDOW
  *   just below it not yet seen (calls on one channel may overtake each
  *   other). A session's first Join marks everything below its seq seen.
- *   This covers Heartbeat, Leave, Watch and a rejoin of a live session.
+ *   This covers Heartbeat, Leave, Watch, Matchmake and a rejoin of a live
+ *   session.
  * - time_ms: a Join and a Status are refused when their time is more than
  *   WIRE_PROOF_SKEW_MS from the broker's wall clock. This is the clock
  *   assumption: members' and the broker's clocks agree within 2 minutes

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""bench/averager.py: hivemind's DecentralizedAverager on cohort against
+cohort's plain all-reduce, in the same run, on loopback.
+
+- averager: --peers processes (8) average --mib MiB of float32 each in
+  groups of --group (4), matchmade by the broker every round
+  (cohort.hivemind, group bits that keep groups of --group).
+- allreduce: --group processes (4) all-reduce the same size with the
+  group collective (the engine the Accumulator runs, through
+  cohort._cohort.Group; no matchmaking).
+
+Both sets of processes live through the whole run and take turns: every
+process waits at a barrier before each turn, so one set runs alone.
+Prints one JSON object per system: the median over --reps of the slowest
+process's milliseconds per round, and, for the averager, the median
+matchmaking time (from the request to the broker until the group
+formed, as the averager measures it); then the ratio of the two.
+hivemind itself is not installed here, so it is not in the table.
+
+    make -j2 all python
+    /usr/bin/python3 bench/averager.py --peers 8 --group 4 --mib 16 --reps 5
+"""
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+BUILD = os.path.abspath(os.environ.get("BUILD", os.path.join(ROOT, "build")))
+sys.path.insert(0, os.path.join(BUILD, "python"))
+
+
+def start_broker(operator, log_path):
+    """cohort-operator --standalone on a free port, open (no keys), its log
+    in a file, which is read for the address."""
+    log = open(log_path, "w")
+    p = subprocess.Popen([operator, "--standalone", "--listen",
+                          "127.0.0.1:0", "--insecure", "--allow-any-cohort", "--log-format",
+                          "json"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=log)
+    end = time.monotonic() + 60
+    while time.monotonic() < end and p.poll() is None:
+        with open(log_path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("msg") == "Broker is listening.":
+                    return p, rec["address"]
+        time.sleep(0.05)
+    p.kill()
+    raise SystemExit("the broker did not start; see %s" % log_path)
+
+
+def averager_child(a, broker, k, turns, out):
+    import torch
+    import cohort.hivemind as hivemind
+    torch.set_num_threads(1)
+    n = a.mib * (1 << 20) // 4
+    nbits = int(math.log2(a.peers // a.group))
+    bits = format(k // a.group, "0%db" % nbits) if nbits else ""
+    dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="bench-avg",
+                       peer_id="avg-%d" % k)
+    av = hivemind.DecentralizedAverager(
+        [torch.full((n,), float(k))], dht, start=True, prefix="bench",
+        target_group_size=a.group, min_group_size=a.group, initial_group_bits=bits,
+        min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=60)
+    times = []
+    for rep in range(a.reps + 1):
+        turns.wait()                # the averagers' turn
+        t0 = time.perf_counter()
+        got = av.step(timeout=120)
+        ms = (time.perf_counter() - t0) * 1000
+        if got is None or len(got) != a.group:
+            raise SystemExit("round %d: %s" % (rep, got))
+        if rep:                     # the first round warms connections up
+            times.append((ms, av.last_group[3] * 1000))
+        turns.wait()                # the all-reduce's turn
+    out.put(("averager", k, times))
+    av.shutdown()
+
+
+def allreduce_child(a, broker, k, turns, out):
+    import torch
+    from cohort import _cohort
+    torch.set_num_threads(1)
+    n = a.mib * (1 << 20) // 4
+    g = _cohort.Group(broker, "bench-ar", "ar-%d" % k)
+    end = time.monotonic() + 60
+    while (g.position() or (0, 0))[1] != a.group:
+        if time.monotonic() > end:
+            raise SystemExit("the cohort never had %d members" % a.group)
+        time.sleep(0.01)
+    t = torch.full((n,), float(k))
+    buf = memoryview(t.view(torch.uint8).numpy())
+    times = []
+    for rep in range(a.reps + 1):
+        turns.wait()
+        turns.wait()
+        t0 = time.perf_counter()
+        g.allreduce(buf, n, _cohort.G_F32, _cohort.OP_AVG, 0.0, 0, 300000)
+        ms = (time.perf_counter() - t0) * 1000
+        if rep:
+            times.append((ms, 0.0))
+    out.put(("allreduce", k, times))
+    g.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--mib", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--operator", default=os.path.join(BUILD, "cohort-operator"),
+                    help="the cohort-operator binary that serves the broker")
+    ap.add_argument("--log-dir", default=os.path.join(BUILD, "bench"))
+    a = ap.parse_args()
+    if a.group < 2 or a.peers < a.group or a.mib < 1 or a.reps < 1:
+        ap.error("need --group >= 2, --peers >= --group, --mib >= 1, --reps >= 1")
+    if a.peers % a.group or (a.peers // a.group) & (a.peers // a.group - 1):
+        ap.error("--peers must be --group times a power of two")
+    os.makedirs(a.log_dir, exist_ok=True)
+    broker, address = start_broker(a.operator, os.path.join(a.log_dir, "averager-broker.log"))
+    ctx = multiprocessing.get_context("spawn")
+    turns = ctx.Barrier(a.peers + a.group)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=averager_child, args=(a, address, k, turns, out))
+             for k in range(a.peers)]
+    procs += [ctx.Process(target=allreduce_child, args=(a, address, k, turns, out))
+              for k in range(a.group)]
+    try:
+        for p in procs:
+            p.start()
+        got, end = [], time.monotonic() + 1800
+        while len(got) < len(procs):
+            try:
+                got.append(out.get(timeout=1))
+            except queue.Empty:
+                if any(p.exitcode for p in procs) or time.monotonic() > end:
+                    raise SystemExit("a process failed or the run took too long") from None
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit("a process failed")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        broker.terminate()
+        broker.wait()
+    res = {}
+    for system in ("averager", "allreduce"):
+        runs = [times for s, _, times in got if s == system]
+        slowest = [max(r[i][0] for r in runs) for i in range(a.reps)]
+        mm = [max(r[i][1] for r in runs) for i in range(a.reps)]
+        res[system] = statistics.median(slowest)
+        row = {"system": system, "peers": len(runs),
+               "group": a.group, "mib": a.mib, "ms_per_round": round(res[system], 1)}
+        if system == "averager":
+            row["matchmaking_ms"] = round(statistics.median(mm), 1)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"averager/allreduce": round(res["averager"] / res["allreduce"], 2)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""hivemind's DecentralizedAverager on cohort.
+
+    import cohort.hivemind as hivemind
+
+    dht = hivemind.DHT(initial_peers=["127.0.0.1:7000"], start=True)
+    averager = hivemind.DecentralizedAverager(
+        [torch.zeros(1000)], dht, start=True, prefix="run1",
+        target_group_size=4, min_matchmaking_time=1.0, request_timeout=0.5)
+    with averager.get_tensors() as tensors:
+        tensors[0] += 1
+    gathered = averager.step(gather={"batch": 32}, weight=32)
+
+The DHT stands in for hivemind's: it names the cohort broker that
+averagers find each other through (`initial_peers`, else $COHORT_BROKER)
+and this peer's id. Each step asks the broker for a group by prefix and
+group bits and averages the tensors in place among it, weighted, exactly
+alike on every member (docs/architecture.md, "hivemind's
+DecentralizedAverager"). A peer that stalls is excluded and the step
+completes with the rest; the returned dict holds exactly the peers that
+were averaged.
+
+Arguments of hivemind's constructor that cohort does not carry out yet
+are refused with a ValueError that says so, never ignored: client_mode,
+bandwidth, tensor_infos, min_vector_size, state sharing, compression
+other than NoCompression, daemon=False.
+
+Gathered objects cross as JSON (hivemind uses msgpack): peers may lie,
+and JSON cannot run code on the receiving side.
+"""
+import hashlib
+import json
+import os
+import threading
+import uuid
+from contextlib import contextmanager
+
+import torch
+
+from . import _cohort
+
+__all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
+           "Float16Compression", "StepControl", "averaging"]
+
+_GROUP_MAX = 256
+_GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
+
+
+class AllreduceException(Exception):
+    """A round of averaging failed: too few peers, every attempt stalled,
+    or the peers disagree (tensor shapes or dtypes, group sizes)."""
+
+
+class CompressionBase:
+    """hivemind.compression.CompressionBase: how tensors travel."""
+
+
+class NoCompression(CompressionBase):
+    """Tensors travel as float32."""
+
+    def __repr__(self):
+        return "NoCompression()"
+
+
+class Float16Compression(CompressionBase):
+    """hivemind's float16 codec. The class exists so that code naming it
+    imports; the averager refuses it until its rounds can carry codecs."""
+
+    def __repr__(self):
+        return "Float16Compression()"
+
+
+class DHT:
+    """Stands in for hivemind.DHT: the cohort broker at initial_peers[0]
+    (or $COHORT_BROKER when initial_peers is empty), the cohort named by
+    `cohort` (else $COHORT_COHORT, else "hivemind"), and this peer's id
+    (`peer_id`, else $COHORT_ID, else a random one)."""
+
+    def __init__(self, initial_peers=(), start=True, *, cohort=None, peer_id=None):
+        if not start:
+            raise ValueError("DHT(start=False) is not supported: cohort's DHT is the broker, "
+                             "which runs already; pass start=True")
+        peers = list(initial_peers or ())
+        if len(peers) > 1:
+            raise ValueError("cohort's DHT is one broker: pass one address in initial_peers")
+        broker = peers[0] if peers else os.environ.get("COHORT_BROKER")
+        if not broker or not isinstance(broker, str):
+            raise ValueError("no broker: pass initial_peers=[\"host:port\"] or set "
+                             "$COHORT_BROKER")
+        self.broker = broker
+        self.cohort = cohort or os.environ.get("COHORT_COHORT") or "hivemind"
+        self.peer_id = peer_id or os.environ.get("COHORT_ID") or "peer-" + uuid.uuid4().hex[:12]
+        self._averager = None
+        self._alive = True
+
+    def is_alive(self):
+        return self._alive
+
+    def shutdown(self):
+        if self._averager is not None:
+            self._averager.shutdown()
+        self._alive = False
+
+
+def _schema(tensors):
+    """What the averaged tensors are, as the broker compares it: only
+    averagers whose tensors have the same shapes and dtypes group."""
+    desc = ";".join("%s:%s" % (tuple(t.shape), str(t.dtype)) for t in tensors)
+    return hashlib.sha256(desc.encode()).digest()
+
+
+class StepControl:
+    """A step running in the background (step(wait=False))."""
+
+    def __init__(self, require_trigger):
+        self._done = threading.Event()
+        self._trigger = threading.Event()
+        if not require_trigger:
+            self._trigger.set()
+        self._cancelled = False
+        self._result = None
+        self._error = None
+
+    def allow_allreduce(self):
+        """Lets a step made with require_trigger=True begin."""
+        self._trigger.set()
+
+    def done(self):
+        return self._done.is_set()
+
+    def cancel(self):
+        """Cancels the step if it has not begun averaging. Returns whether
+        it was cancelled."""
+        if self._done.is_set() or (self._trigger.is_set() and not self._cancelled):
+            return False
+        self._cancelled = True
+        self._trigger.set()
+        return True
+
+    def cancelled(self):
+        return self._cancelled
+
+    def result(self, timeout=None):
+        """The step's {peer_id: gathered}; raises AllreduceException when it
+        failed, TimeoutError when it is not done within timeout."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the averaging step is not done")
+        if self._cancelled:
+            raise AllreduceException("the step was cancelled")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class DecentralizedAverager:
+    """hivemind.averaging.DecentralizedAverager on a cohort broker."""
+
+    def __init__(self, averaged_tensors, dht, *, start, prefix, target_group_size=None,
+                 min_group_size=2, initial_group_bits="", min_matchmaking_time=5.0,
+                 request_timeout=3.0, averaging_alpha=1.0, part_size_bytes=2 ** 19,
+                 allreduce_timeout=None, next_chunk_timeout=None, sender_timeout=None,
+                 reducer_timeout=None, compression=NoCompression(),
+                 state_compression=NoCompression(), tensor_infos=None, bandwidth=None,
+                 min_vector_size=0, auxiliary=False, allow_state_sharing=None,
+                 declare_state_period=30, client_mode=None, daemon=True, shutdown_timeout=5):
+        if not isinstance(dht, DHT):
+            raise TypeError("dht must be a cohort.hivemind.DHT")
+        if dht._averager is not None:
+            raise ValueError("this DHT already has an averager: its peer_id names one member")
+        tensors = [t for t in averaged_tensors]
+        if not tensors:
+            raise ValueError("averaged_tensors is empty")
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError("averaged_tensors must be floating-point torch tensors")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError("prefix must be a non-empty str")
+        if request_timeout >= min_matchmaking_time:
+            raise ValueError("request_timeout (%g s) must be smaller than min_matchmaking_time "
+                             "(%g s)" % (request_timeout, min_matchmaking_time))
+        if not 0 < averaging_alpha <= 1:
+            raise ValueError("averaging_alpha must be in (0, 1]")
+        target = _GROUP_MAX if target_group_size is None else int(target_group_size)
+        if not 1 <= target <= _GROUP_MAX or not 1 <= int(min_group_size) <= target:
+            raise ValueError("need 1 <= min_group_size <= target_group_size <= %d" % _GROUP_MAX)
+        if not all(c in "01" for c in initial_group_bits) or len(initial_group_bits) > 64:
+            raise ValueError("initial_group_bits must be at most 64 characters of 0 and 1")
+        refuse = {
+            "client_mode": client_mode not in (None, False),
+            "bandwidth": bandwidth is not None,
+            "tensor_infos": tensor_infos is not None,
+            "min_vector_size": min_vector_size != 0,
+            "allow_state_sharing": allow_state_sharing not in (None, False),
+            "declare_state_period": declare_state_period != 30,
+            "compression": not isinstance(compression, NoCompression),
+            "state_compression": not isinstance(state_compression, NoCompression),
+            "daemon": daemon is not True,
+        }
+        bad = [k for k, v in refuse.items() if v]
+        if bad:
+            raise ValueError("not supported by cohort's averager yet: %s (docs/architecture.md, "
+                             "\"Not built yet\")" % ", ".join(bad))
+        # The engine gives every peer one silence timeout: the tightest of
+        # those given stands for all of them.
+        timeouts = [x for x in (allreduce_timeout, next_chunk_timeout, sender_timeout,
+                                reducer_timeout) if x is not None]
+        self._silence_ms = int(min(timeouts) * 1000) if timeouts else 30000
+        if self._silence_ms <= 0:
+            raise ValueError("timeouts must be positive")
+        self._tensors = tensors
+        self._count = sum(t.numel() for t in tensors)
+        self._dht = dht
+        self._prefix = prefix
+        self._target = target
+        self._min = int(min_group_size)
+        self._bits = initial_group_bits
+        self._min_wait_ms = int(min_matchmaking_time * 1000)
+        self._request_ms = max(1, int(request_timeout * 1000))
+        self._alpha = float(averaging_alpha)
+        self._segment = max(8, int(part_size_bytes) // 8 * 8)
+        self._auxiliary = bool(auxiliary)
+        self._shutdown_ms = max(1, int(shutdown_timeout * 1000))
+        self._lock = threading.Lock()          # get_tensors() and the step's copy
+        self._step_lock = threading.Lock()     # one step at a time
+        self._core = None
+        self._flat = torch.zeros(self._count, dtype=torch.float32)
+        # The last step's (group id, attempts, {peer_id: weight}, seconds
+        # of matchmaking), a cohort addition for logs and benchmarks.
+        self.last_group = None
+        dht._averager = self
+        if start:
+            self.run_in_background()
+
+    # -- life --------------------------------------------------------------
+
+    @property
+    def peer_id(self):
+        return self._dht.peer_id
+
+    def run_in_background(self, await_ready=True, timeout=None):
+        """Joins the cohort as this DHT's peer (hivemind starts a process;
+        cohort's averager runs in this one, its heartbeats on a thread)."""
+        if self._core is not None:
+            return
+        self._core = _cohort.Averager(
+            self._dht.broker, self._dht.cohort, self._dht.peer_id, self._prefix, self._bits,
+            self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
+            self._count, self._segment, _schema(self._tensors), _GATHER_MAX, self._shutdown_ms)
+        if await_ready:
+            ms = 60000 if timeout is None else int(timeout * 1000)
+            if not self._core.wait(ms):
+                raise TimeoutError("the averager did not join the cohort within %d ms" % ms)
+
+    def is_alive(self):
+        return self._core is not None
+
+    def shutdown(self):
+        """Leaves the cohort."""
+        core, self._core = self._core, None
+        if core is not None:
+            with self._step_lock:
+                core.close()
+        self._dht._averager = None
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # -- tensors -----------------------------------------------------------
+
+    @contextmanager
+    def get_tensors(self):
+        """The averaged tensors, under the lock that steps take to read
+        and write them. Do not use them after the block."""
+        with self._lock:
+            yield self._tensors
+
+    def get_current_state(self):
+        """hivemind's hook for state sharing (metadata, tensors, infos).
+        cohort does not serve state to peers yet (load_state_from_peers)."""
+        with self.get_tensors() as tensors:
+            return None, [t.detach().cpu().clone() for t in tensors], None
+
+    def load_state_from_peers(self, wait=True, timeout=None):
+        raise NotImplementedError("load_state_from_peers is not built yet in cohort's averager "
+                                  "(docs/architecture.md, \"Not built yet\")")
+
+    @property
+    def allow_state_sharing(self):
+        return False
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value):
+        if value:
+            raise ValueError("state sharing is not built yet in cohort's averager")
+
+    @property
+    def state_sharing_priority(self):
+        return 0.0
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value):
+        raise ValueError("state sharing is not built yet in cohort's averager")
+
+    def get_group_bits(self, wait=True):
+        return self._core.bits() if self._core is not None else self._bits
+
+    def set_group_bits(self, group_bits, wait=True):
+        if not isinstance(group_bits, str):
+            raise TypeError("group_bits must be a str")
+        if self._core is not None:
+            self._core.set_bits(group_bits)
+        elif all(c in "01" for c in group_bits) and len(group_bits) <= 64:
+            self._bits = group_bits
+        else:
+            raise ValueError("group bits must be at most 64 characters of 0 and 1")
+
+    # -- steps -------------------------------------------------------------
+
+    def step(self, gather=None, scheduled_time=None, weight=None, timeout=None,
+             allow_retries=True, require_trigger=False, wait=True):
+        """One round: on success the tensors hold the group's weighted
+        average (moved by averaging_alpha) and the result maps each
+        averaged peer's id to what it gathered; on failure None (wait=True)
+        or a StepControl whose result() raises AllreduceException."""
+        if scheduled_time is not None:
+            raise ValueError("scheduled_time is not supported: groups form when the broker has "
+                             "them (min_matchmaking_time)")
+        if weight is None:
+            weight = 1.0
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise TypeError("weight must be an int or a float")
+        if not weight > 0 or weight != weight or weight == float("inf"):
+            raise ValueError("weight must be strictly positive and finite")
+        if self._auxiliary:
+            weight = 0.0
+        try:
+            blob = json.dumps(gather).encode()
+        except (TypeError, ValueError) as e:
+            raise TypeError("gather must be JSON-serialisable: %s" % e) from None
+        if len(blob) > _GATHER_MAX:
+            raise ValueError("gather is %d bytes serialised; at most %d" % (len(blob), _GATHER_MAX))
+        if self._core is None:
+            raise RuntimeError("the averager is not running: start=True or run_in_background()")
+        control = StepControl(require_trigger)
+        timeout_ms = 30000 if timeout is None else max(1, int(timeout * 1000))
+        args = (control, float(weight), blob, timeout_ms, bool(allow_retries))
+        if not wait:
+            threading.Thread(target=self._run_step, args=args, daemon=True).start()
+            return control
+        self._run_step(*args)
+        try:
+            return control.result()
+        except AllreduceException:
+            return None
+
+    def _run_step(self, control, weight, blob, timeout_ms, allow_retries):
+        try:
+            control._trigger.wait()
+            if control._cancelled:
+                return
+            with self._step_lock:
+                core = self._core
+                if core is None:
+                    raise AllreduceException("the averager was shut down")
+                with self._lock:
+                    off = 0
+                    for t in self._tensors:
+                        n = t.numel()
+                        self._flat[off:off + n].copy_(t.detach().reshape(-1))
+                        off += n
+                buf = memoryview(self._flat.view(torch.uint8).numpy())
+                try:
+                    group, attempts, mm_ms, members = core.step(buf, weight, self._alpha, blob,
+                                                                timeout_ms, allow_retries)
+                except _cohort.Error as e:
+                    raise AllreduceException(str(e)) from None
+                if weight > 0:
+                    with self._lock:
+                        off = 0
+                        for t in self._tensors:
+                            n = t.numel()
+                            with torch.no_grad():
+                                t.copy_(self._flat[off:off + n].view(t.shape))
+                            off += n
+            out = {}
+            for peer, w, data in members:
+                out[peer] = json.loads(data.decode()) if data else None
+            self.last_group = (group, attempts, {peer: w for peer, w, _ in members}, mm_ms / 1000)
+            control._result = out
+        except AllreduceException as e:
+            control._error = e
+        except Exception as e:          # reported through result(), like hivemind's futures
+            control._error = AllreduceException("averaging step failed: %r" % (e,))
+        finally:
+            control._done.set()
+
+
+class _Averaging:
+    """hivemind.averaging: the module name code imports the class from."""
+    DecentralizedAverager = DecentralizedAverager
+
+
+averaging = _Averaging()

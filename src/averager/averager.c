@@ -1,0 +1,590 @@
+/* src/averager/averager.c: see averager.h.
+ *
+ * One attempt is one all-reduce (SUM, float32) among the group, which the
+ * engine runs as an epoch: the broker's group id is its number (group ids
+ * only grow, as epochs must) and the group's members, in the broker's
+ * order, are its members. Its buffer holds w * x, then one slot per member
+ * for its weight, one for its gather length, and a block per member for
+ * its gathered bytes (two bytes per float, as an integer below 65536):
+ * each member writes only its own slots, so the sum delivers every
+ * member's values exactly (x + 0 is x) along with sum(w * x). It is one
+ * call and not three (gather, sum, gather) because the engine matches
+ * every frame to the call it expects: a member that finished one call
+ * and began the next could reach a peer still finishing the first. Every
+ * member then divides by the same total weight in the same order, so
+ * the result is the same bytes everywhere; a weight that is negative or
+ * not finite, a length over the cap or a gathered value that is not a
+ * byte pair is a lying peer and fails the attempt (-EPROTO). Only when
+ * the call succeeds is anything written to the caller's data, so a failed
+ * attempt changes nothing and the next one starts from the same input.
+ * The cost is target x (2 + gather_max / 2) floats more per round, which
+ * is why gather_max is small.
+ *
+ * Exclusion. The engine fails a call at every member within its member
+ * timeout when a peer stalls or dies. The members that are still alive
+ * then ask the broker again and form a group without the stalled one,
+ * because it does not ask. The result therefore names its contributors
+ * exactly: the members of the group whose attempt succeeded.
+ */
+#include "averager/averager.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "base/limits.h"
+#include "base/log.h"
+#include "cohort.pb-c.h"
+#include "engine/allreduce.h"
+#include "membership/epoch.h"
+#include "membership/matchmaker.h"
+#include "membership/member.h"
+#include "rpc/rpc.h"
+
+#define DEFAULT_GATHER_MAX 4096u
+/* Beyond the step's own timeout, how long the broker's answer may take to
+ * arrive before the call is abandoned, unless configured. */
+#define DEFAULT_REQUEST_TIMEOUT_MS 5000u
+
+struct averager {
+    char *cohort, *id, *prefix;
+    char bits[MATCHMAKER_BITS_MAX + 1];
+    uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
+    size_t count, gather_max;
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];
+    size_t schema_len;
+    char address[IDENT_ADDRESS_MAX + 1];
+    int data_fd;
+    struct allreduce *ar;
+    struct member *member;
+    pthread_t member_thread;
+    pthread_mutex_t lock;
+    pthread_cond_t member_cond;
+    bool stop;
+
+    float *sum;                 /* layout_floats(target): the attempt's buffer */
+    int h_sum;
+    char err[RPC_MESSAGE_MAX + 64];
+};
+
+/* ---- membership ---------------------------------------------------------- */
+
+static void *member_main(void *arg)
+{
+    struct averager *a = arg;
+
+    pthread_mutex_lock(&a->lock);
+    while (!a->stop) {
+        uint32_t wait;
+        struct timespec ts;
+
+        pthread_mutex_unlock(&a->lock);
+        wait = member_poll(a->member, clock_now_ms());
+        pthread_mutex_lock(&a->lock);
+        ts = clock_deadline(wait > 50 ? 50 : wait);
+        pthread_cond_timedwait(&a->member_cond, &a->lock, &ts);
+    }
+    pthread_mutex_unlock(&a->lock);
+    return NULL;
+}
+
+static void on_peer_lost(void *arg, const char *peer)
+{
+    struct averager *a = arg;
+
+    if (member_report_lost(a->member, peer) == 0)
+        pthread_cond_signal(&a->member_cond);
+}
+
+int averager_wait(struct averager *a, uint32_t timeout_ms)
+{
+    uint64_t end = clock_now_ms() + timeout_ms;
+
+    while (member_joins(a->member) == 0) {
+        if (clock_now_ms() >= end)
+            return -ETIMEDOUT;
+        usleep(10000);
+    }
+    return 0;
+}
+
+/* ---- matchmaking ------------------------------------------------------------ */
+
+struct mm_wait {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    bool ended;
+    struct rpc_status st;
+    Cohort__V1__MatchmakeReply *rep;
+};
+
+static void mm_msg(void *arg, ProtobufCMessage *msg)
+{
+    struct mm_wait *w = arg;
+
+    pthread_mutex_lock(&w->lock);
+    if (w->rep)
+        protobuf_c_message_free_unpacked(&w->rep->base, NULL);
+    w->rep = (Cohort__V1__MatchmakeReply *)msg;
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void mm_end(void *arg, const struct rpc_status *st)
+{
+    struct mm_wait *w = arg;
+
+    pthread_mutex_lock(&w->lock);
+    w->st = *st;
+    w->ended = true;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* Asks the broker for a group, waiting at most timeout_ms for it. On 0
+ * *out is the group as an epoch (checked: valid, unique, ordered ids),
+ * which the caller unrefs. */
+static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out)
+{
+    Cohort__V1__MatchmakeRequest q = COHORT__V1__MATCHMAKE_REQUEST__INIT;
+    struct mm_wait w = { .ended = false };
+    struct rpc_watch *watch = NULL;
+    struct timespec ts;
+    const char *why = NULL;
+    int rc;
+
+    q.prefix = a->prefix;
+    q.group_bits = a->bits;
+    q.target_group_size = a->target;
+    q.min_group_size = a->min;
+    q.min_matchmaking_ms = a->min_wait_ms < timeout_ms ? a->min_wait_ms : timeout_ms;
+    q.timeout_ms = timeout_ms;
+    q.schema.data = a->schema;
+    q.schema.len = a->schema_len;
+    pthread_mutex_init(&w.lock, NULL);
+    clock_cond_init(&w.cond);
+    rc = member_matchmake(a->member, &q, mm_msg, mm_end, &w, &watch);
+    if (rc < 0) {
+        snprintf(a->err, sizeof(a->err), "could not ask the broker for a group: %s",
+                 log_strerror(rc));
+        goto out;
+    }
+    ts = clock_deadline(timeout_ms + a->request_timeout_ms);
+    pthread_mutex_lock(&w.lock);
+    while (!w.ended)
+        if (pthread_cond_timedwait(&w.cond, &w.lock, &ts) == ETIMEDOUT)
+            break;
+    pthread_mutex_unlock(&w.lock);
+    rpc_watch_close(watch);         /* waits for mm_end */
+    if (w.st.code != RPC_OK || !w.rep) {
+        rc = w.st.code == RPC_DEADLINE_EXCEEDED || w.st.code == RPC_CANCELLED
+                 ? -ETIMEDOUT
+             : w.st.code == RPC_FAILED_PRECONDITION ? -EPROTO
+             : w.st.code == RPC_OK ? -EPROTO
+                                   : rpc_code_to_errno(w.st.code);
+        snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s",
+                 rpc_code_name(w.st.code), w.st.code == RPC_OK ? "no group in the reply"
+                                                                : w.st.message);
+        goto out;
+    }
+    {
+        Cohort__V1__Epoch p = COHORT__V1__EPOCH__INIT;
+
+        p.cohort = a->cohort;
+        p.epoch = w.rep->group_id;
+        p.n_members = w.rep->n_members;
+        p.members = w.rep->members;
+        p.leader = w.rep->n_members ? w.rep->members[0]->id : (char *)"";
+        if (w.rep->n_members == 0 || w.rep->n_members > a->target) {
+            rc = -EPROTO;
+            why = "a group of no members, or more than the target";
+        } else {
+            rc = epoch_from_proto(&p, out, &why);
+            if (rc == 0 && epoch_find(*out, a->id) < 0) {
+                epoch_unref(*out);
+                rc = -EPROTO;
+                why = "a group that does not list this averager";
+            }
+        }
+        if (rc < 0)
+            snprintf(a->err, sizeof(a->err), "the broker sent a bad group: %s",
+                     why ? why : log_strerror(rc));
+    }
+out:
+    if (w.rep)
+        protobuf_c_message_free_unpacked(&w.rep->base, NULL);
+    pthread_cond_destroy(&w.cond);
+    pthread_mutex_destroy(&w.lock);
+    return rc;
+}
+
+/* ---- one attempt ------------------------------------------------------------ */
+
+/* Gathered bytes travel two to a float32, as an integer from 0 to 65535,
+ * which float32 holds exactly and a sum with zeros leaves exact. */
+static size_t gather_words(size_t bytes)
+{
+    return (bytes + 1) / 2;
+}
+
+/* Floats of one attempt's buffer for a group of n. */
+static size_t layout_floats(const struct averager *a, size_t n)
+{
+    return a->count + n * (2 + gather_words(a->gather_max));
+}
+
+static bool retryable(int rc)
+{
+    return rc == -ESTALE || rc == -ETIMEDOUT || rc == -ECONNRESET || rc == -EPIPE ||
+           rc == -ECONNREFUSED;
+}
+
+/* Runs the attempt in group e (see the top). On 0 fills *res and leaves
+ * the weighted sum in a->sum[0, count) and the total weight in *total. */
+static int attempt(struct averager *a, struct epoch *e, const struct averager_step *s,
+                   double *total, struct averager_result **res)
+{
+    size_t n = e->n_members, gw = gather_words(a->gather_max);
+    long me = epoch_find(e, a->id);
+    float *weights = a->sum + a->count, *lens = weights + n, *words = lens + n;
+    struct averager_result *r = NULL;
+    uint8_t *copy = NULL;
+    double w = 0;
+    int rc;
+
+    rc = allreduce_set_epoch(a->ar, e);
+    if (rc < 0)
+        return rc;
+    memset(a->sum, 0, layout_floats(a, n) * sizeof(float));
+    for (size_t i = 0; i < a->count && s->weight > 0; i++)
+        a->sum[i] = (float)s->weight * s->data[i];
+    weights[me] = (float)s->weight;
+    lens[me] = (float)s->gather_len;
+    for (size_t b = 0; b < s->gather_len; b++) {
+        const uint8_t *g = s->gather;
+
+        words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
+    }
+    rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
+    if (rc < 0)
+        return rc;
+    /* What the others wrote is checked: a peer may lie, and the caller
+     * gets nothing from a sum that makes no sense. */
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(weights[i]) || weights[i] < 0 || !(lens[i] >= 0) ||
+            lens[i] > (float)a->gather_max || lens[i] != (float)(size_t)lens[i]) {
+            snprintf(a->err, sizeof(a->err), "member %s of the group sent a bad weight or "
+                     "gather length", e->members[i].id);
+            return -EPROTO;
+        }
+        w += weights[i];
+    }
+    for (size_t k = 0; k < n * gw; k++) {
+        if (!(words[k] >= 0 && words[k] <= 65535.0f) || words[k] != (float)(uint32_t)words[k]) {
+            snprintf(a->err, sizeof(a->err), "a member of the group sent bad gathered bytes");
+            return -EPROTO;
+        }
+    }
+    if (w == 0) {
+        snprintf(a->err, sizeof(a->err), "every member of the group was auxiliary");
+        return -ENODATA;
+    }
+    r = calloc(1, sizeof(*r));
+    copy = malloc(n * a->gather_max + 1);
+    if (!r || !copy)
+        goto nomem;
+    r->n = n;
+    r->group = e->number;
+    r->ids = calloc(n, sizeof(*r->ids));
+    r->weights = calloc(n, sizeof(*r->weights));
+    r->gathered = calloc(n, sizeof(*r->gathered));
+    r->gathered_len = calloc(n, sizeof(*r->gathered_len));
+    if (!r->ids || !r->weights || !r->gathered || !r->gathered_len)
+        goto nomem;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *dst = copy + i * a->gather_max;
+
+        snprintf(r->ids[i], sizeof(r->ids[i]), "%s", e->members[i].id);
+        r->weights[i] = weights[i];
+        r->gathered_len[i] = (size_t)lens[i];
+        for (size_t b = 0; b < r->gathered_len[i]; b++) {
+            uint32_t v = (uint32_t)words[i * gw + b / 2];
+
+            dst[b] = (uint8_t)(b % 2 ? v & 0xff : v >> 8);
+        }
+        r->gathered[i] = dst;
+    }
+    /* gathered[0] owns the block (averager_result_free). */
+    *total = w;
+    *res = r;
+    return 0;
+nomem:
+    if (r && !r->gathered)
+        free(copy);
+    else if (r && r->gathered)
+        r->gathered[0] = copy;
+    else
+        free(copy);
+    averager_result_free(r);
+    return -ENOMEM;
+}
+
+/* The bits after a round at `index` of a group of target (key manager). */
+static void move_bits(struct averager *a, size_t index)
+{
+    size_t len = strlen(a->bits), nb = 0;
+    char idx[MATCHMAKER_BITS_MAX + 1], joined[2 * MATCHMAKER_BITS_MAX + 2];
+
+    while (((size_t)1 << nb) < a->target && nb < MATCHMAKER_BITS_MAX)
+        nb++;
+    if (len == 0 || nb == 0)
+        return;
+    for (size_t i = 0; i < nb; i++)
+        idx[i] = (index >> (nb - 1 - i)) & 1 ? '1' : '0';
+    idx[nb] = '\0';
+    snprintf(joined, sizeof(joined), "%s%s", a->bits, idx);
+    memmove(a->bits, joined + strlen(joined) - len, len + 1);
+}
+
+int averager_step(struct averager *a, const struct averager_step *s,
+                  struct averager_result **out)
+{
+    uint32_t timeout = s->timeout_ms ? s->timeout_ms : AVERAGER_DEFAULT_TIMEOUT_MS;
+    uint64_t end = clock_now_ms() + timeout;
+    uint32_t attempts = 0, mm_ms = 0;
+    int rc = -ETIMEDOUT;
+
+    a->err[0] = '\0';
+    if (!s->data || !isfinite(s->weight) || s->weight < 0 || !(s->alpha > 0 && s->alpha <= 1) ||
+        s->gather_len > a->gather_max || (s->gather_len && !s->gather)) {
+        snprintf(a->err, sizeof(a->err), "bad step: the weight must be finite and at least 0, "
+                 "alpha in (0, 1], and the gather at most %zu bytes", a->gather_max);
+        return -EINVAL;
+    }
+    for (;;) {
+        uint64_t now = clock_now_ms();
+        struct averager_result *r = NULL;
+        struct epoch *e = NULL;
+        double total = 0;
+
+        if (now >= end)
+            break;
+        rc = matchmake(a, (uint32_t)(end - now), &e);
+        mm_ms = (uint32_t)(clock_now_ms() - now);
+        if (rc == -ENOTCONN) {          /* not joined yet (or rejoining) */
+            snprintf(a->err, sizeof(a->err), "the averager has not joined the cohort (is the "
+                     "broker up, and does it take this cohort's key?)");
+            usleep(20000);
+            continue;
+        }
+        if (rc < 0)
+            return rc;
+        attempts++;
+        rc = attempt(a, e, s, &total, &r);
+        if (rc == 0) {
+            long me = epoch_find(e, a->id);
+
+            if (s->weight > 0) {
+                for (size_t i = 0; i < a->count; i++) {
+                    float avg = (float)((double)a->sum[i] / total);
+
+                    s->data[i] = s->alpha == 1 ? avg
+                                               : s->data[i] + (float)s->alpha * (avg - s->data[i]);
+                }
+            }
+            move_bits(a, (size_t)me);
+            r->attempts = attempts;
+            r->matchmaking_ms = mm_ms;
+            epoch_unref(e);
+            *out = r;
+            return 0;
+        }
+        if (!a->err[0] || retryable(rc))
+            snprintf(a->err, sizeof(a->err), "averaging in group %llu of %zu failed: %s",
+                     (unsigned long long)e->number, e->n_members, log_strerror(rc));
+        log_info("averager", "An averaging attempt failed.", LF_S("id", a->id),
+                 LF_U("group", e->number), LF_U("members", e->n_members),
+                 LF_S("error", log_strerror(rc)), LF_B("retry", !s->no_retries && retryable(rc)));
+        epoch_unref(e);
+        if (s->no_retries || !retryable(rc))
+            return rc == -ESTALE ? -ETIMEDOUT : rc;
+    }
+    if (!a->err[0])
+        snprintf(a->err, sizeof(a->err), "no group completed the round within %u ms", timeout);
+    return -ETIMEDOUT;
+}
+
+void averager_result_free(struct averager_result *r)
+{
+    if (!r)
+        return;
+    if (r->gathered)
+        free((void *)r->gathered[0]);
+    free(r->ids);
+    free(r->weights);
+    free(r->gathered);
+    free(r->gathered_len);
+    free(r);
+}
+
+const char *averager_last_error(const struct averager *a)
+{
+    return a->err;
+}
+
+const char *averager_bits(const struct averager *a)
+{
+    return a->bits;
+}
+
+static bool bits_ok(const char *b)
+{
+    size_t n = 0;
+
+    for (; b[n]; n++)
+        if ((b[n] != '0' && b[n] != '1') || n >= MATCHMAKER_BITS_MAX)
+            return false;
+    return true;
+}
+
+int averager_set_bits(struct averager *a, const char *bits)
+{
+    if (!bits || !bits_ok(bits))
+        return -EINVAL;
+    snprintf(a->bits, sizeof(a->bits), "%s", bits);
+    return 0;
+}
+
+const char *averager_id(const struct averager *a)
+{
+    return a->id;
+}
+
+/* ---- life ------------------------------------------------------------------ */
+
+static int reg(struct averager *a, void *p, size_t bytes, int *h)
+{
+    *h = allreduce_register(a->ar, p, bytes);
+    return *h < 0 ? *h : 0;
+}
+
+int averager_create(const struct averager_config *cfg, struct averager **out)
+{
+    struct member_config mc = { 0 };
+    struct allreduce_config ac = { 0 };
+    struct matchmaker_request check = { 0 };
+    char why[128];
+    struct averager *a;
+    int rc;
+
+    if (!cfg || !cfg->broker || !cfg->host || cfg->count == 0 ||
+        cfg->count > ((size_t)1 << 30) || cfg->gather_max > AVERAGER_GATHER_MAX)
+        return -EINVAL;
+    /* The broker would refuse what the matchmaker refuses: say so now. */
+    check = (struct matchmaker_request){
+        .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
+        .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
+        .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
+        .schema = cfg->schema, .schema_len = cfg->schema_len,
+    };
+    if (matchmaker_check(&check, why, sizeof(why)) < 0)
+        return -EINVAL;
+    a = calloc(1, sizeof(*a));
+    if (!a)
+        return -ENOMEM;
+    a->data_fd = -1;
+    a->h_sum = -1;
+    pthread_mutex_init(&a->lock, NULL);
+    clock_cond_init(&a->member_cond);
+    a->cohort = strdup(cfg->cohort);
+    a->id = strdup(cfg->id);
+    a->prefix = strdup(cfg->prefix);
+    snprintf(a->bits, sizeof(a->bits), "%s", check.bits);
+    a->target = cfg->target_group_size;
+    a->min = cfg->min_group_size;
+    a->min_wait_ms = cfg->min_matchmaking_ms;
+    a->request_timeout_ms = cfg->request_timeout_ms ? cfg->request_timeout_ms
+                                                    : DEFAULT_REQUEST_TIMEOUT_MS;
+    a->leave_timeout_ms = cfg->leave_timeout_ms ? cfg->leave_timeout_ms
+                                                : LIMIT_LEAVE_TIMEOUT_MS;
+    a->count = cfg->count;
+    a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
+    memcpy(a->schema, cfg->schema, cfg->schema_len);
+    a->schema_len = cfg->schema_len;
+    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
+    if (!a->cohort || !a->id || !a->prefix || !a->sum) {
+        rc = -ENOMEM;
+        goto err;
+    }
+    rc = allreduce_listen(cfg->host, &a->data_fd, a->address, sizeof(a->address));
+    if (rc < 0)
+        goto err;
+    ac.cohort = a->cohort;
+    ac.member_id = a->id;
+    ac.listen_fd = a->data_fd;
+    ac.member_timeout_ms = cfg->allreduce_timeout_ms ? cfg->allreduce_timeout_ms
+                                                     : AVERAGER_DEFAULT_TIMEOUT_MS;
+    ac.segment_bytes = cfg->segment_bytes;
+    ac.key = cfg->key;
+    ac.on_peer_lost = on_peer_lost;
+    ac.peer_lost_arg = a;
+    rc = allreduce_create(&ac, &a->ar);
+    if (rc < 0)
+        goto err;
+    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0)
+        goto err;
+    mc.broker = cfg->broker;
+    mc.cohort = cfg->cohort;
+    mc.id = cfg->id;
+    mc.address = a->address;
+    mc.key = cfg->key;
+    mc.quiet = true;
+    rc = member_create(&mc, &a->member);
+    if (rc < 0)
+        goto err;
+    if (pthread_create(&a->member_thread, NULL, member_main, a) != 0) {
+        rc = -EAGAIN;
+        goto err;
+    }
+    *out = a;
+    return 0;
+err:
+    member_destroy(a->member);
+    allreduce_destroy(a->ar);
+    if (a->data_fd >= 0)
+        close(a->data_fd);
+    free(a->sum);
+    free(a->cohort);
+    free(a->id);
+    free(a->prefix);
+    pthread_cond_destroy(&a->member_cond);
+    pthread_mutex_destroy(&a->lock);
+    free(a);
+    return rc;
+}
+
+void averager_destroy(struct averager *a)
+{
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->lock);
+    a->stop = true;
+    pthread_cond_broadcast(&a->member_cond);
+    pthread_mutex_unlock(&a->lock);
+    pthread_join(a->member_thread, NULL);
+    member_leave(a->member, a->leave_timeout_ms);
+    member_destroy(a->member);
+    allreduce_destroy(a->ar);
+    close(a->data_fd);
+    free(a->sum);
+    free(a->cohort);
+    free(a->id);
+    free(a->prefix);
+    pthread_cond_destroy(&a->member_cond);
+    pthread_mutex_destroy(&a->lock);
+    free(a);
+}

@@ -1,0 +1,141 @@
+/* src/averager/averager.h: hivemind's DecentralizedAverager on cohort: one
+ * step finds a group through the broker (membership/matchmaker.h) and
+ * averages a float32 vector among it, weighted, exactly alike on every
+ * member, and gathers each member's small bytes.
+ *
+ *   averager_create(&cfg, &a);             // joins the cohort
+ *   averager_wait(a, 60000);
+ *   struct averager_step s = { .data = x, .weight = 1, .alpha = 1,
+ *                              .timeout_ms = 30000 };
+ *   averager_step(a, &s, &res);           // x is now the group's average
+ *   ... res->n peers, res->ids[i], res->gathered ...
+ *   averager_result_free(res);
+ *
+ * What a step promises:
+ *   - On 0, every member of the group that the result names holds the same
+ *     average bytes: sum(w_i * x_i) / sum(w_i) over exactly the members
+ *     res names as contributors (weight > 0), and x moved toward it by
+ *     alpha (x += alpha * (avg - x)). With integer-valued data and weights
+ *     whose sums float32 represents exactly, the average is exact.
+ *   - A peer that stalls or dies past allreduce_timeout_ms fails the
+ *     attempt at every member (the engine's member timeout); with retries
+ *     allowed, the others ask for a group again, the stalled peer is not
+ *     among those asking, and the step completes with the rest. The
+ *     result names who was averaged; nothing partial is ever applied: on
+ *     any error x is untouched.
+ *   - Too few averagers within the step's timeout: -ETIMEDOUT, with the
+ *     broker's sentence in averager_last_error().
+ *   - After a step the group bits move (hivemind's key manager): the
+ *     member's index in its group, in log2(target) bits, is shifted in at
+ *     the right and as many bits drop off at the left, so that with bits
+ *     set per peer the next round's groups mix (averager_set_bits).
+ *
+ * Threads: step, set_bits and destroy belong to one caller thread; the
+ * member's heartbeats run on a thread of the averager's own.
+ */
+#ifndef COHORT_AVERAGER_H
+#define COHORT_AVERAGER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/ident.h"
+
+struct secret;
+struct averager;
+
+#define AVERAGER_GATHER_MAX 65536u      /* bytes one member may gather */
+#define AVERAGER_DEFAULT_TIMEOUT_MS 30000u
+
+struct averager_config {
+    const char *broker;             /* broker address; copied */
+    const char *cohort;             /* copied */
+    const char *id;                 /* this averager's member id; copied */
+    const char *host;               /* numeric address to listen on and advertise */
+    const struct secret *key;       /* the cohort's key, copied; NULL: none */
+    const char *prefix;             /* matchmaking prefix; copied */
+    const char *initial_bits;       /* group bits; copied; NULL: "" */
+    uint32_t target_group_size;     /* 1..256 */
+    uint32_t min_group_size;        /* 1..target */
+    uint32_t min_matchmaking_ms;    /* wait this long for others before forming */
+    uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
+    uint32_t request_timeout_ms;    /* how long past a matchmaking wait the broker's
+                                     * answer may take; 0: 5 s */
+    size_t segment_bytes;           /* the engine's pipelining unit (hivemind's
+                                     * part_size_bytes), a multiple of 8; 0: the
+                                     * engine's default */
+    uint32_t leave_timeout_ms;      /* averager_destroy's Leave; 0: the default */
+    size_t count;                   /* float32 elements averaged, at least 1 */
+    const void *schema;             /* what is averaged (shapes, dtypes), copied; at
+                                     * most 64 bytes; averagers group only with
+                                     * those that give the same */
+    size_t schema_len;
+    size_t gather_max;              /* bytes a step may gather; 0: 4096; at most
+                                     * AVERAGER_GATHER_MAX. Every round carries
+                                     * target x gather_max / 2 floats for it */
+};
+
+/* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
+ * 0, -EINVAL (bad names, host, sizes, prefix or bits), -ENOMEM, or a
+ * socket or thread -errno. The caller frees *out with averager_destroy(). */
+int averager_create(const struct averager_config *cfg, struct averager **out);
+/* Leaves the cohort and frees. No step may be in flight. NULL is fine. */
+void averager_destroy(struct averager *a);
+
+/* Waits until the member has joined. Returns 0 or -ETIMEDOUT. */
+int averager_wait(struct averager *a, uint32_t timeout_ms);
+
+struct averager_step {
+    float *data;                    /* count floats, averaged in place */
+    double weight;                  /* >= 0; 0: auxiliary, contributes nothing */
+    double alpha;                   /* (0, 1]: how far x moves toward the average */
+    const void *gather;             /* borrowed; gather_len <= gather_max */
+    size_t gather_len;
+    uint32_t timeout_ms;            /* the whole step, retries included; 0: 30 s */
+    bool no_retries;                /* fail at the first failed attempt */
+};
+
+struct averager_result {
+    uint64_t group;                 /* the broker's group id of the round */
+    size_t n;                       /* the group's members */
+    char (*ids)[IDENT_NAME_MAX + 1];    /* n ids, in the group's order */
+    double *weights;                /* n weights: 0 for auxiliary members */
+    const uint8_t **gathered;       /* n pointers into the result */
+    size_t *gathered_len;           /* n lengths */
+    uint32_t attempts;              /* 1 + retries */
+    uint32_t matchmaking_ms;        /* from the successful attempt's request to
+                                     * its group: how long matchmaking took */
+};
+
+/* One round (see the top). On 0 sets *out (the caller frees it with
+ * averager_result_free) and has written data. Otherwise data is
+ * untouched and:
+ *   -EINVAL     a negative or non-finite weight, alpha outside (0, 1], a
+ *               gather over gather_max;
+ *   -ETIMEDOUT  no group completed the round within timeout_ms (too few
+ *               averagers, or every attempt stalled);
+ *   -EPROTO     the broker refused the request as disagreeing with the
+ *               others waiting (group sizes or schema), or the group's
+ *               members disagree on the call;
+ *   -ENODATA    every member of the group was auxiliary;
+ *   -EACCES     the members' keys differ; -ENOMEM.
+ * averager_last_error() says more. */
+int averager_step(struct averager *a, const struct averager_step *s,
+                  struct averager_result **out);
+void averager_result_free(struct averager_result *r);     /* NULL is fine */
+
+/* The broker's or the engine's sentence about the last failure (owned by
+ * the averager, valid until the next step). */
+const char *averager_last_error(const struct averager *a);
+
+/* The current group bits (owned by the averager, valid until the next
+ * step or set_bits). */
+const char *averager_bits(const struct averager *a);
+/* Sets the group bits (copied). Returns 0 or -EINVAL (not 0/1 or too long). */
+int averager_set_bits(struct averager *a, const char *bits);
+
+/* This averager's member id and data address (owned by it). */
+const char *averager_id(const struct averager *a);
+
+#endif

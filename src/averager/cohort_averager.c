@@ -1,0 +1,174 @@
+/* src/averager/cohort_averager.c: the averager's public face in
+ * include/cohort.h. A thin layer: it reads the environment as
+ * cohort_group_create() does and keeps gRPC started for the averager's
+ * life. */
+#include "cohort.h"
+
+#include <errno.h>
+#include <stdlib.h>
+
+#include "averager/averager.h"
+#include "base/secret.h"
+#include "rpc/rpc.h"
+
+struct cohort_averager {
+    struct averager *a;
+};
+
+struct cohort_averager_result {
+    struct averager_result *r;
+};
+
+int cohort_averager_create(const struct cohort_averager_config *c, struct cohort_averager **out)
+{
+    const char *key_file = getenv("COHORT_SECRET_FILE");
+    struct averager_config cfg = { 0 };
+    struct cohort_averager *ca;
+    struct secret key;
+    bool keyed = key_file && *key_file;
+    int rc;
+
+    if (!c || !out)
+        return -EINVAL;
+    cfg.broker = c->broker ? c->broker : getenv("COHORT_BROKER");
+    cfg.cohort = c->cohort ? c->cohort : getenv("COHORT_COHORT");
+    cfg.id = c->id ? c->id : getenv("COHORT_ID");
+    cfg.host = getenv("COHORT_HOST") ? getenv("COHORT_HOST") : "127.0.0.1";
+    if (!cfg.broker || !*cfg.broker || !cfg.cohort || !cfg.id || !c->prefix)
+        return -EINVAL;
+    cfg.prefix = c->prefix;
+    cfg.initial_bits = c->initial_bits;
+    cfg.target_group_size = c->target_group_size;
+    cfg.min_group_size = c->min_group_size;
+    cfg.min_matchmaking_ms = c->min_matchmaking_ms;
+    cfg.request_timeout_ms = c->request_timeout_ms;
+    cfg.allreduce_timeout_ms = c->allreduce_timeout_ms;
+    cfg.count = c->count;
+    cfg.segment_bytes = c->segment_bytes;
+    cfg.schema = c->schema;
+    cfg.schema_len = c->schema_len;
+    cfg.gather_max = c->gather_max;
+    cfg.leave_timeout_ms = c->leave_timeout_ms;
+    ca = calloc(1, sizeof(*ca));
+    if (!ca)
+        return -ENOMEM;
+    if (keyed && (rc = secret_load(key_file, &key)) < 0)
+        goto out_free;
+    cfg.key = keyed ? &key : NULL;
+    rc = rpc_init();
+    if (rc < 0)
+        goto out_key;
+    rc = averager_create(&cfg, &ca->a);
+    if (rc < 0)
+        rpc_shutdown();
+out_key:
+    if (keyed)
+        secret_wipe(&key);
+out_free:
+    if (rc < 0) {
+        free(ca);
+        return rc;
+    }
+    *out = ca;
+    return 0;
+}
+
+void cohort_averager_destroy(struct cohort_averager *ca)
+{
+    if (!ca)
+        return;
+    averager_destroy(ca->a);
+    rpc_shutdown();
+    free(ca);
+}
+
+int cohort_averager_wait(struct cohort_averager *ca, int timeout_ms)
+{
+    return averager_wait(ca->a, timeout_ms > 0 ? (uint32_t)timeout_ms : 0);
+}
+
+int cohort_averager_step(struct cohort_averager *ca, const struct cohort_averager_step *s,
+                         struct cohort_averager_result **out)
+{
+    struct averager_step st = {
+        .data = s->data, .weight = s->weight, .alpha = s->alpha, .gather = s->gather,
+        .gather_len = s->gather_len, .timeout_ms = s->timeout_ms > 0 ? (uint32_t)s->timeout_ms : 0,
+        .no_retries = !s->allow_retries,
+    };
+    struct cohort_averager_result *res = calloc(1, sizeof(*res));
+    int rc;
+
+    if (!res)
+        return -ENOMEM;
+    rc = averager_step(ca->a, &st, &res->r);
+    if (rc < 0) {
+        free(res);
+        return rc;
+    }
+    *out = res;
+    return 0;
+}
+
+const char *cohort_averager_error(const struct cohort_averager *ca)
+{
+    return averager_last_error(ca->a);
+}
+
+const char *cohort_averager_bits(const struct cohort_averager *ca)
+{
+    return averager_bits(ca->a);
+}
+
+int cohort_averager_set_bits(struct cohort_averager *ca, const char *bits)
+{
+    return averager_set_bits(ca->a, bits);
+}
+
+size_t cohort_averager_result_size(const struct cohort_averager_result *r)
+{
+    return r->r->n;
+}
+
+const char *cohort_averager_result_id(const struct cohort_averager_result *r, size_t i)
+{
+    return i < r->r->n ? r->r->ids[i] : NULL;
+}
+
+double cohort_averager_result_weight(const struct cohort_averager_result *r, size_t i)
+{
+    return i < r->r->n ? r->r->weights[i] : 0;
+}
+
+const void *cohort_averager_result_gathered(const struct cohort_averager_result *r, size_t i,
+                                            size_t *len)
+{
+    if (i >= r->r->n) {
+        *len = 0;
+        return NULL;
+    }
+    *len = r->r->gathered_len[i];
+    return r->r->gathered[i];
+}
+
+uint64_t cohort_averager_result_group(const struct cohort_averager_result *r)
+{
+    return r->r->group;
+}
+
+uint32_t cohort_averager_result_attempts(const struct cohort_averager_result *r)
+{
+    return r->r->attempts;
+}
+
+uint32_t cohort_averager_result_matchmaking_ms(const struct cohort_averager_result *r)
+{
+    return r->r->matchmaking_ms;
+}
+
+void cohort_averager_result_free(struct cohort_averager_result *r)
+{
+    if (!r)
+        return;
+    averager_result_free(r->r);
+    free(r);
+}

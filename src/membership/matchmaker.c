@@ -1,0 +1,416 @@
+/* src/membership/matchmaker.c: see matchmaker.h.
+ *
+ * Buckets are kept in an unordered array and found by a linear scan: the
+ * caps bound them by MATCHMAKER_TOTAL_MAX, and a scan of that many short
+ * records costs microseconds, far below a matchmaking wait. Inside a
+ * bucket requests are kept in arrival order, which is the order groups
+ * take them in.
+ */
+#include "membership/matchmaker.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/ident.h"
+
+#define IDLE_TICK_MS 60000u
+
+struct req {
+    char *id;
+    char *address;
+    void *ctx;
+    uint64_t arrived;
+    uint64_t deadline;
+};
+
+struct bucket {
+    char *cohort, *prefix, *bits;
+    uint32_t target, min;
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];
+    size_t schema_len;
+    uint64_t form_at;           /* the first waiting request's arrival + its wait */
+    struct req *reqs;           /* n of them, arrival order, capacity target */
+    size_t n;
+};
+
+struct matchmaker {
+    struct matchmaker_ops ops;
+    uint64_t next_group;
+    struct bucket **buckets;
+    size_t n_buckets, cap_buckets;
+    size_t total;
+};
+
+int matchmaker_create(const struct matchmaker_ops *ops, uint64_t first_group,
+                      struct matchmaker **out)
+{
+    struct matchmaker *m = calloc(1, sizeof(*m));
+
+    if (!m)
+        return -ENOMEM;
+    m->ops = *ops;
+    m->next_group = first_group ? first_group : 1;
+    *out = m;
+    return 0;
+}
+
+static void req_free(struct req *r)
+{
+    free(r->id);
+    free(r->address);
+}
+
+static void bucket_free(struct bucket *b)
+{
+    for (size_t i = 0; i < b->n; i++)
+        req_free(&b->reqs[i]);
+    free(b->reqs);
+    free(b->cohort);
+    free(b->prefix);
+    free(b->bits);
+    free(b);
+}
+
+/* Removes request i of bucket b; the caller has answered its ctx (or
+ * was told to forget it). */
+static void take_out(struct matchmaker *m, struct bucket *b, size_t i)
+{
+    req_free(&b->reqs[i]);
+    memmove(&b->reqs[i], &b->reqs[i + 1], (b->n - i - 1) * sizeof(b->reqs[0]));
+    b->n--;
+    m->total--;
+}
+
+/* Drops empty buckets. */
+static void sweep(struct matchmaker *m)
+{
+    size_t k = 0;
+
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        if (m->buckets[i]->n == 0)
+            bucket_free(m->buckets[i]);
+        else
+            m->buckets[k++] = m->buckets[i];
+    }
+    m->n_buckets = k;
+}
+
+void matchmaker_destroy(struct matchmaker *m)
+{
+    if (!m)
+        return;
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        struct bucket *b = m->buckets[i];
+
+        for (size_t j = 0; j < b->n; j++)
+            m->ops.failed(m->ops.arg, b->reqs[j].ctx, -ESHUTDOWN,
+                          "the broker is shutting down; ask again once it is back");
+        bucket_free(b);
+    }
+    free(m->buckets);
+    free(m);
+}
+
+static bool prefix_valid(const char *s)
+{
+    size_t n = 0;
+
+    if (!s || !*s)
+        return false;
+    for (; s[n]; n++) {
+        char c = s[n];
+        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '.' || c == '_' || c == ':' || c == '/' || c == '-';
+        if (!ok || n >= MATCHMAKER_PREFIX_MAX)
+            return false;
+    }
+    return true;
+}
+
+static bool bits_valid(const char *s)
+{
+    size_t n = 0;
+
+    if (!s)
+        return false;
+    for (; s[n]; n++)
+        if ((s[n] != '0' && s[n] != '1') || n >= MATCHMAKER_BITS_MAX)
+            return false;
+    return true;
+}
+
+int matchmaker_check(const struct matchmaker_request *r, char *why, size_t len)
+{
+    const char *bad = NULL;
+
+    if (!ident_valid_cohort(r->cohort) || !ident_valid_member_id(r->id) ||
+        !ident_valid_address(r->address))
+        bad = "invalid cohort, member id or address";
+    else if (!prefix_valid(r->prefix))
+        bad = "the prefix must be 1 to 128 characters of letters, digits and . _ : / -";
+    else if (!bits_valid(r->bits))
+        bad = "group bits must be at most 64 characters of 0 and 1";
+    else if (r->target < 1 || r->target > MATCHMAKER_GROUP_MAX)
+        bad = "target_group_size must be from 1 to 256";
+    else if (r->min < 1 || r->min > r->target)
+        bad = "min_group_size must be from 1 to target_group_size";
+    else if (r->timeout_ms < 1 || r->timeout_ms > MATCHMAKER_TIMEOUT_MAX_MS)
+        bad = "the matchmaking timeout must be from 1 ms to 10 min";
+    else if (r->min_wait_ms > r->timeout_ms)
+        bad = "min_matchmaking_time must not exceed the matchmaking timeout";
+    else if (r->schema_len > MATCHMAKER_SCHEMA_MAX || (r->schema_len && !r->schema))
+        bad = "the schema is at most 64 bytes";
+    if (!bad)
+        return 0;
+    snprintf(why, len, "%s", bad);
+    return -EINVAL;
+}
+
+static struct bucket *bucket_of(struct matchmaker *m, const char *cohort, const char *prefix,
+                                const char *bits)
+{
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        struct bucket *b = m->buckets[i];
+
+        if (strcmp(b->cohort, cohort) == 0 && strcmp(b->prefix, prefix) == 0 &&
+            strcmp(b->bits, bits) == 0)
+            return b;
+    }
+    return NULL;
+}
+
+size_t matchmaker_pending(const struct matchmaker *m, const char *cohort)
+{
+    size_t n = 0;
+
+    if (!cohort)
+        return m->total;
+    for (size_t i = 0; i < m->n_buckets; i++)
+        if (strcmp(m->buckets[i]->cohort, cohort) == 0)
+            n += m->buckets[i]->n;
+    return n;
+}
+
+static int by_id(const void *a, const void *b)
+{
+    return ident_natural_cmp(((const struct matchmaker_member *)a)->id,
+                             ((const struct matchmaker_member *)b)->id);
+}
+
+/* Forms a group of the first min(n, target) requests of b. */
+static void form(struct matchmaker *m, struct bucket *b)
+{
+    struct matchmaker_member members[MATCHMAKER_GROUP_MAX];
+    struct matchmaker_group g = { .cohort = b->cohort, .prefix = b->prefix, .bits = b->bits };
+    size_t n = b->n < b->target ? b->n : b->target;
+
+    for (size_t i = 0; i < n; i++)
+        members[i] = (struct matchmaker_member){ b->reqs[i].id, b->reqs[i].address,
+                                                 b->reqs[i].ctx };
+    qsort(members, n, sizeof(members[0]), by_id);
+    g.id = m->next_group++;
+    g.n = n;
+    g.members = members;
+    m->ops.formed(m->ops.arg, &g);
+    while (n-- > 0)
+        take_out(m, b, 0);
+    /* Nobody is left over: a bucket forms as soon as it holds target. */
+}
+
+/* Whether b forms now. */
+static bool due(const struct bucket *b, uint64_t now)
+{
+    return b->n >= b->target || (b->n >= b->min && now >= b->form_at);
+}
+
+/* Forms b's group if it is due, once the requests of members that left
+ * the cohort are dropped (which may make it not due after all). */
+static void form_if_due(struct matchmaker *m, struct bucket *b, uint64_t now)
+{
+    if (!due(b, now))
+        return;
+    for (size_t j = 0; m->ops.alive && j < b->n;) {
+        if (m->ops.alive(m->ops.arg, b->reqs[j].ctx)) {
+            j++;
+            continue;
+        }
+        m->ops.failed(m->ops.arg, b->reqs[j].ctx, -ENOENT,
+                      "the member left the cohort while it waited for a group");
+        take_out(m, b, j);
+    }
+    if (due(b, now))
+        form(m, b);
+}
+
+/* Whether member `id` of `cohort` has a request waiting. */
+static bool waiting(const struct matchmaker *m, const char *cohort, const char *id)
+{
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        const struct bucket *b = m->buckets[i];
+
+        if (strcmp(b->cohort, cohort) != 0)
+            continue;
+        for (size_t j = 0; j < b->n; j++)
+            if (strcmp(b->reqs[j].id, id) == 0)
+                return true;
+    }
+    return false;
+}
+
+/* Removes a waiting request of the same member anywhere (it asked again). */
+static void supersede(struct matchmaker *m, const char *cohort, const char *id)
+{
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        struct bucket *b = m->buckets[i];
+
+        if (strcmp(b->cohort, cohort) != 0)
+            continue;
+        for (size_t j = 0; j < b->n; j++) {
+            if (strcmp(b->reqs[j].id, id) == 0) {
+                m->ops.failed(m->ops.arg, b->reqs[j].ctx, -ECANCELED,
+                              "the member asked for a group again; this request is replaced");
+                take_out(m, b, j);
+                return;
+            }
+        }
+    }
+}
+
+static struct bucket *bucket_new(struct matchmaker *m, const struct matchmaker_request *r,
+                                 uint64_t now)
+{
+    struct bucket *b;
+
+    if (m->n_buckets == m->cap_buckets) {
+        size_t cap = m->cap_buckets ? 2 * m->cap_buckets : 16;
+        struct bucket **grown = realloc(m->buckets, cap * sizeof(*grown));
+
+        if (!grown)
+            return NULL;
+        m->buckets = grown;
+        m->cap_buckets = cap;
+    }
+    b = calloc(1, sizeof(*b));
+    if (!b)
+        return NULL;
+    b->cohort = strdup(r->cohort);
+    b->prefix = strdup(r->prefix);
+    b->bits = strdup(r->bits);
+    b->reqs = calloc(r->target, sizeof(*b->reqs));
+    if (!b->cohort || !b->prefix || !b->bits || !b->reqs) {
+        bucket_free(b);
+        return NULL;
+    }
+    b->target = r->target;
+    b->min = r->min;
+    memcpy(b->schema, r->schema, r->schema_len);
+    b->schema_len = r->schema_len;
+    b->form_at = now + r->min_wait_ms;
+    m->buckets[m->n_buckets++] = b;
+    return b;
+}
+
+int matchmaker_submit(struct matchmaker *m, uint64_t now, const struct matchmaker_request *r,
+                      char *why, size_t len)
+{
+    struct bucket *b;
+    struct req q = { 0 };
+    int rc = matchmaker_check(r, why, len);
+
+    if (rc < 0)
+        return rc;
+    b = bucket_of(m, r->cohort, r->prefix, r->bits);
+    if (b && (b->target != r->target || b->min != r->min || b->schema_len != r->schema_len ||
+              memcmp(b->schema, r->schema, r->schema_len) != 0)) {
+        snprintf(why, len, "averagers with prefix \"%.128s\" and group bits \"%.64s\" are "
+                 "waiting with another %s: target %u and min %u", r->prefix, r->bits,
+                 b->target != r->target || b->min != r->min ? "group size"
+                                                            : "schema (tensor shapes or dtypes)",
+                 b->target, b->min);
+        return -EPROTO;
+    }
+    /* One request per member: a newer one replaces the older, so a
+     * member asking again takes no more room; the caps are judged first,
+     * so that a refusal changes nothing. */
+    if (!waiting(m, r->cohort, r->id) &&
+        (m->total >= MATCHMAKER_TOTAL_MAX ||
+         matchmaker_pending(m, r->cohort) >= MATCHMAKER_PENDING_MAX)) {
+        snprintf(why, len, "too many averagers are waiting for groups in cohort \"%.64s\" "
+                 "(at most %u, %u in all)", r->cohort, MATCHMAKER_PENDING_MAX,
+                 MATCHMAKER_TOTAL_MAX);
+        return -ENOSPC;
+    }
+    supersede(m, r->cohort, r->id);
+    if (b && b->n == 0)
+        b->form_at = now + r->min_wait_ms;
+    q.id = strdup(r->id);
+    q.address = strdup(r->address);
+    if (!q.id || !q.address)
+        goto nomem;
+    if (!b) {
+        b = bucket_new(m, r, now);
+        if (!b)
+            goto nomem;
+    }
+    q.ctx = r->ctx;
+    q.arrived = now;
+    q.deadline = now + r->timeout_ms;
+    b->reqs[b->n++] = q;
+    m->total++;
+    form_if_due(m, b, now);
+    sweep(m);
+    return 0;
+nomem:
+    req_free(&q);
+    sweep(m);
+    snprintf(why, len, "out of memory");
+    return -ENOMEM;
+}
+
+void matchmaker_cancel(struct matchmaker *m, void *ctx)
+{
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        struct bucket *b = m->buckets[i];
+
+        for (size_t j = 0; j < b->n; j++) {
+            if (b->reqs[j].ctx == ctx) {
+                take_out(m, b, j);
+                sweep(m);
+                return;
+            }
+        }
+    }
+}
+
+uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now)
+{
+    uint64_t next = now + IDLE_TICK_MS;
+    char why[320];
+
+    for (size_t i = 0; i < m->n_buckets; i++) {
+        struct bucket *b = m->buckets[i];
+
+        form_if_due(m, b, now);
+        for (size_t j = 0; j < b->n;) {
+            if (b->reqs[j].deadline > now) {
+                j++;
+                continue;
+            }
+            snprintf(why, sizeof(why), "too few averagers: %zu of at least %u with prefix "
+                     "\"%.128s\" and group bits \"%.64s\" were ready within %llu ms",
+                     b->n, b->min, b->prefix, b->bits,
+                     (unsigned long long)(b->reqs[j].deadline - b->reqs[j].arrived));
+            m->ops.failed(m->ops.arg, b->reqs[j].ctx, -ETIMEDOUT, why);
+            take_out(m, b, j);
+        }
+        for (size_t j = 0; j < b->n; j++)
+            if (b->reqs[j].deadline < next)
+                next = b->reqs[j].deadline;
+        if (b->n >= b->min && b->form_at < next)
+            next = b->form_at;
+    }
+    sweep(m);
+    return next > now ? (uint32_t)(next - now) : 0;
+}

@@ -1,0 +1,114 @@
+"""One peer of tests/python/test_py_hivemind.py: a cohort.hivemind
+averager with real torch tensors, joined to the broker given, running a
+scenario and printing one JSON line per result.
+
+    hivemind_child.py BROKER PEER_ID SCENARIO [ARGS...]
+"""
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+import cohort.hivemind as hivemind
+
+
+def tensors_of(k):
+    """Integer-valued tensors of two shapes, distinct per peer k."""
+    return [torch.arange(6, dtype=torch.float32) * (k + 1) + 10 * k,
+            torch.full((2, 3), float(4 * k), dtype=torch.float32)]
+
+
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def barrier(directory, name, k, n):
+    """Waits until all n peers have reached `name` (a file each in
+    directory), so that every peer's round r meets only round r."""
+    open(os.path.join(directory, "%s-%d" % (name, k)), "w").close()
+    deadline = time.monotonic() + 120
+    while sum(f.startswith(name + "-") for f in os.listdir(directory)) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit("peers never reached " + name)
+        time.sleep(0.02)
+
+
+def averager(dht, tensors, **kw):
+    args = dict(start=True, prefix="test/avg", min_matchmaking_time=1.0, request_timeout=0.5,
+                allreduce_timeout=5.0)
+    args.update(kw)
+    return hivemind.averaging.DecentralizedAverager(tensors, dht, **args)
+
+
+def main():
+    broker, peer, scenario = sys.argv[1:4]
+    rest = sys.argv[4:]
+    dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="hm", peer_id=peer)
+    assert dht.peer_id == peer
+    if scenario == "weighted":
+        # ARGS: k, n, weight, aux (0/1)
+        k, n, weight, aux = int(rest[0]), int(rest[1]), float(rest[2]), rest[3] == "1"
+        ts = tensors_of(k)
+        a = averager(dht, ts, target_group_size=n, min_group_size=n, auxiliary=aux)
+        got = a.step(gather={"peer": peer, "k": k}, weight=weight, timeout=60)
+        with a.get_tensors() as t:
+            out(gathered=got, tensors=[x.tolist() for x in t], last=a.last_group[2])
+        a.shutdown()
+    elif scenario == "mix":
+        # ARGS: k, bits, rounds, barrier directory, peers
+        k, bits, rounds, directory, n = int(rest[0]), rest[1], int(rest[2]), rest[3], int(rest[4])
+        ts = [torch.full((4,), float(8 * k), dtype=torch.float32)]
+        a = averager(dht, ts, target_group_size=2, min_group_size=2, initial_group_bits=bits)
+        for r in range(rounds):
+            barrier(directory, "round%d" % r, k, n)
+            got = a.step(weight=1, timeout=60)
+            out(round=r, group=sorted(got) if got else None, bits=a.get_group_bits())
+        with a.get_tensors() as t:
+            out(tensors=[x.tolist() for x in t])
+        a.shutdown()
+    elif scenario == "survivor":
+        # ARGS: k. Steps once in a group of up to 3; prints who was averaged.
+        k = int(rest[0])
+        ts = tensors_of(k)
+        a = averager(dht, ts, target_group_size=3, min_group_size=2, allreduce_timeout=3.0)
+        control = a.step(gather=peer, weight=1, timeout=60, wait=False)
+        got = control.result(timeout=90)
+        with a.get_tensors() as t:
+            out(gathered=got, tensors=[x.tolist() for x in t], attempts=a.last_group[1])
+        a.shutdown()
+    elif scenario == "victim":
+        k = int(rest[0])
+        a = averager(dht, tensors_of(k), target_group_size=3, min_group_size=2,
+                     allreduce_timeout=3.0)
+        a.step(gather=peer, weight=1, timeout=60)
+        out(finished=True)
+    elif scenario == "mismatch":
+        # Two averagers of this process with different shapes: the second
+        # is refused by the broker while the first waits.
+        dht2 = hivemind.DHT(initial_peers=[broker], start=True, cohort="hm",
+                            peer_id=peer + "-b")
+        a = averager(dht, [torch.zeros(4)], target_group_size=2, min_group_size=2)
+        b = averager(dht2, [torch.zeros(5)], target_group_size=2, min_group_size=2)
+        first = a.step(weight=1, timeout=4, wait=False)
+        threading.Event().wait(0.5)
+        second = b.step(weight=1, timeout=4, wait=False)
+        errors = []
+        for c in (second, first):
+            try:
+                c.result(timeout=30)
+                errors.append(None)
+            except hivemind.AllreduceException as e:
+                errors.append(str(e))
+        with b.get_tensors() as t:
+            out(errors=errors, untouched=t[0].tolist())
+        a.shutdown()
+        b.shutdown()
+    else:
+        raise SystemExit("unknown scenario " + scenario)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""cohort.hivemind: hivemind's DecentralizedAverager among real processes
+joined to a real broker with a key, with real torch tensors.
+
+- The weighted average of 4 peers equals the reference exactly (integer
+  values), with an auxiliary peer that contributes nothing; every peer
+  gathers every groupmate's object.
+- 8 peers in pairs whose group bits move after each round: after 3 rounds
+  every peer holds the global mean.
+- A peer stopped mid-step (then killed): the others finish without it
+  and report exactly who was averaged.
+- Too few peers: None from step(), AllreduceException from a control's
+  result(), within the timeout.
+- Group bits get and set; bad input (mismatched shapes between peers, a
+  bad weight, request_timeout >= min_matchmaking_time, arguments not
+  carried out yet) gets a clear error.
+"""
+import json
+import os
+import signal
+import time
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cohort.hivemind as hivemind
+from cohorttest import ROOT, bin_path, finish, start_broker
+from cohorttest.programs import write_key
+from hivemind_child import tensors_of
+from pyproc import HERE, child_env, spawn
+
+CHILD = os.path.join(HERE, "hivemind_child.py")
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    key = tmp_path / "key"
+    write_key(key)
+    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
+                     "--member-timeout", "2s", secret_file=key)
+    yield b, str(key)
+    b.stop()
+
+
+def child(broker, key, peer, scenario, *args):
+    return spawn([CHILD, broker.address, peer, scenario, *map(str, args)],
+                 COHORT_SECRET_FILE=key)
+
+
+def lines_of(kid):
+    rc, out, err = finish(kid)
+    assert rc == 0, err[-4000:]
+    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+
+def test_weighted_average_is_exact_with_an_auxiliary_peer_and_gather(keyed):
+    broker, key = keyed
+    weights = [1, 2, 3, 4, 1]
+    kids = [child(broker, key, "p-%d" % k, "weighted", k, 5, weights[k], int(k == 4))
+            for k in range(5)]
+    got = [lines_of(k)[-1] for k in kids]
+    contributors = range(4)
+    total = sum(weights[k] for k in contributors)
+    ref = [sum(weights[k] * tensors_of(k)[i] for k in contributors) / total for i in range(2)]
+    for k, g in enumerate(got):
+        assert g["gathered"] == {"p-%d" % j: {"peer": "p-%d" % j, "k": j} for j in range(5)}
+        assert g["last"] == {"p-%d" % j: (weights[j] if j < 4 else 0.0) for j in range(5)}
+        if k < 4:
+            assert g["tensors"] == [r.tolist() for r in ref], k
+        else:
+            assert g["tensors"] == [t.tolist() for t in tensors_of(4)], "auxiliary: untouched"
+
+
+def test_eight_peers_in_pairs_reach_the_global_mean_in_three_rounds(keyed, tmp_path):
+    broker, key = keyed
+    # Each round starts when all 8 reached it (a file barrier), as peers
+    # that step at the same cadence do; bits k2 k1 pair k with k ^ 1.
+    kids = [child(broker, key, "m-%d" % k, "mix", k, "%d%d" % ((k >> 2) & 1, (k >> 1) & 1), 3,
+                  tmp_path, 8) for k in range(8)]
+    got = [lines_of(k) for k in kids]
+    mean = sum(8.0 * k for k in range(8)) / 8
+    partners = {}
+    for k, lines in enumerate(got):
+        assert lines[-1]["tensors"] == [[mean] * 4], (k, lines)
+        for line in lines[:-1]:
+            assert line["group"] and len(line["group"]) == 2, line
+            partners.setdefault(k, set()).update(line["group"])
+    for k in range(8):
+        assert len(partners[k]) == 4, "three different partners and itself: %s" % partners[k]
+
+
+def test_a_peer_stopped_mid_step_is_left_out_and_the_result_says_who_was_averaged(tmp_path):
+    key = tmp_path / "key"
+    write_key(key)
+    broker = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
+                          "--member-timeout", "30s", "--log-level", "debug", secret_file=key)
+    victim = None
+    try:
+        # The victim asks first and is stopped: every group the survivors
+        # form from this bucket holds it first, so some survivor's first
+        # attempt stalls on it, times out, and is retried without it.
+        victim = child(broker, str(key), "v-0", "victim", 9)
+        broker.wait_log("An averager asks for a group.", lambda l: l.get("id") == "v-0")
+        os.killpg(victim.pid, signal.SIGSTOP)
+        kids = [child(broker, str(key), "s-%d" % k, "survivor", k) for k in range(2)]
+        ref = [(tensors_of(0)[i] + tensors_of(1)[i]) / 2 for i in range(2)]
+        attempts = []
+        for k in kids:
+            g = lines_of(k)[-1]
+            assert g["gathered"] == {"s-0": "s-0", "s-1": "s-1"}
+            assert g["tensors"] == [r.tolist() for r in ref]
+            attempts.append(g["attempts"])
+        assert max(attempts) >= 2, attempts
+    finally:
+        if victim is not None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            finish(victim)
+        broker.stop()
+
+
+def test_too_few_peers_fail_within_the_timeout(keyed, monkeypatch):
+    broker, key = keyed
+    monkeypatch.setenv("COHORT_SECRET_FILE", key)
+    dht = hivemind.DHT(initial_peers=[broker.address], start=True, cohort="hm", peer_id="alone")
+    t = torch.arange(4, dtype=torch.float32)
+    a = hivemind.DecentralizedAverager([t], dht, start=True, prefix="lonely",
+                                       target_group_size=4, min_group_size=2,
+                                       min_matchmaking_time=0.5, request_timeout=0.2)
+    try:
+        t0 = time.monotonic()
+        assert a.step(timeout=1.5) is None
+        control = a.step(timeout=1.5, wait=False)
+        with pytest.raises(hivemind.AllreduceException, match="too few"):
+            control.result(timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+        # Group bits, got and set.
+        assert a.get_group_bits() == ""
+        a.set_group_bits("0110")
+        assert a.get_group_bits() == "0110"
+        with pytest.raises(ValueError):
+            a.set_group_bits("012")
+        with pytest.raises(ValueError, match="strictly positive"):
+            a.step(weight=-1)
+        with pytest.raises(ValueError, match="scheduled_time"):
+            a.step(scheduled_time=1.0)
+    finally:
+        a.shutdown()
+
+
+def test_bad_constructor_arguments_get_clear_errors(keyed):
+    broker, _ = keyed
+    dht = hivemind.DHT(initial_peers=[broker.address], start=True, cohort="hm", peer_id="c")
+    t = [torch.zeros(3)]
+    with pytest.raises(ValueError, match="request_timeout"):
+        hivemind.DecentralizedAverager(t, dht, start=False, prefix="x",
+                                       min_matchmaking_time=1.0, request_timeout=1.0)
+    for bad in (dict(client_mode=True), dict(bandwidth=1.0), dict(allow_state_sharing=True),
+                dict(compression=hivemind.Float16Compression())):
+        with pytest.raises(ValueError, match="not supported"):
+            hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
+    with pytest.raises(TypeError):
+        hivemind.DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], dht, start=False,
+                                       prefix="x")
+
+
+def test_peers_whose_tensors_differ_are_refused_and_keep_their_tensors(keyed):
+    broker, key = keyed
+    g = lines_of(child(broker, key, "mm", "mismatch"))[-1]
+    second, first = g["errors"]
+    assert second and "schema" in second, second
+    assert first and "too few" in first, first
+    assert g["untouched"] == [0.0] * 5
+
+
+BENCH = os.path.join(ROOT, "bench", "averager.py")
+
+
+def test_the_benchmark_runs_a_tiny_round_and_refuses_bad_flags(tmp_path):
+    """bench/averager.py end to end at a tiny size (its figures belong to
+    the README), and its flag checks."""
+    run = subprocess.run([sys.executable, BENCH, "--peers", "4", "--group", "2", "--mib", "1",
+                          "--reps", "1", "--operator", bin_path("cohort-operator"),
+                          "--log-dir", str(tmp_path)], capture_output=True, text=True,
+                         env=child_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+    assert [r.get("system") for r in rows[:2]] == ["averager", "allreduce"]
+    assert rows[0]["ms_per_round"] > 0 and rows[0]["matchmaking_ms"] >= 0
+    assert rows[2]["averager/allreduce"] > 0
+    bad = subprocess.run([sys.executable, BENCH, "--peers", "6", "--group", "4"],
+                         capture_output=True, text=True, env=child_env(), timeout=60)
+    assert bad.returncode == 2 and "power of two" in bad.stderr
