@@ -211,12 +211,51 @@ struct node {
     struct node_checkpoints ckpt_info;
     struct node_view last_view; /* as last published */
     bool published;
+    /* The round being traced (cfg.trace): when its contribution arrived
+     * (0: taken by a step), when its result was published and consumed,
+     * the node thread's last lap, and the stages so far. */
+    struct {
+        uint64_t contributed, published, consumed, lap;
+        uint64_t ns[NODE_STAGES];
+    } tr;
 };
 
 static void view_locked(const struct node *n, struct node_view *v);
 static void publish_locked(struct node *n);
 static void checkpoint_due_locked(struct node *n);
 static void reducers_reset(struct node *n);
+
+const char *node_stage_name(enum node_stage s)
+{
+    static const char *const names[NODE_STAGES] = {
+        [NODE_STAGE_WAKE] = "wake",         [NODE_STAGE_COUNT] = "count",
+        [NODE_STAGE_COPY_IN] = "copy-in",   [NODE_STAGE_ENGINE] = "engine",
+        [NODE_STAGE_COPY_OUT] = "copy-out", [NODE_STAGE_COMMIT] = "commit",
+        [NODE_STAGE_APPLY] = "apply",       [NODE_STAGE_NEXT] = "next",
+    };
+    return (unsigned)s < NODE_STAGES ? names[s] : "?";
+}
+
+/* Nanoseconds for the trace; read only when one is kept. */
+static uint64_t trace_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Node thread: the time since the last lap goes to stage s. */
+static void trace_lap(struct node *n, enum node_stage s)
+{
+    uint64_t now;
+
+    if (!n->cfg.trace)
+        return;
+    now = trace_ns();
+    n->tr.ns[s] += now - n->tr.lap;
+    n->tr.lap = now;
+}
 
 /* Wakes the node's threads and republishes the view: the state changed. */
 static void changed_locked(struct node *n)
@@ -929,9 +968,11 @@ static int fused_step(struct node *n, bool slots, uint64_t *c)
     else
         memset(n->fuse_in, 0, bytes);
     tally_encode(n->t.grad_type, m, c, COUNTERS, (char *)n->fuse_in + bytes);
+    trace_lap(n, NODE_STAGE_COPY_IN);
     rc = allreduce_run_into(n->ar, n->h_fuse_in, n->h_fuse_out,
                             n->t.grad_count + COUNTERS * tally_digits(n->t.grad_type, m),
                             n->t.grad_type, DTYPE_SUM, 0, round_of(n));
+    trace_lap(n, NODE_STAGE_ENGINE);
     if (rc < 0)
         return rc;
     tally_decode(n->t.grad_type, m, (char *)n->fuse_out + bytes, c, COUNTERS);
@@ -957,6 +998,12 @@ static int run_step(struct node *n)
      * that ran in a round that then failed is not this round's. */
     n->round_reducer = COMPRESS_NONE;
     pthread_mutex_lock(&n->lock);
+    if (n->cfg.trace) {
+        n->tr.lap = trace_ns();
+        if (n->tr.contributed)
+            n->tr.ns[NODE_STAGE_WAKE] += n->tr.lap - n->tr.contributed;
+        n->tr.contributed = 0;
+    }
     c[0] = n->acc_batch;
     c[1] = n->acc_grads;
     c[2] = n->acc_skips;
@@ -982,6 +1029,7 @@ static int run_step(struct node *n)
         rc = small_reduce(n, COUNTERS, DTYPE_SUM);
         for (int i = 0; i < COUNTERS; i++)
             c[i] = (uint64_t)n->small[i];
+        trace_lap(n, NODE_STAGE_COUNT);
     }
     if (rc < 0)
         return rc;
@@ -1009,9 +1057,12 @@ static int run_step(struct node *n)
     if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
+        trace_lap(n, NODE_STAGE_COPY_OUT);
     } else if (grads > 0) {
         agreed = agreed_compress(n, c, &mine);
-        if ((rc = gradient_step(n, slots, grads, &agreed)) < 0)
+        rc = gradient_step(n, slots, grads, &agreed);
+        trace_lap(n, NODE_STAGE_ENGINE);
+        if (rc < 0)
             return rc;
     }
     /* Every buffer_sync_rounds commits of this epoch, the leader's buffers
@@ -1062,6 +1113,10 @@ static int run_step(struct node *n)
     n->stats.rounds_committed++;
     checkpoint_due_locked(n);
     changed_locked(n);
+    if (n->cfg.trace) {
+        trace_lap(n, NODE_STAGE_COMMIT);
+        n->tr.published = n->tr.lap;
+    }
     pthread_mutex_unlock(&n->lock);
     return 0;
 }
@@ -1528,6 +1583,23 @@ static int contribute_to_slot(struct node *n, uint64_t batch_size)
     return 0;
 }
 
+/* A contribution arrived: the traced round before it is complete (its
+ * result was consumed) and becomes a row. Lock held. */
+static void trace_contributed_locked(struct node *n)
+{
+    struct node_trace *t = n->cfg.trace;
+    uint64_t now = trace_ns();
+
+    if (n->tr.published && n->tr.consumed) {
+        n->tr.ns[NODE_STAGE_NEXT] = now - n->tr.consumed;
+        if (t->rounds < t->cap)
+            memcpy(t->ns[t->rounds++], n->tr.ns, sizeof(n->tr.ns));
+        memset(n->tr.ns, 0, sizeof(n->tr.ns));
+        n->tr.published = n->tr.consumed = 0;
+    }
+    n->tr.contributed = now;
+}
+
 int node_contribute(struct node *n, uint64_t batch_size)
 {
     int rc = 0;
@@ -1558,6 +1630,8 @@ int node_contribute(struct node *n, uint64_t batch_size)
         rc = -EAGAIN;
     else if (!n->has_state || n->contributed || n->has_gradients)
         rc = -EPERM;
+    if (rc == 0 && n->cfg.trace)
+        trace_contributed_locked(n);
     if (rc == 0) {
         if (batch_size > 0) {
             n->acc_batch += batch_size;
@@ -1582,6 +1656,10 @@ int node_consume(struct node *n, uint64_t round)
     } else if (round != n->stats.rounds_committed) {
         rc = -ESTALE;
     } else {
+        if (n->cfg.trace && n->tr.published) {
+            n->tr.consumed = trace_ns();
+            n->tr.ns[NODE_STAGE_APPLY] = n->tr.consumed - n->tr.published;
+        }
         n->has_gradients = false;
         /* The node thread waits for a consume only to sync, or to reduce
          * a contribution it holds; in a plain round it has nothing to do. */

@@ -76,6 +76,36 @@ struct node;
 
 struct node_view;
 
+/* The stages of a committed round, for a trace (node_config.trace): where
+ * the time between two contributions goes. Nanoseconds on CLOCK_MONOTONIC.
+ * The trainer's own share shows as APPLY and NEXT, measured from the
+ * node's side: with a sidecar, APPLY is the trainer's wakeup, its zeroing
+ * and its one-way consume reaching the sidecar; NEXT its loop and the
+ * contribution's call. */
+enum node_stage {
+    NODE_STAGE_WAKE,            /* contribution taken to the node thread's step */
+    NODE_STAGE_COUNT,           /* count steps (all-reduces of the counters) */
+    NODE_STAGE_COPY_IN,         /* fused: gradients and counters into its buffer */
+    NODE_STAGE_ENGINE,          /* the gradient (or fused) all-reduce */
+    NODE_STAGE_COPY_OUT,        /* fused: the sum into the results, divided */
+    NODE_STAGE_COMMIT,          /* buffers, commit and the view's publication */
+    NODE_STAGE_APPLY,           /* publication to the trainer's consume */
+    NODE_STAGE_NEXT,            /* consume to the next contribution */
+    NODE_STAGES
+};
+
+/* A trace's rows, one per committed round in order, kept when the next
+ * contribution arrives (so the last round has none); rounds beyond `cap`
+ * are not kept. Only rounds with one contribution outstanding (parallel
+ * gradients 1) are traced. Written under the node's lock and on its
+ * thread: read it after node_stop(). */
+struct node_trace {
+    uint64_t (*ns)[NODE_STAGES];    /* cap rows, the caller's */
+    size_t cap;
+    size_t rounds;                  /* rows filled */
+};
+const char *node_stage_name(enum node_stage s);
+
 /* The engine's all-reduce algorithm (spec.reduction.algorithm). AUTO:
  * recursive doubling up to the engine's measured threshold (256 KiB on the
  * wire), the ring beyond; RING: the ring for every all-reduce; DOUBLING:
@@ -128,6 +158,9 @@ struct node_config {
      * into the node. May be NULL. */
     void (*on_view)(void *arg, const struct node_view *v);
     void *view_arg;             /* borrowed */
+    /* Per-stage times of each round (see node_stage), borrowed until
+     * node_stop(); NULL: none taken, and no clock is read for it. */
+    struct node_trace *trace;
 };
 
 /* Tensors the trainer registers once. Memory is borrowed and must stay

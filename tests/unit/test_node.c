@@ -33,6 +33,8 @@ static const char *ckpt_dir;
 /* Trainers started while this is set start with a budget of 0
  * contributions (trainer.budget), so a test places each one. */
 static bool start_held;
+/* The trainer started while this is set (w-0) keeps its trace there. */
+static struct node_trace *trace_next;
 #define VERSIONS 64             /* results recorded per trainer, by version */
 
 /* The fixture's broker with a startup hold: the trainers a test starts
@@ -189,7 +191,8 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
                              .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5,
                              .checkpoint_dir = ckpt_dir,
-                             .checkpoint_every_versions = ckpt_dir ? CKPT_EVERY : 0 };
+                             .checkpoint_every_versions = ckpt_dir ? CKPT_EVERY : 0,
+                             .trace = index == 0 ? trace_next : NULL };
     struct node_tensors t;
     char id[16];
 
@@ -289,6 +292,68 @@ Test(node, virtual_batch_spans_several_contributions)
     cr_assert_eq(trs[0].sum_check_failures + trs[1].sum_check_failures, 0);
     cr_assert_float_eq(trs[0].params[0], 0.0f - 5 * 0.015f, 1e-4);
     trainers_stop(trs, 2);
+}
+
+/* The trace (node_config.trace) has a row per committed round but the
+ * last, with the stages of the round's kind: a fused round has no count
+ * step; rounds of several contributions each have count steps and an
+ * unfused gradient step. The times are real ones: each round's stages
+ * together fit inside the test's own time. */
+static void traced_rounds(uint64_t vbs, bool fused)
+{
+    static struct trainer trs[2];
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
+    uint64_t t0 = clock_now_us(), took_ns;
+    struct node_view v;
+    size_t tried_fused = 0;
+
+    memset(rows, 0, sizeof(rows));
+    trace_next = &trace;
+    trainers_start(trs, 2, 12, vbs);
+    trace_next = NULL;
+    trainers_join(trs, 2);
+    node_view(trs[0].n, &v);
+    trainers_stop(trs, 2);
+    took_ns = (clock_now_us() - t0) * 1000;
+    /* w-0 trains on from its first result; the rows are those of rounds
+     * followed by another contribution. */
+    cr_assert_geq(trace.rounds, 10, "%zu rows", trace.rounds);
+    cr_assert_leq(trace.rounds, 11, "%zu rows", trace.rounds);
+    for (size_t r = 0; r < trace.rounds; r++) {
+        uint64_t sum = 0;
+
+        for (int s = 0; s < NODE_STAGES; s++)
+            sum += rows[r][s];
+        cr_assert_gt(rows[r][NODE_STAGE_ENGINE], 0, "round %zu", r);
+        cr_assert_gt(rows[r][NODE_STAGE_APPLY], 0, "round %zu", r);
+        cr_assert_gt(rows[r][NODE_STAGE_NEXT], 0, "round %zu", r);
+        cr_assert_lt(sum, took_ns, "round %zu: %llu ns of %llu", r, (unsigned long long)sum,
+                     (unsigned long long)took_ns);
+        if (fused) {
+            cr_assert_eq(rows[r][NODE_STAGE_COUNT], 0, "round %zu", r);
+            cr_assert_gt(rows[r][NODE_STAGE_COPY_IN], 0, "round %zu", r);
+        } else {
+            cr_assert_gt(rows[r][NODE_STAGE_COUNT], 0, "round %zu", r);
+            cr_assert_eq(rows[r][NODE_STAGE_COPY_OUT], 0, "round %zu", r);
+            /* The first round of an epoch tries a fused step, whose sum
+             * is thrown away when the batch is short. */
+            tried_fused += rows[r][NODE_STAGE_COPY_IN] > 0;
+        }
+    }
+    cr_assert_leq(tried_fused, v.epochs_seen);
+    cr_assert_str_eq(node_stage_name(NODE_STAGE_COUNT), "count");
+    cr_assert_str_eq(node_stage_name(NODE_STAGES), "?");
+}
+
+Test(node, trace_has_the_stages_of_fused_rounds)
+{
+    traced_rounds(2, true);             /* one contribution each: every round fused */
+}
+
+Test(node, trace_has_the_stages_of_counted_rounds)
+{
+    traced_rounds(6, false);            /* three each: count steps, then the gradients */
 }
 
 static bool reached_version_10(void *node)
