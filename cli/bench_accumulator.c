@@ -66,12 +66,12 @@ static const char usage[] =
     "                 every timed round of every repetition: wake (the\n"
     "                 contribution reaching the node's thread), count (count\n"
     "                 steps), copy-in and copy-out (a fused step's copies),\n"
-    "                 engine (the gradient all-reduce), commit (commit and\n"
-    "                 publication of the view), apply (the trainer waking to\n"
-    "                 the result until its zeroing and consume reach the\n"
-    "                 sidecar) and next (from there to its next contribution\n"
-    "                 reaching the node); their sum is one round. Untraced\n"
-    "                 runs read no clock for it.\n"
+    "                 engine (the gradient all-reduce), commit (up to the\n"
+    "                 view's publication), apply (from there until the\n"
+    "                 trainer, woken, has zeroed its gradients and its consume\n"
+    "                 reached the sidecar) and next (from there to its next\n"
+    "                 contribution reaching the node); their sum is one round.\n"
+    "                 Untraced runs read no clock for it.\n"
     "  -o, --output   table (default) or json\n"
     "  -h, --help     show this text\n";
 

@@ -1112,11 +1112,13 @@ static int run_step(struct node *n)
     n->stats.num_skipped = skips;
     n->stats.rounds_committed++;
     checkpoint_due_locked(n);
-    changed_locked(n);
+    /* Stamped before the view goes out: the trainer it wakes may take
+     * this thread's core at once, and that time is the trainer's. */
     if (n->cfg.trace) {
         trace_lap(n, NODE_STAGE_COMMIT);
         n->tr.published = n->tr.lap;
     }
+    changed_locked(n);
     pthread_mutex_unlock(&n->lock);
     return 0;
 }

@@ -88,8 +88,8 @@ enum node_stage {
     NODE_STAGE_COPY_IN,         /* fused: gradients and counters into its buffer */
     NODE_STAGE_ENGINE,          /* the gradient (or fused) all-reduce */
     NODE_STAGE_COPY_OUT,        /* fused: the sum into the results, divided */
-    NODE_STAGE_COMMIT,          /* buffers, commit and the view's publication */
-    NODE_STAGE_APPLY,           /* publication to the trainer's consume */
+    NODE_STAGE_COMMIT,          /* buffers' sync and commit, up to the publication */
+    NODE_STAGE_APPLY,           /* the view's publication to the trainer's consume */
     NODE_STAGE_NEXT,            /* consume to the next contribution */
     NODE_STAGES
 };
