@@ -42,6 +42,29 @@
  * fused only while the previous round of the epoch committed at its first
  * step. Every member sees the same counts, so all decide alike.
  *
+ * Counters in the spare bytes: when the trainer's memory has room after
+ * the gradients and after the results (node_tensors.grads_spare and
+ * results_spare; cohort.c leaves TLINK_SPARE_BYTES), a round can cost one
+ * all-reduce at any size with no copy. The counters go into the spare
+ * bytes behind the gradients (or behind the round's slot, which the node
+ * allocates with room), as tally digits for m x m members multiplied by
+ * m, and the step is the gradient step itself, out of place into the
+ * results and their spare bytes, AVG_BY m: each digit comes back as the
+ * exact sum of the members' digits (the sum of m x d stays inside the
+ * type's exact range, and dividing a multiple of m by m is exact). When
+ * every member contributed once (contributions = m) the results are the
+ * bytes a gradient step AVG_BY the contributions gives, and the round
+ * commits; when the batch is short the result is thrown away, as a count
+ * step's would be; otherwise the counts are known and the gradient step
+ * runs as after a count step. Such a step is taken only when the
+ * previous round of the epoch committed at its first step with one
+ * contribution from each member, every member said it has the room
+ * (the ninth counter) and the members agreed on no compression, so it
+ * is rarely wasted; the first round of an epoch counts. Only float32 and
+ * float64 gradients carry them, and only while m <= SPARE_MEMBERS_MAX
+ * (tally.h gives the digits). Every member sees the same counts, so all
+ * decide alike.
+ *
  * Compression: a gradient step may carry its payload encoded (a codec,
  * engine/codec.h: fp16, bf16 or int8 on the wire, float32 accumulation).
  * Every member must make the same call, so the codec is agreed, not
@@ -106,9 +129,12 @@
 #define PARALLEL_MAX NODE_PARALLEL_MAX
 #define ADD_CHUNK 4096                  /* elements widened at a time */
 #define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
-#define COUNTERS 8                      /* batch, contributions, skips, vbs,
+#define COUNTERS 9                      /* batch, contributions, skips, vbs,
                                          * method, method squared, parameter,
-                                         * parameter squared */
+                                         * parameter squared, able to carry them
+                                         * in the spare bytes (1 or 0) */
+#define SPARE_NEED (COUNTERS * TALLY_DIGITS_MAX * sizeof(uint64_t))  /* at most */
+#define SPARE_MEMBERS_MAX 4095u         /* m * m must fit the tally's uint32_t */
 
 enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
 
@@ -172,6 +198,8 @@ struct node {
     void *fuse_in, *fuse_out;   /* [gradients | counter digits]; NULL: never fused */
     int h_fuse_in, h_fuse_out;
     bool fuse_next;             /* node thread: the next step is fused */
+    bool spare_next;            /* node thread: the next step carries the counters in
+                                 * the spare bytes (see "Counters in the spare bytes") */
     struct compress compression;    /* under lock: what this member asks for */
     bool codec_split_logged;    /* node thread: members disagree, said once */
     /* Node thread: the error-feedback reducers (see "Top-k and PowerSGD"),
@@ -901,7 +929,7 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads, const struc
         struct slot *sl = &n->slots[n->round_slot];
 
         if (sl->h < 0)
-            sl->h = allreduce_register(n->ar, sl->buf, bytes);
+            sl->h = allreduce_register(n->ar, sl->buf, bytes + SPARE_NEED);
         if (sl->h < 0)
             return sl->h;
         src = sl->h;
@@ -979,15 +1007,79 @@ static int fused_step(struct node *n, bool slots, uint64_t *c)
     return 0;
 }
 
+/* Digits per counter in the spare bytes with m members; 0 when this
+ * member has no room for them (see "Counters in the spare bytes"). */
+static size_t spare_digits(const struct node *n, uint32_t m)
+{
+    enum dtype t = n->t.grad_type;
+    size_t per;
+
+    if ((t != DTYPE_F32 && t != DTYPE_F64) || m == 0 || m > SPARE_MEMBERS_MAX)
+        return 0;
+    per = tally_digits(t, m * m);
+    if (per == 0 || COUNTERS * per * dtype_size(t) > n->t.grads_spare ||
+        COUNTERS * per * dtype_size(t) > n->t.results_spare)
+        return 0;
+    return per;
+}
+
+/* The count step and the gradient step in one AVG_BY m, the counters in
+ * the spare bytes (see "Counters in the spare bytes"): c[] in, this
+ * member's counters; out, the cohort's. The results region holds the
+ * gradients' sum divided by m. */
+static int spare_step(struct node *n, bool slots, uint64_t *c, uint32_t m, size_t per)
+{
+    size_t bytes = grad_bytes(n), k = COUNTERS * per;
+    void *g = round_grads(n, slots);
+    char *tail;
+    int src, rc;
+
+    if (!g) {
+        /* In place over zeros: the results region is free until commit. */
+        memset(n->t.results, 0, bytes);
+        src = n->h_results;
+        tail = (char *)n->t.results + bytes;
+    } else if (n->round_slot >= 0) {
+        struct slot *sl = &n->slots[n->round_slot];
+
+        if (sl->h < 0)
+            sl->h = allreduce_register(n->ar, sl->buf, bytes + SPARE_NEED);
+        if (sl->h < 0)
+            return sl->h;
+        src = sl->h;
+        tail = (char *)sl->buf + bytes;
+    } else {
+        src = n->h_grads;
+        tail = (char *)n->t.grads + bytes;
+    }
+    tally_encode(n->t.grad_type, m * m, c, COUNTERS, tail);
+    /* Digits below 2^(E - bits(m * m)) times m: still exact integers. */
+    for (size_t i = 0; i < k; i++) {
+        if (n->t.grad_type == DTYPE_F32)
+            ((float *)(void *)tail)[i] *= (float)m;
+        else
+            ((double *)(void *)tail)[i] *= (double)m;
+    }
+    trace_lap(n, NODE_STAGE_COPY_IN);
+    rc = allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count + k, n->t.grad_type,
+                            DTYPE_AVG_BY, (double)m, round_of(n));
+    trace_lap(n, NODE_STAGE_ENGINE);
+    if (rc < 0)
+        return rc;
+    tally_decode(n->t.grad_type, m * m, (char *)n->t.results + bytes, c, COUNTERS);
+    return 0;
+}
+
 /* Count step, then the gradient step if the batch is complete; or both at
- * once (fused_step). */
+ * once (fused_step, spare_step). */
 static int run_step(struct node *n)
 {
-    uint64_t c[COUNTERS], batch, grads, skips, vbs;
+    uint64_t c[COUNTERS], batch, grads, skips, vbs, method;
     struct compress mine, agreed;
-    size_t bytes = grad_bytes(n);
+    size_t bytes = grad_bytes(n), per;
+    uint32_t m;
     int rc;
-    bool take, slots, fused;
+    bool take, slots, fused, spare, done;
 
     pthread_mutex_lock(&n->lock);
     take = !n->contributed;
@@ -1013,6 +1105,9 @@ static int run_step(struct node *n)
     c[5] = c[4] * c[4];
     c[6] = mine.param;
     c[7] = c[6] * c[6];
+    m = (uint32_t)n->cur->n_members;
+    per = spare_digits(n, m);
+    c[8] = per > 0;
     /* From here the others may finish this round without us (we miss its
      * result): if they do, these contributions are in it (sync_epoch). */
     n->acc_epoch = n->cur_id;
@@ -1020,8 +1115,12 @@ static int run_step(struct node *n)
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
-    fused = n->fuse_next && n->fuse_in && tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
-    if (fused) {
+    spare = n->spare_next && per > 0;
+    fused = !spare && n->fuse_next && n->fuse_in &&
+            tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
+    if (spare) {
+        rc = spare_step(n, slots, c, m, per);
+    } else if (fused) {
         rc = fused_step(n, slots, c);
     } else {
         for (int i = 0; i < COUNTERS; i++)
@@ -1047,6 +1146,7 @@ static int run_step(struct node *n)
         /* Not enough yet: everyone contributes again. */
         n->contributed = false;
         n->fuse_next = false;
+        n->spare_next = false;
         pthread_mutex_unlock(&n->lock);
         return 0;
     }
@@ -1054,11 +1154,14 @@ static int run_step(struct node *n)
     /* The trainer writes no gradient and reads no result meanwhile: it has
      * contributed (or its contribution is in a slot), and the last result
      * was consumed. */
+    /* A spare step divided by m: the round's result when m contributions
+     * made it, as AVG_BY the contributions would give. */
+    done = spare && grads == m;
     if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
         trace_lap(n, NODE_STAGE_COPY_OUT);
-    } else if (grads > 0) {
+    } else if (grads > 0 && !done) {
         agreed = agreed_compress(n, c, &mine);
         rc = gradient_step(n, slots, grads, &agreed);
         trace_lap(n, NODE_STAGE_ENGINE);
@@ -1098,6 +1201,11 @@ static int run_step(struct node *n)
     lineage_commit(&n->lineage, epoch_moved_locked(n) ? LINEAGE_UNSURE : n->cur_id, n->version);
     n->epoch_commits++;
     n->fuse_next = n->round_counts == 1;
+    /* Members that all have room, agreed on no compression, and a round
+     * of one contribution each, committed at its first step: the next
+     * is likely the same. */
+    n->spare_next = n->round_counts == 1 && grads == m && c[8] == m &&
+                    all_equal(m, c[4], c[5], &method) && method == COMPRESS_NONE;
     n->round_counts = 0;
     n->has_gradients = true;
     n->contributed = false;
@@ -1172,6 +1280,7 @@ static void adopt_epoch_locked(struct node *n)
     n->step = 0;
     n->epoch_commits = 0;
     n->fuse_next = true;
+    n->spare_next = false;
     n->round_counts = 0;
     n->my_index = epoch_find(n->cur, n->id);
     n->phase = n->my_index >= 0 ? PH_SYNC : PH_WAIT_EPOCH;
@@ -1461,8 +1570,8 @@ int node_register(struct node *n, const struct node_tensors *t)
     }
     n->t = *t;
     memset(t->grads, 0, gbytes);
-    n->h_grads = allreduce_register(n->ar, t->grads, gbytes);
-    n->h_results = allreduce_register(n->ar, t->results, gbytes);
+    n->h_grads = allreduce_register(n->ar, t->grads, gbytes + t->grads_spare);
+    n->h_results = allreduce_register(n->ar, t->results, gbytes + t->results_spare);
     n->h_params = allreduce_register(n->ar, t->params, t->params_bytes);
     n->h_buffers = allreduce_register(n->ar, t->buffers, t->buffers_bytes);
     n->h_buf_scratch = allreduce_register(n->ar, n->buf_scratch, t->buffers_bytes);
@@ -1565,7 +1674,8 @@ static int contribute_to_slot(struct node *n, uint64_t batch_size)
     pthread_mutex_unlock(&n->lock);
     if (batch_size > 0) {
         if (!n->slots[s].buf)
-            n->slots[s].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+            /* With room for the counters (spare_step). */
+            n->slots[s].buf = aligned_alloc(64, (bytes + SPARE_NEED + 63) / 64 * 64);
         if (n->slots[s].buf) {
             memcpy(n->slots[s].buf, n->t.grads, bytes);
             memset(n->t.grads, 0, bytes);

@@ -177,6 +177,12 @@ struct node_tensors {
     void *results;              /* grad_count elements: committed results land here */
     void *buffers;
     size_t buffers_bytes;
+    /* Bytes right after the gradients, and right after the results, that
+     * belong to no other tensor: the node may write there. With room for
+     * a round's counters in both (float32 or float64 gradients), a round
+     * in which each member contributes once costs one all-reduce at any
+     * size (node.c, "Counters in the spare bytes"). 0: none. */
+    size_t grads_spare, results_spare;
 };
 
 /* Starts the node's thread; it joins the cohort and follows its epochs

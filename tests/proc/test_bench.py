@@ -48,10 +48,11 @@ def test_bench_accumulator_traces_its_stages():
         assert 2 <= r["trace_rounds"] <= 2 * 4
         assert t["engine"] > 0 and t["apply"] > 0 and t["next"] > 0
         assert t["round"] >= t["engine"]
-    # 4 KiB rounds carry their counters in one fused step; 512 KiB ones
-    # count first, then reduce the gradients with no copy.
-    assert rows[0]["trace_us"]["count"] == 0 and rows[0]["trace_us"]["copy-in"] > 0
-    assert rows[1]["trace_us"]["count"] > 0 and rows[1]["trace_us"]["copy-out"] == 0
+    # A trainer's memory has room for the counters after its gradients and
+    # results: once each member contributes once a round, a round at any
+    # size is one all-reduce, with no count step and no copy out.
+    for r in rows:
+        assert r["trace_us"]["count"] == 0 and r["trace_us"]["copy-out"] == 0
     rc, out, err = cohortctl("bench", "accumulator", "--peers", "2", "--bytes", "4K",
                              "--reps", "1", "--rounds", "3", "--trace")
     assert rc == 0, err[-4000:]

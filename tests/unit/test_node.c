@@ -35,6 +35,11 @@ static const char *ckpt_dir;
 static bool start_held;
 /* The trainer started while this is set (w-0) keeps its trace there. */
 static struct node_trace *trace_next;
+/* Trainers started while spare[index] is set give the node room after
+ * their gradients and results (node_tensors.grads_spare), as cohort.c
+ * does; the others give none. */
+static bool spare[MAXN];
+#define SPARE_FLOATS 1024               /* TLINK_SPARE_BYTES */
 #define VERSIONS 64             /* results recorded per trainer, by version */
 
 /* The fixture's broker with a startup hold: the trainers a test starts
@@ -60,8 +65,8 @@ struct trainer {
     int index;
     struct node *n;
     _Alignas(64) float params[P + 1];   /* padded to a multiple of 8 bytes */
-    _Alignas(64) float grads[P];
-    _Alignas(64) float results[P];
+    _Alignas(64) float grads[P + SPARE_FLOATS];     /* P, then room for the node */
+    _Alignas(64) float results[P + SPARE_FLOATS];
     _Alignas(64) double buffers[2];
     uint64_t target;                    /* stop at this model version */
     uint32_t together;                  /* members to wait for before training */
@@ -210,7 +215,9 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
     t = (struct node_tensors){ .params = tr->params, .params_bytes = sizeof(tr->params),
                                .grads = tr->grads, .grad_count = P, .grad_type = DTYPE_F32,
                                .results = tr->results,
-                               .buffers = tr->buffers, .buffers_bytes = sizeof(tr->buffers) };
+                               .buffers = tr->buffers, .buffers_bytes = sizeof(tr->buffers),
+                               .grads_spare = spare[index] ? SPARE_FLOATS * sizeof(float) : 0,
+                               .results_spare = spare[index] ? SPARE_FLOATS * sizeof(float) : 0 };
     cr_assert_eq(node_register(tr->n, &t), 0);
     cr_assert_eq(node_register(tr->n, &t), -EBUSY);
     pthread_create(&tr->t, NULL, trainer_main, tr);
@@ -362,6 +369,68 @@ static bool reached_version_10(void *node)
 
     node_view(node, &v);
     return v.model_version >= 10;
+}
+
+/* Rounds with the counters in the spare bytes: after the epoch's first
+ * round, each is one all-reduce with no count step and no copy, and the
+ * results are exact. With room on one member only, none is taken. */
+static void spare_rounds(int with_room, uint64_t vbs)
+{
+    static struct trainer trs[3];
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
+    size_t one_step = 0;
+    struct node_view v;
+
+    memset(rows, 0, sizeof(rows));
+    for (int i = 0; i < 3; i++)
+        spare[i] = i < with_room;
+    trace_next = &trace;
+    trainers_start(trs, 3, 15, vbs);
+    trace_next = NULL;
+    memset(spare, 0, sizeof(spare));
+    trainers_join(trs, 3);
+    for (int i = 0; i < 3; i++) {
+        node_view(trs[i].n, &v);
+        cr_assert_eq(v.model_version, 15, "w-%d at %llu", i, (unsigned long long)v.model_version);
+        cr_assert_eq(trs[i].sum_check_failures, 0, "w-%d got a result that is no mean", i);
+        cr_assert_eq(memcmp(trs[i].params, trs[0].params, sizeof(trs[0].params)), 0,
+                     "w-%d's parameters differ from w-0's", i);
+        /* Each result exactly the mean of its contributions: 2.0 with
+         * one from each of 1, 2, 3 (vbs 3), or (1+1+2+2+3+3)/6 (vbs 6). */
+        for (uint64_t k = 2; k <= 15; k++)
+            cr_assert_eq(trs[i].result_at[k], 2.0f, "w-%d, version %llu: %f", i,
+                         (unsigned long long)k, trs[i].result_at[k]);
+    }
+    node_view(trs[0].n, &v);
+    trainers_stop(trs, 3);
+    /* The fused step copies its sum out; a spare step needs no copy and
+     * no count step. */
+    for (size_t r = 0; r < trace.rounds; r++)
+        one_step += rows[r][NODE_STAGE_COUNT] == 0 && rows[r][NODE_STAGE_COPY_OUT] == 0;
+    if (with_room == 3 && vbs == 3) {
+        /* All but the first round of each epoch. */
+        cr_assert_geq(trace.rounds, 13, "%zu rows", trace.rounds);
+        cr_assert_geq(one_step + v.epochs_seen, trace.rounds, "%zu of %zu rows, %llu epochs",
+                      one_step, trace.rounds, (unsigned long long)v.epochs_seen);
+    } else {
+        cr_assert_eq(one_step, 0, "%zu spare steps", one_step);
+    }
+}
+
+Test(node, spare_bytes_carry_the_counters_in_one_all_reduce)
+{
+    spare_rounds(3, 3);
+}
+
+Test(node, spare_bytes_on_one_member_only_are_not_used)
+{
+    spare_rounds(1, 3);
+}
+
+Test(node, spare_bytes_wait_for_a_round_of_one_contribution_each)
+{
+    spare_rounds(3, 6);
 }
 
 Test(node, member_leaves_and_joiner_catches_up)
