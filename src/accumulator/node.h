@@ -85,7 +85,8 @@ struct node_view;
 enum node_stage {
     NODE_STAGE_WAKE,            /* contribution taken to the node thread's step */
     NODE_STAGE_COUNT,           /* count steps (all-reduces of the counters) */
-    NODE_STAGE_COPY_IN,         /* fused: gradients and counters into its buffer */
+    NODE_STAGE_COPY_IN,         /* fused: gradients and counters into its buffer;
+                                 * spare bytes: the counters into them */
     NODE_STAGE_ENGINE,          /* the gradient (or fused) all-reduce */
     NODE_STAGE_COPY_OUT,        /* fused: the sum into the results, divided */
     NODE_STAGE_COMMIT,          /* buffers' sync and commit, up to the publication */
