@@ -433,13 +433,23 @@ Test(node, spare_bytes_wait_for_a_round_of_one_contribution_each)
     spare_rounds(3, 6);
 }
 
-Test(node, member_leaves_and_joiner_catches_up)
+/* With room (spare bytes), rounds between the epoch changes carry their
+ * counters there, and a step aborted by the change is retried with a
+ * count step in the new epoch. */
+static void leave_and_join(bool with_room)
 {
     static struct trainer trs[4];
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
     struct node_view v;
     uint64_t epoch_before;
+    size_t one_step = 0;
 
+    for (int i = 0; i < 4; i++)
+        spare[i] = with_room;
+    trace_next = &trace;
     trainers_start(trs, 3, 40, 1);
+    trace_next = NULL;
     /* Let training run, then take w-1 away mid-run. */
     cr_assert(fixture_wait_until(reached_version_10, trs[0].n, 60000),
               "w-0 never reached model version 10");
@@ -450,6 +460,7 @@ Test(node, member_leaves_and_joiner_catches_up)
     node_stop(trs[1].n);
     /* A newcomer with other parameters joins and must catch up. */
     trainer_start(&trs[3], 3, 40, 3);
+    memset(spare, 0, sizeof(spare));
     node_set_virtual_batch_size(trs[3].n, 1);
     trainer_join(&trs[0]);
     trainer_join(&trs[2]);
@@ -476,6 +487,23 @@ Test(node, member_leaves_and_joiner_catches_up)
     for (int i = 0; i < 4; i++)
         if (i != 1)
             node_stop(trs[i].n);
+    /* w-0's rounds: one all-reduce and no copy only with room. */
+    for (size_t r = 0; r < trace.rounds; r++)
+        one_step += rows[r][NODE_STAGE_COUNT] == 0 && rows[r][NODE_STAGE_COPY_OUT] == 0;
+    if (with_room)
+        cr_assert_gt(one_step, trace.rounds / 2, "%zu of %zu", one_step, trace.rounds);
+    else
+        cr_assert_eq(one_step, 0, "%zu of %zu", one_step, trace.rounds);
+}
+
+Test(node, member_leaves_and_joiner_catches_up)
+{
+    leave_and_join(false);
+}
+
+Test(node, member_leaves_and_joiner_catches_up_with_counters_in_spare_bytes)
+{
+    leave_and_join(true);
 }
 
 Test(node, misuse_is_refused)
