@@ -60,7 +60,11 @@
  * previous round of the epoch committed at its first step with one
  * contribution from each member, every member said it has the room
  * (the ninth counter) and the members agreed on no compression, so it
- * is rarely wasted; the first round of an epoch counts. Only float32 and
+ * is rarely wasted; the first round of an epoch counts. A compression
+ * the members start to agree on applies from the round in which they
+ * do, as it would after a count step: when the spare step's votes agree
+ * on one for gradients that are compressed (float32, over FUSE_MAX), its
+ * sum is thrown away and the compressed gradient step runs. Only float32 and
  * float64 gradients carry them, and only while m <= SPARE_MEMBERS_MAX
  * (tally.h gives the digits). Every member sees the same counts, so all
  * decide alike.
@@ -1155,8 +1159,15 @@ static int run_step(struct node *n)
      * contributed (or its contribution is in a slot), and the last result
      * was consumed. */
     /* A spare step divided by m: the round's result when m contributions
-     * made it, as AVG_BY the contributions would give. */
-    done = spare && grads == m;
+     * made it, as AVG_BY the contributions would give; unless the votes
+     * it carried agree on a compression for gradients that take one:
+     * that applies from this round, as after a count step, so the sum is
+     * thrown away for the compressed gradient step. */
+    done = false;
+    if (spare && grads == m) {
+        agreed = agreed_compress(n, c, &mine);
+        done = agreed.method == COMPRESS_NONE || n->t.grad_type != DTYPE_F32 || bytes <= FUSE_MAX;
+    }
     if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);

@@ -11,7 +11,9 @@
  * contributions, number of skips). When the summed batch size reaches the
  * virtual batch size, a gradient step all-reduces the gradient buffers
  * and divides the sum by the number of contributions (moolib's rule: the
- * mean over reduce_gradients calls, not over samples). Every member that
+ * mean over reduce_gradients calls, not over samples). Small gradients,
+ * and any gradients with spare bytes after them while each member
+ * contributes once a round, take both steps in one all-reduce (node.c). Every member that
  * completes the gradient step commits: the result is in its gradient
  * buffer, has_gradients is true, and its model version is one higher.
  *
