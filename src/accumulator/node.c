@@ -45,7 +45,7 @@
  * Counters in the spare bytes: when the trainer's memory has room after
  * the gradients and after the results (node_tensors.grads_spare and
  * results_spare; cohort.c leaves TLINK_SPARE_BYTES), a round can cost one
- * all-reduce at any size with no copy. The counters go into the spare
+ * all-reduce beyond FUSE_MAX too, with no copy. The counters go into the spare
  * bytes behind the gradients (or behind the round's slot, which the node
  * allocates with room), as tally digits for m x m members multiplied by
  * m, and the step is the gradient step itself, out of place into the
@@ -66,8 +66,11 @@
  * on one for gradients that are compressed (float32, over FUSE_MAX), its
  * sum is thrown away and the compressed gradient step runs. Only float32 and
  * float64 gradients carry them, and only while m <= SPARE_MEMBERS_MAX
- * (tally.h gives the digits). Every member sees the same counts, so all
- * decide alike.
+ * (tally.h gives the digits), and only where the digits add no exchange
+ * to the all-reduce (allreduce_same_exchanges: a buffer whose ring chunks
+ * are whole segments, such as 1 MiB on 2 members, would gain a short
+ * segment at every step, which costs more than the count step saves).
+ * Every member sees the same counts, so all decide alike.
  *
  * Compression: a gradient step may carry its payload encoded (a codec,
  * engine/codec.h: fp16, bf16 or int8 on the wire, float32 accumulation).
@@ -1023,6 +1026,11 @@ static size_t spare_digits(const struct node *n, uint32_t m)
     per = tally_digits(t, m * m);
     if (per == 0 || COUNTERS * per * dtype_size(t) > n->t.grads_spare ||
         COUNTERS * per * dtype_size(t) > n->t.results_spare)
+        return 0;
+    /* Where the digits would add a short ring segment to every step (a
+     * buffer of whole segments, such as 1 MiB), the count step costs
+     * less. */
+    if (!allreduce_same_exchanges(n->ar, m, n->t.grad_count, COUNTERS * per, t))
         return 0;
     return per;
 }

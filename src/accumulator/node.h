@@ -183,8 +183,9 @@ struct node_tensors {
     /* Bytes right after the gradients, and right after the results, that
      * belong to no other tensor: the node may write there. With room for
      * a round's counters in both (float32 or float64 gradients), a round
-     * in which each member contributes once costs one all-reduce at any
-     * size (node.c, "Counters in the spare bytes"). 0: none. */
+     * in which each member contributes once costs one all-reduce with no
+     * copy wherever the counters add no exchange to it (node.c, "Counters
+     * in the spare bytes"). 0: none. */
     size_t grads_spare, results_spare;
 };
 
