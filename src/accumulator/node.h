@@ -107,6 +107,8 @@ struct node_trace {
     size_t cap;
     size_t rounds;                  /* rows filled */
 };
+/* The stage's name as the benchmark prints it ("wake", "count", ...):
+ * static, never freed; "?" for a value out of range. */
 const char *node_stage_name(enum node_stage s);
 
 /* The engine's all-reduce algorithm (spec.reduction.algorithm). AUTO:
