@@ -5,7 +5,8 @@
  * do the same rounds through the trainer API and sidecar services on Unix
  * sockets (counters, gradient step, shared memory, the trainer link),
  * against an embedded broker. Prints both times per round, their ratio
- * and the time added. */
+ * and the time added; with --trace, where the Accumulator's time goes
+ * (node.h, node_stage). */
 #include <errno.h>
 #include <getopt.h>
 #include <pthread.h>
@@ -27,6 +28,7 @@
 #include "base/opt.h"
 #include "base/secret.h"
 #include "rpc/rpc.h"
+#include "accumulator/node.h"
 #include "accumulator/trainerd.h"
 
 #define PROG "cohortctl bench accumulator"
@@ -36,10 +38,11 @@
 #define MAX_SIZES 16
 #define MAX_BYTES ((uint64_t)1 << 30)
 #define GIVE_UP_MS 120000         /* a round that takes this long is a failure, not a figure */
+#define TRACE_ROWS 65536          /* rounds traced per size, at most (4 MiB) */
 
 static const char usage[] =
     "Usage: cohortctl bench accumulator [--peers N] [--bytes LIST] [--rounds K]\n"
-    "                                   [--reps R] [-o json]\n"
+    "                                   [--reps R] [--trace] [-o json]\n"
     "\n"
     "Times one round of the Accumulator (reduce_gradients through a sidecar\n"
     "service until the result is there, then zero_gradients, as a trainer\n"
@@ -58,6 +61,19 @@ static const char usage[] =
     "                 (default 4K,64M)\n"
     "  --rounds K     timed rounds per repetition (default 20; 3 more warm up)\n"
     "  --reps R       repetitions (default 5)\n"
+    "  --trace        also print, per size, the median time of each stage of\n"
+    "                 the first member's rounds through the Accumulator, over\n"
+    "                 every timed round of every repetition: wake (the\n"
+    "                 contribution reaching the node's thread), count (count\n"
+    "                 steps), copy-in and copy-out (a fused step's copies;\n"
+    "                 copy-in alone when the counters ride in the spare bytes\n"
+    "                 after the gradients),\n"
+    "                 engine (the gradient all-reduce), commit (up to the\n"
+    "                 view's publication), apply (from there until the\n"
+    "                 trainer, woken, has zeroed its gradients and its consume\n"
+    "                 reached the sidecar) and next (from there to its next\n"
+    "                 contribution reaching the node); their sum is one round.\n"
+    "                 Untraced runs read no clock for it.\n"
     "  -o, --output   table (default) or json\n"
     "  -h, --help     show this text\n";
 
@@ -194,7 +210,23 @@ static void *trainer_main(void *arg)
     return NULL;
 }
 
-static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
+/* Of the rows a run added from `first`, drops the warm-up rounds' (all of
+ * them if the run failed). */
+static void trace_keep(struct node_trace *t, size_t first, bool ok)
+{
+    size_t added = t->rounds - first;
+
+    if (!ok || added <= WARMUP) {
+        t->rounds = first;
+        return;
+    }
+    memmove(t->ns[first], t->ns[first + WARMUP], (added - WARMUP) * sizeof(t->ns[0]));
+    t->rounds -= WARMUP;
+}
+
+/* The first member's node keeps its rounds' stages in *trace when it is
+ * not NULL; the warm-up rounds are dropped from it. */
+static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct node_trace *trace)
 {
     struct secret key;
     struct brokerd_config bc = { .listen = "127.0.0.1:0", .key = &key };
@@ -202,6 +234,7 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
     struct trainer tr[MAX_PEERS];
     struct brokerd *b = NULL;
     char dir[] = "/tmp/cohort-benchacc-XXXXXX", broker[64], path[MAX_PEERS][128];
+    size_t first_row = trace ? trace->rounds : 0;
     int rc;
 
     memset(tr, 0, sizeof(tr));
@@ -218,7 +251,8 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
     snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(b));
     for (int i = 0; i < n; i++) {
         struct trainerd_config tc = { .node = { .broker = broker, .cohort = "bench",
-                                                .host = "127.0.0.1", .key = &key } };
+                                                .host = "127.0.0.1", .key = &key,
+                                                .trace = i == 0 ? trace : NULL } };
         struct cohort_tensor p = { "g", COHORT_F32, bytes / 4 };
         struct cohort_config cc = { .name = "bench", .parameters = &p, .n_parameters = 1 };
         char id[16], addr[160];
@@ -228,7 +262,10 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms)
         tc.node.id = id;
         if ((rc = trainerd_start(&tc, &sd[i])) < 0 || (rc = cohort_create(&cc, &tr[i].c)) < 0)
             goto out;
-        snprintf(addr, sizeof(addr), "unix:%s", path[i]);
+        if (snprintf(addr, sizeof(addr), "unix:%s", path[i]) >= (int)sizeof(addr)) {
+            rc = -ENAMETOOLONG;
+            goto out;
+        }
         if ((rc = cohort_connect(tr[i].c, addr)) < 0 ||
             (rc = cohort_set_virtual_batch_size(tr[i].c, (uint64_t)n)) < 0)
             goto out;
@@ -248,6 +285,9 @@ out:
         cohort_destroy(tr[i].c);
         trainerd_stop(sd[i]);
     }
+    /* The node is stopped: its trace is whole. */
+    if (trace)
+        trace_keep(trace, first_row, rc == 0);
     brokerd_stop(b);
     secret_wipe(&key);
     rmdir(dir);
@@ -268,6 +308,40 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+/* Each stage's median over the trace's rows, in microseconds; and the
+ * median of the rows' sums. `v` has room for every row. */
+static void trace_medians(const struct node_trace *t, double *v, double us[NODE_STAGES + 1])
+{
+    for (int s = 0; s <= NODE_STAGES; s++) {
+        for (size_t r = 0; r < t->rounds; r++) {
+            uint64_t ns = 0;
+
+            if (s < NODE_STAGES)
+                ns = t->ns[r][s];
+            else
+                for (int k = 0; k < NODE_STAGES; k++)
+                    ns += t->ns[r][k];
+            v[r] = (double)ns / 1000.0;
+        }
+        us[s] = t->rounds ? median(v, (int)t->rounds) : 0;
+    }
+}
+
+static void print_trace(const struct node_trace *t, const double us[NODE_STAGES + 1], bool json)
+{
+    if (json) {
+        printf(",\"trace_rounds\":%zu,\"trace_us\":{", t->rounds);
+        for (int s = 0; s < NODE_STAGES; s++)
+            printf("%s\"%s\":%.1f", s ? "," : "", node_stage_name((enum node_stage)s), us[s]);
+        printf(",\"round\":%.1f}", us[NODE_STAGES]);
+        return;
+    }
+    printf("%10s trace, median us over %zu rounds:", "", t->rounds);
+    for (int s = 0; s < NODE_STAGES; s++)
+        printf(" %s %.1f", node_stage_name((enum node_stage)s), us[s]);
+    printf(" | round %.1f\n", us[NODE_STAGES]);
+}
+
 int cli_bench_accumulator(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -275,6 +349,7 @@ int cli_bench_accumulator(int argc, char **argv)
         { "bytes", required_argument, NULL, 'b' },
         { "rounds", required_argument, NULL, 'r' },
         { "reps", required_argument, NULL, 'R' },
+        { "trace", no_argument, NULL, 't' },
         { "output", required_argument, NULL, 'o' },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
@@ -283,6 +358,9 @@ int cli_bench_accumulator(int argc, char **argv)
     size_t n_sizes = 0;
     int peers = 2, rounds = 20, reps = 5, opt, status = 0, bad;
     const char *list = "4K,64M", *output = "table";
+    struct node_trace trace = { 0 }, *tracing = NULL;
+    double *scratch = NULL;
+    bool json;
     uint64_t v;
 
     optind = 1;
@@ -304,6 +382,7 @@ int cli_bench_accumulator(int argc, char **argv)
                 return opt_usage(PROG, "bad --reps \"%s\" (1 to %d)", optarg, MAX_REPS);
             reps = (int)v;
             break;
+        case 't': tracing = &trace; break;
         case 'o': output = optarg; break;
         case 'h': fputs(usage, stdout); return 0;
         default: return OPT_EXIT_USAGE;
@@ -320,9 +399,23 @@ int cli_bench_accumulator(int argc, char **argv)
     if (bad < 0)
         return opt_usage(PROG, "bad --bytes \"%s\" (at most %d sizes, each a multiple of 4 "
                          "bytes up to 1G, K M G suffixes)", list, MAX_SIZES);
+    json = strcmp(output, "json") == 0;
+    if (tracing) {
+        trace.cap = TRACE_ROWS;
+        trace.ns = calloc(TRACE_ROWS, sizeof(trace.ns[0]));
+        scratch = calloc(TRACE_ROWS, sizeof(double));
+        if (!trace.ns || !scratch) {
+            fprintf(stderr, PROG ": out of memory for the trace\n");
+            free(trace.ns);
+            free(scratch);
+            return 1;
+        }
+    }
     log_set_level(LOG_ERROR);
-    if (rpc_init() < 0)
-        return 1;
+    if (rpc_init() < 0) {
+        status = 1;
+        goto out;
+    }
     if (strcmp(output, "table") == 0)
         printf("%10s %5s %12s %16s %7s %10s\n", "bytes", "peers", "engine ms", "accumulator ms",
                "ratio", "added us");
@@ -331,10 +424,11 @@ int cli_bench_accumulator(int argc, char **argv)
         size_t bytes = (size_t)sizes[i];
         int rc = 0;
 
+        trace.rounds = 0;
         for (int k = 0; k < reps && rc == 0; k++) {
             rc = run_direct(peers, bytes, rounds, &d[k]);
             if (rc == 0)
-                rc = run_accumulator(peers, bytes, rounds, &a[k]);
+                rc = run_accumulator(peers, bytes, rounds, &a[k], tracing);
             r[k] = a[k] / d[k];
         }
         if (rc < 0) {
@@ -346,14 +440,25 @@ int cli_bench_accumulator(int argc, char **argv)
         direct = median(d, reps);
         acc = median(a, reps);
         ratio = median(r, reps);
-        if (strcmp(output, "json") == 0)
+        if (json)
             printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
-                   "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d}\n", peers, bytes, direct, acc,
+                   "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d", peers, bytes, direct, acc,
                    ratio, (acc - direct) * 1000.0, reps);
         else
             printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", bytes, peers, direct, acc, ratio,
                    (acc - direct) * 1000.0);
+        if (tracing) {
+            double us[NODE_STAGES + 1];
+
+            trace_medians(&trace, scratch, us);
+            print_trace(&trace, us, json);
+        }
+        if (json)
+            printf("}\n");
     }
     rpc_shutdown();
+out:
+    free(trace.ns);
+    free(scratch);
     return status;
 }

@@ -1,6 +1,8 @@
 /* src/accumulator/cohort.c: include/cohort.h. The trainer's tensors live
  * in one memfd laid out as [parameters | gradients | results | buffers |
- * view page], each region 64-byte aligned. cohort_connect() picks the link
+ * view page], each region 64-byte aligned, the gradients and the results
+ * each followed by TLINK_SPARE_BYTES for the node's counters.
+ * cohort_connect() picks the link
  * to the node that runs the rounds (link.h): a sidecar, to which the memfd
  * goes once, or a node in this process on the same memory. Every public
  * function below is the same for both. The questions (connected,
@@ -131,8 +133,10 @@ int cohort_create(const struct cohort_config *cfg, struct cohort **out)
     c->layout.params_bytes = align_up(pbytes);
     c->layout.grads_off = c->layout.params_bytes;
     c->layout.grad_count = c->numel;
-    c->layout.results_off = c->layout.grads_off + align_up(pbytes);
-    c->layout.buffers_off = c->layout.results_off + align_up(pbytes);
+    /* Room after the gradients and after the results, where the node
+     * carries a round's counters (tlink.h, TLINK_SPARE_BYTES). */
+    c->layout.results_off = c->layout.grads_off + align_up(pbytes) + TLINK_SPARE_BYTES;
+    c->layout.buffers_off = c->layout.results_off + align_up(pbytes) + TLINK_SPARE_BYTES;
     c->layout.buffers_bytes = (bbytes + 7) / 8 * 8;
     c->layout.shared_off = c->layout.buffers_off + align_up(bbytes) + ALIGN;
     c->layout.region_bytes = c->layout.shared_off + VIEWPAGE_BYTES;

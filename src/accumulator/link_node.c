@@ -133,6 +133,10 @@ int link_node_connect(const char *broker, const char *cohort, const char *id, co
         .grads = (char *)m->map + lay->grads_off, .grad_count = lay->grad_count,
         .grad_type = m->dtype, .results = (char *)m->map + lay->results_off,
         .buffers = (char *)m->map + lay->buffers_off, .buffers_bytes = lay->buffers_bytes,
+        .grads_spare = tlink_spare_after(lay, lay->grads_off + lay->grad_count *
+                                                                   dtype_size(m->dtype)),
+        .results_spare = tlink_spare_after(lay, lay->results_off + lay->grad_count *
+                                                                       dtype_size(m->dtype)),
     };
     struct inproc *p;
     int rc;

@@ -42,6 +42,36 @@
  * fused only while the previous round of the epoch committed at its first
  * step. Every member sees the same counts, so all decide alike.
  *
+ * Counters in the spare bytes: when the trainer's memory has room after
+ * the gradients and after the results (node_tensors.grads_spare and
+ * results_spare; cohort.c leaves TLINK_SPARE_BYTES), a round can cost one
+ * all-reduce beyond FUSE_MAX too, with no copy. The counters go into the spare
+ * bytes behind the gradients (or behind the round's slot, which the node
+ * allocates with room), as tally digits for m x m members multiplied by
+ * m, and the step is the gradient step itself, out of place into the
+ * results and their spare bytes, AVG_BY m: each digit comes back as the
+ * exact sum of the members' digits (the sum of m x d stays inside the
+ * type's exact range, and dividing a multiple of m by m is exact). When
+ * every member contributed once (contributions = m) the results are the
+ * bytes a gradient step AVG_BY the contributions gives, and the round
+ * commits; when the batch is short the result is thrown away, as a count
+ * step's would be; otherwise the counts are known and the gradient step
+ * runs as after a count step. Such a step is taken only when the
+ * previous round of the epoch committed at its first step with one
+ * contribution from each member, every member said it has the room
+ * (the ninth counter) and the members agreed on no compression, so it
+ * is rarely wasted; the first round of an epoch counts. A compression
+ * the members start to agree on applies from the round in which they
+ * do, as it would after a count step: when the spare step's votes agree
+ * on one for gradients that are compressed (float32, over FUSE_MAX), its
+ * sum is thrown away and the compressed gradient step runs. Only float32 and
+ * float64 gradients carry them, and only while m <= SPARE_MEMBERS_MAX
+ * (tally.h gives the digits), and only where the digits add no exchange
+ * to the all-reduce (allreduce_same_exchanges: a buffer whose ring chunks
+ * are whole segments, such as 1 MiB on 2 members, would gain a short
+ * segment at every step, which costs more than the count step saves).
+ * Every member sees the same counts, so all decide alike.
+ *
  * Compression: a gradient step may carry its payload encoded (a codec,
  * engine/codec.h: fp16, bf16 or int8 on the wire, float32 accumulation).
  * Every member must make the same call, so the codec is agreed, not
@@ -106,9 +136,12 @@
 #define PARALLEL_MAX NODE_PARALLEL_MAX
 #define ADD_CHUNK 4096                  /* elements widened at a time */
 #define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
-#define COUNTERS 8                      /* batch, contributions, skips, vbs,
+#define COUNTERS 9                      /* batch, contributions, skips, vbs,
                                          * method, method squared, parameter,
-                                         * parameter squared */
+                                         * parameter squared, able to carry them
+                                         * in the spare bytes (1 or 0) */
+#define SPARE_NEED (COUNTERS * TALLY_DIGITS_MAX * sizeof(uint64_t))  /* at most */
+#define SPARE_MEMBERS_MAX 4095u         /* m * m must fit the tally's uint32_t */
 
 enum phase { PH_WAIT_EPOCH, PH_SYNC, PH_RUN };
 
@@ -172,6 +205,8 @@ struct node {
     void *fuse_in, *fuse_out;   /* [gradients | counter digits]; NULL: never fused */
     int h_fuse_in, h_fuse_out;
     bool fuse_next;             /* node thread: the next step is fused */
+    bool spare_next;            /* node thread: the next step carries the counters in
+                                 * the spare bytes (see "Counters in the spare bytes") */
     struct compress compression;    /* under lock: what this member asks for */
     bool codec_split_logged;    /* node thread: members disagree, said once */
     /* Node thread: the error-feedback reducers (see "Top-k and PowerSGD"),
@@ -211,12 +246,51 @@ struct node {
     struct node_checkpoints ckpt_info;
     struct node_view last_view; /* as last published */
     bool published;
+    /* The round being traced (cfg.trace): when its contribution arrived
+     * (0: taken by a step), when its result was published and consumed,
+     * the node thread's last lap, and the stages so far. */
+    struct {
+        uint64_t contributed, published, consumed, lap;
+        uint64_t ns[NODE_STAGES];
+    } tr;
 };
 
 static void view_locked(const struct node *n, struct node_view *v);
 static void publish_locked(struct node *n);
 static void checkpoint_due_locked(struct node *n);
 static void reducers_reset(struct node *n);
+
+const char *node_stage_name(enum node_stage s)
+{
+    static const char *const names[NODE_STAGES] = {
+        [NODE_STAGE_WAKE] = "wake",         [NODE_STAGE_COUNT] = "count",
+        [NODE_STAGE_COPY_IN] = "copy-in",   [NODE_STAGE_ENGINE] = "engine",
+        [NODE_STAGE_COPY_OUT] = "copy-out", [NODE_STAGE_COMMIT] = "commit",
+        [NODE_STAGE_APPLY] = "apply",       [NODE_STAGE_NEXT] = "next",
+    };
+    return (unsigned)s < NODE_STAGES ? names[s] : "?";
+}
+
+/* Nanoseconds for the trace; read only when one is kept. */
+static uint64_t trace_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Node thread: the time since the last lap goes to stage s. */
+static void trace_lap(struct node *n, enum node_stage s)
+{
+    uint64_t now;
+
+    if (!n->cfg.trace)
+        return;
+    now = trace_ns();
+    n->tr.ns[s] += now - n->tr.lap;
+    n->tr.lap = now;
+}
 
 /* Wakes the node's threads and republishes the view: the state changed. */
 static void changed_locked(struct node *n)
@@ -862,7 +936,7 @@ static int gradient_step(struct node *n, bool slots, uint64_t grads, const struc
         struct slot *sl = &n->slots[n->round_slot];
 
         if (sl->h < 0)
-            sl->h = allreduce_register(n->ar, sl->buf, bytes);
+            sl->h = allreduce_register(n->ar, sl->buf, bytes + SPARE_NEED);
         if (sl->h < 0)
             return sl->h;
         src = sl->h;
@@ -929,24 +1003,95 @@ static int fused_step(struct node *n, bool slots, uint64_t *c)
     else
         memset(n->fuse_in, 0, bytes);
     tally_encode(n->t.grad_type, m, c, COUNTERS, (char *)n->fuse_in + bytes);
+    trace_lap(n, NODE_STAGE_COPY_IN);
     rc = allreduce_run_into(n->ar, n->h_fuse_in, n->h_fuse_out,
                             n->t.grad_count + COUNTERS * tally_digits(n->t.grad_type, m),
                             n->t.grad_type, DTYPE_SUM, 0, round_of(n));
+    trace_lap(n, NODE_STAGE_ENGINE);
     if (rc < 0)
         return rc;
     tally_decode(n->t.grad_type, m, (char *)n->fuse_out + bytes, c, COUNTERS);
     return 0;
 }
 
+/* Digits per counter in the spare bytes with m members; 0 when this
+ * member has no room for them (see "Counters in the spare bytes"). */
+static size_t spare_digits(const struct node *n, uint32_t m)
+{
+    enum dtype t = n->t.grad_type;
+    size_t per;
+
+    if ((t != DTYPE_F32 && t != DTYPE_F64) || m == 0 || m > SPARE_MEMBERS_MAX)
+        return 0;
+    per = tally_digits(t, m * m);
+    if (per == 0 || COUNTERS * per * dtype_size(t) > n->t.grads_spare ||
+        COUNTERS * per * dtype_size(t) > n->t.results_spare)
+        return 0;
+    /* Where the digits would add a short ring segment to every step (a
+     * buffer of whole segments, such as 1 MiB), the count step costs
+     * less. */
+    if (!allreduce_same_exchanges(n->ar, m, n->t.grad_count, COUNTERS * per, t))
+        return 0;
+    return per;
+}
+
+/* The count step and the gradient step in one AVG_BY m, the counters in
+ * the spare bytes (see "Counters in the spare bytes"): c[] in, this
+ * member's counters; out, the cohort's. The results region holds the
+ * gradients' sum divided by m. */
+static int spare_step(struct node *n, bool slots, uint64_t *c, uint32_t m, size_t per)
+{
+    size_t bytes = grad_bytes(n), k = COUNTERS * per;
+    void *g = round_grads(n, slots);
+    char *tail;
+    int src, rc;
+
+    if (!g) {
+        /* In place over zeros: the results region is free until commit. */
+        memset(n->t.results, 0, bytes);
+        src = n->h_results;
+        tail = (char *)n->t.results + bytes;
+    } else if (n->round_slot >= 0) {
+        struct slot *sl = &n->slots[n->round_slot];
+
+        if (sl->h < 0)
+            sl->h = allreduce_register(n->ar, sl->buf, bytes + SPARE_NEED);
+        if (sl->h < 0)
+            return sl->h;
+        src = sl->h;
+        tail = (char *)sl->buf + bytes;
+    } else {
+        src = n->h_grads;
+        tail = (char *)n->t.grads + bytes;
+    }
+    tally_encode(n->t.grad_type, m * m, c, COUNTERS, tail);
+    /* Digits below 2^(E - bits(m * m)) times m: still exact integers. */
+    for (size_t i = 0; i < k; i++) {
+        if (n->t.grad_type == DTYPE_F32)
+            ((float *)(void *)tail)[i] *= (float)m;
+        else
+            ((double *)(void *)tail)[i] *= (double)m;
+    }
+    trace_lap(n, NODE_STAGE_COPY_IN);
+    rc = allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count + k, n->t.grad_type,
+                            DTYPE_AVG_BY, (double)m, round_of(n));
+    trace_lap(n, NODE_STAGE_ENGINE);
+    if (rc < 0)
+        return rc;
+    tally_decode(n->t.grad_type, m * m, (char *)n->t.results + bytes, c, COUNTERS);
+    return 0;
+}
+
 /* Count step, then the gradient step if the batch is complete; or both at
- * once (fused_step). */
+ * once (fused_step, spare_step). */
 static int run_step(struct node *n)
 {
-    uint64_t c[COUNTERS], batch, grads, skips, vbs;
+    uint64_t c[COUNTERS], batch, grads, skips, vbs, method;
     struct compress mine, agreed;
-    size_t bytes = grad_bytes(n);
+    size_t bytes = grad_bytes(n), per;
+    uint32_t m;
     int rc;
-    bool take, slots, fused;
+    bool take, slots, fused, spare, done;
 
     pthread_mutex_lock(&n->lock);
     take = !n->contributed;
@@ -957,6 +1102,12 @@ static int run_step(struct node *n)
      * that ran in a round that then failed is not this round's. */
     n->round_reducer = COMPRESS_NONE;
     pthread_mutex_lock(&n->lock);
+    if (n->cfg.trace) {
+        n->tr.lap = trace_ns();
+        if (n->tr.contributed)
+            n->tr.ns[NODE_STAGE_WAKE] += n->tr.lap - n->tr.contributed;
+        n->tr.contributed = 0;
+    }
     c[0] = n->acc_batch;
     c[1] = n->acc_grads;
     c[2] = n->acc_skips;
@@ -966,6 +1117,9 @@ static int run_step(struct node *n)
     c[5] = c[4] * c[4];
     c[6] = mine.param;
     c[7] = c[6] * c[6];
+    m = (uint32_t)n->cur->n_members;
+    per = spare_digits(n, m);
+    c[8] = per > 0;
     /* From here the others may finish this round without us (we miss its
      * result): if they do, these contributions are in it (sync_epoch). */
     n->acc_epoch = n->cur_id;
@@ -973,8 +1127,12 @@ static int run_step(struct node *n)
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
-    fused = n->fuse_next && n->fuse_in && tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
-    if (fused) {
+    spare = n->spare_next && per > 0;
+    fused = !spare && n->fuse_next && n->fuse_in &&
+            tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
+    if (spare) {
+        rc = spare_step(n, slots, c, m, per);
+    } else if (fused) {
         rc = fused_step(n, slots, c);
     } else {
         for (int i = 0; i < COUNTERS; i++)
@@ -982,6 +1140,7 @@ static int run_step(struct node *n)
         rc = small_reduce(n, COUNTERS, DTYPE_SUM);
         for (int i = 0; i < COUNTERS; i++)
             c[i] = (uint64_t)n->small[i];
+        trace_lap(n, NODE_STAGE_COUNT);
     }
     if (rc < 0)
         return rc;
@@ -999,6 +1158,7 @@ static int run_step(struct node *n)
         /* Not enough yet: everyone contributes again. */
         n->contributed = false;
         n->fuse_next = false;
+        n->spare_next = false;
         pthread_mutex_unlock(&n->lock);
         return 0;
     }
@@ -1006,12 +1166,25 @@ static int run_step(struct node *n)
     /* The trainer writes no gradient and reads no result meanwhile: it has
      * contributed (or its contribution is in a slot), and the last result
      * was consumed. */
+    /* A spare step divided by m: the round's result when m contributions
+     * made it, as AVG_BY the contributions would give; unless the votes
+     * it carried agree on a compression for gradients that take one:
+     * that applies from this round, as after a count step, so the sum is
+     * thrown away for the compressed gradient step. */
+    done = false;
+    if (spare && grads == m) {
+        agreed = agreed_compress(n, c, &mine);
+        done = agreed.method == COMPRESS_NONE || n->t.grad_type != DTYPE_F32 || bytes <= FUSE_MAX;
+    }
     if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
-    } else if (grads > 0) {
+        trace_lap(n, NODE_STAGE_COPY_OUT);
+    } else if (grads > 0 && !done) {
         agreed = agreed_compress(n, c, &mine);
-        if ((rc = gradient_step(n, slots, grads, &agreed)) < 0)
+        rc = gradient_step(n, slots, grads, &agreed);
+        trace_lap(n, NODE_STAGE_ENGINE);
+        if (rc < 0)
             return rc;
     }
     /* Every buffer_sync_rounds commits of this epoch, the leader's buffers
@@ -1047,6 +1220,11 @@ static int run_step(struct node *n)
     lineage_commit(&n->lineage, epoch_moved_locked(n) ? LINEAGE_UNSURE : n->cur_id, n->version);
     n->epoch_commits++;
     n->fuse_next = n->round_counts == 1;
+    /* Members that all have room, agreed on no compression, and a round
+     * of one contribution each, committed at its first step: the next
+     * is likely the same. */
+    n->spare_next = n->round_counts == 1 && grads == m && c[8] == m &&
+                    all_equal(m, c[4], c[5], &method) && method == COMPRESS_NONE;
     n->round_counts = 0;
     n->has_gradients = true;
     n->contributed = false;
@@ -1061,6 +1239,12 @@ static int run_step(struct node *n)
     n->stats.num_skipped = skips;
     n->stats.rounds_committed++;
     checkpoint_due_locked(n);
+    /* Stamped before the view goes out: the trainer it wakes may take
+     * this thread's core at once, and that time is the trainer's. */
+    if (n->cfg.trace) {
+        trace_lap(n, NODE_STAGE_COMMIT);
+        n->tr.published = n->tr.lap;
+    }
     changed_locked(n);
     pthread_mutex_unlock(&n->lock);
     return 0;
@@ -1115,6 +1299,7 @@ static void adopt_epoch_locked(struct node *n)
     n->step = 0;
     n->epoch_commits = 0;
     n->fuse_next = true;
+    n->spare_next = false;
     n->round_counts = 0;
     n->my_index = epoch_find(n->cur, n->id);
     n->phase = n->my_index >= 0 ? PH_SYNC : PH_WAIT_EPOCH;
@@ -1404,8 +1589,8 @@ int node_register(struct node *n, const struct node_tensors *t)
     }
     n->t = *t;
     memset(t->grads, 0, gbytes);
-    n->h_grads = allreduce_register(n->ar, t->grads, gbytes);
-    n->h_results = allreduce_register(n->ar, t->results, gbytes);
+    n->h_grads = allreduce_register(n->ar, t->grads, gbytes + t->grads_spare);
+    n->h_results = allreduce_register(n->ar, t->results, gbytes + t->results_spare);
     n->h_params = allreduce_register(n->ar, t->params, t->params_bytes);
     n->h_buffers = allreduce_register(n->ar, t->buffers, t->buffers_bytes);
     n->h_buf_scratch = allreduce_register(n->ar, n->buf_scratch, t->buffers_bytes);
@@ -1508,7 +1693,8 @@ static int contribute_to_slot(struct node *n, uint64_t batch_size)
     pthread_mutex_unlock(&n->lock);
     if (batch_size > 0) {
         if (!n->slots[s].buf)
-            n->slots[s].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+            /* With room for the counters (spare_step). */
+            n->slots[s].buf = aligned_alloc(64, (bytes + SPARE_NEED + 63) / 64 * 64);
         if (n->slots[s].buf) {
             memcpy(n->slots[s].buf, n->t.grads, bytes);
             memset(n->t.grads, 0, bytes);
@@ -1526,6 +1712,23 @@ static int contribute_to_slot(struct node *n, uint64_t batch_size)
     n->q_len++;
     changed_locked(n);
     return 0;
+}
+
+/* A contribution arrived: the traced round before it is complete (its
+ * result was consumed) and becomes a row. Lock held. */
+static void trace_contributed_locked(struct node *n)
+{
+    struct node_trace *t = n->cfg.trace;
+    uint64_t now = trace_ns();
+
+    if (n->tr.published && n->tr.consumed) {
+        n->tr.ns[NODE_STAGE_NEXT] = now - n->tr.consumed;
+        if (t->rounds < t->cap)
+            memcpy(t->ns[t->rounds++], n->tr.ns, sizeof(n->tr.ns));
+        memset(n->tr.ns, 0, sizeof(n->tr.ns));
+        n->tr.published = n->tr.consumed = 0;
+    }
+    n->tr.contributed = now;
 }
 
 int node_contribute(struct node *n, uint64_t batch_size)
@@ -1558,6 +1761,8 @@ int node_contribute(struct node *n, uint64_t batch_size)
         rc = -EAGAIN;
     else if (!n->has_state || n->contributed || n->has_gradients)
         rc = -EPERM;
+    if (rc == 0 && n->cfg.trace)
+        trace_contributed_locked(n);
     if (rc == 0) {
         if (batch_size > 0) {
             n->acc_batch += batch_size;
@@ -1582,6 +1787,10 @@ int node_consume(struct node *n, uint64_t round)
     } else if (round != n->stats.rounds_committed) {
         rc = -ESTALE;
     } else {
+        if (n->cfg.trace && n->tr.published) {
+            n->tr.consumed = trace_ns();
+            n->tr.ns[NODE_STAGE_APPLY] = n->tr.consumed - n->tr.published;
+        }
         n->has_gradients = false;
         /* The node thread waits for a consume only to sync, or to reduce
          * a contribution it holds; in a plain round it has nothing to do. */

@@ -11,7 +11,9 @@
  * contributions, number of skips). When the summed batch size reaches the
  * virtual batch size, a gradient step all-reduces the gradient buffers
  * and divides the sum by the number of contributions (moolib's rule: the
- * mean over reduce_gradients calls, not over samples). Every member that
+ * mean over reduce_gradients calls, not over samples). Small gradients,
+ * and any gradients with spare bytes after them while each member
+ * contributes once a round, take both steps in one all-reduce (node.c). Every member that
  * completes the gradient step commits: the result is in its gradient
  * buffer, has_gradients is true, and its model version is one higher.
  *
@@ -76,6 +78,39 @@ struct node;
 
 struct node_view;
 
+/* The stages of a committed round, for a trace (node_config.trace): where
+ * the time between two contributions goes. Nanoseconds on CLOCK_MONOTONIC.
+ * The trainer's own share shows as APPLY and NEXT, measured from the
+ * node's side: with a sidecar, APPLY is the trainer's wakeup, its zeroing
+ * and its one-way consume reaching the sidecar; NEXT its loop and the
+ * contribution's call. */
+enum node_stage {
+    NODE_STAGE_WAKE,            /* contribution taken to the node thread's step */
+    NODE_STAGE_COUNT,           /* count steps (all-reduces of the counters) */
+    NODE_STAGE_COPY_IN,         /* fused: gradients and counters into its buffer;
+                                 * spare bytes: the counters into them */
+    NODE_STAGE_ENGINE,          /* the gradient (or fused) all-reduce */
+    NODE_STAGE_COPY_OUT,        /* fused: the sum into the results, divided */
+    NODE_STAGE_COMMIT,          /* buffers' sync and commit, up to the publication */
+    NODE_STAGE_APPLY,           /* the view's publication to the trainer's consume */
+    NODE_STAGE_NEXT,            /* consume to the next contribution */
+    NODE_STAGES
+};
+
+/* A trace's rows, one per committed round in order, kept when the next
+ * contribution arrives (so the last round has none); rounds beyond `cap`
+ * are not kept. Only rounds with one contribution outstanding (parallel
+ * gradients 1) are traced. Written under the node's lock and on its
+ * thread: read it after node_stop(). */
+struct node_trace {
+    uint64_t (*ns)[NODE_STAGES];    /* cap rows, the caller's */
+    size_t cap;
+    size_t rounds;                  /* rows filled */
+};
+/* The stage's name as the benchmark prints it ("wake", "count", ...):
+ * static, never freed; "?" for a value out of range. */
+const char *node_stage_name(enum node_stage s);
+
 /* The engine's all-reduce algorithm (spec.reduction.algorithm). AUTO:
  * recursive doubling up to the engine's measured threshold (256 KiB on the
  * wire), the ring beyond; RING: the ring for every all-reduce; DOUBLING:
@@ -128,6 +163,9 @@ struct node_config {
      * into the node. May be NULL. */
     void (*on_view)(void *arg, const struct node_view *v);
     void *view_arg;             /* borrowed */
+    /* Per-stage times of each round (see node_stage), borrowed until
+     * node_stop(); NULL: none taken, and no clock is read for it. */
+    struct node_trace *trace;
 };
 
 /* Tensors the trainer registers once. Memory is borrowed and must stay
@@ -144,6 +182,13 @@ struct node_tensors {
     void *results;              /* grad_count elements: committed results land here */
     void *buffers;
     size_t buffers_bytes;
+    /* Bytes right after the gradients, and right after the results, that
+     * belong to no other tensor: the node may write there. With room for
+     * a round's counters in both (float32 or float64 gradients), a round
+     * in which each member contributes once costs one all-reduce with no
+     * copy wherever the counters add no exchange to it (node.c, "Counters
+     * in the spare bytes"). 0: none. */
+    size_t grads_spare, results_spare;
 };
 
 /* Starts the node's thread; it joins the cohort and follows its epochs

@@ -237,3 +237,32 @@ int tlink_memfd_read(int fd, size_t cap, void **data, size_t *len)
     *len = n;
     return 0;
 }
+
+uint64_t tlink_spare_after(const struct tlink_register *r, uint64_t end)
+{
+    uint64_t gbytes = r->grad_count * dtype_size((enum dtype)r->grad_dtype);
+    struct {
+        uint64_t off, len;
+    } regions[] = {
+        { r->params_off, r->params_bytes }, { r->grads_off, gbytes },
+        { r->results_off, gbytes },         { r->buffers_off, r->buffers_bytes },
+        /* The view page comes after every tensor (checked), so only where
+         * it starts matters here. */
+        { r->shared_off, 1 },
+    };
+    uint64_t next = r->region_bytes;
+
+    if (end > r->region_bytes)
+        return 0;
+    for (size_t i = 0; i < sizeof(regions) / sizeof(regions[0]); i++) {
+        if (regions[i].len == 0)
+            continue;
+        if (regions[i].off >= end) {
+            if (regions[i].off < next)
+                next = regions[i].off;
+        } else if (regions[i].off + regions[i].len > end) {
+            return 0;
+        }
+    }
+    return next - end;
+}

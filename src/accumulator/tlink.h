@@ -132,6 +132,17 @@ bool tlink_one_way(uint16_t type);
 int tlink_send(int sock, uint16_t type, int32_t status, const void *body, uint32_t len,
                const int *fds, int nfds);
 
+/* The bytes cohort_create() leaves free after the gradients and after the
+ * results, where the node carries a round's counters (node.h,
+ * node_tensors.grads_spare). */
+#define TLINK_SPARE_BYTES 4096
+
+/* The bytes after `end` up to the next region of `r` (the view page and
+ * the end of the memfd included): 0 when a region spans `end`. Read from
+ * a checked layout (trainerd_check_layout), so the bytes belong to no
+ * tensor, and a layout without room simply gets none. */
+uint64_t tlink_spare_after(const struct tlink_register *r, uint64_t end);
+
 /* How long a side polls for the other's next message before it sleeps. */
 #define TLINK_SPIN_US 50
 

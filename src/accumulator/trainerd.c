@@ -216,6 +216,7 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
 {
     struct node_config nc = t->ncfg;
     struct node_tensors nt;
+    uint64_t gbytes;
     int rc;
 
     if (s->node)
@@ -226,6 +227,7 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     rc = gpu_precheck(t, r, devfd);
     if (rc < 0)
         return rc;
+    gbytes = r->grad_count * dtype_size((enum dtype)r->grad_dtype);
     s->map = mmap(NULL, r->region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (s->map == MAP_FAILED) {
         s->map = NULL;
@@ -259,6 +261,8 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
         .grads = (char *)s->map + r->grads_off, .grad_count = r->grad_count,
         .results = (char *)s->map + r->results_off, .grad_type = (enum dtype)r->grad_dtype,
         .buffers = (char *)s->map + r->buffers_off, .buffers_bytes = r->buffers_bytes,
+        .grads_spare = tlink_spare_after(r, r->grads_off + gbytes),
+        .results_spare = tlink_spare_after(r, r->results_off + gbytes),
     };
     rc = node_register(s->node, &nt);
     if (rc == 0)

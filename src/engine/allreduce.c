@@ -577,6 +577,32 @@ finish:
     return rc;
 }
 
+bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count, size_t extra,
+                              enum dtype type)
+{
+    size_t asz, seg;
+    bool small_a, small_b;
+
+    if (!a || !dtype_valid((int)type) || count > SIZE_MAX - extra)
+        return false;
+    if (n < 2 || extra == 0)
+        return true;
+    /* As choose_algorithm() decides, for an uncompressed call. */
+    asz = dtype_size(dtype_acc(type));
+    small_a = a->small_bytes != ALLREDUCE_SMALL_NONE && count <= a->small_bytes / asz;
+    small_b = a->small_bytes != ALLREDUCE_SMALL_NONE && count + extra <= a->small_bytes / asz;
+    if (small_a != small_b)
+        return false;
+    /* Recursive doubling sends the whole buffer once per step. 16-bit
+     * types run the ring with shorter windows: not counted here. */
+    if (small_a)
+        return true;
+    if (dtype_is_16bit_float(type))
+        return false;
+    seg = a->seg_bytes / asz;
+    return ring_segments(n, count, seg) == ring_segments(n, count + extra, seg);
+}
+
 size_t allreduce_members(struct allreduce *a)
 {
     size_t n = 0;

@@ -197,4 +197,13 @@ size_t allreduce_members(struct allreduce *a);
 /* True while a run is in flight (for status and tests). */
 bool allreduce_busy(const struct allreduce *a);
 
+/* Whether an uncompressed all-reduce of count + extra elements of `type`
+ * among n members makes as many exchanges as one of `count`: the same
+ * algorithm, and for the ring as many segments (a few elements appended
+ * to a buffer whose chunks are whole segments would add a short one to
+ * every step). For a caller that can carry a few values with a buffer or
+ * in a call of their own (the Accumulator's counters). */
+bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count, size_t extra,
+                              enum dtype type);
+
 #endif

@@ -108,6 +108,22 @@ static size_t chunk_start(size_t total, size_t n, size_t c)
     return c * q + (c < r ? c : r);
 }
 
+size_t ring_segments(size_t n, size_t count, size_t seg)
+{
+    size_t win = n * seg * (n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS), total = 0;
+
+    for (size_t ws = 0; ws < count; ws += win) {
+        size_t wl = count - ws < win ? count - ws : win;
+
+        for (size_t c = 0; c < n; c++) {
+            size_t cl = chunk_start(wl, n, c + 1) - chunk_start(wl, n, c);
+
+            total += (cl + seg - 1) / seg;
+        }
+    }
+    return total;
+}
+
 /* Settles k on the next existing unit at or after its position. Sends at
  * step t move chunk (me - t), receives chunk (me - t - 1) (shift 1). */
 static void cursor_settle(const struct run *x, const struct ring *g, struct cursor *k,

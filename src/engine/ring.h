@@ -19,4 +19,11 @@ size_t ring_needs(size_t n, size_t me, size_t *need);
  * (see conn.h), -ESTALE, or -EIO if the schedule ever stalled. */
 int ring_run(struct run *x);
 
+/* The segments each chunk of a ring all-reduce of `count` elements among
+ * n members (n >= 2) is cut into, summed over chunks and windows, with
+ * `seg` elements a segment and plain (not 16-bit, not coded) elements:
+ * what one member sends per step, summed. Equal for two counts, a call
+ * makes as many exchanges with either. */
+size_t ring_segments(size_t n, size_t count, size_t seg);
+
 #endif

@@ -32,6 +32,36 @@ def test_bench_accumulator_reports_each_size():
         assert r["engine_ms"] > 0 and r["accumulator_ms"] > 0 and r["ratio"] > 0
 
 
+def test_bench_accumulator_traces_its_stages():
+    """--trace: each stage's median over the timed rounds of every
+    repetition (warm-up rounds dropped), and a table line per size."""
+    rc, out, err = cohortctl("bench", "accumulator", "--peers", "2", "--bytes", "4K,500K,512K",
+                             "--reps", "2", "--rounds", "4", "--trace", "-o", "json")
+    assert rc == 0, err[-4000:]
+    rows = json_lines(out)
+    stages = ["wake", "count", "copy-in", "engine", "copy-out", "commit", "apply", "next"]
+    for r in rows:
+        t = r["trace_us"]
+        assert list(t) == stages + ["round"]
+        # Rounds 4 of each repetition: the last has no row (no contribution
+        # follows it); a round that straddles an epoch change is retried.
+        assert 2 <= r["trace_rounds"] <= 2 * 4
+        assert t["engine"] > 0 and t["apply"] > 0 and t["next"] > 0
+        assert t["round"] >= t["engine"]
+    # A trainer's memory has room for the counters after its gradients and
+    # results: once each member contributes once a round, a round is one
+    # all-reduce, with no count step and no copy out...
+    for r in rows[:2]:
+        assert r["trace_us"]["count"] == 0 and r["trace_us"]["copy-out"] == 0
+    # ...unless the counters would add a short ring segment to each step:
+    # 512 KiB on 2 members is one whole 256 KiB segment per chunk.
+    assert rows[2]["trace_us"]["count"] > 0 and rows[2]["trace_us"]["copy-out"] == 0
+    rc, out, err = cohortctl("bench", "accumulator", "--peers", "2", "--bytes", "4K",
+                             "--reps", "1", "--rounds", "3", "--trace")
+    assert rc == 0, err[-4000:]
+    assert "trace, median us over" in out and " engine " in out
+
+
 def test_bench_allreduce_reports_each_size():
     rc, out, err = cohortctl("bench", "allreduce", "--peers", "2", "--bytes", "4K",
                              "--bytes", "8KB", "--iters", "3", "--warmup", "2", "-o", "json")

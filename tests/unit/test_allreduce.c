@@ -1980,3 +1980,36 @@ Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
         cluster_fini(&c);
     }
 }
+
+/* A few elements appended to a buffer cost no exchange unless they add a
+ * ring segment (or change the algorithm): 1 MiB of float32 on 2 members
+ * is two whole 256 KiB segments per chunk, so 36 more
+ * elements add a short segment to each chunk; 1,000,000 bytes already end
+ * in a short one. */
+Test(allreduce, same_exchanges_counts_ring_segments)
+{
+    struct allreduce_config c = { .cohort = "c", .member_id = "m" };
+    struct allreduce *a;
+    char addr[64];
+    int fd;
+
+    cr_assert_eq(allreduce_listen("127.0.0.1", &fd, addr, sizeof(addr)), 0);
+    c.listen_fd = fd;
+    cr_assert_eq(allreduce_create(&c, &a), 0);
+    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 250000, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 4, 250000, 36, DTYPE_F32));
+    /* 64 MiB: a last window of 36 elements. */
+    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32));
+    /* Recursive doubling (up to 256 KiB): one exchange a step, whatever
+     * the length; but not across the switch to the ring. */
+    cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 16384, 36, DTYPE_F64));
+    /* Alone, or nothing appended: nothing changes. */
+    cr_assert(allreduce_same_exchanges(a, 1, 262144, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 0, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 36, (enum dtype)99));
+    allreduce_destroy(a);
+    close(fd);
+}

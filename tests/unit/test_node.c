@@ -33,6 +33,13 @@ static const char *ckpt_dir;
 /* Trainers started while this is set start with a budget of 0
  * contributions (trainer.budget), so a test places each one. */
 static bool start_held;
+/* The trainer started while this is set (w-0) keeps its trace there. */
+static struct node_trace *trace_next;
+/* Trainers started while spare[index] is set give the node room after
+ * their gradients and results (node_tensors.grads_spare), as cohort.c
+ * does; the others give none. */
+static bool spare[MAXN];
+#define SPARE_FLOATS 1024               /* TLINK_SPARE_BYTES */
 #define VERSIONS 64             /* results recorded per trainer, by version */
 
 /* The fixture's broker with a startup hold: the trainers a test starts
@@ -58,8 +65,8 @@ struct trainer {
     int index;
     struct node *n;
     _Alignas(64) float params[P + 1];   /* padded to a multiple of 8 bytes */
-    _Alignas(64) float grads[P];
-    _Alignas(64) float results[P];
+    _Alignas(64) float grads[P + SPARE_FLOATS];     /* P, then room for the node */
+    _Alignas(64) float results[P + SPARE_FLOATS];
     _Alignas(64) double buffers[2];
     uint64_t target;                    /* stop at this model version */
     uint32_t together;                  /* members to wait for before training */
@@ -189,7 +196,8 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
                              .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5,
                              .checkpoint_dir = ckpt_dir,
-                             .checkpoint_every_versions = ckpt_dir ? CKPT_EVERY : 0 };
+                             .checkpoint_every_versions = ckpt_dir ? CKPT_EVERY : 0,
+                             .trace = index == 0 ? trace_next : NULL };
     struct node_tensors t;
     char id[16];
 
@@ -207,7 +215,9 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
     t = (struct node_tensors){ .params = tr->params, .params_bytes = sizeof(tr->params),
                                .grads = tr->grads, .grad_count = P, .grad_type = DTYPE_F32,
                                .results = tr->results,
-                               .buffers = tr->buffers, .buffers_bytes = sizeof(tr->buffers) };
+                               .buffers = tr->buffers, .buffers_bytes = sizeof(tr->buffers),
+                               .grads_spare = spare[index] ? SPARE_FLOATS * sizeof(float) : 0,
+                               .results_spare = spare[index] ? SPARE_FLOATS * sizeof(float) : 0 };
     cr_assert_eq(node_register(tr->n, &t), 0);
     cr_assert_eq(node_register(tr->n, &t), -EBUSY);
     pthread_create(&tr->t, NULL, trainer_main, tr);
@@ -291,6 +301,68 @@ Test(node, virtual_batch_spans_several_contributions)
     trainers_stop(trs, 2);
 }
 
+/* The trace (node_config.trace) has a row per committed round but the
+ * last, with the stages of the round's kind: a fused round has no count
+ * step; rounds of several contributions each have count steps and an
+ * unfused gradient step. The times are real ones: each round's stages
+ * together fit inside the test's own time. */
+static void traced_rounds(uint64_t vbs, bool fused)
+{
+    static struct trainer trs[2];
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
+    uint64_t t0 = clock_now_us(), took_ns;
+    struct node_view v;
+    size_t tried_fused = 0;
+
+    memset(rows, 0, sizeof(rows));
+    trace_next = &trace;
+    trainers_start(trs, 2, 12, vbs);
+    trace_next = NULL;
+    trainers_join(trs, 2);
+    node_view(trs[0].n, &v);
+    trainers_stop(trs, 2);
+    took_ns = (clock_now_us() - t0) * 1000;
+    /* w-0 trains on from its first result; the rows are those of rounds
+     * followed by another contribution. */
+    cr_assert_geq(trace.rounds, 10, "%zu rows", trace.rounds);
+    cr_assert_leq(trace.rounds, 11, "%zu rows", trace.rounds);
+    for (size_t r = 0; r < trace.rounds; r++) {
+        uint64_t sum = 0;
+
+        for (int s = 0; s < NODE_STAGES; s++)
+            sum += rows[r][s];
+        cr_assert_gt(rows[r][NODE_STAGE_ENGINE], 0, "round %zu", r);
+        cr_assert_gt(rows[r][NODE_STAGE_APPLY], 0, "round %zu", r);
+        cr_assert_gt(rows[r][NODE_STAGE_NEXT], 0, "round %zu", r);
+        cr_assert_lt(sum, took_ns, "round %zu: %llu ns of %llu", r, (unsigned long long)sum,
+                     (unsigned long long)took_ns);
+        if (fused) {
+            cr_assert_eq(rows[r][NODE_STAGE_COUNT], 0, "round %zu", r);
+            cr_assert_gt(rows[r][NODE_STAGE_COPY_IN], 0, "round %zu", r);
+        } else {
+            cr_assert_gt(rows[r][NODE_STAGE_COUNT], 0, "round %zu", r);
+            cr_assert_eq(rows[r][NODE_STAGE_COPY_OUT], 0, "round %zu", r);
+            /* The first round of an epoch tries a fused step, whose sum
+             * is thrown away when the batch is short. */
+            tried_fused += rows[r][NODE_STAGE_COPY_IN] > 0;
+        }
+    }
+    cr_assert_leq(tried_fused, v.epochs_seen);
+    cr_assert_str_eq(node_stage_name(NODE_STAGE_COUNT), "count");
+    cr_assert_str_eq(node_stage_name(NODE_STAGES), "?");
+}
+
+Test(node, trace_has_the_stages_of_fused_rounds)
+{
+    traced_rounds(2, true);             /* one contribution each: every round fused */
+}
+
+Test(node, trace_has_the_stages_of_counted_rounds)
+{
+    traced_rounds(6, false);            /* three each: count steps, then the gradients */
+}
+
 static bool reached_version_10(void *node)
 {
     struct node_view v;
@@ -299,13 +371,85 @@ static bool reached_version_10(void *node)
     return v.model_version >= 10;
 }
 
-Test(node, member_leaves_and_joiner_catches_up)
+/* Rounds with the counters in the spare bytes: after the epoch's first
+ * round, each is one all-reduce with no count step and no copy, and the
+ * results are exact. With room on one member only, none is taken. */
+static void spare_rounds(int with_room, uint64_t vbs)
+{
+    static struct trainer trs[3];
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
+    size_t one_step = 0;
+    struct node_view v;
+
+    memset(rows, 0, sizeof(rows));
+    for (int i = 0; i < 3; i++)
+        spare[i] = i < with_room;
+    trace_next = &trace;
+    trainers_start(trs, 3, 15, vbs);
+    trace_next = NULL;
+    memset(spare, 0, sizeof(spare));
+    trainers_join(trs, 3);
+    for (int i = 0; i < 3; i++) {
+        node_view(trs[i].n, &v);
+        cr_assert_eq(v.model_version, 15, "w-%d at %llu", i, (unsigned long long)v.model_version);
+        cr_assert_eq(trs[i].sum_check_failures, 0, "w-%d got a result that is no mean", i);
+        cr_assert_eq(memcmp(trs[i].params, trs[0].params, sizeof(trs[0].params)), 0,
+                     "w-%d's parameters differ from w-0's", i);
+        /* Each result exactly the mean of its contributions: 2.0 with
+         * one from each of 1, 2, 3 (vbs 3), or (1+1+2+2+3+3)/6 (vbs 6). */
+        for (uint64_t k = 2; k <= 15; k++)
+            cr_assert_eq(trs[i].result_at[k], 2.0f, "w-%d, version %llu: %f", i,
+                         (unsigned long long)k, trs[i].result_at[k]);
+    }
+    node_view(trs[0].n, &v);
+    trainers_stop(trs, 3);
+    /* The fused step copies its sum out; a spare step needs no copy and
+     * no count step. */
+    for (size_t r = 0; r < trace.rounds; r++)
+        one_step += rows[r][NODE_STAGE_COUNT] == 0 && rows[r][NODE_STAGE_COPY_OUT] == 0;
+    if (with_room == 3 && vbs == 3) {
+        /* All but the first round of each epoch. */
+        cr_assert_geq(trace.rounds, 13, "%zu rows", trace.rounds);
+        cr_assert_geq(one_step + v.epochs_seen, trace.rounds, "%zu of %zu rows, %llu epochs",
+                      one_step, trace.rounds, (unsigned long long)v.epochs_seen);
+    } else {
+        cr_assert_eq(one_step, 0, "%zu spare steps", one_step);
+    }
+}
+
+Test(node, spare_bytes_carry_the_counters_in_one_all_reduce)
+{
+    spare_rounds(3, 3);
+}
+
+Test(node, spare_bytes_on_one_member_only_are_not_used)
+{
+    spare_rounds(1, 3);
+}
+
+Test(node, spare_bytes_wait_for_a_round_of_one_contribution_each)
+{
+    spare_rounds(3, 6);
+}
+
+/* With room (spare bytes), rounds between the epoch changes carry their
+ * counters there, and a step aborted by the change is retried with a
+ * count step in the new epoch. */
+static void leave_and_join(bool with_room)
 {
     static struct trainer trs[4];
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
     struct node_view v;
     uint64_t epoch_before;
+    size_t one_step = 0;
 
+    for (int i = 0; i < 4; i++)
+        spare[i] = with_room;
+    trace_next = &trace;
     trainers_start(trs, 3, 40, 1);
+    trace_next = NULL;
     /* Let training run, then take w-1 away mid-run. */
     cr_assert(fixture_wait_until(reached_version_10, trs[0].n, 60000),
               "w-0 never reached model version 10");
@@ -316,6 +460,7 @@ Test(node, member_leaves_and_joiner_catches_up)
     node_stop(trs[1].n);
     /* A newcomer with other parameters joins and must catch up. */
     trainer_start(&trs[3], 3, 40, 3);
+    memset(spare, 0, sizeof(spare));
     node_set_virtual_batch_size(trs[3].n, 1);
     trainer_join(&trs[0]);
     trainer_join(&trs[2]);
@@ -342,6 +487,23 @@ Test(node, member_leaves_and_joiner_catches_up)
     for (int i = 0; i < 4; i++)
         if (i != 1)
             node_stop(trs[i].n);
+    /* w-0's rounds: one all-reduce and no copy only with room. */
+    for (size_t r = 0; r < trace.rounds; r++)
+        one_step += rows[r][NODE_STAGE_COUNT] == 0 && rows[r][NODE_STAGE_COPY_OUT] == 0;
+    if (with_room)
+        cr_assert_gt(one_step, trace.rounds / 2, "%zu of %zu", one_step, trace.rounds);
+    else
+        cr_assert_eq(one_step, 0, "%zu of %zu", one_step, trace.rounds);
+}
+
+Test(node, member_leaves_and_joiner_catches_up)
+{
+    leave_and_join(false);
+}
+
+Test(node, member_leaves_and_joiner_catches_up_with_counters_in_spare_bytes)
+{
+    leave_and_join(true);
 }
 
 Test(node, misuse_is_refused)

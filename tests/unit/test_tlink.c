@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "accumulator/tlink.h"
+#include "engine/dtype.h"
 
 /* The lowest descriptor number not in use: it moves if one leaked. */
 static int lowest_free_fd(void)
@@ -59,4 +60,36 @@ Test(tlink, an_empty_message_with_descriptors_leaves_none_open)
     close(sv[0]);
     cr_assert_eq(tlink_recv(sv[1], &h, body, sizeof(body), -1, got, &ngot, 1000), -ECONNRESET);
     close(sv[1]);
+}
+
+/* The spare bytes after the gradients and after the results are the gap
+ * up to the next region, the view page or the end of the memfd; a region
+ * that spans the end leaves none. */
+Test(tlink, spare_bytes_reach_the_next_region_and_no_further)
+{
+    struct tlink_register r = {
+        .mem = TL_MEM_HOST, .grad_dtype = DTYPE_F32, .grad_count = 16,
+        .params_off = 0, .params_bytes = 64,
+        .grads_off = 64,                /* 64 bytes, then 4096 spare */
+        .results_off = 64 + 64 + 4096,  /* 64 bytes, then 128 spare */
+        .buffers_off = 64 + 64 + 4096 + 64 + 128, .buffers_bytes = 8,
+        .shared_off = 8192, .region_bytes = 8192 + 4096,
+    };
+
+    cr_assert_eq(tlink_spare_after(&r, r.grads_off + 64), 4096);
+    cr_assert_eq(tlink_spare_after(&r, r.results_off + 64), 128);
+    /* Buffers end 8 bytes in; the view page starts after the gap. */
+    cr_assert_eq(tlink_spare_after(&r, r.buffers_off + 8), 8192 - (r.buffers_off + 8));
+    /* Inside the parameters: they span it. */
+    cr_assert_eq(tlink_spare_after(&r, 32), 0);
+    /* Past the memfd. */
+    cr_assert_eq(tlink_spare_after(&r, r.region_bytes + 1), 0);
+    /* Regions back to back: no room. */
+    r.results_off = 128;
+    r.buffers_off = 192;
+    cr_assert_eq(tlink_spare_after(&r, r.grads_off + 64), 0);
+    cr_assert_eq(tlink_spare_after(&r, r.results_off + 64), 0);
+    /* An empty region takes no room. */
+    r.buffers_bytes = 0;
+    cr_assert_eq(tlink_spare_after(&r, r.results_off + 64), 8192 - 192);
 }
