@@ -194,6 +194,8 @@ struct broker_beat {
 struct broker_beat_result {
     uint64_t epoch;             /* latest published: lets a member see a missed push */
     bool drained;               /* draining, and the latest epoch leaves it out */
+    uint32_t heartbeat_ms;      /* the member's, as granted at its join */
+    uint32_t timeout_ms;
 };
 
 /* Accepts `seq`, the sequence number of a proved request of member `id`
