@@ -26,8 +26,8 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     uint32_t backoff = opts && opts->max_backoff_ms ? opts->max_backoff_ms : LIMIT_BACKOFF_MAX_MS;
     grpc_channel_credentials *creds;
     struct rpc_channel *c;
-    grpc_arg args[7];
-    grpc_channel_args cargs = { .num_args = 6, .args = args };
+    grpc_arg args[8];
+    grpc_channel_args cargs = { .num_args = 7, .args = args };
 
     if (!target || !*target)
         return -EINVAL;
@@ -60,6 +60,11 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     args[5].type = GRPC_ARG_INTEGER;
     args[5].key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL;
     args[5].value.integer = 1;
+    /* No bandwidth probe (a PING) for the data received: the server must
+     * answer each, and calls and streams here carry small messages. */
+    args[6].type = GRPC_ARG_INTEGER;
+    args[6].key = (char *)GRPC_ARG_HTTP2_BDP_PROBE;
+    args[6].value.integer = 0;
     if (opts && opts->tls_server_name) {
         args[cargs.num_args].type = GRPC_ARG_STRING;
         args[cargs.num_args].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;

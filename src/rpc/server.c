@@ -605,8 +605,8 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
 {
     size_t max_req = opts && opts->max_request_bytes ? opts->max_request_bytes
                                                      : LIMIT_RPC_REQUEST_BYTES;
-    grpc_arg args[4];
-    grpc_channel_args cargs = { .num_args = 4, .args = args };
+    grpc_arg args[5];
+    grpc_channel_args cargs = { .num_args = 5, .args = args };
     grpc_server_credentials *creds;
     struct rpc_server *s;
     int rc = -ENOMEM;
@@ -638,6 +638,12 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
     args[3].type = GRPC_ARG_INTEGER;
     args[3].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
     args[3].value.integer = 1;
+    /* gRPC answers data with a bandwidth probe (a PING) to size its flow
+     * control windows: on streams of small messages, such as heartbeats,
+     * that is a second round trip per message for nothing. */
+    args[4].type = GRPC_ARG_INTEGER;
+    args[4].key = (char *)GRPC_ARG_HTTP2_BDP_PROBE;
+    args[4].value.integer = 0;
 
     s->server = grpc_server_create(&cargs, NULL);
     if (!s->server)
