@@ -782,7 +782,8 @@ static void publish(void *arg, struct epoch *e, void *const *watchers, size_t n)
         epoch_to_proto(e, &p, ptrs, storage);
     rep.epoch = &p;
     if (!storage || !ptrs || rpc_buf_pack(&rep.base, &buf) < 0) {
-        /* Members notice through their heartbeat replies and reopen. */
+        /* Members notice through the acknowledgements of their
+         * heartbeats, which name the latest epoch, and reopen. */
         log_error("broker", "An epoch could not be packed; members will catch up by heartbeat.",
                   LF_S("cohort", e->cohort), LF_U("epoch", e->number));
         goto out;

@@ -68,7 +68,7 @@ struct member {
     bool watch_ended, watch_reopen;
     uint64_t next_watch_at;
     uint64_t behind_since;      /* heartbeat saw a newer epoch than the watch */
-    bool drained;               /* the last heartbeat reply said so */
+    bool drained;               /* the last acknowledgement said so */
 
     struct epoch *epoch;
     uint64_t last_epoch;
