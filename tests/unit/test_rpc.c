@@ -551,6 +551,48 @@ Test(rpc, a_duplex_client_hangup_reaches_on_close_after_its_messages)
     WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1 && !fx.duplex_in_callback);
 }
 
+static int released;
+
+static void on_released(void *arg)
+{
+    pthread_mutex_lock(&fx.lock);
+    released++;
+    cr_assert_eq(arg, &released);
+    pthread_cond_broadcast(&fx.cond);
+    pthread_mutex_unlock(&fx.lock);
+}
+
+/* A buffer shared by a stream runs its release callback once, after the
+ * stream has sent it and its owner let go, never before. */
+Test(rpc, a_shared_buffer_is_released_once_after_its_send)
+{
+    Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("keep", &s);
+    struct rpc_stream *st;
+    struct rpc_buf *b;
+
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.stream != NULL);
+    pthread_mutex_lock(&fx.lock);
+    st = rpc_stream_ref(fx.stream);
+    pthread_mutex_unlock(&fx.lock);
+    e.cohort = "c";
+    e.epoch = 9;
+    cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
+    rpc_buf_on_release(b, on_released, &released);
+    cr_assert_eq(rpc_stream_send(st, b), 0);
+    WAIT_UNTIL(&s.lock, &s.cond, s.n >= 2 && s.epochs[s.n - 1] == 9);
+    pthread_mutex_lock(&fx.lock);
+    cr_assert_eq(released, 0, "released while its owner still holds it");
+    pthread_mutex_unlock(&fx.lock);
+    rpc_buf_unref(b);
+    WAIT_UNTIL(&fx.lock, &fx.cond, released == 1);
+    rpc_stream_unref(st);
+    rpc_watch_close(w);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1);
+    cr_assert_eq(released, 1);
+}
+
 Test(rpc, code_mapping_round_trips)
 {
     for (int c = RPC_CANCELLED; c <= RPC_UNAUTHENTICATED; c++) {
