@@ -464,32 +464,33 @@ static void session_refuse(struct brokerd *d, struct rpc_stream *s, const char *
     rpc_stream_finish(s, code, why);
 }
 
-/* Sends a SessionReply with a HeartbeatReply. It never replaces an epoch
- * waiting to go out (that epoch is a sign of life too); returns whether it
- * was queued. */
-static bool session_ack(struct rpc_stream *s, const struct broker_beat_result *res)
+/* Queues a SessionReply with a HeartbeatReply. It never replaces an epoch
+ * waiting to go out (that epoch is a sign of life too). Returns 0, -EBUSY
+ * (an epoch waits), -EPIPE (the stream is over) or -ENOMEM. */
+static int session_ack(struct rpc_stream *s, const struct broker_beat_result *res)
 {
     Cohort__V1__SessionReply rep = COHORT__V1__SESSION_REPLY__INIT;
     Cohort__V1__HeartbeatReply beat = COHORT__V1__HEARTBEAT_REPLY__INIT;
     struct rpc_buf *buf = NULL;
-    bool sent;
+    int rc;
 
     beat.epoch = res->epoch;
     beat.drained = res->drained;
     rep.beat = &beat;
-    if (rpc_buf_pack(&rep.base, &buf) < 0)
-        return false;
-    sent = rpc_stream_offer(s, buf, false) == 0;
+    rc = rpc_buf_pack(&rep.base, &buf);
+    if (rc < 0)
+        return rc;
+    rc = rpc_stream_offer(s, buf, false);
     rpc_buf_unref(buf);
-    return sent;
+    return rc;
 }
 
 /* One heartbeat up a session stream, the first (which attaches the
  * stream to its member session) or a later one: checked, then applied.
  * Runs on a completion thread, one message of a stream at a time, so the
- * watcher's own fields need no lock. Returns false after ending the
- * stream. */
-static bool session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q, bool first)
+ * watcher's own fields need no lock. Returns 0, or -EPIPE once it has
+ * ended the stream (a refusal: the code says why). */
+static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q, bool first)
 {
     struct brokerd *d = w->d;
     struct broker_beat beat = {
@@ -507,29 +508,29 @@ static bool session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *
 
     if (!version_ok(q->protocol_version, why, sizeof(why))) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_FAILED_PRECONDITION, why);
-        return false;
+        return -EPIPE;
     }
     if (first && (!ident_valid_cohort(q->cohort) || !ident_valid_member_id(q->id))) {
         snprintf(why, sizeof(why), "invalid cohort name \"%.64s\" or member id \"%.64s\"",
                  q->cohort, q->id);
         session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
-        return false;
+        return -EPIPE;
     }
     if (!first && (strcmp(q->cohort, w->cohort) != 0 || strcmp(q->id, w->id) != 0 ||
                    q->session != w->session)) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT,
                        "a session stream carries the heartbeats of the member session that "
                        "opened it only");
-        return false;
+        return -EPIPE;
     }
     if (!lost_peers_valid(q, why, sizeof(why))) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
-        return false;
+        return -EPIPE;
     }
     proved = authenticate(d, &q->base, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_UNAUTHENTICATED, why);
-        return false;
+        return -EPIPE;
     }
     pthread_mutex_lock(&d->lock);
     now = clock_now_ms();
@@ -557,7 +558,7 @@ static bool session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *
                  LF_U("peers", q->n_lost_peers), LF_U("held_back", held));
     if (rc == -EALREADY) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
-        return false;
+        return -EPIPE;
     }
     if (rc < 0) {
         /* Routine after an eviction or a restart: the member rejoins. */
@@ -568,21 +569,21 @@ static bool session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *
             log_info("broker", "A session stream named no member; it must rejoin.",
                      LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
         rpc_stream_finish(w->s, rpc_code_from_errno(rc), why);
-        return false;
+        return -EPIPE;
     }
     if (!attached)
-        return true;    /* detached (replaced, evicted): its stream is ending */
+        return 0;    /* detached (replaced, evicted): its stream is ending */
     /* An acknowledgement costs a send, so most heartbeats get none: the
      * member needs one when something changed for it, and often enough to
      * know that its heartbeats arrive (at least every half timeout, since
      * the next heartbeat may come a whole interval later). */
     ack = first || q->declare_version || q->n_lost_peers || res.drained != w->told_drained ||
           now + res.heartbeat_ms >= w->acked_at + res.timeout_ms / 2;
-    if (ack && session_ack(w->s, &res)) {
+    if (ack && session_ack(w->s, &res) == 0) {
         w->acked_at = now;
         w->told_drained = res.drained;
     }
-    return true;
+    return 0;
 }
 
 static void session_msg(void *arg, struct rpc_stream *s, const ProtobufCMessage *msg)
@@ -613,7 +614,7 @@ static void on_session(void *arg, const ProtobufCMessage *req, struct rpc_stream
     snprintf(w->cohort, sizeof(w->cohort), "%s", q->cohort);
     snprintf(w->id, sizeof(w->id), "%s", q->id);
     w->session = q->session;
-    if (session_beat(w, q, true))
+    if (session_beat(w, q, true) == 0)
         rpc_stream_on_message(s, session_msg, w);
     /* Registered last: if the stream is already over this runs at once
      * and frees the watcher (rpc runs it only after any message callback
