@@ -583,6 +583,30 @@ static bool broker_holds_version(size_t i, uint64_t version)
 
 static const char *const m4[] = { "m-0", "m-1", "m-2", "m-3" };
 
+/* Members heartbeating on their streams stay for several timeouts (1 s
+ * here) without joining again, and each keeps hearing from the broker
+ * often enough (an acknowledgement at least every half timeout) that it
+ * never believes itself out. */
+Test(brokerd, members_on_streams_stay_and_know_they_are_in)
+{
+    struct driven dv = { .n = 0 };
+    uint64_t start;
+
+    driven_start(&dv, 3, m4, 0, 0);
+    wait_agree(&dv, 3, "m-0");
+    start = clock_now_ms();
+    while (clock_now_ms() - start < 4000) {
+        for (size_t i = 0; i < dv.n; i++)
+            cr_assert(member_in_cohort(dv.m[i]), "m-%zu thought itself out after %llu ms", i,
+                      (unsigned long long)(clock_now_ms() - start));
+        clock_sleep_ms(50);
+    }
+    for (size_t i = 0; i < dv.n; i++)
+        cr_assert_eq(member_joins(dv.m[i]), 1, "m-%zu joined again", i);
+    cr_assert_eq(status_members("demo"), 3);
+    driven_stop(&dv);
+}
+
 Test(brokerd, declared_version_moves_leadership_everywhere)
 {
     struct driven dv = { .n = 0 };
