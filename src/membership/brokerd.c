@@ -44,6 +44,13 @@
 #include "membership/wire.h"
 
 #define LOG_PER_S 10
+/* How far a Session stream's heartbeats may run ahead of their granted
+ * pace: a heartbeat "costs" a quarter of the member's interval, and a
+ * stream may owe at most this many. A member sends one per interval, and
+ * one more at once for a declared version or a lost-peer report; a stream
+ * that sends far faster is ended, so a member cannot make the broker
+ * check proofs at any rate it likes. */
+#define SESSION_BEAT_BURST 16u
 
 /* One cohort's own key (brokerd_set_key). */
 struct cohort_key {
@@ -82,6 +89,8 @@ struct watcher {
      * a time: when the last acknowledgement went out, and what it said. */
     uint64_t acked_at;
     bool told_drained;
+    uint64_t beat_cost_ms;      /* a quarter of the granted heartbeat */
+    uint64_t beat_due;          /* the pace's clock: when the heartbeats sent would be paid */
 };
 
 /* ---- refusals ---------------------------------------------------------- */
@@ -527,6 +536,18 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
         session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
         return -EPIPE;
     }
+    /* Paced before the proof is checked, which is the costly part. */
+    if (!first) {
+        uint64_t t = clock_now_ms(), due = (w->beat_due > t ? w->beat_due : t) + w->beat_cost_ms;
+
+        if (due > t + SESSION_BEAT_BURST * w->beat_cost_ms) {
+            snprintf(why, sizeof(why), "heartbeats faster than 4 per heartbeat interval of %llu ms",
+                     (unsigned long long)(w->beat_cost_ms * 4));
+            session_refuse(d, w->s, q->cohort, q->id, RPC_RESOURCE_EXHAUSTED, why);
+            return -EPIPE;
+        }
+        w->beat_due = due;
+    }
     proved = authenticate(d, &q->base, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_UNAUTHENTICATED, why);
@@ -542,8 +563,11 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
      * is then the one the reply names. */
     if (rc == 0 && first)
         rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
-    if (rc == 0 && first)
+    if (rc == 0 && first) {
         w->attached = attached = true;
+        w->beat_cost_ms = res.heartbeat_ms / 4 ? res.heartbeat_ms / 4 : 1;
+        w->beat_due = now;
+    }
     /* Evidence only: broker.h says what a report can and cannot do. */
     for (size_t i = 0; rc == 0 && attached && i < q->n_lost_peers; i++)
         reported += broker_report_lost(d->b, now, q->cohort, q->id, q->session,

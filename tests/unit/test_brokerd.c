@@ -495,6 +495,40 @@ Test(brokerd, bad_stream_messages_end_the_stream_and_change_nothing)
     cr_assert_eq(status_members("demo"), 2);
 }
 
+/* A stream may run ahead of its member's heartbeat interval by a burst
+ * (16 heartbeats at once), not more: one that floods is ended with
+ * RESOURCE_EXHAUSTED, and the member stays. */
+Test(brokerd, a_stream_that_floods_heartbeats_is_ended)
+{
+    Cohort__V1__HeartbeatRequest h;
+    struct one_stream o = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w;
+    struct rpc_status st;
+    int sent = 0;
+
+    cr_assert_eq(join("demo", "a", 7, WIRE_PROTOCOL_VERSION, &st), 0, "%s", st.message);
+    beat_req(&h, "a", 7);
+    w = session_open(&h.base, &o);
+    FIXTURE_WAIT_FOR(one_has(&o, false, 1), "the opening heartbeat got no answer");
+    /* 16 at once are fine; the cohort's interval is 200 ms, and these
+     * go out far faster than 20 a second. */
+    while (sent < 200 && !one_has(&o, true, 0)) {
+        int rc = rpc_watch_send(w, &h.base);
+        cr_assert(rc == 0 || rc == -EBUSY || rc == -EPIPE, "send: %d", rc);
+        sent += rc == 0;
+        if (rc == -EBUSY)
+            clock_sleep_ms(1);
+    }
+    FIXTURE_WAIT_FOR(one_has(&o, true, 0), "a flood of %d heartbeats did not end the stream",
+                     sent);
+    cr_assert_gt(sent, 16, "ended after %d", sent);
+    cr_assert_eq(o.st.code, RPC_RESOURCE_EXHAUSTED, "%s", o.st.message);
+    cr_assert(strstr(o.st.message, "heartbeats faster than"), "%s", o.st.message);
+    cr_assert_eq(status_members("demo"), 1, "the member stays");
+    rpc_watch_close(w);
+    protobuf_c_message_free_unpacked(&o.first->base, NULL);
+}
+
 /* ---- libcohort members in this process ---- */
 
 #define N 4
