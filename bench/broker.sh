@@ -6,7 +6,7 @@
 #
 #   bench/broker.sh            both scenarios
 #   MEASURE=30s bench/broker.sh
-#   BASELINE=/path/to/other/build bench/broker.sh
+#   BASELINE=/path/to/other/build BASELINE_LABEL="protocol 1" bench/broker.sh
 #                              each scenario also with that build's
 #                              cohortctl and cohort-operator (an older
 #                              protocol, say), interleaved, with the ratio
@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 MEASURE=${MEASURE:-10s}
 CHANGES=${CHANGES:-5}
 BASELINE=${BASELINE:-}
+BASELINE_LABEL=${BASELINE_LABEL:-baseline}
 
 # $1 build dir, $2 label, then cohortctl bench broker arguments; prints
 # the row and leaves the broker CPU in $cpu.
@@ -47,8 +48,11 @@ scenario() {
     row build "$label" "$@"
     new=$cpu
     if [ -n "$BASELINE" ]; then
-        row "$BASELINE" "$label, baseline" "$@" || { echo "|  | baseline: did not finish |  |  |  |  |  |  |  |  |  |  |  |"; return 0; }
-        python3 -c "import sys; b, n = float(sys.argv[1]), float(sys.argv[2]); print('|  | broker CPU, baseline / this build: %.1fx |  |  |  |  |  |  |  |  |  |  |  |' % (b / n))" "$cpu" "$new"
+        row "$BASELINE" "$label, $BASELINE_LABEL" "$@" || {
+            echo "|  | $BASELINE_LABEL: did not finish |  |  |  |  |  |  |  |  |  |  |"
+            return 0
+        }
+        python3 -c "import sys; b, n = float(sys.argv[1]), float(sys.argv[2]); print('|  | broker CPU, %s / this build: %.1fx |  |  |  |  |  |  |  |  |  |  |' % (sys.argv[3], b / n))" "$cpu" "$new" "$BASELINE_LABEL"
     fi
 }
 
