@@ -1,31 +1,62 @@
 #!/bin/sh
-# The broker under load: simulated members heartbeating at 1 Hz against a
-# real cohort-operator process (see `cohortctl bench broker --help`).
-# Prints a markdown table for the README. Uses the release build.
+# The broker under load: simulated members heartbeating at 1 Hz up their
+# session streams against a real cohort-operator process (see `cohortctl
+# bench broker --help`). Prints a markdown table for the README. Uses the
+# release build.
 #
 #   bench/broker.sh            both scenarios
 #   MEASURE=30s bench/broker.sh
+#   BASELINE=/path/to/other/build BASELINE_LABEL="protocol 1" bench/broker.sh
+#                              each scenario also with that build's
+#                              cohortctl and cohort-operator (an older
+#                              protocol, say), interleaved, with the ratio
+#                              of broker CPU
 set -eu
 cd "$(dirname "$0")/.."
 [ -x build/cohortctl ] || make -j2 all >/dev/null
 MEASURE=${MEASURE:-10s}
 CHANGES=${CHANGES:-5}
+BASELINE=${BASELINE:-}
+BASELINE_LABEL=${BASELINE_LABEL:-baseline}
 
+# $1 build dir, $2 label, then cohortctl bench broker arguments; prints
+# the row and leaves the broker CPU in $cpu.
 row() {
-    # $1 label, then cohortctl bench broker arguments
-    label=$1
-    shift
-    out=$(build/cohortctl bench broker --measure "$MEASURE" --changes "$CHANGES" -o json "$@")
-    python3 - "$label" "$out" <<'PY'
+    dir=$1
+    label=$2
+    shift 2
+    out=$("$dir/cohortctl" bench broker --measure "$MEASURE" --changes "$CHANGES" -o json "$@") ||
+        return 1
+    line=$(python3 - "$label" "$out" <<'PY'
 import json, sys
 label, r = sys.argv[1], json.loads(sys.argv[2])
-print("| %s | %d | %d | %d | %.1f %% | %.0f | %.0f | %.0f | %.0f |" % (
-    label, r["members"], r["cohorts"], r["connections"], r["broker_cpu_pct"],
-    r["epoch_first_ms"], r["epoch_p50_ms"], r["epoch_p99_ms"], r["epoch_max_ms"]))
+def ms(k):
+    return "%.0f" % r[k] if k in r and r.get("send_samples") else "-"
+print("%.3f||| %s | %d | %d | %d | %.1f %% | %s | %s | %s | %.0f | %.0f | %.0f | %d |" % (
+    r["broker_cpu_pct"], label, r["members"], r["cohorts"], r["connections"],
+    r["broker_cpu_pct"], ms("send_p50_ms"), ms("send_p99_ms"), ms("send_max_ms"),
+    r["epoch_first_ms"], r["epoch_p50_ms"], r["epoch_p99_ms"], r.get("rejoins_steady", 0)))
 PY
+) || return 1
+    cpu=${line%%||*}
+    echo "${line#*||}"
 }
 
-echo "| scenario | members | cohorts | connections | broker CPU (one core) | epoch first ms | p50 ms | p99 ms | max ms |"
-echo "|---|---|---|---|---|---|---|---|---|"
-row "1 cohort" --members 1000 --cohorts 1
-row "100 cohorts" --members 10000 --cohorts 100 --connections 1000
+scenario() {
+    label=$1
+    shift
+    row build "$label" "$@"
+    new=$cpu
+    if [ -n "$BASELINE" ]; then
+        row "$BASELINE" "$label, $BASELINE_LABEL" "$@" || {
+            echo "|  | $BASELINE_LABEL: did not finish |  |  |  |  |  |  |  |  |  |  |"
+            return 0
+        }
+        python3 -c "import sys; b, n = float(sys.argv[1]), float(sys.argv[2]); print('|  | broker CPU, %s / this build: %.1fx |  |  |  |  |  |  |  |  |  |  |' % (sys.argv[3], b / n))" "$cpu" "$new" "$BASELINE_LABEL"
+    fi
+}
+
+echo "| scenario | members | cohorts | connections | broker CPU (one core) | sent to all p50 ms | p99 ms | max ms | seen first ms | seen p50 ms | seen p99 ms | rejoins |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+scenario "1 cohort" --members 1000 --cohorts 1
+scenario "100 cohorts" --members 10000 --cohorts 100 --connections 1000

@@ -1,8 +1,10 @@
 /* cli/bench.c: `cohortctl bench broker`: a real broker process against
- * many simulated members in this process, each a full member (join,
- * heartbeat at the cohort's interval, membership watch). Measures the
- * broker's CPU in steady state and how long an epoch change takes to reach
- * every member. */
+ * many simulated members in this process, each a full member (join, then
+ * heartbeats at the cohort's interval up its session stream, and epochs
+ * down it). Measures the broker's CPU in steady state and how long an
+ * epoch change takes to reach every member: as the broker sends it (its
+ * own log line when every stream has sent the epoch, apart from this
+ * process's cores) and as the simulated members see it. */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -41,15 +43,20 @@ static const char usage[] =
     "Usage: cohortctl bench broker [options]\n"
     "\n"
     "Starts cohort-operator --standalone (from this binary's directory) and\n"
-    "simulates members in this process, each with its own connection, join,\n"
-    "heartbeats and membership watch. Reports the broker's CPU as a share of\n"
-    "one core in steady state, and the time from a membership change to its\n"
-    "epoch reaching each member of the cohort (first, p50, p99, max).\n"
-    "Every simulated member unpacks and checks its own copy of each epoch on\n"
-    "this machine's cores, so with large cohorts the later samples include\n"
-    "queueing behind the other simulated members. The broker runs with a key\n"
-    "made for the benchmark, and every call of a member proves it, as in\n"
-    "production (--insecure: no key and no proofs, to see what they cost).\n"
+    "simulates members in this process, each with its own connection, join\n"
+    "and session stream (heartbeats up, epochs down). Reports the broker's\n"
+    "CPU as a share of one core in steady state, and for each membership\n"
+    "change of the first cohort: the broker's send time, from the epoch's\n"
+    "formation until every member's stream has sent it (the broker's own log\n"
+    "line: it leaves out the network and this process), and the time from\n"
+    "the change to each simulated member having the epoch (first, p50, p99,\n"
+    "max). Every simulated member unpacks and checks its own copy of each\n"
+    "epoch on this machine's cores, so with large cohorts that second figure\n"
+    "includes queueing behind the other simulated members. The broker runs\n"
+    "with a key made for the benchmark, and every call and heartbeat of a\n"
+    "member proves it, as in production (--insecure: no key and no proofs,\n"
+    "to see what they cost). Members that join again during the steady\n"
+    "window are counted (rejoins): any means the run was not steady.\n"
     "\n"
     "  --members N        members in all (default 1000)\n"
     "  --cohorts N        cohorts they are spread over (default 1)\n"
@@ -90,7 +97,41 @@ struct bench {
     atomic_bool stop;
     pthread_t drivers[2];
     pthread_mutex_t lock;           /* guards replacing sims[i].m */
+    /* The broker's log, read to its end by `reader`: while `timing`, the
+     * send times of the first cohort's epochs (µs, at most cap_sends). */
+    FILE *blog;
+    pthread_t reader;
+    bool reader_started;
+    atomic_bool timing;
+    pthread_mutex_t sends_lock;
+    uint64_t *sends;
+    size_t n_sends, cap_sends;
 };
+
+/* Reads the broker's log lines until it exits; they must be drained, or
+ * the broker would block writing them. */
+static void *reader_main(void *p)
+{
+    static const char sent[] = "An epoch went out to every member's stream.";
+    struct bench *b = p;
+    char line[2048];
+
+    while (fgets(line, sizeof(line), b->blog)) {
+        const char *us = strstr(line, " send_us=");
+        uint64_t v;
+
+        if (!atomic_load(&b->timing) || !strstr(line, sent) || !strstr(line, " cohort=bench-0 ") ||
+            !us)
+            continue;
+        us += strlen(" send_us=");
+        v = strtoull(us, NULL, 10);
+        pthread_mutex_lock(&b->sends_lock);
+        if (b->n_sends < b->cap_sends)
+            b->sends[b->n_sends++] = v;
+        pthread_mutex_unlock(&b->sends_lock);
+    }
+    return NULL;
+}
 
 static void on_epoch(void *arg, struct epoch *e)
 {
@@ -245,8 +286,14 @@ static int start_broker(struct bench *b, const char *self_dir)
             addr += strlen("address=");
             addr[strcspn(addr, " \n")] = '\0';
             snprintf(b->broker_addr, sizeof(b->broker_addr), "%s", addr);
-            /* The broker ignores SIGPIPE: its later lines are dropped. */
-            fclose(f);
+            b->blog = f;
+            if (pthread_create(&b->reader, NULL, reader_main, b) != 0) {
+                /* The broker ignores SIGPIPE: its later lines are dropped. */
+                fclose(f);
+                b->blog = NULL;
+            } else {
+                b->reader_started = true;
+            }
             return 0;
         }
     }
@@ -260,6 +307,18 @@ static int cmp_u64(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
+}
+
+/* Joins that went through, over every member. */
+static uint64_t count_joins(struct bench *b)
+{
+    uint64_t n = 0;
+
+    pthread_mutex_lock(&b->lock);
+    for (size_t i = 0; i < b->n_members; i++)
+        n += member_joins(b->sims[i].m);
+    pthread_mutex_unlock(&b->lock);
+    return n;
 }
 
 /* True when every member's latest epoch lists its whole cohort. */
@@ -318,7 +377,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     uint64_t *lat = NULL;
     size_t n_lat = 0, victim = 0;
     double cpu0, cpu1, self0, self1;
-    uint64_t w0, w1, t_join0, t_joined;
+    uint64_t w0, w1, t_join0, t_joined, joins0, joins1;
     int rc, status = 1;
 
     /* One connection per member where the fd limit allows; beyond that,
@@ -332,9 +391,14 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     if (rl.rlim_cur != RLIM_INFINITY && b->n_channels + FD_RESERVE > rl.rlim_cur)
         b->n_channels = rl.rlim_cur > 2 * FD_RESERVE ? rl.rlim_cur - FD_RESERVE : 1;
 
+    /* Two epochs a change, and room for a few more (an eviction). */
+    b->cap_sends = b->n_changes * 2 + 64;
+    b->sends = calloc(b->cap_sends, sizeof(*b->sends));
+    pthread_mutex_init(&b->sends_lock, NULL);
     rc = start_broker(b, self_dir);
     if (rc < 0) {
         fprintf(stderr, "cohortctl bench: the broker did not start: %s\n", log_strerror(rc));
+        free(b->sends);
         return 1;
     }
     if (rpc_init() < 0)
@@ -343,7 +407,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     b->sims = calloc(b->n_members, sizeof(*b->sims));
     b->before = calloc(b->n_members, sizeof(*b->before));
     lat = calloc(b->n_members * b->n_changes * 2 + 1, sizeof(*lat));
-    if (!b->channels || !b->sims || !b->before || !lat)
+    if (!b->channels || !b->sims || !b->before || !lat || !b->sends)
         goto out_rpc;
     for (size_t i = 0; i < b->n_channels; i++)
         if (rpc_channel_create(b->broker_addr, NULL, &b->channels[i]) < 0)
@@ -372,7 +436,9 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     }
     t_joined = clock_now_ms();
 
-    /* Steady state: heartbeats only. */
+    /* Steady state: heartbeats only. A member that joins again in it was
+     * evicted (or lost its stream): the run is not steady. */
+    joins0 = count_joins(b);
     cpu0 = proc_cpu_s(b->broker_pid);
     self0 = proc_cpu_s(getpid());
     w0 = clock_now_us();
@@ -380,7 +446,9 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     cpu1 = proc_cpu_s(b->broker_pid);
     self1 = proc_cpu_s(getpid());
     w1 = clock_now_us();
+    joins1 = count_joins(b);
 
+    atomic_store(&b->timing, true);
     for (size_t c = 0; c < b->n_changes; c++) {
         victim = (c * b->n_cohorts) % b->n_members;     /* always in cohort 0 */
         if (time_change(b, victim, true, lat, &n_lat) < 0 ||
@@ -393,7 +461,11 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
         while (!all_settled(b))
             clock_sleep_ms(10);
     }
+    atomic_store(&b->timing, false);
     qsort(lat, n_lat, sizeof(*lat), cmp_u64);
+    pthread_mutex_lock(&b->sends_lock);
+    qsort(b->sends, b->n_sends, sizeof(*b->sends), cmp_u64);
+    pthread_mutex_unlock(&b->sends_lock);
     {
         double wall = (double)(w1 - w0) / 1e6;
         double cpu = (cpu1 - cpu0) / wall * 100.0, self = (self1 - self0) / wall * 100.0;
@@ -401,6 +473,10 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
         double p99 = n_lat ? (double)lat[(n_lat * 99) / 100 < n_lat ? (n_lat * 99) / 100 : n_lat - 1] / 1000.0 : 0;
         double mx = n_lat ? (double)lat[n_lat - 1] / 1000.0 : 0;
         double first = n_lat ? (double)lat[0] / 1000.0 : 0;
+        size_t ns = b->n_sends;
+        double s50 = ns ? (double)b->sends[ns / 2] / 1000.0 : 0;
+        double s99 = ns ? (double)b->sends[(ns * 99) / 100] / 1000.0 : 0;
+        double smax = ns ? (double)b->sends[ns - 1] / 1000.0 : 0;
         if (json) {
             cJSON *o = cJSON_CreateObject();
             char *text;
@@ -413,6 +489,11 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
             cJSON_AddNumberToObject(o, "join_s", (double)(t_joined - t_join0) / 1000.0);
             cJSON_AddNumberToObject(o, "broker_cpu_pct", cpu);
             cJSON_AddNumberToObject(o, "simulator_cpu_pct", self);
+            cJSON_AddNumberToObject(o, "rejoins_steady", (double)(joins1 - joins0));
+            cJSON_AddNumberToObject(o, "send_samples", (double)ns);
+            cJSON_AddNumberToObject(o, "send_p50_ms", s50);
+            cJSON_AddNumberToObject(o, "send_p99_ms", s99);
+            cJSON_AddNumberToObject(o, "send_max_ms", smax);
             cJSON_AddNumberToObject(o, "epoch_samples", (double)n_lat);
             cJSON_AddNumberToObject(o, "epoch_first_ms", first);
             cJSON_AddNumberToObject(o, "epoch_p50_ms", p50);
@@ -428,9 +509,12 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
                    (unsigned long long)b->heartbeat_ms, (unsigned long long)b->coalesce_ms,
                    b->insecure ? "no keys" : "every call proves the key");
             printf("all joined in           %8.2f s\n", (double)(t_joined - t_join0) / 1000.0);
-            printf("broker CPU, steady      %8.1f %% of one core (simulator: %.1f %%)\n", cpu, self);
+            printf("broker CPU, steady      %8.1f %% of one core (simulator: %.1f %%), %llu "
+                   "rejoins meanwhile\n", cpu, self, (unsigned long long)(joins1 - joins0));
+            printf("epoch sent to all       p50 %.1f ms  p99 %.1f ms  max %.1f ms  (%zu epochs, "
+                   "the broker's own measure)\n", s50, s99, smax, ns);
             printf("epoch change to member  first %.1f ms  p50 %.1f ms  p99 %.1f ms  max %.1f ms  "
-                   "(%zu samples)\n", first, p50, p99, mx, n_lat);
+                   "(%zu samples, as the simulated members see it)\n", first, p50, p99, mx, n_lat);
         }
         status = 0;
     }
@@ -452,6 +536,12 @@ out_rpc:
 out_broker:
     kill(b->broker_pid, SIGTERM);
     waitpid(b->broker_pid, NULL, 0);
+    if (b->reader_started)
+        pthread_join(b->reader, NULL);      /* the broker's exit ends its log */
+    if (b->blog)
+        fclose(b->blog);
+    free(b->sends);
+    pthread_mutex_destroy(&b->sends_lock);
     secret_wipe(&b->key);
     return status;
 }

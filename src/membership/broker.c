@@ -877,9 +877,11 @@ int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const c
     /* No member runs in an epoch that was never published. */
     m->adopted = max_u64(m->adopted, min_u64(beat->adopted, c->cur ? c->cur->number : 0));
     /* Only a declare may move the leader. Already pending or already
-     * dirty: the election at formation sees this version anyway. */
-    best = elect(c->members, c->n_members);
-    if (beat->declare && c->cur && !c->leader_dirty && best < c->n_members) {
+     * dirty: the election at formation sees this version anyway. The
+     * election walks every member, so only a declare pays for it. */
+    best = beat->declare && c->cur && !c->leader_dirty ? elect(c->members, c->n_members)
+                                                       : c->n_members;
+    if (best < c->n_members) {
         const char *want = c->members[best]->id;
         const char *have = c->cur->n_members ? c->cur->members[c->cur->leader].id : NULL;
 
@@ -891,6 +893,8 @@ int broker_heartbeat(struct broker *b, uint64_t now, const char *cohort, const c
     if (res) {
         res->epoch = c->cur ? c->cur->number : 0;
         res->drained = m->draining && c->cur && epoch_find(c->cur, m->id) < 0;
+        res->heartbeat_ms = m->heartbeat_ms;
+        res->timeout_ms = m->timeout_ms;
     }
     return 0;
 }

@@ -194,6 +194,8 @@ struct broker_beat {
 struct broker_beat_result {
     uint64_t epoch;             /* latest published: lets a member see a missed push */
     bool drained;               /* draining, and the latest epoch leaves it out */
+    uint32_t heartbeat_ms;      /* the member's, as granted at its join */
+    uint32_t timeout_ms;
 };
 
 /* Accepts `seq`, the sequence number of a proved request of member `id`
@@ -251,8 +253,8 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
  * connected, so that the others move on without it, at a round boundary,
  * before its pod is deleted (a scale-down). A draining member keeps its
  * heartbeats and its watch; the next epoch leaves it out (a membership
- * change, coalesced like any other) and its heartbeat replies say it is
- * drained. drain == false takes it back in. The mark survives a rejoin
+ * change, coalesced like any other) and its heartbeats' results say it
+ * is drained. drain == false takes it back in. The mark survives a rejoin
  * of the same session, not an eviction: call again until broker_drained.
  * Returns 0 or -ENOENT (unknown cohort or member). */
 int broker_drain(struct broker *b, uint64_t now, const char *cohort, const char *id, bool drain);

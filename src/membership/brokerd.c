@@ -13,8 +13,8 @@
  * all, nothing).
  *
  * Replay is bounded by wire.h's rules: a verified proof's seq is accepted
- * once per member session (broker_accept_seq for Heartbeat, Leave and
- * Watch, and inside broker_join for a rejoin); a Join's or a Status's time
+ * once per member session (broker_accept_seq for every heartbeat up a
+ * Session stream and for Leave, and inside broker_join for a rejoin); a Join's or a Status's time
  * must be within WIRE_PROOF_SKEW_MS of this host's wall clock, which is
  * the clock-skew assumption; and the state machine remembers the sessions
  * that left or were evicted (broker.h, BROKER_RETIRED_MAX and
@@ -45,6 +45,13 @@
 #include "membership/wire.h"
 
 #define LOG_PER_S 10
+/* How far a Session stream's heartbeats may run ahead of their granted
+ * pace: a heartbeat "costs" a quarter of the member's interval, and a
+ * stream may owe at most this many. A member sends one per interval, and
+ * one more at once for a declared version or a lost-peer report; a stream
+ * that sends far faster is ended, so a member cannot make the broker
+ * check proofs at any rate it likes. */
+#define SESSION_BEAT_BURST 16u
 
 /* One cohort's own key (brokerd_set_key). */
 struct cohort_key {
@@ -87,14 +94,22 @@ struct mm_call {
     uint64_t session;
 };
 
-/* One member's membership stream, as the broker knows it. Freed when the
- * stream closes; `attached` says whether the broker still holds it. */
+/* One member's Session stream (protocol 2: heartbeats up, epochs and
+ * acknowledgements down), as the broker knows it. Freed when the stream
+ * closes; `attached` says whether the broker still holds it. */
 struct watcher {
     struct brokerd *d;
     struct rpc_stream *s;
     bool attached;
     char cohort[IDENT_NAME_MAX + 1];
     char id[IDENT_NAME_MAX + 1];
+    uint64_t session;
+    /* Read and written only by the stream's heartbeats, which come one at
+     * a time: when the last acknowledgement went out, and what it said. */
+    uint64_t acked_at;
+    bool told_drained;
+    uint64_t beat_cost_ms;      /* a quarter of the granted heartbeat */
+    uint64_t beat_due;          /* the pace's clock: when the heartbeats sent would be paid */
 };
 
 /* ---- refusals ---------------------------------------------------------- */
@@ -143,15 +158,26 @@ static void refuse(struct brokerd *d, struct rpc_reply *r, const char *method,
     rpc_reply_error(r, code, "%s", why);
 }
 
+/* The one check of the protocol version, for every method and every
+ * message of a stream: true when `version` is the one this broker speaks
+ * (wire.h); otherwise fills `why` for a FAILED_PRECONDITION. */
+static bool version_ok(uint32_t version, char *why, size_t len)
+{
+    if (version == WIRE_PROTOCOL_VERSION)
+        return true;
+    snprintf(why, len, "protocol version %u is not supported; this broker speaks %u (upgrade "
+             "every member with the broker: suspend, upgrade, resume)",
+             version, WIRE_PROTOCOL_VERSION);
+    return false;
+}
+
 /* Checks what every request shares. Returns false after refusing. */
 static bool check_common(struct brokerd *d, struct rpc_reply *r, const char *method,
                          uint32_t version, const char *cohort, const char *id, bool need_id)
 {
     char why[RPC_MESSAGE_MAX];
 
-    if (version != WIRE_PROTOCOL_VERSION) {
-        snprintf(why, sizeof(why), "protocol version %u is not supported; this broker speaks %u",
-                 version, WIRE_PROTOCOL_VERSION);
+    if (!version_ok(version, why, sizeof(why))) {
         refuse(d, r, method, cohort, id, RPC_FAILED_PRECONDITION, why);
         return false;
     }
@@ -366,70 +392,33 @@ static bool lost_peers_valid(const Cohort__V1__HeartbeatRequest *q, char *why, s
     return true;
 }
 
-static void on_heartbeat(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+/* Protocol 1's unary Heartbeat and its Watch: heartbeats ride the Session
+ * stream now, so an older member is told so, whatever version it names. */
+static void v1_refusal(const char *method, uint32_t version, char *why, size_t len)
+{
+    if (version_ok(version, why, len))
+        snprintf(why, len, "%s is protocol 1's; in protocol %u heartbeats and epochs ride "
+                 "the Session stream", method, WIRE_PROTOCOL_VERSION);
+}
+
+static void on_heartbeat_v1(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
 {
     const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
-    Cohort__V1__HeartbeatReply rep = COHORT__V1__HEARTBEAT_REPLY__INIT;
-    struct brokerd *d = arg;
-    struct broker_beat beat = {
-        .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
-        .ckpt = { .version = q->checkpoint_version,
-                  .skipped_version = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0,
-                  .skipped_reason = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0 },
-    };
-    struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];
-    uint64_t held = 0, now;
-    size_t reported = 0;
-    int rc, proved;
 
-    if (!check_common(d, r, "Heartbeat", q->protocol_version, q->cohort, q->id, true))
-        return;
-    if (!lost_peers_valid(q, why, sizeof(why))) {
-        refuse(d, r, "Heartbeat", q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
-        return;
-    }
-    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
-    if (proved < 0) {
-        refuse_auth(d, r, "Heartbeat", q->cohort, q->id, why);
-        return;
-    }
-    pthread_mutex_lock(&d->lock);
-    now = clock_now_ms();
-    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
-    if (rc == 0)
-        rc = broker_heartbeat(d->b, now, q->cohort, q->id, q->session, &beat, &res);
-    /* Evidence only: broker.h says what a report can and cannot do. */
-    for (size_t i = 0; rc == 0 && i < q->n_lost_peers; i++)
-        reported += broker_report_lost(d->b, now, q->cohort, q->id, q->session,
-                                       q->lost_peers[i]) == 0;
-    if (reported)
-        pthread_cond_signal(&d->wake);
-    pthread_mutex_unlock(&d->lock);
-    if (reported && log_allowed(d, &held))
-        log_info("broker", "A member reported peers' data connections reset.",
-                 LF_S("cohort", q->cohort), LF_S("id", q->id), LF_S("first", q->lost_peers[0]),
-                 LF_U("peers", q->n_lost_peers), LF_U("held_back", held));
-    if (rc == -EALREADY) {
-        refuse_auth(d, r, "Heartbeat", q->cohort, q->id, replayed);
-        return;
-    }
-    if (rc < 0) {
-        /* Routine after an eviction or a restart: the member rejoins. */
-        snprintf(why, sizeof(why),
-                 "no member \"%.64s\" with this session in cohort \"%.64s\" "
-                 "(unknown cohort, evicted, or never joined)", q->id, q->cohort);
-        if (log_allowed(d, &held))
-            log_info("broker", "A heartbeat named no member; it must rejoin.",
-                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
-        rpc_reply_error(r, rpc_code_from_errno(rc), "%s", why);
-        return;
-    }
-    if (q->declare_version)
-        pthread_cond_signal(&d->wake);
-    rep.epoch = res.epoch;
-    rep.drained = res.drained;
-    rpc_reply_ok(r, &rep.base);
+    v1_refusal("Heartbeat", q->protocol_version, why, sizeof(why));
+    refuse(arg, r, "Heartbeat", q->cohort, q->id, RPC_FAILED_PRECONDITION, why);
+}
+
+static void on_watch_v1(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+{
+    const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
+    char why[RPC_MESSAGE_MAX];
+
+    v1_refusal("Watch", q->protocol_version, why, sizeof(why));
+    log_refusal(arg, "Watch", q->cohort, q->id, RPC_FAILED_PRECONDITION, why);
+    rpc_stream_finish(s, RPC_FAILED_PRECONDITION, why);
+    rpc_stream_unref(s);
 }
 
 static void on_leave(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
@@ -493,33 +482,171 @@ static void watcher_closed(void *arg, struct rpc_stream *s)
     free(w);
 }
 
-static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+/* Ends a session stream with a refusal: the refused heartbeat changed
+ * nothing, and the member's membership is untouched (a stream the broker
+ * ends is not a death; the member reopens or times out). */
+static void session_refuse(struct brokerd *d, struct rpc_stream *s, const char *cohort,
+                           const char *id, enum rpc_code code, const char *why)
 {
-    const Cohort__V1__WatchRequest *q = (const Cohort__V1__WatchRequest *)req;
-    struct brokerd *d = arg;
-    struct watcher *w;
+    log_refusal(d, "Session", cohort, id, code, why);
+    rpc_stream_finish(s, code, why);
+}
+
+/* Queues a SessionReply with a HeartbeatReply. It never replaces an epoch
+ * waiting to go out (that epoch is a sign of life too). Returns 0, -EBUSY
+ * (an epoch waits), -EPIPE (the stream is over) or -ENOMEM. */
+static int session_ack(struct rpc_stream *s, const struct broker_beat_result *res)
+{
+    Cohort__V1__SessionReply rep = COHORT__V1__SESSION_REPLY__INIT;
+    Cohort__V1__HeartbeatReply beat = COHORT__V1__HEARTBEAT_REPLY__INIT;
+    struct rpc_buf *buf = NULL;
+    int rc;
+
+    beat.epoch = res->epoch;
+    beat.drained = res->drained;
+    rep.beat = &beat;
+    rc = rpc_buf_pack(&rep.base, &buf);
+    if (rc < 0)
+        return rc;
+    rc = rpc_stream_offer(s, buf, false);
+    rpc_buf_unref(buf);
+    return rc;
+}
+
+/* One heartbeat up a session stream, the first (which attaches the
+ * stream to its member session) or a later one: checked, then applied.
+ * Runs on a completion thread, one message of a stream at a time, so the
+ * watcher's own fields need no lock. Returns 0, or -EPIPE once it has
+ * ended the stream (a refusal: the code says why). */
+static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q, bool first)
+{
+    struct brokerd *d = w->d;
+    struct broker_beat beat = {
+        .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
+        .ckpt = { .version = q->checkpoint_version,
+                  .skipped_version = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0,
+                  .skipped_reason = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0 },
+    };
+    struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];
-    uint64_t held = 0;
+    uint64_t held = 0, now;
+    size_t reported = 0;
+    bool attached, ack;
     int rc, proved;
 
-    if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
-        !ident_valid_member_id(q->id)) {
-        enum rpc_code code = q->protocol_version != WIRE_PROTOCOL_VERSION
-                                 ? RPC_FAILED_PRECONDITION : RPC_INVALID_ARGUMENT;
-        const char *bad = "bad protocol version, cohort name or member id";
-        log_refusal(d, "Watch", q->cohort, q->id, code, bad);
-        rpc_stream_finish(s, code, bad);
-        rpc_stream_unref(s);
-        return;
+    if (!version_ok(q->protocol_version, why, sizeof(why))) {
+        session_refuse(d, w->s, q->cohort, q->id, RPC_FAILED_PRECONDITION, why);
+        return -EPIPE;
     }
-    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (first && (!ident_valid_cohort(q->cohort) || !ident_valid_member_id(q->id))) {
+        snprintf(why, sizeof(why), "invalid cohort name \"%.64s\" or member id \"%.64s\"",
+                 q->cohort, q->id);
+        session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
+        return -EPIPE;
+    }
+    if (!first && (strcmp(q->cohort, w->cohort) != 0 || strcmp(q->id, w->id) != 0 ||
+                   q->session != w->session)) {
+        session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT,
+                       "a session stream carries the heartbeats of the member session that "
+                       "opened it only");
+        return -EPIPE;
+    }
+    if (!lost_peers_valid(q, why, sizeof(why))) {
+        session_refuse(d, w->s, q->cohort, q->id, RPC_INVALID_ARGUMENT, why);
+        return -EPIPE;
+    }
+    /* Paced before the proof is checked, which is the costly part. */
+    if (!first) {
+        uint64_t t = clock_now_ms(), due = (w->beat_due > t ? w->beat_due : t) + w->beat_cost_ms;
+
+        if (due > t + SESSION_BEAT_BURST * w->beat_cost_ms) {
+            snprintf(why, sizeof(why), "heartbeats faster than 4 per heartbeat interval of %llu ms",
+                     (unsigned long long)(w->beat_cost_ms * 4));
+            session_refuse(d, w->s, q->cohort, q->id, RPC_RESOURCE_EXHAUSTED, why);
+            return -EPIPE;
+        }
+        w->beat_due = due;
+    }
+    proved = authenticate(d, &q->base, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
-        log_refusal(d, "Watch", q->cohort, q->id, RPC_UNAUTHENTICATED, why);
-        rpc_stream_finish(s, RPC_UNAUTHENTICATED, why);
-        rpc_stream_unref(s);
+        session_refuse(d, w->s, q->cohort, q->id, RPC_UNAUTHENTICATED, why);
+        return -EPIPE;
+    }
+    pthread_mutex_lock(&d->lock);
+    now = clock_now_ms();
+    attached = w->attached;
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0 && (first || attached))
+        rc = broker_heartbeat(d->b, now, q->cohort, q->id, q->session, &beat, &res);
+    /* Attached after the heartbeat: the current epoch it sends at once
+     * is then the one the reply names. */
+    if (rc == 0 && first)
+        rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
+    if (rc == 0 && first) {
+        w->attached = attached = true;
+        w->beat_cost_ms = res.heartbeat_ms / 4 ? res.heartbeat_ms / 4 : 1;
+        w->beat_due = now;
+    }
+    /* Evidence only: broker.h says what a report can and cannot do. */
+    for (size_t i = 0; rc == 0 && attached && i < q->n_lost_peers; i++)
+        reported += broker_report_lost(d->b, now, q->cohort, q->id, q->session,
+                                       q->lost_peers[i]) == 0;
+    /* A wakeup only when the heartbeat can change an epoch. */
+    if (reported || (rc == 0 && attached && q->declare_version))
+        pthread_cond_signal(&d->wake);
+    pthread_mutex_unlock(&d->lock);
+    if (reported && log_allowed(d, &held))
+        log_info("broker", "A member reported peers' data connections reset.",
+                 LF_S("cohort", q->cohort), LF_S("id", q->id), LF_S("first", q->lost_peers[0]),
+                 LF_U("peers", q->n_lost_peers), LF_U("held_back", held));
+    if (rc == -EALREADY) {
+        session_refuse(d, w->s, q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
+        return -EPIPE;
+    }
+    if (rc < 0) {
+        /* Routine after an eviction or a restart: the member rejoins. */
+        snprintf(why, sizeof(why),
+                 "no member \"%.64s\" with this session in cohort \"%.64s\" "
+                 "(unknown cohort, evicted, or never joined)", q->id, q->cohort);
+        if (log_allowed(d, &held))
+            log_info("broker", "A session stream named no member; it must rejoin.",
+                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
+        rpc_stream_finish(w->s, rpc_code_from_errno(rc), why);
+        return -EPIPE;
+    }
+    if (!attached)
+        return 0;    /* detached (replaced, evicted): its stream is ending */
+    /* An acknowledgement costs a send, so most heartbeats get none: the
+     * member needs one when something changed for it, and often enough to
+     * know that its heartbeats arrive (at least every half timeout, since
+     * the next heartbeat may come a whole interval later). */
+    ack = first || q->declare_version || q->n_lost_peers || res.drained != w->told_drained ||
+          now + res.heartbeat_ms >= w->acked_at + res.timeout_ms / 2;
+    if (ack && session_ack(w->s, &res) == 0) {
+        w->acked_at = now;
+        w->told_drained = res.drained;
+    }
+    return 0;
+}
+
+static void session_msg(void *arg, struct rpc_stream *s, const ProtobufCMessage *msg)
+{
+    /* The member closed its side: a clean end, not a death. The stream
+     * is finished by the broker, so watcher_closed only detaches it, and
+     * the member stays until it leaves or falls silent past its timeout. */
+    if (!msg) {
+        rpc_stream_finish(s, RPC_OK, "the member closed its side of the session stream");
         return;
     }
-    w = calloc(1, sizeof(*w));
+    session_beat(arg, (const Cohort__V1__HeartbeatRequest *)msg, false);
+}
+
+static void on_session(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+{
+    const Cohort__V1__HeartbeatRequest *q = (const Cohort__V1__HeartbeatRequest *)req;
+    struct brokerd *d = arg;
+    struct watcher *w = calloc(1, sizeof(*w));
+
     if (!w) {
         rpc_stream_finish(s, RPC_RESOURCE_EXHAUSTED, "out of memory");
         rpc_stream_unref(s);
@@ -529,24 +656,12 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     w->s = s;           /* the handler's reference, dropped in watcher_closed */
     snprintf(w->cohort, sizeof(w->cohort), "%s", q->cohort);
     snprintf(w->id, sizeof(w->id), "%s", q->id);
-
-    pthread_mutex_lock(&d->lock);
-    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
-    if (rc == 0)
-        rc = broker_watch(d->b, q->cohort, q->id, q->session, w);
-    w->attached = rc == 0;
-    pthread_mutex_unlock(&d->lock);
-    if (rc == -EALREADY) {
-        log_refusal(d, "Watch", q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
-        rpc_stream_finish(s, RPC_UNAUTHENTICATED, replayed);
-    } else if (rc < 0) {
-        if (log_allowed(d, &held))
-            log_info("broker", "A watch named no member; it must rejoin.",
-                     LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
-        rpc_stream_finish(s, RPC_NOT_FOUND, "no member with this session in the cohort");
-    }
-    /* Registered last and outside the lock: if the client is already gone
-     * this runs at once, and it takes the lock itself. */
+    w->session = q->session;
+    if (session_beat(w, q, true) == 0)
+        rpc_stream_on_message(s, session_msg, w);
+    /* Registered last: if the stream is already over this runs at once
+     * and frees the watcher (rpc runs it only after any message callback
+     * has returned). It takes the lock itself. */
     rpc_stream_on_close(s, watcher_closed, w);
 }
 
@@ -663,12 +778,13 @@ static void on_matchmake(void *arg, const ProtobufCMessage *req, struct rpc_stre
     struct mm_call *c;
     int rc, proved;
 
-    if (q->protocol_version != WIRE_PROTOCOL_VERSION || !ident_valid_cohort(q->cohort) ||
-        !ident_valid_member_id(q->id)) {
-        mm_refuse(d, s, q->cohort, q->id,
-                  q->protocol_version != WIRE_PROTOCOL_VERSION ? RPC_FAILED_PRECONDITION
-                                                               : RPC_INVALID_ARGUMENT,
-                  "bad protocol version, cohort name or member id");
+    if (!version_ok(q->protocol_version, why, sizeof(why))) {
+        mm_refuse(d, s, q->cohort, q->id, RPC_FAILED_PRECONDITION, why);
+        return;
+    }
+    if (!ident_valid_cohort(q->cohort) || !ident_valid_member_id(q->id)) {
+        mm_refuse(d, s, q->cohort, q->id, RPC_INVALID_ARGUMENT,
+                  "invalid cohort name or member id");
         return;
     }
     proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
@@ -856,8 +972,34 @@ out:
 
 /* ---- the broker's callbacks (called with d->lock held) ----------------- */
 
+/* One epoch on its way to the streams of its cohort's members. */
+struct delivery {
+    char cohort[IDENT_NAME_MAX + 1];
+    uint64_t epoch;
+    size_t streams;
+    uint64_t formed_us;
+};
+
+/* The epoch's buffer is released: every stream it was queued on has sent
+ * it (gRPC took it for the connection) or moved past it. The log line is
+ * the broker's own measure of how long an epoch takes to reach every
+ * member, apart from the network and the members' processing
+ * (bench/broker.sh reads it). */
+static void delivered(void *arg)
+{
+    struct delivery *dv = arg;
+
+    log_info("broker", "An epoch went out to every member's stream.", LF_S("cohort", dv->cohort),
+             LF_U("epoch", dv->epoch), LF_U("streams", dv->streams),
+             LF_U("send_us", clock_now_us() - dv->formed_us));
+    free(dv);
+}
+
 static void publish(void *arg, struct epoch *e, void *const *watchers, size_t n)
 {
+    uint64_t t0 = clock_now_us();      /* packing is the broker's work too */
+    struct delivery *dv = NULL;
+    Cohort__V1__SessionReply rep = COHORT__V1__SESSION_REPLY__INIT;
     Cohort__V1__Epoch p;
     Cohort__V1__Member *storage, **ptrs;
     struct rpc_buf *buf = NULL;
@@ -868,13 +1010,25 @@ static void publish(void *arg, struct epoch *e, void *const *watchers, size_t n)
     ptrs = calloc(e->n_members + 1, sizeof(*ptrs));
     if (storage && ptrs)
         epoch_to_proto(e, &p, ptrs, storage);
-    if (!storage || !ptrs || rpc_buf_pack(&p.base, &buf) < 0) {
-        /* Members notice through their heartbeat replies and reopen. */
+    rep.epoch = &p;
+    if (!storage || !ptrs || rpc_buf_pack(&rep.base, &buf) < 0) {
+        /* Members notice through the acknowledgements of their
+         * heartbeats, which name the latest epoch, and reopen. */
         log_error("broker", "An epoch could not be packed; members will catch up by heartbeat.",
                   LF_S("cohort", e->cohort), LF_U("epoch", e->number));
         goto out;
     }
-    /* Packed once, shared by every stream. */
+    /* Timed when it goes to more than one stream: a membership change,
+     * not one member's catch-up as its stream attaches. */
+    if (n > 1 && (dv = calloc(1, sizeof(*dv)))) {
+        snprintf(dv->cohort, sizeof(dv->cohort), "%s", e->cohort);
+        dv->epoch = e->number;
+        dv->streams = n;
+        dv->formed_us = t0;
+        rpc_buf_on_release(buf, delivered, dv);
+    }
+    /* Packed once, shared by every stream. An epoch replaces an
+     * acknowledgement still waiting (the newest state wins). */
     for (size_t i = 0; i < n; i++) {
         struct watcher *w = watchers[i];
         rpc_stream_send(w->s, buf);
@@ -890,7 +1044,7 @@ static void detach(void *arg, void *watcher, int err)
     struct watcher *w = watcher;
     const char *why = err == -ETIMEDOUT  ? "evicted: silent past the member timeout"
                       : err == -ENOENT   ? "left the cohort"
-                      : err == -EEXIST   ? "replaced by a newer watch of the same member"
+                      : err == -EEXIST   ? "replaced by a newer session stream of the same member"
                                          : "the cohort or the broker is going away";
 
     w->attached = false;
@@ -922,12 +1076,14 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
         return -ENOMEM;
     struct rpc_method methods[] = {
         { WIRE_BROKER_JOIN, &cohort__v1__join_request__descriptor, on_join, NULL, d },
-        { WIRE_BROKER_HEARTBEAT, &cohort__v1__heartbeat_request__descriptor, on_heartbeat, NULL, d },
+        { WIRE_BROKER_SESSION, &cohort__v1__heartbeat_request__descriptor, NULL, on_session, d },
         { WIRE_BROKER_LEAVE, &cohort__v1__leave_request__descriptor, on_leave, NULL, d },
-        { WIRE_BROKER_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch, d },
         { WIRE_BROKER_STATUS, &cohort__v1__status_request__descriptor, on_status, NULL, d },
         { WIRE_BROKER_MATCHMAKE, &cohort__v1__matchmake_request__descriptor, NULL, on_matchmake,
           d },
+        { WIRE_BROKER_HEARTBEAT, &cohort__v1__heartbeat_request__descriptor, on_heartbeat_v1, NULL,
+          d },
+        { WIRE_BROKER_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch_v1, d },
     };
     struct matchmaker_ops mops = { .formed = mm_formed, .failed = mm_failed, .alive = mm_alive,
                                    .arg = NULL };

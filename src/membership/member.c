@@ -58,15 +58,17 @@ struct member {
 
     enum state state;
     int inflight;               /* async calls whose callbacks name us */
-    bool join_inflight, hb_inflight;
+    bool join_inflight;
     bool rejoin_wanted;
     uint64_t next_join_at, next_hb_at, last_ok_at;
 
+    /* The session stream (protocol 2): heartbeats up, epochs and
+     * acknowledgements down. */
     struct rpc_watch *watch;
     bool watch_ended, watch_reopen;
     uint64_t next_watch_at;
     uint64_t behind_since;      /* heartbeat saw a newer epoch than the watch */
-    bool drained;               /* the last heartbeat reply said so */
+    bool drained;               /* the last acknowledgement said so */
 
     struct epoch *epoch;
     uint64_t last_epoch;
@@ -74,7 +76,6 @@ struct member {
     enum rpc_code last_fail;
     unsigned fails;
     uint64_t join_gen;          /* joins started */
-    uint64_t hb_gen;            /* join_gen when the heartbeat in flight started */
     bool refused;               /* refused as UNAUTHENTICATED since the last join */
     uint32_t auth_backoff_ms;
     uint64_t refusals;
@@ -210,49 +211,24 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
         protobuf_c_message_free_unpacked(reply, NULL);
 }
 
-static void hb_done(void *arg, const struct rpc_status *st, ProtobufCMessage *reply)
+/* An acknowledgement of this member's heartbeats. Lock held. */
+static void beat_locked(struct member *m, const Cohort__V1__HeartbeatReply *r, uint64_t now)
 {
-    struct member *m = arg;
-    uint64_t now = clock_now_ms();
+    uint64_t have = m->epoch ? m->epoch->number : 0;
 
-    pthread_mutex_lock(&m->lock);
-    m->hb_inflight = false;
-    if (m->state != ST_JOINED || m->hb_gen != m->join_gen) {
-        /* A rejoin or leave overtook this heartbeat: its answer, even a
-         * refusal of its proof as too old, is about a past session. */
-    } else if (st->code == RPC_OK) {
-        const Cohort__V1__HeartbeatReply *r = (const Cohort__V1__HeartbeatReply *)reply;
-        uint64_t have = m->epoch ? m->epoch->number : 0;
-        m->last_ok_at = now;
-        m->fails = 0;
-        m->last_fail = RPC_OK;
-        if (r->drained && !m->drained)
-            log_info("member", "Drained: the cohort goes on without this member.",
-                     LF_S("cohort", m->cohort), LF_S("id", m->id), LF_U("epoch", r->epoch));
-        m->drained = r->drained;
-        if (r->epoch > have) {
-            /* The push may simply be on its way; give it one interval. */
-            if (!m->behind_since)
-                m->behind_since = now;
-            else if (now - m->behind_since >= m->hb_ms)
-                m->watch_reopen = true;
-        } else {
-            m->behind_since = 0;
-        }
-    } else if (st->code == RPC_NOT_FOUND) {
-        log_emit(info_level(m), "member", "The broker does not know this member; rejoining.",
-                 LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("detail", st->message), LOG_END);
-        m->state = ST_JOINING;
-        m->next_join_at = now;
-    } else if (st->code == RPC_UNAUTHENTICATED) {
-        refused_locked(m, "Heartbeat", st, now);
+    if (r->drained && !m->drained)
+        log_info("member", "Drained: the cohort goes on without this member.",
+                 LF_S("cohort", m->cohort), LF_S("id", m->id), LF_U("epoch", r->epoch));
+    m->drained = r->drained;
+    if (r->epoch > have) {
+        /* The push may simply be on its way; give it one interval. */
+        if (!m->behind_since)
+            m->behind_since = now;
+        else if (now - m->behind_since >= m->hb_ms)
+            m->watch_reopen = true;
     } else {
-        log_failure(m, "A heartbeat failed.", st);
+        m->behind_since = 0;
     }
-    call_done_locked(m);
-    pthread_mutex_unlock(&m->lock);
-    if (reply)
-        protobuf_c_message_free_unpacked(reply, NULL);
 }
 
 static void log_epoch(const struct member *m, const struct epoch *e)
@@ -277,14 +253,31 @@ static void log_epoch(const struct member *m, const struct epoch *e)
              LF_U("n_members", e->n_members), LF_S("members", ids), LOG_END);
 }
 
-static void watch_msg(void *arg, ProtobufCMessage *msg)
+static void session_msg(void *arg, ProtobufCMessage *msg)
 {
+    const Cohort__V1__SessionReply *r = (const Cohort__V1__SessionReply *)msg;
     struct member *m = arg;
     struct epoch *e = NULL;
     const char *why = NULL;
+    uint64_t now = clock_now_ms();
     int rc;
 
-    rc = epoch_from_proto((const Cohort__V1__Epoch *)msg, &e, &why);
+    /* Anything the broker sends down the stream says it holds this
+     * member's session and its heartbeats arrive. */
+    pthread_mutex_lock(&m->lock);
+    if (m->state == ST_JOINED) {
+        m->last_ok_at = now;
+        m->fails = 0;
+        m->last_fail = RPC_OK;
+        if (r->beat)
+            beat_locked(m, r->beat, now);
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (!r->epoch) {
+        protobuf_c_message_free_unpacked(msg, NULL);
+        return;
+    }
+    rc = epoch_from_proto(r->epoch, &e, &why);
     protobuf_c_message_free_unpacked(msg, NULL);
     if (rc < 0) {
         log_warn("member", "The broker sent an epoch that does not check; it was ignored.",
@@ -304,7 +297,7 @@ static void watch_msg(void *arg, ProtobufCMessage *msg)
         m->last_epoch = e->number;
     m->behind_since = 0;
     pthread_mutex_unlock(&m->lock);
-    /* Watch messages arrive one at a time, so callbacks keep epoch order. */
+    /* Stream messages arrive one at a time, so callbacks keep epoch order. */
     log_epoch(m, e);
     if (m->on_epoch)
         m->on_epoch(m->arg, e);
@@ -319,15 +312,16 @@ static void watch_end(void *arg, const struct rpc_status *st)
     m->watch_ended = true;
     if (m->state == ST_JOINED) {
         if (st->code == RPC_NOT_FOUND) {
-            log_emit(info_level(m), "member", "The broker ended this member's watch; rejoining.",
+            log_emit(info_level(m), "member", "The broker ended this member's session stream; "
+                     "rejoining.",
                      LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("detail", st->message),
                      LOG_END);
             m->state = ST_JOINING;
             m->next_join_at = clock_now_ms();
         } else if (st->code == RPC_UNAUTHENTICATED) {
-            refused_locked(m, "Watch", st, clock_now_ms());
+            refused_locked(m, "Session", st, clock_now_ms());
         } else if (st->code != RPC_CANCELLED) {
-            log_failure(m, "The membership watch broke; reopening.", st);
+            log_failure(m, "The session stream broke; reopening.", st);
         }
     }
     pthread_mutex_unlock(&m->lock);
@@ -367,64 +361,80 @@ static void lost_clear_locked(struct member *m)
     m->n_lost = 0;
 }
 
+/* Fills heartbeat `q` with what the member reports now, signed with the
+ * next seq. `skip`, `pf` and `mac` must outlive the send. */
+static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
+                             Cohort__V1__CheckpointSkipped *skip, Cohort__V1__Proof *pf,
+                             uint8_t mac[SECRET_MAC_BYTES])
+{
+    q->protocol_version = WIRE_PROTOCOL_VERSION;
+    q->cohort = m->cohort;
+    q->id = m->id;
+    q->session = m->session;
+    q->model_version = m->model_version;
+    q->declare_version = m->declare_pending;
+    /* Epochs reach the user from the stream's callback, so the latest one
+     * received is the one the user runs in: the broker counts on it to
+     * know when a drained member may go. */
+    q->epoch = m->epoch ? m->epoch->number : 0;
+    q->n_lost_peers = m->n_lost;
+    q->lost_peers = m->lost;
+    q->checkpoint_version = m->ckpt_version;
+    if (m->ckpt_skipped_version) {
+        skip->version = m->ckpt_skipped_version;
+        skip->reason = m->ckpt_skipped_reason;
+        q->checkpoint_skipped = skip;
+    }
+    sign_locked(m, &q->base, &q->proof, pf, mac);
+}
+
+/* What a heartbeat reported went out: declares and lost peers are sent
+ * once (a report is evidence of a moment, and a lost heartbeat's is not
+ * worth a retry: the timeout still works). */
+static void beat_sent_locked(struct member *m, uint64_t now)
+{
+    m->declare_pending = false;
+    lost_clear_locked(m);
+    m->next_hb_at = now + m->hb_ms;
+}
+
 static void start_heartbeat_locked(struct member *m, uint64_t now)
 {
     Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
     Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
+    int rc;
 
-    q.protocol_version = WIRE_PROTOCOL_VERSION;
-    q.cohort = m->cohort;
-    q.id = m->id;
-    q.session = m->session;
-    q.model_version = m->model_version;
-    q.declare_version = m->declare_pending;
-    /* Epochs reach the user from the watch callback, so the latest one
-     * received is the one the user runs in: the broker counts on it to
-     * know when a drained member may go. */
-    q.epoch = m->epoch ? m->epoch->number : 0;
-    q.n_lost_peers = m->n_lost;
-    q.lost_peers = m->lost;
-    q.checkpoint_version = m->ckpt_version;
-    if (m->ckpt_skipped_version) {
-        skip.version = m->ckpt_skipped_version;
-        skip.reason = m->ckpt_skipped_reason;
-        q.checkpoint_skipped = &skip;
-    }
-    sign_locked(m, &q.base, &q.proof, &pf, mac);
-    m->hb_gen = m->join_gen;
-    /* One interval of patience: a stuck call must not delay the next. */
-    if (rpc_call_async(m->ch, WIRE_BROKER_HEARTBEAT, &q.base,
-                       &cohort__v1__heartbeat_reply__descriptor, m->hb_ms, 0, hb_done, m) == 0) {
-        m->hb_inflight = true;
-        m->inflight++;
-        m->declare_pending = false;
-        /* Sent once: a report is evidence of a moment, and a lost
-         * heartbeat's is not worth a retry (the timeout still works). */
-        lost_clear_locked(m);
-    }
-    m->next_hb_at = now + m->hb_ms;
+    fill_beat_locked(m, &q, &skip, &pf, mac);
+    rc = rpc_watch_send(m->watch, &q.base);
+    if (rc == 0)
+        beat_sent_locked(m, now);
+    else if (rc == -EBUSY)
+        m->next_hb_at = now + POLL_MAX_MS / 4;    /* the previous one is still going out */
+    else
+        m->next_hb_at = now + m->hb_ms;     /* the stream is ending; it is reopened */
 }
 
+/* Opens the session stream; its first message is a heartbeat, which
+ * attaches it to this member's session. */
 static void open_watch_locked(struct member *m, uint64_t now)
 {
-    Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
+    Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
 
-    q.protocol_version = WIRE_PROTOCOL_VERSION;
-    q.cohort = m->cohort;
-    q.id = m->id;
-    q.session = m->session;
-    sign_locked(m, &q.base, &q.proof, &pf, mac);
+    fill_beat_locked(m, &q, &skip, &pf, mac);
     m->watch_ended = false;
     m->watch_reopen = false;
-    if (rpc_watch_open(m->ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
-                       watch_msg, watch_end, m, &m->watch) < 0) {
+    if (rpc_watch_open(m->ch, WIRE_BROKER_SESSION, &q.base, &cohort__v1__session_reply__descriptor,
+                       RPC_DUPLEX, session_msg, watch_end, m, &m->watch) < 0) {
         m->watch = NULL;
         m->next_watch_at = backoff_next(m, now);
+        return;
     }
+    beat_sent_locked(m, now);
 }
 
 static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
@@ -461,7 +471,7 @@ uint32_t member_poll(struct member *m, uint64_t now)
     uint32_t wait = POLL_MAX_MS;
 
     pthread_mutex_lock(&m->lock);
-    if (m->rejoin_wanted && m->state == ST_JOINED && !m->hb_inflight) {
+    if (m->rejoin_wanted && m->state == ST_JOINED) {
         struct rpc_watch *w = m->watch;
         struct rpc_status st;
         m->rejoin_wanted = false;
@@ -480,8 +490,8 @@ uint32_t member_poll(struct member *m, uint64_t now)
         log_emit(info_level(m), "member", "Rejoining with a new session to resync the cohort.",
                  LF_S("cohort", m->cohort), LF_S("id", m->id), LOG_END);
     }
-    /* A watch is replaced when it ended, was found behind, or belongs to a
-     * session state we left. Closing blocks until its callbacks are done,
+    /* The session stream is replaced when it ended, was found behind, or
+     * belongs to a session state we left. Closing blocks until its callbacks are done,
      * so it happens without our lock. */
     if (m->watch && (m->watch_ended || m->watch_reopen || m->state != ST_JOINED)) {
         struct rpc_watch *w = m->watch;
@@ -506,7 +516,8 @@ uint32_t member_poll(struct member *m, uint64_t now)
             open_watch_locked(m, now);
         if (!m->watch)
             wait = until(m->next_watch_at, now, wait);
-        if (!m->hb_inflight && (now >= m->next_hb_at || m->declare_pending || m->n_lost))
+        if (m->watch && !m->watch_ended &&
+            (now >= m->next_hb_at || m->declare_pending || m->n_lost))
             start_heartbeat_locked(m, now);
         wait = until(m->next_hb_at, now, wait);
         break;

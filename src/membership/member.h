@@ -6,13 +6,19 @@
  * members); calls to the broker complete on rpc's completion threads. So
  * one process can run one member or ten thousand with the same code.
  *
+ * Protocol 2: after its Join the member keeps one session stream open
+ * to the broker (wire.h, WIRE_BROKER_SESSION). Its heartbeats go up that
+ * stream, each signed; epochs and the broker's acknowledgements come down
+ * it. The stream opens with a heartbeat, so opening it is a sign of life.
+ *
  * Recovery rules:
  * - A failed join is retried with capped exponential backoff and jitter.
- * - NOT_FOUND on a heartbeat, or a watch that ends with NOT_FOUND, means
- *   the broker forgot this member (evicted, or restarted): rejoin at once.
- * - A watch that breaks otherwise is reopened after backoff. A heartbeat
- *   reply naming a newer epoch than the watch delivered also reopens it, so
- *   a lost push costs one heartbeat interval, not a timeout.
+ * - A session stream that ends with NOT_FOUND means the broker forgot this
+ *   member (evicted, or restarted): rejoin at once.
+ * - A stream that breaks otherwise is reopened after backoff. An
+ *   acknowledgement naming a newer epoch than the stream delivered also
+ *   reopens it, so a lost push costs one heartbeat interval, not a
+ *   timeout.
  * - The session id is fixed for the life of the member: after a transient
  *   outage the broker recognises the rejoin as the same member.
  * - With a key, every call carries a proof of it (wire.h), numbered from 1
@@ -70,7 +76,8 @@ struct member_config {
  * caller frees *out with member_destroy(). */
 int member_create(const struct member_config *cfg, struct member **out);
 
-/* Does what is due at `now` (start a join, a heartbeat, reopen the watch)
+/* Does what is due at `now` (start a join, send a heartbeat, reopen the
+ * session stream)
  * and returns the milliseconds until the next thing falls due (at most
  * 100). Call it from one thread only. */
 uint32_t member_poll(struct member *m, uint64_t now);
@@ -118,7 +125,7 @@ void member_rejoin(struct member *m);
  * member stays out until destroyed. Returns 0 or the call's -errno. */
 int member_leave(struct member *m, uint32_t timeout_ms);
 
-/* Closes the watch and frees the member; no Leave is sent (a crash looks
+/* Closes the session stream and frees the member; no Leave is sent (a crash looks
  * the same to the broker). Must not be called on a completion thread.
  * NULL is fine. */
 void member_destroy(struct member *m);

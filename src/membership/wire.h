@@ -4,8 +4,11 @@
 
 /* Bumped on any change that an older peer would misread. (Proofs did not
  * need it: an older member sends none, which a broker with a key refuses
- * as it refuses any request without one.) */
-#define WIRE_PROTOCOL_VERSION 1u
+ * as it refuses any request without one.) 2: heartbeats ride the member's
+ * Session stream instead of one unary call each. A broker speaks one
+ * version and refuses every other with FAILED_PRECONDITION (brokerd.c
+ * checks it in one place); cohort upgrades by suspend, upgrade, resume. */
+#define WIRE_PROTOCOL_VERSION 2u
 
 /* A cohort's heartbeat interval and member timeout when nobody chose them,
  * in ms: the broker's defaults, and what a member assumes until the
@@ -16,11 +19,13 @@
 #define WIRE_DEFAULT_TIMEOUT_MS 5000u
 
 #define WIRE_BROKER_JOIN "/cohort.v1.Broker/Join"
-#define WIRE_BROKER_HEARTBEAT "/cohort.v1.Broker/Heartbeat"
+#define WIRE_BROKER_SESSION "/cohort.v1.Broker/Session"
 #define WIRE_BROKER_LEAVE "/cohort.v1.Broker/Leave"
-#define WIRE_BROKER_WATCH "/cohort.v1.Broker/Watch"
 #define WIRE_BROKER_STATUS "/cohort.v1.Broker/Status"
 #define WIRE_BROKER_MATCHMAKE "/cohort.v1.Broker/Matchmake"
+/* Protocol 1's: a broker of protocol 2 answers them only to refuse. */
+#define WIRE_BROKER_HEARTBEAT "/cohort.v1.Broker/Heartbeat"
+#define WIRE_BROKER_WATCH "/cohort.v1.Broker/Watch"
 
 /* ---- proofs ------------------------------------------------------------
  *
@@ -33,8 +38,8 @@
  * where each part is preceded by its length as 8 bytes (secret_mac), and
  * the parts are, in order:
  *
- *   method        "Join", "Heartbeat", "Leave", "Watch", "Status" or
- *                 "Matchmake"
+ *   method        "Join", "Heartbeat" (each message up a Session stream),
+ *                 "Leave", "Status" or "Matchmake" ("Watch": protocol 1's)
  *   protocol_version, as 8 bytes
  *   cohort        the request's, "" for a Status of every cohort
  *   id            the member's, "" for Status
@@ -48,7 +53,7 @@
  *                 checkpoint_skipped is present: checkpoint_version,
  *                 checkpoint_skipped's version and reason (0 when absent).
  *                 A member that reports no checkpoint signs what a member
- *                 before checkpoints signed, so both speak version 1;
+ *                 before checkpoints signed;
  *                 stripping the fields breaks the proof, as any change does;
  *                 and, only when it reports any, the number of lost_peers
  *                 (8 bytes) and each of them (so a heartbeat that reports
@@ -67,7 +72,8 @@
  *   above the highest it accepted, or one of the WIRE_PROOF_SEQ_WINDOW
  *   just below it not yet seen (calls on one channel may overtake each
  *   other). A session's first Join marks everything below its seq seen.
- *   This covers Heartbeat, Leave, Watch, Matchmake and a rejoin of a live
+ *   This covers every heartbeat on a Session stream (a replayed one
+ *   ends the stream as UNAUTHENTICATED), Leave, Matchmake and a rejoin of a live
  *   session.
  * - time_ms: a Join and a Status are refused when their time is more than
  *   WIRE_PROOF_SKEW_MS from the broker's wall clock. This is the clock

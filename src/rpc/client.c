@@ -1,5 +1,6 @@
 /* src/rpc/client.c: rpc.h's client side: channels, unary calls (blocking
- * and asynchronous) and watches of server streams. Every call is a tag on
+ * and asynchronous) and watches of server streams, which may keep sending
+ * (duplex). Every call is a tag on
  * the shared completion queue (core.h). */
 #include "rpc/core.h"
 
@@ -25,8 +26,8 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     uint32_t backoff = opts && opts->max_backoff_ms ? opts->max_backoff_ms : LIMIT_BACKOFF_MAX_MS;
     grpc_channel_credentials *creds;
     struct rpc_channel *c;
-    grpc_arg args[7];
-    grpc_channel_args cargs = { .num_args = 6, .args = args };
+    grpc_arg args[8];
+    grpc_channel_args cargs = { .num_args = 7, .args = args };
 
     if (!target || !*target)
         return -EINVAL;
@@ -59,6 +60,11 @@ int rpc_channel_create(const char *target, const struct rpc_channel_opts *opts,
     args[5].type = GRPC_ARG_INTEGER;
     args[5].key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL;
     args[5].value.integer = 1;
+    /* No bandwidth probe (a PING) for the data received: the server must
+     * answer each, and calls and streams here carry small messages. */
+    args[6].type = GRPC_ARG_INTEGER;
+    args[6].key = (char *)GRPC_ARG_HTTP2_BDP_PROBE;
+    args[6].value.integer = 0;
     if (opts && opts->tls_server_name) {
         args[cargs.num_args].type = GRPC_ARG_STRING;
         args[cargs.num_args].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
@@ -238,8 +244,9 @@ struct rpc_watch {
     pthread_mutex_t lock;
     pthread_cond_t cond;
     grpc_call *call;
-    struct rpc_tag start_tag, msg_tag, status_tag;
+    struct rpc_tag start_tag, msg_tag, status_tag, send_tag;
     grpc_byte_buffer *send_bb, *recv_bb;
+    grpc_byte_buffer *out_bb;   /* rpc_watch_send's, while it goes out */
     grpc_metadata_array init_md, trail_md;
     grpc_status_code status;
     grpc_slice details;
@@ -249,6 +256,7 @@ struct rpc_watch {
     void *arg;
     int batches;                /* in flight */
     bool status_done, ended, bad_message;
+    bool duplex, send_inflight, send_closed;
 };
 
 /* on_end runs once, after every batch is back: no on_msg can follow it. */
@@ -286,8 +294,83 @@ static void watch_start_done(struct rpc_tag *t, bool ok)
 
     pthread_mutex_lock(&w->lock);
     w->batches--;
+    w->send_inflight = false;   /* the first message is out */
     watch_maybe_end_locked(w);
     pthread_mutex_unlock(&w->lock);
+}
+
+static void watch_send_done(struct rpc_tag *t, bool ok)
+{
+    struct rpc_watch *w = (struct rpc_watch *)((char *)t - offsetof(struct rpc_watch, send_tag));
+
+    pthread_mutex_lock(&w->lock);
+    if (w->out_bb)      /* NULL after a half-close */
+        grpc_byte_buffer_destroy(w->out_bb);
+    w->out_bb = NULL;
+    w->send_inflight = false;
+    w->batches--;
+    watch_maybe_end_locked(w);
+    pthread_mutex_unlock(&w->lock);
+}
+
+int rpc_watch_send(struct rpc_watch *w, const ProtobufCMessage *msg)
+{
+    grpc_op op;
+    int rc = 0;
+
+    pthread_mutex_lock(&w->lock);
+    if (!w->duplex) {
+        rc = -EINVAL;
+    } else if (w->status_done || w->ended || w->send_closed) {
+        rc = -EPIPE;
+    } else if (w->send_inflight) {
+        rc = -EBUSY;
+    } else if (!(w->out_bb = rpc_pack_bb(msg))) {
+        rc = -ENOMEM;
+    } else {
+        memset(&op, 0, sizeof(op));
+        op.op = GRPC_OP_SEND_MESSAGE;
+        op.data.send_message.send_message = w->out_bb;
+        w->batches++;
+        w->send_inflight = true;
+        if (grpc_call_start_batch(w->call, &op, 1, &w->send_tag, NULL) != GRPC_CALL_OK) {
+            w->batches--;
+            w->send_inflight = false;
+            grpc_byte_buffer_destroy(w->out_bb);
+            w->out_bb = NULL;
+            rc = -EPIPE;
+        }
+    }
+    pthread_mutex_unlock(&w->lock);
+    return rc;
+}
+
+int rpc_watch_done_sending(struct rpc_watch *w)
+{
+    grpc_op op;
+    int rc = 0;
+
+    pthread_mutex_lock(&w->lock);
+    if (!w->duplex) {
+        rc = -EINVAL;
+    } else if (w->status_done || w->ended || w->send_closed) {
+        rc = -EPIPE;
+    } else if (w->send_inflight) {
+        rc = -EBUSY;
+    } else {
+        memset(&op, 0, sizeof(op));
+        op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+        w->batches++;
+        w->send_inflight = true;
+        w->send_closed = true;
+        if (grpc_call_start_batch(w->call, &op, 1, &w->send_tag, NULL) != GRPC_CALL_OK) {
+            w->batches--;
+            w->send_inflight = false;
+            rc = -EPIPE;
+        }
+    }
+    pthread_mutex_unlock(&w->lock);
+    return rc;
 }
 
 static void watch_msg_done(struct rpc_tag *t, bool ok)
@@ -344,6 +427,8 @@ int rpc_watch_open(struct rpc_channel *c, const char *path, const ProtobufCMessa
     w->start_tag.fn = watch_start_done;
     w->msg_tag.fn = watch_msg_done;
     w->status_tag.fn = watch_status_done;
+    w->send_tag.fn = watch_send_done;
+    w->duplex = (flags & RPC_DUPLEX) != 0;
     w->desc = msg_desc;
     w->on_msg = on_msg;
     w->on_end = on_end;
@@ -364,11 +449,14 @@ int rpc_watch_open(struct rpc_channel *c, const char *path, const ProtobufCMessa
     ops[0].flags = (flags & RPC_WAIT_FOR_READY) ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = w->send_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &w->init_md;
+    ops[2].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[2].data.recv_initial_metadata.recv_initial_metadata = &w->init_md;
+    /* A duplex watch keeps its side open for rpc_watch_send. */
+    ops[3].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     w->batches++;
-    if (grpc_call_start_batch(w->call, ops, 4, &w->start_tag, NULL) != GRPC_CALL_OK)
+    w->send_inflight = w->duplex;
+    if (grpc_call_start_batch(w->call, ops, w->duplex ? 3 : 4, &w->start_tag, NULL) !=
+        GRPC_CALL_OK)
         goto err_call;
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;

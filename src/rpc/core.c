@@ -211,6 +211,8 @@ gpr_timespec rpc_deadline_after(uint32_t timeout_ms)
 struct rpc_buf {
     atomic_int refs;
     grpc_slice slice;
+    rpc_release_fn on_release;
+    void *release_arg;
 };
 
 int rpc_buf_pack(const ProtobufCMessage *m, struct rpc_buf **out)
@@ -223,6 +225,8 @@ int rpc_buf_pack(const ProtobufCMessage *m, struct rpc_buf **out)
     len = protobuf_c_message_get_packed_size(m);
     b->slice = grpc_slice_malloc(len);
     protobuf_c_message_pack(m, GRPC_SLICE_START_PTR(b->slice));
+    b->on_release = NULL;
+    b->release_arg = NULL;
     atomic_init(&b->refs, 1);
     *out = b;
     return 0;
@@ -234,9 +238,17 @@ struct rpc_buf *rpc_buf_ref(struct rpc_buf *b)
     return b;
 }
 
+void rpc_buf_on_release(struct rpc_buf *b, rpc_release_fn fn, void *arg)
+{
+    b->on_release = fn;
+    b->release_arg = arg;
+}
+
 void rpc_buf_unref(struct rpc_buf *b)
 {
     if (b && atomic_fetch_sub(&b->refs, 1) == 1) {
+        if (b->on_release)
+            b->on_release(b->release_arg);
         grpc_slice_unref(b->slice);
         free(b);
     }

@@ -1,4 +1,4 @@
-/* src/rpc/rpc.h: unary and server-streaming gRPC calls, server and client, over
+/* src/rpc/rpc.h: unary, server-streaming and duplex gRPC calls, server and client, over
  * the gRPC C core with protobuf-c messages. The only module that includes a
  * grpc header: everything above it speaks protobuf-c and -errno. It is
  * implemented by core.c (the runtime, codes and buffers), server.c and
@@ -75,6 +75,14 @@ struct rpc_buf;
  * rpc_buf_unref(). */
 int rpc_buf_pack(const ProtobufCMessage *m, struct rpc_buf **out);
 struct rpc_buf *rpc_buf_ref(struct rpc_buf *b);
+/* Runs fn(arg) when the last reference to `b` is dropped: every stream it
+ * was queued on has finished sending it (the transport took it), or
+ * dropped it (replaced by a newer message, or the stream ended), and the
+ * owner let go of it. On whichever thread drops it, possibly a completion
+ * thread with a stream's lock held: fn must not call into this module.
+ * Set it once, before `b` is shared. */
+typedef void (*rpc_release_fn)(void *arg);
+void rpc_buf_on_release(struct rpc_buf *b, rpc_release_fn fn, void *arg);
 void rpc_buf_unref(struct rpc_buf *b);          /* NULL is fine */
 size_t rpc_buf_len(const struct rpc_buf *b);
 
@@ -89,7 +97,8 @@ struct rpc_stream;      /* one server-streaming call */
 typedef void (*rpc_unary_fn)(void *arg, const ProtobufCMessage *req, struct rpc_reply *reply);
 /* Streaming handler: receives one reference to `s` and either finishes it
  * at once (rpc_stream_finish, then rpc_stream_unref) or keeps it to send
- * later. `req` is borrowed. */
+ * later. `req` is the client's first message, borrowed; a duplex method's
+ * handler reads the ones after it with rpc_stream_on_message. */
 typedef void (*rpc_stream_fn)(void *arg, const ProtobufCMessage *req, struct rpc_stream *s);
 
 struct rpc_method {
@@ -139,6 +148,20 @@ void rpc_stream_unref(struct rpc_stream *s);    /* NULL is fine */
  * slow reader costs a bounded amount of memory and gets the newest state.
  * Returns 0, or -EPIPE once the stream is finished or the client is gone. */
 int rpc_stream_send(struct rpc_stream *s, struct rpc_buf *b);
+/* rpc_stream_send with a choice: with `replace` false, a message already
+ * waiting is kept and `b` is not queued (-EBUSY), for messages that matter
+ * less than whatever waits (an acknowledgement behind an epoch). */
+int rpc_stream_offer(struct rpc_stream *s, struct rpc_buf *b, bool replace);
+
+/* Duplex: the client's messages after the first, each unpacked as the
+ * method's request type, borrowed for the call. They come one at a time
+ * and in order on a completion thread, the next only after fn returns, so
+ * fn may send and finish on `s`. `msg` NULL: the client said it sends no
+ * more (rpc_watch_done_sending), once, last. A message that does not
+ * parse finishes the stream with INVALID_ARGUMENT and fn never sees it. Set once, in the
+ * handler, after rpc_stream_on_close (fn may run before this returns). */
+typedef void (*rpc_stream_msg_fn)(void *arg, struct rpc_stream *s, const ProtobufCMessage *msg);
+void rpc_stream_on_message(struct rpc_stream *s, rpc_stream_msg_fn fn, void *arg);
 
 /* Ends the stream with `code` after any queued message. Idempotent. */
 void rpc_stream_finish(struct rpc_stream *s, enum rpc_code code, const char *message);
@@ -203,6 +226,9 @@ void rpc_channel_destroy(struct rpc_channel *ch);   /* NULL is fine */
 /* Wait for the server to come up (until the deadline) instead of failing
  * at once with UNAVAILABLE. */
 #define RPC_WAIT_FOR_READY 1u
+/* rpc_watch_open: keep the client's side open after the first message,
+ * for rpc_watch_send (a duplex method). */
+#define RPC_DUPLEX 2u
 
 /* A blocking unary call. `req` borrowed. On success returns 0 and sets
  * *reply (caller frees with protobuf_c_message_free_unpacked(*reply, NULL)).
@@ -233,6 +259,16 @@ typedef void (*rpc_end_fn)(void *arg, const struct rpc_status *st);
 int rpc_watch_open(struct rpc_channel *ch, const char *path, const ProtobufCMessage *req,
                    const ProtobufCMessageDescriptor *msg_desc, unsigned flags, rpc_msg_fn on_msg,
                    rpc_end_fn on_end, void *arg, struct rpc_watch **out);
+/* Sends `msg` (borrowed, packed at once) on a watch opened with
+ * RPC_DUPLEX. One message at a time: returns 0, -EBUSY while the previous
+ * one (the first included) is still going out, -EPIPE once the stream
+ * has ended, -EINVAL on a watch that is not duplex, -ENOMEM. */
+int rpc_watch_send(struct rpc_watch *w, const ProtobufCMessage *msg);
+/* Tells the server of a duplex watch that no more messages come (a
+ * half-close; the server's messages still arrive until it ends the
+ * stream). Returns 0, -EBUSY while a message is going out, -EPIPE once
+ * ended or already said, -EINVAL on a watch that is not duplex. */
+int rpc_watch_done_sending(struct rpc_watch *w);
 /* Cancels the stream if it is still open, waits for on_end, and frees it.
  * Returns 0, or -EDEADLK on a completion thread (nothing is done). */
 int rpc_watch_close(struct rpc_watch *w);

@@ -1,6 +1,7 @@
 /* src/rpc/server.c: rpc.h's server side: accepting calls of registered
  * methods (and refusing the rest), unary replies, and server streams with
- * their latest-wins send queue. Every call, reply and stream operation is
+ * their latest-wins send queue, which may also read the client's further
+ * messages (duplex). Every call, reply and stream operation is
  * a tag on the shared completion queue (core.h). */
 #include "rpc/core.h"
 
@@ -73,8 +74,13 @@ struct rpc_stream {
     struct rpc_server *srv;
     grpc_call *call;            /* released once closed and idle */
     int batches;                /* in flight on call */
-    struct rpc_tag md_tag, send_tag, status_tag, close_tag;
-    grpc_byte_buffer *send_bb;
+    struct rpc_tag md_tag, send_tag, status_tag, close_tag, recv_tag;
+    grpc_byte_buffer *send_bb, *recv_bb;
+    struct rpc_buf *sending;    /* held until its send completes (rpc_buf_on_release) */
+    const ProtobufCMessageDescriptor *desc;     /* of the client's messages */
+    rpc_stream_msg_fn on_msg;   /* duplex: set once by the handler */
+    void *msg_arg;
+    bool recv_inflight;
     bool send_inflight;
     struct rpc_buf *pending;
     bool finish_wanted, status_started, closed, broken;
@@ -315,14 +321,19 @@ static void stream_send_done(struct rpc_tag *t, bool ok)
 {
     struct rpc_stream *st = (struct rpc_stream *)((char *)t - offsetof(struct rpc_stream, send_tag));
 
+    struct rpc_buf *sent;
+
     pthread_mutex_lock(&st->lock);
     grpc_byte_buffer_destroy(st->send_bb);
     st->send_bb = NULL;
+    sent = st->sending;
+    st->sending = NULL;
     st->send_inflight = false;
     if (!ok)
         st->broken = true;
     stream_pump_locked(st);
     stream_after_batch(st);
+    rpc_buf_unref(sent);
 }
 
 static void stream_status_done(struct rpc_tag *t, bool ok)
@@ -333,24 +344,103 @@ static void stream_status_done(struct rpc_tag *t, bool ok)
     stream_after_batch(st);
 }
 
+/* Takes on_close for running once the call is over and no message
+ * callback runs or can run (one in flight always completes once the call
+ * is over). Lock held. */
+static rpc_close_fn stream_take_close_locked(struct rpc_stream *st, void **arg)
+{
+    rpc_close_fn fn = NULL;
+
+    if (st->closed && !st->recv_inflight) {
+        fn = st->on_close;
+        *arg = st->close_arg;
+        st->on_close = NULL;
+    }
+    return fn;
+}
+
 static void stream_close_done(struct rpc_tag *t, bool ok)
 {
     struct rpc_stream *st = (struct rpc_stream *)((char *)t - offsetof(struct rpc_stream, close_tag));
     rpc_close_fn fn;
-    void *arg;
+    void *arg = NULL;
 
     pthread_mutex_lock(&st->lock);
     st->closed = true;
     rpc_buf_unref(st->pending);
     st->pending = NULL;
-    fn = st->on_close;
-    arg = st->close_arg;
-    st->on_close = NULL;
+    fn = stream_take_close_locked(st, &arg);
     pthread_mutex_unlock(&st->lock);
     /* Outside our lock: the owner may lock its own state and send. */
     if (fn)
         fn(arg, st);
     pthread_mutex_lock(&st->lock);
+    stream_after_batch(st);
+}
+
+static bool stream_start_locked(struct rpc_stream *st, grpc_op *ops, size_t n, struct rpc_tag *t);
+
+/* Asks for the client's next message: one at a time, so the owner sees
+ * them in order and a client cannot make the server buffer more than one
+ * (each at most max_request_bytes). Lock held. */
+static void stream_arm_recv_locked(struct rpc_stream *st)
+{
+    grpc_op op;
+
+    if (st->closed || st->recv_inflight || st->finish_wanted || !st->on_msg)
+        return;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &st->recv_bb;
+    st->recv_inflight = true;
+    if (!stream_start_locked(st, &op, 1, &st->recv_tag))
+        st->recv_inflight = false;
+}
+
+static void stream_recv_done(struct rpc_tag *t, bool ok)
+{
+    struct rpc_stream *st = (struct rpc_stream *)((char *)t - offsetof(struct rpc_stream, recv_tag));
+    grpc_byte_buffer *bb;
+    ProtobufCMessage *m = NULL;
+    uint64_t held = 0;
+    rpc_close_fn fn;
+    void *arg = NULL;
+
+    pthread_mutex_lock(&st->lock);
+    bb = st->recv_bb;
+    st->recv_bb = NULL;
+    pthread_mutex_unlock(&st->lock);
+    /* No message but success: the client half-closed, which its owner
+     * hears as NULL. Failure: the call is over (on_close says so). Either
+     * way nothing more is read. */
+    if (ok && !bb)
+        st->on_msg(st->msg_arg, st, NULL);
+    if (ok && bb) {
+        m = rpc_unpack_bb(bb, st->desc);
+        if (m) {
+            st->on_msg(st->msg_arg, st, m);
+            protobuf_c_message_free_unpacked(m, NULL);
+        } else {
+            if (warn_allowed(&held))
+                log_warn("rpc", "A stream message did not parse; the stream was ended.",
+                         LF_S("expected", st->desc->name), LF_U("held_back", held));
+            rpc_stream_finish(st, RPC_INVALID_ARGUMENT,
+                              "malformed stream message: not a valid message of the method's "
+                              "type");
+        }
+    }
+    if (bb)
+        grpc_byte_buffer_destroy(bb);
+    pthread_mutex_lock(&st->lock);
+    st->recv_inflight = false;
+    if (m)
+        stream_arm_recv_locked(st);
+    fn = stream_take_close_locked(st, &arg);
+    if (fn) {
+        pthread_mutex_unlock(&st->lock);
+        fn(arg, st);
+        pthread_mutex_lock(&st->lock);
+    }
     stream_after_batch(st);
 }
 
@@ -383,7 +473,7 @@ static void stream_pump_locked(struct rpc_stream *st)
     memset(&op, 0, sizeof(op));
     if (st->pending && !st->broken) {
         st->send_bb = rpc_buf_to_bb(st->pending);
-        rpc_buf_unref(st->pending);
+        st->sending = st->pending;
         st->pending = NULL;
         op.op = GRPC_OP_SEND_MESSAGE;
         op.data.send_message.send_message = st->send_bb;
@@ -391,6 +481,8 @@ static void stream_pump_locked(struct rpc_stream *st)
         if (!stream_start_locked(st, &op, 1, &st->send_tag)) {
             grpc_byte_buffer_destroy(st->send_bb);
             st->send_bb = NULL;
+            rpc_buf_unref(st->sending);
+            st->sending = NULL;
             st->send_inflight = false;
         }
         return;
@@ -422,6 +514,8 @@ static void handle_stream(struct incoming *in, const ProtobufCMessage *req)
     st->send_tag.fn = stream_send_done;
     st->status_tag.fn = stream_status_done;
     st->close_tag.fn = stream_close_done;
+    st->recv_tag.fn = stream_recv_done;
+    st->desc = in->meth->m.request;
     st->fdetails = grpc_empty_slice();
 
     pthread_mutex_lock(&st->lock);
@@ -511,8 +605,8 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
 {
     size_t max_req = opts && opts->max_request_bytes ? opts->max_request_bytes
                                                      : LIMIT_RPC_REQUEST_BYTES;
-    grpc_arg args[4];
-    grpc_channel_args cargs = { .num_args = 4, .args = args };
+    grpc_arg args[5];
+    grpc_channel_args cargs = { .num_args = 5, .args = args };
     grpc_server_credentials *creds;
     struct rpc_server *s;
     int rc = -ENOMEM;
@@ -544,6 +638,12 @@ int rpc_server_create(const char *address, const struct rpc_method *methods, siz
     args[3].type = GRPC_ARG_INTEGER;
     args[3].key = (char *)GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS;
     args[3].value.integer = 1;
+    /* gRPC answers data with a bandwidth probe (a PING) to size its flow
+     * control windows: on streams of small messages, such as heartbeats,
+     * that is a second round trip per message for nothing. */
+    args[4].type = GRPC_ARG_INTEGER;
+    args[4].key = (char *)GRPC_ARG_HTTP2_BDP_PROBE;
+    args[4].value.integer = 0;
 
     s->server = grpc_server_create(&cargs, NULL);
     if (!s->server)
@@ -664,7 +764,10 @@ void rpc_stream_unref(struct rpc_stream *st)
         return;
     /* Last reference: every batch has completed, so the call is released. */
     rpc_buf_unref(st->pending);
+    rpc_buf_unref(st->sending);
     grpc_slice_unref(st->fdetails);
+    if (st->recv_bb)
+        grpc_byte_buffer_destroy(st->recv_bb);
     if (st->call)
         grpc_call_unref(st->call);
     pthread_mutex_destroy(&st->lock);
@@ -673,11 +776,20 @@ void rpc_stream_unref(struct rpc_stream *st)
 
 int rpc_stream_send(struct rpc_stream *st, struct rpc_buf *b)
 {
+    return rpc_stream_offer(st, b, true);
+}
+
+int rpc_stream_offer(struct rpc_stream *st, struct rpc_buf *b, bool replace)
+{
     int rc = 0;
 
     pthread_mutex_lock(&st->lock);
     if (st->closed || st->broken || st->finish_wanted) {
         rc = -EPIPE;
+        goto out;
+    }
+    if (!replace && st->pending) {
+        rc = -EBUSY;
         goto out;
     }
     rpc_buf_unref(st->pending);
@@ -711,17 +823,28 @@ bool rpc_stream_cancelled(struct rpc_stream *st)
     return c;
 }
 
+void rpc_stream_on_message(struct rpc_stream *st, rpc_stream_msg_fn fn, void *arg)
+{
+    pthread_mutex_lock(&st->lock);
+    if (!st->on_msg && fn) {
+        st->on_msg = fn;
+        st->msg_arg = arg;
+        stream_arm_recv_locked(st);
+    }
+    pthread_mutex_unlock(&st->lock);
+}
+
 void rpc_stream_on_close(struct rpc_stream *st, rpc_close_fn fn, void *arg)
 {
     bool now;
 
     pthread_mutex_lock(&st->lock);
-    now = st->closed;
-    if (!now) {
-        st->on_close = fn;
-        st->close_arg = arg;
-    }
+    st->on_close = fn;
+    st->close_arg = arg;
+    /* Over already: at once, unless a message callback still runs (it
+     * runs on_close when it returns). */
+    now = stream_take_close_locked(st, &arg) != NULL;
     pthread_mutex_unlock(&st->lock);
-    if (now && fn)
+    if (now)
         fn(arg, st);
 }

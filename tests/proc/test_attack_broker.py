@@ -219,6 +219,32 @@ def test_a_captured_join_cannot_bring_back_a_member_that_left(procs, tmp_path):
                         "--time-offset-ms", "-600000"), "behind the broker's clock")
 
 
+
+def test_a_member_of_protocol_1_is_refused_at_every_call_it_makes(procs, tmp_path):
+    """Protocol 2 serves no protocol 1 member: its Join, its unary Heartbeat
+    and its Watch are each FAILED_PRECONDITION with a message that says what
+    to do, and the cohort's state is untouched."""
+    key = write_key(tmp_path / "key")
+    b = procs.add(start_broker("--cohort", "demo", secret_file=key))
+    old = ["--id", "old-0", "--session", "9", "--secret-file", key, "--protocol-version", "1"]
+    for method in ("join", "heartbeat-v1", "watch"):
+        code, out = broker_call(method, b.address, "demo", *old)
+        assert code == 1 and out["code"] == "FAILED_PRECONDITION", (method, out)
+        assert "protocol version 1 is not supported; this broker speaks 2" in out["message"], out
+    # A heartbeat of protocol 2 on the unary method of protocol 1 learns where it went.
+    code, out = broker_call("heartbeat-v1", b.address, "demo", "--id", "old-0", "--session", "9",
+                            "--secret-file", key, "--seq", "2")
+    assert code == 1 and out["code"] == "FAILED_PRECONDITION", out
+    assert "ride the Session stream" in out["message"], out
+    # The stream of protocol 2 with a protocol 1 heartbeat on it.
+    code, out = broker_call("heartbeat", b.address, "demo", *old)
+    assert code == 1 and out["code"] == "FAILED_PRECONDITION", out
+    code, out = broker_call("status", b.address, "demo", "--secret-file", key)
+    assert code == 0 and out["cohorts"] == 1, out
+    r = cohortctl("status", "--timeout", "30s", "--broker", b.address, "--cohort", "demo",
+                  "--secret-file", key, "-o", "json")
+    assert json.loads(r.stdout)["cohorts"][0]["members"] == []
+
 # ---- a member without the right key ----------------------------------------
 
 def test_a_member_with_a_wrong_key_says_so_once_and_backs_off(procs, tmp_path):

@@ -96,8 +96,7 @@ def test_restarted_broker_rebuilds_the_cohort(cohort):
     b.kill(signal.SIGKILL)
     b.stop()
     # Members notice the outage and keep retrying.
-    wait_until(lambda: all(s.logs("The membership watch broke; reopening.") or
-                           s.logs("A heartbeat failed.") for s in sc),
+    wait_until(lambda: all(s.logs("The session stream broke; reopening.") for s in sc),
                what="every sidecar to notice the broker is gone")
     b2 = cohort.broker("--cohort", "demo", listen="127.0.0.1:" + port)
     t0 = time.monotonic()

@@ -4,6 +4,12 @@
  * what it is told, a proof only when given a key, and the same proof
  * again when given the same --seq and --time-ms (a replay).
  *
+ * `heartbeat` opens a Session stream (protocol 2) and sends the heartbeat
+ * up it --repeat times; the outcome is the first message down (OK) or how
+ * the stream ended. It then closes its side cleanly, so the broker does
+ * not take the tool's exit for the member's death. `heartbeat-v1` and
+ * `watch` call protocol 1's methods, which the broker refuses.
+ *
  *   broker-call join --broker 127.0.0.1:7070 --cohort demo --id evil \
  *       --address 10.0.0.9:1 --timeout-ms 4294967295
  *
@@ -17,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "base/clock.h"
 #include "base/opt.h"
@@ -29,7 +36,8 @@
 #define PROG "broker-call"
 
 static const char usage[] =
-    "Usage: broker-call join|heartbeat|leave|watch|status --broker ADDR --cohort NAME\n"
+    "Usage: broker-call join|heartbeat|heartbeat-v1|leave|watch|status --broker ADDR\n"
+    "           --cohort NAME [--protocol-version N]\n"
     "           [--id ID] [--session N] [--address HOST:PORT] [--model-version N]\n"
     "           [--heartbeat-ms N] [--timeout-ms N] [--last-epoch N] [--epoch N]\n"
     "           [--secret-file PATH [--seq N] [--time-ms N | --time-offset-ms N]]\n"
@@ -42,6 +50,7 @@ static const char usage[] =
 struct args {
     const char *method, *broker, *cohort, *id, *address, *secret_file, *ca_file, *server_name;
     uint64_t session, model_version, heartbeat_ms, timeout_ms, last_epoch, epoch, seq, time_ms;
+    uint64_t version;           /* --protocol-version; the requests' */
     int64_t time_offset_ms;
     uint64_t watch_ms;
     uint64_t repeat;
@@ -53,7 +62,7 @@ struct args {
 struct watched {
     pthread_mutex_t lock;
     pthread_cond_t cond;
-    unsigned epochs;
+    unsigned msgs, epochs;
     uint64_t last;
     bool ended;
     struct rpc_status st;
@@ -62,10 +71,15 @@ struct watched {
 static void on_msg(void *arg, ProtobufCMessage *msg)
 {
     struct watched *w = arg;
+    const Cohort__V1__Epoch *e = (const Cohort__V1__Epoch *)msg;
 
+    if (msg->descriptor == &cohort__v1__session_reply__descriptor)
+        e = ((const Cohort__V1__SessionReply *)msg)->epoch;
     pthread_mutex_lock(&w->lock);
-    w->epochs++;
-    w->last = ((Cohort__V1__Epoch *)msg)->epoch;
+    w->msgs++;
+    w->epochs += e != NULL;
+    if (e)
+        w->last = e->epoch;
     pthread_cond_broadcast(&w->cond);
     pthread_mutex_unlock(&w->lock);
     protobuf_c_message_free_unpacked(msg, NULL);
@@ -107,7 +121,7 @@ static int parse(int argc, char **argv, struct args *a)
 {
     enum { O_BROKER = 256, O_COHORT, O_ID, O_SESSION, O_ADDRESS, O_MV, O_HB, O_TO, O_LAST,
            O_EPOCH, O_SECRET, O_SEQ, O_TIME, O_OFFSET, O_CA, O_SNAME, O_WATCH, O_REPEAT,
-           O_LOST };
+           O_LOST, O_VERSION };
     static const struct option longopts[] = {
         { "broker", required_argument, NULL, O_BROKER },
         { "cohort", required_argument, NULL, O_COHORT },
@@ -128,6 +142,7 @@ static int parse(int argc, char **argv, struct args *a)
         { "watch-for", required_argument, NULL, O_WATCH },
         { "repeat", required_argument, NULL, O_REPEAT },
         { "lost-peer", required_argument, NULL, O_LOST },
+        { "protocol-version", required_argument, NULL, O_VERSION },
         { "help", no_argument, NULL, 'h' },
         { NULL, 0, NULL, 0 },
     };
@@ -135,9 +150,10 @@ static int parse(int argc, char **argv, struct args *a)
     int opt;
 
     *a = (struct args){ .id = "", .address = "127.0.0.1:9", .session = 1, .seq = 1,
-                        .watch_ms = 2000, .repeat = 1 };
+                        .watch_ms = 2000, .repeat = 1, .version = WIRE_PROTOCOL_VERSION };
     if (argc < 2)
-        return opt_usage(PROG, "want a method: join, heartbeat, leave, watch or status");
+        return opt_usage(PROG, "want a method: join, heartbeat, heartbeat-v1, leave, watch or "
+                         "status");
     a->method = argv[1];
     optind = 2;
     while ((opt = opt_next(PROG, argc, argv, "h", longopts)) != -1) {
@@ -159,6 +175,7 @@ static int parse(int argc, char **argv, struct args *a)
         case O_SEQ: u = &a->seq; break;
         case O_TIME: u = &a->time_ms; break;
         case O_REPEAT: u = &a->repeat; break;
+        case O_VERSION: u = &a->version; break;
         case O_LOST:
             if (a->n_lost == sizeof(a->lost) / sizeof(a->lost[0]))
                 return opt_usage(PROG, "at most 32 --lost-peer");
@@ -189,6 +206,8 @@ static int parse(int argc, char **argv, struct args *a)
         return opt_usage(PROG, "--broker and --cohort are required");
     if (a->repeat < 1 || a->repeat > 100000)
         return opt_usage(PROG, "--repeat takes 1 to 100000");
+    if (a->version > UINT32_MAX)
+        return opt_usage(PROG, "--protocol-version takes a 32-bit number");
     return 0;
 }
 
@@ -200,7 +219,7 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
 {
     if (strcmp(a->method, "join") == 0) {
         *j = (Cohort__V1__JoinRequest)COHORT__V1__JOIN_REQUEST__INIT;
-        j->protocol_version = WIRE_PROTOCOL_VERSION;
+        j->protocol_version = (uint32_t)a->version;
         j->cohort = (char *)a->cohort;
         j->id = (char *)a->id;
         j->address = (char *)a->address;
@@ -212,9 +231,9 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
         *proof = &j->proof;
         return &j->base;
     }
-    if (strcmp(a->method, "heartbeat") == 0) {
+    if (strcmp(a->method, "heartbeat") == 0 || strcmp(a->method, "heartbeat-v1") == 0) {
         *h = (Cohort__V1__HeartbeatRequest)COHORT__V1__HEARTBEAT_REQUEST__INIT;
-        h->protocol_version = WIRE_PROTOCOL_VERSION;
+        h->protocol_version = (uint32_t)a->version;
         h->cohort = (char *)a->cohort;
         h->id = (char *)a->id;
         h->session = a->session;
@@ -227,7 +246,7 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
     }
     if (strcmp(a->method, "leave") == 0) {
         *l = (Cohort__V1__LeaveRequest)COHORT__V1__LEAVE_REQUEST__INIT;
-        l->protocol_version = WIRE_PROTOCOL_VERSION;
+        l->protocol_version = (uint32_t)a->version;
         l->cohort = (char *)a->cohort;
         l->id = (char *)a->id;
         l->session = a->session;
@@ -236,7 +255,7 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
     }
     if (strcmp(a->method, "watch") == 0) {
         *w = (Cohort__V1__WatchRequest)COHORT__V1__WATCH_REQUEST__INIT;
-        w->protocol_version = WIRE_PROTOCOL_VERSION;
+        w->protocol_version = (uint32_t)a->version;
         w->cohort = (char *)a->cohort;
         w->id = (char *)a->id;
         w->session = a->session;
@@ -245,7 +264,7 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
     }
     if (strcmp(a->method, "status") == 0) {
         *s = (Cohort__V1__StatusRequest)COHORT__V1__STATUS_REQUEST__INIT;
-        s->protocol_version = WIRE_PROTOCOL_VERSION;
+        s->protocol_version = (uint32_t)a->version;
         s->cohort = (char *)a->cohort;
         *proof = &s->proof;
         return &s->base;
@@ -253,30 +272,68 @@ static ProtobufCMessage *build(struct args *a, Cohort__V1__JoinRequest *j,
     return NULL;
 }
 
-static int watch(struct rpc_channel *ch, const ProtobufCMessage *req, uint64_t watch_ms)
+/* Waits until the watch got a message or ended, or `ms` passed. */
+static void wait_first(struct watched *w, uint64_t ms)
+{
+    struct timespec until = clock_deadline((uint32_t)ms);
+
+    pthread_mutex_lock(&w->lock);
+    while (!w->ended && w->msgs == 0 && pthread_cond_timedwait(&w->cond, &w->lock, &until) == 0)
+        ;
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* Protocol 1's Watch, or a Session stream carrying `repeat` copies of
+ * heartbeat `req`. */
+static int watch(struct rpc_channel *ch, const ProtobufCMessage *req, bool session,
+                 uint64_t repeat, uint64_t watch_ms)
 {
     struct watched w = { .lock = PTHREAD_MUTEX_INITIALIZER };
     struct rpc_watch *rw;
     struct rpc_status st = { .code = RPC_OK };
     struct timespec until;
-    char extra[96];
+    uint64_t sent = 1, give_up = clock_now_ms() + 30000;
+    char extra[128];
     int rc;
 
     clock_cond_init(&w.cond);
-    rc = rpc_watch_open(ch, WIRE_BROKER_WATCH, req, &cohort__v1__epoch__descriptor, 0, on_msg,
-                        on_end, &w, &rw);
+    rc = session ? rpc_watch_open(ch, WIRE_BROKER_SESSION, req,
+                                  &cohort__v1__session_reply__descriptor, RPC_DUPLEX, on_msg, on_end,
+                                  &w, &rw)
+                 : rpc_watch_open(ch, WIRE_BROKER_WATCH, req, &cohort__v1__epoch__descriptor, 0,
+                                  on_msg, on_end, &w, &rw);
     if (rc < 0) {
         st.code = rpc_code_from_errno(rc);
         return outcome(&st, NULL);
     }
-    until = clock_deadline((uint32_t)watch_ms);
+    /* Each copy, and then the clean close, waits for the message before
+     * it to go out. */
+    while (session && sent <= repeat) {
+        rc = sent < repeat ? rpc_watch_send(rw, req) : rpc_watch_done_sending(rw);
+        if (rc == -EBUSY && clock_now_ms() < give_up) {
+            struct timespec ms = { 0, 1000000 };
+            nanosleep(&ms, NULL);
+            continue;
+        }
+        if (rc < 0)
+            break;
+        sent++;
+    }
+    wait_first(&w, session ? 30000 : watch_ms);
+    if (session && sent > repeat) {
+        /* The broker ends a stream closed cleanly; wait for that, so the
+         * outcome is the broker's last word on every copy. */
+        pthread_mutex_lock(&w.lock);
+        until = clock_deadline(30000);
+        while (!w.ended && pthread_cond_timedwait(&w.cond, &w.lock, &until) == 0)
+            ;
+        pthread_mutex_unlock(&w.lock);
+    }
     pthread_mutex_lock(&w.lock);
-    while (!w.ended && w.epochs == 0 &&
-           pthread_cond_timedwait(&w.cond, &w.lock, &until) == 0)
-        ;
     if (w.ended)
         st = w.st;
-    snprintf(extra, sizeof(extra), ",\"epochs\":%u,\"epoch\":%" PRIu64, w.epochs, w.last);
+    snprintf(extra, sizeof(extra), ",\"epochs\":%u,\"epoch\":%" PRIu64 ",\"sent\":%" PRIu64,
+             w.epochs, w.last, sent > repeat ? repeat : sent);
     pthread_mutex_unlock(&w.lock);
     rpc_watch_close(rw);
     return outcome(&st, extra);
@@ -325,16 +382,16 @@ int main(int argc, char **argv)
     co.tls_server_name = a.server_name;
     if (rpc_init() < 0 || rpc_channel_create(a.broker, &co, &ch) < 0)
         return 1;
-    if (strcmp(a.method, "watch") == 0) {
-        status = watch(ch, req, a.watch_ms);
+    if (strcmp(a.method, "watch") == 0 || strcmp(a.method, "heartbeat") == 0) {
+        status = watch(ch, req, strcmp(a.method, "heartbeat") == 0, a.repeat, a.watch_ms);
         goto out;
     }
     path = strcmp(a.method, "join") == 0        ? WIRE_BROKER_JOIN
-           : strcmp(a.method, "heartbeat") == 0 ? WIRE_BROKER_HEARTBEAT
+           : strcmp(a.method, "heartbeat-v1") == 0 ? WIRE_BROKER_HEARTBEAT
            : strcmp(a.method, "leave") == 0     ? WIRE_BROKER_LEAVE
                                                 : WIRE_BROKER_STATUS;
     reply_desc = strcmp(a.method, "join") == 0        ? &cohort__v1__join_reply__descriptor
-                 : strcmp(a.method, "heartbeat") == 0 ? &cohort__v1__heartbeat_reply__descriptor
+                 : strcmp(a.method, "heartbeat-v1") == 0 ? &cohort__v1__heartbeat_reply__descriptor
                  : strcmp(a.method, "leave") == 0     ? &cohort__v1__leave_reply__descriptor
                                                       : &cohort__v1__status_reply__descriptor;
     for (uint64_t i = 0; i < a.repeat; i++) {

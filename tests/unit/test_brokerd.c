@@ -52,13 +52,118 @@ static void stop(void)
 
 TestSuite(brokerd, .init = start, .fini = stop, .timeout = 120);
 
-static int join(const char *cohort, const char *id, uint64_t session, uint32_t version,
-                struct rpc_status *st)
+/* ---- heartbeats on Session streams (protocol 2) ---- */
+
+/* One Session stream as a test sees it: its first message down (the
+ * broker took the opening heartbeat) and how it ended. */
+struct one_stream {
+    pthread_mutex_t lock;
+    Cohort__V1__SessionReply *first;
+    unsigned msgs;
+    bool ended;
+    struct rpc_status st;
+};
+
+static void one_msg(void *arg, ProtobufCMessage *msg)
+{
+    struct one_stream *o = arg;
+
+    pthread_mutex_lock(&o->lock);
+    o->msgs++;
+    if (!o->first)
+        o->first = (Cohort__V1__SessionReply *)msg;
+    else
+        protobuf_c_message_free_unpacked(msg, NULL);
+    pthread_mutex_unlock(&o->lock);
+}
+
+static void one_end(void *arg, const struct rpc_status *st)
+{
+    struct one_stream *o = arg;
+
+    pthread_mutex_lock(&o->lock);
+    o->ended = true;
+    o->st = *st;
+    pthread_mutex_unlock(&o->lock);
+}
+
+static bool one_has(struct one_stream *o, bool ended, unsigned msgs)
+{
+    bool ok;
+
+    pthread_mutex_lock(&o->lock);
+    ok = (ended ? o->ended : true) && o->msgs >= msgs;
+    pthread_mutex_unlock(&o->lock);
+    return ok;
+}
+
+static bool one_answered(struct one_stream *o)
+{
+    return one_has(o, true, 0) || one_has(o, false, 1);
+}
+
+/* Opens a Session stream with heartbeat `h` (borrowed). */
+static struct rpc_watch *session_open(const ProtobufCMessage *h, struct one_stream *o)
+{
+    struct rpc_watch *w = NULL;
+
+    cr_assert_eq(rpc_watch_open(ch, WIRE_BROKER_SESSION, h, &cohort__v1__session_reply__descriptor,
+                                RPC_DUPLEX | RPC_WAIT_FOR_READY, one_msg, one_end, o, &w), 0);
+    return w;
+}
+
+/* Sends `m` up the stream once the message before it is out. */
+static void session_send(struct rpc_watch *w, const ProtobufCMessage *m)
+{
+    int rc = -EBUSY;
+
+    FIXTURE_WAIT_FOR((rc = rc == -EBUSY ? rpc_watch_send(w, m) : rc) != -EBUSY,
+                     "the previous message never went out");
+    cr_assert_eq(rc, 0, "send: %d", rc);
+}
+
+/* Closes our side cleanly and waits for the broker to end the stream, so
+ * that it does not take the close for a death; then frees it. */
+static void session_close(struct rpc_watch *w, struct one_stream *o)
+{
+    int rc = -EBUSY;
+
+    FIXTURE_WAIT_FOR(one_has(o, true, 0) ||
+                         (rc = rc == -EBUSY ? rpc_watch_done_sending(w) : rc) != -EBUSY,
+                     "the stream never finished sending");
+    FIXTURE_WAIT_FOR(one_has(o, true, 0), "the broker never ended a stream closed cleanly");
+    rpc_watch_close(w);
+    if (o->first)
+        protobuf_c_message_free_unpacked(&o->first->base, NULL);
+}
+
+/* A heartbeat as a call: a Session stream of its own that opens with `h`.
+ * 0 when the broker answered it (anything down the stream), otherwise the
+ * -errno of the code the stream ended with (*st says). */
+static int beat_call(const ProtobufCMessage *h, struct rpc_status *st)
+{
+    struct one_stream o = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w = session_open(h, &o);
+    int rc;
+
+    FIXTURE_WAIT_FOR(one_answered(&o), "the broker never answered a session's heartbeat");
+    session_close(w, &o);
+    rc = o.first ? 0 : rpc_code_to_errno(o.st.code);
+    *st = o.st;
+    if (o.first)
+        st->code = RPC_OK;
+    return rc;
+}
+
+/* A raw Join asking for member timeout `timeout_ms` (0: the cohort's). */
+static int join_to(const char *cohort, const char *id, uint64_t session, uint32_t version,
+                   uint32_t timeout_ms, struct rpc_status *st)
 {
     Cohort__V1__JoinRequest q = COHORT__V1__JOIN_REQUEST__INIT;
     ProtobufCMessage *out = NULL;
     int rc;
 
+    q.timeout_ms = timeout_ms;
     q.protocol_version = version;
     q.cohort = (char *)cohort;
     q.id = (char *)id;
@@ -69,6 +174,12 @@ static int join(const char *cohort, const char *id, uint64_t session, uint32_t v
     if (out)
         protobuf_c_message_free_unpacked(out, NULL);
     return rc;
+}
+
+static int join(const char *cohort, const char *id, uint64_t session, uint32_t version,
+                struct rpc_status *st)
+{
+    return join_to(cohort, id, session, version, 0, st);
 }
 
 static size_t status_members(const char *cohort)
@@ -93,7 +204,52 @@ Test(brokerd, wrong_protocol_version_is_failed_precondition_and_changes_nothing)
     cr_assert_eq(join("demo", "a", 7, WIRE_PROTOCOL_VERSION + 1, &st), -EPROTO, "%s: %s",
                  rpc_code_name(st.code), st.message);
     cr_assert_eq(st.code, RPC_FAILED_PRECONDITION);
-    cr_assert(strstr(st.message, "protocol version 2 is not supported"), "%s", st.message);
+    cr_assert(strstr(st.message, "protocol version 3 is not supported; this broker speaks 2"), "%s",
+              st.message);
+    cr_assert_eq(status_members("demo"), 0);
+}
+
+/* A member of protocol 1 is refused at every call it makes, with a
+ * message that says why, and nothing changes. */
+Test(brokerd, protocol_1_members_are_refused_clearly)
+{
+    Cohort__V1__HeartbeatRequest h = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__WatchRequest wq = COHORT__V1__WATCH_REQUEST__INIT;
+    struct one_stream o = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    ProtobufCMessage *out = NULL;
+    struct rpc_watch *w = NULL;
+    struct rpc_status st;
+
+    cr_assert_eq(join("demo", "old", 7, 1, &st), -EPROTO, "%s", st.message);
+    cr_assert(strstr(st.message, "protocol version 1 is not supported"), "%s", st.message);
+    h.protocol_version = 1;
+    h.cohort = "demo";
+    h.id = "old";
+    h.session = 7;
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                          &cohort__v1__heartbeat_reply__descriptor, CALL_MS, RPC_WAIT_FOR_READY,
+                          &out, &st), -EPROTO, "%s", st.message);
+    cr_assert(strstr(st.message, "protocol version 1 is not supported"), "%s", st.message);
+    /* Even one that names version 2 learns where heartbeats went. */
+    h.protocol_version = WIRE_PROTOCOL_VERSION;
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
+                          &cohort__v1__heartbeat_reply__descriptor, CALL_MS, RPC_WAIT_FOR_READY,
+                          &out, &st), -EPROTO, "%s", st.message);
+    cr_assert(strstr(st.message, "ride the Session stream"), "%s", st.message);
+    wq.protocol_version = 1;
+    wq.cohort = "demo";
+    wq.id = "old";
+    wq.session = 7;
+    cr_assert_eq(rpc_watch_open(ch, WIRE_BROKER_WATCH, &wq.base, &cohort__v1__epoch__descriptor,
+                                RPC_WAIT_FOR_READY, one_msg, one_end, &o, &w), 0);
+    FIXTURE_WAIT_FOR(one_has(&o, true, 0), "the broker never ended a protocol 1 watch");
+    rpc_watch_close(w);
+    cr_assert_eq(o.st.code, RPC_FAILED_PRECONDITION, "%s", o.st.message);
+    cr_assert_eq(o.msgs, 0);
+    /* A Session stream opened with a heartbeat of version 1. */
+    h.protocol_version = 1;
+    cr_assert_eq(beat_call(&h.base, &st), -EPROTO, "%s", st.message);
+    cr_assert(strstr(st.message, "protocol version 1 is not supported"), "%s", st.message);
     cr_assert_eq(status_members("demo"), 0);
 }
 
@@ -187,8 +343,7 @@ Test(brokerd, heartbeat_and_leave_of_strangers_are_not_found)
     h.cohort = "demo";
     h.id = "ghost";
     h.session = 5;
-    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base, &cohort__v1__heartbeat_reply__descriptor,
-                          CALL_MS, RPC_WAIT_FOR_READY, &out, &st), -ENOENT, "%s: %s",
+    cr_assert_eq(beat_call(&h.base, &st), -ENOENT, "%s: %s",
                  rpc_code_name(st.code), st.message);
     l.protocol_version = WIRE_PROTOCOL_VERSION;
     l.cohort = "demo";
@@ -197,6 +352,181 @@ Test(brokerd, heartbeat_and_leave_of_strangers_are_not_found)
     cr_assert_eq(rpc_call(ch, WIRE_BROKER_LEAVE, &l.base, &cohort__v1__leave_reply__descriptor,
                           CALL_MS, RPC_WAIT_FOR_READY, &out, &st), -ENOENT, "%s: %s",
                  rpc_code_name(st.code), st.message);
+}
+
+/* An unsigned heartbeat of member `id`, session `session`, of "demo". */
+static void beat_req(Cohort__V1__HeartbeatRequest *h, const char *id, uint64_t session)
+{
+    *h = (Cohort__V1__HeartbeatRequest)COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    h->protocol_version = WIRE_PROTOCOL_VERSION;
+    h->cohort = "demo";
+    h->id = (char *)id;
+    h->session = session;
+}
+
+static bool one_has_epoch(struct one_stream *o)
+{
+    bool got;
+
+    pthread_mutex_lock(&o->lock);
+    got = o->msgs > 1 || (o->first && o->first->epoch);
+    pthread_mutex_unlock(&o->lock);
+    return got;
+}
+
+/* Heartbeats ride the stream: a member that keeps sending on it stays
+ * for several timeouts without another call, hears acknowledgements
+ * often enough to know it is alive, and gets its epochs on it. Once it
+ * stops sending it is evicted after its timeout, not before, and its
+ * stream ends with NOT_FOUND. */
+Test(brokerd, heartbeats_ride_the_session_stream_and_silence_evicts)
+{
+    Cohort__V1__HeartbeatRequest h;
+    struct one_stream o = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w;
+    struct rpc_status st;
+    uint64_t start, last_sent = 0;
+    unsigned msgs, sent = 0;
+
+    cr_assert_eq(join("demo", "a", 7, WIRE_PROTOCOL_VERSION, &st), 0, "%s", st.message);
+    beat_req(&h, "a", 7);
+    w = session_open(&h.base, &o);
+    FIXTURE_WAIT_FOR(one_has(&o, false, 1), "the opening heartbeat got no answer");
+    FIXTURE_WAIT_FOR(one_has_epoch(&o), "no epoch came down the stream");
+    /* Three timeouts of heartbeats at the cohort's pace (a fifth of the
+     * timeout), on the stream only. */
+    start = clock_now_ms();
+    while (clock_now_ms() - start < 3000) {
+        int rc = rpc_watch_send(w, &h.base);
+        cr_assert(rc == 0 || rc == -EBUSY, "send: %d", rc);
+        if (rc == 0) {
+            last_sent = clock_now_ms();
+            sent++;
+        }
+        clock_sleep_ms(200);
+    }
+    cr_assert(one_has(&o, false, 0) && !o.ended, "the stream ended: %s", o.st.message);
+    cr_assert_eq(status_members("demo"), 1);
+    pthread_mutex_lock(&o.lock);
+    msgs = o.msgs;
+    pthread_mutex_unlock(&o.lock);
+    /* Besides the first answer and the epoch: an acknowledgement at least
+     * every half timeout (every second or third heartbeat at this pace),
+     * and not one for each. */
+    cr_assert_geq(msgs, 2 + sent / 3, "%u messages down for %u heartbeats", msgs, sent);
+    cr_assert_lt(msgs, 2 + sent, "%u messages down for %u heartbeats", msgs, sent);
+    /* Silent now. */
+    FIXTURE_WAIT_FOR(one_has(&o, true, 0), "a silent stream was never ended");
+    cr_assert_geq(clock_now_ms() - last_sent, 900, "evicted before its timeout");
+    cr_assert_eq(o.st.code, RPC_NOT_FOUND, "%s", o.st.message);
+    cr_assert(strstr(o.st.message, "evicted"), "%s", o.st.message);
+    cr_assert_eq(status_members("demo"), 0);
+    rpc_watch_close(w);
+    protobuf_c_message_free_unpacked(&o.first->base, NULL);
+}
+
+/* A stream reset by the member's side (its process died) takes the member
+ * out within the grace, long before its own timeout (20 s here). */
+Test(brokerd, a_reset_session_stream_leaves_within_the_grace)
+{
+    Cohort__V1__HeartbeatRequest h;
+    struct one_stream o = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w;
+    struct rpc_status st;
+    uint64_t t0;
+
+    cr_assert_eq(join_to("demo", "a", 7, WIRE_PROTOCOL_VERSION, 20000, &st), 0, "%s",
+                 st.message);
+    beat_req(&h, "a", 7);
+    w = session_open(&h.base, &o);
+    FIXTURE_WAIT_FOR(one_has(&o, false, 1), "the opening heartbeat got no answer");
+    cr_assert_eq(status_members("demo"), 1);
+    t0 = clock_now_ms();
+    rpc_watch_close(w);         /* cancels: what the kernel's reset looks like */
+    FIXTURE_WAIT_FOR(status_members("demo") == 0, "the member stayed after its stream reset");
+    cr_assert_lt(clock_now_ms() - t0, 10000, "it waited for a timeout, not the grace");
+    protobuf_c_message_free_unpacked(&o.first->base, NULL);
+}
+
+/* What comes up a stream after its first heartbeat is checked as the first
+ * was: a message that does not parse, or a heartbeat of another member,
+ * ends the stream with INVALID_ARGUMENT and changes nothing (the member
+ * stays, and a new stream carries on). A stream the member closes cleanly
+ * ends with OK, and the member stays too. */
+Test(brokerd, bad_stream_messages_end_the_stream_and_change_nothing)
+{
+    Cohort__V1__HeartbeatRequest h, other;
+    Cohort__V1__Epoch wrong = COHORT__V1__EPOCH__INIT;
+    struct one_stream o1 = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct one_stream o2 = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct one_stream o3 = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w;
+    struct rpc_status st;
+
+    cr_assert_eq(join("demo", "a", 7, WIRE_PROTOCOL_VERSION, &st), 0, "%s", st.message);
+    cr_assert_eq(join("demo", "b", 8, WIRE_PROTOCOL_VERSION, &st), 0, "%s", st.message);
+    beat_req(&h, "a", 7);
+    beat_req(&other, "b", 8);
+    /* An Epoch's field 1 is a string; a HeartbeatRequest's is a varint. */
+    wrong.cohort = "not a heartbeat";
+    w = session_open(&h.base, &o1);
+    FIXTURE_WAIT_FOR(one_has(&o1, false, 1), "the opening heartbeat got no answer");
+    session_send(w, &wrong.base);
+    FIXTURE_WAIT_FOR(one_has(&o1, true, 0), "a malformed message did not end the stream");
+    cr_assert_eq(o1.st.code, RPC_INVALID_ARGUMENT, "%s", o1.st.message);
+    cr_assert(strstr(o1.st.message, "malformed"), "%s", o1.st.message);
+    rpc_watch_close(w);
+    protobuf_c_message_free_unpacked(&o1.first->base, NULL);
+
+    w = session_open(&h.base, &o2);
+    FIXTURE_WAIT_FOR(one_has(&o2, false, 1), "the opening heartbeat got no answer");
+    session_send(w, &other.base);
+    FIXTURE_WAIT_FOR(one_has(&o2, true, 0), "another member's heartbeat did not end the stream");
+    cr_assert_eq(o2.st.code, RPC_INVALID_ARGUMENT, "%s", o2.st.message);
+    cr_assert(strstr(o2.st.message, "member session that opened it"), "%s", o2.st.message);
+    rpc_watch_close(w);
+    protobuf_c_message_free_unpacked(&o2.first->base, NULL);
+    cr_assert_eq(status_members("demo"), 2, "a refused stream message changed nothing");
+
+    w = session_open(&h.base, &o3);
+    FIXTURE_WAIT_FOR(one_has(&o3, false, 1), "a new stream got no answer");
+    session_close(w, &o3);
+    cr_assert_eq(o3.st.code, RPC_OK, "%s", o3.st.message);
+    cr_assert_eq(status_members("demo"), 2);
+}
+
+/* A stream may run ahead of its member's heartbeat interval by a burst
+ * (16 heartbeats at once), not more: one that floods is ended with
+ * RESOURCE_EXHAUSTED, and the member stays. */
+Test(brokerd, a_stream_that_floods_heartbeats_is_ended)
+{
+    Cohort__V1__HeartbeatRequest h;
+    struct one_stream o = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct rpc_watch *w;
+    struct rpc_status st;
+    int sent = 0;
+
+    cr_assert_eq(join("demo", "a", 7, WIRE_PROTOCOL_VERSION, &st), 0, "%s", st.message);
+    beat_req(&h, "a", 7);
+    w = session_open(&h.base, &o);
+    FIXTURE_WAIT_FOR(one_has(&o, false, 1), "the opening heartbeat got no answer");
+    /* 16 at once are fine; the cohort's interval is 200 ms, and these
+     * go out far faster than 20 a second. */
+    while (sent < 200 && !one_has(&o, true, 0)) {
+        int rc = rpc_watch_send(w, &h.base);
+        cr_assert(rc == 0 || rc == -EBUSY || rc == -EPIPE, "send: %d", rc);
+        sent += rc == 0;
+        if (rc == -EBUSY)
+            clock_sleep_ms(1);
+    }
+    FIXTURE_WAIT_FOR(one_has(&o, true, 0), "a flood of %d heartbeats did not end the stream",
+                     sent);
+    cr_assert_gt(sent, 16, "ended after %d", sent);
+    cr_assert_eq(o.st.code, RPC_RESOURCE_EXHAUSTED, "%s", o.st.message);
+    cr_assert(strstr(o.st.message, "heartbeats faster than"), "%s", o.st.message);
+    cr_assert_eq(status_members("demo"), 1, "the member stays");
+    rpc_watch_close(w);
+    protobuf_c_message_free_unpacked(&o.first->base, NULL);
 }
 
 /* ---- libcohort members in this process ---- */
@@ -286,6 +616,30 @@ static bool broker_holds_version(size_t i, uint64_t version)
 }
 
 static const char *const m4[] = { "m-0", "m-1", "m-2", "m-3" };
+
+/* Members heartbeating on their streams stay for several timeouts (1 s
+ * here) without joining again, and each keeps hearing from the broker
+ * often enough (an acknowledgement at least every half timeout) that it
+ * never believes itself out. */
+Test(brokerd, members_on_streams_stay_and_know_they_are_in)
+{
+    struct driven dv = { .n = 0 };
+    uint64_t start;
+
+    driven_start(&dv, 3, m4, 0, 0);
+    wait_agree(&dv, 3, "m-0");
+    start = clock_now_ms();
+    while (clock_now_ms() - start < 4000) {
+        for (size_t i = 0; i < dv.n; i++)
+            cr_assert(member_in_cohort(dv.m[i]), "m-%zu thought itself out after %llu ms", i,
+                      (unsigned long long)(clock_now_ms() - start));
+        clock_sleep_ms(50);
+    }
+    for (size_t i = 0; i < dv.n; i++)
+        cr_assert_eq(member_joins(dv.m[i]), 1, "m-%zu joined again", i);
+    cr_assert_eq(status_members("demo"), 3);
+    driven_stop(&dv);
+}
 
 Test(brokerd, declared_version_moves_leadership_everywhere)
 {
@@ -467,13 +821,18 @@ static int kbeat(const struct secret *k, const char *id, uint64_t session, uint6
                  struct rpc_status *st)
 {
     Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
 
     q.protocol_version = WIRE_PROTOCOL_VERSION;
     q.cohort = "demo";
     q.id = (char *)id;
     q.session = session;
-    return signed_call(WIRE_BROKER_HEARTBEAT, &q.base, &q.proof,
-                       &cohort__v1__heartbeat_reply__descriptor, k, seq, 0, st, NULL);
+    if (k) {
+        cr_assert_eq(proof_sign(k, &q.base, seq, proof_now_ms(), &pf, mac), 0);
+        q.proof = &pf;
+    }
+    return beat_call(&q.base, st);
 }
 
 static int kleave(const struct secret *k, const char *id, uint64_t session, uint64_t seq,
@@ -594,10 +953,7 @@ Test(brokerd_keys, a_proof_holds_for_its_own_request_only)
     cr_assert_eq(held("demo"), 1);
     /* On its own request it is good. */
     h.proof = &pf;
-    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
-                          &cohort__v1__heartbeat_reply__descriptor, CALL_MS, RPC_WAIT_FOR_READY,
-                          &out, &st), 0);
-    protobuf_c_message_free_unpacked(out, NULL);
+    cr_assert_eq(beat_call(&h.base, &st), 0);
 }
 
 /* A heartbeat's lost_peers are bound into its proof (changing, adding or
@@ -609,7 +965,6 @@ Test(brokerd_keys, a_heartbeats_lost_peers_are_bound_and_checked)
     Cohort__V1__HeartbeatRequest h = COHORT__V1__HEARTBEAT_REQUEST__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
-    ProtobufCMessage *out = NULL;
     struct rpc_status st;
     char *peers[WIRE_LOST_PEERS_MAX + 1], *other[] = { "c" }, *bad[] = { "NOT VALID" };
     uint64_t seq = 2;
@@ -632,32 +987,26 @@ Test(brokerd_keys, a_heartbeats_lost_peers_are_bound_and_checked)
         case 1: h.n_lost_peers = 2; break;
         case 2: h.n_lost_peers = 0; break;
         }
-        assert_refused(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
-                                &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st),
+        assert_refused(beat_call(&h.base, &st),
                        &st, "wrong key");
     }
     /* Signed as sent: accepted, and b, whose stream is up, stays. */
     h.lost_peers = peers;
     h.n_lost_peers = 1;
     cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
-    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
-                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), 0,
-                 "%s", st.message);
-    protobuf_c_message_free_unpacked(out, NULL);
+    cr_assert_eq(beat_call(&h.base, &st), 0, "%s", st.message);
     cr_assert_eq(held("demo"), 2);
 
     h.n_lost_peers = WIRE_LOST_PEERS_MAX + 1;
     cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), -EINVAL,
                  "nothing too long is signed");
-    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
-                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), -EINVAL);
+    cr_assert_eq(beat_call(&h.base, &st), -EINVAL);
     cr_assert_eq(st.code, RPC_INVALID_ARGUMENT, "%s", st.message);
     cr_assert(strstr(st.message, "at most 16 lost peers"), "%s", st.message);
     h.lost_peers = bad;
     h.n_lost_peers = 1;
     cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
-    cr_assert_eq(rpc_call(ch, WIRE_BROKER_HEARTBEAT, &h.base,
-                          &cohort__v1__heartbeat_reply__descriptor, 5000, 0, &out, &st), -EINVAL);
+    cr_assert_eq(beat_call(&h.base, &st), -EINVAL);
     cr_assert(strstr(st.message, "among the lost peers"), "%s", st.message);
     cr_assert_eq(held("demo"), 2);
 }
@@ -767,55 +1116,21 @@ Test(brokerd_keys, the_join_reply_says_what_was_granted)
     protobuf_c_message_free_unpacked(out, NULL);
 }
 
-/* The end of a watch and the epochs it got. */
-struct seen {
-    pthread_mutex_t lock;
-    unsigned epochs;
-    bool ended;
-    enum rpc_code code;
-    char message[RPC_MESSAGE_MAX];
-};
-
-static void seen_msg(void *arg, ProtobufCMessage *msg)
+/* A Session stream opened with a replayed heartbeat (the same proof) is
+ * refused, and the member's own stream goes on. A stream whose later
+ * heartbeat proves nothing, or a wrong key, or replays, is ended as
+ * UNAUTHENTICATED, and the member stays. */
+Test(brokerd_keys, replayed_or_unproved_stream_heartbeats_are_refused)
 {
-    struct seen *s = arg;
-
-    pthread_mutex_lock(&s->lock);
-    s->epochs++;
-    pthread_mutex_unlock(&s->lock);
-    protobuf_c_message_free_unpacked(msg, NULL);
-}
-
-static void seen_end(void *arg, const struct rpc_status *st)
-{
-    struct seen *s = arg;
-
-    pthread_mutex_lock(&s->lock);
-    s->ended = true;
-    s->code = st->code;
-    snprintf(s->message, sizeof(s->message), "%s", st->message);
-    pthread_mutex_unlock(&s->lock);
-}
-
-static bool seen_has(struct seen *s, bool ended, unsigned epochs)
-{
-    bool ok;
-
-    pthread_mutex_lock(&s->lock);
-    ok = s->ended == ended && s->epochs >= epochs;
-    pthread_mutex_unlock(&s->lock);
-    return ok;
-}
-
-Test(brokerd_keys, a_replayed_watch_is_refused)
-{
-    Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
-    struct seen first = { .lock = PTHREAD_MUTEX_INITIALIZER };
-    struct seen again = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    struct one_stream first = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct one_stream again = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct one_stream later = { .lock = PTHREAD_MUTEX_INITIALIZER };
     struct rpc_watch *w1, *w2;
-    Cohort__V1__Proof pf;
-    uint8_t mac[SECRET_MAC_BYTES];
+    Cohort__V1__Proof pf, pf2;
+    uint8_t mac[SECRET_MAC_BYTES], mac2[SECRET_MAC_BYTES];
     struct rpc_status st;
+    const char *why[] = { "proves no key", "wrong key", "already used" };
 
     cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
     q.protocol_version = WIRE_PROTOCOL_VERSION;
@@ -824,19 +1139,43 @@ Test(brokerd_keys, a_replayed_watch_is_refused)
     q.session = 7;
     cr_assert_eq(proof_sign(&key_a, &q.base, 2, proof_now_ms(), &pf, mac), 0);
     q.proof = &pf;
-    cr_assert_eq(rpc_watch_open(ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
-                                seen_msg, seen_end, &first, &w1), 0);
-    FIXTURE_WAIT_FOR(seen_has(&first, false, 1), "the watch never got an epoch");
-    /* The same request again: it would take the member's stream over. */
-    cr_assert_eq(rpc_watch_open(ch, WIRE_BROKER_WATCH, &q.base, &cohort__v1__epoch__descriptor, 0,
-                                seen_msg, seen_end, &again, &w2), 0);
-    FIXTURE_WAIT_FOR(seen_has(&again, true, 0), "the replayed watch was not ended");
-    cr_assert_eq(again.code, RPC_UNAUTHENTICATED);
-    cr_assert(strstr(again.message, "already used"), "%s", again.message);
-    cr_assert_eq(again.epochs, 0);
-    cr_assert(seen_has(&first, false, 1), "the member's own watch goes on");
+    w1 = session_open(&q.base, &first);
+    FIXTURE_WAIT_FOR(one_has(&first, false, 1), "the stream got no answer");
+    /* The same heartbeat again: it would take the member's stream over. */
+    w2 = session_open(&q.base, &again);
+    FIXTURE_WAIT_FOR(one_has(&again, true, 0), "the replayed stream was not ended");
+    cr_assert_eq(again.st.code, RPC_UNAUTHENTICATED);
+    cr_assert(strstr(again.st.message, "already used"), "%s", again.st.message);
+    cr_assert_eq(again.msgs, 0);
+    cr_assert(one_has(&first, false, 1) && !first.ended, "the member's own stream goes on");
     rpc_watch_close(w2);
-    rpc_watch_close(w1);
+    session_close(w1, &first);
+
+    /* Later heartbeats on a good stream: unproved, a wrong key, a replay. */
+    for (int i = 0; i < 3; i++) {
+        struct one_stream *o = i == 0 ? &later : &first;
+        uint64_t seq = 10 + 2 * (uint64_t)i;
+
+        *o = (struct one_stream){ .lock = PTHREAD_MUTEX_INITIALIZER };
+        cr_assert_eq(proof_sign(&key_a, &q.base, seq, proof_now_ms(), &pf, mac), 0);
+        q.proof = &pf;
+        w1 = session_open(&q.base, o);
+        FIXTURE_WAIT_FOR(one_has(o, false, 1), "the stream got no answer");
+        if (i == 0)
+            q.proof = NULL;
+        else
+            cr_assert_eq(proof_sign(i == 1 ? &key_x : &key_a, &q.base, i == 1 ? seq + 1 : seq,
+                                    proof_now_ms(), &pf2, mac2), 0);
+        if (i > 0)
+            q.proof = &pf2;
+        session_send(w1, &q.base);
+        FIXTURE_WAIT_FOR(one_has(o, true, 0), "a bad heartbeat did not end the stream");
+        cr_assert_eq(o->st.code, RPC_UNAUTHENTICATED, "%s", o->st.message);
+        cr_assert(strstr(o->st.message, why[i]), "%s: %s", why[i], o->st.message);
+        rpc_watch_close(w1);
+        protobuf_c_message_free_unpacked(&o->first->base, NULL);
+        cr_assert_eq(held("demo"), 1, "a refused heartbeat changed nothing");
+    }
 }
 
 Test(brokerd_keys, members_with_the_key_join_and_follow_epochs)

@@ -16,6 +16,7 @@
 #define P_HEART "/cohort.v1.Broker/Heartbeat"
 #define P_WATCH "/cohort.v1.Broker/Watch"
 #define P_JOIN "/cohort.v1.Broker/Join"
+#define P_DUPLEX "/cohort.v1.Broker/Session"
 
 /* ---- a tiny service ---- */
 
@@ -26,9 +27,12 @@ struct fixture {
     int closes;                 /* on_close calls seen */
     int nested_rc;              /* what rpc_call returned inside a handler */
     struct rpc_channel *self;   /* for the nested call */
+    int duplex_msgs;            /* messages after the first on duplex streams */
+    bool duplex_in_callback;    /* a duplex message callback is running */
 };
 
-static struct fixture fx = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, NULL };
+static struct fixture fx = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, NULL,
+                             0, false };
 
 /* Status echoes the cohort it was asked about; "fail" asks for an error. */
 static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
@@ -107,9 +111,58 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     pthread_mutex_unlock(&fx.lock);
 }
 
+/* Duplex: counts the client's later messages (each must name cohort
+ * "more"), answers each with an epoch numbered by the count, and ends the
+ * stream when the client half-closes, saying how many it got. */
+static void on_duplex_msg(void *arg, struct rpc_stream *s, const ProtobufCMessage *msg)
+{
+    char done[64];
+    int n;
+
+    pthread_mutex_lock(&fx.lock);
+    cr_assert(!fx.duplex_in_callback, "two message callbacks of one stream at once");
+    fx.duplex_in_callback = true;
+    n = msg ? ++fx.duplex_msgs : fx.duplex_msgs;
+    pthread_mutex_unlock(&fx.lock);
+    if (msg) {
+        Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
+        struct rpc_buf *b;
+
+        cr_assert_str_eq(((const Cohort__V1__WatchRequest *)msg)->cohort, "more");
+        e.epoch = (uint64_t)n;
+        cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
+        rpc_stream_send(s, b);      /* -EPIPE once the client hung up */
+        rpc_buf_unref(b);
+    } else {
+        snprintf(done, sizeof(done), "%d messages", n);
+        rpc_stream_finish(s, RPC_OK, done);
+    }
+    pthread_mutex_lock(&fx.lock);
+    fx.duplex_in_callback = false;
+    pthread_cond_broadcast(&fx.cond);
+    pthread_mutex_unlock(&fx.lock);
+}
+
+static void on_duplex_close(void *arg, struct rpc_stream *s)
+{
+    pthread_mutex_lock(&fx.lock);
+    cr_assert(!fx.duplex_in_callback, "on_close ran while a message callback ran");
+    fx.closes++;
+    pthread_cond_broadcast(&fx.cond);
+    pthread_mutex_unlock(&fx.lock);
+    rpc_stream_unref(s);
+}
+
+static void on_duplex(void *arg, const ProtobufCMessage *req, struct rpc_stream *s)
+{
+    rpc_stream_on_message(s, on_duplex_msg, NULL);
+    rpc_stream_on_close(s, on_duplex_close, NULL);
+}
+
 static const struct rpc_method methods[] = {
     { P_STATUS, &cohort__v1__status_request__descriptor, on_status, NULL, NULL },
     { P_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch, NULL },
+    { P_DUPLEX, &cohort__v1__watch_request__descriptor, NULL, on_duplex, NULL },
 };
 
 static struct rpc_server *srv;
@@ -119,7 +172,7 @@ static char target[64];
 static void start(void)
 {
     cr_assert_eq(rpc_init(), 0);
-    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 2, NULL, &srv), 0);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 3, NULL, &srv), 0);
     cr_assert_gt(rpc_server_port(srv), 0);
     snprintf(target, sizeof(target), "127.0.0.1:%d", rpc_server_port(srv));
     cr_assert_eq(rpc_channel_create(target, NULL, &ch), 0);
@@ -412,6 +465,132 @@ Test(rpc, server_destroy_ends_open_streams)
     cr_assert_neq(s.st.code, RPC_OK);
     cr_assert_eq(fx.closes, 1);
     rpc_watch_close(w);
+}
+
+static struct rpc_watch *open_duplex(struct seen *s)
+{
+    Cohort__V1__WatchRequest q = COHORT__V1__WATCH_REQUEST__INIT;
+    struct rpc_watch *w;
+
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+    q.cohort = "first";
+    cr_assert_eq(rpc_watch_open(ch, P_DUPLEX, &q.base, &cohort__v1__epoch__descriptor,
+                                RPC_DUPLEX | RPC_WAIT_FOR_READY, seen_msg, seen_end, s, &w), 0);
+    return w;
+}
+
+/* Sends `m` once the message before it is out. */
+static int duplex_send(struct rpc_watch *w, const ProtobufCMessage *m)
+{
+    uint64_t dl = clock_now_ms() + 10000;
+    int rc;
+
+    while ((rc = m ? rpc_watch_send(w, m) : rpc_watch_done_sending(w)) == -EBUSY &&
+           clock_now_ms() < dl)
+        clock_sleep_ms(1);
+    return rc;
+}
+
+Test(rpc, duplex_messages_arrive_in_order_and_a_half_close_ends_cleanly)
+{
+    Cohort__V1__WatchRequest more = COHORT__V1__WATCH_REQUEST__INIT;
+    struct seen s = { .n = 0, .ended = false }, plain = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_duplex(&s), *pw;
+
+    more.cohort = "more";
+    for (int i = 1; i <= 5; i++) {
+        cr_assert_eq(duplex_send(w, &more.base), 0);
+        /* One at a time, each answered before the next goes. */
+        WAIT_UNTIL(&s.lock, &s.cond, s.n == i);
+        cr_assert_eq(s.epochs[i - 1], (uint64_t)i);
+    }
+    cr_assert_eq(duplex_send(w, NULL), 0);
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_eq(s.st.code, RPC_OK, "%s", s.st.message);
+    cr_assert_str_eq(s.st.message, "5 messages");
+    cr_assert_eq(rpc_watch_send(w, &more.base), -EPIPE, "an ended stream takes nothing");
+    cr_assert_eq(rpc_watch_done_sending(w), -EPIPE);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1);
+    cr_assert_eq(rpc_watch_close(w), 0);
+    /* A watch that is not duplex sends nothing more. */
+    pw = open_watch("keep", &plain);
+    cr_assert_eq(rpc_watch_send(pw, &more.base), -EINVAL);
+    cr_assert_eq(rpc_watch_done_sending(pw), -EINVAL);
+    rpc_watch_close(pw);
+}
+
+Test(rpc, a_malformed_duplex_message_ends_the_stream_unseen)
+{
+    Cohort__V1__Epoch wrong = COHORT__V1__EPOCH__INIT;
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_duplex(&s);
+
+    /* An Epoch's field 1 is a string; a WatchRequest's is a varint. */
+    wrong.cohort = "not a watch request";
+    cr_assert_eq(duplex_send(w, &wrong.base), 0);
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_eq(s.st.code, RPC_INVALID_ARGUMENT);
+    cr_assert(strstr(s.st.message, "malformed"), "%s", s.st.message);
+    cr_assert_eq(s.n, 0);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1);
+    cr_assert_eq(fx.duplex_msgs, 0, "the handler never saw it");
+    rpc_watch_close(w);
+}
+
+Test(rpc, a_duplex_client_hangup_reaches_on_close_after_its_messages)
+{
+    Cohort__V1__WatchRequest more = COHORT__V1__WATCH_REQUEST__INIT;
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_duplex(&s);
+
+    more.cohort = "more";
+    cr_assert_eq(duplex_send(w, &more.base), 0);
+    cr_assert_eq(duplex_send(w, &more.base), 0);
+    cr_assert_eq(rpc_watch_close(w), 0);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1 && !fx.duplex_in_callback);
+}
+
+static int released;
+
+static void on_released(void *arg)
+{
+    pthread_mutex_lock(&fx.lock);
+    released++;
+    cr_assert_eq(arg, &released);
+    pthread_cond_broadcast(&fx.cond);
+    pthread_mutex_unlock(&fx.lock);
+}
+
+/* A buffer shared by a stream runs its release callback once, after the
+ * stream has sent it and its owner let go, never before. */
+Test(rpc, a_shared_buffer_is_released_once_after_its_send)
+{
+    Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
+    struct seen s = { .n = 0, .ended = false };
+    struct rpc_watch *w = open_watch("keep", &s);
+    struct rpc_stream *st;
+    struct rpc_buf *b;
+
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.stream != NULL);
+    pthread_mutex_lock(&fx.lock);
+    st = rpc_stream_ref(fx.stream);
+    pthread_mutex_unlock(&fx.lock);
+    e.cohort = "c";
+    e.epoch = 9;
+    cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
+    rpc_buf_on_release(b, on_released, &released);
+    cr_assert_eq(rpc_stream_send(st, b), 0);
+    WAIT_UNTIL(&s.lock, &s.cond, s.n >= 2 && s.epochs[s.n - 1] == 9);
+    pthread_mutex_lock(&fx.lock);
+    cr_assert_eq(released, 0, "released while its owner still holds it");
+    pthread_mutex_unlock(&fx.lock);
+    rpc_buf_unref(b);
+    WAIT_UNTIL(&fx.lock, &fx.cond, released == 1);
+    rpc_stream_unref(st);
+    rpc_watch_close(w);
+    WAIT_UNTIL(&fx.lock, &fx.cond, fx.closes == 1);
+    cr_assert_eq(released, 1);
 }
 
 Test(rpc, code_mapping_round_trips)
