@@ -13,13 +13,19 @@ the chaos trainer, tests/chaos/chaos_trainer.c). Trial after trial:
 - pod: one trainer pod deleted through the API (its grace period, SIGTERM
   to its processes); the operator makes it again.
 
-Each trial keeps check.py's exact accounting over every trainer's log, and
-asserts on the stand-in: never more live pods than replicas nor a name
-outside NAME-0..NAME-(N-1), an operator restart deletes and creates no pod
-(the pods' uids before the kill are the pods after it), the operator
-creates exactly N pods plus one per pod it had to replace, and after each
-restart the TrainingCohort's status comes back with all N members ready
-and a newer broker epoch.
+Kills do not wait for the cohort to settle: the operator may die while it
+replaces a pod. Each trial keeps check.py's exact accounting over every
+trainer's log, and asserts on the stand-in: never more live pods than
+replicas nor a name outside NAME-0..NAME-(N-1) (polled through the
+trial); across an operator restart, every pod that was settled (live, its
+trainer running, no kill of ours pending on it) is the same pod after it
+(same uid) and the operator creates only the missing ones; over the
+trial, the operator creates exactly N pods plus one per pod it had to
+replace; after each restart the TrainingCohort's status comes back with
+all N members ready, the model version no lower and a newer broker
+epoch; every trainer not killed reaches the last version and stops with
+its final line on SIGTERM; no sanitizer report from the operators,
+sidecars or trainers, and the last operator exits 0 on SIGTERM.
 
 Run through chaos.py: `chaos.py --kinds operator,trainer,pod`.
 """
@@ -94,6 +100,7 @@ class KubeTrial:
         self.server = self.kubelet = None
         self.operators = []        # every incarnation, the current one last
         self.killed = set()        # slots killed or in a pod that was deleted
+        self.killed_uids = set()   # pods whose trainer was killed, or deleted
         self.replaced = 0          # pods the operator has to make again
         self.done_kinds = []
         self.restarts = []         # per operator kill: seconds to the status's recovery
@@ -170,8 +177,10 @@ class KubeTrial:
         return out
 
     def current(self, pod):
-        """The slot of the pod's live trainer, or None."""
-        live = [s for s, (pid, p) in self.slots().items() if p == pod and alive(pid)]
+        """The slot of the pod's live trainer, or None (one we killed, or
+        one in a deleted pod during its grace period, is not it)."""
+        live = [s for s, (pid, p) in self.slots().items()
+                if p == pod and s not in self.killed and alive(pid)]
         return max(live) if live else None
 
     def events(self, slot):
@@ -214,10 +223,14 @@ class KubeTrial:
         time.sleep(k["delay_ms"] / 1000)
         pod = "%s-%d" % (NAME, k["victim"])
         if k["kind"] == "operator":
-            # From a steady cohort, so that every pod the restarted operator
-            # deletes or creates is one it should not have.
-            self.wait(self.steady, "all %d pods ready before the operator's kill" % self.n)
-            st, uids, creates = self.status(), self.uids(), len(self.pod_creates())
+            # At any moment, a pod replacement in flight included: the pods
+            # that were settled (live, their trainer running, nothing of
+            # ours pending on them) must be the same pods afterwards, and
+            # the restarted operator may create only the ones missing.
+            st, creates = self.status(), len(self.pod_creates())
+            settled = {n: u for n, u in self.uids().items()
+                       if u not in self.killed_uids and self.current(n) is not None and
+                       self.current(n) not in self.killed}
             op = self.operators[-1]
             op.kill()
             op.log.close()
@@ -231,17 +244,25 @@ class KubeTrial:
                       "the TrainingCohort's status to recover after the operator's restart "
                       "(epoch past %s, %d members ready)" % (st.get("epoch"), self.n))
             self.restarts.append(round(time.monotonic() - start, 1))
-            if self.uids() != uids:
-                raise TrialFailed("the restarted operator replaced pods: %s before, %s after" %
-                                  (uids, self.uids()))
-            if len(self.pod_creates()) != creates:
-                raise TrialFailed("the restarted operator created %d pods" %
-                                  (len(self.pod_creates()) - creates))
+            now = self.uids()
+            gone = {n: u for n, u in settled.items() if now.get(n) != u}
+            if gone:
+                raise TrialFailed("the restarted operator replaced settled pods %s (now %s)" %
+                                  (gone, now))
+            made = len(self.pod_creates()) - creates
+            if made > self.n - len(settled):
+                raise TrialFailed("%d pods were created across the operator's restart, with %d "
+                                  "of %d settled" % (made, len(settled), self.n))
         else:
-            self.wait(lambda: self.current(pod) is not None and pod in self.uids(),
-                      "pod %s's trainer to run" % pod)
+            # A pod whose trainer we killed or that we deleted is not
+            # chosen again until its replacement runs a trainer.
+            def chosen():
+                uid, slot = self.uids().get(pod), self.current(pod)
+                return (uid is not None and uid not in self.killed_uids and slot is not None and
+                        slot not in self.killed)
+            self.wait(chosen, "pod %s's trainer to run" % pod)
             slot = self.current(pod)
-            uid = self.uids()[pod]
+            self.killed_uids.add(self.uids()[pod])
             self.killed.add(slot)
             self.replaced += 1
             if k["kind"] == "trainer":
@@ -250,9 +271,6 @@ class KubeTrial:
                 code, doc, _ = self.server.call("DELETE", "%s/%s" % (PODS, pod))
                 if code != 200:
                     raise TrialFailed("deleting pod %s: %d %s" % (pod, code, doc))
-            self.wait(lambda: self.uids().get(pod) not in (None, uid) and
-                      self.current(pod) not in (None, slot),
-                      "pod %s to be made again with a new trainer" % pod)
         k["at_v"] = self.max_version()
         self.done_kinds.append(k["kind"])
 
