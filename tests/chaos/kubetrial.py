@@ -104,6 +104,7 @@ class KubeTrial:
         self.replaced = 0          # pods the operator has to make again
         self.done_kinds = []
         self.restarts = []         # per operator kill: seconds to the status's recovery
+        self.while_down = []       # per operator kill: versions committed until the next led
         self.next_pod_check = 0
         self.deadline = time.monotonic() + 2 * DEADLINE + 45 * kills
 
@@ -232,10 +233,14 @@ class KubeTrial:
                        if u not in self.killed_uids and self.current(n) is not None and
                        self.current(n) not in self.killed}
             op = self.operators[-1]
+            v0 = self.max_version()
             op.kill()
             op.log.close()
             start = time.monotonic()
             self.start_operator()
+            # Versions the trainers committed without a broker, until the
+            # next operator led: the data plane runs on in its epoch.
+            self.while_down.append(self.max_version() - v0)
             self.wait(lambda: self.status().get("epoch", 0) > st.get("epoch", 0) and
                       self.status().get("readyReplicas") == self.n and
                       len([m for m in self.status().get("members") or []
@@ -305,7 +310,8 @@ class KubeTrial:
         if bad:
             raise TrialFailed("; ".join(bad[:20]))
         figures = check(load_logs(self.logs), survivors, self.steps)
-        figures.update(operator_restart_s=self.restarts, pods_created=creates)
+        figures.update(operator_restart_s=self.restarts, versions_while_down=self.while_down,
+                       pods_created=creates)
         return figures
 
     def sanitizer_reports(self):
