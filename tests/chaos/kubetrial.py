@@ -43,6 +43,12 @@ from check import CheckFailed, check, load_logs
 HERE = os.path.dirname(os.path.abspath(__file__))
 KUBE_KINDS = ("operator", "trainer", "pod")
 NAME = "chaos"
+# The trainers' pause before each contribution. An operator's restart takes
+# about 7 s (its 3 s Lease lapsing, the broker's startup hold) while the
+# trainers train on; at the 30 ms of the trials without it they would
+# finish during the first restart, and the later kills would land on a
+# cohort that is done.
+DELAY_MS = 250
 PODS = "/api/v1/namespaces/default/pods"
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts/" + NAME
 
@@ -87,7 +93,7 @@ class KubeTrial:
         self.tmp = tmp
         self.trainer = trainer
         self.n = self.rng.choice([3, 4])
-        self.steps = self.rng.randint(30, 50)
+        self.steps = self.rng.randint(40, 60)
         self.vb = self.rng.choice([1, self.n - 1, self.n, 2 * self.n])
         self.plan = []
         at = 0
@@ -129,7 +135,8 @@ class KubeTrial:
         m["spec"]["timeouts"] = {"heartbeatInterval": "200ms", "memberTimeout": "1500ms"}
         m["spec"]["template"]["spec"]["containers"][0].update(
             command=["cohort-chaos-trainer"],
-            args=[self.logs, "--steps", str(self.steps), "--vb", str(self.vb), "--delay-ms", "30",
+            args=[self.logs, "--steps", str(self.steps), "--vb", str(self.vb),
+                  "--delay-ms", str(DELAY_MS),
                   "--stall-s", str(int(2 * DEADLINE)), "--wait-for", str(self.n)])
         kubectl("apply", "-f", "-", stdin=json.dumps(m))
 
