@@ -48,7 +48,7 @@ NAME = "chaos"
 # trainers train on; at the 30 ms of the trials without it they would
 # finish during the first restart, and the later kills would land on a
 # cohort that is done.
-DELAY_MS = 250
+DELAY_MS = 400
 PODS = "/api/v1/namespaces/default/pods"
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts/" + NAME
 
@@ -93,7 +93,7 @@ class KubeTrial:
         self.tmp = tmp
         self.trainer = trainer
         self.n = self.rng.choice([3, 4])
-        self.steps = self.rng.randint(40, 60)
+        self.steps = self.rng.randint(50, 70)
         self.vb = self.rng.choice([1, self.n - 1, self.n, 2 * self.n])
         self.plan = []
         at = 0
@@ -111,6 +111,7 @@ class KubeTrial:
         self.done_kinds = []
         self.restarts = []         # per operator kill: seconds to the status's recovery
         self.while_down = []       # per operator kill: versions committed until the next led
+        self.down_from = []        # per operator kill: the model version it came at
         self.next_pod_check = 0
         self.deadline = time.monotonic() + 2 * DEADLINE + 45 * kills
 
@@ -241,6 +242,7 @@ class KubeTrial:
                        self.current(n) not in self.killed}
             op = self.operators[-1]
             v0 = self.max_version()
+            self.down_from.append(v0)
             op.kill()
             op.log.close()
             start = time.monotonic()
@@ -317,8 +319,8 @@ class KubeTrial:
         if bad:
             raise TrialFailed("; ".join(bad[:20]))
         figures = check(load_logs(self.logs), survivors, self.steps)
-        figures.update(operator_restart_s=self.restarts, versions_while_down=self.while_down,
-                       pods_created=creates)
+        figures.update(operator_restart_s=self.restarts, operator_killed_at_v=self.down_from,
+                       versions_while_down=self.while_down, pods_created=creates)
         return figures
 
     def sanitizer_reports(self):
