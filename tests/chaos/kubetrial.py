@@ -40,7 +40,6 @@ from cohorttest import (CRD_FILE, DEADLINE, ApiServer, Kubectl, Kubelet, Operato
                         cohort_manifest, free_port, make_tmp, pod_path_dir, remove_tmp)
 from check import CheckFailed, check, load_logs
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 KUBE_KINDS = ("operator", "trainer", "pod")
 NAME = "chaos"
 # The trainers' pause before each contribution. An operator's restart takes
