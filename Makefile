@@ -264,13 +264,15 @@ layers:
 unit:
 	$(ASAN_DIR)/tests/unit --jobs=2
 
-# tests/chaos/test_chaos.py is the short chaos suite: four trials, about a
-# minute on two loaded cores.
+# tests/chaos/test_chaos.py is the short chaos suite: four trials, and two
+# with the operator killed in the Kubernetes stand-in, about two minutes on
+# two loaded cores.
 proc:
 	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc tests/chaos
 
 # The long chaos trials (tests/chaos/README.md) against the release build:
 #   make chaos [TRIALS=100] [SEED=S] [CHAOS_ARGS='--kinds broker --keep']
+#   make chaos CHAOS_ARGS='--kinds operator,trainer,pod'   (in the stand-in)
 # Each trial prints its seed; `make chaos SEED=S TRIALS=1` replays one.
 TRIALS ?= 10
 chaos: $(addprefix $(BUILD)/,cohort-operator cohort-sidecar) \

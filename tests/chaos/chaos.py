@@ -6,6 +6,12 @@ SIGKILL at a random moment, is started again, and the trial's logs are
 checked for exact accounting (tests/chaos/check.py).
 
     chaos.py [--trials N] [--seed S] [--kinds trainer,sidecar,broker] [--keep]
+    chaos.py [--trials N] [--seed S] --kinds operator[,trainer,pod] [--keep]
+
+With operator or pod among the kinds, the trials run in the Kubernetes
+stand-in instead: cohort-operator reconciles a TrainingCohort and hosts
+the broker, the trainers run in its pods, and the operator is among the
+processes killed (tests/chaos/kubetrial.py says what those trials assert).
 
 Trial i runs with seed S + i; a failure prints the seed that replays it
 (`make chaos SEED=S TRIALS=1`). The seed picks the number of members
@@ -44,6 +50,7 @@ sys.path.insert(0, HERE)
 
 from cohorttest import BIN, DEADLINE, Proc, free_port, make_tmp, remove_tmp  # noqa: E402
 from check import CheckFailed, check, load_logs  # noqa: E402
+import kubetrial  # noqa: E402
 
 TRAINER = os.path.join(BIN, "tests", "chaos", "chaos_trainer")
 HEARTBEAT = "200ms"
@@ -51,12 +58,11 @@ MEMBER_TIMEOUT = "1500ms"
 KINDS = ("trainer", "sidecar", "broker")
 
 
-class TrialFailed(AssertionError):
-    pass
+# One class for a failed trial, in either mode.
+TrialFailed = kubetrial.TrialFailed
 
 
-def sanitizer_lines(text):
-    return [l for l in text.splitlines() if "Sanitizer" in l or "runtime error" in l]
+sanitizer_lines = kubetrial.sanitizer_lines
 
 
 class Trial:
@@ -300,15 +306,23 @@ def main():
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None, help="first trial's seed (default: random)")
     ap.add_argument("--kills", type=int, default=3, help="kills per trial (default 3)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="what may be killed (default: all)")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help="what may be killed: any of %s (default: all of them); or, in the "
+                    "Kubernetes stand-in, any of %s with operator or pod among them (an "
+                    "operator hosting the broker, trainer pods)" %
+                    (", ".join(KINDS), ", ".join(kubetrial.KUBE_KINDS)))
     ap.add_argument("--keep", action="store_true", help="keep every trial's logs")
     ap.add_argument("--no-wait-for", action="store_true",
                     help="trainers at model version 0 contribute without waiting for all N "
                     "members (exposes the split history after a broker restart: docs/chaos.md)")
     a = ap.parse_args()
     kinds = [k for k in a.kinds.split(",") if k]
-    if not kinds or any(k not in KINDS for k in kinds):
-        ap.error("--kinds takes a comma-separated list of %s" % ", ".join(KINDS))
+    kube = any(k in ("operator", "pod") for k in kinds)
+    if not kinds or any(k not in (kubetrial.KUBE_KINDS if kube else KINDS) for k in kinds):
+        ap.error("--kinds takes a comma-separated list of %s, or of %s with operator or pod "
+                 "among them" % (", ".join(KINDS), ", ".join(kubetrial.KUBE_KINDS)))
+    if kube and a.no_wait_for:
+        ap.error("--no-wait-for is for the trials without the operator")
     if a.trials < 1 or a.kills < 0:
         ap.error("--trials must be 1 or more and --kills 0 or more")
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 1 << 31)
@@ -316,7 +330,10 @@ def main():
     results, failures = [], []
     for i in range(a.trials):
         try:
-            results.append(run_trial(seed + i, kinds, a.kills, a.keep, not a.no_wait_for))
+            if kube:
+                results.append(kubetrial.run_kube_trial(seed + i, kinds, a.kills, TRAINER, a.keep))
+            else:
+                results.append(run_trial(seed + i, kinds, a.kills, a.keep, not a.no_wait_for))
         except (TrialFailed, CheckFailed) as e:
             failures.append(str(e))
             print("chaos: " + str(e), flush=True)

@@ -1,14 +1,19 @@
 """The short chaos trials (`make test`, through `make proc`): one trial per
-kind of kill with fixed seeds, one of every kind mixed, and the checker
-shown to fail on logs that double-count, lose, disagree or end apart.
-`make chaos TRIALS=N` runs the long version (tests/chaos/chaos.py).
+kind of kill with fixed seeds, one of every kind mixed, two with the
+operator killed in the Kubernetes stand-in, and the checkers shown to fail
+on logs that double-count, lose, disagree or end apart and on duplicate
+pods. `make chaos TRIALS=N` runs the long version (tests/chaos/chaos.py).
 """
 import copy
+import os
+import tempfile
 
 import pytest
 
-from chaos import run_trial
+from chaos import TRAINER, run_trial
 from check import CheckFailed, check
+from cohorttest import ROOT, remove_tmp
+from kubetrial import KubeTrial, TrialFailed, run_kube_trial
 
 
 @pytest.mark.parametrize("kind,seed", [("trainer", 7), ("sidecar", 8), ("broker", 9)])
@@ -20,6 +25,53 @@ def test_kills_of_one_kind_keep_exact_accounting(kind, seed):
 def test_kills_of_every_kind_keep_exact_accounting():
     f = run_trial(4, ["trainer", "sidecar", "broker"], kills=3)
     assert len(f["kills"]) == 3
+
+
+# Seed 17: 4 members, vb 4; the operator killed after versions 10 and 11,
+# then pod chaos-2 deleted. Seed 5: 4 members, vb 1; the operator killed,
+# pod chaos-3's trainer killed, pod chaos-0 deleted.
+@pytest.mark.parametrize("seed,kills", [(17, ["operator", "operator", "pod"]),
+                                        (5, ["operator", "trainer", "pod"])])
+def test_operator_kills_keep_exact_accounting_and_the_pods(seed, kills):
+    if not os.access(os.path.join(ROOT, "build", "tools", "kubectl"), os.X_OK):
+        pytest.skip("no kubectl in build/tools (scripts/install-kubectl.sh)")
+    f = run_kube_trial(seed, ["operator", "trainer", "pod"], 3, TRAINER)
+    assert f["kills"] == kills
+    assert len(f["operator_restart_s"]) == kills.count("operator")
+    # 4 replicas, and one pod made again per trainer killed or pod deleted.
+    assert f["pods_created"] == 4 + len([k for k in kills if k != "operator"])
+    assert f["versions"] >= 50 and f["contributions"] > 0
+    # Every operator was killed while the cohort was still training.
+    assert all(v < f["versions"] for v in f["operator_killed_at_v"]), f
+
+
+class FakeServer:
+    def __init__(self, names):
+        self.names = names
+
+    def get(self, path):
+        return {"items": [{"metadata": {"name": n}} for n in self.names]}
+
+
+@pytest.mark.parametrize("names,ok", [
+    (["chaos-0", "chaos-1", "chaos-2"], True),
+    (["chaos-0", "chaos-1"], True),
+    (["chaos-0", "chaos-1", "chaos-2", "chaos-3"], False),     # one more than replicas
+    (["chaos-0", "chaos-1", "chaos-7"], False),                # not an ordinal of 3
+])
+def test_duplicate_pods_fail_the_trial(names, ok):
+    tmp = tempfile.mkdtemp(prefix="kchaos-")
+    try:
+        t = KubeTrial(1, ["operator"], 1, tmp, TRAINER)
+        t.n = 3
+        t.server = FakeServer(names)
+        if ok:
+            t.check_pods()
+        else:
+            with pytest.raises(TrialFailed, match="duplicate pods"):
+                t.check_pods()
+    finally:
+        remove_tmp(tmp)
 
 
 # ---- the checker can fail ---------------------------------------------------
