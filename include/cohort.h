@@ -511,11 +511,15 @@ struct cohort_averager_config {
     uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
     size_t count;                   /* float32 elements averaged */
     size_t segment_bytes;           /* pipelining unit, a multiple of 8; 0: default */
-    const void *schema;             /* up to 64 bytes naming what is averaged
+    const void *schema;             /* up to 63 bytes naming what is averaged
                                      * (copied): only equal schemas group */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */
     uint32_t leave_timeout_ms;      /* the Leave at destroy; 0: the default */
+    enum cohort_compression compression;   /* how the averaged values travel: NONE
+                                     * (exact), FP16, BF16 or INT8 (float32 sums,
+                                     * weights and gathered bytes exact); only
+                                     * averagers of one compression group */
 };
 
 /* Joins the cohort as an averager; the key, the listen address and TLS to
