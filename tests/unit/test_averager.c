@@ -9,6 +9,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -613,4 +614,77 @@ Test(averager, an_unknown_codec_or_a_full_schema_is_refused)
     c.schema_len = AVERAGER_SCHEMA_MAX;
     cr_assert_eq(averager_create(&c, &a), 0);
     averager_destroy(a);
+}
+
+#define BIG (100 * 1000)
+
+struct big_peer {
+    struct averager *a;
+    float *data;
+    int rc;
+    pthread_t t;
+};
+
+static void *big_main(void *arg)
+{
+    struct big_peer *p = arg;
+    struct averager_step s = { .data = p->data, .weight = 1, .alpha = 1,
+                               .timeout_ms = FIXTURE_WAIT_MS };
+    struct averager_result *r = NULL;
+
+    p->rc = averager_step(p->a, &s, &r);
+    averager_result_free(r);
+    return NULL;
+}
+
+/* Values large enough that the coded call runs as a ring (400 KB, over
+ * the doubling threshold) among 4, right after the metadata's exact
+ * call, for three rounds: every round completes and every member ends
+ * with the same bytes, within the bound of the exact mean. */
+Test(averager, a_coded_ring_after_the_exact_call_completes_alike_every_round)
+{
+    struct big_peer p[4] = { 0 };
+    char id[16];
+
+    for (int i = 0; i < 4; i++) {
+        struct averager_config c = {
+            .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+            .prefix = "run/big", .target_group_size = 4, .min_group_size = 4,
+            .min_matchmaking_ms = 300, .allreduce_timeout_ms = 10000, .count = BIG,
+            .schema = "big", .schema_len = 3, .codec = CODEC_FP16,
+        };
+
+        snprintf(id, sizeof(id), "b-%d", i);
+        cr_assert_eq(averager_create(&c, &p[i].a), 0);
+        cr_assert_eq(averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].data = malloc(BIG * sizeof(float));
+        cr_assert(p[i].data);
+        for (int j = 0; j < BIG; j++)
+            p[i].data[j] = (float)((i + 1) * sin(0.001 * j + i));
+    }
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < 4; i++)
+            cr_assert_eq(pthread_create(&p[i].t, NULL, big_main, &p[i]), 0);
+        for (int i = 0; i < 4; i++)
+            pthread_join(p[i].t, NULL);
+        for (int i = 0; i < 4; i++) {
+            cr_assert_eq(p[i].rc, 0, "round %d b-%d: %s", round, i,
+                         averager_last_error(p[i].a));
+            cr_assert_eq(memcmp(p[i].data, p[0].data, BIG * sizeof(float)), 0,
+                         "round %d: b-%d ends with other bytes", round, i);
+        }
+    }
+    for (int j = 0; j < BIG; j++) {
+        double mean = 0;
+
+        for (int i = 0; i < 4; i++)
+            mean += (i + 1) * sin(0.001 * j + i) / 4;
+        /* max|x| is 4; three rounds of up to 5 encodings each */
+        cr_assert(fabs(p[0].data[j] - mean) <= 15 * 4.0 / 2048, "[%d] %g vs %g", j,
+                  p[0].data[j], mean);
+    }
+    for (int i = 0; i < 4; i++) {
+        averager_destroy(p[i].a);
+        free(p[i].data);
+    }
 }
