@@ -492,7 +492,9 @@ const char *cohort_group_strerror(int err);
  * group ending with the same bytes; it gathers each member's small bytes
  * too. A peer that stalls past the timeout is excluded and the step
  * completes with the rest; the result names exactly who was averaged.
- * docs/architecture.md, "hivemind's DecentralizedAverager", says how. An
+ * With compression only the averaged values travel encoded (weights and
+ * gathered bytes stay exact), and only averagers of one compression
+ * group. docs/architecture.md, "hivemind's DecentralizedAverager", says how. An
  * averager is used from one thread at a time. */
 
 struct cohort_averager;
@@ -549,7 +551,8 @@ struct cohort_averager_step {
  * untouched and: -EINVAL (a bad weight, alpha or gather), -ETIMEDOUT (no
  * group completed the round in time: too few averagers, or stalls),
  * -EPROTO (the broker refused the request as disagreeing with the others
- * waiting: group sizes or schema; or the group's members disagree),
+ * waiting: group sizes, schema or compression; or the group's members
+ * disagree),
  * -ENODATA (every member was auxiliary), -EACCES (keys differ), -ENOMEM.
  * cohort_averager_error() says more. */
 int cohort_averager_step(struct cohort_averager *a, const struct cohort_averager_step *s,

@@ -208,6 +208,8 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
     pthread_mutex_unlock(&w.lock);
     rpc_watch_close(watch);         /* waits for mm_end */
     if (w.st.code != RPC_OK || !w.rep) {
+        bool schema;
+
         rc = w.st.code == RPC_DEADLINE_EXCEEDED || w.st.code == RPC_CANCELLED
                  ? -ETIMEDOUT
              : w.st.code == RPC_FAILED_PRECONDITION ? -EPROTO
@@ -215,8 +217,7 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                                    : rpc_code_to_errno(w.st.code);
         /* The broker sees the codec only as a schema byte: name it here,
          * so that a refusal for compression reads as one. */
-        bool schema = rc == -EPROTO && strstr(w.st.message, "schema");
-
+        schema = rc == -EPROTO && strstr(w.st.message, "schema");
         snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s%s%s%s",
                  rpc_code_name(w.st.code), w.st.code == RPC_OK ? "no group in the reply"
                                                                 : w.st.message,

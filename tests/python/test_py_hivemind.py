@@ -172,6 +172,13 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
     with pytest.raises(TypeError):
         hivemind.DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], dht, start=False,
                                        prefix="x")
+    # The C averager takes the codecs only: top-k (4) and PowerSGD (5)
+    # keep state per member, and 9 is no compression at all.
+    from cohort import _cohort
+    for bad in (4, 5, 9, -1):
+        with pytest.raises(Exception, match="cannot start the averager"):
+            _cohort.Averager(broker.address, "hm", "c-%d" % bad, "x", "", 2, 2, 1000, 500, 1000,
+                             3, 0, b"schema", 4096, 1000, bad)
 
 
 def test_peers_whose_tensors_differ_are_refused_and_keep_their_tensors(keyed):
