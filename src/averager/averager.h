@@ -16,7 +16,8 @@
  *     average bytes: sum(w_i * x_i) / sum(w_i) over exactly the members
  *     res names as contributors (weight > 0), and x moved toward it by
  *     alpha (x += alpha * (avg - x)). With integer-valued data and weights
- *     whose sums float32 represents exactly, the average is exact.
+ *     whose sums float32 represents exactly, the average is exact (without
+ *     a codec).
  *   - A peer that stalls or dies past allreduce_timeout_ms fails the
  *     attempt at every member (the engine's member timeout); with retries
  *     allowed, the others ask for a group again, the stalled peer is not
@@ -134,7 +135,7 @@ struct averager_result {
  *   -ETIMEDOUT  no group completed the round within timeout_ms (too few
  *               averagers, or every attempt stalled);
  *   -EPROTO     the broker refused the request as disagreeing with the
- *               others waiting (group sizes or schema), or the group's
+ *               others waiting (group sizes, schema or codec), or the group's
  *               members disagree on the call;
  *   -ENODATA    every member of the group was auxiliary;
  *   -EACCES     the members' keys differ; -ENOMEM.
