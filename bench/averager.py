@@ -5,6 +5,9 @@ cohort's plain all-reduce, in the same run, on loopback.
 - averager: --peers processes (8) average --mib MiB of float32 each in
   groups of --group (4), matchmade by the broker every round
   (cohort.hivemind, group bits that keep groups of --group).
+  With --compression A,B,... (hivemind's class names: NoCompression,
+  Float16Compression, BlockwiseQuantization) the averagers run a set of
+  rounds with each in turn, a row each.
 - allreduce: --group processes (4) all-reduce the same size with the
   group collective (the engine the Accumulator runs, through
   cohort._cohort.Group; no matchmaking).
@@ -19,6 +22,8 @@ hivemind itself is not installed here, so it is not in the table.
 
     make -j2 all python
     /usr/bin/python3 bench/averager.py --peers 8 --group 4 --mib 16 --reps 5
+    /usr/bin/python3 bench/averager.py --compression \
+        NoCompression,Float16Compression,BlockwiseQuantization
 """
 import argparse
 import json
@@ -66,25 +71,29 @@ def averager_child(a, broker, k, turns, out):
     n = a.mib * (1 << 20) // 4
     nbits = int(math.log2(a.peers // a.group))
     bits = format(k // a.group, "0%db" % nbits) if nbits else ""
-    dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="bench-avg",
-                       peer_id="avg-%d" % k)
-    av = hivemind.DecentralizedAverager(
-        [torch.full((n,), float(k))], dht, start=True, prefix="bench",
-        target_group_size=a.group, min_group_size=a.group, initial_group_bits=bits,
-        min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=60)
-    times = []
-    for rep in range(a.reps + 1):
-        turns.wait()                # the averagers' turn
-        t0 = time.perf_counter()
-        got = av.step(timeout=120)
-        ms = (time.perf_counter() - t0) * 1000
-        if got is None or len(got) != a.group:
-            raise SystemExit("round %d: %s" % (rep, got))
-        if rep:                     # the first round warms connections up
-            times.append((ms, av.last_group[3] * 1000))
-        turns.wait()                # the all-reduce's turn
-    out.put(("averager", k, times))
-    av.shutdown()
+    for codec in a.compression:
+        # One averager per codec, each its own peer and prefix.
+        dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="bench-avg",
+                           peer_id="avg-%d-%s" % (k, codec))
+        av = hivemind.DecentralizedAverager(
+            [torch.full((n,), float(k))], dht, start=True, prefix="bench-" + codec,
+            target_group_size=a.group, min_group_size=a.group, initial_group_bits=bits,
+            min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=60,
+            compression=getattr(hivemind, codec)())
+        times = []
+        for rep in range(a.reps + 1):
+            turns.wait()                # the averagers' turn
+            t0 = time.perf_counter()
+            got = av.step(timeout=120)
+            ms = (time.perf_counter() - t0) * 1000
+            if got is None or len(got) != a.group:
+                raise SystemExit("round %d: %s" % (rep, got))
+            if rep:                     # the first round warms connections up
+                times.append((ms, av.last_group[3] * 1000))
+            turns.wait()                # the all-reduce's turn
+        out.put(("averager", k, codec, times))
+        av.shutdown()
+        dht.shutdown()
 
 
 def allreduce_child(a, broker, k, turns, out):
@@ -101,15 +110,15 @@ def allreduce_child(a, broker, k, turns, out):
     t = torch.full((n,), float(k))
     buf = memoryview(t.view(torch.uint8).numpy())
     times = []
-    for rep in range(a.reps + 1):
+    for rep in range(len(a.compression) * (a.reps + 1)):
         turns.wait()
         turns.wait()
         t0 = time.perf_counter()
         g.allreduce(buf, n, _cohort.G_F32, _cohort.OP_AVG, 0.0, 0, 300000)
         ms = (time.perf_counter() - t0) * 1000
-        if rep:
+        if rep % (a.reps + 1):
             times.append((ms, 0.0))
-    out.put(("allreduce", k, times))
+    out.put(("allreduce", k, None, times))
     g.close()
 
 
@@ -122,7 +131,15 @@ def main():
     ap.add_argument("--operator", default=os.path.join(BUILD, "cohort-operator"),
                     help="the cohort-operator binary that serves the broker")
     ap.add_argument("--log-dir", default=os.path.join(BUILD, "bench"))
+    ap.add_argument("--compression", default="NoCompression",
+                    help="comma-separated: NoCompression, Float16Compression, "
+                         "BlockwiseQuantization")
     a = ap.parse_args()
+    a.compression = a.compression.split(",")
+    known = ("NoCompression", "Float16Compression", "BlockwiseQuantization")
+    if not all(c in known for c in a.compression) or len(set(a.compression)) != len(
+            a.compression):
+        ap.error("--compression takes distinct names among " + ", ".join(known))
     if a.group < 2 or a.peers < a.group or a.mib < 1 or a.reps < 1:
         ap.error("need --group >= 2, --peers >= --group, --mib >= 1, --reps >= 1")
     if a.peers % a.group or (a.peers // a.group) & (a.peers // a.group - 1):
@@ -140,7 +157,7 @@ def main():
         for p in procs:
             p.start()
         got, end = [], time.monotonic() + 1800
-        while len(got) < len(procs):
+        while len(got) < a.peers * len(a.compression) + a.group:
             try:
                 got.append(out.get(timeout=1))
             except queue.Empty:
@@ -157,17 +174,23 @@ def main():
         broker.terminate()
         broker.wait()
     res = {}
-    for system in ("averager", "allreduce"):
-        runs = [times for s, _, times in got if s == system]
-        slowest = [max(r[i][0] for r in runs) for i in range(a.reps)]
-        mm = [max(r[i][1] for r in runs) for i in range(a.reps)]
-        res[system] = statistics.median(slowest)
+    # The all-reduce ran reps rounds beside each codec's: all of them count.
+    rounds = {"allreduce": a.reps * len(a.compression)}
+    for system, codec in [("averager", c) for c in a.compression] + [("allreduce", None)]:
+        runs = [times for s, _, c, times in got if s == system and c == codec]
+        n = rounds.get(system, a.reps)
+        slowest = [max(r[i][0] for r in runs) for i in range(n)]
+        mm = [max(r[i][1] for r in runs) for i in range(n)]
+        res[codec] = statistics.median(slowest)
         row = {"system": system, "peers": len(runs),
-               "group": a.group, "mib": a.mib, "ms_per_round": round(res[system], 1)}
+               "group": a.group, "mib": a.mib, "ms_per_round": round(res[codec], 1)}
         if system == "averager":
+            row["compression"] = codec
             row["matchmaking_ms"] = round(statistics.median(mm), 1)
         print(json.dumps(row), flush=True)
-    print(json.dumps({"averager/allreduce": round(res["averager"] / res["allreduce"], 2)}))
+    for codec in a.compression:
+        print(json.dumps({"averager/allreduce": round(res[codec] / res[None], 2),
+                          "compression": codec}))
 
 
 if __name__ == "__main__":

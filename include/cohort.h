@@ -492,7 +492,9 @@ const char *cohort_group_strerror(int err);
  * group ending with the same bytes; it gathers each member's small bytes
  * too. A peer that stalls past the timeout is excluded and the step
  * completes with the rest; the result names exactly who was averaged.
- * docs/architecture.md, "hivemind's DecentralizedAverager", says how. An
+ * With compression only the averaged values travel encoded (weights and
+ * gathered bytes stay exact), and only averagers of one compression
+ * group. docs/architecture.md, "hivemind's DecentralizedAverager", says how. An
  * averager is used from one thread at a time. */
 
 struct cohort_averager;
@@ -511,11 +513,15 @@ struct cohort_averager_config {
     uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
     size_t count;                   /* float32 elements averaged */
     size_t segment_bytes;           /* pipelining unit, a multiple of 8; 0: default */
-    const void *schema;             /* up to 64 bytes naming what is averaged
+    const void *schema;             /* up to 63 bytes naming what is averaged
                                      * (copied): only equal schemas group */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */
     uint32_t leave_timeout_ms;      /* the Leave at destroy; 0: the default */
+    enum cohort_compression compression;   /* how the averaged values travel: NONE
+                                     * (exact), FP16, BF16 or INT8 (float32 sums,
+                                     * weights and gathered bytes exact); only
+                                     * averagers of one compression group */
 };
 
 /* Joins the cohort as an averager; the key, the listen address and TLS to
@@ -545,7 +551,8 @@ struct cohort_averager_step {
  * untouched and: -EINVAL (a bad weight, alpha or gather), -ETIMEDOUT (no
  * group completed the round in time: too few averagers, or stalls),
  * -EPROTO (the broker refused the request as disagreeing with the others
- * waiting: group sizes or schema; or the group's members disagree),
+ * waiting: group sizes, schema or compression; or the group's members
+ * disagree),
  * -ENODATA (every member was auxiliary), -EACCES (keys differ), -ENOMEM.
  * cohort_averager_error() says more. */
 int cohort_averager_step(struct cohort_averager *a, const struct cohort_averager_step *s,

@@ -1319,8 +1319,9 @@ static int pygroup_add(PyObject *m)
  *
  * _cohort.Averager(broker, cohort, id, prefix, bits, target, min,
  * min_matchmaking_ms, request_timeout_ms, allreduce_timeout_ms, count,
- * segment_bytes, schema, gather_max, leave_timeout_ms): one struct
- * cohort_averager, for cohort.hivemind. The averaged floats cross as a
+ * segment_bytes, schema, gather_max, leave_timeout_ms[, compression]):
+ * one struct cohort_averager, for cohort.hivemind (compression: an enum
+ * cohort_compression value, 0 by default). The averaged floats cross as a
  * writable buffer of exactly count float32; every call runs with the GIL
  * released and under the Averager's lock. */
 
@@ -1360,9 +1361,10 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
     static char *kwlist[] = { "broker", "cohort", "id", "prefix", "bits", "target", "min",
                               "min_matchmaking_ms", "request_timeout_ms",
                               "allreduce_timeout_ms", "count", "segment_bytes", "schema",
-                              "gather_max", "leave_timeout_ms", NULL };
+                              "gather_max", "leave_timeout_ms", "compression", NULL };
     struct cohort_averager_config c = { 0 };
     unsigned long long count = 0, segment = 0, gather_max = 0;
+    int compression = COHORT_COMPRESSION_NONE;
     Py_buffer schema = { 0 };
     struct cohort_averager *a = NULL;
     int rc;
@@ -1371,13 +1373,14 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
         PyErr_SetString(PyExc_RuntimeError, "Averager.__init__ may be called once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI", kwlist, &c.broker,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|i", kwlist, &c.broker,
                                      &c.cohort, &c.id, &c.prefix, &c.initial_bits,
                                      &c.target_group_size, &c.min_group_size,
                                      &c.min_matchmaking_ms, &c.request_timeout_ms,
                                      &c.allreduce_timeout_ms, &count, &segment, &schema,
-                                     &gather_max, &c.leave_timeout_ms))
+                                     &gather_max, &c.leave_timeout_ms, &compression))
         return -1;
+    c.compression = (enum cohort_compression)compression;
     c.count = (size_t)count;
     c.segment_bytes = (size_t)segment;
     c.schema = schema.buf;

@@ -20,6 +20,27 @@
  * The cost is target x (2 + gather_max / 2) floats more per round, which
  * is why gather_max is small.
  *
+ * With a codec. A codec is lossy and the engine applies it to a whole
+ * call, so the weights, lengths and gathered bytes cannot share the
+ * values' call: they go first, in an exact call of their own over the
+ * metadata part of the buffer, and the values follow in a coded call
+ * (allreduce_run_codec) over the first part. Two calls in a row are safe
+ * here only because the first is recursive doubling: a member that
+ * finished it has received everything its partners send in it, and no
+ * member in doubling reads a connection it is not exchanging on, so the
+ * second call's first frames wait in order behind the first's. (After a
+ * ring the next call's frames can reach a ring neighbour that watches
+ * that connection for control frames only, and fail the call.) The
+ * engine picks doubling by size, so the averager raises its threshold to
+ * cover the metadata of a full group. Knowing the total weight before
+ * the values travel, each member contributes (w / total) x, so the sum
+ * is the average itself, as large as the inputs and no larger (what fits
+ * fp16 stays in range), and no division follows. A zero total is known
+ * to every member after the first call, so all of them stop there alike.
+ * The codec is also the first byte of the schema the broker compares, so
+ * only averagers of one codec group (the engine would refuse the frames
+ * of another anyway, but only after the group had formed).
+ *
  * Exclusion. The engine fails a call at every member within its member
  * timeout when a peer stalls or dies. The members that are still alive
  * then ask the broker again and form a group without the stalled one,
@@ -47,6 +68,10 @@
 #include "rpc/rpc.h"
 
 #define DEFAULT_GATHER_MAX 4096u
+/* The engine's threshold for recursive doubling unless the metadata of a
+ * full group needs more (allreduce.c's default, set explicitly here
+ * because the two-call round depends on it: see the top). */
+#define CODED_SMALL_BYTES ((size_t)256 << 10)
 /* Beyond the step's own timeout, how long the broker's answer may take to
  * arrive before the call is abandoned, unless configured. */
 #define DEFAULT_REQUEST_TIMEOUT_MS 5000u
@@ -56,8 +81,9 @@ struct averager {
     char bits[MATCHMAKER_BITS_MAX + 1];
     uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
     size_t count, gather_max;
-    uint8_t schema[MATCHMAKER_SCHEMA_MAX];
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];     /* the codec's byte, then the caller's */
     size_t schema_len;
+    enum codec codec;
     char address[IDENT_ADDRESS_MAX + 1];
     int data_fd;
     struct allreduce *ar;
@@ -69,7 +95,8 @@ struct averager {
 
     float *sum;                 /* layout_floats(target): the attempt's buffer */
     int h_sum;
-    char err[RPC_MESSAGE_MAX + 64];
+    int h_meta;                 /* its metadata part, from meta_offset() */
+    char err[RPC_MESSAGE_MAX + 192];
 };
 
 /* ---- membership ---------------------------------------------------------- */
@@ -181,14 +208,23 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
     pthread_mutex_unlock(&w.lock);
     rpc_watch_close(watch);         /* waits for mm_end */
     if (w.st.code != RPC_OK || !w.rep) {
+        bool schema;
+
         rc = w.st.code == RPC_DEADLINE_EXCEEDED || w.st.code == RPC_CANCELLED
                  ? -ETIMEDOUT
              : w.st.code == RPC_FAILED_PRECONDITION ? -EPROTO
              : w.st.code == RPC_OK ? -EPROTO
                                    : rpc_code_to_errno(w.st.code);
-        snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s",
+        /* The broker sees the codec only as a schema byte: name it here,
+         * so that a refusal for compression reads as one. */
+        schema = rc == -EPROTO && strstr(w.st.message, "schema");
+        snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s%s%s%s",
                  rpc_code_name(w.st.code), w.st.code == RPC_OK ? "no group in the reply"
-                                                                : w.st.message);
+                                                                : w.st.message,
+                 schema ? " (the schema includes the compression, which must match: "
+                          "this averager's is "
+                        : "",
+                 schema ? codec_name(a->codec) : "", schema ? ")" : "");
         goto out;
     }
     {
@@ -231,10 +267,23 @@ static size_t gather_words(size_t bytes)
     return (bytes + 1) / 2;
 }
 
+/* Where the metadata starts: after the values, rounded up to 8 bytes so
+ * that it can be registered as a buffer of its own. */
+static size_t meta_offset(const struct averager *a)
+{
+    return (a->count + 1) & ~(size_t)1;
+}
+
+/* Floats of the metadata part for a group of n. */
+static size_t meta_floats(const struct averager *a, size_t n)
+{
+    return n * (2 + gather_words(a->gather_max));
+}
+
 /* Floats of one attempt's buffer for a group of n. */
 static size_t layout_floats(const struct averager *a, size_t n)
 {
-    return a->count + n * (2 + gather_words(a->gather_max));
+    return meta_offset(a) + meta_floats(a, n);
 }
 
 static bool retryable(int rc)
@@ -244,13 +293,14 @@ static bool retryable(int rc)
 }
 
 /* Runs the attempt in group e (see the top). On 0 fills *res and leaves
- * the weighted sum in a->sum[0, count) and the total weight in *total. */
+ * the weighted sum in a->sum[0, count) and the total weight in *total
+ * (with a codec the sum is the average already, and *total is 1). */
 static int attempt(struct averager *a, struct epoch *e, const struct averager_step *s,
                    double *total, struct averager_result **res)
 {
     size_t n = e->n_members, gw = gather_words(a->gather_max);
     long me = epoch_find(e, a->id);
-    float *weights = a->sum + a->count, *lens = weights + n, *words = lens + n;
+    float *weights = a->sum + meta_offset(a), *lens = weights + n, *words = lens + n;
     struct averager_result *r = NULL;
     uint8_t *copy = NULL;
     double w = 0;
@@ -260,7 +310,7 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
     if (rc < 0)
         return rc;
     memset(a->sum, 0, layout_floats(a, n) * sizeof(float));
-    for (size_t i = 0; i < a->count && s->weight > 0; i++)
+    for (size_t i = 0; i < a->count && s->weight > 0 && a->codec == CODEC_NONE; i++)
         a->sum[i] = (float)s->weight * s->data[i];
     weights[me] = (float)s->weight;
     lens[me] = (float)s->gather_len;
@@ -269,7 +319,10 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
 
         words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
     }
-    rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
+    if (a->codec == CODEC_NONE)
+        rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
+    else
+        rc = allreduce_run(a->ar, a->h_meta, meta_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
     if (rc < 0)
         return rc;
     /* What the others wrote is checked: a peer may lie, and the caller
@@ -292,6 +345,19 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
     if (w == 0) {
         snprintf(a->err, sizeof(a->err), "every member of the group was auxiliary");
         return -ENODATA;
+    }
+    if (a->codec != CODEC_NONE) {
+        /* Every member summed the same weights in the same order, so
+         * each scales by the same total. */
+        float share = (float)((double)weights[me] / w);
+
+        for (size_t i = 0; i < a->count && s->weight > 0; i++)
+            a->sum[i] = share * s->data[i];
+        rc = allreduce_run_codec(a->ar, a->h_sum, a->h_sum, a->count, DTYPE_F32, DTYPE_SUM, 0,
+                                 a->codec, 2);
+        if (rc < 0)
+            return rc;
+        w = 1;
     }
     r = calloc(1, sizeof(*r));
     copy = malloc(n * a->gather_max + 1);
@@ -481,15 +547,23 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     struct averager *a;
     int rc;
 
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];
+
     if (!cfg || !cfg->broker || !cfg->host || cfg->count == 0 ||
-        cfg->count > ((size_t)1 << 30) || cfg->gather_max > AVERAGER_GATHER_MAX)
+        cfg->count > ((size_t)1 << 30) || cfg->gather_max > AVERAGER_GATHER_MAX ||
+        !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
+        (cfg->schema_len && !cfg->schema))
         return -EINVAL;
+    /* The codec is part of what the broker compares (see the top). */
+    schema[0] = (uint8_t)cfg->codec;
+    if (cfg->schema_len)
+        memcpy(schema + 1, cfg->schema, cfg->schema_len);
     /* The broker would refuse what the matchmaker refuses: say so now. */
     check = (struct matchmaker_request){
         .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
         .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
         .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
-        .schema = cfg->schema, .schema_len = cfg->schema_len,
+        .schema = schema, .schema_len = cfg->schema_len + 1,
     };
     if (matchmaker_check(&check, why, sizeof(why)) < 0)
         return -EINVAL;
@@ -498,6 +572,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         return -ENOMEM;
     a->data_fd = -1;
     a->h_sum = -1;
+    a->h_meta = -1;
     pthread_mutex_init(&a->lock, NULL);
     clock_cond_init(&a->member_cond);
     a->cohort = strdup(cfg->cohort);
@@ -513,8 +588,9 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
                                                 : LIMIT_LEAVE_TIMEOUT_MS;
     a->count = cfg->count;
     a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
-    memcpy(a->schema, cfg->schema, cfg->schema_len);
-    a->schema_len = cfg->schema_len;
+    memcpy(a->schema, schema, cfg->schema_len + 1);
+    a->schema_len = cfg->schema_len + 1;
+    a->codec = cfg->codec;
     a->sum = calloc(layout_floats(a, a->target), sizeof(float));
     if (!a->cohort || !a->id || !a->prefix || !a->sum) {
         rc = -ENOMEM;
@@ -529,13 +605,20 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     ac.member_timeout_ms = cfg->allreduce_timeout_ms ? cfg->allreduce_timeout_ms
                                                      : AVERAGER_DEFAULT_TIMEOUT_MS;
     ac.segment_bytes = cfg->segment_bytes;
+    if (a->codec != CODEC_NONE) {
+        size_t meta = meta_floats(a, a->target) * sizeof(float);
+
+        ac.small_bytes = meta > CODED_SMALL_BYTES ? meta : CODED_SMALL_BYTES;
+    }
     ac.key = cfg->key;
     ac.on_peer_lost = on_peer_lost;
     ac.peer_lost_arg = a;
     rc = allreduce_create(&ac, &a->ar);
     if (rc < 0)
         goto err;
-    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0)
+    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
+        (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
+                  &a->h_meta)) < 0)
         goto err;
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;

@@ -16,7 +16,8 @@
  *     average bytes: sum(w_i * x_i) / sum(w_i) over exactly the members
  *     res names as contributors (weight > 0), and x moved toward it by
  *     alpha (x += alpha * (avg - x)). With integer-valued data and weights
- *     whose sums float32 represents exactly, the average is exact.
+ *     whose sums float32 represents exactly, the average is exact (without
+ *     a codec).
  *   - A peer that stalls or dies past allreduce_timeout_ms fails the
  *     attempt at every member (the engine's member timeout); with retries
  *     allowed, the others ask for a group again, the stalled peer is not
@@ -25,6 +26,16 @@
  *     any error x is untouched.
  *   - Too few averagers within the step's timeout: -ETIMEDOUT, with the
  *     broker's sentence in averager_last_error().
+ *   - With a codec (cfg.codec, engine/codec.h) only the averaged values
+ *     travel encoded: weights, gather lengths and gathered bytes stay
+ *     exact. Every member contributes (w_i / sum w) x_i, so the sum is the
+ *     average itself and stays within the range of the inputs; the result
+ *     is the codec's all-reduce of those (allreduce_run_codec: each
+ *     partial sum encoded at every hop, the result a value of the codec),
+ *     the same bytes on every member. For fp16 its error is at most about
+ *     (n + 1) x 2^-11 x max|x| among n members (codec.h gives each
+ *     codec's bound per encoding). Averagers of different codecs never
+ *     group: the codec is part of the schema the broker compares.
  *   - After a step the group bits move (hivemind's key manager): the
  *     member's index in its group, in log2(target) bits, is shifted in at
  *     the right and as many bits drop off at the left, so that with bits
@@ -41,12 +52,16 @@
 #include <stdint.h>
 
 #include "base/ident.h"
+#include "engine/codec.h"
 
 struct secret;
 struct averager;
 
 #define AVERAGER_GATHER_MAX 65536u      /* bytes one member may gather */
 #define AVERAGER_DEFAULT_TIMEOUT_MS 30000u
+/* The broker compares a schema of MATCHMAKER_SCHEMA_MAX (64) bytes: the
+ * averager's codec takes one, the caller's schema the rest. */
+#define AVERAGER_SCHEMA_MAX 63u
 
 struct averager_config {
     const char *broker;             /* broker address; copied */
@@ -68,17 +83,21 @@ struct averager_config {
     uint32_t leave_timeout_ms;      /* averager_destroy's Leave; 0: the default */
     size_t count;                   /* float32 elements averaged, at least 1 */
     const void *schema;             /* what is averaged (shapes, dtypes), copied; at
-                                     * most 64 bytes; averagers group only with
-                                     * those that give the same */
+                                     * most AVERAGER_SCHEMA_MAX bytes; averagers
+                                     * group only with those that give the same */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most
                                      * AVERAGER_GATHER_MAX. Every round carries
                                      * target x gather_max / 2 floats for it */
+    enum codec codec;               /* how the averaged values travel (engine/codec.h);
+                                     * CODEC_NONE (0): float32, exact. Part of what
+                                     * the broker compares: averagers group only
+                                     * with those that give the same codec */
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
- * 0, -EINVAL (bad names, host, sizes, prefix or bits), -ENOMEM, or a
- * socket or thread -errno. The caller frees *out with averager_destroy(). */
+ * 0, -EINVAL (bad names, host, sizes, prefix, bits, schema or codec),
+ * -ENOMEM, or a socket or thread -errno. The caller frees *out with averager_destroy(). */
 int averager_create(const struct averager_config *cfg, struct averager **out);
 /* Leaves the cohort and frees. No step may be in flight. NULL is fine. */
 void averager_destroy(struct averager *a);
@@ -116,7 +135,7 @@ struct averager_result {
  *   -ETIMEDOUT  no group completed the round within timeout_ms (too few
  *               averagers, or every attempt stalled);
  *   -EPROTO     the broker refused the request as disagreeing with the
- *               others waiting (group sizes or schema), or the group's
+ *               others waiting (group sizes, schema or codec), or the group's
  *               members disagree on the call;
  *   -ENODATA    every member of the group was auxiliary;
  *   -EACCES     the members' keys differ; -ENOMEM.

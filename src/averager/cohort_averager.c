@@ -11,6 +11,13 @@
 #include "base/secret.h"
 #include "rpc/rpc.h"
 
+/* The public values are the engine's codec numbers for the codecs. */
+_Static_assert(COHORT_COMPRESSION_NONE == (int)CODEC_NONE &&
+                   COHORT_COMPRESSION_FP16 == (int)CODEC_FP16 &&
+                   COHORT_COMPRESSION_BF16 == (int)CODEC_BF16 &&
+                   COHORT_COMPRESSION_INT8 == (int)CODEC_INT8,
+               "cohort_compression and enum codec differ");
+
 struct cohort_averager {
     struct averager *a;
 };
@@ -49,6 +56,12 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     cfg.schema_len = c->schema_len;
     cfg.gather_max = c->gather_max;
     cfg.leave_timeout_ms = c->leave_timeout_ms;
+    /* The codecs only: top-k and PowerSGD keep state per member and are
+     * not stateless maps of a sum (engine/codec.h). */
+    if ((int)c->compression < COHORT_COMPRESSION_NONE ||
+        (int)c->compression > COHORT_COMPRESSION_INT8)
+        return -EINVAL;
+    cfg.codec = (enum codec)c->compression;
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;

@@ -21,6 +21,12 @@ def tensors_of(k):
             torch.full((2, 3), float(4 * k), dtype=torch.float32)]
 
 
+def coded_tensors_of(k):
+    """Tensors of two shapes with values no 16-bit float holds exactly."""
+    g = torch.Generator().manual_seed(1000 + k)
+    return [torch.randn(300, generator=g) * 7.3, torch.rand((4, 5), generator=g) - 0.5]
+
+
 def out(**kw):
     print(json.dumps(kw), flush=True)
 
@@ -104,6 +110,43 @@ def main():
                 errors.append(str(e))
         with b.get_tensors() as t:
             out(errors=errors, untouched=t[0].tolist())
+        a.shutdown()
+        b.shutdown()
+    elif scenario == "coded":
+        # ARGS: k, n, compression class name, weight. Tensors that are not
+        # integers; prints the result's float32 bytes so that the test
+        # compares them across peers.
+        k, n, codec, weight = int(rest[0]), int(rest[1]), rest[2], float(rest[3])
+        ts = coded_tensors_of(k)
+        a = averager(dht, ts, target_group_size=n, min_group_size=n,
+                     compression=getattr(hivemind, codec)())
+        got = a.step(gather={"peer": peer, "k": k}, weight=weight, timeout=60)
+        with a.get_tensors() as t:
+            out(gathered=got, tensors=[x.tolist() for x in t], last=a.last_group[2],
+                raw=b"".join(x.contiguous().numpy().tobytes() for x in t).hex())
+        a.shutdown()
+    elif scenario == "codec_mismatch":
+        # Two averagers of this process with the same tensors and different
+        # compression, stepping at once: whichever asks second is refused.
+        dht2 = hivemind.DHT(initial_peers=[broker], start=True, cohort="hm",
+                            peer_id=peer + "-b")
+        a = averager(dht, [torch.ones(4)], target_group_size=2, min_group_size=2,
+                     compression=hivemind.NoCompression())
+        b = averager(dht2, [torch.ones(4)], target_group_size=2, min_group_size=2,
+                     compression=hivemind.Float16Compression())
+        controls = [x.step(weight=1, timeout=4, wait=False) for x in (a, b)]
+        errors = []
+        for c in controls:
+            try:
+                c.result(timeout=30)
+                errors.append(None)
+            except hivemind.AllreduceException as e:
+                errors.append(str(e))
+        untouched = []
+        for x in (a, b):
+            with x.get_tensors() as t:
+                untouched.append(t[0].tolist())
+        out(errors=errors, untouched=untouched)
         a.shutdown()
         b.shutdown()
     else:

@@ -10,6 +10,10 @@ joined to a real broker with a key, with real torch tensors.
   and report exactly who was averaged.
 - Too few peers: None from step(), AllreduceException from a control's
   result(), within the timeout.
+- With Float16Compression and BlockwiseQuantization (tensors that are not
+  integers): every peer ends with the same bytes, within the codec's bound
+  of the exact average; weights and gathered objects arrive exactly.
+  Averagers of different compression are refused.
 - Group bits get and set; bad input (mismatched shapes between peers, a
   bad weight, request_timeout >= min_matchmaking_time, arguments not
   carried out yet) gets a clear error.
@@ -28,7 +32,7 @@ import torch
 import cohort.hivemind as hivemind
 from cohorttest import ROOT, bin_path, finish, start_broker
 from cohorttest.programs import write_key
-from hivemind_child import tensors_of
+from hivemind_child import coded_tensors_of, tensors_of
 from pyproc import HERE, child_env, spawn
 
 CHILD = os.path.join(HERE, "hivemind_child.py")
@@ -157,13 +161,24 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
     with pytest.raises(ValueError, match="request_timeout"):
         hivemind.DecentralizedAverager(t, dht, start=False, prefix="x",
                                        min_matchmaking_time=1.0, request_timeout=1.0)
+    class Mine(hivemind.CompressionBase):
+        pass
+
     for bad in (dict(client_mode=True), dict(bandwidth=1.0), dict(allow_state_sharing=True),
-                dict(compression=hivemind.Float16Compression())):
+                dict(compression=Mine()),
+                dict(state_compression=hivemind.Float16Compression())):
         with pytest.raises(ValueError, match="not supported"):
             hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
     with pytest.raises(TypeError):
         hivemind.DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], dht, start=False,
                                        prefix="x")
+    # The C averager takes the codecs only: top-k (4) and PowerSGD (5)
+    # keep state per member, and 9 is no compression at all.
+    from cohort import _cohort
+    for bad in (4, 5, 9, -1):
+        with pytest.raises(Exception, match="cannot start the averager"):
+            _cohort.Averager(broker.address, "hm", "c-%d" % bad, "x", "", 2, 2, 1000, 500, 1000,
+                             3, 0, b"schema", 4096, 1000, bad)
 
 
 def test_peers_whose_tensors_differ_are_refused_and_keep_their_tensors(keyed):
@@ -183,13 +198,58 @@ def test_the_benchmark_runs_a_tiny_round_and_refuses_bad_flags(tmp_path):
     the README), and its flag checks."""
     run = subprocess.run([sys.executable, BENCH, "--peers", "4", "--group", "2", "--mib", "1",
                           "--reps", "1", "--operator", bin_path("cohort-operator"),
+                          "--compression", "NoCompression,Float16Compression",
                           "--log-dir", str(tmp_path)], capture_output=True, text=True,
                          env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
-    assert [r.get("system") for r in rows[:2]] == ["averager", "allreduce"]
-    assert rows[0]["ms_per_round"] > 0 and rows[0]["matchmaking_ms"] >= 0
-    assert rows[2]["averager/allreduce"] > 0
+    assert [r.get("system") for r in rows[:3]] == ["averager", "averager", "allreduce"]
+    assert [r.get("compression") for r in rows[:2]] == ["NoCompression", "Float16Compression"]
+    assert all(r["ms_per_round"] > 0 and r["matchmaking_ms"] >= 0 for r in rows[:2])
+    assert [r["compression"] for r in rows[3:]] == ["NoCompression", "Float16Compression"]
+    assert all(r["averager/allreduce"] > 0 for r in rows[3:])
     bad = subprocess.run([sys.executable, BENCH, "--peers", "6", "--group", "4"],
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "power of two" in bad.stderr
+    bad = subprocess.run([sys.executable, BENCH, "--compression", "Uniform8BitQuantization"],
+                         capture_output=True, text=True, env=child_env(), timeout=60)
+    assert bad.returncode == 2 and "--compression" in bad.stderr
+
+
+# Per encoding: fp16 2^-11 relative; 8-bit blockwise half a step of
+# max|block| / 127. Among n peers a value is encoded at most n times (the
+# n - 1 partial sums and the result), each partial sum of the average at
+# most max|x| in magnitude.
+@pytest.mark.parametrize("codec,per_encoding", [("Float16Compression", 2.0 ** -11),
+                                                ("BlockwiseQuantization", 1 / 254)])
+def test_compressed_rounds_are_alike_everywhere_within_the_codec_bound(keyed, codec,
+                                                                        per_encoding):
+    broker, key = keyed
+    n, weights = 3, [1.0, 2.5, 0.7]
+    kids = [child(broker, key, "z-%d" % k, "coded", k, n, codec, weights[k]) for k in range(n)]
+    got = [lines_of(k)[-1] for k in kids]
+    total = sum(weights)
+    ins = [coded_tensors_of(k) for k in range(n)]
+    maxabs = max(float(t.abs().max()) for ts in ins for t in ts)
+    for i in range(2):
+        ref = sum(weights[k] * ins[k][i].double() for k in range(n)) / total
+        res = torch.tensor(got[0]["tensors"][i], dtype=torch.float64)
+        err = float((res - ref).abs().max())
+        assert err <= (n + 1) * per_encoding * maxabs, (codec, i, err)
+        assert err > 0, "the result equals the exact average: was the codec applied?"
+    for g in got:
+        assert g["raw"] == got[0]["raw"], "peers ended with different bytes"
+        # Weights travel as float32, as without compression, and exactly.
+        assert g["last"] == {"z-%d" % j: float(torch.tensor(weights[j], dtype=torch.float32))
+                             for j in range(n)}, "weights exact"
+        assert g["gathered"] == {"z-%d" % j: {"peer": "z-%d" % j, "k": j} for j in range(n)}
+
+
+def test_averagers_of_different_compression_are_refused(keyed):
+    broker, key = keyed
+    g = lines_of(child(broker, key, "cm", "codec_mismatch"))[-1]
+    refused = [e for e in g["errors"] if e and "compression" in e]
+    assert len(refused) == 1, g["errors"]
+    other = [e for e in g["errors"] if e is not refused[0]][0]
+    assert other and "too few" in other, other
+    assert g["untouched"] == [[1.0] * 4, [1.0] * 4]

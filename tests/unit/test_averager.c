@@ -6,8 +6,10 @@
  * Matchmake requests that prove nothing or name no member). */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -267,8 +269,10 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
     q.min_group_size = 2;
     q.min_matchmaking_ms = 300;
     q.timeout_ms = 60000;
-    q.schema.data = (uint8_t *)"f32x16";
-    q.schema.len = 6;
+    /* What an averager of "f32x16" without a codec sends: the codec's
+     * byte (CODEC_NONE), then its schema. */
+    q.schema.data = (uint8_t *)"\0f32x16";
+    q.schema.len = 7;
     cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
 
     p[0].a = make("w-a", 3, 2, "", "f32x16");
@@ -447,4 +451,253 @@ Test(averager, matchmake_that_proves_nothing_or_names_no_member_is_refused)
     cr_assert_eq(raw_matchmake("avg", "w-q", GOOD_PROOF), RPC_NOT_FOUND, "not a member");
     cr_assert_eq(raw_matchmake("nope", "w-q", GOOD_PROOF), RPC_NOT_FOUND, "unknown cohort");
     cr_assert_eq(raw_matchmake("avg", "bad id!", GOOD_PROOF), RPC_INVALID_ARGUMENT);
+}
+
+/* ---- codecs ------------------------------------------------------------------ */
+
+static struct averager *make_coded(const char *id, uint32_t target, enum codec codec)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/avg", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .codec = codec,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+/* n members (the last one auxiliary when aux) with weights that float32
+ * holds but fp16 does not, values that are not integers, and gathers of
+ * every length parity: every contributor ends with the same bytes, within
+ * `bound` x max|x| of the exact average and not all equal to it (the codec
+ * ran), each a value of the codec; the auxiliary member is untouched;
+ * weights, lengths and gathered bytes arrive exactly. */
+static void coded_round(enum codec codec, int n, bool aux, double bound)
+{
+    struct peer p[N_MAX] = { 0 };
+    double exact[COUNT] = { 0 }, total = 0, maxabs = 0;
+    bool differs = false;
+    char id[16];
+
+    for (int i = 0; i < n; i++) {
+        snprintf(id, sizeof(id), "c-%d", i);
+        p[i].a = make_coded(id, (uint32_t)n, codec);
+        p[i].weight = aux && i == n - 1 ? 0 : 0.3 * (i + 1) + 1e-3;
+        snprintf(p[i].gather, sizeof(p[i].gather), "%.*s", 5 + i, "gathered-bytes-");
+        for (int j = 0; j < COUNT; j++) {
+            p[i].data[j] = (float)((i + 1) * 37.3 * sin(0.7 * j + i) + 0.001 * j);
+            if (fabs(p[i].data[j]) > maxabs)
+                maxabs = fabs(p[i].data[j]);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        total += (float)p[i].weight;
+        for (int j = 0; j < COUNT; j++)
+            exact[j] += (float)p[i].weight * (double)p[i].data[j];
+    }
+    run_all(p, n);
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(p[i].rc, 0, "c-%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, (size_t)n);
+        for (size_t k = 0; k < (size_t)n; k++) {
+            cr_assert_eq(p[i].res->weights[k], (double)(float)p[k].weight, "weight of c-%zu", k);
+            cr_assert_eq(p[i].res->gathered_len[k], strlen(p[k].gather));
+            cr_assert_eq(memcmp(p[i].res->gathered[k], p[k].gather, strlen(p[k].gather)), 0);
+        }
+        if (aux && i == n - 1)
+            continue;
+        cr_assert_eq(memcmp(p[i].data, p[0].data, sizeof(p[0].data)), 0,
+                     "c-%d ends with other bytes than c-0", i);
+    }
+    for (int j = 0; j < COUNT; j++) {
+        double avg = exact[j] / total;
+        float one = p[0].data[j];
+        uint8_t scratch[16];
+
+        cr_assert(fabs(p[0].data[j] - avg) <= bound * maxabs, "[%d] %.9g vs %.9g (bound %g)",
+                  j, p[0].data[j], avg, bound * maxabs);
+        differs |= p[0].data[j] != (float)avg;
+        if (codec != CODEC_INT8) {      /* int8's values depend on their block */
+            codec_round_trip(codec, &one, scratch, 1);
+            cr_assert_eq(one, p[0].data[j], "[%d] %.9g is not a value of the codec", j,
+                         p[0].data[j]);
+        }
+    }
+    cr_assert(differs, "every value equals the float32 average: was the codec applied?");
+    if (aux)
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(p[n - 1].data[j], (float)(n * 37.3 * sin(0.7 * j + n - 1) + 0.001 * j),
+                         "the auxiliary member's data changed");
+    free_all(p, n);
+}
+
+/* fp16: each of the n - 1 partial sums and the result is encoded once,
+ * each within 2^-11 relative (codec.h), so (n + 1) x 2^-11 x max|x|
+ * bounds the error with room for float32's own roundings. */
+Test(averager, fp16_round_is_within_the_codec_bound_and_alike_everywhere)
+{
+    coded_round(CODEC_FP16, 4, false, 5.0 / 2048);
+}
+
+/* An auxiliary member reduces with fp16 and contributes nothing. */
+Test(averager, fp16_round_with_an_auxiliary_member)
+{
+    coded_round(CODEC_FP16, 3, true, 4.0 / 2048);
+}
+
+/* bf16: 2^-8 per encoding. */
+Test(averager, bf16_round_is_within_the_codec_bound_and_alike_everywhere)
+{
+    coded_round(CODEC_BF16, 3, false, 4.0 / 256);
+}
+
+/* int8: at most half a step of max|block| / 127 per encoding, and every
+ * partial sum of the average is at most max|x|. */
+Test(averager, int8_round_is_within_the_codec_bound_and_alike_everywhere)
+{
+    coded_round(CODEC_INT8, 3, false, 4.0 / 254);
+}
+
+/* Averagers of different codecs never form a group: whichever asks second
+ * is refused and told that the compression is part of the schema; the
+ * other finds no partner. */
+Test(averager, averagers_of_different_codecs_are_refused)
+{
+    struct peer p[2] = { 0 };
+    int refused = -1;
+
+    p[0].a = make_coded("c-none", 2, CODEC_NONE);
+    p[1].a = make_coded("c-fp16", 2, CODEC_FP16);
+    for (int i = 0; i < 2; i++) {
+        p[i].weight = 1;
+        p[i].timeout_ms = 3000;
+    }
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(p[i].rc == -EPROTO || p[i].rc == -ETIMEDOUT, "%d: %s", p[i].rc,
+                  averager_last_error(p[i].a));
+        if (p[i].rc == -EPROTO)
+            refused = i;
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], 0.0f, "a refused step changed the data");
+    }
+    cr_assert(refused >= 0 && p[1 - refused].rc == -ETIMEDOUT, "%d %d", p[0].rc, p[1].rc);
+    cr_assert(strstr(averager_last_error(p[refused].a), "compression"), "%s",
+              averager_last_error(p[refused].a));
+    cr_assert(strstr(averager_last_error(p[refused].a), refused ? "fp16" : "none"), "%s",
+              averager_last_error(p[refused].a));
+    free_all(p, 2);
+}
+
+/* An unknown codec, and a schema that leaves no room for the codec's
+ * byte, are refused at creation. */
+Test(averager, an_unknown_codec_or_a_full_schema_is_refused)
+{
+    char full[AVERAGER_SCHEMA_MAX + 2];
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = "c-bad", .host = "127.0.0.1", .key = &key,
+        .prefix = "run/avg", .target_group_size = 2, .min_group_size = 2, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .codec = (enum codec)CODEC_COUNT,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), -EINVAL);
+    memset(full, 'x', sizeof(full));
+    c.codec = CODEC_FP16;
+    c.schema = full;
+    c.schema_len = AVERAGER_SCHEMA_MAX + 1;
+    cr_assert_eq(averager_create(&c, &a), -EINVAL);
+    c.schema_len = AVERAGER_SCHEMA_MAX;
+    cr_assert_eq(averager_create(&c, &a), 0);
+    averager_destroy(a);
+}
+
+#define BIG (100 * 1000)
+
+struct big_peer {
+    struct averager *a;
+    float *data;
+    int rc;
+    pthread_t t;
+};
+
+static void *big_main(void *arg)
+{
+    struct big_peer *p = arg;
+    struct averager_step s = { .data = p->data, .weight = 1, .alpha = 1,
+                               .timeout_ms = FIXTURE_WAIT_MS };
+    struct averager_result *r = NULL;
+
+    p->rc = averager_step(p->a, &s, &r);
+    averager_result_free(r);
+    return NULL;
+}
+
+/* Values large enough that the coded call runs as a ring (400 KB, over
+ * the doubling threshold) among n, right after the metadata's exact
+ * call, for three rounds: every round completes and every member ends
+ * with the same bytes, within the bound of the exact mean. */
+static void coded_ring_rounds(int n)
+{
+    struct big_peer p[4] = { 0 };
+    char id[16];
+
+    cr_assert(n <= 4);
+    for (int i = 0; i < n; i++) {
+        struct averager_config c = {
+            .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+            .prefix = "run/big", .target_group_size = (uint32_t)n,
+            .min_group_size = (uint32_t)n,
+            .min_matchmaking_ms = 300, .allreduce_timeout_ms = 10000, .count = BIG,
+            .schema = "big", .schema_len = 3, .codec = CODEC_FP16,
+        };
+
+        snprintf(id, sizeof(id), "b-%d", i);
+        cr_assert_eq(averager_create(&c, &p[i].a), 0);
+        cr_assert_eq(averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].data = malloc(BIG * sizeof(float));
+        cr_assert(p[i].data);
+        for (int j = 0; j < BIG; j++)
+            p[i].data[j] = (float)((i + 1) * sin(0.001 * j + i));
+    }
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < n; i++)
+            cr_assert_eq(pthread_create(&p[i].t, NULL, big_main, &p[i]), 0);
+        for (int i = 0; i < n; i++)
+            pthread_join(p[i].t, NULL);
+        for (int i = 0; i < n; i++) {
+            cr_assert_eq(p[i].rc, 0, "round %d b-%d: %s", round, i,
+                         averager_last_error(p[i].a));
+            cr_assert_eq(memcmp(p[i].data, p[0].data, BIG * sizeof(float)), 0,
+                         "round %d: b-%d ends with other bytes", round, i);
+        }
+    }
+    for (int j = 0; j < BIG; j++) {
+        double mean = 0;
+
+        for (int i = 0; i < n; i++)
+            mean += (i + 1) * sin(0.001 * j + i) / n;
+        /* max|x| is n; three rounds of up to n + 1 encodings each */
+        cr_assert(fabs(p[0].data[j] - mean) <= 3 * (n + 1) * n / 2048.0, "[%d] %g vs %g", j,
+                  p[0].data[j], mean);
+    }
+    for (int i = 0; i < n; i++) {
+        averager_destroy(p[i].a);
+        free(p[i].data);
+    }
+}
+
+Test(averager, a_coded_ring_after_the_exact_call_completes_alike_among_4)
+{
+    coded_ring_rounds(4);
+}
+
+/* Three: doubling with an extra member first, then the ring. */
+Test(averager, a_coded_ring_after_the_exact_call_completes_alike_among_3)
+{
+    coded_ring_rounds(3);
 }
