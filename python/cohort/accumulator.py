@@ -106,6 +106,22 @@ def _sanitize(name):
 _COMPRESSION_NAMES = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "topk": 4, "powersgd": 5}
 
 
+def _tensor_shapes(params):
+    """The gradient buffer's tensors, for PowerSGD by tensor shape:
+    (offset, count, rows, cols) per parameter, in elements, the parameters
+    laid end to end; a matrix is shape[0] x the rest (as mlbench's
+    PowerAggregation views it), a 1-D tensor or a scalar count x 1, which
+    is reduced uncompressed."""
+    shapes, at = [], 0
+    for p in params:
+        n = p.numel()
+        if n:
+            rows = p.shape[0] if p.dim() >= 2 else n
+            shapes.append((at, n, rows, n // rows))
+        at += n
+    return shapes
+
+
 def _parse_compression(text):
     """(method, param) from set_compression's text; param 0 is the
     method's default. The same rules as cohort-sidecar --compression."""
@@ -204,6 +220,7 @@ class Accumulator:
                 b.data = bv
                 self._bviews.append(bv)
         self._grads = self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
+        self._shapes = _tensor_shapes(params)
         self._on_results = False    # .grad points at the round's result
         self._pending = None        # (batch_size or 0 for a skip, contributions_dropped)
         self._asked = False         # the last update() said wants_gradients
@@ -256,6 +273,8 @@ class Accumulator:
             self._retry_at = time.monotonic() + _RETRY_S
             return
         self._linked = True
+        # PowerSGD by tensor shape: every connection learns the layout.
+        core.set_tensor_shapes(self._shapes)
 
     def _identity(self):
         """(cohort, member id) for joining a broker: the Group's name and its
