@@ -542,6 +542,32 @@ class Accumulator:
         method, param = _parse_compression(codec)
         self._c().set_compression(method, param)
 
+    def set_tensor_shapes(self, shapes=None):
+        """The layout PowerSGD ("powersgd:RANK") reduces by: None (the
+        default) takes the parameters' own shapes, each weight a matrix of
+        shape[0] x the rest on its own (as the PowerSGD paper and mlbench's
+        PowerAggregation do) and each 1-D parameter uncompressed; [] views
+        the whole gradient buffer as one matrix; or a list of (offset,
+        count, rows, cols) in elements of the gradient buffer (the
+        parameters end to end, in order). Members must give the same
+        matrices, or their rounds run uncompressed (each logs it once).
+        Kept across reconnections; takes effect from the next round, and
+        starts the error and the warm start from zero. Raises cohort.Error
+        (EINVAL) for tensors that overlap, lie beyond the gradients, or
+        whose count is not rows x cols, or more than 65,536 of them:
+        nothing changes then."""
+        core = self._c()
+        shapes = _tensor_shapes(self._params) if shapes is None else \
+            [tuple(int(v) for v in s) for s in shapes]
+        try:
+            core.set_tensor_shapes(shapes)
+        except Error as e:
+            # Checked before the link is asked: a layout refused only for
+            # want of a connection goes with the next connect().
+            if e.errno != errno.ENOTCONN or self._linked:
+                raise
+        self._shapes = shapes
+
     def _dropped(self):
         return self._c().view()["stats"]["contributions_dropped"]
 
