@@ -286,9 +286,10 @@ int cohort_set_compression(struct cohort *c, enum cohort_compression codec);
  * PowerSGD keep this member's error (what it has not sent yet) and add
  * it to its next round: it changes only when a round commits, starts at
  * zero on a member that joins or receives the leader's state, and is
- * lost with a member that leaves. PowerSGD views the whole gradient
- * buffer (every parameter, in order) as floor(sqrt(n)) rows of n / rows
- * columns; the elements left over are reduced uncompressed. See
+ * lost with a member that leaves. PowerSGD reduces each matrix of the
+ * layout cohort_set_tensor_shapes gave; without one it views the whole
+ * gradient buffer (every parameter, in order) as floor(sqrt(n)) rows of
+ * n / rows columns, and the elements left over are reduced uncompressed. See
  * docs/architecture.md, "Top-k and PowerSGD, with error feedback".
  * Returns 0, -EINVAL (unknown method, parameter out of range), -ENOTCONN,
  * or -EPROTO / -EINVAL from a sidecar that predates it. */
