@@ -554,8 +554,8 @@ class Accumulator:
         Kept across reconnections; takes effect from the next round, and
         starts the error and the warm start from zero. Raises cohort.Error
         (EINVAL) for tensors that overlap, lie beyond the gradients, or
-        whose count is not rows x cols, or more than 65,536 of them:
-        nothing changes then."""
+        whose count is not rows x cols, and ValueError for more than
+        65,536 of them: nothing changes then."""
         core = self._c()
         shapes = _tensor_shapes(self._params) if shapes is None else \
             [tuple(int(v) for v in s) for s in shapes]

@@ -92,6 +92,9 @@ def test_accumulator_refuses_bad_shapes():
             assert acc._shapes == [(0, 12, 4, 3), (12, 5, 5, 1)]    # unchanged
         with pytest.raises(TypeError):
             acc.set_tensor_shapes([(0, 12, 4)])
+        with pytest.raises(ValueError):
+            acc.set_tensor_shapes([(i, 1, 1, 1) for i in range(65537)])
+        assert acc._shapes == [(0, 12, 4, 3), (12, 5, 5, 1)]
         acc.set_tensor_shapes([])                      # the whole-buffer view
         assert acc._shapes == []
         acc.set_tensor_shapes()
