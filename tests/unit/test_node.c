@@ -1327,6 +1327,40 @@ Test(node, powersgd_by_shape_reproduces_each_layer)
     compressed_pair_free(ms);
 }
 
+/* The same by shape with two contributions in flight: each round reduces
+ * a slot's copy, not the trainer's buffer. */
+Test(node, powersgd_by_shape_with_parallel_gradients)
+{
+    struct cmember ms[2];
+    static float want[CG];
+
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "powersgd:1", fill_layers, 2);
+        cr_assert_eq(node_set_parallel_gradients(ms[i].n, 2), 0);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, layers, 3), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        const float *got = ms[0].seen + r * CG;
+
+        layers_mean(want, r);
+        cr_assert_eq(memcmp(got, ms[1].seen + r * CG, CG * sizeof(float)), 0);
+        for (size_t i = 0; i < CG; i++) {
+            if (in_layer_matrix(i))
+                cr_assert_leq(fabsf(got[i] - want[i]), 1e-3f * (1 + fabsf(want[i])), "round %d entry %zu",
+                              (int)r, i);
+            else
+                cr_assert_eq(got[i], want[i], "round %d entry %zu is not exact", (int)r, i);
+        }
+    }
+    compressed_pair_free(ms);
+}
+
 /* Members whose layouts differ (the second matrix 300 x 200 on one) run
  * uncompressed: every entry is exactly the mean, which rank 1 would not
  * give. So do members of which only one gave a layout. */
