@@ -10,7 +10,9 @@ the same data and the same number of steps, in the same run.
 Every codec runs under `cohortctl run -n PEERS` (a broker, one sidecar per
 trainer); each trainer asks for the codec with
 Accumulator.set_compression(CODEC) once connected, so --codecs takes the
-names set_compression takes, none first. Rank 0 evaluates the model on the
+names set_compression takes, none first; "powersgd:N@whole" is PowerSGD on
+the whole-buffer view (set_tensor_shapes([])) rather than layer by layer,
+the Accumulator's default. Rank 0 evaluates the model on the
 example's 2048 held-out samples every --eval-every versions, its clock
 stopped meanwhile (the cohort waits for it alike under every codec). The
 table shows, per codec (medians over --reps): the held-out loss and
@@ -70,7 +72,10 @@ def member(a):
             time.sleep(0.01)
             continue
         if not asked:
-            acc.set_compression(a.codec)
+            codec, _, view = a.codec.partition("@")
+            if view == "whole":
+                acc.set_tensor_shapes([])
+            acc.set_compression(codec)
             asked = True
         if acc.wants_state():
             acc.set_state({"optimizer": opt.state_dict()})
@@ -218,6 +223,9 @@ def main():
                  "must be positive")
     if not a.lr > 0 or not a.target_loss > 0:
         ap.error("--lr and --target-loss must be positive")
+    if any("@" in c and not (c.startswith("powersgd") and c.endswith("@whole"))
+           for c in a.codecs):
+        ap.error("only powersgd takes @whole")
     if not a.codecs or a.codecs[0] != "none" or len(set(a.codecs)) != len(a.codecs):
         ap.error("--codecs must start with none and name each codec once")
     if not a.member and not os.access(a.cohortctl, os.X_OK):

@@ -256,7 +256,8 @@ enum cohort_compression {
                                      * entries of largest magnitude (index, value);
                                      * what it did not send waits in its residual
                                      * (error feedback) */
-    COHORT_COMPRESSION_POWERSGD = 5,/* the gradient buffer as a matrix, reduced as a
+    COHORT_COMPRESSION_POWERSGD = 5,/* the gradient buffer as a matrix, or each of its
+                                     * tensors (cohort_set_tensor_shapes), reduced as a
                                      * rank-`rank` product, with error feedback */
 };
 
@@ -285,13 +286,45 @@ int cohort_set_compression(struct cohort *c, enum cohort_compression codec);
  * PowerSGD keep this member's error (what it has not sent yet) and add
  * it to its next round: it changes only when a round commits, starts at
  * zero on a member that joins or receives the leader's state, and is
- * lost with a member that leaves. PowerSGD views the whole gradient
- * buffer (every parameter, in order) as floor(sqrt(n)) rows of n / rows
- * columns; the elements left over are reduced uncompressed. See
+ * lost with a member that leaves. PowerSGD reduces each matrix of the
+ * layout cohort_set_tensor_shapes gave; without one it views the whole
+ * gradient buffer (every parameter, in order) as floor(sqrt(n)) rows of
+ * n / rows columns, and the elements left over are reduced uncompressed. See
  * docs/architecture.md, "Top-k and PowerSGD, with error feedback".
  * Returns 0, -EINVAL (unknown method, parameter out of range), -ENOTCONN,
  * or -EPROTO / -EINVAL from a sidecar that predates it. */
 int cohort_set_compression_with(struct cohort *c, enum cohort_compression method, double param);
+
+/* One tensor of the gradient buffer, for PowerSGD by tensor shape. */
+struct cohort_tensor_shape {
+    size_t offset;      /* its first element in the gradient buffer: parameter i's is
+                         * the sum of the numels of the parameters before it */
+    size_t count;       /* its elements */
+    size_t rows, cols;  /* its 2-D view, rows x cols == count: a tensor's shape[0] x
+                         * the rest; with rows or cols of 1 (a bias) it is reduced
+                         * uncompressed */
+};
+
+/* At most this many tensors. */
+#define COHORT_TENSOR_SHAPES_MAX 65536
+
+/* Tells the cohort how the gradient buffer is made of tensors, so that
+ * PowerSGD (COHORT_COMPRESSION_POWERSGD) reduces each matrix on its own
+ * at the agreed rank, as the PowerSGD paper and mlbench's
+ * PowerAggregation do, instead of viewing the whole buffer as one
+ * matrix; tensors with one row or one column, and elements no tensor
+ * names, are reduced uncompressed. One round is still two all-reduces
+ * (every P together, every Q with the uncompressed elements). `shapes`
+ * is borrowed for the call, in any order; n = 0 goes back to the
+ * whole-buffer view. Used from the next round, and only when every
+ * member gives the same matrices (offsets and shapes): when they differ
+ * the rounds run uncompressed and each member logs it once. Changing it
+ * starts the error and the warm start from zero. Returns 0; -EINVAL
+ * (more than COHORT_TENSOR_SHAPES_MAX, a count of 0 or not rows x cols,
+ * a tensor beyond the gradients, two that overlap: nothing changes);
+ * -ENOTCONN; -ENOMEM; or -EPROTO from a sidecar that predates it (which
+ * then ends the session: trainer and sidecar come from one release). */
+int cohort_set_tensor_shapes(struct cohort *c, const struct cohort_tensor_shape *shapes, size_t n);
 
 struct cohort_gradient_stats {
     uint64_t batch_size;        /* of the last committed round */

@@ -478,6 +478,46 @@ static PyObject *core_set_compression(struct core *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* set_tensor_shapes([(offset, count, rows, cols), ...]): the gradient
+ * buffer's tensors, which accumulator.py takes from the parameters. */
+static PyObject *core_set_tensor_shapes(struct core *self, PyObject *arg)
+{
+    struct cohort_tensor_shape *v = NULL;
+    PyObject *seq;
+    Py_ssize_t n;
+    int rc;
+
+    if (check_open(self) < 0 || !(seq = PySequence_Fast(arg, "shapes must be a sequence")))
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n > COHORT_TENSOR_SHAPES_MAX) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%zd tensors: at most %d", n, COHORT_TENSOR_SHAPES_MAX);
+        return NULL;
+    }
+    if (n && !(v = PyMem_Calloc((size_t)n, sizeof(*v)))) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long f[4];
+
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKK;a shape is (offset, count, rows, cols)",
+                              &f[0], &f[1], &f[2], &f[3])) {
+            PyMem_Free(v);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        v[i] = (struct cohort_tensor_shape){ f[0], f[1], f[2], f[3] };
+    }
+    Py_DECREF(seq);
+    LOCKED(self, rc = cohort_set_tensor_shapes(c, v, (size_t)n));
+    PyMem_Free(v);
+    if (rc < 0)
+        return raise_rc("set_tensor_shapes", rc);
+    Py_RETURN_NONE;
+}
+
 static PyObject *core_close(struct core *self, PyObject *unused)
 {
     self->closed = 1;
@@ -665,6 +705,8 @@ static PyMethodDef core_methods[] = {
     { "set_parallel_gradients", (PyCFunction)core_set_parallel_gradients, METH_O, NULL },
     { "set_compression", (PyCFunction)core_set_compression, METH_VARARGS,
       "set_compression(method, param)" },
+    { "set_tensor_shapes", (PyCFunction)core_set_tensor_shapes, METH_O,
+      "set_tensor_shapes([(offset, count, rows, cols), ...])" },
     { "connected", (PyCFunction)core_connected, METH_NOARGS, NULL },
     { "wants_state", (PyCFunction)core_wants_state, METH_NOARGS, NULL },
     { "has_new_state", (PyCFunction)core_has_new_state, METH_NOARGS, NULL },

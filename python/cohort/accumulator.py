@@ -106,6 +106,22 @@ def _sanitize(name):
 _COMPRESSION_NAMES = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "topk": 4, "powersgd": 5}
 
 
+def _tensor_shapes(params):
+    """The gradient buffer's tensors, for PowerSGD by tensor shape:
+    (offset, count, rows, cols) per parameter, in elements, the parameters
+    laid end to end; a matrix is shape[0] x the rest (as mlbench's
+    PowerAggregation views it), a 1-D tensor or a scalar count x 1, which
+    is reduced uncompressed."""
+    shapes, at = [], 0
+    for p in params:
+        n = p.numel()
+        if n:
+            rows = p.shape[0] if p.dim() >= 2 else n
+            shapes.append((at, n, rows, n // rows))
+        at += n
+    return shapes
+
+
 def _parse_compression(text):
     """(method, param) from set_compression's text; param 0 is the
     method's default. The same rules as cohort-sidecar --compression."""
@@ -204,6 +220,7 @@ class Accumulator:
                 b.data = bv
                 self._bviews.append(bv)
         self._grads = self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
+        self._shapes = _tensor_shapes(params)
         self._on_results = False    # .grad points at the round's result
         self._pending = None        # (batch_size or 0 for a skip, contributions_dropped)
         self._asked = False         # the last update() said wants_gradients
@@ -256,6 +273,8 @@ class Accumulator:
             self._retry_at = time.monotonic() + _RETRY_S
             return
         self._linked = True
+        # PowerSGD by tensor shape: every connection learns the layout.
+        core.set_tensor_shapes(self._shapes)
 
     def _identity(self):
         """(cohort, member id) for joining a broker: the Group's name and its
@@ -522,6 +541,32 @@ class Accumulator:
         ValueError for another name, cohort.Error when not connected."""
         method, param = _parse_compression(codec)
         self._c().set_compression(method, param)
+
+    def set_tensor_shapes(self, shapes=None):
+        """The layout PowerSGD ("powersgd:RANK") reduces by: None (the
+        default) takes the parameters' own shapes, each weight a matrix of
+        shape[0] x the rest on its own (as the PowerSGD paper and mlbench's
+        PowerAggregation do) and each 1-D parameter uncompressed; [] views
+        the whole gradient buffer as one matrix; or a list of (offset,
+        count, rows, cols) in elements of the gradient buffer (the
+        parameters end to end, in order). Members must give the same
+        matrices, or their rounds run uncompressed (each logs it once).
+        Kept across reconnections; takes effect from the next round, and
+        starts the error and the warm start from zero. Raises cohort.Error
+        (EINVAL) for tensors that overlap, lie beyond the gradients, or
+        whose count is not rows x cols, and ValueError for more than
+        65,536 of them: nothing changes then."""
+        core = self._c()
+        shapes = _tensor_shapes(self._params) if shapes is None else \
+            [tuple(int(v) for v in s) for s in shapes]
+        try:
+            core.set_tensor_shapes(shapes)
+        except Error as e:
+            # Checked before the link is asked: a layout refused only for
+            # want of a connection goes with the next connect().
+            if e.errno != errno.ENOTCONN or self._linked:
+                raise
+        self._shapes = shapes
 
     def _dropped(self):
         return self._c().view()["stats"]["contributions_dropped"]

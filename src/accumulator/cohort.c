@@ -23,6 +23,7 @@
 #include "base/secret.h"
 #include "engine/codec.h"
 #include "accumulator/compress.h"
+#include "accumulator/layout.h"
 #include "engine/dtype.h"
 #include "base/ident.h"
 #include "base/limits.h"
@@ -473,6 +474,34 @@ int cohort_set_compression_with(struct cohort *c, enum cohort_compression method
     if (!c->link)
         return -ENOTCONN;
     return settle(c, c->link->ops->set_compression(c->link, compress_pack(&cc)));
+}
+
+_Static_assert(COHORT_TENSOR_SHAPES_MAX == LAYOUT_SHAPES_MAX,
+               "cohort.h's cap on tensors is accumulator/layout.h's");
+
+int cohort_set_tensor_shapes(struct cohort *c, const struct cohort_tensor_shape *shapes, size_t n)
+{
+    struct layout_shape *v = NULL;
+    struct layout *l = NULL;
+    int rc;
+
+    if ((n && !shapes) || n > COHORT_TENSOR_SHAPES_MAX)
+        return -EINVAL;
+    if (n && !(v = malloc(n * sizeof(*v))))
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        v[i] = (struct layout_shape){ shapes[i].offset, shapes[i].count, shapes[i].rows,
+                                      shapes[i].cols };
+    /* Checked here too, so that a bad layout is refused the same way
+     * whichever link carries it, before anything travels. */
+    rc = layout_make(v, n, c->layout.grad_count, &l);
+    layout_free(l);
+    if (rc == 0 && !c->link)
+        rc = -ENOTCONN;
+    if (rc == 0)
+        rc = settle(c, c->link->ops->set_tensor_shapes(c->link, v, n));
+    free(v);
+    return rc;
 }
 
 int cohort_set_compression(struct cohort *c, enum cohort_compression method)

@@ -28,6 +28,8 @@
 #include "accumulator/viewpage.h"
 #include "engine/dtype.h"
 
+struct layout_shape;
+
 /* The trainer's tensors, as cohort_create() laid them out. Everything is
  * borrowed from the struct cohort, which outlives its link. */
 struct link_memory {
@@ -68,6 +70,9 @@ struct link_ops {
     /* A compress_pack'd struct compress (compress.h): the method, as
      * cohort.h's COHORT_COMPRESSION_*, and its parameter. */
     int (*set_compression)(struct link *l, uint64_t packed);
+    /* The gradients' tensors (layout.h; k checked against
+     * LAYOUT_SHAPES_MAX by the caller, shapes borrowed). */
+    int (*set_tensor_shapes)(struct link *l, const struct layout_shape *shapes, size_t k);
     /* Closes the link and frees it: a sidecar's member leaves when the
      * socket closes, an in-process node leaves and stops. */
     void (*destroy)(struct link *l);

@@ -96,6 +96,11 @@ static int set_compression(struct link *l, uint64_t packed)
     return node_set_compression(node_of(l), &c);
 }
 
+static int set_tensor_shapes(struct link *l, const struct layout_shape *shapes, size_t k)
+{
+    return node_set_tensor_shapes(node_of(l), shapes, k);
+}
+
 static void destroy(struct link *l)
 {
     node_stop(node_of(l));
@@ -116,6 +121,7 @@ static const struct link_ops node_ops = {
     .set_virtual_batch_size = set_virtual_batch_size,
     .set_parallel_gradients = set_parallel_gradients,
     .set_compression = set_compression,
+    .set_tensor_shapes = set_tensor_shapes,
     .destroy = destroy,
 };
 

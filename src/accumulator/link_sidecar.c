@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "base/limits.h"
+#include "accumulator/layout.h"
 
 #define REPLY_TIMEOUT_MS 30000
 
@@ -184,6 +185,24 @@ static int set_state(struct link *l, const void *state, size_t len)
     return rc;
 }
 
+/* The shapes in a memfd, as state travels: a layout can be larger than
+ * any message. */
+static int set_tensor_shapes(struct link *l, const struct layout_shape *shapes, size_t k)
+{
+    struct sidecar *s = of(l);
+    struct tlink_u64 u = { k };
+    int fd, rc;
+
+    if (s->sock < 0)
+        return -ENOTCONN;
+    fd = tlink_memfd_from("cohort-shapes", shapes, k * sizeof(*shapes));
+    if (fd < 0)
+        return fd;
+    rc = call(s, TL_SET_SHAPES, &u, sizeof(u), &fd, 1, NULL, 0, NULL);
+    close(fd);
+    return rc;
+}
+
 static int take_state(struct link *l, void **state, size_t *len)
 {
     struct tlink_u64 u;
@@ -246,6 +265,7 @@ static const struct link_ops sidecar_ops = {
     .set_virtual_batch_size = set_virtual_batch_size,
     .set_parallel_gradients = set_parallel_gradients,
     .set_compression = set_compression,
+    .set_tensor_shapes = set_tensor_shapes,
     .destroy = destroy,
 };
 

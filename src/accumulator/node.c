@@ -98,6 +98,16 @@
  * PowerSGD's round is three all-reduces: P, Q, and the elements beyond
  * rows x cols, uncompressed.
  *
+ * PowerSGD by tensor shape: a trainer that gave its gradients' layout
+ * (node_set_tensor_shapes; accumulator/layout.h) has each matrix reduced
+ * on its own, every matrix's P in one all-reduce and every Q, with the
+ * uncompressed elements, in another (layout_psgd). The layout is voted
+ * like the parameter: 40 bits of layout_hash as two 20-bit counters and
+ * their squares (0: no layout, the whole-buffer view above). Members
+ * that agree on PowerSGD and its rank but not on the layout run
+ * uncompressed, and each logs that once. A new layout takes effect at
+ * the next count step, and its reducer starts from zero.
+ *
  * Parallel gradients (n > 1): a contribution is copied into one of n
  * private slots and the trainer's gradients are zeroed, so the trainer
  * computes its next batch while rounds go on. Slots queue in order; each
@@ -127,6 +137,7 @@
 #include "membership/member.h"
 #include "accumulator/ckpt.h"
 #include "accumulator/compress.h"
+#include "accumulator/layout.h"
 #include "accumulator/lineage.h"
 #include "accumulator/tally.h"
 
@@ -136,10 +147,13 @@
 #define PARALLEL_MAX NODE_PARALLEL_MAX
 #define ADD_CHUNK 4096                  /* elements widened at a time */
 #define FUSE_MAX (256u << 10)           /* gradient bytes a fused step carries */
-#define COUNTERS 9                      /* batch, contributions, skips, vbs,
+#define COUNTERS 13                     /* batch, contributions, skips, vbs,
                                          * method, method squared, parameter,
                                          * parameter squared, able to carry them
-                                         * in the spare bytes (1 or 0) */
+                                         * in the spare bytes (1 or 0), the
+                                         * layout's two 20-bit halves, each
+                                         * followed by its square */
+#define LAYOUT_VOTE_MASK 0xfffffu
 #define SPARE_NEED (COUNTERS * TALLY_DIGITS_MAX * sizeof(uint64_t))  /* at most */
 #define SPARE_MEMBERS_MAX 4095u         /* m * m must fit the tally's uint32_t */
 
@@ -219,6 +233,17 @@ struct node {
     size_t psgd_rows, psgd_cols;
     float *tail;                /* the gradient's elements beyond rows x cols */
     int h_tail;
+    /* PowerSGD by tensor shape: the layout the trainer gave last (under
+     * lock, taken at the next count step), the one this member votes
+     * with (node thread), and its reducer, made for lpsgd_param and
+     * lpsgd_hash. */
+    struct layout *layout_next;
+    bool layout_next_set;
+    struct layout *layout;
+    struct layout_psgd *lpsgd;
+    uint32_t lpsgd_param;
+    uint64_t lpsgd_hash;
+    bool round_layered;         /* the open round ran lpsgd */
     float *zeros;               /* grad_count zeros: a member whose round was all skips */
     enum compress_method round_reducer;
     const float *round_in;
@@ -800,6 +825,8 @@ static void reducers_free(struct node *n)
     n->topk = NULL;
     powersgd_destroy(n->psgd);
     n->psgd = NULL;
+    layout_psgd_destroy(n->lpsgd);
+    n->lpsgd = NULL;
     if (n->h_tail >= 0)
         allreduce_unregister(n->ar, n->h_tail);
     n->h_tail = -1;
@@ -819,6 +846,7 @@ static void reducers_reset(struct node *n)
         topk_reset(n->topk);
     if (n->psgd)
         powersgd_reset(n->psgd);
+    layout_psgd_reset(n->lpsgd);
     n->round_reducer = COMPRESS_NONE;
 }
 
@@ -842,6 +870,20 @@ static int reducer_ready(struct node *n, const struct compress *c)
             (rc = topk_create(n->ar, count, k, &n->topk)) < 0)
             return rc;
         n->topk_param = c->param;
+        return 0;
+    }
+    if (n->layout) {
+        uint64_t h = layout_hash(n->layout);
+
+        if (n->lpsgd && n->lpsgd_param == c->param && n->lpsgd_hash == h)
+            return 0;
+        layout_psgd_destroy(n->lpsgd);
+        n->lpsgd = NULL;
+        /* The same seed as the whole-buffer view: every member's. */
+        if ((rc = layout_psgd_create(n->ar, n->layout, c->param, 0x636f686f7274ull, &n->lpsgd)) < 0)
+            return rc;
+        n->lpsgd_param = c->param;
+        n->lpsgd_hash = h;
         return 0;
     }
     if (n->psgd && n->psgd_param == c->param)
@@ -883,8 +925,15 @@ static int reducer_step(struct node *n, const float *in, uint64_t grads, const s
     if (!in)
         in = n->zeros;
     n->round_reducer = COMPRESS_NONE;
+    n->round_layered = false;
     if (c->method == COMPRESS_TOPK) {
         rc = topk_reduce_into(n->topk, in, out, DTYPE_SUM, round_of(n));
+    } else if (n->layout) {
+        uint64_t round = round_of(n);
+
+        n->step++;      /* rounds round and round + 1, as below */
+        rc = layout_psgd_reduce_into(n->lpsgd, in, out, DTYPE_SUM, round);
+        n->round_layered = true;
     } else {
         size_t cells = n->psgd_rows * n->psgd_cols, rest = count - cells;
         uint64_t round = round_of(n);
@@ -912,6 +961,8 @@ static void reducers_commit(struct node *n)
 {
     if (n->round_reducer == COMPRESS_TOPK)
         topk_commit(n->topk, n->round_in);
+    else if (n->round_reducer == COMPRESS_POWERSGD && n->round_layered)
+        layout_psgd_commit(n->lpsgd);
     else if (n->round_reducer == COMPRESS_POWERSGD)
         powersgd_commit(n->psgd);
     n->round_reducer = COMPRESS_NONE;
@@ -966,21 +1017,34 @@ static bool all_equal(uint64_t m, uint64_t sum, uint64_t sum_sq, uint64_t *commo
  * they differ in either. c[] is the count step's counters. */
 static struct compress agreed_compress(struct node *n, const uint64_t *c, const struct compress *mine)
 {
-    uint64_t m = n->cur->n_members, method, param;
+    uint64_t m = n->cur->n_members, method, param, lo, hi, h = layout_hash(n->layout);
     struct compress agreed;
     char text[COMPRESS_TEXT_MAX];
+    bool same = false;
 
     /* The common value must also be this member's own: sums a peer
      * forged to wrap around can never make it use what it did not ask for. */
     if (all_equal(m, c[4], c[5], &method) && all_equal(m, c[6], c[7], &param) &&
         method == (uint64_t)mine->method && param == mine->param) {
         agreed = *mine;
-        if (compress_valid(&agreed)) {
+        same = compress_valid(&agreed);
+        /* PowerSGD only: the others reduce the buffer whole, whatever its
+         * tensors. */
+        if (same && agreed.method != COMPRESS_POWERSGD) {
+            n->codec_split_logged = false;
+            return agreed;
+        }
+        if (same && all_equal(m, c[9], c[10], &lo) && all_equal(m, c[11], c[12], &hi) &&
+            lo == (h & LAYOUT_VOTE_MASK) && hi == ((h >> 20) & LAYOUT_VOTE_MASK)) {
             n->codec_split_logged = false;
             return agreed;
         }
     }
-    if (!n->codec_split_logged)
+    if (!n->codec_split_logged && same)
+        log_warn("node", "Members give different tensor layouts for PowerSGD; gradient steps run uncompressed until they agree.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id),
+                 LF_U("matrices", layout_matrices(n->layout)));
+    else if (!n->codec_split_logged)
         log_warn("node", "Members ask for different compression; gradient steps run uncompressed until they agree.",
                  LF_S("cohort", n->cohort), LF_S("id", n->id),
                  LF_S("mine", compress_format(mine, text, sizeof(text))));
@@ -1112,6 +1176,18 @@ static int run_step(struct node *n)
     c[1] = n->acc_grads;
     c[2] = n->acc_skips;
     c[3] = n->vbs;
+    if (n->layout_next_set) {
+        /* The new layout is this round's vote; the reducer of the old
+         * one is remade when it differs (reducer_ready). */
+        layout_free(n->layout);
+        n->layout = n->layout_next;
+        n->layout_next = NULL;
+        n->layout_next_set = false;
+    }
+    c[9] = layout_hash(n->layout) & LAYOUT_VOTE_MASK;
+    c[10] = c[9] * c[9];
+    c[11] = (layout_hash(n->layout) >> 20) & LAYOUT_VOTE_MASK;
+    c[12] = c[11] * c[11];
     mine = n->compression;
     c[4] = (uint64_t)mine.method;
     c[5] = c[4] * c[4];
@@ -1491,6 +1567,8 @@ void node_stop(struct node *n)
     ckpt_writer_destroy(n->ckpt);   /* a checkpoint being written is finished */
     member_destroy(n->member);
     reducers_free(n);
+    layout_free(n->layout);
+    layout_free(n->layout_next);
     allreduce_destroy(n->ar);
     if (n->own_fd)
         close(n->data_fd);
@@ -1951,6 +2029,27 @@ int node_set_compression(struct node *n, const struct compress *c)
         return -EINVAL;
     pthread_mutex_lock(&n->lock);
     n->compression = *c;
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
+int node_set_tensor_shapes(struct node *n, const struct layout_shape *shapes, size_t k)
+{
+    struct layout *l;
+    size_t count;
+    int rc;
+
+    pthread_mutex_lock(&n->lock);
+    count = n->registered ? n->t.grad_count : 0;
+    pthread_mutex_unlock(&n->lock);
+    if (count == 0)
+        return -EINVAL;
+    if ((rc = layout_make(shapes, k, count, &l)) < 0)
+        return rc;
+    pthread_mutex_lock(&n->lock);
+    layout_free(n->layout_next);
+    n->layout_next = l;
+    n->layout_next_set = true;
     pthread_mutex_unlock(&n->lock);
     return 0;
 }

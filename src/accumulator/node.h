@@ -73,6 +73,7 @@
 #include "engine/dtype.h"
 
 struct secret;
+struct layout_shape;
 
 struct node;
 
@@ -277,6 +278,14 @@ int node_set_parallel_gradients(struct node *n, unsigned count);
  * 256 KiB (see node.c, "Compression"). Returns 0 or -EINVAL (not
  * compress_valid). */
 int node_set_compression(struct node *n, const struct compress *c);
+
+/* The layout of the gradient buffer as tensors, for PowerSGD by tensor
+ * shape (accumulator/layout.h; `shapes` borrowed for the call); k = 0
+ * goes back to the whole-buffer view. Used from the next count step,
+ * only when every member gives the same layout (see node.c,
+ * "Compression"). Returns 0, -EINVAL (no tensors registered yet, or
+ * layout_make's refusals: nothing changes), or -ENOMEM. */
+int node_set_tensor_shapes(struct node *n, const struct layout_shape *shapes, size_t k);
 
 /* What this node knows of checkpoints, for its member's reports. */
 struct node_checkpoints {

@@ -32,7 +32,8 @@ long tlink_body_size(uint16_t type, bool reply)
     case TL_SET_PARALLEL:
     case TL_SET_COMPRESSION:
     case TL_CONSUME: return reply ? 0 : (long)sizeof(struct tlink_u64);
-    case TL_SET_STATE: return reply ? 0 : (long)sizeof(struct tlink_u64);
+    case TL_SET_STATE:
+    case TL_SET_SHAPES: return reply ? 0 : (long)sizeof(struct tlink_u64);
     case TL_TAKE_STATE: return reply ? (long)sizeof(struct tlink_u64) : 0;
     default: return -1;
     }

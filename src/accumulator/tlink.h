@@ -45,6 +45,9 @@ enum tlink_type {
     TL_SET_COMPRESSION = 11,    /* tlink_u64: a compress_pack'd struct compress (the
                                  * codecs pack as their enum codec); a sidecar from before
                                  * it refuses the type (EPROTO) */
+    TL_SET_SHAPES = 12,         /* tlink_u64: k, + memfd holding k struct layout_shape
+                                 * (layout.h), k <= LAYOUT_SHAPES_MAX; a sidecar from
+                                 * before it refuses the type (EPROTO) */
     TL_REPLY = 100,
 };
 

@@ -23,6 +23,7 @@
 #include "base/limits.h"
 #include "base/log.h"
 #include "accumulator/gpusess.h"
+#include "accumulator/layout.h"
 #include "accumulator/tlink.h"
 #include "accumulator/viewpage.h"
 #include "gpu/cudrv.h"
@@ -345,7 +346,8 @@ static int serve_one(struct trainerd *t, struct session *s)
     }
     /* Only these requests carry a descriptor, and they must; a GPU
      * registration may carry its device region's as a second. */
-    if ((h.type == TL_REGISTER || h.type == TL_SET_STATE) != (nfds >= 1) ||
+    if ((h.type == TL_REGISTER || h.type == TL_SET_STATE || h.type == TL_SET_SHAPES) !=
+            (nfds >= 1) ||
         (nfds == 2 && h.type != TL_REGISTER)) {
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
@@ -390,6 +392,23 @@ static int serve_one(struct trainerd *t, struct session *s)
             rc = -EPROTO;
         if (rc == 0)
             rc = node_set_state(s->node, data, len);
+        free(data);
+        return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
+    }
+    case TL_SET_SHAPES: {
+        /* The count is checked before the read, and the read is capped
+         * by it: a trainer cannot make the sidecar hold more. */
+        void *data = NULL;
+        size_t len = 0;
+        rc = b.u.value > LAYOUT_SHAPES_MAX ? -EINVAL : 0;
+        if (rc == 0)
+            rc = tlink_memfd_read(fds[0], (size_t)b.u.value * sizeof(struct layout_shape), &data,
+                                  &len);
+        close(fds[0]);
+        if (rc == 0 && len != b.u.value * sizeof(struct layout_shape))
+            rc = -EPROTO;
+        if (rc == 0)
+            rc = node_set_tensor_shapes(s->node, data, (size_t)b.u.value);
         free(data);
         return reply(s->sock, h.type, rc, NULL, 0, NULL, 0);
     }

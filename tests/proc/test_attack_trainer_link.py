@@ -8,6 +8,8 @@ the memory they share.
 - A hugetlbfs memfd (which could fault when huge pages run out) is refused.
 - A second client is turned away with EBUSY while the first holds the
   session, and the sidecar serves the first one throughout.
+- A tensor layout (SET_SHAPES) that lies about its count, or does not fit
+  the gradients, is refused and changes nothing.
 
 Each time the sidecar stays alive and still answers."""
 import errno
@@ -132,6 +134,58 @@ def test_a_hugetlbfs_memfd_is_refused(sidecar):
     s = connect(sidecar.socket_path)
     hello(s)
     assert call(s, TL_REGISTER, body, [fd]) == -errno.EPERM
+    assert sidecar.alive()
+    os.close(fd)
+    s.close()
+
+
+TL_SET_SHAPES = 12
+U64 = struct.Struct("<Q")
+SHAPE = struct.Struct("<4Q")
+SHAPES_MAX = 65536
+
+
+def shapes_fd(data):
+    fd = os.memfd_create("rogue-shapes", os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd
+
+
+def test_a_lying_tensor_layout_is_refused_and_changes_nothing(sidecar):
+    """SET_SHAPES carries a count and a memfd: a count over the cap is
+    refused before anything is read, a memfd larger than the count says
+    is never read whole, one shorter is a protocol error, and a layout
+    that does not fit the registered gradients (16 of them) is EINVAL.
+    A good one is then taken, and the sidecar still answers."""
+    s = connect(sidecar.socket_path)
+    hello(s)
+    region, body = layout()
+    fd = memfd(region, sealed=True)
+    good = SHAPE.pack(0, 12, 4, 3) + SHAPE.pack(12, 4, 4, 1)
+    cases = [
+        (SHAPES_MAX + 1, good, -errno.EINVAL),                    # too many
+        (1, good, -errno.E2BIG),                                  # memfd beyond the count
+        (2, good[:40], -errno.EPROTO),                            # memfd short of it
+        (2, SHAPE.pack(0, 12, 4, 3) + SHAPE.pack(11, 4, 4, 1), -errno.EINVAL),   # overlap
+        (1, SHAPE.pack(8, 12, 4, 3), -errno.EINVAL),              # past the 16 gradients
+        (1, SHAPE.pack(0, 12, 4, 4), -errno.EINVAL),              # count is not rows x cols
+        (1, SHAPE.pack(2 ** 64 - 4, 8, 8, 1), -errno.EINVAL),     # offset + count wraps
+    ]
+    assert call(s, TL_SET_SHAPES, U64.pack(2), [shapes_fd(good)]) == -errno.ENODEV, \
+        "nothing registered yet"
+    assert call(s, TL_REGISTER, body, [fd]) == 0
+    for k, data, want in cases:
+        sfd = shapes_fd(data)
+        assert call(s, TL_SET_SHAPES, U64.pack(k), [sfd]) == want, (k, len(data))
+        os.close(sfd)
+    assert call(s, TL_SET_SHAPES, U64.pack(2)) == -errno.EPROTO, "the memfd is required"
+    sfd = shapes_fd(good)
+    assert call(s, TL_SET_SHAPES, U64.pack(2), [sfd]) == 0
+    os.close(sfd)
+    sfd = shapes_fd(b"")
+    assert call(s, TL_SET_SHAPES, U64.pack(0), [sfd]) == 0, "back to the whole buffer"
+    os.close(sfd)
+    assert call(s, TL_VIEW) == 0
     assert sidecar.alive()
     os.close(fd)
     s.close()

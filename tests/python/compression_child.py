@@ -14,7 +14,9 @@ each member and none of them a float16 value. Prints one JSON line per
 round: the codec, a SHA-256 of the result's bytes, the largest error
 against the exact average (float64), whether the result equals the
 uncompressed float32 average bit for bit, and whether every result value
-is one the codec represents. "ok" last.
+is one the codec represents. "ok" last. PowerSGD runs on the whole-buffer
+view (set_tensor_shapes([])): the one parameter is 1-D, which by shape
+would go uncompressed.
 """
 import hashlib
 import json
@@ -62,6 +64,9 @@ def representable(x, codec):
 torch.set_num_threads(1)
 p = torch.nn.Parameter(torch.zeros(N))
 acc = cohort.Accumulator("comp", [p])
+# One 1-D parameter would go uncompressed by shape: PowerSGD here is the
+# whole-buffer view.
+acc.set_tensor_shapes([])
 acc.connect(ADDRESS)
 wait(acc, lambda: acc.connected() and acc.size() == 2 and acc.wants_gradients(),
      "both members in")

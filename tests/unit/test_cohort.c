@@ -198,6 +198,11 @@ static void train_pair(const enum via via[2], uint64_t target)
     struct loop l[2] = { { .target = target, .index = 0, .finished = &finished, .n_trainers = 2 },
                          { .target = target, .index = 1, .finished = &finished, .n_trainers = 2 } };
     struct cohort_gradient_stats st;
+    /* w as 8 x 97, b; then bad ones. */
+    const struct cohort_tensor_shape shapes[] = {
+        { 0, NP - 1, 8, 97 }, { NP - 1, 1, 1, 1 }, { 100, 10, 10, 1 },
+        { NP - 1, 2, 2, 1 }, { 0, NP - 1, 8, 96 },
+    };
 
     for (int i = 0; i < 2; i++) {
         l[i].c = trainer();
@@ -206,7 +211,17 @@ static void train_pair(const enum via via[2], uint64_t target)
             w[k] = (float)(i * 100 + (int)k);           /* different starts */
         if (via[i] == VIA_NODE)
             cr_assert_eq(cohort_connect(l[i].c, broker), -EINVAL, "no identity yet");
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, shapes, 2), -ENOTCONN);
         sd[i] = join(via[i], l[i].c, ids[i]);
+        /* The layout through either link (the sidecar's in a memfd);
+         * bad ones are refused before anything travels. */
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, shapes, 2), 0);
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, shapes, 3), -EINVAL, "overlap");
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, &shapes[3], 1), -EINVAL, "past the end");
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, &shapes[4], 1), -EINVAL, "rows x cols");
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, shapes, COHORT_TENSOR_SHAPES_MAX + 1), -EINVAL);
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, NULL, 0), 0, "back to the whole buffer");
+        cr_assert_eq(cohort_set_tensor_shapes(l[i].c, shapes, 2), 0);
         cr_assert_eq(cohort_set_virtual_batch_size(l[i].c, 8), 0);
         cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 1), 0);
         cr_assert_eq(cohort_set_parallel_gradients(l[i].c, 0), -EINVAL);

@@ -15,6 +15,7 @@
 #include "fixture.h"
 #include "accumulator/ckpt.h"
 #include "accumulator/compress.h"
+#include "accumulator/layout.h"
 #include "accumulator/node.h"
 #include "engine/topk.h"
 #include "membership/broker.h"
@@ -1206,6 +1207,197 @@ Test(node, powersgd_rank_one_of_a_rank_two_sum_is_compressed)
     for (uint64_t r = 0; r < CROUNDS; r++)
         cr_assert_eq(memcmp(ms[0].seen + r * CG, ms[1].seen + r * CG, CG * sizeof(float)), 0);
     compressed_pair_free(ms);
+}
+
+/* PowerSGD by tensor shape: CG elements as a 256 x 256 matrix, a bias of
+ * 256, a 200 x 300 matrix, then elements no tensor names. */
+static const struct layout_shape layers[] = {
+    { .offset = 0, .count = 65536, .rows = 256, .cols = 256 },
+    { .offset = 65536, .count = 256, .rows = 256, .cols = 1 },
+    { .offset = 65792, .count = 60000, .rows = 200, .cols = 300 },
+};
+#define LAYERS_END (65792u + 60000u)
+
+static bool in_layer_matrix(size_t i)
+{
+    return i < 65536 || (i >= 65792 && i < LAYERS_END);
+}
+
+/* Member m: in each matrix (m + 1) u v^T with that layer's own u and v
+ * for the round, integers, so the members' mean has rank 1 per layer
+ * (but not as one 362 x 362 view); the rest small integers. */
+static void fill_layers(float *g, int member, uint64_t round)
+{
+    for (size_t i = 0; i < 256; i++)
+        for (size_t j = 0; j < 256; j++)
+            g[i * 256 + j] = (float)((member + 1) * ((int)((i + round) % 7) - 3) * ((int)(j % 4) - 1));
+    for (size_t i = 0; i < 200; i++)
+        for (size_t j = 0; j < 300; j++)
+            g[65792 + i * 300 + j] =
+                    (float)((member + 1) * ((int)((i * 3 + round) % 5) - 2) * ((int)((j + 1) % 3) + 1));
+    for (size_t i = 65536; i < 65792; i++)
+        g[i] = (float)((int)((i + (size_t)member * 3 + round) % 9) - 4);
+    for (size_t i = LAYERS_END; i < CG; i++)
+        g[i] = (float)((int)((i * 5 + (size_t)member + round) % 11) - 5);
+}
+
+/* Two members at powersgd:1 with fill_layers, each given `shapes` (k of
+ * them; NULL: none) before its first round. */
+static void layered_pair(struct cmember ms[2], const struct layout_shape *const shapes[2],
+                         const size_t k[2])
+{
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "powersgd:1", fill_layers, 2);
+        if (shapes[i])
+            cr_assert_eq(node_set_tensor_shapes(ms[i].n, shapes[i], k[i]), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+}
+
+static void layers_mean(float *want, uint64_t round)
+{
+    static float other[CG];
+
+    fill_layers(want, 0, round);
+    fill_layers(other, 1, round);
+    for (size_t i = 0; i < CG; i++)
+        want[i] = (want[i] + other[i]) / 2.0f;
+}
+
+/* By shape, rank 1 reproduces each layer's rank-1 mean (to float
+ * tolerance) and the bias and the unnamed elements exactly, the same bytes
+ * on both members; the whole-buffer view, given the same gradients, does
+ * not. A bad layout given after the good one is refused and changes
+ * nothing. */
+Test(node, powersgd_by_shape_reproduces_each_layer)
+{
+    static const struct layout_shape overlap[] = { { 0, 65536, 256, 256 }, { 65535, 256, 256, 1 } };
+    static const struct layout_shape beyond[] = { { CG - 10, 20, 20, 1 } };
+    static const struct layout_shape not_rc[] = { { 0, 65536, 256, 255 } };
+    static struct layout_shape too_many[LAYOUT_SHAPES_MAX + 1];
+    const struct layout_shape *const none[2] = { NULL, NULL };
+    const size_t k[2] = { 3, 3 };
+    struct cmember ms[2];
+    static float want[CG];
+    float worst = 0;
+
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "powersgd:1", fill_layers, 2);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, layers, 3), 0);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, overlap, 2), -EINVAL);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, beyond, 1), -EINVAL);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, not_rc, 1), -EINVAL);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, too_many, LAYOUT_SHAPES_MAX + 1), -EINVAL);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, NULL, 1), -EINVAL);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        const float *got = ms[0].seen + r * CG;
+
+        layers_mean(want, r);
+        cr_assert_eq(memcmp(got, ms[1].seen + r * CG, CG * sizeof(float)), 0, "round %d: members differ",
+                     (int)r);
+        for (size_t i = 0; i < CG; i++) {
+            if (in_layer_matrix(i))
+                cr_assert_leq(fabsf(got[i] - want[i]), 1e-3f * (1 + fabsf(want[i])),
+                              "round %d entry %zu: %g against %g", (int)r, i, got[i], want[i]);
+            else
+                cr_assert_eq(got[i], want[i], "round %d entry %zu is not exact", (int)r, i);
+        }
+    }
+    compressed_pair_free(ms);
+
+    layered_pair(ms, none, k);
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        layers_mean(want, r);
+        for (size_t i = 0; i < PS_ROWS * PS_COLS; i++)
+            worst = fmaxf(worst, fabsf(ms[0].seen[r * CG + i] - want[i]));
+    }
+    cr_assert_gt(worst, 0.1f, "the whole-buffer view reproduced the layers too (%g)", worst);
+    compressed_pair_free(ms);
+}
+
+/* The same by shape with two contributions in flight: each round reduces
+ * a slot's copy, not the trainer's buffer. */
+Test(node, powersgd_by_shape_with_parallel_gradients)
+{
+    struct cmember ms[2];
+    static float want[CG];
+
+    for (int i = 0; i < 2; i++) {
+        cmember_start("train", &ms[i], i, "powersgd:1", fill_layers, 2);
+        cr_assert_eq(node_set_parallel_gradients(ms[i].n, 2), 0);
+        cr_assert_eq(node_set_tensor_shapes(ms[i].n, layers, 3), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, cmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d: %d", i, ms[i].rc);
+    }
+    for (uint64_t r = 0; r < CROUNDS; r++) {
+        const float *got = ms[0].seen + r * CG;
+
+        layers_mean(want, r);
+        cr_assert_eq(memcmp(got, ms[1].seen + r * CG, CG * sizeof(float)), 0);
+        for (size_t i = 0; i < CG; i++) {
+            if (in_layer_matrix(i))
+                cr_assert_leq(fabsf(got[i] - want[i]), 1e-3f * (1 + fabsf(want[i])), "round %d entry %zu",
+                              (int)r, i);
+            else
+                cr_assert_eq(got[i], want[i], "round %d entry %zu is not exact", (int)r, i);
+        }
+    }
+    compressed_pair_free(ms);
+}
+
+/* Members whose layouts differ (the second matrix 300 x 200 on one) run
+ * uncompressed: every entry is exactly the mean, which rank 1 would not
+ * give. So do members of which only one gave a layout. */
+Test(node, members_with_different_layouts_run_uncompressed)
+{
+    static struct layout_shape transposed[3];
+    const struct layout_shape *const differ[2] = { layers, transposed },
+                                     *const one[2] = { NULL, layers };
+    const size_t k[2] = { 3, 3 };
+    struct cmember ms[2];
+    static float want[CG];
+
+    memcpy(transposed, layers, sizeof(transposed));
+    transposed[2].rows = 300;
+    transposed[2].cols = 200;
+    for (int pass = 0; pass < 2; pass++) {
+        layered_pair(ms, pass == 0 ? differ : one, k);
+        for (uint64_t r = 0; r < CROUNDS; r++) {
+            layers_mean(want, r);
+            cr_assert_eq(memcmp(ms[0].seen + r * CG, ms[1].seen + r * CG, CG * sizeof(float)), 0);
+            for (size_t i = 0; i < CG; i++)
+                cr_assert_eq(ms[0].seen[r * CG + i], want[i], "pass %d round %d entry %zu", pass, (int)r,
+                             i);
+        }
+        compressed_pair_free(ms);
+    }
+}
+
+/* A layout needs the gradients it describes. */
+Test(node, tensor_shapes_before_the_tensors_are_refused)
+{
+    struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1", .id = "lone" };
+    struct node *n;
+
+    cr_assert_eq(node_start(&c, &n), 0);
+    cr_assert_eq(node_set_tensor_shapes(n, layers, 3), -EINVAL);
+    node_stop(n);
 }
 
 static bool reached_version_2(void *m)
