@@ -322,8 +322,8 @@ struct cohort_tensor_shape {
  * starts the error and the warm start from zero. Returns 0; -EINVAL
  * (more than COHORT_TENSOR_SHAPES_MAX, a count of 0 or not rows x cols,
  * a tensor beyond the gradients, two that overlap: nothing changes);
- * -ENOTCONN; -ENOMEM; or -EPROTO from a sidecar that predates it (which
- * then ends the session: trainer and sidecar come from one release). */
+ * -ENOTCONN; -ENOMEM. (A sidecar that predates it speaks an older trainer
+ * link, which cohort_connect refuses with -EPROTO.) */
 int cohort_set_tensor_shapes(struct cohort *c, const struct cohort_tensor_shape *shapes, size_t n);
 
 struct cohort_gradient_stats {

@@ -25,8 +25,9 @@
 #include <stdint.h>
 
 #define TLINK_MAGIC 0x31686f63u         /* "coh1" */
-#define TLINK_VERSION 4u                /* 2: a results region; 3: CONSUME is one-way;
-                                         * 4: the tensors memfd is sealed */
+#define TLINK_VERSION 5u                /* 2: a results region; 3: CONSUME is one-way;
+                                         * 4: the tensors memfd is sealed; 5: a GPU
+                                         * region with REGISTER, SET_SHAPES */
 #define TLINK_BODY_MAX 1024             /* no message body is larger */
 #define TLINK_FDS_MAX 2
 #define TLINK_NAME_MAX 64
