@@ -15,6 +15,7 @@ Each time the sidecar stays alive and still answers."""
 import errno
 import fcntl
 import os
+import re
 import socket
 import struct
 
@@ -23,7 +24,10 @@ import pytest
 from cohorttest import make_tmp, remove_tmp, start_broker, start_sidecar, wait_until
 
 MAGIC = 0x31686F63
-VERSION = 4
+# The trainer link's version, read from the header so that the two never part.
+_TLINK_H = os.path.join(os.path.dirname(__file__), "..", "..", "src", "accumulator", "tlink.h")
+with open(_TLINK_H) as _f:
+    VERSION = int(re.search(r"#define TLINK_VERSION (\d+)u", _f.read()).group(1))
 TL_HELLO, TL_REGISTER, TL_VIEW, TL_REPLY = 1, 2, 3, 100
 HDR = struct.Struct("<IHHIi")
 HELLO = struct.Struct("<I64s")
