@@ -527,8 +527,8 @@ const char *cohort_group_strerror(int err);
  * completes with the rest; the result names exactly who was averaged.
  * With compression only the averaged values travel encoded (weights and
  * gathered bytes stay exact), and only averagers of one compression
- * group. docs/architecture.md, "hivemind's DecentralizedAverager", says how. An
- * averager is used from one thread at a time. */
+ * group. docs/architecture.md, "hivemind's DecentralizedAverager", says
+ * how. An averager is used from one thread at a time. */
 
 struct cohort_averager;
 struct cohort_averager_result;
@@ -585,9 +585,8 @@ struct cohort_averager_step {
  * group completed the round in time: too few averagers, or stalls),
  * -EPROTO (the broker refused the request as disagreeing with the others
  * waiting: group sizes, schema or compression; or the group's members
- * disagree),
- * -ENODATA (every member was auxiliary), -EACCES (keys differ), -ENOMEM.
- * cohort_averager_error() says more. */
+ * disagree), -ENODATA (every member was auxiliary), -EACCES (keys
+ * differ), -ENOMEM. cohort_averager_error() says more. */
 int cohort_averager_step(struct cohort_averager *a, const struct cohort_averager_step *s,
                          struct cohort_averager_result **out);
 /* The last failure as a sentence, owned by the averager. */
