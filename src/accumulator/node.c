@@ -248,6 +248,12 @@ struct node {
     enum compress_method round_reducer;
     const float *round_in;
     uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
+    /* Node thread: the epoch reduces on the devices (cfg.device); the
+     * agreement's words, registered with the engine. */
+    bool on_device;
+    int64_t dev_words[NCOMM_XCHG_WORDS];
+    int h_dev;
+    int dev_chan_rc;            /* the engine's error in the agreement, if any */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
     void *state_out;            /* leader: from set_state */
@@ -559,8 +565,9 @@ static void drop_pending_locked(struct node *n)
         n->drop_grads = true;
 }
 
-/* The sync steps of a new epoch. Returns 0, or the engine's error. */
-static int sync_epoch(struct node *n)
+/* The sync steps of a new epoch, and whether every member voted to
+ * reduce on its device. Returns 0, or the engine's error. */
+static int sync_state(struct node *n, bool *all_device)
 {
     const uint64_t mask = (1ull << INDEX_BITS) - 1;
     size_t leader;
@@ -597,11 +604,15 @@ static int sync_epoch(struct node *n)
     }
     need = !n->leader && (n->version != vmax || !n->has_state);
     n->small[0] = need;
+    /* The device vote rides along: the maximum of "cannot" is 0 only
+     * when every member can reduce on its device. */
+    n->small[1] = !(n->cfg.device && n->cfg.device->can(n->cfg.device->arg));
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
-    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+    if ((rc = small_reduce(n, 2, DTYPE_MAX)) < 0)
         return rc;
     any_need = n->small[0] != 0;
+    *all_device = n->small[1] == 0;
     if (!any_need)
         return 0;
 
@@ -728,6 +739,85 @@ out:
         allreduce_unregister(n->ar, h_state);
     free(state);
     return rc;
+}
+
+/* The agreement's channel (node.h, node_device.epoch): sums over the
+ * engine, in the epoch's rounds. */
+static int dev_sum(void *arg, uint64_t *words, size_t k)
+{
+    struct node *n = arg;
+    int rc;
+
+    if (k == 0 || k > NCOMM_XCHG_WORDS)
+        return -EINVAL;
+    memcpy(n->dev_words, words, k * sizeof(*words));
+    rc = allreduce_run(n->ar, n->h_dev, k, DTYPE_I64, DTYPE_SUM, 0, round_of(n));
+    if (rc < 0) {
+        n->dev_chan_rc = rc;
+        return rc;
+    }
+    memcpy(words, n->dev_words, k * sizeof(*words));
+    return 0;
+}
+
+/* Every member voted to reduce on its device: each makes the epoch's
+ * communicator, and the epoch is on the devices only when all of them
+ * are ready (one more sum), else host-staged everywhere alike. */
+static int device_epoch(struct node *n)
+{
+    const struct node_device *d = n->cfg.device;
+    struct ncomm_channel ch = { .sum_u64 = dev_sum, .arg = n };
+    const char **ids;
+    size_t m = n->cur->n_members;
+    int rc;
+
+    ids = calloc(m, sizeof(*ids));
+    if (!ids)
+        return -ENOMEM;
+    for (size_t i = 0; i < m; i++)
+        ids[i] = n->cur->members[i].id;
+    n->dev_chan_rc = 0;
+    rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch);
+    free(ids);
+    if (n->dev_chan_rc < 0)
+        return n->dev_chan_rc;
+    n->small[0] = rc < 0;
+    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+        return rc;
+    n->on_device = n->small[0] == 0;
+    if (!n->on_device) {
+        log_warn("node", "A member's NCCL communicator is not ready; this epoch reduces host-staged.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
+        d->host(d->arg);
+    }
+    return 0;
+}
+
+static int sync_epoch(struct node *n)
+{
+    bool all_device = false;
+    int rc = sync_state(n, &all_device);
+
+    if (rc < 0)
+        return rc;
+    n->on_device = false;
+    if (n->cfg.device && !all_device) {
+        n->cfg.device->host(n->cfg.device->arg);
+        return 0;
+    }
+    return all_device ? device_epoch(n) : 0;
+}
+
+/* Polled by a collective on the devices: a newer epoch, or a stop. */
+static bool dev_stale(void *arg)
+{
+    struct node *n = arg;
+    bool moved;
+
+    pthread_mutex_lock(&n->lock);
+    moved = n->stop || epoch_moved_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    return moved;
 }
 
 /* dst += src over `count` elements of type t; 16-bit floats are summed in
@@ -1162,6 +1252,9 @@ static int run_step(struct node *n)
     pthread_mutex_unlock(&n->lock);
     if (take && !take_queued(n))
         return 0;
+    /* Host-staged: the device's gradients are read from the node's buffer. */
+    if (n->cfg.device && !n->on_device && (rc = n->cfg.device->gather(n->cfg.device->arg)) < 0)
+        return rc;
     /* Only this count step's gradient step may be committed: a reducer
      * that ran in a round that then failed is not this round's. */
     n->round_reducer = COMPRESS_NONE;
@@ -1203,8 +1296,8 @@ static int run_step(struct node *n)
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
-    spare = n->spare_next && per > 0;
-    fused = !spare && n->fuse_next && n->fuse_in &&
+    spare = !n->on_device && n->spare_next && per > 0;
+    fused = !n->on_device && !spare && n->fuse_next && n->fuse_in &&
             tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
     if (spare) {
         rc = spare_step(n, slots, c, m, per);
@@ -1252,7 +1345,15 @@ static int run_step(struct node *n)
         agreed = agreed_compress(n, c, &mine);
         done = agreed.method == COMPRESS_NONE || n->t.grad_type != DTYPE_F32 || bytes <= FUSE_MAX;
     }
-    if (fused && grads > 0) {
+    if (n->on_device) {
+        struct ncomm_cancel cancel = { .stale = dev_stale, .arg = n };
+
+        /* Uncompressed: NCCL's links need no help from a codec. */
+        rc = n->cfg.device->reduce(n->cfg.device->arg, grads, &cancel);
+        trace_lap(n, NODE_STAGE_ENGINE);
+        if (rc < 0)
+            return rc;
+    } else if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
         trace_lap(n, NODE_STAGE_COPY_OUT);
@@ -1377,6 +1478,7 @@ static void adopt_epoch_locked(struct node *n)
     n->fuse_next = true;
     n->spare_next = false;
     n->round_counts = 0;
+    n->on_device = false;
     n->my_index = epoch_find(n->cur, n->id);
     n->phase = n->my_index >= 0 ? PH_SYNC : PH_WAIT_EPOCH;
     n->stats.epochs_seen++;
@@ -1447,6 +1549,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     if (!cfg || !cfg->broker || !ident_valid_cohort(cfg->cohort) ||
         !ident_valid_member_id(cfg->id) || !cfg->host || cfg->parallel_gradients > PARALLEL_MAX ||
         cfg->algorithm > NODE_ALGORITHM_DOUBLING ||
+        (cfg->device && cfg->parallel_gradients > 1) ||
         (cfg->checkpoint_dir && (!*cfg->checkpoint_dir || cfg->checkpoint_keep > CKPT_KEEP_MAX ||
                                  (!cfg->checkpoint_every_versions && !cfg->checkpoint_every_s))))
         return -EINVAL;
@@ -1495,6 +1598,12 @@ int node_start(const struct node_config *cfg, struct node **out)
     if (rc < 0)
         goto err;
     n->h_small = allreduce_register(n->ar, n->small, sizeof(n->small));
+    n->h_dev = -1;
+    if (cfg->device && (n->h_dev = allreduce_register(n->ar, n->dev_words,
+                                                      sizeof(n->dev_words))) < 0) {
+        rc = n->h_dev;
+        goto err;
+    }
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;
     mc.id = cfg->id;
@@ -1991,6 +2100,9 @@ int node_set_parallel_gradients(struct node *n, unsigned count)
 
     if (count == 0 || count > PARALLEL_MAX)
         return -EINVAL;
+    /* One copy of the gradients lives on the device: nothing to slot. */
+    if (n->cfg.device && count > 1)
+        return -EOPNOTSUPP;
     if (n->cfg.parallel_gradients && count != n->cfg.parallel_gradients) {
         log_warn("node", "Refused the trainer's parallel gradients: the cohort sets them.",
                  LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("asked", count),

@@ -21,6 +21,10 @@
  * cuStreamSynchronize, cuCtxSynchronize). A caller that reads a
  * destination, or refills a source, before waiting for its copy sees the
  * old bytes, or sends the new ones, as it could on a real device.
+ *
+ * It has no cuStreamQuery, the call NCCL's collectives are seen to finish
+ * by (src/gpu/nccllib.c): against it a sidecar never votes for NCCL and
+ * reduces host-staged, whatever NCCL the machine has.
  */
 #include <cuda.h>
 
@@ -342,6 +346,13 @@ EXPORT CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_
 {
     ENTER("cuMemcpyDtoH");
     memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemcpyDtoD(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    ENTER("cuMemcpyDtoD");
+    memmove((void *)(uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
     return CUDA_SUCCESS;
 }
 
