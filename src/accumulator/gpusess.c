@@ -167,7 +167,7 @@ static int mem_zero_scratch(void *arg)
     return g->scratch ? vmm_zero(g->scratch, 0, g->bytes) : -EINVAL;
 }
 
-int gpusess_device_mem(struct gpusess *g, struct devred_mem *mem)
+int gpusess_device_mem(struct gpusess *g, bool with_scratch, struct devred_mem *mem)
 {
     int fd = -1, rc;
 
@@ -179,6 +179,8 @@ int gpusess_device_mem(struct gpusess *g, struct devred_mem *mem)
     };
     if (!g->nccl_type)
         return -EOPNOTSUPP;
+    if (!with_scratch)
+        return 0;
     if (!g->scratch) {
         /* A region of our own; its descriptor is never sent anywhere. */
         rc = vmm_export(g->d, g->ordinal, g->bytes, &g->scratch, &fd);

@@ -24,6 +24,8 @@
 #ifndef COHORT_GPUSESS_H
 #define COHORT_GPUSESS_H
 
+#include <stdbool.h>
+
 struct tlink_register;
 struct gpusess;
 struct devred_mem;
@@ -56,10 +58,11 @@ int gpusess_zero_grads(struct gpusess *g);
  * address, a scratch area of the gradients' size allocated on the same
  * device (once; freed by gpusess_close), the stage's stream, and the
  * calls that gather, enter the device and zero the scratch. `mem` is the
- * caller's and must outlive its users. Returns 0; or -EOPNOTSUPP (a type
- * NCCL does not reduce), -ENOMEM, -EIO with no scratch, the calls filled
- * in all the same, for a host-staged reducer. */
-int gpusess_device_mem(struct gpusess *g, struct devred_mem *mem);
+ * caller's and must outlive its users. Without `with_scratch` (a session
+ * that is always host-staged) no scratch is made. Returns 0; or
+ * -EOPNOTSUPP (a type NCCL does not reduce), -ENOMEM, -EIO with no
+ * scratch, the calls filled in all the same, for a host-staged reducer. */
+int gpusess_device_mem(struct gpusess *g, bool with_scratch, struct devred_mem *mem);
 /* The scratch's result onto the device's results area; done there when
  * it returns. Returns 0 or -errno. */
 int gpusess_publish_scratch(struct gpusess *g);

@@ -40,6 +40,7 @@ struct trainerd {
     pthread_t thread;
     atomic_bool stop;
     atomic_uint sessions;
+    bool gpu_host_staged;
 };
 
 /* One trainer's session. */
@@ -222,18 +223,19 @@ static int gpu_precheck(const struct trainerd *t, const struct tlink_register *r
 /* The node's device reducer for a GPU session: with NCCL where it loads
  * and the gradients' type is one it reduces; without (every epoch
  * host-staged) otherwise. */
-static int gpu_reducer(struct session *s)
+static int gpu_reducer(const struct trainerd *t, struct session *s)
 {
     const struct ncomm_ops *ops = NULL;
-    int rc = gpusess_device_mem(s->gpu, &s->gpu_mem);
+    /* The calls are filled in even when it fails: host-staged needs them. */
+    int rc = gpusess_device_mem(s->gpu, !t->gpu_host_staged, &s->gpu_mem);
 
-    if (rc == 0 && (rc = nccllib_load(&ops)) < 0)
+    if (t->gpu_host_staged) {
+        log_info("sidecar", "This trainer's GPU gradients are reduced host-staged (--gpu-reduce host).",
+                 LF_S("accumulator", s->name));
+    } else if (rc < 0 || (rc = nccllib_load(&ops)) < 0) {
         ops = NULL;
-    if (rc < 0) {
-        /* The calls are filled in all the same: host-staged needs them. */
         log_info("sidecar", "This trainer's GPU gradients are reduced host-staged: NCCL cannot serve them here.",
                  LF_S("accumulator", s->name), LF_ERR(rc));
-        ops = NULL;
     }
     rc = devred_create(ops, &s->gpu_mem, &s->red);
     if (rc < 0)
@@ -283,7 +285,7 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
         }
     }
     if (s->gpu) {
-        rc = gpu_reducer(s);
+        rc = gpu_reducer(t, s);
         if (rc < 0)
             return rc;
         nc.device = &s->dev;
@@ -631,6 +633,7 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
         goto err;
     }
     t->ncfg = cfg->node;
+    t->gpu_host_staged = cfg->gpu_host_staged;
     t->ncfg.broker = t->broker;
     t->ncfg.cohort = t->cohort;
     t->ncfg.id = t->id;

@@ -87,6 +87,8 @@ static int f_init(void *arg, void **comm, int nranks, const struct ncomm_id *id,
     struct fake_nccl_comm *c;
 
     note(f, "init(%d,r%d) ", nranks, rank);
+    if (f->fail_init)
+        return f->fail_init;
     if (nranks > FAKE_NCCL_RANKS || rank < 0 || rank >= nranks)
         return -EINVAL;
     pthread_mutex_lock(&w->mu);

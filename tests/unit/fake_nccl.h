@@ -53,6 +53,7 @@ struct fake_nccl {
     char log[2048];
     /* Knobs, set before the calls they shape. */
     int fail_all_reduce;        /* the call returns this */
+    int fail_init;              /* ncclCommInitRankConfig returns this */
     bool hold;                  /* queue nothing: this rank never takes part */
 };
 

@@ -164,7 +164,8 @@ static void *member_main(void *arg)
 }
 
 static void member_start(struct member *m, int i, const char *cohort,
-                         struct fake_nccl_world *w, bool nccl, bool hold, uint32_t start_size)
+                         struct fake_nccl_world *w, bool nccl, bool hold, int fail_init,
+                         uint32_t start_size)
 {
     struct node_config c = { .broker = broker, .cohort = cohort, .host = "127.0.0.1",
                              .reduce_timeout_ms = 20000, .on_view = on_view, .view_arg = m };
@@ -176,6 +177,7 @@ static void member_start(struct member *m, int i, const char *cohort,
     m->start_size = start_size;
     fake_nccl_init(&m->f, w, false);
     m->f.hold = hold;
+    m->f.fail_init = fail_init;
     m->mem = (struct devred_mem){
         .grads = (uint64_t)(uintptr_t)m->dgrads, .scratch = (uint64_t)(uintptr_t)m->dscratch,
         .count = G, .type = NCOMM_F32, .stream = &m->stream,
@@ -232,7 +234,7 @@ Test(node_device, members_that_all_have_nccl_reduce_on_the_devices)
 
     fake_nccl_world_init(&w);
     for (int i = 0; i < MEMBERS; i++)
-        member_start(&ms[i], i, "train", &w, true, false, MEMBERS);
+        member_start(&ms[i], i, "train", &w, true, false, 0, MEMBERS);
     for (int i = 0; i < MEMBERS; i++) {
         pthread_join(ms[i].t, NULL);
         cr_assert_eq(ms[i].rc, 0, "member %d", i);
@@ -258,7 +260,7 @@ Test(node_device, one_member_without_nccl_makes_every_member_host_staged)
 
     fake_nccl_world_init(&w);
     for (int i = 0; i < MEMBERS; i++)
-        member_start(&ms[i], i, "train", &w, i != 1, false, MEMBERS);
+        member_start(&ms[i], i, "train", &w, i != 1, false, 0, MEMBERS);
     for (int i = 0; i < MEMBERS; i++) {
         pthread_join(ms[i].t, NULL);
         cr_assert_eq(ms[i].rc, 0, "member %d", i);
@@ -271,6 +273,34 @@ Test(node_device, one_member_without_nccl_makes_every_member_host_staged)
             cr_assert_not(ms[i].on_device_at[r]);
         cr_assert_str_eq(ms[i].f.log, "", "NCCL was never called: %s", ms[i].f.log);
     }
+    for (int i = 0; i < MEMBERS; i++)
+        member_free(&ms[i]);
+    fake_nccl_world_free(&w);
+}
+
+/* g-1's communicator cannot be made (NCCL fails at its creation): every
+ * member sees that at the epoch's last vote and reduces host-staged, the
+ * others having given up their own communicators. */
+Test(node_device, a_communicator_that_fails_on_one_member_makes_every_member_host_staged)
+{
+    static struct member ms[MEMBERS];
+    struct fake_nccl_world w;
+
+    fake_nccl_world_init(&w);
+    for (int i = 0; i < MEMBERS; i++)
+        member_start(&ms[i], i, "train", &w, true, false, i == 1 ? -EIO : 0, MEMBERS);
+    for (int i = 0; i < MEMBERS; i++) {
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d", i);
+    }
+    check_rounds(ms, MEMBERS, MEMBERS);
+    for (int i = 0; i < MEMBERS; i++) {
+        cr_assert_geq(atomic_load(&ms[i].gathers), ROUNDS, "host-staged: gathered each round");
+        cr_assert_eq(devred_epochs(ms[i].red), 0);
+        cr_assert(strstr(ms[i].f.log, "init(3,"), "%s", ms[i].f.log);
+        cr_assert_null(strstr(ms[i].f.log, "allreduce("), "%s", ms[i].f.log);
+    }
+    cr_assert_eq(fake_nccl_live(&w), 0, "the communicators that were made are given up");
     for (int i = 0; i < MEMBERS; i++)
         member_free(&ms[i]);
     fake_nccl_world_free(&w);
@@ -294,7 +324,7 @@ Test(node_device, an_epoch_change_aborts_a_reduction_in_flight_and_the_survivors
 
     fake_nccl_world_init(&w);
     for (int i = 0; i < MEMBERS; i++)
-        member_start(&ms[i], i, "train", &w, true, i == 2, MEMBERS);
+        member_start(&ms[i], i, "train", &w, true, i == 2, 0, MEMBERS);
     cr_assert(fixture_wait_until(both_queued, ms, FIXTURE_WAIT_MS), "%s | %s", ms[0].f.log,
               ms[1].f.log);
     /* The trainers of g-0 and g-1 go on with a cohort of two from here. */
