@@ -22,7 +22,8 @@ int devred_create(const struct ncomm_ops *ops, const struct devred_mem *mem, str
     struct devred *d;
     int rc;
 
-    if (!mem || !mem->gather || !mem->enter || !mem->zero_scratch || mem->count == 0)
+    if (!mem || !mem->gather || !mem->enter || !mem->zero_scratch || !mem->to_scratch ||
+        !mem->from_scratch || mem->count == 0)
         return -EINVAL;
     d = calloc(1, sizeof(*d));
     if (!d)
@@ -105,6 +106,36 @@ static int reduce(void *arg, uint64_t grads, const struct ncomm_cancel *cancel)
     return rc;
 }
 
+static int broadcast(void *arg, void *buf, size_t bytes, int root, bool receive,
+                     const struct ncomm_cancel *cancel)
+{
+    struct devred *d = arg;
+    const struct devred_mem *m = d->mem;
+    bool mine = ncomm_rank(d->c) == root;
+    int rc;
+
+    /* The scratch holds no result any more. */
+    atomic_store(&d->result, false);
+    if (m->scratch_bytes == 0)
+        return -EINVAL;
+    if ((rc = m->enter(m->arg)) < 0)
+        goto fail;
+    for (size_t off = 0; off < bytes; off += m->scratch_bytes) {
+        size_t len = bytes - off < m->scratch_bytes ? bytes - off : m->scratch_bytes;
+
+        if ((mine && (rc = m->to_scratch(m->arg, (char *)buf + off, len)) < 0) ||
+            (rc = ncomm_broadcast(d->c, m->scratch, m->scratch, len, root, len, m->stream,
+                                  DEVRED_REDUCE_MS, cancel)) < 0 ||
+            (receive && !mine && (rc = m->from_scratch(m->arg, (char *)buf + off, len)) < 0))
+            goto fail;
+    }
+    return 0;
+fail:
+    if (rc != -ESTALE)
+        d->failures++;
+    return rc;
+}
+
 static int gather(void *arg)
 {
     struct devred *d = arg;
@@ -125,7 +156,8 @@ static void host(void *arg)
 struct node_device devred_device(struct devred *d)
 {
     return (struct node_device){ .can = can, .epoch = epoch, .reduce = reduce,
-                                 .gather = gather, .host = host, .arg = d };
+                                 .gather = gather, .host = host, .broadcast = broadcast,
+                                 .arg = d };
 }
 
 bool devred_take_result(struct devred *d)

@@ -18,6 +18,13 @@
  * contribution must still be whole for the next epoch. The committed
  * result goes from the scratch to the trainer's results when its view is
  * published (devred_take_result).
+ *
+ * The state transfer of an epoch on the devices moves the parameters and
+ * buffers (host memory: the trainer copies them to and from its device)
+ * through the same scratch, a piece of at most its size at a time: the
+ * leader copies a piece in, ncclBroadcast carries it to every member's
+ * scratch, and each member that needs the state copies it out. A failure
+ * counts as a failed setup, as above.
  */
 #ifndef COHORT_DEVRED_H
 #define COHORT_DEVRED_H
@@ -48,6 +55,12 @@ struct devred_mem {
     int (*enter)(void *arg);
     /* Zeroes the scratch, done when it returns (a round of skips only). */
     int (*zero_scratch)(void *arg);
+    /* Host memory into the scratch's first `len` bytes and back, done
+     * when they return: the state transfer's pieces (devred_device's
+     * broadcast). */
+    int (*to_scratch)(void *arg, const void *src, size_t len);
+    int (*from_scratch)(void *arg, void *dst, size_t len);
+    size_t scratch_bytes;
     void *arg;
 };
 

@@ -167,6 +167,24 @@ static int mem_zero_scratch(void *arg)
     return g->scratch ? vmm_zero(g->scratch, 0, g->bytes) : -EINVAL;
 }
 
+static int mem_to_scratch(void *arg, const void *src, size_t len)
+{
+    struct gpusess *g = arg;
+
+    int rc = g->scratch ? vmm_write(g->scratch, 0, src, len) : -EINVAL;
+
+    /* From pageable memory cuMemcpyHtoD may return before its DMA is
+     * done, and NCCL reads on a stream that does not wait for it. */
+    return rc < 0 ? rc : vmm_sync(g->scratch);
+}
+
+static int mem_from_scratch(void *arg, void *dst, size_t len)
+{
+    struct gpusess *g = arg;
+
+    return g->scratch ? vmm_read(g->scratch, 0, dst, len) : -EINVAL;
+}
+
 int gpusess_device_mem(struct gpusess *g, bool with_scratch, struct devred_mem *mem)
 {
     int fd = -1, rc;
@@ -175,7 +193,8 @@ int gpusess_device_mem(struct gpusess *g, bool with_scratch, struct devred_mem *
     *mem = (struct devred_mem){
         .grads = vmm_addr(g->region) + g->grads_off, .count = g->count, .type = g->type,
         .stream = stage_stream(g->stage), .gather = mem_gather, .enter = mem_enter,
-        .zero_scratch = mem_zero_scratch, .arg = g,
+        .zero_scratch = mem_zero_scratch, .to_scratch = mem_to_scratch,
+        .from_scratch = mem_from_scratch, .arg = g,
     };
     if (!g->nccl_type)
         return -EOPNOTSUPP;
@@ -189,6 +208,7 @@ int gpusess_device_mem(struct gpusess *g, bool with_scratch, struct devred_mem *
         close(fd);
     }
     mem->scratch = vmm_addr(g->scratch);
+    mem->scratch_bytes = g->bytes;
     return 0;
 }
 

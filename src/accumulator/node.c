@@ -565,6 +565,82 @@ static void drop_pending_locked(struct node *n)
         n->drop_grads = true;
 }
 
+/* Polled by a collective on the devices: a newer epoch, or a stop. */
+static bool dev_stale(void *arg)
+{
+    struct node *n = arg;
+    bool moved;
+
+    pthread_mutex_lock(&n->lock);
+    moved = n->stop || epoch_moved_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    return moved;
+}
+
+/* The agreement's channel (node.h, node_device.epoch): sums over the
+ * engine, in the epoch's rounds. */
+static int dev_sum(void *arg, uint64_t *words, size_t k)
+{
+    struct node *n = arg;
+    int rc;
+
+    if (k == 0 || k > NCOMM_XCHG_WORDS)
+        return -EINVAL;
+    memcpy(n->dev_words, words, k * sizeof(*words));
+    rc = allreduce_run(n->ar, n->h_dev, k, DTYPE_I64, DTYPE_SUM, 0, round_of(n));
+    if (rc < 0) {
+        n->dev_chan_rc = rc;
+        return rc;
+    }
+    memcpy(words, n->dev_words, k * sizeof(*words));
+    return 0;
+}
+
+/* Every member voted to reduce on its device: each makes the epoch's
+ * communicator, and the epoch is on the devices only when all of them
+ * are ready (one more sum), else host-staged everywhere alike. */
+static int device_epoch(struct node *n)
+{
+    const struct node_device *d = n->cfg.device;
+    struct ncomm_channel ch = { .sum_u64 = dev_sum, .arg = n };
+    const char **ids;
+    size_t m = n->cur->n_members;
+    int rc;
+
+    ids = calloc(m, sizeof(*ids));
+    if (!ids)
+        return -ENOMEM;
+    for (size_t i = 0; i < m; i++)
+        ids[i] = n->cur->members[i].id;
+    n->dev_chan_rc = 0;
+    rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch);
+    free(ids);
+    if (n->dev_chan_rc < 0)
+        return n->dev_chan_rc;
+    n->small[0] = rc < 0;
+    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+        return rc;
+    n->on_device = n->small[0] == 0;
+    if (!n->on_device) {
+        log_warn("node", "A member's NCCL communicator is not ready; this epoch reduces host-staged.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
+        d->host(d->arg);
+    }
+    return 0;
+}
+
+/* A tensor of the state transfer: through the devices when the epoch is
+ * on them (node_device.broadcast), else over the engine. */
+static int broadcast_tensor(struct node *n, bool receive, int h, void *buf, size_t bytes,
+                            size_t leader)
+{
+    struct ncomm_cancel cancel = { .stale = dev_stale, .arg = n };
+
+    if (!n->on_device || bytes == 0)
+        return broadcast(n, receive, h, buf, bytes);
+    return n->cfg.device->broadcast(n->cfg.device->arg, buf, bytes, (int)leader, receive, &cancel);
+}
+
 /* The sync steps of a new epoch, and whether every member voted to
  * reduce on its device. Returns 0, or the engine's error. */
 static int sync_state(struct node *n, bool *all_device)
@@ -613,6 +689,9 @@ static int sync_state(struct node *n, bool *all_device)
         return rc;
     any_need = n->small[0] != 0;
     *all_device = n->small[1] == 0;
+    /* The communicator first, so that the transfer below can use it. */
+    if (*all_device && (rc = device_epoch(n)) < 0)
+        return rc;
     if (!any_need)
         return 0;
 
@@ -675,8 +754,9 @@ static int sync_state(struct node *n, bool *all_device)
         rc = h_state;
         goto out;
     }
-    if ((rc = broadcast(n, need, n->h_params, n->t.params, n->t.params_bytes)) < 0 ||
-        (rc = broadcast(n, need, n->h_buffers, n->t.buffers, n->t.buffers_bytes)) < 0 ||
+    if ((rc = broadcast_tensor(n, need, n->h_params, n->t.params, n->t.params_bytes, leader)) < 0 ||
+        (rc = broadcast_tensor(n, need, n->h_buffers, n->t.buffers, n->t.buffers_bytes,
+                               leader)) < 0 ||
         (rc = broadcast(n, true, h_state, state, state_pad + lineage_bytes)) < 0)
         goto out;
     got_lineage = lineage_decode((int64_t *)((char *)state + state_pad), &got) == 0;
@@ -741,83 +821,18 @@ out:
     return rc;
 }
 
-/* The agreement's channel (node.h, node_device.epoch): sums over the
- * engine, in the epoch's rounds. */
-static int dev_sum(void *arg, uint64_t *words, size_t k)
-{
-    struct node *n = arg;
-    int rc;
-
-    if (k == 0 || k > NCOMM_XCHG_WORDS)
-        return -EINVAL;
-    memcpy(n->dev_words, words, k * sizeof(*words));
-    rc = allreduce_run(n->ar, n->h_dev, k, DTYPE_I64, DTYPE_SUM, 0, round_of(n));
-    if (rc < 0) {
-        n->dev_chan_rc = rc;
-        return rc;
-    }
-    memcpy(words, n->dev_words, k * sizeof(*words));
-    return 0;
-}
-
-/* Every member voted to reduce on its device: each makes the epoch's
- * communicator, and the epoch is on the devices only when all of them
- * are ready (one more sum), else host-staged everywhere alike. */
-static int device_epoch(struct node *n)
-{
-    const struct node_device *d = n->cfg.device;
-    struct ncomm_channel ch = { .sum_u64 = dev_sum, .arg = n };
-    const char **ids;
-    size_t m = n->cur->n_members;
-    int rc;
-
-    ids = calloc(m, sizeof(*ids));
-    if (!ids)
-        return -ENOMEM;
-    for (size_t i = 0; i < m; i++)
-        ids[i] = n->cur->members[i].id;
-    n->dev_chan_rc = 0;
-    rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch);
-    free(ids);
-    if (n->dev_chan_rc < 0)
-        return n->dev_chan_rc;
-    n->small[0] = rc < 0;
-    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
-        return rc;
-    n->on_device = n->small[0] == 0;
-    if (!n->on_device) {
-        log_warn("node", "A member's NCCL communicator is not ready; this epoch reduces host-staged.",
-                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
-        d->host(d->arg);
-    }
-    return 0;
-}
-
 static int sync_epoch(struct node *n)
 {
     bool all_device = false;
-    int rc = sync_state(n, &all_device);
+    int rc;
 
+    n->on_device = false;
+    rc = sync_state(n, &all_device);
     if (rc < 0)
         return rc;
-    n->on_device = false;
-    if (n->cfg.device && !all_device) {
+    if (n->cfg.device && !all_device)
         n->cfg.device->host(n->cfg.device->arg);
-        return 0;
-    }
-    return all_device ? device_epoch(n) : 0;
-}
-
-/* Polled by a collective on the devices: a newer epoch, or a stop. */
-static bool dev_stale(void *arg)
-{
-    struct node *n = arg;
-    bool moved;
-
-    pthread_mutex_lock(&n->lock);
-    moved = n->stop || epoch_moved_locked(n);
-    pthread_mutex_unlock(&n->lock);
-    return moved;
+    return 0;
 }
 
 /* dst += src over `count` elements of type t; 16-bit floats are summed in

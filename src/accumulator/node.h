@@ -132,7 +132,9 @@ enum node_algorithm { NODE_ALGORITHM_AUTO, NODE_ALGORITHM_RING, NODE_ALGORITHM_D
  * host-staged: host() lets any communicator go, and gather() copies the
  * device's gradients into the node's gradient buffer before each step
  * reads them. The node never runs a compression or the fused and spare
- * steps on the devices. */
+ * steps on the devices. The communicator is made before the epoch's state
+ * transfer, which then moves the parameters and buffers with broadcast()
+ * (the opaque state and the lineage, small, stay on the engine). */
 struct node_device {
     bool (*can)(void *arg);
     /* The epoch's communicator among `members` (the epoch's order; self
@@ -148,6 +150,12 @@ struct node_device {
     int (*reduce)(void *arg, uint64_t grads, const struct ncomm_cancel *cancel);
     int (*gather)(void *arg);
     void (*host)(void *arg);
+    /* `bytes` of host memory at `buf` from the member of rank `root` to
+     * every member, in pieces through the device; `receive`: this member
+     * takes them into `buf`, else `buf` is left untouched. Returns 0,
+     * -ESTALE or -errno. */
+    int (*broadcast)(void *arg, void *buf, size_t bytes, int root, bool receive,
+                     const struct ncomm_cancel *cancel);
     void *arg;
 };
 

@@ -200,7 +200,7 @@ static int queue(struct fake_nccl *f, struct fake_nccl_comm *c, enum kind kind, 
     c->queued++;
     s->g = g;
     s->seq = c->queued;
-    if (!f->hold) {
+    if (!f->hold || kind != K_ALLREDUCE) {
         /* Ranks queue the k-th collective only after their (k-1)-th
          * finished, so the group gathers one at a time. */
         g->kind = kind;

@@ -54,7 +54,8 @@ struct fake_nccl {
     /* Knobs, set before the calls they shape. */
     int fail_all_reduce;        /* the call returns this */
     int fail_init;              /* ncclCommInitRankConfig returns this */
-    bool hold;                  /* queue nothing: this rank never takes part */
+    bool hold;                  /* this rank never takes part in an all-reduce
+                                 * (broadcasts go on) */
 };
 
 void fake_nccl_world_init(struct fake_nccl_world *w);

@@ -24,6 +24,7 @@
 #define G 1024                  /* gradient elements */
 #define ROUNDS 6
 #define MEMBERS 3
+#define PARAMS 3000             /* 24,000 bytes: six pieces through a 4 KiB scratch */
 
 static struct brokerd *d;
 static char broker[64];
@@ -57,7 +58,7 @@ struct member {
     _Alignas(64) float dgrads[G], dresults[G], dscratch[G];
     /* The node's (the memfd's on a sidecar). */
     _Alignas(64) float grads[G], results[G];
-    uint64_t params[8];
+    uint64_t params[PARAMS];
     atomic_int gathers;
     uint64_t published;         /* the last round whose result went to dresults */
     bool on_device_at[ROUNDS + 1];
@@ -82,6 +83,22 @@ static int m_gather(void *arg)
 
 static int m_enter(void *arg)
 {
+    return 0;
+}
+
+static int m_to_scratch(void *arg, const void *src, size_t len)
+{
+    struct member *m = arg;
+
+    memcpy(m->dscratch, src, len);
+    return 0;
+}
+
+static int m_from_scratch(void *arg, void *dst, size_t len)
+{
+    struct member *m = arg;
+
+    memcpy(dst, m->dscratch, len);
     return 0;
 }
 
@@ -175,13 +192,18 @@ static void member_start(struct member *m, int i, const char *cohort,
     memset(m, 0, sizeof(*m));
     m->index = i;
     m->start_size = start_size;
+    /* Each its own parameters: the state transfer must make them one. */
+    for (size_t k = 0; k < PARAMS; k++)
+        m->params[k] = (uint64_t)i << 32 | k;
     fake_nccl_init(&m->f, w, false);
     m->f.hold = hold;
     m->f.fail_init = fail_init;
     m->mem = (struct devred_mem){
         .grads = (uint64_t)(uintptr_t)m->dgrads, .scratch = (uint64_t)(uintptr_t)m->dscratch,
         .count = G, .type = NCOMM_F32, .stream = &m->stream,
-        .gather = m_gather, .enter = m_enter, .zero_scratch = m_zero, .arg = m,
+        .gather = m_gather, .enter = m_enter, .zero_scratch = m_zero,
+        .to_scratch = m_to_scratch, .from_scratch = m_from_scratch,
+        .scratch_bytes = sizeof(m->dscratch), .arg = m,
     };
     cr_assert_eq(devred_create(nccl ? &m->f.ops : NULL, &m->mem, &m->red), 0);
     m->dev = devred_device(m->red);
@@ -203,6 +225,16 @@ static void member_free(struct member *m)
 {
     node_stop(m->n);
     devred_destroy(m->red);
+}
+
+/* Every member holds the parameters of one of them, the leader's. */
+static void check_params(struct member *ms, int n)
+{
+    uint64_t from = ms[0].params[0] >> 32;
+
+    for (int k = 0; k < n; k++)
+        for (size_t j = 0; j < PARAMS; j += 7)
+            cr_assert_eq(ms[k].params[j], from << 32 | j, "member %d, parameter %zu", k, j);
 }
 
 /* Each committed round applied by every member is the same bytes, and the
@@ -240,7 +272,13 @@ Test(node_device, members_that_all_have_nccl_reduce_on_the_devices)
         cr_assert_eq(ms[i].rc, 0, "member %d", i);
     }
     check_rounds(ms, MEMBERS, MEMBERS);
+    check_params(ms, MEMBERS);
     for (int i = 0; i < MEMBERS; i++) {
+        /* The first epoch's state transfer went through the devices, in
+         * pieces of the scratch's size. */
+        cr_assert(strstr(ms[i].f.log, "bcast(r") &&
+                      strstr(ms[i].f.log, ",4096) bcast(") && strstr(ms[i].f.log, ",3520) "),
+                  "%s", ms[i].f.log);
         cr_assert_eq(atomic_load(&ms[i].gathers), 0, "no gradient left the device");
         cr_assert_geq(devred_epochs(ms[i].red), 1);
         for (int r = 1; r <= ROUNDS; r++)
@@ -266,6 +304,7 @@ Test(node_device, one_member_without_nccl_makes_every_member_host_staged)
         cr_assert_eq(ms[i].rc, 0, "member %d", i);
     }
     check_rounds(ms, MEMBERS, MEMBERS);
+    check_params(ms, MEMBERS);
     for (int i = 0; i < MEMBERS; i++) {
         cr_assert_geq(atomic_load(&ms[i].gathers), ROUNDS, "host-staged: gathered each round");
         cr_assert_eq(devred_epochs(ms[i].red), 0);
