@@ -137,6 +137,7 @@
 #include "membership/member.h"
 #include "accumulator/ckpt.h"
 #include "accumulator/compress.h"
+#include "accumulator/gpuchan.h"
 #include "accumulator/layout.h"
 #include "accumulator/lineage.h"
 #include "accumulator/tally.h"
@@ -248,12 +249,7 @@ struct node {
     enum compress_method round_reducer;
     const float *round_in;
     uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
-    /* Node thread: the epoch reduces on the devices (cfg.device); the
-     * agreement's words, registered with the engine. */
-    bool on_device;
-    int64_t dev_words[NCOMM_XCHG_WORDS];
-    int h_dev;
-    int dev_chan_rc;            /* the engine's error in the agreement, if any */
+    bool on_device;             /* node thread: the epoch reduces on the devices */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
     void *state_out;            /* leader: from set_state */
@@ -577,23 +573,21 @@ static bool dev_stale(void *arg)
     return moved;
 }
 
-/* The agreement's channel (node.h, node_device.epoch): sums over the
- * engine, in the epoch's rounds. */
+/* The agreement's channel (node.h, node_device.epoch): gpuchan's sums
+ * over the engine, with the engine's error kept, for it is the node's. */
+struct dev_chan {
+    struct ncomm_channel inner;
+    int rc;
+};
+
 static int dev_sum(void *arg, uint64_t *words, size_t k)
 {
-    struct node *n = arg;
-    int rc;
+    struct dev_chan *c = arg;
+    int rc = c->inner.sum_u64(c->inner.arg, words, k);
 
-    if (k == 0 || k > NCOMM_XCHG_WORDS)
-        return -EINVAL;
-    memcpy(n->dev_words, words, k * sizeof(*words));
-    rc = allreduce_run(n->ar, n->h_dev, k, DTYPE_I64, DTYPE_SUM, 0, round_of(n));
-    if (rc < 0) {
-        n->dev_chan_rc = rc;
-        return rc;
-    }
-    memcpy(words, n->dev_words, k * sizeof(*words));
-    return 0;
+    if (rc < 0)
+        c->rc = rc;
+    return rc;
 }
 
 /* Every member voted to reduce on its device: each makes the epoch's
@@ -602,7 +596,9 @@ static int dev_sum(void *arg, uint64_t *words, size_t k)
 static int device_epoch(struct node *n)
 {
     const struct node_device *d = n->cfg.device;
-    struct ncomm_channel ch = { .sum_u64 = dev_sum, .arg = n };
+    struct gpuchan g;
+    struct dev_chan c = { .rc = 0 };
+    struct ncomm_channel ch = { .sum_u64 = dev_sum, .arg = &c };
     const char **ids;
     size_t m = n->cur->n_members;
     int rc;
@@ -612,11 +608,20 @@ static int device_epoch(struct node *n)
         return -ENOMEM;
     for (size_t i = 0; i < m; i++)
         ids[i] = n->cur->members[i].id;
-    n->dev_chan_rc = 0;
+    /* The agreement takes one or two sums: two rounds are kept for it on
+     * every member alike, so the epoch's next rounds stay in step. */
+    rc = gpuchan_init(&g, n->ar, round_of(n));
+    n->step++;
+    if (rc < 0) {
+        free(ids);
+        return rc;
+    }
+    c.inner = gpuchan_channel(&g);
     rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch);
+    gpuchan_cleanup(&g);
     free(ids);
-    if (n->dev_chan_rc < 0)
-        return n->dev_chan_rc;
+    if (c.rc < 0)
+        return c.rc;
     n->small[0] = rc < 0;
     if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
         return rc;
@@ -1613,12 +1618,6 @@ int node_start(const struct node_config *cfg, struct node **out)
     if (rc < 0)
         goto err;
     n->h_small = allreduce_register(n->ar, n->small, sizeof(n->small));
-    n->h_dev = -1;
-    if (cfg->device && (n->h_dev = allreduce_register(n->ar, n->dev_words,
-                                                      sizeof(n->dev_words))) < 0) {
-        rc = n->h_dev;
-        goto err;
-    }
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;
     mc.id = cfg->id;
