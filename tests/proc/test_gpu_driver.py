@@ -165,8 +165,13 @@ def test_bench_gpu_trainer_runs_under_cohortctl_run_against_the_stand_in(tmp_pat
          "-lyaml", "-lcrypto", "-lpthread", "-lm"],
         cwd=ROOT, capture_output=True, text=True, timeout=4 * DEADLINE)
     assert build.returncode == 0, build.stderr
+    # As bench/gpu.sh runs them: sidecars with --gpu-reduce host.
+    sidecar = tmp_path / "sidecar"
+    sidecar.write_text('#!/bin/sh\nexec "%s" --gpu-reduce host "$@"\n' % bin_path("cohort-sidecar"))
+    sidecar.chmod(0o755)
     out = subprocess.run([bin_path("cohortctl"), "run", "-n", "2", "--no-view", "-o", "json",
-                          "--", exe, "300000", "4", "1"],
+                          "--sidecar", str(sidecar), "--run-dir", str(tmp_path / "run"), "--",
+                          exe, "300000", "4", "1"],
                          env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE, COHORT_GPU_UUID=DEVICE),
                          capture_output=True, text=True, timeout=8 * DEADLINE)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -176,6 +181,9 @@ def test_bench_gpu_trainer_runs_under_cohortctl_run_against_the_stand_in(tmp_pat
     for r in rows:
         assert r["impl"] == "cohort-host-staged" and r["bytes"] == 1200000 and r["rounds"] == 4
         assert 0 < r["best_ms"] <= r["median_ms"]
+    for p in summary["peers"]:
+        with open(p["sidecar_log"], errors="replace") as f:
+            assert "reduced host-staged (--gpu-reduce host)" in f.read(), p["sidecar_log"]
     # A UUID no device has: the trainer says why and fails.
     out = subprocess.run([bin_path("cohortctl"), "run", "-n", "1", "--no-view", "-o", "json",
                           "--", exe, "1000", "1", "0"],
