@@ -63,7 +63,8 @@ static bool can(void *arg)
 }
 
 static int epoch(void *arg, uint64_t number, const char *const *members, size_t n,
-                 const char *self, const struct ncomm_channel *ch)
+                 const char *self, const struct ncomm_channel *ch,
+                 const struct ncomm_cancel *cancel)
 {
     struct devred *d = arg;
     struct ncomm_plan plan;
@@ -73,8 +74,10 @@ static int epoch(void *arg, uint64_t number, const char *const *members, size_t 
     if ((rc = d->mem->enter(d->mem->arg)) < 0 ||
         (rc = ncomm_agree(d->c, members, n, self, ch, &plan)) < 0 ||
         (rc = ncomm_start(d->c, number, members, n, self, &plan)) < 0 ||
-        (rc = ncomm_wait(d->c, DEVRED_READY_MS)) < 0) {
-        d->failures++;
+        (rc = ncomm_wait(d->c, DEVRED_READY_MS, cancel)) < 0) {
+        /* A newer epoch is no failure of NCCL's. */
+        if (rc != -ESTALE)
+            d->failures++;
         /* Whatever was started is given up: the epoch is host-staged. */
         ncomm_abort(d->c, NCOMM_ABORT_MS);
         return rc;

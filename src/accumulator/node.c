@@ -617,7 +617,8 @@ static int device_epoch(struct node *n)
         return rc;
     }
     c.inner = gpuchan_channel(&g);
-    rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch);
+    rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch,
+                  &(struct ncomm_cancel){ .stale = dev_stale, .arg = n });
     gpuchan_cleanup(&g);
     free(ids);
     if (c.rc < 0)

@@ -139,10 +139,12 @@ struct node_device {
     bool (*can)(void *arg);
     /* The epoch's communicator among `members` (the epoch's order; self
      * among them), agreed over `ch`, the engine's keyed connections.
-     * Returns 0 when it is ready here, or -errno; a channel error is the
-     * node's too (it sees it and fails the sync). */
+     * Returns 0 when it is ready here, or -errno (-ESTALE: `cancel` said a
+     * newer epoch arrived); a channel error is the node's too (it sees it
+     * and fails the sync). */
     int (*epoch)(void *arg, uint64_t epoch, const char *const *members, size_t n,
-                 const char *self, const struct ncomm_channel *ch);
+                 const char *self, const struct ncomm_channel *ch,
+                 const struct ncomm_cancel *cancel);
     /* The gradient step on the devices: the gradients averaged over
      * `grads` contributions (zeros when grads is 0), the same bytes on
      * every member, kept aside until publish. `cancel` says a newer epoch

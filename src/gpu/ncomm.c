@@ -237,7 +237,7 @@ int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, siz
     return 0;
 }
 
-int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
+int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel *cancel)
 {
     uint64_t until = clock_now_ms() + deadline_ms;
     int rc;
@@ -259,6 +259,12 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
                      LF_U("epoch", c->epoch));
             ncomm_abort(c, NCOMM_ABORT_MS);
             return rc;
+        }
+        if (cancel && cancel->stale(cancel->arg)) {
+            log_info("gpu", "A newer epoch arrived while the communicator was made; it is aborted.",
+                     LF_U("epoch", c->epoch));
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return -ESTALE;
         }
         if (clock_now_ms() >= until) {
             log_warn("gpu", "The epoch's NCCL communicator was not ready by its deadline; it is aborted.",

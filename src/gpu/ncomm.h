@@ -12,8 +12,8 @@
  *   2. ncomm_start: shrink the previous communicator (where the library
  *      has ncclCommShrink and only members left), or abort it and create
  *      the new one with ncclCommInitRankConfig, non-blocking;
- *   3. ncomm_wait: poll ncclCommGetAsyncError until ready, failed or the
- *      deadline; a failure or the deadline aborts it.
+ *   3. ncomm_wait: poll ncclCommGetAsyncError until ready, failed, the
+ *      deadline or a newer epoch; any but ready aborts it.
  * Collectives (ncomm_all_reduce, ncomm_broadcast) run on a ready
  * communicator and are waited for by polling, so that an epoch change
  * (ncomm_cancel) or a deadline aborts one in flight within a bounded time.
@@ -93,6 +93,14 @@ enum ncomm_state {
     NCOMM_READY,
 };
 
+/* What makes a wait for a communicator, or a collective in flight,
+ * give up: stale(arg) is polled
+ * between NCCL's polls and returns true once a newer epoch has arrived. */
+struct ncomm_cancel {
+    bool (*stale)(void *arg);
+    void *arg;
+};
+
 struct ncomm_plan {
     bool shrink;                /* shrink the previous communicator */
     struct ncomm_id id;         /* otherwise: the new one's unique id */
@@ -130,17 +138,11 @@ int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const cha
 int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
                 const char *self, const struct ncomm_plan *plan);
 
-/* Step 3: polls until the communicator is ready or deadline_ms passes.
- * Returns 0 (READY), -ETIMEDOUT or NCCL's error, after which the
- * communicator has been aborted and the state is NONE. */
-int ncomm_wait(struct ncomm *c, uint32_t deadline_ms);
-
-/* What makes a collective in flight give up: stale(arg) is polled
- * between NCCL's polls and returns true once a newer epoch has arrived. */
-struct ncomm_cancel {
-    bool (*stale)(void *arg);
-    void *arg;
-};
+/* Step 3: polls until the communicator is ready, deadline_ms passes or
+ * `cancel` (may be NULL) says a newer epoch arrived. Returns 0 (READY),
+ * -ETIMEDOUT, -ESTALE or NCCL's error, after which the communicator has
+ * been aborted and the state is NONE. */
+int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel *cancel);
 
 /* An all-reduce on the ready communicator (ops->all_reduce), waited for
  * until it has finished on `stream`: polls ncclCommGetAsyncError and the

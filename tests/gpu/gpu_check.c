@@ -442,7 +442,7 @@ static void nccl_one_rank(void)
     if (rc == 0)
         rc = ncomm_start(c, 1, self, 1, self[0], &plan);
     if (rc == 0)
-        rc = ncomm_wait(c, TIMEOUT_MS);
+        rc = ncomm_wait(c, TIMEOUT_MS, NULL);
     if (rc == 0 && ncomm_state(c) != NCOMM_READY)
         rc = -EIO;
     if (rc == 0)

@@ -52,7 +52,7 @@ static void *member_main(void *arg)
     struct ncomm_cancel cancel = { .stale = stale, .arg = m->stale };
 
     if (ncomm_start(m->c, m->epoch, m->members, m->n, m->self, &m->plan) < 0 ||
-        (m->rc_wait = ncomm_wait(m->c, FIXTURE_WAIT_MS)) < 0)
+        (m->rc_wait = ncomm_wait(m->c, FIXTURE_WAIT_MS, NULL)) < 0)
         return NULL;
     m->rc_reduce = ncomm_all_reduce(m->c, (uint64_t)(uintptr_t)m->in, (uint64_t)(uintptr_t)m->out,
                                     COUNT, NCOMM_F32, m->scale, &m->stream, m->deadline_ms,
@@ -276,7 +276,7 @@ Test(ncomm_collective, bad_arguments_on_a_ready_communicator_change_nothing)
     fake_nccl_init(&f, &w, false);
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_start(c, 1, A, 1, "a", &plan), 0);
-    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, NULL), 0);
     f.log[0] = '\0';
     cr_assert_eq(ncomm_all_reduce(c, p, p, 0, NCOMM_F32, 1.0, &s, 50, NULL), -EINVAL);
     cr_assert_eq(ncomm_all_reduce(c, p, p, 4, NCOMM_F32, 0.0, &s, 50, NULL), -EINVAL);
@@ -289,5 +289,33 @@ Test(ncomm_collective, bad_arguments_on_a_ready_communicator_change_nothing)
     cr_assert_float_eq(x[3], 2.0f, 1e-6f);
     ncomm_destroy(c);
     cr_assert_eq(fake_nccl_live(&w), 0);
+    fake_nccl_world_free(&w);
+}
+
+/* A rank that never joins: the creation stays in progress until the
+ * epoch changes, which aborts it at once rather than at the deadline. */
+Test(ncomm_collective, an_epoch_change_ends_the_wait_for_a_communicator)
+{
+    struct fake_nccl_world w;
+    struct fake_nccl f;
+    struct ncomm *c;
+    struct ncomm_plan plan = { .shrink = false };
+    atomic_bool flag = true;
+    struct ncomm_cancel cancel = { .stale = stale, .arg = &flag };
+    uint64_t t0;
+
+    fake_nccl_world_init(&w);
+    fake_nccl_init(&f, &w, false);
+    memset(plan.id.b, 9, sizeof(plan.id.b));
+    cr_assert_eq(ncomm_create(&f.ops, &c), 0);
+    cr_assert_eq(ncomm_start(c, 1, AB, 2, "a", &plan), 0);
+    cr_assert_eq(ncomm_state(c), NCOMM_STARTING, "b never joins");
+    t0 = clock_now_ms();
+    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, &cancel), -ESTALE);
+    cr_assert_lt(clock_now_ms() - t0, FIXTURE_WAIT_MS / 2, "not the deadline");
+    cr_assert_eq(ncomm_state(c), NCOMM_NONE);
+    cr_assert_str_eq(f.log, "init(2,r0) abort(r0) ");
+    cr_assert_eq(fake_nccl_live(&w), 0);
+    ncomm_destroy(c);
     fake_nccl_world_free(&w);
 }
