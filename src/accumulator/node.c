@@ -623,15 +623,36 @@ static int device_epoch(struct node *n)
     free(ids);
     if (c.rc < 0)
         return c.rc;
+    /* Whether all are ready, and whether all hold tensors of the same
+     * sizes: NCCL trusts every rank to pass the same counts, and a
+     * member that does not (a trainer that registered other sizes) must
+     * not make another's collective run past its buffers or hang. The
+     * maxima of each size and of its negation are equal only when every
+     * member gave the same. */
     n->small[0] = rc < 0;
-    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+    n->small[1] = (int64_t)n->t.grad_count;
+    n->small[2] = -(int64_t)n->t.grad_count;
+    n->small[3] = (int64_t)n->t.params_bytes;
+    n->small[4] = -(int64_t)n->t.params_bytes;
+    n->small[5] = (int64_t)n->t.buffers_bytes;
+    n->small[6] = -(int64_t)n->t.buffers_bytes;
+    n->small[7] = (int64_t)n->t.grad_type;
+    n->small[8] = -(int64_t)n->t.grad_type;
+    if ((rc = small_reduce(n, 9, DTYPE_MAX)) < 0)
         return rc;
-    n->on_device = n->small[0] == 0;
-    if (!n->on_device) {
+    bool ready = n->small[0] == 0, same = true;
+
+    for (int i = 1; i < 9; i += 2)
+        same = same && n->small[i] == -n->small[i + 1];
+    n->on_device = ready && same;
+    if (!ready)
         log_warn("node", "A member's NCCL communicator is not ready; this epoch reduces host-staged.",
                  LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
+    else if (!same)
+        log_warn("node", "Members hold tensors of different sizes; this epoch reduces host-staged.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
+    if (!n->on_device)
         d->host(d->arg);
-    }
     return 0;
 }
 

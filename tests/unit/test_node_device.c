@@ -28,6 +28,8 @@
 
 static struct brokerd *d;
 static char broker[64];
+/* The member with this index registers 64 bytes fewer of parameters. */
+static int short_params = -1;
 
 static void start(void)
 {
@@ -211,7 +213,8 @@ static void member_start(struct member *m, int i, const char *cohort,
     snprintf(id, sizeof(id), "g-%d", i);
     c.id = id;
     cr_assert_eq(node_start(&c, &m->n), 0);
-    t = (struct node_tensors){ .params = m->params, .params_bytes = sizeof(m->params),
+    t = (struct node_tensors){ .params = m->params,
+                               .params_bytes = sizeof(m->params) - (i == short_params ? 64 : 0),
                                .grads = m->grads, .grad_count = G, .grad_type = DTYPE_F32,
                                .results = m->results };
     cr_assert_eq(node_register(m->n, &t), 0);
@@ -342,6 +345,47 @@ Test(node_device, a_communicator_that_fails_on_one_member_makes_every_member_hos
     cr_assert_eq(fake_nccl_live(&w), 0, "the communicators that were made are given up");
     for (int i = 0; i < MEMBERS; i++)
         member_free(&ms[i]);
+    fake_nccl_world_free(&w);
+}
+
+static bool all_aborted(void *arg)
+{
+    struct member *ms = arg;
+
+    for (int i = 0; i < MEMBERS; i++)
+        if (!strstr(ms[i].f.log, "abort("))
+            return false;
+    return true;
+}
+
+/* g-2 registers fewer parameter bytes than the others: NCCL would trust
+ * every rank's count, so the members find out before any collective and
+ * let their communicators go; nothing is broadcast or reduced on the
+ * devices. */
+Test(node_device, members_with_tensors_of_different_sizes_run_no_collective)
+{
+    static struct member ms[MEMBERS];
+    struct fake_nccl_world w;
+
+    short_params = 2;
+    fake_nccl_world_init(&w);
+    for (int i = 0; i < MEMBERS; i++)
+        member_start(&ms[i], i, "train", &w, true, false, 0, MEMBERS);
+    cr_assert(fixture_wait_until(all_aborted, ms, FIXTURE_WAIT_MS), "%s | %s | %s",
+              ms[0].f.log, ms[1].f.log, ms[2].f.log);
+    for (int i = 0; i < MEMBERS; i++) {
+        atomic_store(&ms[i].quit, true);
+        pthread_join(ms[i].t, NULL);
+    }
+    for (int i = 0; i < MEMBERS; i++) {
+        cr_assert(strstr(ms[i].f.log, "init(3,"), "%s", ms[i].f.log);
+        cr_assert_null(strstr(ms[i].f.log, "bcast("), "%s", ms[i].f.log);
+        cr_assert_null(strstr(ms[i].f.log, "allreduce("), "%s", ms[i].f.log);
+        cr_assert_geq(devred_epochs(ms[i].red), 1, "made, then given up");
+    }
+    for (int i = 0; i < MEMBERS; i++)
+        member_free(&ms[i]);
+    cr_assert_eq(fake_nccl_live(&w), 0);
     fake_nccl_world_free(&w);
 }
 
