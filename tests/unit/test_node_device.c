@@ -431,3 +431,73 @@ Test(node_device, an_epoch_change_aborts_a_reduction_in_flight_and_the_survivors
     cr_assert_eq(fake_nccl_live(&w), 0);
     fake_nccl_world_free(&w);
 }
+
+/* ---- the reducer alone, as the only member of its epochs ---- */
+
+static int alone_sum(void *arg, uint64_t *words, size_t n)
+{
+    return 0;               /* the sum over one member is its own words */
+}
+
+static int epoch_alone(struct node_device *dev, uint64_t number)
+{
+    static const char *const self[] = { "g-0" };
+    struct ncomm_channel ch = { .sum_u64 = alone_sum };
+
+    return dev->epoch(dev->arg, number, self, 1, self[0], &ch, NULL);
+}
+
+/* A member whose communicators keep failing stops voting for NCCL after
+ * DEVRED_TRIES_MAX epochs in a row; one that succeeds in between starts
+ * counting again; without NCCL's collectives it never votes. */
+Test(devred, gives_up_after_setups_that_fail_in_a_row)
+{
+    static struct member m;
+    struct fake_nccl_world w;
+    struct node_device dev;
+
+    fake_nccl_world_init(&w);
+    fake_nccl_init(&m.f, &w, false);
+    m.mem = (struct devred_mem){
+        .grads = (uint64_t)(uintptr_t)m.dgrads, .scratch = (uint64_t)(uintptr_t)m.dscratch,
+        .count = G, .type = NCOMM_F32, .stream = &m.stream,
+        .gather = m_gather, .enter = m_enter, .zero_scratch = m_zero,
+        .to_scratch = m_to_scratch, .from_scratch = m_from_scratch,
+        .scratch_bytes = sizeof(m.dscratch), .arg = &m,
+    };
+    cr_assert_eq(devred_create(&m.f.ops, &m.mem, &m.red), 0);
+    dev = devred_device(m.red);
+    m.f.fail_init = -EIO;
+    for (int i = 1; i < DEVRED_TRIES_MAX; i++) {
+        cr_assert(dev.can(dev.arg), "try %d", i);
+        cr_assert_eq(epoch_alone(&dev, (uint64_t)i), -EIO);
+    }
+    m.f.fail_init = 0;
+    cr_assert(dev.can(dev.arg));
+    cr_assert_eq(epoch_alone(&dev, 10), 0, "a success resets the count");
+    cr_assert_eq(devred_epochs(m.red), 1);
+    m.f.fail_init = -EIO;
+    for (int i = 0; i < DEVRED_TRIES_MAX; i++) {
+        cr_assert(dev.can(dev.arg), "try %d after the reset", i);
+        cr_assert_eq(epoch_alone(&dev, (uint64_t)(20 + i)), -EIO);
+    }
+    cr_assert_not(dev.can(dev.arg), "gave up");
+    cr_assert_not(dev.can(dev.arg), "and stays so");
+    cr_assert_eq(fake_nccl_live(&w), 0, "nothing of the failed setups is left");
+    devred_destroy(m.red);
+
+    /* A table without collectives (or none at all) never votes. */
+    m.f.ops.all_reduce = NULL;
+    cr_assert_eq(devred_create(&m.f.ops, &m.mem, &m.red), 0);
+    dev = devred_device(m.red);
+    cr_assert_not(dev.can(dev.arg));
+    devred_destroy(m.red);
+    cr_assert_eq(devred_create(NULL, &m.mem, &m.red), 0);
+    dev = devred_device(m.red);
+    cr_assert_not(dev.can(dev.arg));
+    devred_destroy(m.red);
+    /* A memory description without its calls is refused. */
+    m.mem.gather = NULL;
+    cr_assert_eq(devred_create(&m.f.ops, &m.mem, &m.red), -EINVAL);
+    fake_nccl_world_free(&w);
+}
