@@ -127,47 +127,6 @@ static const ncclDataType_t nccl_type[] = {
     [NCOMM_F16] = ncclFloat16, [NCOMM_BF16] = ncclBfloat16,
 };
 
-/* `v` (a positive normal float) as IEEE half, rounded to nearest even;
- * values below half's normal range become its subnormals or zero. */
-static uint16_t to_half(float v)
-{
-    uint32_t b, e, m;
-    int exp;
-
-    memcpy(&b, &v, sizeof(b));
-    e = (b >> 23) & 0xff;
-    m = b & 0x7fffff;
-    exp = (int)e - 127 + 15;
-    if (exp >= 31)
-        return 0x7c00;
-    if (exp <= 0) {
-        /* Subnormal: the implicit 1 joins the mantissa, shifted down. */
-        uint32_t shift = (uint32_t)(14 - exp);
-
-        if (shift > 24)
-            return 0;
-        m |= 0x800000;
-        uint32_t h = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rest > half || (rest == half && (h & 1)))
-            h++;
-        return (uint16_t)h;
-    }
-    uint32_t h = ((uint32_t)exp << 10) | (m >> 13), rest = m & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
-        h++;
-    return (uint16_t)h;
-}
-
-/* `v` as bfloat16, rounded to nearest even. */
-static uint16_t to_bf16(float v)
-{
-    uint32_t b;
-
-    memcpy(&b, &v, sizeof(b));
-    b += 0x7fff + ((b >> 16) & 1);
-    return (uint16_t)(b >> 16);
-}
-
 static int all_reduce(void *arg, void *comm, uint64_t send, uint64_t recv, size_t count,
                       enum ncomm_type type, double scale, void *stream)
 {
@@ -184,7 +143,7 @@ static int all_reduce(void *arg, void *comm, uint64_t send, uint64_t recv, size_
         else if (type == NCOMM_F32)
             s.f = (float)scale;
         else
-            s.h = type == NCOMM_F16 ? to_half((float)scale) : to_bf16((float)scale);
+            s.h = ncomm_scalar16(type, scale);
         rc = map(lib.ncclRedOpCreatePreMulSum(&op, &s, t, ncclScalarHostImmediate, c),
                  "NCCL could not make the averaging operation.");
         if (rc < 0)

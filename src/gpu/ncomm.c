@@ -483,6 +483,52 @@ int ncomm_abort(struct ncomm *c, uint32_t deadline_ms)
     return rc < 0 ? rc : prc;
 }
 
+/* `v` (a positive normal float) as IEEE half, rounded to nearest even;
+ * values below half's normal range become its subnormals or zero. */
+static uint16_t to_half(float v)
+{
+    uint32_t b, e, m;
+    int exp;
+
+    memcpy(&b, &v, sizeof(b));
+    e = (b >> 23) & 0xff;
+    m = b & 0x7fffff;
+    exp = (int)e - 127 + 15;
+    if (exp >= 31)
+        return 0x7c00;
+    if (exp <= 0) {
+        /* Subnormal: the implicit 1 joins the mantissa, shifted down. */
+        uint32_t shift = (uint32_t)(14 - exp);
+
+        if (shift > 24)
+            return 0;
+        m |= 0x800000;
+        uint32_t h = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1)))
+            h++;
+        return (uint16_t)h;
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (m >> 13), rest = m & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
+        h++;
+    return (uint16_t)h;
+}
+
+/* `v` as bfloat16, rounded to nearest even. */
+static uint16_t to_bf16(float v)
+{
+    uint32_t b;
+
+    memcpy(&b, &v, sizeof(b));
+    b += 0x7fff + ((b >> 16) & 1);
+    return (uint16_t)(b >> 16);
+}
+
+uint16_t ncomm_scalar16(enum ncomm_type type, double v)
+{
+    return type == NCOMM_F16 ? to_half((float)v) : to_bf16((float)v);
+}
+
 enum ncomm_state ncomm_state(const struct ncomm *c)
 {
     return c->state;

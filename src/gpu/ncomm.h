@@ -164,6 +164,12 @@ int ncomm_broadcast(struct ncomm *c, uint64_t send, uint64_t recv, size_t bytes,
                     size_t chunk, void *stream, uint32_t deadline_ms,
                     const struct ncomm_cancel *cancel);
 
+/* A positive scale (an all-reduce's 1/contributions) as the bits of
+ * NCCL's 16-bit type `type` (NCOMM_F16: IEEE half; NCOMM_BF16), rounded
+ * to nearest even, for ncclRedOpCreatePreMulSum's scalar. Below half's
+ * normal range it gives half's subnormals, then zero. */
+uint16_t ncomm_scalar16(enum ncomm_type type, double v);
+
 /* Marks a collective in flight (true) or done (false): a shrink during
  * one cancels it (NCCL_SHRINK_ABORT). */
 void ncomm_set_busy(struct ncomm *c, bool busy);

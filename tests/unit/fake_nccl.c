@@ -138,15 +138,6 @@ static int f_abort(void *arg, void *comm)
     return 0;
 }
 
-static int f_shrink(void *arg, void *comm, const int *exclude, int nexclude, void **newcomm,
-                    bool cancel)
-{
-    struct fake_nccl *f = arg;
-
-    note(f, "shrink ");
-    return -EOPNOTSUPP;         /* not played: the node tests rebuild */
-}
-
 static size_t elem_size(enum ncomm_type t)
 {
     return t == NCOMM_F64 ? 8 : t == NCOMM_F32 ? 4 : 2;
@@ -249,13 +240,13 @@ static int f_stream_query(void *arg, void *stream)
     return rc;
 }
 
-void fake_nccl_init(struct fake_nccl *f, struct fake_nccl_world *w, bool can_shrink)
+void fake_nccl_init(struct fake_nccl *f, struct fake_nccl_world *w)
 {
     memset(f, 0, sizeof(*f));
     f->w = w;
     f->ops = (struct ncomm_ops){
         .get_unique_id = f_id, .init_rank = f_init, .async_error = f_async, .abort = f_abort,
-        .shrink = can_shrink ? f_shrink : NULL, .all_reduce = f_all_reduce,
+        .all_reduce = f_all_reduce,
         .broadcast = f_broadcast, .stream_query = f_stream_query, .arg = f,
     };
 }

@@ -62,5 +62,6 @@ void fake_nccl_world_init(struct fake_nccl_world *w);
 void fake_nccl_world_free(struct fake_nccl_world *w);
 /* Communicators of the world not yet aborted. */
 int fake_nccl_live(struct fake_nccl_world *w);
-void fake_nccl_init(struct fake_nccl *f, struct fake_nccl_world *w, bool can_shrink);
+/* A library without ncclCommShrink (older than 2.27): ncomm rebuilds. */
+void fake_nccl_init(struct fake_nccl *f, struct fake_nccl_world *w);
 #endif

@@ -69,7 +69,7 @@ static void setup(struct fake_nccl_world *w, struct member *ms, size_t n)
     fake_nccl_world_init(w);
     memset(ms, 0, n * sizeof(*ms));
     for (size_t i = 0; i < n; i++) {
-        fake_nccl_init(&ms[i].f, w, false);
+        fake_nccl_init(&ms[i].f, w);
         cr_assert_eq(ncomm_create(&ms[i].f.ops, &ms[i].c), 0);
         ms[i].deadline_ms = FIXTURE_WAIT_MS;
         ms[i].scale = 1.0;
@@ -250,7 +250,7 @@ Test(ncomm_collective, refusals_call_nothing)
     uint64_t p = (uint64_t)(uintptr_t)x;
 
     fake_nccl_world_init(&w);
-    fake_nccl_init(&f, &w, false);
+    fake_nccl_init(&f, &w);
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_all_reduce(c, p, p, 4, NCOMM_F32, 1.0, &s, 50, NULL), -ENOTCONN);
     cr_assert_eq(ncomm_broadcast(c, p, p, 16, 0, 8, &s, 50, NULL), -ENOTCONN);
@@ -273,7 +273,7 @@ Test(ncomm_collective, bad_arguments_on_a_ready_communicator_change_nothing)
     uint64_t p = (uint64_t)(uintptr_t)x;
 
     fake_nccl_world_init(&w);
-    fake_nccl_init(&f, &w, false);
+    fake_nccl_init(&f, &w);
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_start(c, 1, A, 1, "a", &plan), 0);
     cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, NULL), 0);
@@ -305,7 +305,7 @@ Test(ncomm_collective, an_epoch_change_ends_the_wait_for_a_communicator)
     uint64_t t0;
 
     fake_nccl_world_init(&w);
-    fake_nccl_init(&f, &w, false);
+    fake_nccl_init(&f, &w);
     memset(plan.id.b, 9, sizeof(plan.id.b));
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_start(c, 1, AB, 2, "a", &plan), 0);
@@ -318,4 +318,25 @@ Test(ncomm_collective, an_epoch_change_ends_the_wait_for_a_communicator)
     cr_assert_eq(fake_nccl_live(&w), 0);
     ncomm_destroy(c);
     fake_nccl_world_free(&w);
+}
+
+/* The PreMulSum scalar for 16-bit gradients, against IEEE half and
+ * bfloat16 as Python's struct and the usual rounding give them. */
+Test(ncomm_collective, the_sixteen_bit_scalars_round_to_nearest_even)
+{
+    static const struct {
+        double v;
+        uint16_t half, bf16;
+    } cases[] = {
+        { 1.0, 0x3c00, 0x3f80 },        { 0.5, 0x3800, 0x3f00 },
+        { 1.0 / 3, 0x3555, 0x3eab },    { 1.0 / 1000, 0x1419, 0x3a83 },
+        { 1.0 / 65536, 0x0100, 0x3780 },/* half: a subnormal */
+        { 1e-5, 0x00a8, 0x3728 },
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        cr_assert_eq(ncomm_scalar16(NCOMM_F16, cases[i].v), cases[i].half, "%g as half", cases[i].v);
+        cr_assert_eq(ncomm_scalar16(NCOMM_BF16, cases[i].v), cases[i].bf16, "%g as bf16",
+                     cases[i].v);
+    }
 }

@@ -197,7 +197,7 @@ static void member_start(struct member *m, int i, const char *cohort,
     /* Each its own parameters: the state transfer must make them one. */
     for (size_t k = 0; k < PARAMS; k++)
         m->params[k] = (uint64_t)i << 32 | k;
-    fake_nccl_init(&m->f, w, false);
+    fake_nccl_init(&m->f, w);
     m->f.hold = hold;
     m->f.fail_init = fail_init;
     m->mem = (struct devred_mem){
@@ -457,7 +457,7 @@ Test(devred, gives_up_after_setups_that_fail_in_a_row)
     struct node_device dev;
 
     fake_nccl_world_init(&w);
-    fake_nccl_init(&m.f, &w, false);
+    fake_nccl_init(&m.f, &w);
     m.mem = (struct devred_mem){
         .grads = (uint64_t)(uintptr_t)m.dgrads, .scratch = (uint64_t)(uintptr_t)m.dscratch,
         .count = G, .type = NCOMM_F32, .stream = &m.stream,
