@@ -708,8 +708,10 @@ static int sync_state(struct node *n, bool *all_device)
     need = !n->leader && (n->version != vmax || !n->has_state);
     n->small[0] = need;
     /* The device vote rides along: the maximum of "cannot" is 0 only
-     * when every member can reduce on its device. */
-    n->small[1] = !(n->cfg.device && n->cfg.device->can(n->cfg.device->arg));
+     * when every member can reduce on its device. An epoch longer than
+     * an NCCL agreement takes is refused by all alike, before any sum. */
+    n->small[1] = !(n->cfg.device && n->cur->n_members <= NCOMM_MEMBERS_MAX &&
+                    n->cfg.device->can(n->cfg.device->arg));
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
     if ((rc = small_reduce(n, 2, DTYPE_MAX)) < 0)
