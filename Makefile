@@ -93,8 +93,20 @@ $(FAKE_CUDA): tests/gpu/fake_cuda.c
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -Wno-missing-prototypes -g -fPIC -shared \
 		-I$(CUDA_HOME)/include -o $@ $<
+# A stand-in for libnccl.so.2 (tests/gpu/fake_nccl.c), its ranks threads
+# of one process, beside a stand-in driver that has cuStreamQuery: the
+# NCCL path of tests/gpu/gpu_check without a GPU.
+FAKE_NCCL_DIR := $(ASAN_DIR)/tests/gpu/fake-nccl
+$(FAKE_NCCL_DIR)/libnccl.so.2: tests/gpu/fake_nccl.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -Wno-missing-prototypes -g -fPIC -shared \
+		-I$(CUDA_HOME)/include -o $@ $< -lpthread
+$(FAKE_NCCL_DIR)/libcuda.so.1: tests/gpu/fake_cuda.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE -DFAKE_CUDA_STREAM_QUERY $(WARN) -Wno-missing-prototypes -g \
+		-fPIC -shared -I$(CUDA_HOME)/include -o $@ $<
 ifeq ($(GPU),on)
-asan: $(FAKE_CUDA)
+asan: $(FAKE_CUDA) $(FAKE_NCCL_DIR)/libnccl.so.2 $(FAKE_NCCL_DIR)/libcuda.so.1
 endif
 .PHONY: test-gpu
 test-gpu: deps

@@ -8,7 +8,9 @@
 # (bench/gpu_torch.py: NCCL with two GPUs or more, gloo's CUDA path with
 # one). Each round is timed from the call to the result on the device;
 # the table shows medians over REPS runs of ROUNDS rounds each and the
-# ratio cohort / torch. Both cohort trainers use the first GPU.
+# ratio cohort / torch. Both cohort trainers use the first GPU, so their
+# sidecars run with --gpu-reduce host (NCCL takes one GPU per rank): the
+# NCCL path is make test-gpu's, with two GPUs.
 #
 # It skips, saying why and exiting 0, where there is no GPU, no GPU
 # support in the build, or no CUDA in PyTorch. Nothing here has run on a
@@ -54,6 +56,11 @@ bytes() {
     esac
 }
 
+# cohortctl run starts the sidecar it is given with its own flags: this one
+# adds --gpu-reduce host.
+printf '#!/bin/sh\nexec "%s" --gpu-reduce host "$@"\n' "$ROOT/build/cohort-sidecar" >"$OUT/sidecar"
+chmod +x "$OUT/sidecar"
+
 RAW="$OUT/gpu-raw.jsonl"
 : >"$RAW"
 rep=1
@@ -61,7 +68,7 @@ while [ "$rep" -le "$REPS" ]; do
     for s in $SIZES; do
         n=$(($(bytes "$s") / 4))
         echo "gpu.sh: rep $rep, $s" >&2
-        COHORT_GPU_UUID=$UUID build/cohortctl run -n 2 --no-view -o json -- \
+        COHORT_GPU_UUID=$UUID build/cohortctl run -n 2 --no-view -o json --sidecar "$OUT/sidecar" -- \
             "$OUT/gpu_trainer" "$n" "$ROUNDS" "$WARMUP" |
             "$PYTHON" -c 'import json, sys
 s = json.loads(sys.stdin.read().strip().splitlines()[-1])

@@ -86,6 +86,12 @@ static const char usage[] =
     "                            round is compressed only when every member asks\n"
     "                            for the same method and parameter. Needs\n"
     "                            --socket\n"
+    "  --gpu-reduce nccl|host    how a trainer's GPU gradients are reduced: nccl\n"
+    "                            (default: with an NCCL communicator per epoch\n"
+    "                            where every member can, host-staged otherwise)\n"
+    "                            or host (always host-staged: device to host, the\n"
+    "                            engine, host to device; for clusters without\n"
+    "                            NCCL connectivity). Needs --socket\n"
     "  --checkpoint-dir DIR      keep checkpoints of the cohort's state in DIR\n"
     "                            (created if missing). On start the newest valid\n"
     "                            one ahead of --model-version is loaded (invalid\n"
@@ -151,7 +157,8 @@ out:
 static char *ca;
 
 enum { O_BROKER = 256, O_COHORT, O_ID, O_LISTEN, O_ADV, O_MV, O_HB, O_TO, O_LOGF, O_LOGL, O_SOCK, O_SECRET, O_INTEGRITY,
-       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG, O_CKDIR, O_CKEVERY, O_CKINT, O_CKKEEP, O_COMP };
+       O_CA, O_SNAME, O_VBS, O_PARALLEL, O_ALG, O_CKDIR, O_CKEVERY, O_CKINT, O_CKKEEP, O_COMP,
+       O_GPURED };
 
 /* Signals go to the main thread only, which waits for them: blocked
  * before gRPC starts its threads, so none of those ever receives one.
@@ -184,6 +191,7 @@ struct pinned {
     unsigned parallel;
     enum node_algorithm algorithm;
     struct compress compression;
+    bool gpu_host_staged;       /* --gpu-reduce host */
 };
 
 /* --checkpoint-*: dir NULL for none. */
@@ -209,6 +217,7 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
                   .compression = pin->compression,
                   .checkpoint_dir = ck->dir, .checkpoint_every_versions = ck->every,
                   .checkpoint_every_s = ck->interval_s, .checkpoint_keep = ck->keep },
+        .gpu_host_staged = pin->gpu_host_staged,
     };
     struct trainerd *t;
     char comp_text[COMPRESS_TEXT_MAX];
@@ -255,6 +264,7 @@ int main(int argc, char **argv)
         { "parallel-gradients", required_argument, NULL, O_PARALLEL },
         { "allreduce", required_argument, NULL, O_ALG },
         { "compression", required_argument, NULL, O_COMP },
+        { "gpu-reduce", required_argument, NULL, O_GPURED },
         { "checkpoint-dir", required_argument, NULL, O_CKDIR },
         { "checkpoint-every", required_argument, NULL, O_CKEVERY },
         { "checkpoint-interval", required_argument, NULL, O_CKINT },
@@ -362,6 +372,12 @@ int main(int argc, char **argv)
         case O_SECRET: secret_file = optarg; break;
         case O_CA: ca_file = optarg; break;
         case O_SNAME: mc.tls_server_name = optarg; break;
+        case O_GPURED:
+            if (strcmp(optarg, "nccl") != 0 && strcmp(optarg, "host") != 0)
+                return opt_usage(PROG, "bad --gpu-reduce \"%s\": nccl or host", optarg);
+            pin.gpu_host_staged = strcmp(optarg, "host") == 0;
+            pinned = pinned || pin.gpu_host_staged;
+            break;
         case O_INTEGRITY:
             if (strcmp(optarg, "mac") != 0 && strcmp(optarg, "none") != 0)
                 return opt_usage(PROG, "bad --integrity \"%s\": none or mac", optarg);

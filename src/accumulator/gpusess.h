@@ -24,8 +24,11 @@
 #ifndef COHORT_GPUSESS_H
 #define COHORT_GPUSESS_H
 
+#include <stdbool.h>
+
 struct tlink_register;
 struct gpusess;
+struct devred_mem;
 
 /* The device half of a TL_MEM_CUDA_VMM layout, against its own size:
  * device_bytes nonzero, the gradients and the results (grad_count
@@ -51,6 +54,18 @@ int gpusess_scatter(struct gpusess *g);
 /* Zeroes the device's gradients, as the node zeroed the memfd's when a
  * state transfer dropped them. Returns 0 or -errno. */
 int gpusess_zero_grads(struct gpusess *g);
+/* The device as an NCCL step sees it (devred.h): the gradients' device
+ * address, a scratch area of the gradients' size allocated on the same
+ * device (once; freed by gpusess_close), the stage's stream, and the
+ * calls that gather, enter the device and zero the scratch. `mem` is the
+ * caller's and must outlive its users. Without `with_scratch` (a session
+ * that is always host-staged) no scratch is made. Returns 0; or
+ * -EOPNOTSUPP (a type NCCL does not reduce), -ENOMEM, -EIO with no
+ * scratch, the calls filled in all the same, for a host-staged reducer. */
+int gpusess_device_mem(struct gpusess *g, bool with_scratch, struct devred_mem *mem);
+/* The scratch's result onto the device's results area; done there when
+ * it returns. Returns 0 or -errno. */
+int gpusess_publish_scratch(struct gpusess *g);
 /* Unmaps the region and lets the driver go. NULL is fine. */
 void gpusess_close(struct gpusess *g);
 #endif

@@ -137,6 +137,7 @@
 #include "membership/member.h"
 #include "accumulator/ckpt.h"
 #include "accumulator/compress.h"
+#include "accumulator/gpuchan.h"
 #include "accumulator/layout.h"
 #include "accumulator/lineage.h"
 #include "accumulator/tally.h"
@@ -248,6 +249,7 @@ struct node {
     enum compress_method round_reducer;
     const float *round_in;
     uint32_t round_counts;      /* node thread: count steps in the open round, this epoch */
+    bool on_device;             /* node thread: the epoch reduces on the devices */
     bool has_gradients;
     bool wants_state;           /* leader: waiting for set_state */
     void *state_out;            /* leader: from set_state */
@@ -559,8 +561,116 @@ static void drop_pending_locked(struct node *n)
         n->drop_grads = true;
 }
 
-/* The sync steps of a new epoch. Returns 0, or the engine's error. */
-static int sync_epoch(struct node *n)
+/* Polled by a collective on the devices: a newer epoch, or a stop. */
+static bool dev_stale(void *arg)
+{
+    struct node *n = arg;
+    bool moved;
+
+    pthread_mutex_lock(&n->lock);
+    moved = n->stop || epoch_moved_locked(n);
+    pthread_mutex_unlock(&n->lock);
+    return moved;
+}
+
+/* The agreement's channel (node.h, node_device.epoch): gpuchan's sums
+ * over the engine, with the engine's error kept, for it is the node's. */
+struct dev_chan {
+    struct ncomm_channel inner;
+    int rc;
+};
+
+static int dev_sum(void *arg, uint64_t *words, size_t k)
+{
+    struct dev_chan *c = arg;
+    int rc = c->inner.sum_u64(c->inner.arg, words, k);
+
+    if (rc < 0)
+        c->rc = rc;
+    return rc;
+}
+
+/* Every member voted to reduce on its device: each makes the epoch's
+ * communicator, and the epoch is on the devices only when all of them
+ * are ready (one more sum), else host-staged everywhere alike. */
+static int device_epoch(struct node *n)
+{
+    const struct node_device *d = n->cfg.device;
+    struct gpuchan g;
+    struct dev_chan c = { .rc = 0 };
+    struct ncomm_channel ch = { .sum_u64 = dev_sum, .arg = &c };
+    const char **ids;
+    size_t m = n->cur->n_members;
+    int rc;
+
+    ids = calloc(m, sizeof(*ids));
+    if (!ids)
+        return -ENOMEM;
+    for (size_t i = 0; i < m; i++)
+        ids[i] = n->cur->members[i].id;
+    /* The agreement takes one or two sums: two rounds are kept for it on
+     * every member alike, so the epoch's next rounds stay in step. */
+    rc = gpuchan_init(&g, n->ar, round_of(n));
+    n->step++;
+    if (rc < 0) {
+        free(ids);
+        return rc;
+    }
+    c.inner = gpuchan_channel(&g);
+    rc = d->epoch(d->arg, n->cur->number, ids, m, n->id, &ch,
+                  &(struct ncomm_cancel){ .stale = dev_stale, .arg = n });
+    gpuchan_cleanup(&g);
+    free(ids);
+    if (c.rc < 0)
+        return c.rc;
+    /* Whether all are ready, and whether all hold tensors of the same
+     * sizes: NCCL trusts every rank to pass the same counts, and a
+     * member that does not (a trainer that registered other sizes) must
+     * not make another's collective run past its buffers or hang. The
+     * maxima of each size and of its negation are equal only when every
+     * member gave the same. */
+    n->small[0] = rc < 0;
+    n->small[1] = (int64_t)n->t.grad_count;
+    n->small[2] = -(int64_t)n->t.grad_count;
+    n->small[3] = (int64_t)n->t.params_bytes;
+    n->small[4] = -(int64_t)n->t.params_bytes;
+    n->small[5] = (int64_t)n->t.buffers_bytes;
+    n->small[6] = -(int64_t)n->t.buffers_bytes;
+    n->small[7] = (int64_t)n->t.grad_type;
+    n->small[8] = -(int64_t)n->t.grad_type;
+    if ((rc = small_reduce(n, 9, DTYPE_MAX)) < 0)
+        return rc;
+    bool ready = n->small[0] == 0, same = true;
+
+    for (int i = 1; i < 9; i += 2)
+        same = same && n->small[i] == -n->small[i + 1];
+    n->on_device = ready && same;
+    if (!ready)
+        log_warn("node", "A member's NCCL communicator is not ready; this epoch reduces host-staged.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
+    else if (!same)
+        log_warn("node", "Members hold tensors of different sizes; this epoch reduces host-staged.",
+                 LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("epoch", n->cur->number));
+    if (!n->on_device)
+        d->host(d->arg);
+    return 0;
+}
+
+/* A tensor of the state transfer: through the devices when the epoch is
+ * on them (node_device.broadcast), else over the engine. */
+static int broadcast_tensor(struct node *n, bool receive, int h, void *buf, size_t bytes,
+                            size_t leader)
+{
+    struct ncomm_cancel cancel = { .stale = dev_stale, .arg = n };
+
+    if (!n->on_device || bytes == 0)
+        return broadcast(n, receive, h, buf, bytes);
+    return n->cfg.device->broadcast(n->cfg.device->arg, buf, bytes, (int)leader, receive, &cancel);
+}
+
+/* The sync steps of a new epoch, and whether every member voted to
+ * reduce on its device. Returns 0, or the engine's error. */
+static int sync_state(struct node *n, bool *all_device)
 {
     const uint64_t mask = (1ull << INDEX_BITS) - 1;
     size_t leader;
@@ -597,11 +707,20 @@ static int sync_epoch(struct node *n)
     }
     need = !n->leader && (n->version != vmax || !n->has_state);
     n->small[0] = need;
+    /* The device vote rides along: the maximum of "cannot" is 0 only
+     * when every member can reduce on its device. An epoch longer than
+     * an NCCL agreement takes is refused by all alike, before any sum. */
+    n->small[1] = !(n->cfg.device && n->cur->n_members <= NCOMM_MEMBERS_MAX &&
+                    n->cfg.device->can(n->cfg.device->arg));
     publish_locked(n);
     pthread_mutex_unlock(&n->lock);
-    if ((rc = small_reduce(n, 1, DTYPE_MAX)) < 0)
+    if ((rc = small_reduce(n, 2, DTYPE_MAX)) < 0)
         return rc;
     any_need = n->small[0] != 0;
+    *all_device = n->small[1] == 0;
+    /* The communicator first, so that the transfer below can use it. */
+    if (*all_device && (rc = device_epoch(n)) < 0)
+        return rc;
     if (!any_need)
         return 0;
 
@@ -664,8 +783,9 @@ static int sync_epoch(struct node *n)
         rc = h_state;
         goto out;
     }
-    if ((rc = broadcast(n, need, n->h_params, n->t.params, n->t.params_bytes)) < 0 ||
-        (rc = broadcast(n, need, n->h_buffers, n->t.buffers, n->t.buffers_bytes)) < 0 ||
+    if ((rc = broadcast_tensor(n, need, n->h_params, n->t.params, n->t.params_bytes, leader)) < 0 ||
+        (rc = broadcast_tensor(n, need, n->h_buffers, n->t.buffers, n->t.buffers_bytes,
+                               leader)) < 0 ||
         (rc = broadcast(n, true, h_state, state, state_pad + lineage_bytes)) < 0)
         goto out;
     got_lineage = lineage_decode((int64_t *)((char *)state + state_pad), &got) == 0;
@@ -728,6 +848,20 @@ out:
         allreduce_unregister(n->ar, h_state);
     free(state);
     return rc;
+}
+
+static int sync_epoch(struct node *n)
+{
+    bool all_device = false;
+    int rc;
+
+    n->on_device = false;
+    rc = sync_state(n, &all_device);
+    if (rc < 0)
+        return rc;
+    if (n->cfg.device && !all_device)
+        n->cfg.device->host(n->cfg.device->arg);
+    return 0;
 }
 
 /* dst += src over `count` elements of type t; 16-bit floats are summed in
@@ -1162,6 +1296,9 @@ static int run_step(struct node *n)
     pthread_mutex_unlock(&n->lock);
     if (take && !take_queued(n))
         return 0;
+    /* Host-staged: the device's gradients are read from the node's buffer. */
+    if (n->cfg.device && !n->on_device && (rc = n->cfg.device->gather(n->cfg.device->arg)) < 0)
+        return rc;
     /* Only this count step's gradient step may be committed: a reducer
      * that ran in a round that then failed is not this round's. */
     n->round_reducer = COMPRESS_NONE;
@@ -1203,8 +1340,8 @@ static int run_step(struct node *n)
     /* Stable for the round: it changes only with nothing outstanding. */
     slots = n->parallel > 1;
     pthread_mutex_unlock(&n->lock);
-    spare = n->spare_next && per > 0;
-    fused = !spare && n->fuse_next && n->fuse_in &&
+    spare = !n->on_device && n->spare_next && per > 0;
+    fused = !n->on_device && !spare && n->fuse_next && n->fuse_in &&
             tally_digits(n->t.grad_type, (uint32_t)n->cur->n_members);
     if (spare) {
         rc = spare_step(n, slots, c, m, per);
@@ -1252,7 +1389,15 @@ static int run_step(struct node *n)
         agreed = agreed_compress(n, c, &mine);
         done = agreed.method == COMPRESS_NONE || n->t.grad_type != DTYPE_F32 || bytes <= FUSE_MAX;
     }
-    if (fused && grads > 0) {
+    if (n->on_device) {
+        struct ncomm_cancel cancel = { .stale = dev_stale, .arg = n };
+
+        /* Uncompressed: NCCL's links need no help from a codec. */
+        rc = n->cfg.device->reduce(n->cfg.device->arg, grads, &cancel);
+        trace_lap(n, NODE_STAGE_ENGINE);
+        if (rc < 0)
+            return rc;
+    } else if (fused && grads > 0) {
         memcpy(n->t.results, n->fuse_out, bytes);
         dtype_scale(n->t.grad_type, n->t.results, n->t.grad_count, (double)grads);
         trace_lap(n, NODE_STAGE_COPY_OUT);
@@ -1377,6 +1522,7 @@ static void adopt_epoch_locked(struct node *n)
     n->fuse_next = true;
     n->spare_next = false;
     n->round_counts = 0;
+    n->on_device = false;
     n->my_index = epoch_find(n->cur, n->id);
     n->phase = n->my_index >= 0 ? PH_SYNC : PH_WAIT_EPOCH;
     n->stats.epochs_seen++;
@@ -1447,6 +1593,7 @@ int node_start(const struct node_config *cfg, struct node **out)
     if (!cfg || !cfg->broker || !ident_valid_cohort(cfg->cohort) ||
         !ident_valid_member_id(cfg->id) || !cfg->host || cfg->parallel_gradients > PARALLEL_MAX ||
         cfg->algorithm > NODE_ALGORITHM_DOUBLING ||
+        (cfg->device && cfg->parallel_gradients > 1) ||
         (cfg->checkpoint_dir && (!*cfg->checkpoint_dir || cfg->checkpoint_keep > CKPT_KEEP_MAX ||
                                  (!cfg->checkpoint_every_versions && !cfg->checkpoint_every_s))))
         return -EINVAL;
@@ -1991,6 +2138,9 @@ int node_set_parallel_gradients(struct node *n, unsigned count)
 
     if (count == 0 || count > PARALLEL_MAX)
         return -EINVAL;
+    /* One copy of the gradients lives on the device: nothing to slot. */
+    if (n->cfg.device && count > 1)
+        return -EOPNOTSUPP;
     if (n->cfg.parallel_gradients && count != n->cfg.parallel_gradients) {
         log_warn("node", "Refused the trainer's parallel gradients: the cohort sets them.",
                  LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("asked", count),

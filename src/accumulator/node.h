@@ -71,6 +71,7 @@
 #include "base/ident.h"
 #include "accumulator/compress.h"
 #include "engine/dtype.h"
+#include "gpu/ncomm.h"
 
 struct secret;
 struct layout_shape;
@@ -121,6 +122,45 @@ enum node_algorithm { NODE_ALGORITHM_AUTO, NODE_ALGORITHM_RING, NODE_ALGORITHM_D
 
 #define NODE_PARALLEL_MAX 8
 
+/* A reducer of gradients that live on a GPU (docs/gpu.md, "NCCL
+ * reduction"): the sidecar's devred for a GPU registration. The node
+ * calls it on its own thread. At every epoch's sync the members vote
+ * whether each has one that can() run; when all do, the node calls
+ * epoch() on each, and only if every member's communicator is then
+ * ready does the epoch reduce on the devices: the count step stays on
+ * the engine, and the gradient step is reduce(). Otherwise the epoch is
+ * host-staged: host() lets any communicator go, and gather() copies the
+ * device's gradients into the node's gradient buffer before each step
+ * reads them. The node never runs a compression or the fused and spare
+ * steps on the devices. The communicator is made before the epoch's state
+ * transfer, which then moves the parameters and buffers with broadcast()
+ * (the opaque state and the lineage, small, stay on the engine). */
+struct node_device {
+    bool (*can)(void *arg);
+    /* The epoch's communicator among `members` (the epoch's order; self
+     * among them), agreed over `ch`, the engine's keyed connections.
+     * Returns 0 when it is ready here, or -errno (-ESTALE: `cancel` said a
+     * newer epoch arrived); a channel error is the node's too (it sees it
+     * and fails the sync). */
+    int (*epoch)(void *arg, uint64_t epoch, const char *const *members, size_t n,
+                 const char *self, const struct ncomm_channel *ch,
+                 const struct ncomm_cancel *cancel);
+    /* The gradient step on the devices: the gradients averaged over
+     * `grads` contributions (zeros when grads is 0), the same bytes on
+     * every member, kept aside until publish. `cancel` says a newer epoch
+     * arrived. Returns 0, -ESTALE or -errno. */
+    int (*reduce)(void *arg, uint64_t grads, const struct ncomm_cancel *cancel);
+    int (*gather)(void *arg);
+    void (*host)(void *arg);
+    /* `bytes` of host memory at `buf` from the member of rank `root` to
+     * every member, in pieces through the device; `receive`: this member
+     * takes them into `buf`, else `buf` is left untouched. Returns 0,
+     * -ESTALE or -errno. */
+    int (*broadcast)(void *arg, void *buf, size_t bytes, int root, bool receive,
+                     const struct ncomm_cancel *cancel);
+    void *arg;
+};
+
 struct node_config {
     const char *broker;         /* broker address */
     const char *cohort;
@@ -167,6 +207,9 @@ struct node_config {
     /* Per-stage times of each round (see node_stage), borrowed until
      * node_stop(); NULL: none taken, and no clock is read for it. */
     struct node_trace *trace;
+    /* Gradients on a GPU: borrowed until node_stop(); NULL: the
+     * gradients are the host buffer's. Only with parallel gradients 1. */
+    const struct node_device *device;
 };
 
 /* Tensors the trainer registers once. Memory is borrowed and must stay

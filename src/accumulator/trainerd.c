@@ -22,11 +22,13 @@
 #include "engine/dtype.h"
 #include "base/limits.h"
 #include "base/log.h"
+#include "accumulator/devred.h"
 #include "accumulator/gpusess.h"
 #include "accumulator/layout.h"
 #include "accumulator/tlink.h"
 #include "accumulator/viewpage.h"
 #include "gpu/cudrv.h"
+#include "gpu/nccllib.h"
 
 #define POLL_MS 200
 
@@ -38,6 +40,7 @@ struct trainerd {
     pthread_t thread;
     atomic_bool stop;
     atomic_uint sessions;
+    bool gpu_host_staged;
 };
 
 /* One trainer's session. */
@@ -51,6 +54,9 @@ struct session {
     struct viewpage *shared;    /* in map: where the view is published */
     char name[TLINK_NAME_MAX];
     struct gpusess *gpu;        /* a GPU registration's device half, or NULL */
+    struct devred_mem gpu_mem;  /* the device as an NCCL step sees it */
+    struct devred *red;         /* the node's device reducer (with gpu) */
+    struct node_device dev;
     uint64_t gpu_round;         /* the last round whose result went to the device */
     bool gpu_drop;              /* the last view published had drop_pending */
     atomic_bool gpu_failed;     /* a copy to the device failed: the session ends */
@@ -75,7 +81,9 @@ static bool gpu_result_ready(struct session *s, const struct node_view *v)
 
     if (!v->has_gradients || v->rounds_committed == s->gpu_round)
         return !atomic_load(&s->gpu_failed);
-    rc = gpusess_scatter(s->gpu);
+    /* A round reduced with NCCL left its result in the session's scratch
+     * on the device; a host-staged one, in the memfd. */
+    rc = devred_take_result(s->red) ? gpusess_publish_scratch(s->gpu) : gpusess_scatter(s->gpu);
     if (rc < 0) {
         log_error("sidecar", "A result could not be copied to the trainer's GPU; ending its "
                   "session.", LF_U("round", v->rounds_committed), LF_ERR(rc));
@@ -212,6 +220,30 @@ static int gpu_precheck(const struct trainerd *t, const struct tlink_register *r
     return gpusess_check_layout(r);
 }
 
+/* The node's device reducer for a GPU session: with NCCL where it loads
+ * and the gradients' type is one it reduces; without (every epoch
+ * host-staged) otherwise. */
+static int gpu_reducer(const struct trainerd *t, struct session *s)
+{
+    const struct ncomm_ops *ops = NULL;
+    /* The calls are filled in even when it fails: host-staged needs them. */
+    int rc = gpusess_device_mem(s->gpu, !t->gpu_host_staged, &s->gpu_mem);
+
+    if (t->gpu_host_staged) {
+        log_info("sidecar", "This trainer's GPU gradients are reduced host-staged (--gpu-reduce host).",
+                 LF_S("accumulator", s->name));
+    } else if (rc < 0 || (rc = nccllib_load(&ops)) < 0) {
+        ops = NULL;
+        log_info("sidecar", "This trainer's GPU gradients are reduced host-staged: NCCL cannot serve them here.",
+                 LF_S("accumulator", s->name), LF_ERR(rc));
+    }
+    rc = devred_create(ops, &s->gpu_mem, &s->red);
+    if (rc < 0)
+        return rc;
+    s->dev = devred_device(s->red);
+    return 0;
+}
+
 static int do_register(struct trainerd *t, struct session *s, const struct tlink_register *r,
                        int fd, int devfd)
 {
@@ -252,6 +284,12 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
             return rc;
         }
     }
+    if (s->gpu) {
+        rc = gpu_reducer(t, s);
+        if (rc < 0)
+            return rc;
+        nc.device = &s->dev;
+    }
     nc.on_view = publish_view;
     nc.view_arg = s;
     rc = node_start(&nc, &s->node);
@@ -274,31 +312,12 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     return rc;
 }
 
-/* CONTRIBUTE. A GPU session stages the device's gradients into the memfd
- * first, and only when the node expects a contribution and has no drop
- * pending: otherwise the node may be reading the memfd's gradients for a
- * round in flight, and it refuses the contribution anyway. The view is
- * read from the page, not with node_view, which would carry out a
- * pending drop and let zeroed gradients through as a contribution. */
+/* CONTRIBUTE. A GPU session's gradients stay on the device: the node
+ * reduces them there with NCCL, or gathers them into the memfd itself at
+ * the step of a host-staged epoch (node_device.gather), when the trainer
+ * has contributed and writes no gradient. */
 static int contribute(struct session *s, uint64_t batch_size)
 {
-    struct tlink_view v;
-    int rc, tries = 0;
-
-    if (s->gpu && batch_size > 0) {
-        /* A read fails only while the node's thread is publishing: never
-         * for long. Contributing without knowing could pass the memfd's
-         * stale gradients off as this batch's. */
-        while ((rc = viewpage_read(s->shared, &v)) < 0 && ++tries < 100)
-            usleep(1000);
-        if (rc < 0)
-            return -EBUSY;
-        if (v.wants_gradients && !v.drop_pending) {
-            rc = gpusess_gather(s->gpu);
-            if (rc < 0)
-                return rc;
-        }
-    }
     return node_contribute(s->node, batch_size);
 }
 
@@ -456,6 +475,7 @@ static void session_end(struct session *s)
     /* The member leaves first: the cohort moves on without us at once. */
     node_stop(s->node);
     /* No node thread publishes a view any more: the device may go. */
+    devred_destroy(s->red);
     gpusess_close(s->gpu);
     /* Nothing touches the mapping any more: the guard may let go of it. */
     busguard_unwatch(s->guard);
@@ -613,6 +633,7 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
         goto err;
     }
     t->ncfg = cfg->node;
+    t->gpu_host_staged = cfg->gpu_host_staged;
     t->ncfg.broker = t->broker;
     t->ncfg.cohort = t->cohort;
     t->ncfg.id = t->id;

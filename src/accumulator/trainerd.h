@@ -17,6 +17,9 @@ struct trainerd;
 struct trainerd_config {
     const char *socket_path;    /* copied; a stale socket file is replaced */
     struct node_config node;    /* the node to run per trainer; strings copied */
+    /* A GPU registration is always reduced host-staged, never with NCCL
+     * (docs/gpu.md): for clusters without NCCL connectivity. */
+    bool gpu_host_staged;
 };
 
 /* Binds the socket and starts serving on a thread. Needs rpc_init().

@@ -17,7 +17,7 @@
     X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
     X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) \
-    X(cuMemcpyHtoD) X(cuMemcpyDtoH) \
+    X(cuMemcpyHtoD) X(cuMemcpyDtoH) X(cuMemcpyDtoD) \
     X(cuCtxSynchronize) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) \
     X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize) \
     X(cuMemAllocHost) X(cuMemFreeHost) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemsetD8)

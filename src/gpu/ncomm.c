@@ -237,7 +237,7 @@ int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, siz
     return 0;
 }
 
-int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
+int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel *cancel)
 {
     uint64_t until = clock_now_ms() + deadline_ms;
     int rc;
@@ -260,6 +260,12 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
             ncomm_abort(c, NCOMM_ABORT_MS);
             return rc;
         }
+        if (cancel && cancel->stale(cancel->arg)) {
+            log_info("gpu", "A newer epoch arrived while the communicator was made; it is aborted.",
+                     LF_U("epoch", c->epoch));
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return -ESTALE;
+        }
         if (clock_now_ms() >= until) {
             log_warn("gpu", "The epoch's NCCL communicator was not ready by its deadline; it is aborted.",
                      LF_U("epoch", c->epoch), LF_U("deadline_ms", deadline_ms));
@@ -267,6 +273,111 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms)
             return -ETIMEDOUT;
         }
         clock_sleep_ms(POLL_SLEEP_MS);
+    }
+    return 0;
+}
+
+/* Polls without sleeping this many times before sleeping POLL_SLEEP_MS
+ * between polls: a small collective finishes in microseconds, and a
+ * millisecond's sleep would be most of its cost. */
+#define SPIN_POLLS 2000
+
+/* Waits for the collective just queued (queued_rc: the call's result) to
+ * finish on `stream`. Any failure aborts the communicator. */
+static int wait_collective(struct ncomm *c, int queued_rc, void *stream, uint64_t until,
+                           const struct ncomm_cancel *cancel, const char *what)
+{
+    const struct ncomm_ops *o = c->ops;
+    bool queued = queued_rc == 0;
+    unsigned polls = 0;
+    int rc = queued_rc;
+
+    if (rc < 0 && rc != -EINPROGRESS)
+        goto fail;
+    for (;;) {
+        /* Non-blocking: the call may still be queueing (ncclInProgress);
+         * once ncclCommGetAsyncError says success it is on the stream. */
+        rc = o->async_error(o->arg, c->comm);
+        if (rc < 0 && rc != -EINPROGRESS)
+            goto fail;
+        if (rc == 0 && !queued)
+            queued = true;
+        if (queued && rc == 0) {
+            rc = o->stream_query(o->arg, stream);
+            if (rc == 0)
+                break;
+            if (rc != -EINPROGRESS)
+                goto fail;
+        }
+        if (cancel && cancel->stale(cancel->arg)) {
+            rc = -ESTALE;
+            log_info("gpu", "A newer epoch arrived during an NCCL collective; it is aborted.",
+                     LF_S("collective", what), LF_U("epoch", c->epoch));
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return rc;
+        }
+        if (clock_now_ms() >= until) {
+            rc = -ETIMEDOUT;
+            goto fail;
+        }
+        if (++polls > SPIN_POLLS)
+            clock_sleep_ms(POLL_SLEEP_MS);
+    }
+    c->busy = false;
+    return 0;
+fail:
+    log_warn("gpu", "An NCCL collective failed; the communicator is aborted.", LF_ERR(rc),
+             LF_S("collective", what), LF_U("epoch", c->epoch));
+    ncomm_abort(c, NCOMM_ABORT_MS);
+    return rc;
+}
+
+static int collective_ready(const struct ncomm *c)
+{
+    if (!c->ops->all_reduce || !c->ops->broadcast || !c->ops->stream_query)
+        return -ELIBACC;
+    return c->state == NCOMM_READY ? 0 : -ENOTCONN;
+}
+
+int ncomm_all_reduce(struct ncomm *c, uint64_t send, uint64_t recv, size_t count,
+                     enum ncomm_type type, double scale, void *stream, uint32_t deadline_ms,
+                     const struct ncomm_cancel *cancel)
+{
+    uint64_t until = clock_now_ms() + deadline_ms;
+    int rc = collective_ready(c);
+
+    if (rc < 0)
+        return rc;
+    if (count == 0 || (unsigned)type > NCOMM_BF16 || !(scale > 0))
+        return -EINVAL;
+    c->busy = true;
+    rc = c->ops->all_reduce(c->ops->arg, c->comm, send, recv, count, type, scale, stream);
+    return wait_collective(c, rc, stream, until, cancel, "all-reduce");
+}
+
+int ncomm_broadcast(struct ncomm *c, uint64_t send, uint64_t recv, size_t bytes, int root,
+                    size_t chunk, void *stream, uint32_t deadline_ms,
+                    const struct ncomm_cancel *cancel)
+{
+    int rc = collective_ready(c);
+
+    if (rc < 0)
+        return rc;
+    if (chunk == 0 || root < 0 || (size_t)root >= c->n)
+        return -EINVAL;
+    for (size_t off = 0; off < bytes; off += chunk) {
+        size_t len = bytes - off < chunk ? bytes - off : chunk;
+        uint64_t until = clock_now_ms() + deadline_ms;
+
+        if (cancel && cancel->stale(cancel->arg)) {
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return -ESTALE;
+        }
+        c->busy = true;
+        rc = c->ops->broadcast(c->ops->arg, c->comm, send + off, recv + off, len, root, stream);
+        rc = wait_collective(c, rc, stream, until, cancel, "broadcast");
+        if (rc < 0)
+            return rc;
     }
     return 0;
 }
@@ -370,6 +481,52 @@ int ncomm_abort(struct ncomm *c, uint32_t deadline_ms)
         prc = bounded_abort(c, c->parent, deadline_ms);
     clear(c);
     return rc < 0 ? rc : prc;
+}
+
+/* `v` (a positive normal float) as IEEE half, rounded to nearest even;
+ * values below half's normal range become its subnormals or zero. */
+static uint16_t to_half(float v)
+{
+    uint32_t b, e, m;
+    int exp;
+
+    memcpy(&b, &v, sizeof(b));
+    e = (b >> 23) & 0xff;
+    m = b & 0x7fffff;
+    exp = (int)e - 127 + 15;
+    if (exp >= 31)
+        return 0x7c00;
+    if (exp <= 0) {
+        /* Subnormal: the implicit 1 joins the mantissa, shifted down. */
+        uint32_t shift = (uint32_t)(14 - exp);
+
+        if (shift > 24)
+            return 0;
+        m |= 0x800000;
+        uint32_t h = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1)))
+            h++;
+        return (uint16_t)h;
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (m >> 13), rest = m & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
+        h++;
+    return (uint16_t)h;
+}
+
+/* `v` as bfloat16, rounded to nearest even. */
+static uint16_t to_bf16(float v)
+{
+    uint32_t b;
+
+    memcpy(&b, &v, sizeof(b));
+    b += 0x7fff + ((b >> 16) & 1);
+    return (uint16_t)(b >> 16);
+}
+
+uint16_t ncomm_scalar16(enum ncomm_type type, double v)
+{
+    return type == NCOMM_F16 ? to_half((float)v) : to_bf16((float)v);
 }
 
 enum ncomm_state ncomm_state(const struct ncomm *c)

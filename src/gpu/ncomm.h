@@ -12,8 +12,11 @@
  *   2. ncomm_start: shrink the previous communicator (where the library
  *      has ncclCommShrink and only members left), or abort it and create
  *      the new one with ncclCommInitRankConfig, non-blocking;
- *   3. ncomm_wait: poll ncclCommGetAsyncError until ready, failed or the
- *      deadline; a failure or the deadline aborts it.
+ *   3. ncomm_wait: poll ncclCommGetAsyncError until ready, failed, the
+ *      deadline or a newer epoch; any but ready aborts it.
+ * Collectives (ncomm_all_reduce, ncomm_broadcast) run on a ready
+ * communicator and are waited for by polling, so that an epoch change
+ * (ncomm_cancel) or a deadline aborts one in flight within a bounded time.
  * An epoch change during a collective calls ncomm_abort, which is
  * bounded: an ncclCommAbort that does not return by the deadline is left
  * to finish on a thread of its own with the communicator it owns, counted
@@ -42,6 +45,9 @@ struct ncomm_id {
     uint8_t b[NCOMM_ID_BYTES];
 };
 
+/* The element types a collective reduces (NCCL's ncclFloat32, ...). */
+enum ncomm_type { NCOMM_F32, NCOMM_F64, NCOMM_F16, NCOMM_BF16 };
+
 /* NCCL's calls, with NCCL's results already mapped: 0, -EINPROGRESS
  * (ncclInProgress) or another -errno. `arg` is ncomm_ops.arg. */
 struct ncomm_ops {
@@ -58,6 +64,18 @@ struct ncomm_ops {
      * cancelled first. Sets *newcomm on 0 and on -EINPROGRESS. */
     int (*shrink)(void *arg, void *comm, const int *exclude, int nexclude, void **newcomm,
                   bool cancel);
+    /* ncclAllReduce of `count` elements from `send` to `recv` (device
+     * addresses, which may be equal), each multiplied by `scale` before
+     * the sum (ncclPreMulSum; 1.0: ncclSum), queued on `stream`. */
+    int (*all_reduce)(void *arg, void *comm, uint64_t send, uint64_t recv, size_t count,
+                      enum ncomm_type type, double scale, void *stream);
+    /* ncclBroadcast of `bytes` from rank `root`'s `send` to every rank's
+     * `recv`, queued on `stream`. */
+    int (*broadcast)(void *arg, void *comm, uint64_t send, uint64_t recv, size_t bytes,
+                     int root, void *stream);
+    /* The driver's cuStreamQuery: 0 when everything queued on `stream`
+     * has finished, -EINPROGRESS, or the error. */
+    int (*stream_query)(void *arg, void *stream);
     void *arg;
 };
 
@@ -73,6 +91,14 @@ enum ncomm_state {
     NCOMM_NONE,         /* no communicator */
     NCOMM_STARTING,     /* created or shrunk, not yet ready */
     NCOMM_READY,
+};
+
+/* What makes a wait for a communicator, or a collective in flight,
+ * give up: stale(arg) is polled
+ * between NCCL's polls and returns true once a newer epoch has arrived. */
+struct ncomm_cancel {
+    bool (*stale)(void *arg);
+    void *arg;
 };
 
 struct ncomm_plan {
@@ -112,10 +138,37 @@ int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const cha
 int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
                 const char *self, const struct ncomm_plan *plan);
 
-/* Step 3: polls until the communicator is ready or deadline_ms passes.
- * Returns 0 (READY), -ETIMEDOUT or NCCL's error, after which the
- * communicator has been aborted and the state is NONE. */
-int ncomm_wait(struct ncomm *c, uint32_t deadline_ms);
+/* Step 3: polls until the communicator is ready, deadline_ms passes or
+ * `cancel` (may be NULL) says a newer epoch arrived. Returns 0 (READY),
+ * -ETIMEDOUT, -ESTALE or NCCL's error, after which the communicator has
+ * been aborted and the state is NONE. */
+int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel *cancel);
+
+/* An all-reduce on the ready communicator (ops->all_reduce), waited for
+ * until it has finished on `stream`: polls ncclCommGetAsyncError and the
+ * stream. A newer epoch (cancel, may be NULL), the deadline or NCCL's
+ * error aborts the communicator (bounded, as ncomm_abort): what was in
+ * flight is cancelled, `recv` holds no result, and the state is NONE.
+ * Returns 0, -ENOTCONN (not ready), -EINVAL, -ESTALE (cancelled),
+ * -ETIMEDOUT, -ELIBACC (the table lacks the calls), or NCCL's error. */
+int ncomm_all_reduce(struct ncomm *c, uint64_t send, uint64_t recv, size_t count,
+                     enum ncomm_type type, double scale, void *stream, uint32_t deadline_ms,
+                     const struct ncomm_cancel *cancel);
+
+/* A broadcast of `bytes` from rank `root` in pieces of at most `chunk`
+ * bytes, each waited for as ncomm_all_reduce waits, so a newer epoch is
+ * seen between pieces and within one; the deadline is each piece's.
+ * Returns as ncomm_all_reduce; on a failure the receivers' `recv` holds
+ * part of the bytes. */
+int ncomm_broadcast(struct ncomm *c, uint64_t send, uint64_t recv, size_t bytes, int root,
+                    size_t chunk, void *stream, uint32_t deadline_ms,
+                    const struct ncomm_cancel *cancel);
+
+/* A positive scale (an all-reduce's 1/contributions) as the bits of
+ * NCCL's 16-bit type `type` (NCOMM_F16: IEEE half; NCOMM_BF16), rounded
+ * to nearest even, for ncclRedOpCreatePreMulSum's scalar. Below half's
+ * normal range it gives half's subnormals, then zero. */
+uint16_t ncomm_scalar16(enum ncomm_type type, double v);
 
 /* Marks a collective in flight (true) or done (false): a shrink during
  * one cancels it (NCCL_SHRINK_ABORT). */

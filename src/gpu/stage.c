@@ -185,6 +185,11 @@ driver:
     return rc;
 }
 
+void *stage_stream(const struct stage *s)
+{
+    return s->stream;
+}
+
 size_t stage_segments(const struct stage *s)
 {
     return s->segments;
@@ -214,6 +219,11 @@ int stage_down(struct stage *s, size_t dev_off, void *dst, size_t len)
 int stage_up(struct stage *s, size_t dev_off, const void *src, size_t len)
 {
     return -EOPNOTSUPP;
+}
+
+void *stage_stream(const struct stage *s)
+{
+    return NULL;
 }
 
 size_t stage_segments(const struct stage *s)

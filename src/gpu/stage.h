@@ -52,6 +52,11 @@ int stage_down(struct stage *s, size_t dev_off, void *dst, size_t len);
  * device when it returns. Returns 0, -EINVAL, -EIO. */
 int stage_up(struct stage *s, size_t dev_off, const void *src, size_t len);
 
+/* The stage's stream (a CUstream), borrowed: NCCL's collectives on the
+ * region are queued on it, after the stage's copies. NULL in a build
+ * without GPU support. */
+void *stage_stream(const struct stage *s);
+
 /* Segments moved since stage_open, both ways (for tests and logs). */
 size_t stage_segments(const struct stage *s);
 #endif

@@ -236,6 +236,21 @@ int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len)
     return e == CUDA_SUCCESS ? 0 : cudrv_fail(r->d, e, "GPU memory could not be copied to the host.");
 }
 
+int vmm_copy_in(struct vmm_region *r, size_t off, uint64_t src, size_t len)
+{
+    CUresult e;
+
+    if (!in_range(r, off, len))
+        return -EINVAL;
+    e = r->d->cuCtxSetCurrent(r->ctx);
+    if (e == CUDA_SUCCESS)
+        e = r->d->cuMemcpyDtoD(r->addr + off, (CUdeviceptr)src, len);
+    /* cuMemcpyDtoD may return before the copy is done on the device. */
+    if (e == CUDA_SUCCESS)
+        e = r->d->cuCtxSynchronize();
+    return e == CUDA_SUCCESS ? 0 : cudrv_fail(r->d, e, "GPU memory could not be copied on the GPU.");
+}
+
 int vmm_zero(struct vmm_region *r, size_t off, size_t len)
 {
     CUresult e;
@@ -313,6 +328,11 @@ int vmm_write(struct vmm_region *r, size_t off, const void *src, size_t len)
 }
 
 int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len)
+{
+    return -EOPNOTSUPP;
+}
+
+int vmm_copy_in(struct vmm_region *r, size_t off, uint64_t src, size_t len)
 {
     return -EOPNOTSUPP;
 }

@@ -43,6 +43,10 @@ size_t vmm_bytes(const struct vmm_region *r);
  * make test-gpu use them. */
 int vmm_write(struct vmm_region *r, size_t off, const void *src, size_t len);
 int vmm_read(struct vmm_region *r, size_t off, void *dst, size_t len);
+/* Copies `len` bytes from device address `src` (on the same device) into
+ * the region at `off`, done when it returns. Returns 0, -EINVAL, -EIO,
+ * -EOPNOTSUPP. An NCCL step's result reaches the trainer's region so. */
+int vmm_copy_in(struct vmm_region *r, size_t off, uint64_t src, size_t len);
 
 /* Zeroes [off, off + len) of the region, done when it returns (the
  * driver's own memset, then a synchronisation of the context). Returns 0,

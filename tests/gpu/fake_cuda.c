@@ -21,6 +21,12 @@
  * cuStreamSynchronize, cuCtxSynchronize). A caller that reads a
  * destination, or refills a source, before waiting for its copy sees the
  * old bytes, or sends the new ones, as it could on a real device.
+ *
+ * It has no cuStreamQuery, the call NCCL's collectives are seen to finish
+ * by (src/gpu/nccllib.c): against it a sidecar never votes for NCCL and
+ * reduces host-staged, whatever NCCL the machine has. Built with
+ * FAKE_CUDA_STREAM_QUERY it has one, and goes beside the stand-in NCCL
+ * (fake_nccl.c) in a directory of their own.
  */
 #include <cuda.h>
 
@@ -345,6 +351,13 @@ EXPORT CUresult CUDAAPI cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_
     return CUDA_SUCCESS;
 }
 
+EXPORT CUresult CUDAAPI cuMemcpyDtoD(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    ENTER("cuMemcpyDtoD");
+    memmove((void *)(uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
+    return CUDA_SUCCESS;
+}
+
 /* ---- streams, events, asynchronous copies and pinned host memory ---- */
 
 #define STREAMS 8
@@ -410,6 +423,24 @@ EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream)
     pthread_mutex_unlock(&stream_lock);
     return CUDA_SUCCESS;
 }
+
+#ifdef FAKE_CUDA_STREAM_QUERY
+/* Built so only beside the stand-in NCCL (fake_nccl.c), whose collectives
+ * are done once NCCL says so: the stream has nothing of them to wait for,
+ * and its copies are carried out as a synchronisation would. */
+EXPORT CUresult CUDAAPI cuStreamQuery(CUstream hStream)
+{
+    struct fake_stream *s = (struct fake_stream *)hStream;
+
+    ENTER("cuStreamQuery");
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    run_until(s, s->queued);
+    pthread_mutex_unlock(&stream_lock);
+    return CUDA_SUCCESS;
+}
+#endif
 
 EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream)
 {

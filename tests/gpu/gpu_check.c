@@ -223,11 +223,13 @@ static float staged_grad(int member, size_t k)
 
 /* A trainer's memory (a sealed memfd laid out as for host memory, and a
  * device region of its gradients, results in place) and its sidecar. */
-static int staged_start(struct staged *t, struct cudrv *d, const struct gpuid *dev,
-                        const char *broker, const char *dir, int member, float *g)
+static int staged_start(struct staged *t, struct cudrv *d, const struct gpuid *dev, int ordinal,
+                        bool host_staged, const char *broker, const char *dir, int member,
+                        float *g)
 {
     struct trainerd_config tc = { .node = { .broker = broker, .cohort = "gpu-check",
-                                            .id = member ? "m-1" : "m-0", .host = "127.0.0.1" } };
+                                            .id = member ? "m-1" : "m-0", .host = "127.0.0.1" },
+                                  .gpu_host_staged = host_staged };
     struct tlink_hello hello = { .api_version = TLINK_VERSION, .name = "gpu-check" };
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
     const size_t gbytes = STAGED_N * sizeof(float);
@@ -254,7 +256,7 @@ static int staged_start(struct staged *t, struct cudrv *d, const struct gpuid *d
         t->map = NULL;
         return -errno;
     }
-    rc = vmm_export(d, 0, gbytes, &t->dev, &t->devfd);
+    rc = vmm_export(d, ordinal, gbytes, &t->dev, &t->devfd);
     if (rc < 0)
         return rc;
     for (size_t k = 0; k < STAGED_N; k++)
@@ -336,7 +338,9 @@ static int staged_rounds(struct staged *t)
     return 0;
 }
 
-static void host_staged(struct cudrv *d)
+/* Two trainers through sidecars of their own: host-staged, both on device
+ * 0; or with NCCL, trainer i on device i. */
+static void two_sidecars(struct cudrv *d, bool nccl)
 {
     struct brokerd_config bc = { .listen = "127.0.0.1:0", .open = true };
     struct staged t[2] = { { .sock = -1, .memfd = -1, .devfd = -1 },
@@ -366,7 +370,7 @@ static void host_staged(struct cudrv *d)
     if (rc >= 0)
         snprintf(broker, sizeof(broker), "127.0.0.1:%d", brokerd_port(bd));
     for (int i = 0; rc >= 0 && i < 2; i++, started++)
-        rc = staged_start(&t[i], d, &ids[0], broker, dir, i, g);
+        rc = staged_start(&t[i], d, &ids[nccl ? i : 0], nccl ? i : 0, !nccl, broker, dir, i, g);
     if (rc >= 0)
         rc = staged_rounds(t);
     for (int i = 0; rc >= 0 && i < 2; i++) {
@@ -383,8 +387,28 @@ static void host_staged(struct cudrv *d)
             detail = "a result is not the mean of the two members' gradients";
         }
     }
-    report("host-staged reduction of two trainers' device gradients through their sidecars "
-           "(device to pinned host, the engine, host to device)", rc < 0 ? rc : 0, detail);
+    /* Which path ran shows in the memfd: a host-staged round leaves the
+     * gradients and the mean there, an NCCL round neither. */
+    for (int i = 0; rc >= 0 && i < 2; i++) {
+        const float *mg = (const float *)(void *)((char *)t[i].map + t[i].r.grads_off);
+        const float *mr = (const float *)(void *)((char *)t[i].map + t[i].r.results_off);
+        bool untouched = true;
+
+        for (size_t k = 0; k < STAGED_N && untouched; k += 4099)
+            untouched = mg[k] == 0.0f && mr[k] == 0.0f;
+        if (nccl && !untouched) {
+            rc = -EBADMSG;
+            detail = "gradients went through host memory: the round was not reduced with NCCL";
+        } else if (!nccl && mr[1] != res[i][1]) {
+            rc = -EBADMSG;
+            detail = "the memfd does not hold the result: the round was not host-staged";
+        }
+    }
+    report(nccl ? "NCCL reduction of two trainers' device gradients on two GPUs through their "
+                  "sidecars (a communicator of two ranks, no host copy)"
+                : "host-staged reduction of two trainers' device gradients through their sidecars "
+                  "(device to pinned host, the engine, host to device)",
+           rc < 0 ? rc : 0, detail);
     for (int i = 0; i < started; i++)
         staged_stop(&t[i]);
     if (bd)
@@ -418,7 +442,7 @@ static void nccl_one_rank(void)
     if (rc == 0)
         rc = ncomm_start(c, 1, self, 1, self[0], &plan);
     if (rc == 0)
-        rc = ncomm_wait(c, TIMEOUT_MS);
+        rc = ncomm_wait(c, TIMEOUT_MS, NULL);
     if (rc == 0 && ncomm_state(c) != NCOMM_READY)
         rc = -EIO;
     if (rc == 0)
@@ -466,10 +490,14 @@ int main(int argc, char **argv)
     n = cudrv_list(d, ids, CUDRV_DEVICES_MAX);
     printf("test-gpu: %d device(s) visible.\n", n);
     handover(d, "/proc/self/exe");
-    host_staged(d);
+    two_sidecars(d, false);
     if (!driver_only) {
         nccl_one_rank();
-        printf("test-gpu: NCCL across two or more GPUs: skipped (not built yet; docs/gpu.md).\n");
+        if (n >= 2)
+            two_sidecars(d, true);
+        else
+            printf("test-gpu: NCCL across two GPUs: skipped (%d device visible; NCCL needs a "
+                   "GPU per rank).\n", n);
     }
     cudrv_close(d);
     printf("test-gpu: %s.\n", failures ? "FAILED" : "passed");

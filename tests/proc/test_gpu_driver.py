@@ -90,6 +90,50 @@ def test_the_host_staged_reduction_reaches_both_devices_and_a_failed_copy_fails_
         out.stdout
 
 
+FAKE_NCCL_DIR = bin_path(os.path.join("tests", "gpu", "fake-nccl"))
+DEVICE_2 = "GPU-2a4b6c8d-0e1f-4a3b-9c5d-7e9f1a3b5c7d"
+
+
+def nccl_env(**extra):
+    """The stand-in NCCL (tests/gpu/fake_nccl.c, ranks as threads of one
+    process) beside a stand-in driver that has cuStreamQuery."""
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = FAKE_NCCL_DIR + (":" + env["LD_LIBRARY_PATH"]
+                                              if env.get("LD_LIBRARY_PATH") else "")
+    env.update(extra)
+    return env
+
+
+def test_two_sidecars_reduce_with_nccl_on_two_devices_against_the_stand_ins():
+    """gpu_check's NCCL path, as on a machine with two GPUs: each trainer's
+    gradients on a device of its own, the sidecars' nodes vote for NCCL,
+    agree on a communicator over the engine, reduce with ncclAllReduce
+    (PreMulSum by 1/2) into a scratch on each device and copy it into the
+    trainer's results; the memfd never holds a gradient or a result."""
+    out = subprocess.run([GPU_CHECK], env=nccl_env(COHORT_FAKE_CUDA_DEVICES=DEVICE + "," + DEVICE_2),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"NCCL communicator of one rank .*: ok", out.stdout), out.stdout
+    assert re.search(r"NCCL reduction of two trainers.*: ok", out.stdout), out.stdout
+    assert re.search(r"This epoch reduces on the GPU with NCCL\. epoch=\d+ members=2", out.stderr), \
+        out.stderr
+    # A result that cannot be copied from the scratch ends the session.
+    out = subprocess.run([GPU_CHECK],
+                         env=nccl_env(COHORT_FAKE_CUDA_DEVICES=DEVICE + "," + DEVICE_2,
+                                      COHORT_FAKE_CUDA_FAIL="cuMemcpyDtoD"),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(r"NCCL reduction of two trainers.*: FAIL", out.stdout), out.stdout
+    assert re.search(r"host-staged reduction .*: ok", out.stdout), out.stdout
+
+
+def test_with_one_device_the_nccl_path_is_a_skip_with_its_reason():
+    out = subprocess.run([GPU_CHECK], env=nccl_env(COHORT_FAKE_CUDA_DEVICES=DEVICE),
+                         capture_output=True, text=True, timeout=4 * DEADLINE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NCCL across two GPUs: skipped (1 device visible" in out.stdout, out.stdout
+
+
 def test_a_failed_mapping_in_the_exporter_fails_the_check():
     out = subprocess.run([GPU_CHECK, "--driver-only"],
                          env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE,
@@ -121,8 +165,13 @@ def test_bench_gpu_trainer_runs_under_cohortctl_run_against_the_stand_in(tmp_pat
          "-lyaml", "-lcrypto", "-lpthread", "-lm"],
         cwd=ROOT, capture_output=True, text=True, timeout=4 * DEADLINE)
     assert build.returncode == 0, build.stderr
+    # As bench/gpu.sh runs them: sidecars with --gpu-reduce host.
+    sidecar = tmp_path / "sidecar"
+    sidecar.write_text('#!/bin/sh\nexec "%s" --gpu-reduce host "$@"\n' % bin_path("cohort-sidecar"))
+    sidecar.chmod(0o755)
     out = subprocess.run([bin_path("cohortctl"), "run", "-n", "2", "--no-view", "-o", "json",
-                          "--", exe, "300000", "4", "1"],
+                          "--sidecar", str(sidecar), "--run-dir", str(tmp_path / "run"), "--",
+                          exe, "300000", "4", "1"],
                          env=fake_env(COHORT_FAKE_CUDA_DEVICES=DEVICE, COHORT_GPU_UUID=DEVICE),
                          capture_output=True, text=True, timeout=8 * DEADLINE)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -132,6 +181,9 @@ def test_bench_gpu_trainer_runs_under_cohortctl_run_against_the_stand_in(tmp_pat
     for r in rows:
         assert r["impl"] == "cohort-host-staged" and r["bytes"] == 1200000 and r["rounds"] == 4
         assert 0 < r["best_ms"] <= r["median_ms"]
+    for p in summary["peers"]:
+        with open(p["sidecar_log"], errors="replace") as f:
+            assert "reduced host-staged (--gpu-reduce host)" in f.read(), p["sidecar_log"]
     # A UUID no device has: the trainer says why and fails.
     out = subprocess.run([bin_path("cohortctl"), "run", "-n", "1", "--no-view", "-o", "json",
                           "--", exe, "1000", "1", "0"],

@@ -184,7 +184,7 @@ static struct ncomm *ready_abc(struct fake *f)
 
     cr_assert_eq(ncomm_create(&f->ops, &c), 0);
     cr_assert_eq(ncomm_start(c, 1, ABC, 3, "b", &p), 0);
-    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, NULL), 0);
     cr_assert_eq(ncomm_state(c), NCOMM_READY);
     clear_log(f);
     return c;
@@ -201,17 +201,17 @@ Test(ncomm, creates_non_blocking_and_polls_until_ready)
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_state(c), NCOMM_NONE);
     cr_assert_eq(ncomm_rank(c), -1);
-    cr_assert_eq(ncomm_wait(c, 10), -ENOTCONN, "nothing to wait for");
+    cr_assert_eq(ncomm_wait(c, 10, NULL), -ENOTCONN, "nothing to wait for");
     cr_assert_eq(ncomm_start(c, 7, ABC, 3, "c", &p), 0);
     cr_assert_eq(ncomm_state(c), NCOMM_STARTING, "init returned ncclInProgress");
     cr_assert_str_eq(f.log, "init(3,r2,42) ");
-    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, NULL), 0);
     cr_assert_str_eq(f.log, "init(3,r2,42) poll0 poll0 poll0 ");
     cr_assert_eq(ncomm_state(c), NCOMM_READY);
     cr_assert_eq(ncomm_epoch(c), 7);
     cr_assert_eq(ncomm_rank(c), 2);
     cr_assert_eq(ncomm_handle(c), &f.comms[0]);
-    cr_assert_eq(ncomm_wait(c, 10), 0, "a ready one is not polled again");
+    cr_assert_eq(ncomm_wait(c, 10, NULL), 0, "a ready one is not polled again");
     cr_assert_str_eq(f.log, "init(3,r2,42) poll0 poll0 poll0 ");
     ncomm_destroy(c);
     cr_assert_str_eq(f.log, "init(3,r2,42) poll0 poll0 poll0 abort0 ");
@@ -247,7 +247,7 @@ Test(ncomm, a_communicator_not_ready_by_the_deadline_is_aborted)
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_start(c, 1, AB, 2, "a", &p), 0);
     t0 = clock_now_ms();
-    cr_assert_eq(ncomm_wait(c, 50), -ETIMEDOUT);
+    cr_assert_eq(ncomm_wait(c, 50, NULL), -ETIMEDOUT);
     cr_assert_geq(clock_now_ms() - t0, 50);
     cr_assert_lt(clock_now_ms() - t0, FIXTURE_WAIT_MS);
     cr_assert(strstr(f.log, "abort0 "), "%s", f.log);
@@ -268,7 +268,7 @@ Test(ncomm, an_asynchronous_error_aborts)
     f.fail_async = -ECONNRESET;         /* ncclRemoteError */
     cr_assert_eq(ncomm_create(&f.ops, &c), 0);
     cr_assert_eq(ncomm_start(c, 1, AB, 2, "b", &p), 0);
-    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS), -ECONNRESET);
+    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, NULL), -ECONNRESET);
     cr_assert_str_eq(f.log, "init(2,r1,01) poll0 poll0 abort0 ");
     cr_assert_eq(ncomm_state(c), NCOMM_NONE);
     cr_assert_eq(live(&f), 0);
@@ -355,7 +355,7 @@ Test(ncomm, members_that_only_leave_shrink)
     cr_assert_eq(ncomm_state(c), NCOMM_STARTING);
     cr_assert_eq(ncomm_rank(c), 0, "b is first now");
     cr_assert_eq(live(&f), 2, "the parent lives until the child is ready");
-    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(ncomm_wait(c, FIXTURE_WAIT_MS, NULL), 0);
     cr_assert_str_eq(f.log, "shrink0(0) poll1 abort0 ");
     cr_assert_eq(live(&f), 1);
     cr_assert_eq(ncomm_epoch(c), 2);
@@ -500,7 +500,7 @@ static void members_init(struct group *g, struct member *ms, const char *const *
             struct ncomm_plan p = rebuild(0x11);
             cr_assert_eq(ncomm_create(&m->f.ops, &m->c), 0);
             cr_assert_eq(ncomm_start(m->c, 1, ABCD, 4, m->self, &p), 0);
-            cr_assert_eq(ncomm_wait(m->c, FIXTURE_WAIT_MS), 0);
+            cr_assert_eq(ncomm_wait(m->c, FIXTURE_WAIT_MS, NULL), 0);
             clear_log(&m->f);
         } else {
             cr_assert_eq(ncomm_create(&m->f.ops, &m->c), 0);
