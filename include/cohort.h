@@ -555,6 +555,15 @@ struct cohort_averager_config {
                                      * (exact), FP16, BF16 or INT8 (float32 sums,
                                      * weights and gathered bytes exact); only
                                      * averagers of one compression group */
+    /* Load balancing (hivemind's bandwidth and client_mode), without
+     * compression only. In a group where any member gives a bandwidth or
+     * is a client, each member reduces a share of the round in proportion
+     * to its bandwidth (not given: the mean of those given) by a
+     * butterfly all-reduce; otherwise every member reduces an equal share. */
+    bool has_bandwidth;             /* false: bandwidth not given */
+    double bandwidth;               /* finite, 0 to 1e15; 0: reduce nothing */
+    bool client_mode;               /* contribute but reduce nothing, and accept no
+                                     * connection (every one is dialled out) */
 };
 
 /* Joins the cohort as an averager; the key, the listen address and TLS to
@@ -577,6 +586,10 @@ struct cohort_averager_step {
     size_t gather_len;
     int timeout_ms;                 /* the whole step; 0: 30 s */
     bool allow_retries;             /* after a failed attempt, find a new group */
+    uint64_t scheduled_ms;          /* hivemind's scheduled_time, in ms since the Unix
+                                     * epoch: a group that formed earlier waits until
+                                     * then (within timeout_ms) before averaging;
+                                     * 0: at once */
 };
 
 /* One round. On 0 *out holds the result (the caller frees it with

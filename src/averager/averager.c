@@ -41,6 +41,19 @@
  * only averagers of one codec group (the engine would refuse the frames
  * of another anyway, but only after the group had formed).
  *
+ * Load balancing. The broker hands every member of a group each member's
+ * bandwidth and client flag, as they asked. When any is given the round
+ * is the engine's butterfly (allreduce_run_parts) with parts from
+ * allreduce_split over the whole buffer (values and metadata), a client
+ * counting as bandwidth 0; every member computes the same parts from the
+ * same reply. The round's member order puts clients first (each half in
+ * the natural order of ids), because the member lower in the order dials
+ * (engine/conn.c) and a member without a part talks only to members with
+ * one: so a client dials every connection it has and is dialled by
+ * nobody, and may sit behind NAT. The epoch the engine runs is that
+ * order; the result's ids follow it. Without any bandwidth or client the
+ * round stays on the ring: the same equal shares, and its pipelining.
+ *
  * Exclusion. The engine fails a call at every member within its member
  * timeout when a peer stalls or dies. The members that are still alive
  * then ask the broker again and form a group without the stalled one,
@@ -55,6 +68,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/clock.h"
@@ -92,6 +106,13 @@ struct averager {
     pthread_mutex_t lock;
     pthread_cond_t member_cond;
     bool stop;
+
+    bool has_bandwidth, client;     /* what this member asks with */
+    double bandwidth;
+    /* The group matchmake() returned, in the round's member order. */
+    bool balanced;                  /* some member gave a bandwidth or is a client */
+    double grp_bw[MATCHMAKER_GROUP_MAX];    /* -1: not given; 0 for clients */
+    size_t grp_parts[MATCHMAKER_GROUP_MAX];
 
     float *sum;                 /* layout_floats(target): the attempt's buffer */
     int h_sum;
@@ -172,6 +193,54 @@ static void mm_end(void *arg, const struct rpc_status *st)
     pthread_mutex_unlock(&w->lock);
 }
 
+/* Reorders group *e (checked, in the natural order of ids) with its
+ * clients first, each half in its order, and notes every member's
+ * bandwidth in that order (see the top). Replaces *e on 0. Returns 0,
+ * -EPROTO (a reply whose bandwidths or client flags do not fit its
+ * members, with *why set) or -ENOMEM. */
+static int clients_first(struct averager *a, const Cohort__V1__MatchmakeReply *rep,
+                         struct epoch **e, const char **why)
+{
+    size_t n = (*e)->n_members, k = 0;
+    struct epoch_member m[MATCHMAKER_GROUP_MAX];
+    struct epoch *re;
+    int rc;
+
+    /* An older broker sends neither list: nobody gave anything. */
+    if ((rep->n_bandwidths != n && rep->n_bandwidths != 0) ||
+        rep->n_client_mode != rep->n_bandwidths) {
+        *why = "bandwidths or client flags that do not match its members";
+        return -EPROTO;
+    }
+    a->balanced = false;
+    for (size_t i = 0; i < rep->n_bandwidths; i++) {
+        double bw = rep->bandwidths[i];
+
+        if (!isfinite(bw) || bw > MATCHMAKER_BANDWIDTH_MAX) {
+            *why = "a bandwidth that is not a number in range";
+            return -EPROTO;
+        }
+        a->balanced |= bw >= 0 || rep->client_mode[i];
+    }
+    if (!a->balanced)
+        return 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (size_t i = 0; i < n; i++) {
+            bool client = rep->client_mode[i];
+
+            if (client != (pass == 0))
+                continue;
+            m[k] = (*e)->members[i];
+            a->grp_bw[k++] = client ? 0 : rep->bandwidths[i] < 0 ? -1 : rep->bandwidths[i];
+        }
+    rc = epoch_create((*e)->cohort, (*e)->number, 0, m, n, &re);
+    if (rc < 0)
+        return rc;
+    epoch_unref(*e);
+    *e = re;
+    return 0;
+}
+
 /* Asks the broker for a group, waiting at most timeout_ms for it. On 0
  * *out is the group as an epoch (checked: valid, unique, ordered ids),
  * which the caller unrefs. */
@@ -192,6 +261,9 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
     q.timeout_ms = timeout_ms;
     q.schema.data = a->schema;
     q.schema.len = a->schema_len;
+    q.has_bandwidth = a->has_bandwidth;
+    q.bandwidth = a->bandwidth;
+    q.client_mode = a->client;
     pthread_mutex_init(&w.lock, NULL);
     clock_cond_init(&w.cond);
     rc = member_matchmake(a->member, &q, mm_msg, mm_end, &w, &watch);
@@ -244,6 +316,11 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                 epoch_unref(*out);
                 rc = -EPROTO;
                 why = "a group that does not list this averager";
+            }
+            if (rc == 0) {
+                rc = clients_first(a, w.rep, out, &why);
+                if (rc < 0)
+                    epoch_unref(*out);
             }
         }
         if (rc < 0)
@@ -319,7 +396,16 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
 
         words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
     }
-    if (a->codec == CODEC_NONE)
+    if (a->balanced) {
+        /* Every member splits the same buffer by the same bandwidths. */
+        rc = allreduce_split(layout_floats(a, n), a->grp_bw, n, a->grp_parts);
+        if (rc == -ENODATA)
+            snprintf(a->err, sizeof(a->err), "no member of the group can reduce: every one is "
+                     "a client or has bandwidth 0");
+        if (rc == 0)
+            rc = allreduce_run_parts(a->ar, a->h_sum, a->h_sum, layout_floats(a, n), DTYPE_F32,
+                                     DTYPE_SUM, 0, a->grp_parts, n, 1);
+    } else if (a->codec == CODEC_NONE)
         rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
     else
         rc = allreduce_run(a->ar, a->h_meta, meta_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
@@ -416,6 +502,24 @@ static void move_bits(struct averager *a, size_t index)
     memmove(a->bits, joined + strlen(joined) - len, len + 1);
 }
 
+/* Sleeps until wall-clock time begin_at_ms (0: not at all), or until the
+ * monotonic `end`, whichever comes first. */
+static void wait_for_schedule(uint64_t begin_at_ms, uint64_t end)
+{
+    for (;;) {
+        struct timespec ts;
+        uint64_t wall, now = clock_now_ms(), nap;
+
+        clock_gettime(CLOCK_REALTIME, &ts);
+        wall = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+        if (!begin_at_ms || wall >= begin_at_ms || now >= end)
+            return;
+        nap = begin_at_ms - wall < end - now ? begin_at_ms - wall : end - now;
+        /* In naps, so that a wall clock stepped meanwhile is seen. */
+        usleep((useconds_t)(nap > 50 ? 50 : nap) * 1000);
+    }
+}
+
 int averager_step(struct averager *a, const struct averager_step *s,
                   struct averager_result **out)
 {
@@ -449,6 +553,8 @@ int averager_step(struct averager *a, const struct averager_step *s,
         }
         if (rc < 0)
             return rc;
+        if (attempts == 0)
+            wait_for_schedule(s->begin_at_ms, end);
         attempts++;
         rc = attempt(a, e, s, &total, &r);
         if (rc == 0) {
@@ -554,6 +660,9 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
         (cfg->schema_len && !cfg->schema))
         return -EINVAL;
+    /* The butterfly takes no codec (engine/allreduce.h). */
+    if ((cfg->has_bandwidth || cfg->client_mode) && cfg->codec != CODEC_NONE)
+        return -EINVAL;
     /* The codec is part of what the broker compares (see the top). */
     schema[0] = (uint8_t)cfg->codec;
     if (cfg->schema_len)
@@ -564,6 +673,8 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
         .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
         .schema = schema, .schema_len = cfg->schema_len + 1,
+        .has_bandwidth = cfg->has_bandwidth, .bandwidth = cfg->bandwidth,
+        .client = cfg->client_mode,
     };
     if (matchmaker_check(&check, why, sizeof(why)) < 0)
         return -EINVAL;
@@ -591,6 +702,9 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     memcpy(a->schema, schema, cfg->schema_len + 1);
     a->schema_len = cfg->schema_len + 1;
     a->codec = cfg->codec;
+    a->has_bandwidth = cfg->has_bandwidth;
+    a->bandwidth = cfg->bandwidth;
+    a->client = cfg->client_mode;
     a->sum = calloc(layout_floats(a, a->target), sizeof(float));
     if (!a->cohort || !a->id || !a->prefix || !a->sum) {
         rc = -ENOMEM;

@@ -36,6 +36,13 @@
  *     (n + 1) x 2^-11 x max|x| among n members (codec.h gives each
  *     codec's bound per encoding). Averagers of different codecs never
  *     group: the codec is part of the schema the broker compares.
+ *   - Load balancing: in a group where a member declared a bandwidth or
+ *     is a client, member i reduces a part of the round's buffer in
+ *     proportion to its bandwidth (a client, none; not given, the mean
+ *     of those given), by the engine's butterfly (allreduce_run_parts).
+ *     Clients come first in the round's member order, so that every
+ *     connection they take part in is theirs to dial: a client accepts
+ *     none.
  *   - After a step the group bits move (hivemind's key manager): the
  *     member's index in its group, in log2(target) bits, is shifted in at
  *     the right and as many bits drop off at the left, so that with bits
@@ -93,6 +100,15 @@ struct averager_config {
                                      * CODEC_NONE (0): float32, exact. Part of what
                                      * the broker compares: averagers group only
                                      * with those that give the same codec */
+    /* Load balancing (hivemind's). In a group where any member gives a
+     * bandwidth or is a client, the round is a butterfly whose parts
+     * follow the bandwidths (allreduce_split); otherwise the ring's equal
+     * shares. Only without a codec (-EINVAL otherwise). */
+    bool has_bandwidth;             /* false: not given (hivemind's None) */
+    double bandwidth;               /* this member's share of the reduction, finite,
+                                     * >= 0; 0 reduces nothing */
+    bool client_mode;               /* contribute, reduce nothing, and never be
+                                     * dialled: every connection is dialled out */
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
@@ -113,6 +129,13 @@ struct averager_step {
     size_t gather_len;
     uint32_t timeout_ms;            /* the whole step, retries included; 0: 30 s */
     bool no_retries;                /* fail at the first failed attempt */
+    uint64_t begin_at_ms;           /* hivemind's scheduled_time, in ms since the Unix
+                                     * epoch (CLOCK_REALTIME): a group formed earlier
+                                     * waits until then (at most until the step's
+                                     * timeout) before its all-reduce; 0: at once.
+                                     * Groupmates should schedule alike: one that
+                                     * waits longer than the others' allreduce
+                                     * timeout fails them */
 };
 
 struct averager_result {
@@ -137,7 +160,8 @@ struct averager_result {
  *   -EPROTO     the broker refused the request as disagreeing with the
  *               others waiting (group sizes, schema or codec), or the group's
  *               members disagree on the call;
- *   -ENODATA    every member of the group was auxiliary;
+ *   -ENODATA    every member of the group was auxiliary, or none of them
+ *               can reduce (all clients or of bandwidth 0);
  *   -EACCES     the members' keys differ; -ENOMEM.
  * averager_last_error() says more. */
 int averager_step(struct averager *a, const struct averager_step *s,

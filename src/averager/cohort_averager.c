@@ -62,6 +62,9 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
         (int)c->compression > COHORT_COMPRESSION_INT8)
         return -EINVAL;
     cfg.codec = (enum codec)c->compression;
+    cfg.has_bandwidth = c->has_bandwidth;
+    cfg.bandwidth = c->bandwidth;
+    cfg.client_mode = c->client_mode;
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;
@@ -106,7 +109,7 @@ int cohort_averager_step(struct cohort_averager *ca, const struct cohort_average
     struct averager_step st = {
         .data = s->data, .weight = s->weight, .alpha = s->alpha, .gather = s->gather,
         .gather_len = s->gather_len, .timeout_ms = s->timeout_ms > 0 ? (uint32_t)s->timeout_ms : 0,
-        .no_retries = !s->allow_retries,
+        .no_retries = !s->allow_retries, .begin_at_ms = s->scheduled_ms,
     };
     struct cohort_averager_result *res = calloc(1, sizeof(*res));
     int rc;

@@ -21,6 +21,8 @@ struct req {
     char *id;
     char *address;
     void *ctx;
+    double bandwidth;           /* negative: not given */
+    bool client;
     uint64_t arrived;
     uint64_t deadline;
 };
@@ -162,6 +164,8 @@ int matchmaker_check(const struct matchmaker_request *r, char *why, size_t len)
         bad = "min_matchmaking_time must not exceed the matchmaking timeout";
     else if (r->schema_len > MATCHMAKER_SCHEMA_MAX || (r->schema_len && !r->schema))
         bad = "the schema is at most 64 bytes";
+    else if (r->has_bandwidth && !(r->bandwidth >= 0 && r->bandwidth <= MATCHMAKER_BANDWIDTH_MAX))
+        bad = "the bandwidth must be a number from 0 to 1e15";
     if (!bad)
         return 0;
     snprintf(why, len, "%s", bad);
@@ -208,7 +212,8 @@ static void form(struct matchmaker *m, struct bucket *b)
 
     for (size_t i = 0; i < n; i++)
         members[i] = (struct matchmaker_member){ b->reqs[i].id, b->reqs[i].address,
-                                                 b->reqs[i].ctx };
+                                                 b->reqs[i].ctx, b->reqs[i].bandwidth,
+                                                 b->reqs[i].client };
     qsort(members, n, sizeof(members[0]), by_id);
     g.id = m->next_group++;
     g.n = n;
@@ -355,6 +360,8 @@ int matchmaker_submit(struct matchmaker *m, uint64_t now, const struct matchmake
             goto nomem;
     }
     q.ctx = r->ctx;
+    q.bandwidth = r->has_bandwidth ? r->bandwidth : -1;
+    q.client = r->client;
     q.arrived = now;
     q.deadline = now + r->timeout_ms;
     b->reqs[b->n++] = q;

@@ -44,6 +44,7 @@
 #define MATCHMAKER_TIMEOUT_MAX_MS 600000u   /* a request waits at most 10 min */
 #define MATCHMAKER_PENDING_MAX 1024u    /* requests waiting in one cohort */
 #define MATCHMAKER_TOTAL_MAX 16384u     /* requests waiting in all */
+#define MATCHMAKER_BANDWIDTH_MAX 1e15   /* a declared bandwidth at most */
 
 struct matchmaker;
 
@@ -60,12 +61,19 @@ struct matchmaker_request {
     const void *schema;         /* copied, schema_len bytes */
     size_t schema_len;
     void *ctx;                  /* borrowed: the host's handle on the call */
+    /* Load balancing, passed on to the group as given: the matchmaker
+     * only checks them. */
+    bool has_bandwidth;         /* false: not given */
+    double bandwidth;           /* finite, 0..MATCHMAKER_BANDWIDTH_MAX */
+    bool client;                /* client mode: reduces nothing, is never dialled */
 };
 
 struct matchmaker_member {
     const char *id;
     const char *address;
     void *ctx;
+    double bandwidth;           /* as the member asked; negative: not given */
+    bool client;
 };
 
 /* A group as it forms: everything borrowed for the callback. */
