@@ -149,6 +149,37 @@ def main():
         out(errors=errors, untouched=untouched)
         a.shutdown()
         b.shutdown()
+    elif scenario == "balanced":
+        # ARGS: k, n, weight, aux (0/1), bandwidth ("none" or a number),
+        # client (0/1). One round in a group of n, all of one schema.
+        k, n, weight, aux = int(rest[0]), int(rest[1]), float(rest[2]), rest[3] == "1"
+        bandwidth = None if rest[4] == "none" else float(rest[4])
+        client = rest[5] == "1"
+        a = averager(dht, tensors_of(k), target_group_size=n, min_group_size=n, auxiliary=aux,
+                     bandwidth=bandwidth, client_mode=client, prefix="test/bal")
+        control = a.step(gather=peer, weight=weight, timeout=30, wait=False)
+        try:
+            got, error = control.result(timeout=90), None
+        except hivemind.AllreduceException as e:
+            got, error = None, str(e)
+        with a.get_tensors() as t:
+            out(gathered=got, error=error, tensors=[x.tolist() for x in t],
+                order=list(a.last_group[2]) if got else None,
+                raw=b"".join(x.contiguous().numpy().tobytes() for x in t).hex())
+        a.shutdown()
+    elif scenario == "scheduled":
+        # ARGS: k, scheduled time (time.time() seconds). Prints when the
+        # step began and ended and how long its matchmaking took.
+        k, when = int(rest[0]), float(rest[1])
+        a = averager(dht, tensors_of(k), target_group_size=2, min_group_size=2,
+                     prefix="test/sched")
+        began = time.time()
+        got = a.step(gather=peer, weight=1, scheduled_time=when, timeout=30)
+        ended = time.time()
+        with a.get_tensors() as t:
+            out(gathered=got, began=began, ended=ended, matchmaking=a.last_group[3],
+                tensors=[x.tolist() for x in t])
+        a.shutdown()
     else:
         raise SystemExit("unknown scenario " + scenario)
 
