@@ -3,7 +3,8 @@
  * change and bounded in time by a member timeout.
  *
  * Large reductions use a ring (reduce-scatter, then all-gather) pipelined
- * in segments; small ones use recursive doubling. Every member derives the
+ * in segments; small ones use recursive doubling; a caller that gives each
+ * member's part (allreduce_run_parts) gets a butterfly. Every member derives the
  * same schedule from the epoch's member order, so nothing is negotiated per
  * call. Results are bytewise identical on every member.
  *

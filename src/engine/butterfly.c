@@ -40,6 +40,15 @@
  * contribution to p, so in place the result overwrites nothing still to
  * be sent.
  *
+ * A LIMIT
+ *
+ * On one connection a result of part p waits behind all of p's
+ * contributions to our part, which we read only as our reduction reaches
+ * them: with a large part the owner's sends of results to us can sit in
+ * a full socket for as long as we take to reduce our part, and the
+ * silence clock counts that time. Set the member timeout above it (the
+ * averager's default of 30 s covers hundreds of MiB on loopback).
+ *
  * COST
  *
  * With parts w_j of a vector of V bytes among n members, member j sends
