@@ -544,9 +544,14 @@ struct cohort_averager_config {
     uint32_t min_matchmaking_ms;    /* wait this long for others before a group forms */
     uint32_t request_timeout_ms;    /* patience for the broker's answer past that; 0: 5 s */
     uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
-    size_t count;                   /* float32 elements averaged */
+    size_t count;                   /* float32 elements averaged; 0: an auxiliary
+                                     * averager without tensors, which steps with
+                                     * weight 0 (data unused), joins groups of any
+                                     * schema and averages what its group does */
+    size_t max_count;               /* without tensors: the most elements it takes
+                                     * from a group; 0: 2^26 */
     size_t segment_bytes;           /* pipelining unit, a multiple of 8; 0: default */
-    const void *schema;             /* up to 63 bytes naming what is averaged
+    const void *schema;             /* up to 55 bytes naming what is averaged
                                      * (copied): only equal schemas group */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */

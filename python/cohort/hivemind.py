@@ -38,8 +38,12 @@ Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
 min_vector_size, state sharing, compression of any other class
 (Uniform8BitQuantization, ...), state_compression other than
-NoCompression, daemon=False, and auxiliary peers without tensors of
-their own.
+NoCompression, daemon=False.
+
+An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
+`auxiliary=True`): it joins groups of any tensors, learns their size and
+compression from its group, and reduces its share of each round like any
+peer; get_tensors() gives it an empty list.
 
 Gathered objects cross as JSON (hivemind uses msgpack): peers may lie,
 and JSON cannot run code on the receiving side.
@@ -208,9 +212,12 @@ class DecentralizedAverager:
             raise TypeError("dht must be a cohort.hivemind.DHT")
         if dht._averager is not None:
             raise ValueError("this DHT already has an averager: its peer_id names one member")
-        tensors = [t for t in averaged_tensors]
-        if not tensors:
-            raise ValueError("averaged_tensors is empty")
+        tensors = [t for t in averaged_tensors] if averaged_tensors is not None else []
+        if not tensors and not auxiliary:
+            raise ValueError("averaged_tensors is empty: only an auxiliary peer may have none")
+        if not tensors and not isinstance(compression, NoCompression):
+            raise ValueError("an auxiliary peer without tensors averages with its group's "
+                             "compression: leave compression at NoCompression()")
         for t in tensors:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise TypeError("averaged_tensors must be floating-point torch tensors")

@@ -54,6 +54,13 @@
  * order; the result's ids follow it. Without any bandwidth or client the
  * round stays on the ring: the same equal shares, and its pipelining.
  *
+ * Without tensors. The schema the broker compares is the codec's byte,
+ * the count's eight and the caller's bytes, so an auxiliary averager
+ * without tensors asks for any schema (matchmaker.h) and learns the count
+ * and codec from the group's reply (take_schema), sizing its buffer then:
+ * it reduces its share like any member and contributes weight 0. The
+ * count comes from another member, so it is capped (max_count).
+ *
  * Exclusion. The engine fails a call at every member within its member
  * timeout when a peer stalls or dies. The members that are still alive
  * then ask the broker again and form a group without the stalled one,
@@ -95,7 +102,8 @@ struct averager {
     char bits[MATCHMAKER_BITS_MAX + 1];
     uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
     size_t count, gather_max;
-    uint8_t schema[MATCHMAKER_SCHEMA_MAX];     /* the codec's byte, then the caller's */
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];     /* the codec's byte, the count's eight,
+                                                 * then the caller's */
     size_t schema_len;
     enum codec codec;
     char address[IDENT_ADDRESS_MAX + 1];
@@ -107,6 +115,8 @@ struct averager {
     pthread_cond_t member_cond;
     bool stop;
 
+    bool no_tensors;                /* count and codec come from each group */
+    size_t max_count;               /* without tensors: the most it takes */
     bool has_bandwidth, client;     /* what this member asks with */
     double bandwidth;
     /* The group matchmake() returned, in the round's member order. */
@@ -193,6 +203,100 @@ static void mm_end(void *arg, const struct rpc_status *st)
     pthread_mutex_unlock(&w->lock);
 }
 
+/* Gathered bytes travel two to a float32, as an integer from 0 to 65535,
+ * which float32 holds exactly and a sum with zeros leaves exact. */
+static size_t gather_words(size_t bytes)
+{
+    return (bytes + 1) / 2;
+}
+
+/* Where the metadata starts: after the values, rounded up to 8 bytes so
+ * that it can be registered as a buffer of its own. */
+static size_t meta_offset(const struct averager *a)
+{
+    return (a->count + 1) & ~(size_t)1;
+}
+
+/* Floats of the metadata part for a group of n. */
+static size_t meta_floats(const struct averager *a, size_t n)
+{
+    return n * (2 + gather_words(a->gather_max));
+}
+
+/* Floats of one attempt's buffer for a group of n. */
+static size_t layout_floats(const struct averager *a, size_t n)
+{
+    return meta_offset(a) + meta_floats(a, n);
+}
+
+static int reg(struct averager *a, void *p, size_t bytes, int *h);
+
+/* Without tensors: takes the group's count and codec from its schema
+ * (see averager_create) and sizes the buffer for them. Returns 0,
+ * -EPROTO (a schema that is not an averager's, with *why), -EMSGSIZE
+ * (more than max_count, or metadata a coded round cannot carry here,
+ * with *why) or -ENOMEM. */
+static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, const char **why)
+{
+    uint64_t count = 0;
+    size_t old_count = a->count;
+    enum codec codec;
+    int rc;
+
+    if (schema->len < 9 || !codec_valid(schema->data[0])) {
+        *why = "a group schema that is not an averager's";
+        return -EPROTO;
+    }
+    for (int i = 8; i >= 1; i--)
+        count = count << 8 | schema->data[i];
+    codec = (enum codec)schema->data[0];
+    if (count == 0) {
+        *why = "a group schema of no elements";
+        return -EPROTO;
+    }
+    if (count > a->max_count) {
+        *why = "the group averages more elements than this averager without tensors takes "
+               "(max_count)";
+        return -EMSGSIZE;
+    }
+    a->codec = codec;
+    /* A coded round's metadata call must be recursive doubling at every
+     * member (see the top); this engine has the default threshold. */
+    if (codec != CODEC_NONE && meta_floats(a, a->target) * sizeof(float) > CODED_SMALL_BYTES) {
+        *why = "an averager without tensors cannot join a compressed group this large "
+               "(its metadata exceeds the engine's recursive doubling)";
+        return -EMSGSIZE;
+    }
+    if (a->sum && count == old_count)
+        return 0;
+    if (a->h_sum >= 0)
+        allreduce_unregister(a->ar, a->h_sum);
+    if (a->h_meta >= 0)
+        allreduce_unregister(a->ar, a->h_meta);
+    a->h_sum = a->h_meta = -1;
+    free(a->sum);
+    a->count = (size_t)count;
+    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
+    if (!a->sum) {
+        a->count = 0;
+        return -ENOMEM;
+    }
+    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
+        (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
+                  &a->h_meta)) < 0) {
+        /* Cannot happen with two free handles; if it did, start over
+         * at the next group. */
+        if (a->h_sum >= 0)
+            allreduce_unregister(a->ar, a->h_sum);
+        a->h_sum = -1;
+        free(a->sum);
+        a->sum = NULL;
+        a->count = 0;
+        return rc;
+    }
+    return 0;
+}
+
 /* Reorders group *e (checked, in the natural order of ids) with its
  * clients first, each half in its order, and notes every member's
  * bandwidth in that order (see the top). Replaces *e on 0. Returns 0,
@@ -264,6 +368,7 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
     q.has_bandwidth = a->has_bandwidth;
     q.bandwidth = a->bandwidth;
     q.client_mode = a->client;
+    q.any_schema = a->no_tensors;
     pthread_mutex_init(&w.lock, NULL);
     clock_cond_init(&w.cond);
     rc = member_matchmake(a->member, &q, mm_msg, mm_end, &w, &watch);
@@ -316,14 +421,18 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                 epoch_unref(*out);
                 rc = -EPROTO;
                 why = "a group that does not list this averager";
-            }
-            if (rc == 0) {
-                rc = clients_first(a, w.rep, out, &why);
+            } else if (rc == 0) {
+                if (a->no_tensors)
+                    rc = take_schema(a, &w.rep->schema, &why);
+                if (rc == 0)
+                    rc = clients_first(a, w.rep, out, &why);
                 if (rc < 0)
                     epoch_unref(*out);
             }
         }
-        if (rc < 0)
+        if (rc == -EMSGSIZE)
+            snprintf(a->err, sizeof(a->err), "%s", why);
+        else if (rc < 0)
             snprintf(a->err, sizeof(a->err), "the broker sent a bad group: %s",
                      why ? why : log_strerror(rc));
     }
@@ -336,32 +445,6 @@ out:
 }
 
 /* ---- one attempt ------------------------------------------------------------ */
-
-/* Gathered bytes travel two to a float32, as an integer from 0 to 65535,
- * which float32 holds exactly and a sum with zeros leaves exact. */
-static size_t gather_words(size_t bytes)
-{
-    return (bytes + 1) / 2;
-}
-
-/* Where the metadata starts: after the values, rounded up to 8 bytes so
- * that it can be registered as a buffer of its own. */
-static size_t meta_offset(const struct averager *a)
-{
-    return (a->count + 1) & ~(size_t)1;
-}
-
-/* Floats of the metadata part for a group of n. */
-static size_t meta_floats(const struct averager *a, size_t n)
-{
-    return n * (2 + gather_words(a->gather_max));
-}
-
-/* Floats of one attempt's buffer for a group of n. */
-static size_t layout_floats(const struct averager *a, size_t n)
-{
-    return meta_offset(a) + meta_floats(a, n);
-}
 
 static bool retryable(int rc)
 {
@@ -529,8 +612,14 @@ int averager_step(struct averager *a, const struct averager_step *s,
     int rc = -ETIMEDOUT;
 
     a->err[0] = '\0';
-    if (!s->data || !isfinite(s->weight) || s->weight < 0 || !(s->alpha > 0 && s->alpha <= 1) ||
-        s->gather_len > a->gather_max || (s->gather_len && !s->gather)) {
+    if (a->no_tensors && s->weight != 0) {
+        snprintf(a->err, sizeof(a->err), "an averager without tensors contributes nothing: "
+                 "its weight must be 0");
+        return -EINVAL;
+    }
+    if ((!s->data && !a->no_tensors) || !isfinite(s->weight) || s->weight < 0 ||
+        !(s->alpha > 0 && s->alpha <= 1) || s->gather_len > a->gather_max ||
+        (s->gather_len && !s->gather)) {
         snprintf(a->err, sizeof(a->err), "bad step: the weight must be finite and at least 0, "
                  "alpha in (0, 1], and the gather at most %zu bytes", a->gather_max);
         return -EINVAL;
@@ -655,26 +744,30 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
 
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];
 
-    if (!cfg || !cfg->broker || !cfg->host || cfg->count == 0 ||
-        cfg->count > ((size_t)1 << 30) || cfg->gather_max > AVERAGER_GATHER_MAX ||
+    if (!cfg || !cfg->broker || !cfg->host || cfg->count > ((size_t)1 << 30) ||
+        cfg->max_count > ((size_t)1 << 30) || (cfg->count == 0 && cfg->codec != CODEC_NONE) || cfg->gather_max > AVERAGER_GATHER_MAX ||
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
         (cfg->schema_len && !cfg->schema))
         return -EINVAL;
     /* The butterfly takes no codec (engine/allreduce.h). */
     if ((cfg->has_bandwidth || cfg->client_mode) && cfg->codec != CODEC_NONE)
         return -EINVAL;
-    /* The codec is part of what the broker compares (see the top). */
+    /* The codec and the count are part of what the broker compares (see
+     * the top); an averager without tensors gives no schema and takes
+     * both from its group (take_schema). */
     schema[0] = (uint8_t)cfg->codec;
+    for (int i = 0; i < 8; i++)
+        schema[1 + i] = (uint8_t)((uint64_t)cfg->count >> (8 * i));
     if (cfg->schema_len)
-        memcpy(schema + 1, cfg->schema, cfg->schema_len);
+        memcpy(schema + 9, cfg->schema, cfg->schema_len);
     /* The broker would refuse what the matchmaker refuses: say so now. */
     check = (struct matchmaker_request){
         .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
         .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
         .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
-        .schema = schema, .schema_len = cfg->schema_len + 1,
+        .schema = schema, .schema_len = cfg->count ? cfg->schema_len + 9 : 0,
         .has_bandwidth = cfg->has_bandwidth, .bandwidth = cfg->bandwidth,
-        .client = cfg->client_mode,
+        .client = cfg->client_mode, .any_schema = cfg->count == 0,
     };
     if (matchmaker_check(&check, why, sizeof(why)) < 0)
         return -EINVAL;
@@ -699,14 +792,17 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
                                                 : LIMIT_LEAVE_TIMEOUT_MS;
     a->count = cfg->count;
     a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
-    memcpy(a->schema, schema, cfg->schema_len + 1);
-    a->schema_len = cfg->schema_len + 1;
+    a->schema_len = check.schema_len;
+    memcpy(a->schema, schema, a->schema_len);
+    a->no_tensors = cfg->count == 0;
+    a->max_count = cfg->max_count ? cfg->max_count : AVERAGER_AUX_COUNT_DEFAULT;
     a->codec = cfg->codec;
     a->has_bandwidth = cfg->has_bandwidth;
     a->bandwidth = cfg->bandwidth;
     a->client = cfg->client_mode;
-    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
-    if (!a->cohort || !a->id || !a->prefix || !a->sum) {
+    /* Without tensors the buffer waits for the first group's count. */
+    a->sum = a->no_tensors ? NULL : calloc(layout_floats(a, a->target), sizeof(float));
+    if (!a->cohort || !a->id || !a->prefix || (!a->sum && !a->no_tensors)) {
         rc = -ENOMEM;
         goto err;
     }
@@ -730,9 +826,10 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     rc = allreduce_create(&ac, &a->ar);
     if (rc < 0)
         goto err;
-    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
-        (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
-                  &a->h_meta)) < 0)
+    if (!a->no_tensors &&
+        ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
+         (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
+                   &a->h_meta)) < 0))
         goto err;
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;

@@ -67,8 +67,13 @@ struct averager;
 #define AVERAGER_GATHER_MAX 65536u      /* bytes one member may gather */
 #define AVERAGER_DEFAULT_TIMEOUT_MS 30000u
 /* The broker compares a schema of MATCHMAKER_SCHEMA_MAX (64) bytes: the
- * averager's codec takes one, the caller's schema the rest. */
-#define AVERAGER_SCHEMA_MAX 63u
+ * averager's codec takes one, its count eight (so that an averager
+ * without tensors learns both from its group), the caller's schema the
+ * rest. */
+#define AVERAGER_SCHEMA_MAX 55u
+/* The most elements an averager without tensors takes from a group,
+ * unless configured. */
+#define AVERAGER_AUX_COUNT_DEFAULT ((size_t)1 << 26)
 
 struct averager_config {
     const char *broker;             /* broker address; copied */
@@ -88,7 +93,15 @@ struct averager_config {
                                      * part_size_bytes), a multiple of 8; 0: the
                                      * engine's default */
     uint32_t leave_timeout_ms;      /* averager_destroy's Leave; 0: the default */
-    size_t count;                   /* float32 elements averaged, at least 1 */
+    size_t count;                   /* float32 elements averaged; 0: an auxiliary
+                                     * averager without tensors of its own, which
+                                     * steps with weight 0 (data unused), joins its
+                                     * bucket whatever the others' schema, and
+                                     * averages what its group does (count and codec
+                                     * from the group's schema) */
+    size_t max_count;               /* without tensors: the largest count it takes
+                                     * from a group (its buffer is sized by it);
+                                     * 0: AVERAGER_AUX_COUNT_DEFAULT */
     const void *schema;             /* what is averaged (shapes, dtypes), copied; at
                                      * most AVERAGER_SCHEMA_MAX bytes; averagers
                                      * group only with those that give the same */
@@ -122,8 +135,10 @@ void averager_destroy(struct averager *a);
 int averager_wait(struct averager *a, uint32_t timeout_ms);
 
 struct averager_step {
-    float *data;                    /* count floats, averaged in place */
-    double weight;                  /* >= 0; 0: auxiliary, contributes nothing */
+    float *data;                    /* count floats, averaged in place; unused (may
+                                     * be NULL) without tensors */
+    double weight;                  /* >= 0; 0: auxiliary, contributes nothing; 0
+                                     * without tensors */
     double alpha;                   /* (0, 1]: how far x moves toward the average */
     const void *gather;             /* borrowed; gather_len <= gather_max */
     size_t gather_len;
@@ -154,7 +169,11 @@ struct averager_result {
  * averager_result_free) and has written data. Otherwise data is
  * untouched and:
  *   -EINVAL     a negative or non-finite weight, alpha outside (0, 1], a
- *               gather over gather_max;
+ *               gather over gather_max, a weight other than 0 without
+ *               tensors;
+ *   -EMSGSIZE   without tensors: the group averages more than max_count
+ *               elements, or a codec with metadata beyond the exact call's
+ *               recursive doubling;
  *   -ETIMEDOUT  no group completed the round within timeout_ms (too few
  *               averagers, or every attempt stalled);
  *   -EPROTO     the broker refused the request as disagreeing with the

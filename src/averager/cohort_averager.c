@@ -51,6 +51,7 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     cfg.request_timeout_ms = c->request_timeout_ms;
     cfg.allreduce_timeout_ms = c->allreduce_timeout_ms;
     cfg.count = c->count;
+    cfg.max_count = c->max_count;
     cfg.segment_bytes = c->segment_bytes;
     cfg.schema = c->schema;
     cfg.schema_len = c->schema_len;

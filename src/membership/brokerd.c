@@ -707,6 +707,8 @@ static void mm_formed(void *arg, const struct matchmaker_group *g)
     rep.bandwidths = bandwidths;
     rep.n_client_mode = g->n;
     rep.client_mode = clients;
+    rep.schema.data = (uint8_t *)(uintptr_t)g->schema;
+    rep.schema.len = g->schema_len;
     rc = rpc_buf_pack(&rep.base, &buf);
     for (size_t i = 0; i < g->n; i++) {
         struct mm_call *c = g->members[i].ctx;
@@ -782,6 +784,7 @@ static void on_matchmake(void *arg, const ProtobufCMessage *req, struct rpc_stre
         .min_wait_ms = q->min_matchmaking_ms, .timeout_ms = q->timeout_ms,
         .schema = q->schema.data, .schema_len = q->schema.len,
         .has_bandwidth = q->has_bandwidth, .bandwidth = q->bandwidth, .client = q->client_mode,
+        .any_schema = q->any_schema,
     };
     char why[RPC_MESSAGE_MAX], address[IDENT_ADDRESS_MAX + 1];
     struct mm_call *c;

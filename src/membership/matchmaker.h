@@ -20,6 +20,9 @@
  * and schema (what is averaged: shapes and dtypes, opaque here), since a
  * group of averagers that disagree could only fail later; a request that
  * disagrees with those waiting is refused (-EPROTO) and changes nothing.
+ * A request for any schema (an auxiliary averager without tensors) agrees
+ * with every schema; a group forms only with a member that gave one, and
+ * tells every member that schema.
  * A member that asks again while it waits replaces its earlier request
  * (which fails with -ECANCELED): one request per member. A member that
  * left the cohort while it waited is dropped when its group would form
@@ -66,6 +69,10 @@ struct matchmaker_request {
     bool has_bandwidth;         /* false: not given */
     double bandwidth;           /* finite, 0..MATCHMAKER_BANDWIDTH_MAX */
     bool client;                /* client mode: reduces nothing, is never dialled */
+    /* An auxiliary averager without tensors of its own: it gives no
+     * schema (schema_len 0) and joins its bucket whatever the others'
+     * schema is, which the group then tells it. */
+    bool any_schema;
 };
 
 struct matchmaker_member {
@@ -84,6 +91,8 @@ struct matchmaker_group {
     uint64_t id;                /* grows by one with every group */
     size_t n;
     const struct matchmaker_member *members;    /* natural order of ids */
+    const void *schema;         /* the schema of its members that gave one */
+    size_t schema_len;
 };
 
 struct matchmaker_ops {

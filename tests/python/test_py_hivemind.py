@@ -18,6 +18,9 @@ joined to a real broker with a key, with real torch tensors.
   peers of different bandwidths, one auxiliary, average exactly, alike
   to the byte, clients first in the round's order; a group where nobody
   can reduce fails with a sentence that says so.
+- An auxiliary peer without tensors joins two peers with tensors (and
+  reduces the largest part, by its bandwidth): they get the exact
+  average, it is named with weight 0.
 - scheduled_time: matchmaking starts min_matchmaking_time ahead, and the
   round ends after the scheduled time, not before.
 - Group bits get and set; bad input (mismatched shapes between peers, a
@@ -179,6 +182,11 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
     with pytest.raises(TypeError):
         hivemind.DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], dht, start=False,
                                        prefix="x")
+    with pytest.raises(ValueError, match="only an auxiliary peer"):
+        hivemind.DecentralizedAverager([], dht, start=False, prefix="x")
+    with pytest.raises(ValueError, match="group's compression"):
+        hivemind.DecentralizedAverager(None, dht, start=False, prefix="x", auxiliary=True,
+                                       compression=hivemind.Float16Compression())
     for bad in (dict(bandwidth=-1.0), dict(bandwidth=float("inf")), dict(bandwidth=2e15)):
         with pytest.raises(ValueError, match="bandwidth"):
             hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
@@ -327,3 +335,19 @@ def test_a_scheduled_step_averages_at_its_time(keyed):
         assert g["tensors"] == [r.tolist() for r in ref]
         assert g["ended"] >= when - 0.05, (g["ended"], when)
         assert g["matchmaking"] < 3.0, "matchmaking did not start at once: %s" % g
+
+
+def test_an_auxiliary_peer_without_tensors_helps_average(keyed):
+    broker, key = keyed
+    bare = child(broker, key, "a-0", "bare", 3, 6)
+    kids = [child(broker, key, "a-%d" % k, "balanced", k, 3, k, 0, "1", 0, "test/bare")
+            for k in (1, 2)]
+    ref = [(1 * tensors_of(1)[i] + 2 * tensors_of(2)[i]) / 3 for i in range(2)]
+    for kid in kids:
+        g = lines_of(kid)[-1]
+        assert g["error"] is None, g["error"]
+        assert g["gathered"] == {"a-0": "a-0", "a-1": "a-1", "a-2": "a-2"}
+        assert g["tensors"] == [r.tolist() for r in ref]
+    g = lines_of(bare)[-1]
+    assert g["tensors"] == []
+    assert g["last"] == {"a-0": 0.0, "a-1": 1.0, "a-2": 2.0}

@@ -270,9 +270,10 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
     q.min_matchmaking_ms = 300;
     q.timeout_ms = 60000;
     /* What an averager of "f32x16" without a codec sends: the codec's
-     * byte (CODEC_NONE), then its schema. */
-    q.schema.data = (uint8_t *)"\0f32x16";
-    q.schema.len = 7;
+     * byte (CODEC_NONE), its count (16, eight bytes little-endian), then
+     * its schema. */
+    q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0f32x16";
+    q.schema.len = 15;
     cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
 
     p[0].a = make("w-a", 3, 2, "", "f32x16");
@@ -839,5 +840,104 @@ Test(averager, a_scheduled_round_waits_for_its_time)
         cr_assert_lt(p[i].res->matchmaking_ms, 1400, "the group formed early");
     }
     cr_assert_geq(clock_now_ms() - t0, 1450, "the round waited for its time");
+    free_all(p, 2);
+}
+
+/* ---- auxiliary averagers without tensors ----------------------------- */
+
+static struct averager *make_bare(const char *id, uint32_t target, double bandwidth,
+                                  size_t max_count)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/bare", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = 0,
+        .max_count = max_count, .has_bandwidth = bandwidth >= 0, .bandwidth = bandwidth,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+static struct averager *make_clothed(const char *id, uint32_t target, double bandwidth)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/bare", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .has_bandwidth = bandwidth >= 0,
+        .bandwidth = bandwidth,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+/* An auxiliary averager without tensors asks first, for any schema; the
+ * group forms when two with tensors arrive, it learns their count from
+ * the group, and reduces the largest part (bandwidth 6 against 1 and 1):
+ * the two contributors get the exact average, and it is named with
+ * weight 0. Twice, on the ring (no bandwidth) and the butterfly. */
+static void bare_round(bool balanced)
+{
+    struct peer p[3] = { 0 };
+
+    p[0].a = make_bare(balanced ? "x-0" : "y-0", 3, balanced ? 6 : -1, 0);
+    p[1].a = make_clothed(balanced ? "x-1" : "y-1", 3, balanced ? 1 : -1);
+    p[2].a = make_clothed(balanced ? "x-2" : "y-2", 3, balanced ? 1 : -1);
+    for (int i = 1; i < 3; i++) {
+        p[i].weight = i;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(30 * i + j);
+    }
+    snprintf(p[0].gather, sizeof(p[0].gather), "helper");
+    run_all(p, 3);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(p[i].rc, 0, "%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, 3);
+        cr_assert_eq(p[i].res->weights[0], 0.0, "the bare averager comes first and gave 0");
+        cr_assert_eq(p[i].res->gathered_len[0], 6);
+    }
+    for (int i = 1; i < 3; i++)
+        for (int j = 0; j < COUNT; j++)
+            /* (1 x (30 + j) + 2 x (60 + j)) / 3 */
+            cr_assert_eq(p[i].data[j], (float)(50 + j), "%d[%d] = %g", i, j, p[i].data[j]);
+    free_all(p, 3);
+}
+
+Test(averager, an_auxiliary_averager_without_tensors_helps_on_the_ring)
+{
+    bare_round(false);
+}
+
+Test(averager, an_auxiliary_averager_without_tensors_reduces_its_part)
+{
+    bare_round(true);
+}
+
+/* A group that averages more than an averager without tensors takes
+ * fails it with -EMSGSIZE, saying so; a weight other than 0 is refused. */
+Test(averager, an_averager_without_tensors_refuses_a_group_too_large)
+{
+    struct peer p[2] = { 0 };
+    float dummy[1];
+    struct averager_step s = { .data = dummy, .weight = 1, .alpha = 1 };
+    struct averager_result *r = NULL;
+
+    p[0].a = make_bare("t-0", 2, -1, COUNT - 1);
+    p[1].a = make_clothed("t-1", 2, -1);
+    cr_assert_eq(averager_step(p[0].a, &s, &r), -EINVAL);
+    cr_assert(strstr(averager_last_error(p[0].a), "weight must be 0"));
+    p[1].weight = 1;
+    p[0].timeout_ms = p[1].timeout_ms = 6000;
+    run_all(p, 2);
+    cr_assert_eq(p[0].rc, -EMSGSIZE, "%d: %s", p[0].rc, averager_last_error(p[0].a));
+    cr_assert(strstr(averager_last_error(p[0].a), "max_count"), "%s",
+              averager_last_error(p[0].a));
+    cr_assert_neq(p[1].rc, 0, "its partner is left without a group");
     free_all(p, 2);
 }
