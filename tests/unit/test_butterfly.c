@@ -19,6 +19,7 @@
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "base/secret.h"
 #include "engine/allreduce.h"
 #include "engine/peerwire.h"
 #include "membership/epoch.h"
@@ -26,6 +27,14 @@
 #define COHORT "test"
 #define MAX 6
 #define TIMEOUT_MS 20000u
+
+/* Set by a test before bf_start: every engine keyed, frames sealed.
+ * (Criterion runs each test in a process of its own.) */
+static bool sealed;
+static const struct secret test_key = { { 0x51, 0x52, 0x53, 0x54, 0x55, 0x56, 0x57, 0x58,
+                                          0x59, 0x5a, 0x5b, 0x5c, 0x5d, 0x5e, 0x5f, 0x60,
+                                          0x61, 0x62, 0x63, 0x64, 0x65, 0x66, 0x67, 0x68,
+                                          0x69, 0x6a, 0x6b, 0x6c, 0x6d, 0x6e, 0x6f, 0x70 } };
 
 struct member {
     struct allreduce *ar;
@@ -79,7 +88,9 @@ static void bf_start(struct bf *b, size_t n, size_t count, size_t seg, uint32_t 
         struct member *m = &b->m[i];
         struct allreduce_config cfg = { .cohort = COHORT, .member_id = m->id,
                                         .member_timeout_ms = timeout_ms,
-                                        .segment_bytes = seg };
+                                        .segment_bytes = seg,
+                                        .key = sealed ? &test_key : NULL,
+                                        .integrity_mac = sealed };
 
         snprintf(m->id, sizeof(m->id), "m-%zu", i);
         cr_assert_eq(allreduce_listen("127.0.0.1", &m->fd, m->addr, sizeof(m->addr)), 0);
@@ -160,7 +171,7 @@ static float reference(const struct bf *b, const float *const *in, size_t k)
     s = in[owner][k];
     for (size_t i = 0; i < b->n; i++)
         if (i != owner)
-            s += in[i][k];
+            s = b->op == DTYPE_MAX ? (in[i][k] > s ? in[i][k] : s) : s + in[i][k];
     if (b->op == DTYPE_AVG)
         s /= (float)b->n;
     return s;
@@ -214,6 +225,20 @@ Test(butterfly, uneven_parts_give_every_member_the_same_bytes)
     bf_start(&b, 4, 1000, 64, TIMEOUT_MS, NULL);
     bf_round(&b, parts, DTYPE_SUM, true);
     bf_round(&b, parts, DTYPE_AVG, false);
+    bf_stop(&b);
+}
+
+/* Keyed engines with every frame sealed: the butterfly's frames carry
+ * and verify their tags like the ring's; and MAX as well as SUM. */
+Test(butterfly, sealed_frames_and_max)
+{
+    struct bf b;
+    size_t parts[3] = { 700, 0, 301 };
+
+    sealed = true;
+    bf_start(&b, 3, 1001, 256, TIMEOUT_MS, NULL);
+    bf_round(&b, parts, DTYPE_SUM, false);
+    bf_round(&b, parts, DTYPE_MAX, true);
     bf_stop(&b);
 }
 
