@@ -161,6 +161,11 @@ def test_too_few_peers_fail_within_the_timeout(keyed, monkeypatch):
             a.step(scheduled_time="soon")
         with pytest.raises(TypeError, match="scheduled_time"):
             a.step(scheduled_time=float("nan"))
+        # A step waiting for its scheduled time can still be cancelled.
+        control = a.step(scheduled_time=time.time() + 120, timeout=1.5, wait=False)
+        assert control.cancel()
+        with pytest.raises(hivemind.AllreduceException, match="cancelled"):
+            control.result(timeout=10)
     finally:
         a.shutdown()
 
