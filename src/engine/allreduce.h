@@ -184,7 +184,8 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
  * talks only to members with a part; members with no part placed before
  * every member with one are never dialled and accept no connection
  * (hivemind's client mode: they may sit behind NAT). Every member gives
- * the same n_parts and parts (allreduce_split computes them alike).
+ * the same n_parts and parts (allreduce_split computes them alike);
+ * parts is borrowed for the call.
  * 16-bit types are not taken (they would need float32 staging of a whole
  * part).
  *
@@ -204,7 +205,7 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
  * hivemind uses: floor(count x share) each, then one at a time to the
  * largest share / (parts + 1), the lowest index on a tie. Deterministic
  * (IEEE double arithmetic only), so every member computes the same parts.
- * Returns 0, -EINVAL (n of 0 or over ALLREDUCE_PARTS_MAX, a bandwidth
+ * Writes n entries of parts (the caller's); reads bandwidth. Returns 0, -EINVAL (n of 0 or over ALLREDUCE_PARTS_MAX, a bandwidth
  * that is NaN or infinite) or -ENODATA (every bandwidth is 0: nobody
  * would reduce). */
 int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t *parts);
