@@ -180,17 +180,20 @@ def main():
             out(gathered=got, tensors=list(t), last=a.last_group[2] if got else None)
         a.shutdown()
     elif scenario == "scheduled":
-        # ARGS: k, scheduled time (time.time() seconds). Prints when the
-        # step began and ended and how long its matchmaking took.
-        k, when = int(rest[0]), float(rest[1])
+        # ARGS: k, barrier directory. Once both peers are ready, each
+        # schedules its step 3 s ahead; prints the time it scheduled, when
+        # the step began and ended, and how long its matchmaking took.
+        k, directory = int(rest[0]), rest[1]
         a = averager(dht, tensors_of(k), target_group_size=2, min_group_size=2,
                      prefix="test/sched")
+        barrier(directory, "ready", k, 2)
         began = time.time()
+        when = began + 3.0
         got = a.step(gather=peer, weight=1, scheduled_time=when, timeout=30)
         ended = time.time()
         with a.get_tensors() as t:
-            out(gathered=got, began=began, ended=ended, matchmaking=a.last_group[3],
-                tensors=[x.tolist() for x in t])
+            out(gathered=got, when=when, began=began, ended=ended,
+                matchmaking=a.last_group[3] if got else None, tensors=[x.tolist() for x in t])
         a.shutdown()
     else:
         raise SystemExit("unknown scenario " + scenario)

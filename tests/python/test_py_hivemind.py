@@ -326,20 +326,20 @@ def test_a_group_where_nobody_can_reduce_fails_clearly(keyed):
         assert g["tensors"] == [t.tolist() for t in tensors_of(k)], "untouched"
 
 
-def test_a_scheduled_step_averages_at_its_time(keyed):
-    """Both peers schedule the round 4 s ahead: matchmaking starts
-    min_matchmaking_time (1 s) before, the pair forms at once, and the
-    round ends after the scheduled time, not before."""
+def test_a_scheduled_step_averages_at_its_time(keyed, tmp_path):
+    """Both peers schedule the round 3 s ahead once both are ready:
+    matchmaking starts min_matchmaking_time (1 s) before, the pair forms
+    at once, and the round ends after the scheduled time, not before."""
     broker, key = keyed
-    when = time.time() + 4.0
-    kids = [child(broker, key, "t-%d" % k, "scheduled", k, when) for k in range(2)]
+    kids = [child(broker, key, "t-%d" % k, "scheduled", k, tmp_path) for k in range(2)]
     ref = [(tensors_of(0)[i] + tensors_of(1)[i]) / 2 for i in range(2)]
     for kid in kids:
         g = lines_of(kid)[-1]
         assert g["gathered"] == {"t-0": "t-0", "t-1": "t-1"}
         assert g["tensors"] == [r.tolist() for r in ref]
-        assert g["ended"] >= when - 0.05, (g["ended"], when)
-        assert g["matchmaking"] < 3.0, "matchmaking did not start at once: %s" % g
+        assert g["ended"] >= g["when"], g
+        # Matchmaking waited for nobody: both asked at about when - 1 s.
+        assert g["matchmaking"] < 1.5, g
 
 
 def test_an_auxiliary_peer_without_tensors_helps_average(keyed):
