@@ -551,7 +551,7 @@ struct cohort_averager_config {
     size_t max_count;               /* without tensors: the most elements it takes
                                      * from a group; 0: 2^26 */
     size_t segment_bytes;           /* pipelining unit, a multiple of 8; 0: default */
-    const void *schema;             /* up to 55 bytes naming what is averaged
+    const void *schema;             /* up to 47 bytes naming what is averaged
                                      * (copied): only equal schemas group */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */
@@ -569,6 +569,9 @@ struct cohort_averager_config {
     double bandwidth;               /* finite, 0 to 1e15; 0: reduce nothing */
     bool client_mode;               /* contribute but reduce nothing, and accept no
                                      * connection (every one is dialled out) */
+    size_t min_vector_size;         /* a member whose share is worth fewer elements
+                                     * reduces nothing (hivemind's); a group agrees
+                                     * on it as on the schema */
 };
 
 /* Joins the cohort as an averager; the key, the listen address and TLS to

@@ -1362,7 +1362,7 @@ static int pygroup_add(PyObject *m)
  * _cohort.Averager(broker, cohort, id, prefix, bits, target, min,
  * min_matchmaking_ms, request_timeout_ms, allreduce_timeout_ms, count,
  * segment_bytes, schema, gather_max, leave_timeout_ms[, compression,
- * bandwidth, client_mode]): one struct cohort_averager, for
+ * bandwidth, client_mode, min_vector_size]): one struct cohort_averager, for
  * cohort.hivemind (compression: an enum cohort_compression value, 0 by
  * default; bandwidth: a float, or None when not given; client_mode: a
  * bool). The averaged floats cross as a
@@ -1406,10 +1406,11 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
                               "min_matchmaking_ms", "request_timeout_ms",
                               "allreduce_timeout_ms", "count", "segment_bytes", "schema",
                               "gather_max", "leave_timeout_ms", "compression", "bandwidth",
-                              "client_mode", NULL };
+                              "client_mode", "min_vector_size", NULL };
     struct cohort_averager_config c = { 0 };
     PyObject *bandwidth = Py_None;
     int client_mode = 0;
+    unsigned long long min_vector_size = 0;
     unsigned long long count = 0, segment = 0, gather_max = 0;
     int compression = COHORT_COMPRESSION_NONE;
     Py_buffer schema = { 0 };
@@ -1420,14 +1421,15 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
         PyErr_SetString(PyExc_RuntimeError, "Averager.__init__ may be called once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOp", kwlist, &c.broker,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOpK", kwlist, &c.broker,
                                      &c.cohort, &c.id, &c.prefix, &c.initial_bits,
                                      &c.target_group_size, &c.min_group_size,
                                      &c.min_matchmaking_ms, &c.request_timeout_ms,
                                      &c.allreduce_timeout_ms, &count, &segment, &schema,
                                      &gather_max, &c.leave_timeout_ms, &compression,
-                                     &bandwidth, &client_mode))
+                                     &bandwidth, &client_mode, &min_vector_size))
         return -1;
+    c.min_vector_size = (size_t)min_vector_size;
     if (bandwidth != Py_None) {
         c.has_bandwidth = true;
         c.bandwidth = PyFloat_AsDouble(bandwidth);

@@ -30,13 +30,15 @@ group where any peer gives a bandwidth or is a client, each peer reduces
 a share of the round in proportion to its bandwidth (None: the mean of
 those given; 0: none) by a butterfly all-reduce, and a client reduces
 nothing and accepts no connection (it dials out to every reducer). Both
-need NoCompression. `step(scheduled_time=t)` (time.time() seconds)
-starts matchmaking at t - min_matchmaking_time and begins the all-reduce
-at t: a group that formed earlier waits until then.
+need NoCompression. In such a round, `min_vector_size` drops the shares
+worth fewer elements (peers that use different values do not group).
+`step(scheduled_time=t)` (time.time() seconds) starts matchmaking at
+t - min_matchmaking_time and begins the all-reduce at t: a group that
+formed earlier waits until then.
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-min_vector_size, state sharing, compression of any other class
+state sharing, compression of any other class
 (Uniform8BitQuantization, ...), state_compression other than
 NoCompression, daemon=False.
 
@@ -239,12 +241,14 @@ class DecentralizedAverager:
             if not (math.isfinite(bandwidth) and 0 <= bandwidth <= 1e15):
                 raise ValueError("bandwidth must be finite, from 0 to 1e15")
         client_mode = bool(client_mode)
+        if isinstance(min_vector_size, bool) or not isinstance(min_vector_size, int) \
+                or not 0 <= min_vector_size < 2 ** 62:
+            raise ValueError("min_vector_size must be an int from 0")
         if (bandwidth is not None or client_mode) and not isinstance(compression, NoCompression):
             raise ValueError("bandwidth and client_mode need compression=NoCompression(): the "
                              "butterfly all-reduce they use carries no codec yet")
         refuse = {
             "tensor_infos": tensor_infos is not None,
-            "min_vector_size": min_vector_size != 0,
             "allow_state_sharing": allow_state_sharing not in (None, False),
             "declare_state_period": declare_state_period != 30,
             "compression": type(compression) not in (NoCompression, Float16Compression,
@@ -266,6 +270,7 @@ class DecentralizedAverager:
         self._codec = compression._codec
         self._bandwidth = None if bandwidth is None else float(bandwidth)
         self._client_mode = client_mode
+        self._min_vector_size = min_vector_size
         self._min_wait_s = float(min_matchmaking_time)
         self._tensors = tensors
         self._count = sum(t.numel() for t in tensors)
@@ -306,7 +311,7 @@ class DecentralizedAverager:
             self._dht.broker, self._dht.cohort, self._dht.peer_id, self._prefix, self._bits,
             self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
             self._count, self._segment, _schema(self._tensors), _GATHER_MAX, self._shutdown_ms,
-            self._codec, self._bandwidth, self._client_mode)
+            self._codec, self._bandwidth, self._client_mode, self._min_vector_size)
         if await_ready:
             ms = 60000 if timeout is None else int(timeout * 1000)
             if not self._core.wait(ms):

@@ -55,9 +55,9 @@
  * round stays on the ring: the same equal shares, and its pipelining.
  *
  * Without tensors. The schema the broker compares is the codec's byte,
- * the count's eight and the caller's bytes, so an auxiliary averager
- * without tensors asks for any schema (matchmaker.h) and learns the count
- * and codec from the group's reply (take_schema), sizing its buffer then:
+ * the count's eight, min_vector_size's eight and the caller's bytes, so
+ * an auxiliary averager without tensors asks for any schema
+ * (matchmaker.h) and learns them from the group's reply (take_schema), sizing its buffer then:
  * it reduces its share like any member and contributes weight 0. The
  * count comes from another member, so it is capped (max_count).
  *
@@ -103,7 +103,8 @@ struct averager {
     uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
     size_t count, gather_max;
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];     /* the codec's byte, the count's eight,
-                                                 * then the caller's */
+                                                 * min_part's eight, then the
+                                                 * caller's */
     size_t schema_len;
     enum codec codec;
     char address[IDENT_ADDRESS_MAX + 1];
@@ -115,7 +116,8 @@ struct averager {
     pthread_cond_t member_cond;
     bool stop;
 
-    bool no_tensors;                /* count and codec come from each group */
+    bool no_tensors;                /* count, codec and min_part come from each group */
+    size_t min_part;                /* min_vector_size */
     size_t max_count;               /* without tensors: the most it takes */
     bool has_bandwidth, client;     /* what this member asks with */
     double bandwidth;
@@ -231,7 +233,8 @@ static size_t layout_floats(const struct averager *a, size_t n)
 
 static int reg(struct averager *a, void *p, size_t bytes, int *h);
 
-/* Without tensors: takes the group's count and codec from its schema
+/* Without tensors: takes the group's count, codec and min_part from its
+ * schema
  * (see averager_create) and sizes the buffer for them. Returns 0,
  * -EPROTO (a schema that is not an averager's, with *why), -EMSGSIZE
  * (more than max_count, or metadata a coded round cannot carry here,
@@ -243,12 +246,17 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
     enum codec codec;
     int rc;
 
-    if (schema->len < 9 || !codec_valid(schema->data[0])) {
+    uint64_t min_part = 0;
+
+    if (schema->len < 17 || !codec_valid(schema->data[0])) {
         *why = "a group schema that is not an averager's";
         return -EPROTO;
     }
     for (int i = 8; i >= 1; i--)
         count = count << 8 | schema->data[i];
+    for (int i = 16; i >= 9; i--)
+        min_part = min_part << 8 | schema->data[i];
+    a->min_part = min_part > SIZE_MAX ? SIZE_MAX : (size_t)min_part;
     codec = (enum codec)schema->data[0];
     if (count == 0) {
         *why = "a group schema of no elements";
@@ -481,7 +489,7 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
     }
     if (a->balanced) {
         /* Every member splits the same buffer by the same bandwidths. */
-        rc = allreduce_split(layout_floats(a, n), a->grp_bw, n, a->grp_parts);
+        rc = allreduce_split(layout_floats(a, n), a->grp_bw, n, a->min_part, a->grp_parts);
         if (rc == -ENODATA)
             snprintf(a->err, sizeof(a->err), "no member of the group can reduce: every one is "
                      "a client or has bandwidth 0");
@@ -756,16 +764,18 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
      * the top); an averager without tensors gives no schema and takes
      * both from its group (take_schema). */
     schema[0] = (uint8_t)cfg->codec;
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 8; i++) {
         schema[1 + i] = (uint8_t)((uint64_t)cfg->count >> (8 * i));
+        schema[9 + i] = (uint8_t)((uint64_t)cfg->min_vector_size >> (8 * i));
+    }
     if (cfg->schema_len)
-        memcpy(schema + 9, cfg->schema, cfg->schema_len);
+        memcpy(schema + 17, cfg->schema, cfg->schema_len);
     /* The broker would refuse what the matchmaker refuses: say so now. */
     check = (struct matchmaker_request){
         .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
         .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
         .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
-        .schema = schema, .schema_len = cfg->count ? cfg->schema_len + 9 : 0,
+        .schema = schema, .schema_len = cfg->count ? cfg->schema_len + 17 : 0,
         .has_bandwidth = cfg->has_bandwidth, .bandwidth = cfg->bandwidth,
         .client = cfg->client_mode, .any_schema = cfg->count == 0,
     };
@@ -795,6 +805,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     a->schema_len = check.schema_len;
     memcpy(a->schema, schema, a->schema_len);
     a->no_tensors = cfg->count == 0;
+    a->min_part = cfg->min_vector_size;
     a->max_count = cfg->max_count ? cfg->max_count : AVERAGER_AUX_COUNT_DEFAULT;
     a->codec = cfg->codec;
     a->has_bandwidth = cfg->has_bandwidth;

@@ -67,10 +67,10 @@ struct averager;
 #define AVERAGER_GATHER_MAX 65536u      /* bytes one member may gather */
 #define AVERAGER_DEFAULT_TIMEOUT_MS 30000u
 /* The broker compares a schema of MATCHMAKER_SCHEMA_MAX (64) bytes: the
- * averager's codec takes one, its count eight (so that an averager
- * without tensors learns both from its group), the caller's schema the
- * rest. */
-#define AVERAGER_SCHEMA_MAX 55u
+ * averager's codec takes one, its count eight and its min_vector_size
+ * eight (so that groups agree on them, and an averager without tensors
+ * learns them from its group), the caller's schema the rest. */
+#define AVERAGER_SCHEMA_MAX 47u
 /* The most elements an averager without tensors takes from a group,
  * unless configured. */
 #define AVERAGER_AUX_COUNT_DEFAULT ((size_t)1 << 26)
@@ -122,6 +122,10 @@ struct averager_config {
                                      * >= 0; 0 reduces nothing */
     bool client_mode;               /* contribute, reduce nothing, and never be
                                      * dialled: every connection is dialled out */
+    size_t min_vector_size;         /* hivemind's: in a butterfly round, a member
+                                     * whose share is worth fewer elements reduces
+                                     * nothing (allreduce_split's min_part). Part
+                                     * of the schema: a group agrees on it */
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns

@@ -66,6 +66,7 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     cfg.has_bandwidth = c->has_bandwidth;
     cfg.bandwidth = c->bandwidth;
     cfg.client_mode = c->client_mode;
+    cfg.min_vector_size = c->min_vector_size;
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;

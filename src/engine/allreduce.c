@@ -575,9 +575,10 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
     return rc;
 }
 
-int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t *parts)
+int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,
+                    size_t *parts)
 {
-    double share[ALLREDUCE_PARTS_MAX], given = 0, total = 0;
+    double share[ALLREDUCE_PARTS_MAX], given = 0, total = 0, most = 0, floor_share;
     size_t n_given = 0, left = count;
 
     if (!bandwidth || !parts || n == 0 || n > ALLREDUCE_PARTS_MAX)
@@ -597,6 +598,21 @@ int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t *par
     }
     if (!(total > 0))
         return -ENODATA;
+    /* hivemind's min_vector_size: shares too small to be worth a part
+     * are dropped, if any share is large enough. */
+    floor_share = (double)min_part / (double)(count ? count : 1);
+    for (size_t i = 0; i < n; i++)
+        most = share[i] > most ? share[i] : most;
+    if (min_part && most / total >= floor_share) {
+        double kept = 0;
+
+        for (size_t i = 0; i < n; i++) {
+            if (share[i] / total < floor_share)
+                share[i] = 0;
+            kept += share[i];
+        }
+        total = kept;
+    }
     for (size_t i = 0; i < n; i++) {
         double f = floor((double)count * (share[i] / total));
         size_t k = f < (double)left ? (size_t)f : left;

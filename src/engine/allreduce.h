@@ -203,12 +203,15 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
  * given" and counts as the mean of the positive ones given, or as 1 when
  * none is. Whole elements are handed out by the Hagenbach-Bischoff rule
  * hivemind uses: floor(count x share) each, then one at a time to the
- * largest share / (parts + 1), the lowest index on a tie. Deterministic
+ * largest share / (parts + 1), the lowest index on a tie. With min_part
+ * (hivemind's min_vector_size), shares worth fewer than min_part elements
+ * go to 0 first, unless every share is that small. Deterministic
  * (IEEE double arithmetic only), so every member computes the same parts.
  * Writes n entries of parts (the caller's); reads bandwidth. Returns 0, -EINVAL (n of 0 or over ALLREDUCE_PARTS_MAX, a bandwidth
  * that is NaN or infinite) or -ENODATA (every bandwidth is 0: nobody
  * would reduce). */
-int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t *parts);
+int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,
+                    size_t *parts);
 
 /* All-gathers a block of `block_bytes` (a multiple of 4) from the start
  * of registered buffer `in` from every member of the current epoch: member

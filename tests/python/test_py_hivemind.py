@@ -192,6 +192,9 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
     with pytest.raises(ValueError, match="group's compression"):
         hivemind.DecentralizedAverager(None, dht, start=False, prefix="x", auxiliary=True,
                                        compression=hivemind.Float16Compression())
+    for bad in (dict(min_vector_size=-1), dict(min_vector_size=1.5)):
+        with pytest.raises(ValueError, match="min_vector_size"):
+            hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
     for bad in (dict(bandwidth=-1.0), dict(bandwidth=float("inf")), dict(bandwidth=2e15)):
         with pytest.raises(ValueError, match="bandwidth"):
             hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)

@@ -270,10 +270,10 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
     q.min_matchmaking_ms = 300;
     q.timeout_ms = 60000;
     /* What an averager of "f32x16" without a codec sends: the codec's
-     * byte (CODEC_NONE), its count (16, eight bytes little-endian), then
-     * its schema. */
-    q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0f32x16";
-    q.schema.len = 15;
+     * byte (CODEC_NONE), its count (16, eight bytes little-endian), its
+     * min_vector_size (0, eight bytes), then its schema. */
+    q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0f32x16";
+    q.schema.len = 23;
     cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
 
     p[0].a = make("w-a", 3, 2, "", "f32x16");
@@ -939,5 +939,66 @@ Test(averager, an_averager_without_tensors_refuses_a_group_too_large)
     cr_assert(strstr(averager_last_error(p[0].a), "max_count"), "%s",
               averager_last_error(p[0].a));
     cr_assert_neq(p[1].rc, 0, "its partner is left without a group");
+    free_all(p, 2);
+}
+
+static struct averager *make_minvec(const char *id, uint32_t target, double bandwidth,
+                                    size_t min_vector_size)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/minvec", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .has_bandwidth = true, .bandwidth = bandwidth,
+        .min_vector_size = min_vector_size,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+/* Among members of one min_vector_size, the member whose share is too
+ * small (bandwidth 1 against 100 and 100) reduces nothing, and the
+ * average is still exact. */
+Test(averager, min_vector_size_keeps_the_average_exact)
+{
+    struct peer p[3] = { 0 };
+    char id[16];
+
+    for (int i = 0; i < 3; i++) {
+        snprintf(id, sizeof(id), "v-%d", i);
+        p[i].a = make_minvec(id, 3, i < 2 ? 100 : 1, 1000);
+        p[i].weight = i + 1;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(6 * i + j);
+    }
+    run_all(p, 3);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(p[i].rc, 0, "v-%d: %s", i, averager_last_error(p[i].a));
+        for (int j = 0; j < COUNT; j++)
+            /* (1 x j + 2 x (6 + j) + 3 x (12 + j)) / 6 */
+            cr_assert_eq(p[i].data[j], (float)(8 + j), "v-%d[%d] = %g", i, j, p[i].data[j]);
+    }
+    free_all(p, 3);
+}
+
+/* min_vector_size is part of what a group agrees on: of two averagers
+ * with different values asking at once, whichever asks second is
+ * refused, and the first finds too few. */
+Test(averager, averagers_of_different_min_vector_size_do_not_group)
+{
+    struct peer p[2] = { 0 };
+
+    p[0].a = make_minvec("u-0", 2, 1, 1000);
+    p[1].a = make_minvec("u-1", 2, 1, 10);
+    for (int i = 0; i < 2; i++) {
+        p[i].weight = 1;
+        p[i].timeout_ms = 3000;
+    }
+    run_all(p, 2);
+    cr_assert((p[0].rc == -EPROTO && p[1].rc == -ETIMEDOUT) ||
+              (p[0].rc == -ETIMEDOUT && p[1].rc == -EPROTO), "%d %d", p[0].rc, p[1].rc);
     free_all(p, 2);
 }

@@ -445,20 +445,37 @@ Test(butterfly, split_follows_hivemind_rules)
            mixed[5] = { 0, 0, 0, -1, -1 }, some[3] = { 2, -1, 4 }, zeros[3] = { 0, 0, 0 },
            bad[2] = { 1, NAN }, inf[2] = { 1, INFINITY };
 
-    cr_assert_eq(allreduce_split(60, quarter, 4, p), 0);
+    cr_assert_eq(allreduce_split(60, quarter, 4, 0, p), 0);
     for (size_t i = 0; i < 4; i++)
         cr_assert_eq(p[i], 15);
-    cr_assert_eq(allreduce_split(100, unset, 2, p), 0);
+    cr_assert_eq(allreduce_split(100, unset, 2, 0, p), 0);
     cr_assert(p[0] == 50 && p[1] == 50);
-    cr_assert_eq(allreduce_split(100, mixed, 5, p), 0);
+    cr_assert_eq(allreduce_split(100, mixed, 5, 0, p), 0);
     cr_assert(p[0] == 0 && p[1] == 0 && p[2] == 0 && p[3] == 50 && p[4] == 50);
     /* Not given: the mean of those given (3), so shares 2 : 3 : 4. */
-    cr_assert_eq(allreduce_split(900, some, 3, p), 0);
+    cr_assert_eq(allreduce_split(900, some, 3, 0, p), 0);
     cr_assert(p[0] == 200 && p[1] == 300 && p[2] == 400, "%zu %zu %zu", p[0], p[1], p[2]);
-    cr_assert_eq(allreduce_split(10, zeros, 3, p), -ENODATA);
-    cr_assert_eq(allreduce_split(10, bad, 2, p), -EINVAL);
-    cr_assert_eq(allreduce_split(10, inf, 2, p), -EINVAL);
-    cr_assert_eq(allreduce_split(10, quarter, 0, p), -EINVAL);
+    cr_assert_eq(allreduce_split(10, zeros, 3, 0, p), -ENODATA);
+    cr_assert_eq(allreduce_split(10, bad, 2, 0, p), -EINVAL);
+    cr_assert_eq(allreduce_split(10, inf, 2, 0, p), -EINVAL);
+    cr_assert_eq(allreduce_split(10, quarter, 0, 0, p), -EINVAL);
+}
+
+/* min_part (hivemind's min_vector_size): shares worth fewer elements go
+ * to 0 and the rest share their elements; unless every share is that
+ * small, when nothing changes. */
+Test(butterfly, split_drops_parts_below_min_part)
+{
+    size_t p[3], q[3];
+    double bw[3] = { 5, 4, 1 };
+
+    cr_assert_eq(allreduce_split(100, bw, 3, 11, p), 0);
+    cr_assert(p[0] == 56 && p[1] == 44 && p[2] == 0, "%zu %zu %zu", p[0], p[1], p[2]);
+    cr_assert_eq(allreduce_split(100, bw, 3, 10, p), 0);
+    cr_assert(p[0] == 50 && p[1] == 40 && p[2] == 10, "10 is not below 10: %zu", p[2]);
+    cr_assert_eq(allreduce_split(100, bw, 3, 60, p), 0);
+    cr_assert_eq(allreduce_split(100, bw, 3, 0, q), 0);
+    cr_assert(memcmp(p, q, sizeof(p)) == 0, "every share below 60: as without min_part");
 }
 
 Test(butterfly, split_is_proportional_and_whole)
@@ -469,7 +486,7 @@ Test(butterfly, split_is_proportional_and_whole)
     for (size_t count = 0; count < 3000; count += 97) {
         double total = 0;
 
-        cr_assert_eq(allreduce_split(count, bw, 6, p), 0);
+        cr_assert_eq(allreduce_split(count, bw, 6, 0, p), 0);
         cr_assert_eq(sum_of(p, 6), count);
         cr_assert_eq(p[3], 0, "bandwidth 0 reduces nothing");
         for (size_t i = 0; i < 6; i++)
