@@ -7,7 +7,10 @@ cohort's plain all-reduce, in the same run, on loopback.
   (cohort.hivemind, group bits that keep groups of --group).
   With --compression A,B,... (hivemind's class names: NoCompression,
   Float16Compression, BlockwiseQuantization) the averagers run a set of
-  rounds with each in turn, a row each.
+  rounds with each in turn, a row each. With --butterfly a further set
+  runs uncompressed with bandwidth=1 on every peer, which puts the round
+  on the butterfly all-reduce (equal parts) instead of the ring: the
+  row "algorithm": "butterfly", and its ratio to the ring's row.
 - allreduce: --group processes (4) all-reduce the same size with the
   group collective (the engine the Accumulator runs, through
   cohort._cohort.Group; no matchmaking).
@@ -24,6 +27,7 @@ hivemind itself is not installed here, so it is not in the table.
     /usr/bin/python3 bench/averager.py --peers 8 --group 4 --mib 16 --reps 5
     /usr/bin/python3 bench/averager.py --compression \
         NoCompression,Float16Compression,BlockwiseQuantization
+    /usr/bin/python3 bench/averager.py --butterfly
 """
 import argparse
 import json
@@ -39,6 +43,7 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 BUILD = os.path.abspath(os.environ.get("BUILD", os.path.join(ROOT, "build")))
 sys.path.insert(0, os.path.join(BUILD, "python"))
+BUTTERFLY = "butterfly"         # the variant name, beside the codecs'
 
 
 def start_broker(operator, log_path):
@@ -71,15 +76,17 @@ def averager_child(a, broker, k, turns, out):
     n = a.mib * (1 << 20) // 4
     nbits = int(math.log2(a.peers // a.group))
     bits = format(k // a.group, "0%db" % nbits) if nbits else ""
-    for codec in a.compression:
-        # One averager per codec, each its own peer and prefix.
+    for codec in a.variants:
+        # One averager per variant, each its own peer and prefix.
         dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="bench-avg",
                            peer_id="avg-%d-%s" % (k, codec))
+        butterfly = codec == BUTTERFLY
         av = hivemind.DecentralizedAverager(
             [torch.full((n,), float(k))], dht, start=True, prefix="bench-" + codec,
             target_group_size=a.group, min_group_size=a.group, initial_group_bits=bits,
             min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=60,
-            compression=getattr(hivemind, codec)())
+            compression=hivemind.NoCompression() if butterfly else getattr(hivemind, codec)(),
+            bandwidth=1.0 if butterfly else None)
         times = []
         for rep in range(a.reps + 1):
             turns.wait()                # the averagers' turn
@@ -110,7 +117,7 @@ def allreduce_child(a, broker, k, turns, out):
     t = torch.full((n,), float(k))
     buf = memoryview(t.view(torch.uint8).numpy())
     times = []
-    for rep in range(len(a.compression) * (a.reps + 1)):
+    for rep in range(len(a.variants) * (a.reps + 1)):
         turns.wait()
         turns.wait()
         t0 = time.perf_counter()
@@ -134,6 +141,8 @@ def main():
     ap.add_argument("--compression", default="NoCompression",
                     help="comma-separated: NoCompression, Float16Compression, "
                          "BlockwiseQuantization")
+    ap.add_argument("--butterfly", action="store_true",
+                    help="one more set of rounds on the butterfly (bandwidth=1 everywhere)")
     a = ap.parse_args()
     a.compression = a.compression.split(",")
     known = ("NoCompression", "Float16Compression", "BlockwiseQuantization")
@@ -144,6 +153,7 @@ def main():
         ap.error("need --group >= 2, --peers >= --group, --mib >= 1, --reps >= 1")
     if a.peers % a.group or (a.peers // a.group) & (a.peers // a.group - 1):
         ap.error("--peers must be --group times a power of two")
+    a.variants = a.compression + ([BUTTERFLY] if a.butterfly else [])
     os.makedirs(a.log_dir, exist_ok=True)
     broker, address = start_broker(a.operator, os.path.join(a.log_dir, "averager-broker.log"))
     ctx = multiprocessing.get_context("spawn")
@@ -157,7 +167,7 @@ def main():
         for p in procs:
             p.start()
         got, end = [], time.monotonic() + 1800
-        while len(got) < a.peers * len(a.compression) + a.group:
+        while len(got) < a.peers * len(a.variants) + a.group:
             try:
                 got.append(out.get(timeout=1))
             except queue.Empty:
@@ -175,8 +185,8 @@ def main():
         broker.wait()
     res = {}
     # The all-reduce ran reps rounds beside each codec's: all of them count.
-    rounds = {"allreduce": a.reps * len(a.compression)}
-    for system, codec in [("averager", c) for c in a.compression] + [("allreduce", None)]:
+    rounds = {"allreduce": a.reps * len(a.variants)}
+    for system, codec in [("averager", c) for c in a.variants] + [("allreduce", None)]:
         runs = [times for s, _, c, times in got if s == system and c == codec]
         n = rounds.get(system, a.reps)
         slowest = [max(r[i][0] for r in runs) for i in range(n)]
@@ -185,12 +195,19 @@ def main():
         row = {"system": system, "peers": len(runs),
                "group": a.group, "mib": a.mib, "ms_per_round": round(res[codec], 1)}
         if system == "averager":
-            row["compression"] = codec
+            row["compression"] = "NoCompression" if codec == BUTTERFLY else codec
+            row["algorithm"] = "butterfly" if codec == BUTTERFLY else "ring"
             row["matchmaking_ms"] = round(statistics.median(mm), 1)
         print(json.dumps(row), flush=True)
     for codec in a.compression:
         print(json.dumps({"averager/allreduce": round(res[codec] / res[None], 2),
                           "compression": codec}))
+    if a.butterfly:
+        print(json.dumps({"averager/allreduce": round(res[BUTTERFLY] / res[None], 2),
+                          "algorithm": "butterfly"}))
+        if "NoCompression" in a.compression:
+            print(json.dumps({"butterfly/ring": round(res[BUTTERFLY] / res["NoCompression"],
+                                                      2)}))
 
 
 if __name__ == "__main__":

@@ -544,9 +544,14 @@ struct cohort_averager_config {
     uint32_t min_matchmaking_ms;    /* wait this long for others before a group forms */
     uint32_t request_timeout_ms;    /* patience for the broker's answer past that; 0: 5 s */
     uint32_t allreduce_timeout_ms;  /* silence tolerated from a peer; 0: 30 s */
-    size_t count;                   /* float32 elements averaged */
+    size_t count;                   /* float32 elements averaged; 0: an auxiliary
+                                     * averager without tensors, which steps with
+                                     * weight 0 (data unused), joins groups of any
+                                     * schema and averages what its group does */
+    size_t max_count;               /* without tensors: the most elements it takes
+                                     * from a group; 0: 2^26 */
     size_t segment_bytes;           /* pipelining unit, a multiple of 8; 0: default */
-    const void *schema;             /* up to 63 bytes naming what is averaged
+    const void *schema;             /* up to 47 bytes naming what is averaged
                                      * (copied): only equal schemas group */
     size_t schema_len;
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */
@@ -555,6 +560,18 @@ struct cohort_averager_config {
                                      * (exact), FP16, BF16 or INT8 (float32 sums,
                                      * weights and gathered bytes exact); only
                                      * averagers of one compression group */
+    /* Load balancing (hivemind's bandwidth and client_mode), without
+     * compression only. In a group where any member gives a bandwidth or
+     * is a client, each member reduces a share of the round in proportion
+     * to its bandwidth (not given: the mean of those given) by a
+     * butterfly all-reduce; otherwise every member reduces an equal share. */
+    bool has_bandwidth;             /* false: bandwidth not given */
+    double bandwidth;               /* finite, 0 to 1e15; 0: reduce nothing */
+    bool client_mode;               /* contribute but reduce nothing, and accept no
+                                     * connection (every one is dialled out) */
+    size_t min_vector_size;         /* a member whose share is worth fewer elements
+                                     * reduces nothing (hivemind's); a group agrees
+                                     * on it as on the schema */
 };
 
 /* Joins the cohort as an averager; the key, the listen address and TLS to
@@ -577,6 +594,10 @@ struct cohort_averager_step {
     size_t gather_len;
     int timeout_ms;                 /* the whole step; 0: 30 s */
     bool allow_retries;             /* after a failed attempt, find a new group */
+    uint64_t scheduled_ms;          /* hivemind's scheduled_time, in ms since the Unix
+                                     * epoch: a group that formed earlier waits until
+                                     * then (within timeout_ms) before averaging;
+                                     * 0: at once */
 };
 
 /* One round. On 0 *out holds the result (the caller frees it with

@@ -1361,9 +1361,11 @@ static int pygroup_add(PyObject *m)
  *
  * _cohort.Averager(broker, cohort, id, prefix, bits, target, min,
  * min_matchmaking_ms, request_timeout_ms, allreduce_timeout_ms, count,
- * segment_bytes, schema, gather_max, leave_timeout_ms[, compression]):
- * one struct cohort_averager, for cohort.hivemind (compression: an enum
- * cohort_compression value, 0 by default). The averaged floats cross as a
+ * segment_bytes, schema, gather_max, leave_timeout_ms[, compression,
+ * bandwidth, client_mode, min_vector_size]): one struct cohort_averager, for
+ * cohort.hivemind (compression: an enum cohort_compression value, 0 by
+ * default; bandwidth: a float, or None when not given; client_mode: a
+ * bool). The averaged floats cross as a
  * writable buffer of exactly count float32; every call runs with the GIL
  * released and under the Averager's lock. */
 
@@ -1403,8 +1405,12 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
     static char *kwlist[] = { "broker", "cohort", "id", "prefix", "bits", "target", "min",
                               "min_matchmaking_ms", "request_timeout_ms",
                               "allreduce_timeout_ms", "count", "segment_bytes", "schema",
-                              "gather_max", "leave_timeout_ms", "compression", NULL };
+                              "gather_max", "leave_timeout_ms", "compression", "bandwidth",
+                              "client_mode", "min_vector_size", NULL };
     struct cohort_averager_config c = { 0 };
+    PyObject *bandwidth = Py_None;
+    int client_mode = 0;
+    unsigned long long min_vector_size = 0;
     unsigned long long count = 0, segment = 0, gather_max = 0;
     int compression = COHORT_COMPRESSION_NONE;
     Py_buffer schema = { 0 };
@@ -1415,13 +1421,24 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
         PyErr_SetString(PyExc_RuntimeError, "Averager.__init__ may be called once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|i", kwlist, &c.broker,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOpK", kwlist, &c.broker,
                                      &c.cohort, &c.id, &c.prefix, &c.initial_bits,
                                      &c.target_group_size, &c.min_group_size,
                                      &c.min_matchmaking_ms, &c.request_timeout_ms,
                                      &c.allreduce_timeout_ms, &count, &segment, &schema,
-                                     &gather_max, &c.leave_timeout_ms, &compression))
+                                     &gather_max, &c.leave_timeout_ms, &compression,
+                                     &bandwidth, &client_mode, &min_vector_size))
         return -1;
+    c.min_vector_size = (size_t)min_vector_size;
+    if (bandwidth != Py_None) {
+        c.has_bandwidth = true;
+        c.bandwidth = PyFloat_AsDouble(bandwidth);
+        if (c.bandwidth == -1.0 && PyErr_Occurred()) {
+            PyBuffer_Release(&schema);
+            return -1;
+        }
+    }
+    c.client_mode = client_mode != 0;
     c.compression = (enum cohort_compression)compression;
     c.count = (size_t)count;
     c.segment_bytes = (size_t)segment;
@@ -1502,13 +1519,15 @@ static PyObject *pyaverager_step(struct pyaverager *self, PyObject *args)
     struct cohort_averager_result *r = NULL;
     Py_buffer b, g;
     int retries, rc;
+    unsigned long long scheduled = 0;
     PyObject *list = NULL, *out = NULL;
 
     if (averager_open(self) < 0)
         return NULL;
-    if (!PyArg_ParseTuple(args, "w*ddy*ip", &b, &st.weight, &st.alpha, &g, &st.timeout_ms,
-                          &retries))
+    if (!PyArg_ParseTuple(args, "w*ddy*ip|K", &b, &st.weight, &st.alpha, &g, &st.timeout_ms,
+                          &retries, &scheduled))
         return NULL;
+    st.scheduled_ms = (uint64_t)scheduled;
     if (b.len % 4 != 0) {
         PyBuffer_Release(&b);
         PyBuffer_Release(&g);
@@ -1581,7 +1600,7 @@ static PyMethodDef pyaverager_methods[] = {
     { "wait", (PyCFunction)pyaverager_wait, METH_O,
       "wait(timeout_ms) -> bool: whether the averager has joined the cohort." },
     { "step", (PyCFunction)pyaverager_step, METH_VARARGS,
-      "step(buffer, weight, alpha, gather, timeout_ms, allow_retries) -> "
+      "step(buffer, weight, alpha, gather, timeout_ms, allow_retries[, scheduled_ms]) -> "
       "(group, attempts, matchmaking_ms, [(id, weight, gathered), ...])." },
     { "bits", (PyCFunction)pyaverager_bits, METH_NOARGS, "The group bits." },
     { "set_bits", (PyCFunction)pyaverager_set_bits, METH_O, "set_bits(str)." },

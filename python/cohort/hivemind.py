@@ -25,19 +25,37 @@ codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
 
+`bandwidth` and `client_mode` balance the load as in hivemind: in a
+group where any peer gives a bandwidth or is a client, each peer reduces
+a share of the round in proportion to its bandwidth (None: the mean of
+those given; 0: none) by a butterfly all-reduce, and a client reduces
+nothing and accepts no connection (it dials out to every reducer). Both
+need NoCompression. In such a round, `min_vector_size` drops the shares
+worth fewer elements (peers that use different values do not group).
+`step(scheduled_time=t)` (time.time() seconds) starts matchmaking at
+t - min_matchmaking_time and begins the all-reduce at t: a group that
+formed earlier waits until then.
+
 Arguments of hivemind's constructor that cohort does not carry out yet
-are refused with a ValueError that says so, never ignored: client_mode,
-bandwidth, tensor_infos, min_vector_size, state sharing, compression
-of any other class (Uniform8BitQuantization, ...), state_compression
-other than NoCompression, daemon=False.
+are refused with a ValueError that says so, never ignored: tensor_infos,
+state sharing, compression of any other class
+(Uniform8BitQuantization, ...), state_compression other than
+NoCompression, daemon=False.
+
+An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
+`auxiliary=True`): it joins groups of any tensors, learns their size and
+compression from its group, and reduces its share of each round like any
+peer; get_tensors() gives it an empty list.
 
 Gathered objects cross as JSON (hivemind uses msgpack): peers may lie,
 and JSON cannot run code on the receiving side.
 """
 import hashlib
 import json
+import math
 import os
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 
@@ -145,6 +163,7 @@ class StepControl:
         if not require_trigger:
             self._trigger.set()
         self._cancelled = False
+        self._scheduled = False     # waiting for scheduled_time: still cancellable
         self._result = None
         self._error = None
 
@@ -158,7 +177,8 @@ class StepControl:
     def cancel(self):
         """Cancels the step if it has not begun averaging. Returns whether
         it was cancelled."""
-        if self._done.is_set() or (self._trigger.is_set() and not self._cancelled):
+        if self._done.is_set() or (self._trigger.is_set() and not self._cancelled and
+                                    not self._scheduled):
             return False
         self._cancelled = True
         self._trigger.set()
@@ -194,9 +214,12 @@ class DecentralizedAverager:
             raise TypeError("dht must be a cohort.hivemind.DHT")
         if dht._averager is not None:
             raise ValueError("this DHT already has an averager: its peer_id names one member")
-        tensors = [t for t in averaged_tensors]
-        if not tensors:
-            raise ValueError("averaged_tensors is empty")
+        tensors = [t for t in averaged_tensors] if averaged_tensors is not None else []
+        if not tensors and not auxiliary:
+            raise ValueError("averaged_tensors is empty: only an auxiliary peer may have none")
+        if not tensors and not isinstance(compression, NoCompression):
+            raise ValueError("an auxiliary peer without tensors averages with its group's "
+                             "compression: leave compression at NoCompression()")
         for t in tensors:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise TypeError("averaged_tensors must be floating-point torch tensors")
@@ -212,11 +235,20 @@ class DecentralizedAverager:
             raise ValueError("need 1 <= min_group_size <= target_group_size <= %d" % _GROUP_MAX)
         if not all(c in "01" for c in initial_group_bits) or len(initial_group_bits) > 64:
             raise ValueError("initial_group_bits must be at most 64 characters of 0 and 1")
+        if bandwidth is not None:
+            if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)):
+                raise TypeError("bandwidth must be a number or None")
+            if not (math.isfinite(bandwidth) and 0 <= bandwidth <= 1e15):
+                raise ValueError("bandwidth must be finite, from 0 to 1e15")
+        client_mode = bool(client_mode)
+        if isinstance(min_vector_size, bool) or not isinstance(min_vector_size, int) \
+                or not 0 <= min_vector_size < 2 ** 62:
+            raise ValueError("min_vector_size must be an int from 0")
+        if (bandwidth is not None or client_mode) and not isinstance(compression, NoCompression):
+            raise ValueError("bandwidth and client_mode need compression=NoCompression(): the "
+                             "butterfly all-reduce they use carries no codec yet")
         refuse = {
-            "client_mode": client_mode not in (None, False),
-            "bandwidth": bandwidth is not None,
             "tensor_infos": tensor_infos is not None,
-            "min_vector_size": min_vector_size != 0,
             "allow_state_sharing": allow_state_sharing not in (None, False),
             "declare_state_period": declare_state_period != 30,
             "compression": type(compression) not in (NoCompression, Float16Compression,
@@ -236,6 +268,10 @@ class DecentralizedAverager:
         if self._silence_ms <= 0:
             raise ValueError("timeouts must be positive")
         self._codec = compression._codec
+        self._bandwidth = None if bandwidth is None else float(bandwidth)
+        self._client_mode = client_mode
+        self._min_vector_size = min_vector_size
+        self._min_wait_s = float(min_matchmaking_time)
         self._tensors = tensors
         self._count = sum(t.numel() for t in tensors)
         self._dht = dht
@@ -275,7 +311,7 @@ class DecentralizedAverager:
             self._dht.broker, self._dht.cohort, self._dht.peer_id, self._prefix, self._bits,
             self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
             self._count, self._segment, _schema(self._tensors), _GATHER_MAX, self._shutdown_ms,
-            self._codec)
+            self._codec, self._bandwidth, self._client_mode, self._min_vector_size)
         if await_ready:
             ms = 60000 if timeout is None else int(timeout * 1000)
             if not self._core.wait(ms):
@@ -356,8 +392,9 @@ class DecentralizedAverager:
         averaged peer's id to what it gathered; on failure None (wait=True)
         or a StepControl whose result() raises AllreduceException."""
         if scheduled_time is not None:
-            raise ValueError("scheduled_time is not supported: groups form when the broker has "
-                             "them (min_matchmaking_time)")
+            if isinstance(scheduled_time, bool) or not isinstance(scheduled_time, (int, float)) \
+                    or not math.isfinite(scheduled_time):
+                raise TypeError("scheduled_time must be a finite time.time() value")
         if weight is None:
             weight = 1.0
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
@@ -376,7 +413,8 @@ class DecentralizedAverager:
             raise RuntimeError("the averager is not running: start=True or run_in_background()")
         control = StepControl(require_trigger)
         timeout_ms = 30000 if timeout is None else max(1, int(timeout * 1000))
-        args = (control, float(weight), blob, timeout_ms, bool(allow_retries))
+        scheduled = None if scheduled_time is None else float(scheduled_time)
+        args = (control, float(weight), blob, timeout_ms, bool(allow_retries), scheduled)
         if not wait:
             threading.Thread(target=self._run_step, args=args, daemon=True).start()
             return control
@@ -386,11 +424,23 @@ class DecentralizedAverager:
         except AllreduceException:
             return None
 
-    def _run_step(self, control, weight, blob, timeout_ms, allow_retries):
+    def _run_step(self, control, weight, blob, timeout_ms, allow_retries, scheduled=None):
         try:
             control._trigger.wait()
             if control._cancelled:
                 return
+            if scheduled is not None:
+                # Matchmaking starts min_matchmaking_time ahead; this wait
+                # is cancellable, on the clock in short naps so that a
+                # cancel is seen promptly. A group that forms earlier
+                # waits in the step itself until the scheduled time.
+                start_at = scheduled - self._min_wait_s
+                control._scheduled = True
+                while not control._cancelled and time.time() < start_at:
+                    time.sleep(min(0.05, max(0.0, start_at - time.time())))
+                control._scheduled = False
+                if control._cancelled:
+                    return
             with self._step_lock:
                 core = self._core
                 if core is None:
@@ -403,8 +453,9 @@ class DecentralizedAverager:
                         off += n
                 buf = memoryview(self._flat.view(torch.uint8).numpy())
                 try:
-                    group, attempts, mm_ms, members = core.step(buf, weight, self._alpha, blob,
-                                                                timeout_ms, allow_retries)
+                    group, attempts, mm_ms, members = core.step(
+                        buf, weight, self._alpha, blob, timeout_ms, allow_retries,
+                        0 if scheduled is None else max(1, int(scheduled * 1000)))
                 except _cohort.Error as e:
                     raise AllreduceException(str(e)) from None
                 if weight > 0:

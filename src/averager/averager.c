@@ -41,6 +41,26 @@
  * only averagers of one codec group (the engine would refuse the frames
  * of another anyway, but only after the group had formed).
  *
+ * Load balancing. The broker hands every member of a group each member's
+ * bandwidth and client flag, as they asked. When any is given the round
+ * is the engine's butterfly (allreduce_run_parts) with parts from
+ * allreduce_split over the whole buffer (values and metadata), a client
+ * counting as bandwidth 0; every member computes the same parts from the
+ * same reply. The round's member order puts clients first (each half in
+ * the natural order of ids), because the member lower in the order dials
+ * (engine/conn.c) and a member without a part talks only to members with
+ * one: so a client dials every connection it has and is dialled by
+ * nobody, and may sit behind NAT. The epoch the engine runs is that
+ * order; the result's ids follow it. Without any bandwidth or client the
+ * round stays on the ring: the same equal shares, and its pipelining.
+ *
+ * Without tensors. The schema the broker compares is the codec's byte,
+ * the count's eight, min_vector_size's eight and the caller's bytes, so
+ * an auxiliary averager without tensors asks for any schema
+ * (matchmaker.h) and learns them from the group's reply (take_schema), sizing its buffer then:
+ * it reduces its share like any member and contributes weight 0. The
+ * count comes from another member, so it is capped (max_count).
+ *
  * Exclusion. The engine fails a call at every member within its member
  * timeout when a peer stalls or dies. The members that are still alive
  * then ask the broker again and form a group without the stalled one,
@@ -55,6 +75,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/clock.h"
@@ -81,7 +102,9 @@ struct averager {
     char bits[MATCHMAKER_BITS_MAX + 1];
     uint32_t target, min, min_wait_ms, request_timeout_ms, leave_timeout_ms;
     size_t count, gather_max;
-    uint8_t schema[MATCHMAKER_SCHEMA_MAX];     /* the codec's byte, then the caller's */
+    uint8_t schema[MATCHMAKER_SCHEMA_MAX];     /* the codec's byte, the count's eight,
+                                                 * min_part's eight, then the
+                                                 * caller's */
     size_t schema_len;
     enum codec codec;
     char address[IDENT_ADDRESS_MAX + 1];
@@ -92,6 +115,16 @@ struct averager {
     pthread_mutex_t lock;
     pthread_cond_t member_cond;
     bool stop;
+
+    bool no_tensors;                /* count, codec and min_part come from each group */
+    size_t min_part;                /* min_vector_size */
+    size_t max_count;               /* without tensors: the most it takes */
+    bool has_bandwidth, client;     /* what this member asks with */
+    double bandwidth;
+    /* The group matchmake() returned, in the round's member order. */
+    bool balanced;                  /* some member gave a bandwidth or is a client */
+    double grp_bw[MATCHMAKER_GROUP_MAX];    /* -1: not given; 0 for clients */
+    size_t grp_parts[MATCHMAKER_GROUP_MAX];
 
     float *sum;                 /* layout_floats(target): the attempt's buffer */
     int h_sum;
@@ -172,6 +205,154 @@ static void mm_end(void *arg, const struct rpc_status *st)
     pthread_mutex_unlock(&w->lock);
 }
 
+/* Gathered bytes travel two to a float32, as an integer from 0 to 65535,
+ * which float32 holds exactly and a sum with zeros leaves exact. */
+static size_t gather_words(size_t bytes)
+{
+    return (bytes + 1) / 2;
+}
+
+/* Where the metadata starts: after the values, rounded up to 8 bytes so
+ * that it can be registered as a buffer of its own. */
+static size_t meta_offset(const struct averager *a)
+{
+    return (a->count + 1) & ~(size_t)1;
+}
+
+/* Floats of the metadata part for a group of n. */
+static size_t meta_floats(const struct averager *a, size_t n)
+{
+    return n * (2 + gather_words(a->gather_max));
+}
+
+/* Floats of one attempt's buffer for a group of n. */
+static size_t layout_floats(const struct averager *a, size_t n)
+{
+    return meta_offset(a) + meta_floats(a, n);
+}
+
+static int reg(struct averager *a, void *p, size_t bytes, int *h);
+
+/* Without tensors: takes the group's count, codec and min_part from its
+ * schema
+ * (see averager_create) and sizes the buffer for them. Returns 0,
+ * -EPROTO (a schema that is not an averager's, with *why), -EMSGSIZE
+ * (more than max_count, or metadata a coded round cannot carry here,
+ * with *why) or -ENOMEM. */
+static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, const char **why)
+{
+    uint64_t count = 0;
+    size_t old_count = a->count;
+    enum codec codec;
+    int rc;
+
+    uint64_t min_part = 0;
+
+    if (schema->len < 17 || !codec_valid(schema->data[0])) {
+        *why = "a group schema that is not an averager's";
+        return -EPROTO;
+    }
+    for (int i = 8; i >= 1; i--)
+        count = count << 8 | schema->data[i];
+    for (int i = 16; i >= 9; i--)
+        min_part = min_part << 8 | schema->data[i];
+    a->min_part = min_part > SIZE_MAX ? SIZE_MAX : (size_t)min_part;
+    codec = (enum codec)schema->data[0];
+    if (count == 0) {
+        *why = "a group schema of no elements";
+        return -EPROTO;
+    }
+    if (count > a->max_count) {
+        *why = "the group averages more elements than this averager without tensors takes "
+               "(max_count)";
+        return -EMSGSIZE;
+    }
+    a->codec = codec;
+    /* A coded round's metadata call must be recursive doubling at every
+     * member (see the top); this engine has the default threshold. */
+    if (codec != CODEC_NONE && meta_floats(a, a->target) * sizeof(float) > CODED_SMALL_BYTES) {
+        *why = "an averager without tensors cannot join a compressed group this large "
+               "(its metadata exceeds the engine's recursive doubling)";
+        return -EMSGSIZE;
+    }
+    if (a->sum && count == old_count)
+        return 0;
+    if (a->h_sum >= 0)
+        allreduce_unregister(a->ar, a->h_sum);
+    if (a->h_meta >= 0)
+        allreduce_unregister(a->ar, a->h_meta);
+    a->h_sum = a->h_meta = -1;
+    free(a->sum);
+    a->count = (size_t)count;
+    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
+    if (!a->sum) {
+        a->count = 0;
+        return -ENOMEM;
+    }
+    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
+        (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
+                  &a->h_meta)) < 0) {
+        /* Cannot happen with two free handles; if it did, start over
+         * at the next group. */
+        if (a->h_sum >= 0)
+            allreduce_unregister(a->ar, a->h_sum);
+        a->h_sum = -1;
+        free(a->sum);
+        a->sum = NULL;
+        a->count = 0;
+        return rc;
+    }
+    return 0;
+}
+
+/* Reorders group *e (checked, in the natural order of ids) with its
+ * clients first, each half in its order, and notes every member's
+ * bandwidth in that order (see the top). Replaces *e on 0. Returns 0,
+ * -EPROTO (a reply whose bandwidths or client flags do not fit its
+ * members, with *why set) or -ENOMEM. */
+static int clients_first(struct averager *a, const Cohort__V1__MatchmakeReply *rep,
+                         struct epoch **e, const char **why)
+{
+    size_t n = (*e)->n_members, k = 0;
+    struct epoch_member m[MATCHMAKER_GROUP_MAX];
+    struct epoch *re;
+    int rc;
+
+    /* An older broker sends neither list: nobody gave anything. */
+    if ((rep->n_bandwidths != n && rep->n_bandwidths != 0) ||
+        rep->n_client_mode != rep->n_bandwidths) {
+        *why = "bandwidths or client flags that do not match its members";
+        return -EPROTO;
+    }
+    a->balanced = false;
+    for (size_t i = 0; i < rep->n_bandwidths; i++) {
+        double bw = rep->bandwidths[i];
+
+        if (!isfinite(bw) || bw > MATCHMAKER_BANDWIDTH_MAX) {
+            *why = "a bandwidth that is not a number in range";
+            return -EPROTO;
+        }
+        a->balanced |= bw >= 0 || rep->client_mode[i];
+    }
+    if (!a->balanced)
+        return 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (size_t i = 0; i < n; i++) {
+            bool client = rep->client_mode[i];
+
+            if (client != (pass == 0))
+                continue;
+            m[k] = (*e)->members[i];
+            a->grp_bw[k++] = client ? 0 : rep->bandwidths[i] < 0 ? -1 : rep->bandwidths[i];
+        }
+    rc = epoch_create((*e)->cohort, (*e)->number, 0, m, n, &re);
+    if (rc < 0)
+        return rc;
+    epoch_unref(*e);
+    *e = re;
+    return 0;
+}
+
 /* Asks the broker for a group, waiting at most timeout_ms for it. On 0
  * *out is the group as an epoch (checked: valid, unique, ordered ids),
  * which the caller unrefs. */
@@ -192,6 +373,10 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
     q.timeout_ms = timeout_ms;
     q.schema.data = a->schema;
     q.schema.len = a->schema_len;
+    q.has_bandwidth = a->has_bandwidth;
+    q.bandwidth = a->bandwidth;
+    q.client_mode = a->client;
+    q.any_schema = a->no_tensors;
     pthread_mutex_init(&w.lock, NULL);
     clock_cond_init(&w.cond);
     rc = member_matchmake(a->member, &q, mm_msg, mm_end, &w, &watch);
@@ -244,9 +429,18 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                 epoch_unref(*out);
                 rc = -EPROTO;
                 why = "a group that does not list this averager";
+            } else if (rc == 0) {
+                if (a->no_tensors)
+                    rc = take_schema(a, &w.rep->schema, &why);
+                if (rc == 0)
+                    rc = clients_first(a, w.rep, out, &why);
+                if (rc < 0)
+                    epoch_unref(*out);
             }
         }
-        if (rc < 0)
+        if (rc == -EMSGSIZE)
+            snprintf(a->err, sizeof(a->err), "%s", why);
+        else if (rc < 0)
             snprintf(a->err, sizeof(a->err), "the broker sent a bad group: %s",
                      why ? why : log_strerror(rc));
     }
@@ -259,32 +453,6 @@ out:
 }
 
 /* ---- one attempt ------------------------------------------------------------ */
-
-/* Gathered bytes travel two to a float32, as an integer from 0 to 65535,
- * which float32 holds exactly and a sum with zeros leaves exact. */
-static size_t gather_words(size_t bytes)
-{
-    return (bytes + 1) / 2;
-}
-
-/* Where the metadata starts: after the values, rounded up to 8 bytes so
- * that it can be registered as a buffer of its own. */
-static size_t meta_offset(const struct averager *a)
-{
-    return (a->count + 1) & ~(size_t)1;
-}
-
-/* Floats of the metadata part for a group of n. */
-static size_t meta_floats(const struct averager *a, size_t n)
-{
-    return n * (2 + gather_words(a->gather_max));
-}
-
-/* Floats of one attempt's buffer for a group of n. */
-static size_t layout_floats(const struct averager *a, size_t n)
-{
-    return meta_offset(a) + meta_floats(a, n);
-}
 
 static bool retryable(int rc)
 {
@@ -319,7 +487,16 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
 
         words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
     }
-    if (a->codec == CODEC_NONE)
+    if (a->balanced) {
+        /* Every member splits the same buffer by the same bandwidths. */
+        rc = allreduce_split(layout_floats(a, n), a->grp_bw, n, a->min_part, a->grp_parts);
+        if (rc == -ENODATA)
+            snprintf(a->err, sizeof(a->err), "no member of the group can reduce: every one is "
+                     "a client or has bandwidth 0");
+        if (rc == 0)
+            rc = allreduce_run_parts(a->ar, a->h_sum, a->h_sum, layout_floats(a, n), DTYPE_F32,
+                                     DTYPE_SUM, 0, a->grp_parts, n, 1);
+    } else if (a->codec == CODEC_NONE)
         rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
     else
         rc = allreduce_run(a->ar, a->h_meta, meta_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
@@ -416,6 +593,24 @@ static void move_bits(struct averager *a, size_t index)
     memmove(a->bits, joined + strlen(joined) - len, len + 1);
 }
 
+/* Sleeps until wall-clock time begin_at_ms (0: not at all), or until the
+ * monotonic `end`, whichever comes first. */
+static void wait_for_schedule(uint64_t begin_at_ms, uint64_t end)
+{
+    for (;;) {
+        struct timespec ts;
+        uint64_t wall, now = clock_now_ms(), nap;
+
+        clock_gettime(CLOCK_REALTIME, &ts);
+        wall = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+        if (!begin_at_ms || wall >= begin_at_ms || now >= end)
+            return;
+        nap = begin_at_ms - wall < end - now ? begin_at_ms - wall : end - now;
+        /* In naps, so that a wall clock stepped meanwhile is seen. */
+        usleep((useconds_t)(nap > 50 ? 50 : nap) * 1000);
+    }
+}
+
 int averager_step(struct averager *a, const struct averager_step *s,
                   struct averager_result **out)
 {
@@ -425,8 +620,14 @@ int averager_step(struct averager *a, const struct averager_step *s,
     int rc = -ETIMEDOUT;
 
     a->err[0] = '\0';
-    if (!s->data || !isfinite(s->weight) || s->weight < 0 || !(s->alpha > 0 && s->alpha <= 1) ||
-        s->gather_len > a->gather_max || (s->gather_len && !s->gather)) {
+    if (a->no_tensors && s->weight != 0) {
+        snprintf(a->err, sizeof(a->err), "an averager without tensors contributes nothing: "
+                 "its weight must be 0");
+        return -EINVAL;
+    }
+    if ((!s->data && !a->no_tensors) || !isfinite(s->weight) || s->weight < 0 ||
+        !(s->alpha > 0 && s->alpha <= 1) || s->gather_len > a->gather_max ||
+        (s->gather_len && !s->gather)) {
         snprintf(a->err, sizeof(a->err), "bad step: the weight must be finite and at least 0, "
                  "alpha in (0, 1], and the gather at most %zu bytes", a->gather_max);
         return -EINVAL;
@@ -449,6 +650,8 @@ int averager_step(struct averager *a, const struct averager_step *s,
         }
         if (rc < 0)
             return rc;
+        if (attempts == 0)
+            wait_for_schedule(s->begin_at_ms, end);
         attempts++;
         rc = attempt(a, e, s, &total, &r);
         if (rc == 0) {
@@ -549,21 +752,32 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
 
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];
 
-    if (!cfg || !cfg->broker || !cfg->host || cfg->count == 0 ||
-        cfg->count > ((size_t)1 << 30) || cfg->gather_max > AVERAGER_GATHER_MAX ||
+    if (!cfg || !cfg->broker || !cfg->host || cfg->count > ((size_t)1 << 30) ||
+        cfg->max_count > ((size_t)1 << 30) || (cfg->count == 0 && cfg->codec != CODEC_NONE) || cfg->gather_max > AVERAGER_GATHER_MAX ||
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
         (cfg->schema_len && !cfg->schema))
         return -EINVAL;
-    /* The codec is part of what the broker compares (see the top). */
+    /* The butterfly takes no codec (engine/allreduce.h). */
+    if ((cfg->has_bandwidth || cfg->client_mode) && cfg->codec != CODEC_NONE)
+        return -EINVAL;
+    /* The codec and the count are part of what the broker compares (see
+     * the top); an averager without tensors gives no schema and takes
+     * both from its group (take_schema). */
     schema[0] = (uint8_t)cfg->codec;
+    for (int i = 0; i < 8; i++) {
+        schema[1 + i] = (uint8_t)((uint64_t)cfg->count >> (8 * i));
+        schema[9 + i] = (uint8_t)((uint64_t)cfg->min_vector_size >> (8 * i));
+    }
     if (cfg->schema_len)
-        memcpy(schema + 1, cfg->schema, cfg->schema_len);
+        memcpy(schema + 17, cfg->schema, cfg->schema_len);
     /* The broker would refuse what the matchmaker refuses: say so now. */
     check = (struct matchmaker_request){
         .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
         .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
         .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
-        .schema = schema, .schema_len = cfg->schema_len + 1,
+        .schema = schema, .schema_len = cfg->count ? cfg->schema_len + 17 : 0,
+        .has_bandwidth = cfg->has_bandwidth, .bandwidth = cfg->bandwidth,
+        .client = cfg->client_mode, .any_schema = cfg->count == 0,
     };
     if (matchmaker_check(&check, why, sizeof(why)) < 0)
         return -EINVAL;
@@ -588,11 +802,18 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
                                                 : LIMIT_LEAVE_TIMEOUT_MS;
     a->count = cfg->count;
     a->gather_max = cfg->gather_max ? cfg->gather_max : DEFAULT_GATHER_MAX;
-    memcpy(a->schema, schema, cfg->schema_len + 1);
-    a->schema_len = cfg->schema_len + 1;
+    a->schema_len = check.schema_len;
+    memcpy(a->schema, schema, a->schema_len);
+    a->no_tensors = cfg->count == 0;
+    a->min_part = cfg->min_vector_size;
+    a->max_count = cfg->max_count ? cfg->max_count : AVERAGER_AUX_COUNT_DEFAULT;
     a->codec = cfg->codec;
-    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
-    if (!a->cohort || !a->id || !a->prefix || !a->sum) {
+    a->has_bandwidth = cfg->has_bandwidth;
+    a->bandwidth = cfg->bandwidth;
+    a->client = cfg->client_mode;
+    /* Without tensors the buffer waits for the first group's count. */
+    a->sum = a->no_tensors ? NULL : calloc(layout_floats(a, a->target), sizeof(float));
+    if (!a->cohort || !a->id || !a->prefix || (!a->sum && !a->no_tensors)) {
         rc = -ENOMEM;
         goto err;
     }
@@ -616,9 +837,10 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     rc = allreduce_create(&ac, &a->ar);
     if (rc < 0)
         goto err;
-    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
-        (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
-                  &a->h_meta)) < 0)
+    if (!a->no_tensors &&
+        ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
+         (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
+                   &a->h_meta)) < 0))
         goto err;
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;

@@ -36,6 +36,13 @@
  *     (n + 1) x 2^-11 x max|x| among n members (codec.h gives each
  *     codec's bound per encoding). Averagers of different codecs never
  *     group: the codec is part of the schema the broker compares.
+ *   - Load balancing: in a group where a member declared a bandwidth or
+ *     is a client, member i reduces a part of the round's buffer in
+ *     proportion to its bandwidth (a client, none; not given, the mean
+ *     of those given), by the engine's butterfly (allreduce_run_parts).
+ *     Clients come first in the round's member order, so that every
+ *     connection they take part in is theirs to dial: a client accepts
+ *     none.
  *   - After a step the group bits move (hivemind's key manager): the
  *     member's index in its group, in log2(target) bits, is shifted in at
  *     the right and as many bits drop off at the left, so that with bits
@@ -60,8 +67,13 @@ struct averager;
 #define AVERAGER_GATHER_MAX 65536u      /* bytes one member may gather */
 #define AVERAGER_DEFAULT_TIMEOUT_MS 30000u
 /* The broker compares a schema of MATCHMAKER_SCHEMA_MAX (64) bytes: the
- * averager's codec takes one, the caller's schema the rest. */
-#define AVERAGER_SCHEMA_MAX 63u
+ * averager's codec takes one, its count eight and its min_vector_size
+ * eight (so that groups agree on them, and an averager without tensors
+ * learns them from its group), the caller's schema the rest. */
+#define AVERAGER_SCHEMA_MAX 47u
+/* The most elements an averager without tensors takes from a group,
+ * unless configured. */
+#define AVERAGER_AUX_COUNT_DEFAULT ((size_t)1 << 26)
 
 struct averager_config {
     const char *broker;             /* broker address; copied */
@@ -81,7 +93,15 @@ struct averager_config {
                                      * part_size_bytes), a multiple of 8; 0: the
                                      * engine's default */
     uint32_t leave_timeout_ms;      /* averager_destroy's Leave; 0: the default */
-    size_t count;                   /* float32 elements averaged, at least 1 */
+    size_t count;                   /* float32 elements averaged; 0: an auxiliary
+                                     * averager without tensors of its own, which
+                                     * steps with weight 0 (data unused), joins its
+                                     * bucket whatever the others' schema, and
+                                     * averages what its group does (count and codec
+                                     * from the group's schema) */
+    size_t max_count;               /* without tensors: the largest count it takes
+                                     * from a group (its buffer is sized by it);
+                                     * 0: AVERAGER_AUX_COUNT_DEFAULT */
     const void *schema;             /* what is averaged (shapes, dtypes), copied; at
                                      * most AVERAGER_SCHEMA_MAX bytes; averagers
                                      * group only with those that give the same */
@@ -93,6 +113,19 @@ struct averager_config {
                                      * CODEC_NONE (0): float32, exact. Part of what
                                      * the broker compares: averagers group only
                                      * with those that give the same codec */
+    /* Load balancing (hivemind's). In a group where any member gives a
+     * bandwidth or is a client, the round is a butterfly whose parts
+     * follow the bandwidths (allreduce_split); otherwise the ring's equal
+     * shares. Only without a codec (-EINVAL otherwise). */
+    bool has_bandwidth;             /* false: not given (hivemind's None) */
+    double bandwidth;               /* this member's share of the reduction, finite,
+                                     * >= 0; 0 reduces nothing */
+    bool client_mode;               /* contribute, reduce nothing, and never be
+                                     * dialled: every connection is dialled out */
+    size_t min_vector_size;         /* hivemind's: in a butterfly round, a member
+                                     * whose share is worth fewer elements reduces
+                                     * nothing (allreduce_split's min_part). Part
+                                     * of the schema: a group agrees on it */
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
@@ -106,13 +139,22 @@ void averager_destroy(struct averager *a);
 int averager_wait(struct averager *a, uint32_t timeout_ms);
 
 struct averager_step {
-    float *data;                    /* count floats, averaged in place */
-    double weight;                  /* >= 0; 0: auxiliary, contributes nothing */
+    float *data;                    /* count floats, averaged in place; unused (may
+                                     * be NULL) without tensors */
+    double weight;                  /* >= 0; 0: auxiliary, contributes nothing; 0
+                                     * without tensors */
     double alpha;                   /* (0, 1]: how far x moves toward the average */
     const void *gather;             /* borrowed; gather_len <= gather_max */
     size_t gather_len;
     uint32_t timeout_ms;            /* the whole step, retries included; 0: 30 s */
     bool no_retries;                /* fail at the first failed attempt */
+    uint64_t begin_at_ms;           /* hivemind's scheduled_time, in ms since the Unix
+                                     * epoch (CLOCK_REALTIME): a group formed earlier
+                                     * waits until then (at most until the step's
+                                     * timeout) before its all-reduce; 0: at once.
+                                     * Groupmates should schedule alike: one that
+                                     * waits longer than the others' allreduce
+                                     * timeout fails them */
 };
 
 struct averager_result {
@@ -131,13 +173,18 @@ struct averager_result {
  * averager_result_free) and has written data. Otherwise data is
  * untouched and:
  *   -EINVAL     a negative or non-finite weight, alpha outside (0, 1], a
- *               gather over gather_max;
+ *               gather over gather_max, a weight other than 0 without
+ *               tensors;
+ *   -EMSGSIZE   without tensors: the group averages more than max_count
+ *               elements, or a codec with metadata beyond the exact call's
+ *               recursive doubling;
  *   -ETIMEDOUT  no group completed the round within timeout_ms (too few
  *               averagers, or every attempt stalled);
  *   -EPROTO     the broker refused the request as disagreeing with the
  *               others waiting (group sizes, schema or codec), or the group's
  *               members disagree on the call;
- *   -ENODATA    every member of the group was auxiliary;
+ *   -ENODATA    every member of the group was auxiliary, or none of them
+ *               can reduce (all clients or of bandwidth 0);
  *   -EACCES     the members' keys differ; -ENOMEM.
  * averager_last_error() says more. */
 int averager_step(struct averager *a, const struct averager_step *s,

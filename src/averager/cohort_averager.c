@@ -51,6 +51,7 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     cfg.request_timeout_ms = c->request_timeout_ms;
     cfg.allreduce_timeout_ms = c->allreduce_timeout_ms;
     cfg.count = c->count;
+    cfg.max_count = c->max_count;
     cfg.segment_bytes = c->segment_bytes;
     cfg.schema = c->schema;
     cfg.schema_len = c->schema_len;
@@ -62,6 +63,10 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
         (int)c->compression > COHORT_COMPRESSION_INT8)
         return -EINVAL;
     cfg.codec = (enum codec)c->compression;
+    cfg.has_bandwidth = c->has_bandwidth;
+    cfg.bandwidth = c->bandwidth;
+    cfg.client_mode = c->client_mode;
+    cfg.min_vector_size = c->min_vector_size;
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;
@@ -106,7 +111,7 @@ int cohort_averager_step(struct cohort_averager *ca, const struct cohort_average
     struct averager_step st = {
         .data = s->data, .weight = s->weight, .alpha = s->alpha, .gather = s->gather,
         .gather_len = s->gather_len, .timeout_ms = s->timeout_ms > 0 ? (uint32_t)s->timeout_ms : 0,
-        .no_retries = !s->allow_retries,
+        .no_retries = !s->allow_retries, .begin_at_ms = s->scheduled_ms,
     };
     struct cohort_averager_result *res = calloc(1, sizeof(*res));
     int rc;

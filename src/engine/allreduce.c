@@ -8,6 +8,7 @@
  *   acceptor.c        the acceptor thread: accepting and judging greetings
  *   ring.c            the ring, for large buffers
  *   doubling.c        recursive doubling, for small ones
+ *   butterfly.c       the butterfly, for parts of given lengths
  *   allreduce_impl.h  the structures they share
  *
  * DISPATCH
@@ -69,6 +70,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -87,6 +89,7 @@
 #include "base/secret.h"
 #include "engine/acceptor.h"
 #include "engine/allreduce_impl.h"
+#include "engine/butterfly.h"
 #include "engine/conn.h"
 #include "engine/doubling.h"
 #include "engine/peerwire.h"
@@ -99,6 +102,9 @@
 #define MAX_SMALL_BYTES ALLREDUCE_SMALL_MAX
 
 #define ABORT_GRACE_MS 50       /* finishing half-sent frames before a BYE */
+
+_Static_assert(MAX_NEED + 1 >= ALLREDUCE_PARTS_MAX,
+               "a butterfly member may talk to every other member");
 
 static uint64_t newest_epoch(struct allreduce *a)
 {
@@ -365,11 +371,12 @@ static int table_reset(struct allreduce *a, struct epoch *e)
 
 /* --- dispatch ----------------------------------------------------------- */
 
-enum algorithm_id { ALGORITHM_RING, ALGORITHM_DOUBLING };
+enum algorithm_id { ALGORITHM_RING, ALGORITHM_DOUBLING, ALGORITHM_BUTTERFLY };
 
 struct algorithm {
     const char *name;
-    /* The members that member `me` of `n` talks to, into need[] (MAX_NEED). */
+    /* The members that member `me` of `n` talks to, into need[] (MAX_NEED);
+     * NULL for the butterfly, whose peers depend on the call's parts. */
     size_t (*needs)(size_t n, size_t me, size_t *need);
     int (*run)(struct run *x);
     bool in_place;              /* reduces in buf alone: a separate contribution
@@ -380,9 +387,12 @@ static const struct algorithm algorithms[] = {
     [ALGORITHM_RING] = { .name = "ring", .needs = ring_needs, .run = ring_run, .in_place = false },
     [ALGORITHM_DOUBLING] = { .name = "doubling", .needs = doubling_needs, .run = doubling_run,
                              .in_place = true },
+    [ALGORITHM_BUTTERFLY] = { .name = "butterfly", .needs = NULL, .run = butterfly_run,
+                              .in_place = false },
 };
 
-/* The one place a call's algorithm is chosen: recursive doubling up to
+/* The one place a call's algorithm is chosen: the butterfly when the caller
+ * gave parts (allreduce_run_parts), else recursive doubling up to
  * small_bytes on the wire (its scratch buffers hold no more), the ring
  * beyond. */
 static const struct algorithm *choose_algorithm(const struct allreduce *a, const struct run *x)
@@ -392,6 +402,8 @@ static const struct algorithm *choose_algorithm(const struct allreduce *a, const
     bool small = a->small_bytes != ALLREDUCE_SMALL_NONE && x->count <= a->small_bytes / x->asz &&
                  (!x->coded || codec_bytes(x->codec, x->count) <= a->small_bytes);
 
+    if (x->parts)
+        return &algorithms[ALGORITHM_BUTTERFLY];    /* its caller chose it by giving parts */
     return &algorithms[small ? ALGORITHM_DOUBLING : ALGORITHM_RING];
 }
 
@@ -410,6 +422,8 @@ static int run_call(struct run *x)
         return -ESTALE;
     x->me = (size_t)me;
     x->n = x->e->n_members;
+    if (x->parts && x->n_parts != x->n)
+        return -ESTALE;         /* parts for another group: the epoch moved */
     rc = dtype_divisor(x->type, x->op, x->n, x->div, &x->div);
     if (rc < 0)
         return rc;
@@ -439,7 +453,7 @@ static int run_call(struct run *x)
                  LF_S("algorithm", alg->name), LF_U("members", x->n),
                  LF_U("bytes", x->count * x->asz));
     }
-    n_need = alg->needs(x->n, x->me, need);
+    n_need = alg->needs ? alg->needs(x->n, x->me, need) : butterfly_needs(x, need);
     rc = conn_connect_peers(x, need, n_need);
     if (rc == 0)
         rc = alg->run(x);
@@ -522,6 +536,107 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
     rc = run_call(&x);
     run_finish(&x);
     return rc;
+}
+
+int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                        enum dtype_op op, double denominator, const size_t *parts,
+                        size_t n_parts, uint64_t round)
+{
+    struct run x = { .a = a, .round = round, .count = count, .type = type, .op = op,
+                     .div = denominator, .codec = CODEC_NONE, .parts = parts,
+                     .n_parts = n_parts, .fail_peer = SIZE_MAX };
+    size_t sum = 0;
+    bool any = false;
+    int rc;
+
+    if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
+        !dtype_op_valid((int)op) || dtype_is_16bit_float(type) || !parts || n_parts == 0 ||
+        n_parts > ALLREDUCE_PARTS_MAX)
+        return -EINVAL;
+    for (size_t i = 0; i < n_parts; i++) {
+        if (parts[i] > count - sum)
+            return -EINVAL;
+        sum += parts[i];
+        any |= parts[i] > 0;
+    }
+    if (sum != count || (count > 0 && !any))
+        return -EINVAL;
+    x.esz = x.asz = dtype_size(type);
+    x.acc = dtype_acc(type);
+    x.buf = a->regs[out].buf;
+    x.src = a->regs[in].buf;
+    if (count > a->regs[in].bytes / x.esz || count > a->regs[out].bytes / x.esz)
+        return -EINVAL;
+    rc = run_claim(&x);
+    if (rc < 0)
+        return rc;
+    rc = run_call(&x);
+    run_finish(&x);
+    return rc;
+}
+
+int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,
+                    size_t *parts)
+{
+    double share[ALLREDUCE_PARTS_MAX], given = 0, total = 0, most = 0, floor_share;
+    size_t n_given = 0, left = count;
+
+    if (!bandwidth || !parts || n == 0 || n > ALLREDUCE_PARTS_MAX)
+        return -EINVAL;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(bandwidth[i]))
+            return -EINVAL;
+        if (bandwidth[i] > 0) {
+            given += bandwidth[i];
+            n_given++;
+        }
+    }
+    /* hivemind's rule for bandwidths not given (load_balance_peers). */
+    for (size_t i = 0; i < n; i++) {
+        share[i] = bandwidth[i] >= 0 ? bandwidth[i] : n_given ? given / (double)n_given : 1.0;
+        total += share[i];
+    }
+    if (!(total > 0))
+        return -ENODATA;
+    /* hivemind's min_vector_size: shares too small to be worth a part
+     * are dropped, if any share is large enough. */
+    floor_share = (double)min_part / (double)(count ? count : 1);
+    for (size_t i = 0; i < n; i++)
+        most = share[i] > most ? share[i] : most;
+    if (min_part && most / total >= floor_share) {
+        double kept = 0;
+
+        for (size_t i = 0; i < n; i++) {
+            if (share[i] / total < floor_share)
+                share[i] = 0;
+            kept += share[i];
+        }
+        total = kept;
+    }
+    for (size_t i = 0; i < n; i++) {
+        double f = floor((double)count * (share[i] / total));
+        size_t k = f < (double)left ? (size_t)f : left;
+
+        parts[i] = k;
+        left -= k;
+    }
+    /* At most n elements are left; each goes to the largest quotient. */
+    while (left > 0) {
+        size_t best = SIZE_MAX;
+        double q = 0;
+
+        for (size_t i = 0; i < n; i++) {
+            double qi = share[i] / (double)(parts[i] + 1);
+
+            if (share[i] > 0 && (best == SIZE_MAX || qi > q)) {
+                best = i;
+                q = qi;
+            }
+        }
+        parts[best]++;
+        left--;
+    }
+    return 0;
 }
 
 /* The gather is an all-reduce in disguise: every member zeroes the

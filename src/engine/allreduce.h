@@ -3,7 +3,8 @@
  * change and bounded in time by a member timeout.
  *
  * Large reductions use a ring (reduce-scatter, then all-gather) pipelined
- * in segments; small ones use recursive doubling. Every member derives the
+ * in segments; small ones use recursive doubling; a caller that gives each
+ * member's part (allreduce_run_parts) gets a butterfly. Every member derives the
  * same schedule from the epoch's member order, so nothing is negotiated per
  * call. Results are bytewise identical on every member.
  *
@@ -40,6 +41,8 @@ struct allreduce;
 /* The largest small_bytes: recursive doubling's scratch is 2 x this. */
 #define ALLREDUCE_SMALL_MAX ((size_t)64 << 20)
 #define ALLREDUCE_MAX_BUFFERS 1024
+/* Members of a butterfly call (allreduce_run_parts) at most. */
+#define ALLREDUCE_PARTS_MAX 256
 
 struct allreduce_config {
     const char *cohort;             /* copied; must match every epoch's */
@@ -170,6 +173,45 @@ int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum 
  * with the two codecs. */
 int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                         enum dtype_op op, double denominator, enum codec codec, uint64_t round);
+
+/* allreduce_run_into as a butterfly (hivemind's): the buffer is cut into
+ * one contiguous part per member of the current epoch, parts[i] elements
+ * for member i in the epoch's order, and member i reduces part i: every
+ * member sends part i of its contribution to member i, which sums the
+ * contributions (its own first, then the others' in member order),
+ * applies op, and sends the result back to every member. Results are
+ * identical on every member. A member whose part is 0 reduces nothing and
+ * talks only to members with a part; members with no part placed before
+ * every member with one are never dialled and accept no connection
+ * (hivemind's client mode: they may sit behind NAT). Every member gives
+ * the same n_parts and parts (allreduce_split computes them alike);
+ * parts is borrowed for the call.
+ * 16-bit types are not taken (they would need float32 staging of a whole
+ * part).
+ *
+ * Returns allreduce_run's codes; -EINVAL also when the parts do not sum
+ * to count, all are 0 (with count > 0), n_parts exceeds
+ * ALLREDUCE_PARTS_MAX, or the type is 16-bit; -ESTALE also when n_parts is
+ * not the current epoch's member count (the epoch changed). */
+int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                        enum dtype_op op, double denominator, const size_t *parts,
+                        size_t n_parts, uint64_t round);
+
+/* Splits `count` elements among n members in proportion to their
+ * bandwidths (hivemind's load balancing by declared bandwidth), into
+ * parts[0..n): a bandwidth of 0 gets nothing; a negative one means "not
+ * given" and counts as the mean of the positive ones given, or as 1 when
+ * none is. Whole elements are handed out by the Hagenbach-Bischoff rule
+ * hivemind uses: floor(count x share) each, then one at a time to the
+ * largest share / (parts + 1), the lowest index on a tie. With min_part
+ * (hivemind's min_vector_size), shares worth fewer than min_part elements
+ * go to 0 first, unless every share is that small. Deterministic
+ * (IEEE double arithmetic only), so every member computes the same parts.
+ * Writes n entries of parts (the caller's); reads bandwidth. Returns 0, -EINVAL (n of 0 or over ALLREDUCE_PARTS_MAX, a bandwidth
+ * that is NaN or infinite) or -ENODATA (every bandwidth is 0: nobody
+ * would reduce). */
+int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,
+                    size_t *parts);
 
 /* All-gathers a block of `block_bytes` (a multiple of 4) from the start
  * of registered buffer `in` from every member of the current epoch: member

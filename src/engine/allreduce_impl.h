@@ -44,7 +44,9 @@
 #define GREETING_MS 1000        /* from accept to a whole greeting, and from our
                                  * answer to its confirmation */
 #define INBOX_MAX 256           /* greeted connections not yet taken by a run */
-#define MAX_NEED 72             /* peers one call talks to: 2 + log2(n) */
+#define MAX_NEED 256            /* peers one call talks to: 2 + log2(n) for the
+                                 * ring and doubling, n - 1 for a butterfly of
+                                 * up to ALLREDUCE_PARTS_MAX (allreduce.h) */
 
 /* The largest frame header: the header and, with --integrity mac, its tag. */
 #define HDR_MAX (PEERWIRE_FRAME_BYTES + PEERWIRE_TAG_BYTES)
@@ -128,7 +130,7 @@ struct allreduce {
     void (*on_peer_lost)(void *arg, const char *peer_id);   /* the config's */
     void *peer_lost_arg;
     size_t seg_bytes, small_bytes;
-    bool alg_used[2];           /* run_call logged this algorithm (ring, doubling) */
+    bool alg_used[3];           /* run_call logged this algorithm (ring, doubling, butterfly) */
     int abort_fd;               /* set_epoch -> run */
     int wake_fd;                /* set_epoch, destroy -> acceptor */
     int inbox_fd;               /* acceptor -> run */
@@ -179,6 +181,8 @@ struct run {
     size_t esz, asz;            /* user and accumulation element sizes */
     bool wide;                  /* 16-bit float: accumulate in float32 */
     enum codec codec;           /* how payloads travel (float32 only) */
+    const size_t *parts;        /* butterfly: n_parts part lengths; NULL otherwise */
+    size_t n_parts;
     bool coded;                 /* codec != CODEC_NONE */
     size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
     /* fail_peer's socket itself closed or reset, with no BYE before: its

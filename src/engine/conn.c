@@ -785,11 +785,15 @@ static int take_inbox(struct run *x)
 int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
 {
     struct allreduce *a = x->a;
-    struct dial dials[MAX_NEED];
+    /* A butterfly may dial up to MAX_NEED peers: too many dials for the
+     * stack of a caller's thread. */
+    struct dial *dials = n_need ? calloc(n_need, sizeof(*dials)) : NULL;
     size_t n_dials = 0, n_used = 0;
     uint64_t deadline = clock_now_ms() + a->timeout_ms;
     int rc;
 
+    if (n_need && !dials)
+        return -ENOMEM;
     for (;;) {
         struct pollfd pfd[2 + MAX_NEED];
         nfds_t np = 0;
@@ -861,7 +865,8 @@ int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
 out:
     for (size_t k = 0; k < n_dials; k++)
         close(dials[k].fd);
-    if (a->integrity)
+    if (a->integrity && dials)
         OPENSSL_cleanse(dials, n_used * sizeof(dials[0]));
+    free(dials);
     return rc;
 }

@@ -686,6 +686,8 @@ static void mm_formed(void *arg, const struct matchmaker_group *g)
 {
     Cohort__V1__MatchmakeReply rep = COHORT__V1__MATCHMAKE_REPLY__INIT;
     Cohort__V1__Member storage[MATCHMAKER_GROUP_MAX], *ptrs[MATCHMAKER_GROUP_MAX];
+    double bandwidths[MATCHMAKER_GROUP_MAX];
+    protobuf_c_boolean clients[MATCHMAKER_GROUP_MAX];
     struct rpc_buf *buf = NULL;
     int rc;
 
@@ -695,10 +697,18 @@ static void mm_formed(void *arg, const struct matchmaker_group *g)
         storage[i].id = (char *)g->members[i].id;
         storage[i].address = (char *)g->members[i].address;
         ptrs[i] = &storage[i];
+        bandwidths[i] = g->members[i].bandwidth;
+        clients[i] = g->members[i].client;
     }
     rep.group_id = g->id;
     rep.n_members = g->n;
     rep.members = ptrs;
+    rep.n_bandwidths = g->n;
+    rep.bandwidths = bandwidths;
+    rep.n_client_mode = g->n;
+    rep.client_mode = clients;
+    rep.schema.data = (uint8_t *)(uintptr_t)g->schema;
+    rep.schema.len = g->schema_len;
     rc = rpc_buf_pack(&rep.base, &buf);
     for (size_t i = 0; i < g->n; i++) {
         struct mm_call *c = g->members[i].ctx;
@@ -773,6 +783,8 @@ static void on_matchmake(void *arg, const ProtobufCMessage *req, struct rpc_stre
         .target = q->target_group_size, .min = q->min_group_size,
         .min_wait_ms = q->min_matchmaking_ms, .timeout_ms = q->timeout_ms,
         .schema = q->schema.data, .schema_len = q->schema.len,
+        .has_bandwidth = q->has_bandwidth, .bandwidth = q->bandwidth, .client = q->client_mode,
+        .any_schema = q->any_schema,
     };
     char why[RPC_MESSAGE_MAX], address[IDENT_ADDRESS_MAX + 1];
     struct mm_call *c;

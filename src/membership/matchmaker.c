@@ -21,6 +21,9 @@ struct req {
     char *id;
     char *address;
     void *ctx;
+    double bandwidth;           /* negative: not given */
+    bool client;
+    bool any_schema;            /* gave none: agrees with every schema */
     uint64_t arrived;
     uint64_t deadline;
 };
@@ -30,6 +33,7 @@ struct bucket {
     uint32_t target, min;
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];
     size_t schema_len;
+    bool schema_set;            /* a waiting request gave the schema */
     uint64_t form_at;           /* the first waiting request's arrival + its wait */
     struct req *reqs;           /* n of them, arrival order, capacity target */
     size_t n;
@@ -81,6 +85,11 @@ static void take_out(struct matchmaker *m, struct bucket *b, size_t i)
     memmove(&b->reqs[i], &b->reqs[i + 1], (b->n - i - 1) * sizeof(b->reqs[0]));
     b->n--;
     m->total--;
+    /* Only requests for any schema left: the next one to give a schema
+     * sets it anew. */
+    b->schema_set = false;
+    for (size_t j = 0; j < b->n; j++)
+        b->schema_set |= !b->reqs[j].any_schema;
 }
 
 /* Drops empty buckets. */
@@ -162,6 +171,10 @@ int matchmaker_check(const struct matchmaker_request *r, char *why, size_t len)
         bad = "min_matchmaking_time must not exceed the matchmaking timeout";
     else if (r->schema_len > MATCHMAKER_SCHEMA_MAX || (r->schema_len && !r->schema))
         bad = "the schema is at most 64 bytes";
+    else if (r->has_bandwidth && !(r->bandwidth >= 0 && r->bandwidth <= MATCHMAKER_BANDWIDTH_MAX))
+        bad = "the bandwidth must be a number from 0 to 1e15";
+    else if (r->any_schema && r->schema_len)
+        bad = "a request for any schema gives none";
     if (!bad)
         return 0;
     snprintf(why, len, "%s", bad);
@@ -208,21 +221,24 @@ static void form(struct matchmaker *m, struct bucket *b)
 
     for (size_t i = 0; i < n; i++)
         members[i] = (struct matchmaker_member){ b->reqs[i].id, b->reqs[i].address,
-                                                 b->reqs[i].ctx };
+                                                 b->reqs[i].ctx, b->reqs[i].bandwidth,
+                                                 b->reqs[i].client };
     qsort(members, n, sizeof(members[0]), by_id);
     g.id = m->next_group++;
     g.n = n;
     g.members = members;
+    g.schema = b->schema;
+    g.schema_len = b->schema_len;
     m->ops.formed(m->ops.arg, &g);
     while (n-- > 0)
         take_out(m, b, 0);
     /* Nobody is left over: a bucket forms as soon as it holds target. */
 }
 
-/* Whether b forms now. */
+/* Whether b forms now: never without a member that gave the schema. */
 static bool due(const struct bucket *b, uint64_t now)
 {
-    return b->n >= b->target || (b->n >= b->min && now >= b->form_at);
+    return b->schema_set && (b->n >= b->target || (b->n >= b->min && now >= b->form_at));
 }
 
 /* Forms b's group if it is due, once the requests of members that left
@@ -305,8 +321,6 @@ static struct bucket *bucket_new(struct matchmaker *m, const struct matchmaker_r
     }
     b->target = r->target;
     b->min = r->min;
-    memcpy(b->schema, r->schema, r->schema_len);
-    b->schema_len = r->schema_len;
     b->form_at = now + r->min_wait_ms;
     m->buckets[m->n_buckets++] = b;
     return b;
@@ -322,14 +336,25 @@ int matchmaker_submit(struct matchmaker *m, uint64_t now, const struct matchmake
     if (rc < 0)
         return rc;
     b = bucket_of(m, r->cohort, r->prefix, r->bits);
-    if (b && (b->target != r->target || b->min != r->min || b->schema_len != r->schema_len ||
-              memcmp(b->schema, r->schema, r->schema_len) != 0)) {
+    if (b && (b->target != r->target || b->min != r->min ||
+              (b->schema_set && !r->any_schema &&
+               (b->schema_len != r->schema_len ||
+                memcmp(b->schema, r->schema, r->schema_len) != 0)))) {
         snprintf(why, len, "averagers with prefix \"%.128s\" and group bits \"%.64s\" are "
                  "waiting with another %s: target %u and min %u", r->prefix, r->bits,
                  b->target != r->target || b->min != r->min ? "group size"
                                                             : "schema (tensor shapes or dtypes)",
                  b->target, b->min);
         return -EPROTO;
+    }
+    /* A bucket holds at most target requests and forms only with one
+     * that gave the schema: requests for any schema leave it a place. */
+    if (r->any_schema && b && !b->schema_set && b->n + 1 >= b->target &&
+        !waiting(m, r->cohort, r->id)) {
+        snprintf(why, len, "averagers with prefix \"%.128s\" and group bits \"%.64s\" wait "
+                 "for one with tensors: %zu without tensors already wait for a group of %u",
+                 r->prefix, r->bits, b->n, b->target);
+        return -ENOSPC;
     }
     /* One request per member: a newer one replaces the older, so a
      * member asking again takes no more room; the caps are judged first,
@@ -355,6 +380,14 @@ int matchmaker_submit(struct matchmaker *m, uint64_t now, const struct matchmake
             goto nomem;
     }
     q.ctx = r->ctx;
+    q.bandwidth = r->has_bandwidth ? r->bandwidth : -1;
+    q.client = r->client;
+    q.any_schema = r->any_schema;
+    if (!r->any_schema && !b->schema_set) {
+        memcpy(b->schema, r->schema, r->schema_len);
+        b->schema_len = r->schema_len;
+        b->schema_set = true;
+    }
     q.arrived = now;
     q.deadline = now + r->timeout_ms;
     b->reqs[b->n++] = q;
@@ -387,7 +420,7 @@ void matchmaker_cancel(struct matchmaker *m, void *ctx)
 uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now)
 {
     uint64_t next = now + IDLE_TICK_MS;
-    char why[320];
+    char why[360];
 
     for (size_t i = 0; i < m->n_buckets; i++) {
         struct bucket *b = m->buckets[i];
@@ -399,16 +432,18 @@ uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now)
                 continue;
             }
             snprintf(why, sizeof(why), "too few averagers: %zu of at least %u with prefix "
-                     "\"%.128s\" and group bits \"%.64s\" were ready within %llu ms",
+                     "\"%.128s\" and group bits \"%.64s\" were ready within %llu ms%s",
                      b->n, b->min, b->prefix, b->bits,
-                     (unsigned long long)(b->reqs[j].deadline - b->reqs[j].arrived));
+                     (unsigned long long)(b->reqs[j].deadline - b->reqs[j].arrived),
+                     b->schema_set ? "" : ", and none of them has tensors");
             m->ops.failed(m->ops.arg, b->reqs[j].ctx, -ETIMEDOUT, why);
             take_out(m, b, j);
         }
         for (size_t j = 0; j < b->n; j++)
             if (b->reqs[j].deadline < next)
                 next = b->reqs[j].deadline;
-        if (b->n >= b->min && b->form_at < next)
+        /* Without a schema it cannot form, however long it waited. */
+        if (b->schema_set && b->n >= b->min && b->form_at < next)
             next = b->form_at;
     }
     sweep(m);

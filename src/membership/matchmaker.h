@@ -20,6 +20,9 @@
  * and schema (what is averaged: shapes and dtypes, opaque here), since a
  * group of averagers that disagree could only fail later; a request that
  * disagrees with those waiting is refused (-EPROTO) and changes nothing.
+ * A request for any schema (an auxiliary averager without tensors) agrees
+ * with every schema; a group forms only with a member that gave one, and
+ * tells every member that schema.
  * A member that asks again while it waits replaces its earlier request
  * (which fails with -ECANCELED): one request per member. A member that
  * left the cohort while it waited is dropped when its group would form
@@ -44,6 +47,7 @@
 #define MATCHMAKER_TIMEOUT_MAX_MS 600000u   /* a request waits at most 10 min */
 #define MATCHMAKER_PENDING_MAX 1024u    /* requests waiting in one cohort */
 #define MATCHMAKER_TOTAL_MAX 16384u     /* requests waiting in all */
+#define MATCHMAKER_BANDWIDTH_MAX 1e15   /* a declared bandwidth at most */
 
 struct matchmaker;
 
@@ -60,12 +64,23 @@ struct matchmaker_request {
     const void *schema;         /* copied, schema_len bytes */
     size_t schema_len;
     void *ctx;                  /* borrowed: the host's handle on the call */
+    /* Load balancing, passed on to the group as given: the matchmaker
+     * only checks them. */
+    bool has_bandwidth;         /* false: not given */
+    double bandwidth;           /* finite, 0..MATCHMAKER_BANDWIDTH_MAX */
+    bool client;                /* client mode: reduces nothing, is never dialled */
+    /* An auxiliary averager without tensors of its own: it gives no
+     * schema (schema_len 0) and joins its bucket whatever the others'
+     * schema is, which the group then tells it. */
+    bool any_schema;
 };
 
 struct matchmaker_member {
     const char *id;
     const char *address;
     void *ctx;
+    double bandwidth;           /* as the member asked; negative: not given */
+    bool client;
 };
 
 /* A group as it forms: everything borrowed for the callback. */
@@ -76,6 +91,8 @@ struct matchmaker_group {
     uint64_t id;                /* grows by one with every group */
     size_t n;
     const struct matchmaker_member *members;    /* natural order of ids */
+    const void *schema;         /* the schema of its members that gave one */
+    size_t schema_len;
 };
 
 struct matchmaker_ops {

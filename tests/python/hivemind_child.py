@@ -149,6 +149,52 @@ def main():
         out(errors=errors, untouched=untouched)
         a.shutdown()
         b.shutdown()
+    elif scenario == "balanced":
+        # ARGS: k, n, weight, aux (0/1), bandwidth ("none" or a number),
+        # client (0/1)[, prefix]. One round in a group of n.
+        k, n, weight, aux = int(rest[0]), int(rest[1]), float(rest[2]), rest[3] == "1"
+        bandwidth = None if rest[4] == "none" else float(rest[4])
+        client = rest[5] == "1"
+        prefix = rest[6] if len(rest) > 6 else "test/bal"
+        a = averager(dht, tensors_of(k), target_group_size=n, min_group_size=n, auxiliary=aux,
+                     bandwidth=bandwidth, client_mode=client, prefix=prefix)
+        control = a.step(gather=peer, weight=weight, timeout=30, wait=False)
+        try:
+            got, error = control.result(timeout=90), None
+        except hivemind.AllreduceException as e:
+            got, error = None, str(e)
+        with a.get_tensors() as t:
+            out(gathered=got, error=error, tensors=[x.tolist() for x in t],
+                order=list(a.last_group[2]) if got else None,
+                raw=b"".join(x.contiguous().numpy().tobytes() for x in t).hex())
+        a.shutdown()
+    elif scenario == "bare":
+        # ARGS: n, bandwidth ("none" or a number). An auxiliary peer
+        # without tensors: one round in a group of n, with prefix
+        # test/bare; prints what it gathered and its (empty) tensors.
+        n, bandwidth = int(rest[0]), None if rest[1] == "none" else float(rest[1])
+        a = averager(dht, None, target_group_size=n, min_group_size=n, auxiliary=True,
+                     bandwidth=bandwidth, prefix="test/bare")
+        got = a.step(gather=peer, timeout=30)
+        with a.get_tensors() as t:
+            out(gathered=got, tensors=list(t), last=a.last_group[2] if got else None)
+        a.shutdown()
+    elif scenario == "scheduled":
+        # ARGS: k, barrier directory. Once both peers are ready, each
+        # schedules its step 3 s ahead; prints the time it scheduled, when
+        # the step began and ended, and how long its matchmaking took.
+        k, directory = int(rest[0]), rest[1]
+        a = averager(dht, tensors_of(k), target_group_size=2, min_group_size=2,
+                     prefix="test/sched")
+        barrier(directory, "ready", k, 2)
+        began = time.time()
+        when = began + 3.0
+        got = a.step(gather=peer, weight=1, scheduled_time=when, timeout=30)
+        ended = time.time()
+        with a.get_tensors() as t:
+            out(gathered=got, when=when, began=began, ended=ended,
+                matchmaking=a.last_group[3] if got else None, tensors=[x.tolist() for x in t])
+        a.shutdown()
     else:
         raise SystemExit("unknown scenario " + scenario)
 

@@ -14,6 +14,15 @@ joined to a real broker with a key, with real torch tensors.
   integers): every peer ends with the same bytes, within the codec's bound
   of the exact average; weights and gathered objects arrive exactly.
   Averagers of different compression are refused.
+- Load balancing: clients (which contribute and reduce nothing) and
+  peers of different bandwidths, one auxiliary, average exactly, alike
+  to the byte, clients first in the round's order; a group where nobody
+  can reduce fails with a sentence that says so.
+- An auxiliary peer without tensors joins two peers with tensors (and
+  reduces the largest part, by its bandwidth): they get the exact
+  average, it is named with weight 0.
+- scheduled_time: matchmaking starts min_matchmaking_time ahead, and the
+  round ends after the scheduled time, not before.
 - Group bits get and set; bad input (mismatched shapes between peers, a
   bad weight, request_timeout >= min_matchmaking_time, arguments not
   carried out yet) gets a clear error.
@@ -148,8 +157,15 @@ def test_too_few_peers_fail_within_the_timeout(keyed, monkeypatch):
             a.set_group_bits("012")
         with pytest.raises(ValueError, match="strictly positive"):
             a.step(weight=-1)
-        with pytest.raises(ValueError, match="scheduled_time"):
-            a.step(scheduled_time=1.0)
+        with pytest.raises(TypeError, match="scheduled_time"):
+            a.step(scheduled_time="soon")
+        with pytest.raises(TypeError, match="scheduled_time"):
+            a.step(scheduled_time=float("nan"))
+        # A step waiting for its scheduled time can still be cancelled.
+        control = a.step(scheduled_time=time.time() + 120, timeout=1.5, wait=False)
+        assert control.cancel()
+        with pytest.raises(hivemind.AllreduceException, match="cancelled"):
+            control.result(timeout=10)
     finally:
         a.shutdown()
 
@@ -164,14 +180,30 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
     class Mine(hivemind.CompressionBase):
         pass
 
-    for bad in (dict(client_mode=True), dict(bandwidth=1.0), dict(allow_state_sharing=True),
-                dict(compression=Mine()),
+    for bad in (dict(allow_state_sharing=True), dict(compression=Mine()),
                 dict(state_compression=hivemind.Float16Compression())):
         with pytest.raises(ValueError, match="not supported"):
             hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
     with pytest.raises(TypeError):
         hivemind.DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], dht, start=False,
                                        prefix="x")
+    with pytest.raises(ValueError, match="only an auxiliary peer"):
+        hivemind.DecentralizedAverager([], dht, start=False, prefix="x")
+    with pytest.raises(ValueError, match="group's compression"):
+        hivemind.DecentralizedAverager(None, dht, start=False, prefix="x", auxiliary=True,
+                                       compression=hivemind.Float16Compression())
+    for bad in (dict(min_vector_size=-1), dict(min_vector_size=1.5)):
+        with pytest.raises(ValueError, match="min_vector_size"):
+            hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
+    for bad in (dict(bandwidth=-1.0), dict(bandwidth=float("inf")), dict(bandwidth=2e15)):
+        with pytest.raises(ValueError, match="bandwidth"):
+            hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
+    with pytest.raises(TypeError, match="bandwidth"):
+        hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", bandwidth="fast")
+    for bad in (dict(bandwidth=1.0), dict(client_mode=True)):
+        with pytest.raises(ValueError, match="NoCompression"):
+            hivemind.DecentralizedAverager(t, dht, start=False, prefix="x",
+                                           compression=hivemind.Float16Compression(), **bad)
     # The C averager takes the codecs only: top-k (4) and PowerSGD (5)
     # keep state per member, and 9 is no compression at all.
     from cohort import _cohort
@@ -198,16 +230,20 @@ def test_the_benchmark_runs_a_tiny_round_and_refuses_bad_flags(tmp_path):
     the README), and its flag checks."""
     run = subprocess.run([sys.executable, BENCH, "--peers", "4", "--group", "2", "--mib", "1",
                           "--reps", "1", "--operator", bin_path("cohort-operator"),
-                          "--compression", "NoCompression,Float16Compression",
+                          "--compression", "NoCompression,Float16Compression", "--butterfly",
                           "--log-dir", str(tmp_path)], capture_output=True, text=True,
                          env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
-    assert [r.get("system") for r in rows[:3]] == ["averager", "averager", "allreduce"]
-    assert [r.get("compression") for r in rows[:2]] == ["NoCompression", "Float16Compression"]
-    assert all(r["ms_per_round"] > 0 and r["matchmaking_ms"] >= 0 for r in rows[:2])
-    assert [r["compression"] for r in rows[3:]] == ["NoCompression", "Float16Compression"]
-    assert all(r["averager/allreduce"] > 0 for r in rows[3:])
+    assert [r.get("system") for r in rows[:4]] == ["averager"] * 3 + ["allreduce"]
+    assert [r.get("compression") for r in rows[:3]] == ["NoCompression", "Float16Compression",
+                                                        "NoCompression"]
+    assert [r.get("algorithm") for r in rows[:3]] == ["ring", "ring", "butterfly"]
+    assert all(r["ms_per_round"] > 0 and r["matchmaking_ms"] >= 0 for r in rows[:3])
+    assert [r.get("compression") for r in rows[4:6]] == ["NoCompression", "Float16Compression"]
+    assert rows[6].get("algorithm") == "butterfly"
+    assert all(r["averager/allreduce"] > 0 for r in rows[4:7])
+    assert rows[7]["butterfly/ring"] > 0 and len(rows) == 8
     bad = subprocess.run([sys.executable, BENCH, "--peers", "6", "--group", "4"],
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "power of two" in bad.stderr
@@ -253,3 +289,73 @@ def test_averagers_of_different_compression_are_refused(keyed):
     other = [e for e in g["errors"] if e is not refused[0]][0]
     assert other and "too few" in other, other
     assert g["untouched"] == [[1.0] * 4, [1.0] * 4]
+
+
+def test_clients_and_bandwidths_average_exactly_and_alike(keyed):
+    """Five processes: two clients (weights 1 and 2), peers of bandwidth
+    3 and unset (weights 3 and 4), and an auxiliary peer of bandwidth 1:
+    the contributors' tensors are the exact weighted average, the same
+    bytes everywhere, and the round lists the clients first."""
+    broker, key = keyed
+    spec = [  # weight, aux, bandwidth, client
+        (3, 0, "3", 0), (4, 0, "none", 0), (0, 1, "1", 0), (1, 0, "none", 1), (2, 0, "5", 1)]
+    kids = [child(broker, key, "p-%d" % k, "balanced", k, 5, w if w else 1, aux, bw, cl)
+            for k, (w, aux, bw, cl) in enumerate(spec)]
+    got = [lines_of(k)[-1] for k in kids]
+    weights = [w for w, _, _, _ in spec]
+    total = sum(weights)
+    ref = [sum(weights[k] * tensors_of(k)[i] for k in range(5)) / total for i in range(2)]
+    raws = set()
+    for k, g in enumerate(got):
+        assert g["error"] is None, (k, g["error"])
+        assert g["gathered"] == {"p-%d" % j: "p-%d" % j for j in range(5)}
+        assert g["order"] == ["p-3", "p-4", "p-0", "p-1", "p-2"], g["order"]
+        if k == 2:
+            assert g["tensors"] == [t.tolist() for t in tensors_of(2)], "auxiliary: untouched"
+        else:
+            assert g["tensors"] == [r.tolist() for r in ref], k
+            raws.add(g["raw"])
+    assert len(raws) == 1, "every contributor holds the same bytes"
+
+
+def test_a_group_where_nobody_can_reduce_fails_clearly(keyed):
+    broker, key = keyed
+    kids = [child(broker, key, "z-0", "balanced", 0, 2, 1, 0, "none", 1),
+            child(broker, key, "z-1", "balanced", 1, 2, 1, 0, "0", 0)]
+    for k, kid in enumerate(kids):
+        g = lines_of(kid)[-1]
+        assert g["gathered"] is None
+        assert "no member of the group can reduce" in g["error"], g["error"]
+        assert g["tensors"] == [t.tolist() for t in tensors_of(k)], "untouched"
+
+
+def test_a_scheduled_step_averages_at_its_time(keyed, tmp_path):
+    """Both peers schedule the round 3 s ahead once both are ready:
+    matchmaking starts min_matchmaking_time (1 s) before, the pair forms
+    at once, and the round ends after the scheduled time, not before."""
+    broker, key = keyed
+    kids = [child(broker, key, "t-%d" % k, "scheduled", k, tmp_path) for k in range(2)]
+    ref = [(tensors_of(0)[i] + tensors_of(1)[i]) / 2 for i in range(2)]
+    for kid in kids:
+        g = lines_of(kid)[-1]
+        assert g["gathered"] == {"t-0": "t-0", "t-1": "t-1"}
+        assert g["tensors"] == [r.tolist() for r in ref]
+        assert g["ended"] >= g["when"], g
+        # Matchmaking waited for nobody: both asked at about when - 1 s.
+        assert g["matchmaking"] < 1.5, g
+
+
+def test_an_auxiliary_peer_without_tensors_helps_average(keyed):
+    broker, key = keyed
+    bare = child(broker, key, "a-0", "bare", 3, 6)
+    kids = [child(broker, key, "a-%d" % k, "balanced", k, 3, k, 0, "1", 0, "test/bare")
+            for k in (1, 2)]
+    ref = [(1 * tensors_of(1)[i] + 2 * tensors_of(2)[i]) / 3 for i in range(2)]
+    for kid in kids:
+        g = lines_of(kid)[-1]
+        assert g["error"] is None, g["error"]
+        assert g["gathered"] == {"a-0": "a-0", "a-1": "a-1", "a-2": "a-2"}
+        assert g["tensors"] == [r.tolist() for r in ref]
+    g = lines_of(bare)[-1]
+    assert g["tensors"] == []
+    assert g["last"] == {"a-0": 0.0, "a-1": 1.0, "a-2": 2.0}

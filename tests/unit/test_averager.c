@@ -270,9 +270,10 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
     q.min_matchmaking_ms = 300;
     q.timeout_ms = 60000;
     /* What an averager of "f32x16" without a codec sends: the codec's
-     * byte (CODEC_NONE), then its schema. */
-    q.schema.data = (uint8_t *)"\0f32x16";
-    q.schema.len = 7;
+     * byte (CODEC_NONE), its count (16, eight bytes little-endian), its
+     * min_vector_size (0, eight bytes), then its schema. */
+    q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0f32x16";
+    q.schema.len = 23;
     cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
 
     p[0].a = make("w-a", 3, 2, "", "f32x16");
@@ -700,4 +701,304 @@ Test(averager, a_coded_ring_after_the_exact_call_completes_alike_among_4)
 Test(averager, a_coded_ring_after_the_exact_call_completes_alike_among_3)
 {
     coded_ring_rounds(3);
+}
+
+/* ---- load balancing ---------------------------------------------------- */
+
+static struct averager *make_balanced(const char *id, uint32_t target, double bandwidth,
+                                      bool client)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/bal", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .has_bandwidth = bandwidth >= 0,
+        .bandwidth = bandwidth, .client_mode = client,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+/* Two clients, members of bandwidth 3, not given and 1 (the last one
+ * auxiliary): the average is exact at every contributor, the round's
+ * order puts the clients first, and the auxiliary member is untouched. */
+Test(averager, clients_and_bandwidths_average_exactly)
+{
+    struct peer p[5] = { 0 };
+    const double bw[5] = { 3, -1, 1, -1, -1 };
+    const bool client[5] = { false, false, false, true, true };
+    const double weight[5] = { 3, 4, 0, 1, 2 };
+    const char *order[5] = { "b-3", "b-4", "b-0", "b-1", "b-2" };
+    char id[16];
+
+    for (int i = 0; i < 5; i++) {
+        snprintf(id, sizeof(id), "b-%d", i);
+        p[i].a = make_balanced(id, 5, bw[i], client[i]);
+        p[i].weight = weight[i];
+        snprintf(p[i].gather, sizeof(p[i].gather), "%s", id);
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = weight[i] > 0 ? (float)(10 * (i + 1) + j) : -7.0f;
+    }
+    run_all(p, 5);
+    for (int i = 0; i < 5; i++) {
+        cr_assert_eq(p[i].rc, 0, "b-%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, 5);
+        for (size_t k = 0; k < 5; k++) {
+            cr_assert_str_eq(p[i].res->ids[k], order[k]);
+            cr_assert_eq(p[i].res->gathered_len[k], strlen(order[k]));
+            cr_assert(memcmp(p[i].res->gathered[k], order[k], strlen(order[k])) == 0);
+        }
+        for (int j = 0; j < COUNT; j++) {
+            /* (3 x (10 + j) + 4 x (20 + j) + 1 x (40 + j) + 2 x (50 + j)) / 10 */
+            float want = weight[i] > 0 ? (float)((250 + 10 * j) / 10.0) : -7.0f;
+
+            cr_assert_eq(p[i].data[j], want, "b-%d[%d] = %g, want %g", i, j, p[i].data[j],
+                         want);
+        }
+    }
+    free_all(p, 5);
+}
+
+/* A group in which nobody can reduce fails at once, alike everywhere,
+ * with a sentence that says why; nothing is written. */
+Test(averager, a_group_of_clients_and_zero_bandwidth_fails_clearly)
+{
+    struct peer p[2] = { 0 };
+
+    p[0].a = make_balanced("z-0", 2, -1, true);
+    p[1].a = make_balanced("z-1", 2, 0, false);
+    for (int i = 0; i < 2; i++) {
+        p[i].weight = 1;
+        p[i].timeout_ms = 20000;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(i + j);
+    }
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, -ENODATA, "z-%d: %d", i, p[i].rc);
+        cr_assert(strstr(averager_last_error(p[i].a), "no member of the group can reduce"),
+                  "%s", averager_last_error(p[i].a));
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)(i + j), "untouched");
+    }
+    free_all(p, 2);
+}
+
+Test(averager, bandwidth_or_client_mode_with_a_codec_is_refused)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = "q-0", .host = "127.0.0.1", .key = &key,
+        .prefix = "run/bal", .target_group_size = 2, .min_group_size = 2, .count = COUNT,
+        .codec = CODEC_FP16, .client_mode = true,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), -EINVAL);
+    c.client_mode = false;
+    c.has_bandwidth = true;
+    c.bandwidth = 2;
+    cr_assert_eq(averager_create(&c, &a), -EINVAL);
+    c.codec = CODEC_NONE;
+    c.bandwidth = NAN;
+    cr_assert_eq(averager_create(&c, &a), -EINVAL, "a bandwidth that is not a number");
+    cr_assert_null(a);
+}
+
+static void *scheduled_main(void *arg)
+{
+    struct peer *p = arg;
+    struct timespec ts;
+    struct averager_step s = { .data = p->data, .weight = 1, .alpha = 1,
+                               .timeout_ms = FIXTURE_WAIT_MS };
+
+    clock_gettime(CLOCK_REALTIME, &ts);
+    s.begin_at_ms = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000 + 1500;
+    p->res = NULL;
+    p->rc = averager_step(p->a, &s, &p->res);
+    return NULL;
+}
+
+/* The group forms at once (the target arrived) but the round waits for
+ * the scheduled time. */
+Test(averager, a_scheduled_round_waits_for_its_time)
+{
+    struct peer p[2] = { 0 };
+    uint64_t t0 = clock_now_ms();
+
+    p[0].a = make("s-0", 2, 2, "", "f32x16s");
+    p[1].a = make("s-1", 2, 2, "", "f32x16s");
+    t0 = clock_now_ms();
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, scheduled_main, &p[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(p[i].t, NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, 0, "s-%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_lt(p[i].res->matchmaking_ms, 1400, "the group formed early");
+    }
+    cr_assert_geq(clock_now_ms() - t0, 1450, "the round waited for its time");
+    free_all(p, 2);
+}
+
+/* ---- auxiliary averagers without tensors ----------------------------- */
+
+static struct averager *make_bare(const char *id, uint32_t target, double bandwidth,
+                                  size_t max_count)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/bare", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = 0,
+        .max_count = max_count, .has_bandwidth = bandwidth >= 0, .bandwidth = bandwidth,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+static struct averager *make_clothed(const char *id, uint32_t target, double bandwidth)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/bare", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .has_bandwidth = bandwidth >= 0,
+        .bandwidth = bandwidth,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+/* An auxiliary averager without tensors asks first, for any schema; the
+ * group forms when two with tensors arrive, it learns their count from
+ * the group, and reduces the largest part (bandwidth 6 against 1 and 1):
+ * the two contributors get the exact average, and it is named with
+ * weight 0. Twice, on the ring (no bandwidth) and the butterfly. */
+static void bare_round(bool balanced)
+{
+    struct peer p[3] = { 0 };
+
+    p[0].a = make_bare(balanced ? "x-0" : "y-0", 3, balanced ? 6 : -1, 0);
+    p[1].a = make_clothed(balanced ? "x-1" : "y-1", 3, balanced ? 1 : -1);
+    p[2].a = make_clothed(balanced ? "x-2" : "y-2", 3, balanced ? 1 : -1);
+    for (int i = 1; i < 3; i++) {
+        p[i].weight = i;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(30 * i + j);
+    }
+    snprintf(p[0].gather, sizeof(p[0].gather), "helper");
+    run_all(p, 3);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(p[i].rc, 0, "%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, 3);
+        cr_assert_eq(p[i].res->weights[0], 0.0, "the bare averager comes first and gave 0");
+        cr_assert_eq(p[i].res->gathered_len[0], 6);
+    }
+    for (int i = 1; i < 3; i++)
+        for (int j = 0; j < COUNT; j++)
+            /* (1 x (30 + j) + 2 x (60 + j)) / 3 */
+            cr_assert_eq(p[i].data[j], (float)(50 + j), "%d[%d] = %g", i, j, p[i].data[j]);
+    free_all(p, 3);
+}
+
+Test(averager, an_auxiliary_averager_without_tensors_helps_on_the_ring)
+{
+    bare_round(false);
+}
+
+Test(averager, an_auxiliary_averager_without_tensors_reduces_its_part)
+{
+    bare_round(true);
+}
+
+/* A group that averages more than an averager without tensors takes
+ * fails it with -EMSGSIZE, saying so; a weight other than 0 is refused. */
+Test(averager, an_averager_without_tensors_refuses_a_group_too_large)
+{
+    struct peer p[2] = { 0 };
+    float dummy[1];
+    struct averager_step s = { .data = dummy, .weight = 1, .alpha = 1 };
+    struct averager_result *r = NULL;
+
+    p[0].a = make_bare("t-0", 2, -1, COUNT - 1);
+    p[1].a = make_clothed("t-1", 2, -1);
+    cr_assert_eq(averager_step(p[0].a, &s, &r), -EINVAL);
+    cr_assert(strstr(averager_last_error(p[0].a), "weight must be 0"));
+    p[1].weight = 1;
+    p[0].timeout_ms = p[1].timeout_ms = 6000;
+    run_all(p, 2);
+    cr_assert_eq(p[0].rc, -EMSGSIZE, "%d: %s", p[0].rc, averager_last_error(p[0].a));
+    cr_assert(strstr(averager_last_error(p[0].a), "max_count"), "%s",
+              averager_last_error(p[0].a));
+    cr_assert_neq(p[1].rc, 0, "its partner is left without a group");
+    free_all(p, 2);
+}
+
+static struct averager *make_minvec(const char *id, uint32_t target, double bandwidth,
+                                    size_t min_vector_size)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/minvec", .target_group_size = target, .min_group_size = target,
+        .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
+        .schema = "f32x16", .schema_len = 6, .has_bandwidth = true, .bandwidth = bandwidth,
+        .min_vector_size = min_vector_size,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+/* Among members of one min_vector_size, the member whose share is too
+ * small (bandwidth 1 against 100 and 100) reduces nothing, and the
+ * average is still exact. */
+Test(averager, min_vector_size_keeps_the_average_exact)
+{
+    struct peer p[3] = { 0 };
+    char id[16];
+
+    for (int i = 0; i < 3; i++) {
+        snprintf(id, sizeof(id), "v-%d", i);
+        p[i].a = make_minvec(id, 3, i < 2 ? 100 : 1, 1000);
+        p[i].weight = i + 1;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(6 * i + j);
+    }
+    run_all(p, 3);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(p[i].rc, 0, "v-%d: %s", i, averager_last_error(p[i].a));
+        for (int j = 0; j < COUNT; j++)
+            /* (1 x j + 2 x (6 + j) + 3 x (12 + j)) / 6 */
+            cr_assert_eq(p[i].data[j], (float)(8 + j), "v-%d[%d] = %g", i, j, p[i].data[j]);
+    }
+    free_all(p, 3);
+}
+
+/* min_vector_size is part of what a group agrees on: of two averagers
+ * with different values asking at once, whichever asks second is
+ * refused, and the first finds too few. */
+Test(averager, averagers_of_different_min_vector_size_do_not_group)
+{
+    struct peer p[2] = { 0 };
+
+    p[0].a = make_minvec("u-0", 2, 1, 1000);
+    p[1].a = make_minvec("u-1", 2, 1, 10);
+    for (int i = 0; i < 2; i++) {
+        p[i].weight = 1;
+        p[i].timeout_ms = 3000;
+    }
+    run_all(p, 2);
+    cr_assert((p[0].rc == -EPROTO && p[1].rc == -ETIMEDOUT) ||
+              (p[0].rc == -ETIMEDOUT && p[1].rc == -EPROTO), "%d %d", p[0].rc, p[1].rc);
+    free_all(p, 2);
 }

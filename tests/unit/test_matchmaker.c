@@ -3,6 +3,7 @@
  * and bits, the target and the minimum, timeouts, caps and bad input. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -16,6 +17,9 @@ static struct {
     uint64_t group_id[MAX_REC];
     size_t group_n[MAX_REC];
     char group_ids[MAX_REC][8][32];
+    double group_bw[MAX_REC][8];
+    bool group_client[MAX_REC][8];
+    char group_schema[MAX_REC][MATCHMAKER_SCHEMA_MAX + 1];
     size_t fails;
     long fail_ctx[MAX_REC];
     int fail_err[MAX_REC];
@@ -32,8 +36,13 @@ static void formed(void *arg, const struct matchmaker_group *g)
     cr_assert_lt(k, MAX_REC);
     rec.group_id[k] = g->id;
     rec.group_n[k] = g->n;
-    for (size_t i = 0; i < g->n && i < 8; i++)
+    memcpy(rec.group_schema[k], g->schema, g->schema_len);
+    rec.group_schema[k][g->schema_len] = '\0';
+    for (size_t i = 0; i < g->n && i < 8; i++) {
         snprintf(rec.group_ids[k][i], sizeof(rec.group_ids[k][i]), "%s", g->members[i].id);
+        rec.group_bw[k][i] = g->members[i].bandwidth;
+        rec.group_client[k][i] = g->members[i].client;
+    }
 }
 
 static void failed(void *arg, void *ctx, int err, const char *why)
@@ -307,4 +316,100 @@ Test(matchmaker, a_member_that_left_while_waiting_is_dropped_not_grouped)
     cr_assert_eq(rec.groups, 1);
     cr_assert_str_eq(rec.group_ids[0][0], "b");
     cr_assert_str_eq(rec.group_ids[0][1], "c");
+}
+
+/* Each member's bandwidth and client flag reach the group as it asked,
+ * with its id; a bandwidth not given arrives negative. */
+Test(matchmaker, bandwidth_and_client_mode_travel_with_each_member)
+{
+    struct matchmaker_request a = req("m-2", "", 1), b = req("m-10", "", 2), c = req("m-1", "", 3),
+                              d = req("m-3", "", 4);
+
+    a.has_bandwidth = true;
+    a.bandwidth = 2.5;
+    b.client = true;
+    d.has_bandwidth = true;
+    d.bandwidth = 0;
+    cr_assert_eq(submit(0, &a), 0);
+    cr_assert_eq(submit(0, &b), 0);
+    cr_assert_eq(submit(0, &c), 0);
+    cr_assert_eq(submit(0, &d), 0);
+    cr_assert_eq(rec.groups, 1);
+    /* Natural order: m-1, m-2, m-3, m-10. */
+    cr_assert_str_eq(rec.group_ids[0][0], "m-1");
+    cr_assert_lt(rec.group_bw[0][0], 0, "not given");
+    cr_assert(!rec.group_client[0][0]);
+    cr_assert_eq(rec.group_bw[0][1], 2.5);
+    cr_assert_eq(rec.group_bw[0][2], 0.0);
+    cr_assert_str_eq(rec.group_ids[0][3], "m-10");
+    cr_assert(rec.group_client[0][3]);
+}
+
+Test(matchmaker, a_bandwidth_out_of_range_is_refused)
+{
+    double bad[] = { -1, NAN, INFINITY, 2e15 };
+    char why[256];
+
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        struct matchmaker_request r = req("m-1", "", 1);
+
+        r.has_bandwidth = true;
+        r.bandwidth = bad[i];
+        cr_assert_eq(matchmaker_submit(mm, 0, &r, why, sizeof(why)), -EINVAL, "%g", bad[i]);
+        cr_assert(strstr(why, "bandwidth"), "%s", why);
+    }
+    cr_assert_eq(matchmaker_pending(mm, NULL), 0, "nothing changed");
+}
+
+/* Requests for any schema (auxiliary averagers without tensors) wait
+ * until one with a schema comes, whatever the wait or their number; the
+ * group carries that schema; they leave it a place; one that gives a
+ * schema too is refused. */
+Test(matchmaker, requests_for_any_schema_wait_for_one_that_gives_it)
+{
+    struct matchmaker_request w1 = req("w-1", "", 1), w2 = req("w-2", "", 2), w3 = req("w-3", "", 3),
+                              s1 = req("s-1", "", 4), bad = req("w-4", "", 5);
+    char why[256];
+
+    w1.any_schema = w2.any_schema = w3.any_schema = bad.any_schema = true;
+    w1.schema_len = w2.schema_len = w3.schema_len = 0;
+    cr_assert_eq(submit(0, &w1), 0);
+    cr_assert_eq(submit(0, &w2), 0);
+    cr_assert_eq(matchmaker_tick(mm, 2000) > 0, true);
+    cr_assert_eq(rec.groups, 0, "two of min 2 waited past the wait, but neither has a schema");
+    cr_assert_eq(submit(2000, &w3), 0);
+    /* Three of target 4 give no schema: a fourth would fill the bucket. */
+    bad.schema_len = 0;
+    bad.id = "w-5";
+    cr_assert_eq(matchmaker_submit(mm, 2000, &bad, why, sizeof(why)), -ENOSPC);
+    cr_assert(strstr(why, "wait for one with tensors"), "%s", why);
+    cr_assert_eq(submit(2100, &s1), 0);
+    cr_assert_eq(rec.groups, 1, "the target arrived with a schema");
+    cr_assert_eq(rec.group_n[0], 4);
+    cr_assert_str_eq(rec.group_schema[0], "f32x8");
+    cr_assert_eq(matchmaker_pending(mm, NULL), 0);
+    bad = req("w-6", "", 6);
+    bad.any_schema = true;
+    cr_assert_eq(matchmaker_submit(mm, 3000, &bad, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "any schema"), "%s", why);
+}
+
+/* A request for any schema joins a bucket whose schema is set, and a
+ * request with another schema is still refused there. */
+Test(matchmaker, any_schema_joins_a_set_schema_that_still_refuses_others)
+{
+    struct matchmaker_request s1 = req("s-1", "", 1), w1 = req("w-1", "", 2),
+                              other = req("s-2", "", 3);
+    char why[256];
+
+    w1.any_schema = true;
+    w1.schema_len = 0;
+    other.schema = "f32x9";
+    cr_assert_eq(submit(0, &s1), 0);
+    cr_assert_eq(submit(0, &w1), 0);
+    cr_assert_eq(matchmaker_submit(mm, 0, &other, why, sizeof(why)), -EPROTO);
+    matchmaker_tick(mm, 1000);
+    cr_assert_eq(rec.groups, 1);
+    cr_assert_eq(rec.group_n[0], 2);
+    cr_assert_str_eq(rec.group_schema[0], "f32x8");
 }
