@@ -473,7 +473,7 @@ class DecentralizedAverager:
             return None
         try:
             return _decode_state(blob)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             # Every part matched the donors' manifest, so the donors
             # themselves sent this: nothing is loaded.
             self.last_load_error = "the donors' state does not decode: %s" % e
