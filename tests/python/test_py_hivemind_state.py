@@ -16,18 +16,21 @@ averagers joined to a real broker with a key, with real torch tensors.
 tests/unit/test_avstate.c covers donors that lie (parts that do not match
 their digests, manifests without the key's MAC, sizes over the cap).
 """
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 import cohort.hivemind as hivemind
-from cohorttest import start_broker
+from cohorttest import ROOT, bin_path, start_broker
 from cohorttest.programs import write_key
 from hivemind_child import state_tensors_of as state_of
-from pyproc import HERE, spawn
+from pyproc import HERE, child_env, spawn
 
 CHILD = os.path.join(HERE, "hivemind_child.py")
 PARTS = 64 << 10            # avstate's smallest part
@@ -210,3 +213,25 @@ def test_bad_state_settings_get_clear_errors(keyed):
     with pytest.raises(ValueError, match="state_compression"):
         hivemind.DecentralizedAverager([torch.zeros(3)], dht, start=False, prefix="x",
                                        state_compression=Mine())
+
+
+def test_the_benchmark_runs_a_tiny_load_and_refuses_bad_flags(tmp_path):
+    """bench/avstate.py end to end at a tiny size (its figures belong to
+    the README), and its flag checks."""
+    bench = os.path.join(ROOT, "bench", "avstate.py")
+    run = subprocess.run([sys.executable, bench, "--donors", "2", "--newcomers", "2", "--mib",
+                          "1", "--reps", "1", "--operator", bin_path("cohort-operator"),
+                          "--log-dir", str(tmp_path)], capture_output=True, text=True,
+                         env=child_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+    assert [r.get("setting") for r in rows[:2]] == ["one", "equal"]
+    # 1 MiB and a header: 17 parts; two newcomers load them all from the
+    # top donor, or about half each from two equal ones.
+    assert rows[0]["busiest_donor_parts"] == 34, rows
+    assert 17 <= rows[1]["busiest_donor_parts"] < 34, rows
+    assert all(r["load_ms"] > 0 for r in rows[:2])
+    assert rows[2]["equal_vs_one_busiest_donor"] < 1
+    bad = subprocess.run([sys.executable, bench, "--donors", "1"], capture_output=True,
+                         text=True, env=child_env(), timeout=60)
+    assert bad.returncode == 2 and "--donors" in bad.stderr
