@@ -97,7 +97,7 @@ def _encode_state(metadata, tensors, fp16):
         out.append(struct.pack("<BBBB", _DTYPES.index(t.dtype), codec, t.dim(), 0))
         out.append(struct.pack("<%dq" % t.dim(), *t.shape))
         out.append(struct.pack("<Q", body.nbytes))
-        out.append(body.tobytes())
+        out.append(memoryview(body))        # joined below: one copy
     return b"".join(out)
 
 
@@ -137,10 +137,11 @@ def _decode_state(blob):
         numel = math.prod(shape)
         if nbytes != numel * torch.empty((), dtype=wire).element_size():
             raise ValueError("a state tensor's byte count does not match its shape")
+        # One copy, which the tensor owns (frombuffer keeps it alive).
         raw = bytearray(take(nbytes))
         t = torch.frombuffer(raw, dtype=torch.uint8).view(wire) if nbytes else \
             torch.empty(0, dtype=wire)
-        tensors.append(t.reshape(shape).to(dtype).clone())
+        tensors.append(t.reshape(shape).to(dtype))
     if at != len(view):
         raise ValueError("trailing bytes after the state")
     return metadata, tensors
