@@ -6,7 +6,10 @@
  *   - downloads (averager/avstate.h) over loopback from real servers and
  *     from donors that lie: a part that does not match its digest, a
  *     manifest without the key's MAC, a size over the cap, a stall; a
- *     donor that does not share; donors that disagree (never mixed). */
+ *     donor that does not share; donors that disagree (never mixed);
+ *   - averagers end to end: a newcomer loads the sharing donor of the top
+ *     priority, follows sharing being turned off, and gets nothing (with
+ *     the reason) when nobody shares. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
@@ -18,6 +21,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "averager/averager.h"
 #include "averager/avstate.h"
 #include "base/clock.h"
 #include "base/secret.h"
@@ -653,4 +657,118 @@ Test(avstate, a_donor_that_never_answers_is_left_within_the_timeout)
     close(lfd);
     donor_stop(&honest);
     free(b);
+}
+
+/* ---- averagers end to end, through the broker ------------------------------------ */
+
+TestSuite(averager_state, .init = start_broker, .fini = stop_broker, .timeout = 120);
+
+static struct averager *make_averager(const char *id, bool share, double priority)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avs", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = "run/state", .target_group_size = 2, .min_group_size = 2,
+        .min_matchmaking_ms = 300, .request_timeout_ms = 2000, .count = 4,
+        .share_state = share, .state_priority = priority, .declare_period_ms = 1000,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+struct host {
+    struct averager *a;
+    const uint8_t *blob;
+    size_t len;
+    pthread_t t;
+    volatile bool stop;
+};
+
+static void *avg_host_main(void *arg)
+{
+    struct host *h = arg;
+
+    while (!h->stop)
+        if (averager_state_wanted(h->a, 50))
+            averager_provide_state(h->a, h->blob, h->len);
+    return NULL;
+}
+
+struct loaded {
+    struct averager *a;
+    const uint8_t *want;
+};
+
+/* True once a load gets exactly `want`. */
+static bool loads(void *arg)
+{
+    struct loaded *l = arg;
+    void *out = NULL;
+    size_t len = 0;
+    bool same;
+
+    if (averager_load_state(l->a, 10000, &out, &len) < 0)
+        return false;
+    same = len == BLOB_BYTES && memcmp(out, l->want, len) == 0;
+    free(out);
+    return same;
+}
+
+/* True once a load finds no donor at all (the broker heard every
+ * withdrawal; until then a donor that stopped refuses by itself). */
+static bool nobody_shares(void *arg)
+{
+    struct averager *a = arg;
+    void *out = NULL;
+    size_t len = 0;
+    int rc = averager_load_state(a, 3000, &out, &len);
+
+    free(out);
+    return rc == -ENODATA && strstr(averager_load_error(a), "no averager of this prefix shares");
+}
+
+Test(averager_state, a_newcomer_loads_the_sharing_donor_and_follows_its_setting)
+{
+    uint8_t *b = blob_of(11), *c = blob_of(12);
+    struct averager *shy = make_averager("shy", false, 50);
+    struct averager *donor = make_averager("donor", true, 1);
+    struct averager *other = make_averager("other", true, 0);
+    struct averager *new = make_averager("new", false, 0);
+    struct host hd = { .a = donor, .blob = b, .len = BLOB_BYTES };
+    struct host ho = { .a = other, .blob = c, .len = BLOB_BYTES };
+    struct host hs = { .a = shy, .blob = c, .len = BLOB_BYTES };
+    struct loaded l = { .a = new, .want = b };
+    bool share;
+    double priority;
+
+    cr_assert_eq(pthread_create(&hd.t, NULL, avg_host_main, &hd), 0);
+    cr_assert_eq(pthread_create(&ho.t, NULL, avg_host_main, &ho), 0);
+    cr_assert_eq(pthread_create(&hs.t, NULL, avg_host_main, &hs), 0);
+    cr_assert(fixture_wait_until(loads, &l, FIXTURE_WAIT_MS), "%s", averager_load_error(new));
+    cr_assert_eq(averager_state_parts_served(shy), 0, "not sharing: never asked");
+    cr_assert_eq(averager_state_parts_served(other), 0, "a lower priority: not asked");
+    /* The donor stops sharing: the other is next. */
+    cr_assert_eq(averager_set_state_sharing(donor, false, 1), 0);
+    averager_state_sharing(donor, &share, &priority);
+    cr_assert(!share && priority == 1);
+    l.want = c;
+    cr_assert(fixture_wait_until(loads, &l, FIXTURE_WAIT_MS), "%s", averager_load_error(new));
+    cr_assert_eq(averager_set_state_sharing(donor, true, NAN), -EINVAL);
+    /* Nobody shares: nothing, and the sentence says so. */
+    cr_assert_eq(averager_set_state_sharing(other, false, 0), 0);
+    cr_assert(fixture_wait_until(nobody_shares, new, FIXTURE_WAIT_MS), "%s",
+              averager_load_error(new));
+    cr_assert_eq(averager_state_parts_served(shy), 0);
+    hd.stop = ho.stop = hs.stop = true;
+    pthread_join(hd.t, NULL);
+    pthread_join(ho.t, NULL);
+    pthread_join(hs.t, NULL);
+    averager_destroy(new);
+    averager_destroy(other);
+    averager_destroy(donor);
+    averager_destroy(shy);
+    free(b);
+    free(c);
 }
