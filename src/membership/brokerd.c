@@ -879,6 +879,12 @@ static void on_state_donors(void *arg, const ProtobufCMessage *req, struct rpc_r
         snprintf(why, sizeof(why), "invalid cohort name or member id");
         goto refuse;
     }
+    if (!matchmaker_prefix_valid(q->prefix)) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(why, sizeof(why), "the prefix must be 1 to 128 characters of letters, digits "
+                 "and . _ : / -");
+        goto refuse;
+    }
     proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
     if (proved < 0) {
         code = RPC_UNAUTHENTICATED;
@@ -929,7 +935,8 @@ static void on_state_donors(void *arg, const ProtobufCMessage *req, struct rpc_r
     }
     /* Only donors whose session is still in the cohort: one that died or
      * was evicted is not offered until its declaration would expire.
-     * (d->lock is never taken inside mm_lock: see mm_alive.) */
+     * (Taken once mm_lock is released; mm_alive takes the two in the
+     * order mm_lock, lock, and nothing takes them the other way.) */
     pthread_mutex_lock(&d->lock);
     for (size_t i = 0; i < n; i++) {
         char addr[IDENT_ADDRESS_MAX + 1];

@@ -441,6 +441,11 @@ uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now)
  * records, read once per load and written once per declare period per
  * donor, so a scan costs far less than the call that asks for it. */
 
+bool matchmaker_prefix_valid(const char *prefix)
+{
+    return prefix_valid(prefix);
+}
+
 static void donor_free(struct donor *d)
 {
     free(d->cohort);

@@ -183,6 +183,10 @@ size_t matchmaker_donors(struct matchmaker *m, uint64_t now, const char *cohort,
                          const char *prefix, const char *exclude,
                          struct matchmaker_donor_row *out, size_t max);
 
+/* Whether `prefix` is one the matchmaker takes (MATCHMAKER_PREFIX_MAX
+ * characters of [A-Za-z0-9._:/-]). */
+bool matchmaker_prefix_valid(const char *prefix);
+
 /* Live donors in `cohort` (NULL: in all) at `now`. */
 size_t matchmaker_donor_count(struct matchmaker *m, uint64_t now, const char *cohort);
 
