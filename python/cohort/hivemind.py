@@ -55,6 +55,7 @@ import os
 import struct
 import threading
 import uuid
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -383,8 +384,10 @@ class DecentralizedAverager:
             self._codec, self._declare_ms)
         self._core.set_state_sharing(self._allow_sharing, self._priority)
         self._state_stop.clear()
-        self._state_thread = threading.Thread(target=self._serve_state, args=(self._core,),
-                                              name="cohort-avg-state", daemon=True)
+        self._state_thread = threading.Thread(
+            target=DecentralizedAverager._serve_state,
+            args=(weakref.ref(self), self._core, self._state_stop, self._state_fp16),
+            name="cohort-avg-state", daemon=True)
         self._state_thread.start()
         if await_ready:
             ms = 60000 if timeout is None else int(timeout * 1000)
@@ -399,7 +402,8 @@ class DecentralizedAverager:
         core, self._core = self._core, None
         self._state_stop.set()
         if self._state_thread is not None:
-            self._state_thread.join()
+            if self._state_thread is not threading.current_thread():
+                self._state_thread.join()
             self._state_thread = None
         if core is not None:
             with self._step_lock:
@@ -429,18 +433,25 @@ class DecentralizedAverager:
         with self.get_tensors() as tensors:
             return None, [t.detach().cpu().clone() for t in tensors], None
 
-    def _serve_state(self, core):
-        """The donor's side: a snapshot whenever a download needs one."""
-        while not self._state_stop.is_set():
+    @staticmethod
+    def _serve_state(ref, core, stop, fp16):
+        """The donor's side: a snapshot whenever a download needs one. It
+        holds the averager only through `ref`, so that an averager dropped
+        without shutdown() is still collected (and leaves)."""
+        while not stop.is_set():
             try:
                 if not core.state_wanted(200):
                     continue
+                self = ref()
+                if self is None:
+                    return
                 state = self.get_current_state()
+                del self
                 metadata, tensors = state[0], state[1]
-                core.provide_state(_encode_state(metadata, list(tensors), self._state_fp16))
+                core.provide_state(_encode_state(metadata, list(tensors), fp16))
             except Exception as e:      # a bad override must not end the thread
                 _log.warning("get_current_state failed; this donor serves no new state: %r", e)
-                self._state_stop.wait(0.2)
+                stop.wait(0.2)
 
     def load_state_from_peers(self, wait=True, timeout=None):
         """Downloads (metadata, tensors) from the donors of the highest
