@@ -3,8 +3,8 @@ process of its own, average their tensors for a few rounds in groups of
 two whose group bits mix them, and print what they hold and whom they
 averaged with. After log2(N) rounds every peer holds the global mean.
 Then a newcomer joins and loads that state from the peers
-(load_state_from_peers: in parts from all of them, since they share it
-at equal priority).
+(load_state_from_peers; a state of many 64 KiB parts would be split
+among them, since they share it at equal priority).
 
     hivemind_average.py BROKER [--peers 4] [--rounds 2]
 
