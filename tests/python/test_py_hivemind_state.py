@@ -240,3 +240,32 @@ def test_the_benchmark_runs_a_tiny_load_and_refuses_bad_flags(tmp_path):
     bad = subprocess.run([sys.executable, bench, "--donors", "1"], capture_output=True,
                          text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "--donors" in bad.stderr
+
+
+def test_a_state_that_does_not_decode_is_refused_with_the_reason():
+    """What a donor sends is checked field by field (the parts match the
+    donors' manifest, but the donors themselves may lie)."""
+    import struct
+    tensors = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([True, False])]
+    good = hivemind._encode_state({"epoch": 3}, tensors, False)
+    meta, got = hivemind._decode_state(good)
+    assert meta == {"epoch": 3} and tensors_equal(got, tensors)
+    half = hivemind._encode_state(None, [torch.tensor([1.5, -2.0], dtype=torch.float64)], True)
+    assert hivemind._decode_state(half)[1][0].dtype == torch.float64, "float16 on the wire only"
+    meta_len = struct.unpack("<I", good[4:8])[0]
+    first = 12 + meta_len               # the first tensor's header
+    bad = {
+        "not a cohort state": b"XXXX" + good[4:],
+        "cut short": good[:-1],
+        "trailing bytes": good + b"\0",
+        "past its end": good[:4] + struct.pack("<I", 1 << 30) + good[8:],
+        "declares 1048576 tensors": good[:8 + meta_len] + struct.pack("<I", 1 << 20) + good[12 + meta_len:],
+        "bad dtype": good[:first] + b"\x63" + good[first + 1:],
+        "byte count": good[:first + 4 + 16] + struct.pack("<Q", 25) + good[first + 4 + 24:],
+        "negative": good[:first + 4] + struct.pack("<q", -2) + good[first + 12:],
+    }
+    for why, blob in bad.items():
+        with pytest.raises(ValueError, match=why):
+            hivemind._decode_state(blob)
+    with pytest.raises(TypeError, match="JSON"):
+        hivemind._encode_state(object(), tensors, False)
