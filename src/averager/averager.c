@@ -48,6 +48,7 @@
  * exactly: the members of the group whose attempt succeeded.
  */
 #include "averager/averager.h"
+#include "averager/avstate.h"
 
 #include <errno.h>
 #include <math.h>
@@ -60,9 +61,8 @@
 #include "base/clock.h"
 #include "base/limits.h"
 #include "base/log.h"
-#include "cohort.pb-c.h"
-#include "averager/avstate.h"
 #include "base/secret.h"
+#include "cohort.pb-c.h"
 #include "engine/allreduce.h"
 #include "membership/epoch.h"
 #include "membership/matchmaker.h"
@@ -101,13 +101,12 @@ struct averager {
     char err[RPC_MESSAGE_MAX + 192];
 
     /* State sharing: the server, and the declaring thread's wishes
-     * (under lock, with member_cond to wake it). */
+     * (under lock, with donor_cond to wake it). */
     struct avstate_server *srv;
     struct secret key;
     bool keyed;
     size_t max_state_bytes;
     pthread_t donor_thread;
-    bool donor_started;
     pthread_cond_t donor_cond;
     bool share, declared, declare_now;
     double priority;
@@ -674,7 +673,7 @@ int averager_load_state(struct averager *a, uint32_t timeout_ms, void **blob, si
     struct avstate_donor donors[MATCHMAKER_DONORS_REPLY_MAX];
     struct avstate_load_config lc = {
         .cohort = a->cohort, .id = a->id, .key = a->keyed ? &a->key : NULL,
-        .timeout_ms = timeout_ms, .io_timeout_ms = a->request_timeout_ms,
+        .io_timeout_ms = a->request_timeout_ms,
         .max_bytes = a->max_state_bytes,
     };
     char why[1024];
@@ -682,8 +681,7 @@ int averager_load_state(struct averager *a, uint32_t timeout_ms, void **blob, si
     int rc;
 
     a->load_err[0] = '\0';
-    if (!timeout_ms)
-        timeout_ms = AVERAGER_DEFAULT_TIMEOUT_MS;
+    lc.timeout_ms = timeout_ms ? timeout_ms : AVERAGER_DEFAULT_TIMEOUT_MS;
     rc = donors_call(a, false, false, 0, &r, a->load_err, sizeof(a->load_err));
     if (rc < 0)
         return rc;
