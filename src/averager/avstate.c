@@ -440,6 +440,10 @@ static void *slot_main(void *arg)
     struct avstate_server *s = sl->s;
 
     serve(s, sl->fd);
+    /* The peer hears the end now; the descriptor is closed when the slot
+     * is reaped (never here, so that no other socket can take its number
+     * while the acceptor or stop may still shut it down). */
+    shutdown(sl->fd, SHUT_RDWR);
     pthread_mutex_lock(&s->lock);
     sl->done = true;
     pthread_mutex_unlock(&s->lock);
