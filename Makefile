@@ -355,6 +355,7 @@ FUZZ_OBJS     := $(call objs,$(FUZZ_DIR),$(LIB_SRCS)) $(call gen_objs,$(FUZZ_DIR
 FUZZ_FLAGS_tlink := -max_len=1100
 FUZZ_FLAGS_tlink_trainer := -max_len=2048
 FUZZ_FLAGS_peerwire := -max_len=1200
+FUZZ_FLAGS_avstate := -max_len=400
 FUZZ_FLAGS_broker := -max_len=128
 FUZZ_FLAGS_reconcile := -max_len=2048
 FUZZ_FLAGS_opt := -max_len=256

@@ -572,6 +572,11 @@ struct cohort_averager_config {
     size_t min_vector_size;         /* a member whose share is worth fewer elements
                                      * reduces nothing (hivemind's); a group agrees
                                      * on it as on the schema */
+    /* State sharing (cohort_averager_load_state). */
+    bool allow_state_sharing;       /* a donor from the start */
+    double state_sharing_priority;  /* finite; the highest donors are asked first */
+    int declare_state_period_ms;    /* re-declare this often; 0: 30 s; at most 30 min */
+    size_t max_state_bytes;         /* the largest state served or loaded; 0: 1 GiB */
 };
 
 /* Joins the cohort as an averager; the key, the listen address and TLS to
@@ -631,6 +636,38 @@ uint32_t cohort_averager_result_attempts(const struct cohort_averager_result *r)
  * its group formed. */
 uint32_t cohort_averager_result_matchmaking_ms(const struct cohort_averager_result *r);
 void cohort_averager_result_free(struct cohort_averager_result *r);     /* NULL is fine */
+
+/* State sharing (hivemind's load_state_from_peers). A state is opaque
+ * bytes of the trainer's making. While an averager shares, the broker
+ * lists it as a donor of its prefix with its priority; a newcomer
+ * downloads from the donors of the highest priority, in parallel parts
+ * when several are equal, every part checked against a manifest the
+ * donors MAC with the cohort's key, so it never gets a mix of two states.
+ * The averager asks its trainer for a snapshot when a download begins:
+ * some thread of the trainer loops on cohort_averager_state_wanted and
+ * answers with cohort_averager_provide_state (which it may also call at
+ * any time). These calls may run on other threads than the step's. */
+
+/* Turns sharing on or off with a priority (finite). 0 or -EINVAL. */
+int cohort_averager_set_state_sharing(struct cohort_averager *a, bool allow, double priority);
+void cohort_averager_state_sharing(struct cohort_averager *a, bool *allow, double *priority);
+/* Waits at most timeout_ms for a downloader to need a snapshot; true then. */
+bool cohort_averager_state_wanted(struct cohort_averager *a, int timeout_ms);
+/* Serves len bytes at blob (copied) from now on. 0, -EFBIG (over
+ * max_state_bytes) or -ENOMEM. */
+int cohort_averager_provide_state(struct cohort_averager *a, const void *blob, size_t len);
+/* Downloads a state within timeout_ms. On 0 *blob holds *len bytes, which
+ * the caller frees with cohort_averager_state_free. Otherwise -ENODATA (no
+ * donor, or none served a whole state), -ETIMEDOUT, -ENOTCONN (not
+ * joined yet), or the broker call's -errno; cohort_averager_load_error()
+ * says which donors failed how. */
+int cohort_averager_load_state(struct cohort_averager *a, int timeout_ms, void **blob,
+                               size_t *len);
+void cohort_averager_state_free(void *blob);        /* NULL is fine */
+/* The last load's failure as a sentence, owned by the averager. */
+const char *cohort_averager_load_error(const struct cohort_averager *a);
+/* Parts of its state this averager has served to others. */
+uint64_t cohort_averager_state_parts_served(struct cohort_averager *a);
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop

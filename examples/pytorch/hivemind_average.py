@@ -2,6 +2,9 @@
 process of its own, average their tensors for a few rounds in groups of
 two whose group bits mix them, and print what they hold and whom they
 averaged with. After log2(N) rounds every peer holds the global mean.
+Then a newcomer joins and loads that state from the peers
+(load_state_from_peers; a state of many 64 KiB parts would be split
+among them, since they share it at equal priority).
 
     hivemind_average.py BROKER [--peers 4] [--rounds 2]
 
@@ -23,7 +26,7 @@ except ImportError:     # not installed: the package built by `make python`
     import cohort.hivemind as hivemind
 
 
-def peer(broker, k, n, rounds, barrier, out):
+def peer(broker, k, n, rounds, barrier, out, loaded):
     bits_len = max(1, int(math.log2(n)) - 1)
     bits = format(k >> 1, "0%db" % bits_len)[-bits_len:]
     dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="avg-demo",
@@ -39,6 +42,19 @@ def peer(broker, k, n, rounds, barrier, out):
         groups.append(sorted(got) if got else None)
     with averager.get_tensors() as t:
         out.put((k, t[0].tolist(), groups))
+    loaded.wait(timeout=300)    # the newcomer has loaded from us
+    averager.shutdown()
+
+
+def newcomer(broker, out, loaded):
+    dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="avg-demo",
+                       peer_id="newcomer")
+    averager = hivemind.DecentralizedAverager(
+        [torch.zeros(3)], dht, start=True, prefix="demo", target_group_size=2,
+        min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
+    state = averager.load_state_from_peers(timeout=60)
+    out.put(None if state is None else state[1][0].tolist())
+    loaded.set()
     averager.shutdown()
 
 
@@ -51,17 +67,23 @@ def main():
     if a.peers < 2 or a.peers & (a.peers - 1):
         sys.exit("--peers must be a power of two, at least 2")
     ctx = multiprocessing.get_context("spawn")
-    barrier, out = ctx.Barrier(a.peers), ctx.Queue()
-    procs = [ctx.Process(target=peer, args=(a.broker, k, a.peers, a.rounds, barrier, out))
+    barrier, out, loaded = ctx.Barrier(a.peers), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=peer, args=(a.broker, k, a.peers, a.rounds, barrier, out,
+                                            loaded))
              for k in range(a.peers)]
     for p in procs:
         p.start()
     results = sorted(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join()
     for k, values, groups in results:
         print("peer-%d holds %s; groups: %s" % (k, values, groups))
-    if any(p.exitcode != 0 for p in procs) or any(None in g for _, _, g in results):
+    late = ctx.Process(target=newcomer, args=(a.broker, out, loaded))
+    late.start()
+    state = out.get(timeout=300)
+    print("the newcomer loaded %s" % state)
+    for p in procs + [late]:
+        p.join()
+    if any(p.exitcode != 0 for p in procs + [late]) or any(None in g for _, _, g in results) \
+            or state is None:
         sys.exit(1)
 
 

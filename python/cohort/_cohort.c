@@ -28,6 +28,7 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cohort.h"
 
@@ -1362,10 +1363,10 @@ static int pygroup_add(PyObject *m)
  * _cohort.Averager(broker, cohort, id, prefix, bits, target, min,
  * min_matchmaking_ms, request_timeout_ms, allreduce_timeout_ms, count,
  * segment_bytes, schema, gather_max, leave_timeout_ms[, compression,
- * bandwidth, client_mode, min_vector_size]): one struct cohort_averager, for
- * cohort.hivemind (compression: an enum cohort_compression value, 0 by
- * default; bandwidth: a float, or None when not given; client_mode: a
- * bool). The averaged floats cross as a
+ * bandwidth, client_mode, min_vector_size, declare_state_period_ms]): one
+ * struct cohort_averager, for cohort.hivemind (compression: an enum
+ * cohort_compression value, 0 by default; bandwidth: a float, or None when
+ * not given; client_mode: a bool). The averaged floats cross as a
  * writable buffer of exactly count float32; every call runs with the GIL
  * released and under the Averager's lock. */
 
@@ -1373,6 +1374,9 @@ struct pyaverager {
     PyObject_HEAD
     struct cohort_averager *a;          /* NULL once closed */
     PyThread_type_lock lock;
+    /* State calls in flight without the lock (they run beside a step),
+     * counted under the GIL; close waits for them. */
+    int state_busy;
 };
 
 static PyObject *averager_raise(struct pyaverager *self, const char *what, int rc)
@@ -1406,7 +1410,8 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
                               "min_matchmaking_ms", "request_timeout_ms",
                               "allreduce_timeout_ms", "count", "segment_bytes", "schema",
                               "gather_max", "leave_timeout_ms", "compression", "bandwidth",
-                              "client_mode", "min_vector_size", NULL };
+                              "client_mode", "min_vector_size", "declare_state_period_ms",
+                              NULL };
     struct cohort_averager_config c = { 0 };
     PyObject *bandwidth = Py_None;
     int client_mode = 0;
@@ -1421,13 +1426,14 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
         PyErr_SetString(PyExc_RuntimeError, "Averager.__init__ may be called once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOpK", kwlist, &c.broker,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOpKi", kwlist, &c.broker,
                                      &c.cohort, &c.id, &c.prefix, &c.initial_bits,
                                      &c.target_group_size, &c.min_group_size,
                                      &c.min_matchmaking_ms, &c.request_timeout_ms,
                                      &c.allreduce_timeout_ms, &count, &segment, &schema,
                                      &gather_max, &c.leave_timeout_ms, &compression,
-                                     &bandwidth, &client_mode, &min_vector_size))
+                                     &bandwidth, &client_mode, &min_vector_size,
+                                     &c.declare_state_period_ms))
         return -1;
     c.min_vector_size = (size_t)min_vector_size;
     if (bandwidth != Py_None) {
@@ -1471,6 +1477,12 @@ static void pyaverager_close_now(struct pyaverager *self)
     if (!a)
         return;
     self->a = NULL;
+    /* Each state call is bounded by its own timeout. */
+    while (self->state_busy > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        usleep(1000);
+        Py_END_ALLOW_THREADS
+    }
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     cohort_averager_destroy(a);
@@ -1595,6 +1607,118 @@ static PyObject *pyaverager_set_bits(struct pyaverager *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* ---- the averager's state sharing (cohort_averager_*_state*) ---------- */
+
+static long ms_arg(PyObject *arg)
+{
+    long v = PyLong_AsLong(arg);
+
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    return v > INT_MAX ? INT_MAX : v < 0 ? 0 : v;
+}
+
+/* set_state_sharing(allow, priority) */
+static PyObject *pyaverager_set_state_sharing(struct pyaverager *self, PyObject *args)
+{
+    int allow;
+    double priority;
+
+    if (!PyArg_ParseTuple(args, "pd", &allow, &priority))
+        return NULL;
+    if (averager_open(self) < 0)
+        return NULL;
+    if (cohort_averager_set_state_sharing(self->a, allow != 0, priority) < 0) {
+        PyErr_SetString(PyExc_ValueError, "state_sharing_priority must be a finite number");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* state_wanted(timeout_ms) -> bool */
+static PyObject *pyaverager_state_wanted(struct pyaverager *self, PyObject *arg)
+{
+    long ms = ms_arg(arg);
+    struct cohort_averager *a = self->a;
+    bool wanted;
+
+    if (ms < 0 && PyErr_Occurred())
+        return NULL;
+    if (averager_open(self) < 0)
+        return NULL;
+    self->state_busy++;
+    Py_BEGIN_ALLOW_THREADS
+    wanted = cohort_averager_state_wanted(a, (int)ms);
+    Py_END_ALLOW_THREADS
+    self->state_busy--;
+    return PyBool_FromLong(wanted);
+}
+
+/* provide_state(bytes-like) */
+static PyObject *pyaverager_provide_state(struct pyaverager *self, PyObject *arg)
+{
+    struct cohort_averager *a = self->a;
+    Py_buffer b;
+    int rc;
+
+    if (averager_open(self) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    self->state_busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_averager_provide_state(a, b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    self->state_busy--;
+    PyBuffer_Release(&b);
+    if (rc < 0)
+        return averager_raise(self, rc == -EFBIG ? "the state is larger than max_state_bytes"
+                                                 : "cannot serve the state", rc);
+    Py_RETURN_NONE;
+}
+
+/* load_state(timeout_ms) -> (bytes or None, sentence) */
+static PyObject *pyaverager_load_state(struct pyaverager *self, PyObject *arg)
+{
+    long ms = ms_arg(arg);
+    struct cohort_averager *a = self->a;
+    void *blob = NULL;
+    size_t len = 0;
+    PyObject *out;
+    int rc;
+
+    if (ms < 0 && PyErr_Occurred())
+        return NULL;
+    if (averager_open(self) < 0)
+        return NULL;
+    self->state_busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_averager_load_state(a, (int)ms, &blob, &len);
+    Py_END_ALLOW_THREADS
+    self->state_busy--;
+    if (rc == -ENODATA || rc == -ETIMEDOUT)
+        return Py_BuildValue("(Os)", Py_None, cohort_averager_load_error(a));
+    if (rc < 0) {
+        PyObject *args = Py_BuildValue("(is)", -rc, cohort_averager_load_error(a));
+
+        if (args) {
+            PyErr_SetObject(cohort_error, args);
+            Py_DECREF(args);
+        }
+        return NULL;
+    }
+    out = Py_BuildValue("(y#s)", (const char *)blob, (Py_ssize_t)len, "");
+    cohort_averager_state_free(blob);
+    return out;
+}
+
+static PyObject *pyaverager_parts_served(struct pyaverager *self, PyObject *unused)
+{
+    if (averager_open(self) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(cohort_averager_state_parts_served(self->a));
+}
+
 static PyMethodDef pyaverager_methods[] = {
     { "close", (PyCFunction)pyaverager_close, METH_NOARGS, "Leaves the cohort." },
     { "wait", (PyCFunction)pyaverager_wait, METH_O,
@@ -1604,6 +1728,16 @@ static PyMethodDef pyaverager_methods[] = {
       "(group, attempts, matchmaking_ms, [(id, weight, gathered), ...])." },
     { "bits", (PyCFunction)pyaverager_bits, METH_NOARGS, "The group bits." },
     { "set_bits", (PyCFunction)pyaverager_set_bits, METH_O, "set_bits(str)." },
+    { "set_state_sharing", (PyCFunction)pyaverager_set_state_sharing, METH_VARARGS,
+      "set_state_sharing(allow, priority)." },
+    { "state_wanted", (PyCFunction)pyaverager_state_wanted, METH_O,
+      "state_wanted(timeout_ms) -> bool: whether a downloader waits for a snapshot." },
+    { "provide_state", (PyCFunction)pyaverager_provide_state, METH_O,
+      "provide_state(bytes): the snapshot served from now on." },
+    { "load_state", (PyCFunction)pyaverager_load_state, METH_O,
+      "load_state(timeout_ms) -> (bytes or None, why)." },
+    { "parts_served", (PyCFunction)pyaverager_parts_served, METH_NOARGS,
+      "Parts of this averager's state served to others." },
     { NULL, NULL, 0, NULL },
 };
 

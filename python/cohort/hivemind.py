@@ -36,27 +36,43 @@ worth fewer elements (peers that use different values do not group).
 t - min_matchmaking_time and begins the all-reduce at t: a group that
 formed earlier waits until then.
 
+State sharing: an averager that allows it (the default, as in hivemind,
+unless auxiliary) is listed by the broker as a donor of its prefix with
+its state_sharing_priority, re-declared every declare_state_period.
+load_state_from_peers() downloads (metadata, tensors) from the donors of
+the highest priority, in parallel parts when several are equal, every
+part checked against a manifest the donors MAC with the cohort's key, so
+a donor that lies or stalls is dropped and never mixed in. Donors run
+get_current_state() in this process, on a thread of the averager's, when
+a download begins. state_compression is NoCompression() or
+Float16Compression() (floating-point tensors travel as float16 and come
+back in their own dtype).
+
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-state sharing, compression of any other class
-(Uniform8BitQuantization, ...), state_compression other than
-NoCompression, daemon=False.
+compression of any other class (Uniform8BitQuantization, ...),
+state_compression other than NoCompression and Float16Compression,
+daemon=False.
 
 An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
 `auxiliary=True`): it joins groups of any tensors, learns their size and
 compression from its group, and reduces its share of each round like any
 peer; get_tensors() gives it an empty list.
 
-Gathered objects cross as JSON (hivemind uses msgpack): peers may lie,
-and JSON cannot run code on the receiving side.
+Gathered objects and state metadata cross as JSON (hivemind uses
+msgpack): peers may lie, and JSON cannot run code on the receiving side.
 """
+import concurrent.futures
 import hashlib
 import json
+import logging
 import math
 import os
+import struct
 import threading
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -68,6 +84,85 @@ __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression"
 
 _GROUP_MAX = 256
 _GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
+_log = logging.getLogger("cohort.hivemind")
+
+# A state on the wire: b"CHS1", u32 metadata length, the metadata as JSON,
+# u32 tensor count, then per tensor: u8 dtype, u8 codec (0 as is, 1
+# float16), u8 ndim, u8 0, ndim x i64 shape, u64 byte count, the bytes.
+_STATE_MAGIC = b"CHS1"
+_STATE_TENSORS_MAX = 1 << 16
+_STATE_NDIM_MAX = 32
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def _encode_state(metadata, tensors, fp16):
+    """The bytes of (metadata, tensors); fp16: floating-point tensors
+    travel as float16 (Float16Compression)."""
+    try:
+        meta = json.dumps(metadata, sort_keys=True).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError("state metadata must be JSON-serialisable: %s" % e) from None
+    out = [_STATE_MAGIC, struct.pack("<I", len(meta)), meta, struct.pack("<I", len(tensors))]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
+            raise TypeError("state tensors must be torch tensors of %s" % _DTYPES)
+        if t.dim() > _STATE_NDIM_MAX:
+            raise ValueError("a state tensor has more than %d dimensions" % _STATE_NDIM_MAX)
+        t = t.detach().cpu().contiguous()
+        codec = 1 if fp16 and t.is_floating_point() and t.dtype != torch.float16 else 0
+        body = (t.to(torch.float16) if codec else t).reshape(-1).view(torch.uint8).numpy()
+        out.append(struct.pack("<BBBB", _DTYPES.index(t.dtype), codec, t.dim(), 0))
+        out.append(struct.pack("<%dq" % t.dim(), *t.shape))
+        out.append(struct.pack("<Q", body.nbytes))
+        out.append(memoryview(body))        # joined below: one copy
+    return b"".join(out)
+
+
+def _decode_state(blob):
+    """(metadata, tensors) from _encode_state's bytes; ValueError for
+    anything else (a donor may lie: every length is checked)."""
+    view = memoryview(blob)
+    at = 0
+
+    def take(n):
+        nonlocal at
+        if n < 0 or at + n > len(view):
+            raise ValueError("the state is cut short or declares a length past its end")
+        at += n
+        return view[at - n:at]
+
+    if bytes(take(4)) != _STATE_MAGIC:
+        raise ValueError("not a cohort state")
+    (meta_len,) = struct.unpack("<I", take(4))
+    metadata = json.loads(bytes(take(meta_len)).decode())
+    (count,) = struct.unpack("<I", take(4))
+    if count > _STATE_TENSORS_MAX:
+        raise ValueError("the state declares %d tensors" % count)
+    tensors = []
+    for _ in range(count):
+        code, codec, ndim, zero = struct.unpack("<BBBB", take(4))
+        if code >= len(_DTYPES) or codec > 1 or ndim > _STATE_NDIM_MAX or zero:
+            raise ValueError("a state tensor with a bad dtype, codec or rank")
+        shape = struct.unpack("<%dq" % ndim, take(8 * ndim))
+        if any(d < 0 for d in shape):
+            raise ValueError("a state tensor with a negative dimension")
+        dtype = _DTYPES[code]
+        wire = torch.float16 if codec else dtype
+        if codec and not dtype.is_floating_point:
+            raise ValueError("float16 codec on a tensor that is not floating-point")
+        (nbytes,) = struct.unpack("<Q", take(8))
+        numel = math.prod(shape)
+        if nbytes != numel * torch.empty((), dtype=wire).element_size():
+            raise ValueError("a state tensor's byte count does not match its shape")
+        # One copy, which the tensor owns (frombuffer keeps it alive).
+        raw = bytearray(take(nbytes))
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(wire) if nbytes else \
+            torch.empty(0, dtype=wire)
+        tensors.append(t.reshape(shape).to(dtype))
+    if at != len(view):
+        raise ValueError("trailing bytes after the state")
+    return metadata, tensors
 
 
 class AllreduceException(Exception):
@@ -249,11 +344,10 @@ class DecentralizedAverager:
                              "butterfly all-reduce they use carries no codec yet")
         refuse = {
             "tensor_infos": tensor_infos is not None,
-            "allow_state_sharing": allow_state_sharing not in (None, False),
-            "declare_state_period": declare_state_period != 30,
             "compression": type(compression) not in (NoCompression, Float16Compression,
                                                      BlockwiseQuantization),
-            "state_compression": not isinstance(state_compression, NoCompression),
+            "state_compression": type(state_compression) not in (NoCompression,
+                                                                 Float16Compression),
             "daemon": daemon is not True,
         }
         bad = [k for k, v in refuse.items() if v]
@@ -267,6 +361,16 @@ class DecentralizedAverager:
         self._silence_ms = int(min(timeouts) * 1000) if timeouts else 30000
         if self._silence_ms <= 0:
             raise ValueError("timeouts must be positive")
+        if not 0 < declare_state_period <= 1800:
+            raise ValueError("declare_state_period must be in (0, 1800] seconds")
+        # hivemind's default: every averager that holds tensors shares.
+        self._allow_sharing = (not auxiliary and not client_mode) \
+            if allow_state_sharing is None else bool(allow_state_sharing)
+        self._priority = 0.0
+        self._declare_ms = max(1, int(declare_state_period * 1000))
+        self._state_fp16 = isinstance(state_compression, Float16Compression)
+        self._state_thread = None
+        self._state_stop = threading.Event()
         self._codec = compression._codec
         self._bandwidth = None if bandwidth is None else float(bandwidth)
         self._client_mode = client_mode
@@ -292,6 +396,7 @@ class DecentralizedAverager:
         # The last step's (group id, attempts, {peer_id: weight}, seconds
         # of matchmaking), a cohort addition for logs and benchmarks.
         self.last_group = None
+        self.last_load_error = None     # why the last load_state_from_peers got nothing
         dht._averager = self
         if start:
             self.run_in_background()
@@ -311,7 +416,15 @@ class DecentralizedAverager:
             self._dht.broker, self._dht.cohort, self._dht.peer_id, self._prefix, self._bits,
             self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
             self._count, self._segment, _schema(self._tensors), _GATHER_MAX, self._shutdown_ms,
-            self._codec, self._bandwidth, self._client_mode, self._min_vector_size)
+            self._codec, self._bandwidth, self._client_mode, self._min_vector_size,
+            self._declare_ms)
+        self._core.set_state_sharing(self._allow_sharing, self._priority)
+        self._state_stop.clear()
+        self._state_thread = threading.Thread(
+            target=DecentralizedAverager._serve_state,
+            args=(weakref.ref(self), self._core, self._state_stop, self._state_fp16),
+            name="cohort-avg-state", daemon=True)
+        self._state_thread.start()
         if await_ready:
             ms = 60000 if timeout is None else int(timeout * 1000)
             if not self._core.wait(ms):
@@ -323,6 +436,11 @@ class DecentralizedAverager:
     def shutdown(self):
         """Leaves the cohort."""
         core, self._core = self._core, None
+        self._state_stop.set()
+        if self._state_thread is not None:
+            if self._state_thread is not threading.current_thread():
+                self._state_thread.join()
+            self._state_thread = None
         if core is not None:
             with self._step_lock:
                 core.close()
@@ -344,31 +462,102 @@ class DecentralizedAverager:
             yield self._tensors
 
     def get_current_state(self):
-        """hivemind's hook for state sharing (metadata, tensors, infos).
-        cohort does not serve state to peers yet (load_state_from_peers)."""
+        """hivemind's hook for state sharing: (metadata, tensors, infos),
+        run in this process when a peer begins to download. Override it
+        to share more (optimizer state, an epoch in the metadata);
+        metadata must be JSON-serialisable."""
         with self.get_tensors() as tensors:
             return None, [t.detach().cpu().clone() for t in tensors], None
 
+    @staticmethod
+    def _serve_state(ref, core, stop, fp16):
+        """The donor's side: a snapshot whenever a download needs one. It
+        holds the averager only through `ref`, so that an averager dropped
+        without shutdown() is still collected (and leaves)."""
+        while not stop.is_set():
+            try:
+                if not core.state_wanted(200):
+                    continue
+                self = ref()
+                if self is None:
+                    return
+                state = self.get_current_state()
+                del self
+                metadata, tensors = state[0], state[1]
+                core.provide_state(_encode_state(metadata, list(tensors), fp16))
+            except Exception as e:      # a bad override must not end the thread
+                _log.warning("get_current_state failed; this donor serves no new state: %r", e)
+                stop.wait(0.2)
+
     def load_state_from_peers(self, wait=True, timeout=None):
-        raise NotImplementedError("load_state_from_peers is not built yet in cohort's averager "
-                                  "(docs/architecture.md, \"Not built yet\")")
+        """Downloads (metadata, tensors) from the donors of the highest
+        state_sharing_priority among this prefix's averagers (in parallel
+        parts from equal donors); None when none served a whole state
+        within the timeout (default 30 s). wait=False: a
+        concurrent.futures.Future of the same."""
+        if self._core is None:
+            raise RuntimeError("the averager is not running: start=True or run_in_background()")
+        timeout_ms = 30000 if timeout is None else max(1, int(timeout * 1000))
+        if not wait:
+            fut = concurrent.futures.Future()
+
+            def run():
+                try:
+                    fut.set_result(self._load_state(timeout_ms))
+                except Exception as e:
+                    fut.set_exception(e)
+            threading.Thread(target=run, daemon=True).start()
+            return fut
+        return self._load_state(timeout_ms)
+
+    def _load_state(self, timeout_ms):
+        core = self._core
+        if core is None:
+            raise RuntimeError("the averager was shut down")
+        blob, why = core.load_state(timeout_ms)
+        if blob is None:
+            _log.info("load_state_from_peers: %s", why)
+            self.last_load_error = why
+            return None
+        try:
+            return _decode_state(blob)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            # Every part matched the donors' manifest, so the donors
+            # themselves sent this: nothing is loaded.
+            self.last_load_error = "the donors' state does not decode: %s" % e
+            _log.warning("load_state_from_peers: %s", self.last_load_error)
+            return None
 
     @property
     def allow_state_sharing(self):
-        return False
+        """Whether peers may download this averager's state."""
+        return self._allow_sharing
 
     @allow_state_sharing.setter
     def allow_state_sharing(self, value):
-        if value:
-            raise ValueError("state sharing is not built yet in cohort's averager")
+        self._allow_sharing = bool(value)
+        if self._core is not None:
+            self._core.set_state_sharing(self._allow_sharing, self._priority)
 
     @property
     def state_sharing_priority(self):
-        return 0.0
+        """Donors of the highest priority are downloaded from first."""
+        return self._priority
 
     @state_sharing_priority.setter
     def state_sharing_priority(self, value):
-        raise ValueError("state sharing is not built yet in cohort's averager")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise ValueError("state_sharing_priority must be a finite number")
+        self._priority = float(value)
+        if self._core is not None:
+            self._core.set_state_sharing(self._allow_sharing, self._priority)
+
+    @property
+    def state_parts_served(self):
+        """Parts of this averager's state served to others (a cohort
+        addition, for tests and logs)."""
+        return self._core.parts_served() if self._core is not None else 0
 
     def get_group_bits(self, wait=True):
         return self._core.bits() if self._core is not None else self._bits

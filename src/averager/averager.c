@@ -68,6 +68,7 @@
  * exactly: the members of the group whose attempt succeeded.
  */
 #include "averager/averager.h"
+#include "averager/avstate.h"
 
 #include <errno.h>
 #include <math.h>
@@ -81,6 +82,7 @@
 #include "base/clock.h"
 #include "base/limits.h"
 #include "base/log.h"
+#include "base/secret.h"
 #include "cohort.pb-c.h"
 #include "engine/allreduce.h"
 #include "membership/epoch.h"
@@ -130,6 +132,19 @@ struct averager {
     int h_sum;
     int h_meta;                 /* its metadata part, from meta_offset() */
     char err[RPC_MESSAGE_MAX + 192];
+
+    /* State sharing: the server, and the declaring thread's wishes
+     * (under lock, with donor_cond to wake it). */
+    struct avstate_server *srv;
+    struct secret key;
+    bool keyed;
+    size_t max_state_bytes;
+    pthread_t donor_thread;
+    pthread_cond_t donor_cond;
+    bool share, declared, declare_now;
+    double priority;
+    uint32_t declare_period_ms;
+    char load_err[RPC_MESSAGE_MAX + 1280];
 };
 
 /* ---- membership ---------------------------------------------------------- */
@@ -733,6 +748,165 @@ const char *averager_id(const struct averager *a)
     return a->id;
 }
 
+/* ---- state sharing ------------------------------------------------------------ */
+
+#define DEFAULT_DECLARE_PERIOD_MS 30000u
+
+/* One StateDonors call: declares (or withdraws) when `declare`, and reads
+ * the prefix's donors into *rep when rep is not NULL. */
+static int donors_call(struct averager *a, bool declare, bool share, double priority,
+                       Cohort__V1__StateDonorsReply **rep, char *why, size_t len)
+{
+    Cohort__V1__StateDonorsRequest q = COHORT__V1__STATE_DONORS_REQUEST__INIT;
+    Cohort__V1__StateDonorsReply *r = NULL;
+    struct rpc_status st = { 0 };
+    int rc;
+
+    q.prefix = a->prefix;
+    q.declare = declare;
+    q.allow = share;
+    q.priority = priority;
+    /* One and a half periods: a single late declaration drops nobody. */
+    q.expiry_ms = a->declare_period_ms + a->declare_period_ms / 2;
+    q.state_address = (char *)avstate_server_address(a->srv);
+    rc = member_state_donors(a->member, &q, a->request_timeout_ms, &r, &st);
+    if (rc < 0) {
+        snprintf(why, len, "the broker's StateDonors failed (%s): %s",
+                 rc == -ENOTCONN ? "not joined" : rpc_code_name(st.code),
+                 rc == -ENOTCONN ? "the averager has not joined the cohort" : st.message);
+        return rc;
+    }
+    if (rep)
+        *rep = r;
+    else
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    return 0;
+}
+
+/* Declares this averager every period while it shares, at once when the
+ * setting changes, and withdraws it once when sharing stops. */
+static void *donor_main(void *arg)
+{
+    struct averager *a = arg;
+    uint64_t next = 0;
+
+    pthread_mutex_lock(&a->lock);
+    while (!a->stop) {
+        uint64_t now = clock_now_ms();
+        bool share = a->share, due = a->declare_now || (share && now >= next) ||
+                                     (!share && a->declared);
+        double priority = a->priority;
+        struct timespec ts;
+        char why[RPC_MESSAGE_MAX + 64];
+        int rc;
+
+        if (!due) {
+            ts = clock_deadline(share ? (uint32_t)(next - now) : 60000u);
+            pthread_cond_timedwait(&a->donor_cond, &a->lock, &ts);
+            continue;
+        }
+        a->declare_now = false;
+        pthread_mutex_unlock(&a->lock);
+        rc = donors_call(a, true, share, priority, NULL, why, sizeof(why));
+        pthread_mutex_lock(&a->lock);
+        if (rc < 0) {
+            /* Not joined yet, or the broker is away: again shortly. */
+            if (rc != -ENOTCONN)
+                log_info("averager", "Could not declare the state donor.", LF_S("id", a->id),
+                         LF_S("error", why));
+            a->declare_now = a->declare_now || a->share != a->declared || share;
+            ts = clock_deadline(rc == -ENOTCONN ? 50u : 1000u);
+            pthread_cond_timedwait(&a->donor_cond, &a->lock, &ts);
+            continue;
+        }
+        a->declared = share;
+        next = clock_now_ms() + a->declare_period_ms;
+    }
+    pthread_mutex_unlock(&a->lock);
+    return NULL;
+}
+
+int averager_set_state_sharing(struct averager *a, bool share, double priority)
+{
+    if (!isfinite(priority))
+        return -EINVAL;
+    /* The server refuses at once; the broker hears within a call. */
+    avstate_server_allow(a->srv, share);
+    pthread_mutex_lock(&a->lock);
+    if (a->share != share || a->priority != priority)
+        a->declare_now = true;
+    a->share = share;
+    a->priority = priority;
+    pthread_cond_signal(&a->donor_cond);
+    pthread_mutex_unlock(&a->lock);
+    return 0;
+}
+
+void averager_state_sharing(struct averager *a, bool *share, double *priority)
+{
+    pthread_mutex_lock(&a->lock);
+    *share = a->share;
+    *priority = a->priority;
+    pthread_mutex_unlock(&a->lock);
+}
+
+bool averager_state_wanted(struct averager *a, uint32_t timeout_ms)
+{
+    return avstate_server_wanted(a->srv, timeout_ms);
+}
+
+int averager_provide_state(struct averager *a, const void *blob, size_t len)
+{
+    return avstate_server_provide(a->srv, blob, len);
+}
+
+uint64_t averager_state_parts_served(struct averager *a)
+{
+    return avstate_server_parts_served(a->srv);
+}
+
+const char *averager_load_error(const struct averager *a)
+{
+    return a->load_err;
+}
+
+int averager_load_state(struct averager *a, uint32_t timeout_ms, void **blob, size_t *len)
+{
+    Cohort__V1__StateDonorsReply *r = NULL;
+    struct avstate_donor donors[MATCHMAKER_DONORS_REPLY_MAX];
+    struct avstate_load_config lc = {
+        .cohort = a->cohort, .id = a->id, .key = a->keyed ? &a->key : NULL,
+        .io_timeout_ms = a->request_timeout_ms,
+        .max_bytes = a->max_state_bytes,
+    };
+    char why[1024];
+    size_t n = 0;
+    int rc;
+
+    a->load_err[0] = '\0';
+    lc.timeout_ms = timeout_ms ? timeout_ms : AVERAGER_DEFAULT_TIMEOUT_MS;
+    rc = donors_call(a, false, false, 0, &r, a->load_err, sizeof(a->load_err));
+    if (rc < 0)
+        return rc;
+    /* The broker lists live members' declarations; each is checked again
+     * here, since what the broker relays a member wrote. */
+    for (size_t i = 0; i < r->n_donors && n < MATCHMAKER_DONORS_REPLY_MAX; i++) {
+        const Cohort__V1__StateDonor *d = r->donors[i];
+
+        if (!ident_valid_member_id(d->id) || !ident_valid_address(d->address) ||
+            !isfinite(d->priority) || strcmp(d->id, a->id) == 0 ||
+            (n > 0 && d->priority > donors[n - 1].priority))
+            continue;
+        donors[n++] = (struct avstate_donor){ d->id, d->address, d->priority };
+    }
+    rc = avstate_load(&lc, donors, n, blob, len, why, sizeof(why));
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    if (rc < 0)
+        snprintf(a->load_err, sizeof(a->load_err), "no state loaded from %zu donor%s: %s", n,
+                 n == 1 ? "" : "s", why);
+    return rc;
+}
+
 /* ---- life ------------------------------------------------------------------ */
 
 static int reg(struct averager *a, void *p, size_t bytes, int *h)
@@ -753,7 +927,9 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     uint8_t schema[MATCHMAKER_SCHEMA_MAX];
 
     if (!cfg || !cfg->broker || !cfg->host || cfg->count > ((size_t)1 << 30) ||
-        cfg->max_count > ((size_t)1 << 30) || (cfg->count == 0 && cfg->codec != CODEC_NONE) || cfg->gather_max > AVERAGER_GATHER_MAX ||
+        cfg->max_count > ((size_t)1 << 30) || (cfg->count == 0 && cfg->codec != CODEC_NONE) ||
+        cfg->gather_max > AVERAGER_GATHER_MAX ||
+        !isfinite(cfg->state_priority) || cfg->declare_period_ms > MATCHMAKER_EXPIRY_MAX_MS / 2 ||
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
         (cfg->schema_len && !cfg->schema))
         return -EINVAL;
@@ -789,6 +965,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     a->h_meta = -1;
     pthread_mutex_init(&a->lock, NULL);
     clock_cond_init(&a->member_cond);
+    clock_cond_init(&a->donor_cond);
     a->cohort = strdup(cfg->cohort);
     a->id = strdup(cfg->id);
     a->prefix = strdup(cfg->prefix);
@@ -851,13 +1028,49 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     rc = member_create(&mc, &a->member);
     if (rc < 0)
         goto err;
+    {
+        struct avstate_server_config sc = {
+            .cohort = a->cohort, .id = a->id, .host = cfg->host, .key = cfg->key,
+            .io_timeout_ms = a->request_timeout_ms,
+            /* Within the downloader's wait for the manifest (its request
+             * timeout, the same setting): half for the host's snapshot. */
+            .provide_timeout_ms = a->request_timeout_ms / 2 ? a->request_timeout_ms / 2 : 1,
+            .max_bytes = cfg->max_state_bytes,
+        };
+
+        rc = avstate_server_start(&sc, &a->srv);
+        if (rc < 0)
+            goto err;
+    }
+    if (cfg->key) {
+        a->key = *cfg->key;
+        a->keyed = true;
+    }
+    a->max_state_bytes = cfg->max_state_bytes;
+    a->declare_period_ms = cfg->declare_period_ms ? cfg->declare_period_ms
+                                                  : DEFAULT_DECLARE_PERIOD_MS;
+    a->share = cfg->share_state;
+    a->priority = cfg->state_priority;
+    a->declare_now = cfg->share_state;
+    avstate_server_allow(a->srv, a->share);
     if (pthread_create(&a->member_thread, NULL, member_main, a) != 0) {
+        rc = -EAGAIN;
+        goto err;
+    }
+    if (pthread_create(&a->donor_thread, NULL, donor_main, a) != 0) {
+        pthread_mutex_lock(&a->lock);
+        a->stop = true;
+        pthread_cond_broadcast(&a->member_cond);
+        pthread_mutex_unlock(&a->lock);
+        pthread_join(a->member_thread, NULL);
         rc = -EAGAIN;
         goto err;
     }
     *out = a;
     return 0;
 err:
+    avstate_server_stop(a->srv);
+    secret_wipe(&a->key);
     member_destroy(a->member);
     allreduce_destroy(a->ar);
     if (a->data_fd >= 0)
@@ -866,6 +1079,7 @@ err:
     free(a->cohort);
     free(a->id);
     free(a->prefix);
+    pthread_cond_destroy(&a->donor_cond);
     pthread_cond_destroy(&a->member_cond);
     pthread_mutex_destroy(&a->lock);
     free(a);
@@ -879,16 +1093,29 @@ void averager_destroy(struct averager *a)
     pthread_mutex_lock(&a->lock);
     a->stop = true;
     pthread_cond_broadcast(&a->member_cond);
+    pthread_cond_broadcast(&a->donor_cond);
     pthread_mutex_unlock(&a->lock);
     pthread_join(a->member_thread, NULL);
+    pthread_join(a->donor_thread, NULL);
+    /* Withdrawn first, so that no newcomer is sent to a server that is
+     * about to close; its refusals cover the moment in between. */
+    avstate_server_allow(a->srv, false);
+    if (a->declared) {
+        char why[RPC_MESSAGE_MAX + 64];
+
+        (void)donors_call(a, true, false, 0, NULL, why, sizeof(why));
+    }
     member_leave(a->member, a->leave_timeout_ms);
     member_destroy(a->member);
     allreduce_destroy(a->ar);
     close(a->data_fd);
+    avstate_server_stop(a->srv);
+    secret_wipe(&a->key);
     free(a->sum);
     free(a->cohort);
     free(a->id);
     free(a->prefix);
+    pthread_cond_destroy(&a->donor_cond);
     pthread_cond_destroy(&a->member_cond);
     pthread_mutex_destroy(&a->lock);
     free(a);

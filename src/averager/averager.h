@@ -49,7 +49,8 @@
  *     set per peer the next round's groups mix (averager_set_bits).
  *
  * Threads: step, set_bits and destroy belong to one caller thread; the
- * member's heartbeats run on a thread of the averager's own.
+ * member's heartbeats run on a thread of the averager's own, and so do
+ * its declarations as a state donor (see state sharing below).
  */
 #ifndef COHORT_AVERAGER_H
 #define COHORT_AVERAGER_H
@@ -126,6 +127,11 @@ struct averager_config {
                                      * whose share is worth fewer elements reduces
                                      * nothing (allreduce_split's min_part). Part
                                      * of the schema: a group agrees on it */
+    /* State sharing (averager/avstate.h; see averager_load_state). */
+    bool share_state;               /* declare this averager a donor from the start */
+    double state_priority;          /* finite; donors of the highest are asked first */
+    uint32_t declare_period_ms;     /* re-declare this often; 0: 30 s */
+    size_t max_state_bytes;         /* the largest state served or loaded; 0: 1 GiB */
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
@@ -203,5 +209,45 @@ int averager_set_bits(struct averager *a, const char *bits);
 
 /* This averager's member id and data address (owned by it). */
 const char *averager_id(const struct averager *a);
+
+/* ---- state sharing (hivemind's load_state_from_peers) --------------------
+ *
+ * Every averager runs a state server (avstate.h) on its host. While it
+ * shares, a thread of its own declares it to the broker as a donor of its
+ * prefix (the StateDonors call: address, priority, an expiry of 1.5
+ * declare periods), every declare period and at once when sharing or the
+ * priority changes; when it stops sharing it withdraws, and its server
+ * refuses. A snapshot of the state is the host's opaque bytes: the server
+ * asks for one when a download begins (averager_state_wanted) and the
+ * host answers with averager_provide_state, from any thread. */
+
+/* Turns sharing on or off and sets the priority (finite). Returns 0 or
+ * -EINVAL. Takes effect at the broker within a request timeout. */
+int averager_set_state_sharing(struct averager *a, bool share, double priority);
+/* The current setting. */
+void averager_state_sharing(struct averager *a, bool *share, double *priority);
+
+/* Waits at most timeout_ms for a downloader to need a snapshot: true
+ * then, false at the timeout or once the averager is being destroyed. */
+bool averager_state_wanted(struct averager *a, uint32_t timeout_ms);
+/* Serves len bytes at blob (copied) from now on. Returns 0, -EFBIG (over
+ * max_state_bytes) or -ENOMEM. */
+int averager_provide_state(struct averager *a, const void *blob, size_t len);
+
+/* Downloads a state of this prefix from the donors the broker lists
+ * (avstate_load: the highest priority first, in parallel parts from
+ * equal donors, every part checked), within timeout_ms (0: 30 s); each
+ * answer of a donor within the request timeout. On 0 *blob (the
+ * caller frees it) holds *len bytes. Otherwise -ENODATA (no donor, or
+ * none served a whole state), -ETIMEDOUT, -ENOTCONN (not joined), or the
+ * broker call's -errno; averager_load_error() says which donors failed
+ * how. May run while a step runs on another thread; not two at once. */
+int averager_load_state(struct averager *a, uint32_t timeout_ms, void **blob, size_t *len);
+/* The last load's failure as a sentence (owned by the averager, valid
+ * until the next load). */
+const char *averager_load_error(const struct averager *a);
+
+/* Parts of its state this averager has served (for tests and status). */
+uint64_t averager_state_parts_served(struct averager *a);
 
 #endif

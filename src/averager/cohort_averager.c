@@ -67,6 +67,12 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     cfg.bandwidth = c->bandwidth;
     cfg.client_mode = c->client_mode;
     cfg.min_vector_size = c->min_vector_size;
+    if (c->declare_state_period_ms < 0)
+        return -EINVAL;
+    cfg.share_state = c->allow_state_sharing;
+    cfg.state_priority = c->state_sharing_priority;
+    cfg.declare_period_ms = (uint32_t)c->declare_state_period_ms;
+    cfg.max_state_bytes = c->max_state_bytes;
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;
@@ -189,4 +195,45 @@ void cohort_averager_result_free(struct cohort_averager_result *r)
         return;
     averager_result_free(r->r);
     free(r);
+}
+
+int cohort_averager_set_state_sharing(struct cohort_averager *ca, bool allow, double priority)
+{
+    return averager_set_state_sharing(ca->a, allow, priority);
+}
+
+void cohort_averager_state_sharing(struct cohort_averager *ca, bool *allow, double *priority)
+{
+    averager_state_sharing(ca->a, allow, priority);
+}
+
+bool cohort_averager_state_wanted(struct cohort_averager *ca, int timeout_ms)
+{
+    return averager_state_wanted(ca->a, timeout_ms > 0 ? (uint32_t)timeout_ms : 0);
+}
+
+int cohort_averager_provide_state(struct cohort_averager *ca, const void *blob, size_t len)
+{
+    return averager_provide_state(ca->a, blob, len);
+}
+
+int cohort_averager_load_state(struct cohort_averager *ca, int timeout_ms, void **blob,
+                               size_t *len)
+{
+    return averager_load_state(ca->a, timeout_ms > 0 ? (uint32_t)timeout_ms : 0, blob, len);
+}
+
+void cohort_averager_state_free(void *blob)
+{
+    free(blob);
+}
+
+const char *cohort_averager_load_error(const struct cohort_averager *ca)
+{
+    return averager_load_error(ca->a);
+}
+
+uint64_t cohort_averager_state_parts_served(struct cohort_averager *ca)
+{
+    return averager_state_parts_served(ca->a);
 }

@@ -863,6 +863,117 @@ static void *mm_main(void *arg)
     return NULL;
 }
 
+/* ---- state donors ---------------------------------------------------- */
+
+/* StateDonors: a proved request of a live member session (its seq is
+ * accepted once), which declares or withdraws the member as a donor of
+ * its prefix's state when it asks to, and reads the prefix's donors.
+ * The table lives in the matchmaker, under mm_lock. */
+static void on_state_donors(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
+{
+    const Cohort__V1__StateDonorsRequest *q = (const Cohort__V1__StateDonorsRequest *)req;
+    Cohort__V1__StateDonorsReply rep = COHORT__V1__STATE_DONORS_REPLY__INIT;
+    Cohort__V1__StateDonor storage[MATCHMAKER_DONORS_REPLY_MAX];
+    Cohort__V1__StateDonor *ptrs[MATCHMAKER_DONORS_REPLY_MAX];
+    struct matchmaker_donor_row *rows = NULL;
+    struct brokerd *d = arg;
+    char why[RPC_MESSAGE_MAX], address[IDENT_ADDRESS_MAX + 1];
+    enum rpc_code code = RPC_OK;
+    size_t n = 0;
+    int rc, proved;
+
+    if (!version_ok(q->protocol_version, why, sizeof(why))) {
+        code = RPC_FAILED_PRECONDITION;
+        goto refuse;
+    }
+    if (!ident_valid_cohort(q->cohort) || !ident_valid_member_id(q->id)) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(why, sizeof(why), "invalid cohort name or member id");
+        goto refuse;
+    }
+    if (!matchmaker_prefix_valid(q->prefix)) {
+        code = RPC_INVALID_ARGUMENT;
+        snprintf(why, sizeof(why), "the prefix must be 1 to 128 characters of letters, digits "
+                 "and . _ : / -");
+        goto refuse;
+    }
+    proved = authenticate(d, req, q->proof, q->cohort, false, why, sizeof(why));
+    if (proved < 0) {
+        code = RPC_UNAUTHENTICATED;
+        goto refuse;
+    }
+    pthread_mutex_lock(&d->lock);
+    rc = proved ? broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq) : 0;
+    if (rc == 0)
+        rc = broker_member_address(d->b, q->cohort, q->id, q->session, address,
+                                   sizeof(address));
+    pthread_mutex_unlock(&d->lock);
+    if (rc == -EALREADY) {
+        code = RPC_UNAUTHENTICATED;
+        snprintf(why, sizeof(why), "%s", replayed);
+        goto refuse;
+    }
+    if (rc < 0) {
+        code = RPC_NOT_FOUND;
+        snprintf(why, sizeof(why), "no member with this session in the cohort: an averager "
+                 "must join it first");
+        goto refuse;
+    }
+    rows = calloc(MATCHMAKER_DONORS_REPLY_MAX, sizeof(*rows));
+    if (!rows) {
+        code = RPC_RESOURCE_EXHAUSTED;
+        snprintf(why, sizeof(why), "out of memory");
+        goto refuse;
+    }
+    pthread_mutex_lock(&d->mm_lock);
+    rc = 0;
+    if (q->declare && q->allow) {
+        struct matchmaker_donor dn = {
+            .cohort = q->cohort, .id = q->id, .prefix = q->prefix,
+            .address = q->state_address, .session = q->session, .priority = q->priority,
+            .expiry_ms = q->expiry_ms,
+        };
+        rc = matchmaker_declare(d->mm, clock_now_ms(), &dn, why, sizeof(why));
+    } else if (q->declare) {
+        (void)matchmaker_withdraw(d->mm, clock_now_ms(), q->cohort, q->prefix, q->id);
+    }
+    if (rc == 0)
+        n = matchmaker_donors(d->mm, clock_now_ms(), q->cohort, q->prefix, q->id, rows,
+                              MATCHMAKER_DONORS_REPLY_MAX);
+    pthread_mutex_unlock(&d->mm_lock);
+    if (rc < 0) {
+        code = mm_code(rc);
+        goto refuse;
+    }
+    /* Only donors whose session is still in the cohort: one that died or
+     * was evicted is not offered until its declaration would expire.
+     * (Taken once mm_lock is released; mm_alive takes the two in the
+     * order mm_lock, lock, and nothing takes them the other way.) */
+    pthread_mutex_lock(&d->lock);
+    for (size_t i = 0; i < n; i++) {
+        char addr[IDENT_ADDRESS_MAX + 1];
+
+        if (broker_member_address(d->b, q->cohort, rows[i].id, rows[i].session, addr,
+                                  sizeof(addr)) < 0)
+            continue;
+        cohort__v1__state_donor__init(&storage[rep.n_donors]);
+        storage[rep.n_donors].id = rows[i].id;
+        storage[rep.n_donors].address = rows[i].address;
+        storage[rep.n_donors].priority = rows[i].priority;
+        ptrs[rep.n_donors] = &storage[rep.n_donors];
+        rep.n_donors++;
+    }
+    pthread_mutex_unlock(&d->lock);
+    rep.donors = ptrs;
+    rpc_reply_ok(r, &rep.base);
+    free(rows);
+    return;
+refuse:
+    free(rows);
+    log_refusal(d, "StateDonors", q->cohort, q->id, code, why);
+    rpc_reply_error(r, code, "%s", why);
+}
+
 static void fill_members(Cohort__V1__Member **ptrs, Cohort__V1__Member *storage,
                          const struct epoch_member *m, size_t n)
 {
@@ -1096,6 +1207,8 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
         { WIRE_BROKER_HEARTBEAT, &cohort__v1__heartbeat_request__descriptor, on_heartbeat_v1, NULL,
           d },
         { WIRE_BROKER_WATCH, &cohort__v1__watch_request__descriptor, NULL, on_watch_v1, d },
+        { WIRE_BROKER_STATE_DONORS, &cohort__v1__state_donors_request__descriptor,
+          on_state_donors, NULL, d },
     };
     struct matchmaker_ops mops = { .formed = mm_formed, .failed = mm_failed, .alive = mm_alive,
                                    .arg = NULL };

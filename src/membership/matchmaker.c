@@ -9,6 +9,7 @@
 #include "membership/matchmaker.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,12 +40,22 @@ struct bucket {
     size_t n;
 };
 
+/* A declared state donor. */
+struct donor {
+    char *cohort, *id, *prefix, *address;
+    uint64_t session;
+    double priority;
+    uint64_t expires;
+};
+
 struct matchmaker {
     struct matchmaker_ops ops;
     uint64_t next_group;
     struct bucket **buckets;
     size_t n_buckets, cap_buckets;
     size_t total;
+    struct donor *donors;       /* unordered, at most MATCHMAKER_DONORS_TOTAL_MAX */
+    size_t n_donors, cap_donors;
 };
 
 int matchmaker_create(const struct matchmaker_ops *ops, uint64_t first_group,
@@ -119,6 +130,15 @@ void matchmaker_destroy(struct matchmaker *m)
         bucket_free(b);
     }
     free(m->buckets);
+    for (size_t i = 0; i < m->n_donors; i++) {
+        struct donor *d = &m->donors[i];
+
+        free(d->cohort);
+        free(d->id);
+        free(d->prefix);
+        free(d->address);
+    }
+    free(m->donors);
     free(m);
 }
 
@@ -448,4 +468,181 @@ uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now)
     }
     sweep(m);
     return next > now ? (uint32_t)(next - now) : 0;
+}
+
+/* ---- state donors -------------------------------------------------------
+ *
+ * One unordered array, scanned: at most MATCHMAKER_DONORS_TOTAL_MAX short
+ * records, read once per load and written once per declare period per
+ * donor, so a scan costs far less than the call that asks for it. */
+
+bool matchmaker_prefix_valid(const char *prefix)
+{
+    return prefix_valid(prefix);
+}
+
+static void donor_free(struct donor *d)
+{
+    free(d->cohort);
+    free(d->id);
+    free(d->prefix);
+    free(d->address);
+}
+
+static void donor_take_out(struct matchmaker *m, size_t i)
+{
+    donor_free(&m->donors[i]);
+    m->donors[i] = m->donors[--m->n_donors];
+}
+
+/* Forgets the declarations that expired by `now`. */
+static void donors_expire(struct matchmaker *m, uint64_t now)
+{
+    for (size_t i = 0; i < m->n_donors;) {
+        if (m->donors[i].expires <= now)
+            donor_take_out(m, i);
+        else
+            i++;
+    }
+}
+
+static long donor_find(const struct matchmaker *m, const char *cohort, const char *prefix,
+                       const char *id)
+{
+    for (size_t i = 0; i < m->n_donors; i++) {
+        const struct donor *d = &m->donors[i];
+
+        if (strcmp(d->cohort, cohort) == 0 && strcmp(d->prefix, prefix) == 0 &&
+            strcmp(d->id, id) == 0)
+            return (long)i;
+    }
+    return -1;
+}
+
+size_t matchmaker_donor_count(struct matchmaker *m, uint64_t now, const char *cohort)
+{
+    size_t n = 0;
+
+    donors_expire(m, now);
+    for (size_t i = 0; i < m->n_donors; i++)
+        if (!cohort || strcmp(m->donors[i].cohort, cohort) == 0)
+            n++;
+    return n;
+}
+
+int matchmaker_declare(struct matchmaker *m, uint64_t now, const struct matchmaker_donor *d,
+                       char *why, size_t len)
+{
+    const char *bad = NULL;
+    struct donor nd = { 0 };
+    long at;
+
+    if (!ident_valid_cohort(d->cohort) || !ident_valid_member_id(d->id) ||
+        !ident_valid_address(d->address))
+        bad = "invalid cohort, member id or state address";
+    else if (!prefix_valid(d->prefix))
+        bad = "the prefix must be 1 to 128 characters of letters, digits and . _ : / -";
+    else if (!isfinite(d->priority))
+        bad = "the state sharing priority must be a finite number";
+    else if (d->expiry_ms < 1 || d->expiry_ms > MATCHMAKER_EXPIRY_MAX_MS)
+        bad = "a donor's declaration lasts from 1 ms to 1 h";
+    if (bad) {
+        snprintf(why, len, "%s", bad);
+        return -EINVAL;
+    }
+    donors_expire(m, now);
+    at = donor_find(m, d->cohort, d->prefix, d->id);
+    /* A renewal takes no more room; the caps are judged before anything
+     * changes, so that a refusal changes nothing. */
+    if (at < 0 && (m->n_donors >= MATCHMAKER_DONORS_TOTAL_MAX ||
+                   matchmaker_donor_count(m, now, d->cohort) >= MATCHMAKER_DONORS_MAX)) {
+        snprintf(why, len, "too many state donors in cohort \"%.64s\" (at most %u, %u in all)",
+                 d->cohort, MATCHMAKER_DONORS_MAX, MATCHMAKER_DONORS_TOTAL_MAX);
+        return -ENOSPC;
+    }
+    nd.cohort = strdup(d->cohort);
+    nd.id = strdup(d->id);
+    nd.prefix = strdup(d->prefix);
+    nd.address = strdup(d->address);
+    if (!nd.cohort || !nd.id || !nd.prefix || !nd.address)
+        goto nomem;
+    nd.session = d->session;
+    nd.priority = d->priority;
+    nd.expires = now + d->expiry_ms;
+    if (at >= 0) {
+        donor_free(&m->donors[at]);
+        m->donors[at] = nd;
+        return 0;
+    }
+    if (m->n_donors == m->cap_donors) {
+        size_t cap = m->cap_donors ? 2 * m->cap_donors : 16;
+        struct donor *grown = realloc(m->donors, cap * sizeof(*grown));
+
+        if (!grown)
+            goto nomem;
+        m->donors = grown;
+        m->cap_donors = cap;
+    }
+    m->donors[m->n_donors++] = nd;
+    return 0;
+nomem:
+    donor_free(&nd);
+    snprintf(why, len, "out of memory");
+    return -ENOMEM;
+}
+
+int matchmaker_withdraw(struct matchmaker *m, uint64_t now, const char *cohort,
+                        const char *prefix, const char *id)
+{
+    long at;
+
+    donors_expire(m, now);
+    at = donor_find(m, cohort, prefix, id);
+    if (at < 0)
+        return -ENOENT;
+    donor_take_out(m, (size_t)at);
+    return 0;
+}
+
+static int by_priority(const void *a, const void *b)
+{
+    const struct matchmaker_donor_row *x = a, *y = b;
+
+    if (x->priority != y->priority)
+        return x->priority > y->priority ? -1 : 1;
+    return ident_natural_cmp(x->id, y->id);
+}
+
+size_t matchmaker_donors(struct matchmaker *m, uint64_t now, const char *cohort,
+                         const char *prefix, const char *exclude,
+                         struct matchmaker_donor_row *out, size_t max)
+{
+    struct matchmaker_donor_row *all;
+    size_t n = 0;
+
+    donors_expire(m, now);
+    /* On the heap: MATCHMAKER_DONORS_MAX rows are over 100 KiB. */
+    all = calloc(MATCHMAKER_DONORS_MAX, sizeof(*all));
+    if (!all)
+        return 0;
+    for (size_t i = 0; i < m->n_donors && n < MATCHMAKER_DONORS_MAX; i++) {
+        const struct donor *d = &m->donors[i];
+
+        if (strcmp(d->cohort, cohort) != 0 || strcmp(d->prefix, prefix) != 0 ||
+            (exclude && strcmp(d->id, exclude) == 0))
+            continue;
+        snprintf(all[n].id, sizeof(all[n].id), "%s", d->id);
+        snprintf(all[n].address, sizeof(all[n].address), "%s", d->address);
+        all[n].session = d->session;
+        all[n].priority = d->priority;
+        n++;
+    }
+    qsort(all, n, sizeof(all[0]), by_priority);
+    if (max > MATCHMAKER_DONORS_REPLY_MAX)
+        max = MATCHMAKER_DONORS_REPLY_MAX;
+    if (n > max)
+        n = max;
+    memcpy(out, all, n * sizeof(all[0]));
+    free(all);
+    return n;
 }

@@ -40,6 +40,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/ident.h"
+
 #define MATCHMAKER_PREFIX_MAX 128u      /* characters of [A-Za-z0-9._:/-] */
 #define MATCHMAKER_BITS_MAX 64u         /* characters of '0' and '1' */
 #define MATCHMAKER_GROUP_MAX 256u       /* target_group_size at most */
@@ -142,5 +144,67 @@ uint32_t matchmaker_tick(struct matchmaker *m, uint64_t now);
 
 /* Requests waiting in `cohort` (NULL: in all). */
 size_t matchmaker_pending(const struct matchmaker *m, const char *cohort);
+
+/* ---- state donors (hivemind's load_state_from_peers) ---------------------
+ *
+ * Per (cohort, prefix), a table of the members that offer their state:
+ * each with the address it serves it on, its priority and an expiry.
+ * A member declares itself again before its expiry to stay (hivemind's
+ * declare_state_period), or withdraws; a declaration replaces the
+ * member's earlier one for that prefix. Readers get the live donors,
+ * highest priority first; among equals, by id, and the reader spreads
+ * its load over them itself (averager/avstate.h). Caps, since any
+ * member may declare anything: the donors of a cohort and in all, the
+ * expiry, the priority (finite), and the rows of an answer. */
+
+#define MATCHMAKER_DONORS_MAX 256u          /* live donors in one cohort */
+#define MATCHMAKER_DONORS_TOTAL_MAX 4096u   /* in all */
+#define MATCHMAKER_DONORS_REPLY_MAX 64u     /* donors one answer lists */
+#define MATCHMAKER_EXPIRY_MAX_MS 3600000u   /* a declaration lasts at most 1 h */
+
+struct matchmaker_donor {
+    const char *cohort;         /* copied, all four */
+    const char *id;
+    const char *prefix;
+    const char *address;        /* where it serves its state */
+    uint64_t session;           /* the member session that declares it */
+    double priority;            /* finite */
+    uint32_t expiry_ms;         /* 1..MATCHMAKER_EXPIRY_MAX_MS */
+};
+
+/* One row of an answer (its strings owned by the caller's array). */
+struct matchmaker_donor_row {
+    char id[IDENT_NAME_MAX + 1];
+    char address[IDENT_ADDRESS_MAX + 1];
+    uint64_t session;           /* as declared, for the host to check it is alive */
+    double priority;
+};
+
+/* Declares (or renews) d at `now`. Returns 0, or with nothing changed
+ * and the reason in `why`: -EINVAL (a bad name, address, prefix,
+ * priority or expiry), -ENOSPC (the cohort, or the matchmaker, holds as
+ * many live donors as it may), -ENOMEM. */
+int matchmaker_declare(struct matchmaker *m, uint64_t now, const struct matchmaker_donor *d,
+                       char *why, size_t len);
+
+/* Withdraws member `id`'s declaration for (cohort, prefix). Returns 0 or
+ * -ENOENT (none was live). */
+int matchmaker_withdraw(struct matchmaker *m, uint64_t now, const char *cohort,
+                        const char *prefix, const char *id);
+
+/* Fills out[0..max) with the live donors of (cohort, prefix) other than
+ * `exclude` (NULL: none), highest priority first, then by id; returns how
+ * many (at most max and MATCHMAKER_DONORS_REPLY_MAX). Expired ones are
+ * forgotten here. */
+size_t matchmaker_donors(struct matchmaker *m, uint64_t now, const char *cohort,
+                         const char *prefix, const char *exclude,
+                         struct matchmaker_donor_row *out, size_t max);
+
+/* Whether `prefix` is one the matchmaker takes (MATCHMAKER_PREFIX_MAX
+ * characters of [A-Za-z0-9._:/-]). */
+bool matchmaker_prefix_valid(const char *prefix);
+
+/* Live donors in `cohort` (NULL: in all) at `now`. */
+size_t matchmaker_donor_count(struct matchmaker *m, uint64_t now, const char *cohort);
 
 #endif

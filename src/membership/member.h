@@ -140,4 +140,14 @@ void member_destroy(struct member *m);
 int member_matchmake(struct member *m, Cohort__V1__MatchmakeRequest *q, rpc_msg_fn on_msg,
                      rpc_end_fn on_end, void *arg, struct rpc_watch **out);
 
+/* A StateDonors call as this member, waiting at most timeout_ms: fills q's
+ * protocol_version, cohort, id and session, signs it like
+ * member_matchmake (q is borrowed for the call). Returns 0 and sets
+ * *reply (the caller frees it with protobuf_c_message_free_unpacked), or
+ * -ENOTCONN while the member has not joined, or the call's -errno with
+ * st filled. */
+int member_state_donors(struct member *m, Cohort__V1__StateDonorsRequest *q,
+                        uint32_t timeout_ms, Cohort__V1__StateDonorsReply **reply,
+                        struct rpc_status *st);
+
 #endif

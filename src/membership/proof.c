@@ -98,6 +98,17 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         v->b = q->min_group_size;
         v->c = q->min_matchmaking_ms;
         v->d = q->timeout_ms;
+    } else if (d == &cohort__v1__state_donors_request__descriptor) {
+        const Cohort__V1__StateDonorsRequest *q = (const Cohort__V1__StateDonorsRequest *)req;
+        method = "StateDonors";
+        v->version = q->protocol_version;
+        cohort = q->cohort;
+        id = q->id;
+        v->session = q->session;
+        v->a = q->declare ? 1 : 0;
+        v->b = q->allow ? 1 : 0;
+        memcpy(&v->c, &q->priority, sizeof(v->c));
+        v->d = q->expiry_ms;
     } else {
         return 0;
     }
@@ -143,6 +154,15 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         parts[n++] = SECRET_U64(v->c);
         parts[n++] = SECRET_U64(v->d);
         parts[n++] = (struct secret_part){ q->schema.data, q->schema.len };
+    } else if (d == &cohort__v1__state_donors_request__descriptor) {
+        const Cohort__V1__StateDonorsRequest *q = (const Cohort__V1__StateDonorsRequest *)req;
+
+        parts[n++] = SECRET_STR(str(q->prefix));
+        parts[n++] = SECRET_U64(v->a);
+        parts[n++] = SECRET_U64(v->b);
+        parts[n++] = SECRET_U64(v->c);
+        parts[n++] = SECRET_U64(v->d);
+        parts[n++] = SECRET_STR(str(q->state_address));
     }
     return n;
 }

@@ -23,6 +23,7 @@
 #define WIRE_BROKER_LEAVE "/cohort.v1.Broker/Leave"
 #define WIRE_BROKER_STATUS "/cohort.v1.Broker/Status"
 #define WIRE_BROKER_MATCHMAKE "/cohort.v1.Broker/Matchmake"
+#define WIRE_BROKER_STATE_DONORS "/cohort.v1.Broker/StateDonors"
 /* Protocol 1's: a broker of protocol 2 answers them only to refuse. */
 #define WIRE_BROKER_HEARTBEAT "/cohort.v1.Broker/Heartbeat"
 #define WIRE_BROKER_WATCH "/cohort.v1.Broker/Watch"
@@ -39,7 +40,8 @@
  * the parts are, in order:
  *
  *   method        "Join", "Heartbeat" (each message up a Session stream),
- *                 "Leave", "Status" or "Matchmake" ("Watch": protocol 1's)
+ *                 "Leave", "Status", "Matchmake" or "StateDonors"
+ *                 ("Watch": protocol 1's)
  *   protocol_version, as 8 bytes
  *   cohort        the request's, "" for a Status of every cohort
  *   id            the member's, "" for Status
@@ -60,6 +62,9 @@
  *                 none is signed as before the field existed)
  *   Matchmake     prefix, group_bits, target_group_size, min_group_size,
  *                 min_matchmaking_ms, timeout_ms, schema (its bytes)
+ *   StateDonors   prefix, declare, allow (8 bytes, 0 or 1 each),
+ *                 priority (its IEEE 754 bits as 8 bytes), expiry_ms,
+ *                 state_address
  *   Leave, Watch, Status: nothing more.
  *
  * Integers are little-endian. So a proof names one method of one member
@@ -73,7 +78,7 @@
  *   just below it not yet seen (calls on one channel may overtake each
  *   other). A session's first Join marks everything below its seq seen.
  *   This covers every heartbeat on a Session stream (a replayed one
- *   ends the stream as UNAUTHENTICATED), Leave, Matchmake and a rejoin of a live
+ *   ends the stream as UNAUTHENTICATED), Leave, Matchmake, StateDonors and a rejoin of a live
  *   session.
  * - time_ms: a Join and a Status are refused when their time is more than
  *   WIRE_PROOF_SKEW_MS from the broker's wall clock. This is the clock

@@ -27,6 +27,13 @@ def coded_tensors_of(k):
     return [torch.randn(300, generator=g) * 7.3, torch.rand((4, 5), generator=g) - 0.5]
 
 
+def state_tensors_of(k, n=50000):
+    """Integer-valued tensors (float16 holds them exactly), distinct per k:
+    a state large enough for several 64 KiB parts."""
+    return [torch.arange(n, dtype=torch.float32) % 1000 + k,
+            torch.full((3, 7), float(k), dtype=torch.float64)]
+
+
 def out(**kw):
     print(json.dumps(kw), flush=True)
 
@@ -195,6 +202,14 @@ def main():
             out(gathered=got, when=when, began=began, ended=ended,
                 matchmaking=a.last_group[3] if got else None, tensors=[x.tolist() for x in t])
         a.shutdown()
+    elif scenario == "donor":
+        # ARGS: k, priority. Shares state_tensors_of(k) until killed.
+        k, priority = int(rest[0]), float(rest[1])
+        a = averager(dht, state_tensors_of(k), min_matchmaking_time=5.0, request_timeout=2.0)
+        a.state_sharing_priority = priority
+        out(ready=peer)
+        while True:
+            time.sleep(1)
     else:
         raise SystemExit("unknown scenario " + scenario)
 

@@ -180,8 +180,7 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
     class Mine(hivemind.CompressionBase):
         pass
 
-    for bad in (dict(allow_state_sharing=True), dict(compression=Mine()),
-                dict(state_compression=hivemind.Float16Compression())):
+    for bad in (dict(compression=Mine()), dict(state_compression=Mine())):
         with pytest.raises(ValueError, match="not supported"):
             hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **bad)
     with pytest.raises(TypeError):

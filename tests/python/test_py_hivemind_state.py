@@ -1,0 +1,271 @@
+"""cohort.hivemind's state sharing (load_state_from_peers) among real
+averagers joined to a real broker with a key, with real torch tensors.
+
+- A newcomer loads the state of the donor of the highest priority (its
+  metadata and tensors exactly), never that of an averager that does not
+  share, however high its priority; when that donor stops sharing or its
+  priority drops, the next is used.
+- Equal donors each serve a share of the parts, and the newcomer gets
+  their common state exactly, also with Float16Compression.
+- A donor stopped mid-download (SIGSTOP) is left for another of the same
+  priority within the request timeout.
+- No donor: None within the timeout, also through wait=False's future.
+- Bad settings (a priority that is not finite, a declare period out of
+  range, a state_compression cohort does not carry out) get clear errors.
+
+tests/unit/test_avstate.c covers donors that lie (parts that do not match
+their digests, manifests without the key's MAC, sizes over the cap).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import cohort.hivemind as hivemind
+from cohorttest import ROOT, bin_path, start_broker
+from cohorttest.programs import write_key
+from hivemind_child import state_tensors_of as state_of
+from pyproc import HERE, child_env, spawn
+
+CHILD = os.path.join(HERE, "hivemind_child.py")
+PARTS = 64 << 10            # avstate's smallest part
+
+
+@pytest.fixture
+def keyed(tmp_path, monkeypatch):
+    key = tmp_path / "key"
+    write_key(key)
+    monkeypatch.setenv("COHORT_SECRET_FILE", str(key))
+    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
+                     "--member-timeout", "30s", secret_file=key)
+    made = []
+
+    def make(peer, tensors, prefix="state/run", **kw):
+        dht = hivemind.DHT(initial_peers=[b.address], start=True, cohort="hm", peer_id=peer)
+        args = dict(start=True, prefix=prefix, min_matchmaking_time=5.0, request_timeout=4.0,
+                    declare_state_period=5)
+        args.update(kw)
+        a = hivemind.DecentralizedAverager(tensors, dht, **args)
+        made.append(a)
+        return a
+
+    yield b, str(key), make
+    for a in made:
+        a.shutdown()
+    b.stop()
+
+
+def eventually(fn, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "never: " + what
+        time.sleep(0.1)
+
+
+def tensors_equal(got, want):
+    return len(got) == len(want) and all(
+        g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+
+
+class Epoch(hivemind.DecentralizedAverager):
+    """A donor whose metadata names it, as an Optimizer's carries its epoch."""
+
+    def get_current_state(self):
+        meta, tensors, infos = super().get_current_state()
+        return {"epoch": self.epoch_no, "peer": self.peer_id}, tensors, infos
+
+
+def test_the_newcomer_loads_the_top_priority_donor_and_follows_changes(keyed):
+    b, _, make = keyed
+    low = make("low", state_of(1))
+    low.state_sharing_priority = 1
+    high = make("high", state_of(2))
+    high.state_sharing_priority = 2
+    shy = make("shy", state_of(3), allow_state_sharing=False)
+    shy.state_sharing_priority = 100
+    assert shy.allow_state_sharing is False and high.allow_state_sharing is True
+    new = make("new", [torch.zeros(4)])
+
+    def loaded_from(k):
+        got = new.load_state_from_peers(timeout=20)
+        return got is not None and tensors_equal(got[1], state_of(k))
+
+    eventually(lambda: loaded_from(2), "the newcomer loads the priority-2 donor")
+    # Once both are declared, low is not asked (it may have served a load
+    # that came before high's declaration).
+    low_before, high_before = low.state_parts_served, high.state_parts_served
+    assert loaded_from(2)
+    assert low.state_parts_served == low_before
+    assert high.state_parts_served - high_before >= 3      # 200 KB in 64 KiB parts
+    assert shy.state_parts_served == 0
+    high.allow_state_sharing = False
+    eventually(lambda: loaded_from(1), "the newcomer loads the other donor once high stops")
+    high.allow_state_sharing = True
+    eventually(lambda: loaded_from(2), "high shares again")
+    high.state_sharing_priority = 0.5
+    eventually(lambda: loaded_from(1), "high's priority dropped below low's")
+    assert shy.state_parts_served == 0, "a donor that does not share is never asked"
+
+
+def test_metadata_comes_from_get_current_state_in_the_donors_process(keyed):
+    b, _, make = keyed
+    dht = hivemind.DHT(initial_peers=[b.address], start=True, cohort="hm", peer_id="ep")
+    donor = Epoch(state_of(5), dht, start=True, prefix="state/meta", min_matchmaking_time=5.0,
+                  request_timeout=4.0)
+    try:
+        donor.epoch_no = 7
+        new = make("meta-new", [torch.zeros(1)], prefix="state/meta")
+        got = eventually(lambda: new.load_state_from_peers(timeout=20), "a state")
+        assert got[0] == {"epoch": 7, "peer": "ep"}
+        assert tensors_equal(got[1], state_of(5))
+    finally:
+        donor.shutdown()
+
+
+@pytest.mark.parametrize("compression", [hivemind.NoCompression(),
+                                         hivemind.Float16Compression()])
+def test_equal_donors_each_serve_a_share_of_the_parts(keyed, compression):
+    b, _, make = keyed
+    want = state_of(9, n=200000)
+    donors = [make("eq-%d" % k, want, prefix="state/eq", state_compression=compression)
+              for k in range(3)]
+    for d in donors:
+        d.state_sharing_priority = 3
+    new = make("eq-new", [torch.zeros(2)], prefix="state/eq")
+    fp16 = isinstance(compression, hivemind.Float16Compression)
+    blob = hivemind._encode_state(None, want, fp16)
+    parts = (len(blob) + PARTS - 1) // PARTS
+    assert parts >= 6
+
+    def one_load_split_three_ways():
+        before = [d.state_parts_served for d in donors]
+        got = new.load_state_from_peers(timeout=20)
+        if got is None:                 # a donor slower than the request timeout
+            return False
+        assert tensors_equal(got[1], want), "a load is the donors' state or nothing"
+        delta = [d.state_parts_served - s for d, s in zip(donors, before)]
+        # Until all three are declared a load may see fewer of them; one
+        # load that sees them all splits its parts among them, each part
+        # fetched once.
+        return sum(delta) == parts and all(x >= 1 for x in delta)
+
+    eventually(one_load_split_three_ways, "a load served by all three equal donors")
+
+
+def test_a_stalled_donor_is_left_for_another(keyed, tmp_path):
+    b, key, make = keyed
+    # The child donor shares state_of(4) at priority 9 and reports when it
+    # is declared; then it is stopped, its socket still accepting.
+    kid = spawn([CHILD, b.address, "stalled", "donor", "4", "9"], COHORT_SECRET_FILE=key)
+    try:
+        line = kid.stdout.readline()
+        line = line.decode() if isinstance(line, bytes) else line
+        assert "ready" in line, line
+        new = make("st-new", [torch.zeros(1)], prefix="test/avg")
+        # Served by the child: it is declared.
+        got = eventually(lambda: new.load_state_from_peers(timeout=20), "the child's state")
+        assert tensors_equal(got[1], state_of(4))
+        live = make("live", state_of(4), prefix="test/avg")
+        live.state_sharing_priority = 9
+        os.killpg(kid.pid, signal.SIGSTOP)
+        # Whatever loads now came from live: the child is stopped. Its
+        # manifest is waited for one request timeout (4 s) at most.
+        t0 = time.monotonic()
+        got = eventually(lambda: new.load_state_from_peers(timeout=20),
+                         "a state while the child is stopped")
+        assert tensors_equal(got[1], state_of(4))
+        assert live.state_parts_served >= 1
+        assert time.monotonic() - t0 < 50
+    finally:
+        os.killpg(kid.pid, signal.SIGKILL)
+        kid.wait()
+
+
+def test_no_donor_means_none_within_the_timeout(keyed):
+    b, _, make = keyed
+    alone = make("alone", [torch.zeros(3)], prefix="state/none")
+    t0 = time.monotonic()
+    assert alone.load_state_from_peers(timeout=2) is None
+    assert "no averager of this prefix shares" in alone.last_load_error
+    fut = alone.load_state_from_peers(wait=False, timeout=2)
+    assert fut.result(timeout=60) is None
+    assert time.monotonic() - t0 < 30
+
+
+def test_bad_state_settings_get_clear_errors(keyed):
+    b, _, make = keyed
+    a = make("bad", [torch.zeros(3)], prefix="state/bad")
+    with pytest.raises(ValueError, match="finite"):
+        a.state_sharing_priority = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        a.state_sharing_priority = "high"
+    dht = hivemind.DHT(initial_peers=[b.address], start=True, cohort="hm", peer_id="bad2")
+    with pytest.raises(ValueError, match="declare_state_period"):
+        hivemind.DecentralizedAverager([torch.zeros(3)], dht, start=False, prefix="x",
+                                       declare_state_period=0)
+
+    class Mine(hivemind.CompressionBase):
+        pass
+
+    with pytest.raises(ValueError, match="state_compression"):
+        hivemind.DecentralizedAverager([torch.zeros(3)], dht, start=False, prefix="x",
+                                       state_compression=Mine())
+
+
+def test_the_benchmark_runs_a_tiny_load_and_refuses_bad_flags(tmp_path):
+    """bench/avstate.py end to end at a tiny size (its figures belong to
+    the README), and its flag checks."""
+    bench = os.path.join(ROOT, "bench", "avstate.py")
+    run = subprocess.run([sys.executable, bench, "--donors", "2", "--newcomers", "2", "--mib",
+                          "1", "--reps", "1", "--operator", bin_path("cohort-operator"),
+                          "--log-dir", str(tmp_path)], capture_output=True, text=True,
+                         env=child_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+    assert [r.get("setting") for r in rows[:2]] == ["one", "equal"]
+    # 1 MiB and a header: 17 parts; two newcomers load them all from the
+    # top donor, or about half each from two equal ones.
+    assert rows[0]["busiest_donor_parts"] == 34, rows
+    assert 17 <= rows[1]["busiest_donor_parts"] < 34, rows
+    assert all(r["load_ms"] > 0 for r in rows[:2])
+    assert rows[2]["equal_vs_one_busiest_donor"] < 1
+    bad = subprocess.run([sys.executable, bench, "--donors", "1"], capture_output=True,
+                         text=True, env=child_env(), timeout=60)
+    assert bad.returncode == 2 and "--donors" in bad.stderr
+
+
+def test_a_state_that_does_not_decode_is_refused_with_the_reason():
+    """What a donor sends is checked field by field (the parts match the
+    donors' manifest, but the donors themselves may lie)."""
+    import struct
+    tensors = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([True, False])]
+    good = hivemind._encode_state({"epoch": 3}, tensors, False)
+    meta, got = hivemind._decode_state(good)
+    assert meta == {"epoch": 3} and tensors_equal(got, tensors)
+    half = hivemind._encode_state(None, [torch.tensor([1.5, -2.0], dtype=torch.float64)], True)
+    assert hivemind._decode_state(half)[1][0].dtype == torch.float64, "float16 on the wire only"
+    meta_len = struct.unpack("<I", good[4:8])[0]
+    first = 12 + meta_len               # the first tensor's header
+    bad = {
+        "not a cohort state": b"XXXX" + good[4:],
+        "cut short": good[:-1],
+        "trailing bytes": good + b"\0",
+        "past its end": good[:4] + struct.pack("<I", 1 << 30) + good[8:],
+        "declares 1048576 tensors": good[:8 + meta_len] + struct.pack("<I", 1 << 20) + good[12 + meta_len:],
+        "bad dtype": good[:first] + b"\x63" + good[first + 1:],
+        "byte count": good[:first + 4 + 16] + struct.pack("<Q", 25) + good[first + 4 + 24:],
+        "negative": good[:first + 4] + struct.pack("<q", -2) + good[first + 12:],
+    }
+    for why, blob in bad.items():
+        with pytest.raises(ValueError, match=why):
+            hivemind._decode_state(blob)
+    with pytest.raises(TypeError, match="JSON"):
+        hivemind._encode_state(object(), tensors, False)
