@@ -51,6 +51,7 @@ sys.path.insert(0, HERE)
 from cohorttest import BIN, DEADLINE, Proc, free_port, make_tmp, remove_tmp  # noqa: E402
 from check import CheckFailed, check, load_logs  # noqa: E402
 import kubetrial  # noqa: E402
+from trials import Progress, TrialFailed, plan_kills, sanitizer_lines  # noqa: E402
 
 TRAINER = os.path.join(BIN, "tests", "chaos", "chaos_trainer")
 HEARTBEAT = "200ms"
@@ -58,29 +59,16 @@ MEMBER_TIMEOUT = "1500ms"
 KINDS = ("trainer", "sidecar", "broker")
 
 
-# One class for a failed trial, in either mode.
-TrialFailed = kubetrial.TrialFailed
-
-
-sanitizer_lines = kubetrial.sanitizer_lines
-
-
-class Trial:
+class Trial(Progress):
     def __init__(self, seed, kinds, kills, tmp, wait_for=True):
         self.seed = seed
         self.wait_for = wait_for
         self.rng = random.Random(seed)
-        self.tmp = tmp
+        self.tmp = self.log_dir = tmp
         self.n = self.rng.choice([3, 4])
         self.steps = self.rng.randint(20, 36)
         self.vb = self.rng.choice([1, self.n - 1, self.n, 2 * self.n])
-        self.plan = []
-        at = 0
-        for _ in range(kills):
-            at = min(self.steps - 3, at + self.rng.randint(1, max(1, (self.steps - 4) // kills)))
-            self.plan.append({"kind": self.rng.choice(kinds), "victim": self.rng.randrange(self.n),
-                              "after_v": at, "delay_ms": self.rng.randint(0, 300),
-                              "down_ms": self.rng.randint(0, 800)})
+        self.plan = plan_kills(self.rng, kinds, kills, self.steps, self.n, down=True)
         self.port = free_port()
         self.broker = None
         self.members = []          # per index: {"sidecar": Proc, "trainer": Popen, "slot", "id"}
@@ -144,27 +132,8 @@ class Trial:
 
     # ---- progress -----------------------------------------------------------
 
-    def events(self, slot):
-        try:
-            with open(os.path.join(self.tmp, "t%d.jsonl" % slot)) as f:
-                return [json.loads(l) for l in f if l.endswith("\n")]
-        except OSError:
-            return []
-
-    def max_version(self):
-        v = 0
-        for slot in range(self.next_slot):
-            for e in self.events(slot):
-                if e["ev"] in ("commit", "done"):
-                    v = max(v, e["v"])
-        return v
-
-    def wait(self, cond, what):
-        while not cond():
-            if time.monotonic() > self.deadline:
-                raise TrialFailed("hang: timed out waiting for %s (model version %d)" %
-                                  (what, self.max_version()))
-            time.sleep(0.05)
+    def trainer_slots(self):
+        return range(self.next_slot)
 
     # ---- kills --------------------------------------------------------------
 
