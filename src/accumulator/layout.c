@@ -136,7 +136,6 @@ int layout_psgd_create(struct allreduce *ar, const struct layout *l, size_t rank
                        struct layout_psgd **out)
 {
     struct layout_psgd *p;
-    size_t nq;
     int rc = -ENOMEM;
 
     if (!ar || !l || !out || rank == 0 || rank > POWERSGD_MAX_RANK)
@@ -152,15 +151,8 @@ int layout_psgd_create(struct allreduce *ar, const struct layout *l, size_t rank
     if ((rc = powersgd_block_init(&p->b, l->mats, l->n_mats, rank, l->count, l->plain_elems,
                                   seed)) < 0)
         goto fail;
-    /* At least one float each, as the block allocates them: the calls
-     * run with no matrix or no plain element too. */
-    nq = p->b.nq + p->b.q_extra;
-    if ((rc = allreduce_register(ar, p->b.p, (p->b.np ? p->b.np : 1) * sizeof(float))) < 0)
+    if ((rc = powersgd_block_register(&p->b, ar, &p->hp, &p->hq)) < 0)
         goto fail;
-    p->hp = rc;
-    if ((rc = allreduce_register(ar, p->b.q, (nq ? nq : 1) * sizeof(float))) < 0)
-        goto fail;
-    p->hq = rc;
     *out = p;
     return 0;
 fail:
@@ -172,10 +164,7 @@ void layout_psgd_destroy(struct layout_psgd *p)
 {
     if (!p)
         return;
-    if (p->hq >= 0)
-        allreduce_unregister(p->ar, p->hq);
-    if (p->hp >= 0)
-        allreduce_unregister(p->ar, p->hp);
+    powersgd_block_unregister(p->ar, &p->hp, &p->hq);
     powersgd_block_cleanup(&p->b);
     free(p->plain);
     free(p);
@@ -185,7 +174,7 @@ int layout_psgd_reduce_into(struct layout_psgd *p, const float *in, float *out, 
                             uint64_t round)
 {
     struct powersgd_block *b = &p->b;
-    size_t nq = b->nq + b->q_extra, at = b->nq;
+    size_t at = b->nq;
     int rc;
 
     if (op != DTYPE_SUM && op != DTYPE_AVG)
@@ -198,7 +187,7 @@ int layout_psgd_reduce_into(struct layout_psgd *p, const float *in, float *out, 
      * stay in step whatever it has. */
     if (b->np == 0)
         b->p[0] = 0;
-    rc = allreduce_run(p->ar, p->hp, b->np ? b->np : 1, DTYPE_F32, DTYPE_SUM, 0, round);
+    rc = allreduce_run(p->ar, p->hp, b->p_len, DTYPE_F32, DTYPE_SUM, 0, round);
     if (rc < 0)
         return rc;
     powersgd_block_mul_qt(b);
@@ -207,9 +196,9 @@ int layout_psgd_reduce_into(struct layout_psgd *p, const float *in, float *out, 
         memcpy(b->q + at, in + p->plain[i].at, p->plain[i].n * sizeof(float));
         at += p->plain[i].n;
     }
-    if (nq == 0)
+    if (b->nq + b->q_extra == 0)
         b->q[0] = 0;
-    rc = allreduce_run(p->ar, p->hq, nq ? nq : 1, DTYPE_F32, op, 0, round + 1);
+    rc = allreduce_run(p->ar, p->hq, b->q_len, DTYPE_F32, op, 0, round + 1);
     if (rc < 0)
         return rc;
     /* From the summed P^ and Q alone: the same bytes on every member. */

@@ -171,11 +171,11 @@ int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *m
     rc = powersgd_block_init(&p->b, shapes, n_mats, rank, cells + vectors, vectors, seed);
     if (rc < 0)
         goto out;
-    rc = group_register(g, p->b.p, (p->b.np ? p->b.np : 1) * sizeof(float));
+    rc = group_register(g, p->b.p, p->b.p_len * sizeof(float));
     if (rc < 0)
         goto out;
     p->hp = rc;
-    rc = group_register(g, p->b.q, (p->b.nq + vectors) * sizeof(float));
+    rc = group_register(g, p->b.q, p->b.q_len * sizeof(float));
     if (rc < 0)
         goto out;
     p->hq = rc;

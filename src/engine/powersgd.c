@@ -236,11 +236,13 @@ int powersgd_block_init(struct powersgd_block *b, const struct powersgd_shape *s
     }
     nq_all = b->nq + q_extra;
     nq1 = b->nq ? b->nq : 1;
+    b->p_len = b->np ? b->np : 1;
+    b->q_len = nq_all ? nq_all : 1;
     b->err = calloc(2 * (cells ? cells : 1), sizeof(float));
     b->q_seed = malloc(3 * nq1 * sizeof(float));
     if (!b->err || !b->q_seed ||
-        posix_memalign((void **)&b->p, 64, (b->np ? b->np : 1) * sizeof(float)) ||
-        posix_memalign((void **)&b->q, 64, (nq_all ? nq_all : 1) * sizeof(float))) {
+        posix_memalign((void **)&b->p, 64, b->p_len * sizeof(float)) ||
+        posix_memalign((void **)&b->q, 64, b->q_len * sizeof(float))) {
         powersgd_block_cleanup(b);
         return -ENOMEM;
     }
@@ -260,6 +262,32 @@ void powersgd_block_cleanup(struct powersgd_block *b)
     free(b->err);               /* with mp */
     free(b->mats);
     memset(b, 0, sizeof(*b));
+}
+
+int powersgd_block_register(struct powersgd_block *b, struct allreduce *ar, int *hp, int *hq)
+{
+    int rc = allreduce_register(ar, b->p, b->p_len * sizeof(float));
+
+    *hp = *hq = -1;
+    if (rc < 0)
+        return rc;
+    *hp = rc;
+    rc = allreduce_register(ar, b->q, b->q_len * sizeof(float));
+    if (rc < 0) {
+        powersgd_block_unregister(ar, hp, hq);
+        return rc;
+    }
+    *hq = rc;
+    return 0;
+}
+
+void powersgd_block_unregister(struct allreduce *ar, int *hp, int *hq)
+{
+    if (*hq >= 0)
+        allreduce_unregister(ar, *hq);
+    if (*hp >= 0)
+        allreduce_unregister(ar, *hp);
+    *hp = *hq = -1;
 }
 
 void powersgd_block_load(struct powersgd_block *b, const float *in)
@@ -352,14 +380,9 @@ int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank,
     rc = powersgd_block_init(&p->b, &one, 1, rank, rows * cols, 0, seed);
     if (rc < 0)
         goto fail;
-    rc = allreduce_register(ar, p->b.p, p->b.np * sizeof(float));
+    rc = powersgd_block_register(&p->b, ar, &p->hp, &p->hq);
     if (rc < 0)
         goto fail;
-    p->hp = rc;
-    rc = allreduce_register(ar, p->b.q, p->b.nq * sizeof(float));
-    if (rc < 0)
-        goto fail;
-    p->hq = rc;
     *out = p;
     return 0;
 fail:
@@ -371,10 +394,7 @@ void powersgd_destroy(struct powersgd *p)
 {
     if (!p)
         return;
-    if (p->hq >= 0)
-        allreduce_unregister(p->ar, p->hq);
-    if (p->hp >= 0)
-        allreduce_unregister(p->ar, p->hp);
+    powersgd_block_unregister(p->ar, &p->hp, &p->hq);
     powersgd_block_cleanup(&p->b);
     free(p);
 }

@@ -126,8 +126,11 @@ const float *powersgd_error(const struct powersgd *p);
  *
  * Q_own (b->q_own) is this member's Q before the sum: a copy of b->q
  * taken by the caller before its all-reduce, or powersgd_block_own_q()
- * from P^ afterwards. Fields are read by the callers; only these
- * functions write them. */
+ * from P^ afterwards. The caller reads the fields, and writes only
+ * b->p and b->q through its all-reduces (and their one float when the
+ * block has no matrix), b->q's floats after the Qs, b->q_own as above,
+ * and E and M' outside the matrices' cells; the rest changes only
+ * through these functions. */
 struct powersgd_shape {
     size_t at, rows, cols;      /* first float in the block's buffer; rows x cols */
 };
@@ -141,9 +144,10 @@ struct powersgd_block {
     size_t cells;               /* the buffer's floats: matrices, and anything between */
     size_t np, nq;              /* P: every matrix's rows x r; Q: its r x cols */
     size_t q_extra;             /* floats b->q has after the Qs, for the caller */
+    size_t p_len, q_len;        /* the floats of b->p and b->q: max(np, 1), max(nq + q_extra, 1) */
     float *err, *mp;            /* cells each: E and M' (only the matrices' cells used) */
     float *q_seed, *q_warm, *q_own;     /* nq each: every matrix's Q transposed */
-    float *p, *q;               /* max(np, 1) and max(nq + q_extra, 1), 64-byte aligned */
+    float *p, *q;               /* p_len and q_len floats, 64-byte aligned */
 };
 
 /* Sets up *b for n matrices (shapes copied) at rank min(rank, rows,
@@ -159,6 +163,13 @@ struct powersgd_block {
 int powersgd_block_init(struct powersgd_block *b, const struct powersgd_shape *shapes, size_t n,
                         size_t rank, size_t cells, size_t q_extra, uint64_t seed);
 void powersgd_block_cleanup(struct powersgd_block *b);     /* a zeroed *b is fine */
+
+/* Registers all of b->p and b->q with engine `ar` (borrowed), their
+ * handles in *hp and *hq, or neither: returns 0 or allreduce_register's
+ * codes. powersgd_block_unregister() undoes it, skipping a handle below
+ * 0, and sets both to -1. */
+int powersgd_block_register(struct powersgd_block *b, struct allreduce *ar, int *hp, int *hq);
+void powersgd_block_unregister(struct allreduce *ar, int *hp, int *hq);
 
 /* M' = in + E over every matrix's cells (in: cells floats, borrowed). */
 void powersgd_block_load(struct powersgd_block *b, const float *in);

@@ -130,6 +130,8 @@ Test(powersgd, a_block_refuses_bad_shapes_and_lays_out_good_ones)
     cr_assert_eq(b.np, 4 * 3 + 5 * 4);
     cr_assert_eq(b.nq, 3 * 3 + 6 * 4);
     cr_assert_eq(b.q_extra, 7);
+    cr_assert_eq(b.p_len, b.np);
+    cr_assert_eq(b.q_len, b.nq + 7);
     /* The seeded Qs are the single reducer's stream, end to end. */
     {
         float want[3 * 3 + 6 * 4];
@@ -141,6 +143,13 @@ Test(powersgd, a_block_refuses_bad_shapes_and_lays_out_good_ones)
     powersgd_block_cleanup(&b);
     cr_assert_null(b.mats);
     powersgd_block_cleanup(&b);         /* twice is fine */
+    /* No matrix: P and Q still one float each, for a caller whose
+     * all-reduces run all the same. */
+    cr_assert_eq(powersgd_block_init(&b, NULL, 0, 1, 10, 0, SEED), 0);
+    cr_assert_eq(b.np + b.nq, 0);
+    cr_assert_eq(b.p_len, 1);
+    cr_assert_eq(b.q_len, 1);
+    powersgd_block_cleanup(&b);
 }
 
 /* Full rank: a square matrix at rank = its size comes back whole. */
