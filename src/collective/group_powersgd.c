@@ -1,6 +1,7 @@
 /* src/collective/group_powersgd.c: see group_powersgd.h.
  *
- * The kernels are the engine's (engine/powersgd.h): what must be the same
+ * The matrices are one engine/powersgd.h block (struct powersgd_block),
+ * so the kernels and their order are the engine's: what must be the same
  * bytes on every member is P^ Q^T, computed from shared inputs by one
  * code path with -ffp-contract=off; M'Q and M'^T P^ are this member's
  * own. */
