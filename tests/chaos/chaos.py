@@ -48,10 +48,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "lib"))
 sys.path.insert(0, HERE)
 
-from cohorttest import BIN, DEADLINE, Proc, free_port, make_tmp, remove_tmp  # noqa: E402
+from cohorttest import BIN, DEADLINE, Proc, free_port, make_tmp  # noqa: E402
 from check import CheckFailed, check, load_logs  # noqa: E402
 import kubetrial  # noqa: E402
-from trials import Progress, TrialFailed, plan_kills, sanitizer_lines  # noqa: E402
+from trials import Progress, TrialFailed, plan_kills, run_reported, sanitizer_lines  # noqa: E402
 
 TRAINER = os.path.join(BIN, "tests", "chaos", "chaos_trainer")
 HEARTBEAT = "200ms"
@@ -216,7 +216,7 @@ class Trial(Progress):
             raise TrialFailed("; ".join(bad[:20]))
         return check(load_logs(self.tmp), survivors, self.steps)
 
-    def dump_logs(self):
+    def keep_logs(self):
         """Writes the broker's and sidecars' stderr (kept in memory by
         Proc) into the trial directory, beside the trainers' logs."""
         procs = [*([self.broker] if self.broker else []), *[m["sidecar"] for m in self.members],
@@ -248,26 +248,7 @@ def run_trial(seed, kinds, kills, keep=False, wait_for=True):
     desc = "seed %d: %d members, %d steps, vb %d, kills %s" % (
         seed, t.n, t.steps, t.vb,
         ", ".join("%s of m%d after v%d" % (k["kind"], k["victim"], k["after_v"]) for k in t.plan))
-    print("chaos: " + desc, flush=True)
-    start = time.monotonic()
-    try:
-        figures = t.run()
-    except (TrialFailed, CheckFailed) as e:
-        t.stop_everything()
-        t.dump_logs()
-        print("chaos: FAILED %s; logs kept in %s" % (desc, tmp), flush=True)
-        raise type(e)("%s (replay: make chaos SEED=%d TRIALS=1; logs in %s)" % (e, seed, tmp))
-    except BaseException:
-        t.stop_everything()
-        raise
-    figures.update(seed=seed, kills=t.done_kinds, seconds=round(time.monotonic() - start, 1))
-    print("chaos: ok " + json.dumps(figures), flush=True)
-    if keep:
-        t.dump_logs()
-        print("chaos: kept logs in", tmp)
-    else:
-        remove_tmp(tmp)
-    return figures
+    return run_reported(t, tmp, desc, "make chaos SEED=%d TRIALS=1" % seed, keep)
 
 
 def main():

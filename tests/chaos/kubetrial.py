@@ -37,9 +37,9 @@ import stat
 import time
 
 from cohorttest import (CRD_FILE, DEADLINE, ApiServer, Kubectl, Kubelet, Operator,
-                        cohort_manifest, free_port, make_tmp, pod_path_dir, remove_tmp)
-from check import CheckFailed, check, load_logs
-from trials import Progress, TrialFailed, plan_kills, sanitizer_lines
+                        cohort_manifest, free_port, make_tmp, pod_path_dir)
+from check import check, load_logs
+from trials import Progress, TrialFailed, plan_kills, run_reported, sanitizer_lines
 
 KUBE_KINDS = ("operator", "trainer", "pod")
 NAME = "chaos"
@@ -309,6 +309,14 @@ class KubeTrial(Progress):
                                 for l in sanitizer_lines(f.read())]
         return bad
 
+    def finish(self):
+        """After a trial that ran to its end: the last operator must exit 0
+        on SIGTERM."""
+        rc = self.stop_everything()
+        if rc != 0:
+            raise TrialFailed("the operator exited %d on SIGTERM (seed %d; logs in %s)" %
+                              (rc, self.seed, self.tmp))
+
     def stop_everything(self):
         """Ends the cohort, the kubelet (and so every pod's processes), the
         operator and the API server; the operator must exit 0."""
@@ -338,26 +346,5 @@ def run_kube_trial(seed, kinds, kills, trainer, keep=False):
     TrialFailed / CheckFailed with the seed and where its logs are."""
     tmp = make_tmp("kchaos-")
     t = KubeTrial(seed, kinds, kills, tmp, trainer)
-    desc = describe(t)
-    print("chaos: " + desc, flush=True)
-    start = time.monotonic()
-    try:
-        figures = t.run()
-    except (TrialFailed, CheckFailed) as e:
-        t.stop_everything()
-        print("chaos: FAILED %s; logs kept in %s" % (desc, tmp), flush=True)
-        raise type(e)("%s (replay: make chaos SEED=%d TRIALS=1 CHAOS_ARGS='--kinds %s'; logs in %s)"
-                      % (e, seed, ",".join(kinds), tmp))
-    except BaseException:
-        t.stop_everything()
-        raise
-    rc = t.stop_everything()
-    if rc != 0:
-        raise TrialFailed("the operator exited %d on SIGTERM (seed %d; logs in %s)" % (rc, seed, tmp))
-    figures.update(seed=seed, kills=t.done_kinds, seconds=round(time.monotonic() - start, 1))
-    print("chaos: ok " + json.dumps(figures), flush=True)
-    if keep:
-        print("chaos: kept logs in", tmp)
-    else:
-        remove_tmp(tmp)
-    return figures
+    return run_reported(t, tmp, describe(t), "make chaos SEED=%d TRIALS=1 CHAOS_ARGS='--kinds %s'"
+                        % (seed, ",".join(kinds)), keep)

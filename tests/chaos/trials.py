@@ -1,11 +1,15 @@
 """What both kinds of chaos trial share (chaos.py's on loopback,
 kubetrial.py's in the Kubernetes stand-in): the kill plan drawn from the
 seed, the trainers' event logs (one t<slot>.jsonl per trainer slot in one
-folder) and the model version they show, and waits bounded by the
-trial's deadline that fail the trial as a hang."""
+folder) and the model version they show, waits bounded by the trial's
+deadline that fail the trial as a hang, and running a trial with its
+report."""
 import json
 import os
 import time
+
+from check import CheckFailed
+from cohorttest import remove_tmp
 
 
 class TrialFailed(AssertionError):
@@ -35,7 +39,15 @@ def plan_kills(rng, kinds, kills, steps, n, down=False):
 class Progress:
     """Mixed into a trial, which sets self.log_dir (the trainers' logs) and
     self.deadline (time.monotonic()) and defines trainer_slots() (the
-    slots that have a log); on_wait() runs between the polls of wait()."""
+    slots that have a log), run() and stop_everything(); on_wait() runs
+    between the polls of wait(), finish() after a run() that returned, and
+    keep_logs() where a trial's folder is kept."""
+
+    def finish(self):
+        pass
+
+    def keep_logs(self):
+        pass
 
     def events(self, slot):
         try:
@@ -62,3 +74,33 @@ class Progress:
                                   (what, self.max_version()))
             self.on_wait()
             time.sleep(0.05)
+
+
+def run_reported(t, tmp, desc, replay, keep=False):
+    """Runs trial t, whose folder is tmp: prints desc, then "ok" with the
+    figures t.run() returns, and returns them (with t.seed, t.done_kinds
+    and the seconds it took); removes tmp unless `keep`. A trial that
+    fails (TrialFailed, CheckFailed) has its processes stopped and its
+    folder kept, and its error is raised again naming `replay` (the
+    command that runs its plan alone) and the folder."""
+    print("chaos: " + desc, flush=True)
+    start = time.monotonic()
+    try:
+        figures = t.run()
+    except (TrialFailed, CheckFailed) as e:
+        t.stop_everything()
+        t.keep_logs()
+        print("chaos: FAILED %s; logs kept in %s" % (desc, tmp), flush=True)
+        raise type(e)("%s (replay: %s; logs in %s)" % (e, replay, tmp))
+    except BaseException:
+        t.stop_everything()
+        raise
+    t.finish()
+    figures.update(seed=t.seed, kills=t.done_kinds, seconds=round(time.monotonic() - start, 1))
+    print("chaos: ok " + json.dumps(figures), flush=True)
+    if keep:
+        t.keep_logs()
+        print("chaos: kept logs in", tmp)
+    else:
+        remove_tmp(tmp)
+    return figures
