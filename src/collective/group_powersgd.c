@@ -139,36 +139,41 @@ int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *m
     struct powersgd_shape *shapes = NULL;
     struct group_powersgd *p = NULL;
     size_t cells = 0;
-    int rc = -EINVAL;
+    int rc;
 
     if (!g || !out || (n_mats && !mats) || (n_mats == 0 && vectors == 0) || rank == 0 ||
         rank > POWERSGD_MAX_RANK || n_mats > cap || vectors > cap)
         return -EINVAL;
-    shapes = calloc(n_mats ? n_mats : 1, sizeof(*shapes));
-    if (!shapes)
-        return -ENOMEM;
-    /* Sizes from the caller, checked against a cap that no product of
-     * two of them can overflow past. P and Q are at most the cells
-     * (r <= rows, cols), so the cap bounds them too. */
+    /* Sizes from the caller, checked before anything is allocated
+     * against a cap that no product of two of them can overflow past. P
+     * and Q are at most the cells (r <= rows, cols), so the cap bounds
+     * them too. */
     for (size_t k = 0; k < n_mats; k++) {
         size_t rows = mats[k].rows, cols = mats[k].cols;
 
         if (rows == 0 || cols == 0 || rows > cap || cols > cap || rows > cap / cols ||
             rows * cols > cap - cells)
-            goto out;
-        shapes[k] = (struct powersgd_shape){ cells, rows, cols };
+            return -EINVAL;
         cells += rows * cols;
     }
     if (vectors > cap - cells)
-        goto out;
-    rc = -ENOMEM;
+        return -EINVAL;
     p = calloc(1, sizeof(*p));
     if (!p)
-        goto out;
+        return -ENOMEM;
     p->g = g;
     p->reuse = reuse_query;
     p->hp = p->hq = -1;
     p->vectors = vectors;
+    rc = -ENOMEM;
+    shapes = calloc(n_mats ? n_mats : 1, sizeof(*shapes));
+    if (!shapes)
+        goto out;
+    cells = 0;
+    for (size_t k = 0; k < n_mats; k++) {
+        shapes[k] = (struct powersgd_shape){ cells, mats[k].rows, mats[k].cols };
+        cells += mats[k].rows * mats[k].cols;
+    }
     rc = powersgd_block_init(&p->b, shapes, n_mats, rank, cells + vectors, vectors, seed);
     if (rc < 0)
         goto out;
