@@ -22,13 +22,11 @@ the same model; they are left out unless --compressed is given.
 import argparse
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-BUILD = os.path.abspath(os.environ.get("BUILD", os.path.join(ROOT, "build")))
+from benchlib import BUILD, free_port, start_broker, wait_members
+
 PYTHON = "/usr/bin/python3"
 
 
@@ -53,11 +51,7 @@ def timed(fn, iters, warmup):
 def child_cohort(a):
     import cohort.aggregation as agg
     agg.init(a.broker, "bench", "b-%d" % a.rank)
-    end = time.monotonic() + 60
-    while agg.world_size() != a.peers:
-        if time.monotonic() > end:
-            sys.exit("the cohort never had %d members" % a.peers)
-        time.sleep(0.01)
+    wait_members(agg.world_size, a.peers)
     m = model(a.layers, a.width)
     if a.child == "cohort-topk":
         ag = agg.SparsifiedAggregation(m, ratio=a.ratio)
@@ -99,35 +93,6 @@ def child_gloo(a):
            "by_layer": timed(by_layer, a.iters, a.warmup)}
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_broker(log_path):
-    """cohort-operator --standalone on a free port; its log goes to a file,
-    which is read for the address (a pipe nobody drains would stall it)."""
-    log = open(log_path, "w")
-    p = subprocess.Popen([os.path.join(BUILD, "cohort-operator"), "--standalone", "--listen",
-                          "127.0.0.1:0", "--insecure", "--allow-any-cohort", "--log-format",
-                          "json"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
-    end = time.monotonic() + 60
-    while time.monotonic() < end and p.poll() is None:
-        with open(log_path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("msg") == "Broker is listening.":
-                    return p, rec["address"]
-        time.sleep(0.05)
-    p.kill()
-    raise SystemExit("the broker did not start; see %s" % log_path)
 
 
 def run(system, a, broker=None):

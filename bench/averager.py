@@ -36,37 +36,13 @@ import multiprocessing
 import os
 import queue
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-BUILD = os.path.abspath(os.environ.get("BUILD", os.path.join(ROOT, "build")))
+from benchlib import BUILD, start_broker, wait_members
+
 sys.path.insert(0, os.path.join(BUILD, "python"))
 BUTTERFLY = "butterfly"         # the variant name, beside the codecs'
-
-
-def start_broker(operator, log_path):
-    """cohort-operator --standalone on a free port, open (no keys), its log
-    in a file, which is read for the address."""
-    log = open(log_path, "w")
-    p = subprocess.Popen([operator, "--standalone", "--listen",
-                          "127.0.0.1:0", "--insecure", "--allow-any-cohort", "--log-format",
-                          "json"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=log)
-    end = time.monotonic() + 60
-    while time.monotonic() < end and p.poll() is None:
-        with open(log_path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("msg") == "Broker is listening.":
-                    return p, rec["address"]
-        time.sleep(0.05)
-    p.kill()
-    raise SystemExit("the broker did not start; see %s" % log_path)
 
 
 def averager_child(a, broker, k, turns, out):
@@ -109,11 +85,7 @@ def allreduce_child(a, broker, k, turns, out):
     torch.set_num_threads(1)
     n = a.mib * (1 << 20) // 4
     g = _cohort.Group(broker, "bench-ar", "ar-%d" % k)
-    end = time.monotonic() + 60
-    while (g.position() or (0, 0))[1] != a.group:
-        if time.monotonic() > end:
-            raise SystemExit("the cohort never had %d members" % a.group)
-        time.sleep(0.01)
+    wait_members(lambda: (g.position() or (0, 0))[1], a.group)
     t = torch.full((n,), float(k))
     buf = memoryview(t.view(torch.uint8).numpy())
     times = []
@@ -155,7 +127,7 @@ def main():
         ap.error("--peers must be --group times a power of two")
     a.variants = a.compression + ([BUTTERFLY] if a.butterfly else [])
     os.makedirs(a.log_dir, exist_ok=True)
-    broker, address = start_broker(a.operator, os.path.join(a.log_dir, "averager-broker.log"))
+    broker, address = start_broker(os.path.join(a.log_dir, "averager-broker.log"), a.operator)
     ctx = multiprocessing.get_context("spawn")
     turns = ctx.Barrier(a.peers + a.group)
     out = ctx.Queue()

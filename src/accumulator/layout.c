@@ -15,13 +15,9 @@ struct range {
     size_t at, n;
 };
 
-struct mat {
-    size_t at, rows, cols;
-};
-
 struct layout {
     size_t count;               /* the gradient buffer's elements */
-    struct mat *mats;           /* by offset */
+    struct powersgd_shape *mats;        /* by offset */
     size_t n_mats;
     struct range *plain;        /* the rest, by offset */
     size_t n_plain, plain_elems;
@@ -81,8 +77,8 @@ int layout_make(const struct layout_shape *s, size_t k, size_t grad_count, struc
             continue;       /* a vector: with the rest, uncompressed */
         if (v[i].offset > end)
             l->plain[l->n_plain++] = (struct range){ end, (size_t)v[i].offset - end };
-        l->mats[l->n_mats++] = (struct mat){ (size_t)v[i].offset, (size_t)v[i].rows,
-                                             (size_t)v[i].cols };
+        l->mats[l->n_mats++] = (struct powersgd_shape){ (size_t)v[i].offset, (size_t)v[i].rows,
+                                                        (size_t)v[i].cols };
         l->hash = fnv(fnv(fnv(l->hash, v[i].offset), v[i].rows), v[i].cols);
         end = (size_t)(v[i].offset + v[i].count);
     }
@@ -127,22 +123,11 @@ size_t layout_plain(const struct layout *l)
 
 /* ---- PowerSGD over the layout ---- */
 
-struct pmat {
-    size_t at, rows, cols, r;
-    size_t p_at, q_at;          /* offsets in P and Q (floats) */
-};
-
 struct layout_psgd {
     struct allreduce *ar;
-    size_t count;
-    struct pmat *mats;
-    size_t n_mats;
+    struct powersgd_block b;    /* the matrices; b.q carries the plain elements after the Qs */
     struct range *plain;
     size_t n_plain;
-    size_t np, nq_mats, nq;     /* P; Q's matrix part; Q with the plain elements */
-    float *err, *mp;            /* count floats; only the matrices' cells are used */
-    float *q_seed, *q_warm, *q_own;     /* nq_mats: each matrix's Q transposed */
-    float *p, *q;               /* registered: np, nq (at least one float each) */
     int hp, hq;
     bool pending, finite;       /* an uncommitted reduce_into, and its Qs were finite */
 };
@@ -159,42 +144,15 @@ int layout_psgd_create(struct allreduce *ar, const struct layout *l, size_t rank
         return -ENOMEM;
     p->ar = ar;
     p->hp = p->hq = -1;
-    p->count = l->count;
-    p->n_mats = l->n_mats;
     p->n_plain = l->n_plain;
-    if (!(p->mats = calloc(l->n_mats ? l->n_mats : 1, sizeof(*p->mats))) ||
-        !(p->plain = calloc(l->n_plain ? l->n_plain : 1, sizeof(*p->plain))))
+    if (!(p->plain = calloc(l->n_plain ? l->n_plain : 1, sizeof(*p->plain))))
         goto fail;
     memcpy(p->plain, l->plain, l->n_plain * sizeof(*p->plain));
-    for (size_t k = 0; k < l->n_mats; k++) {
-        struct pmat *x = &p->mats[k];
-
-        x->at = l->mats[k].at;
-        x->rows = l->mats[k].rows;
-        x->cols = l->mats[k].cols;
-        x->r = rank < x->rows ? rank : x->rows;
-        x->r = x->r < x->cols ? x->r : x->cols;
-        x->p_at = p->np;
-        x->q_at = p->nq_mats;
-        p->np += x->rows * x->r;
-        p->nq_mats += x->cols * x->r;
-    }
-    p->nq = p->nq_mats + l->plain_elems;
-    if (!(p->err = calloc(p->count, sizeof(float))) || !(p->mp = calloc(p->count, sizeof(float))) ||
-        !(p->q_seed = malloc((p->nq_mats + 1) * sizeof(float))) ||
-        !(p->q_warm = malloc((p->nq_mats + 1) * sizeof(float))) ||
-        !(p->q_own = malloc((p->nq_mats + 1) * sizeof(float))) ||
-        posix_memalign((void **)&p->p, 64, (p->np ? p->np : 1) * sizeof(float)) ||
-        posix_memalign((void **)&p->q, 64, (p->nq ? p->nq : 1) * sizeof(float)))
+    if ((rc = powersgd_block_init(&p->b, l->mats, l->n_mats, rank, l->count, l->plain_elems,
+                                  seed)) < 0)
         goto fail;
-    if ((rc = allreduce_register(ar, p->p, (p->np ? p->np : 1) * sizeof(float))) < 0)
+    if ((rc = powersgd_block_register(&p->b, ar, &p->hp, &p->hq)) < 0)
         goto fail;
-    p->hp = rc;
-    if ((rc = allreduce_register(ar, p->q, (p->nq ? p->nq : 1) * sizeof(float))) < 0)
-        goto fail;
-    p->hq = rc;
-    powersgd_seed_q(p->q_seed, p->nq_mats, seed);
-    memcpy(p->q_warm, p->q_seed, p->nq_mats * sizeof(float));
     *out = p;
     return 0;
 fail:
@@ -206,76 +164,51 @@ void layout_psgd_destroy(struct layout_psgd *p)
 {
     if (!p)
         return;
-    if (p->hq >= 0)
-        allreduce_unregister(p->ar, p->hq);
-    if (p->hp >= 0)
-        allreduce_unregister(p->ar, p->hp);
-    free(p->q);
-    free(p->p);
-    free(p->q_own);
-    free(p->q_warm);
-    free(p->q_seed);
-    free(p->mp);
-    free(p->err);
+    powersgd_block_unregister(p->ar, &p->hp, &p->hq);
+    powersgd_block_cleanup(&p->b);
     free(p->plain);
-    free(p->mats);
     free(p);
 }
 
 int layout_psgd_reduce_into(struct layout_psgd *p, const float *in, float *out, enum dtype_op op,
                             uint64_t round)
 {
-    size_t at = p->nq_mats;
+    struct powersgd_block *b = &p->b;
+    size_t at = b->nq;
     int rc;
 
     if (op != DTYPE_SUM && op != DTYPE_AVG)
         return -EINVAL;
     p->pending = false;
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct pmat *x = &p->mats[k];
-        float *mp = p->mp + x->at;
-        const float *m = in + x->at, *e = p->err + x->at;
-
-        for (size_t i = 0; i < x->rows * x->cols; i++)
-            mp[i] = m[i] + e[i];
-        powersgd_mul_p(p->p + x->p_at, mp, p->q_warm + x->q_at, x->rows, x->cols, x->r);
-    }
+    powersgd_block_load(b, in);
+    powersgd_block_mul_p(b, b->q_warm);
     /* P is only a basis (its scale goes in the orthonormalisation): SUM.
      * Always run, with no matrices too, so that every member's rounds
      * stay in step whatever it has. */
-    if (p->np == 0)
-        p->p[0] = 0;
-    rc = allreduce_run(p->ar, p->hp, p->np ? p->np : 1, DTYPE_F32, DTYPE_SUM, 0, round);
+    if (b->np == 0)
+        b->p[0] = 0;
+    rc = allreduce_run(p->ar, p->hp, b->p_len, DTYPE_F32, DTYPE_SUM, 0, round);
     if (rc < 0)
         return rc;
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct pmat *x = &p->mats[k];
-
-        powersgd_orthonormalise(p->p + x->p_at, x->rows, x->r);
-        powersgd_mul_qt(p->q + x->q_at, p->mp + x->at, p->p + x->p_at, x->rows, x->cols, x->r);
-    }
-    memcpy(p->q_own, p->q, p->nq_mats * sizeof(float));
+    powersgd_block_mul_qt(b);
+    memcpy(b->q_own, b->q, b->nq * sizeof(float));
     for (size_t i = 0; i < p->n_plain; i++) {
-        memcpy(p->q + at, in + p->plain[i].at, p->plain[i].n * sizeof(float));
+        memcpy(b->q + at, in + p->plain[i].at, p->plain[i].n * sizeof(float));
         at += p->plain[i].n;
     }
-    if (p->nq == 0)
-        p->q[0] = 0;
-    rc = allreduce_run(p->ar, p->hq, p->nq ? p->nq : 1, DTYPE_F32, op, 0, round + 1);
+    if (b->nq + b->q_extra == 0)
+        b->q[0] = 0;
+    rc = allreduce_run(p->ar, p->hq, b->q_len, DTYPE_F32, op, 0, round + 1);
     if (rc < 0)
         return rc;
     /* From the summed P^ and Q alone: the same bytes on every member. */
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct pmat *x = &p->mats[k];
-
-        powersgd_mul_out(out + x->at, p->p + x->p_at, p->q + x->q_at, NULL, x->rows, x->cols, x->r);
-    }
-    at = p->nq_mats;
+    powersgd_block_out(b, out, b->p, b->q);
+    at = b->nq;
     for (size_t i = 0; i < p->n_plain; i++) {
-        memcpy(out + p->plain[i].at, p->q + at, p->plain[i].n * sizeof(float));
+        memcpy(out + p->plain[i].at, b->q + at, p->plain[i].n * sizeof(float));
         at += p->plain[i].n;
     }
-    p->finite = powersgd_all_finite(p->q, p->nq_mats);
+    p->finite = powersgd_all_finite(b->q, b->nq);
     p->pending = true;
     return 0;
 }
@@ -287,25 +220,19 @@ void layout_psgd_commit(struct layout_psgd *p)
     p->pending = false;
     if (!p->finite)
         return;
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct pmat *x = &p->mats[k];
-
-        powersgd_mul_out(p->err + x->at, p->p + x->p_at, p->q_own + x->q_at, p->mp + x->at, x->rows,
-                         x->cols, x->r);
-    }
-    memcpy(p->q_warm, p->q, p->nq_mats * sizeof(float));
+    powersgd_block_error(&p->b, p->b.p, p->b.q_own);
+    powersgd_block_warm(&p->b, p->b.q);
 }
 
 void layout_psgd_reset(struct layout_psgd *p)
 {
     if (!p)
         return;
-    memset(p->err, 0, p->count * sizeof(float));
-    memcpy(p->q_warm, p->q_seed, p->nq_mats * sizeof(float));
+    powersgd_block_reset(&p->b);
     p->pending = false;
 }
 
 const float *layout_psgd_error(const struct layout_psgd *p)
 {
-    return p->err;
+    return p->b.err;
 }

@@ -23,7 +23,9 @@
  * Per matrix the round is powersgd.h's: M' = M + E, P = M'Q, P summed,
  * orthonormalised, Q = M'^T P^, Q summed, result P^ Q^T, and at the
  * commit E = M' - P^ Q_own^T and the summed Q as the next warm start.
- * The kernels are powersgd.h's, so every member computes the same bytes.
+ * The matrices are one engine/powersgd.h block (struct powersgd_block,
+ * as in collective/group_powersgd.c), whose kernels give every member
+ * the same bytes.
  *
  * Members must run the same layout: the node votes on layout_hash in its
  * count step (node.c, "Compression") and runs uncompressed when they

@@ -1,6 +1,7 @@
 /* src/collective/group_powersgd.c: see group_powersgd.h.
  *
- * The kernels are the engine's (engine/powersgd.h): what must be the same
+ * The matrices are one engine/powersgd.h block (struct powersgd_block),
+ * so the kernels and their order are the engine's: what must be the same
  * bytes on every member is P^ Q^T, computed from shared inputs by one
  * code path with -ffp-contract=off; M'Q and M'^T P^ are this member's
  * own. */
@@ -12,23 +13,12 @@
 
 #include "engine/powersgd.h"
 
-struct mat {
-    size_t rows, cols, r;
-    size_t at;                  /* offset in the caller's buffer (floats) */
-    size_t p_at, q_at;          /* offsets in P and Q (floats) */
-};
-
 struct group_powersgd {
     struct group *g;
-    struct mat *mats;
-    size_t n_mats, vectors;     /* vectors: floats after the matrices */
-    size_t cells;               /* the caller's buffer: matrices, then vectors */
-    size_t np, nq;              /* P: sum of rows x r; Q: sum of r x cols, then the vectors */
+    struct powersgd_block b;    /* the matrices, then the vectors; b.q carries them after the Qs */
+    size_t vectors;             /* floats after the matrices */
     bool reuse;
     enum dtype_op op;           /* of the call in progress */
-    float *err, *mp;            /* cells */
-    float *q_seed, *q_warm, *q_own;     /* nq: each matrix's Q transposed (r x cols) */
-    float *p, *q;               /* registered: np, nq */
     int hp, hq;
     bool attempted;             /* an attempt ran in this call, in attempt_epoch */
     uint64_t attempt_epoch;
@@ -36,45 +26,37 @@ struct group_powersgd {
 
 /* ---- the call ---- */
 
+/* P, then Q with the vectors, then the epoch that completed the call. */
 static size_t result_bytes(const struct group_powersgd *p)
 {
-    return (p->np + p->nq) * sizeof(float) + sizeof(uint64_t);
+    return (p->b.np + p->b.nq + p->vectors) * sizeof(float) + sizeof(uint64_t);
 }
 
 static int attempt(void *arg, struct group *g, uint64_t epoch, void *out)
 {
     struct group_powersgd *p = arg;
-    const float *qs = p->reuse ? p->q_warm : p->q_seed;
+    struct powersgd_block *b = &p->b;
+    size_t nq = b->nq + p->vectors;
     int rc;
 
     p->attempted = true;
     p->attempt_epoch = epoch;
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct mat *m = &p->mats[k];
-
-        powersgd_mul_p(p->p + m->p_at, p->mp + m->at, qs + m->q_at, m->rows, m->cols, m->r);
-    }
+    powersgd_block_mul_p(b, p->reuse ? b->q_warm : b->q_seed);
     /* P is only a basis: its scale goes in the orthonormalisation. */
-    if (p->np) {
-        rc = group_step_allreduce(g, p->hp, p->np, DTYPE_F32, DTYPE_SUM);
+    if (b->np) {
+        rc = group_step_allreduce(g, p->hp, b->np, DTYPE_F32, DTYPE_SUM);
         if (rc < 0)
             return rc;
     }
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct mat *m = &p->mats[k];
-
-        powersgd_orthonormalise(p->p + m->p_at, m->rows, m->r);
-        powersgd_mul_qt(p->q + m->q_at, p->mp + m->at, p->p + m->p_at, m->rows, m->cols, m->r);
-    }
+    powersgd_block_mul_qt(b);
     /* The vectors ride uncompressed with the Qs, under the same op. */
-    memcpy(p->q + (p->nq - p->vectors), p->mp + (p->cells - p->vectors),
-           p->vectors * sizeof(float));
-    rc = group_step_allreduce(g, p->hq, p->nq, DTYPE_F32, p->op);
+    memcpy(b->q + b->nq, b->mp + (b->cells - p->vectors), p->vectors * sizeof(float));
+    rc = group_step_allreduce(g, p->hq, nq, DTYPE_F32, p->op);
     if (rc < 0)
         return rc;
-    memcpy(out, p->p, p->np * sizeof(float));
-    memcpy((char *)out + p->np * sizeof(float), p->q, p->nq * sizeof(float));
-    memcpy((char *)out + (p->np + p->nq) * sizeof(float), &epoch, sizeof(epoch));
+    memcpy(out, b->p, b->np * sizeof(float));
+    memcpy((char *)out + b->np * sizeof(float), b->q, nq * sizeof(float));
+    memcpy((char *)out + (b->np + nq) * sizeof(float), &epoch, sizeof(epoch));
     return 0;
 }
 
@@ -84,11 +66,12 @@ static uint64_t tag_of(const struct group_powersgd *p, enum dtype_op op)
 {
     uint64_t h = 14695981039346656037ull;
     uint64_t head[3] = { 0x70736764u, p->vectors, (uint64_t)op };
+    const struct powersgd_block_mat *m = p->b.mats;
 
-    for (size_t i = 0; i < 3 + 3 * p->n_mats; i++) {
-        uint64_t v = i < 3 ? head[i] : (i - 3) % 3 == 0 ? p->mats[(i - 3) / 3].rows
-                                     : (i - 3) % 3 == 1 ? p->mats[(i - 3) / 3].cols
-                                                        : p->mats[(i - 3) / 3].r;
+    for (size_t i = 0; i < 3 + 3 * p->b.n_mats; i++) {
+        uint64_t v = i < 3 ? head[i] : (i - 3) % 3 == 0 ? m[(i - 3) / 3].rows
+                                     : (i - 3) % 3 == 1 ? m[(i - 3) / 3].cols
+                                                        : m[(i - 3) / 3].r;
 
         for (int b = 0; b < 8; b++) {
             h ^= (v >> (8 * b)) & 0xff;
@@ -102,17 +85,22 @@ int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
                           uint32_t timeout_ms)
 {
     struct group_steps s = { .attempt = attempt, .arg = p };
+    struct powersgd_block *b;
     const void *out;
     const float *pp, *qq;
-    size_t vec_at;
+    size_t vec_at, nq;
     uint64_t epoch;
     bool mine;
     int rc;
 
     if (!p || !m || (op != DTYPE_SUM && op != DTYPE_AVG))
         return -EINVAL;
-    for (size_t i = 0; i < p->cells; i++)
-        p->mp[i] = m[i] + p->err[i];
+    b = &p->b;
+    nq = b->nq + p->vectors;
+    vec_at = b->cells - p->vectors;
+    powersgd_block_load(b, m);
+    for (size_t i = vec_at; i < b->cells; i++)
+        b->mp[i] = m[i] + b->err[i];
     p->op = op;
     p->attempted = false;
     s.tag = tag_of(p, op);
@@ -124,31 +112,22 @@ int group_powersgd_reduce(struct group_powersgd *p, float *m, enum dtype_op op,
     /* Committed. pp and qq are the group's copy, the same bytes on every
      * member; so is the result computed from them. */
     pp = out;
-    qq = (const float *)((const char *)out + p->np * sizeof(float));
-    memcpy(&epoch, (const char *)out + (p->np + p->nq) * sizeof(float), sizeof(epoch));
-    vec_at = p->cells - p->vectors;
-    for (size_t k = 0; k < p->n_mats; k++) {
-        const struct mat *x = &p->mats[k];
-
-        powersgd_mul_out(m + x->at, pp + x->p_at, qq + x->q_at, NULL, x->rows, x->cols, x->r);
-    }
-    memcpy(m + vec_at, qq + (p->nq - p->vectors), p->vectors * sizeof(float));
-    if (!powersgd_all_finite(qq, p->nq))
+    qq = (const float *)((const char *)out + b->np * sizeof(float));
+    memcpy(&epoch, (const char *)out + (b->np + nq) * sizeof(float), sizeof(epoch));
+    powersgd_block_out(b, m, pp, qq);
+    memcpy(m + vec_at, qq + b->nq, p->vectors * sizeof(float));
+    if (!powersgd_all_finite(qq, nq))
         return 0;
     mine = p->attempted && p->attempt_epoch == epoch;
-    for (size_t k = 0; k < p->n_mats && mine; k++) {
-        const struct mat *x = &p->mats[k];
-
-        powersgd_mul_qt(p->q_own + x->q_at, p->mp + x->at, pp + x->p_at, x->rows, x->cols, x->r);
-        powersgd_mul_out(p->err + x->at, pp + x->p_at, p->q_own + x->q_at, p->mp + x->at, x->rows,
-                x->cols, x->r);
+    if (mine) {
+        powersgd_block_own_q(b, pp);
+        powersgd_block_error(b, pp, b->q_own);
+        /* Vectors were sent whole: nothing left over. */
+        memset(b->err + vec_at, 0, p->vectors * sizeof(float));
+    } else {
+        memcpy(b->err, b->mp, b->cells * sizeof(float));
     }
-    /* Vectors were sent whole: nothing left over. */
-    if (mine)
-        memset(p->err + vec_at, 0, p->vectors * sizeof(float));
-    else
-        memcpy(p->err, p->mp, p->cells * sizeof(float));
-    memcpy(p->q_warm, qq, (p->nq - p->vectors) * sizeof(float));
+    powersgd_block_warm(b, qq);
     return 0;
 }
 
@@ -157,29 +136,27 @@ int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *m
                           bool reuse_query, struct group_powersgd **out)
 {
     const size_t cap = GROUP_DEFAULT_MAX_BYTES / sizeof(float);
-    struct group_powersgd *p;
-    size_t cells = 0, np = 0, nq = 0;
-    int rc = -ENOMEM;
+    struct powersgd_shape *shapes = NULL;
+    struct group_powersgd *p = NULL;
+    size_t cells = 0;
+    int rc;
 
     if (!g || !out || (n_mats && !mats) || (n_mats == 0 && vectors == 0) || rank == 0 ||
         rank > POWERSGD_MAX_RANK || n_mats > cap || vectors > cap)
         return -EINVAL;
-    /* Sizes from the caller: every sum is checked against a cap that no
-     * product of two of them can overflow past. */
+    /* Sizes from the caller, checked before anything is allocated
+     * against a cap that no product of two of them can overflow past. P
+     * and Q are at most the cells (r <= rows, cols), so the cap bounds
+     * them too. */
     for (size_t k = 0; k < n_mats; k++) {
-        size_t rows = mats[k].rows, cols = mats[k].cols, r;
+        size_t rows = mats[k].rows, cols = mats[k].cols;
 
-        if (rows == 0 || cols == 0 || rows > cap || cols > cap || rows > cap / cols)
+        if (rows == 0 || cols == 0 || rows > cap || cols > cap || rows > cap / cols ||
+            rows * cols > cap - cells)
             return -EINVAL;
-        r = rank < rows ? rank : rows;
-        r = r < cols ? r : cols;
         cells += rows * cols;
-        np += rows * r;
-        nq += cols * r;
-        if (cells > cap || np > cap || nq > cap)
-            return -EINVAL;
     }
-    if (cells + vectors > cap || nq + vectors > cap)
+    if (vectors > cap - cells)
         return -EINVAL;
     p = calloc(1, sizeof(*p));
     if (!p)
@@ -187,50 +164,33 @@ int group_powersgd_create(struct group *g, const struct group_powersgd_matrix *m
     p->g = g;
     p->reuse = reuse_query;
     p->hp = p->hq = -1;
-    p->n_mats = n_mats;
     p->vectors = vectors;
-    p->cells = cells + vectors;
-    p->np = np;
-    p->nq = nq + vectors;
-    p->mats = calloc(n_mats ? n_mats : 1, sizeof(*p->mats));
-    p->err = calloc(p->cells, sizeof(float));
-    p->mp = malloc(p->cells * sizeof(float));
-    p->q_seed = malloc(p->nq * sizeof(float));
-    p->q_warm = malloc(p->nq * sizeof(float));
-    p->q_own = malloc(p->nq * sizeof(float));
-    if (!p->mats || !p->err || !p->mp || !p->q_seed || !p->q_warm || !p->q_own ||
-        posix_memalign((void **)&p->p, 64, (np ? np : 1) * sizeof(float)) ||
-        posix_memalign((void **)&p->q, 64, p->nq * sizeof(float)))
-        goto fail;
-    cells = np = nq = 0;
+    rc = -ENOMEM;
+    shapes = calloc(n_mats ? n_mats : 1, sizeof(*shapes));
+    if (!shapes)
+        goto out;
+    cells = 0;
     for (size_t k = 0; k < n_mats; k++) {
-        struct mat *x = &p->mats[k];
-
-        x->rows = mats[k].rows;
-        x->cols = mats[k].cols;
-        x->r = rank < x->rows ? rank : x->rows;
-        x->r = x->r < x->cols ? x->r : x->cols;
-        x->at = cells;
-        x->p_at = np;
-        x->q_at = nq;
-        cells += x->rows * x->cols;
-        np += x->rows * x->r;
-        nq += x->cols * x->r;
+        shapes[k] = (struct powersgd_shape){ cells, mats[k].rows, mats[k].cols };
+        cells += mats[k].rows * mats[k].cols;
     }
-    rc = group_register(g, p->p, (np ? np : 1) * sizeof(float));
+    rc = powersgd_block_init(&p->b, shapes, n_mats, rank, cells + vectors, vectors, seed);
     if (rc < 0)
-        goto fail;
+        goto out;
+    rc = group_register(g, p->b.p, p->b.p_len * sizeof(float));
+    if (rc < 0)
+        goto out;
     p->hp = rc;
-    rc = group_register(g, p->q, p->nq * sizeof(float));
+    rc = group_register(g, p->b.q, p->b.q_len * sizeof(float));
     if (rc < 0)
-        goto fail;
+        goto out;
     p->hq = rc;
-    powersgd_seed_q(p->q_seed, p->nq, seed);
-    memcpy(p->q_warm, p->q_seed, p->nq * sizeof(float));
     *out = p;
-    return 0;
-fail:
+    p = NULL;
+    rc = 0;
+out:
     group_powersgd_destroy(p);
+    free(shapes);
     return rc;
 }
 
@@ -240,23 +200,16 @@ void group_powersgd_destroy(struct group_powersgd *p)
         return;
     group_unregister(p->g, p->hq);
     group_unregister(p->g, p->hp);
-    free(p->q);
-    free(p->p);
-    free(p->q_own);
-    free(p->q_warm);
-    free(p->q_seed);
-    free(p->mp);
-    free(p->err);
-    free(p->mats);
+    powersgd_block_cleanup(&p->b);
     free(p);
 }
 
 size_t group_powersgd_size(const struct group_powersgd *p)
 {
-    return p->cells;
+    return p->b.cells;
 }
 
 const float *group_powersgd_error(const struct group_powersgd *p)
 {
-    return p->err;
+    return p->b.err;
 }

@@ -60,14 +60,7 @@
 
 struct powersgd {
     struct allreduce *ar;       /* borrowed */
-    size_t rows, cols, r;
-    float *err;                 /* rows x cols: E */
-    float *mp;                  /* rows x cols: M' of the round in flight */
-    float *p;                   /* rows x r, registered */
-    float *q;                   /* Q transposed, r x cols, registered */
-    float *q_warm;              /* r x cols: the last completed round's Q */
-    float *q_own;               /* r x cols: this member's Q before the all-reduce */
-    float *q_seed;              /* r x cols: the seeded first Q, for powersgd_reset */
+    struct powersgd_block b;    /* one matrix; b.p and b.q registered */
     int hp, hq;
     bool pending;               /* powersgd_reduce_into succeeded, not committed */
 };
@@ -199,46 +192,197 @@ bool powersgd_all_finite(const float *x, size_t n)
     return true;
 }
 
+/* ---- a block of matrices ---- */
+
+int powersgd_block_init(struct powersgd_block *b, const struct powersgd_shape *shapes, size_t n,
+                        size_t rank, size_t cells, size_t q_extra, uint64_t seed)
+{
+    size_t end = 0, nq_all, nq1;
+
+    memset(b, 0, sizeof(*b));
+    /* E and M' share one allocation, and so do the three kept Qs. */
+    if ((n && !shapes) || rank == 0 || rank > POWERSGD_MAX_RANK ||
+        cells > SIZE_MAX / (3 * sizeof(float)) || n > SIZE_MAX / sizeof(*b->mats))
+        return -EINVAL;
+    for (size_t k = 0; k < n; k++) {
+        const struct powersgd_shape *s = &shapes[k];
+
+        if (s->rows == 0 || s->cols == 0 || s->rows > cells / s->cols || s->at < end ||
+            s->at > cells - s->rows * s->cols)
+            return -EINVAL;
+        end = s->at + s->rows * s->cols;
+    }
+    if (q_extra > SIZE_MAX / sizeof(float) - cells)
+        return -EINVAL;
+    b->mats = calloc(n ? n : 1, sizeof(*b->mats));
+    if (!b->mats)
+        return -ENOMEM;
+    b->n_mats = n;
+    b->cells = cells;
+    b->q_extra = q_extra;
+    for (size_t k = 0; k < n; k++) {
+        struct powersgd_block_mat *x = &b->mats[k];
+
+        x->at = shapes[k].at;
+        x->rows = shapes[k].rows;
+        x->cols = shapes[k].cols;
+        x->r = rank < x->rows ? rank : x->rows;
+        x->r = x->r < x->cols ? x->r : x->cols;
+        /* Ascending and disjoint: each sum stays within cells. */
+        x->p_at = b->np;
+        x->q_at = b->nq;
+        b->np += x->rows * x->r;
+        b->nq += x->cols * x->r;
+    }
+    nq_all = b->nq + q_extra;
+    nq1 = b->nq ? b->nq : 1;
+    b->p_len = b->np ? b->np : 1;
+    b->q_len = nq_all ? nq_all : 1;
+    b->err = calloc(2 * (cells ? cells : 1), sizeof(float));
+    b->q_seed = malloc(3 * nq1 * sizeof(float));
+    if (!b->err || !b->q_seed ||
+        posix_memalign((void **)&b->p, 64, b->p_len * sizeof(float)) ||
+        posix_memalign((void **)&b->q, 64, b->q_len * sizeof(float))) {
+        powersgd_block_cleanup(b);
+        return -ENOMEM;
+    }
+    b->mp = b->err + (cells ? cells : 1);
+    b->q_warm = b->q_seed + nq1;
+    b->q_own = b->q_warm + nq1;
+    powersgd_seed_q(b->q_seed, b->nq, seed);
+    memcpy(b->q_warm, b->q_seed, b->nq * sizeof(float));
+    return 0;
+}
+
+void powersgd_block_cleanup(struct powersgd_block *b)
+{
+    free(b->q);
+    free(b->p);
+    free(b->q_seed);            /* with q_warm and q_own */
+    free(b->err);               /* with mp */
+    free(b->mats);
+    memset(b, 0, sizeof(*b));
+}
+
+int powersgd_block_register(struct powersgd_block *b, struct allreduce *ar, int *hp, int *hq)
+{
+    int rc = allreduce_register(ar, b->p, b->p_len * sizeof(float));
+
+    *hp = *hq = -1;
+    if (rc < 0)
+        return rc;
+    *hp = rc;
+    rc = allreduce_register(ar, b->q, b->q_len * sizeof(float));
+    if (rc < 0) {
+        powersgd_block_unregister(ar, hp, hq);
+        return rc;
+    }
+    *hq = rc;
+    return 0;
+}
+
+void powersgd_block_unregister(struct allreduce *ar, int *hp, int *hq)
+{
+    if (*hq >= 0)
+        allreduce_unregister(ar, *hq);
+    if (*hp >= 0)
+        allreduce_unregister(ar, *hp);
+    *hp = *hq = -1;
+}
+
+void powersgd_block_load(struct powersgd_block *b, const float *in)
+{
+    for (size_t k = 0; k < b->n_mats; k++) {
+        const struct powersgd_block_mat *x = &b->mats[k];
+        float *mp = b->mp + x->at;
+        const float *m = in + x->at, *e = b->err + x->at;
+
+        for (size_t i = 0; i < x->rows * x->cols; i++)
+            mp[i] = m[i] + e[i];
+    }
+}
+
+void powersgd_block_mul_p(struct powersgd_block *b, const float *qs)
+{
+    for (size_t k = 0; k < b->n_mats; k++) {
+        const struct powersgd_block_mat *x = &b->mats[k];
+
+        powersgd_mul_p(b->p + x->p_at, b->mp + x->at, qs + x->q_at, x->rows, x->cols, x->r);
+    }
+}
+
+void powersgd_block_mul_qt(struct powersgd_block *b)
+{
+    for (size_t k = 0; k < b->n_mats; k++) {
+        const struct powersgd_block_mat *x = &b->mats[k];
+
+        powersgd_orthonormalise(b->p + x->p_at, x->rows, x->r);
+        powersgd_mul_qt(b->q + x->q_at, b->mp + x->at, b->p + x->p_at, x->rows, x->cols, x->r);
+    }
+}
+
+void powersgd_block_out(const struct powersgd_block *b, float *out, const float *p,
+                        const float *q)
+{
+    for (size_t k = 0; k < b->n_mats; k++) {
+        const struct powersgd_block_mat *x = &b->mats[k];
+
+        powersgd_mul_out(out + x->at, p + x->p_at, q + x->q_at, NULL, x->rows, x->cols, x->r);
+    }
+}
+
+void powersgd_block_own_q(struct powersgd_block *b, const float *p)
+{
+    for (size_t k = 0; k < b->n_mats; k++) {
+        const struct powersgd_block_mat *x = &b->mats[k];
+
+        powersgd_mul_qt(b->q_own + x->q_at, b->mp + x->at, p + x->p_at, x->rows, x->cols, x->r);
+    }
+}
+
+void powersgd_block_error(struct powersgd_block *b, const float *p, const float *q_own)
+{
+    for (size_t k = 0; k < b->n_mats; k++) {
+        const struct powersgd_block_mat *x = &b->mats[k];
+
+        powersgd_mul_out(b->err + x->at, p + x->p_at, q_own + x->q_at, b->mp + x->at, x->rows,
+                         x->cols, x->r);
+    }
+}
+
+void powersgd_block_warm(struct powersgd_block *b, const float *q)
+{
+    memcpy(b->q_warm, q, b->nq * sizeof(float));
+}
+
+void powersgd_block_reset(struct powersgd_block *b)
+{
+    memset(b->err, 0, b->cells * sizeof(float));
+    memcpy(b->q_warm, b->q_seed, b->nq * sizeof(float));
+}
+
+/* ---- one matrix on an engine: a block of one ---- */
+
 int powersgd_create(struct allreduce *ar, size_t rows, size_t cols, size_t rank, uint64_t seed,
                     struct powersgd **out)
 {
+    struct powersgd_shape one = { 0, rows, cols };
     struct powersgd *p;
-    size_t r, cells;
-    int rc = -ENOMEM;
+    int rc;
 
-    if (!ar || !out || rank == 0 || rank > POWERSGD_MAX_RANK || rows == 0 || cols == 0 ||
-        rows > SIZE_MAX / sizeof(float) / cols)
+    if (!ar || !out || rows == 0 || cols == 0 || rows > SIZE_MAX / sizeof(float) / cols)
         return -EINVAL;
-    r = rank < rows ? rank : rows;
-    r = r < cols ? r : cols;
-    cells = rows * cols;
     p = calloc(1, sizeof(*p));
     if (!p)
         return -ENOMEM;
     p->ar = ar;
-    p->rows = rows;
-    p->cols = cols;
-    p->r = r;
     p->hp = p->hq = -1;
-    p->err = calloc(cells, sizeof(float));
-    p->mp = malloc(cells * sizeof(float));
-    p->q_warm = malloc(cols * r * sizeof(float));
-    p->q_own = malloc(cols * r * sizeof(float));
-    p->q_seed = malloc(cols * r * sizeof(float));
-    if (!p->err || !p->mp || !p->q_warm || !p->q_own || !p->q_seed ||
-        posix_memalign((void **)&p->p, 64, rows * r * 4) ||
-        posix_memalign((void **)&p->q, 64, cols * r * 4))
-        goto fail;
-    rc = allreduce_register(ar, p->p, rows * r * sizeof(float));
+    rc = powersgd_block_init(&p->b, &one, 1, rank, rows * cols, 0, seed);
     if (rc < 0)
         goto fail;
-    p->hp = rc;
-    rc = allreduce_register(ar, p->q, cols * r * sizeof(float));
+    rc = powersgd_block_register(&p->b, ar, &p->hp, &p->hq);
     if (rc < 0)
         goto fail;
-    p->hq = rc;
-    powersgd_seed_q(p->q_warm, cols * r, seed);
-    memcpy(p->q_seed, p->q_warm, cols * r * sizeof(float));
     *out = p;
     return 0;
 fail:
@@ -250,57 +394,46 @@ void powersgd_destroy(struct powersgd *p)
 {
     if (!p)
         return;
-    if (p->hq >= 0)
-        allreduce_unregister(p->ar, p->hq);
-    if (p->hp >= 0)
-        allreduce_unregister(p->ar, p->hp);
-    free(p->q);
-    free(p->p);
-    free(p->q_warm);
-    free(p->q_own);
-    free(p->q_seed);
-    free(p->mp);
-    free(p->err);
+    powersgd_block_unregister(p->ar, &p->hp, &p->hq);
+    powersgd_block_cleanup(&p->b);
     free(p);
 }
 
 size_t powersgd_rank(const struct powersgd *p)
 {
-    return p->r;
+    return p->b.mats[0].r;
 }
 
 const float *powersgd_error(const struct powersgd *p)
 {
-    return p->err;
+    return p->b.err;
 }
 
 int powersgd_reduce_into(struct powersgd *p, const float *in, float *out, enum dtype_op op,
                          uint64_t round)
 {
-    size_t cells = p->rows * p->cols;
+    struct powersgd_block *b = &p->b;
     int rc;
 
     if (!in || !out || (op != DTYPE_SUM && op != DTYPE_AVG))
         return -EINVAL;
     p->pending = false;
-    for (size_t i = 0; i < cells; i++)
-        p->mp[i] = in[i] + p->err[i];
-    powersgd_mul_p(p->p, p->mp, p->q_warm, p->rows, p->cols, p->r);
+    powersgd_block_load(b, in);
+    powersgd_block_mul_p(b, b->q_warm);
     /* P is only a basis: its scale goes in the orthonormalisation, so a
      * sum does (mlbench never divides it either). */
-    rc = allreduce_run(p->ar, p->hp, p->rows * p->r, DTYPE_F32, DTYPE_SUM, 0, round);
+    rc = allreduce_run(p->ar, p->hp, b->np, DTYPE_F32, DTYPE_SUM, 0, round);
     if (rc < 0)
         return rc;
-    powersgd_orthonormalise(p->p, p->rows, p->r);
-    powersgd_mul_qt(p->q, p->mp, p->p, p->rows, p->cols, p->r);
-    memcpy(p->q_own, p->q, p->cols * p->r * sizeof(float));
-    rc = allreduce_run(p->ar, p->hq, p->cols * p->r, DTYPE_F32, op, 0, round + 1);
+    powersgd_block_mul_qt(b);
+    memcpy(b->q_own, b->q, b->nq * sizeof(float));
+    rc = allreduce_run(p->ar, p->hq, b->nq, DTYPE_F32, op, 0, round + 1);
     if (rc < 0)
         return rc;
     /* The result, the same bytes on every member. M', P^, Q_own and the
      * reduced Q stay as they are until the next reduce, which is all the
      * commit needs. */
-    powersgd_mul_out(out, p->p, p->q, NULL, p->rows, p->cols, p->r);
+    powersgd_block_out(b, out, b->p, b->q);
     p->pending = true;
     return 0;
 }
@@ -312,16 +445,15 @@ void powersgd_commit(struct powersgd *p)
     p->pending = false;
     /* This member's error (what its own share P^ Q_own^T left out) and
      * the warm start; a non-finite round keeps both (powersgd.h). */
-    if (!powersgd_all_finite(p->q, p->cols * p->r))
+    if (!powersgd_all_finite(p->b.q, p->b.nq))
         return;
-    powersgd_mul_out(p->err, p->p, p->q_own, p->mp, p->rows, p->cols, p->r);
-    memcpy(p->q_warm, p->q, p->cols * p->r * sizeof(float));
+    powersgd_block_error(&p->b, p->b.p, p->b.q_own);
+    powersgd_block_warm(&p->b, p->b.q);
 }
 
 void powersgd_reset(struct powersgd *p)
 {
-    memset(p->err, 0, p->rows * p->cols * sizeof(float));
-    memcpy(p->q_warm, p->q_seed, p->cols * p->r * sizeof(float));
+    powersgd_block_reset(&p->b);
     p->pending = false;
 }
 

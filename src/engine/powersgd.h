@@ -106,9 +106,95 @@ size_t powersgd_rank(const struct powersgd *p);
  * powersgd_reduce or powersgd_destroy. */
 const float *powersgd_error(const struct powersgd *p);
 
+/* A block: several matrices in one float32 buffer, each with its P, Q,
+ * warm start and error, for a caller that batches every matrix's P into
+ * one all-reduce and every Q into a second (accumulator/layout.c by
+ * tensor shape, collective/group_powersgd.c over a group; the reducer
+ * above is a block of one). The block holds the state and runs the
+ * kernels in the one order that gives every member the same bytes; the
+ * caller registers b->p and b->q with its engine, runs the all-reduces
+ * and decides when a round is kept. Per matrix, a round is:
+ *
+ *   powersgd_block_load(b, in)          M' = M + E
+ *   powersgd_block_mul_p(b, qs)         P = M'Q, Q the warm (or seeded) start
+ *   (P summed over the members)
+ *   powersgd_block_mul_qt(b)            P^ = orthonormalised P; Q = M'^T P^
+ *   (Q summed, or averaged)
+ *   powersgd_block_out(b, out, p, q)    out = P^ Q^T
+ *   powersgd_block_error(b, p, q_own)   kept: E = M' - P^ Q_own^T
+ *   powersgd_block_warm(b, q)           kept: the next warm start
+ *
+ * Q_own (b->q_own) is this member's Q before the sum: a copy of b->q
+ * taken by the caller before its all-reduce, or powersgd_block_own_q()
+ * from P^ afterwards. The caller reads the fields, and writes only
+ * b->p and b->q through its all-reduces (and their one float when the
+ * block has no matrix), b->q's floats after the Qs, b->q_own as above,
+ * and E and M' outside the matrices' cells; the rest changes only
+ * through these functions. */
+struct powersgd_shape {
+    size_t at, rows, cols;      /* first float in the block's buffer; rows x cols */
+};
+
+struct powersgd_block {
+    struct powersgd_block_mat {
+        size_t at, rows, cols, r;   /* r = min(rank, rows, cols) */
+        size_t p_at, q_at;          /* first float in P and in Q */
+    } *mats;
+    size_t n_mats;
+    size_t cells;               /* the buffer's floats: matrices, and anything between */
+    size_t np, nq;              /* P: every matrix's rows x r; Q: its r x cols */
+    size_t q_extra;             /* floats b->q has after the Qs, for the caller */
+    size_t p_len, q_len;        /* the floats of b->p and b->q: max(np, 1), max(nq + q_extra, 1) */
+    float *err, *mp;            /* cells each: E and M' (only the matrices' cells used) */
+    float *q_seed, *q_warm, *q_own;     /* nq each: every matrix's Q transposed */
+    float *p, *q;               /* p_len and q_len floats, 64-byte aligned */
+};
+
+/* Sets up *b for n matrices (shapes copied) at rank min(rank, rows,
+ * cols) each, in a buffer of `cells` floats, with q_extra floats after
+ * the Qs in b->q (a caller's uncompressed elements, reduced with the
+ * Qs). The matrices must lie in the buffer in ascending order without
+ * overlapping, so that P and Q are each at most `cells` floats. `seed`
+ * picks the first Qs, the same on every member that passes it. Returns
+ * 0, -EINVAL (a rank of 0 or above POWERSGD_MAX_RANK, a row or column
+ * count of 0, a matrix outside the buffer or before the previous one,
+ * sizes that overflow), or -ENOMEM; on failure *b holds nothing. The
+ * caller owns *b and frees what it holds with powersgd_block_cleanup(). */
+int powersgd_block_init(struct powersgd_block *b, const struct powersgd_shape *shapes, size_t n,
+                        size_t rank, size_t cells, size_t q_extra, uint64_t seed);
+void powersgd_block_cleanup(struct powersgd_block *b);     /* a zeroed *b is fine */
+
+/* Registers all of b->p and b->q with engine `ar` (borrowed), their
+ * handles in *hp and *hq, or neither: returns 0 or allreduce_register's
+ * codes. powersgd_block_unregister() undoes it, skipping a handle below
+ * 0, and sets both to -1. */
+int powersgd_block_register(struct powersgd_block *b, struct allreduce *ar, int *hp, int *hq);
+void powersgd_block_unregister(struct allreduce *ar, int *hp, int *hq);
+
+/* M' = in + E over every matrix's cells (in: cells floats, borrowed). */
+void powersgd_block_load(struct powersgd_block *b, const float *in);
+/* b->p = M' qs^T per matrix, qs (nq floats) b->q_warm or b->q_seed. */
+void powersgd_block_mul_p(struct powersgd_block *b, const float *qs);
+/* Orthonormalises each matrix's columns of b->p (summed) in place, then
+ * b->q = (M'^T P^)^T per matrix. */
+void powersgd_block_mul_qt(struct powersgd_block *b);
+/* out = p q per matrix (out: cells floats; p and q laid out as b->p and
+ * b->q, the reduced ones, any copy of them); out's other floats are left
+ * as they are. */
+void powersgd_block_out(const struct powersgd_block *b, float *out, const float *p,
+                        const float *q);
+/* b->q_own = (M'^T p)^T per matrix, p laid out as b->p (orthonormalised). */
+void powersgd_block_own_q(struct powersgd_block *b, const float *p);
+/* E = M' - p q_own per matrix: this member's error for the next round. */
+void powersgd_block_error(struct powersgd_block *b, const float *p, const float *q_own);
+/* The warm start becomes q's nq floats (the reduced Qs). */
+void powersgd_block_warm(struct powersgd_block *b, const float *q);
+/* E = 0 and the seeded Qs: as a member that just joined. */
+void powersgd_block_reset(struct powersgd_block *b);
+
 /* The kernels, each with its order of operations written in powersgd.c,
  * so that every caller computes the same bytes from the same inputs
- * (collective/group_powersgd.c runs PowerSGD over a group with them).
+ * (the block above runs them).
  * Matrices are row-major float32; qt is Q transposed (r x cols). None
  * allocates; outputs must not overlap inputs. */
 /* p (rows x r) = a (rows x cols) qt^T. */

@@ -3,10 +3,11 @@
  * Reduce-scatter then all-gather, 2(n-1) steps. At step t member r sends
  * chunk (r - t) mod n to its right neighbour and receives chunk
  * (r - t - 1) mod n from its left; the first n-1 steps reduce, the rest
- * copy. The buffer is cut into windows, each a complete ring over n chunks
- * of WINDOW_UNITS segments, run back to back: the next window's first
- * sends follow the previous window's last ones without a gap, so the
- * pipeline never drains. While the kernel moves segment k in and out of
+ * copy. The buffer is cut into windows, each a complete ring over n
+ * chunks of at most WINDOW_UNITS segments (every cut even: "Cutting
+ * evenly" below), run back to back: the next window's first sends follow
+ * the previous window's last ones without a gap, so the pipeline never
+ * drains. While the kernel moves segment k in and out of
  * the sockets this thread reduces segment k-1: received bytes land in a
  * staging slot, are reduced into the user buffer, and are sent on from the
  * user buffer, so no payload is copied beyond that.
@@ -80,7 +81,7 @@ struct cursor {
 
 struct ring {
     size_t seg;                 /* elements per segment */
-    size_t win;                 /* elements per window */
+    size_t win;                 /* the most elements in a window */
     size_t n_windows;
     size_t steps;               /* 2(n - 1) */
     struct cursor s, q;         /* next send, next (or current) receive */
@@ -101,25 +102,37 @@ size_t ring_needs(size_t n, size_t me, size_t *need)
     return k;
 }
 
-static size_t chunk_start(size_t total, size_t n, size_t c)
+/* Cutting evenly. The buffer is cut into as few windows as hold it in
+ * windows of at most `win` elements, a window into n chunks, a chunk into
+ * as few segments as hold it in segments of at most `seg`: each cut into
+ * parts whose lengths differ by one at most (ring_part_start), so a
+ * length that does not divide ends in no tiny part. A tiny last segment
+ * would cost a frame and a pipeline step like a full one, and a tiny last
+ * window 2(n - 1) of them; cut evenly, the same number of frames carry
+ * the same bytes in parts of nearly equal time. No part outgrows its
+ * bound, so the staging slots and their accounting above are unchanged. */
+size_t ring_part_start(size_t total, size_t n, size_t c)
 {
     size_t q = total / n, r = total % n;
 
     return c * q + (c < r ? c : r);
 }
 
+size_t ring_parts(size_t len, size_t most)
+{
+    return (len + most - 1) / most;
+}
+
 size_t ring_segments(size_t n, size_t count, size_t seg)
 {
     size_t win = n * seg * (n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS), total = 0;
+    size_t windows = ring_parts(count, win);
 
-    for (size_t ws = 0; ws < count; ws += win) {
-        size_t wl = count - ws < win ? count - ws : win;
+    for (size_t w = 0; w < windows; w++) {
+        size_t wl = ring_part_start(count, windows, w + 1) - ring_part_start(count, windows, w);
 
-        for (size_t c = 0; c < n; c++) {
-            size_t cl = chunk_start(wl, n, c + 1) - chunk_start(wl, n, c);
-
-            total += (cl + seg - 1) / seg;
-        }
+        for (size_t c = 0; c < n; c++)
+            total += ring_parts(ring_part_start(wl, n, c + 1) - ring_part_start(wl, n, c), seg);
     }
     return total;
 }
@@ -130,17 +143,20 @@ static void cursor_settle(const struct run *x, const struct ring *g, struct curs
                           size_t shift)
 {
     while (k->w < g->n_windows) {
-        size_t ws = k->w * g->win;
-        size_t wl = x->count - ws < g->win ? x->count - ws : g->win;
+        size_t ws = ring_part_start(x->count, g->n_windows, k->w);
+        size_t wl = ring_part_start(x->count, g->n_windows, k->w + 1) - ws;
 
         while (k->t < g->steps) {
             size_t c = (x->me + 2 * x->n - k->t - shift) % x->n;
-            size_t cs = chunk_start(wl, x->n, c);
-            size_t cl = chunk_start(wl, x->n, c + 1) - cs;
+            size_t cs = ring_part_start(wl, x->n, c);
+            size_t cl = ring_part_start(wl, x->n, c + 1) - cs;
+            size_t units = ring_parts(cl, g->seg);
 
-            if (k->j * g->seg < cl) {
-                k->base = ws + cs + k->j * g->seg;
-                k->len = cl - k->j * g->seg < g->seg ? cl - k->j * g->seg : g->seg;
+            if (k->j < units) {
+                size_t us = ring_part_start(cl, units, k->j);
+
+                k->base = ws + cs + us;
+                k->len = ring_part_start(cl, units, k->j + 1) - us;
                 return;
             }
             k->t++;
@@ -401,7 +417,7 @@ int ring_run(struct run *x)
     g.win = x->n * g.seg *
             (x->wide || x->coded ? WINDOW_UNITS_WIDE
                                  : x->n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS);
-    g.n_windows = (x->count + g.win - 1) / g.win;
+    g.n_windows = ring_parts(x->count, g.win);
     g.steps = 2 * (x->n - 1);
     cursor_settle(x, &g, &g.s, 0);
     cursor_settle(x, &g, &g.q, 1);

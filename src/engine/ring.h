@@ -26,4 +26,11 @@ int ring_run(struct run *x);
  * makes as many exchanges with either. */
 size_t ring_segments(size_t n, size_t count, size_t seg);
 
+/* How the ring cuts a length (windows, a window's chunks, a chunk's
+ * segments): ring_parts(len, most) parts, as few as hold len in parts of
+ * at most most (> 0), part c of n starting at ring_part_start(len, n, c)
+ * (c = n gives len), lengths differing by one at most. */
+size_t ring_parts(size_t len, size_t most);
+size_t ring_part_start(size_t total, size_t n, size_t c);
+
 #endif

@@ -48,9 +48,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "lib"))
 sys.path.insert(0, HERE)
 
-from cohorttest import BIN, DEADLINE, Proc, free_port, make_tmp, remove_tmp  # noqa: E402
+from cohorttest import BIN, DEADLINE, Proc, free_port, make_tmp  # noqa: E402
 from check import CheckFailed, check, load_logs  # noqa: E402
 import kubetrial  # noqa: E402
+from trials import Progress, TrialFailed, plan_kills, run_reported, sanitizer_lines  # noqa: E402
 
 TRAINER = os.path.join(BIN, "tests", "chaos", "chaos_trainer")
 HEARTBEAT = "200ms"
@@ -58,29 +59,16 @@ MEMBER_TIMEOUT = "1500ms"
 KINDS = ("trainer", "sidecar", "broker")
 
 
-# One class for a failed trial, in either mode.
-TrialFailed = kubetrial.TrialFailed
-
-
-sanitizer_lines = kubetrial.sanitizer_lines
-
-
-class Trial:
+class Trial(Progress):
     def __init__(self, seed, kinds, kills, tmp, wait_for=True):
         self.seed = seed
         self.wait_for = wait_for
         self.rng = random.Random(seed)
-        self.tmp = tmp
+        self.tmp = self.log_dir = tmp
         self.n = self.rng.choice([3, 4])
         self.steps = self.rng.randint(20, 36)
         self.vb = self.rng.choice([1, self.n - 1, self.n, 2 * self.n])
-        self.plan = []
-        at = 0
-        for _ in range(kills):
-            at = min(self.steps - 3, at + self.rng.randint(1, max(1, (self.steps - 4) // kills)))
-            self.plan.append({"kind": self.rng.choice(kinds), "victim": self.rng.randrange(self.n),
-                              "after_v": at, "delay_ms": self.rng.randint(0, 300),
-                              "down_ms": self.rng.randint(0, 800)})
+        self.plan = plan_kills(self.rng, kinds, kills, self.steps, self.n, down=True)
         self.port = free_port()
         self.broker = None
         self.members = []          # per index: {"sidecar": Proc, "trainer": Popen, "slot", "id"}
@@ -144,27 +132,8 @@ class Trial:
 
     # ---- progress -----------------------------------------------------------
 
-    def events(self, slot):
-        try:
-            with open(os.path.join(self.tmp, "t%d.jsonl" % slot)) as f:
-                return [json.loads(l) for l in f if l.endswith("\n")]
-        except OSError:
-            return []
-
-    def max_version(self):
-        v = 0
-        for slot in range(self.next_slot):
-            for e in self.events(slot):
-                if e["ev"] in ("commit", "done"):
-                    v = max(v, e["v"])
-        return v
-
-    def wait(self, cond, what):
-        while not cond():
-            if time.monotonic() > self.deadline:
-                raise TrialFailed("hang: timed out waiting for %s (model version %d)" %
-                                  (what, self.max_version()))
-            time.sleep(0.05)
+    def trainer_slots(self):
+        return range(self.next_slot)
 
     # ---- kills --------------------------------------------------------------
 
@@ -247,7 +216,7 @@ class Trial:
             raise TrialFailed("; ".join(bad[:20]))
         return check(load_logs(self.tmp), survivors, self.steps)
 
-    def dump_logs(self):
+    def keep_logs(self):
         """Writes the broker's and sidecars' stderr (kept in memory by
         Proc) into the trial directory, beside the trainers' logs."""
         procs = [*([self.broker] if self.broker else []), *[m["sidecar"] for m in self.members],
@@ -279,26 +248,7 @@ def run_trial(seed, kinds, kills, keep=False, wait_for=True):
     desc = "seed %d: %d members, %d steps, vb %d, kills %s" % (
         seed, t.n, t.steps, t.vb,
         ", ".join("%s of m%d after v%d" % (k["kind"], k["victim"], k["after_v"]) for k in t.plan))
-    print("chaos: " + desc, flush=True)
-    start = time.monotonic()
-    try:
-        figures = t.run()
-    except (TrialFailed, CheckFailed) as e:
-        t.stop_everything()
-        t.dump_logs()
-        print("chaos: FAILED %s; logs kept in %s" % (desc, tmp), flush=True)
-        raise type(e)("%s (replay: make chaos SEED=%d TRIALS=1; logs in %s)" % (e, seed, tmp))
-    except BaseException:
-        t.stop_everything()
-        raise
-    figures.update(seed=seed, kills=t.done_kinds, seconds=round(time.monotonic() - start, 1))
-    print("chaos: ok " + json.dumps(figures), flush=True)
-    if keep:
-        t.dump_logs()
-        print("chaos: kept logs in", tmp)
-    else:
-        remove_tmp(tmp)
-    return figures
+    return run_reported(t, tmp, desc, "make chaos SEED=%d TRIALS=1" % seed, keep)
 
 
 def main():

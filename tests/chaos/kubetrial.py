@@ -37,8 +37,9 @@ import stat
 import time
 
 from cohorttest import (CRD_FILE, DEADLINE, ApiServer, Kubectl, Kubelet, Operator,
-                        cohort_manifest, free_port, make_tmp, pod_path_dir, remove_tmp)
-from check import CheckFailed, check, load_logs
+                        cohort_manifest, free_port, make_tmp, pod_path_dir)
+from check import check, load_logs
+from trials import Progress, TrialFailed, plan_kills, run_reported, sanitizer_lines
 
 KUBE_KINDS = ("operator", "trainer", "pod")
 NAME = "chaos"
@@ -67,14 +68,6 @@ exec %s --slot "$s" --log "$dir/t$s.jsonl" "$@" 2>"$dir/t$s.err"
 """
 
 
-class TrialFailed(AssertionError):
-    pass
-
-
-def sanitizer_lines(text):
-    return [l for l in text.splitlines() if "Sanitizer" in l or "runtime error" in l]
-
-
 def alive(pid):
     """False for a process that is gone or a zombie the kubelet has not
     reaped yet."""
@@ -85,7 +78,7 @@ def alive(pid):
         return False
 
 
-class KubeTrial:
+class KubeTrial(Progress):
     def __init__(self, seed, kinds, kills, tmp, trainer):
         self.seed = seed
         self.rng = random.Random(seed)
@@ -94,13 +87,8 @@ class KubeTrial:
         self.n = self.rng.choice([3, 4])
         self.steps = self.rng.randint(50, 70)
         self.vb = self.rng.choice([1, self.n - 1, self.n, 2 * self.n])
-        self.plan = []
-        at = 0
-        for _ in range(kills):
-            at = min(self.steps - 3, at + self.rng.randint(1, max(1, (self.steps - 4) // kills)))
-            self.plan.append({"kind": self.rng.choice(kinds), "victim": self.rng.randrange(self.n),
-                              "after_v": at, "delay_ms": self.rng.randint(0, 300)})
-        self.logs = os.path.join(tmp, "trainers")
+        self.plan = plan_kills(self.rng, kinds, kills, self.steps, self.n)
+        self.logs = self.log_dir = os.path.join(tmp, "trainers")
         os.makedirs(self.logs)
         self.server = self.kubelet = None
         self.operators = []        # every incarnation, the current one last
@@ -191,30 +179,13 @@ class KubeTrial:
                 if p == pod and s not in self.killed and alive(pid)]
         return max(live) if live else None
 
-    def events(self, slot):
-        try:
-            with open(os.path.join(self.logs, "t%d.jsonl" % slot)) as f:
-                return [json.loads(l) for l in f if l.endswith("\n")]
-        except OSError:
-            return []
+    def trainer_slots(self):
+        return self.slots()
 
-    def max_version(self):
-        v = 0
-        for slot in self.slots():
-            for e in self.events(slot):
-                if e["ev"] in ("commit", "done"):
-                    v = max(v, e["v"])
-        return v
-
-    def wait(self, cond, what):
-        while not cond():
-            if time.monotonic() > self.deadline:
-                raise TrialFailed("hang: timed out waiting for %s (model version %d)" %
-                                  (what, self.max_version()))
-            if time.monotonic() > self.next_pod_check and self.server:
-                self.check_pods()
-                self.next_pod_check = time.monotonic() + 0.5
-            time.sleep(0.05)
+    def on_wait(self):
+        if time.monotonic() > self.next_pod_check and self.server:
+            self.check_pods()
+            self.next_pod_check = time.monotonic() + 0.5
 
     def steady(self):
         """All N pods live, each with a live trainer, and the status says so."""
@@ -338,6 +309,14 @@ class KubeTrial:
                                 for l in sanitizer_lines(f.read())]
         return bad
 
+    def finish(self):
+        """After a trial that ran to its end: the last operator must exit 0
+        on SIGTERM."""
+        rc = self.stop_everything()
+        if rc != 0:
+            raise TrialFailed("the operator exited %d on SIGTERM (seed %d; logs in %s)" %
+                              (rc, self.seed, self.tmp))
+
     def stop_everything(self):
         """Ends the cohort, the kubelet (and so every pod's processes), the
         operator and the API server; the operator must exit 0."""
@@ -367,26 +346,5 @@ def run_kube_trial(seed, kinds, kills, trainer, keep=False):
     TrialFailed / CheckFailed with the seed and where its logs are."""
     tmp = make_tmp("kchaos-")
     t = KubeTrial(seed, kinds, kills, tmp, trainer)
-    desc = describe(t)
-    print("chaos: " + desc, flush=True)
-    start = time.monotonic()
-    try:
-        figures = t.run()
-    except (TrialFailed, CheckFailed) as e:
-        t.stop_everything()
-        print("chaos: FAILED %s; logs kept in %s" % (desc, tmp), flush=True)
-        raise type(e)("%s (replay: make chaos SEED=%d TRIALS=1 CHAOS_ARGS='--kinds %s'; logs in %s)"
-                      % (e, seed, ",".join(kinds), tmp))
-    except BaseException:
-        t.stop_everything()
-        raise
-    rc = t.stop_everything()
-    if rc != 0:
-        raise TrialFailed("the operator exited %d on SIGTERM (seed %d; logs in %s)" % (rc, seed, tmp))
-    figures.update(seed=seed, kills=t.done_kinds, seconds=round(time.monotonic() - start, 1))
-    print("chaos: ok " + json.dumps(figures), flush=True)
-    if keep:
-        print("chaos: kept logs in", tmp)
-    else:
-        remove_tmp(tmp)
-    return figures
+    return run_reported(t, tmp, describe(t), "make chaos SEED=%d TRIALS=1 CHAOS_ARGS='--kinds %s'"
+                        % (seed, ",".join(kinds)), keep)

@@ -25,27 +25,12 @@ import sys
 import torch
 
 import cohort
-from cohorttest import DEADLINE, wait_until
+from pyproc import join_pair, wait_stepping as wait
 
 ADDRESS, INDEX = sys.argv[1], int(sys.argv[2])
 N = 100003
 CASES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "fp16", "bf16", "int8",
                                                            "mixed"]
-
-
-def step(acc):
-    """One turn of a trainer's loop with nothing to train: update, and
-    answer the state requests of a sync (the leader sends its state)."""
-    acc.update()
-    if acc.wants_state():
-        acc.set_state({})
-    if acc.has_new_state():
-        acc.state()
-
-
-def wait(acc, cond, what):
-    return wait_until(lambda: (step(acc), cond())[1], what, timeout=2 * DEADLINE,
-                      interval=0.005)
 
 
 def grads(k, r):
@@ -67,10 +52,7 @@ acc = cohort.Accumulator("comp", [p])
 # One 1-D parameter would go uncompressed by shape: PowerSGD here is the
 # whole-buffer view.
 acc.set_tensor_shapes([])
-acc.connect(ADDRESS)
-wait(acc, lambda: acc.connected() and acc.size() == 2 and acc.wants_gradients(),
-     "both members in")
-acc.set_virtual_batch_size(2)
+join_pair(acc, ADDRESS)
 for r, case in enumerate(CASES):
     if case != "default":
         if case == "mixed":

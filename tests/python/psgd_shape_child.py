@@ -25,23 +25,10 @@ import sys
 import torch
 
 import cohort
-from cohorttest import DEADLINE, wait_until
+from pyproc import join_pair, wait_stepping as wait
 
 ADDRESS, INDEX = sys.argv[1], int(sys.argv[2])
 ROUNDS = 3
-
-
-def step(acc):
-    acc.update()
-    if acc.wants_state():
-        acc.set_state({})
-    if acc.has_new_state():
-        acc.state()
-
-
-def wait(acc, cond, what):
-    return wait_until(lambda: (step(acc), cond())[1], what, timeout=2 * DEADLINE,
-                      interval=0.005)
 
 
 def make_model():
@@ -64,10 +51,7 @@ torch.set_num_threads(1)
 model = make_model()
 ref = make_model()          # the same weights: both members' exact gradients
 acc = cohort.Accumulator("shape", model.parameters())
-acc.connect(ADDRESS)
-wait(acc, lambda: acc.connected() and acc.size() == 2 and acc.wants_gradients(),
-     "both members in")
-acc.set_virtual_batch_size(2)
+join_pair(acc, ADDRESS)
 acc.set_compression("powersgd:1")
 for r in range(ROUNDS + 1):
     view = "shape" if r < ROUNDS else "whole"

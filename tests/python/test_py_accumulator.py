@@ -17,16 +17,8 @@ import pytest
 import torch
 
 import cohort
-from cohorttest import Proc, bin_path, finish, start_broker
+from cohorttest import Proc, bin_path, finish
 from pyproc import FINAL, HERE, inside, spawn
-
-
-@pytest.fixture
-def broker():
-    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
-                     "--member-timeout", "2s")
-    yield b
-    b.stop()
 
 
 def mlp():

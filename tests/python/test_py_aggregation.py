@@ -31,18 +31,10 @@ import pytest
 import torch
 
 import cohort.aggregation as agg
-from cohorttest import finish, start_broker, wait_until
+from cohorttest import finish, wait_until
 from pyproc import HERE, spawn
 
 CHILD = os.path.join(HERE, "aggregation_child.py")
-
-
-@pytest.fixture
-def broker():
-    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
-                     "--member-timeout", "2s")
-    yield b
-    b.stop()
 
 
 def members(broker, n, scenario, out_dir=None, first=0, count=None):

@@ -8,21 +8,10 @@ A sidecar's --compression is the default a trainer that asks for nothing
 gets. Top-k and PowerSGD (with error feedback) the same ways, in process
 and through a sidecar.
 """
-import json
-import os
-
 import pytest
 
-from cohorttest import DEADLINE, Proc, bin_path, finish, start_broker
-from pyproc import HERE, spawn
-
-
-@pytest.fixture
-def broker():
-    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
-                     "--member-timeout", "2s")
-    yield b
-    b.stop()
+from cohorttest import DEADLINE, Proc, bin_path
+from pyproc import run_pair, sidecar_pair
 
 
 # Each member's gradient is encoded once on its way and the average once
@@ -33,19 +22,8 @@ BOUND = {"fp16": 2 * 2.0 ** -11, "bf16": 2 * 2.0 ** -8, "int8": 1.5 * 2 / 127}
 
 
 def test_every_codec_identical_bytes_within_bounds(broker):
-    kids = [spawn([os.path.join(HERE, "compression_child.py"), broker.address, str(i)])
-            for i in range(2)]
-    results = [finish(k) for k in kids]
-    rounds = []
-    for rc, out, err in results:
-        assert rc == 0, err[-3000:]
-        lines = out.strip().splitlines()
-        assert lines[-1] == "ok", out
-        rounds.append([json.loads(l) for l in lines[:-1]])
+    rounds = run_pair("compression_child.py", lambda i: broker.address)
     assert [r["case"] for r in rounds[0]] == ["none", "fp16", "bf16", "int8", "mixed"]
-    for a, b in zip(*rounds):
-        assert a["digest"] == b["digest"], (a, b)          # identical on both members
-        assert a["num_gradients"] == 2, a                   # both contributed
     by = {r["case"]: r for r in rounds[0]}
     assert by["none"]["uncompressed"] and by["none"]["max_err"] < 1e-5 * by["none"]["max_abs"]
     for codec, bound in BOUND.items():
@@ -58,35 +36,14 @@ def test_every_codec_identical_bytes_within_bounds(broker):
 
 
 def test_the_sidecars_compression_is_the_default(broker, tmp_path):
-    sidecars, kids = [], []
-    try:
-        for i in range(2):
-            sock = str(tmp_path / ("s%d.sock" % i))
-            sidecars.append(Proc([bin_path("cohort-sidecar"), "--broker", broker.address,
-                                  "--cohort", "comp", "--id", "m%d" % i, "--socket", sock,
-                                  "--log-format", "json", "--heartbeat-interval", "250ms",
-                                  "--member-timeout", "2s", "--compression", "fp16"],
-                                 "m%d" % i))
-            sidecars[-1].wait_log("Waiting for the trainer.")
-            kids.append(spawn([os.path.join(HERE, "compression_child.py"), "unix:" + sock,
-                               str(i), "default"]))
-        results = [finish(k) for k in kids]
-    finally:
-        for k in kids:
-            if k.poll() is None:
-                k.kill()
-        for s in sidecars:
-            s.stop()
-    got = []
-    for rc, out, err in results:
-        assert rc == 0 and out.strip().endswith("ok"), (out, err[-3000:])
-        got.append(json.loads(out.strip().splitlines()[0]))
-    assert got[0]["digest"] == got[1]["digest"], got
-    assert not got[0]["uncompressed"] and got[0]["representable"]["fp16"], got[0]
-    assert got[0]["max_err"] <= BOUND["fp16"] * got[0]["max_abs"], got[0]
+    with sidecar_pair(broker, tmp_path, "comp", "--compression", "fp16") as (address_of,
+                                                                            sidecars):
+        got = run_pair("compression_child.py", address_of, "default")[0][0]
+    assert got["case"] == "default"
+    assert not got["uncompressed"] and got["representable"]["fp16"], got
+    assert got["max_err"] <= BOUND["fp16"] * got["max_abs"], got
     for s in sidecars:
         assert s.last("Waiting for the trainer.")["compression"] == "fp16"
-        assert not s.sanitizer_report()
 
 
 def test_sidecar_refuses_a_bad_compression():
@@ -99,26 +56,17 @@ def test_sidecar_refuses_a_bad_compression():
         assert any(needle in l for l in p.raw), (flags, p.raw)
 
 
-def run_pair(address_of, cases):
-    kids = [spawn([os.path.join(HERE, "compression_child.py"), address_of(i), str(i), cases])
-            for i in range(2)]
-    rounds = []
-    for rc, out, err in [finish(k) for k in kids]:
-        assert rc == 0, err[-3000:]
-        lines = out.strip().splitlines()
-        assert lines[-1] == "ok", out
-        rounds.append([json.loads(l) for l in lines[:-1]])
-    for a, b in zip(*rounds):
-        assert a["digest"] == b["digest"], (a, b)          # identical on both members
-        assert a["num_gradients"] == 2, a
-    return {r["case"]: r for r in rounds[0]}
+def cases_of(address_of, cases):
+    """Each case's round, as member 0 saw it (run_pair checks that member 1
+    saw the same bytes)."""
+    return {r["case"]: r for r in run_pair("compression_child.py", address_of, cases)[0]}
 
 
 N = 100003
 
 
 def test_topk_and_powersgd_in_process(broker):
-    by = run_pair(lambda i: broker.address, "topk:0.01,powersgd:2,mixedk,topk:1")
+    by = cases_of(lambda i: broker.address, "topk:0.01,powersgd:2,mixedk,topk:1")
     k = -(-N // 100)                                        # ceil(0.01 N) per member
     topk = by["topk:0.01"]
     assert not topk["uncompressed"] and 0 < topk["nonzero"] <= 2 * k, topk
@@ -134,26 +82,14 @@ def test_topk_and_powersgd_in_process(broker):
 
 
 def test_the_sidecars_topk_is_the_default(broker, tmp_path):
-    sidecars = []
-    try:
-        for i in range(2):
-            sock = str(tmp_path / ("s%d.sock" % i))
-            sidecars.append(Proc([bin_path("cohort-sidecar"), "--broker", broker.address,
-                                  "--cohort", "comp", "--id", "m%d" % i, "--socket", sock,
-                                  "--log-format", "json", "--heartbeat-interval", "250ms",
-                                  "--member-timeout", "2s", "--compression", "topk:0.05"],
-                                 "m%d" % i))
-            sidecars[-1].wait_log("Waiting for the trainer.")
-        by = run_pair(lambda i: "unix:" + str(tmp_path / ("s%d.sock" % i)), "default,powersgd:4")
-    finally:
-        for s in sidecars:
-            s.stop()
+    with sidecar_pair(broker, tmp_path, "comp", "--compression", "topk:0.05") as (address_of,
+                                                                                 sidecars):
+        by = cases_of(address_of, "default,powersgd:4")
     k = -(-N * 5 // 100)
     assert not by["default"]["uncompressed"] and by["default"]["nonzero"] <= 2 * k, by["default"]
     assert not by["powersgd:4"]["uncompressed"], by["powersgd:4"]
     for s in sidecars:
         assert s.last("Waiting for the trainer.")["compression"] == "topk:0.05"
-        assert not s.sanitizer_report()
 
 
 @pytest.mark.parametrize("text", ["topk:0", "topk:1.5", "topk:0.0000001", "topk:",

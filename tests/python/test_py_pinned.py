@@ -16,18 +16,10 @@ import os
 
 import pytest
 
-from cohorttest import DEADLINE, Proc, bin_path, finish, start_broker
+from cohorttest import DEADLINE, Proc, bin_path, finish
 from pyproc import HERE, spawn
 
 ALG_LINE = "First all-reduce with this algorithm."
-
-
-@pytest.fixture
-def broker():
-    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
-                     "--member-timeout", "2s")
-    yield b
-    b.stop()
 
 
 def run_pair(broker, tmp_path, cohort_name, flags):

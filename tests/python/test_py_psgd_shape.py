@@ -5,36 +5,14 @@ has rank 1. At powersgd:1 the Accumulator's own parameter shapes make
 every weight come back to float tolerance and every bias exactly, the
 same bytes on both members; the whole-buffer view (one matrix of the
 110,450 gradients), run next in the same cohort, does not."""
-import json
-import os
-
 import pytest
 
-from cohorttest import Proc, bin_path, finish, start_broker
-from pyproc import HERE, spawn
+from pyproc import run_pair, sidecar_pair
 
 
-@pytest.fixture
-def broker():
-    b = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
-                     "--member-timeout", "2s")
-    yield b
-    b.stop()
-
-
-def run_pair(address_of):
-    kids = [spawn([os.path.join(HERE, "psgd_shape_child.py"), address_of(i), str(i)])
-            for i in range(2)]
-    rounds = []
-    for rc, out, err in [finish(k) for k in kids]:
-        assert rc == 0, err[-3000:]
-        lines = out.strip().splitlines()
-        assert lines[-1] == "ok", out
-        rounds.append([json.loads(l) for l in lines[:-1]])
+def check_pair(address_of):
+    rounds = run_pair("psgd_shape_child.py", address_of)
     assert [r["view"] for r in rounds[0]] == ["shape"] * 3 + ["whole"]
-    for a, b in zip(*rounds):
-        assert a["digest"] == b["digest"], (a, b)          # identical on both members
-        assert a["num_gradients"] == 2, a
     for k, r in enumerate(rounds[0][:3]):
         assert r["shapes"] == [[200, 300], [200], [250, 200], [250]], r
         w1, b1, w2, b2 = r["rel"]
@@ -52,26 +30,14 @@ def run_pair(address_of):
 
 
 def test_powersgd_by_shape_in_process(broker):
-    run_pair(lambda i: broker.address)
+    check_pair(lambda i: broker.address)
 
 
 def test_powersgd_by_shape_through_sidecars(broker, tmp_path):
-    sidecars = []
-    try:
-        for i in range(2):
-            sock = str(tmp_path / ("s%d.sock" % i))
-            sidecars.append(Proc([bin_path("cohort-sidecar"), "--broker", broker.address,
-                                  "--cohort", "shape", "--id", "m%d" % i, "--socket", sock,
-                                  "--log-format", "json", "--heartbeat-interval", "250ms",
-                                  "--member-timeout", "2s", "--compression", "powersgd:1"],
-                                 "m%d" % i))
-            sidecars[-1].wait_log("Waiting for the trainer.")
-        run_pair(lambda i: "unix:" + str(tmp_path / ("s%d.sock" % i)))
-    finally:
-        for s in sidecars:
-            s.stop()
+    with sidecar_pair(broker, tmp_path, "shape", "--compression", "powersgd:1") as (address_of,
+                                                                                    sidecars):
+        check_pair(address_of)
     for s in sidecars:
-        assert not s.sanitizer_report()
         assert not any("different tensor layouts" in l for l in s.raw)
 
 

@@ -26,6 +26,7 @@
 #include "base/secret.h"
 #include "engine/peerauth.h"
 #include "engine/peerwire.h"
+#include "engine/ring.h"
 #include "engine/dtype.h"
 #include "membership/epoch.h"
 #include "base/log.h"
@@ -358,6 +359,57 @@ Test(allreduce, ring_matrix_tiny_segments)
      * empty when there are fewer elements than members. */
     matrix(16, ALLREDUCE_SMALL_NONE, small_counts, sizeof small_counts / sizeof small_counts[0],
            1, MAXP, true, false, "ring");
+}
+
+/* The ring's cut: as few parts as the bound allows, none above it, the
+ * lengths one apart at most and covering the length in order; so a
+ * length one element over a whole number of parts leaves no part of one
+ * element. The cursor walks windows, chunks and segments with it. */
+Test(allreduce, ring_cuts_evenly_with_no_tiny_part)
+{
+    static const size_t mosts[] = { 1, 2, 3, 16, 64, 65536 };
+
+    for (size_t m = 0; m < sizeof mosts / sizeof mosts[0]; m++)
+        for (size_t len = 0; len < 3000; len++) {
+            size_t most = mosts[m], n = ring_parts(len, most), lo = SIZE_MAX, hi = 0;
+
+            cr_assert_eq(n, (len + most - 1) / most, "len %zu most %zu", len, most);
+            cr_assert_eq(ring_part_start(len, n ? n : 1, 0), 0);
+            for (size_t c = 0; c < n; c++) {
+                size_t l = ring_part_start(len, n, c + 1) - ring_part_start(len, n, c);
+
+                lo = l < lo ? l : lo;
+                hi = l > hi ? l : hi;
+            }
+            if (n == 0)
+                continue;
+            cr_assert_eq(ring_part_start(len, n, n), len);
+            cr_assert_leq(hi, most, "len %zu most %zu: a part of %zu", len, most, hi);
+            cr_assert_leq(hi - lo, 1, "len %zu most %zu: parts of %zu and %zu", len, most, lo,
+                          hi);
+        }
+    /* 1 MiB of float32 plus one element among 4 members, 256 KiB
+     * segments: chunks of 65536 or 65537 elements, two segments each of
+     * 32768 and 32768 or 32769, not 65536 and 1. */
+    cr_assert_eq(ring_parts(65537, 65536), 2);
+    cr_assert_eq(ring_part_start(65537, 2, 1), 32769);
+}
+
+/* Counts that do not divide, on every member count from 2 to MAXP, with
+ * 64-byte segments (16 float32, 32 16-bit values) so that chunks span
+ * several segments: 1 element, n - 1 and n + 1, primes, and chunks one
+ * element over a whole number of segments, whose last segment was a
+ * single element before chunks were cut evenly. Every type and op, in
+ * place and out of place, against the reference, identical everywhere. */
+Test(allreduce, ring_odd_counts_cut_chunks_evenly, .timeout = 240)
+{
+    for (size_t n = 2; n <= MAXP; n++) {
+        const size_t counts[] = { 1, n - 1, n + 1, 97, 1009, 16 * n + 1, 3 * 16 * n + n + 1,
+                                  32 * n - 1 };
+
+        matrix(64, ALLREDUCE_SMALL_NONE, counts, sizeof counts / sizeof counts[0], n, n,
+               n % 2 == 0, n % 3 == 0, "ring, odd counts");
+    }
 }
 
 Test(allreduce, out_of_place_matrix_leaves_contributions_alone)
@@ -1983,9 +2035,8 @@ Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
 
 /* A few elements appended to a buffer cost no exchange unless they add a
  * ring segment (or change the algorithm): 1 MiB of float32 on 2 members
- * is two whole 256 KiB segments per chunk, so 36 more
- * elements add a short segment to each chunk; 1,000,000 bytes already end
- * in a short one. */
+ * is two whole 256 KiB segments per chunk, so 36 more elements make each
+ * chunk three segments (cut evenly); 1,000,000 bytes already need three. */
 Test(allreduce, same_exchanges_counts_ring_segments)
 {
     struct allreduce_config c = { .cohort = "c", .member_id = "m" };

@@ -97,6 +97,61 @@ Test(powersgd, bad_arguments_are_refused)
     engines_stop(&c);
 }
 
+/* A block refuses matrices outside its buffer, overlapping or out of
+ * order, and sizes that overflow, holding nothing after; a good one lays
+ * P and Q out matrix after matrix, each at min(rank, rows, cols). */
+Test(powersgd, a_block_refuses_bad_shapes_and_lays_out_good_ones)
+{
+    const struct powersgd_shape good[] = { { 2, 4, 3 }, { 14, 5, 6 } };
+    const struct powersgd_shape overlap[] = { { 0, 4, 3 }, { 11, 2, 2 } };
+    const struct powersgd_shape backwards[] = { { 20, 2, 2 }, { 0, 2, 2 } };
+    const struct powersgd_shape outside[] = { { 40, 2, 2 } };
+    const struct powersgd_shape empty[] = { { 0, 0, 3 } };
+    const struct powersgd_shape huge[] = { { 0, SIZE_MAX / 2, 3 } };
+    struct powersgd_block b;
+
+    cr_assert_eq(powersgd_block_init(&b, overlap, 2, 2, 64, 0, SEED), -EINVAL);
+    cr_assert_null(b.mats);
+    cr_assert_eq(powersgd_block_init(&b, backwards, 2, 2, 64, 0, SEED), -EINVAL);
+    cr_assert_eq(powersgd_block_init(&b, outside, 1, 2, 43, 0, SEED), -EINVAL);
+    cr_assert_eq(powersgd_block_init(&b, empty, 1, 2, 64, 0, SEED), -EINVAL);
+    cr_assert_eq(powersgd_block_init(&b, huge, 1, 2, SIZE_MAX, 0, SEED), -EINVAL);
+    cr_assert_eq(powersgd_block_init(&b, good, 2, 0, 64, 0, SEED), -EINVAL);
+    cr_assert_eq(powersgd_block_init(&b, good, 2, POWERSGD_MAX_RANK + 1, 64, 0, SEED), -EINVAL);
+    cr_assert_eq(powersgd_block_init(&b, good, 2, 2, 64, SIZE_MAX, SEED), -EINVAL);
+    cr_assert_null(b.mats);
+    cr_assert_null(b.err);
+
+    cr_assert_eq(powersgd_block_init(&b, good, 2, 4, 44, 7, SEED), 0);
+    cr_assert_eq(b.mats[0].r, 3);
+    cr_assert_eq(b.mats[1].r, 4);
+    cr_assert_eq(b.mats[1].p_at, 4 * 3);
+    cr_assert_eq(b.mats[1].q_at, 3 * 3);
+    cr_assert_eq(b.np, 4 * 3 + 5 * 4);
+    cr_assert_eq(b.nq, 3 * 3 + 6 * 4);
+    cr_assert_eq(b.q_extra, 7);
+    cr_assert_eq(b.p_len, b.np);
+    cr_assert_eq(b.q_len, b.nq + 7);
+    /* The seeded Qs are the single reducer's stream, end to end. */
+    {
+        float want[3 * 3 + 6 * 4];
+
+        powersgd_seed_q(want, b.nq, SEED);
+        cr_assert_arr_eq(b.q_seed, want, sizeof(want));
+        cr_assert_arr_eq(b.q_warm, want, sizeof(want));
+    }
+    powersgd_block_cleanup(&b);
+    cr_assert_null(b.mats);
+    powersgd_block_cleanup(&b);         /* twice is fine */
+    /* No matrix: P and Q still one float each, for a caller whose
+     * all-reduces run all the same. */
+    cr_assert_eq(powersgd_block_init(&b, NULL, 0, 1, 10, 0, SEED), 0);
+    cr_assert_eq(b.np + b.nq, 0);
+    cr_assert_eq(b.p_len, 1);
+    cr_assert_eq(b.q_len, 1);
+    powersgd_block_cleanup(&b);
+}
+
 /* Full rank: a square matrix at rank = its size comes back whole. */
 Test(powersgd, full_rank_alone_is_the_identity)
 {
