@@ -33,7 +33,7 @@ BUILD = os.path.abspath(os.environ.get("BUILD", os.path.join(ROOT, "build")))
 sys.path.insert(0, os.path.join(BUILD, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from averager import start_broker  # noqa: E402
+from benchlib import start_broker  # noqa: E402
 
 SETTINGS = ("one", "equal")
 
@@ -104,7 +104,7 @@ def main():
     if a.donors < 2 or a.newcomers < 1 or not 1 <= a.mib <= 1000 or a.reps < 1:
         ap.error("need --donors >= 2, --newcomers >= 1, --mib in 1..1000, --reps >= 1")
     os.makedirs(a.log_dir, exist_ok=True)
-    broker_proc, broker = start_broker(a.operator, os.path.join(a.log_dir, "avstate-broker.log"))
+    broker_proc, broker = start_broker(os.path.join(a.log_dir, "avstate-broker.log"), a.operator)
     ctx = multiprocessing.get_context("spawn")
     turns = ctx.Barrier(a.donors + a.newcomers, timeout=600)
     out = ctx.Queue()
