@@ -46,6 +46,24 @@
 #define INBOX_MAX 256           /* greeted connections not yet taken by a run */
 #define MAX_NEED 72             /* peers one call talks to: 2 + log2(n) */
 
+/* How often a waiting call asks the kernel whether its peers' hosts
+ * still answer (conn.c, "REACHABILITY"). */
+#define REACH_CHECK_MS 250
+/* The shortest silence called unreachable: three keepalive intervals. */
+#define REACH_MIN_MS 3000u
+/* A call that has waited this long probes the members of its epoch it has
+ * no connection to, at most REACH_PROBES at a time. */
+#define REACH_PROBE_AFTER_MS 500u
+#define REACH_PROBES 64
+
+/* A probe: a bare TCP dial to a member's data address, closed once its
+ * host answers (conn.c, "REACHABILITY"). */
+struct probe {
+    int fd;
+    size_t peer;
+    uint64_t started;
+};
+
 /* The largest frame header: the header and, with --integrity mac, its tag. */
 #define HDR_MAX (PEERWIRE_FRAME_BYTES + PEERWIRE_TAG_BYTES)
 
@@ -73,6 +91,7 @@ struct conn {
     size_t rx_maced;            /* payload bytes given to rx_mac so far */
     struct peerwire_frame rx_want;  /* magic 0: control only, any data frame is wrong */
     uint64_t rx_since;
+    uint64_t unreach_told;      /* when its peer was last reported unreachable; 0: never */
 };
 
 /* A connection the acceptor greeted (and, keyed, whose confirmation it
@@ -116,6 +135,8 @@ struct reg {
     bool used;
 };
 
+struct dial;
+
 struct allreduce {
     char *cohort, *id;
     uint64_t cohort_hash;
@@ -127,6 +148,9 @@ struct allreduce {
     uint32_t timeout_ms;
     void (*on_peer_lost)(void *arg, const char *peer_id);   /* the config's */
     void *peer_lost_arg;
+    void (*on_peer_unreachable)(void *arg, const char *peer_id, uint64_t epoch);
+    void *peer_unreachable_arg;
+    _Atomic uint32_t unreach_ms;    /* allreduce_set_unreachable_ms; 0: off */
     size_t seg_bytes, small_bytes;
     bool alg_used[2];           /* run_call logged this algorithm (ring, doubling) */
     int abort_fd;               /* set_epoch -> run */
@@ -157,6 +181,12 @@ struct allreduce {
 
     /* The caller thread's. */
     uint64_t serial;            /* connections dialled so far */
+    uint64_t reach_next;        /* the next reachability check */
+    struct probe probes[REACH_PROBES];
+    size_t n_probes;
+    size_t probe_next;          /* where the next round of probes starts */
+    struct dial *dials;         /* conn_connect_peers's dials while it waits */
+    size_t n_dials;
     uint8_t *stage;             /* SLOTS + 2 segments */
     uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
@@ -181,6 +211,7 @@ struct run {
     enum codec codec;           /* how payloads travel (float32 only) */
     bool coded;                 /* codec != CODEC_NONE */
     size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
+    uint64_t started;           /* run_call began, for the probes */
     /* fail_peer's socket itself closed or reset, with no BYE before: its
      * process died (or its host went away), not a failed call of its own. */
     bool peer_reset;
