@@ -52,7 +52,9 @@
 /* The shortest silence called unreachable: three keepalive intervals. */
 #define REACH_MIN_MS 3000u
 /* A call that has waited this long probes the members of its epoch it has
- * no connection to, at most REACH_PROBES at a time. */
+ * no connection to: a round of at most REACH_PROBES, and the next round
+ * once they have settled and the unreachable time has passed, so that a
+ * member is probed at most once per that time by each waiting peer. */
 #define REACH_PROBE_AFTER_MS 500u
 #define REACH_PROBES 64
 
@@ -185,6 +187,7 @@ struct allreduce {
     struct probe probes[REACH_PROBES];
     size_t n_probes;
     size_t probe_next;          /* where the next round of probes starts */
+    uint64_t probe_round_at;    /* no round of probes before this */
     struct dial *dials;         /* conn_connect_peers's dials while it waits */
     size_t n_dials;
     uint8_t *stage;             /* SLOTS + 2 segments */

@@ -66,8 +66,12 @@
  * reset as soon as the host answers (a SYN-ACK, or a reset of its own: a
  * live host either way), which the member's acceptor drops silently
  * since no byte came; a probe still unanswered after the set time names
- * its member, and the next check probes it again. At most REACH_PROBES
- * are in flight, in turn over the epoch, so in an epoch of more than
+ * its member. A round probes at most REACH_PROBES members, in turn over
+ * the epoch, and the next round starts once they have all settled and
+ * the set time has passed since, so a waiting member probes each other
+ * member at most once per that time (members on one host share one
+ * source address, and the acceptor holds at most PENDING_PER_SOURCE
+ * unfinished greetings from one). So in an epoch of more than
  * about twice that many members a cut-off member may not gather a
  * majority before the engine's own silence timeout. The call goes on:
  * the broker decides (broker.h), and its new epoch ends the call with
@@ -419,8 +423,8 @@ static bool reach_covered(const struct run *x, size_t peer)
 }
 
 /* Settles the probes in flight (an answered one is closed; one
- * unanswered for `ms` names its member and is closed, so the next check
- * probes it again), then starts new ones in turn. */
+ * unanswered for `ms` names its member and is closed), then, when a round
+ * is due, starts the next one. */
 static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
 {
     struct allreduce *a = x->a;
@@ -442,8 +446,9 @@ static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
         }
         probe_close(a, k);
     }
-    if (now - x->started < REACH_PROBE_AFTER_MS)
+    if (a->n_probes > 0 || now - x->started < REACH_PROBE_AFTER_MS || now < a->probe_round_at)
         return;
+    a->probe_round_at = now + ms;
     for (size_t i = 0; i < x->n && a->n_probes < REACH_PROBES; i++) {
         size_t peer = (a->probe_next + i) % x->n;
 

@@ -1183,6 +1183,67 @@ Test(allreduce, an_unanswered_dial_is_reported_unreachable_and_the_call_waits, .
     epoch_unref(e2);
 }
 
+Test(allreduce, a_member_without_a_connection_is_probed_and_reported, .timeout = 60)
+{
+    static struct lost_note unreach = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct cluster c = { .n = 4 };
+    struct peer *me = &c.p[0];
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
+                                    .member_timeout_ms = 60000,
+                                    .small_bytes = ALLREDUCE_SMALL_NONE,
+                                    .on_peer_unreachable = note_unreachable,
+                                    .peer_unreachable_arg = &unreach };
+    struct epoch *e, *e2;
+    int held[8], deaf;
+    uint64_t t0;
+
+    /* A ring of four: m-0 dials its neighbours m-1 and m-3, plain
+     * listeners that take the connection and never answer the greeting
+     * (slow, not cut off); m-2, which it has no reason to dial, is a host
+     * that drops SYNs. Only a probe can find it. */
+    quiet();
+    for (size_t i = 0; i < 4; i++)
+        snprintf(c.p[i].id, sizeof(c.p[i].id), "m-%zu", i);
+    for (size_t i = 0; i < 4; i += 3)
+        cr_assert_eq(allreduce_listen("127.0.0.1", &c.p[i].fd, c.p[i].addr, sizeof(c.p[i].addr)),
+                     0);
+    cr_assert_eq(allreduce_listen("127.0.0.1", &c.p[1].fd, c.p[1].addr, sizeof(c.p[1].addr)), 0);
+    deaf = deaf_listener(c.p[2].addr, sizeof(c.p[2].addr), held, 8);
+    e = make_epoch(&c, 7, NULL, 4);
+    cfg.listen_fd = me->fd;
+    cr_assert_eq(allreduce_create(&cfg, &me->ar), 0);
+    allreduce_set_unreachable_ms(me->ar, 3000);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e), 0);
+    cr_assert_eq(posix_memalign(&me->buf, 64, 4096), 0);
+    me->h = allreduce_register(me->ar, me->buf, 4096);
+    me->hin = -1;
+
+    t0 = clock_now_ms();
+    call_start(me, 1024, DTYPE_F32, DTYPE_SUM, 0, 1);
+    cr_assert(fixture_wait_until(unreach_noted, &unreach, 20000), "m-2 was never reported");
+    cr_assert_geq(clock_now_ms() - t0, 3000, "reported before the unreachable time");
+    cr_assert_str_eq(unreach.ids[0], "m-2@7");
+    cr_assert_eq(me->rc, 1, "the call ended: %s", log_strerror(me->rc));
+    e2 = make_epoch(&c, 8, NULL, 1);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e2), 0);
+    call_join(me);
+    cr_assert_eq(me->rc, -ESTALE, "got %s", log_strerror(me->rc));
+    /* Neither slow neighbour was reported: their hosts answered. */
+    for (size_t i = 0; i < notes(&unreach); i++)
+        cr_assert_str_eq(unreach.ids[i], "m-2@7");
+
+    allreduce_destroy(me->ar);
+    free(me->buf);
+    for (size_t i = 0; i < 8; i++)
+        close(held[i]);
+    close(deaf);
+    for (size_t i = 0; i < 4; i++)
+        if (i != 2)
+            close(c.p[i].fd);
+    epoch_unref(e);
+    epoch_unref(e2);
+}
+
 /* --- authentication ------------------------------------------------------ */
 
 static const struct secret key_a = { { 0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7,
