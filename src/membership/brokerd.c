@@ -48,9 +48,9 @@
 /* How far a Session stream's heartbeats may run ahead of their granted
  * pace: a heartbeat "costs" a quarter of the member's interval, and a
  * stream may owe at most this many. A member sends one per interval, and
- * one more at once for a declared version or a lost-peer report; a stream
- * that sends far faster is ended, so a member cannot make the broker
- * check proofs at any rate it likes. */
+ * one more at once for a declared version or a lost or unreachable peer
+ * report; a stream that sends far faster is ended, so a member cannot
+ * make the broker check proofs at any rate it likes. */
 #define SESSION_BEAT_BURST 16u
 
 /* One cohort's own key (brokerd_set_key). */
