@@ -113,6 +113,9 @@ struct cohort {
     bool pending;
     bool leader_dirty;          /* a declared version moved the leader */
     struct bench *benched;      /* BROKER_BENCH_MAX slots, allocated at the first */
+    /* No epoch forms before this: set when evictions emptied the cohort,
+     * as after a restart (broker.h). */
+    uint64_t hold_until;
 };
 
 struct broker {
@@ -708,6 +711,8 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
         next = min_u64(next, d);
         c->members[keep++] = m;
     }
+    if (evicted && keep == 0 && c->n_members > 0)
+        c->hold_until = now + b->cfg.startup_hold_ms;
     c->n_members = keep;
     c->next_evict = next;
     if (evicted)
@@ -716,7 +721,7 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
 
 static uint64_t form_due(const struct broker *b, const struct cohort *c)
 {
-    return max_u64(c->pending_since + b->cfg.coalesce_ms, b->hold_until);
+    return max_u64(max_u64(c->pending_since + b->cfg.coalesce_ms, b->hold_until), c->hold_until);
 }
 
 /* ---- the API ---- */

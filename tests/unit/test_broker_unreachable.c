@@ -270,3 +270,25 @@ Test(broker, the_bench_is_capped_and_forgotten)
     cr_assert_eq(broker_join(fixture_sm, t, &j, &res), -EAGAIN);
     cr_assert_eq(res.benched_ms, TIMEOUT);
 }
+
+Test(broker, evictions_that_empty_a_cohort_hold_the_next_epoch_as_a_restart_does)
+{
+    uint64_t e = start_abc(), out = FIXTURE_T0 + TIMEOUT + 1, back;
+    uint64_t hold = FIXTURE_HOLD - FIXTURE_T0;      /* the fixture's startup hold */
+    /* A broker cut off from everyone: all three fall silent and go. */
+    cr_assert_eq(fixture_sm_tick_members(out), 0);
+    broker_tick(fixture_sm, out + 100);
+    /* They come back one at a time after the heal: no epoch of the
+     * first alone, one epoch of all three once the hold has passed. */
+    back = out + 500;
+    cr_assert_eq(fixture_sm_join("c", 1, 23, back), 0);
+    broker_tick(fixture_sm, back + 100);
+    cr_assert_eq(fixture_sm_last_pub()->number, e, "no epoch of c alone");
+    cr_assert_eq(fixture_sm_join("a", 1, 21, back + 500), 0);
+    cr_assert_eq(fixture_sm_join("b", 1, 22, back + 1000), 0);
+    broker_tick(fixture_sm, out + hold - 1);
+    cr_assert_eq(fixture_sm_last_pub()->number, e);
+    broker_tick(fixture_sm, out + hold);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 3, (const char *[]){ "a", "b", "c" });
+}
