@@ -113,9 +113,10 @@ struct cohort {
     bool pending;
     bool leader_dirty;          /* a declared version moved the leader */
     struct bench *benched;      /* BROKER_BENCH_MAX slots, allocated at the first */
-    /* No epoch forms before this: set when evictions emptied the cohort,
-     * as after a restart (broker.h). */
+    /* No epoch forms before this: set by the first join after evictions
+     * emptied the cohort, as after a restart (broker.h). */
     uint64_t hold_until;
+    bool emptied;               /* evictions left it empty; no join since */
 };
 
 struct broker {
@@ -712,7 +713,7 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
         c->members[keep++] = m;
     }
     if (evicted && keep == 0 && c->n_members > 0)
-        c->hold_until = now + b->cfg.startup_hold_ms;
+        c->emptied = true;
     c->n_members = keep;
     c->next_evict = next;
     if (evicted)
@@ -828,6 +829,12 @@ static int join_new(struct broker *b, struct cohort *c, size_t at, uint64_t now,
     arr[at] = m;
     c->n_members++;
     c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    /* The first one back after everyone was evicted: the others are on
+     * their way back too, however long they were away. */
+    if (c->emptied) {
+        c->emptied = false;
+        c->hold_until = now + b->cfg.startup_hold_ms;
+    }
     mark_pending(c, now);
     return 0;
 

@@ -20,11 +20,11 @@
  *   out (a join and a leave of the same session) forms none.
  * - No epoch forms before start + startup_hold_ms, so that the members
  *   rejoining a restarted broker land in one epoch, not one each. The
- *   same hold follows evictions that leave a cohort empty (a broker cut
- *   off from every member evicts them all, and they come back one at a
- *   time after the heal, as after a restart): an epoch of the first one
- *   back alone would let it train a history of its own while the others
- *   still run theirs.
+ *   same hold starts at the first join after evictions left a cohort
+ *   empty (a broker cut off from every member evicts them all, and they
+ *   come back one at a time after the heal, as after a restart): an
+ *   epoch of the first one back alone would let it train a history of
+ *   its own while the others still run theirs.
  * - A member leaves its epochs by a Leave, by silence past its timeout,
  *   or, when its watch stream is cut without a Leave (its process died),
  *   after stream_grace_ms; at once when a peer also reported it lost

@@ -271,24 +271,32 @@ Test(broker, the_bench_is_capped_and_forgotten)
     cr_assert_eq(res.benched_ms, TIMEOUT);
 }
 
-Test(broker, evictions_that_empty_a_cohort_hold_the_next_epoch_as_a_restart_does)
+Test(broker, the_first_join_after_evictions_empty_a_cohort_holds_the_next_epoch)
 {
     uint64_t e = start_abc(), out = FIXTURE_T0 + TIMEOUT + 1, back;
     uint64_t hold = FIXTURE_HOLD - FIXTURE_T0;      /* the fixture's startup hold */
+
     /* A broker cut off from everyone: all three fall silent and go. */
     cr_assert_eq(fixture_sm_tick_members(out), 0);
     broker_tick(fixture_sm, out + 100);
-    /* They come back one at a time after the heal: no epoch of the
-     * first alone, one epoch of all three once the hold has passed. */
-    back = out + 500;
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+    cr_assert_eq(fixture_sm_last_pub()->n_members, 0);
+    /* Long after, they come back one at a time: no epoch of the first
+     * alone, one of all three once the hold from its join has passed. */
+    back = out + 10 * hold;
     cr_assert_eq(fixture_sm_join("c", 1, 23, back), 0);
     broker_tick(fixture_sm, back + 100);
-    cr_assert_eq(fixture_sm_last_pub()->number, e, "no epoch of c alone");
-    cr_assert_eq(fixture_sm_join("a", 1, 21, back + 500), 0);
-    cr_assert_eq(fixture_sm_join("b", 1, 22, back + 1000), 0);
-    broker_tick(fixture_sm, out + hold - 1);
-    cr_assert_eq(fixture_sm_last_pub()->number, e);
-    broker_tick(fixture_sm, out + hold);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1, "no epoch of c alone");
+    cr_assert_eq(fixture_sm_join("a", 1, 21, back + hold / 4), 0);
+    cr_assert_eq(fixture_sm_join("b", 1, 22, back + hold / 2), 0);
+    broker_tick(fixture_sm, back + hold - 1);
     cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+    broker_tick(fixture_sm, back + hold);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 2);
     fixture_sm_assert_members(fixture_sm_last_pub(), 3, (const char *[]){ "a", "b", "c" });
+    /* Only after everyone was evicted: a join to a cohort that lost one
+     * member forms its epoch at once. */
+    cr_assert_eq(fixture_sm_join("d", 1, 24, back + hold + 100), 0);
+    broker_tick(fixture_sm, back + hold + 200);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 3);
 }
