@@ -71,9 +71,9 @@
  * the set time has passed since, so a waiting member probes each other
  * member at most once per that time (members on one host share one
  * source address, and the acceptor holds at most PENDING_PER_SOURCE
- * unfinished greetings from one). So in an epoch of more than
- * about twice that many members a cut-off member may not gather a
- * majority before the engine's own silence timeout. The call goes on:
+ * unfinished greetings from one). So in an epoch of more than about
+ * 2 x REACH_PROBES members a cut-off member may not gather a majority
+ * of reports before the engine's own silence timeout. The call goes on:
  * the broker decides (broker.h), and its new epoch ends the call with
  * -ESTALE.
  *
