@@ -578,11 +578,15 @@ static int contribute(struct trainer *t, struct cohort *c, const float *w, float
               total, wsum, (double)t->last_loss);
     rc = cohort_reduce_gradients(c, batch);
     if (rc < 0) {
-        /* Not made. On -EPERM the view moved under us (a new epoch began):
-         * take it back out and contribute when asked again. */
+        /* Not made. On -EPERM the view moved under us (a new epoch began);
+         * on -EAGAIN a state transfer is under way (an epoch that formed
+         * as members came back one at a time, include/cohort.h): either
+         * way take it back out and contribute when asked again. After
+         * -EAGAIN the next update() zeroes the gradients, and the state
+         * event says whether pending contributions went with them. */
         memcpy(g, before, sizeof(before));
         stat_line(t, "{\"ev\":\"undo\",\"v\":%" PRIu64 ",\"error\":%d}", v, rc);
-        return rc == -EPERM ? 0 : rc;
+        return rc == -EPERM || rc == -EAGAIN ? 0 : rc;
     }
     for (int j = 0; j < NPARAM; j++)
         t->tally[j] += d[j];

@@ -350,9 +350,13 @@ static void on_epoch(void *arg, struct epoch *e)
 {
     struct node *n = arg;
 
-    /* Thread-safe in the engine: aborts a step in flight at once. */
-    if (n->ar)
+    /* Thread-safe in the engine: aborts a step in flight at once. The
+     * member timeout is the broker's grant, known once joined: a peer's
+     * host unheard for that long is reported unreachable. */
+    if (n->ar) {
+        allreduce_set_unreachable_ms(n->ar, member_timeout_ms(n->member));
         allreduce_set_epoch(n->ar, e);
+    }
     pthread_mutex_lock(&n->lock);
     epoch_unref(n->latest);
     n->latest = epoch_ref(e);
@@ -419,6 +423,18 @@ static void on_peer_lost(void *arg, const char *peer)
     struct node *n = arg;
 
     if (member_report_lost(n->member, peer) == 0)
+        pthread_cond_signal(&n->member_cond);
+}
+
+/* The engine has heard nothing from a peer's host for the member
+ * timeout while a step waits (it goes on waiting): the broker hears it
+ * in a heartbeat sent at once, and evicts the peer if most of the epoch
+ * agrees. As on_peer_lost, on the node thread. */
+static void on_peer_unreachable(void *arg, const char *peer, uint64_t epoch)
+{
+    struct node *n = arg;
+
+    if (member_report_unreachable(n->member, peer, epoch) == 0)
         pthread_cond_signal(&n->member_cond);
 }
 
@@ -1635,6 +1651,8 @@ int node_start(const struct node_config *cfg, struct node **out)
     ac.integrity_mac = cfg->integrity_mac;
     ac.on_peer_lost = on_peer_lost;
     ac.peer_lost_arg = n;
+    ac.on_peer_unreachable = on_peer_unreachable;
+    ac.peer_unreachable_arg = n;
     ac.small_bytes = cfg->algorithm == NODE_ALGORITHM_RING       ? ALLREDUCE_SMALL_NONE
                      : cfg->algorithm == NODE_ALGORITHM_DOUBLING ? ALLREDUCE_SMALL_MAX
                                                                  : 0;

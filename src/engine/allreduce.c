@@ -229,6 +229,8 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
     a->cohort_hash = peerwire_cohort_hash(a->cohort);
     a->on_peer_lost = cfg->on_peer_lost;
     a->peer_lost_arg = cfg->peer_lost_arg;
+    a->on_peer_unreachable = cfg->on_peer_unreachable;
+    a->peer_unreachable_arg = cfg->peer_unreachable_arg;
     a->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     a->inbox_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -270,6 +272,11 @@ void allreduce_destroy(struct allreduce *a)
     epoch_unref(a->epoch);
     pthread_mutex_destroy(&a->mu);
     engine_free(a);
+}
+
+void allreduce_set_unreachable_ms(struct allreduce *a, uint32_t ms)
+{
+    atomic_store(&a->unreach_ms, ms && ms < REACH_MIN_MS ? REACH_MIN_MS : ms);
 }
 
 int allreduce_set_epoch(struct allreduce *a, struct epoch *e)
@@ -454,9 +461,11 @@ static int run_call(struct run *x)
                  LF_U("bytes", x->count * x->asz));
     }
     n_need = alg->needs ? alg->needs(x->n, x->me, need) : butterfly_needs(x, need);
+    x->started = clock_now_ms();
     rc = conn_connect_peers(x, need, n_need);
     if (rc == 0)
         rc = alg->run(x);
+    conn_probes_close(a);
     if (rc < 0) {
         log_warn(COMPONENT, "All-reduce failed.", LF_S("cohort", a->cohort),
                  LF_U("epoch", x->e->number), LF_U("round", x->round), LF_ERR(rc),

@@ -79,6 +79,15 @@ struct allreduce_config {
      * (member_report_lost). */
     void (*on_peer_lost)(void *arg, const char *peer_id);
     void *peer_lost_arg;            /* borrowed */
+    /* Called on the run's thread, while a call waits, for a peer whose
+     * host the kernel has not heard from for allreduce_set_unreachable_ms
+     * (no byte, no acknowledgement, no keepalive answer on an open
+     * connection, or a dial not answered): its host is cut off from this
+     * one, or down. The call goes on waiting; the callback repeats every
+     * such period while it lasts. With the epoch the call runs in, for
+     * the broker (member_report_unreachable). May be NULL. */
+    void (*on_peer_unreachable)(void *arg, const char *peer_id, uint64_t epoch);
+    void *peer_unreachable_arg;     /* borrowed */
 };
 
 /* Binds a TCP listener to `host` (a numeric IPv4 or IPv6 address) on a
@@ -97,6 +106,14 @@ int allreduce_listen(const char *host, int *fd, char *address, size_t address_le
  * -ENOMEM, or a thread/eventfd/getrandom -errno.
  * The caller owns *out and frees it with allreduce_destroy(). */
 int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out);
+
+/* Sets how long a peer's host may go unheard before on_peer_unreachable
+ * names it (the member timeout; at least 3000 ms, since keepalive probes
+ * go out once a second: below that a lost probe would look like a cut),
+ * and turns on the keepalives that make an idle connection answer. 0
+ * turns reports off; connections opened while it was off keep no
+ * keepalive. Thread-safe. */
+void allreduce_set_unreachable_ms(struct allreduce *a, uint32_t ms);
 
 /* Stops the acceptor and closes every connection. No run may be in flight.
  * NULL is fine. The listening fd stays open (it is the caller's). */

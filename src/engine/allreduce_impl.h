@@ -48,6 +48,26 @@
                                  * ring and doubling, n - 1 for a butterfly of
                                  * up to ALLREDUCE_PARTS_MAX (allreduce.h) */
 
+/* How often a waiting call asks the kernel whether its peers' hosts
+ * still answer (conn.c, "REACHABILITY"). */
+#define REACH_CHECK_MS 250
+/* The shortest silence called unreachable: three keepalive intervals. */
+#define REACH_MIN_MS 3000u
+/* A call that has waited this long probes the members of its epoch it has
+ * no connection to: a round of at most REACH_PROBES, and the next round
+ * once they have settled and the unreachable time has passed, so that a
+ * member is probed at most once per that time by each waiting peer. */
+#define REACH_PROBE_AFTER_MS 500u
+#define REACH_PROBES 64
+
+/* A probe: a bare TCP dial to a member's data address, closed once its
+ * host answers (conn.c, "REACHABILITY"). */
+struct probe {
+    int fd;
+    size_t peer;
+    uint64_t started;
+};
+
 /* The largest frame header: the header and, with --integrity mac, its tag. */
 #define HDR_MAX (PEERWIRE_FRAME_BYTES + PEERWIRE_TAG_BYTES)
 
@@ -75,6 +95,7 @@ struct conn {
     size_t rx_maced;            /* payload bytes given to rx_mac so far */
     struct peerwire_frame rx_want;  /* magic 0: control only, any data frame is wrong */
     uint64_t rx_since;
+    uint64_t unreach_told;      /* when its peer was last reported unreachable; 0: never */
 };
 
 /* A connection the acceptor greeted (and, keyed, whose confirmation it
@@ -118,6 +139,8 @@ struct reg {
     bool used;
 };
 
+struct dial;
+
 struct allreduce {
     char *cohort, *id;
     uint64_t cohort_hash;
@@ -129,6 +152,9 @@ struct allreduce {
     uint32_t timeout_ms;
     void (*on_peer_lost)(void *arg, const char *peer_id);   /* the config's */
     void *peer_lost_arg;
+    void (*on_peer_unreachable)(void *arg, const char *peer_id, uint64_t epoch);
+    void *peer_unreachable_arg;
+    _Atomic uint32_t unreach_ms;    /* allreduce_set_unreachable_ms; 0: off */
     size_t seg_bytes, small_bytes;
     bool alg_used[3];           /* run_call logged this algorithm (ring, doubling, butterfly) */
     int abort_fd;               /* set_epoch -> run */
@@ -159,6 +185,13 @@ struct allreduce {
 
     /* The caller thread's. */
     uint64_t serial;            /* connections dialled so far */
+    uint64_t reach_next;        /* the next reachability check */
+    struct probe probes[REACH_PROBES];
+    size_t n_probes;
+    size_t probe_next;          /* where the next round of probes starts */
+    uint64_t probe_round_at;    /* no round of probes before this */
+    struct dial *dials;         /* conn_connect_peers's dials while it waits */
+    size_t n_dials;
     uint8_t *stage;             /* SLOTS + 2 segments */
     uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
@@ -185,6 +218,7 @@ struct run {
     size_t n_parts;
     bool coded;                 /* codec != CODEC_NONE */
     size_t fail_peer;           /* for the log line; SIZE_MAX when unknown */
+    uint64_t started;           /* run_call began, for the probes */
     /* fail_peer's socket itself closed or reset, with no BYE before: its
      * process died (or its host went away), not a failed call of its own. */
     bool peer_reset;

@@ -46,6 +46,37 @@
  * at n=2 from 47 to 13 us, at n=4 from 111 to 59-67 us; 64 MiB at n=4
  * from 0.65 to 0.76 GB/s; no change at n=2.
  *
+ * REACHABILITY
+ *
+ * A peer that stops answering is not always cut off: its trainer may be
+ * slow, or it may itself wait on a third member. The kernel can tell the
+ * difference: a live host acknowledges bytes and answers keepalive
+ * probes whatever its process does. So, once allreduce_set_unreachable_ms
+ * turned it on, every connection keeps TCP keepalive with a 1 s idle and
+ * a 1 s interval (and enough probes that keepalive never ends a
+ * connection before the engine's own silence timeout would), and while a
+ * call waits, every REACH_CHECK_MS, it reads TCP_INFO of each connection
+ * of its epoch: one from which nothing at all (data, an acknowledgement,
+ * a probe's answer) arrived for the set time names its peer to
+ * on_peer_unreachable; so does a dial whose SYN went unanswered that
+ * long. An algorithm talks to a few members only (a ring to two), and the
+ * broker wants most of the epoch to agree, so a call that has waited
+ * REACH_PROBE_AFTER_MS also probes the members it has no connection to:
+ * a bare non-blocking connect to the member's data address, closed with a
+ * reset as soon as the host answers (a SYN-ACK, or a reset of its own: a
+ * live host either way), which the member's acceptor drops silently
+ * since no byte came; a probe still unanswered after the set time names
+ * its member. A round probes at most REACH_PROBES members, in turn over
+ * the epoch, and the next round starts once they have all settled and
+ * the set time has passed since, so a waiting member probes each other
+ * member at most once per that time (members on one host share one
+ * source address, and the acceptor holds at most PENDING_PER_SOURCE
+ * unfinished greetings from one). So in an epoch of more than about
+ * 2 x REACH_PROBES members a cut-off member may not gather a majority
+ * of reports before the engine's own silence timeout. The call goes on:
+ * the broker decides (broker.h), and its new epoch ends the call with
+ * -ESTALE.
+ *
  * CONNECTING
  *
  * The member lower in the epoch's order connects and greets (the other
@@ -93,6 +124,22 @@
 
 /* --- sockets ------------------------------------------------------------ */
 
+/* A dial in progress (conn_connect_peers). */
+enum dial_state { DIAL_CONNECTING, DIAL_SENDING, DIAL_READING, DIAL_CONFIRMING };
+
+struct dial {
+    size_t peer;
+    int fd;
+    enum dial_state state;
+    uint64_t started;           /* connect() called */
+    uint64_t unreach_told;      /* as struct conn's */
+    size_t done;
+    uint64_t serial;
+    uint8_t nonce_c[PEERWIRE_NONCE_BYTES];
+    uint8_t key_tx[PEERAUTH_KEY_BYTES], key_rx[PEERAUTH_KEY_BYTES];  /* sealed, once answered */
+    uint8_t buf[PEERWIRE_HELLO_BYTES];
+};
+
 void conn_tune_socket(int fd)
 {
     int one = 1;
@@ -100,6 +147,23 @@ void conn_tune_socket(int fd)
     /* Frames are written whole with writev; Nagle would only hold back the
      * tail of each one. */
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+/* Keepalive for reachability (see the top): probes after 1 s idle, every
+ * 1 s, and enough of them to outlast the engine's silence timeout. A
+ * socket that refuses an option keeps the kernel's defaults; its peer may
+ * then be reported unreachable while idle, which the broker weighs with
+ * the others' reports. */
+static void keepalive_on(const struct allreduce *a, int fd)
+{
+    int one = 1, cnt = (int)(a->timeout_ms / 1000u + 1u);
+
+    if (cnt > 127)
+        cnt = 127;              /* the kernel's cap */
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
 }
 
 /* Splits "host:port" or "[v6]:port" into NUL-terminated parts. */
@@ -158,6 +222,8 @@ static struct conn *conn_new(const struct allreduce *a, int fd, size_t peer,
         c->sealed = true;
         c->hdr_len += PEERWIRE_TAG_BYTES;
     }
+    if (atomic_load(&a->unreach_ms))
+        keepalive_on(a, fd);
     return c;
 }
 
@@ -282,17 +348,170 @@ void conn_close_all(struct allreduce *a, int err, uint64_t epoch, uint64_t deadl
 
 /* --- a call's frames ---------------------------------------------------- */
 
+/* Names x's peer `peer` to on_peer_unreachable, at most once per `ms`
+ * (*told: when it last did). */
+static void reach_tell(struct run *x, size_t peer, uint32_t ms, uint64_t heard_ms, uint64_t now,
+                       uint64_t *told)
+{
+    struct allreduce *a = x->a;
+
+    if (*told && now - *told < ms)
+        return;
+    *told = now;
+    log_warn(COMPONENT, "Nothing heard from a peer's host for the member timeout; reporting it "
+                        "unreachable.",
+             LF_S("cohort", a->cohort), LF_U("epoch", x->e->number),
+             LF_S("peer", x->e->members[peer].id), LF_U("silent_ms", heard_ms));
+    a->on_peer_unreachable(a->peer_unreachable_arg, x->e->members[peer].id, x->e->number);
+}
+
+/* Closes probe k with a reset (no TIME_WAIT left behind) and forgets it. */
+static void probe_close(struct allreduce *a, size_t k)
+{
+    struct linger lg = { .l_onoff = 1, .l_linger = 0 };
+
+    setsockopt(a->probes[k].fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(a->probes[k].fd);
+    a->probes[k] = a->probes[--a->n_probes];
+}
+
+void conn_probes_close(struct allreduce *a)
+{
+    while (a->n_probes > 0)
+        probe_close(a, a->n_probes - 1);
+}
+
+/* Starts a probe of x's member `peer`; a member whose address is no
+ * numeric host:port, or a socket that cannot be had, is not probed. */
+static void probe_start(struct run *x, size_t peer, uint64_t now)
+{
+    struct allreduce *a = x->a;
+    struct addrinfo hints = { .ai_socktype = SOCK_STREAM,
+                              .ai_flags = AI_NUMERICHOST | AI_NUMERICSERV };
+    struct addrinfo *ai;
+    char host[IDENT_ADDRESS_MAX + 1], port[8];
+    int fd;
+
+    if (split_address(x->e->members[peer].address, host, sizeof(host), port, sizeof(port)) < 0 ||
+        getaddrinfo(host, port, &hints, &ai) != 0)
+        return;
+    fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
+        close(fd);              /* refused at once: the host answered */
+        fd = -1;
+    }
+    freeaddrinfo(ai);
+    if (fd < 0)
+        return;
+    a->probes[a->n_probes++] = (struct probe){ .fd = fd, .peer = peer, .started = now };
+}
+
+/* Whether x's member `peer` has a connection, a dial or a probe. */
+static bool reach_covered(const struct run *x, size_t peer)
+{
+    const struct allreduce *a = x->a;
+
+    if (a->conn_epoch == x->e && a->conns[peer])
+        return true;
+    for (size_t k = 0; k < a->n_dials; k++)
+        if (a->dials[k].peer == peer)
+            return true;
+    for (size_t k = 0; k < a->n_probes; k++)
+        if (a->probes[k].peer == peer)
+            return true;
+    return false;
+}
+
+/* Settles the probes in flight (an answered one is closed; one
+ * unanswered for `ms` names its member and is closed), then, when a round
+ * is due, starts the next one. */
+static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
+{
+    struct allreduce *a = x->a;
+
+    for (size_t k = 0; k < a->n_probes;) {
+        struct probe *p = &a->probes[k];
+        struct tcp_info ti;
+        socklen_t len = sizeof(ti);
+        uint64_t told = 0;
+
+        memset(&ti, 0, sizeof(ti));
+        if (getsockopt(p->fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0 &&
+            ti.tcpi_state == TCP_SYN_SENT) {
+            if (now - p->started < ms) {
+                k++;
+                continue;
+            }
+            reach_tell(x, p->peer, ms, now - p->started, now, &told);
+        }
+        probe_close(a, k);
+    }
+    if (a->n_probes > 0 || now - x->started < REACH_PROBE_AFTER_MS || now < a->probe_round_at)
+        return;
+    a->probe_round_at = now + ms;
+    for (size_t i = 0; i < x->n && a->n_probes < REACH_PROBES; i++) {
+        size_t peer = (a->probe_next + i) % x->n;
+
+        if (peer == x->me || reach_covered(x, peer))
+            continue;
+        probe_start(x, peer, now);
+        a->probe_next = (peer + 1) % x->n;
+    }
+}
+
+/* The reachability check (see the top), due every REACH_CHECK_MS while
+ * a call waits. Returns when the next one is due. */
+static uint64_t reach_check(struct run *x, uint64_t now)
+{
+    struct allreduce *a = x->a;
+    uint32_t ms = atomic_load(&a->unreach_ms);
+
+    if (!ms || !a->on_peer_unreachable)
+        return UINT64_MAX;
+    if (now < a->reach_next)
+        return a->reach_next;
+    a->reach_next = now + REACH_CHECK_MS;
+    for (size_t i = 0; a->conn_epoch == x->e && i < x->n; i++) {
+        struct conn *c = a->conns[i];
+        struct tcp_info ti;
+        socklen_t len = sizeof(ti);
+        uint64_t heard;
+
+        if (!c || i == x->me)
+            continue;
+        memset(&ti, 0, sizeof(ti));
+        if (getsockopt(c->fd, IPPROTO_TCP, TCP_INFO, &ti, &len) < 0 ||
+            ti.tcpi_state != TCP_ESTABLISHED)
+            continue;           /* a broken connection fails the call by itself */
+        heard = ti.tcpi_last_data_recv < ti.tcpi_last_ack_recv ? ti.tcpi_last_data_recv
+                                                               : ti.tcpi_last_ack_recv;
+        if (heard >= ms)
+            reach_tell(x, i, ms, heard, now, &c->unreach_told);
+    }
+    for (size_t k = 0; k < a->n_dials; k++) {
+        struct dial *d = &a->dials[k];
+
+        if (d->state == DIAL_CONNECTING && now - d->started >= ms)
+            reach_tell(x, d->peer, ms, now - d->started, now, &d->unreach_told);
+    }
+    reach_probe(x, ms, now);
+    return a->reach_next;
+}
+
 int conn_wait(struct run *x, struct pollfd *pfd, nfds_t n, uint64_t deadline)
 {
     for (;;) {
-        uint64_t now = clock_now_ms();
+        uint64_t now = clock_now_ms(), until = deadline, check;
         int k;
 
         if (run_stale(x))
             return -ESTALE;
         if (now >= deadline)
             return -ETIMEDOUT;
-        k = poll(pfd, n, deadline - now > INT_MAX ? INT_MAX : (int)(deadline - now));
+        check = reach_check(x, now);
+        if (check < until)
+            until = check;
+        k = poll(pfd, n, until - now > INT_MAX ? INT_MAX : (int)(until - now));
         if (k < 0 && errno != EINTR)
             return -errno;
         if (k <= 0)
@@ -507,18 +726,6 @@ struct peerwire_frame conn_frame(const struct run *x, uint8_t phase, uint32_t st
 
 /* --- connecting --------------------------------------------------------- */
 
-enum dial_state { DIAL_CONNECTING, DIAL_SENDING, DIAL_READING, DIAL_CONFIRMING };
-
-struct dial {
-    size_t peer;
-    int fd;
-    enum dial_state state;
-    size_t done;
-    uint64_t serial;
-    uint8_t nonce_c[PEERWIRE_NONCE_BYTES];
-    uint8_t key_tx[PEERAUTH_KEY_BYTES], key_rx[PEERAUTH_KEY_BYTES];  /* sealed, once answered */
-    uint8_t buf[PEERWIRE_HELLO_BYTES];
-};
 
 static uint8_t our_flags(const struct allreduce *a)
 {
@@ -557,6 +764,8 @@ static int dial_start(struct run *x, struct dial *d, size_t peer)
     d->peer = peer;
     d->fd = -1;
     d->serial = ++x->a->serial;
+    d->started = clock_now_ms();
+    d->unreach_told = 0;
     rc = dial_greeting(x, d);
     if (rc < 0)
         return rc;
@@ -829,7 +1038,11 @@ int conn_connect_peers(struct run *x, const size_t *need, size_t n_need)
             pfd[np++] = (struct pollfd){ .fd = dials[k].fd,
                                          .events = dials[k].state == DIAL_READING ? POLLIN
                                                                                   : POLLOUT };
+        x->a->dials = dials;
+        x->a->n_dials = n_dials;
         rc = conn_wait(x, pfd, np, deadline);
+        x->a->dials = NULL;
+        x->a->n_dials = 0;
         if (rc < 0)
             goto out;
         if (pfd[1].revents) {

@@ -52,6 +52,10 @@ int conn_rx_pump(struct run *x, struct conn *c);
  * Returns the error its BYE carries, or `err`. */
 int conn_refine(struct run *x, struct conn *c, int err);
 
+/* Closes the reachability probes of the call that ends (conn.c,
+ * "REACHABILITY"). */
+void conn_probes_close(struct allreduce *a);
+
 /* Waits in poll until a descriptor in pfd[1..n) is ready. pfd[0] must be
  * the abort eventfd. Returns 0, -ESTALE or -ETIMEDOUT (at `deadline`). */
 int conn_wait(struct run *x, struct pollfd *pfd, nfds_t n, uint64_t deadline);

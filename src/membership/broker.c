@@ -20,6 +20,15 @@
  * captured Join cannot bring it back. The ring is searched only by joins
  * of sessions the broker does not hold, comparing the 64-bit session
  * first.
+ *
+ * Unreachability (broker_report_unreachable): each accused member keeps
+ * a bitmap over the current epoch's positions of the members that
+ * reported it, the epoch it counts for and the time of the first report
+ * it counts. A bitmap is allocated at a member's first accusation and
+ * cleared, not freed, when the epoch or the window moves on; at most
+ * one per member, of the epoch's size. Benched ids (evicted as
+ * unreachable) are a small array per cohort, searched only by joins of
+ * ids the cohort does not hold.
  */
 #include "membership/broker.h"
 
@@ -62,6 +71,23 @@ struct entry {
     uint64_t accused_at;
     uint64_t seq_top;           /* highest proof seq accepted; 0: joined unproved */
     uint64_t seq_seen;          /* bit i: seq_top - 1 - i was accepted */
+    /* Reports that it is unreachable (broker_report_unreachable). Not
+     * undone by its own signs of life: a member cut from its peers but
+     * not from the broker keeps heartbeating. */
+    uint64_t *accusers;         /* bit i: the epoch's member i reported it */
+    size_t accusers_words;      /* allocated */
+    uint64_t accused_epoch;     /* the epoch the bits count for; 0: none */
+    uint64_t accused_first;     /* the first report in the bits */
+    uint32_t n_accusers;
+    uint64_t cut_off_at;        /* a majority agreed: evict now; 0: not */
+};
+
+/* An id evicted as unreachable: its joins are refused until `until`. */
+struct bench {
+    char *id;                   /* NULL: a free slot */
+    uint64_t until;
+    uint64_t forget_at;         /* a verdict before this doubles the bench */
+    uint32_t factor;            /* this bench, in member timeouts */
 };
 
 /* A member session that left or was evicted after a proved join. */
@@ -86,6 +112,11 @@ struct cohort {
     uint64_t pending_since;     /* first change not yet in an epoch */
     bool pending;
     bool leader_dirty;          /* a declared version moved the leader */
+    struct bench *benched;      /* BROKER_BENCH_MAX slots, allocated at the first */
+    /* No epoch forms before this: set by the first join after evictions
+     * emptied the cohort, as after a restart (broker.h). */
+    uint64_t hold_until;
+    bool emptied;               /* evictions left it empty; no join since */
 };
 
 struct broker {
@@ -173,6 +204,8 @@ static uint64_t entry_deadline(const struct broker *b, const struct entry *m)
         if (m->accused_at)
             d = min_u64(d, max_u64(m->gone_at, m->accused_at));
     }
+    if (m->cut_off_at)
+        d = min_u64(d, m->cut_off_at);
     return d;
 }
 
@@ -190,7 +223,67 @@ static void entry_free(struct entry *m)
         return;
     free(m->id);
     free(m->address);
+    free(m->accusers);
     free(m);
+}
+
+/* ---- benched ids ---- */
+
+static struct bench *bench_find(const struct cohort *c, const char *id)
+{
+    for (size_t i = 0; c->benched && i < BROKER_BENCH_MAX; i++)
+        if (c->benched[i].id && strcmp(c->benched[i].id, id) == 0)
+            return &c->benched[i];
+    return NULL;
+}
+
+/* Milliseconds left of id's bench at `now`; 0 when it may join. */
+static uint64_t bench_left(const struct cohort *c, const char *id, uint64_t now)
+{
+    const struct bench *k = c ? bench_find(c, id) : NULL;
+
+    return k && now < k->until ? k->until - now : 0;
+}
+
+/* Benches member m of c, evicted as unreachable at `now`. Out of memory,
+ * it is not benched: it may rejoin at once, and its peers report it
+ * again if it is still cut off. */
+static void bench_add(struct cohort *c, const struct entry *m, uint64_t now)
+{
+    struct bench *k = bench_find(c, m->id);
+    uint64_t ms;
+
+    if (!c->benched) {
+        c->benched = calloc(BROKER_BENCH_MAX, sizeof(*c->benched));
+        if (!c->benched)
+            return;
+    }
+    if (k && now < k->forget_at) {
+        k->factor = min_u32(k->factor * 2, BROKER_BENCH_MAX_FACTOR);
+    } else {
+        if (!k) {
+            /* A free slot, else the one forgotten soonest. */
+            k = &c->benched[0];
+            for (size_t i = 0; i < BROKER_BENCH_MAX && k->id; i++)
+                if (!c->benched[i].id || c->benched[i].forget_at < k->forget_at)
+                    k = &c->benched[i];
+            free(k->id);
+            k->id = strdup(m->id);
+            if (!k->id)
+                return;
+        }
+        k->factor = 1;
+    }
+    ms = (uint64_t)m->timeout_ms * k->factor;
+    k->until = now + ms;
+    k->forget_at = k->until + ms;
+}
+
+static void bench_free(struct cohort *c)
+{
+    for (size_t i = 0; c->benched && i < BROKER_BENCH_MAX; i++)
+        free(c->benched[i].id);
+    free(c->benched);
 }
 
 /* ---- replay (wire.h) ---- */
@@ -444,6 +537,7 @@ static void cohort_free(const struct broker *b, struct cohort *c, int err)
         entry_free(c->members[i]);
     }
     free(c->members);
+    bench_free(c);
     epoch_unref(c->cur);
     free(c->cur_sessions);
     free(c->name);
@@ -607,7 +701,9 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
         uint64_t d = entry_deadline(b, m);
 
         if (now >= d) {
-            detach(b, m, -ETIMEDOUT);
+            if (m->cut_off_at)
+                bench_add(c, m, now);
+            detach(b, m, m->cut_off_at ? -EHOSTUNREACH : -ETIMEDOUT);
             retire(b, c, m, now, false);
             entry_free(m);
             evicted = true;
@@ -616,6 +712,8 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
         next = min_u64(next, d);
         c->members[keep++] = m;
     }
+    if (evicted && keep == 0 && c->n_members > 0)
+        c->emptied = true;
     c->n_members = keep;
     c->next_evict = next;
     if (evicted)
@@ -624,7 +722,7 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
 
 static uint64_t form_due(const struct broker *b, const struct cohort *c)
 {
-    return max_u64(c->pending_since + b->cfg.coalesce_ms, b->hold_until);
+    return max_u64(max_u64(c->pending_since + b->cfg.coalesce_ms, b->hold_until), c->hold_until);
 }
 
 /* ---- the API ---- */
@@ -731,6 +829,12 @@ static int join_new(struct broker *b, struct cohort *c, size_t at, uint64_t now,
     arr[at] = m;
     c->n_members++;
     c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    /* The first one back after everyone was evicted: the others are on
+     * their way back too, however long they were away. */
+    if (c->emptied) {
+        c->emptied = false;
+        c->hold_until = now + b->cfg.startup_hold_ms;
+    }
     mark_pending(c, now);
     return 0;
 
@@ -827,6 +931,13 @@ int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
         if (held && held->session == j->session ? !seq_fresh(held, j->seq)
                                                 : retired_refuses(b, j, now))
             return -EALREADY;
+    }
+    /* A benched id comes back when its bench ends, whatever its session:
+     * a new process on the same cut-off host is as cut off. */
+    if (!entry_get(c, j->id, 0) && bench_left(c, j->id, now)) {
+        if (res)
+            res->benched_ms = bench_left(c, j->id, now);
+        return -EAGAIN;
     }
     if (!c) {
         err = cohort_add(b, j->cohort, b->cfg.heartbeat_ms, b->cfg.timeout_ms, &c);
@@ -1034,6 +1145,56 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
     if (!m->accused_at)
         m->accused_at = now ? now : 1;
     c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    return 0;
+}
+
+int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                              uint64_t session, uint64_t epoch, const char *peer)
+{
+    struct cohort *c = cohort_get(b, cohort);
+    struct entry *m;
+    long ri, mi;
+    size_t words;
+
+    if (!session || !entry_get(c, id, session))
+        return -ENOENT;
+    if (!peer || strcmp(peer, id) == 0)
+        return -EINVAL;
+    m = entry_get(c, peer, 0);
+    if (!m)
+        return -ENOENT;
+    if (!c->cur || epoch != c->cur->number)
+        return -ESTALE;
+    ri = epoch_find(c->cur, id);
+    mi = epoch_find(c->cur, peer);
+    if (ri < 0 || mi < 0 || c->cur_sessions[ri] != session || c->cur_sessions[mi] != m->session)
+        return -ESTALE;
+    words = (c->cur->n_members + 63) / 64;
+    if (m->accused_epoch != epoch || now >= m->accused_first + m->timeout_ms) {
+        /* A new count: reports from another epoch, or older than one
+         * timeout, do not add up with this one. */
+        if (m->accusers_words < words) {
+            uint64_t *bits = reallocarray(m->accusers, words, sizeof(*bits));
+
+            if (!bits)
+                return -ENOMEM;
+            m->accusers = bits;
+            m->accusers_words = words;
+        }
+        memset(m->accusers, 0, words * sizeof(*m->accusers));
+        m->accused_epoch = epoch;
+        m->accused_first = now;
+        m->n_accusers = 0;
+    }
+    if (!(m->accusers[ri / 64] >> (ri % 64) & 1u)) {
+        m->accusers[ri / 64] |= 1ull << (ri % 64);
+        m->n_accusers++;
+    }
+    /* More than half of the epoch, the accused counted in it. */
+    if (!m->cut_off_at && m->n_accusers > c->cur->n_members / 2) {
+        m->cut_off_at = now ? now : 1;
+        c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    }
     return 0;
 }
 

@@ -19,11 +19,26 @@
  *   the first pending change share one epoch. A set of changes that cancels
  *   out (a join and a leave of the same session) forms none.
  * - No epoch forms before start + startup_hold_ms, so that the members
- *   rejoining a restarted broker land in one epoch, not one each.
+ *   rejoining a restarted broker land in one epoch, not one each. The
+ *   same hold starts at the first join after evictions left a cohort
+ *   empty (a broker cut off from every member evicts them all, and they
+ *   come back one at a time after the heal, as after a restart): an
+ *   epoch of the first one back alone would let it train a history of
+ *   its own while the others still run theirs.
  * - A member leaves its epochs by a Leave, by silence past its timeout,
  *   or, when its watch stream is cut without a Leave (its process died),
  *   after stream_grace_ms; at once when a peer also reported it lost
  *   (broker_report_lost). A report alone evicts nobody: any member may lie.
+ * - A member that more than half of the current epoch's members report
+ *   unreachable (broker_report_unreachable), each in a heartbeat that
+ *   runs in that epoch, within one member timeout of the first such
+ *   report, is evicted at once and benched: its joins are refused for a
+ *   while (BROKER_BENCH_* below), so that a member cut from its peers but
+ *   not from the broker does not rejoin, stall the next epoch's rounds
+ *   for another timeout, and be evicted again, over and over. The
+ *   accused counts in the half but never accuses itself, so one lying
+ *   member never suffices; of two equal halves of an even epoch neither
+ *   is a majority and no one is evicted (docs/architecture.md).
  * - Versions advanced by committed rounds (declare == false) are recorded,
  *   shown in status and used at the next election, but never force one:
  *   members report them at different moments, and electing on that skew
@@ -91,9 +106,10 @@ struct broker_watch_ops {
      * a new watcher). The callee takes its own reference if it keeps e. */
     void (*publish)(void *arg, struct epoch *e, void *const *watchers, size_t n);
     /* The broker forgets `watcher` and will not name it again. err says
-     * why: -ETIMEDOUT evicted, -ENOENT left, -EEXIST replaced by a newer
-     * watch of the same member, -ESHUTDOWN cohort removed or broker
-     * destroyed. */
+     * why: -ETIMEDOUT evicted, -EHOSTUNREACH evicted as unreachable by
+     * most of its epoch (broker_report_unreachable), -ENOENT left,
+     * -EEXIST replaced by a newer watch of the same member, -ESHUTDOWN
+     * cohort removed or broker destroyed. */
     void (*detach)(void *arg, void *watcher, int err);
     void *arg;
 };
@@ -157,6 +173,7 @@ struct broker_join_result {
     uint32_t heartbeat_ms;      /* effective */
     uint32_t timeout_ms;        /* effective */
     uint64_t epoch;             /* latest published, 0 if none */
+    uint64_t benched_ms;        /* -EAGAIN: how long its bench lasts yet */
 };
 
 /* Adds a member, or refreshes it when the same id comes back with the same
@@ -170,7 +187,9 @@ struct broker_join_result {
  * only with a seq above its last. Nothing changes when it fails. Returns
  * 0, -EINVAL (bad id, address, zero session, timeout <= heartbeat once
  * clamped), -ENOENT (unknown cohort and !allow_any_cohort), -EEXIST (the
- * id is held by a live member with another session), -EALREADY (a
+ * id is held by a live member with another session), -EAGAIN (the id is
+ * benched: evicted as unreachable; res->benched_ms says for how much
+ * longer), -EALREADY (a
  * replayed or retired session's join), -ENOSPC (max_members or
  * max_cohorts), -ENOMEM. */
 int broker_join(struct broker *b, uint64_t now, const struct broker_join *j,
@@ -248,6 +267,31 @@ int broker_stream_lost(struct broker *b, uint64_t now, const char *cohort, const
  * reporter itself, or NULL). */
 int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
                        uint64_t session, const char *peer);
+
+/* Member `id` (with `session`, a live member of `cohort`), running in
+ * epoch `epoch`, reports that its host has heard nothing from member
+ * `peer`'s host for a member timeout. Counted only when `epoch` is the
+ * latest published and both are in it with the sessions it names (a
+ * report about an older membership says nothing of this one); a
+ * reporter counts once per accused, and the reports about one accused
+ * count together only within its timeout of the first. When more than
+ * half of the epoch's members agree, `peer` is evicted at the next tick
+ * and benched. Returns 0 (counted), -ESTALE (another epoch, or not both
+ * in it: nothing changes), -ENOENT (no such reporter session, or no
+ * member `peer`), -EINVAL (peer is the reporter itself, or NULL),
+ * -ENOMEM. */
+int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort, const char *id,
+                              uint64_t session, uint64_t epoch, const char *peer);
+
+/* How long a member evicted as unreachable is refused a rejoin: its
+ * timeout the first time, doubled each time it is evicted so again
+ * before a whole bench has passed since its last one ended, up to
+ * BROKER_BENCH_MAX_FACTOR timeouts. A member cut from its peers comes
+ * back at the end of its bench; if it is still cut, its epoch stalls
+ * for one timeout until the others report it again. */
+#define BROKER_BENCH_MAX_FACTOR 16u
+/* Benched ids one cohort remembers; the oldest is forgotten first. */
+#define BROKER_BENCH_MAX 64u
 
 /* Draining takes a member out of the cohort's epochs while it stays
  * connected, so that the others move on without it, at a round boundary,

@@ -48,9 +48,9 @@
 /* How far a Session stream's heartbeats may run ahead of their granted
  * pace: a heartbeat "costs" a quarter of the member's interval, and a
  * stream may owe at most this many. A member sends one per interval, and
- * one more at once for a declared version or a lost-peer report; a stream
- * that sends far faster is ended, so a member cannot make the broker
- * check proofs at any rate it likes. */
+ * one more at once for a declared version or a lost or unreachable peer
+ * report; a stream that sends far faster is ended, so a member cannot
+ * make the broker check proofs at any rate it likes. */
 #define SESSION_BEAT_BURST 16u
 
 /* One cohort's own key (brokerd_set_key). */
@@ -357,6 +357,13 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
         refuse_auth(d, r, "Join", q->cohort, q->id, replayed);
         return;
     }
+    if (rc == -EAGAIN) {
+        snprintf(why, sizeof(why),
+                 "member \"%.64s\" was evicted as unreachable by most of its epoch; it may "
+                 "rejoin in %llu ms", q->id, (unsigned long long)res.benched_ms);
+        refuse(d, r, "Join", q->cohort, q->id, RPC_UNAVAILABLE, why);
+        return;
+    }
     if (rc < 0) {
         refuse_errno(d, r, "Join", q->cohort, rc == -ENOENT ? NULL : q->id, rc);
         return;
@@ -370,26 +377,34 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
     rep.heartbeat_ms = res.heartbeat_ms;
     rep.timeout_ms = res.timeout_ms;
     rep.epoch = res.epoch;
+    rep.weighs_unreachable = true;
     rpc_reply_ok(r, &rep.base);
 }
 
-/* A heartbeat's lost_peers: at most WIRE_LOST_PEERS_MAX valid member ids.
- * Otherwise fills `why`. */
-static bool lost_peers_valid(const Cohort__V1__HeartbeatRequest *q, char *why, size_t len)
+/* A list of peers a heartbeat reports: at most WIRE_LOST_PEERS_MAX valid
+ * member ids. Otherwise fills `why`. */
+static bool peers_valid(const char *what, char *const *peers, size_t n, char *why, size_t len)
 {
-    if (q->n_lost_peers > WIRE_LOST_PEERS_MAX) {
-        snprintf(why, len, "a heartbeat reports at most %u lost peers, not %zu",
-                 WIRE_LOST_PEERS_MAX, q->n_lost_peers);
+    if (n > WIRE_LOST_PEERS_MAX) {
+        snprintf(why, len, "a heartbeat reports at most %u %s peers, not %zu",
+                 WIRE_LOST_PEERS_MAX, what, n);
         return false;
     }
-    for (size_t i = 0; i < q->n_lost_peers; i++) {
-        if (!ident_valid_member_id(q->lost_peers[i])) {
-            snprintf(why, len, "invalid member id \"%.64s\" among the lost peers",
-                     q->lost_peers[i] ? q->lost_peers[i] : "");
+    for (size_t i = 0; i < n; i++) {
+        if (!ident_valid_member_id(peers[i])) {
+            snprintf(why, len, "invalid member id \"%.64s\" among the %s peers",
+                     peers[i] ? peers[i] : "", what);
             return false;
         }
     }
     return true;
+}
+
+/* A heartbeat's lost_peers and unreachable_peers. */
+static bool lost_peers_valid(const Cohort__V1__HeartbeatRequest *q, char *why, size_t len)
+{
+    return peers_valid("lost", q->lost_peers, q->n_lost_peers, why, len) &&
+           peers_valid("unreachable", q->unreachable_peers, q->n_unreachable_peers, why, len);
 }
 
 /* Protocol 1's unary Heartbeat and its Watch: heartbeats ride the Session
@@ -530,7 +545,7 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
     struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];
     uint64_t held = 0, now;
-    size_t reported = 0;
+    size_t reported = 0, unreachable = 0;
     bool attached, ack;
     int rc, proved;
 
@@ -591,14 +606,24 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
     for (size_t i = 0; rc == 0 && attached && i < q->n_lost_peers; i++)
         reported += broker_report_lost(d->b, now, q->cohort, q->id, q->session,
                                        q->lost_peers[i]) == 0;
+    /* Counted only in the epoch the member says it runs in, which must
+     * be the current one (broker.h). */
+    for (size_t i = 0; rc == 0 && attached && i < q->n_unreachable_peers; i++)
+        unreachable += broker_report_unreachable(d->b, now, q->cohort, q->id, q->session,
+                                                 q->epoch, q->unreachable_peers[i]) == 0;
     /* A wakeup only when the heartbeat can change an epoch. */
-    if (reported || (rc == 0 && attached && q->declare_version))
+    if (reported || unreachable || (rc == 0 && attached && q->declare_version))
         pthread_cond_signal(&d->wake);
     pthread_mutex_unlock(&d->lock);
     if (reported && log_allowed(d, &held))
         log_info("broker", "A member reported peers' data connections reset.",
                  LF_S("cohort", q->cohort), LF_S("id", q->id), LF_S("first", q->lost_peers[0]),
                  LF_U("peers", q->n_lost_peers), LF_U("held_back", held));
+    if (q->n_unreachable_peers && rc == 0 && attached && log_allowed(d, &held))
+        log_info("broker", "A member reported peers unreachable.", LF_S("cohort", q->cohort),
+                 LF_S("id", q->id), LF_U("epoch", q->epoch),
+                 LF_S("first", q->unreachable_peers[0]), LF_U("peers", q->n_unreachable_peers),
+                 LF_U("counted", unreachable), LF_U("held_back", held));
     if (rc == -EALREADY) {
         session_refuse(d, w->s, q->cohort, q->id, RPC_UNAUTHENTICATED, replayed);
         return -EPIPE;
@@ -620,7 +645,8 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
      * member needs one when something changed for it, and often enough to
      * know that its heartbeats arrive (at least every half timeout, since
      * the next heartbeat may come a whole interval later). */
-    ack = first || q->declare_version || q->n_lost_peers || res.drained != w->told_drained ||
+    ack = first || q->declare_version || q->n_lost_peers || q->n_unreachable_peers ||
+          res.drained != w->told_drained ||
           now + res.heartbeat_ms >= w->acked_at + res.timeout_ms / 2;
     if (ack && session_ack(w->s, &res) == 0) {
         w->acked_at = now;
@@ -1166,6 +1192,9 @@ static void detach(void *arg, void *watcher, int err)
 {
     struct watcher *w = watcher;
     const char *why = err == -ETIMEDOUT  ? "evicted: silent past the member timeout"
+                      : err == -EHOSTUNREACH
+                          ? "evicted: most of its epoch reported it unreachable; it may rejoin "
+                            "when its bench ends"
                       : err == -ENOENT   ? "left the cohort"
                       : err == -EEXIST   ? "replaced by a newer session stream of the same member"
                                          : "the cohort or the broker is going away";

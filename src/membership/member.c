@@ -41,6 +41,13 @@ struct member {
      * goes out at the next poll (member_report_lost). */
     char *lost[WIRE_LOST_PEERS_MAX];
     size_t n_lost;
+    /* Peers of the latest epoch this member's host cannot reach, for the
+     * next heartbeat likewise (member_report_unreachable); cleared when
+     * another epoch arrives, since the broker counts them for this one
+     * only. */
+    char *unreach[WIRE_LOST_PEERS_MAX];
+    size_t n_unreach;
+    bool weighs_unreachable;    /* the broker's JoinReply said so */
     uint64_t ckpt_version, ckpt_skipped_version;    /* reported in heartbeats */
     uint32_t ckpt_skipped_reason;
     uint32_t want_hb_ms, want_to_ms;    /* asked for; 0: the cohort's */
@@ -177,6 +184,7 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
         const Cohort__V1__JoinReply *r = (const Cohort__V1__JoinReply *)reply;
         m->state = ST_JOINED;
         m->hb_ms = r->heartbeat_ms ? r->heartbeat_ms : WIRE_DEFAULT_HEARTBEAT_MS;
+        m->weighs_unreachable = r->weighs_unreachable;
         m->to_ms = r->timeout_ms ? r->timeout_ms : WIRE_DEFAULT_TIMEOUT_MS;
         if (m->joins == 0 && ((m->want_hb_ms && m->want_hb_ms != m->hb_ms) ||
                               (m->want_to_ms && m->want_to_ms != m->to_ms)))
@@ -253,6 +261,13 @@ static void log_epoch(const struct member *m, const struct epoch *e)
              LF_U("n_members", e->n_members), LF_S("members", ids), LOG_END);
 }
 
+static void unreach_clear_locked(struct member *m)
+{
+    for (size_t i = 0; i < m->n_unreach; i++)
+        free(m->unreach[i]);
+    m->n_unreach = 0;
+}
+
 static void session_msg(void *arg, ProtobufCMessage *msg)
 {
     const Cohort__V1__SessionReply *r = (const Cohort__V1__SessionReply *)msg;
@@ -293,6 +308,7 @@ static void session_msg(void *arg, ProtobufCMessage *msg)
     }
     epoch_unref(m->epoch);
     m->epoch = epoch_ref(e);
+    unreach_clear_locked(m);
     if (e->number > m->last_epoch)
         m->last_epoch = e->number;
     m->behind_since = 0;
@@ -379,6 +395,8 @@ static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
     q->epoch = m->epoch ? m->epoch->number : 0;
     q->n_lost_peers = m->n_lost;
     q->lost_peers = m->lost;
+    q->n_unreachable_peers = m->n_unreach;
+    q->unreachable_peers = m->unreach;
     q->checkpoint_version = m->ckpt_version;
     if (m->ckpt_skipped_version) {
         skip->version = m->ckpt_skipped_version;
@@ -395,6 +413,7 @@ static void beat_sent_locked(struct member *m, uint64_t now)
 {
     m->declare_pending = false;
     lost_clear_locked(m);
+    unreach_clear_locked(m);
     m->next_hb_at = now + m->hb_ms;
 }
 
@@ -517,7 +536,7 @@ uint32_t member_poll(struct member *m, uint64_t now)
         if (!m->watch)
             wait = until(m->next_watch_at, now, wait);
         if (m->watch && !m->watch_ended &&
-            (now >= m->next_hb_at || m->declare_pending || m->n_lost))
+            (now >= m->next_hb_at || m->declare_pending || m->n_lost || m->n_unreach))
             start_heartbeat_locked(m, now);
         wait = until(m->next_hb_at, now, wait);
         break;
@@ -600,28 +619,49 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare)
     pthread_mutex_unlock(&m->lock);
 }
 
+/* Queues `peer` on one of the two report lists (`list`, `n`), once.
+ * Lock held. */
+static int report_locked(char **list, size_t *n, const char *peer)
+{
+    char *dup;
+
+    for (size_t i = 0; i < *n; i++)
+        if (strcmp(list[i], peer) == 0)
+            return 0;
+    if (*n == WIRE_LOST_PEERS_MAX)
+        return -ENOSPC;
+    dup = strdup(peer);
+    if (!dup)
+        return -ENOMEM;
+    list[(*n)++] = dup;
+    return 0;
+}
+
 int member_report_lost(struct member *m, const char *peer)
 {
-    int rc = 0;
-    char *dup;
+    int rc;
 
     if (!ident_valid_member_id(peer) || strcmp(peer, m->id) == 0)
         return -EINVAL;
     pthread_mutex_lock(&m->lock);
-    for (size_t i = 0; i < m->n_lost; i++)
-        if (strcmp(m->lost[i], peer) == 0)
-            goto out;
-    if (m->n_lost == WIRE_LOST_PEERS_MAX) {
-        rc = -ENOSPC;
-        goto out;
-    }
-    dup = strdup(peer);
-    if (!dup) {
-        rc = -ENOMEM;
-        goto out;
-    }
-    m->lost[m->n_lost++] = dup;
-out:
+    rc = report_locked(m->lost, &m->n_lost, peer);
+    pthread_mutex_unlock(&m->lock);
+    return rc;
+}
+
+int member_report_unreachable(struct member *m, const char *peer, uint64_t epoch)
+{
+    int rc;
+
+    if (!ident_valid_member_id(peer) || strcmp(peer, m->id) == 0)
+        return -EINVAL;
+    pthread_mutex_lock(&m->lock);
+    if (m->state != ST_JOINED || !m->weighs_unreachable)
+        rc = -EOPNOTSUPP;
+    else if (!m->epoch || m->epoch->number != epoch)
+        rc = -ESTALE;
+    else
+        rc = report_locked(m->unreach, &m->n_unreach, peer);
     pthread_mutex_unlock(&m->lock);
     return rc;
 }
@@ -760,6 +800,7 @@ void member_destroy(struct member *m)
     free(m->id);
     free(m->address);
     lost_clear_locked(m);
+    unreach_clear_locked(m);
     pthread_cond_destroy(&m->idle);
     pthread_mutex_destroy(&m->lock);
     free(m);

@@ -95,6 +95,18 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare);
  * -ENOMEM. */
 int member_report_lost(struct member *m, const char *peer);
 
+/* Reports that this member's host has heard nothing from member `peer`'s
+ * host (copied) for the member timeout while it had a connection to it
+ * open or being dialled, in epoch `epoch`: evidence that peer is cut off,
+ * which the broker weighs (broker_report_unreachable). Sent in a
+ * heartbeat at the next member_poll(), once, and dropped if another
+ * epoch arrives first. Returns 0 (queued, or already queued), -EINVAL
+ * (an invalid id, or this member's own), -EOPNOTSUPP (not joined, or the
+ * broker does not weigh such reports), -ESTALE (`epoch` is not the latest
+ * this member received), -ENOSPC (WIRE_LOST_PEERS_MAX are queued
+ * already), -ENOMEM. */
+int member_report_unreachable(struct member *m, const char *peer, uint64_t epoch);
+
 /* Records what the member's heartbeats report of checkpoints (the
  * newest written or resumed from; the newest skipped as invalid and why;
  * 0 for none): they ride the next heartbeat. */

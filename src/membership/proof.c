@@ -7,9 +7,9 @@
 
 #include "membership/wire.h"
 
-/* Join's 12; Heartbeat's 10, 3 for checkpoints, a count and
- * WIRE_LOST_PEERS_MAX ids. */
-#define MAX_PARTS (14 + WIRE_LOST_PEERS_MAX)
+/* Join's 12; Heartbeat's 10, 3 for checkpoints, and two counts of up to
+ * WIRE_LOST_PEERS_MAX ids each (lost and unreachable peers). */
+#define MAX_PARTS (15 + 2 * WIRE_LOST_PEERS_MAX)
 
 uint64_t proof_now_ms(void)
 {
@@ -22,7 +22,7 @@ uint64_t proof_now_ms(void)
 /* The integers of one MAC input, kept apart so that each part can point
  * at its own 8 bytes. */
 struct ints {
-    uint64_t version, session, seq, time_ms, a, b, c, d, e, f, g, n_lost;
+    uint64_t version, session, seq, time_ms, a, b, c, d, e, f, g, n_lost, n_unreachable;
     bool more;                  /* a Heartbeat's optional checkpoint parts */
 };
 
@@ -136,13 +136,21 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
             parts[n++] = SECRET_U64(v->f);
             parts[n++] = SECRET_U64(v->g);
         }
-        if (q->n_lost_peers > WIRE_LOST_PEERS_MAX)
+        if (q->n_lost_peers > WIRE_LOST_PEERS_MAX || q->n_unreachable_peers > WIRE_LOST_PEERS_MAX)
             return 0;           /* nothing this long is signed or accepted */
-        if (q->n_lost_peers > 0) {
+        /* The lost peers' count goes in, even 0, when unreachable ones
+         * follow, so that the two lists can never be read as one. */
+        if (q->n_lost_peers > 0 || q->n_unreachable_peers > 0) {
             v->n_lost = q->n_lost_peers;
             parts[n++] = SECRET_U64(v->n_lost);
             for (size_t i = 0; i < q->n_lost_peers; i++)
                 parts[n++] = SECRET_STR(str(q->lost_peers[i]));
+        }
+        if (q->n_unreachable_peers > 0) {
+            v->n_unreachable = q->n_unreachable_peers;
+            parts[n++] = SECRET_U64(v->n_unreachable);
+            for (size_t i = 0; i < q->n_unreachable_peers; i++)
+                parts[n++] = SECRET_STR(str(q->unreachable_peers[i]));
         }
     } else if (d == &cohort__v1__matchmake_request__descriptor) {
         const Cohort__V1__MatchmakeRequest *q = (const Cohort__V1__MatchmakeRequest *)req;

@@ -57,9 +57,11 @@
  *                 A member that reports no checkpoint signs what a member
  *                 before checkpoints signed;
  *                 stripping the fields breaks the proof, as any change does;
- *                 and, only when it reports any, the number of lost_peers
- *                 (8 bytes) and each of them (so a heartbeat that reports
- *                 none is signed as before the field existed)
+ *                 and, only when it reports any lost or unreachable peers,
+ *                 the number of lost_peers (8 bytes) and each of them;
+ *                 then, only when it reports any unreachable_peers, their
+ *                 number (8 bytes) and each of them (so a heartbeat that
+ *                 reports none is signed as before the fields existed)
  *   Matchmake     prefix, group_bits, target_group_size, min_group_size,
  *                 min_matchmaking_ms, timeout_ms, schema (its bytes)
  *   StateDonors   prefix, declare, allow (8 bytes, 0 or 1 each),
@@ -94,8 +96,8 @@
  * Status proof can be replayed within its window (a read). TLS keeps
  * proofs from being captured at all.
  */
-/* The most peers one heartbeat may report lost; a heartbeat with more
- * is INVALID_ARGUMENT. */
+/* The most peers one heartbeat may report lost, and the most it may
+ * report unreachable; a heartbeat with more is INVALID_ARGUMENT. */
 #define WIRE_LOST_PEERS_MAX 16u
 #define WIRE_PROOF_LABEL "cohort/broker/v1"
 #define WIRE_PROOF_SKEW_MS 120000u

@@ -38,6 +38,7 @@ COHORT_SPEC = "%s:heartbeat=500ms,timeout=%gs" % (COHORT, TIMEOUT_S)
 # delivery on a loaded 2-core machine with sanitizers.
 OUT_SLACK_S = 3.0
 LOGREG = bin_path(os.path.join("examples", "logreg"))
+UNREACHABLE = "Nothing heard from a peer's host for the member timeout; reporting it unreachable."
 
 
 @pytest.fixture
@@ -123,8 +124,11 @@ class Cohort:
         cs = json.loads(r.stdout)["cohorts"]
         return sorted(m["id"] for m in cs[0]["members"]) if cs else []
 
-    def finish(self):
-        """Waits for every trainer to end, then checks the run."""
+    def finish(self, may_roll_back=()):
+        """Waits for every trainer to end, then checks the run. A member of
+        may_roll_back may have commits rolled back (accounting.py: finished
+        alone while cut off, then replaced by the leader's state); they
+        are printed, and anyone else's fail the run."""
         for mid, t in self.trainers.items():
             try:
                 rc = t.p.wait(DEADLINE * 3)
@@ -133,15 +137,18 @@ class Cohort:
             assert rc == 0, "trainer %s exited %s; versions %s; its last lines:\n%s" % (
                 mid, rc, self.versions(), "\n".join(t.raw[-15:]))
         stats = load_stats(self.stats)
-        self.discarded = []
-        assert check_accounting(stats, self.steps, self.discarded) == self.steps
+        self.discarded, self.rolled_back = [], []
+        assert check_accounting(stats, self.steps, self.discarded,
+                                self.rolled_back if may_roll_back else None) == self.steps
+        assert all(m in may_roll_back for _, m, _ in self.rolled_back), self.rolled_back
         finals = {mid: evs[-1] for mid, evs in stats.items()}
         assert all(f["ev"] == "final" and f["v"] == self.steps for f in finals.values()), finals
         assert len({f["digest"] for f in finals.values()}) == 1, \
             "the members' parameters differ: %s" % finals
         print("%s: contributions dropped uncounted (made in a round the others committed "
-              "without the member): %s" % (os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
-                                          self.discarded))
+              "without the member): %s; commits rolled back (version, member, its own part): %s"
+              % (os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], self.discarded,
+                 self.rolled_back))
         return stats
 
     def close(self):
@@ -258,24 +265,21 @@ def test_member_partitioned_from_its_peers_not_the_broker(net, cohort_factory):
     peers = [ns for ns in net.members if ns != x]
     out_s, back_s, v_at_cut, v_cut = partitioned_then_healed(
         c, net, lambda: net.partition(x, peers))
-    stats = c.finish()
     print("member cut from its peers: out in %s s, back %.1f s after the heal; versions %s "
           "at the cut, %s at the heal" % (out_s, back_s, v_at_cut, v_cut))
-    if out_s is None:
-        pytest.xfail("the broker keeps a member that only its peers cannot reach (its "
-                     "heartbeats go on), so it is never out: the survivors made no progress "
-                     "for the %.0f s it was cut (versions %s at the cut, %s at the heal), and "
-                     "the stalled round went on after the heal in the same epoch; needs a "
-                     "member's report of a failed peer connection as evidence for the broker"
-                     % (TIMEOUT_S + OUT_SLACK_S, v_at_cut, v_cut))
-    assert stats
+    # Its heartbeats went on: it is out because both survivors' engines
+    # reported its host unreachable.
+    assert out_s is not None and out_s <= TIMEOUT_S + OUT_SLACK_S, \
+        "not out: versions %s at the cut, %s at the heal" % (v_at_cut, v_cut)
+    xid = c.ids[net.members.index(x)]
+    for m in c.ids:
+        if m != xid:
+            assert any(r.get("peer") == xid for r in c.sidecars[m].logs(UNREACHABLE)), m
+    # Cut in the middle of a round's last exchange it may finish that
+    # round alone; the survivors redo it, and it takes their state back.
+    c.finish(may_roll_back=(xid,))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "after the heal the members rejoin one at a time, and a member can adopt an epoch of "
-    "itself alone (seen: epochs {m2}, {m0,m2}, {m0}, {m0,m1}); its trainer then got EAGAIN "
-    "from the accumulator and exited 1 (logreg: 'the accumulator failed: Resource "
-    "temporarily unavailable'), 1 run of 3; not yet explained"))
 def test_broker_partitioned_from_everyone(net, cohort_factory):
     c = cohort_factory(STEPS, PACE)
     c.wait_versions(c.ids, 5, "all three training")
@@ -299,4 +303,6 @@ def test_broker_partitioned_from_everyone(net, cohort_factory):
     c.wait_versions(c.ids, max(v.values()) + 3, "all three training after the heal")
     print("broker cut off: everyone evicted in %.1f s, back %.1f s after the heal"
           % (out_s, back_s))
-    c.finish()
+    # Members back one at a time may run in two epochs at once for a
+    # moment; the side behind the leader takes its state.
+    c.finish(may_roll_back=tuple(c.ids))

@@ -1007,9 +1007,36 @@ static void note_lost(void *arg, const char *peer)
     pthread_mutex_unlock(&l->lock);
 }
 
-static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t within_ms)
+/* The peers an engine reported unreachable (on_peer_unreachable), and the
+ * epoch each report named. */
+static void note_unreachable(void *arg, const char *peer, uint64_t epoch)
+{
+    struct lost_note *l = arg;
+
+    pthread_mutex_lock(&l->lock);
+    if (l->n < 4)
+        snprintf(l->ids[l->n++], sizeof(l->ids[0]), "%s@%llu", peer, (unsigned long long)epoch);
+    pthread_mutex_unlock(&l->lock);
+}
+
+static size_t notes(struct lost_note *l)
+{
+    size_t n;
+
+    pthread_mutex_lock(&l->lock);
+    n = l->n;
+    pthread_mutex_unlock(&l->lock);
+    return n;
+}
+
+/* With unreach_ms, member 0 also reports unreachable peers
+ * (allreduce_set_unreachable_ms), and must report none: a stopped or
+ * killed process's host still answers. */
+static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t within_ms,
+                          uint32_t unreach_ms)
 {
     static struct lost_note lost = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    static struct lost_note unreach = { .lock = PTHREAD_MUTEX_INITIALIZER };
     struct cluster c = { .n = 3 };
     struct epoch *e;
     pid_t pids[3] = { 0 };
@@ -1018,7 +1045,9 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     struct peer *me = &c.p[0];
     struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
                                     .member_timeout_ms = timeout_ms, .on_peer_lost = note_lost,
-                                    .peer_lost_arg = &lost };
+                                    .peer_lost_arg = &lost,
+                                    .on_peer_unreachable = note_unreachable,
+                                    .peer_unreachable_arg = &unreach };
     struct note n;
     uint64_t t_sig;
 
@@ -1044,6 +1073,7 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     }
     cfg.listen_fd = me->fd;
     cr_assert_eq(allreduce_create(&cfg, &me->ar), 0);
+    allreduce_set_unreachable_ms(me->ar, unreach_ms);
     cr_assert_eq(allreduce_set_epoch(me->ar, e), 0);
     cr_assert_eq(posix_memalign(&me->buf, 64, count * 4), 0);
     me->h = allreduce_register(me->ar, me->buf, count * 4);
@@ -1101,6 +1131,8 @@ static void process_fault(int sig, int want, uint32_t timeout_ms, uint32_t withi
     for (size_t i = 0; i < 3; i++)
         close(c.p[i].fd);
     epoch_unref(e);
+    /* After the cleanup: a stopped child must not outlive a failure. */
+    cr_assert_eq(notes(&unreach), 0, "reported %s unreachable", unreach.ids[0]);
 }
 
 Test(allreduce, sigkilled_peer_process_fails_survivors_within_timeout)
@@ -1108,14 +1140,160 @@ Test(allreduce, sigkilled_peer_process_fails_survivors_within_timeout)
     /* The kernel closes a killed process's sockets, so its neighbours see
      * a reset at once, well within the member timeout; the third member
      * hears of it by BYE or reset. */
-    process_fault(SIGKILL, 0, 3000, 3000);
+    process_fault(SIGKILL, 0, 3000, 3000, 0);
 }
 
 Test(allreduce, stopped_peer_process_times_out_survivors)
 {
     /* A stopped process reads nothing and sends nothing, but its sockets
      * stay open: only the member timeout can end the round. */
-    process_fault(SIGSTOP, -ETIMEDOUT, 1000, 1000 + 4000);
+    process_fault(SIGSTOP, -ETIMEDOUT, 1000, 1000 + 4000, 0);
+}
+
+Test(allreduce, a_stopped_peer_is_not_reported_unreachable, .timeout = 60)
+{
+    /* Stopped for longer than the unreachable time: its kernel still
+     * answers keepalive probes and acknowledges bytes, so it is slow, not
+     * cut off; the call ends at the engine's own timeout. */
+    process_fault(SIGSTOP, -ETIMEDOUT, 6000, 6000 + 4000, 3000);
+}
+
+/* A listener whose accept queue is full and never drained: the kernel
+ * drops further SYNs, as a host behind a partition would. */
+static int deaf_listener(char *addr, size_t len, int *held, size_t n_held)
+{
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    socklen_t sl = sizeof(sa);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    cr_assert_eq(listen(fd, 0), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    snprintf(addr, len, "127.0.0.1:%u", ntohs(sa.sin_port));
+    /* Fill the queue: each connect completes once queued, until none can. */
+    for (size_t i = 0; i < n_held; i++) {
+        held[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        cr_assert_geq(held[i], 0);
+        (void)connect(held[i], (struct sockaddr *)&sa, sizeof(sa));
+    }
+    return fd;
+}
+
+static bool unreach_noted(void *arg)
+{
+    return notes(arg) > 0;
+}
+
+Test(allreduce, an_unanswered_dial_is_reported_unreachable_and_the_call_waits, .timeout = 60)
+{
+    static struct lost_note unreach = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct cluster c = { .n = 2 };
+    struct peer *me = &c.p[0];
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
+                                    .member_timeout_ms = 60000,
+                                    .on_peer_unreachable = note_unreachable,
+                                    .peer_unreachable_arg = &unreach };
+    struct epoch *e, *e2;
+    int held[8], deaf;
+    uint64_t t0;
+
+    quiet();
+    snprintf(c.p[0].id, sizeof(c.p[0].id), "m-0");
+    snprintf(c.p[1].id, sizeof(c.p[1].id), "m-1");
+    cr_assert_eq(allreduce_listen("127.0.0.1", &me->fd, me->addr, sizeof(me->addr)), 0);
+    deaf = deaf_listener(c.p[1].addr, sizeof(c.p[1].addr), held, 8);
+    e = make_epoch(&c, 7, NULL, 2);
+    cfg.listen_fd = me->fd;
+    cr_assert_eq(allreduce_create(&cfg, &me->ar), 0);
+    /* Below the floor: raised to 3000 ms. */
+    allreduce_set_unreachable_ms(me->ar, 10);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e), 0);
+    cr_assert_eq(posix_memalign(&me->buf, 64, 4096), 0);
+    me->h = allreduce_register(me->ar, me->buf, 4096);
+    me->hin = -1;
+
+    t0 = clock_now_ms();
+    call_start(me, 1024, DTYPE_F32, DTYPE_SUM, 0, 1);
+    cr_assert(fixture_wait_until(unreach_noted, &unreach, 20000), "m-1 was never reported");
+    cr_assert_geq(clock_now_ms() - t0, 3000, "reported before the unreachable time");
+    cr_assert_str_eq(unreach.ids[0], "m-1@7");
+    /* The call still waits: the broker decides, and its epoch ends it. */
+    cr_assert_eq(me->rc, 1, "the call ended: %s", log_strerror(me->rc));
+    e2 = make_epoch(&c, 8, NULL, 1);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e2), 0);
+    call_join(me);
+    cr_assert_eq(me->rc, -ESTALE, "got %s", log_strerror(me->rc));
+
+    allreduce_destroy(me->ar);
+    free(me->buf);
+    for (size_t i = 0; i < 8; i++)
+        close(held[i]);
+    close(deaf);
+    close(me->fd);
+    epoch_unref(e);
+    epoch_unref(e2);
+}
+
+Test(allreduce, a_member_without_a_connection_is_probed_and_reported, .timeout = 60)
+{
+    static struct lost_note unreach = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    struct cluster c = { .n = 4 };
+    struct peer *me = &c.p[0];
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
+                                    .member_timeout_ms = 60000,
+                                    .small_bytes = ALLREDUCE_SMALL_NONE,
+                                    .on_peer_unreachable = note_unreachable,
+                                    .peer_unreachable_arg = &unreach };
+    struct epoch *e, *e2;
+    int held[8], deaf;
+    uint64_t t0;
+
+    /* A ring of four: m-0 dials its neighbours m-1 and m-3, plain
+     * listeners that take the connection and never answer the greeting
+     * (slow, not cut off); m-2, which it has no reason to dial, is a host
+     * that drops SYNs. Only a probe can find it. */
+    quiet();
+    for (size_t i = 0; i < 4; i++)
+        snprintf(c.p[i].id, sizeof(c.p[i].id), "m-%zu", i);
+    for (size_t i = 0; i < 4; i += 3)
+        cr_assert_eq(allreduce_listen("127.0.0.1", &c.p[i].fd, c.p[i].addr, sizeof(c.p[i].addr)),
+                     0);
+    cr_assert_eq(allreduce_listen("127.0.0.1", &c.p[1].fd, c.p[1].addr, sizeof(c.p[1].addr)), 0);
+    deaf = deaf_listener(c.p[2].addr, sizeof(c.p[2].addr), held, 8);
+    e = make_epoch(&c, 7, NULL, 4);
+    cfg.listen_fd = me->fd;
+    cr_assert_eq(allreduce_create(&cfg, &me->ar), 0);
+    allreduce_set_unreachable_ms(me->ar, 3000);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e), 0);
+    cr_assert_eq(posix_memalign(&me->buf, 64, 4096), 0);
+    me->h = allreduce_register(me->ar, me->buf, 4096);
+    me->hin = -1;
+
+    t0 = clock_now_ms();
+    call_start(me, 1024, DTYPE_F32, DTYPE_SUM, 0, 1);
+    cr_assert(fixture_wait_until(unreach_noted, &unreach, 20000), "m-2 was never reported");
+    cr_assert_geq(clock_now_ms() - t0, 3000, "reported before the unreachable time");
+    cr_assert_str_eq(unreach.ids[0], "m-2@7");
+    cr_assert_eq(me->rc, 1, "the call ended: %s", log_strerror(me->rc));
+    e2 = make_epoch(&c, 8, NULL, 1);
+    cr_assert_eq(allreduce_set_epoch(me->ar, e2), 0);
+    call_join(me);
+    cr_assert_eq(me->rc, -ESTALE, "got %s", log_strerror(me->rc));
+    /* Neither slow neighbour was reported: their hosts answered. */
+    for (size_t i = 0; i < notes(&unreach); i++)
+        cr_assert_str_eq(unreach.ids[i], "m-2@7");
+
+    allreduce_destroy(me->ar);
+    free(me->buf);
+    for (size_t i = 0; i < 8; i++)
+        close(held[i]);
+    close(deaf);
+    for (size_t i = 0; i < 4; i++)
+        if (i != 2)
+            close(c.p[i].fd);
+    epoch_unref(e);
+    epoch_unref(e2);
 }
 
 /* --- authentication ------------------------------------------------------ */

@@ -299,6 +299,25 @@ Test(brokerd, invalid_fields_are_invalid_argument)
     cr_assert_eq(status_members("demo"), 0);
 }
 
+/* A JoinReply says the broker weighs unreachable_peers, so that members
+ * send them (an older broker, which leaves it false, gets none). */
+Test(brokerd, a_join_reply_says_unreachable_reports_are_weighed)
+{
+    Cohort__V1__JoinRequest q = COHORT__V1__JOIN_REQUEST__INIT;
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = "demo";
+    q.id = "a";
+    q.address = "127.0.0.1:4000";
+    q.session = 3;
+    cr_assert_eq(rpc_call(ch, WIRE_BROKER_JOIN, &q.base, &cohort__v1__join_reply__descriptor,
+                          CALL_MS, RPC_WAIT_FOR_READY, &out, &st), 0, "%s", st.message);
+    cr_assert(((Cohort__V1__JoinReply *)out)->weighs_unreachable);
+    protobuf_c_message_free_unpacked(out, NULL);
+}
+
 Test(brokerd, malformed_and_oversized_requests_are_refused_and_serving_goes_on)
 {
     static char big[100 * 1024];
@@ -1008,6 +1027,67 @@ Test(brokerd_keys, a_heartbeats_lost_peers_are_bound_and_checked)
     cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
     cr_assert_eq(beat_call(&h.base, &st), -EINVAL);
     cr_assert(strstr(st.message, "among the lost peers"), "%s", st.message);
+    cr_assert_eq(held("demo"), 2);
+}
+
+/* Likewise for unreachable_peers: bound into the proof, apart from the
+ * lost peers (the same id moved from one list to the other is a wrong
+ * key), capped and checked; a report about an epoch that is not the
+ * current one changes nothing. */
+Test(brokerd_keys, a_heartbeats_unreachable_peers_are_bound_and_checked)
+{
+    Cohort__V1__HeartbeatRequest h = COHORT__V1__HEARTBEAT_REQUEST__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES];
+    struct rpc_status st;
+    char *peers[WIRE_LOST_PEERS_MAX + 1], *other[] = { "c" }, *bad[] = { "NOT VALID" };
+    uint64_t seq = 2;
+
+    for (size_t i = 0; i <= WIRE_LOST_PEERS_MAX; i++)
+        peers[i] = "b";
+    cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
+    cr_assert_eq(kjoin(&key_a, "demo", "b", 8, 1, 0, &st), 0);
+    h.protocol_version = WIRE_PROTOCOL_VERSION;
+    h.cohort = "demo";
+    h.id = "a";
+    h.session = 7;
+    for (int change = 0; change < 4; change++) {
+        h.unreachable_peers = peers;
+        h.n_unreachable_peers = 1;
+        h.n_lost_peers = 0;
+        cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+        h.proof = &pf;
+        switch (change) {
+        case 0: h.unreachable_peers = other; break;
+        case 1: h.n_unreachable_peers = 2; break;
+        case 2: h.n_unreachable_peers = 0; break;
+        case 3:
+            h.n_unreachable_peers = 0;
+            h.lost_peers = peers;
+            h.n_lost_peers = 1;
+            break;
+        }
+        assert_refused(beat_call(&h.base, &st), &st, "wrong key");
+    }
+    h.n_lost_peers = 0;
+    h.unreachable_peers = peers;
+    h.n_unreachable_peers = 1;
+    h.epoch = 999;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+    cr_assert_eq(beat_call(&h.base, &st), 0, "%s", st.message);
+    cr_assert_eq(held("demo"), 2);
+
+    h.n_unreachable_peers = WIRE_LOST_PEERS_MAX + 1;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), -EINVAL,
+                 "nothing too long is signed");
+    cr_assert_eq(beat_call(&h.base, &st), -EINVAL);
+    cr_assert_eq(st.code, RPC_INVALID_ARGUMENT, "%s", st.message);
+    cr_assert(strstr(st.message, "at most 16 unreachable peers"), "%s", st.message);
+    h.unreachable_peers = bad;
+    h.n_unreachable_peers = 1;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+    cr_assert_eq(beat_call(&h.base, &st), -EINVAL);
+    cr_assert(strstr(st.message, "among the unreachable peers"), "%s", st.message);
     cr_assert_eq(held("demo"), 2);
 }
 

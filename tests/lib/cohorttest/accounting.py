@@ -37,7 +37,7 @@ def vsum(vs):
     return tuple(sum(x) for x in zip(*vs)) if vs else (0, 0, 0, 0)
 
 
-def check_accounting(stats, steps, discarded=None):
+def check_accounting(stats, steps, discarded=None, rolled_back=None):
     """Every committed round: result x num_gradients == the contributions of
     its epoch's members. Each member's part is known from its own log: the
     contributions since its last commit or drop. The rest of a round may
@@ -54,7 +54,19 @@ def check_accounting(stats, steps, discarded=None):
     node cannot tell, it drops them although no round may hold them. With
     `discarded` (a list) such drops are allowed and appended to it as
     (version, member id); without, every drop must be in a committed
-    round."""
+    round.
+
+    A member cut off in the middle of a round's last exchange can finish
+    the round alone (its peer's data reached it, its own did not), while
+    the others, who never finish it, redo it without it; two sides of a
+    partition that each run an epoch commit rounds of their own. When the
+    member, or the side, comes back behind the leader it takes the
+    leader's state: its commits from then on were rolled back, and its own
+    contributions to them are lost. With `rolled_back` (a list), a commit
+    at version v that differs from the others' is allowed when its member
+    later received state from a version >= v (a "state" line), and is
+    appended to it as (version, member id, its own part); the round is
+    then checked among the others. Without, every commit must agree."""
     commits, drops, dead = {}, {}, {}
     for mid, evs in stats.items():
         pending, finished = [], False
@@ -85,6 +97,17 @@ def check_accounting(stats, steps, discarded=None):
             prefixes = [vsum([vec(c) for c in pending[:k]]) for k in range(1, len(pending) + 1)]
             dead.setdefault(pending[-1]["v"] + 1, []).append((mid, prefixes))
 
+    if rolled_back is not None:
+        replaced = {mid: [e["from_v"] for e in evs if e["ev"] == "state"]
+                    for mid, evs in stats.items()}
+        for v, recs in commits.items():
+            if len({(e["total"], e["wsum"], e["G"], e["batch"]) for _, e, _ in recs}) < 2:
+                continue
+            gone = [r for r in recs if any(f >= v for f in replaced[r[0]])]
+            keep = [r for r in recs if r not in gone]
+            if keep:
+                rolled_back.extend((v, mid, part[:3]) for mid, _, part in gone)
+                commits[v] = keep
     assert sorted(commits) == list(range(1, steps + 1)), "rounds nobody logged"
     used_drops = set()
     for v, recs in sorted(commits.items()):
