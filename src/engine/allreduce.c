@@ -520,13 +520,31 @@ static void run_finish(struct run *x)
     epoch_unref(x->e);
 }
 
+/* One call from registered buffer `in` into `out`, both checked to hold
+ * x->count elements of x->esz bytes. */
+static int run_buffers(struct run *x, int in, int out)
+{
+    const struct allreduce *a = x->a;
+    int rc;
+
+    x->buf = a->regs[out].buf;
+    x->src = a->regs[in].buf;
+    if (x->count > a->regs[in].bytes / x->esz || x->count > a->regs[out].bytes / x->esz)
+        return -EINVAL;
+    rc = run_claim(x);
+    if (rc < 0)
+        return rc;
+    rc = run_call(x);
+    run_finish(x);
+    return rc;
+}
+
 int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                         enum dtype_op op, double denominator, enum codec codec, uint64_t round)
 {
     struct run x = { .a = a, .round = round, .count = count, .type = type, .op = op,
                      .div = denominator, .codec = codec, .coded = codec != CODEC_NONE,
                      .fail_peer = SIZE_MAX };
-    int rc;
 
     if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
         !dtype_op_valid((int)op) || !codec_valid((int)codec) || !codec_supports(codec, type))
@@ -535,16 +553,7 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
     x.acc = dtype_acc(type);
     x.asz = dtype_size(x.acc);
     x.wide = dtype_is_16bit_float(type);
-    x.buf = a->regs[out].buf;
-    x.src = a->regs[in].buf;
-    if (count > a->regs[in].bytes / x.esz || count > a->regs[out].bytes / x.esz)
-        return -EINVAL;
-    rc = run_claim(&x);
-    if (rc < 0)
-        return rc;
-    rc = run_call(&x);
-    run_finish(&x);
-    return rc;
+    return run_buffers(&x, in, out);
 }
 
 int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum dtype type,
@@ -556,7 +565,6 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
                      .n_parts = n_parts, .fail_peer = SIZE_MAX };
     size_t sum = 0;
     bool any = false;
-    int rc;
 
     if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
         !dtype_op_valid((int)op) || dtype_is_16bit_float(type) || !parts || n_parts == 0 ||
@@ -572,16 +580,7 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
         return -EINVAL;
     x.esz = x.asz = dtype_size(type);
     x.acc = dtype_acc(type);
-    x.buf = a->regs[out].buf;
-    x.src = a->regs[in].buf;
-    if (count > a->regs[in].bytes / x.esz || count > a->regs[out].bytes / x.esz)
-        return -EINVAL;
-    rc = run_claim(&x);
-    if (rc < 0)
-        return rc;
-    rc = run_call(&x);
-    run_finish(&x);
-    return rc;
+    return run_buffers(&x, in, out);
 }
 
 int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,

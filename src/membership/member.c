@@ -833,32 +833,12 @@ int member_matchmake(struct member *m, Cohort__V1__MatchmakeRequest *q, rpc_msg_
     return rc;
 }
 
-/* A StateDonors call's answer, handed from the completion thread. */
-struct donors_wait {
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    bool done;
-    struct rpc_status st;
-    ProtobufCMessage *reply;
-};
-
-static void donors_done(void *arg, const struct rpc_status *st, ProtobufCMessage *reply)
-{
-    struct donors_wait *w = arg;
-
-    pthread_mutex_lock(&w->lock);
-    w->st = *st;
-    w->reply = reply;
-    w->done = true;
-    pthread_cond_signal(&w->cond);
-    pthread_mutex_unlock(&w->lock);
-}
-
 int member_state_donors(struct member *m, Cohort__V1__StateDonorsRequest *q,
                         uint32_t timeout_ms, Cohort__V1__StateDonorsReply **reply,
                         struct rpc_status *st)
 {
-    struct donors_wait w = { .done = false };
+    struct rpc_pending *p = NULL;
+    ProtobufCMessage *got = NULL;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
     int rc;
@@ -874,29 +854,19 @@ int member_state_donors(struct member *m, Cohort__V1__StateDonorsRequest *q,
     q->session = m->session;
     q->proof = NULL;
     sign_locked(m, &q->base, &q->proof, &pf, mac);
-    pthread_mutex_init(&w.lock, NULL);
-    pthread_cond_init(&w.cond, NULL);
     /* Started under the lock, so that the seq goes out in the order
      * signed with respect to this member's own calls; waited on outside
      * it. The call's own deadline bounds the wait. */
-    rc = rpc_call_async(m->ch, WIRE_BROKER_STATE_DONORS, &q->base,
-                        &cohort__v1__state_donors_reply__descriptor, timeout_ms, 0, donors_done,
-                        &w);
+    rc = rpc_call_start(m->ch, WIRE_BROKER_STATE_DONORS, &q->base,
+                        &cohort__v1__state_donors_reply__descriptor, timeout_ms, 0, &p);
     pthread_mutex_unlock(&m->lock);
     q->proof = NULL;
-    if (rc == 0) {
-        pthread_mutex_lock(&w.lock);
-        while (!w.done)
-            pthread_cond_wait(&w.cond, &w.lock);
-        pthread_mutex_unlock(&w.lock);
-        if (st)
-            *st = w.st;
-        if (w.st.code == RPC_OK && w.reply)
-            *reply = (Cohort__V1__StateDonorsReply *)w.reply;
-        else
-            rc = w.st.code == RPC_OK ? -EPROTO : rpc_code_to_errno(w.st.code);
-    }
-    pthread_cond_destroy(&w.cond);
-    pthread_mutex_destroy(&w.lock);
+    if (rc < 0)
+        return rc;
+    rc = rpc_call_finish(p, &got, st);
+    if (rc == 0 && !got)
+        rc = -EPROTO;
+    if (rc == 0)
+        *reply = (Cohort__V1__StateDonorsReply *)got;
     return rc;
 }

@@ -209,35 +209,69 @@ static void waiter_done(void *arg, const struct rpc_status *st, ProtobufCMessage
     pthread_mutex_unlock(&w->lock);
 }
 
-int rpc_call(struct rpc_channel *c, const char *path, const ProtobufCMessage *req,
-             const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms, unsigned flags,
-             ProtobufCMessage **reply, struct rpc_status *st)
+struct rpc_pending {
+    struct waiter w;
+};
+
+int rpc_call_start(struct rpc_channel *c, const char *path, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms,
+                   unsigned flags, struct rpc_pending **out)
 {
-    struct waiter w = { .done = false, .reply = NULL };
+    struct rpc_pending *p;
     int rc;
 
     if (rpc_on_completion_thread())
         return -EDEADLK;
-    pthread_mutex_init(&w.lock, NULL);
-    pthread_cond_init(&w.cond, NULL);
-    rc = rpc_call_async(c, path, req, reply_desc, timeout_ms, flags, waiter_done, &w);
+    p = calloc(1, sizeof(*p));
+    if (!p)
+        return -ENOMEM;
+    pthread_mutex_init(&p->w.lock, NULL);
+    pthread_cond_init(&p->w.cond, NULL);
+    rc = rpc_call_async(c, path, req, reply_desc, timeout_ms, flags, waiter_done, &p->w);
+    if (rc < 0) {
+        pthread_cond_destroy(&p->w.cond);
+        pthread_mutex_destroy(&p->w.lock);
+        free(p);
+        return rc;
+    }
+    *out = p;
+    return 0;
+}
+
+int rpc_call_finish(struct rpc_pending *p, ProtobufCMessage **reply, struct rpc_status *st)
+{
+    struct waiter *w = &p->w;
+    int rc;
+
+    pthread_mutex_lock(&w->lock);
+    while (!w->done)
+        pthread_cond_wait(&w->cond, &w->lock);
+    pthread_mutex_unlock(&w->lock);
+    if (st)
+        *st = w->st;
+    rc = rpc_code_to_errno(w->st.code);
+    if (rc == 0)
+        *reply = w->reply;
+    pthread_cond_destroy(&w->cond);
+    pthread_mutex_destroy(&w->lock);
+    free(p);
+    return rc;
+}
+
+int rpc_call(struct rpc_channel *c, const char *path, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms, unsigned flags,
+             ProtobufCMessage **reply, struct rpc_status *st)
+{
+    struct rpc_pending *p;
+    int rc = rpc_call_start(c, path, req, reply_desc, timeout_ms, flags, &p);
+
+    if (rc == -EDEADLK)
+        return rc;
     if (rc < 0) {
         rpc_status_set(st, RPC_INTERNAL, "the call could not start", 24);
-        goto out;
+        return rc;
     }
-    pthread_mutex_lock(&w.lock);
-    while (!w.done)
-        pthread_cond_wait(&w.cond, &w.lock);
-    pthread_mutex_unlock(&w.lock);
-    if (st)
-        *st = w.st;
-    rc = rpc_code_to_errno(w.st.code);
-    if (rc == 0)
-        *reply = w.reply;
-out:
-    pthread_cond_destroy(&w.cond);
-    pthread_mutex_destroy(&w.lock);
-    return rc;
+    return rpc_call_finish(p, reply, st);
 }
 
 struct rpc_watch {

@@ -237,6 +237,18 @@ int rpc_call(struct rpc_channel *ch, const char *path, const ProtobufCMessage *r
              const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms, unsigned flags,
              ProtobufCMessage **reply, struct rpc_status *st);
 
+/* rpc_call in two halves, for a caller that must start the call under a
+ * lock of its own (so that what it signed goes out in the order signed)
+ * and wait outside it. On 0, *out is the call in flight: the caller must
+ * pass it to rpc_call_finish exactly once, which waits (the call's own
+ * deadline bounds the wait), fills *reply and st as rpc_call does, and
+ * frees it. Returns 0 or -errno (then nothing is in flight). */
+struct rpc_pending;
+int rpc_call_start(struct rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *reply_desc, uint32_t timeout_ms,
+                   unsigned flags, struct rpc_pending **out);
+int rpc_call_finish(struct rpc_pending *p, ProtobufCMessage **reply, struct rpc_status *st);
+
 /* Completion of an asynchronous call: `reply` is NULL unless st->code is
  * RPC_OK, and the callee owns it (protobuf_c_message_free_unpacked). */
 typedef void (*rpc_done_fn)(void *arg, const struct rpc_status *st, ProtobufCMessage *reply);
