@@ -1129,19 +1129,28 @@ int broker_stream_lost(struct broker *b, uint64_t now, const char *cohort, const
     return 0;
 }
 
+/* A report's two parties: the reporter, a member of this session, and
+ * the accused, another member of the cohort. */
+static int report_parties(struct cohort *c, const char *id, uint64_t session, const char *peer,
+                          struct entry **accused)
+{
+    if (!session || !entry_get(c, id, session))
+        return -ENOENT;
+    if (!peer || strcmp(peer, id) == 0)
+        return -EINVAL;
+    *accused = entry_get(c, peer, 0);
+    return *accused ? 0 : -ENOENT;
+}
+
 int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
                        uint64_t session, const char *peer)
 {
     struct cohort *c = cohort_get(b, cohort);
     struct entry *m;
+    int rc = report_parties(c, id, session, peer, &m);
 
-    if (!session || !entry_get(c, id, session))
-        return -ENOENT;
-    if (!peer || strcmp(peer, id) == 0)
-        return -EINVAL;
-    m = entry_get(c, peer, 0);
-    if (!m)
-        return -ENOENT;
+    if (rc < 0)
+        return rc;
     if (!m->accused_at)
         m->accused_at = now ? now : 1;
     c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
@@ -1155,14 +1164,10 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
     struct entry *m;
     long ri, mi;
     size_t words;
+    int rc = report_parties(c, id, session, peer, &m);
 
-    if (!session || !entry_get(c, id, session))
-        return -ENOENT;
-    if (!peer || strcmp(peer, id) == 0)
-        return -EINVAL;
-    m = entry_get(c, peer, 0);
-    if (!m)
-        return -ENOENT;
+    if (rc < 0)
+        return rc;
     if (!c->cur || epoch != c->cur->number)
         return -ESTALE;
     ri = epoch_find(c->cur, id);
