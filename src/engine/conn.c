@@ -366,7 +366,7 @@ static void reach_tell(struct run *x, size_t peer, uint32_t ms, uint64_t heard_m
 }
 
 /* Closes probe k with a reset (no TIME_WAIT left behind) and forgets it. */
-static void probe_close(struct allreduce *a, size_t k)
+static void reach_probe_close(struct allreduce *a, size_t k)
 {
     struct linger lg = { .l_onoff = 1, .l_linger = 0 };
 
@@ -378,12 +378,12 @@ static void probe_close(struct allreduce *a, size_t k)
 void conn_probes_close(struct allreduce *a)
 {
     while (a->n_probes > 0)
-        probe_close(a, a->n_probes - 1);
+        reach_probe_close(a, a->n_probes - 1);
 }
 
 /* Starts a probe of x's member `peer`; a member whose address is no
  * numeric host:port, or a socket that cannot be had, is not probed. */
-static void probe_start(struct run *x, size_t peer, uint64_t now)
+static void reach_probe_start(struct run *x, size_t peer, uint64_t now)
 {
     struct allreduce *a = x->a;
     struct addrinfo hints = { .ai_socktype = SOCK_STREAM,
@@ -444,7 +444,7 @@ static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
             }
             reach_tell(x, p->peer, ms, now - p->started, now, &told);
         }
-        probe_close(a, k);
+        reach_probe_close(a, k);
     }
     if (a->n_probes > 0 || now - x->started < REACH_PROBE_AFTER_MS || now < a->probe_round_at)
         return;
@@ -454,7 +454,7 @@ static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
 
         if (peer == x->me || reach_covered(x, peer))
             continue;
-        probe_start(x, peer, now);
+        reach_probe_start(x, peer, now);
         a->probe_next = (peer + 1) % x->n;
     }
 }
