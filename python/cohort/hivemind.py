@@ -19,8 +19,10 @@ DecentralizedAverager"). A peer that stalls is excluded and the step
 completes with the rest; the returned dict holds exactly the peers that
 were averaged.
 
-`compression` is NoCompression() (exact), Float16Compression() or
-BlockwiseQuantization() (8 bits per value with a scale per block); with a
+`compression` is NoCompression() (exact), Float16Compression(),
+ScaledFloat16Compression() (float16 of each run's values less their mean,
+over their deviation) or BlockwiseQuantization() (8 bits per value with a
+scale per block); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
@@ -50,7 +52,8 @@ back in their own dtype).
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (Uniform8BitQuantization, ...),
+compression of any other class (Uniform8BitQuantization,
+Quantile8BitQuantization, the adaptive ones),
 state_compression other than NoCompression and Float16Compression,
 daemon=False.
 
@@ -80,7 +83,8 @@ import torch
 from . import _cohort
 
 __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
-           "Float16Compression", "BlockwiseQuantization", "StepControl", "averaging"]
+           "Float16Compression", "ScaledFloat16Compression", "BlockwiseQuantization",
+           "StepControl", "averaging"]
 
 _GROUP_MAX = 256
 _GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
@@ -208,6 +212,22 @@ class BlockwiseQuantization(CompressionBase):
 
     def __repr__(self):
         return "BlockwiseQuantization()"
+
+
+class ScaledFloat16Compression(CompressionBase):
+    """hivemind's MEANSTD_16BIT: each run the engine sends (a ring
+    segment) as float16 of (x - mean) / deviation, with the mean and
+    deviation as float32, float32 sums. Error at most 2^-11 of a value's
+    distance from its run's mean per encoding (plus float32's rounding),
+    so values far from zero keep the precision float16 would lose, and
+    values past float16's range keep their magnitude. hivemind takes the
+    statistics per row of each part; a run here is one row. A run holding
+    NaN or Inf comes back all NaN."""
+
+    _codec = 6
+
+    def __repr__(self):
+        return "ScaledFloat16Compression()"
 
 
 class DHT:
@@ -345,6 +365,7 @@ class DecentralizedAverager:
         refuse = {
             "tensor_infos": tensor_infos is not None,
             "compression": type(compression) not in (NoCompression, Float16Compression,
+                                                     ScaledFloat16Compression,
                                                      BlockwiseQuantization),
             "state_compression": type(state_compression) not in (NoCompression,
                                                                  Float16Compression),

@@ -10,9 +10,11 @@ joined to a real broker with a key, with real torch tensors.
   and report exactly who was averaged.
 - Too few peers: None from step(), AllreduceException from a control's
   result(), within the timeout.
-- With Float16Compression and BlockwiseQuantization (tensors that are not
-  integers): every peer ends with the same bytes, within the codec's bound
-  of the exact average; weights and gathered objects arrive exactly.
+- With Float16Compression, BlockwiseQuantization and
+  ScaledFloat16Compression (tensors that are not integers, the last also
+  around 30000, where float16's step is 16): every peer ends with the same
+  bytes, within the codec's bound of the exact average; weights and
+  gathered objects arrive exactly.
   Averagers of different compression are refused.
 - Load balancing: clients (which contribute and reduce nothing) and
   peers of different bandwidths, one auxiliary, average exactly, alike
@@ -278,6 +280,37 @@ def test_compressed_rounds_are_alike_everywhere_within_the_codec_bound(keyed, co
         assert g["last"] == {"z-%d" % j: float(torch.tensor(weights[j], dtype=torch.float32))
                              for j in range(n)}, "weights exact"
         assert g["gathered"] == {"z-%d" % j: {"peer": "z-%d" % j, "k": j} for j in range(n)}
+
+
+# ScaledFloat16Compression encodes each run (a ring segment, one per hop)
+# as float16 of (x - mean) / deviation: per encoding at most 2^-11 of a
+# value's distance from its run's mean, which is at most twice the largest
+# distance D of an input from the common offset (every value of a run is
+# the same members' partial sum), plus float32's rounding of values near
+# the offset. Far from zero that is much tighter than float16, whose step
+# at 30000 is 16.
+@pytest.mark.parametrize("offset", [0.0, 30000.0])
+def test_scaled_float16_rounds_are_alike_everywhere_within_its_bound(keyed, offset):
+    broker, key = keyed
+    n, weights = 3, [1.0, 2.5, 0.7]
+    kids = [child(broker, key, "s-%d" % k, "coded", k, n, "ScaledFloat16Compression",
+                  weights[k], offset) for k in range(n)]
+    got = [lines_of(k)[-1] for k in kids]
+    total = sum(weights)
+    ins = [[t.double() + offset for t in coded_tensors_of(k)] for k in range(n)]
+    dist = max(float((t - offset).abs().max()) for ts in ins for t in ts)
+    bound = (n + 1) * (2.0 ** -10 * dist + 2.0 ** -23 * (offset + dist))
+    assert bound < 1, "tighter than float16's half step at the offset"
+    for i in range(2):
+        ref = sum(weights[k] * ins[k][i] for k in range(n)) / total
+        res = torch.tensor(got[0]["tensors"][i], dtype=torch.float64)
+        err = float((res - ref).abs().max())
+        assert err <= bound, (offset, i, err, bound)
+        assert err > 2.0 ** -20 * dist, "the result equals the exact average: was the codec applied?"
+    for g in got:
+        assert g["raw"] == got[0]["raw"], "peers ended with different bytes"
+        assert g["last"] == {"s-%d" % j: float(torch.tensor(weights[j], dtype=torch.float32))
+                             for j in range(n)}, "weights exact"
 
 
 def test_averagers_of_different_compression_are_refused(keyed):
