@@ -407,7 +407,9 @@ class DecentralizedAverager:
         self._min_wait_ms = int(min_matchmaking_time * 1000)
         self._request_ms = max(1, int(request_timeout * 1000))
         self._alpha = float(averaging_alpha)
-        self._segment = max(8, int(part_size_bytes) // 8 * 8)
+        # The engine's segment: a multiple of 8, and at least 16, where
+        # ScaledFloat16Compression's mean and deviation leave room for values.
+        self._segment = max(16, int(part_size_bytes) // 8 * 8)
         self._auxiliary = bool(auxiliary)
         self._shutdown_ms = max(1, int(shutdown_timeout * 1000))
         self._lock = threading.Lock()          # get_tensors() and the step's copy
