@@ -265,6 +265,11 @@ enum cohort_compression {
                                      * per encoding. The averager's only (struct
                                      * cohort_averager_config); the Accumulator's
                                      * rounds refuse it */
+    COHORT_COMPRESSION_UNIFORM8 = 7,/* hivemind's Uniform8BitQuantization: each run as
+                                     * one byte per value, its bin of width 6 sigma /
+                                     * 256 around the mean, and a codebook of the
+                                     * bins' means (1 KiB per run); the averager's
+                                     * only, as MEANSTD16 */
 };
 
 /* Compresses this member's gradient steps with `codec` from the next

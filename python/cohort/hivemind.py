@@ -21,8 +21,9 @@ were averaged.
 
 `compression` is NoCompression() (exact), Float16Compression(),
 ScaledFloat16Compression() (float16 of each run's values less their mean,
-over their deviation) or BlockwiseQuantization() (8 bits per value with a
-scale per block); with a
+over their deviation), BlockwiseQuantization() (8 bits per value with a
+scale per block) or Uniform8BitQuantization() (8 bits per value, bins of
+6 sigma / 256 around the mean, a codebook of bin means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
@@ -52,8 +53,8 @@ back in their own dtype).
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (Uniform8BitQuantization,
-Quantile8BitQuantization, the adaptive ones),
+compression of any other class (Quantile8BitQuantization, the adaptive
+ones),
 state_compression other than NoCompression and Float16Compression,
 daemon=False.
 
@@ -84,6 +85,7 @@ from . import _cohort
 
 __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
            "Float16Compression", "ScaledFloat16Compression", "BlockwiseQuantization",
+           "Uniform8BitQuantization",
            "StepControl", "averaging"]
 
 _GROUP_MAX = 256
@@ -230,6 +232,23 @@ class ScaledFloat16Compression(CompressionBase):
         return "ScaledFloat16Compression()"
 
 
+class Uniform8BitQuantization(CompressionBase):
+    """hivemind's UNIFORM_8BIT: each run the engine sends (a ring segment)
+    as one byte per value, the bin of (x - mean) / (6 sigma / 256) about
+    128, clamped to 0..255, and a codebook of 256 float32, the mean of the
+    run's values in each bin; float32 sums. Error at most a bin's width
+    (6 sigma / 256) per encoding for values within 3 sigma of the mean;
+    the outliers clamped into the two end bins get their bin's mean. The
+    codebook costs 1 KiB per run (hivemind's per part), so segments
+    (part_size_bytes) are at least 1368 bytes. A run holding NaN or Inf
+    comes back all NaN."""
+
+    _codec = 7
+
+    def __repr__(self):
+        return "Uniform8BitQuantization()"
+
+
 class DHT:
     """Stands in for hivemind.DHT: the cohort broker at initial_peers[0]
     (or $COHORT_BROKER when initial_peers is empty), the cohort named by
@@ -366,7 +385,8 @@ class DecentralizedAverager:
             "tensor_infos": tensor_infos is not None,
             "compression": type(compression) not in (NoCompression, Float16Compression,
                                                      ScaledFloat16Compression,
-                                                     BlockwiseQuantization),
+                                                     BlockwiseQuantization,
+                                                     Uniform8BitQuantization),
             "state_compression": type(state_compression) not in (NoCompression,
                                                                  Float16Compression),
             "daemon": daemon is not True,
@@ -407,9 +427,11 @@ class DecentralizedAverager:
         self._min_wait_ms = int(min_matchmaking_time * 1000)
         self._request_ms = max(1, int(request_timeout * 1000))
         self._alpha = float(averaging_alpha)
-        # The engine's segment: a multiple of 8, and at least 16, where
-        # ScaledFloat16Compression's mean and deviation leave room for values.
-        self._segment = max(16, int(part_size_bytes) // 8 * 8)
+        # The engine's segment: a multiple of 8 that holds its encoding
+        # (ScaledFloat16Compression's mean and deviation from 16 bytes on,
+        # Uniform8BitQuantization's codebook from 1368).
+        floor = 1368 if isinstance(compression, Uniform8BitQuantization) else 16
+        self._segment = max(floor, int(part_size_bytes) // 8 * 8)
         self._auxiliary = bool(auxiliary)
         self._shutdown_ms = max(1, int(shutdown_timeout * 1000))
         self._lock = threading.Lock()          # get_tensors() and the step's copy

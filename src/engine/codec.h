@@ -34,7 +34,21 @@
  *               a run of one value decodes exactly, and values far past
  *               fp16's range keep their magnitude (|y| <= sqrt(n), so the
  *               clamp never bites below 2^31 elements). A run holding NaN
- *               or Inf has a NaN mean and decodes as NaN throughout.
+ *               or Inf has a NaN mean and decodes as NaN throughout;
+ *   CODEC_UNIFORM8  hivemind's Uniform8BitQuantization (UNIFORM_8BIT)
+ *               over the run: its mean m and unbiased deviation
+ *               s = sqrt(sum (x - m)^2 / (n - 1)) in double, the step
+ *               h = 6 s / 256 (the bins span m +- 3 s), per element
+ *               q = clamp(round-to-nearest-even((x - m) / h) + 128, 0,
+ *               255), and a codebook of 256 float32: the mean of the
+ *               run's x in each bin (in double; 0 for an empty bin);
+ *               decoded as codebook[q]. Error per element at most h
+ *               (a bin's width: its mean lies in it) for values within
+ *               [-128.5 h, 127.5 h] of m, else at most their distance
+ *               from that range (the outliers clamped into bins 0 and
+ *               255, no more than 1/9 of the run by Chebyshev), plus
+ *               float32's half ulp. A run of one value (s = 0) decodes
+ *               exactly; a run holding NaN or Inf decodes as NaN.
  *
  * Ids 4 and 5 are the Accumulator's top-k and PowerSGD (cohort.h's enum
  * cohort_compression counts on these values), which are not codecs.
@@ -43,7 +57,8 @@
  * sends: FP16/BF16 n x u16; INT8 ceil(n / CODEC_INT8_BLOCK) x f32 scales,
  * then n x i8; MEANSTD16 f32 m, f32 s, then n x u16 (8 + 2n bytes, so a
  * segment of at least 16 bytes holds its encoding: allreduce_run_codec
- * refuses an engine whose segments are shorter). codec_bytes() says how many bytes that is; every receiver
+ * refuses an engine whose segments are shorter); UNIFORM8 256 x f32
+ * codebook, then n x u8 (1024 + n bytes: segments of at least 1368 bytes). codec_bytes() says how many bytes that is; every receiver
  * checks a frame's length against it for the element count it expects.
  *
  * Every codec is a fixed-length, stateless map of a run of elements: a
@@ -51,7 +66,7 @@
  * Encoding is not the identity, so a member that keeps its own copy of
  * values it sends uses codec_decode(codec_encode(x)) to agree with its
  * peers. FP16 and BF16 are idempotent on their own output (encoding a
- * decoded value gives the same bytes); INT8 and MEANSTD16 need not be
+ * decoded value gives the same bytes); INT8, MEANSTD16 and UNIFORM8 need not be
  * (the mean and deviation of decoded values differ in their last bits),
  * so encoded bytes are forwarded as received, never re-encoded.
  *
@@ -81,17 +96,19 @@ enum codec {
     CODEC_BF16 = 2,
     CODEC_INT8 = 3,
     CODEC_MEANSTD16 = 6,
+    CODEC_UNIFORM8 = 7,
 };
 /* Ids below CODEC_COUNT are the first codecs, contiguous, whose ids the
  * Accumulator's compression methods share (accumulator/compress.h); its
  * top-k and PowerSGD take 4 and 5, so later codecs follow them, up to
  * CODEC_END (one past the largest id). */
 #define CODEC_COUNT 4
-#define CODEC_END 7
+#define CODEC_END 8
+#define CODEC_UNIFORM8_BINS 256
 #define CODEC_INT8_BLOCK 256
 
 bool codec_valid(int c);
-/* "none" "fp16" "bf16" "int8" "meanstd16" (static). codec_parse returns 0 or -EINVAL. */
+/* "none" "fp16" "bf16" "int8" "meanstd16" "uniform8" (static). codec_parse returns 0 or -EINVAL. */
 const char *codec_name(enum codec c);
 int codec_parse(const char *s, enum codec *out);
 

@@ -2058,9 +2058,13 @@ static void coded_check(struct cluster *c, size_t count, enum dtype_op op, enum 
          * relative 2^-11 (fp16), 2^-8 (bf16), or, for int8, half a step of
          * its block, whose extreme is at most 1100 x n here, or, for
          * meanstd16, 2^-11 of its distance from its run's mean (at most
-         * 2 x 1100 x n) and float32's rounding of the result. */
+         * 2 x 1100 x n) and float32's rounding of the result, or, for
+         * uniform8, a codebook mean of the run: within its range (the
+         * step bound is test_codec.c's). */
         if (codec == CODEC_INT8)
             bound = (double)n * (1100.0 * (double)n / 254) * 1.001;
+        else if (codec == CODEC_UNIFORM8)
+            bound = (double)n * (2200.0 * (double)n) * 1.001;     /* a run's range */
         else if (codec == CODEC_MEANSTD16)
             bound = (double)n * (2200.0 * (double)n * 0x1p-11) * 1.01;
         else
@@ -2137,6 +2141,7 @@ Test(allreduce, coded_single_element_with_tight_scratch)
     coded_check(&c, 1, DTYPE_SUM, CODEC_INT8, 1, "one element");
     coded_check(&c, 1, DTYPE_SUM, CODEC_FP16, 2, "one element");
     coded_check(&c, 1, DTYPE_SUM, CODEC_MEANSTD16, 3, "one element");
+    coded_check(&c, 1, DTYPE_SUM, CODEC_UNIFORM8, 4, "one element");
     cluster_fini(&c);
 }
 
@@ -2151,10 +2156,14 @@ Test(allreduce, codec_misuse_is_einval)
                                      (enum codec)CODEC_COUNT, 1), -EINVAL);
     cluster_fini(&c);
     /* Segments of 8 bytes: meanstd16's 8 bytes of mean and deviation
-     * leave no room for the values. */
+     * leave no room for the values; of 1360, uniform8's codebook does not. */
     cluster_start(&c, 1, 64, 8, 0, 1000);
     cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
                                      CODEC_MEANSTD16, 1), -EINVAL);
+    cluster_fini(&c);
+    cluster_start(&c, 1, 64, 1360, 0, 1000);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
+                                     CODEC_UNIFORM8, 1), -EINVAL);
     cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
                                      CODEC_FP16, 2), 0);
     cluster_fini(&c);
