@@ -46,7 +46,7 @@
  *               (a bin's width: its mean lies in it) for values within
  *               [-128.5 h, 127.5 h] of m, else at most their distance
  *               from that range (the outliers clamped into bins 0 and
- *               255, no more than 1/9 of the run by Chebyshev), plus
+ *               255, beyond 2.96 s: under 12 % of the run by Chebyshev), plus
  *               float32's half ulp. A run of one value (s = 0) decodes
  *               exactly; a run holding NaN or Inf decodes as NaN.
  *
