@@ -259,6 +259,17 @@ enum cohort_compression {
     COHORT_COMPRESSION_POWERSGD = 5,/* the gradient buffer as a matrix, or each of its
                                      * tensors (cohort_set_tensor_shapes), reduced as a
                                      * rank-`rank` product, with error feedback */
+    COHORT_COMPRESSION_MEANSTD16 = 6,/* hivemind's ScaledFloat16Compression: each run
+                                     * as float16 of (x - mean) / deviation, with the
+                                     * two as float32; error at most 2^-11 |x - mean|
+                                     * per encoding. The averager's only (struct
+                                     * cohort_averager_config); the Accumulator's
+                                     * rounds refuse it */
+    COHORT_COMPRESSION_UNIFORM8 = 7,/* hivemind's Uniform8BitQuantization: each run as
+                                     * one byte per value, its bin of width 6 sigma /
+                                     * 256 around the mean, and a codebook of the
+                                     * bins' means (1 KiB per run); the averager's
+                                     * only, as MEANSTD16 */
 };
 
 /* Compresses this member's gradient steps with `codec` from the next

@@ -19,8 +19,11 @@ DecentralizedAverager"). A peer that stalls is excluded and the step
 completes with the rest; the returned dict holds exactly the peers that
 were averaged.
 
-`compression` is NoCompression() (exact), Float16Compression() or
-BlockwiseQuantization() (8 bits per value with a scale per block); with a
+`compression` is NoCompression() (exact), Float16Compression(),
+ScaledFloat16Compression() (float16 of each run's values less their mean,
+over their deviation), BlockwiseQuantization() (8 bits per value with a
+scale per block) or Uniform8BitQuantization() (8 bits per value, bins of
+6 sigma / 256 around the mean, a codebook of bin means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
@@ -50,7 +53,8 @@ back in their own dtype).
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (Uniform8BitQuantization, ...),
+compression of any other class (Quantile8BitQuantization, the adaptive
+ones),
 state_compression other than NoCompression and Float16Compression,
 daemon=False.
 
@@ -80,7 +84,9 @@ import torch
 from . import _cohort
 
 __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
-           "Float16Compression", "BlockwiseQuantization", "StepControl", "averaging"]
+           "Float16Compression", "ScaledFloat16Compression", "BlockwiseQuantization",
+           "Uniform8BitQuantization",
+           "StepControl", "averaging"]
 
 _GROUP_MAX = 256
 _GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
@@ -208,6 +214,39 @@ class BlockwiseQuantization(CompressionBase):
 
     def __repr__(self):
         return "BlockwiseQuantization()"
+
+
+class ScaledFloat16Compression(CompressionBase):
+    """hivemind's MEANSTD_16BIT: each run the engine sends (a ring
+    segment) as float16 of (x - mean) / deviation, with the mean and
+    deviation as float32, float32 sums. Error at most 2^-11 of a value's
+    distance from its run's mean per encoding (plus float32's rounding),
+    so values far from zero keep the precision float16 would lose, and
+    values past float16's range keep their magnitude. hivemind takes the
+    statistics per row of each part; a run here is one row. A run holding
+    NaN or Inf comes back all NaN."""
+
+    _codec = 6
+
+    def __repr__(self):
+        return "ScaledFloat16Compression()"
+
+
+class Uniform8BitQuantization(CompressionBase):
+    """hivemind's UNIFORM_8BIT: each run the engine sends (a ring segment)
+    as one byte per value, the bin of (x - mean) / (6 sigma / 256) about
+    128, clamped to 0..255, and a codebook of 256 float32, the mean of the
+    run's values in each bin; float32 sums. Error at most a bin's width
+    (6 sigma / 256) per encoding for values within 3 sigma of the mean;
+    the outliers clamped into the two end bins get their bin's mean. The
+    codebook costs 1 KiB per run (hivemind's per part), so segments
+    (part_size_bytes) are at least 1368 bytes. A run holding NaN or Inf
+    comes back all NaN."""
+
+    _codec = 7
+
+    def __repr__(self):
+        return "Uniform8BitQuantization()"
 
 
 class DHT:
@@ -345,7 +384,9 @@ class DecentralizedAverager:
         refuse = {
             "tensor_infos": tensor_infos is not None,
             "compression": type(compression) not in (NoCompression, Float16Compression,
-                                                     BlockwiseQuantization),
+                                                     ScaledFloat16Compression,
+                                                     BlockwiseQuantization,
+                                                     Uniform8BitQuantization),
             "state_compression": type(state_compression) not in (NoCompression,
                                                                  Float16Compression),
             "daemon": daemon is not True,
@@ -386,7 +427,11 @@ class DecentralizedAverager:
         self._min_wait_ms = int(min_matchmaking_time * 1000)
         self._request_ms = max(1, int(request_timeout * 1000))
         self._alpha = float(averaging_alpha)
-        self._segment = max(8, int(part_size_bytes) // 8 * 8)
+        # The engine's segment: a multiple of 8 that holds its encoding
+        # (ScaledFloat16Compression's mean and deviation from 16 bytes on,
+        # Uniform8BitQuantization's codebook from 1368).
+        floor = 1368 if isinstance(compression, Uniform8BitQuantization) else 16
+        self._segment = max(floor, int(part_size_bytes) // 8 * 8)
         self._auxiliary = bool(auxiliary)
         self._shutdown_ms = max(1, int(shutdown_timeout * 1000))
         self._lock = threading.Lock()          # get_tensors() and the step's copy

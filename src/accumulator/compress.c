@@ -105,7 +105,8 @@ int compress_parse(const char *s, struct compress *out)
         c = compress_default(COMPRESS_POWERSGD);
         if (colon && (parse_uint(colon + 1, POWERSGD_MAX_RANK, &c.param) < 0 || c.param == 0))
             return -EINVAL;
-    } else if (!colon && codec_parse(s, &codec) == 0) {
+    } else if (!colon && codec_parse(s, &codec) == 0 && codec < CODEC_COUNT) {
+        /* The Accumulator's rounds take the first codecs only. */
         c = compress_default((enum compress_method)codec);
     } else {
         return -EINVAL;

@@ -15,7 +15,9 @@
 _Static_assert(COHORT_COMPRESSION_NONE == (int)CODEC_NONE &&
                    COHORT_COMPRESSION_FP16 == (int)CODEC_FP16 &&
                    COHORT_COMPRESSION_BF16 == (int)CODEC_BF16 &&
-                   COHORT_COMPRESSION_INT8 == (int)CODEC_INT8,
+                   COHORT_COMPRESSION_INT8 == (int)CODEC_INT8 &&
+                   COHORT_COMPRESSION_MEANSTD16 == (int)CODEC_MEANSTD16 &&
+                   COHORT_COMPRESSION_UNIFORM8 == (int)CODEC_UNIFORM8,
                "cohort_compression and enum codec differ");
 
 struct cohort_averager {
@@ -59,8 +61,10 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     cfg.leave_timeout_ms = c->leave_timeout_ms;
     /* The codecs only: top-k and PowerSGD keep state per member and are
      * not stateless maps of a sum (engine/codec.h). */
-    if ((int)c->compression < COHORT_COMPRESSION_NONE ||
-        (int)c->compression > COHORT_COMPRESSION_INT8)
+    if (((int)c->compression < COHORT_COMPRESSION_NONE ||
+         (int)c->compression > COHORT_COMPRESSION_INT8) &&
+        c->compression != COHORT_COMPRESSION_MEANSTD16 &&
+        c->compression != COHORT_COMPRESSION_UNIFORM8)
         return -EINVAL;
     cfg.codec = (enum codec)c->compression;
     cfg.has_bandwidth = c->has_bandwidth;

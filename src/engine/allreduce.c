@@ -549,6 +549,11 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
     if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
         !dtype_op_valid((int)op) || !codec_valid((int)codec) || !codec_supports(codec, type))
         return -EINVAL;
+    /* A staging slot is one segment: a whole segment's encoding must fit
+     * it (meanstd16's 8 bytes of mean and deviation do from 16 bytes on,
+     * uniform8's codebook of 1024 from 1368). */
+    if (codec_bytes(codec, a->seg_bytes / sizeof(float)) > a->seg_bytes)
+        return -EINVAL;
     x.esz = dtype_size(type);
     x.acc = dtype_acc(type);
     x.asz = dtype_size(x.acc);

@@ -185,7 +185,9 @@ int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum 
  * to n - 1 encodings in its sum and one at the end. The algorithm is
  * chosen as without a codec (by uncompressed bytes). CODEC_NONE is
  * allreduce_run_into. Same returns; -EINVAL also for an unknown codec or
- * one that does not take the type (codec_supports: only float32); -EPROTO
+ * one that does not take the type (codec_supports: only float32), or one
+ * whose encoding of a whole segment outgrows it (meanstd16 with
+ * segment_bytes 8, uniform8 below 1368); -EPROTO
  * also when a member's frames name another codec, which both ends log
  * with the two codecs. */
 int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,

@@ -11,20 +11,33 @@
  * value), the quotient x / s a true division, the rounding to an integer
  * the add-and-subtract of 1.5 x 2^23 (exact, nearest even, for |v| <=
  * 2^22), and the decoding one product. So every variant writes the bytes
- * of the portable code. */
+ * of the portable code.
+ *
+ * MEANSTD16 is plain scalar code: its sums are in double, in index order
+ * (gcc does not reorder them without -ffast-math), and its per-element
+ * work is one double division and dtype.c's float16 conversion, so every
+ * build writes the same bytes without variants of its own. UNIFORM8
+ * likewise: double sums in index order, one double division and the
+ * add-and-subtract rounding per element. */
 #include "engine/codec.h"
 
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <string.h>
 
-static const char *const names[CODEC_COUNT] = { "none", "fp16", "bf16", "int8" };
+/* Indexed by id; NULL where an id is no codec. */
+static const char *const names[CODEC_END] = {
+    [CODEC_NONE] = "none", [CODEC_FP16] = "fp16", [CODEC_BF16] = "bf16",
+    [CODEC_INT8] = "int8", [CODEC_MEANSTD16] = "meanstd16", [CODEC_UNIFORM8] = "uniform8",
+};
 
 #define MAGIC 12582912.0f       /* 1.5 x 2^23: v + MAGIC - MAGIC rounds v to an integer */
 #define QMAX 127.0f
 
 bool codec_valid(int c)
 {
-    return c >= 0 && c < CODEC_COUNT;
+    return c >= 0 && c < CODEC_END && names[c] != NULL;
 }
 
 const char *codec_name(enum codec c)
@@ -34,8 +47,8 @@ const char *codec_name(enum codec c)
 
 int codec_parse(const char *s, enum codec *out)
 {
-    for (int c = 0; c < CODEC_COUNT; c++)
-        if (s && strcmp(s, names[c]) == 0) {
+    for (int c = 0; c < CODEC_END; c++)
+        if (s && names[c] && strcmp(s, names[c]) == 0) {
             *out = (enum codec)c;
             return 0;
         }
@@ -60,6 +73,10 @@ size_t codec_bytes(enum codec c, size_t n)
         return 2 * n;
     case CODEC_INT8:
         return 4 * int8_blocks(n) + n;
+    case CODEC_MEANSTD16:
+        return 8 + 2 * n;
+    case CODEC_UNIFORM8:
+        return 4 * CODEC_UNIFORM8_BINS + n;
     default:
         return 4 * n;
     }
@@ -211,6 +228,132 @@ static const struct kernels *kernels(void)
     return &variants[i < N_VARIANTS ? i : 0];
 }
 
+/* --- meanstd16 ------------------------------------------------------- */
+
+#define MS_CHUNK 256            /* floats staged on the stack per conversion */
+#define FP16_MAX 65504.0
+
+static void meanstd16_encode(void *restrict dst, const float *restrict src, size_t n)
+{
+    uint8_t *out = dst;
+    double sum = 0, sq = 0;
+    float m = 0, s = FLT_EPSILON;
+
+    for (size_t i = 0; i < n; i++)
+        sum += src[i];
+    if (n > 0)
+        m = (float)(sum / (double)n);
+    if (!isfinite(m)) {
+        /* NaN or Inf in the run (a double sum of floats cannot overflow):
+         * a NaN mean makes every decoded value NaN. */
+        m = NAN;
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            double d = (double)src[i] - m;
+
+            sq += d * d;
+        }
+        if (n > 0) {
+            /* sqrt(sum / n) <= max|x - m|, which can pass FLT_MAX by a
+             * factor of two at most: saturate rather than store Inf. */
+            double sd = sqrt(sq / (double)n);
+
+            s = sd > FLT_MAX ? FLT_MAX : (float)sd;
+            s = s < FLT_EPSILON ? FLT_EPSILON : s;
+        }
+    }
+    memcpy(out, &m, 4);
+    memcpy(out + 4, &s, 4);
+    for (size_t i = 0; i < n; i += MS_CHUNK) {
+        size_t len = n - i < MS_CHUNK ? n - i : MS_CHUNK;
+        float y[MS_CHUNK];
+
+        for (size_t j = 0; j < len; j++) {
+            double v = ((double)src[i + j] - m) / s;
+
+            v = v > FP16_MAX ? FP16_MAX : v;
+            v = v < -FP16_MAX ? -FP16_MAX : v;
+            y[j] = (float)v;        /* NaN passes the clamps as NaN */
+        }
+        dtype_narrow(DTYPE_F16, (uint16_t *)(out + 8) + i, y, len);
+    }
+}
+
+static void meanstd16_decode(float *restrict dst, const void *restrict src, size_t n)
+{
+    const uint8_t *in = src;
+    float m, s;
+
+    memcpy(&m, in, 4);
+    memcpy(&s, in + 4, 4);
+    dtype_widen(DTYPE_F16, dst, (const uint16_t *)(in + 8), n);
+    for (size_t i = 0; i < n; i++)
+        dst[i] = (float)((double)dst[i] * s + m);
+}
+
+/* --- uniform8 -------------------------------------------------------- */
+
+#define U8_HALF 128
+#define MAGIC_D 6755399441055744.0      /* 1.5 x 2^52: rounds a double to an integer */
+
+static void uniform8_encode(void *restrict dst, const float *restrict src, size_t n)
+{
+    uint8_t *cb_out = dst, *q = (uint8_t *)dst + 4 * CODEC_UNIFORM8_BINS;
+    double sum = 0, sq = 0, m = 0, h = 0;
+    double bin_sum[CODEC_UNIFORM8_BINS] = { 0 };
+    size_t bin_n[CODEC_UNIFORM8_BINS] = { 0 };
+
+    for (size_t i = 0; i < n; i++)
+        sum += src[i];
+    if (n > 0)
+        m = sum / (double)n;
+    if (!isfinite(m)) {
+        /* NaN or Inf in the run: every entry NaN, so all of it decodes
+         * as NaN. */
+        float nan = NAN;
+
+        for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++)
+            memcpy(cb_out + 4 * k, &nan, 4);
+        memset(q, U8_HALF, n);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        sq += ((double)src[i] - m) * ((double)src[i] - m);
+    if (n > 1)
+        h = 6.0 * sqrt(sq / (double)(n - 1)) / CODEC_UNIFORM8_BINS;
+    for (size_t i = 0; i < n; i++) {
+        int k = U8_HALF;
+
+        if (h > 0) {
+            /* Clamped before rounding (the same result as after): the
+             * add-and-subtract is exact for |v| <= 2^51. */
+            double v = ((double)src[i] - m) / h;
+
+            v = v > 200 ? 200 : v < -200 ? -200 : v;
+            k += (int)((v + MAGIC_D) - MAGIC_D);
+            k = k < 0 ? 0 : k > CODEC_UNIFORM8_BINS - 1 ? CODEC_UNIFORM8_BINS - 1 : k;
+        }
+        q[i] = (uint8_t)k;
+        bin_sum[k] += src[i];
+        bin_n[k]++;
+    }
+    for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++) {
+        float c = bin_n[k] ? (float)(bin_sum[k] / (double)bin_n[k]) : 0.0f;
+
+        memcpy(cb_out + 4 * k, &c, 4);
+    }
+}
+
+static void uniform8_decode(float *restrict dst, const void *restrict src, size_t n)
+{
+    float cb[CODEC_UNIFORM8_BINS];
+    const uint8_t *q = (const uint8_t *)src + 4 * CODEC_UNIFORM8_BINS;
+
+    memcpy(cb, src, sizeof cb);
+    for (size_t i = 0; i < n; i++)
+        dst[i] = cb[q[i]];
+}
+
 /* --- the interface ---------------------------------------------------- */
 
 void codec_encode(enum codec c, void *restrict dst, const float *restrict src, size_t n)
@@ -224,6 +367,12 @@ void codec_encode(enum codec c, void *restrict dst, const float *restrict src, s
         break;
     case CODEC_INT8:
         kernels()->encode(dst, src, n);
+        break;
+    case CODEC_MEANSTD16:
+        meanstd16_encode(dst, src, n);
+        break;
+    case CODEC_UNIFORM8:
+        uniform8_encode(dst, src, n);
         break;
     default:
         memcpy(dst, src, 4 * n);
@@ -242,6 +391,12 @@ void codec_decode(enum codec c, float *restrict dst, const void *restrict src, s
         break;
     case CODEC_INT8:
         kernels()->decode(dst, src, n);
+        break;
+    case CODEC_MEANSTD16:
+        meanstd16_decode(dst, src, n);
+        break;
+    case CODEC_UNIFORM8:
+        uniform8_decode(dst, src, n);
         break;
     default:
         memcpy(dst, src, 4 * n);

@@ -20,11 +20,45 @@
  *               or Inf is not representable: its scale is NaN and all
  *               of it decodes as NaN, so the non-finite value still
  *               shows in the result (an AMP grad scaler still skips the
- *               step). -0 decodes as +0.
+ *               step). -0 decodes as +0;
+ *   CODEC_MEANSTD16  hivemind's ScaledFloat16Compression (MEANSTD_16BIT)
+ *               over the run as one row: its mean m and deviation
+ *               s = max(sqrt(sum (x - m)^2 / n), FLT_EPSILON), both
+ *               computed in double and stored as float32, and per element
+ *               y = fp16(clamp((x - m) / s, +-65504)) (nearest even, via
+ *               float32); decoded as y * s + m in double, rounded once to
+ *               float32. Error per element at most 2^-11 |x - m| +
+ *               2^-25 s (float16's relative step and its subnormal one,
+ *               scaled) plus float32's half ulp of the result: small
+ *               values beside a large mean lose what plain fp16 keeps,
+ *               a run of one value decodes exactly, and values far past
+ *               fp16's range keep their magnitude (|y| <= sqrt(n), so the
+ *               clamp never bites below 2^31 elements). A run holding NaN
+ *               or Inf has a NaN mean and decodes as NaN throughout;
+ *   CODEC_UNIFORM8  hivemind's Uniform8BitQuantization (UNIFORM_8BIT)
+ *               over the run: its mean m and unbiased deviation
+ *               s = sqrt(sum (x - m)^2 / (n - 1)) in double, the step
+ *               h = 6 s / 256 (the bins span m +- 3 s), per element
+ *               q = clamp(round-to-nearest-even((x - m) / h) + 128, 0,
+ *               255), and a codebook of 256 float32: the mean of the
+ *               run's x in each bin (in double; 0 for an empty bin);
+ *               decoded as codebook[q]. Error per element at most h
+ *               (a bin's width: its mean lies in it) for values within
+ *               [-128.5 h, 127.5 h] of m, else at most their distance
+ *               from that range (the outliers clamped into bins 0 and
+ *               255, beyond 2.96 s: under 12 % of the run by Chebyshev), plus
+ *               float32's half ulp. A run of one value (s = 0) decodes
+ *               exactly; a run holding NaN or Inf decodes as NaN.
+ *
+ * Ids 4 and 5 are the Accumulator's top-k and PowerSGD (cohort.h's enum
+ * cohort_compression counts on these values), which are not codecs.
  *
  * Wire layout of n elements, little-endian like every float the engine
  * sends: FP16/BF16 n x u16; INT8 ceil(n / CODEC_INT8_BLOCK) x f32 scales,
- * then n x i8. codec_bytes() says how many bytes that is; every receiver
+ * then n x i8; MEANSTD16 f32 m, f32 s, then n x u16 (8 + 2n bytes, so a
+ * segment of at least 16 bytes holds its encoding: allreduce_run_codec
+ * refuses an engine whose segments are shorter); UNIFORM8 256 x f32
+ * codebook, then n x u8 (1024 + n bytes: segments of at least 1368 bytes). codec_bytes() says how many bytes that is; every receiver
  * checks a frame's length against it for the element count it expects.
  *
  * Every codec is a fixed-length, stateless map of a run of elements: a
@@ -32,8 +66,9 @@
  * Encoding is not the identity, so a member that keeps its own copy of
  * values it sends uses codec_decode(codec_encode(x)) to agree with its
  * peers. FP16 and BF16 are idempotent on their own output (encoding a
- * decoded value gives the same bytes); INT8 need not be, so encoded bytes
- * are forwarded as received, never re-encoded.
+ * decoded value gives the same bytes); INT8, MEANSTD16 and UNIFORM8 need not be
+ * (the mean and deviation of decoded values differ in their last bits),
+ * so encoded bytes are forwarded as received, never re-encoded.
  *
  * Compression with error feedback lives beside the codecs, not among
  * them: neither is a stateless map of a segment. Top-k (engine/topk.h)
@@ -55,12 +90,25 @@
 #include "engine/dtype.h"
 
 /* Values travel in frames and tlink messages: never renumber. */
-enum codec { CODEC_NONE = 0, CODEC_FP16 = 1, CODEC_BF16 = 2, CODEC_INT8 = 3 };
+enum codec {
+    CODEC_NONE = 0,
+    CODEC_FP16 = 1,
+    CODEC_BF16 = 2,
+    CODEC_INT8 = 3,
+    CODEC_MEANSTD16 = 6,
+    CODEC_UNIFORM8 = 7,
+};
+/* Ids below CODEC_COUNT are the first codecs, contiguous, whose ids the
+ * Accumulator's compression methods share (accumulator/compress.h); its
+ * top-k and PowerSGD take 4 and 5, so later codecs follow them, up to
+ * CODEC_END (one past the largest id). */
 #define CODEC_COUNT 4
+#define CODEC_END 8
+#define CODEC_UNIFORM8_BINS 256
 #define CODEC_INT8_BLOCK 256
 
 bool codec_valid(int c);
-/* "none" "fp16" "bf16" "int8" (static). codec_parse returns 0 or -EINVAL. */
+/* "none" "fp16" "bf16" "int8" "meanstd16" "uniform8" (static). codec_parse returns 0 or -EINVAL. */
 const char *codec_name(enum codec c);
 int codec_parse(const char *s, enum codec *out);
 

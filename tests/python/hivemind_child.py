@@ -120,11 +120,12 @@ def main():
         a.shutdown()
         b.shutdown()
     elif scenario == "coded":
-        # ARGS: k, n, compression class name, weight. Tensors that are not
-        # integers; prints the result's float32 bytes so that the test
-        # compares them across peers.
+        # ARGS: k, n, compression class name, weight[, offset]. Tensors
+        # that are not integers, plus offset; prints the result's float32
+        # bytes so that the test compares them across peers.
         k, n, codec, weight = int(rest[0]), int(rest[1]), rest[2], float(rest[3])
-        ts = coded_tensors_of(k)
+        offset = float(rest[4]) if len(rest) > 4 else 0.0
+        ts = [t + offset for t in coded_tensors_of(k)]
         a = averager(dht, ts, target_group_size=n, min_group_size=n,
                      compression=getattr(hivemind, codec)())
         got = a.step(gather={"peer": peer, "k": k}, weight=weight, timeout=60)

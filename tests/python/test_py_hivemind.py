@@ -10,9 +10,11 @@ joined to a real broker with a key, with real torch tensors.
   and report exactly who was averaged.
 - Too few peers: None from step(), AllreduceException from a control's
   result(), within the timeout.
-- With Float16Compression and BlockwiseQuantization (tensors that are not
-  integers): every peer ends with the same bytes, within the codec's bound
-  of the exact average; weights and gathered objects arrive exactly.
+- With Float16Compression, BlockwiseQuantization,
+  Uniform8BitQuantization and ScaledFloat16Compression (tensors that are not integers, the last also
+  around 30000, where float16's step is 16): every peer ends with the same
+  bytes, within the codec's bound of the exact average; weights and
+  gathered objects arrive exactly.
   Averagers of different compression are refused.
 - Load balancing: clients (which contribute and reduce nothing) and
   peers of different bandwidths, one auxiliary, average exactly, alike
@@ -204,9 +206,9 @@ def test_bad_constructor_arguments_get_clear_errors(keyed):
             hivemind.DecentralizedAverager(t, dht, start=False, prefix="x",
                                            compression=hivemind.Float16Compression(), **bad)
     # The C averager takes the codecs only: top-k (4) and PowerSGD (5)
-    # keep state per member, and 9 is no compression at all.
+    # keep state per member, and 8 and 9 are no compression at all.
     from cohort import _cohort
-    for bad in (4, 5, 9, -1):
+    for bad in (4, 5, 8, 9, -1):
         with pytest.raises(Exception, match="cannot start the averager"):
             _cohort.Averager(broker.address, "hm", "c-%d" % bad, "x", "", 2, 2, 1000, 500, 1000,
                              3, 0, b"schema", 4096, 1000, bad)
@@ -278,6 +280,69 @@ def test_compressed_rounds_are_alike_everywhere_within_the_codec_bound(keyed, co
         assert g["last"] == {"z-%d" % j: float(torch.tensor(weights[j], dtype=torch.float32))
                              for j in range(n)}, "weights exact"
         assert g["gathered"] == {"z-%d" % j: {"peer": "z-%d" % j, "k": j} for j in range(n)}
+
+
+# ScaledFloat16Compression encodes each run (a ring segment, one per hop)
+# as float16 of (x - mean) / deviation: per encoding at most 2^-11 of a
+# value's distance from its run's mean, which is at most twice the largest
+# distance D of an input from the common offset (every value of a run is
+# the same members' partial sum), plus float32's rounding of values near
+# the offset. Far from zero that is much tighter than float16, whose step
+# at 30000 is 16.
+@pytest.mark.parametrize("offset", [0.0, 30000.0])
+def test_scaled_float16_rounds_are_alike_everywhere_within_its_bound(keyed, offset):
+    broker, key = keyed
+    n, weights = 3, [1.0, 2.5, 0.7]
+    kids = [child(broker, key, "s-%d" % k, "coded", k, n, "ScaledFloat16Compression",
+                  weights[k], offset) for k in range(n)]
+    got = [lines_of(k)[-1] for k in kids]
+    total = sum(weights)
+    ins = [[t.double() + offset for t in coded_tensors_of(k)] for k in range(n)]
+    dist = max(float((t - offset).abs().max()) for ts in ins for t in ts)
+    bound = (n + 1) * (2.0 ** -10 * dist + 2.0 ** -23 * (offset + dist))
+    assert bound < 1, "tighter than float16's half step at the offset"
+    for i in range(2):
+        ref = sum(weights[k] * ins[k][i] for k in range(n)) / total
+        res = torch.tensor(got[0]["tensors"][i], dtype=torch.float64)
+        err = float((res - ref).abs().max())
+        assert err <= bound, (offset, i, err, bound)
+        assert err > 2.0 ** -20 * dist, "the result equals the exact average: was the codec applied?"
+    for g in got:
+        assert g["raw"] == got[0]["raw"], "peers ended with different bytes"
+        assert g["last"] == {"s-%d" % j: float(torch.tensor(weights[j], dtype=torch.float32))
+                             for j in range(n)}, "weights exact"
+
+
+# Uniform8BitQuantization: within 3 sigma of a run's mean a value errs by
+# at most a bin's width, 6 sigma / 256, per encoding; the few outliers
+# clamped into the end bins by more. Every partial sum of the weighted
+# average has sigma at most the largest input's (a convex combination's
+# spread is at most its parts' largest), so the mean error over all values
+# stays within (n + 1) bins of that sigma, and every value within the
+# range of the inputs (a codebook entry is a mean of a run's values).
+def test_uniform8_rounds_are_alike_everywhere_within_its_bound(keyed):
+    broker, key = keyed
+    n, weights = 3, [1.0, 2.5, 0.7]
+    kids = [child(broker, key, "u-%d" % k, "coded", k, n, "Uniform8BitQuantization",
+                  weights[k]) for k in range(n)]
+    got = [lines_of(k)[-1] for k in kids]
+    total = sum(weights)
+    ins = [[t.double() for t in coded_tensors_of(k)] for k in range(n)]
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in ins]
+    sigma = max(float(f.std()) for f in flat)
+    maxabs = max(float(f.abs().max()) for f in flat)
+    ref = sum(weights[k] * flat[k] for k in range(n)) / total
+    res = torch.cat([torch.tensor(t, dtype=torch.float64).reshape(-1)
+                     for t in got[0]["tensors"]])
+    err = (res - ref).abs()
+    assert float(err.mean()) <= (n + 1) * 6 * sigma / 256, (float(err.mean()), sigma)
+    assert float(err.max()) <= 2 * maxabs, float(err.max())
+    assert float(err.max()) > 0, "the result equals the exact average: was the codec applied?"
+    for g in got:
+        assert g["raw"] == got[0]["raw"], "peers ended with different bytes"
+        assert g["last"] == {"u-%d" % j: float(torch.tensor(weights[j], dtype=torch.float32))
+                             for j in range(n)}, "weights exact"
+        assert g["gathered"] == {"u-%d" % j: {"peer": "u-%d" % j, "k": j} for j in range(n)}
 
 
 def test_averagers_of_different_compression_are_refused(keyed):

@@ -2056,16 +2056,24 @@ static void coded_check(struct cluster *c, size_t count, enum dtype_op op, enum 
              : op == DTYPE_AVG_BY ? sum / 3 : op == DTYPE_MIN ? lo : hi;
         /* Each of up to n encodings of a partial value errs by at most a
          * relative 2^-11 (fp16), 2^-8 (bf16), or, for int8, half a step of
-         * its block, whose extreme is at most 1100 x n here. */
+         * its block, whose extreme is at most 1100 x n here, or, for
+         * meanstd16, 2^-11 of its distance from its run's mean (at most
+         * 2 x 1100 x n) and float32's rounding of the result, or, for
+         * uniform8, a codebook mean of the run: within its range (the
+         * step bound is test_codec.c's). */
         if (codec == CODEC_INT8)
             bound = (double)n * (1100.0 * (double)n / 254) * 1.001;
+        else if (codec == CODEC_UNIFORM8)
+            bound = (double)n * (2200.0 * (double)n) * 1.001;     /* a run's range */
+        else if (codec == CODEC_MEANSTD16)
+            bound = (double)n * (2200.0 * (double)n * 0x1p-11) * 1.01;
         else
             bound = (double)n * amax * (codec == CODEC_FP16 ? 0x1p-11 : 0x1p-8) * 1.001;
         err = fabs((double)got - want);
         worst = err > worst ? err : worst;
         cr_assert_leq(err, bound + 1e-6, "%s: n=%zu %s %s: element %zu is %a, want %a", what, n,
                       codec_name(codec), dtype_op_name(op), i, got, want);
-        if (codec != CODEC_INT8) {
+        if (codec == CODEC_FP16 || codec == CODEC_BF16) {
             uint16_t w;
             float back;
 
@@ -2092,8 +2100,8 @@ static void coded_matrix(size_t seg, size_t small, size_t count, size_t n_hi, bo
         if (oop)
             cluster_out_of_place(&c);
         adopt(&c, 1, NULL);
-        for (int codec = 1; codec < CODEC_COUNT; codec++)
-            for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++)
+        for (int codec = 1; codec < CODEC_END; codec++)
+            for (size_t o = 0; o < sizeof ops / sizeof ops[0] && codec_valid(codec); o++)
                 coded_check(&c, count, ops[o], (enum codec)codec, ++round, what);
         /* Uncompressed calls still work on the same connections. */
         for (size_t k = 0; k < n; k++)
@@ -2132,6 +2140,8 @@ Test(allreduce, coded_single_element_with_tight_scratch)
     adopt(&c, 1, NULL);
     coded_check(&c, 1, DTYPE_SUM, CODEC_INT8, 1, "one element");
     coded_check(&c, 1, DTYPE_SUM, CODEC_FP16, 2, "one element");
+    coded_check(&c, 1, DTYPE_SUM, CODEC_MEANSTD16, 3, "one element");
+    coded_check(&c, 1, DTYPE_SUM, CODEC_UNIFORM8, 4, "one element");
     cluster_fini(&c);
 }
 
@@ -2144,6 +2154,18 @@ Test(allreduce, codec_misuse_is_einval)
                                      CODEC_FP16, 1), -EINVAL);
     cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
                                      (enum codec)CODEC_COUNT, 1), -EINVAL);
+    cluster_fini(&c);
+    /* Segments of 8 bytes: meanstd16's 8 bytes of mean and deviation
+     * leave no room for the values; of 1360, uniform8's codebook does not. */
+    cluster_start(&c, 1, 64, 8, 0, 1000);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
+                                     CODEC_MEANSTD16, 1), -EINVAL);
+    cluster_fini(&c);
+    cluster_start(&c, 1, 64, 1360, 0, 1000);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
+                                     CODEC_UNIFORM8, 1), -EINVAL);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
+                                     CODEC_FP16, 2), 0);
     cluster_fini(&c);
 }
 

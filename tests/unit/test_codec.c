@@ -1,7 +1,8 @@
 /* tests/unit/test_codec.c: the wire codecs against references computed
  * here: the compiler's _Float16 for fp16, a double-precision nearest-even
  * rounding for bf16, and a double-precision error bound and exact cases
- * for int8; halfway cases, NaN, Inf, subnormals, zero blocks, block
+ * for int8, a double-precision mean and deviation and the compiler's
+ * _Float16 for meanstd16, rint() and per-bin means for uniform8; halfway cases, NaN, Inf, subnormals, zero blocks, block
  * extremes and short tails; and every kernel variant against the
  * baseline, byte for byte. */
 #include <criterion/criterion.h>
@@ -94,14 +95,31 @@ Test(codec, names_sizes_and_support)
 {
     enum codec c;
 
-    for (int k = 0; k < CODEC_COUNT; k++) {
+    int valid = 0;
+
+    for (int k = 0; k < CODEC_END; k++) {
+        if (!codec_valid(k))
+            continue;
+        valid++;
         cr_assert_eq(codec_parse(codec_name((enum codec)k), &c), 0);
         cr_assert_eq(c, (enum codec)k);
     }
+    cr_assert_eq(valid, 6);
+    cr_assert_eq(codec_bytes(CODEC_UNIFORM8, 10), 1034);
+    cr_assert_eq(codec_parse("meanstd16", &c), 0);
+    cr_assert_eq(c, CODEC_MEANSTD16);
     cr_assert_eq(codec_parse("int4", &c), -EINVAL);
     cr_assert_eq(codec_parse(NULL, &c), -EINVAL);
-    cr_assert(!codec_valid(CODEC_COUNT));
+    /* 4 and 5 are the Accumulator's top-k and PowerSGD, not codecs. */
+    cr_assert(!codec_valid(4));
+    cr_assert(!codec_valid(5));
+    cr_assert_str_eq(codec_name((enum codec)4), "unknown");
+    cr_assert(!codec_valid(CODEC_END));
     cr_assert(!codec_valid(-1));
+    cr_assert_eq(codec_bytes(CODEC_MEANSTD16, 0), 8);
+    cr_assert_eq(codec_bytes(CODEC_MEANSTD16, 1000), 2008);
+    cr_assert(codec_supports(CODEC_MEANSTD16, DTYPE_F32));
+    cr_assert(!codec_supports(CODEC_MEANSTD16, DTYPE_F16));
     cr_assert_eq(codec_bytes(CODEC_NONE, 1000), 4000);
     cr_assert_eq(codec_bytes(CODEC_FP16, 1000), 2000);
     cr_assert_eq(codec_bytes(CODEC_BF16, 7), 14);
@@ -326,6 +344,215 @@ Test(codec, sixteen_bit_codecs_are_idempotent_on_their_output)
     free(w2);
 }
 
+/* meanstd16 against a reference built here: the mean and deviation in
+ * double (two passes, as hivemind's torch code does in float32), the
+ * element through float32 and the compiler's _Float16, decoded in double.
+ * Byte for byte, and within the stated bound of the input. */
+static void meanstd16_check(const float *x, size_t n)
+{
+    uint8_t *w = malloc(codec_bytes(CODEC_MEANSTD16, n));
+    float *back = malloc((n ? n : 1) * 4), m, s, got;
+    double sum = 0, sq = 0, sd;
+
+    for (size_t i = 0; i < n; i++)
+        sum += x[i];
+    m = n ? (float)(sum / (double)n) : 0;
+    for (size_t i = 0; i < n; i++)
+        sq += ((double)x[i] - m) * ((double)x[i] - m);
+    sd = n ? sqrt(sq / (double)n) : 0;
+    s = sd > FLT_MAX ? FLT_MAX : (float)sd;
+    s = s < FLT_EPSILON ? FLT_EPSILON : s;
+
+    codec_encode(CODEC_MEANSTD16, w, x, n);
+    codec_decode(CODEC_MEANSTD16, back, w, n);
+    memcpy(&got, w, 4);
+    cr_assert_eq(fbits(got), fbits(m), "mean %a, want %a", got, m);
+    memcpy(&got, w + 4, 4);
+    cr_assert_eq(fbits(got), fbits(s), "deviation %a, want %a", got, s);
+    for (size_t i = 0; i < n; i++) {
+        _Float16 y = (_Float16)(float)(((double)x[i] - m) / s);
+        uint16_t yb;
+        float want = (float)((double)(float)y * s + m);
+        double err = fabs((double)back[i] - x[i]);
+        double bound = 0x1p-11 * fabs((double)x[i] - m) + 0x1p-25 * s +
+                       0x1p-24 * fabs((double)back[i]) + 0x1p-40 * fabs((double)m);
+
+        memcpy(&yb, w + 8 + 2 * i, 2);
+        cr_assert_eq(yb, BITCAST(uint16_t, _Float16, y), "element %zu: %a", i, x[i]);
+        cr_assert_eq(fbits(back[i]), fbits(want), "element %zu: %a -> %a, want %a", i, x[i],
+                     back[i], want);
+        cr_assert_leq(err, bound, "element %zu: %a -> %a", i, x[i], back[i]);
+    }
+    free(w);
+    free(back);
+}
+
+Test(codec, meanstd16_matches_a_reference_within_its_bound)
+{
+    size_t n = 5000;
+    float *x = malloc(n * 4);
+    uint64_t seed = 11;
+    /* Unit scale; a large mean with small spread (plain fp16 keeps it to
+     * 2^-11 of the mean, this to 2^-11 of the spread); values far past
+     * fp16's range; tiny ones. */
+    static const float mean[] = { 0, 1000, 3e8f, 0, -2e-30f };
+    static const float spread[] = { 1, 0.01f, 1e6f, 1e30f, 1e-31f };
+
+    for (size_t k = 0; k < sizeof mean / sizeof mean[0]; k++) {
+        for (size_t i = 0; i < n; i++)
+            x[i] = mean[k] + spread[k] * (((float)(rnd(&seed) % 20001) - 10000.0f) / 10000.0f);
+        meanstd16_check(x, n);
+        meanstd16_check(x, 1);
+        meanstd16_check(x, 3);
+    }
+    meanstd16_check(x, 0);
+    free(x);
+}
+
+Test(codec, meanstd16_constant_runs_extremes_and_non_finite)
+{
+    float x[64], back[64];
+    uint8_t w[8 + 2 * 64];
+
+    /* A run of one value: deviation floored at FLT_EPSILON, y = 0, the
+     * value back exactly. */
+    for (size_t i = 0; i < 64; i++)
+        x[i] = 3.25f;
+    codec_encode(CODEC_MEANSTD16, w, x, 64);
+    codec_decode(CODEC_MEANSTD16, back, w, 64);
+    for (size_t i = 0; i < 64; i++)
+        cr_assert_eq(back[i], 3.25f);
+
+    /* +-FLT_MAX: the mean is 0, the deviation FLT_MAX, no Inf anywhere. */
+    for (size_t i = 0; i < 64; i++)
+        x[i] = i % 2 ? FLT_MAX : -FLT_MAX;
+    meanstd16_check(x, 64);
+    codec_encode(CODEC_MEANSTD16, w, x, 64);
+    codec_decode(CODEC_MEANSTD16, back, w, 64);
+    for (size_t i = 0; i < 64; i++)
+        cr_assert(isfinite(back[i]) && fabsf(back[i]) >= 0.999f * FLT_MAX, "%a", back[i]);
+
+    /* One NaN or Inf: the whole run decodes as NaN. */
+    for (int bad = 0; bad < 2; bad++) {
+        for (size_t i = 0; i < 64; i++)
+            x[i] = (float)i;
+        x[17] = bad ? INFINITY : NAN;
+        codec_encode(CODEC_MEANSTD16, w, x, 64);
+        codec_decode(CODEC_MEANSTD16, back, w, 64);
+        for (size_t i = 0; i < 64; i++)
+            cr_assert(isnan(back[i]), "%s: element %zu is %a", bad ? "inf" : "nan", i, back[i]);
+    }
+}
+
+/* uniform8 against a reference built here: the mean and unbiased
+ * deviation in double, the bin by rint() (nearest even), the codebook the
+ * per-bin mean. Byte for byte; each value within a bin's width of its
+ * decoding, or, clamped into an end bin, between that bin's extremes. */
+static void uniform8_check(const float *x, size_t n)
+{
+    enum { B = CODEC_UNIFORM8_BINS };
+    uint8_t *w = malloc(codec_bytes(CODEC_UNIFORM8, n));
+    float *back = malloc((n ? n : 1) * 4), cb[B];
+    uint8_t *q = malloc(n ? n : 1);
+    double sum = 0, sq = 0, m = 0, h = 0, bsum[B] = { 0 }, lo[B], hi[B];
+    size_t cnt[B] = { 0 };
+
+    for (size_t k = 0; k < B; k++) {
+        lo[k] = INFINITY;
+        hi[k] = -INFINITY;
+    }
+    for (size_t i = 0; i < n; i++)
+        sum += x[i];
+    m = n ? sum / (double)n : 0;
+    for (size_t i = 0; i < n; i++)
+        sq += ((double)x[i] - m) * ((double)x[i] - m);
+    h = n > 1 ? 6 * sqrt(sq / (double)(n - 1)) / B : 0;
+    for (size_t i = 0; i < n; i++) {
+        double v = h > 0 ? rint(((double)x[i] - m) / h) + 128 : 128;
+
+        q[i] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
+        bsum[q[i]] += x[i];
+        cnt[q[i]]++;
+        lo[q[i]] = x[i] < lo[q[i]] ? x[i] : lo[q[i]];
+        hi[q[i]] = x[i] > hi[q[i]] ? x[i] : hi[q[i]];
+    }
+    for (size_t k = 0; k < B; k++)
+        cb[k] = cnt[k] ? (float)(bsum[k] / (double)cnt[k]) : 0.0f;
+
+    codec_encode(CODEC_UNIFORM8, w, x, n);
+    codec_decode(CODEC_UNIFORM8, back, w, n);
+    cr_assert_eq(memcmp(w, cb, sizeof cb), 0, "codebook");
+    cr_assert_eq(memcmp(w + sizeof cb, q, n), 0, "bins");
+    for (size_t i = 0; i < n; i++) {
+        double err = fabs((double)back[i] - x[i]), ulp = 0x1p-24 * fabs((double)back[i]);
+
+        cr_assert_eq(fbits(back[i]), fbits(cb[q[i]]), "element %zu", i);
+        if (q[i] > 0 && q[i] < 255)
+            cr_assert_leq(err, h * (1 + 1e-9) + ulp, "element %zu: %a -> %a, step %a", i, x[i],
+                          back[i], h);
+        else
+            cr_assert(back[i] >= lo[q[i]] - ulp && back[i] <= hi[q[i]] + ulp,
+                      "end bin %u: %a not in [%a, %a]", q[i], back[i], lo[q[i]], hi[q[i]]);
+    }
+    free(w);
+    free(back);
+    free(q);
+}
+
+Test(codec, uniform8_matches_a_reference_within_its_bound)
+{
+    size_t n = 5000;
+    float *x = malloc(n * 4);
+    uint64_t seed = 13;
+    static const float mean[] = { 0, 1000, 3e8f, 0, -2e-30f };
+    static const float spread[] = { 1, 0.01f, 1e6f, 1e30f, 1e-31f };
+
+    for (size_t k = 0; k < sizeof mean / sizeof mean[0]; k++) {
+        for (size_t i = 0; i < n; i++) {
+            /* A sum of uniforms, roughly normal, and a few outliers that
+             * end up clamped into the end bins. */
+            float u = 0;
+
+            for (int j = 0; j < 4; j++)
+                u += ((float)(rnd(&seed) % 20001) - 10000.0f) / 10000.0f;
+            x[i] = mean[k] + spread[k] * (i % 251 == 0 ? 8 * u : u);
+        }
+        uniform8_check(x, n);
+        uniform8_check(x, 1);
+        uniform8_check(x, 2);
+        uniform8_check(x, 300);
+    }
+    uniform8_check(x, 0);
+    free(x);
+}
+
+Test(codec, uniform8_constant_runs_and_non_finite)
+{
+    float x[64], back[64];
+    uint8_t w[4 * CODEC_UNIFORM8_BINS + 64];
+
+    cr_assert_eq(codec_bytes(CODEC_UNIFORM8, 64), sizeof w);
+    for (size_t i = 0; i < 64; i++)
+        x[i] = -7.125f;
+    codec_encode(CODEC_UNIFORM8, w, x, 64);
+    codec_decode(CODEC_UNIFORM8, back, w, 64);
+    for (size_t i = 0; i < 64; i++)
+        cr_assert_eq(back[i], -7.125f);
+    for (int bad = 0; bad < 2; bad++) {
+        for (size_t i = 0; i < 64; i++)
+            x[i] = (float)i;
+        x[40] = bad ? -INFINITY : NAN;
+        codec_encode(CODEC_UNIFORM8, w, x, 64);
+        codec_decode(CODEC_UNIFORM8, back, w, 64);
+        for (size_t i = 0; i < 64; i++)
+            cr_assert(isnan(back[i]), "%s: element %zu is %a", bad ? "inf" : "nan", i, back[i]);
+    }
+    /* Any bytes decode to codebook entries: garbage in, no fault. */
+    for (size_t i = 0; i < sizeof w; i++)
+        w[i] = (uint8_t)(i * 37 + 11);
+    codec_decode(CODEC_UNIFORM8, back, w, 64);
+}
+
 /* The sanitized build does not vectorise; bench/compression.sh runs the
  * release build's variants through the same comparison. */
 Test(codec, every_kernel_variant_writes_the_baselines_bytes)
@@ -337,9 +564,11 @@ Test(codec, every_kernel_variant_writes_the_baselines_bytes)
     make_inputs(x, n, 9);
     for (size_t i = 0; i < n; i += 97)
         x[i] = NAN;             /* some blocks non-finite, most not */
-    for (int c = 1; c < CODEC_COUNT; c++) {
+    for (int c = 1; c < CODEC_END; c++) {
         size_t bytes = codec_bytes((enum codec)c, n);
 
+        if (!codec_valid(c))
+            continue;
         cr_assert_eq(dtype_kernels_use(0), 0);
         codec_encode((enum codec)c, ref, x, n);
         codec_decode((enum codec)c, ref_back, ref, n);

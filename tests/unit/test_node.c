@@ -1136,7 +1136,8 @@ Test(node, compression_settings_are_checked)
     char text[COMPRESS_TEXT_MAX];
     static const char *const bad[] = { "topk:0", "topk:1.5", "topk:0.0000001", "topk:", "topk:-0.1",
                                        "topk:abc", "powersgd:0", "powersgd:1025", "powersgd:2.5",
-                                       "powersgd:", "int8:1", "zip", "", "topk:1.000001" };
+                                       "powersgd:", "int8:1", "zip", "", "topk:1.000001",
+                                       "meanstd16" /* the averager's codec only */ };
     static const struct {
         const char *in, *out;
     } good[] = { { "topk", "topk:0.01" }, { "topk:0.25", "topk:0.25" }, { "topk:1", "topk:1" },
