@@ -6,7 +6,8 @@ cohort's plain all-reduce, in the same run, on loopback.
   groups of --group (4), matchmade by the broker every round
   (cohort.hivemind, group bits that keep groups of --group).
   With --compression A,B,... (hivemind's class names: NoCompression,
-  Float16Compression, BlockwiseQuantization) the averagers run a set of
+  Float16Compression, ScaledFloat16Compression, BlockwiseQuantization,
+  Uniform8BitQuantization) the averagers run a set of
   rounds with each in turn, a row each. With --butterfly a further set
   runs uncompressed with bandwidth=1 on every peer, which puts the round
   on the butterfly all-reduce (equal parts) instead of the ring: the
@@ -112,12 +113,14 @@ def main():
     ap.add_argument("--log-dir", default=os.path.join(BUILD, "bench"))
     ap.add_argument("--compression", default="NoCompression",
                     help="comma-separated: NoCompression, Float16Compression, "
-                         "BlockwiseQuantization")
+                         "ScaledFloat16Compression, BlockwiseQuantization, "
+                         "Uniform8BitQuantization")
     ap.add_argument("--butterfly", action="store_true",
                     help="one more set of rounds on the butterfly (bandwidth=1 everywhere)")
     a = ap.parse_args()
     a.compression = a.compression.split(",")
-    known = ("NoCompression", "Float16Compression", "BlockwiseQuantization")
+    known = ("NoCompression", "Float16Compression", "ScaledFloat16Compression",
+             "BlockwiseQuantization", "Uniform8BitQuantization")
     if not all(c in known for c in a.compression) or len(set(a.compression)) != len(
             a.compression):
         ap.error("--compression takes distinct names among " + ", ".join(known))
