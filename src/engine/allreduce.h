@@ -226,9 +226,9 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
  * (hivemind's min_vector_size), shares worth fewer than min_part elements
  * go to 0 first, unless every share is that small. Deterministic
  * (IEEE double arithmetic only), so every member computes the same parts.
- * Writes n entries of parts (the caller's); reads bandwidth. Returns 0, -EINVAL (n of 0 or over ALLREDUCE_PARTS_MAX, a bandwidth
- * that is NaN or infinite) or -ENODATA (every bandwidth is 0: nobody
- * would reduce). */
+ * Writes n entries of parts (the caller's); reads bandwidth. Returns 0,
+ * -EINVAL (n of 0 or over ALLREDUCE_PARTS_MAX, a bandwidth that is NaN or
+ * infinite) or -ENODATA (every bandwidth is 0: nobody would reduce). */
 int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,
                     size_t *parts);
 

@@ -46,8 +46,8 @@
  *               (a bin's width: its mean lies in it) for values within
  *               [-128.5 h, 127.5 h] of m, else at most their distance
  *               from that range (the outliers clamped into bins 0 and
- *               255, beyond 2.96 s: under 12 % of the run by Chebyshev), plus
- *               float32's half ulp. A run of one value (s = 0) decodes
+ *               255, beyond 2.96 s: under 12 % of the run by
+ *               Chebyshev), plus float32's half ulp. A run of one value (s = 0) decodes
  *               exactly; a run holding NaN or Inf decodes as NaN.
  *
  * Ids 4 and 5 are the Accumulator's top-k and PowerSGD (cohort.h's enum
@@ -58,7 +58,8 @@
  * then n x i8; MEANSTD16 f32 m, f32 s, then n x u16 (8 + 2n bytes, so a
  * segment of at least 16 bytes holds its encoding: allreduce_run_codec
  * refuses an engine whose segments are shorter); UNIFORM8 256 x f32
- * codebook, then n x u8 (1024 + n bytes: segments of at least 1368 bytes). codec_bytes() says how many bytes that is; every receiver
+ * codebook, then n x u8 (1024 + n bytes: segments of at least 1368
+ * bytes). codec_bytes() says how many bytes that is; every receiver
  * checks a frame's length against it for the element count it expects.
  *
  * Every codec is a fixed-length, stateless map of a run of elements: a
@@ -66,9 +67,9 @@
  * Encoding is not the identity, so a member that keeps its own copy of
  * values it sends uses codec_decode(codec_encode(x)) to agree with its
  * peers. FP16 and BF16 are idempotent on their own output (encoding a
- * decoded value gives the same bytes); INT8, MEANSTD16 and UNIFORM8 need not be
- * (the mean and deviation of decoded values differ in their last bits),
- * so encoded bytes are forwarded as received, never re-encoded.
+ * decoded value gives the same bytes); INT8, MEANSTD16 and UNIFORM8 need
+ * not be (the mean and deviation of decoded values differ in their last
+ * bits), so encoded bytes are forwarded as received, never re-encoded.
  *
  * Compression with error feedback lives beside the codecs, not among
  * them: neither is a stateless map of a segment. Top-k (engine/topk.h)
@@ -108,7 +109,8 @@ enum codec {
 #define CODEC_INT8_BLOCK 256
 
 bool codec_valid(int c);
-/* "none" "fp16" "bf16" "int8" "meanstd16" "uniform8" (static). codec_parse returns 0 or -EINVAL. */
+/* "none" "fp16" "bf16" "int8" "meanstd16" "uniform8" (static).
+ * codec_parse returns 0 or -EINVAL. */
 const char *codec_name(enum codec c);
 int codec_parse(const char *s, enum codec *out);
 

@@ -2,9 +2,9 @@
  * here: the compiler's _Float16 for fp16, a double-precision nearest-even
  * rounding for bf16, and a double-precision error bound and exact cases
  * for int8, a double-precision mean and deviation and the compiler's
- * _Float16 for meanstd16, rint() and per-bin means for uniform8; halfway cases, NaN, Inf, subnormals, zero blocks, block
- * extremes and short tails; and every kernel variant against the
- * baseline, byte for byte. */
+ * _Float16 for meanstd16, rint() and per-bin means for uniform8; halfway
+ * cases, NaN, Inf, subnormals, zero blocks, block extremes and short
+ * tails; and every kernel variant against the baseline, byte for byte. */
 #include <criterion/criterion.h>
 
 #include <errno.h>
