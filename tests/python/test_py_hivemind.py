@@ -248,7 +248,7 @@ def test_the_benchmark_runs_a_tiny_round_and_refuses_bad_flags(tmp_path):
     bad = subprocess.run([sys.executable, BENCH, "--peers", "6", "--group", "4"],
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "power of two" in bad.stderr
-    bad = subprocess.run([sys.executable, BENCH, "--compression", "Uniform8BitQuantization"],
+    bad = subprocess.run([sys.executable, BENCH, "--compression", "Quantile8BitQuantization"],
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "--compression" in bad.stderr
 
