@@ -146,9 +146,16 @@ class KubeTrial(Progress):
     def uids(self):
         return {p["metadata"]["name"]: p["metadata"]["uid"] for p in self.live_pods()}
 
-    def pod_creates(self):
+    def pod_posts(self):
+        """Every pod create the operators sent, refused ones included."""
         return [r for r in self.server.requests() if r["method"] == "POST" and
                 r["path"] == PODS and (r["userAgent"] or "").startswith("cohort-operator")]
+
+    def pod_creates(self):
+        """The pods the operators created. A create the API server refused
+        (409: the name is still held by a pod that is terminating) made
+        no pod; an operator killed at any moment may have sent one."""
+        return [r for r in self.pod_posts() if 200 <= r["code"] < 300]
 
     def check_pods(self):
         """Never more live pods than replicas, none named outside the
@@ -206,7 +213,7 @@ class KubeTrial(Progress):
             # that were settled (live, their trainer running, nothing of
             # ours pending on them) must be the same pods afterwards, and
             # the restarted operator may create only the ones missing.
-            st, creates = self.status(), len(self.pod_creates())
+            st, creates = self.status(), len(self.pod_posts())
             settled = {n: u for n, u in self.uids().items()
                        if u not in self.killed_uids and self.current(n) is not None and
                        self.current(n) not in self.killed}
@@ -233,10 +240,13 @@ class KubeTrial(Progress):
             if gone:
                 raise TrialFailed("the restarted operator replaced settled pods %s (now %s)" %
                                   (gone, now))
-            made = len(self.pod_creates()) - creates
+            posts = self.pod_posts()[creates:]
+            made = len([r for r in posts if 200 <= r["code"] < 300])
             if made > self.n - len(settled):
                 raise TrialFailed("%d pods were created across the operator's restart, with %d "
-                                  "of %d settled" % (made, len(settled), self.n))
+                                  "of %d settled (settled %s; the creates: %s)" %
+                                  (made, len(settled), self.n, sorted(settled),
+                                   [(r["code"], r["userAgent"]) for r in posts]))
         else:
             # A pod whose trainer we killed or that we deleted is not
             # chosen again until its replacement runs a trainer.
