@@ -1588,6 +1588,13 @@ static PyObject *pyaverager_bits(struct pyaverager *self, PyObject *unused)
     return PyUnicode_FromString(cohort_averager_bits(self->a));
 }
 
+static PyObject *pyaverager_id(struct pyaverager *self, PyObject *unused)
+{
+    if (averager_open(self) < 0)
+        return NULL;
+    return PyUnicode_FromString(cohort_averager_id(self->a));
+}
+
 static PyObject *pyaverager_set_bits(struct pyaverager *self, PyObject *arg)
 {
     const char *bits = PyUnicode_AsUTF8(arg);
@@ -1727,6 +1734,8 @@ static PyMethodDef pyaverager_methods[] = {
       "step(buffer, weight, alpha, gather, timeout_ms, allow_retries[, scheduled_ms]) -> "
       "(group, attempts, matchmaking_ms, [(id, weight, gathered), ...])." },
     { "bits", (PyCFunction)pyaverager_bits, METH_NOARGS, "The group bits." },
+    { "id", (PyCFunction)pyaverager_id, METH_NOARGS,
+      "This averager's member id (through a sidecar, the one the sidecar gave it)." },
     { "set_bits", (PyCFunction)pyaverager_set_bits, METH_O, "set_bits(str)." },
     { "set_state_sharing", (PyCFunction)pyaverager_set_state_sharing, METH_VARARGS,
       "set_state_sharing(allow, priority)." },
