@@ -225,7 +225,8 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
         .gpu_host_staged = pin->gpu_host_staged,
     };
     struct avserve_config ac = { .broker = mc->broker, .cohort = mc->cohort, .id = mc->id,
-                                 .host = host, .key = mc->key };
+                                 .host = host, .key = mc->key, .tls_ca_pem = mc->tls_ca_pem,
+                                 .tls_server_name = mc->tls_server_name };
     struct avserve *av;
     struct trainerd *t;
     char comp_text[COMPRESS_TEXT_MAX];

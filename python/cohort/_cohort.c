@@ -1628,17 +1628,24 @@ static long ms_arg(PyObject *arg)
 /* set_state_sharing(allow, priority) */
 static PyObject *pyaverager_set_state_sharing(struct pyaverager *self, PyObject *args)
 {
-    int allow;
+    struct cohort_averager *a = self->a;
+    int allow, rc;
     double priority;
 
     if (!PyArg_ParseTuple(args, "pd", &allow, &priority))
         return NULL;
     if (averager_open(self) < 0)
         return NULL;
-    if (cohort_averager_set_state_sharing(self->a, allow != 0, priority) < 0) {
+    /* Through a sidecar this is a call to it: other threads go on. */
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_averager_set_state_sharing(a, allow != 0, priority);
+    Py_END_ALLOW_THREADS
+    if (rc == -EINVAL) {
         PyErr_SetString(PyExc_ValueError, "state_sharing_priority must be a finite number");
         return NULL;
     }
+    if (rc < 0)
+        return averager_raise(self, "state sharing", rc);
     Py_RETURN_NONE;
 }
 

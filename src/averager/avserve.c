@@ -35,7 +35,7 @@ struct host {
 struct avserve {
     pthread_mutex_t mu;
     pthread_cond_t cond;    /* refs or links fell */
-    char *broker, *cohort, *id, *host;
+    char *broker, *cohort, *id, *host, *ca, *server_name;
     struct secret key;
     bool keyed;
     uint64_t max_count, max_state;
@@ -143,7 +143,8 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
     }
     cfg = (struct averager_config){
         .broker = s->broker, .cohort = s->cohort, .id = id, .host = s->host,
-        .key = s->keyed ? &s->key : NULL, .prefix = c->prefix, .initial_bits = c->bits,
+        .key = s->keyed ? &s->key : NULL, .tls_ca_pem = s->ca,
+        .tls_server_name = s->server_name, .prefix = c->prefix, .initial_bits = c->bits,
         .target_group_size = c->target_group_size, .min_group_size = c->min_group_size,
         .min_matchmaking_ms = c->min_matchmaking_ms, .allreduce_timeout_ms = c->allreduce_timeout_ms,
         .request_timeout_ms = c->request_timeout_ms, .segment_bytes = c->segment_bytes,
@@ -614,7 +615,10 @@ int avserve_create(const struct avserve_config *cfg, struct avserve **out)
     s->cohort = strdup(cfg->cohort);
     s->id = strdup(cfg->id);
     s->host = strdup(cfg->host);
-    if (!s->broker || !s->cohort || !s->id || !s->host) {
+    s->ca = cfg->tls_ca_pem ? strdup(cfg->tls_ca_pem) : NULL;
+    s->server_name = cfg->tls_server_name ? strdup(cfg->tls_server_name) : NULL;
+    if (!s->broker || !s->cohort || !s->id || !s->host || (cfg->tls_ca_pem && !s->ca) ||
+        (cfg->tls_server_name && !s->server_name)) {
         avserve_destroy(s);
         return -ENOMEM;
     }
@@ -651,6 +655,8 @@ void avserve_destroy(struct avserve *s)
     free(s->cohort);
     free(s->id);
     free(s->host);
+    free(s->ca);
+    free(s->server_name);
     free(s);
 }
 

@@ -40,6 +40,9 @@ struct avserve_config {
     const char *id;                 /* the sidecar's member id; copied */
     const char *host;               /* numeric address the averagers listen on; copied */
     const struct secret *key;       /* copied; NULL: none */
+    const char *tls_ca_pem;         /* TLS to the broker, as the sidecar's own member
+                                     * reaches it; copied; NULL: plaintext */
+    const char *tls_server_name;    /* copied; NULL: the broker address's host */
     uint64_t max_count;             /* floats one averager may average; 0: AVLINK_COUNT_MAX */
     uint64_t max_state_bytes;       /* 0: AVLINK_STATE_MAX */
 };

@@ -34,6 +34,7 @@ def main():
             tensors_of(k), dht, start=True, prefix="test/side", target_group_size=n,
             min_group_size=n, min_matchmaking_time=1.0, request_timeout=0.5,
             allreduce_timeout=5.0)
+        out(stepping=a.peer_id)
         control = a.step(gather={"k": k}, weight=weight, timeout=60, wait=False)
         try:
             got = control.result(timeout=120)

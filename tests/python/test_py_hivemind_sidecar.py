@@ -124,7 +124,8 @@ def test_the_sidecar_killed_mid_step_fails_the_step_at_once(pod):
     broker, key, sidecar = pod
     s = sidecar("pod-k")
     kid = keyless("unix:" + s.path, "k-0", "weighted", 0, 2, 1)   # nobody to pair with
-    s.wait_log("The trainer created an averager.")
+    line = kid.stdout.readline()
+    assert json.loads(line)["stepping"].startswith("pod-k_av"), line
     began = time.monotonic()
     s.kill()
     got = lines_of(kid)[-1]
@@ -137,7 +138,8 @@ def test_the_trainer_killed_mid_step_has_its_averager_leave(pod):
     broker, key, sidecar = pod
     s = sidecar("pod-t")
     kid = keyless("unix:" + s.path, "t-0", "weighted", 0, 2, 1)
-    s.wait_log("The trainer created an averager.")
+    line = kid.stdout.readline()
+    assert json.loads(line)["stepping"], line
     os.killpg(kid.pid, signal.SIGKILL)
     finish(kid)
     # Its step waits for a group up to its timeout (60 s) at most.
