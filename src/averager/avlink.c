@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,7 @@
 #include <unistd.h>
 
 #include "accumulator/tlink.h"
+#include "averager/averager.h"
 #include "base/clock.h"
 
 #define CALL_TIMEOUT_MS 30000
@@ -128,7 +130,8 @@ struct avlink {
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
     uint8_t token[AVLINK_TOKEN_BYTES];
     char id[AVLINK_ID_MAX + 1];
-    bool lost;                  /* MAIN is gone: the averager with it */
+    atomic_bool lost;           /* MAIN is gone: the averager with it (read under
+                                 * the other roles' locks) */
     bool bits_stale;            /* a step failed: ask for the bits */
     float *data;                /* the shared region's vector */
     uint8_t *gather;            /* its gathered bytes */
@@ -370,9 +373,11 @@ const char *avlink_id(const struct avlink *l)
     return l->id;
 }
 
+/* How long to wait for the answer to a call the sidecar bounds by ms
+ * (0: the averager's default, 30 s). */
 static int slack(uint32_t ms)
 {
-    uint64_t t = (uint64_t)ms + AVLINK_SLACK_MS;
+    uint64_t t = (uint64_t)(ms ? ms : AVERAGER_DEFAULT_TIMEOUT_MS) + AVLINK_SLACK_MS;
     return t > INT32_MAX ? INT32_MAX : (int)t;
 }
 
