@@ -47,11 +47,17 @@ struct trainerd {
 };
 
 /* Connections whose first message has not come yet: its type says whose
- * they are. A few at a time, each for TLINK_HELLO_DEADLINE_MS at most. */
+ * they are. A few at a time, each for TLINK_HELLO_DEADLINE_MS at most.
+ * While a trainer is served, one that has said nothing after
+ * ADOPT_GRACE_MS is a second trainer and is told so, as it always was,
+ * before it says anything: an adopted link speaks as it connects (its
+ * client retries a refusal, avlink.h), an Accumulator waits for no one. */
 #define PENDING_MAX 8
+#define ADOPT_GRACE_MS 200
 struct pending {
     int sock;
     uint64_t deadline;
+    uint64_t busy_at;
 };
 
 /* One trainer's session. */
@@ -524,6 +530,7 @@ static void accept_pending(int lfd, struct pending *pend)
         if (pend[i].sock < 0) {
             pend[i].sock = c;
             pend[i].deadline = clock_now_ms() + TLINK_HELLO_DEADLINE_MS;
+            pend[i].busy_at = clock_now_ms() + ADOPT_GRACE_MS;
             return;
         }
     }
@@ -577,7 +584,9 @@ static void *trainerd_main(void *arg)
             if (pend[i].sock < 0)
                 continue;
             type = first_type(pend[i].sock);
-            if (type == 0 && clock_now_ms() <= pend[i].deadline)
+            if (type == 0 && s.sock >= 0 && clock_now_ms() > pend[i].busy_at)
+                type = TL_HELLO;        /* a second trainer, silent: refused below */
+            else if (type == 0 && clock_now_ms() <= pend[i].deadline)
                 continue;
             if (type > 0 && t->adopt && type >= t->adopt_first && type <= t->adopt_last) {
                 t->adopt(t->adopt_arg, pend[i].sock);

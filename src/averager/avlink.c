@@ -170,6 +170,40 @@ static int dial(const char *path)
     return s;
 }
 
+/* The sidecar tells a connection that has not spoken yet while it serves
+ * an Accumulator that it is busy (accumulator/trainerd.h): ours speak at
+ * once, so such a refusal is a race lost, and the call is tried again. */
+#define FIRST_TRIES 5
+#define FIRST_RETRY_MS 50
+
+static int exchange(int sock, uint16_t type, const void *body, uint32_t len, const int *fds,
+                    int nfds, void *out, uint32_t out_len, int *fd_out, int timeout_ms, char *why,
+                    size_t why_len);
+
+static int dial(const char *path);
+
+/* Dials and sends the link's first message; on 0 *sock is the link. */
+static int dial_first(const char *path, uint16_t type, const void *body, uint32_t len, int *sock,
+                      char *why, size_t why_len)
+{
+    int s, rc = -EBUSY;
+
+    for (int i = 0; i < FIRST_TRIES && rc == -EBUSY; i++) {
+        if (i)
+            clock_sleep_ms(FIRST_RETRY_MS);
+        s = dial(path);
+        if (s < 0)
+            return s;
+        rc = exchange(s, type, body, len, NULL, 0, NULL, 0, NULL, 30000, why, why_len);
+        if (rc == 0) {
+            *sock = s;
+            return 0;
+        }
+        close(s);
+    }
+    return rc;
+}
+
 static void say(char *buf, size_t len, const char *text)
 {
     if (buf && len)
@@ -235,15 +269,10 @@ static int conn_get(struct avlink *l, enum role role)
         return l->c[role].sock;
     if (role == MAIN || l->lost)
         return -ENOTCONN;
-    s = dial(l->path);
-    if (s < 0)
-        return s;
     memcpy(at.token, l->token, sizeof(at.token));
-    rc = exchange(s, AVL_ATTACH, &at, sizeof(at), NULL, 0, NULL, 0, NULL, CALL_TIMEOUT_MS, NULL, 0);
-    if (rc < 0) {
-        close(s);
+    rc = dial_first(l->path, AVL_ATTACH, &at, sizeof(at), &s, NULL, 0);
+    if (rc < 0)
         return rc;
-    }
     l->c[role].sock = s;
     return s;
 }
@@ -324,14 +353,9 @@ int avlink_open(const struct avlink_config *cfg, struct avlink **out, char *why,
     l->map_len = bytes;
     l->data = l->map;
     l->gather = (uint8_t *)l->map + goff;
-    rc = dial(l->path);
-    if (rc < 0) {
+    rc = dial_first(l->path, AVL_HELLO, &hello, sizeof(hello), &l->c[MAIN].sock, why, why_len);
+    if (rc == -ENOENT || rc == -ECONNREFUSED)
         say(why, why_len, "No sidecar answers on the trainer socket.");
-        goto err;
-    }
-    l->c[MAIN].sock = rc;
-    rc = exchange(l->c[MAIN].sock, AVL_HELLO, &hello, sizeof(hello), NULL, 0, NULL, 0, NULL,
-                  CALL_TIMEOUT_MS, why, why_len);
     if (rc == 0)
         rc = exchange(l->c[MAIN].sock, AVL_CREATE, &cr, sizeof(cr), &fd, 1, &created,
                       sizeof(created), NULL, CALL_TIMEOUT_MS, why, why_len);

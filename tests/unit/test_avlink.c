@@ -12,7 +12,8 @@
  *   nothing changes; one that leaves makes room.
  * - A trainer gone mid-step: its averager leaves once the step ends.
  * - A sidecar gone mid-step: the step fails at once with a sentence.
- * - The Accumulator's link on the same socket still works.
+ * - The Accumulator's session and averager links share the socket: a
+ *   second Accumulator is still refused before it says anything.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -507,4 +508,34 @@ Test(avlink, a_sidecar_gone_mid_step_fails_the_step_at_once_with_a_sentence)
     pthread_join(f.t, NULL);
     close(f.lfd);
     unlink(fpath);
+}
+
+/* One socket per pod: while an Accumulator's trainer holds the session,
+ * an averager link is still adopted, and a second Accumulator is still
+ * refused before it says anything. */
+Test(avlink, the_accumulators_session_and_averager_links_share_the_socket)
+{
+    struct tlink_hello th = { .api_version = TLINK_VERSION };
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int fds[TLINK_FDS_MAX], n;
+    struct cohort_averager *a;
+    int acc, other;
+
+    snprintf(th.name, sizeof(th.name), "model");
+    acc = dial();
+    cr_assert_eq(ask(acc, TL_HELLO, &th, sizeof(th), NULL, 0, NULL, 0, NULL, NULL, 0), 0);
+    a = make(addr, "beside", 2);
+    cr_assert(strncmp(cohort_averager_id(a), "sc_av", 5) == 0);
+    cr_assert_eq(avserve_averagers(av), 1);
+    other = dial();
+    cr_assert_eq(tlink_recv(other, &h, buf, sizeof(buf), -1, fds, &n, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(h.status, -EBUSY, "told before it says anything");
+    close(other);
+    /* The session is the Accumulator's still: it answers as before
+     * registration (a VIEW needs a node). */
+    cr_assert_eq(ask(acc, TL_VIEW, NULL, 0, NULL, 0, NULL, 0, NULL, NULL, 0), -ENODEV);
+    close(acc);
+    cohort_averager_destroy(a);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the averager left");
 }
