@@ -121,7 +121,7 @@ CORE_SRCS  := $(filter-out $(K8S_SRCS),$(LIB_SRCS))
 # The trainer library: the core less what only servers run (the broker,
 # the sidecar's trainer service, flag parsing).
 TRAINER_SRCS := $(filter-out src/base/opt.c src/membership/broker.c src/membership/brokerd.c \
-                  src/accumulator/trainerd.c,$(CORE_SRCS))
+                  src/accumulator/trainerd.c src/averager/avserve.c,$(CORE_SRCS))
 OP_SRCS    := $(wildcard operator/*.c)
 SC_SRCS    := $(wildcard sidecar/*.c)
 CLI_SRCS   := $(wildcard cli/*.c)

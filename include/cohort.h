@@ -539,15 +539,30 @@ const char *cohort_group_strerror(int err);
  * With compression only the averaged values travel encoded (weights and
  * gathered bytes stay exact), and only averagers of one compression
  * group. docs/architecture.md, "hivemind's DecentralizedAverager", says
- * how. An averager is used from one thread at a time. */
+ * how. An averager is used from one thread at a time.
+ *
+ * Through the sidecar. In a Kubernetes cohort the trainer holds no key;
+ * the pod's cohort-sidecar does. An averager created with broker NULL in
+ * an environment with $COHORT_SOCKET and without $COHORT_SECRET_FILE, or
+ * with broker "unix:PATH", lives in the sidecar at that socket: it joins
+ * the cohort with the sidecar's key under an id the sidecar gives it
+ * ("<sidecar id>_av<N>", cohort_averager_id; cfg->id is not used), and
+ * every call below reaches it there and behaves as in process. The
+ * averaged vector, the gathered bytes and states travel in shared memory,
+ * not through the socket. It leaves when cohort_averager_destroy closes
+ * the link, or the trainer dies. A sidecar that goes away fails the call
+ * in flight at once (-ENOTCONN, "The sidecar went away.") and every call
+ * after it. A sidecar hosts at most 8 averagers (-EBUSY beyond). */
 
 struct cohort_averager;
 struct cohort_averager_result;
 
 struct cohort_averager_config {
-    const char *broker;             /* "host:port"; NULL: $COHORT_BROKER */
+    const char *broker;             /* "host:port"; NULL: $COHORT_BROKER, or the
+                                     * sidecar (above); "unix:PATH": the sidecar at
+                                     * PATH */
     const char *cohort;             /* NULL: $COHORT_COHORT */
-    const char *id;                 /* NULL: $COHORT_ID */
+    const char *id;                 /* NULL: $COHORT_ID; through a sidecar, unused */
     const char *prefix;             /* matchmaking prefix: 1 to 128 of [A-Za-z0-9._:/-] */
     const char *initial_bits;       /* group bits, up to 64 of 0 and 1; NULL: "" */
     uint32_t target_group_size;     /* 1..256 */
@@ -628,6 +643,9 @@ int cohort_averager_step(struct cohort_averager *a, const struct cohort_averager
                          struct cohort_averager_result **out);
 /* The last failure as a sentence, owned by the averager. */
 const char *cohort_averager_error(const struct cohort_averager *a);
+/* This averager's member id, owned by it: the configured one, or the one
+ * its sidecar gave it. */
+const char *cohort_averager_id(const struct cohort_averager *a);
 /* The group bits, owned by the averager (valid until its next step). */
 const char *cohort_averager_bits(const struct cohort_averager *a);
 /* Sets the group bits (copied). 0 or -EINVAL. */

@@ -22,6 +22,8 @@
 #include "rpc/rpc.h"
 #include "accumulator/node.h"
 #include "accumulator/trainerd.h"
+#include "averager/avlink.h"
+#include "averager/avserve.h"
 
 #define PROG "cohort-sidecar"
 
@@ -38,8 +40,11 @@ static const char usage[] =
     "  --socket PATH             serve a trainer on this Unix socket (env\n"
     "                            COHORT_SOCKET, as PATH or unix:PATH); the member\n"
     "                            joins once the trainer registers its tensors and\n"
-    "                            leaves when it goes away. Without it the sidecar\n"
-    "                            only keeps a membership.\n"
+    "                            leaves when it goes away. The same socket hosts\n"
+    "                            the trainer's hivemind averagers (cohort.hivemind,\n"
+    "                            cohort_averager_*), up to 8, each a member of\n"
+    "                            its own named ID_avN with this sidecar's key.\n"
+    "                            Without it the sidecar only keeps a membership.\n"
     "  --data-listen ADDR        data-plane listen address (default 127.0.0.1:0,\n"
     "                            port 0 picks a free one)\n"
     "  --advertise HOST          host the other members reach this one at (the pod\n"
@@ -219,14 +224,29 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
                   .checkpoint_every_s = ck->interval_s, .checkpoint_keep = ck->keep },
         .gpu_host_staged = pin->gpu_host_staged,
     };
+    struct avserve_config ac = { .broker = mc->broker, .cohort = mc->cohort, .id = mc->id,
+                                 .host = host, .key = mc->key, .tls_ca_pem = mc->tls_ca_pem,
+                                 .tls_server_name = mc->tls_server_name };
+    struct avserve *av;
     struct trainerd *t;
     char comp_text[COMPRESS_TEXT_MAX];
     int rc, sig;
 
+    rc = avserve_create(&ac, &av);
+    if (rc < 0) {
+        log_error("sidecar", "The trainer's averagers cannot be hosted (is --id too long?).",
+                  LF_ERR(rc));
+        return 1;
+    }
+    tc.adopt = avserve_adopt;
+    tc.adopt_arg = av;
+    tc.adopt_first = AVL_FIRST;
+    tc.adopt_last = AVL_ATTACH;
     rc = trainerd_start(&tc, &t);
     if (rc < 0) {
         log_error("sidecar", "The trainer socket could not be served.", LF_S("socket", socket_path),
                   LF_ERR(rc));
+        avserve_destroy(av);
         return 1;
     }
     log_info("sidecar", "Waiting for the trainer.", LF_S("socket", socket_path),
@@ -241,6 +261,8 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
         ;
     log_info("sidecar", "Stopping; leaving the cohort.", LF_S("signal", strsignal(sig)));
     trainerd_stop(t);
+    /* The averagers leave once their calls in flight return. */
+    avserve_destroy(av);
     return 0;
 }
 

@@ -1588,6 +1588,13 @@ static PyObject *pyaverager_bits(struct pyaverager *self, PyObject *unused)
     return PyUnicode_FromString(cohort_averager_bits(self->a));
 }
 
+static PyObject *pyaverager_id(struct pyaverager *self, PyObject *unused)
+{
+    if (averager_open(self) < 0)
+        return NULL;
+    return PyUnicode_FromString(cohort_averager_id(self->a));
+}
+
 static PyObject *pyaverager_set_bits(struct pyaverager *self, PyObject *arg)
 {
     const char *bits = PyUnicode_AsUTF8(arg);
@@ -1621,17 +1628,24 @@ static long ms_arg(PyObject *arg)
 /* set_state_sharing(allow, priority) */
 static PyObject *pyaverager_set_state_sharing(struct pyaverager *self, PyObject *args)
 {
-    int allow;
+    struct cohort_averager *a = self->a;
+    int allow, rc;
     double priority;
 
     if (!PyArg_ParseTuple(args, "pd", &allow, &priority))
         return NULL;
     if (averager_open(self) < 0)
         return NULL;
-    if (cohort_averager_set_state_sharing(self->a, allow != 0, priority) < 0) {
+    /* Through a sidecar this is a call to it: other threads go on. */
+    Py_BEGIN_ALLOW_THREADS
+    rc = cohort_averager_set_state_sharing(a, allow != 0, priority);
+    Py_END_ALLOW_THREADS
+    if (rc == -EINVAL) {
         PyErr_SetString(PyExc_ValueError, "state_sharing_priority must be a finite number");
         return NULL;
     }
+    if (rc < 0)
+        return averager_raise(self, "state sharing", rc);
     Py_RETURN_NONE;
 }
 
@@ -1727,6 +1741,8 @@ static PyMethodDef pyaverager_methods[] = {
       "step(buffer, weight, alpha, gather, timeout_ms, allow_retries[, scheduled_ms]) -> "
       "(group, attempts, matchmaking_ms, [(id, weight, gathered), ...])." },
     { "bits", (PyCFunction)pyaverager_bits, METH_NOARGS, "The group bits." },
+    { "id", (PyCFunction)pyaverager_id, METH_NOARGS,
+      "This averager's member id (through a sidecar, the one the sidecar gave it)." },
     { "set_bits", (PyCFunction)pyaverager_set_bits, METH_O, "set_bits(str)." },
     { "set_state_sharing", (PyCFunction)pyaverager_set_state_sharing, METH_VARARGS,
       "set_state_sharing(allow, priority)." },

@@ -249,11 +249,23 @@ class Uniform8BitQuantization(CompressionBase):
         return "Uniform8BitQuantization()"
 
 
+def _through_sidecar():
+    """A cohort's trainer container: the pod's sidecar at $COHORT_SOCKET
+    holds the cohort's key, and the trainer none."""
+    return bool(os.environ.get("COHORT_SOCKET")) and not os.environ.get("COHORT_SECRET_FILE")
+
+
 class DHT:
     """Stands in for hivemind.DHT: the cohort broker at initial_peers[0]
     (or $COHORT_BROKER when initial_peers is empty), the cohort named by
     `cohort` (else $COHORT_COHORT, else "hivemind"), and this peer's id
-    (`peer_id`, else $COHORT_ID, else a random one)."""
+    (`peer_id`, else $COHORT_ID, else a random one).
+
+    Through a sidecar: with initial_peers=["unix:PATH"], or none in a
+    cohort's trainer container ($COHORT_SOCKET set, no
+    $COHORT_SECRET_FILE), averagers live in the pod's cohort-sidecar,
+    which joins them with its key; `peer_id` is then the id the sidecar
+    gives the averager once it runs (docs/architecture.md)."""
 
     def __init__(self, initial_peers=(), start=True, *, cohort=None, peer_id=None):
         if not start:
@@ -262,8 +274,16 @@ class DHT:
         peers = list(initial_peers or ())
         if len(peers) > 1:
             raise ValueError("cohort's DHT is one broker: pass one address in initial_peers")
-        broker = peers[0] if peers else os.environ.get("COHORT_BROKER")
-        if not broker or not isinstance(broker, str):
+        if peers:
+            broker = peers[0]
+        elif _through_sidecar():
+            broker = None       # the C library reaches the sidecar at $COHORT_SOCKET
+        else:
+            broker = os.environ.get("COHORT_BROKER")
+        if broker is not None and (not broker or not isinstance(broker, str)):
+            raise ValueError("no broker: pass initial_peers=[\"host:port\"] or set "
+                             "$COHORT_BROKER")
+        if broker is None and not _through_sidecar():
             raise ValueError("no broker: pass initial_peers=[\"host:port\"] or set "
                              "$COHORT_BROKER")
         self.broker = broker
@@ -450,7 +470,9 @@ class DecentralizedAverager:
 
     @property
     def peer_id(self):
-        return self._dht.peer_id
+        # Through a sidecar, the member is the one the sidecar named.
+        core = self._core
+        return core.id() if core is not None else self._dht.peer_id
 
     def run_in_background(self, await_ready=True, timeout=None):
         """Joins the cohort as this DHT's peer (hivemind starts a process;

@@ -41,6 +41,23 @@ struct trainerd {
     atomic_bool stop;
     atomic_uint sessions;
     bool gpu_host_staged;
+    int (*adopt)(void *arg, int sock);
+    void *adopt_arg;
+    uint16_t adopt_first, adopt_last;
+};
+
+/* Connections whose first message has not come yet: its type says whose
+ * they are. A few at a time, each for TLINK_HELLO_DEADLINE_MS at most.
+ * While a trainer is served, one that has said nothing after
+ * ADOPT_GRACE_MS is a second trainer and is told so, as it always was,
+ * before it says anything: an adopted link speaks as it connects (its
+ * client retries a refusal, avlink.h), an Accumulator waits for no one. */
+#define PENDING_MAX 8
+#define ADOPT_GRACE_MS 200
+struct pending {
+    int sock;
+    uint64_t deadline;
+    uint64_t busy_at;
 };
 
 /* One trainer's session. */
@@ -487,26 +504,56 @@ static void session_end(struct session *s)
     s->guard = -1;
 }
 
-/* While a trainer is served, others are told so and turned away. */
-static void refuse_extra(int lfd)
+/* The type of the first message waiting on `sock`, read without taking
+ * it: 0 when none is whole yet, -1 when the connection is over or the
+ * message is not tlink's. */
+static int first_type(int sock)
 {
-    int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    struct tlink_hdr h;
+    ssize_t n = recv(sock, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
+
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return 0;
+    if (n < (ssize_t)sizeof(h) || h.magic != TLINK_MAGIC)
+        return -1;
+    return h.type;
+}
+
+/* A new connection waits for its first message beside the session. */
+static void accept_pending(int lfd, struct pending *pend)
+{
+    int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
 
     if (c < 0)
         return;
+    for (int i = 0; i < PENDING_MAX; i++) {
+        if (pend[i].sock < 0) {
+            pend[i].sock = c;
+            pend[i].deadline = clock_now_ms() + TLINK_HELLO_DEADLINE_MS;
+            pend[i].busy_at = clock_now_ms() + ADOPT_GRACE_MS;
+            return;
+        }
+    }
     tlink_send(c, TL_REPLY, -EBUSY, NULL, 0, NULL, 0);
     close(c);
-    log_warn("sidecar", "A second trainer tried to connect; it was refused.");
+    log_warn("sidecar", "Too many connections wait to introduce themselves; one was refused.");
 }
 
 static void *trainerd_main(void *arg)
 {
     struct trainerd *t = arg;
     struct session s = { .sock = -1, .guard = -1 };
+    struct pending pend[PENDING_MAX];
 
+    for (int i = 0; i < PENDING_MAX; i++)
+        pend[i].sock = -1;
     while (!atomic_load(&t->stop)) {
-        struct pollfd p[2] = { { t->lfd, POLLIN, 0 }, { s.sock, POLLIN, 0 } };
-        int n = poll(p, s.sock >= 0 ? 2 : 1, POLL_MS);
+        struct pollfd p[2 + PENDING_MAX] = { { t->lfd, POLLIN, 0 }, { s.sock, POLLIN, 0 } };
+        int n;
+
+        for (int i = 0; i < PENDING_MAX; i++)
+            p[2 + i] = (struct pollfd){ pend[i].sock, POLLIN, 0 };
+        n = poll(p, 2 + PENDING_MAX, POLL_MS);
 
         if (busguard_tripped(s.guard)) {
             /* The trainer's memory failed under our mapping (it cannot
@@ -531,20 +578,39 @@ static void *trainerd_main(void *arg)
             session_end(&s);
             continue;
         }
+        for (int i = 0; i < PENDING_MAX; i++) {
+            int type;
+
+            if (pend[i].sock < 0)
+                continue;
+            type = first_type(pend[i].sock);
+            if (type == 0 && s.sock >= 0 && clock_now_ms() > pend[i].busy_at)
+                type = TL_HELLO;        /* a second trainer, silent: refused below */
+            else if (type == 0 && clock_now_ms() <= pend[i].deadline)
+                continue;
+            if (type > 0 && t->adopt && type >= t->adopt_first && type <= t->adopt_last) {
+                t->adopt(t->adopt_arg, pend[i].sock);
+            } else if (type > 0 && s.sock < 0) {
+                /* The Accumulator's trainer: its session begins, HELLO
+                 * unread, as it always has. */
+                s.sock = pend[i].sock;
+                s.deadline = pend[i].deadline;
+                atomic_fetch_add(&t->sessions, 1);
+                log_info("sidecar", "A trainer connected.");
+                p[1] = (struct pollfd){ s.sock, POLLIN, POLLIN };
+            } else if (type > 0) {
+                tlink_send(pend[i].sock, TL_REPLY, -EBUSY, NULL, 0, NULL, 0);
+                close(pend[i].sock);
+                log_warn("sidecar", "A second trainer tried to connect; it was refused.");
+            } else {
+                close(pend[i].sock);
+            }
+            pend[i].sock = -1;
+        }
         if (n <= 0)
             continue;
-        if (p[0].revents & POLLIN) {
-            if (s.sock >= 0) {
-                refuse_extra(t->lfd);
-            } else {
-                s.sock = accept4(t->lfd, NULL, NULL, SOCK_CLOEXEC);
-                if (s.sock >= 0) {
-                    s.deadline = clock_now_ms() + TLINK_HELLO_DEADLINE_MS;
-                    atomic_fetch_add(&t->sessions, 1);
-                    log_info("sidecar", "A trainer connected.");
-                }
-            }
-        }
+        if (p[0].revents & POLLIN)
+            accept_pending(t->lfd, pend);
         if (s.sock >= 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) {
             int rc = serve_one(t, &s);
             /* A trainer in its loop calls again within microseconds:
@@ -558,6 +624,9 @@ static void *trainerd_main(void *arg)
             }
         }
     }
+    for (int i = 0; i < PENDING_MAX; i++)
+        if (pend[i].sock >= 0)
+            close(pend[i].sock);
     if (s.sock >= 0)
         session_end(&s);
     return NULL;
@@ -586,7 +655,7 @@ static int bind_private(int fd, const char *path)
     }
     memcpy(sa.sun_path, tmp, (size_t)n + 1);
     if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(tmp, 0600) < 0 ||
-        listen(fd, 4) < 0 || rename(tmp, path) < 0)
+        listen(fd, 16) < 0 || rename(tmp, path) < 0)
         rc = -errno;
     unlink(tmp);
 out_dir:
@@ -634,6 +703,10 @@ int trainerd_start(const struct trainerd_config *cfg, struct trainerd **out)
     }
     t->ncfg = cfg->node;
     t->gpu_host_staged = cfg->gpu_host_staged;
+    t->adopt = cfg->adopt;
+    t->adopt_arg = cfg->adopt_arg;
+    t->adopt_first = cfg->adopt_first;
+    t->adopt_last = cfg->adopt_last;
     t->ncfg.broker = t->broker;
     t->ncfg.cohort = t->cohort;
     t->ncfg.id = t->id;

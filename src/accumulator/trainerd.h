@@ -20,6 +20,16 @@ struct trainerd_config {
     /* A GPU registration is always reduced host-staged, never with NCCL
      * (docs/gpu.md): for clusters without NCCL connectivity. */
     bool gpu_host_staged;
+    /* Connections of another kind on the same socket (one socket per
+     * pod): a connection whose first message has a type in [adopt_first,
+     * adopt_last] is handed, unread, to adopt(adopt_arg, sock), which
+     * owns it from then on (hivemind's averager link, averager/avserve.h).
+     * Its first message must come within TLINK_HELLO_DEADLINE_MS. NULL:
+     * none. The Accumulator's connections are served as before, byte for
+     * byte. */
+    int (*adopt)(void *arg, int sock);
+    void *adopt_arg;
+    uint16_t adopt_first, adopt_last;
 };
 
 /* Binds the socket and starts serving on a thread. Needs rpc_init().

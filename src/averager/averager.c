@@ -1024,6 +1024,8 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     mc.id = cfg->id;
     mc.address = a->address;
     mc.key = cfg->key;
+    mc.tls_ca_pem = cfg->tls_ca_pem;
+    mc.tls_server_name = cfg->tls_server_name;
     mc.quiet = true;
     rc = member_create(&mc, &a->member);
     if (rc < 0)

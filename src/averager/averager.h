@@ -82,6 +82,10 @@ struct averager_config {
     const char *id;                 /* this averager's member id; copied */
     const char *host;               /* numeric address to listen on and advertise */
     const struct secret *key;       /* the cohort's key, copied; NULL: none */
+    const char *tls_ca_pem;         /* TLS to the broker (member.h): CA PEM, copied;
+                                     * NULL: plaintext */
+    const char *tls_server_name;    /* the broker certificate's name; NULL: the
+                                     * broker address's host */
     const char *prefix;             /* matchmaking prefix; copied */
     const char *initial_bits;       /* group bits; copied; NULL: "" */
     uint32_t target_group_size;     /* 1..256 */

@@ -1,13 +1,17 @@
 /* src/averager/cohort_averager.c: the averager's public face in
  * include/cohort.h. A thin layer: it reads the environment as
  * cohort_group_create() does and keeps gRPC started for the averager's
- * life. */
+ * life; in a pod whose trainer holds no key it drives an averager in the
+ * sidecar instead (avlink.h), and every call below goes there. */
 #include "cohort.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "averager/averager.h"
+#include "averager/avlink.h"
 #include "base/secret.h"
 #include "rpc/rpc.h"
 
@@ -21,12 +25,81 @@ _Static_assert(COHORT_COMPRESSION_NONE == (int)CODEC_NONE &&
                "cohort_compression and enum codec differ");
 
 struct cohort_averager {
-    struct averager *a;
+    struct averager *a;         /* in process, or */
+    struct avlink *l;           /* through the sidecar */
 };
 
 struct cohort_averager_result {
     struct averager_result *r;
+    struct avlink_result *lr;
 };
+
+/* The sidecar's socket when the averager goes through it: a broker given
+ * as "unix:PATH", or none given in an environment with $COHORT_SOCKET and
+ * no key ($COHORT_SECRET_FILE), as a cohort's trainer container has. */
+static const char *sidecar_path(const char *broker, bool keyed)
+{
+    const char *sock = getenv("COHORT_SOCKET");
+
+    if (broker)
+        return strncmp(broker, "unix:", 5) == 0 ? broker + 5 : NULL;
+    if (keyed || !sock || !*sock)
+        return NULL;
+    return strncmp(sock, "unix:", 5) == 0 ? sock + 5 : sock;
+}
+
+static int link_create(const struct cohort_averager_config *c, const char *path,
+                       struct cohort_averager **out)
+{
+    struct avlink_config lc = { .path = path };
+    struct avlink_create *cr = &lc.create;
+    struct cohort_averager *ca;
+    size_t n;
+    int rc;
+
+    n = c->prefix ? strlen(c->prefix) : 0;
+    if (!n || n > AVLINK_PREFIX_MAX || (c->initial_bits && strlen(c->initial_bits) > AVLINK_BITS_MAX) ||
+        c->schema_len > AVLINK_SCHEMA_MAX || (c->schema_len && !c->schema) ||
+        c->declare_state_period_ms < 0)
+        return -EINVAL;
+    memcpy(cr->prefix, c->prefix, n);
+    if (c->initial_bits)
+        memcpy(cr->bits, c->initial_bits, strlen(c->initial_bits));
+    if (c->schema_len)
+        memcpy(cr->schema, c->schema, c->schema_len);
+    cr->schema_len = (uint8_t)c->schema_len;
+    cr->has_bandwidth = c->has_bandwidth;
+    cr->client_mode = c->client_mode;
+    cr->share_state = c->allow_state_sharing;
+    cr->target_group_size = c->target_group_size;
+    cr->min_group_size = c->min_group_size;
+    cr->min_matchmaking_ms = c->min_matchmaking_ms;
+    cr->request_timeout_ms = c->request_timeout_ms;
+    cr->allreduce_timeout_ms = c->allreduce_timeout_ms;
+    cr->leave_timeout_ms = c->leave_timeout_ms;
+    cr->declare_period_ms = (uint32_t)c->declare_state_period_ms;
+    cr->codec = (uint32_t)c->compression;
+    cr->count = c->count;
+    cr->max_count = c->max_count;
+    cr->segment_bytes = c->segment_bytes;
+    /* The region holds what a step may gather: the averager's default
+     * made explicit, so that both sides size it alike. */
+    cr->gather_max = c->gather_max ? c->gather_max : 4096;
+    cr->min_vector_size = c->min_vector_size;
+    cr->max_state_bytes = c->max_state_bytes;
+    cr->bandwidth = c->bandwidth;
+    cr->state_priority = c->state_sharing_priority;
+    ca = calloc(1, sizeof(*ca));
+    if (!ca)
+        return -ENOMEM;
+    rc = avlink_open(&lc, &ca->l, NULL, 0);
+    if (rc < 0) {
+        free(ca);
+        return rc;
+    }
+    *out = ca;
+    return 0;
+}
 
 int cohort_averager_create(const struct cohort_averager_config *c, struct cohort_averager **out)
 {
@@ -39,6 +112,14 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
 
     if (!c || !out)
         return -EINVAL;
+    if (sidecar_path(c->broker, keyed)) {
+        if (((int)c->compression < COHORT_COMPRESSION_NONE ||
+             (int)c->compression > COHORT_COMPRESSION_INT8) &&
+            c->compression != COHORT_COMPRESSION_MEANSTD16 &&
+            c->compression != COHORT_COMPRESSION_UNIFORM8)
+            return -EINVAL;
+        return link_create(c, sidecar_path(c->broker, keyed), out);
+    }
     cfg.broker = c->broker ? c->broker : getenv("COHORT_BROKER");
     cfg.cohort = c->cohort ? c->cohort : getenv("COHORT_COHORT");
     cfg.id = c->id ? c->id : getenv("COHORT_ID");
@@ -105,14 +186,20 @@ void cohort_averager_destroy(struct cohort_averager *ca)
 {
     if (!ca)
         return;
-    averager_destroy(ca->a);
-    rpc_shutdown();
+    if (ca->l) {
+        avlink_close(ca->l);
+    } else {
+        averager_destroy(ca->a);
+        rpc_shutdown();
+    }
     free(ca);
 }
 
 int cohort_averager_wait(struct cohort_averager *ca, int timeout_ms)
 {
-    return averager_wait(ca->a, timeout_ms > 0 ? (uint32_t)timeout_ms : 0);
+    uint32_t ms = timeout_ms > 0 ? (uint32_t)timeout_ms : 0;
+
+    return ca->l ? avlink_wait(ca->l, ms) : averager_wait(ca->a, ms);
 }
 
 int cohort_averager_step(struct cohort_averager *ca, const struct cohort_averager_step *s,
@@ -128,7 +215,16 @@ int cohort_averager_step(struct cohort_averager *ca, const struct cohort_average
 
     if (!res)
         return -ENOMEM;
-    rc = averager_step(ca->a, &st, &res->r);
+    if (ca->l) {
+        struct avlink_step ls = {
+            .weight = st.weight, .alpha = st.alpha, .gather_len = st.gather_len,
+            .begin_at_ms = st.begin_at_ms, .timeout_ms = st.timeout_ms,
+            .no_retries = st.no_retries,
+        };
+        rc = avlink_step(ca->l, s->data, s->gather, &ls, &res->lr);
+    } else {
+        rc = averager_step(ca->a, &st, &res->r);
+    }
     if (rc < 0) {
         free(res);
         return rc;
@@ -139,37 +235,49 @@ int cohort_averager_step(struct cohort_averager *ca, const struct cohort_average
 
 const char *cohort_averager_error(const struct cohort_averager *ca)
 {
-    return averager_last_error(ca->a);
+    return ca->l ? avlink_error(ca->l) : averager_last_error(ca->a);
 }
 
 const char *cohort_averager_bits(const struct cohort_averager *ca)
 {
-    return averager_bits(ca->a);
+    /* The sidecar's answer is cached in the link, which is the caller's. */
+    return ca->l ? avlink_bits(ca->l) : averager_bits(ca->a);
 }
 
 int cohort_averager_set_bits(struct cohort_averager *ca, const char *bits)
 {
-    return averager_set_bits(ca->a, bits);
+    return ca->l ? avlink_set_bits(ca->l, bits) : averager_set_bits(ca->a, bits);
+}
+
+const char *cohort_averager_id(const struct cohort_averager *ca)
+{
+    return ca->l ? avlink_id(ca->l) : averager_id(ca->a);
 }
 
 size_t cohort_averager_result_size(const struct cohort_averager_result *r)
 {
-    return r->r->n;
+    return r->lr ? avlink_result_size(r->lr) : r->r->n;
 }
 
 const char *cohort_averager_result_id(const struct cohort_averager_result *r, size_t i)
 {
+    if (r->lr)
+        return avlink_result_id(r->lr, i);
     return i < r->r->n ? r->r->ids[i] : NULL;
 }
 
 double cohort_averager_result_weight(const struct cohort_averager_result *r, size_t i)
 {
+    if (r->lr)
+        return avlink_result_weight(r->lr, i);
     return i < r->r->n ? r->r->weights[i] : 0;
 }
 
 const void *cohort_averager_result_gathered(const struct cohort_averager_result *r, size_t i,
                                             size_t *len)
 {
+    if (r->lr)
+        return avlink_result_gathered(r->lr, i, len);
     if (i >= r->r->n) {
         *len = 0;
         return NULL;
@@ -180,17 +288,17 @@ const void *cohort_averager_result_gathered(const struct cohort_averager_result 
 
 uint64_t cohort_averager_result_group(const struct cohort_averager_result *r)
 {
-    return r->r->group;
+    return r->lr ? avlink_result_group(r->lr) : r->r->group;
 }
 
 uint32_t cohort_averager_result_attempts(const struct cohort_averager_result *r)
 {
-    return r->r->attempts;
+    return r->lr ? avlink_result_attempts(r->lr) : r->r->attempts;
 }
 
 uint32_t cohort_averager_result_matchmaking_ms(const struct cohort_averager_result *r)
 {
-    return r->r->matchmaking_ms;
+    return r->lr ? avlink_result_matchmaking_ms(r->lr) : r->r->matchmaking_ms;
 }
 
 void cohort_averager_result_free(struct cohort_averager_result *r)
@@ -198,33 +306,43 @@ void cohort_averager_result_free(struct cohort_averager_result *r)
     if (!r)
         return;
     averager_result_free(r->r);
+    avlink_result_free(r->lr);
     free(r);
 }
 
 int cohort_averager_set_state_sharing(struct cohort_averager *ca, bool allow, double priority)
 {
-    return averager_set_state_sharing(ca->a, allow, priority);
+    return ca->l ? avlink_set_sharing(ca->l, allow, priority)
+                 : averager_set_state_sharing(ca->a, allow, priority);
 }
 
 void cohort_averager_state_sharing(struct cohort_averager *ca, bool *allow, double *priority)
 {
-    averager_state_sharing(ca->a, allow, priority);
+    if (ca->l)
+        avlink_sharing(ca->l, allow, priority);
+    else
+        averager_state_sharing(ca->a, allow, priority);
 }
 
 bool cohort_averager_state_wanted(struct cohort_averager *ca, int timeout_ms)
 {
-    return averager_state_wanted(ca->a, timeout_ms > 0 ? (uint32_t)timeout_ms : 0);
+    uint32_t ms = timeout_ms > 0 ? (uint32_t)timeout_ms : 0;
+
+    return ca->l ? avlink_state_wanted(ca->l, ms) : averager_state_wanted(ca->a, ms);
 }
 
 int cohort_averager_provide_state(struct cohort_averager *ca, const void *blob, size_t len)
 {
-    return averager_provide_state(ca->a, blob, len);
+    return ca->l ? avlink_provide_state(ca->l, blob, len) : averager_provide_state(ca->a, blob, len);
 }
 
 int cohort_averager_load_state(struct cohort_averager *ca, int timeout_ms, void **blob,
                                size_t *len)
 {
-    return averager_load_state(ca->a, timeout_ms > 0 ? (uint32_t)timeout_ms : 0, blob, len);
+    uint32_t ms = timeout_ms > 0 ? (uint32_t)timeout_ms : 0;
+
+    return ca->l ? avlink_load_state(ca->l, ms, blob, len)
+                 : averager_load_state(ca->a, ms, blob, len);
 }
 
 void cohort_averager_state_free(void *blob)
@@ -234,10 +352,10 @@ void cohort_averager_state_free(void *blob)
 
 const char *cohort_averager_load_error(const struct cohort_averager *ca)
 {
-    return averager_load_error(ca->a);
+    return ca->l ? avlink_load_error(ca->l) : averager_load_error(ca->a);
 }
 
 uint64_t cohort_averager_state_parts_served(struct cohort_averager *ca)
 {
-    return averager_state_parts_served(ca->a);
+    return ca->l ? avlink_parts_served(ca->l) : averager_state_parts_served(ca->a);
 }

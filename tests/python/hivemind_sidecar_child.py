@@ -1,0 +1,79 @@
+"""One peer of tests/python/test_py_hivemind_sidecar.py: a cohort.hivemind
+averager reached in one of three ways, running a scenario and printing
+one JSON line per result.
+
+    hivemind_sidecar_child.py ROUTE PEER_ID SCENARIO [ARGS...]
+
+ROUTE: a broker's host:port (in process, with $COHORT_SECRET_FILE),
+"unix:PATH" (the sidecar at PATH), or "env" (DHT() with no peers, in a
+cohort trainer's environment: $COHORT_SOCKET and no key).
+"""
+import json
+import sys
+import time
+
+import cohort.hivemind as hivemind
+from hivemind_child import state_tensors_of, tensors_of
+
+
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def main():
+    route, peer, scenario = sys.argv[1:4]
+    rest = sys.argv[4:]
+    if route == "env":
+        dht = hivemind.DHT(start=True, cohort="hm", peer_id=peer)
+    else:
+        dht = hivemind.DHT(initial_peers=[route], start=True, cohort="hm", peer_id=peer)
+    if scenario == "weighted":
+        # ARGS: k, n, weight. One round in a group of n; gathers its k.
+        k, n, weight = int(rest[0]), int(rest[1]), float(rest[2])
+        a = hivemind.DecentralizedAverager(
+            tensors_of(k), dht, start=True, prefix="test/side", target_group_size=n,
+            min_group_size=n, min_matchmaking_time=1.0, request_timeout=0.5,
+            allreduce_timeout=5.0)
+        out(stepping=a.peer_id)
+        control = a.step(gather={"k": k}, weight=weight, timeout=60, wait=False)
+        try:
+            got = control.result(timeout=120)
+        except hivemind.AllreduceException as e:
+            out(error=str(e))
+            a.shutdown()
+            return
+        with a.get_tensors() as t:
+            out(me=a.peer_id, gathered=got, tensors=[x.tolist() for x in t],
+                last=a.last_group[2], bits=a.get_group_bits())
+        a.shutdown()
+    elif scenario == "donor":
+        # ARGS: k, priority. Shares state_tensors_of(k) until killed; its
+        # snapshot comes from get_current_state in this process.
+        k, priority = int(rest[0]), float(rest[1])
+        a = hivemind.DecentralizedAverager(
+            state_tensors_of(k), dht, start=True, prefix="test/sidestate",
+            min_matchmaking_time=5.0, request_timeout=2.0, declare_state_period=5)
+        a.state_sharing_priority = priority
+        out(ready=a.peer_id)
+        while True:
+            time.sleep(1)
+    elif scenario == "loader":
+        # Loads the state of the highest donor; prints its tensors' sums.
+        a = hivemind.DecentralizedAverager(
+            state_tensors_of(99), dht, start=True, prefix="test/sidestate",
+            min_matchmaking_time=5.0, request_timeout=2.0, allow_state_sharing=False)
+        deadline = time.monotonic() + 60
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = a.load_state_from_peers(timeout=10)
+        assert got is not None, a.last_load_error
+        metadata, tensors = got
+        out(me=a.peer_id, sums=[float(t.double().sum()) for t in tensors],
+            shapes=[list(t.shape) for t in tensors])
+        a.shutdown()
+    else:
+        raise SystemExit("unknown scenario " + scenario)
+
+
+if __name__ == "__main__":
+    main()

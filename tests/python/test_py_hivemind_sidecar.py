@@ -1,0 +1,147 @@
+"""cohort.hivemind through the pod's sidecar, as in a Kubernetes cohort
+where the trainer holds no key: real cohort-sidecar processes with the
+key, a real broker that demands it, real torch in every peer.
+
+- Peers through sidecars (DHT(initial_peers=["unix:PATH"]), and DHT()
+  with $COHORT_SOCKET and no key) average with in-process peers: the
+  weighted average is exact, every peer gathers every groupmate's
+  object, and a sidecar's averager is the member the sidecar named.
+- load_state_from_peers through a sidecar, from a donor through another
+  sidecar whose get_current_state runs in its trainer's process, over a
+  donor of lower priority in process.
+- The sidecar killed mid-step: the trainer's step fails at once with a
+  sentence saying so, well within its timeout.
+- The trainer killed mid-step: its averager leaves the cohort.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from cohorttest import finish, make_tmp, remove_tmp, start_broker, start_sidecar, wait_until
+from cohorttest.programs import write_key
+from hivemind_child import state_tensors_of, tensors_of
+from pyproc import HERE, spawn
+
+CHILD = os.path.join(HERE, "hivemind_sidecar_child.py")
+
+
+@pytest.fixture
+def pod():
+    """A keyed broker and a way to start sidecars holding its key, each
+    serving a trainer socket."""
+    tmp = make_tmp()
+    key = os.path.join(tmp, "key")
+    write_key(key)
+    broker = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
+                          "--member-timeout", "2s", secret_file=key)
+    sidecars = []
+
+    def sidecar(name):
+        path = os.path.join(tmp, name + ".sock")
+        s = start_sidecar(broker.address, "hm", name, "--socket", path,
+                          "--heartbeat-interval", "250ms", "--member-timeout", "2s",
+                          secret_file=key)
+        s.wait_log("Waiting for the trainer.")
+        s.path = path
+        sidecars.append(s)
+        return s
+
+    try:
+        yield broker, key, sidecar
+    finally:
+        for s in sidecars:
+            if s.alive():
+                s.stop()
+        broker.stop()
+        for s in sidecars:
+            assert not s.sanitizer_report()
+        remove_tmp(tmp)
+
+
+def keyless(route, peer, *args, **env):
+    """A trainer without the key, as in a cohort's trainer container."""
+    return spawn([CHILD, route, peer, *map(str, args)], COHORT_SECRET_FILE="", **env)
+
+
+def lines_of(kid):
+    rc, out, err = finish(kid)
+    assert rc == 0, err[-4000:]
+    return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+
+def test_sidecar_peers_and_in_process_peers_average_exactly_and_gather(pod):
+    broker, key, sidecar = pod
+    s0, s1 = sidecar("pod-a"), sidecar("pod-b")
+    weights = [1, 2, 3, 4]
+    kids = [keyless("unix:" + s0.path, "t-0", "weighted", 0, 4, weights[0]),
+            keyless("env", "t-1", "weighted", 1, 4, weights[1], COHORT_SOCKET=s1.path),
+            spawn([CHILD, broker.address, "p-2", "weighted", "2", "4", str(weights[2])],
+                  COHORT_SECRET_FILE=key),
+            spawn([CHILD, broker.address, "p-3", "weighted", "3", "4", str(weights[3])],
+                  COHORT_SECRET_FILE=key)]
+    got = [lines_of(k)[-1] for k in kids]
+    # The sidecars named their averagers; the trainers' own ids are unused.
+    assert got[0]["me"].startswith("pod-a_av") and got[1]["me"].startswith("pod-b_av"), got
+    assert [g["me"] for g in got[2:]] == ["p-2", "p-3"]
+    ids = [g["me"] for g in got]
+    total = sum(weights)
+    ref = [sum(weights[k] * tensors_of(k)[i] for k in range(4)) / total for i in range(2)]
+    for g in got:
+        assert g["tensors"] == [r.tolist() for r in ref], g
+        assert g["gathered"] == {ids[j]: {"k": j} for j in range(4)}
+        assert g["last"] == {ids[j]: float(weights[j]) for j in range(4)}
+    # The bits the step left come back through the link as in process.
+    assert len({len(g["bits"]) for g in got}) == 1, [g["bits"] for g in got]
+    for s in (s0, s1):
+        assert s.wait_log("The trainer's averager link closed; the averager leaves.")
+
+
+def test_load_state_through_a_sidecar_from_a_donor_through_another(pod):
+    broker, key, sidecar = pod
+    s0, s1 = sidecar("pod-d"), sidecar("pod-l")
+    top = keyless("unix:" + s0.path, "d-top", "donor", 3, 5)
+    low = spawn([CHILD, broker.address, "d-low", "donor", "1", "1"], COHORT_SECRET_FILE=key)
+    try:
+        for d in (top, low):
+            line = d.stdout.readline()
+            assert json.loads(line)["ready"], line
+        loader = keyless("env", "l-0", "loader", COHORT_SOCKET=s1.path)
+        got = lines_of(loader)[-1]
+    finally:
+        for d in (top, low):
+            os.killpg(d.pid, signal.SIGKILL)
+            finish(d)
+    want = state_tensors_of(3)
+    assert got["shapes"] == [list(t.shape) for t in want]
+    assert got["sums"] == [float(t.double().sum()) for t in want], "the top donor's state"
+    assert got["me"].startswith("pod-l_av")
+
+
+def test_the_sidecar_killed_mid_step_fails_the_step_at_once(pod):
+    broker, key, sidecar = pod
+    s = sidecar("pod-k")
+    kid = keyless("unix:" + s.path, "k-0", "weighted", 0, 2, 1)   # nobody to pair with
+    line = kid.stdout.readline()
+    assert json.loads(line)["stepping"].startswith("pod-k_av"), line
+    began = time.monotonic()
+    s.kill()
+    got = lines_of(kid)[-1]
+    took = time.monotonic() - began
+    assert "The sidecar went away" in got["error"], got
+    assert took < 30, "the step's timeout is 60 s; it took %.1f s" % took
+
+
+def test_the_trainer_killed_mid_step_has_its_averager_leave(pod):
+    broker, key, sidecar = pod
+    s = sidecar("pod-t")
+    kid = keyless("unix:" + s.path, "t-0", "weighted", 0, 2, 1)
+    line = kid.stdout.readline()
+    assert json.loads(line)["stepping"], line
+    os.killpg(kid.pid, signal.SIGKILL)
+    finish(kid)
+    # Its step waits for a group up to its timeout (60 s) at most.
+    assert s.wait_log("The trainer's averager link closed; the averager leaves.", timeout=120)
+    assert s.alive()

@@ -1,0 +1,541 @@
+/* tests/unit/test_avlink.c: hivemind's averager through a sidecar
+ * (averager/avlink.h, averager/avserve.h): a real sidecar service
+ * (trainerd with avserve adopting the averager links) on a real Unix
+ * socket, joined to a real broker with a key, and trainers that have none.
+ *
+ * - Two averagers through the sidecar and one in process average exactly,
+ *   gather, and the sidecar's are the members it named.
+ * - Malformed requests end the link; bad and oversized ones are refused
+ *   with a sentence and change nothing; requests before CREATE, STEP on
+ *   an attached link and a wrong token are refused.
+ * - The cap of averagers per sidecar: the next is refused (-EBUSY) and
+ *   nothing changes; one that leaves makes room.
+ * - A trainer gone mid-step: its averager leaves once the step ends.
+ * - A sidecar gone mid-step: the step fails at once with a sentence.
+ * - The Accumulator's session and averager links share the socket: a
+ *   second Accumulator is still refused before it says anything.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "accumulator/tlink.h"
+#include "accumulator/trainerd.h"
+#include "averager/averager.h"
+#include "averager/avlink.h"
+#include "averager/avserve.h"
+#include "base/clock.h"
+#include "base/secret.h"
+#include "cohort.h"
+#include "fixture.h"
+#include "membership/brokerd.h"
+
+#define COUNT 16
+
+static struct brokerd *d;
+static char broker[64], dir[64], path[128], addr[160];
+static struct secret key;
+static struct avserve *av;
+static struct trainerd *td;
+
+static void start(void)
+{
+    struct brokerd_config cfg;
+    struct avserve_config ac = { .cohort = "avl", .id = "sc", .host = "127.0.0.1", .key = &key,
+                                 .max_count = 1 << 20, .max_state_bytes = 1 << 20 };
+    struct trainerd_config tc = { .node = { .cohort = "avl", .id = "sc", .host = "127.0.0.1",
+                                            .key = &key } };
+
+    cr_assert_eq(secret_generate(&key), 0);
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    cfg.key = &key;
+    d = fixture_broker_start_with(&cfg, "avl", broker, sizeof(broker));
+    snprintf(dir, sizeof(dir), "/tmp/cohort-avl-XXXXXX");
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/sc.sock", dir);
+    snprintf(addr, sizeof(addr), "unix:%s", path);
+    ac.broker = broker;
+    cr_assert_eq(avserve_create(&ac, &av), 0);
+    tc.socket_path = path;
+    tc.node.broker = broker;
+    tc.adopt = avserve_adopt;
+    tc.adopt_arg = av;
+    tc.adopt_first = AVL_FIRST;
+    tc.adopt_last = AVL_ATTACH;
+    cr_assert_eq(trainerd_start(&tc, &td), 0);
+}
+
+static void stop(void)
+{
+    trainerd_stop(td);
+    avserve_destroy(av);
+    fixture_broker_stop(d);
+    rmdir(dir);
+}
+
+TestSuite(avlink, .init = start, .fini = stop, .timeout = 240);
+
+static struct cohort_averager *make(const char *via, const char *id, uint32_t target)
+{
+    struct cohort_averager_config c = {
+        .broker = via, .cohort = "avl", .id = id, .prefix = "run/avl",
+        .target_group_size = target, .min_group_size = target, .min_matchmaking_ms = 300,
+        .allreduce_timeout_ms = 3000, .count = COUNT, .schema = "f32x16", .schema_len = 6,
+    };
+    struct cohort_averager *a = NULL;
+
+    cr_assert_eq(cohort_averager_create(&c, &a), 0, "cohort_averager_create(%s)", id);
+    cr_assert_eq(cohort_averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+struct peer {
+    struct cohort_averager *a;
+    float data[COUNT];
+    double weight;
+    char gather[32];
+    int timeout_ms;
+    int rc;
+    struct cohort_averager_result *res;
+    pthread_t t;
+};
+
+static void *step_main(void *arg)
+{
+    struct peer *p = arg;
+    struct cohort_averager_step s = { .data = p->data, .weight = p->weight, .alpha = 1,
+                                      .gather = p->gather, .gather_len = strlen(p->gather),
+                                      .timeout_ms = p->timeout_ms ? p->timeout_ms : (int)FIXTURE_WAIT_MS,
+                                      .allow_retries = true };
+
+    p->rc = cohort_averager_step(p->a, &s, &p->res);
+    return NULL;
+}
+
+Test(avlink, sidecar_and_in_process_averagers_average_exactly_and_gather)
+{
+    struct peer p[3] = { 0 };
+    const char *ids[3];
+    struct secret saved = key;
+
+    /* Two through the sidecar (its key, not ours), one in process with
+     * the key: cohort_averager_create reads it from the environment. */
+    p[0].a = make(addr, "ignored-0", 3);
+    p[1].a = make(addr, "ignored-1", 3);
+    {
+        char kf[128];
+        FILE *f;
+        snprintf(kf, sizeof(kf), "%s/key", dir);
+        f = fopen(kf, "w");
+        cr_assert_not_null(f);
+        for (size_t i = 0; i < sizeof(saved.key); i++)
+            fprintf(f, "%02x", saved.key[i]);
+        fclose(f);
+        cr_assert_eq(setenv("COHORT_SECRET_FILE", kf, 1), 0);
+        p[2].a = make(broker, "inproc", 3);
+        unsetenv("COHORT_SECRET_FILE");
+        unlink(kf);
+    }
+    cr_assert_eq(avserve_averagers(av), 2);
+    for (int i = 0; i < 3; i++) {
+        ids[i] = cohort_averager_id(p[i].a);
+        p[i].weight = i + 1;
+        snprintf(p[i].gather, sizeof(p[i].gather), "g%d", i);
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(10 * i + j);
+    }
+    cr_assert(strncmp(ids[0], "sc_av", 5) == 0 && strncmp(ids[1], "sc_av", 5) == 0,
+              "%s %s", ids[0], ids[1]);
+    cr_assert_str_neq(ids[0], ids[1]);
+    cr_assert_str_eq(ids[2], "inproc");
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+    for (int i = 0; i < 3; i++)
+        pthread_join(p[i].t, NULL);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(p[i].rc, 0, "peer %d: %d %s", i, p[i].rc, cohort_averager_error(p[i].a));
+        cr_assert_eq(cohort_averager_result_size(p[i].res), 3);
+        for (int j = 0; j < COUNT; j++) {
+            /* sum_i (i+1)(10 i + j) / 6, exact in float32 for these. */
+            float want = (float)((1.0 * j + 2.0 * (10 + j) + 3.0 * (20 + j)) / 6.0);
+            cr_assert_eq(p[i].data[j], want, "peer %d [%d]: %g != %g", i, j, p[i].data[j], want);
+        }
+        for (size_t k = 0; k < 3; k++) {
+            const char *who = cohort_averager_result_id(p[i].res, k);
+            size_t len;
+            const char *g = cohort_averager_result_gathered(p[i].res, k, &len);
+            int m = strcmp(who, ids[0]) == 0 ? 0 : strcmp(who, ids[1]) == 0 ? 1 : 2;
+            char want[8];
+            snprintf(want, sizeof(want), "g%d", m);
+            cr_assert_eq(len, 2);
+            cr_assert(memcmp(g, want, 2) == 0);
+            cr_assert_eq(cohort_averager_result_weight(p[i].res, k), m + 1.0);
+        }
+        cohort_averager_result_free(p[i].res);
+    }
+    for (int i = 0; i < 3; i++)
+        cohort_averager_destroy(p[i].a);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the sidecar's averagers left");
+}
+
+/* ---- raw links ----------------------------------------------------------- */
+
+static int dial(void)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+    cr_assert_geq(s, 0);
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    cr_assert_eq(connect(s, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    return s;
+}
+
+/* One request; the reply's status, its sentence in why (may be NULL). */
+static int ask(int s, uint16_t type, const void *body, uint32_t len, const int *fds, int nfds,
+               void *out, size_t out_len, int *fd_out, char *why, size_t why_len)
+{
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX + 1];
+    int got[TLINK_FDS_MAX], ngot = 0, rc;
+
+    rc = tlink_send(s, type, 0, body, len, fds, nfds);
+    if (rc < 0)
+        return rc;
+    rc = tlink_recv(s, &h, buf, TLINK_BODY_MAX, -1, got, &ngot, FIXTURE_WAIT_MS);
+    if (rc < 0)
+        return rc;
+    cr_assert_eq(h.type, TL_REPLY);
+    buf[h.len] = '\0';
+    if (why)
+        snprintf(why, why_len, "%s", buf);
+    if (out && h.status == 0) {
+        cr_assert_eq(h.len, out_len);
+        memcpy(out, buf, out_len);
+    }
+    if (fd_out)
+        *fd_out = ngot ? got[0] : -1;
+    else
+        for (int i = 0; i < ngot; i++)
+            close(got[i]);
+    return h.status;
+}
+
+static int hello(int s)
+{
+    struct avlink_hello h = { .version = AVLINK_VERSION };
+
+    return ask(s, AVL_HELLO, &h, sizeof(h), NULL, 0, NULL, 0, NULL, NULL, 0);
+}
+
+static void fill_create(struct avlink_create *c, uint64_t count)
+{
+    uint64_t goff;
+
+    memset(c, 0, sizeof(*c));
+    snprintf(c->prefix, sizeof(c->prefix), "run/raw");
+    c->target_group_size = 2;
+    c->min_group_size = 2;
+    c->min_matchmaking_ms = 300;
+    c->allreduce_timeout_ms = 3000;
+    c->count = count;
+    c->gather_max = 4096;
+    cr_assert_eq(avlink_region_bytes(count, 4096, &c->region_bytes, &goff), 0);
+}
+
+/* CREATE on a fresh link; its status, the reply in *out. */
+static int create_raw(int s, struct avlink_create *c, bool sealed, struct avlink_created *out,
+                      char *why, size_t why_len)
+{
+    int fd, rc;
+
+    cr_assert_eq(hello(s), 0);
+    if (sealed) {
+        fd = avlink_memfd("t", NULL, c->region_bytes, false);
+    } else {
+        fd = memfd_create("t", MFD_CLOEXEC);
+        cr_assert_eq(ftruncate(fd, (off_t)c->region_bytes), 0);
+    }
+    cr_assert_geq(fd, 0);
+    rc = ask(s, AVL_CREATE, c, sizeof(*c), &fd, 1, out, out ? sizeof(*out) : 0, NULL, why,
+             why_len);
+    close(fd);
+    return rc;
+}
+
+/* Whether the sidecar closed the link: the next read finds its end. */
+static bool closed(int s)
+{
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int fds[TLINK_FDS_MAX], n;
+
+    return tlink_recv(s, &h, buf, sizeof(buf), -1, fds, &n, FIXTURE_WAIT_MS) == -ECONNRESET;
+}
+
+Test(avlink, malformed_requests_end_the_link_and_bad_ones_are_refused_with_a_sentence)
+{
+    struct avlink_create c;
+    struct avlink_created out;
+    struct avlink_u32 u = { 100, 0 };
+    char why[AVLINK_ERROR_MAX];
+    int s;
+
+    /* A request before CREATE or ATTACH. */
+    s = dial();
+    cr_assert_eq(hello(s), 0);
+    cr_assert_eq(ask(s, AVL_WAIT, &u, sizeof(u), NULL, 0, NULL, 0, NULL, why, sizeof(why)),
+                 -ENODEV);
+    cr_assert(strstr(why, "Create or attach") != NULL, "%s", why);
+    /* A body of the wrong size: the link ends. */
+    cr_assert_eq(ask(s, AVL_WAIT, &u, 4, NULL, 0, NULL, 0, NULL, why, sizeof(why)), -EPROTO);
+    cr_assert(closed(s));
+    close(s);
+
+    /* Over the sidecar's max_count (1 << 20 here): refused, nothing made. */
+    s = dial();
+    fill_create(&c, (1 << 20) + 1);
+    cr_assert_eq(create_raw(s, &c, true, NULL, why, sizeof(why)), -EFBIG);
+    cr_assert(strstr(why, "larger than this sidecar hosts") != NULL, "%s", why);
+    cr_assert_eq(avserve_averagers(av), 0);
+    close(s);
+
+    /* An unsealed region, one of another size, a prefix without its NUL. */
+    s = dial();
+    fill_create(&c, COUNT);
+    cr_assert_eq(create_raw(s, &c, false, NULL, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "sealed memfd") != NULL, "%s", why);
+    c.region_bytes += 64;
+    cr_assert_eq(ask(s, AVL_CREATE, &c, sizeof(c), NULL, 0, NULL, 0, NULL, why, sizeof(why)),
+                 -EPROTO, "CREATE without its memfd is malformed");
+    cr_assert(closed(s));
+    close(s);
+    s = dial();
+    fill_create(&c, COUNT);
+    memset(c.prefix, 'a', sizeof(c.prefix));
+    cr_assert_eq(create_raw(s, &c, true, NULL, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "malformed") != NULL, "%s", why);
+    /* gather_max over the averager's cap. */
+    fill_create(&c, COUNT);
+    c.gather_max = AVERAGER_GATHER_MAX + 1;
+    {
+        int fd = avlink_memfd("t", NULL, 64, false);
+        cr_assert_eq(ask(s, AVL_CREATE, &c, sizeof(c), &fd, 1, NULL, 0, NULL, why, sizeof(why)),
+                     -EINVAL);
+        close(fd);
+    }
+    cr_assert_eq(avserve_averagers(av), 0);
+
+    /* A good one; then a STEP whose gather exceeds gather_max, and a
+     * second CREATE on the same link. */
+    fill_create(&c, COUNT);
+    {
+        int fd = avlink_memfd("t", NULL, c.region_bytes, false);
+        struct avlink_step st = { .weight = 1, .alpha = 1, .gather_len = 4097, .timeout_ms = 500 };
+        struct avlink_attach at = { .version = AVLINK_VERSION };
+        int s2;
+
+        cr_assert_eq(ask(s, AVL_CREATE, &c, sizeof(c), &fd, 1, &out, sizeof(out), NULL, why,
+                         sizeof(why)), 0, "%s", why);
+        cr_assert_eq(avserve_averagers(av), 1);
+        cr_assert_eq(ask(s, AVL_STEP, &st, sizeof(st), NULL, 0, NULL, 0, NULL, why, sizeof(why)),
+                     -EINVAL);
+        cr_assert(strstr(why, "gather_max") != NULL, "%s", why);
+        cr_assert_eq(ask(s, AVL_CREATE, &c, sizeof(c), &fd, 1, NULL, 0, NULL, why, sizeof(why)),
+                     -EALREADY);
+        close(fd);
+
+        /* A wrong token attaches to nothing; the right one does, and may
+         * not step. */
+        s2 = dial();
+        cr_assert_eq(ask(s2, AVL_ATTACH, &at, sizeof(at), NULL, 0, NULL, 0, NULL, why,
+                         sizeof(why)), -ENOENT);
+        memcpy(at.token, out.token, sizeof(at.token));
+        cr_assert_eq(ask(s2, AVL_ATTACH, &at, sizeof(at), NULL, 0, NULL, 0, NULL, why,
+                         sizeof(why)), 0, "%s", why);
+        cr_assert_eq(ask(s2, AVL_ATTACH, &at, sizeof(at), NULL, 0, NULL, 0, NULL, why,
+                         sizeof(why)), -EALREADY, "one averager per link");
+        st.gather_len = 0;
+        cr_assert_eq(ask(s2, AVL_STEP, &st, sizeof(st), NULL, 0, NULL, 0, NULL, why, sizeof(why)),
+                     -EPERM);
+        /* A state over max_state_bytes (1 MiB here) is refused unread. */
+        {
+            struct avlink_u64 n = { (1 << 20) + 1 };
+            int sf = avlink_memfd("s", NULL, 64, true);
+            cr_assert_eq(ask(s2, AVL_PROVIDE_STATE, &n, sizeof(n), &sf, 1, NULL, 0, NULL, why,
+                             sizeof(why)), -EFBIG);
+            n.value = 32;
+            cr_assert_eq(ask(s2, AVL_PROVIDE_STATE, &n, sizeof(n), &sf, 1, NULL, 0, NULL, why,
+                             sizeof(why)), -EINVAL, "a memfd of another size than stated");
+            close(sf);
+        }
+        /* The owner hangs up: the averager leaves, the attached link is
+         * told so and let go. */
+        close(s);
+        FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the averager left");
+        cr_assert(closed(s2) || ask(s2, AVL_PARTS_SERVED, NULL, 0, NULL, 0, NULL, 0, NULL, NULL,
+                                    0) == -ENOTCONN);
+        close(s2);
+    }
+}
+
+Test(avlink, the_cap_of_averagers_refuses_the_next_and_changes_nothing)
+{
+    int s[AVSERVE_AVERAGERS_MAX + 1];
+    struct avlink_create c;
+    char why[AVLINK_ERROR_MAX];
+
+    fill_create(&c, COUNT);
+    for (int i = 0; i < AVSERVE_AVERAGERS_MAX; i++) {
+        s[i] = dial();
+        cr_assert_eq(create_raw(s[i], &c, true, NULL, why, sizeof(why)), 0, "%d: %s", i, why);
+    }
+    cr_assert_eq(avserve_averagers(av), AVSERVE_AVERAGERS_MAX);
+    s[AVSERVE_AVERAGERS_MAX] = dial();
+    cr_assert_eq(create_raw(s[AVSERVE_AVERAGERS_MAX], &c, true, NULL, why, sizeof(why)), -EBUSY);
+    cr_assert(strstr(why, "as many averagers") != NULL, "%s", why);
+    cr_assert_eq(avserve_averagers(av), AVSERVE_AVERAGERS_MAX);
+    /* One leaves: room for the refused link's next try. */
+    close(s[0]);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == AVSERVE_AVERAGERS_MAX - 1, "one left");
+    {
+        int fd = avlink_memfd("t", NULL, c.region_bytes, false);
+        cr_assert_eq(ask(s[AVSERVE_AVERAGERS_MAX], AVL_CREATE, &c, sizeof(c), &fd, 1, NULL, 0,
+                         NULL, why, sizeof(why)), 0, "%s", why);
+        close(fd);
+    }
+    for (int i = 1; i <= AVSERVE_AVERAGERS_MAX; i++)
+        close(s[i]);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0 && avserve_links(av) == 0, "all left");
+}
+
+Test(avlink, a_trainer_gone_mid_step_has_its_averager_leave)
+{
+    struct avlink_create c;
+    struct avlink_step st = { .weight = 1, .alpha = 1, .timeout_ms = 2000 };
+    char why[AVLINK_ERROR_MAX];
+    int s = dial();
+
+    fill_create(&c, COUNT);
+    cr_assert_eq(create_raw(s, &c, true, NULL, why, sizeof(why)), 0, "%s", why);
+    /* Nobody to pair with: the step waits for a group; the trainer dies. */
+    cr_assert_eq(tlink_send(s, AVL_STEP, 0, &st, sizeof(st), NULL, 0), 0);
+    close(s);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0 && avserve_links(av) == 0,
+                     "the averager left once its step ended");
+}
+
+/* ---- a sidecar that goes away mid-step ---------------------------------- */
+
+struct fake {
+    int lfd;
+    pthread_t t;
+};
+
+/* Answers HELLO and CREATE as a sidecar would, then dies at the STEP. */
+static void *fake_main(void *arg)
+{
+    struct fake *f = arg;
+    int s = accept4(f->lfd, NULL, NULL, SOCK_CLOEXEC);
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int fds[TLINK_FDS_MAX], n;
+    struct avlink_created out;
+
+    if (s < 0)
+        return NULL;
+    memset(&out, 0, sizeof(out));
+    snprintf(out.id, sizeof(out.id), "fake_av1");
+    for (;;) {
+        if (tlink_recv(s, &h, buf, sizeof(buf), -1, fds, &n, FIXTURE_WAIT_MS) < 0)
+            break;
+        for (int i = 0; i < n; i++)
+            close(fds[i]);
+        if (h.type == AVL_HELLO)
+            tlink_send(s, TL_REPLY, 0, NULL, 0, NULL, 0);
+        else if (h.type == AVL_CREATE)
+            tlink_send(s, TL_REPLY, 0, &out, sizeof(out), NULL, 0);
+        else if (h.type == AVL_WAIT)
+            tlink_send(s, TL_REPLY, 0, NULL, 0, NULL, 0);
+        else
+            break;      /* the STEP: gone */
+    }
+    close(s);
+    return NULL;
+}
+
+Test(avlink, a_sidecar_gone_mid_step_fails_the_step_at_once_with_a_sentence)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    struct fake f;
+    char fpath[128], faddr[160];
+    struct peer p = { 0 };
+    uint64_t began;
+
+    snprintf(fpath, sizeof(fpath), "%s/fake.sock", dir);
+    snprintf(faddr, sizeof(faddr), "unix:%s", fpath);
+    memcpy(sa.sun_path, fpath, strlen(fpath) + 1);
+    f.lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    cr_assert_eq(bind(f.lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    cr_assert_eq(listen(f.lfd, 1), 0);
+    cr_assert_eq(pthread_create(&f.t, NULL, fake_main, &f), 0);
+    p.a = make(faddr, "x", 2);
+    cr_assert_str_eq(cohort_averager_id(p.a), "fake_av1");
+    p.weight = 1;
+    p.timeout_ms = 60000;
+    for (int j = 0; j < COUNT; j++)
+        p.data[j] = (float)j;
+    began = clock_now_ms();
+    step_main(&p);
+    cr_assert_eq(p.rc, -ENOTCONN);
+    cr_assert_lt(clock_now_ms() - began, 30000, "within the step's timeout, at once");
+    cr_assert_str_eq(cohort_averager_error(p.a), "The sidecar went away.");
+    for (int j = 0; j < COUNT; j++)
+        cr_assert_eq(p.data[j], (float)j, "data untouched");
+    /* Every call after it fails the same way. */
+    step_main(&p);
+    cr_assert_eq(p.rc, -ENOTCONN);
+    cohort_averager_destroy(p.a);
+    pthread_join(f.t, NULL);
+    close(f.lfd);
+    unlink(fpath);
+}
+
+/* One socket per pod: while an Accumulator's trainer holds the session,
+ * an averager link is still adopted, and a second Accumulator is still
+ * refused before it says anything. */
+Test(avlink, the_accumulators_session_and_averager_links_share_the_socket)
+{
+    struct tlink_hello th = { .api_version = TLINK_VERSION };
+    struct tlink_hdr h;
+    char buf[TLINK_BODY_MAX];
+    int fds[TLINK_FDS_MAX], n;
+    struct cohort_averager *a;
+    int acc, other;
+
+    snprintf(th.name, sizeof(th.name), "model");
+    acc = dial();
+    cr_assert_eq(ask(acc, TL_HELLO, &th, sizeof(th), NULL, 0, NULL, 0, NULL, NULL, 0), 0);
+    a = make(addr, "beside", 2);
+    cr_assert(strncmp(cohort_averager_id(a), "sc_av", 5) == 0);
+    cr_assert_eq(avserve_averagers(av), 1);
+    other = dial();
+    cr_assert_eq(tlink_recv(other, &h, buf, sizeof(buf), -1, fds, &n, FIXTURE_WAIT_MS), 0);
+    cr_assert_eq(h.status, -EBUSY, "told before it says anything");
+    close(other);
+    /* The session is the Accumulator's still: it answers as before
+     * registration (a VIEW needs a node). */
+    cr_assert_eq(ask(acc, TL_VIEW, NULL, 0, NULL, 0, NULL, 0, NULL, NULL, 0), -ENODEV);
+    close(acc);
+    cohort_averager_destroy(a);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the averager left");
+}
