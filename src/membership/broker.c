@@ -26,9 +26,14 @@
  * reported it, the epoch it counts for and the time of the first report
  * it counts. A bitmap is allocated at a member's first accusation and
  * cleared, not freed, when the epoch or the window moves on; at most
- * one per member, of the epoch's size. Benched ids (evicted as
- * unreachable) are a small array per cohort, searched only by joins of
- * ids the cohort does not hold.
+ * one per member, of the epoch's size. The window the reports count
+ * in grows with the epoch (report_window), because a member probes its
+ * peers LIMIT_REACH_PROBES at a time. Pairs of members that report each
+ * other are kept, at most PAIRS_MAX, by the one of the two placed first
+ * in the epoch, with when they were first and last seen to, so that a
+ * cut between two members only is judged once it has lasted a window.
+ * Benched ids (evicted as unreachable) are a small array per cohort,
+ * searched only by joins of ids the cohort does not hold.
  */
 #include "membership/broker.h"
 
@@ -47,6 +52,22 @@
 #define EPOCH_MAX (UINT64_MAX / 2)
 
 #define TICK_MAX_MS 1000
+
+/* Mutual pairs one member keeps (struct pair). A member that reports, and
+ * is reported by, more peers than this is cut from many, which the
+ * majority rule, not the pair rule, is for; pairs beyond it are not
+ * judged, which keeps the rounds stalled but evicts no one wrongly. */
+#define PAIRS_MAX 16u
+
+/* Two members of one epoch that each reported the other unreachable
+ * (broker_report_unreachable): `peer` is the epoch position of the one
+ * placed later, the entry holding it the one placed earlier. */
+struct pair {
+    uint64_t epoch;             /* 0: a free slot */
+    uint32_t peer;
+    uint64_t since;             /* first seen mutual, without a lapse since */
+    uint64_t last;              /* last seen mutual */
+};
 
 /* One member as the broker holds it ("entry" keeps it apart from
  * member.h, the member's own side of the protocol). */
@@ -79,7 +100,10 @@ struct entry {
     uint64_t accused_epoch;     /* the epoch the bits count for; 0: none */
     uint64_t accused_first;     /* the first report in the bits */
     uint32_t n_accusers;
-    uint64_t cut_off_at;        /* a majority agreed: evict now; 0: not */
+    uint64_t cut_off_at;        /* its epoch's reports agreed: evict now; 0: not */
+    /* When this session joined: of a mutual pair, the later joiner goes. */
+    uint64_t joined_at;
+    struct pair *pairs;         /* PAIRS_MAX, allocated at its first pair */
 };
 
 /* An id evicted as unreachable: its joins are refused until `until`. */
@@ -224,6 +248,7 @@ static void entry_free(struct entry *m)
     free(m->id);
     free(m->address);
     free(m->accusers);
+    free(m->pairs);
     free(m);
 }
 
@@ -819,6 +844,7 @@ static int join_new(struct broker *b, struct cohort *c, size_t at, uint64_t now,
     m->session = j->session;
     m->model_version = j->model_version;
     m->last_seen = now;
+    m->joined_at = now;
     m->heartbeat_ms = heartbeat_ms;
     m->timeout_ms = timeout_ms;
     seq_start(m, j->seq);
@@ -874,6 +900,7 @@ static int join_existing(struct broker *b, struct cohort *c, struct entry *m,
         detach(b, m, -ETIMEDOUT);
         retire(b, c, m, now, false);
         m->session = j->session;
+        m->joined_at = now;
         seq_start(m, j->seq);
         if (j->seq)
             retired_forget(b, c->name, j->id, j->session, now);
@@ -1157,13 +1184,122 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
     return 0;
 }
 
+/* How long reports about member m, in an epoch of n members, count
+ * together: one member timeout for every LIMIT_REACH_PROBES of its peers.
+ * A waiting member probes that many of the others per round, one round
+ * per timeout, so a member that every other one cannot reach is reported
+ * by each of them within that many timeouts; a shorter window would never
+ * hold a majority of an epoch of more than about 2 x LIMIT_REACH_PROBES.
+ * Saturates. */
+static uint64_t report_window(const struct entry *m, size_t n)
+{
+    uint64_t rounds = n > 1 ? (n - 2) / LIMIT_REACH_PROBES + 1 : 1;
+
+    return rounds * m->timeout_ms;
+}
+
+/* Whether m's count is live: of `epoch`, its window not yet over. */
+static bool reports_live(const struct entry *m, uint64_t epoch, size_t n, uint64_t now)
+{
+    return m->accused_epoch == epoch && now < m->accused_first + report_window(m, n);
+}
+
+/* Whether the member at epoch position `pos` is among m's live accusers. */
+static bool reported_by(const struct entry *m, uint64_t epoch, size_t n, uint64_t now,
+                        size_t pos)
+{
+    return reports_live(m, epoch, n, now) && (m->accusers[pos / 64] >> (pos % 64) & 1u);
+}
+
+/* Records that the members at epoch positions lo < hi (entry `first` is
+ * lo's) are seen to report each other at `now`. Returns since when the
+ * pair has been mutual without a lapse longer than `window`, or `now`
+ * when it is new, or when no slot is free (then it is not judged). Out
+ * of memory likewise. */
+static uint64_t pair_seen(struct entry *first, uint64_t epoch, size_t hi, uint64_t window,
+                          uint64_t now)
+{
+    struct pair *p = NULL;
+
+    if (!first->pairs) {
+        first->pairs = calloc(PAIRS_MAX, sizeof(*first->pairs));
+        if (!first->pairs)
+            return now;
+    }
+    for (size_t i = 0; i < PAIRS_MAX; i++) {
+        struct pair *q = &first->pairs[i];
+        bool stale = q->epoch != epoch || now > q->last + window;
+
+        if (q->epoch == epoch && q->peer == hi) {
+            p = q;
+            break;
+        }
+        if (!p && stale)
+            p = q;              /* a free or stale slot, in case it is new */
+    }
+    if (!p)
+        return now;
+    if (p->epoch != epoch || p->peer != hi || now > p->last + window) {
+        /* New, or back after a lapse longer than a window: flapping
+         * starts the wait over. */
+        *p = (struct pair){ .epoch = epoch, .peer = (uint32_t)hi, .since = now };
+    }
+    p->last = now;
+    return p->since;
+}
+
+/* How many live mutual pairs (seen within `window`) the member at epoch
+ * position `pos` of c is in: how many peers it is cut from both ways.
+ * Walks the epoch; only a pair's verdict asks. */
+static uint32_t pairs_of(const struct cohort *c, size_t pos, uint64_t window, uint64_t now)
+{
+    const struct epoch *e = c->cur;
+    uint32_t k = 0;
+
+    for (size_t i = 0; i <= pos; i++) {
+        const struct entry *m = entry_get(c, e->members[i].id, c->cur_sessions[i]);
+
+        for (size_t j = 0; m && m->pairs && j < PAIRS_MAX; j++) {
+            const struct pair *p = &m->pairs[j];
+
+            if (p->epoch == e->number && now <= p->last + window && (i == pos || p->peer == pos))
+                k++;
+        }
+    }
+    return k;
+}
+
+/* Of a mutual pair, the one to evict (see broker.h): the one in more
+ * mutual pairs (a liar that cuts itself from several peers, or a member
+ * cut from several, rather than each of them); else the one that is not
+ * the epoch's leader; else the later joiner; else the one placed later. */
+static bool pair_loser_is_a(const struct epoch *e, const struct entry *a, size_t ai,
+                            uint32_t a_pairs, const struct entry *b, size_t bi, uint32_t b_pairs)
+{
+    if (a_pairs != b_pairs)
+        return a_pairs > b_pairs;
+    if (ai == e->leader || bi == e->leader)
+        return bi == e->leader;
+    if (a->joined_at != b->joined_at)
+        return a->joined_at > b->joined_at;
+    return ai > bi;
+}
+
+static void cut_off(const struct broker *b, struct cohort *c, struct entry *m, uint64_t now)
+{
+    if (m->cut_off_at)
+        return;
+    m->cut_off_at = now ? now : 1;
+    c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+}
+
 int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort, const char *id,
                               uint64_t session, uint64_t epoch, const char *peer)
 {
     struct cohort *c = cohort_get(b, cohort);
-    struct entry *m;
+    struct entry *m, *r;
     long ri, mi;
-    size_t words;
+    size_t words, n, half;
     int rc = report_parties(c, id, session, peer, &m);
 
     if (rc < 0)
@@ -1174,10 +1310,13 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
     mi = epoch_find(c->cur, peer);
     if (ri < 0 || mi < 0 || c->cur_sessions[ri] != session || c->cur_sessions[mi] != m->session)
         return -ESTALE;
-    words = (c->cur->n_members + 63) / 64;
-    if (m->accused_epoch != epoch || now >= m->accused_first + m->timeout_ms) {
-        /* A new count: reports from another epoch, or older than one
-         * timeout, do not add up with this one. */
+    r = entry_get(c, id, session);
+    n = c->cur->n_members;
+    half = n / 2;
+    words = (n + 63) / 64;
+    if (!reports_live(m, epoch, n, now)) {
+        /* A new count: reports from another epoch, or older than the
+         * window, do not add up with this one. */
         if (m->accusers_words < words) {
             uint64_t *bits = reallocarray(m->accusers, words, sizeof(*bits));
 
@@ -1196,9 +1335,35 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
         m->n_accusers++;
     }
     /* More than half of the epoch, the accused counted in it. */
-    if (!m->cut_off_at && m->n_accusers > c->cur->n_members / 2) {
-        m->cut_off_at = now ? now : 1;
-        c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    if (m->n_accusers > half) {
+        cut_off(b, c, m, now);
+        return 0;
+    }
+    /* Exactly half of an even epoch of four or more, the leader among
+     * them: of two equal halves, the leader's goes on. The leader's own
+     * report only breaks a tie, so a lying leader still needs half the
+     * epoch less one to agree. */
+    if (n % 2 == 0 && n >= 4 && m->n_accusers == half &&
+        (m->accusers[c->cur->leader / 64] >> (c->cur->leader % 64) & 1u)) {
+        cut_off(b, c, m, now);
+        return 0;
+    }
+    /* A cut between two members: each reports the other. Judged once it
+     * has lasted a window, by which time any majority against either
+     * would have formed; a report that one member alone makes of another
+     * that still reaches it is never mutual, so it never evicts. */
+    if (reported_by(r, epoch, n, now, (size_t)mi) && !r->cut_off_at && !m->cut_off_at) {
+        size_t hi = (size_t)(ri < mi ? mi : ri);
+        struct entry *first = ri < mi ? r : m;
+        uint64_t window = max_u64(report_window(r, n), report_window(m, n));
+
+        if (now - pair_seen(first, epoch, hi, window, now) >= window) {
+            bool m_goes = pair_loser_is_a(c->cur, m, (size_t)mi,
+                                          pairs_of(c, (size_t)mi, window, now), r, (size_t)ri,
+                                          pairs_of(c, (size_t)ri, window, now));
+
+            cut_off(b, c, m_goes ? m : r, now);
+        }
     }
     return 0;
 }
