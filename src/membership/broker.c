@@ -713,21 +713,25 @@ free_view:
     return err;
 }
 
+static bool verdicts_pending(const struct cohort *c, uint64_t now);
+
 /* Evicts the members of `c` that are due at `now` and recomputes the
  * cohort's eviction bound. */
 static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
 {
     uint64_t next = UINT64_MAX;
     size_t keep = 0;
-    bool evicted = false;
+    bool evicted = false, verdict = false;
 
     for (size_t i = 0; i < c->n_members; i++) {
         struct entry *m = c->members[i];
         uint64_t d = entry_deadline(b, m);
 
         if (now >= d) {
-            if (m->cut_off_at)
+            if (m->cut_off_at) {
                 bench_add(c, m, now);
+                verdict = true;
+            }
             detach(b, m, m->cut_off_at ? -EHOSTUNREACH : -ETIMEDOUT);
             retire(b, c, m, now, false);
             entry_free(m);
@@ -743,6 +747,13 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
     c->next_evict = next;
     if (evicted)
         mark_pending(c, now);
+    /* The reports about the rest of a cut-off side come a moment apart
+     * (the engines look every 250 ms, and probe from 500 ms into a
+     * call). An epoch formed at once would make them stale, and the
+     * rest of that side would stall the next epoch's rounds for another
+     * timeout before its members are reported again. */
+    if (verdict && verdicts_pending(c, now))
+        c->hold_until = max_u64(c->hold_until, now + BROKER_VERDICT_SETTLE_MS);
 }
 
 static uint64_t form_due(const struct broker *b, const struct cohort *c)
@@ -1283,6 +1294,40 @@ static bool pair_loser_is_a(const struct epoch *e, const struct entry *a, size_t
     if (a->joined_at != b->joined_at)
         return a->joined_at > b->joined_at;
     return ai > bi;
+}
+
+/* Whether a member still in c is reported unreachable, in its live
+ * window of the current epoch, by a member that is still in c too: the
+ * reports of the members just evicted do not count, so that a single
+ * cut-off member's verdict holds nothing up. One pass over the epoch for
+ * who stays, then a word at a time: a verdict on a large side costs
+ * (n / 64) words per member, not a lookup per report. Out of memory it
+ * says no, and the epoch forms without waiting. */
+static bool verdicts_pending(const struct cohort *c, uint64_t now)
+{
+    const struct epoch *e = c->cur;
+    size_t words = e ? (e->n_members + 63) / 64 : 0;
+    uint64_t *stays;
+    bool pending = false;
+
+    if (!words)
+        return false;
+    stays = calloc(words, sizeof(*stays));
+    if (!stays)
+        return false;
+    for (size_t k = 0; k < e->n_members; k++)
+        if (entry_get(c, e->members[k].id, c->cur_sessions[k]))
+            stays[k / 64] |= 1ull << (k % 64);
+    for (size_t i = 0; i < c->n_members && !pending; i++) {
+        const struct entry *m = c->members[i];
+
+        if (m->cut_off_at || !reports_live(m, e->number, e->n_members, now))
+            continue;
+        for (size_t w = 0; w < words && !pending; w++)
+            pending = (m->accusers[w] & stays[w]) != 0;
+    }
+    free(stays);
+    return pending;
 }
 
 static void cut_off(const struct broker *b, struct cohort *c, struct entry *m, uint64_t now)

@@ -295,6 +295,13 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
 int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort, const char *id,
                               uint64_t session, uint64_t epoch, const char *peer);
 
+/* After a member is evicted as unreachable, how long the next epoch
+ * waits when other members of the epoch are still reported by members
+ * that stay: the reports about the rest of a cut-off side arrive within
+ * about this (the engines look every 250 ms), and an epoch formed before
+ * them would make them stale, stalling its rounds for another timeout
+ * until that side is reported again. */
+#define BROKER_VERDICT_SETTLE_MS 1000u
 /* How long a member evicted as unreachable is refused a rejoin: its
  * timeout the first time, doubled each time it is evicted so again
  * before a whole bench has passed since its last one ended, up to

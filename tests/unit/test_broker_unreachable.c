@@ -268,6 +268,43 @@ Test(broker, of_two_equal_halves_the_leaders_goes_on)
     cr_assert_eq(fixture_sm_join("d", 1, 24, t + 60), -EAGAIN);
 }
 
+Test(broker, the_rest_of_a_cut_off_half_goes_in_the_same_epoch)
+{
+    const char *ids[] = { "a", "b", "c", "d" };
+    uint64_t e = start_n(4, ids, (void *[]){ &wa, &wb, &wc, &wd }), t = FIXTURE_HOLD + 500;
+
+    /* d's reports complete first; c's last one comes 600 ms later, as
+     * the engines' checks fall. The epoch waits for it. */
+    cr_assert_eq(report(t, "a", 11, e, "c"), 0);
+    cr_assert_eq(report(t, "a", 11, e, "d"), 0);
+    cr_assert_eq(report(t, "b", 12, e, "d"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t), 3);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wd });
+    broker_tick(fixture_sm, t + 500);
+    cr_assert_eq(fixture_sm_last_pub()->number, e, "no epoch while c's verdict may come");
+    cr_assert_eq(report(t + 600, "b", 12, e, "c"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 600), 2);
+    broker_tick(fixture_sm, t + BROKER_VERDICT_SETTLE_MS - 1);
+    cr_assert_eq(fixture_sm_last_pub()->number, e);
+    broker_tick(fixture_sm, t + BROKER_VERDICT_SETTLE_MS);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 2, (const char *[]){ "a", "b" });
+}
+
+Test(broker, the_next_epoch_waits_for_no_report_of_an_evicted_member)
+{
+    uint64_t e = start_abc(), t = FIXTURE_HOLD + 500;
+
+    /* c, cut off, reported a and b too: those reports leave with it. */
+    cr_assert_eq(report(t, "c", 13, e, "a"), 0);
+    cr_assert_eq(report(t, "c", 13, e, "b"), 0);
+    cr_assert_eq(report(t, "a", 11, e, "c"), 0);
+    cr_assert_eq(report(t, "b", 12, e, "c"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t), 2);
+    broker_tick(fixture_sm, t + 50);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+}
+
 Test(broker, of_two_equal_halves_the_leader_picks_wherever_it_is)
 {
     const char *ids[] = { "a", "b", "c", "d" };
