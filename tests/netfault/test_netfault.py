@@ -40,6 +40,9 @@ COHORT_SPEC = "%s:heartbeat=500ms,timeout=%gs" % (COHORT, TIMEOUT_S)
 # The broker's eviction tick, the epoch's coalescing window and its
 # delivery on a loaded 2-core machine with sanitizers.
 OUT_SLACK_S = 3.0
+# After an eviction as unreachable, how long the broker may wait for the
+# verdicts on the rest of a cut-off side (BROKER_VERDICT_SETTLE_MS).
+SETTLE_S = 1.0
 LOGREG = bin_path(os.path.join("examples", "logreg"))
 UNREACHABLE = "Nothing heard from a peer's host for the member timeout; reporting it unreachable."
 
@@ -346,7 +349,7 @@ def test_equal_halves_the_leaders_half_goes_on(net4, tmp_path):
             net.partition(c.ns(a), [c.ns("m2"), c.ns("m3")])
         wait_until(lambda: c.epoch_seen(near, near, marks),
                    "the leader's half (%s) in an epoch of its own" % near,
-                   TIMEOUT_S + OUT_SLACK_S)
+                   TIMEOUT_S + SETTLE_S + OUT_SLACK_S)
         out_s = time.monotonic() - t0
         assert c.broker_members() == near
         assert c.broker_status()["leader"] in near
