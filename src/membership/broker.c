@@ -31,7 +31,10 @@
  * peers LIMIT_REACH_PROBES at a time. Pairs of members that report each
  * other are kept, at most PAIRS_MAX, by the one of the two placed first
  * in the epoch, with when they were first and last seen to, so that a
- * cut between two members only is judged once it has lasted a window.
+ * cut between two members only is judged once it has lasted a window;
+ * each accused also keeps the count of the window before its current
+ * one (prev_accusers), so that a count that just started over does not
+ * pass for a member reported by one.
  * Benched ids (evicted as unreachable) are a small array per cohort,
  * searched only by joins of ids the cohort does not hold.
  */
@@ -100,6 +103,9 @@ struct entry {
     uint64_t accused_epoch;     /* the epoch the bits count for; 0: none */
     uint64_t accused_first;     /* the first report in the bits */
     uint32_t n_accusers;
+    /* n_accusers of the window before this one, when this one began
+     * right after it (within a window of its end); else 0. */
+    uint32_t prev_accusers;
     uint64_t cut_off_at;        /* its epoch's reports agreed: evict now; 0: not */
     /* When this session joined: of a mutual pair, the later joiner goes. */
     uint64_t joined_at;
@@ -1259,36 +1265,27 @@ static uint64_t pair_seen(struct entry *first, uint64_t epoch, size_t hi, uint64
     return p->since;
 }
 
-/* How many live mutual pairs (seen within `window`) the member at epoch
- * position `pos` of c is in: how many peers it is cut from both ways.
- * Walks the epoch; only a pair's verdict asks. */
-static uint32_t pairs_of(const struct cohort *c, size_t pos, uint64_t window, uint64_t now)
+/* How many of the epoch report m: the larger of its live count and the
+ * count of the window just before, so that the moment a window starts
+ * over (with one report) does not make a member reported by many look
+ * reported by one. */
+static uint32_t reported_weight(const struct entry *m, uint64_t epoch, size_t n, uint64_t now)
 {
-    const struct epoch *e = c->cur;
-    uint32_t k = 0;
-
-    for (size_t i = 0; i <= pos; i++) {
-        const struct entry *m = entry_get(c, e->members[i].id, c->cur_sessions[i]);
-
-        for (size_t j = 0; m && m->pairs && j < PAIRS_MAX; j++) {
-            const struct pair *p = &m->pairs[j];
-
-            if (p->epoch == e->number && now <= p->last + window && (i == pos || p->peer == pos))
-                k++;
-        }
-    }
-    return k;
+    if (!reports_live(m, epoch, n, now))
+        return 0;
+    return m->n_accusers > m->prev_accusers ? m->n_accusers : m->prev_accusers;
 }
 
-/* Of a mutual pair, the one to evict (see broker.h): the one in more
- * mutual pairs (a liar that cuts itself from several peers, or a member
- * cut from several, rather than each of them); else the one that is not
- * the epoch's leader; else the later joiner; else the one placed later. */
+/* Of a mutual pair, the one to evict (see broker.h), given how many of
+ * the epoch report each: the one more report (a liar that cuts itself
+ * from several peers, or a member cut from several, rather than each of
+ * them); else the one that is not the epoch's leader; else the later
+ * joiner; else the one placed later. */
 static bool pair_loser_is_a(const struct epoch *e, const struct entry *a, size_t ai,
-                            uint32_t a_pairs, const struct entry *b, size_t bi, uint32_t b_pairs)
+                            uint32_t a_count, const struct entry *b, size_t bi, uint32_t b_count)
 {
-    if (a_pairs != b_pairs)
-        return a_pairs > b_pairs;
+    if (a_count != b_count)
+        return a_count > b_count;
     if (ai == e->leader || bi == e->leader)
         return bi == e->leader;
     if (a->joined_at != b->joined_at)
@@ -1362,6 +1359,12 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
     if (!reports_live(m, epoch, n, now)) {
         /* A new count: reports from another epoch, or older than the
          * window, do not add up with this one. */
+        /* A window that follows the last one closely keeps its count
+         * for reported_weight(). */
+        m->prev_accusers = m->accused_epoch == epoch &&
+                                   now < m->accused_first + 2 * report_window(m, n)
+                               ? m->n_accusers
+                               : 0;
         if (m->accusers_words < words) {
             uint64_t *bits = reallocarray(m->accusers, words, sizeof(*bits));
 
@@ -1401,14 +1404,15 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
         size_t hi = (size_t)(ri < mi ? mi : ri);
         struct entry *first = ri < mi ? r : m;
         uint64_t window = max_u64(report_window(r, n), report_window(m, n));
+        uint32_t mw = reported_weight(m, epoch, n, now), rw = reported_weight(r, epoch, n, now);
 
-        if (now - pair_seen(first, epoch, hi, window, now) >= window) {
-            bool m_goes = pair_loser_is_a(c->cur, m, (size_t)mi,
-                                          pairs_of(c, (size_t)mi, window, now), r, (size_t)ri,
-                                          pairs_of(c, (size_t)ri, window, now));
-
-            cut_off(b, c, m_goes ? m : r, now);
-        }
+        /* Only a cut between two: at least one of them is reported by
+         * its partner alone. Where both are reported by several, the
+         * cut is wider (a partition, with reports still gathering) and
+         * the rules above decide, or no one. */
+        if (now - pair_seen(first, epoch, hi, window, now) >= window && (mw <= 1 || rw <= 1))
+            cut_off(b, c, pair_loser_is_a(c->cur, m, (size_t)mi, mw, r, (size_t)ri, rw) ? m : r,
+                    now);
     }
     return 0;
 }

@@ -44,10 +44,11 @@
  *     epoch's leader among them: of two equal halves the leader's goes
  *     on; the leader's report only breaks the tie;
  *   - it and one peer report each other, without a lapse of a window,
- *     for a whole window (a cut between two members only), and it is the
- *     one of the two in more such pairs; else the one that is not the
- *     leader; else the later joiner. A report of one member about another
- *     that still reaches it is never mutual and never evicts
+ *     for a whole window, at least one of the two reported by its partner
+ *     alone (a cut between two members only), and it is the one of the
+ *     two more of the epoch report; else the one that is not the leader;
+ *     else the later joiner. A report of one member about another that
+ *     still reaches it is never mutual and never evicts
  *   (docs/architecture.md, "Eviction", has the reasoning).
  * - Versions advanced by committed rounds (declare == false) are recorded,
  *   shown in status and used at the next election, but never force one:

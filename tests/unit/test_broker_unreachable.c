@@ -6,7 +6,8 @@
  * goes on; two members that report each other for a whole window lose
  * one of them (the one more report, else not the leader, else the later
  * joiner). One member alone, a member about itself, a report about an
- * older epoch, a one-sided report and a pair that lapses evict no one;
+ * older epoch, a one-sided report, a pair that lapses and a wider cut
+ * whose pairs are each reported by several evict no one by the pair rule;
  * at 256 members, reports spread over the rounds a member needs to probe
  * everyone still add up. The evicted member is benched, and its bench
  * doubles while it keeps being cut off. Under the fake host of
@@ -421,6 +422,47 @@ Test(broker, a_liar_that_refuses_connections_loses_one_peer_at_most)
     }
     cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT), 4);
     fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &w[0] });
+}
+
+Test(broker, a_wider_cut_is_no_pair)
+{
+    const char *ids[] = { "a", "b", "c", "d", "e", "f" };
+    int w[6];
+    uint64_t e, t = FIXTURE_HOLD + 500;
+
+    /* {a, b, c} | {d, e, f}, the leader a's reports lost: d, e and f are
+     * reported by two, a, b and c by half without the leader. Every pair
+     * across is mutual, but each of its two is reported by several: a
+     * partition, not a cut between two, and the pair rule must not pick
+     * a side (it would evict b, c: the leader's). */
+    fixture_sm_start(NULL);
+    for (size_t i = 0; i < 6; i++)
+        cr_assert_eq(fixture_sm_join(ids[i], 1, 11 + i, FIXTURE_T0), 0);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), 6);
+    for (size_t i = 0; i < 6; i++)
+        cr_assert_eq(broker_watch(fixture_sm, "demo", ids[i], 11 + i, &w[i]), 0);
+    e = fixture_sm_last_pub()->number;
+    for (uint64_t k = 0; k <= 3; k++) {
+        uint64_t now = t + k * TIMEOUT / 2;
+
+        for (size_t i = 0; i < 6; i++)
+            (void)fixture_sm_beat(now, "demo", ids[i], 11 + i, 1, false, NULL);
+        for (size_t i = 1; i < 3; i++)
+            for (size_t j = 3; j < 6; j++) {
+                cr_assert_eq(report(now, ids[i], 11 + i, e, ids[j]), 0);
+                cr_assert_eq(report(now, ids[j], 11 + j, e, ids[i]), 0);
+            }
+        for (size_t j = 3; j < 6; j++)
+            cr_assert_eq(report(now, ids[j], 11 + j, e, "a"), 0);
+        cr_assert_eq(fixture_sm_tick_members(now), 6, "at %lu", (unsigned long)k);
+    }
+    cr_assert_eq(fixture_host.n_dets, 0);
+    /* The leader's reports arrive: the tie is broken its way. */
+    for (size_t j = 3; j < 6; j++)
+        cr_assert_eq(report(t + 3 * TIMEOUT / 2 + 10, "a", 11, e, ids[j]), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 3 * TIMEOUT / 2 + 10), 3);
+    broker_tick(fixture_sm, t + 3 * TIMEOUT / 2 + 100);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 3, (const char *[]){ "a", "b", "c" });
 }
 
 Test(broker, a_pair_that_lapses_waits_a_whole_window_again)
