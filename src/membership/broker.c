@@ -1207,7 +1207,8 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
  * per timeout, so a member that every other one cannot reach is reported
  * by each of them within that many timeouts; a shorter window would never
  * hold a majority of an epoch of more than about 2 x LIMIT_REACH_PROBES.
- * Saturates. */
+ * 64 timeouts at the default 4096 members; an epoch has far fewer than
+ * 2^32 members, so the product fits in 64 bits. */
 static uint64_t report_window(const struct entry *m, size_t n)
 {
     uint64_t rounds = n > 1 ? (n - 2) / LIMIT_REACH_PROBES + 1 : 1;
@@ -1358,9 +1359,8 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
     words = (n + 63) / 64;
     if (!reports_live(m, epoch, n, now)) {
         /* A new count: reports from another epoch, or older than the
-         * window, do not add up with this one. */
-        /* A window that follows the last one closely keeps its count
-         * for reported_weight(). */
+         * window, do not add up with this one. The count of a window
+         * that ended just now is kept for reported_weight(). */
         m->prev_accusers = m->accused_epoch == epoch &&
                                    now < m->accused_first + 2 * report_window(m, n)
                                ? m->n_accusers
