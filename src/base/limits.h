@@ -57,6 +57,14 @@
  * (10h for 10s) from looking like a setting. */
 #define LIMIT_MEMBERSHIP_FLAG_MS (24ull * 3600 * 1000)
 
+/* How many members a waiting all-reduce probes at a time for
+ * reachability (engine/conn.c, "REACHABILITY"): it covers an epoch of n
+ * in ceil((n - 1) / LIMIT_REACH_PROBES) rounds of one member timeout
+ * each, so the broker counts reports about one member over that many
+ * timeouts (broker.h). 64 sockets per waiting member bound what probing
+ * costs a member and the half-open dials a host receives at once. */
+#define LIMIT_REACH_PROBES 64u
+
 /* ---- Kubernetes -------------------------------------------------------- */
 
 /* A namespace name (an RFC 1123 label) and a label value: at most 63 bytes

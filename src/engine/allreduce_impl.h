@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "base/ident.h"
+#include "base/limits.h"
 #include "base/secret.h"
 #include "engine/codec.h"
 #include "engine/dtype.h"
@@ -58,7 +59,7 @@
  * once they have settled and the unreachable time has passed, so that a
  * member is probed at most once per that time by each waiting peer. */
 #define REACH_PROBE_AFTER_MS 500u
-#define REACH_PROBES 64
+#define REACH_PROBES LIMIT_REACH_PROBES
 
 /* A probe: a bare TCP dial to a member's data address, closed once its
  * host answers (conn.c, "REACHABILITY"). */

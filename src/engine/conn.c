@@ -71,11 +71,12 @@
  * the set time has passed since, so a waiting member probes each other
  * member at most once per that time (members on one host share one
  * source address, and the acceptor holds at most PENDING_PER_SOURCE
- * unfinished greetings from one). So in an epoch of more than about
- * 2 x REACH_PROBES members a cut-off member may not gather a majority
- * of reports before the engine's own silence timeout. The call goes on:
- * the broker decides (broker.h), and its new epoch ends the call with
- * -ESTALE.
+ * unfinished greetings from one). So the reports about a cut-off member
+ * in an epoch of n come over ceil((n - 1) / REACH_PROBES) rounds, and the
+ * broker counts them over that many timeouts (broker.h); rounds that
+ * outlast the engine's own silence timeout (12 at the defaults, 5 s each
+ * in 60 s) cannot all come in time. The call goes
+ * on: the broker decides, and its new epoch ends the call with -ESTALE.
  *
  * CONNECTING
  *

@@ -26,9 +26,17 @@
  * reported it, the epoch it counts for and the time of the first report
  * it counts. A bitmap is allocated at a member's first accusation and
  * cleared, not freed, when the epoch or the window moves on; at most
- * one per member, of the epoch's size. Benched ids (evicted as
- * unreachable) are a small array per cohort, searched only by joins of
- * ids the cohort does not hold.
+ * one per member, of the epoch's size. The window the reports count
+ * in grows with the epoch (report_window), because a member probes its
+ * peers LIMIT_REACH_PROBES at a time. Pairs of members that report each
+ * other are kept, at most PAIRS_MAX, by the one of the two placed first
+ * in the epoch, with when they were first and last seen to, so that a
+ * cut between two members only is judged once it has lasted a window;
+ * each accused also keeps the count of the window before its current
+ * one (prev_accusers), so that a count that just started over does not
+ * pass for a member reported by one.
+ * Benched ids (evicted as unreachable) are a small array per cohort,
+ * searched only by joins of ids the cohort does not hold.
  */
 #include "membership/broker.h"
 
@@ -47,6 +55,22 @@
 #define EPOCH_MAX (UINT64_MAX / 2)
 
 #define TICK_MAX_MS 1000
+
+/* Mutual pairs one member keeps (struct pair). A member that reports, and
+ * is reported by, more peers than this is cut from many, which the
+ * majority rule, not the pair rule, is for; pairs beyond it are not
+ * judged, which keeps the rounds stalled but evicts no one wrongly. */
+#define PAIRS_MAX 16u
+
+/* Two members of one epoch that each reported the other unreachable
+ * (broker_report_unreachable): `peer` is the epoch position of the one
+ * placed later, the entry holding it the one placed earlier. */
+struct pair {
+    uint64_t epoch;             /* 0: a free slot */
+    uint32_t peer;
+    uint64_t since;             /* first seen mutual, without a lapse since */
+    uint64_t last;              /* last seen mutual */
+};
 
 /* One member as the broker holds it ("entry" keeps it apart from
  * member.h, the member's own side of the protocol). */
@@ -79,7 +103,13 @@ struct entry {
     uint64_t accused_epoch;     /* the epoch the bits count for; 0: none */
     uint64_t accused_first;     /* the first report in the bits */
     uint32_t n_accusers;
-    uint64_t cut_off_at;        /* a majority agreed: evict now; 0: not */
+    /* n_accusers of the window before this one, when this one began
+     * right after it (within a window of its end); else 0. */
+    uint32_t prev_accusers;
+    uint64_t cut_off_at;        /* its epoch's reports agreed: evict now; 0: not */
+    /* When this session joined: of a mutual pair, the later joiner goes. */
+    uint64_t joined_at;
+    struct pair *pairs;         /* PAIRS_MAX, allocated at its first pair */
 };
 
 /* An id evicted as unreachable: its joins are refused until `until`. */
@@ -224,6 +254,7 @@ static void entry_free(struct entry *m)
     free(m->id);
     free(m->address);
     free(m->accusers);
+    free(m->pairs);
     free(m);
 }
 
@@ -688,21 +719,25 @@ free_view:
     return err;
 }
 
+static bool verdicts_pending(const struct cohort *c, uint64_t now);
+
 /* Evicts the members of `c` that are due at `now` and recomputes the
  * cohort's eviction bound. */
 static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
 {
     uint64_t next = UINT64_MAX;
     size_t keep = 0;
-    bool evicted = false;
+    bool evicted = false, verdict = false;
 
     for (size_t i = 0; i < c->n_members; i++) {
         struct entry *m = c->members[i];
         uint64_t d = entry_deadline(b, m);
 
         if (now >= d) {
-            if (m->cut_off_at)
+            if (m->cut_off_at) {
                 bench_add(c, m, now);
+                verdict = true;
+            }
             detach(b, m, m->cut_off_at ? -EHOSTUNREACH : -ETIMEDOUT);
             retire(b, c, m, now, false);
             entry_free(m);
@@ -718,6 +753,13 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
     c->next_evict = next;
     if (evicted)
         mark_pending(c, now);
+    /* The reports about the rest of a cut-off side come a moment apart
+     * (the engines look every 250 ms, and probe from 500 ms into a
+     * call). An epoch formed at once would make them stale, and the
+     * rest of that side would stall the next epoch's rounds for another
+     * timeout before its members are reported again. */
+    if (verdict && verdicts_pending(c, now))
+        c->hold_until = max_u64(c->hold_until, now + BROKER_VERDICT_SETTLE_MS);
 }
 
 static uint64_t form_due(const struct broker *b, const struct cohort *c)
@@ -819,6 +861,7 @@ static int join_new(struct broker *b, struct cohort *c, size_t at, uint64_t now,
     m->session = j->session;
     m->model_version = j->model_version;
     m->last_seen = now;
+    m->joined_at = now;
     m->heartbeat_ms = heartbeat_ms;
     m->timeout_ms = timeout_ms;
     seq_start(m, j->seq);
@@ -874,6 +917,7 @@ static int join_existing(struct broker *b, struct cohort *c, struct entry *m,
         detach(b, m, -ETIMEDOUT);
         retire(b, c, m, now, false);
         m->session = j->session;
+        m->joined_at = now;
         seq_start(m, j->seq);
         if (j->seq)
             retired_forget(b, c->name, j->id, j->session, now);
@@ -1157,13 +1201,148 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
     return 0;
 }
 
+/* How long reports about member m, in an epoch of n members, count
+ * together: one member timeout for every LIMIT_REACH_PROBES of its peers.
+ * A waiting member probes that many of the others per round, one round
+ * per timeout, so a member that every other one cannot reach is reported
+ * by each of them within that many timeouts; a shorter window would never
+ * hold a majority of an epoch of more than about 2 x LIMIT_REACH_PROBES.
+ * 64 timeouts at the default 4096 members; an epoch has far fewer than
+ * 2^32 members, so the product fits in 64 bits. */
+static uint64_t report_window(const struct entry *m, size_t n)
+{
+    uint64_t rounds = n > 1 ? (n - 2) / LIMIT_REACH_PROBES + 1 : 1;
+
+    return rounds * m->timeout_ms;
+}
+
+/* Whether m's count is live: of `epoch`, its window not yet over. */
+static bool reports_live(const struct entry *m, uint64_t epoch, size_t n, uint64_t now)
+{
+    return m->accused_epoch == epoch && now < m->accused_first + report_window(m, n);
+}
+
+/* Whether the member at epoch position `pos` is among m's live accusers. */
+static bool reported_by(const struct entry *m, uint64_t epoch, size_t n, uint64_t now,
+                        size_t pos)
+{
+    return reports_live(m, epoch, n, now) && (m->accusers[pos / 64] >> (pos % 64) & 1u);
+}
+
+/* Records that the members at epoch positions lo < hi (entry `first` is
+ * lo's) are seen to report each other at `now`. Returns since when the
+ * pair has been mutual without a lapse longer than `window`, or `now`
+ * when it is new, or when no slot is free (then it is not judged). Out
+ * of memory likewise. */
+static uint64_t pair_seen(struct entry *first, uint64_t epoch, size_t hi, uint64_t window,
+                          uint64_t now)
+{
+    struct pair *p = NULL;
+
+    if (!first->pairs) {
+        first->pairs = calloc(PAIRS_MAX, sizeof(*first->pairs));
+        if (!first->pairs)
+            return now;
+    }
+    for (size_t i = 0; i < PAIRS_MAX; i++) {
+        struct pair *q = &first->pairs[i];
+        bool stale = q->epoch != epoch || now > q->last + window;
+
+        if (q->epoch == epoch && q->peer == hi) {
+            p = q;
+            break;
+        }
+        if (!p && stale)
+            p = q;              /* a free or stale slot, in case it is new */
+    }
+    if (!p)
+        return now;
+    if (p->epoch != epoch || p->peer != hi || now > p->last + window) {
+        /* New, or back after a lapse longer than a window: flapping
+         * starts the wait over. */
+        *p = (struct pair){ .epoch = epoch, .peer = (uint32_t)hi, .since = now };
+    }
+    p->last = now;
+    return p->since;
+}
+
+/* How many of the epoch report m: the larger of its live count and the
+ * count of the window just before, so that the moment a window starts
+ * over (with one report) does not make a member reported by many look
+ * reported by one. */
+static uint32_t reported_weight(const struct entry *m, uint64_t epoch, size_t n, uint64_t now)
+{
+    if (!reports_live(m, epoch, n, now))
+        return 0;
+    return m->n_accusers > m->prev_accusers ? m->n_accusers : m->prev_accusers;
+}
+
+/* Of a mutual pair, the one to evict (see broker.h), given how many of
+ * the epoch report each: the one more report (a liar that cuts itself
+ * from several peers, or a member cut from several, rather than each of
+ * them); else the one that is not the epoch's leader; else the later
+ * joiner; else the one placed later. */
+static bool pair_loser_is_a(const struct epoch *e, const struct entry *a, size_t ai,
+                            uint32_t a_count, const struct entry *b, size_t bi, uint32_t b_count)
+{
+    if (a_count != b_count)
+        return a_count > b_count;
+    if (ai == e->leader || bi == e->leader)
+        return bi == e->leader;
+    if (a->joined_at != b->joined_at)
+        return a->joined_at > b->joined_at;
+    return ai > bi;
+}
+
+/* Whether a member still in c is reported unreachable, in its live
+ * window of the current epoch, by a member that is still in c too: the
+ * reports of the members just evicted do not count, so that a single
+ * cut-off member's verdict holds nothing up. One pass over the epoch for
+ * who stays, then a word at a time: a verdict on a large side costs
+ * (n / 64) words per member, not a lookup per report. Out of memory it
+ * says no, and the epoch forms without waiting. */
+static bool verdicts_pending(const struct cohort *c, uint64_t now)
+{
+    const struct epoch *e = c->cur;
+    size_t words = e ? (e->n_members + 63) / 64 : 0;
+    uint64_t *stays;
+    bool pending = false;
+
+    if (!words)
+        return false;
+    stays = calloc(words, sizeof(*stays));
+    if (!stays)
+        return false;
+    for (size_t k = 0; k < e->n_members; k++)
+        if (entry_get(c, e->members[k].id, c->cur_sessions[k]))
+            stays[k / 64] |= 1ull << (k % 64);
+    for (size_t i = 0; i < c->n_members && !pending; i++) {
+        const struct entry *m = c->members[i];
+
+        if (m->cut_off_at || !reports_live(m, e->number, e->n_members, now))
+            continue;
+        for (size_t w = 0; w < words && !pending; w++)
+            pending = (m->accusers[w] & stays[w]) != 0;
+    }
+    free(stays);
+    return pending;
+}
+
+static void cut_off(const struct broker *b, struct cohort *c, struct entry *m, uint64_t now)
+{
+    if (m->cut_off_at)
+        return;
+    m->cut_off_at = now ? now : 1;
+    c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+}
+
 int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort, const char *id,
                               uint64_t session, uint64_t epoch, const char *peer)
 {
     struct cohort *c = cohort_get(b, cohort);
-    struct entry *m;
+    struct entry *m, *r;
     long ri, mi;
-    size_t words;
+    size_t words, n, half;
     int rc = report_parties(c, id, session, peer, &m);
 
     if (rc < 0)
@@ -1174,10 +1353,18 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
     mi = epoch_find(c->cur, peer);
     if (ri < 0 || mi < 0 || c->cur_sessions[ri] != session || c->cur_sessions[mi] != m->session)
         return -ESTALE;
-    words = (c->cur->n_members + 63) / 64;
-    if (m->accused_epoch != epoch || now >= m->accused_first + m->timeout_ms) {
-        /* A new count: reports from another epoch, or older than one
-         * timeout, do not add up with this one. */
+    r = entry_get(c, id, session);
+    n = c->cur->n_members;
+    half = n / 2;
+    words = (n + 63) / 64;
+    if (!reports_live(m, epoch, n, now)) {
+        /* A new count: reports from another epoch, or older than the
+         * window, do not add up with this one. The count of a window
+         * that ended just now is kept for reported_weight(). */
+        m->prev_accusers = m->accused_epoch == epoch &&
+                                   now < m->accused_first + 2 * report_window(m, n)
+                               ? m->n_accusers
+                               : 0;
         if (m->accusers_words < words) {
             uint64_t *bits = reallocarray(m->accusers, words, sizeof(*bits));
 
@@ -1196,9 +1383,36 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
         m->n_accusers++;
     }
     /* More than half of the epoch, the accused counted in it. */
-    if (!m->cut_off_at && m->n_accusers > c->cur->n_members / 2) {
-        m->cut_off_at = now ? now : 1;
-        c->next_evict = min_u64(c->next_evict, entry_deadline(b, m));
+    if (m->n_accusers > half) {
+        cut_off(b, c, m, now);
+        return 0;
+    }
+    /* Exactly half of an even epoch of four or more, the leader among
+     * them: of two equal halves, the leader's goes on. The leader's own
+     * report only breaks a tie, so a lying leader still needs half the
+     * epoch less one to agree. */
+    if (n % 2 == 0 && n >= 4 && m->n_accusers == half &&
+        (m->accusers[c->cur->leader / 64] >> (c->cur->leader % 64) & 1u)) {
+        cut_off(b, c, m, now);
+        return 0;
+    }
+    /* A cut between two members: each reports the other. Judged once it
+     * has lasted a window, by which time any majority against either
+     * would have formed; a report that one member alone makes of another
+     * that still reaches it is never mutual, so it never evicts. */
+    if (reported_by(r, epoch, n, now, (size_t)mi) && !r->cut_off_at && !m->cut_off_at) {
+        size_t hi = (size_t)(ri < mi ? mi : ri);
+        struct entry *first = ri < mi ? r : m;
+        uint64_t window = max_u64(report_window(r, n), report_window(m, n));
+        uint32_t mw = reported_weight(m, epoch, n, now), rw = reported_weight(r, epoch, n, now);
+
+        /* Only a cut between two: at least one of them is reported by
+         * its partner alone. Where both are reported by several, the
+         * cut is wider (a partition, with reports still gathering) and
+         * the rules above decide, or no one. */
+        if (now - pair_seen(first, epoch, hi, window, now) >= window && (mw <= 1 || rw <= 1))
+            cut_off(b, c, pair_loser_is_a(c->cur, m, (size_t)mi, mw, r, (size_t)ri, rw) ? m : r,
+                    now);
     }
     return 0;
 }

@@ -29,16 +29,27 @@
  *   or, when its watch stream is cut without a Leave (its process died),
  *   after stream_grace_ms; at once when a peer also reported it lost
  *   (broker_report_lost). A report alone evicts nobody: any member may lie.
- * - A member that more than half of the current epoch's members report
- *   unreachable (broker_report_unreachable), each in a heartbeat that
- *   runs in that epoch, within one member timeout of the first such
- *   report, is evicted at once and benched: its joins are refused for a
- *   while (BROKER_BENCH_* below), so that a member cut from its peers but
- *   not from the broker does not rejoin, stall the next epoch's rounds
- *   for another timeout, and be evicted again, over and over. The
- *   accused counts in the half but never accuses itself, so one lying
- *   member never suffices; of two equal halves of an even epoch neither
- *   is a majority and no one is evicted (docs/architecture.md).
+ * - Members report peers they cannot reach (broker_report_unreachable),
+ *   each in a heartbeat that runs in the current epoch; the reports about
+ *   one member count together within its report window: one member
+ *   timeout per LIMIT_REACH_PROBES peers it has (base/limits.h), since
+ *   that is how long it takes every peer to have probed it. A member is
+ *   evicted at once and benched (its joins refused for a while,
+ *   BROKER_BENCH_* below, so that a member cut from its peers but not
+ *   from the broker does not rejoin, stall the next epoch's rounds and be
+ *   evicted again, over and over) when
+ *   - more than half of the epoch report it, the accused counted in the
+ *     epoch but never accusing itself: one lying member never suffices;
+ *   - exactly half of an even epoch of four or more report it, the
+ *     epoch's leader among them: of two equal halves the leader's goes
+ *     on; the leader's report only breaks the tie;
+ *   - it and one peer report each other, without a lapse of a window,
+ *     for a whole window, at least one of the two reported by its partner
+ *     alone (a cut between two members only), and it is the one of the
+ *     two more of the epoch report; else the one that is not the leader;
+ *     else the later joiner. A report of one member about another that
+ *     still reaches it is never mutual and never evicts
+ *   (docs/architecture.md, "Eviction", has the reasoning).
  * - Versions advanced by committed rounds (declare == false) are recorded,
  *   shown in status and used at the next election, but never force one:
  *   members report them at different moments, and electing on that skew
@@ -274,15 +285,24 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
  * latest published and both are in it with the sessions it names (a
  * report about an older membership says nothing of this one); a
  * reporter counts once per accused, and the reports about one accused
- * count together only within its timeout of the first. When more than
- * half of the epoch's members agree, `peer` is evicted at the next tick
- * and benched. Returns 0 (counted), -ESTALE (another epoch, or not both
- * in it: nothing changes), -ENOENT (no such reporter session, or no
- * member `peer`), -EINVAL (peer is the reporter itself, or NULL),
- * -ENOMEM. */
+ * count together only within its report window of the first (the
+ * accused's timeout times ceil((n - 1) / LIMIT_REACH_PROBES) for an
+ * epoch of n). When the rules above (more than half; exactly half with
+ * the leader; a mutual pair that lasted a window) name a member, `peer`
+ * or the reporter itself, it is evicted at the next tick and benched.
+ * Returns 0 (counted), -ESTALE (another epoch, or not both in it:
+ * nothing changes), -ENOENT (no such reporter session, or no member
+ * `peer`), -EINVAL (peer is the reporter itself, or NULL), -ENOMEM. */
 int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort, const char *id,
                               uint64_t session, uint64_t epoch, const char *peer);
 
+/* After a member is evicted as unreachable, how long the next epoch
+ * waits when other members of the epoch are still reported by members
+ * that stay: the reports about the rest of a cut-off side arrive within
+ * about this (the engines look every 250 ms), and an epoch formed before
+ * them would make them stale, stalling its rounds for another timeout
+ * until that side is reported again. */
+#define BROKER_VERDICT_SETTLE_MS 1000u
 /* How long a member evicted as unreachable is refused a rejoin: its
  * timeout the first time, doubled each time it is evicted so again
  * before a whole bench has passed since its last one ended, up to

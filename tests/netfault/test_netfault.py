@@ -9,6 +9,9 @@ integer gradients, all run with `ip netns exec`.
   partitioned from the broker but not from its peers; the broker
   partitioned from everyone: the partitioned side is out within the member
   timeout, comes back after the heal, and trains with the others again.
+- Four members cut into two equal halves, each still reaching the
+  broker: the half with the epoch's leader is the one that goes on
+  committing, the other half is out and rejoins after the heal.
 
 Every run ends with the same checks: each committed round is the same
 result at every member that committed it and is made of exactly the
@@ -37,6 +40,9 @@ COHORT_SPEC = "%s:heartbeat=500ms,timeout=%gs" % (COHORT, TIMEOUT_S)
 # The broker's eviction tick, the epoch's coalescing window and its
 # delivery on a loaded 2-core machine with sanitizers.
 OUT_SLACK_S = 3.0
+# After an eviction as unreachable, how long the broker may wait for the
+# verdicts on the rest of a cut-off side (BROKER_VERDICT_SETTLE_MS).
+SETTLE_S = 1.0
 LOGREG = bin_path(os.path.join("examples", "logreg"))
 UNREACHABLE = "Nothing heard from a peer's host for the member timeout; reporting it unreachable."
 
@@ -59,7 +65,7 @@ class Cohort:
         self.key = write_key(tmp / "key")
         self.stats = tmp / "stats"
         self.stats.mkdir()
-        self.ids = ["m%d" % i for i in range(N)]
+        self.ids = ["m%d" % i for i in range(len(net.members))]
         b = self.procs.add(Proc(net.argv(net.broker, [
             bin_path("cohort-operator"), "--standalone", "--listen", netns.BROKER_ADDR + ":0",
             "--log-format", "json", "--secret-file", self.key, "--cohort", COHORT_SPEC]), "broker"))
@@ -75,7 +81,7 @@ class Cohort:
             self.trainers[mid] = self.procs.add(Proc(net.argv(ns, [
                 LOGREG, "--connect", "unix:" + str(tmp / ("%s.sock" % mid)), "--steps",
                 str(steps), "--integer-grads", "--stats-file", str(self.stats / ("%s.jsonl" % mid)),
-                "--wait-for", str(N), "--delay", pace, "--linger", "3s", "--stall-timeout", "120s",
+                "--wait-for", str(len(self.ids)), "--delay", pace, "--linger", "3s", "--stall-timeout", "120s",
                 "--log-every", "20"]), "trainer " + mid))
 
     def ns(self, mid):
@@ -113,16 +119,22 @@ class Cohort:
     def marks(self):
         return {m: len(self.epochs(m)) for m in self.ids}
 
-    def broker_members(self):
-        """The member ids the broker holds, read from inside its namespace
-        (over its own address, which no partition of eth0 touches)."""
+    def broker_status(self):
+        """The cohort as the broker sees it (cohortctl status -o json),
+        read from inside its namespace (over its own address, which no
+        partition of eth0 touches); None if that fails."""
         r = netns.sh(*self.net.argv(self.net.broker, [
             bin_path("cohortctl"), "status", "--broker", self.broker, "--cohort", COHORT,
             "--secret-file", self.key, "-o", "json"]), check=False)
         if r.returncode != 0:
             return None
         cs = json.loads(r.stdout)["cohorts"]
-        return sorted(m["id"] for m in cs[0]["members"]) if cs else []
+        return cs[0] if cs else {"members": [], "leader": None}
+
+    def broker_members(self):
+        """The member ids the broker holds, or None."""
+        st = self.broker_status()
+        return None if st is None else sorted(m["id"] for m in st["members"])
 
     def finish(self, may_roll_back=()):
         """Waits for every trainer to end, then checks the run. A member of
@@ -306,3 +318,65 @@ def test_broker_partitioned_from_everyone(net, cohort_factory):
     # Members back one at a time may run in two epochs at once for a
     # moment; the side behind the leader takes its state.
     c.finish(may_roll_back=tuple(c.ids))
+
+
+# ---- two equal halves ------------------------------------------------------------
+
+@pytest.fixture
+def net4():
+    n = netns.Net(4)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def test_equal_halves_the_leaders_half_goes_on(net4, tmp_path):
+    """{m0, m1} | {m2, m3}, everyone still reaching the broker. Each member
+    is reported by exactly half of the epoch; the broker evicts the half
+    that the epoch's leader reports (docs/architecture.md, "Eviction")."""
+    net = net4
+    c = Cohort(net, tmp_path, 400, PACE)
+    try:
+        c.wait_versions(c.ids, 5, "all four training")
+        leader = c.broker_status()["leader"]
+        assert leader in c.ids, leader
+        near = ["m0", "m1"] if leader in ("m0", "m1") else ["m2", "m3"]
+        far = [m for m in c.ids if m not in near]
+        marks = c.marks()
+        t0 = time.monotonic()
+        for a in ("m0", "m1"):
+            net.partition(c.ns(a), [c.ns("m2"), c.ns("m3")])
+        wait_until(lambda: c.epoch_seen(near, near, marks),
+                   "the leader's half (%s) in an epoch of its own" % near,
+                   TIMEOUT_S + SETTLE_S + OUT_SLACK_S)
+        out_s = time.monotonic() - t0
+        assert c.broker_members() == near
+        assert c.broker_status()["leader"] in near
+        # The leader's half reported the far half, and the far half the
+        # leader's: each side's engines saw the cut.
+        for m in c.ids:
+            other = far if m in near else near
+            told = {r.get("peer") for r in c.sidecars[m].logs(UNREACHABLE)}
+            assert told & set(other), (m, told)
+        v = c.versions()
+        c.wait_versions(near, max(v[m] for m in near) + 10, "the leader's half committing on")
+        v_heal = c.versions()
+        marks = c.marks()
+        t1 = time.monotonic()
+        net.heal()
+        # The far half is benched (doubled while it comes back into the
+        # cut), so it is back within a few timeouts of the heal.
+        wait_until(lambda: c.epoch_seen(c.ids, c.ids, marks) and c.broker_members() == c.ids,
+                   "all four in one epoch after the heal", DEADLINE)
+        back_s = time.monotonic() - t1
+        v = c.versions()
+        c.wait_versions(c.ids, max(v.values()) + 3, "all four training after the heal")
+        print("equal halves: leader %s; %s out in %.1f s; the leader's half at %s at the heal; "
+              "all four back %.1f s after it" % (leader, far, out_s, v_heal, back_s))
+        # The far half may have finished a round alone that the leader's
+        # half redid without it (as in the partition from peers); nothing
+        # else may differ, and nothing is counted twice.
+        c.finish(may_roll_back=tuple(far))
+    finally:
+        c.close()

@@ -1,15 +1,23 @@
-/* tests/unit/test_broker_unreachable.c: the broker's rule for members
- * reported unreachable (broker_report_unreachable): more than half of the
- * current epoch must agree, within one member timeout, each from a
- * heartbeat in that epoch; one member alone, a member about itself, a
- * report about an older epoch, and the two halves of an even epoch evict
- * no one; the evicted member is benched, and its bench doubles while it
- * keeps being cut off. Under the fake host of fixture.h, on an injected
- * clock. */
+/* tests/unit/test_broker_unreachable.c: the broker's rules for members
+ * reported unreachable (broker_report_unreachable), each report from a
+ * heartbeat in the current epoch and counted within the accused's report
+ * window: more than half of the epoch evicts; exactly half with the
+ * leader among them evicts, so that of two equal halves the leader's
+ * goes on; two members that report each other for a whole window lose
+ * one of them (the one more report, else not the leader, else the later
+ * joiner). One member alone, a member about itself, a report about an
+ * older epoch, a one-sided report, a pair that lapses and a wider cut
+ * whose pairs are each reported by several evict no one by the pair rule;
+ * at 256 members, reports spread over the rounds a member needs to probe
+ * everyone still add up. The evicted member is benched, and its bench
+ * doubles while it keeps being cut off. Under the fake host of
+ * fixture.h, on an injected clock. */
 #include <criterion/criterion.h>
 
 #include <errno.h>
+#include <stdio.h>
 
+#include "base/limits.h"
 #include "fixture.h"
 #include "membership/broker.h"
 
@@ -130,11 +138,12 @@ Test(broker, reports_about_another_epoch_do_not_count)
     cr_assert_eq(fixture_sm_join("d", 1, 14, t + 20), 0);
     cr_assert_eq(fixture_sm_tick_members(t + 100), 4);
     cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
-    cr_assert_eq(report(t + 200, "a", 11, e, "c"), -ESTALE);
-    cr_assert_eq(report(t + 200, "a", 11, e + 1, "c"), 0);
+    cr_assert_eq(report(t + 200, "b", 12, e, "c"), -ESTALE);
+    cr_assert_eq(report(t + 200, "b", 12, e + 1, "c"), 0);
     cr_assert_eq(report(t + 210, "d", 14, e + 1, "c"), 0);
-    cr_assert_eq(fixture_sm_tick_members(t + 220), 4, "two of four are not more than half");
-    cr_assert_eq(report(t + 230, "b", 12, e + 1, "c"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 220), 4,
+                 "two of four, the leader not among them, are not enough");
+    cr_assert_eq(report(t + 230, "a", 11, e + 1, "c"), 0);
     cr_assert_eq(fixture_sm_tick_members(t + 240), 3);
 }
 
@@ -181,33 +190,402 @@ Test(broker, heartbeats_of_the_accused_do_not_undo_the_reports)
     cr_assert_eq(fixture_sm_tick_members(t + 220), 2);
 }
 
-Test(broker, two_members_cannot_evict_each_other)
+/* x and y report each other at t (after heartbeats of a, b, c and d,
+ * so that none falls silent while a test's clock runs). */
+static void mutual(uint64_t t, const char *x, uint64_t xs, const char *y, uint64_t ys,
+                   uint64_t e)
+{
+    beats(t, 13);
+    cr_assert_eq(report(t, x, xs, e, y), 0);
+    cr_assert_eq(report(t, y, ys, e, x), 0);
+}
+
+Test(broker, two_members_cut_apart_keep_the_leader_once_the_cut_lasts)
 {
     uint64_t e, t = FIXTURE_HOLD + 500;
 
     fixture_sm_start_ab();
+    cr_assert_eq(broker_watch(fixture_sm, "demo", "a", 11, &wa), 0);
+    cr_assert_eq(broker_watch(fixture_sm, "demo", "b", 12, &wb), 0);
     e = fixture_sm_last_pub()->number;
-    cr_assert_eq(report(t, "a", 11, e, "b"), 0);
-    cr_assert_eq(report(t, "b", 12, e, "a"), 0);
+    cr_assert_str_eq(fixture_sm_leader(fixture_sm_last_pub()), "a");
+    /* Mutual, but not for a window yet: the rounds wait. */
+    mutual(t, "a", 11, "b", 12, e);
     cr_assert_eq(fixture_sm_tick_members(t + 10), 2);
+    beats(t + TIMEOUT / 2, 13);
+    mutual(t + TIMEOUT / 2, "a", 11, "b", 12, e);
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT / 2 + 10), 2);
+    cr_assert_eq(fixture_host.n_dets, 0);
+    /* A whole window: the one that is not the leader goes, benched. */
+    mutual(t + TIMEOUT, "a", 11, "b", 12, e);
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT), 1);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wb });
+    broker_tick(fixture_sm, t + TIMEOUT + 100);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 1, (const char *[]){ "a" });
+    cr_assert_eq(fixture_sm_join("b", 1, 20, t + TIMEOUT + 200), -EAGAIN);
 }
 
-Test(broker, equal_halves_of_an_even_epoch_evict_no_one)
+Test(broker, a_one_sided_report_never_evicts)
+{
+    uint64_t e, t = FIXTURE_HOLD + 500;
+
+    /* The leader of two, lying about b (or cut only one way) for ten
+     * windows: b still reaches a, so it never reports a. */
+    fixture_sm_start_ab();
+    e = fixture_sm_last_pub()->number;
+    for (uint64_t k = 0; k < 10; k++) {
+        beats(t + k * TIMEOUT, 13);
+        cr_assert_eq(report(t + k * TIMEOUT, "a", 11, e, "b"), 0);
+        cr_assert_eq(fixture_sm_tick_members(t + k * TIMEOUT + 1), 2, "window %lu",
+                     (unsigned long)k);
+    }
+    cr_assert_eq(fixture_host.n_dets, 0);
+}
+
+Test(broker, of_two_equal_halves_the_leaders_goes_on)
 {
     const char *ids[] = { "a", "b", "c", "d" };
     uint64_t e = start_n(4, ids, (void *[]){ &wa, &wb, &wc, &wd }), t = FIXTURE_HOLD + 500;
 
-    /* {a, b} | {c, d}: each side reports the other. */
+    cr_assert_str_eq(fixture_sm_leader(fixture_sm_last_pub()), "a");
+    /* {a, b} | {c, d}: the far half's reports first, which name the
+     * leader's half by half the epoch, without the leader: not enough. */
+    for (size_t k = 2; k < 4; k++)
+        for (size_t i = 0; i < 2; i++)
+            cr_assert_eq(report(t, ids[k], 11 + k, e, ids[i]), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 10), 4);
+    /* b's alone are half less one; the leader's make half with it. */
+    cr_assert_eq(report(t + 20, "b", 12, e, "c"), 0);
+    cr_assert_eq(report(t + 20, "b", 12, e, "d"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 30), 4);
+    cr_assert_eq(report(t + 40, "a", 11, e, "c"), 0);
+    cr_assert_eq(report(t + 40, "a", 11, e, "d"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 50), 2);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 2, (void *[]){ &wc, &wd });
+    broker_tick(fixture_sm, t + 150);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 2, (const char *[]){ "a", "b" });
+    /* Both benched: the far half comes back after the heal, not before. */
+    cr_assert_eq(fixture_sm_join("c", 1, 23, t + 60), -EAGAIN);
+    cr_assert_eq(fixture_sm_join("d", 1, 24, t + 60), -EAGAIN);
+}
+
+Test(broker, the_rest_of_a_cut_off_half_goes_in_the_same_epoch)
+{
+    const char *ids[] = { "a", "b", "c", "d" };
+    uint64_t e = start_n(4, ids, (void *[]){ &wa, &wb, &wc, &wd }), t = FIXTURE_HOLD + 500;
+
+    /* d's reports complete first; c's last one comes 600 ms later, as
+     * the engines' checks fall. The epoch waits for it. */
+    cr_assert_eq(report(t, "a", 11, e, "c"), 0);
+    cr_assert_eq(report(t, "a", 11, e, "d"), 0);
+    cr_assert_eq(report(t, "b", 12, e, "d"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t), 3);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wd });
+    broker_tick(fixture_sm, t + 500);
+    cr_assert_eq(fixture_sm_last_pub()->number, e, "no epoch while c's verdict may come");
+    cr_assert_eq(report(t + 600, "b", 12, e, "c"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 600), 2);
+    broker_tick(fixture_sm, t + BROKER_VERDICT_SETTLE_MS - 1);
+    cr_assert_eq(fixture_sm_last_pub()->number, e);
+    broker_tick(fixture_sm, t + BROKER_VERDICT_SETTLE_MS);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 2, (const char *[]){ "a", "b" });
+}
+
+Test(broker, the_next_epoch_waits_for_no_report_of_an_evicted_member)
+{
+    uint64_t e = start_abc(), t = FIXTURE_HOLD + 500;
+
+    /* c, cut off, reported a and b too: those reports leave with it. */
+    cr_assert_eq(report(t, "c", 13, e, "a"), 0);
+    cr_assert_eq(report(t, "c", 13, e, "b"), 0);
+    cr_assert_eq(report(t, "a", 11, e, "c"), 0);
+    cr_assert_eq(report(t, "b", 12, e, "c"), 0);
+    cr_assert_eq(fixture_sm_tick_members(t), 2);
+    broker_tick(fixture_sm, t + 50);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+}
+
+Test(broker, of_two_equal_halves_the_leader_picks_wherever_it_is)
+{
+    const char *ids[] = { "a", "b", "c", "d" };
+
+    /* c leads (the highest version): {c, d} goes on. */
+    fixture_sm_start(NULL);
+    for (size_t i = 0; i < 4; i++)
+        cr_assert_eq(fixture_sm_join(ids[i], i == 2 ? 7 : 1, 11 + i, FIXTURE_T0), 0);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), 4);
+    cr_assert_str_eq(fixture_sm_leader(fixture_sm_last_pub()), "c");
+    uint64_t e = fixture_sm_last_pub()->number, t = FIXTURE_HOLD + 500;
+
     for (size_t i = 0; i < 2; i++)
         for (size_t k = 2; k < 4; k++) {
             cr_assert_eq(report(t, ids[i], 11 + i, e, ids[k]), 0);
             cr_assert_eq(report(t, ids[k], 11 + k, e, ids[i]), 0);
         }
-    cr_assert_eq(fixture_sm_tick_members(t + 10), 4);
-    /* {a, b, c} | {d}: d alone is the minority. */
-    cr_assert_eq(report(t + 20, "c", 13, e, "d"), 0);
-    cr_assert_eq(fixture_sm_tick_members(t + 30), 3);
-    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wd });
+    cr_assert_eq(fixture_sm_tick_members(t + 10), 2);
+    broker_tick(fixture_sm, t + 100);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 2, (const char *[]){ "c", "d" });
+}
+
+Test(broker, a_lying_leader_alone_breaks_no_tie)
+{
+    const char *ids[] = { "a", "b", "c", "d" };
+    uint64_t e = start_n(4, ids, (void *[]){ &wa, &wb, &wc, &wd }), t = FIXTURE_HOLD + 500;
+
+    /* The leader reports everyone, over and over: one report each. */
+    for (uint64_t k = 0; k < 3; k++) {
+        beats(t + k * 1000, 13);
+        for (size_t i = 1; i < 4; i++)
+            cr_assert_eq(report(t + k * 1000, "a", 11, e, ids[i]), 0);
+    }
+    cr_assert_eq(fixture_sm_tick_members(t + 3000), 4);
+    cr_assert_eq(fixture_host.n_dets, 0);
+}
+
+Test(broker, a_cut_between_two_of_three_evicts_the_later_joiner)
+{
+    uint64_t e, t;
+
+    /* a leads; b and c joined after it, c last. b and c cannot reach
+     * each other; a reaches both. */
+    fixture_sm_start(NULL);
+    cr_assert_eq(fixture_sm_join("a", 1, 11, FIXTURE_T0), 0);
+    cr_assert_eq(fixture_sm_join("b", 1, 12, FIXTURE_T0 + 10), 0);
+    cr_assert_eq(fixture_sm_join("c", 1, 13, FIXTURE_T0 + 20), 0);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), 3);
+    cr_assert_eq(broker_watch(fixture_sm, "demo", "c", 13, &wc), 0);
+    e = fixture_sm_last_pub()->number;
+    t = FIXTURE_HOLD + 500;
+    mutual(t, "b", 12, "c", 13, e);
+    beats(t + TIMEOUT - 1, 13);
+    mutual(t + TIMEOUT - 1, "b", 12, "c", 13, e);
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT - 1), 3, "not yet a window");
+    mutual(t + TIMEOUT, "b", 12, "c", 13, e);
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT), 2);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wc });
+}
+
+Test(broker, a_cut_with_the_leader_of_three_evicts_the_other)
+{
+    uint64_t e = start_abc(), t = FIXTURE_HOLD + 500;
+
+    /* c joined with a, but a leads. */
+    mutual(t, "a", 11, "c", 13, e);
+    beats(t + TIMEOUT, 13);
+    mutual(t + TIMEOUT, "a", 11, "c", 13, e);
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT), 2);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wc });
+}
+
+Test(broker, a_leader_cut_from_half_goes_not_the_half)
+{
+    const char *ids[] = { "a", "b", "c", "d" };
+    uint64_t e = start_n(4, ids, (void *[]){ &wa, &wb, &wc, &wd }), t = FIXTURE_HOLD + 500;
+
+    /* a (the leader) cannot reach c or d, which reach each other and b:
+     * two pairs, and a is the one more of the epoch report. */
+    for (uint64_t k = 0; k <= 1; k++) {
+        beats(t + k * TIMEOUT, 13);
+        mutual(t + k * TIMEOUT, "a", 11, "c", 13, e);
+        mutual(t + k * TIMEOUT, "a", 11, "d", 14, e);
+    }
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT), 3);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &wa });
+    broker_tick(fixture_sm, t + TIMEOUT + 100);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 3, (const char *[]){ "b", "c", "d" });
+}
+
+Test(broker, a_liar_that_refuses_connections_loses_one_peer_at_most)
+{
+    const char *ids[] = { "a", "b", "c", "d", "e" };
+    int w[5];
+    uint64_t e, t;
+
+    /* a lies and drops every packet from b and c, so b and c honestly
+     * report a; it reports them back. It joined first, so of one such
+     * pair the other would go (a real cut looks the same); of two, a
+     * itself has more reports against it. */
+    fixture_sm_start(NULL);
+    for (size_t i = 0; i < 5; i++)
+        cr_assert_eq(fixture_sm_join(ids[i], 1, 11 + i, FIXTURE_T0 + i), 0);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), 5);
+    for (size_t i = 0; i < 5; i++)
+        cr_assert_eq(broker_watch(fixture_sm, "demo", ids[i], 11 + i, &w[i]), 0);
+    e = fixture_sm_last_pub()->number;
+    t = FIXTURE_HOLD + 500;
+    for (uint64_t k = 0; k <= 1; k++) {
+        for (size_t i = 0; i < 5; i++)
+            (void)fixture_sm_beat(t + k * TIMEOUT, "demo", ids[i], 11 + i, 1, false, NULL);
+        mutual(t + k * TIMEOUT, "a", 11, "b", 12, e);
+        mutual(t + k * TIMEOUT, "a", 11, "c", 13, e);
+    }
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT), 4);
+    fixture_sm_assert_detached(-EHOSTUNREACH, 1, (void *[]){ &w[0] });
+}
+
+Test(broker, a_wider_cut_is_no_pair)
+{
+    const char *ids[] = { "a", "b", "c", "d", "e", "f" };
+    int w[6];
+    uint64_t e, t = FIXTURE_HOLD + 500;
+
+    /* {a, b, c} | {d, e, f}, the leader a's reports lost: d, e and f are
+     * reported by two, a, b and c by half without the leader. Every pair
+     * across is mutual, but each of its two is reported by several: a
+     * partition, not a cut between two, and the pair rule must not pick
+     * a side (it would evict b, c: the leader's). */
+    fixture_sm_start(NULL);
+    for (size_t i = 0; i < 6; i++)
+        cr_assert_eq(fixture_sm_join(ids[i], 1, 11 + i, FIXTURE_T0), 0);
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), 6);
+    for (size_t i = 0; i < 6; i++)
+        cr_assert_eq(broker_watch(fixture_sm, "demo", ids[i], 11 + i, &w[i]), 0);
+    e = fixture_sm_last_pub()->number;
+    for (uint64_t k = 0; k <= 3; k++) {
+        uint64_t now = t + k * TIMEOUT / 2;
+
+        for (size_t i = 0; i < 6; i++)
+            (void)fixture_sm_beat(now, "demo", ids[i], 11 + i, 1, false, NULL);
+        for (size_t i = 1; i < 3; i++)
+            for (size_t j = 3; j < 6; j++) {
+                cr_assert_eq(report(now, ids[i], 11 + i, e, ids[j]), 0);
+                cr_assert_eq(report(now, ids[j], 11 + j, e, ids[i]), 0);
+            }
+        for (size_t j = 3; j < 6; j++)
+            cr_assert_eq(report(now, ids[j], 11 + j, e, "a"), 0);
+        cr_assert_eq(fixture_sm_tick_members(now), 6, "at %lu", (unsigned long)k);
+    }
+    cr_assert_eq(fixture_host.n_dets, 0);
+    /* The leader's reports arrive: the tie is broken its way. */
+    for (size_t j = 3; j < 6; j++)
+        cr_assert_eq(report(t + 3 * TIMEOUT / 2 + 10, "a", 11, e, ids[j]), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 3 * TIMEOUT / 2 + 10), 3);
+    broker_tick(fixture_sm, t + 3 * TIMEOUT / 2 + 100);
+    fixture_sm_assert_members(fixture_sm_last_pub(), 3, (const char *[]){ "a", "b", "c" });
+}
+
+Test(broker, a_pair_that_lapses_waits_a_whole_window_again)
+{
+    uint64_t e = start_abc(), t = FIXTURE_HOLD + 500, back;
+
+    mutual(t, "b", 12, "c", 13, e);
+    /* Healed: no reports for more than a window; the cut comes back. */
+    back = t + 2 * TIMEOUT + 1;
+    for (uint64_t k = 1000; k <= back - t; k += 1000)
+        beats(t + k, 13);
+    beats(back, 13);
+    mutual(back, "b", 12, "c", 13, e);
+    cr_assert_eq(fixture_sm_tick_members(back + 1), 3, "the old pair does not count");
+    beats(back + TIMEOUT - 1, 13);
+    mutual(back + TIMEOUT - 1, "b", 12, "c", 13, e);
+    cr_assert_eq(fixture_sm_tick_members(back + TIMEOUT - 1), 3);
+    mutual(back + TIMEOUT, "b", 12, "c", 13, e);
+    cr_assert_eq(fixture_sm_tick_members(back + TIMEOUT), 2);
+}
+
+Test(broker, a_pair_of_an_older_epoch_starts_over)
+{
+    uint64_t e = start_abc(), t = FIXTURE_HOLD + 500;
+
+    mutual(t, "b", 12, "c", 13, e);
+    /* d joins: a new epoch, and the pair's wait starts over in it. */
+    cr_assert_eq(fixture_sm_join("d", 1, 14, t + 10), 0);
+    cr_assert_eq(fixture_sm_tick_members(t + 100), 4);
+    cr_assert_eq(fixture_sm_last_pub()->number, e + 1);
+    beats(t + TIMEOUT, 13);
+    cr_assert_eq(report(t + TIMEOUT, "b", 12, e, "c"), -ESTALE);
+    cr_assert_eq(report(t + TIMEOUT, "c", 13, e, "b"), -ESTALE);
+    mutual(t + TIMEOUT, "b", 12, "c", 13, e + 1);
+    cr_assert_eq(fixture_sm_tick_members(t + TIMEOUT + 1), 4);
+    beats(t + 2 * TIMEOUT, 13);
+    mutual(t + 2 * TIMEOUT, "b", 12, "c", 13, e + 1);
+    cr_assert_eq(fixture_sm_tick_members(t + 2 * TIMEOUT + 1), 3);
+}
+
+/* ---- an epoch of 256: reports spread over the probing rounds ---- */
+
+#define BIG 256u
+#define CUT 200u                /* the member cut from every other one */
+
+static char big_ids[BIG][8];
+
+/* BIG members m0.. (sessions 1000 + i), all at version 1, in one epoch. */
+static uint64_t start_big(void)
+{
+    fixture_sm_start(NULL);
+    for (size_t i = 0; i < BIG; i++) {
+        snprintf(big_ids[i], sizeof(big_ids[i]), "m%zu", i);
+        cr_assert_eq(fixture_sm_join(big_ids[i], 1, 1000 + i, FIXTURE_T0), 0);
+    }
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), BIG);
+    return fixture_sm_last_pub()->number;
+}
+
+Test(broker, at_256_members_reports_over_the_probing_rounds_add_up)
+{
+    uint64_t e = start_big(), t0 = FIXTURE_HOLD + 1000, out = 0, first = 0;
+    size_t next[BIG];
+    uint64_t round_at[BIG];
+    uint64_t when[BIG] = { 0 };     /* when member i's report of CUT is due */
+    uint64_t cut_when[BIG] = { 0 }; /* when CUT's report of member i is due */
+
+    /* As conn.c's prober does: each member probes LIMIT_REACH_PROBES of
+     * the others per round, in turn from where its last round ended
+     * (spread here over the epoch), a round per timeout, starting at
+     * moments spread over the first timeout; a probe of CUT is unanswered
+     * and reported when the round's timeout ends. CUT itself probes the
+     * others in the same way and reports each one it probes. */
+    for (size_t i = 0; i < BIG; i++) {
+        next[i] = (i * 97 + 1) % BIG;
+        round_at[i] = t0 + (i * 37) % TIMEOUT;
+    }
+    for (uint64_t now = t0; now < t0 + 12 * TIMEOUT && !out; now += 50) {
+        if ((now - t0) % 1000 == 0)
+            for (size_t i = 0; i < BIG; i++)
+                cr_assert_eq(fixture_sm_beat(now, "demo", big_ids[i], 1000 + i, 1, false, NULL),
+                             0);
+        for (size_t i = 0; i < BIG; i++) {
+            if (now < round_at[i])
+                continue;
+            round_at[i] += TIMEOUT;
+            for (size_t k = 0, probed = 0; k < BIG && probed < LIMIT_REACH_PROBES; k++) {
+                size_t p = (next[i] + k) % BIG;
+
+                if (p == i)
+                    continue;
+                probed++;
+                next[i] = (p + 1) % BIG;
+                if (i == CUT)
+                    cut_when[p] = now + TIMEOUT;
+                else if (p == CUT)
+                    when[i] = now + TIMEOUT;
+            }
+        }
+        for (size_t i = 0; i < BIG; i++) {
+            if (cut_when[i] && cut_when[i] <= now) {
+                cr_assert_eq(report(now, big_ids[CUT], 1000 + CUT, e, big_ids[i]), 0);
+                cut_when[i] = 0;
+            }
+            if (when[i] && when[i] <= now) {
+                cr_assert_eq(report(now, big_ids[i], 1000 + i, e, big_ids[CUT]), 0);
+                first = first ? first : now;
+                when[i] = 0;
+            }
+        }
+        if (fixture_sm_tick_members(now) < BIG)
+            out = now;
+    }
+    cr_assert(out, "the cut member was never evicted");
+    cr_assert_eq(fixture_sm_tick_members(out), BIG - 1, "only the cut member goes");
+    broker_tick(fixture_sm, out + 100);
+    cr_assert_eq(fixture_sm_last_pub()->n_members, BIG - 1);
+    cr_assert_lt(epoch_find(fixture_sm_last_pub(), big_ids[CUT]), 0);
+    /* A majority gathered only more than a timeout after the first
+     * report, which a window of one timeout would have dropped; within
+     * the rounds a member needs to probe all the others. */
+    cr_assert_gt(out - first, TIMEOUT, "evicted after %lu ms", (unsigned long)(out - first));
+    cr_assert_leq(out - first, 4 * TIMEOUT);
 }
 
 Test(broker, the_bench_doubles_while_a_member_stays_cut_off)
