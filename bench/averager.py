@@ -7,7 +7,8 @@ cohort's plain all-reduce, in the same run, on loopback.
   (cohort.hivemind, group bits that keep groups of --group).
   With --compression A,B,... (hivemind's class names: NoCompression,
   Float16Compression, ScaledFloat16Compression, BlockwiseQuantization,
-  Uniform8BitQuantization) the averagers run a set of
+  Uniform8BitQuantization, Quantile8BitQuantization) the averagers run a
+  set of
   rounds with each in turn, a row each. With --butterfly a further set
   runs uncompressed with bandwidth=1 on every peer, which puts the round
   on the butterfly all-reduce (equal parts) instead of the ring: the
@@ -114,13 +115,13 @@ def main():
     ap.add_argument("--compression", default="NoCompression",
                     help="comma-separated: NoCompression, Float16Compression, "
                          "ScaledFloat16Compression, BlockwiseQuantization, "
-                         "Uniform8BitQuantization")
+                         "Uniform8BitQuantization, Quantile8BitQuantization")
     ap.add_argument("--butterfly", action="store_true",
                     help="one more set of rounds on the butterfly (bandwidth=1 everywhere)")
     a = ap.parse_args()
     a.compression = a.compression.split(",")
     known = ("NoCompression", "Float16Compression", "ScaledFloat16Compression",
-             "BlockwiseQuantization", "Uniform8BitQuantization")
+             "BlockwiseQuantization", "Uniform8BitQuantization", "Quantile8BitQuantization")
     if not all(c in known for c in a.compression) or len(set(a.compression)) != len(
             a.compression):
         ap.error("--compression takes distinct names among " + ", ".join(known))

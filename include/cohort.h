@@ -270,6 +270,11 @@ enum cohort_compression {
                                      * 256 around the mean, and a codebook of the
                                      * bins' means (1 KiB per run); the averager's
                                      * only, as MEANSTD16 */
+    COHORT_COMPRESSION_QUANTILE8 = 8,/* hivemind's Quantile8BitQuantization: each run
+                                     * as one byte per value, its bucket among 256 cut
+                                     * at the run's quantiles, and a codebook of the
+                                     * buckets' means (1 KiB per run); the averager's
+                                     * only, as MEANSTD16 */
 };
 
 /* Compresses this member's gradient steps with `codec` from the next

@@ -22,8 +22,10 @@ were averaged.
 `compression` is NoCompression() (exact), Float16Compression(),
 ScaledFloat16Compression() (float16 of each run's values less their mean,
 over their deviation), BlockwiseQuantization() (8 bits per value with a
-scale per block) or Uniform8BitQuantization() (8 bits per value, bins of
-6 sigma / 256 around the mean, a codebook of bin means per run); with a
+scale per block), Uniform8BitQuantization() (8 bits per value, bins of
+6 sigma / 256 around the mean, a codebook of bin means per run) or
+Quantile8BitQuantization() (8 bits per value, 256 buckets cut at the
+run's quantiles, a codebook of bucket means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
@@ -53,8 +55,8 @@ back in their own dtype).
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (Quantile8BitQuantization, the adaptive
-ones),
+compression of any other class (the adaptive ones:
+SizeAdaptiveCompression, RoleAdaptiveCompression, PerTensorCompression),
 state_compression other than NoCompression and Float16Compression,
 daemon=False.
 
@@ -85,7 +87,7 @@ from . import _cohort
 
 __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
            "Float16Compression", "ScaledFloat16Compression", "BlockwiseQuantization",
-           "Uniform8BitQuantization",
+           "Uniform8BitQuantization", "Quantile8BitQuantization",
            "StepControl", "averaging"]
 
 _GROUP_MAX = 256
@@ -249,6 +251,25 @@ class Uniform8BitQuantization(CompressionBase):
         return "Uniform8BitQuantization()"
 
 
+class Quantile8BitQuantization(CompressionBase):
+    """hivemind's QUANTILE_8BIT: each run the engine sends (a ring segment)
+    as one byte per value, its bucket among 256 cut at 255 borders, the
+    run's quantiles at k / 256 (exact up to 8192 values, else those of
+    8192 values spread evenly over the run: hivemind's are approximate
+    too), and a codebook of 256 float32, the mean of the run's values in
+    each bucket; float32 sums. Error per encoding at most the span of the
+    run's values in the value's bucket: each bucket holds about a 256th of
+    the run, so a few outliers widen only the two end buckets, where
+    Uniform8BitQuantization's bins all widen with sigma. The codebook costs
+    1 KiB per run, so segments (part_size_bytes) are at least 1368 bytes.
+    A run holding NaN or Inf comes back all NaN."""
+
+    _codec = 8
+
+    def __repr__(self):
+        return "Quantile8BitQuantization()"
+
+
 class DHT:
     """Stands in for hivemind.DHT: the cohort broker at initial_peers[0]
     (or $COHORT_BROKER when initial_peers is empty), the cohort named by
@@ -386,7 +407,8 @@ class DecentralizedAverager:
             "compression": type(compression) not in (NoCompression, Float16Compression,
                                                      ScaledFloat16Compression,
                                                      BlockwiseQuantization,
-                                                     Uniform8BitQuantization),
+                                                     Uniform8BitQuantization,
+                                                     Quantile8BitQuantization),
             "state_compression": type(state_compression) not in (NoCompression,
                                                                  Float16Compression),
             "daemon": daemon is not True,
@@ -429,8 +451,9 @@ class DecentralizedAverager:
         self._alpha = float(averaging_alpha)
         # The engine's segment: a multiple of 8 that holds its encoding
         # (ScaledFloat16Compression's mean and deviation from 16 bytes on,
-        # Uniform8BitQuantization's codebook from 1368).
-        floor = 1368 if isinstance(compression, Uniform8BitQuantization) else 16
+        # the 8-bit quantizations' codebooks from 1368).
+        floor = 1368 if isinstance(compression, (Uniform8BitQuantization,
+                                                 Quantile8BitQuantization)) else 16
         self._segment = max(floor, int(part_size_bytes) // 8 * 8)
         self._auxiliary = bool(auxiliary)
         self._shutdown_ms = max(1, int(shutdown_timeout * 1000))
