@@ -34,8 +34,11 @@ with different compression never group: the broker refuses the step.
 group where any peer gives a bandwidth or is a client, each peer reduces
 a share of the round in proportion to its bandwidth (None: the mean of
 those given; 0: none) by a butterfly all-reduce, and a client reduces
-nothing and accepts no connection (it dials out to every reducer). Both
-need NoCompression. In such a round, `min_vector_size` drops the shares
+nothing and accepts no connection (it dials out to every reducer). With
+a codec each contribution travels encoded, each reducer sums its part in
+float32 and encodes the result once, and every peer, the reducer too,
+decodes those bytes: the same bytes everywhere, with two encodings'
+error. In such a round, `min_vector_size` drops the shares
 worth fewer elements (peers that use different values do not group).
 `step(scheduled_time=t)` (time.time() seconds) starts matchmaking at
 t - min_matchmaking_time and begins the all-reduce at t: a group that
@@ -399,9 +402,6 @@ class DecentralizedAverager:
         if isinstance(min_vector_size, bool) or not isinstance(min_vector_size, int) \
                 or not 0 <= min_vector_size < 2 ** 62:
             raise ValueError("min_vector_size must be an int from 0")
-        if (bandwidth is not None or client_mode) and not isinstance(compression, NoCompression):
-            raise ValueError("bandwidth and client_mode need compression=NoCompression(): the "
-                             "butterfly all-reduce they use carries no codec yet")
         refuse = {
             "tensor_infos": tensor_infos is not None,
             "compression": type(compression) not in (NoCompression, Float16Compression,

@@ -396,6 +396,58 @@ def test_clients_and_bandwidths_average_exactly_and_alike(keyed):
     assert len(raws) == 1, "every contributor holds the same bytes"
 
 
+# Each codec on the butterfly: every contribution is encoded once and
+# each part's result once, so a value carries two encodings' error, each
+# within the codec's bound for values at most max|x| (every contribution
+# is (w / total) x). fp16: 2^-11 relative; meanstd16: 2^-11 of the
+# distance from the run's mean (at most 2 max|x|); blockwise int8: half
+# of max|block| / 127; the 8-bit quantizations: a value within the range
+# of what was encoded, and on the mean as test_8bit_quantized_* says.
+@pytest.mark.parametrize("codec", ["Float16Compression", "ScaledFloat16Compression",
+                                   "BlockwiseQuantization", "Uniform8BitQuantization",
+                                   "Quantile8BitQuantization"])
+def test_clients_and_bandwidths_with_a_codec_are_alike_within_its_bound(keyed, codec):
+    """Four processes: a client (weight 1), peers of bandwidth 3 and unset
+    (weights 2 and 3), and an auxiliary peer of bandwidth 1: every
+    contributor ends with the same bytes, within the codec's bound of the
+    exact average, and the weights and gathered objects are exact."""
+    broker, key = keyed
+    spec = [(2, 0, "3", 0), (3, 0, "none", 0), (0, 1, "1", 0), (1, 0, "none", 1)]
+    kids = [child(broker, key, "q-%d" % k, "coded_balanced", k, 4, codec, w if w else 1, aux,
+                  bw, cl) for k, (w, aux, bw, cl) in enumerate(spec)]
+    got = [lines_of(k)[-1] for k in kids]
+    weights = [w for w, _, _, _ in spec]
+    total = sum(weights)
+    ins = [[t.double() for t in coded_tensors_of(k)] for k in range(4)]
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in ins]
+    maxabs = max(float(f.abs().max()) for f in flat)
+    ref = sum(weights[k] * flat[k] for k in range(4)) / total
+    raws = set()
+    for k, g in enumerate(got):
+        assert g["gathered"] == {"q-%d" % j: "q-%d" % j for j in range(4)}, k
+        assert g["order"] == ["q-3", "q-0", "q-1", "q-2"], g["order"]
+        assert g["last"] == {"q-%d" % j: float(weights[j]) for j in range(4)}, "weights exact"
+        if k == 2:
+            assert g["tensors"] == [t.tolist() for t in coded_tensors_of(2)], "aux: untouched"
+            continue
+        raws.add(g["raw"])
+    assert len(raws) == 1, "every contributor holds the same bytes"
+    res = torch.cat([torch.tensor(t, dtype=torch.float64).reshape(-1)
+                     for t in got[0]["tensors"]])
+    err = (res - ref).abs()
+    bound = {"Float16Compression": 2 * 2.0 ** -11 * maxabs,
+             "ScaledFloat16Compression": 2 * 2.0 ** -10 * maxabs,
+             "BlockwiseQuantization": 2 * maxabs / 254}.get(codec, 2 * maxabs)
+    assert float(err.max()) <= bound * 1.01 + 1e-6, (float(err.max()), bound)
+    if codec == "Uniform8BitQuantization":
+        sigma = max(float(f.std()) for f in flat)
+        assert float(err.mean()) <= 2 * 6 * sigma / 256, (float(err.mean()), sigma)
+    elif codec == "Quantile8BitQuantization":
+        spread = max(float(f.max() - f.min()) for f in flat)
+        assert float(err.mean()) <= 2 * 2 * spread / 256, (float(err.mean()), spread)
+    assert float(err.max()) > 0, "the result equals the exact average: was the codec applied?"
+
+
 def test_a_group_where_nobody_can_reduce_fails_clearly(keyed):
     broker, key = keyed
     kids = [child(broker, key, "z-0", "balanced", 0, 2, 1, 0, "none", 1),
