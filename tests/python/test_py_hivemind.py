@@ -237,15 +237,16 @@ def test_the_benchmark_runs_a_tiny_round_and_refuses_bad_flags(tmp_path):
                          env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
-    assert [r.get("system") for r in rows[:4]] == ["averager"] * 3 + ["allreduce"]
-    assert [r.get("compression") for r in rows[:3]] == ["NoCompression", "Float16Compression",
-                                                        "NoCompression"]
-    assert [r.get("algorithm") for r in rows[:3]] == ["ring", "ring", "butterfly"]
-    assert all(r["ms_per_round"] > 0 and r["matchmaking_ms"] >= 0 for r in rows[:3])
-    assert [r.get("compression") for r in rows[4:6]] == ["NoCompression", "Float16Compression"]
-    assert rows[6].get("algorithm") == "butterfly"
-    assert all(r["averager/allreduce"] > 0 for r in rows[4:7])
-    assert rows[7]["butterfly/ring"] > 0 and len(rows) == 8
+    codecs = ["NoCompression", "Float16Compression"]
+    assert [r.get("system") for r in rows[:5]] == ["averager"] * 4 + ["allreduce"]
+    assert [r.get("compression") for r in rows[:4]] == codecs * 2
+    assert [r.get("algorithm") for r in rows[:4]] == ["ring", "ring", "butterfly", "butterfly"]
+    assert all(r["ms_per_round"] > 0 and r["matchmaking_ms"] >= 0 for r in rows[:4])
+    assert [r.get("compression") for r in rows[5:9]] == codecs * 2
+    assert [r.get("algorithm") for r in rows[5:9]] == [None, None, "butterfly", "butterfly"]
+    assert all(r["averager/allreduce"] > 0 for r in rows[5:9])
+    assert [r.get("compression") for r in rows[9:11]] == codecs
+    assert all(r["butterfly/ring"] > 0 for r in rows[9:11]) and len(rows) == 11
     bad = subprocess.run([sys.executable, BENCH, "--peers", "6", "--group", "4"],
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "power of two" in bad.stderr
