@@ -51,27 +51,27 @@
  *               exactly; a run holding NaN or Inf decodes as NaN.
  *   CODEC_QUANTILE8  hivemind's Quantile8BitQuantization (QUANTILE_8BIT)
  *               over the run: 255 borders, the quantiles at k / 256
- *               (k = 1..255) of a sample of the run (all of it up to
- *               CODEC_QUANTILE8_SAMPLE elements, else that many spread
- *               evenly, element floor(j n / S) for j < S: hivemind's
+ *               (k = 1..255) of a sample of m = min(n,
+ *               CODEC_QUANTILE8_SAMPLE) elements, element floor(j n / m)
+ *               for j < m (all of the run when it is no longer; hivemind's
  *               quantiles are approximate too, "quantiles of chunk
  *               quantiles"), each the sorted sample's s[l] + (s[l + 1] -
- *               s[l]) t at position k (S - 1) / 256 = l + t, in double,
+ *               s[l]) t at position k (m - 1) / 256 = l + t, in double,
  *               made non-decreasing; per element q = the number of
  *               borders below x (torch.bucketize), and a codebook of 256
  *               float32, the mean of the run's x in each bucket (in
  *               double; 0 for an empty bucket); decoded as codebook[q].
- *               Every bucket is an interval, and its mean lies in it, so
- *               the error per element is at most the span (largest less
- *               smallest) of the run's values in its bucket, plus
- *               float32's half ulp: a 256th of the run's spread where the
- *               values are dense, never more than the run's range. Each
- *               bucket holds about n / 256 values whatever their
- *               distribution, so a few outliers widen only the end
- *               buckets (they share them with the run's n / 256 most
- *               extreme values, whose mean they pull), where uniform8's
- *               bins all widen with sigma. A run of one value decodes
- *               exactly; a run holding NaN or Inf decodes as NaN.
+ *               Every bucket is an interval, and its mean lies in it (its
+ *               float32 rounding too: the ends are float32), so the error
+ *               per element is at most the span (largest less smallest)
+ *               of the run's values in its bucket: a 256th of the run's
+ *               spread where the values are dense, never more than the
+ *               run's range. Each bucket holds about n / 256 values
+ *               whatever their distribution, so a few outliers widen only
+ *               the end buckets (they share them with the run's n / 256
+ *               most extreme values, whose mean they pull), where
+ *               uniform8's bins all widen with sigma. A run of one value
+ *               decodes exactly; a run holding NaN or Inf decodes as NaN.
  *
  * Ids 4 and 5 are the Accumulator's top-k and PowerSGD (cohort.h's enum
  * cohort_compression counts on these values), which are not codecs.
