@@ -361,6 +361,7 @@ FUZZ_FLAGS_reconcile := -max_len=2048
 FUZZ_FLAGS_opt := -max_len=256
 FUZZ_FLAGS_secret := -max_len=300
 FUZZ_FLAGS_ident := -max_len=800
+FUZZ_FLAGS_codec := -max_len=16400
 # A small quarantine and short allocation stacks: twice the executions a
 # second where inputs allocate a lot (cJSON, the broker), with the same
 # checks; rerun a crash without them for the full report.

@@ -7,11 +7,13 @@ cohort's plain all-reduce, in the same run, on loopback.
   (cohort.hivemind, group bits that keep groups of --group).
   With --compression A,B,... (hivemind's class names: NoCompression,
   Float16Compression, ScaledFloat16Compression, BlockwiseQuantization,
-  Uniform8BitQuantization) the averagers run a set of
-  rounds with each in turn, a row each. With --butterfly a further set
-  runs uncompressed with bandwidth=1 on every peer, which puts the round
-  on the butterfly all-reduce (equal parts) instead of the ring: the
-  row "algorithm": "butterfly", and its ratio to the ring's row.
+  Uniform8BitQuantization, Quantile8BitQuantization) the averagers run a
+  set of rounds with each in turn, a row each. With --butterfly each
+  codec runs a further set with bandwidth=1 on every peer, which puts
+  the round on the butterfly all-reduce (equal parts; with a codec each
+  contribution and each part's result encoded once) instead of the
+  ring: rows "algorithm": "butterfly", and each one's ratio to the ring's
+  row of the same codec.
 - allreduce: --group processes (4) all-reduce the same size with the
   group collective (the engine the Accumulator runs, through
   cohort._cohort.Group; no matchmaking).
@@ -43,7 +45,7 @@ import time
 from benchlib import BUILD, start_broker, wait_members
 
 sys.path.insert(0, os.path.join(BUILD, "python"))
-BUTTERFLY = "butterfly"         # the variant name, beside the codecs'
+BUTTERFLY = "butterfly:"        # a variant's prefix: the codec on the butterfly
 
 
 def averager_child(a, broker, k, turns, out):
@@ -56,13 +58,14 @@ def averager_child(a, broker, k, turns, out):
     for codec in a.variants:
         # One averager per variant, each its own peer and prefix.
         dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="bench-avg",
-                           peer_id="avg-%d-%s" % (k, codec))
-        butterfly = codec == BUTTERFLY
+                           peer_id="avg-%d-%s" % (k, codec.replace(":", "-")))
+        butterfly = codec.startswith(BUTTERFLY)
         av = hivemind.DecentralizedAverager(
-            [torch.full((n,), float(k))], dht, start=True, prefix="bench-" + codec,
+            [torch.full((n,), float(k))], dht, start=True,
+            prefix="bench-" + codec.replace(":", "-"),
             target_group_size=a.group, min_group_size=a.group, initial_group_bits=bits,
             min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=60,
-            compression=hivemind.NoCompression() if butterfly else getattr(hivemind, codec)(),
+            compression=getattr(hivemind, codec[len(BUTTERFLY):] if butterfly else codec)(),
             bandwidth=1.0 if butterfly else None)
         times = []
         for rep in range(a.reps + 1):
@@ -114,13 +117,14 @@ def main():
     ap.add_argument("--compression", default="NoCompression",
                     help="comma-separated: NoCompression, Float16Compression, "
                          "ScaledFloat16Compression, BlockwiseQuantization, "
-                         "Uniform8BitQuantization")
+                         "Uniform8BitQuantization, Quantile8BitQuantization")
     ap.add_argument("--butterfly", action="store_true",
-                    help="one more set of rounds on the butterfly (bandwidth=1 everywhere)")
+                    help="one more set of rounds per codec on the butterfly (bandwidth=1 "
+                         "everywhere)")
     a = ap.parse_args()
     a.compression = a.compression.split(",")
     known = ("NoCompression", "Float16Compression", "ScaledFloat16Compression",
-             "BlockwiseQuantization", "Uniform8BitQuantization")
+             "BlockwiseQuantization", "Uniform8BitQuantization", "Quantile8BitQuantization")
     if not all(c in known for c in a.compression) or len(set(a.compression)) != len(
             a.compression):
         ap.error("--compression takes distinct names among " + ", ".join(known))
@@ -128,7 +132,7 @@ def main():
         ap.error("need --group >= 2, --peers >= --group, --mib >= 1, --reps >= 1")
     if a.peers % a.group or (a.peers // a.group) & (a.peers // a.group - 1):
         ap.error("--peers must be --group times a power of two")
-    a.variants = a.compression + ([BUTTERFLY] if a.butterfly else [])
+    a.variants = a.compression + ([BUTTERFLY + c for c in a.compression] if a.butterfly else [])
     os.makedirs(a.log_dir, exist_ok=True)
     broker, address = start_broker(os.path.join(a.log_dir, "averager-broker.log"), a.operator)
     ctx = multiprocessing.get_context("spawn")
@@ -170,19 +174,20 @@ def main():
         row = {"system": system, "peers": len(runs),
                "group": a.group, "mib": a.mib, "ms_per_round": round(res[codec], 1)}
         if system == "averager":
-            row["compression"] = "NoCompression" if codec == BUTTERFLY else codec
-            row["algorithm"] = "butterfly" if codec == BUTTERFLY else "ring"
+            butterfly = codec.startswith(BUTTERFLY)
+            row["compression"] = codec[len(BUTTERFLY):] if butterfly else codec
+            row["algorithm"] = "butterfly" if butterfly else "ring"
             row["matchmaking_ms"] = round(statistics.median(mm), 1)
         print(json.dumps(row), flush=True)
     for codec in a.compression:
         print(json.dumps({"averager/allreduce": round(res[codec] / res[None], 2),
                           "compression": codec}))
-    if a.butterfly:
-        print(json.dumps({"averager/allreduce": round(res[BUTTERFLY] / res[None], 2),
-                          "algorithm": "butterfly"}))
-        if "NoCompression" in a.compression:
-            print(json.dumps({"butterfly/ring": round(res[BUTTERFLY] / res["NoCompression"],
-                                                      2)}))
+    for codec in a.compression if a.butterfly else []:
+        print(json.dumps({"averager/allreduce": round(res[BUTTERFLY + codec] / res[None], 2),
+                          "compression": codec, "algorithm": "butterfly"}))
+    for codec in a.compression if a.butterfly else []:
+        print(json.dumps({"butterfly/ring": round(res[BUTTERFLY + codec] / res[codec], 2),
+                          "compression": codec}))
 
 
 if __name__ == "__main__":

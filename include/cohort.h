@@ -270,6 +270,11 @@ enum cohort_compression {
                                      * 256 around the mean, and a codebook of the
                                      * bins' means (1 KiB per run); the averager's
                                      * only, as MEANSTD16 */
+    COHORT_COMPRESSION_QUANTILE8 = 8,/* hivemind's Quantile8BitQuantization: each run
+                                     * as one byte per value, its bucket among 256 cut
+                                     * at the run's quantiles, and a codebook of the
+                                     * buckets' means (1 KiB per run); the averager's
+                                     * only, as MEANSTD16 */
 };
 
 /* Compresses this member's gradient steps with `codec` from the next
@@ -583,14 +588,17 @@ struct cohort_averager_config {
     size_t gather_max;              /* bytes a step may gather; 0: 4096; at most 65536 */
     uint32_t leave_timeout_ms;      /* the Leave at destroy; 0: the default */
     enum cohort_compression compression;   /* how the averaged values travel: NONE
-                                     * (exact), FP16, BF16 or INT8 (float32 sums,
-                                     * weights and gathered bytes exact); only
-                                     * averagers of one compression group */
-    /* Load balancing (hivemind's bandwidth and client_mode), without
-     * compression only. In a group where any member gives a bandwidth or
-     * is a client, each member reduces a share of the round in proportion
-     * to its bandwidth (not given: the mean of those given) by a
-     * butterfly all-reduce; otherwise every member reduces an equal share. */
+                                     * (exact), FP16, BF16, INT8, MEANSTD16, UNIFORM8
+                                     * or QUANTILE8 (float32 sums, weights and
+                                     * gathered bytes exact); only averagers of one
+                                     * compression group */
+    /* Load balancing (hivemind's bandwidth and client_mode). In a group
+     * where any member gives a bandwidth or is a client, each member
+     * reduces a share of the round in proportion to its bandwidth (not
+     * given: the mean of those given) by a butterfly all-reduce; otherwise
+     * every member reduces an equal share. With compression each
+     * contribution travels encoded and each share's result is encoded once
+     * by its reducer, which decodes it as every member does. */
     bool has_bandwidth;             /* false: bandwidth not given */
     double bandwidth;               /* finite, 0 to 1e15; 0: reduce nothing */
     bool client_mode;               /* contribute but reduce nothing, and accept no

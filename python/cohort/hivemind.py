@@ -22,8 +22,10 @@ were averaged.
 `compression` is NoCompression() (exact), Float16Compression(),
 ScaledFloat16Compression() (float16 of each run's values less their mean,
 over their deviation), BlockwiseQuantization() (8 bits per value with a
-scale per block) or Uniform8BitQuantization() (8 bits per value, bins of
-6 sigma / 256 around the mean, a codebook of bin means per run); with a
+scale per block), Uniform8BitQuantization() (8 bits per value, bins of
+6 sigma / 256 around the mean, a codebook of bin means per run) or
+Quantile8BitQuantization() (8 bits per value, 256 buckets cut at the
+run's quantiles, a codebook of bucket means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
@@ -32,8 +34,11 @@ with different compression never group: the broker refuses the step.
 group where any peer gives a bandwidth or is a client, each peer reduces
 a share of the round in proportion to its bandwidth (None: the mean of
 those given; 0: none) by a butterfly all-reduce, and a client reduces
-nothing and accepts no connection (it dials out to every reducer). Both
-need NoCompression. In such a round, `min_vector_size` drops the shares
+nothing and accepts no connection (it dials out to every reducer). With
+a codec each contribution travels encoded, each reducer sums its part in
+float32 and encodes the result once, and every peer, the reducer too,
+decodes those bytes: the same bytes everywhere, with two encodings'
+error. In such a round, `min_vector_size` drops the shares
 worth fewer elements (peers that use different values do not group).
 `step(scheduled_time=t)` (time.time() seconds) starts matchmaking at
 t - min_matchmaking_time and begins the all-reduce at t: a group that
@@ -53,8 +58,8 @@ back in their own dtype).
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (Quantile8BitQuantization, the adaptive
-ones),
+compression of any other class (the adaptive ones:
+SizeAdaptiveCompression, RoleAdaptiveCompression, PerTensorCompression),
 state_compression other than NoCompression and Float16Compression,
 daemon=False.
 
@@ -85,7 +90,7 @@ from . import _cohort
 
 __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
            "Float16Compression", "ScaledFloat16Compression", "BlockwiseQuantization",
-           "Uniform8BitQuantization",
+           "Uniform8BitQuantization", "Quantile8BitQuantization",
            "StepControl", "averaging"]
 
 _GROUP_MAX = 256
@@ -249,6 +254,25 @@ class Uniform8BitQuantization(CompressionBase):
         return "Uniform8BitQuantization()"
 
 
+class Quantile8BitQuantization(CompressionBase):
+    """hivemind's QUANTILE_8BIT: each run the engine sends (a ring segment)
+    as one byte per value, its bucket among 256 cut at 255 borders, the
+    run's quantiles at k / 256 (exact up to 8192 values, else those of
+    8192 values spread evenly over the run: hivemind's are approximate
+    too), and a codebook of 256 float32, the mean of the run's values in
+    each bucket; float32 sums. Error per encoding at most the span of the
+    run's values in the value's bucket: each bucket holds about a 256th of
+    the run, so a few outliers widen only the two end buckets, where
+    Uniform8BitQuantization's bins all widen with sigma. The codebook costs
+    1 KiB per run, so segments (part_size_bytes) are at least 1368 bytes.
+    A run holding NaN or Inf comes back all NaN."""
+
+    _codec = 8
+
+    def __repr__(self):
+        return "Quantile8BitQuantization()"
+
+
 def _through_sidecar():
     """A cohort's trainer container: the pod's sidecar at $COHORT_SOCKET
     holds the cohort's key, and the trainer none."""
@@ -398,15 +422,13 @@ class DecentralizedAverager:
         if isinstance(min_vector_size, bool) or not isinstance(min_vector_size, int) \
                 or not 0 <= min_vector_size < 2 ** 62:
             raise ValueError("min_vector_size must be an int from 0")
-        if (bandwidth is not None or client_mode) and not isinstance(compression, NoCompression):
-            raise ValueError("bandwidth and client_mode need compression=NoCompression(): the "
-                             "butterfly all-reduce they use carries no codec yet")
         refuse = {
             "tensor_infos": tensor_infos is not None,
             "compression": type(compression) not in (NoCompression, Float16Compression,
                                                      ScaledFloat16Compression,
                                                      BlockwiseQuantization,
-                                                     Uniform8BitQuantization),
+                                                     Uniform8BitQuantization,
+                                                     Quantile8BitQuantization),
             "state_compression": type(state_compression) not in (NoCompression,
                                                                  Float16Compression),
             "daemon": daemon is not True,
@@ -449,8 +471,9 @@ class DecentralizedAverager:
         self._alpha = float(averaging_alpha)
         # The engine's segment: a multiple of 8 that holds its encoding
         # (ScaledFloat16Compression's mean and deviation from 16 bytes on,
-        # Uniform8BitQuantization's codebook from 1368).
-        floor = 1368 if isinstance(compression, Uniform8BitQuantization) else 16
+        # the 8-bit quantizations' codebooks from 1368).
+        floor = 1368 if isinstance(compression, (Uniform8BitQuantization,
+                                                 Quantile8BitQuantization)) else 16
         self._segment = max(floor, int(part_size_bytes) // 8 * 8)
         self._auxiliary = bool(auxiliary)
         self._shutdown_ms = max(1, int(shutdown_timeout * 1000))

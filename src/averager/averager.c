@@ -32,7 +32,12 @@
  * ring the next call's frames can reach a ring neighbour that watches
  * that connection for control frames only, and fail the call.) The
  * engine picks doubling by size, so the averager raises its threshold to
- * cover the metadata of a full group. Knowing the total weight before
+ * cover the metadata of a full group. A balanced round (below) makes
+ * both calls butterflies, the metadata's exact and the values' coded
+ * (allreduce_run_parts_codec), each split by the bandwidths on its own;
+ * that is safe for the same reason: a butterfly member that finished has
+ * received every frame due to it, and it reads a connection only while
+ * it is due a frame there, so the next call's frames wait in order. Knowing the total weight before
  * the values travel, each member contributes (w / total) x, so the sum
  * is the average itself, as large as the inputs and no larger (what fits
  * fp16 stays in range), and no division follows. A zero total is known
@@ -44,7 +49,8 @@
  * Load balancing. The broker hands every member of a group each member's
  * bandwidth and client flag, as they asked. When any is given the round
  * is the engine's butterfly (allreduce_run_parts) with parts from
- * allreduce_split over the whole buffer (values and metadata), a client
+ * allreduce_split over the whole buffer (values and metadata; with a
+ * codec, over each of the two calls' buffers), a client
  * counting as bandwidth 0; every member computes the same parts from the
  * same reply. The round's member order puts clients first (each half in
  * the natural order of ids), because the member lower in the order dials
@@ -475,6 +481,18 @@ static bool retryable(int rc)
            rc == -ECONNREFUSED;
 }
 
+/* The parts of `floats` elements among the group's n members by their
+ * bandwidths, into a->grp_parts (every member computes the same). */
+static int split_parts(struct averager *a, size_t floats, size_t n)
+{
+    int rc = allreduce_split(floats, a->grp_bw, n, a->min_part, a->grp_parts);
+
+    if (rc == -ENODATA)
+        snprintf(a->err, sizeof(a->err), "no member of the group can reduce: every one is "
+                 "a client or has bandwidth 0");
+    return rc;
+}
+
 /* Runs the attempt in group e (see the top). On 0 fills *res and leaves
  * the weighted sum in a->sum[0, count) and the total weight in *total
  * (with a codec the sum is the average already, and *total is 1). */
@@ -503,14 +521,16 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
         words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
     }
     if (a->balanced) {
-        /* Every member splits the same buffer by the same bandwidths. */
-        rc = allreduce_split(layout_floats(a, n), a->grp_bw, n, a->min_part, a->grp_parts);
-        if (rc == -ENODATA)
-            snprintf(a->err, sizeof(a->err), "no member of the group can reduce: every one is "
-                     "a client or has bandwidth 0");
+        /* Every member splits the same buffer by the same bandwidths:
+         * values and metadata at once, or, coded, the metadata alone
+         * first (the values follow below). */
+        size_t floats = a->codec == CODEC_NONE ? layout_floats(a, n) : meta_floats(a, n);
+
+        rc = split_parts(a, floats, n);
         if (rc == 0)
-            rc = allreduce_run_parts(a->ar, a->h_sum, a->h_sum, layout_floats(a, n), DTYPE_F32,
-                                     DTYPE_SUM, 0, a->grp_parts, n, 1);
+            rc = allreduce_run_parts(a->ar, a->codec == CODEC_NONE ? a->h_sum : a->h_meta,
+                                     a->codec == CODEC_NONE ? a->h_sum : a->h_meta, floats,
+                                     DTYPE_F32, DTYPE_SUM, 0, a->grp_parts, n, 1);
     } else if (a->codec == CODEC_NONE)
         rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
     else
@@ -545,8 +565,12 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
 
         for (size_t i = 0; i < a->count && s->weight > 0; i++)
             a->sum[i] = share * s->data[i];
-        rc = allreduce_run_codec(a->ar, a->h_sum, a->h_sum, a->count, DTYPE_F32, DTYPE_SUM, 0,
-                                 a->codec, 2);
+        if (!a->balanced)
+            rc = allreduce_run_codec(a->ar, a->h_sum, a->h_sum, a->count, DTYPE_F32, DTYPE_SUM, 0,
+                                     a->codec, 2);
+        else if ((rc = split_parts(a, a->count, n)) == 0)
+            rc = allreduce_run_parts_codec(a->ar, a->h_sum, a->h_sum, a->count, DTYPE_F32,
+                                           DTYPE_SUM, 0, a->grp_parts, n, a->codec, 2);
         if (rc < 0)
             return rc;
         w = 1;
@@ -932,9 +956,6 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         !isfinite(cfg->state_priority) || cfg->declare_period_ms > MATCHMAKER_EXPIRY_MAX_MS / 2 ||
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
         (cfg->schema_len && !cfg->schema))
-        return -EINVAL;
-    /* The butterfly takes no codec (engine/allreduce.h). */
-    if ((cfg->has_bandwidth || cfg->client_mode) && cfg->codec != CODEC_NONE)
         return -EINVAL;
     /* The codec and the count are part of what the broker compares (see
      * the top); an averager without tensors gives no schema and takes

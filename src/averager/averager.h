@@ -39,7 +39,10 @@
  *   - Load balancing: in a group where a member declared a bandwidth or
  *     is a client, member i reduces a part of the round's buffer in
  *     proportion to its bandwidth (a client, none; not given, the mean
- *     of those given), by the engine's butterfly (allreduce_run_parts).
+ *     of those given), by the engine's butterfly (allreduce_run_parts;
+ *     with a codec allreduce_run_parts_codec: each contribution encoded,
+ *     each part's float32 sum encoded once by its reducer and decoded
+ *     alike by every member, the reducer too: two encodings' error).
  *     Clients come first in the round's member order, so that every
  *     connection they take part in is theirs to dial: a client accepts
  *     none.
@@ -121,7 +124,8 @@ struct averager_config {
     /* Load balancing (hivemind's). In a group where any member gives a
      * bandwidth or is a client, the round is a butterfly whose parts
      * follow the bandwidths (allreduce_split); otherwise the ring's equal
-     * shares. Only without a codec (-EINVAL otherwise). */
+     * shares. With a codec too: the butterfly then encodes each
+     * contribution and each part's result once (allreduce_run_parts_codec). */
     bool has_bandwidth;             /* false: not given (hivemind's None) */
     double bandwidth;               /* this member's share of the reduction, finite,
                                      * >= 0; 0 reduces nothing */

@@ -21,7 +21,8 @@ _Static_assert(COHORT_COMPRESSION_NONE == (int)CODEC_NONE &&
                    COHORT_COMPRESSION_BF16 == (int)CODEC_BF16 &&
                    COHORT_COMPRESSION_INT8 == (int)CODEC_INT8 &&
                    COHORT_COMPRESSION_MEANSTD16 == (int)CODEC_MEANSTD16 &&
-                   COHORT_COMPRESSION_UNIFORM8 == (int)CODEC_UNIFORM8,
+                   COHORT_COMPRESSION_UNIFORM8 == (int)CODEC_UNIFORM8 &&
+                   COHORT_COMPRESSION_QUANTILE8 == (int)CODEC_QUANTILE8,
                "cohort_compression and enum codec differ");
 
 struct cohort_averager {
@@ -145,7 +146,8 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     if (((int)c->compression < COHORT_COMPRESSION_NONE ||
          (int)c->compression > COHORT_COMPRESSION_INT8) &&
         c->compression != COHORT_COMPRESSION_MEANSTD16 &&
-        c->compression != COHORT_COMPRESSION_UNIFORM8)
+        c->compression != COHORT_COMPRESSION_UNIFORM8 &&
+        c->compression != COHORT_COMPRESSION_QUANTILE8)
         return -EINVAL;
     cfg.codec = (enum codec)c->compression;
     cfg.has_bandwidth = c->has_bandwidth;

@@ -28,6 +28,7 @@
  *
  *   ring.c       ring_stage()   ring_combine()
  *   doubling.c   rd_stage()     rd_combine()
+ *   butterfly.c  tx_next()      rx_done()
  *
  * Between them the connections (conn.c) move opaque bytes of the length
  * the frame header states, and that length is the one the stage returned.
@@ -551,7 +552,7 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
         return -EINVAL;
     /* A staging slot is one segment: a whole segment's encoding must fit
      * it (meanstd16's 8 bytes of mean and deviation do from 16 bytes on,
-     * uniform8's codebook of 1024 from 1368). */
+     * uniform8's and quantile8's codebook of 1024 from 1368). */
     if (codec_bytes(codec, a->seg_bytes / sizeof(float)) > a->seg_bytes)
         return -EINVAL;
     x.esz = dtype_size(type);
@@ -565,15 +566,28 @@ int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum
                         enum dtype_op op, double denominator, const size_t *parts,
                         size_t n_parts, uint64_t round)
 {
+    return allreduce_run_parts_codec(a, in, out, count, type, op, denominator, parts, n_parts,
+                                     CODEC_NONE, round);
+}
+
+int allreduce_run_parts_codec(struct allreduce *a, int in, int out, size_t count,
+                              enum dtype type, enum dtype_op op, double denominator,
+                              const size_t *parts, size_t n_parts, enum codec codec,
+                              uint64_t round)
+{
     struct run x = { .a = a, .round = round, .count = count, .type = type, .op = op,
-                     .div = denominator, .codec = CODEC_NONE, .parts = parts,
-                     .n_parts = n_parts, .fail_peer = SIZE_MAX };
+                     .div = denominator, .codec = codec, .coded = codec != CODEC_NONE,
+                     .parts = parts, .n_parts = n_parts, .fail_peer = SIZE_MAX };
     size_t sum = 0;
     bool any = false;
 
     if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
         !dtype_op_valid((int)op) || dtype_is_16bit_float(type) || !parts || n_parts == 0 ||
-        n_parts > ALLREDUCE_PARTS_MAX)
+        n_parts > ALLREDUCE_PARTS_MAX || !codec_valid((int)codec) || !codec_supports(codec, type))
+        return -EINVAL;
+    /* A contribution's segment is received, encoded, into a staging slot
+     * of one segment (as in allreduce_run_codec). */
+    if (codec_bytes(codec, a->seg_bytes / sizeof(float)) > a->seg_bytes)
         return -EINVAL;
     for (size_t i = 0; i < n_parts; i++) {
         if (parts[i] > count - sum)

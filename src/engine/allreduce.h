@@ -187,7 +187,7 @@ int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum 
  * allreduce_run_into. Same returns; -EINVAL also for an unknown codec or
  * one that does not take the type (codec_supports: only float32), or one
  * whose encoding of a whole segment outgrows it (meanstd16 with
- * segment_bytes 8, uniform8 below 1368); -EPROTO
+ * segment_bytes 8, uniform8 or quantile8 below 1368); -EPROTO
  * also when a member's frames name another codec, which both ends log
  * with the two codecs. */
 int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
@@ -215,6 +215,23 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
 int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                         enum dtype_op op, double denominator, const size_t *parts,
                         size_t n_parts, uint64_t round);
+
+/* allreduce_run_parts with payloads encoded by `codec`, as
+ * allreduce_run_codec does for the ring: every contribution travels
+ * encoded, each part's owner sums the decoded contributions in float32
+ * with its own, encodes the result once and decodes it itself, and every
+ * member decodes those same bytes, so results are identical on every
+ * member (and carry two encodings' error: a contribution's and the
+ * result's). Every member gives the same codec. CODEC_NONE is
+ * allreduce_run_parts. The call holds the encoding of the whole buffer
+ * (codec_bytes per segment) while it runs. Same returns as
+ * allreduce_run_parts; -EINVAL also as allreduce_run_codec's (a codec
+ * that does not take the type, or whose segment outgrows it); -ENOMEM
+ * when the encoding's buffer cannot be had. */
+int allreduce_run_parts_codec(struct allreduce *a, int in, int out, size_t count,
+                              enum dtype type, enum dtype_op op, double denominator,
+                              const size_t *parts, size_t n_parts, enum codec codec,
+                              uint64_t round);
 
 /* Splits `count` elements among n members in proportion to their
  * bandwidths (hivemind's load balancing by declared bandwidth), into

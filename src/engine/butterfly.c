@@ -58,12 +58,42 @@
  * member, clients included. Frames and failures are the engine's: a
  * silent peer fails the call after the member timeout, a frame out of
  * schedule fails it with -EPROTO, and every failed call says BYE on its
- * connections so that the others fail fast. */
+ * connections so that the others fail fast. A codec scales the bytes by
+ * its ratio.
+ *
+ * WITH A CODEC
+ *
+ * A coded call (x->coded: a codec, engine/codec.h; float32 only) encodes
+ * every payload, segment by segment, each segment alone as in the ring:
+ *
+ *   - a contribution is encoded when its frame starts, from the caller's
+ *     values, and decoded by the owner into a staging slot, whose values
+ *     it adds in float32 (its own contribution stays unencoded);
+ *   - a reduced segment is encoded once by its owner, and the owner
+ *     decodes those bytes back into its result before sending them: so
+ *     the owner holds what every member decodes, and every member ends
+ *     with the same bytes (the ring's rule that a value kept is
+ *     decode(encode(value))).
+ *
+ * The encoded bytes live in one buffer of the call (`enc`), the encoding
+ * of the whole vector segment by segment at fixed places: part j's
+ * segment k at enc_off[j] + k x codec_bytes(segment). Our contributions to
+ * part p are encoded into part p's place and sent from there; p's result
+ * lands in the same place, which is safe for the reason a result may
+ * overwrite a contribution in place (above): it arrives only after p read
+ * all of that contribution. Our own part's place holds our encoded
+ * results, sent to every member from there. A receiver expects the
+ * codec's length for the segment's elements (conn.c checks the header),
+ * and decoding never fails, so a lying peer can send wrong values but
+ * never make a member read or write out of place. The buffer costs the
+ * encoded size of the vector (about a quarter of it for the 8-bit codecs)
+ * for the call. */
 #include "engine/butterfly.h"
 
 #include <errno.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/clock.h"
@@ -80,6 +110,9 @@ struct link {
 
 struct bf {
     size_t seg;                 /* elements per segment */
+    size_t cseg;                /* a whole segment's encoded bytes (coded calls) */
+    uint8_t *enc;               /* coded: the vector's encoding (see the top) */
+    size_t *enc_off;            /* coded: n + 1 part starts in enc */
     size_t *off;                /* n + 1 part starts (off[n] = count) */
     size_t rk, ri;              /* the reduction: segment rk, sender order ri */
     size_t reduced;             /* segments of our part reduced */
@@ -105,6 +138,17 @@ static size_t seg_len(const struct bf *b, size_t part, size_t k)
     size_t left = b->off[part + 1] - seg_base(b, part, k);
 
     return left < b->seg ? left : b->seg;
+}
+
+/* Coded: where segment k of part `part` is encoded, and its length. */
+static uint8_t *enc_at(const struct bf *b, size_t part, size_t k)
+{
+    return b->enc + b->enc_off[part] + k * b->cseg;
+}
+
+static size_t enc_len(const struct run *x, const struct bf *b, size_t part, size_t k)
+{
+    return codec_bytes(x->codec, seg_len(b, part, k));
 }
 
 size_t butterfly_needs(const struct run *x, size_t *need)
@@ -136,16 +180,27 @@ static void tx_next(struct run *x, struct bf *b, struct link *l)
     if (k < contrib) {
         base = seg_base(b, l->p, k);
         len = seg_len(b, l->p, k);
-        f = conn_frame(x, PEERWIRE_PHASE_RS, 0, base, len * x->esz);
-        conn_tx_start(l->c, &f, x->src + base * x->esz);
+        if (x->coded) {
+            codec_encode(x->codec, enc_at(b, l->p, k), (const float *)x->src + base, len);
+            f = conn_frame(x, PEERWIRE_PHASE_RS, 0, base, enc_len(x, b, l->p, k));
+            conn_tx_start(l->c, &f, enc_at(b, l->p, k));
+        } else {
+            f = conn_frame(x, PEERWIRE_PHASE_RS, 0, base, len * x->esz);
+            conn_tx_start(l->c, &f, x->src + base * x->esz);
+        }
     } else {
         k -= contrib;
         if (k >= b->reduced)
             return;
         base = seg_base(b, x->me, k);
         len = seg_len(b, x->me, k);
-        f = conn_frame(x, PEERWIRE_PHASE_AG, 0, base, len * x->esz);
-        conn_tx_start(l->c, &f, x->buf + base * x->esz);
+        if (x->coded) {
+            f = conn_frame(x, PEERWIRE_PHASE_AG, 0, base, enc_len(x, b, x->me, k));
+            conn_tx_start(l->c, &f, enc_at(b, x->me, k));
+        } else {
+            f = conn_frame(x, PEERWIRE_PHASE_AG, 0, base, len * x->esz);
+            conn_tx_start(l->c, &f, x->buf + base * x->esz);
+        }
     }
     l->c->tx_since = clock_now_ms();
     l->tx_k++;
@@ -165,32 +220,54 @@ static void rx_next(struct run *x, struct bf *b, struct link *l)
         if (b->rk != k || sender(x, b->ri) != l->p)
             return;
         len = seg_len(b, x->me, k);
-        f = conn_frame(x, PEERWIRE_PHASE_RS, 0, seg_base(b, x->me, k), len * x->esz);
+        f = conn_frame(x, PEERWIRE_PHASE_RS, 0, seg_base(b, x->me, k),
+                       x->coded ? enc_len(x, b, x->me, k) : len * x->esz);
         conn_rx_start(l->c, &f, x->a->stage);
     } else {
         k -= mine;
         base = seg_base(b, l->p, k);
         len = seg_len(b, l->p, k);
-        f = conn_frame(x, PEERWIRE_PHASE_AG, 0, base, len * x->esz);
-        conn_rx_start(l->c, &f, x->buf + base * x->esz);
+        if (x->coded) {
+            f = conn_frame(x, PEERWIRE_PHASE_AG, 0, base, enc_len(x, b, l->p, k));
+            conn_rx_start(l->c, &f, enc_at(b, l->p, k));
+        } else {
+            f = conn_frame(x, PEERWIRE_PHASE_AG, 0, base, len * x->esz);
+            conn_rx_start(l->c, &f, x->buf + base * x->esz);
+        }
     }
     l->c->rx_since = clock_now_ms();
 }
 
 /* A receive on l completed: fold a contribution in, and move the
- * reduction on. */
+ * reduction on; coded, decode a result into its place. */
 static void rx_done(struct run *x, struct bf *b, struct link *l)
 {
-    size_t mine = x->parts[x->me] ? segs(b, x->me) : 0;
+    size_t mine = x->parts[x->me] ? segs(b, x->me) : 0, k = l->rx_k++, len;
+    uint8_t *dst, *got = x->a->stage;
 
-    if (l->rx_k++ >= mine)
+    if (k >= mine) {
+        k -= mine;
+        if (x->coded)
+            codec_decode(x->codec, (float *)x->buf + seg_base(b, l->p, k), enc_at(b, l->p, k),
+                         seg_len(b, l->p, k));
         return;
-    dtype_combine(x->acc, x->op, x->buf + seg_base(b, x->me, b->rk) * x->esz, x->a->stage,
-                  seg_len(b, x->me, b->rk));
+    }
+    len = seg_len(b, x->me, b->rk);
+    dst = x->buf + seg_base(b, x->me, b->rk) * x->esz;
+    if (x->coded) {
+        /* The staging area's second segment: the decoded contribution. */
+        got = x->a->stage + x->a->seg_bytes;
+        codec_decode(x->codec, (float *)got, x->a->stage, len);
+    }
+    dtype_combine(x->acc, x->op, dst, got, len);
     if (++b->ri < x->n - 1)
         return;
-    dtype_scale(x->acc, x->buf + seg_base(b, x->me, b->rk) * x->esz, seg_len(b, x->me, b->rk),
-                x->div);
+    dtype_scale(x->acc, dst, len, x->div);
+    if (x->coded) {
+        /* Encoded once; we keep what every member will decode. */
+        codec_encode(x->codec, enc_at(b, x->me, b->rk), (const float *)dst, len);
+        codec_decode(x->codec, (float *)dst, enc_at(b, x->me, b->rk), len);
+    }
     b->ri = 0;
     b->rk++;
     b->reduced++;
@@ -246,19 +323,40 @@ static int bf_wait(struct run *x, struct bf *b)
     return rc;
 }
 
+static int bf_loop(struct run *x, struct bf *b);
+
 int butterfly_run(struct run *x)
 {
     struct allreduce *a = x->a;
     size_t off[MAX_NEED + 2];        /* n <= MAX_NEED + 1 (allreduce.c) */
+    size_t enc_off[MAX_NEED + 2];
     struct link links[MAX_NEED];
-    struct bf b = { .seg = a->seg_bytes / x->esz, .off = off, .links = links };
+    struct bf b = { .seg = a->seg_bytes / x->esz, .off = off, .links = links,
+                    .enc_off = enc_off };
     size_t need[MAX_NEED];
-    uint64_t spin_from = 0;
     int rc;
 
     off[0] = 0;
     for (size_t i = 0; i < x->n; i++)
         off[i + 1] = off[i] + x->parts[i];
+    if (x->coded) {
+        /* Each part's whole segments and its last one, encoded. No sum
+         * overflows: a segment's encoding is at most seg_bytes
+         * (allreduce_run_parts_codec checks), so the whole is at most the
+         * buffer's bytes plus a segment per part. */
+        b.cseg = codec_bytes(x->codec, b.seg);
+        enc_off[0] = 0;
+        for (size_t j = 0; j < x->n; j++) {
+            size_t ns = segs(&b, j);
+
+            enc_off[j + 1] = enc_off[j];
+            if (ns)
+                enc_off[j + 1] += (ns - 1) * b.cseg + enc_len(x, &b, j, ns - 1);
+        }
+        b.enc = malloc(enc_off[x->n] ? enc_off[x->n] : 1);
+        if (!b.enc)
+            return -ENOMEM;
+    }
     b.n_links = butterfly_needs(x, need);
     for (size_t i = 0; i < b.n_links; i++) {
         size_t p = need[i];
@@ -271,15 +369,27 @@ int butterfly_run(struct run *x)
     if (x->src != x->buf && x->parts[x->me])
         memcpy(x->buf + off[x->me] * x->esz, x->src + off[x->me] * x->esz,
                x->parts[x->me] * x->esz);
+    rc = bf_loop(x, &b);
+    free(b.enc);
+    return rc;
+}
+
+/* Moves every link until the call is done or fails. */
+static int bf_loop(struct run *x, struct bf *b)
+{
+    struct link *links = b->links;
+    uint64_t spin_from = 0;
+    int rc;
+
     for (;;) {
         bool moved = false;
 
         if (run_stale(x))
             return -ESTALE;
-        for (size_t i = 0; i < b.n_links; i++) {
+        for (size_t i = 0; i < b->n_links; i++) {
             struct link *l = &links[i];
 
-            tx_next(x, &b, l);
+            tx_next(x, b, l);
             if (l->c->tx_busy) {
                 rc = conn_tx_pump(l->c);
                 if (rc < 0) {
@@ -288,7 +398,7 @@ int butterfly_run(struct run *x)
                 }
                 moved |= rc > 0;
             }
-            rx_next(x, &b, l);
+            rx_next(x, b, l);
             if (l->c->rx_busy) {
                 rc = conn_rx_pump(x, l->c);
                 if (rc < 0) {
@@ -297,12 +407,12 @@ int butterfly_run(struct run *x)
                 }
                 moved |= rc > 0;
                 if (!l->c->rx_busy) {
-                    rx_done(x, &b, l);
+                    rx_done(x, b, l);
                     moved = true;
                 }
             }
         }
-        if (all_done(x, &b))
+        if (all_done(x, b))
             return 0;
         if (moved) {
             spin_from = 0;
@@ -310,7 +420,7 @@ int butterfly_run(struct run *x)
         }
         if (conn_spin(&spin_from))
             continue;
-        rc = bf_wait(x, &b);
+        rc = bf_wait(x, b);
         if (rc < 0)
             return rc;
     }

@@ -17,7 +17,7 @@ struct run;
  * without a part never connect. */
 size_t butterfly_needs(const struct run *x, size_t *need);
 
-/* The call x (x->parts set, summing to x->count; not 16-bit, not coded).
+/* The call x (x->parts set, summing to x->count; not 16-bit; coded or not).
  * Returns 0 or allreduce_run's codes. */
 int butterfly_run(struct run *x);
 

@@ -18,18 +18,23 @@
  * work is one double division and dtype.c's float16 conversion, so every
  * build writes the same bytes without variants of its own. UNIFORM8
  * likewise: double sums in index order, one double division and the
- * add-and-subtract rounding per element. */
+ * add-and-subtract rounding per element. QUANTILE8 too: a sort of a
+ * sample (which orders floats alike everywhere, -0 and +0 aside, and they
+ * compare equal to every value), borders in double, a binary search per
+ * element and double sums in index order. */
 #include "engine/codec.h"
 
 #include <errno.h>
 #include <float.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Indexed by id; NULL where an id is no codec. */
 static const char *const names[CODEC_END] = {
     [CODEC_NONE] = "none", [CODEC_FP16] = "fp16", [CODEC_BF16] = "bf16",
     [CODEC_INT8] = "int8", [CODEC_MEANSTD16] = "meanstd16", [CODEC_UNIFORM8] = "uniform8",
+    [CODEC_QUANTILE8] = "quantile8",
 };
 
 #define MAGIC 12582912.0f       /* 1.5 x 2^23: v + MAGIC - MAGIC rounds v to an integer */
@@ -76,6 +81,7 @@ size_t codec_bytes(enum codec c, size_t n)
     case CODEC_MEANSTD16:
         return 8 + 2 * n;
     case CODEC_UNIFORM8:
+    case CODEC_QUANTILE8:
         return 4 * CODEC_UNIFORM8_BINS + n;
     default:
         return 4 * n;
@@ -354,6 +360,86 @@ static void uniform8_decode(float *restrict dst, const void *restrict src, size_
         dst[i] = cb[q[i]];
 }
 
+/* --- quantile8 ------------------------------------------------------- */
+
+#define Q8_BORDERS (CODEC_UNIFORM8_BINS - 1)
+
+static int float_order(const void *pa, const void *pb)
+{
+    float a = *(const float *)pa, b = *(const float *)pb;
+
+    return (a > b) - (a < b);
+}
+
+/* The number of borders below v: torch.bucketize(v, borders) with
+ * right=False, by binary search over the non-decreasing borders. */
+static unsigned q8_bucket(const double *border, double v)
+{
+    unsigned lo = 0, hi = Q8_BORDERS;      /* the answer is in [lo, hi] */
+
+    while (lo < hi) {
+        unsigned mid = (lo + hi) / 2;
+
+        if (border[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void quantile8_encode(void *restrict dst, const float *restrict src, size_t n)
+{
+    uint8_t *cb_out = dst, *q = (uint8_t *)dst + 4 * CODEC_UNIFORM8_BINS;
+    size_t m = n < CODEC_QUANTILE8_SAMPLE ? n : CODEC_QUANTILE8_SAMPLE;
+    float sample[CODEC_QUANTILE8_SAMPLE];
+    double border[Q8_BORDERS], bin_sum[CODEC_UNIFORM8_BINS] = { 0 };
+    size_t bin_n[CODEC_UNIFORM8_BINS] = { 0 };
+
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(src[i])) {
+            /* NaN or Inf in the run: every entry NaN, so all of it decodes
+             * as NaN (and NaN has no place in a sort). */
+            float nan = NAN;
+
+            for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++)
+                memcpy(cb_out + 4 * k, &nan, 4);
+            memset(q, 0, n);
+            return;
+        }
+    }
+    if (n == 0) {
+        memset(cb_out, 0, 4 * CODEC_UNIFORM8_BINS);
+        return;
+    }
+    /* j n < 2^13 n: no overflow in 64 bits for any run in memory. */
+    for (size_t j = 0; j < m; j++)
+        sample[j] = src[m == n ? j : (size_t)((uint64_t)j * n / m)];
+    qsort(sample, m, sizeof(float), float_order);
+    for (size_t k = 0; k < Q8_BORDERS; k++) {
+        /* Position (k + 1) (m - 1) / 256 = l + t, exact in double. */
+        uint64_t num = (uint64_t)(k + 1) * (m - 1);
+        size_t l = (size_t)(num / CODEC_UNIFORM8_BINS);
+        double t = (double)(num % CODEC_UNIFORM8_BINS) / CODEC_UNIFORM8_BINS, b = sample[l];
+
+        if (t > 0)
+            b += ((double)sample[l + 1] - sample[l]) * t;
+        border[k] = k > 0 && b < border[k - 1] ? border[k - 1] : b;
+    }
+    for (size_t i = 0; i < n; i++) {
+        unsigned k = q8_bucket(border, src[i]);
+
+        q[i] = (uint8_t)k;
+        bin_sum[k] += src[i];
+        bin_n[k]++;
+    }
+    for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++) {
+        float c = bin_n[k] ? (float)(bin_sum[k] / (double)bin_n[k]) : 0.0f;
+
+        memcpy(cb_out + 4 * k, &c, 4);
+    }
+}
+
 /* --- the interface ---------------------------------------------------- */
 
 void codec_encode(enum codec c, void *restrict dst, const float *restrict src, size_t n)
@@ -373,6 +459,9 @@ void codec_encode(enum codec c, void *restrict dst, const float *restrict src, s
         break;
     case CODEC_UNIFORM8:
         uniform8_encode(dst, src, n);
+        break;
+    case CODEC_QUANTILE8:
+        quantile8_encode(dst, src, n);
         break;
     default:
         memcpy(dst, src, 4 * n);
@@ -396,6 +485,8 @@ void codec_decode(enum codec c, float *restrict dst, const void *restrict src, s
         meanstd16_decode(dst, src, n);
         break;
     case CODEC_UNIFORM8:
+    case CODEC_QUANTILE8:
+        /* The same wire form: a codebook and an index per element. */
         uniform8_decode(dst, src, n);
         break;
     default:

@@ -49,6 +49,29 @@
  *               255, beyond 2.96 s: under 12 % of the run by
  *               Chebyshev), plus float32's half ulp. A run of one value (s = 0) decodes
  *               exactly; a run holding NaN or Inf decodes as NaN.
+ *   CODEC_QUANTILE8  hivemind's Quantile8BitQuantization (QUANTILE_8BIT)
+ *               over the run: 255 borders, the quantiles at k / 256
+ *               (k = 1..255) of a sample of m = min(n,
+ *               CODEC_QUANTILE8_SAMPLE) elements, element floor(j n / m)
+ *               for j < m (all of the run when it is no longer; hivemind's
+ *               quantiles are approximate too, "quantiles of chunk
+ *               quantiles"), each the sorted sample's s[l] + (s[l + 1] -
+ *               s[l]) t at position k (m - 1) / 256 = l + t, in double,
+ *               made non-decreasing; per element q = the number of
+ *               borders below x (torch.bucketize), and a codebook of 256
+ *               float32, the mean of the run's x in each bucket (in
+ *               double; 0 for an empty bucket); decoded as codebook[q].
+ *               Every bucket is an interval, and its mean lies in it (its
+ *               float32 rounding too: the ends are float32), so the error
+ *               per element is at most the span (largest less smallest)
+ *               of the run's values in its bucket: a 256th of the run's
+ *               spread where the values are dense, never more than the
+ *               run's range. Each bucket holds about n / 256 values
+ *               whatever their distribution, so a few outliers widen only
+ *               the end buckets (they share them with the run's n / 256
+ *               most extreme values, whose mean they pull), where
+ *               uniform8's bins all widen with sigma. A run of one value
+ *               decodes exactly; a run holding NaN or Inf decodes as NaN.
  *
  * Ids 4 and 5 are the Accumulator's top-k and PowerSGD (cohort.h's enum
  * cohort_compression counts on these values), which are not codecs.
@@ -59,17 +82,19 @@
  * segment of at least 16 bytes holds its encoding: allreduce_run_codec
  * refuses an engine whose segments are shorter); UNIFORM8 256 x f32
  * codebook, then n x u8 (1024 + n bytes: segments of at least 1368
- * bytes). codec_bytes() says how many bytes that is; every receiver
- * checks a frame's length against it for the element count it expects.
+ * bytes); QUANTILE8 the same as UNIFORM8. codec_bytes() says how many
+ * bytes that is; every receiver checks a frame's length against it for
+ * the element count it expects.
  *
  * Every codec is a fixed-length, stateless map of a run of elements: a
  * segment is encoded alone, so a ring encodes each segment it sends.
  * Encoding is not the identity, so a member that keeps its own copy of
  * values it sends uses codec_decode(codec_encode(x)) to agree with its
  * peers. FP16 and BF16 are idempotent on their own output (encoding a
- * decoded value gives the same bytes); INT8, MEANSTD16 and UNIFORM8 need
- * not be (the mean and deviation of decoded values differ in their last
- * bits), so encoded bytes are forwarded as received, never re-encoded.
+ * decoded value gives the same bytes); INT8, MEANSTD16, UNIFORM8 and
+ * QUANTILE8 need not be (the mean and deviation, or the quantiles, of
+ * decoded values differ), so encoded bytes are forwarded as received,
+ * never re-encoded.
  *
  * Compression with error feedback lives beside the codecs, not among
  * them: neither is a stateless map of a segment. Top-k (engine/topk.h)
@@ -98,18 +123,21 @@ enum codec {
     CODEC_INT8 = 3,
     CODEC_MEANSTD16 = 6,
     CODEC_UNIFORM8 = 7,
+    CODEC_QUANTILE8 = 8,
 };
 /* Ids below CODEC_COUNT are the first codecs, contiguous, whose ids the
  * Accumulator's compression methods share (accumulator/compress.h); its
  * top-k and PowerSGD take 4 and 5, so later codecs follow them, up to
  * CODEC_END (one past the largest id). */
 #define CODEC_COUNT 4
-#define CODEC_END 8
+#define CODEC_END 9
 #define CODEC_UNIFORM8_BINS 256
 #define CODEC_INT8_BLOCK 256
+/* The most elements QUANTILE8 sorts to find its borders (on the stack). */
+#define CODEC_QUANTILE8_SAMPLE 8192
 
 bool codec_valid(int c);
-/* "none" "fp16" "bf16" "int8" "meanstd16" "uniform8" (static).
+/* "none" "fp16" "bf16" "int8" "meanstd16" "uniform8" "quantile8" (static).
  * codec_parse returns 0 or -EINVAL. */
 const char *codec_name(enum codec c);
 int codec_parse(const char *s, enum codec *out);

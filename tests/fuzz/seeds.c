@@ -2,8 +2,8 @@
  * encoders the programs themselves use, so that every harness starts from
  * real traffic: greetings and frames (peerwire), trainer-link messages as
  * tlink_send puts them on the socket, scripted sidecar replies, packed
- * broker requests and epochs, probe requests, key files, names, and flag
- * values. `make fuzz-seeds` runs it, and tests/fuzz/seeds.py for the
+ * broker requests and epochs, probe requests, key files, names, flag
+ * values, and coded payloads as codec_encode writes them. `make fuzz-seeds` runs it, and tests/fuzz/seeds.py for the
  * Kubernetes JSON.
  *
  *   build/fuzz/seeds DIR       writes DIR/<harness>/seed-<what>
@@ -22,6 +22,7 @@
 #include "accumulator/tlink.h"
 #include "accumulator/viewpage.h"
 #include "cohort.pb-c.h"
+#include "engine/codec.h"
 #include "engine/peerwire.h"
 
 static const char *root;
@@ -73,6 +74,40 @@ static void add16(struct buf *b, uint16_t v)
 {
     add8(b, (uint8_t)v);
     add8(b, (uint8_t)(v >> 8));
+}
+
+/* ---- codec ---------------------------------------------------------------- */
+
+/* For every codec: a payload of 300 values as a peer sends it (mode 0:
+ * count, then codec_encode's bytes), and the values themselves (mode 1). */
+static void codec(void)
+{
+    float x[300];
+
+    for (size_t i = 0; i < 300; i++)
+        x[i] = (float)((double)((i * 7919) % 1009) / 13.0 - 38.0);
+    x[17] = 1e6f;           /* an outlier */
+    for (int c = 0; c < CODEC_END; c++) {
+        struct buf b = { .n = 0 };
+        uint8_t wire[4 * CODEC_UNIFORM8_BINS + 4 * 300];
+        char what[32];
+
+        if (!codec_valid(c))
+            continue;
+        add8(&b, (uint8_t)c);
+        add8(&b, 0);
+        add16(&b, 300);
+        codec_encode((enum codec)c, wire, x, 300);
+        add(&b, wire, codec_bytes((enum codec)c, 300));
+        snprintf(what, sizeof(what), "%s-payload", codec_name((enum codec)c));
+        put("codec", what, b.b, b.n);
+        b.n = 0;
+        add8(&b, (uint8_t)c);
+        add8(&b, 1);
+        add(&b, x, sizeof(x));
+        snprintf(what, sizeof(what), "%s-values", codec_name((enum codec)c));
+        put("codec", what, b.b, b.n);
+    }
 }
 
 /* ---- peerwire ------------------------------------------------------------ */
@@ -470,6 +505,7 @@ int main(int argc, char **argv)
         return 1;
     }
     peerwire();
+    codec();
     tlink();
     tlink_trainer();
     broker();

@@ -176,6 +176,24 @@ def main():
                 order=list(a.last_group[2]) if got else None,
                 raw=b"".join(x.contiguous().numpy().tobytes() for x in t).hex())
         a.shutdown()
+    elif scenario == "coded_balanced":
+        # ARGS: k, n, compression class name, weight, aux (0/1), bandwidth
+        # ("none" or a number), client (0/1). One round in a group of n,
+        # prefix test/cbal, with tensors that are not integers.
+        k, n, codec, weight, aux = int(rest[0]), int(rest[1]), rest[2], float(rest[3]), \
+            rest[4] == "1"
+        bandwidth = None if rest[5] == "none" else float(rest[5])
+        client = rest[6] == "1"
+        a = averager(dht, coded_tensors_of(k), target_group_size=n, min_group_size=n,
+                     auxiliary=aux, bandwidth=bandwidth, client_mode=client,
+                     compression=getattr(hivemind, codec)(), prefix="test/cbal")
+        got = a.step(gather=peer, weight=weight, timeout=60)
+        with a.get_tensors() as t:
+            out(gathered=got, tensors=[x.tolist() for x in t],
+                order=list(a.last_group[2]) if got else None,
+                last=a.last_group[2] if got else None,
+                raw=b"".join(x.contiguous().numpy().tobytes() for x in t).hex())
+        a.shutdown()
     elif scenario == "bare":
         # ARGS: n, bandwidth ("none" or a number). An auxiliary peer
         # without tensors: one round in a group of n, with prefix

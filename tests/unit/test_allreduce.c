@@ -2059,11 +2059,11 @@ static void coded_check(struct cluster *c, size_t count, enum dtype_op op, enum 
          * its block, whose extreme is at most 1100 x n here, or, for
          * meanstd16, 2^-11 of its distance from its run's mean (at most
          * 2 x 1100 x n) and float32's rounding of the result, or, for
-         * uniform8, a codebook mean of the run: within its range (the
-         * step bound is test_codec.c's). */
+         * uniform8 and quantile8, a codebook mean of the run: within its
+         * range (the bucket bounds are test_codec.c's). */
         if (codec == CODEC_INT8)
             bound = (double)n * (1100.0 * (double)n / 254) * 1.001;
-        else if (codec == CODEC_UNIFORM8)
+        else if (codec == CODEC_UNIFORM8 || codec == CODEC_QUANTILE8)
             bound = (double)n * (2200.0 * (double)n) * 1.001;     /* a run's range */
         else if (codec == CODEC_MEANSTD16)
             bound = (double)n * (2200.0 * (double)n * 0x1p-11) * 1.01;
@@ -2142,6 +2142,7 @@ Test(allreduce, coded_single_element_with_tight_scratch)
     coded_check(&c, 1, DTYPE_SUM, CODEC_FP16, 2, "one element");
     coded_check(&c, 1, DTYPE_SUM, CODEC_MEANSTD16, 3, "one element");
     coded_check(&c, 1, DTYPE_SUM, CODEC_UNIFORM8, 4, "one element");
+    coded_check(&c, 1, DTYPE_SUM, CODEC_QUANTILE8, 5, "one element");
     cluster_fini(&c);
 }
 
@@ -2164,6 +2165,8 @@ Test(allreduce, codec_misuse_is_einval)
     cluster_start(&c, 1, 64, 1360, 0, 1000);
     cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
                                      CODEC_UNIFORM8, 1), -EINVAL);
+    cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
+                                     CODEC_QUANTILE8, 1), -EINVAL);
     cr_assert_eq(allreduce_run_codec(c.p[0].ar, c.p[0].h, c.p[0].h, 4, DTYPE_F32, DTYPE_SUM, 0,
                                      CODEC_FP16, 2), 0);
     cluster_fini(&c);

@@ -705,21 +705,27 @@ Test(averager, a_coded_ring_after_the_exact_call_completes_alike_among_3)
 
 /* ---- load balancing ---------------------------------------------------- */
 
-static struct averager *make_balanced(const char *id, uint32_t target, double bandwidth,
-                                      bool client)
+static struct averager *make_balanced_coded(const char *id, uint32_t target, double bandwidth,
+                                            bool client, enum codec codec)
 {
     struct averager_config c = {
         .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
         .prefix = "run/bal", .target_group_size = target, .min_group_size = target,
         .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000, .count = COUNT,
         .schema = "f32x16", .schema_len = 6, .has_bandwidth = bandwidth >= 0,
-        .bandwidth = bandwidth, .client_mode = client,
+        .bandwidth = bandwidth, .client_mode = client, .codec = codec,
     };
     struct averager *a = NULL;
 
     cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
     cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
     return a;
+}
+
+static struct averager *make_balanced(const char *id, uint32_t target, double bandwidth,
+                                      bool client)
+{
+    return make_balanced_coded(id, target, bandwidth, client, CODEC_NONE);
 }
 
 /* Two clients, members of bandwidth 3, not given and 1 (the last one
@@ -787,23 +793,84 @@ Test(averager, a_group_of_clients_and_zero_bandwidth_fails_clearly)
     free_all(p, 2);
 }
 
-Test(averager, bandwidth_or_client_mode_with_a_codec_is_refused)
+/* With a codec, clients and bandwidths: the exact metadata call and the
+ * coded values call are both butterflies. Every contributor ends with
+ * the same bytes, within two fp16 encodings (a contribution's and the
+ * result's, 2^-11 relative each, of values at most max|x|) of the exact
+ * average and not equal to it everywhere; weights and gathered bytes
+ * are exact. */
+static void coded_balanced_round(enum codec codec, double bound)
+{
+    struct peer p[4] = { 0 };
+    const double bw[4] = { 2, -1, 0, -1 };
+    const bool client[4] = { false, false, false, true };
+    const double weight[4] = { 1.5, 2, 0.25, 1 };
+    double exact[COUNT] = { 0 }, total = 0, maxabs = 0;
+    bool differs = false;
+    char id[16];
+
+    for (int i = 0; i < 4; i++) {
+        snprintf(id, sizeof(id), "k-%d", i);
+        p[i].a = make_balanced_coded(id, 4, bw[i], client[i], codec);
+        p[i].weight = weight[i];
+        snprintf(p[i].gather, sizeof(p[i].gather), "%s", id);
+        for (int j = 0; j < COUNT; j++) {
+            p[i].data[j] = (float)((i + 1) * 37.3 * sin(0.7 * j + i) + 0.001 * j);
+            maxabs = fabs(p[i].data[j]) > maxabs ? fabs(p[i].data[j]) : maxabs;
+            exact[j] += (float)weight[i] * (double)p[i].data[j];
+        }
+        total += (float)weight[i];
+    }
+    run_all(p, 4);
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(p[i].rc, 0, "k-%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, 4);
+        cr_assert_str_eq(p[i].res->ids[0], "k-3", "the client first");
+        for (size_t k = 0; k < 4; k++) {
+            const char *who = p[i].res->ids[k];
+            int w = who[2] - '0';
+
+            cr_assert_eq(p[i].res->weights[k], (double)(float)weight[w], "weight of %s", who);
+            cr_assert_eq(p[i].res->gathered_len[k], strlen(who));
+            cr_assert(memcmp(p[i].res->gathered[k], who, strlen(who)) == 0);
+        }
+        cr_assert_eq(memcmp(p[i].data, p[0].data, sizeof(p[0].data)), 0,
+                     "k-%d ends with other bytes than k-0", i);
+    }
+    for (int j = 0; j < COUNT; j++) {
+        double avg = exact[j] / total;
+
+        cr_assert(fabs(p[0].data[j] - avg) <= bound * maxabs, "[%d] %.9g vs %.9g (bound %g)",
+                  j, p[0].data[j], avg, bound * maxabs);
+        differs |= p[0].data[j] != (float)avg;
+    }
+    cr_assert(differs, "every value equals the float32 average: was the codec applied?");
+    free_all(p, 4);
+}
+
+Test(averager, clients_and_bandwidths_with_fp16_alike_within_its_bound)
+{
+    coded_balanced_round(CODEC_FP16, 3.0 / 2048);
+}
+
+/* int8: half a step of max|block| / 127 per encoding. */
+Test(averager, clients_and_bandwidths_with_int8_alike_within_its_bound)
+{
+    coded_balanced_round(CODEC_INT8, 3.0 / 254);
+}
+
+Test(averager, a_bandwidth_that_is_not_a_number_is_refused)
 {
     struct averager_config c = {
         .broker = broker, .cohort = "avg", .id = "q-0", .host = "127.0.0.1", .key = &key,
         .prefix = "run/bal", .target_group_size = 2, .min_group_size = 2, .count = COUNT,
-        .codec = CODEC_FP16, .client_mode = true,
+        .codec = CODEC_FP16, .has_bandwidth = true, .bandwidth = NAN,
     };
     struct averager *a = NULL;
 
-    cr_assert_eq(averager_create(&c, &a), -EINVAL);
-    c.client_mode = false;
-    c.has_bandwidth = true;
-    c.bandwidth = 2;
-    cr_assert_eq(averager_create(&c, &a), -EINVAL);
-    c.codec = CODEC_NONE;
-    c.bandwidth = NAN;
     cr_assert_eq(averager_create(&c, &a), -EINVAL, "a bandwidth that is not a number");
+    c.bandwidth = INFINITY;
+    cr_assert_eq(averager_create(&c, &a), -EINVAL, "an infinite bandwidth");
     cr_assert_null(a);
 }
 

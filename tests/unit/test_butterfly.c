@@ -53,6 +53,7 @@ struct bf {
     size_t parts[MAX];
     enum dtype_op op;
     bool in_place;
+    enum codec codec;           /* allreduce_run_parts_codec's; CODEC_NONE: run_parts */
     uint64_t round;
 };
 
@@ -137,8 +138,13 @@ static void *call_main(void *arg)
     struct member *m = &b->m[c->i];
     uint64_t t0 = clock_now_ms();
 
-    m->rc = allreduce_run_parts(m->ar, m->h_in, b->in_place ? m->h_in : m->h_out, b->count,
-                                DTYPE_F32, b->op, 0, b->parts, b->n, b->round);
+    if (b->codec == CODEC_NONE)
+        m->rc = allreduce_run_parts(m->ar, m->h_in, b->in_place ? m->h_in : m->h_out, b->count,
+                                    DTYPE_F32, b->op, 0, b->parts, b->n, b->round);
+    else
+        m->rc = allreduce_run_parts_codec(m->ar, m->h_in, b->in_place ? m->h_in : m->h_out,
+                                          b->count, DTYPE_F32, b->op, 0, b->parts, b->n,
+                                          b->codec, b->round);
     m->took_ms = clock_now_ms() - t0;
     return NULL;
 }
@@ -323,7 +329,129 @@ Test(butterfly, misuse_is_refused)
         cr_assert_eq(allreduce_run_parts(m->ar, m->h_in, m->h_in, 6, DTYPE_F32, DTYPE_SUM, 0,
                                          four, 4, 1), -ESTALE, "parts for a group of 4 in 3");
     }
+    cr_assert_eq(allreduce_run_parts_codec(m->ar, m->h_in, m->h_in, 6, DTYPE_F32, DTYPE_SUM, 0,
+                                           ok, 3, (enum codec)4, 1), -EINVAL,
+                 "4 is top-k, no codec");
+    cr_assert_eq(allreduce_run_parts_codec(m->ar, m->h_in, m->h_in, 6, DTYPE_F32, DTYPE_SUM, 0,
+                                           ok, 3, CODEC_UNIFORM8, 1), -EINVAL,
+                 "segments of 64 bytes cannot hold uniform8's codebook");
+    cr_assert_eq(allreduce_run_parts_codec(m->ar, h, h, 6, DTYPE_I32, DTYPE_SUM, 0, ok, 3,
+                                           CODEC_FP16, 1), -EINVAL, "codecs take float32 only");
     cr_assert(!allreduce_busy(m->ar));
+    bf_stop(&b);
+}
+
+/* A coded call against a reference built here from the codec's own
+ * encode and decode: for each segment of each part (segments of `seg`
+ * floats from the part's start), the owner's values, plus each other
+ * member's decode(encode()) in member order, in float32; the result
+ * decode(encode()) of that. Byte for byte on every member; and within
+ * two encodings' error of the exact sum: each contribution's and the
+ * result's, as codec.h bounds them (fp16 and bf16 relative; the others
+ * within the range of what they encoded, checked loosely here and
+ * exactly in test_codec.c), and not the exact sum itself. */
+static void bf_coded_round(struct bf *b, const size_t *parts, enum codec codec, size_t seg,
+                           bool in_place)
+{
+    float *keep[MAX], *want = malloc(b->count * sizeof(float) + 1);
+    uint8_t *wire = malloc(codec_bytes(codec, seg) + 1);
+    float *tmp = malloc(seg * sizeof(float));
+    size_t start = 0;
+    bool differs = false;
+
+    cr_assert(want && wire && tmp);
+    memcpy(b->parts, parts, b->n * sizeof(size_t));
+    b->op = DTYPE_SUM;
+    b->in_place = in_place;
+    b->codec = codec;
+    bf_fill(b);
+    for (size_t i = 0; i < b->n; i++) {
+        keep[i] = malloc(b->count * sizeof(float) + 1);
+        memcpy(keep[i], b->m[i].in, b->count * sizeof(float));
+    }
+    for (size_t j = 0; j < b->n; start += parts[j++]) {
+        for (size_t s = start; s < start + parts[j]; s += seg) {
+            size_t len = start + parts[j] - s < seg ? start + parts[j] - s : seg;
+
+            memcpy(want + s, keep[j] + s, len * sizeof(float));
+            for (size_t i = 0; i < b->n; i++) {
+                if (i == j)
+                    continue;
+                codec_encode(codec, wire, keep[i] + s, len);
+                codec_decode(codec, tmp, wire, len);
+                for (size_t k = 0; k < len; k++)
+                    want[s + k] += tmp[k];
+            }
+            codec_round_trip(codec, want + s, wire, len);
+        }
+    }
+    bf_call(b, NULL);
+    for (size_t i = 0; i < b->n; i++) {
+        const float *got = in_place ? b->m[i].in : b->m[i].out;
+
+        cr_assert_eq(b->m[i].rc, 0, "%s: member %zu: %s", codec_name(codec), i,
+                     log_strerror(b->m[i].rc));
+        for (size_t k = 0; k < b->count; k++)
+            cr_assert(memcmp(&got[k], &want[k], sizeof(float)) == 0,
+                      "%s: member %zu element %zu: %a, want %a", codec_name(codec), i, k, got[k],
+                      want[k]);
+    }
+    for (size_t k = 0; k < b->count; k++) {
+        double exact = 0, amax = 0, err, bound;
+
+        for (size_t i = 0; i < b->n; i++) {
+            exact += keep[i][k];
+            amax += fabs((double)keep[i][k]);
+        }
+        err = fabs((double)want[k] - exact);
+        differs |= err > 0;
+        /* bf_fill's values lie in [-500, 503]: a run's range is at most
+         * 1003 x n for a sum, 1003 for a contribution. */
+        bound = codec == CODEC_FP16   ? 3 * amax * 0x1p-11
+              : codec == CODEC_BF16   ? 3 * amax * 0x1p-8
+                                      : (double)b->n * 1003 + 1003.0 * (double)b->n;
+        cr_assert_leq(err, bound, "%s: element %zu errs by %g", codec_name(codec), k, err);
+    }
+    cr_assert(differs, "%s: the result is the exact sum: was the codec applied?",
+              codec_name(codec));
+    for (size_t i = 0; i < b->n; i++)
+        free(keep[i]);
+    free(want);
+    free(wire);
+    free(tmp);
+}
+
+/* Every codec, clients first (no part) and uneven parts, segments of 1368
+ * bytes (the 8-bit quantizations' least): parts of many segments, of one
+ * element, and ending mid-segment; in place and out of it. */
+Test(butterfly, coded_parts_give_every_member_the_same_bytes)
+{
+    struct bf b;
+    size_t seg = 1368, parts[5] = { 0, 0, 1, 700, 2000 - 701 };
+
+    bf_start(&b, 5, 2000, seg, TIMEOUT_MS, NULL);
+    for (int c = 1; c < CODEC_END; c++) {
+        if (!codec_valid(c))
+            continue;
+        bf_coded_round(&b, parts, (enum codec)c, seg / sizeof(float), c % 2 == 0);
+    }
+    /* And uncoded calls on the same connections after them. */
+    b.codec = CODEC_NONE;
+    bf_round(&b, parts, DTYPE_SUM, true);
+    bf_stop(&b);
+}
+
+/* Sealed frames, a member of bandwidth 0 between reducers, and the
+ * default segments (256 KiB) with a tail. */
+Test(butterfly, coded_sealed_with_default_segments)
+{
+    struct bf b;
+    size_t count = 200003, parts[3] = { 150000, 0, 50003 };
+
+    sealed = true;
+    bf_start(&b, 3, count, 0, TIMEOUT_MS, NULL);
+    bf_coded_round(&b, parts, CODEC_QUANTILE8, (256 << 10) / sizeof(float), false);
+    bf_coded_round(&b, parts, CODEC_INT8, (256 << 10) / sizeof(float), true);
     bf_stop(&b);
 }
 

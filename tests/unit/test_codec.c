@@ -2,7 +2,9 @@
  * here: the compiler's _Float16 for fp16, a double-precision nearest-even
  * rounding for bf16, and a double-precision error bound and exact cases
  * for int8, a double-precision mean and deviation and the compiler's
- * _Float16 for meanstd16, rint() and per-bin means for uniform8; halfway
+ * _Float16 for meanstd16, rint() and per-bin means for uniform8, a sorted
+ * sample's interpolated quantiles, a linear count of the borders below
+ * each value and per-bucket means for quantile8; halfway
  * cases, NaN, Inf, subnormals, zero blocks, block extremes and short
  * tails; and every kernel variant against the baseline, byte for byte. */
 #include <criterion/criterion.h>
@@ -104,8 +106,12 @@ Test(codec, names_sizes_and_support)
         cr_assert_eq(codec_parse(codec_name((enum codec)k), &c), 0);
         cr_assert_eq(c, (enum codec)k);
     }
-    cr_assert_eq(valid, 6);
+    cr_assert_eq(valid, 7);
     cr_assert_eq(codec_bytes(CODEC_UNIFORM8, 10), 1034);
+    cr_assert_eq(codec_bytes(CODEC_QUANTILE8, 10), 1034);
+    cr_assert_eq(codec_parse("quantile8", &c), 0);
+    cr_assert_eq(c, CODEC_QUANTILE8);
+    cr_assert(!codec_supports(CODEC_QUANTILE8, DTYPE_F64));
     cr_assert_eq(codec_parse("meanstd16", &c), 0);
     cr_assert_eq(c, CODEC_MEANSTD16);
     cr_assert_eq(codec_parse("int4", &c), -EINVAL);
@@ -551,6 +557,170 @@ Test(codec, uniform8_constant_runs_and_non_finite)
     for (size_t i = 0; i < sizeof w; i++)
         w[i] = (uint8_t)(i * 37 + 11);
     codec_decode(CODEC_UNIFORM8, back, w, 64);
+}
+
+/* quantile8 against a reference built here from codec.h's definition:
+ * the sample, sorted; each border at position k (m - 1) / 256 split into
+ * its integer and fractional parts by floor(); a value's bucket the
+ * count of borders below it, by a linear scan; the codebook the
+ * per-bucket mean. Byte for byte; each value within its bucket's span
+ * of its decoding; with distinct values, no bucket holds much more than
+ * its share. Returns
+ * the largest error over values within `near` of 0. */
+static int ascending(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+static double quantile8_check(const float *x, size_t n, double near, bool distinct)
+{
+    enum { B = CODEC_UNIFORM8_BINS, S = CODEC_QUANTILE8_SAMPLE };
+    uint8_t *w = malloc(codec_bytes(CODEC_QUANTILE8, n));
+    float *back = malloc((n ? n : 1) * 4), *smp = malloc(S * 4), cb[B];
+    uint8_t *q = malloc(n ? n : 1);
+    double border[B - 1], bsum[B] = { 0 }, lo[B], hi[B], worst = 0;
+    size_t cnt[B] = { 0 }, m = n < S ? n : S;
+
+    for (size_t k = 0; k < B; k++) {
+        lo[k] = INFINITY;
+        hi[k] = -INFINITY;
+    }
+    for (size_t j = 0; j < m; j++)
+        smp[j] = x[(size_t)floor((double)j * (double)n / (double)m)];
+    qsort(smp, m, 4, ascending);
+    for (size_t k = 1; k < B && m > 0; k++) {
+        double pos = (double)k * (double)(m - 1) / B, l = floor(pos), t = pos - l;
+        double b = t > 0 ? smp[(size_t)l] + ((double)smp[(size_t)l + 1] - smp[(size_t)l]) * t
+                         : smp[(size_t)l];
+
+        border[k - 1] = k > 1 && b < border[k - 2] ? border[k - 2] : b;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t k = 0;
+
+        while (k < B - 1 && border[k] < x[i])
+            k++;
+        q[i] = (uint8_t)k;
+        bsum[k] += x[i];
+        cnt[k]++;
+        lo[k] = x[i] < lo[k] ? x[i] : lo[k];
+        hi[k] = x[i] > hi[k] ? x[i] : hi[k];
+    }
+    for (size_t k = 0; k < B; k++)
+        cb[k] = cnt[k] ? (float)(bsum[k] / (double)cnt[k]) : 0.0f;
+
+    codec_encode(CODEC_QUANTILE8, w, x, n);
+    codec_decode(CODEC_QUANTILE8, back, w, n);
+    cr_assert_eq(memcmp(w, cb, sizeof cb), 0, "codebook, n %zu", n);
+    cr_assert_eq(memcmp(w + sizeof cb, q, n), 0, "buckets, n %zu", n);
+    for (size_t i = 0; i < n; i++) {
+        double ulp = 0x1p-24 * fabs((double)back[i]);
+
+        cr_assert_eq(fbits(back[i]), fbits(cb[q[i]]), "element %zu", i);
+        cr_assert(back[i] >= lo[q[i]] - ulp && back[i] <= hi[q[i]] + ulp,
+                  "bucket %u: %a not in [%a, %a]", q[i], back[i], lo[q[i]], hi[q[i]]);
+        if (fabs((double)x[i]) <= near && fabs((double)back[i] - x[i]) > worst)
+            worst = fabs((double)back[i] - x[i]);
+    }
+    /* Distinct values fill the buckets evenly: borders (m - 1) / 256
+     * ranks apart, so each holds at most that and two more; sampled, the
+     * share is n / 256 give or take the sample's noise. */
+    for (size_t k = 0; k < B && n > 0 && distinct; k++)
+        cr_assert_leq((double)cnt[k],
+                      m == n ? (double)(m - 1) / B + 2 : 2 * (double)n / B + 2,
+                      "bucket %zu holds %zu of %zu", k, cnt[k], n);
+    free(w);
+    free(back);
+    free(smp);
+    free(q);
+    return worst;
+}
+
+Test(codec, quantile8_matches_a_reference_within_its_bound)
+{
+    size_t n = 3 * CODEC_QUANTILE8_SAMPLE + 77;     /* prime to 7919 */
+    float *x = malloc(n * 4);
+    static const float mean[] = { 0, 1000, 3e8f, 0, -2e-30f };
+    static const float spread[] = { 1, 0.01f, 1e6f, 1e30f, 1e-31f };
+
+    for (size_t k = 0; k < sizeof mean / sizeof mean[0]; k++) {
+        for (size_t i = 0; i < n; i++) {
+            /* A permutation of n steps across [-1, 1): distinct values
+             * wherever float32 resolves them (about 0). */
+            float u = 2.0f * (float)((i * 7919 + k * 131) % n) / (float)n - 1.0f;
+
+            x[i] = mean[k] + spread[k] * u;
+        }
+        quantile8_check(x, n, INFINITY, mean[k] == 0);
+        quantile8_check(x, CODEC_QUANTILE8_SAMPLE, INFINITY, mean[k] == 0);
+        quantile8_check(x, 5000, INFINITY, mean[k] == 0);
+        quantile8_check(x, 1, INFINITY, mean[k] == 0);
+        quantile8_check(x, 2, INFINITY, mean[k] == 0);
+        quantile8_check(x, 300, INFINITY, mean[k] == 0);
+    }
+    quantile8_check(x, 0, INFINITY, true);
+    free(x);
+}
+
+/* What the quantiles buy: a few huge outliers share the top bucket with
+ * the run's largest n / 256 values (whose mean they pull far off), and
+ * the rest keep a fine step; uniform8's bins, 6 sigma / 256 wide, grow
+ * with the outliers for every value. */
+Test(codec, quantile8_keeps_the_bulk_fine_beside_outliers)
+{
+    size_t n = 5000;
+    float *x = malloc(n * 4), *back = malloc(n * 4);
+    uint8_t *w = malloc(codec_bytes(CODEC_UNIFORM8, n));
+    uint64_t seed = 31;
+    double q8, u8 = 0;
+
+    for (size_t i = 0; i < n; i++)
+        x[i] = ((float)(rnd(&seed) % 2000001) - 1000000.0f) / 1000000.0f;
+    for (size_t i = 0; i < n; i += 1000)
+        x[i] = 1e6f * (float)(i / 1000 + 1);
+    q8 = quantile8_check(x, n, 0.98, true);   /* the top bucket: above about 0.994 */
+    codec_encode(CODEC_UNIFORM8, w, x, n);
+    codec_decode(CODEC_UNIFORM8, back, w, n);
+    for (size_t i = 0; i < n; i++)
+        if (fabs((double)x[i]) <= 0.98 && fabs((double)back[i] - x[i]) > u8)
+            u8 = fabs((double)back[i] - x[i]);
+    /* 254 inner buckets over [-1, 1]: about 2 / 256 wide each. */
+    cr_assert_leq(q8, 0.02, "quantile8's error near 0: %g", q8);
+    cr_assert_gt(u8, 0.5, "uniform8's error near 0: %g", u8);
+    free(x);
+    free(back);
+    free(w);
+}
+
+Test(codec, quantile8_constant_runs_and_non_finite)
+{
+    float x[64], back[64];
+    uint8_t w[4 * CODEC_UNIFORM8_BINS + 64];
+
+    cr_assert_eq(codec_bytes(CODEC_QUANTILE8, 64), sizeof w);
+    for (size_t i = 0; i < 64; i++)
+        x[i] = -7.125f;
+    codec_encode(CODEC_QUANTILE8, w, x, 64);
+    codec_decode(CODEC_QUANTILE8, back, w, 64);
+    for (size_t i = 0; i < 64; i++)
+        cr_assert_eq(back[i], -7.125f);
+    for (int bad = 0; bad < 3; bad++) {
+        for (size_t i = 0; i < 64; i++)
+            x[i] = (float)i;
+        x[40] = bad == 0 ? NAN : bad == 1 ? -INFINITY : INFINITY;
+        codec_encode(CODEC_QUANTILE8, w, x, 64);
+        codec_decode(CODEC_QUANTILE8, back, w, 64);
+        for (size_t i = 0; i < 64; i++)
+            cr_assert(isnan(back[i]), "case %d: element %zu is %a", bad, i, back[i]);
+    }
+    /* Any bytes decode to codebook entries: garbage in, no fault. */
+    for (size_t i = 0; i < sizeof w; i++)
+        w[i] = (uint8_t)(i * 37 + 11);
+    codec_decode(CODEC_QUANTILE8, back, w, 64);
+    for (size_t i = 0; i < 64; i++)
+        cr_assert_eq(memcmp(&back[i], w + 4 * (size_t)w[1024 + i], 4), 0);
 }
 
 /* The sanitized build does not vectorise; bench/compression.sh runs the

@@ -1137,7 +1137,8 @@ Test(node, compression_settings_are_checked)
     static const char *const bad[] = { "topk:0", "topk:1.5", "topk:0.0000001", "topk:", "topk:-0.1",
                                        "topk:abc", "powersgd:0", "powersgd:1025", "powersgd:2.5",
                                        "powersgd:", "int8:1", "zip", "", "topk:1.000001",
-                                       "meanstd16" /* the averager's codec only */ };
+                                       /* the averager's codecs only */
+                                       "meanstd16", "uniform8", "quantile8" };
     static const struct {
         const char *in, *out;
     } good[] = { { "topk", "topk:0.01" }, { "topk:0.25", "topk:0.25" }, { "topk:1", "topk:1" },
@@ -1157,6 +1158,7 @@ Test(node, compression_settings_are_checked)
         cr_assert(back.method == c.method && back.param == c.param);
     }
     cr_assert_eq(compress_unpack(6, &c), -EINVAL);
+    cr_assert_eq(compress_unpack(CODEC_QUANTILE8, &c), -EINVAL);
     cr_assert_eq(compress_unpack(COMPRESS_TOPK, &c), -EINVAL, "top-k with a ratio of 0");
     cr_assert_eq(compress_unpack(COMPRESS_INT8 | 1u << 8, &c), -EINVAL, "a codec with a parameter");
     cr_assert_eq(compress_unpack((uint64_t)1 << 40 | COMPRESS_NONE, &c), -EINVAL);
