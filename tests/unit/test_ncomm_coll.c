@@ -354,6 +354,10 @@ struct chan {
     pthread_mutex_t mu;
     uint64_t acc[NCOMM_XCHG_WORDS];
     int calls;
+    /* Added to the first word of the result of sum number lie_at (0:
+     * none), as a member with the key that lies would. */
+    int lie_at;
+    uint64_t lie;
 };
 
 static int chan_sum(void *arg, uint64_t *w, size_t n)
@@ -366,6 +370,8 @@ static int chan_sum(void *arg, uint64_t *w, size_t n)
     pthread_mutex_unlock(&g->mu);
     pthread_barrier_wait(&g->bar);
     memcpy(w, g->acc, n * sizeof(*w));
+    if (g->calls + 1 == g->lie_at)
+        w[0] += g->lie;
     if (pthread_barrier_wait(&g->bar) == PTHREAD_BARRIER_SERIAL_THREAD) {
         memset(g->acc, 0, sizeof(g->acc));
         g->calls++;
@@ -402,10 +408,11 @@ static void *setup_main(void *arg)
 /* An epoch among ms[idx[0]], ms[idx[1]], ... named `names` in that order:
  * each sets it up over one channel, then all-reduces with scale 1/k.
  * Returns the channel's sums; a[] gets each member's setup result. */
-static int run_setup(struct member *ms, const int *idx, size_t k, const char *const *names,
-                     uint64_t epoch, uint32_t setup_ms, struct setup_arg *a)
+static int run_setup_lying(struct member *ms, const int *idx, size_t k,
+                           const char *const *names, uint64_t epoch, uint32_t setup_ms,
+                           struct setup_arg *a, int lie_at, uint64_t lie)
 {
-    struct chan g = { .calls = 0 };
+    struct chan g = { .calls = 0, .lie_at = lie_at, .lie = lie };
     pthread_t t[SETUP_MAX];
 
     memset(g.acc, 0, sizeof(g.acc));
@@ -429,6 +436,12 @@ static int run_setup(struct member *ms, const int *idx, size_t k, const char *co
     pthread_barrier_destroy(&g.bar);
     pthread_mutex_destroy(&g.mu);
     return g.calls;
+}
+
+static int run_setup(struct member *ms, const int *idx, size_t k, const char *const *names,
+                     uint64_t epoch, uint32_t setup_ms, struct setup_arg *a)
+{
+    return run_setup_lying(ms, idx, k, names, epoch, setup_ms, a, 0, 0);
 }
 
 static void setup_shrinkable(struct fake_nccl_world *w, struct member *ms, size_t n)
@@ -651,4 +664,38 @@ Test(ncomm_setup, the_fake_refuses_what_ncclcommshrink_refuses)
     o->abort(o->arg, ca);
     ob->abort(ob->arg, cb);
     teardown(&w, ms, 3);
+}
+
+/* A member with the key that lies in a shrink's check (more failures
+ * than members) is refused by every member alike, and nothing of theirs
+ * is left live. (A lie that some members can tell and others cannot,
+ * such as none failed where one did, parts them: those that can stop, the
+ * others wait in the next sum until the engine's epoch moves on.) */
+Test(ncomm_setup, a_lying_shrink_check_is_refused_by_every_member)
+{
+    static const int abc[] = { 0, 1, 2 }, ab[] = { 0, 1 };
+    static const struct {
+        int at;
+        uint64_t lie;
+    } cases[] = {
+        { 2, 3 },                       /* three failures among two members */
+        { 3, 5 },                       /* the same at the readiness check */
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct fake_nccl_world w;
+        struct member ms[3];
+        struct setup_arg a[SETUP_MAX];
+
+        setup_shrinkable(&w, ms, 3);
+        run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a);
+        cr_assert_eq(run_setup_lying(ms, ab, 2, AB, 2, FIXTURE_WAIT_MS, a, cases[i].at,
+                                     cases[i].lie), cases[i].at, "case %zu: nothing after it", i);
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(a[k].rc_setup, -EPROTO, "case %zu, member %d", i, k);
+            cr_assert_eq(ncomm_state(ms[k].c), NCOMM_NONE);
+        }
+        cr_assert_eq(fake_nccl_live(&w), 1, "case %zu: only c's, which c never left", i);
+        teardown(&w, ms, 3);
+    }
 }
