@@ -188,7 +188,7 @@ static int do_shrink(struct ncomm *c, const char *const *members, size_t n, cons
     rc = c->ops->shrink(c->ops->arg, parent, ex, nex, &child, c->busy);
     free(ex);
     if (rc < 0 && rc != -EINPROGRESS) {
-        log_warn("gpu", "NCCL could not shrink the communicator; the next agreement rebuilds it.",
+        log_warn("gpu", "NCCL could not shrink the communicator; it is aborted, and the epoch rebuilds one.",
                  LF_ERR(rc));
         ncomm_abort(c, NCOMM_ABORT_MS);
         return rc;

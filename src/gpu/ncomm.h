@@ -14,10 +14,14 @@
  *      the new one with ncclCommInitRankConfig, non-blocking;
  *   3. ncomm_wait: poll ncclCommGetAsyncError until ready, failed, the
  *      deadline or a newer epoch; any but ready aborts it.
+ * ncomm_setup runs the three as every member does, and rebuilds in the
+ * same epoch when a shrink fails on any member.
  * Collectives (ncomm_all_reduce, ncomm_broadcast) run on a ready
  * communicator and are waited for by polling, so that an epoch change
- * (ncomm_cancel) or a deadline aborts one in flight within a bounded time.
- * An epoch change during a collective calls ncomm_abort, which is
+ * (ncomm_cancel) or a deadline ends one in flight within a bounded time:
+ * where the library can shrink, an epoch change keeps the communicator
+ * with the collective in flight for the next epoch's NCCL_SHRINK_ABORT.
+ * Otherwise an epoch change during a collective calls ncomm_abort, which is
  * bounded: an ncclCommAbort that does not return by the deadline is left
  * to finish on a thread of its own with the communicator it owns, counted
  * in ncomm_leaked(), and the machine is empty and usable at once.
