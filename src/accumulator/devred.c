@@ -15,6 +15,7 @@ struct devred {
     bool gave_up_logged;
     atomic_bool result;                 /* the last step's result is in the scratch */
     atomic_uint_fast64_t epochs;
+    atomic_uint_fast64_t shrinks;
 };
 
 int devred_create(const struct ncomm_ops *ops, const struct devred_mem *mem, struct devred **out)
@@ -67,14 +68,13 @@ static int epoch(void *arg, uint64_t number, const char *const *members, size_t 
                  const struct ncomm_cancel *cancel)
 {
     struct devred *d = arg;
-    struct ncomm_plan plan;
+    bool shrunk;
     int rc;
 
     atomic_store(&d->result, false);
     if ((rc = d->mem->enter(d->mem->arg)) < 0 ||
-        (rc = ncomm_agree(d->c, members, n, self, ch, &plan)) < 0 ||
-        (rc = ncomm_start(d->c, number, members, n, self, &plan)) < 0 ||
-        (rc = ncomm_wait(d->c, DEVRED_READY_MS, cancel)) < 0) {
+        (rc = ncomm_setup(d->c, number, members, n, self, ch, DEVRED_READY_MS, cancel,
+                          &shrunk)) < 0) {
         /* A newer epoch is no failure of NCCL's. */
         if (rc != -ESTALE)
             d->failures++;
@@ -85,7 +85,9 @@ static int epoch(void *arg, uint64_t number, const char *const *members, size_t 
     d->failures = 0;
     atomic_fetch_add(&d->epochs, 1);
     log_info("gpu", "This epoch reduces on the GPU with NCCL.", LF_U("epoch", number),
-             LF_U("members", n), LF_I("rank", ncomm_rank(d->c)), LF_B("shrunk", plan.shrink));
+             LF_U("members", n), LF_I("rank", ncomm_rank(d->c)), LF_B("shrunk", shrunk));
+    if (shrunk)
+        atomic_fetch_add(&d->shrinks, 1);
     return 0;
 }
 
@@ -176,4 +178,9 @@ unsigned devred_leaked(const struct devred *d)
 uint64_t devred_epochs(const struct devred *d)
 {
     return atomic_load(&d->epochs);
+}
+
+uint64_t devred_shrinks(const struct devred *d)
+{
+    return atomic_load(&d->shrinks);
 }

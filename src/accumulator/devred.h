@@ -9,9 +9,11 @@
  *
  * Per epoch: can() votes yes when the table has NCCL's collectives and
  * the last DEVRED_TRIES_MAX setups did not all fail (a cluster without
- * NCCL connectivity stops trying, and says so once); epoch() agrees on
- * the communicator (ncomm_agree over the node's channel), starts it and
- * waits at most DEVRED_READY_MS; host() aborts it. The gradient step
+ * NCCL connectivity stops trying, and says so once); epoch() makes the
+ * communicator (ncomm_setup over the node's channel: a shrink of the
+ * previous one where members only left and NCCL has ncclCommShrink, a
+ * rebuild otherwise or when the shrink fails), waiting at most
+ * DEVRED_READY_MS; host() aborts it. The gradient step
  * reduces the trainer's gradients into a scratch area of the device, the
  * mean over the round's contributions (ncclPreMulSum by 1/contributions),
  * never in place: an epoch change aborts it part way, and the
@@ -82,8 +84,10 @@ struct node_device devred_device(struct devred *d);
  * start. Safe from any thread. */
 bool devred_take_result(struct devred *d);
 
-/* Collectives that overran their abort deadline (ncomm_leaked), and
- * epochs reduced on the device so far. */
+/* Collectives that overran their abort deadline (ncomm_leaked), epochs
+ * reduced on the device so far, and how many of them got their
+ * communicator by shrinking the previous one. */
 unsigned devred_leaked(const struct devred *d);
 uint64_t devred_epochs(const struct devred *d);
+uint64_t devred_shrinks(const struct devred *d);
 #endif

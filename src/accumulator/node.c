@@ -624,10 +624,11 @@ static int device_epoch(struct node *n)
         return -ENOMEM;
     for (size_t i = 0; i < m; i++)
         ids[i] = n->cur->members[i].id;
-    /* The agreement takes one or two sums: two rounds are kept for it on
-     * every member alike, so the epoch's next rounds stay in step. */
+    /* The agreement takes up to NCOMM_SETUP_SUMS sums: that many rounds
+     * are kept for it on every member alike, so the epoch's next rounds
+     * stay in step. */
     rc = gpuchan_init(&g, n->ar, round_of(n));
-    n->step++;
+    n->step += NCOMM_SETUP_SUMS - 1;
     if (rc < 0) {
         free(ids);
         return rc;

@@ -88,31 +88,16 @@ bool ncomm_can_shrink(const struct ncomm *c, const char *const *members, size_t 
     return j == n && index_of(members, n, c->members[c->rank]) >= 0;
 }
 
-int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const char *self,
-                const struct ncomm_channel *ch, struct ncomm_plan *plan)
+/* The rebuild's sum: the first member (me == 0) makes the unique id and
+ * gives it, the others give zeros. Every member takes part whatever it
+ * voted, so the epoch's all-reduces stay in step. */
+static int exchange_id(struct ncomm *c, int me, const struct ncomm_channel *ch,
+                       struct ncomm_plan *plan)
 {
-    uint64_t mine, vote, x[NCOMM_XCHG_WORDS] = { 0 };
+    uint64_t x[NCOMM_XCHG_WORDS] = { 0 };
     struct ncomm_id id;
-    int me, rc;
+    int rc;
 
-    if (n == 0 || n > NCOMM_MEMBERS_MAX)
-        return -EINVAL;
-    me = index_of(members, n, self);
-    if (me < 0)
-        return -EINVAL;
-    mine = vote = ncomm_can_shrink(c, members, n) ? 1 : 0;
-    rc = ch->sum_u64(ch->arg, &vote, 1);
-    if (rc < 0)
-        return rc;
-    /* More votes than members, or all of them without this one's. */
-    if (vote > n || (vote == n && !mine))
-        return -EPROTO;
-    if (vote == n) {
-        *plan = (struct ncomm_plan){ .shrink = true };
-        return 0;
-    }
-    /* A rebuild. Every member takes part in this sum whatever it voted,
-     * so the epoch's all-reduces stay in step. */
     if (me == 0) {
         rc = c->ops->get_unique_id(c->ops->arg, &id);
         if (rc < 0) {
@@ -133,6 +118,31 @@ int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const cha
     *plan = (struct ncomm_plan){ .shrink = false };
     memcpy(plan->id.b, &x[1], NCOMM_ID_BYTES);
     return 0;
+}
+
+int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const char *self,
+                const struct ncomm_channel *ch, struct ncomm_plan *plan)
+{
+    uint64_t mine, vote;
+    int me, rc;
+
+    if (n == 0 || n > NCOMM_MEMBERS_MAX)
+        return -EINVAL;
+    me = index_of(members, n, self);
+    if (me < 0)
+        return -EINVAL;
+    mine = vote = ncomm_can_shrink(c, members, n) ? 1 : 0;
+    rc = ch->sum_u64(ch->arg, &vote, 1);
+    if (rc < 0)
+        return rc;
+    /* More votes than members, or all of them without this one's. */
+    if (vote > n || (vote == n && !mine))
+        return -EPROTO;
+    if (vote == n) {
+        *plan = (struct ncomm_plan){ .shrink = true };
+        return 0;
+    }
+    return exchange_id(c, me, ch, plan);
 }
 
 static int copy_members(struct ncomm *c, const char *const *members, size_t n, const char *self)
@@ -178,7 +188,7 @@ static int do_shrink(struct ncomm *c, const char *const *members, size_t n, cons
     rc = c->ops->shrink(c->ops->arg, parent, ex, nex, &child, c->busy);
     free(ex);
     if (rc < 0 && rc != -EINPROGRESS) {
-        log_warn("gpu", "NCCL could not shrink the communicator; the next agreement rebuilds it.",
+        log_warn("gpu", "NCCL could not shrink the communicator; it is aborted, and the epoch rebuilds one.",
                  LF_ERR(rc));
         ncomm_abort(c, NCOMM_ABORT_MS);
         return rc;
@@ -277,10 +287,95 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel 
     return 0;
 }
 
+/* One word summed over `ch`: how many members' shrink failed. Returns
+ * the count, or the channel's -errno, or -EPROTO for a count no honest
+ * set of members gives. */
+static int64_t shrink_failures(const struct ncomm_channel *ch, size_t n, bool failed)
+{
+    uint64_t w = failed ? 1 : 0;
+    int rc = ch->sum_u64(ch->arg, &w, 1);
+
+    if (rc < 0)
+        return rc;
+    if (w > n || (failed && w == 0))
+        return -EPROTO;
+    return (int64_t)w;
+}
+
+int ncomm_setup(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
+                const char *self, const struct ncomm_channel *ch, uint32_t deadline_ms,
+                const struct ncomm_cancel *cancel, bool *shrunk)
+{
+    struct ncomm_plan plan;
+    int64_t failed;
+    bool stale = false;
+    int rc;
+
+    *shrunk = false;
+    rc = ncomm_agree(c, members, n, self, ch, &plan);
+    if (rc < 0)
+        return rc;
+    if (plan.shrink) {
+        /* Every member learns whether every shrink was started, and then
+         * whether every child became ready: a shrink is collective among
+         * the survivors, so one that failed anywhere holds the others up
+         * until their deadline, and the epoch would go without NCCL. */
+        rc = ncomm_start(c, epoch, members, n, self, &plan);
+        failed = shrink_failures(ch, n, rc < 0);
+        if (failed == 0) {
+            rc = ncomm_wait(c, deadline_ms, cancel);
+            stale = rc == -ESTALE;
+            failed = shrink_failures(ch, n, rc < 0);
+            if (failed == 0) {
+                *shrunk = true;
+                return 0;
+            }
+        }
+        if (failed < 0) {
+            ncomm_abort(c, NCOMM_ABORT_MS);
+            return (int)failed;
+        }
+        log_warn("gpu", "Shrinking the NCCL communicator failed; every member rebuilds it.",
+                 LF_U("epoch", epoch), LF_U("members_failed", (uint64_t)failed));
+        ncomm_abort(c, NCOMM_ABORT_MS);
+        /* Every member is without a communicator now, so this is the
+         * rebuild's sum on all of them alike. */
+        rc = exchange_id(c, index_of(members, n, self), ch, &plan);
+        if (rc < 0)
+            return rc;
+        /* This member's rank never joins: the others' wait ends at the
+         * newer epoch, as on any rebuild it misses. */
+        if (stale)
+            return -ESTALE;
+    }
+    rc = ncomm_start(c, epoch, members, n, self, &plan);
+    if (rc < 0)
+        return rc;
+    return ncomm_wait(c, deadline_ms, cancel);
+}
+
 /* Polls without sleeping this many times before sleeping POLL_SLEEP_MS
  * between polls: a small collective finishes in microseconds, and a
  * millisecond's sleep would be most of its cost. */
 #define SPIN_POLLS 2000
+
+/* A newer epoch arrived during a collective (or between a broadcast's
+ * pieces). Where the library can shrink, the communicator is kept, busy:
+ * the next epoch's survivors shrink it with NCCL_SHRINK_ABORT, which
+ * terminates what is in flight first (a member gone mid-collective is
+ * what leaves one hanging). Anything else aborts it: a rebuild or a
+ * host-staged epoch calls ncomm_abort, and so does ncomm_destroy. */
+static void stale_in_flight(struct ncomm *c, const char *what)
+{
+    if (c->ops->shrink) {
+        log_info("gpu", "A newer epoch arrived during an NCCL collective; it is left for the next epoch to shrink away.",
+                 LF_S("collective", what), LF_U("epoch", c->epoch));
+        return;
+    }
+    log_info("gpu", "A newer epoch arrived during an NCCL collective; it is aborted.",
+             LF_S("collective", what), LF_U("epoch", c->epoch));
+    ncomm_abort(c, NCOMM_ABORT_MS);
+}
 
 /* Waits for the collective just queued (queued_rc: the call's result) to
  * finish on `stream`. Any failure aborts the communicator. */
@@ -310,11 +405,8 @@ static int wait_collective(struct ncomm *c, int queued_rc, void *stream, uint64_
                 goto fail;
         }
         if (cancel && cancel->stale(cancel->arg)) {
-            rc = -ESTALE;
-            log_info("gpu", "A newer epoch arrived during an NCCL collective; it is aborted.",
-                     LF_S("collective", what), LF_U("epoch", c->epoch));
-            ncomm_abort(c, NCOMM_ABORT_MS);
-            return rc;
+            stale_in_flight(c, what);
+            return -ESTALE;
         }
         if (clock_now_ms() >= until) {
             rc = -ETIMEDOUT;
@@ -370,7 +462,7 @@ int ncomm_broadcast(struct ncomm *c, uint64_t send, uint64_t recv, size_t bytes,
         uint64_t until = clock_now_ms() + deadline_ms;
 
         if (cancel && cancel->stale(cancel->arg)) {
-            ncomm_abort(c, NCOMM_ABORT_MS);
+            stale_in_flight(c, "broadcast");
             return -ESTALE;
         }
         c->busy = true;

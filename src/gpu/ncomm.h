@@ -14,10 +14,14 @@
  *      the new one with ncclCommInitRankConfig, non-blocking;
  *   3. ncomm_wait: poll ncclCommGetAsyncError until ready, failed, the
  *      deadline or a newer epoch; any but ready aborts it.
+ * ncomm_setup runs the three as every member does, and rebuilds in the
+ * same epoch when a shrink fails on any member.
  * Collectives (ncomm_all_reduce, ncomm_broadcast) run on a ready
  * communicator and are waited for by polling, so that an epoch change
- * (ncomm_cancel) or a deadline aborts one in flight within a bounded time.
- * An epoch change during a collective calls ncomm_abort, which is
+ * (ncomm_cancel) or a deadline ends one in flight within a bounded time:
+ * where the library can shrink, an epoch change keeps the communicator
+ * with the collective in flight for the next epoch's NCCL_SHRINK_ABORT.
+ * Otherwise an epoch change during a collective calls ncomm_abort, which is
  * bounded: an ncclCommAbort that does not return by the deadline is left
  * to finish on a thread of its own with the communicator it owns, counted
  * in ncomm_leaked(), and the machine is empty and usable at once.
@@ -37,6 +41,8 @@
 /* Words of the id exchange: the count of members that gave an id, then the id. */
 #define NCOMM_XCHG_WORDS (1 + NCOMM_ID_WORDS)
 #define NCOMM_MEMBERS_MAX 4096  /* a longer member list is refused */
+/* Sums ncomm_setup takes at most: the vote, a shrink's two checks, the id. */
+#define NCOMM_SETUP_SUMS 4
 /* How long an abort inside ncomm_start, ncomm_wait and ncomm_destroy may
  * take before it is left to its thread (ncomm_leaked). */
 #define NCOMM_ABORT_MS 10000
@@ -131,8 +137,8 @@ bool ncomm_can_shrink(const struct ncomm *c, const char *const *members, size_t 
 int ncomm_agree(struct ncomm *c, const char *const *members, size_t n, const char *self,
                 const struct ncomm_channel *ch, struct ncomm_plan *plan);
 
-/* Step 2: moves to `epoch` as `plan` says. A shrink that fails falls back
- * to nothing: the caller agrees again (every member's vote is then no).
+/* Step 2: moves to `epoch` as `plan` says. A shrink that fails leaves
+ * nothing: ncomm_setup then rebuilds with every member.
  * Returns 0 (state STARTING or READY), -EINVAL, or NCCL's error with the
  * machine left in NCOMM_NONE. `members` and `self` are copied. */
 int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
@@ -144,11 +150,26 @@ int ncomm_start(struct ncomm *c, uint64_t epoch, const char *const *members, siz
  * been aborted and the state is NONE. */
 int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel *cancel);
 
+/* Steps 1 to 3 for one epoch, as every member runs them: agree; on a
+ * shrink, start it, then one sum over `ch` says whether every member
+ * started one, and after the wait another whether every child is ready;
+ * if any is not, every member aborts what it has and rebuilds (the id's
+ * sum, start, wait), in the same epoch. *shrunk says which. At most
+ * NCOMM_SETUP_SUMS sums, the same number on every member. Returns 0
+ * (READY), or as ncomm_agree and ncomm_wait; on failure the state is
+ * NONE, or, for -ESTALE, whatever a newer epoch's setup will undo. */
+int ncomm_setup(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
+                const char *self, const struct ncomm_channel *ch, uint32_t deadline_ms,
+                const struct ncomm_cancel *cancel, bool *shrunk);
+
 /* An all-reduce on the ready communicator (ops->all_reduce), waited for
  * until it has finished on `stream`: polls ncclCommGetAsyncError and the
- * stream. A newer epoch (cancel, may be NULL), the deadline or NCCL's
- * error aborts the communicator (bounded, as ncomm_abort): what was in
- * flight is cancelled, `recv` holds no result, and the state is NONE.
+ * stream. The deadline or NCCL's error aborts the communicator (bounded,
+ * as ncomm_abort): what was in flight is cancelled, `recv` holds no
+ * result, and the state is NONE. A newer epoch (cancel, may be NULL)
+ * does the same where the library has no ncclCommShrink; where it has,
+ * the communicator stays READY with the collective in flight, for the
+ * next epoch to shrink with NCCL_SHRINK_ABORT or abort.
  * Returns 0, -ENOTCONN (not ready), -EINVAL, -ESTALE (cancelled),
  * -ETIMEDOUT, -ELIBACC (the table lacks the calls), or NCCL's error. */
 int ncomm_all_reduce(struct ncomm *c, uint64_t send, uint64_t recv, size_t count,

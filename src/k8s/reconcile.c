@@ -220,7 +220,7 @@ static bool dns_subdomain(const char *s)
 static int parse_gpu(const cJSON *g, struct reconcile_spec *s, struct reconcile_why *why)
 {
     const char *mode = str(g, "mode");
-    const cJSON *cls = get(g, "deviceClassName");
+    const cJSON *cls = get(g, "deviceClassName"), *red = get(g, "reduce");
     long v;
 
     if (!g)
@@ -244,6 +244,16 @@ static int parse_gpu(const cJSON *g, struct reconcile_spec *s, struct reconcile_
                       "(lower case letters, digits, '-' and '.'), at most 253 characters");
     if (s->gpu_mode == RECONCILE_GPU_DRA)
         s->gpu_class = cls ? cls->valuestring : RECONCILE_GPU_CLASS_DEFAULT;
+    /* Only with dra does the sidecar see the GPU and so reduce anything
+     * of it; with devicePlugin the field would change nothing. */
+    if (red && s->gpu_mode != RECONCILE_GPU_DRA)
+        return refuse(why, "InvalidGPU", "spec.gpu.reduce is only for mode dra");
+    if (red && !(cJSON_IsString(red) && (strcmp(red->valuestring, "nccl") == 0 ||
+                                         strcmp(red->valuestring, "host") == 0)))
+        return refuse(why, "InvalidGPU", "spec.gpu.reduce must be nccl or host");
+    if (s->gpu_mode == RECONCILE_GPU_DRA)
+        s->gpu_reduce = !red ? RECONCILE_GPU_REDUCE_DEFAULT
+                        : strcmp(red->valuestring, "host") == 0 ? "host" : "nccl";
     return 0;
 }
 
@@ -650,7 +660,7 @@ static int add_gpu(const cJSON *tc, cJSON *spec)
     struct reconcile_why why;
     cJSON *trainer = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(spec, "containers"), 0);
     cJSON *sidecar = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(spec, "initContainers"), 0);
-    cJSON *claims, *claim, *res, *lim, *req;
+    cJSON *claims, *claim, *res, *lim, *req, *args, *flag;
     char name[IDENT_NAME_MAX + 1], num[16];
 
     if (parse_gpu(get(get(tc, "spec"), "gpu"), &s, &why) < 0)
@@ -686,6 +696,16 @@ static int add_gpu(const cJSON *tc, cJSON *spec)
         return -ENOMEM;
     if (list_gpu_claim(trainer) < 0 || list_gpu_claim(sidecar) < 0)
         return -ENOMEM;
+    /* The sidecar sees the GPU: how it reduces the trainer's gradients. */
+    args = cJSON_GetObjectItemCaseSensitive(sidecar, "args");
+    if (!cJSON_IsArray(args))
+        return -EINVAL;
+    if (!(flag = cJSON_CreateString("--gpu-reduce")))
+        return -ENOMEM;
+    cJSON_AddItemToArray(args, flag);
+    if (!(flag = cJSON_CreateString(s.gpu_reduce)))
+        return -ENOMEM;
+    cJSON_AddItemToArray(args, flag);
     return 0;
 }
 

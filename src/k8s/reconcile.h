@@ -100,6 +100,7 @@
 #define RECONCILE_GPU_REQUEST "gpu"
 #define RECONCILE_GPU_TEMPLATE_SUFFIX "-gpu"
 #define RECONCILE_GPU_CLASS_DEFAULT "gpu.nvidia.com"
+#define RECONCILE_GPU_REDUCE_DEFAULT "nccl"
 #define RECONCILE_GPU_RESOURCE "nvidia.com/gpu"
 #define RECONCILE_DRA_API_VERSION "resource.k8s.io/v1beta1"
 #define RECONCILE_DRA_KIND "ResourceClaimTemplate"
@@ -138,6 +139,9 @@ struct reconcile_spec {
     enum reconcile_gpu_mode gpu_mode;
     uint32_t gpu_count;
     const char *gpu_class;
+    /* spec.gpu.reduce, mode dra only: "nccl" (the default) or "host", the
+     * sidecar's --gpu-reduce (static, or NULL without mode dra). */
+    const char *gpu_reduce;
 };
 
 /* Why a cohort cannot be reconciled: a condition reason (CamelCase) and a
@@ -199,7 +203,8 @@ const char *reconcile_pull_policy(const char *s);
  * RECONCILE_GPU_CLAIM from the cohort's ResourceClaimTemplate
  * (reconcile_gpu_template()), and both the first container of the
  * template (the trainer) and the sidecar list it in resources.claims,
- * so that both see the same devices; with mode devicePlugin, the first
+ * so that both see the same devices, and the sidecar is told
+ * --gpu-reduce with spec.gpu.reduce (nccl unless it says host); with mode devicePlugin, the first
  * container alone gets RECONCILE_GPU_RESOURCE: count in its limits and
  * requests (replacing what the template said of it).
  * Security defaults (docs/operator.md, "Security context"): the sidecar

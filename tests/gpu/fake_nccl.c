@@ -19,8 +19,18 @@
  * ranks that queued it, which is how cohort's non-blocking calls wait.
  * The stream has nothing left to do once it is done.
  *
+ * ncclCommShrink, as 2.27's: non-blocking only; called by the ranks that
+ * remain, each with the same excluded ranks (one out of range, listed
+ * twice, the caller itself, none or all is ncclInvalidArgument); the
+ * child is ready once every remaining rank has called it, its ranks the
+ * parent's renumbered in order. NCCL_SHRINK_ABORT terminates a
+ * collective in flight on the parent (it never finishes, and the parent
+ * takes no more); without it, a parent with a collective in flight on
+ * the caller's rank gives a child that never becomes ready. The parent
+ * stays until ncclCommAbort.
+ *
  * What it cannot show: anything of NCCL's transports, of a GPU, or of
- * ranks in different processes. Version 2.26: no ncclCommShrink.
+ * ranks in different processes. Version 2.27.
  */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
@@ -47,6 +57,10 @@ struct part {
 struct group {
     struct group *next;
     ncclUniqueId id;
+    struct group *parent;       /* a shrink's child: its parent, and who left */
+    unsigned exclude;
+    bool revoked;               /* NCCL_SHRINK_ABORT terminated its work */
+    bool stuck;                 /* shrunk under work in flight: never ready */
     int nranks, joined, refs;
     uint64_t done;
     int parts;
@@ -73,7 +87,7 @@ static unsigned ids_made;
 
 EXPORT ncclResult_t ncclGetVersion(int *version)
 {
-    *version = 22600;
+    *version = 22700;
     return ncclSuccess;
 }
 
@@ -111,7 +125,7 @@ EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUni
         return ncclSystemError;
     pthread_mutex_lock(&mu);
     for (g = groups; g; g = g->next)
-        if (memcmp(g->id.internal, commId.internal, sizeof(commId.internal)) == 0)
+        if (!g->parent && memcmp(g->id.internal, commId.internal, sizeof(commId.internal)) == 0)
             break;
     if (!g) {
         g = calloc(1, sizeof(*g));
@@ -142,7 +156,8 @@ EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUni
 EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError)
 {
     pthread_mutex_lock(&mu);
-    *asyncError = comm->g->joined < comm->g->nranks || comm->queued > comm->g->done
+    *asyncError = comm->g->joined < comm->g->nranks || comm->g->stuck ||
+                          (comm->queued > comm->g->done && !comm->g->revoked)
                       ? ncclInProgress
                       : ncclSuccess;
     pthread_mutex_unlock(&mu);
@@ -160,6 +175,10 @@ EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm)
         for (p = &groups; *p != comm->g; p = &(*p)->next)
             ;
         *p = comm->g->next;
+        /* A child outlives its parent: it forgets it. */
+        for (struct group *k = groups; k; k = k->next)
+            if (k->parent == comm->g)
+                k->parent = NULL;
         free(comm->g);
     }
     pthread_mutex_unlock(&mu);
@@ -237,7 +256,7 @@ static ncclResult_t queue(ncclComm_t comm, bool bcast, const void *send, void *r
     struct group *g = comm->g;
 
     pthread_mutex_lock(&mu);
-    if (g->joined < g->nranks || comm->queued > g->done) {
+    if (g->joined < g->nranks || g->revoked || comm->queued > g->done) {
         pthread_mutex_unlock(&mu);
         return ncclInvalidUsage;        /* not ready, or one still in flight */
     }
@@ -277,4 +296,62 @@ EXPORT ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t c
     if (root < 0 || root >= comm->g->nranks)
         return ncclInvalidArgument;
     return queue(comm, true, sendbuff, recvbuff, count, datatype, 1.0, root);
+}
+
+EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
+                                   ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags)
+{
+    struct group *g, *p;
+    struct ncclComm *c;
+    unsigned mask = 0;
+    int below = 0;
+
+    *newcomm = NULL;
+    if (!comm || !config || config->blocking != 0 ||
+        (shrinkFlags != NCCL_SHRINK_DEFAULT && shrinkFlags != NCCL_SHRINK_ABORT))
+        return ncclInvalidArgument;
+    p = comm->g;
+    if (excludeRanksCount < 1 || excludeRanksCount >= p->nranks || !excludeRanksList)
+        return ncclInvalidArgument;
+    for (int i = 0; i < excludeRanksCount; i++) {
+        int r = excludeRanksList[i];
+
+        if (r < 0 || r >= p->nranks || (mask & (1u << r)) || r == comm->rank)
+            return ncclInvalidArgument;
+        mask |= 1u << r;
+        below += r < comm->rank;
+    }
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return ncclSystemError;
+    pthread_mutex_lock(&mu);
+    if (shrinkFlags == NCCL_SHRINK_ABORT) {
+        p->revoked = true;
+        p->parts = 0;
+    }
+    for (g = groups; g; g = g->next)
+        if (g->parent == p && g->exclude == mask)
+            break;
+    if (!g) {
+        g = calloc(1, sizeof(*g));
+        if (!g) {
+            pthread_mutex_unlock(&mu);
+            free(c);
+            return ncclSystemError;
+        }
+        g->parent = p;
+        g->exclude = mask;
+        g->nranks = p->nranks - excludeRanksCount;
+        g->next = groups;
+        groups = g;
+    }
+    if (shrinkFlags == NCCL_SHRINK_DEFAULT && !p->revoked && comm->queued > p->done)
+        g->stuck = true;
+    g->joined++;
+    g->refs++;
+    c->g = g;
+    c->rank = comm->rank - below;
+    pthread_mutex_unlock(&mu);
+    *newcomm = c;
+    return ncclInProgress;
 }

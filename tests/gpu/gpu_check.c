@@ -451,6 +451,67 @@ static void nccl_one_rank(void)
     report("NCCL communicator of one rank (non-blocking create, poll, abort)", rc, NULL);
 }
 
+/* NCCL on two GPUs: a communicator of two ranks, rank i on device i
+ * (made current with a region of its own), then rank 1 leaves and rank 0
+ * shrinks it to one with ncclCommShrink, through the same machine as an
+ * epoch's. One thread drives both ranks: the calls are non-blocking. */
+static void nccl_shrink(struct cudrv *d)
+{
+    static const char *const ab[] = { "a", "b" }, *const a[] = { "a" };
+    const char *what = "NCCL shrink of a communicator of two ranks on two GPUs to one "
+                       "(ncclCommShrink, non-blocking)";
+    const struct ncomm_ops *ops;
+    struct ncomm *c[2] = { NULL, NULL };
+    struct vmm_region *r[2] = { NULL, NULL };
+    struct ncomm_plan plan = { .shrink = false };
+    const char *detail = NULL;
+    int fd, rc;
+
+    rc = nccllib_load(&ops);
+    if (rc < 0) {
+        printf("test-gpu: %s: skipped (NCCL could not be loaded)\n", what);
+        return;
+    }
+    if (!ops->shrink) {
+        printf("test-gpu: %s: skipped (NCCL %d has no ncclCommShrink; 2.27 has)\n", what,
+               nccllib_version());
+        return;
+    }
+    rc = ops->get_unique_id(ops->arg, &plan.id);
+    for (int i = 0; rc == 0 && i < 2; i++) {
+        rc = vmm_export(d, i, 1, &r[i], &fd);
+        if (rc == 0) {
+            close(fd);
+            rc = vmm_enter(r[i]);
+        }
+        if (rc == 0)
+            rc = ncomm_create(ops, &c[i]);
+        if (rc == 0)
+            rc = ncomm_start(c[i], 1, ab, 2, ab[i], &plan);
+    }
+    for (int i = 0; rc == 0 && i < 2; i++)
+        rc = ncomm_wait(c[i], TIMEOUT_MS, NULL);
+    if (rc == 0) {
+        /* b leaves; a, alone, shrinks. */
+        ncomm_abort(c[1], TIMEOUT_MS);
+        rc = vmm_enter(r[0]);
+    }
+    if (rc == 0)
+        rc = ncomm_start(c[0], 2, a, 1, a[0], &(struct ncomm_plan){ .shrink = true });
+    if (rc == 0)
+        rc = ncomm_wait(c[0], TIMEOUT_MS, NULL);
+    if (rc == 0 && (ncomm_state(c[0]) != NCOMM_READY || ncomm_rank(c[0]) != 0 ||
+                    ncomm_epoch(c[0]) != 2)) {
+        rc = -EBADMSG;
+        detail = "the shrunk communicator is not rank 0 of epoch 2, ready";
+    }
+    for (int i = 0; i < 2; i++) {
+        ncomm_destroy(c[i]);
+        vmm_destroy(r[i]);
+    }
+    report(what, rc, detail);
+}
+
 int main(int argc, char **argv)
 {
     struct cudrv *d = NULL;
@@ -493,11 +554,13 @@ int main(int argc, char **argv)
     two_sidecars(d, false);
     if (!driver_only) {
         nccl_one_rank();
-        if (n >= 2)
+        if (n >= 2) {
             two_sidecars(d, true);
-        else
+            nccl_shrink(d);
+        } else {
             printf("test-gpu: NCCL across two GPUs: skipped (%d device visible; NCCL needs a "
                    "GPU per rank).\n", n);
+        }
     }
     cudrv_close(d);
     printf("test-gpu: %s.\n", failures ? "FAILED" : "passed");

@@ -8,6 +8,8 @@ with dynamic resource allocation does) and the process kubelet.
   sidecar both listing the claim; a changed spec.gpu makes the template
   again and rolls the pods; a template deleted by hand is made again
   before the next pod; deleting the cohort takes the template with it;
+  spec.gpu.reduce is the sidecar's --gpu-reduce, and a change of it rolls
+  the pods onto the new argument;
 - mode devicePlugin: the trainer alone gets nvidia.com/gpu, no template;
 - bad spec.gpu values are refused by the API server with the CRD's words,
   and nothing is stored;
@@ -151,6 +153,29 @@ def test_dra_pods_share_one_claim_between_trainer_and_sidecar(cluster):
                "gd's template and pods to go with it")
 
 
+def gpu_reduce_of(pod):
+    args = sidecar_of(pod)["args"]
+    at = [i for i, a in enumerate(args) if a == "--gpu-reduce"]
+    assert len(at) <= 1, args
+    return args[at[0] + 1] if at else None
+
+
+def test_gpu_reduce_is_the_sidecars_argument_and_a_change_rolls_the_pods(cluster):
+    c = cluster
+    apply(c, manifest("gr", {"mode": "dra", "reduce": "host"}))
+    pods = wait_until(lambda: len(live_pods(c, "gr")) == 2 and live_pods(c, "gr"),
+                      "two pods of gr")
+    assert [gpu_reduce_of(p) for p in pods] == ["host", "host"]
+    old_hash = pods[0]["metadata"]["labels"]["cohort.dev/template-hash"]
+    c.kubectl("patch", "tc", "gr", "--type", "merge", "-p",
+              json.dumps({"spec": {"gpu": {"reduce": None}}}))
+    pods = wait_until(lambda: len(live_pods(c, "gr")) == 2 and all(
+        p["metadata"]["labels"]["cohort.dev/template-hash"] != old_hash
+        for p in live_pods(c, "gr")) and live_pods(c, "gr"), "gr's pods to roll", timeout=120)
+    assert [gpu_reduce_of(p) for p in pods] == ["nccl", "nccl"], "the default, nccl"
+    c.kubectl("delete", "tc", "gr", "--wait=true")
+
+
 def test_a_template_deleted_by_hand_is_made_again_before_new_pods(cluster):
     c = cluster
     apply(c, manifest("gx", {"mode": "dra"}, replicas=1))
@@ -193,6 +218,8 @@ def test_device_plugin_gives_the_trainer_alone_the_gpus(cluster):
      "spec.gpu.deviceClassName is only for mode dra"),
     ({"mode": "dra", "deviceClassName": "GPU_class"}, "spec.gpu.deviceClassName: Invalid value"),
     ({"mode": "dra", "vendor": "x"}, 'unknown field "spec.gpu.vendor"'),
+    ({"mode": "devicePlugin", "reduce": "host"}, "spec.gpu.reduce is only for mode dra"),
+    ({"mode": "dra", "reduce": "gloo"}, 'spec.gpu.reduce: Unsupported value: "gloo"'),
 ])
 def test_a_bad_gpu_spec_is_refused_by_the_api_server(cluster, gpu, words):
     c = cluster

@@ -117,6 +117,10 @@ def test_two_sidecars_reduce_with_nccl_on_two_devices_against_the_stand_ins():
     assert re.search(r"NCCL reduction of two trainers.*: ok", out.stdout), out.stdout
     assert re.search(r"This epoch reduces on the GPU with NCCL\. epoch=\d+ members=2", out.stderr), \
         out.stderr
+    # The stand-in is NCCL 2.27: nccllib finds ncclCommShrink, and a
+    # communicator of two shrinks to the one rank left.
+    assert re.search(r"NCCL shrink of a communicator of two ranks on two GPUs to one .*: ok",
+                     out.stdout), out.stdout
     # A result that cannot be copied from the scratch ends the session.
     out = subprocess.run([GPU_CHECK],
                          env=nccl_env(COHORT_FAKE_CUDA_DEVICES=DEVICE + "," + DEVICE_2,

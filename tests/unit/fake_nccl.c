@@ -17,6 +17,11 @@ struct part {
 struct fake_nccl_group {
     struct fake_nccl_group *next;
     struct ncomm_id id;
+    /* A shrink's child: its parent group and the parent's ranks left out. */
+    struct fake_nccl_group *parent;
+    unsigned exclude;
+    bool revoked;                       /* NCCL_SHRINK_ABORT terminated its work */
+    bool stuck;                         /* shrunk under work in flight: never ready */
     int nranks, joined;
     uint64_t done;                      /* collectives finished */
     /* The collective being gathered (number done + 1). */
@@ -93,7 +98,7 @@ static int f_init(void *arg, void **comm, int nranks, const struct ncomm_id *id,
         return -EINVAL;
     pthread_mutex_lock(&w->mu);
     for (g = w->groups; g; g = g->next)
-        if (memcmp(g->id.b, id->b, sizeof(id->b)) == 0)
+        if (!g->parent && memcmp(g->id.b, id->b, sizeof(id->b)) == 0)
             break;
     if (!g) {
         g = calloc(1, sizeof(*g));
@@ -121,7 +126,8 @@ static int f_async(void *arg, void *comm)
     int rc;
 
     pthread_mutex_lock(&f->w->mu);
-    rc = !c->live ? -EINVAL : c->g->joined < c->g->nranks ? -EINPROGRESS : 0;
+    rc = !c->live ? -EINVAL
+         : c->g->joined < c->g->nranks || c->g->stuck ? -EINPROGRESS : 0;
     pthread_mutex_unlock(&f->w->mu);
     return rc;
 }
@@ -184,7 +190,8 @@ static int queue(struct fake_nccl *f, struct fake_nccl_comm *c, enum kind kind, 
     struct fake_nccl_group *g = c->g;
 
     pthread_mutex_lock(&f->w->mu);
-    if (!c->live || (kind == K_ALLREDUCE && type != NCOMM_F32 && type != NCOMM_F64)) {
+    if (!c->live || g->revoked ||
+        (kind == K_ALLREDUCE && type != NCOMM_F32 && type != NCOMM_F64)) {
         pthread_mutex_unlock(&f->w->mu);
         return -EINVAL;
     }
@@ -238,6 +245,71 @@ static int f_stream_query(void *arg, void *stream)
     rc = !s->g || s->g->done >= s->seq ? 0 : -EINPROGRESS;
     pthread_mutex_unlock(&f->w->mu);
     return rc;
+}
+
+/* ncclCommShrink, non-blocking: the child is in progress until every
+ * remaining rank has called it with the same exclusions. */
+static int f_shrink(void *arg, void *comm, const int *exclude, int nexclude, void **newcomm,
+                    bool cancel)
+{
+    struct fake_nccl *f = arg;
+    struct fake_nccl_world *w = f->w;
+    struct fake_nccl_comm *c = comm, *child;
+    struct fake_nccl_group *g, *p = c->g;
+    unsigned mask = 0;
+    int below = 0;
+
+    note(f, "shrink(r%d,-%d%s) ", c->rank, nexclude, cancel ? ",abort" : "");
+    if (f->fail_shrink)
+        return f->fail_shrink;
+    pthread_mutex_lock(&w->mu);
+    if (!c->live || nexclude < 1 || nexclude >= p->nranks || w->ncomms == FAKE_NCCL_COMMS)
+        goto invalid;
+    for (int i = 0; i < nexclude; i++) {
+        /* A rank out of range, listed twice, or the caller itself: NCCL
+         * refuses it (an excluded rank must not call). */
+        if (exclude[i] < 0 || exclude[i] >= p->nranks || (mask & (1u << exclude[i])) ||
+            exclude[i] == c->rank)
+            goto invalid;
+        mask |= 1u << exclude[i];
+        below += exclude[i] < c->rank;
+    }
+    if (cancel) {
+        /* Terminate what is in flight on the parent: it never finishes. */
+        p->revoked = true;
+        p->parts = 0;
+    }
+    for (g = w->groups; g; g = g->next)
+        if (g->parent == p && g->exclude == mask)
+            break;
+    if (!g) {
+        g = calloc(1, sizeof(*g));
+        if (!g)
+            goto invalid;
+        g->parent = p;
+        g->exclude = mask;
+        g->nranks = p->nranks - nexclude;
+        g->next = w->groups;
+        w->groups = g;
+    }
+    /* Without NCCL_SHRINK_ABORT, work of this rank still in flight on the
+     * parent holds the shrink up. */
+    if (!cancel && !p->revoked && c->queued > p->done)
+        g->stuck = true;
+    child = &w->comms[w->ncomms++];
+    *child = (struct fake_nccl_comm){ .g = g, .rank = c->rank - below, .live = true };
+    g->joined++;
+    pthread_mutex_unlock(&w->mu);
+    *newcomm = child;
+    return -EINPROGRESS;
+invalid:
+    pthread_mutex_unlock(&w->mu);
+    return -EINVAL;
+}
+
+void fake_nccl_with_shrink(struct fake_nccl *f)
+{
+    f->ops.shrink = f_shrink;
 }
 
 void fake_nccl_init(struct fake_nccl *f, struct fake_nccl_world *w)

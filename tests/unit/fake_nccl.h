@@ -12,6 +12,16 @@
  * Device addresses are host addresses. A rank that never queues its part
  * leaves the others in progress, as a dead peer does on a GPU, until they
  * abort.
+ *
+ * Where a member's table has ncclCommShrink (fake_nccl_with_shrink), a
+ * shrink behaves as NCCL 2.27's: only the ranks that remain call it, all
+ * with the same list of excluded ranks; their child stays in progress
+ * until every one of them has called it, and its ranks are the parent's
+ * renumbered contiguously, in the parent's order. With NCCL_SHRINK_ABORT
+ * (`cancel`) the parent's collective in flight is terminated first and
+ * never finishes; without it, a parent with a collective in flight on
+ * this rank gives a child that never becomes ready (NCCL asks for no
+ * outstanding work then). The parent stays allocated until aborted.
  */
 #ifndef COHORT_TEST_FAKE_NCCL_H
 #define COHORT_TEST_FAKE_NCCL_H
@@ -54,6 +64,7 @@ struct fake_nccl {
     /* Knobs, set before the calls they shape. */
     int fail_all_reduce;        /* the call returns this */
     int fail_init;              /* ncclCommInitRankConfig returns this */
+    int fail_shrink;            /* ncclCommShrink returns this */
     bool hold;                  /* this rank never takes part in an all-reduce
                                  * (broadcasts go on) */
 };
@@ -64,4 +75,6 @@ void fake_nccl_world_free(struct fake_nccl_world *w);
 int fake_nccl_live(struct fake_nccl_world *w);
 /* A library without ncclCommShrink (older than 2.27): ncomm rebuilds. */
 void fake_nccl_init(struct fake_nccl *f, struct fake_nccl_world *w);
+/* Gives f's table ncclCommShrink (NCCL 2.27 and later). */
+void fake_nccl_with_shrink(struct fake_nccl *f);
 #endif

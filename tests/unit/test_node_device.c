@@ -4,7 +4,8 @@
  * is the fake of fake_nccl.h, which really sums among the members: the
  * values every member applies, the fallback to host-staged rounds when a
  * member has no NCCL, and an epoch change that aborts a reduction in
- * flight, after which the survivors rebuild and go on. */
+ * flight, after which the survivors rebuild, or, where NCCL can, shrink
+ * the communicator, and go on. */
 #include <criterion/criterion.h>
 
 #include <errno.h>
@@ -30,6 +31,12 @@ static struct brokerd *d;
 static char broker[64];
 /* The member with this index registers 64 bytes fewer of parameters. */
 static int short_params = -1;
+/* The members' NCCL has ncclCommShrink (2.27 and later). */
+static bool with_shrink;
+/* The member with this index stops its trainer once it sees the result
+ * of round leave_after, without consuming it. */
+static int leaver = -1;
+static uint64_t leave_after;
 
 static void start(void)
 {
@@ -146,6 +153,8 @@ static void *member_main(void *arg)
         node_view(m->n, &v);
         if (v.model_version >= ROUNDS && !v.has_gradients)
             return NULL;
+        if (m->index == leaver && v.has_gradients && v.model_version >= leave_after)
+            return NULL;
         if (!v.connected) {
             clock_sleep_ms(1);
             continue;
@@ -198,6 +207,8 @@ static void member_start(struct member *m, int i, const char *cohort,
     for (size_t k = 0; k < PARAMS; k++)
         m->params[k] = (uint64_t)i << 32 | k;
     fake_nccl_init(&m->f, w);
+    if (with_shrink)
+        fake_nccl_with_shrink(&m->f);
     m->f.hold = hold;
     m->f.fail_init = fail_init;
     m->mem = (struct devred_mem){
@@ -430,6 +441,109 @@ Test(node_device, an_epoch_change_aborts_a_reduction_in_flight_and_the_survivors
         member_free(&ms[i]);
     cr_assert_eq(fake_nccl_live(&w), 0);
     fake_nccl_world_free(&w);
+}
+
+/* As above, with an NCCL that has ncclCommShrink: the survivors keep the
+ * communicator of three with the reduction in flight and shrink it with
+ * NCCL_SHRINK_ABORT (no new id, no init), renumbered, and commit every
+ * round with the mean of theirs. */
+Test(node_device, survivors_of_a_reduction_in_flight_shrink_the_communicator)
+{
+    static struct member ms[MEMBERS];
+    struct fake_nccl_world w;
+
+    with_shrink = true;
+    fake_nccl_world_init(&w);
+    for (int i = 0; i < MEMBERS; i++)
+        member_start(&ms[i], i, "train", &w, true, i == 2, 0, MEMBERS);
+    cr_assert(fixture_wait_until(both_queued, ms, FIXTURE_WAIT_MS), "%s | %s", ms[0].f.log,
+              ms[1].f.log);
+    for (int i = 0; i < 2; i++)
+        node_set_virtual_batch_size(ms[i].n, 2);
+    atomic_store(&ms[2].quit, true);
+    pthread_join(ms[2].t, NULL);
+    member_free(&ms[2]);
+    for (int i = 0; i < 2; i++) {
+        char want[64];
+
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d", i);
+        snprintf(want, sizeof(want), "allreduce(r%d,%d) shrink(r%d,-1,abort) ", i, G, i);
+        const char *sh = strstr(ms[i].f.log, want);
+        cr_assert(sh, "the reduction in flight, then the shrink: %s", ms[i].f.log);
+        cr_assert_null(strstr(ms[i].f.log, "init(2,"), "no rebuild: %s", ms[i].f.log);
+        cr_assert(strstr(sh, "allreduce("), "rounds on the shrunk one: %s", ms[i].f.log);
+        cr_assert_geq(devred_shrinks(ms[i].red), 1);
+    }
+    check_rounds(ms, 2, 2);
+    for (int i = 0; i < 2; i++)
+        member_free(&ms[i]);
+    cr_assert_eq(fake_nccl_live(&w), 0);
+    fake_nccl_world_free(&w);
+    with_shrink = false;
+}
+
+/* g-2 leaves after round 2, between rounds: g-0 and g-1 shrink the
+ * communicator of three (no new id, no init, no collective to terminate)
+ * and commit rounds 3 to 6 with the mean of theirs; rounds 1 and 2 had
+ * all three. */
+Test(node_device, members_that_leave_between_rounds_are_shrunk_away)
+{
+    static struct member ms[MEMBERS];
+    struct fake_nccl_world w;
+
+    with_shrink = true;
+    leaver = 2;
+    leave_after = 2;
+    fake_nccl_world_init(&w);
+    for (int i = 0; i < MEMBERS; i++)
+        member_start(&ms[i], i, "train", &w, true, false, 0, MEMBERS);
+    pthread_join(ms[2].t, NULL);
+    cr_assert_eq(ms[2].rc, 0);
+    for (int i = 0; i < 2; i++)
+        node_set_virtual_batch_size(ms[i].n, 2);
+    member_free(&ms[2]);
+    for (int i = 0; i < 2; i++) {
+        char want[128];
+
+        pthread_join(ms[i].t, NULL);
+        cr_assert_eq(ms[i].rc, 0, "member %d", i);
+        /* Round 3 never started among three (g-2 held its result), so no
+         * collective was in flight: NCCL_SHRINK_DEFAULT, then the parent
+         * aborted once the child is ready. */
+        snprintf(want, sizeof(want), "allreduce(r%d,%d) allreduce(r%d,%d) shrink(r%d,-1) abort(r%d) ",
+                 i, G, i, G, i, i);
+        const char *sh = strstr(ms[i].f.log, want);
+        cr_assert(sh, "%s", ms[i].f.log);
+        cr_assert_null(strstr(ms[i].f.log, "init(2,"), "no rebuild: %s", ms[i].f.log);
+        cr_assert(strstr(sh, "allreduce("), "rounds on the shrunk one: %s", ms[i].f.log);
+        cr_assert_geq(devred_shrinks(ms[i].red), 1);
+    }
+    for (uint64_t r = 1; r <= ROUNDS; r++) {
+        int members = r <= leave_after ? 3 : 2;
+
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(ms[k].grads_at[r], (uint64_t)members, "round %llu, member %d",
+                         (unsigned long long)r, k);
+            cr_assert(ms[k].on_device_at[r], "round %llu on the device", (unsigned long long)r);
+        }
+        cr_assert_eq(memcmp(ms[0].seen[r], ms[1].seen[r], sizeof(ms[0].seen[r])), 0,
+                     "round %llu: the same bytes", (unsigned long long)r);
+        for (size_t i = 0; i < G; i += 61) {
+            float want = 0;
+
+            for (int k = 0; k < members; k++)
+                want += value(k, i, r - 1) / (float)members;
+            cr_assert_float_eq(ms[0].seen[r][i], want, 1e-4f, "round %llu, element %zu",
+                               (unsigned long long)r, i);
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        member_free(&ms[i]);
+    cr_assert_eq(fake_nccl_live(&w), 0);
+    fake_nccl_world_free(&w);
+    with_shrink = false;
+    leaver = -1;
 }
 
 /* ---- the reducer alone, as the only member of its epochs ---- */

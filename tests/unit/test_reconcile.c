@@ -1578,12 +1578,14 @@ Test(reconcile, parse_reads_gpu_with_its_defaults)
     cr_assert_eq(s.gpu_mode, RECONCILE_GPU_DRA);
     cr_assert_eq(s.gpu_count, 1);
     cr_assert_str_eq(s.gpu_class, RECONCILE_GPU_CLASS_DEFAULT);
+    cr_assert_str_eq(s.gpu_reduce, RECONCILE_GPU_REDUCE_DEFAULT);
     cJSON_Delete(tc);
     tc = cohort("lr", "\"gpu\":{\"mode\":\"devicePlugin\",\"count\":4}");
     cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s", why.message);
     cr_assert_eq(s.gpu_mode, RECONCILE_GPU_DEVICE_PLUGIN);
     cr_assert_eq(s.gpu_count, 4);
     cr_assert_null(s.gpu_class);
+    cr_assert_null(s.gpu_reduce, "no sidecar GPU to reduce with devicePlugin");
     cJSON_Delete(tc);
     tc = cohort("lr", "");
     cr_assert_eq(reconcile_parse(tc, &s, &why), 0);
@@ -1610,6 +1612,56 @@ Test(reconcile, parse_refuses_bad_gpu_specs)
     refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":\"-gpu\"}", "InvalidGPU");
     refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":\"\"}", "InvalidGPU");
     refused("lr", "\"gpu\":{\"mode\":\"dra\",\"deviceClassName\":5}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"devicePlugin\",\"reduce\":\"host\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"reduce\":\"gloo\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"reduce\":\"\"}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"reduce\":1}", "InvalidGPU");
+    refused("lr", "\"gpu\":{\"mode\":\"dra\",\"reduce\":null}", "InvalidGPU");
+}
+
+/* spec.gpu.reduce becomes the sidecar's --gpu-reduce with mode dra (nccl
+ * unless it says host), and is no argument without it; a change of it
+ * changes the template hash, so the pods roll as for any spec.gpu change. */
+Test(reconcile, pod_with_dra_renders_gpu_reduce_and_a_change_of_it_rolls)
+{
+    static const struct {
+        const char *gpu, *want;
+    } cases[] = {
+        { "\"gpu\":{\"mode\":\"dra\"}", "--gpu-reduce nccl" },
+        { "\"gpu\":{\"mode\":\"dra\",\"reduce\":\"nccl\"}", "--gpu-reduce nccl" },
+        { "\"gpu\":{\"mode\":\"dra\",\"reduce\":\"host\"}", "--gpu-reduce host" },
+        { "\"gpu\":{\"mode\":\"devicePlugin\"}", NULL },
+        { "", NULL },
+    };
+    char args[1024], h_nccl[RECONCILE_HASH_CHARS + 1], h_host[RECONCILE_HASH_CHARS + 1];
+    struct reconcile_spec sp;
+    struct reconcile_why why;
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        cJSON *tc = cohort("lr", cases[i].gpu), *pod = NULL;
+        const char *at;
+
+        cr_assert_eq(reconcile_pod(tc, &env, NULL, 0, &pod), 0, "%s", cases[i].gpu);
+        sidecar_args(pod, args, sizeof(args));
+        at = strstr(args, "--gpu-reduce");
+        if (cases[i].want) {
+            cr_assert(at && strcmp(at, cases[i].want) == 0 &&
+                          !strstr(at + 1, "--gpu-reduce"),
+                      "once, with its value: %s", args);
+            cr_assert_eq(reconcile_parse(tc, &sp, &why), 0);
+            cr_assert_str_eq(sp.gpu_reduce, cases[i].want + strlen("--gpu-reduce "));
+        } else {
+            cr_assert_null(at, "%s: %s", cases[i].gpu, args);
+        }
+        cJSON_Delete(pod);
+        cJSON_Delete(tc);
+    }
+    cJSON *a = cohort("lr", cases[1].gpu), *b = cohort("lr", cases[2].gpu);
+    cr_assert_eq(reconcile_template_hash(a, h_nccl), 0);
+    cr_assert_eq(reconcile_template_hash(b, h_host), 0);
+    cr_assert_str_neq(h_nccl, h_host, "a change of spec.gpu.reduce rolls the pods");
+    cJSON_Delete(a);
+    cJSON_Delete(b);
 }
 
 Test(reconcile, parse_refuses_the_gpu_claim_name_in_the_template)
