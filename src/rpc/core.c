@@ -10,6 +10,7 @@
  */
 #include "rpc/core.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -63,6 +64,33 @@ static void grpc_log_to_ours(gpr_log_func_args *a)
     log_emit(lvl, "grpc", a->message, LF_S("file", a->file), LF_I("line", a->line), LOG_END);
 }
 
+/* gRPC core locks through abseil's Mutex, and an abseil built without
+ * NDEBUG (Debian's is) checks every lock for cycles in a global graph:
+ * several per cent of a busy broker's CPU, for a check that only aborts.
+ * abseil's own switch turns it off; it is a C++ function, looked up by its
+ * name under Debian's inline namespace and the plain one, and nothing
+ * happens where neither is there (an abseil with NDEBUG skips the check
+ * anyway). Its argument is OnDeadlockCycle::kIgnore, 0. */
+static void abseil_deadlock_check_off(void)
+{
+    static const char *const names[] = {
+        "_ZN4absl7debian329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE",
+        "_ZN4absl29SetMutexDeadlockDetectionModeENS_15OnDeadlockCycleE",
+    };
+
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        void *sym = dlsym(RTLD_DEFAULT, names[i]);
+        void (*set_mode)(int);
+
+        if (!sym)
+            continue;
+        /* POSIX's way from dlsym's object pointer to a function pointer. */
+        memcpy(&set_mode, &sym, sizeof(set_mode));
+        set_mode(0);
+        return;
+    }
+}
+
 int rpc_init(void)
 {
     int rc = 0, started = 0;
@@ -72,6 +100,7 @@ int rpc_init(void)
         goto out;
     gpr_set_log_function(grpc_log_to_ours);
     gpr_set_log_verbosity(log_enabled(LOG_DEBUG) ? GPR_LOG_SEVERITY_INFO : GPR_LOG_SEVERITY_ERROR);
+    abseil_deadlock_check_off();
     grpc_init();
     rt_cq = grpc_completion_queue_create_for_next(NULL);
     if (!rt_cq) {
