@@ -22,6 +22,9 @@
 
 #include "base/log.h"
 
+/* Completion threads when rpc_init starts the runtime: two, so that a
+ * callback that blocks for a while (a lock another thread holds) does not
+ * stop every other call. rpc_init_threads may ask for one. */
 #define RT_THREADS 2
 
 /* ---- runtime ----------------------------------------------------------- */
@@ -30,6 +33,7 @@ static pthread_mutex_t rt_lock = PTHREAD_MUTEX_INITIALIZER;
 static int rt_users;
 static grpc_completion_queue *rt_cq;
 static pthread_t rt_threads[RT_THREADS];
+static int rt_n_threads;
 static _Thread_local bool on_cq_thread;
 
 grpc_completion_queue *rpc_queue(void)
@@ -93,8 +97,15 @@ static void abseil_deadlock_check_off(void)
 
 int rpc_init(void)
 {
+    return rpc_init_threads(RT_THREADS);
+}
+
+int rpc_init_threads(unsigned threads)
+{
     int rc = 0, started = 0;
 
+    if (threads < 1 || threads > RT_THREADS)
+        return -EINVAL;
     pthread_mutex_lock(&rt_lock);
     if (rt_users++ > 0)
         goto out;
@@ -107,12 +118,13 @@ int rpc_init(void)
         rc = -ENOMEM;
         goto err_grpc;
     }
-    for (; started < RT_THREADS; started++) {
+    for (; started < (int)threads; started++) {
         if (pthread_create(&rt_threads[started], NULL, cq_main, NULL) != 0) {
             rc = -EAGAIN;
             goto err_threads;
         }
     }
+    rt_n_threads = started;
 out:
     pthread_mutex_unlock(&rt_lock);
     return rc;
@@ -139,8 +151,9 @@ void rpc_shutdown(void)
     }
     /* Threads leave once every pending tag has been delivered. */
     grpc_completion_queue_shutdown(rt_cq);
-    for (int i = 0; i < RT_THREADS; i++)
+    for (int i = 0; i < rt_n_threads; i++)
         pthread_join(rt_threads[i], NULL);
+    rt_n_threads = 0;
     grpc_completion_queue_destroy(rt_cq);
     rt_cq = NULL;
     grpc_shutdown();
