@@ -4,7 +4,10 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -158,21 +161,82 @@ static int update_part(EVP_MAC_CTX *ctx, const void *p, size_t len)
     return 0;
 }
 
-int secret_mac(const struct secret *s, const char *label, const struct secret_part *parts,
-               size_t n, uint8_t out[SECRET_MAC_BYTES])
-{
-    EVP_MAC *alg = hmac_alg();
+/* Each thread keeps the context of the last key it used, keyed: keying
+ * (fetching SHA-256 and hashing the key into its inner and outer pads)
+ * costs more than the MAC of a short request, and a broker checks every
+ * heartbeat under one of a few keys, on the same few threads. The copy of
+ * the key is wiped, and the context freed, when the thread ends. */
+struct mac_cache {
     EVP_MAC_CTX *ctx;
+    uint8_t key[SECRET_KEY_BYTES];
+};
+
+static pthread_key_t cache_key;
+static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
+static bool cache_ok;
+
+static void cache_free(void *p)
+{
+    struct mac_cache *c = p;
+
+    EVP_MAC_CTX_free(c->ctx);
+    OPENSSL_cleanse(c, sizeof(*c));
+    free(c);
+}
+
+static void cache_init(void)
+{
+    cache_ok = pthread_key_create(&cache_key, cache_free) == 0;
+}
+
+/* A context of this thread's ready for a MAC under `s`: keyed afresh
+ * when the thread's last key was another (or it has none). NULL when
+ * libcrypto fails or memory runs out. */
+static EVP_MAC_CTX *mac_ctx(const struct secret *s)
+{
     OSSL_PARAM params[] = {
         OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, (char *)"SHA256", 0),
         OSSL_PARAM_construct_end(),
     };
+    EVP_MAC *alg = hmac_alg();
+    struct mac_cache *c;
+
+    if (!alg || pthread_once(&cache_once, cache_init) != 0 || !cache_ok)
+        return NULL;
+    c = pthread_getspecific(cache_key);
+    if (!c) {
+        c = calloc(1, sizeof(*c));
+        if (!c)
+            return NULL;
+        if (pthread_setspecific(cache_key, c) != 0) {
+            free(c);
+            return NULL;
+        }
+    }
+    /* Same key: a NULL key restarts the MAC from the pads it keeps. */
+    if (c->ctx && CRYPTO_memcmp(c->key, s->key, sizeof(c->key)) == 0 &&
+        EVP_MAC_init(c->ctx, NULL, 0, NULL))
+        return c->ctx;
+    EVP_MAC_CTX_free(c->ctx);
+    OPENSSL_cleanse(c->key, sizeof(c->key));
+    c->ctx = EVP_MAC_CTX_new(alg);
+    if (c->ctx && EVP_MAC_init(c->ctx, s->key, sizeof(s->key), params)) {
+        memcpy(c->key, s->key, sizeof(c->key));
+        return c->ctx;
+    }
+    EVP_MAC_CTX_free(c->ctx);
+    c->ctx = NULL;
+    return NULL;
+}
+
+int secret_mac(const struct secret *s, const char *label, const struct secret_part *parts,
+               size_t n, uint8_t out[SECRET_MAC_BYTES])
+{
+    EVP_MAC_CTX *ctx = mac_ctx(s);
     size_t outlen = 0;
     int rc = -EIO;
 
-    if (!alg || !(ctx = EVP_MAC_CTX_new(alg)))
-        return -EIO;
-    if (!EVP_MAC_init(ctx, s->key, sizeof(s->key), params))
+    if (!ctx)
         goto out;
     if (update_part(ctx, label, strlen(label)) < 0)
         goto out;
@@ -183,7 +247,6 @@ int secret_mac(const struct secret *s, const char *label, const struct secret_pa
         goto out;
     rc = 0;
 out:
-    EVP_MAC_CTX_free(ctx);
     if (rc < 0)
         OPENSSL_cleanse(out, SECRET_MAC_BYTES);
     return rc;

@@ -10,6 +10,7 @@
  */
 #include "rpc/core.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -21,6 +22,9 @@
 
 #include "base/log.h"
 
+/* Completion threads when rpc_init starts the runtime: two, so that a
+ * callback that blocks for a while (a lock another thread holds) does not
+ * stop every other call. rpc_init_threads may ask for one. */
 #define RT_THREADS 2
 
 /* ---- runtime ----------------------------------------------------------- */
@@ -29,6 +33,7 @@ static pthread_mutex_t rt_lock = PTHREAD_MUTEX_INITIALIZER;
 static int rt_users;
 static grpc_completion_queue *rt_cq;
 static pthread_t rt_threads[RT_THREADS];
+static int rt_n_threads;
 static _Thread_local bool on_cq_thread;
 
 grpc_completion_queue *rpc_queue(void)
@@ -63,27 +68,63 @@ static void grpc_log_to_ours(gpr_log_func_args *a)
     log_emit(lvl, "grpc", a->message, LF_S("file", a->file), LF_I("line", a->line), LOG_END);
 }
 
+/* gRPC core locks through abseil's Mutex, and an abseil built without
+ * NDEBUG (Debian's is) checks every lock for cycles in a global graph:
+ * several per cent of a busy broker's CPU, for a check that only aborts.
+ * abseil's own switch turns it off; it is a C++ function, looked up by its
+ * name under Debian's inline namespace and the plain one, and nothing
+ * happens where neither is there (an abseil with NDEBUG skips the check
+ * anyway). Its argument is OnDeadlockCycle::kIgnore, 0. */
+static void abseil_deadlock_check_off(void)
+{
+    static const char *const names[] = {
+        "_ZN4absl7debian329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE",
+        "_ZN4absl29SetMutexDeadlockDetectionModeENS_15OnDeadlockCycleE",
+    };
+
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        void *sym = dlsym(RTLD_DEFAULT, names[i]);
+        void (*set_mode)(int);
+
+        if (!sym)
+            continue;
+        /* POSIX's way from dlsym's object pointer to a function pointer. */
+        memcpy(&set_mode, &sym, sizeof(set_mode));
+        set_mode(0);
+        return;
+    }
+}
+
 int rpc_init(void)
+{
+    return rpc_init_threads(RT_THREADS);
+}
+
+int rpc_init_threads(unsigned threads)
 {
     int rc = 0, started = 0;
 
+    if (threads < 1 || threads > RT_THREADS)
+        return -EINVAL;
     pthread_mutex_lock(&rt_lock);
     if (rt_users++ > 0)
         goto out;
     gpr_set_log_function(grpc_log_to_ours);
     gpr_set_log_verbosity(log_enabled(LOG_DEBUG) ? GPR_LOG_SEVERITY_INFO : GPR_LOG_SEVERITY_ERROR);
+    abseil_deadlock_check_off();
     grpc_init();
     rt_cq = grpc_completion_queue_create_for_next(NULL);
     if (!rt_cq) {
         rc = -ENOMEM;
         goto err_grpc;
     }
-    for (; started < RT_THREADS; started++) {
+    for (; started < (int)threads; started++) {
         if (pthread_create(&rt_threads[started], NULL, cq_main, NULL) != 0) {
             rc = -EAGAIN;
             goto err_threads;
         }
     }
+    rt_n_threads = started;
 out:
     pthread_mutex_unlock(&rt_lock);
     return rc;
@@ -110,8 +151,9 @@ void rpc_shutdown(void)
     }
     /* Threads leave once every pending tag has been delivered. */
     grpc_completion_queue_shutdown(rt_cq);
-    for (int i = 0; i < RT_THREADS; i++)
+    for (int i = 0; i < rt_n_threads; i++)
         pthread_join(rt_threads[i], NULL);
+    rt_n_threads = 0;
     grpc_completion_queue_destroy(rt_cq);
     rt_cq = NULL;
     grpc_shutdown();

@@ -64,6 +64,12 @@ const char *rpc_code_name(enum rpc_code code);
  * one rpc_shutdown). Returns 0 or -ENOMEM/-EAGAIN. gRPC's own log lines are
  * routed to log.h under the component "grpc". */
 int rpc_init(void);
+/* rpc_init with `threads` completion threads, 1 or 2 (-EINVAL otherwise),
+ * when this call starts the runtime; a later call shares the threads
+ * already running. One thread serves a process whose callbacks never
+ * block for long, a broker, with less CPU per message: no thread hands
+ * polling or a completion to another (bench/broker.sh, README). */
+int rpc_init_threads(unsigned threads);
 /* Stops the threads and gRPC once the last user calls it. Every server,
  * channel, stream and watch must be destroyed first. */
 void rpc_shutdown(void);

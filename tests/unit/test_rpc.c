@@ -749,3 +749,56 @@ Test(rpc_tls, pem_files_are_read_with_a_cap)
     fclose(f);
     cr_assert_eq(rpc_pem_load(path, &pem), -EFBIG);
 }
+
+/* One completion thread (rpc_init_threads, the broker's): a client and a
+ * server in one process, whose completions all run on that thread, still
+ * answer calls and carry a duplex stream to its end. */
+static void start_one_thread(void)
+{
+    cr_assert_eq(rpc_init_threads(1), 0);
+    cr_assert_eq(rpc_server_create("127.0.0.1:0", methods, 3, NULL, &srv), 0);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", rpc_server_port(srv));
+    cr_assert_eq(rpc_channel_create(target, NULL, &ch), 0);
+    fx.self = ch;
+}
+
+TestSuite(rpc_one_thread, .init = start_one_thread, .fini = stop, .timeout = 60);
+
+Test(rpc_one_thread, calls_and_a_duplex_stream_complete)
+{
+    Cohort__V1__WatchRequest more = COHORT__V1__WATCH_REQUEST__INIT;
+    struct seen s = { .n = 0, .ended = false };
+    ProtobufCMessage *out = NULL;
+    struct rpc_status st;
+    struct rpc_watch *w;
+
+    for (uint32_t v = 1; v <= 3; v++) {
+        cr_assert_eq(status_call("alpha", v, &out, &st), 0, "%s", st.message);
+        cr_assert_eq(((Cohort__V1__StatusReply *)out)->cohorts[0]->epoch, v);
+        protobuf_c_message_free_unpacked(out, NULL);
+    }
+    w = open_duplex(&s);
+    more.cohort = "more";
+    for (int i = 1; i <= 3; i++) {
+        cr_assert_eq(duplex_send(w, &more.base), 0);
+        WAIT_UNTIL(&s.lock, &s.cond, s.n == i);
+    }
+    cr_assert_eq(duplex_send(w, NULL), 0);
+    WAIT_UNTIL(&s.lock, &s.cond, s.ended);
+    cr_assert_eq(s.st.code, RPC_OK, "%s", s.st.message);
+    cr_assert_eq(rpc_watch_close(w), 0);
+}
+
+Test(rpc_threads, counts_other_than_one_or_two_are_refused_and_a_started_runtime_is_shared)
+{
+    cr_assert_eq(rpc_init_threads(0), -EINVAL);
+    cr_assert_eq(rpc_init_threads(3), -EINVAL);
+    cr_assert_eq(rpc_init(), 0);
+    /* The runtime runs already: this user shares its two threads. */
+    cr_assert_eq(rpc_init_threads(1), 0);
+    rpc_shutdown();
+    rpc_shutdown();
+    /* Stopped for good: a new start may take one thread. */
+    cr_assert_eq(rpc_init_threads(1), 0);
+    rpc_shutdown();
+}

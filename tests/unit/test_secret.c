@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,6 +144,54 @@ Test(secret, mac_is_hmac_sha256_of_length_prefixed_parts)
         cr_assert_eq(len, SECRET_MAC_BYTES);
         cr_assert(secret_mac_equal(got, raw));
     }
+}
+
+/* Each thread keeps its last key's context (secret.c): a MAC under
+ * another key in between, or on another thread, must not change what a
+ * key gives, and a changed key must not reuse the old one's context. */
+struct mac_job {
+    struct secret s;
+    uint8_t mac[SECRET_MAC_BYTES];
+    int rc;
+};
+
+static void *mac_on_thread(void *arg)
+{
+    struct mac_job *j = arg;
+    struct secret_part abc[] = { SECRET_STR("abc") };
+
+    j->rc = secret_mac(&j->s, "L", abc, 1, j->mac);
+    return NULL;
+}
+
+Test(secret, mac_is_the_same_across_keys_and_threads)
+{
+    struct secret a, b;
+    struct secret_part abc[] = { SECRET_STR("abc") };
+    uint8_t first[SECRET_MAC_BYTES], under_b[SECRET_MAC_BYTES], again[SECRET_MAC_BYTES];
+    uint8_t raw[SECRET_MAC_BYTES];
+    struct mac_job job;
+    unsigned int len = 0;
+    pthread_t t;
+
+    cr_assert_eq(secret_parse(HEX, strlen(HEX), &a), 0);
+    b = a;
+    b.key[31] ^= 0x80;
+    cr_assert_eq(secret_mac(&a, "L", abc, 1, first), 0);
+    cr_assert_eq(secret_mac(&b, "L", abc, 1, under_b), 0);
+    cr_assert_not(secret_mac_equal(first, under_b));
+    cr_assert_eq(secret_mac(&a, "L", abc, 1, again), 0);
+    cr_assert(secret_mac_equal(first, again));
+    /* b's MAC is HMAC-SHA256 under b's key, not a's kept context. */
+    cr_assert_not_null(HMAC(EVP_sha256(), b.key, sizeof(b.key),
+                            (const unsigned char *)"\x01\0\0\0\0\0\0\0L\x03\0\0\0\0\0\0\0abc",
+                            20, raw, &len));
+    cr_assert(secret_mac_equal(under_b, raw));
+    job.s = a;
+    cr_assert_eq(pthread_create(&t, NULL, mac_on_thread, &job), 0);
+    cr_assert_eq(pthread_join(t, NULL), 0);
+    cr_assert_eq(job.rc, 0);
+    cr_assert(secret_mac_equal(first, job.mac));
 }
 
 Test(secret, wipe_clears_the_key)
