@@ -302,6 +302,30 @@ static void meanstd16_decode(float *restrict dst, const void *restrict src, size
 #define U8_HALF 128
 #define MAGIC_D 6755399441055744.0      /* 1.5 x 2^52: rounds a double to an integer */
 
+/* The 8-bit codebook codecs (uniform8, quantile8) share their wire form:
+ * 256 float32 entries, then one index per value. */
+
+/* A run holding NaN or Inf: every entry NaN, so all of it decodes as
+ * NaN whatever index a value got. */
+static void codebook_nan(uint8_t *cb_out, uint8_t *q, size_t n, uint8_t index)
+{
+    float nan = NAN;
+
+    for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++)
+        memcpy(cb_out + 4 * k, &nan, 4);
+    memset(q, index, n);
+}
+
+/* Each entry the mean of the values put in its bin (0 for an empty one). */
+static void codebook_means(uint8_t *cb_out, const double *bin_sum, const size_t *bin_n)
+{
+    for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++) {
+        float c = bin_n[k] ? (float)(bin_sum[k] / (double)bin_n[k]) : 0.0f;
+
+        memcpy(cb_out + 4 * k, &c, 4);
+    }
+}
+
 static void uniform8_encode(void *restrict dst, const float *restrict src, size_t n)
 {
     uint8_t *cb_out = dst, *q = (uint8_t *)dst + 4 * CODEC_UNIFORM8_BINS;
@@ -314,13 +338,7 @@ static void uniform8_encode(void *restrict dst, const float *restrict src, size_
     if (n > 0)
         m = sum / (double)n;
     if (!isfinite(m)) {
-        /* NaN or Inf in the run: every entry NaN, so all of it decodes
-         * as NaN. */
-        float nan = NAN;
-
-        for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++)
-            memcpy(cb_out + 4 * k, &nan, 4);
-        memset(q, U8_HALF, n);
+        codebook_nan(cb_out, q, n, U8_HALF);
         return;
     }
     for (size_t i = 0; i < n; i++)
@@ -343,11 +361,7 @@ static void uniform8_encode(void *restrict dst, const float *restrict src, size_
         bin_sum[k] += src[i];
         bin_n[k]++;
     }
-    for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++) {
-        float c = bin_n[k] ? (float)(bin_sum[k] / (double)bin_n[k]) : 0.0f;
-
-        memcpy(cb_out + 4 * k, &c, 4);
-    }
+    codebook_means(cb_out, bin_sum, bin_n);
 }
 
 static void uniform8_decode(float *restrict dst, const void *restrict src, size_t n)
@@ -398,13 +412,8 @@ static void quantile8_encode(void *restrict dst, const float *restrict src, size
 
     for (size_t i = 0; i < n; i++) {
         if (!isfinite(src[i])) {
-            /* NaN or Inf in the run: every entry NaN, so all of it decodes
-             * as NaN (and NaN has no place in a sort). */
-            float nan = NAN;
-
-            for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++)
-                memcpy(cb_out + 4 * k, &nan, 4);
-            memset(q, 0, n);
+            /* NaN has no place in a sort. */
+            codebook_nan(cb_out, q, n, 0);
             return;
         }
     }
@@ -433,11 +442,7 @@ static void quantile8_encode(void *restrict dst, const float *restrict src, size
         bin_sum[k] += src[i];
         bin_n[k]++;
     }
-    for (size_t k = 0; k < CODEC_UNIFORM8_BINS; k++) {
-        float c = bin_n[k] ? (float)(bin_sum[k] / (double)bin_n[k]) : 0.0f;
-
-        memcpy(cb_out + 4 * k, &c, 4);
-    }
+    codebook_means(cb_out, bin_sum, bin_n);
 }
 
 /* --- the interface ---------------------------------------------------- */
