@@ -594,8 +594,9 @@ struct cohort_averager_config {
                                      * compression group */
     /* Load balancing (hivemind's bandwidth and client_mode). In a group
      * where any member gives a bandwidth or is a client, each member
-     * reduces a share of the round in proportion to its bandwidth (not
-     * given: the mean of those given) by a butterfly all-reduce; otherwise
+     * reduces a share of the round by a butterfly all-reduce, the shares
+     * those of hivemind's load-balancing program for the bandwidths (not
+     * given: the mean of those given); otherwise
      * every member reduces an equal share. With compression each
      * contribution travels encoded and each share's result is encoded once
      * by its reducer, which decodes it as every member does. */

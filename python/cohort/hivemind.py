@@ -32,8 +32,10 @@ with different compression never group: the broker refuses the step.
 
 `bandwidth` and `client_mode` balance the load as in hivemind: in a
 group where any peer gives a bandwidth or is a client, each peer reduces
-a share of the round in proportion to its bandwidth (None: the mean of
-those given; 0: none) by a butterfly all-reduce, and a client reduces
+a share of the round by a butterfly all-reduce, the shares hivemind's
+load-balancing program gives for the bandwidths (None: the mean of those
+given; 0: none; a peer too slow to be worth a share gets none), and a
+client reduces
 nothing and accepts no connection (it dials out to every reducer). With
 a codec each contribution travels encoded, each reducer sums its part in
 float32 and encodes the result once, and every peer, the reducer too,

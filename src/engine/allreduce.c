@@ -602,6 +602,73 @@ int allreduce_run_parts_codec(struct allreduce *a, int in, int out, size_t count
     return run_buffers(&x, in, out);
 }
 
+static int cmp_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+
+    return (a > b) - (a < b);
+}
+
+/* hivemind's load-balancing program (optimize_parts_lp), solved exactly.
+ * In a butterfly of g members, member i sends its vector out and takes
+ * back the average, and reduces a fraction w_i of it for the g - 1
+ * others: 1 + (g - 2) w_i vectors through its link, so the round takes
+ * max_i (1 + (g - 2) w_i) / b_i over the members of bandwidth b_i > 0;
+ * a member of bandwidth 0 reduces nothing. The program asks for the w
+ * (nonnegative, at most 1, summing to 1) that make it least.
+ *
+ * For a bound T on the round, member i may reduce up to
+ * c_i(T) = clamp((T b_i - 1) / (g - 2), 0, 1), and sum_i c_i(T) grows
+ * continuously and piecewise linearly in T, with kinks at 1 / b_i and
+ * (g - 1) / b_i. The T where it reaches 1 makes every reducing member
+ * finish at once, and w_i = c_i(T) is optimal: no member's time exceeds
+ * max(T, 1 / b_i), and no split does better, since lowering T leaves
+ * less than the whole vector to reduce. Where the optimum has slack (a
+ * slow member that only sends sets the time), the program has many
+ * solutions: hivemind's interior-point solver returns one near the
+ * middle, this the one that finishes the reducers soonest. For g <= 2
+ * every split takes the same time, and shares stay proportional to the
+ * bandwidths. Overwrites share[0..n) (resolved bandwidths, at least one
+ * positive) with the w_i; deterministic, as allreduce_split must be. */
+static void split_lp(double *share, size_t n)
+{
+    double kink[2 * ALLREDUCE_PARTS_MAX], g2 = (double)n - 2, t = 0, f_lo = 0, t_lo = 0;
+    size_t k = 0;
+
+    for (size_t i = 0; i < n; i++)
+        if (share[i] > 0) {
+            kink[k++] = 1.0 / share[i];
+            kink[k++] = (g2 + 1) / share[i];
+        }
+    qsort(kink, k, sizeof(kink[0]), cmp_double);
+    /* The first kink where the sum reaches 1; the sum is linear between
+     * kinks, so T follows by interpolation. The last kink saturates every
+     * member, where the sum is the number of them, at least 1: it is T
+     * when rounding leaves the sum just short of 1 there. */
+    t = kink[k - 1];
+    for (size_t j = 0; j < k; j++) {
+        double f = 0;
+
+        for (size_t i = 0; i < n; i++)
+            if (share[i] > 0) {
+                double c = (kink[j] * share[i] - 1) / g2;
+
+                f += c < 0 ? 0 : c > 1 ? 1 : c;
+            }
+        if (f >= 1) {
+            t = f > f_lo ? t_lo + (1 - f_lo) * (kink[j] - t_lo) / (f - f_lo) : kink[j];
+            break;
+        }
+        f_lo = f;
+        t_lo = kink[j];
+    }
+    for (size_t i = 0; i < n; i++) {
+        double c = share[i] > 0 ? (t * share[i] - 1) / g2 : 0;
+
+        share[i] = c < 0 ? 0 : c > 1 ? 1 : c;
+    }
+}
+
 int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_part,
                     size_t *parts)
 {
@@ -625,6 +692,14 @@ int allreduce_split(size_t count, const double *bandwidth, size_t n, size_t min_
     }
     if (!(total > 0))
         return -ENODATA;
+    /* With a bandwidth given, hivemind's program decides the shares;
+     * with none, those not given share alike. */
+    if (n_given > 0 && n > 2) {
+        split_lp(share, n);
+        total = 0;
+        for (size_t i = 0; i < n; i++)
+            total += share[i];
+    }
     /* hivemind's min_vector_size: shares too small to be worth a part
      * are dropped, if any share is large enough. */
     floor_share = (double)min_part / (double)(count ? count : 1);

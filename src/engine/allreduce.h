@@ -233,13 +233,18 @@ int allreduce_run_parts_codec(struct allreduce *a, int in, int out, size_t count
                               const size_t *parts, size_t n_parts, enum codec codec,
                               uint64_t round);
 
-/* Splits `count` elements among n members in proportion to their
- * bandwidths (hivemind's load balancing by declared bandwidth), into
- * parts[0..n): a bandwidth of 0 gets nothing; a negative one means "not
- * given" and counts as the mean of the positive ones given, or as 1 when
- * none is. Whole elements are handed out by the Hagenbach-Bischoff rule
- * hivemind uses: floor(count x share) each, then one at a time to the
- * largest share / (parts + 1), the lowest index on a tie. With min_part
+/* Splits `count` elements among n members by their bandwidths, into
+ * parts[0..n), as hivemind's load_balance_peers does: a bandwidth of 0
+ * gets nothing; a negative one means "not given" and counts as the mean
+ * of the positive ones given, or, when none is, those not given share
+ * alike. With a bandwidth given and more than two members the shares are
+ * the solution of hivemind's linear program (the split that ends a
+ * butterfly round soonest, allreduce.c says how it is solved), where a
+ * member too slow to be worth reducing gets nothing; with two, every
+ * split takes as long, and shares follow the bandwidths. Whole elements
+ * are handed out by the Hagenbach-Bischoff rule hivemind uses:
+ * floor(count x share) each, then one at a time to the largest share /
+ * (parts + 1), the lowest index on a tie. With min_part
  * (hivemind's min_vector_size), shares worth fewer than min_part elements
  * go to 0 first, unless every share is that small. Deterministic
  * (IEEE double arithmetic only), so every member computes the same parts.

@@ -580,9 +580,12 @@ Test(butterfly, split_follows_hivemind_rules)
     cr_assert(p[0] == 50 && p[1] == 50);
     cr_assert_eq(allreduce_split(100, mixed, 5, 0, p), 0);
     cr_assert(p[0] == 0 && p[1] == 0 && p[2] == 0 && p[3] == 50 && p[4] == 50);
-    /* Not given: the mean of those given (3), so shares 2 : 3 : 4. */
+    /* Not given: the mean of those given (3), so bandwidths 2, 3, 4. The
+     * member of 2 takes 1/2 to send its vector alone, while 3 and 4 can
+     * reduce it all sooner (in 3/7, at shares 2/7 and 5/7): it reduces
+     * nothing, as in hivemind's program. */
     cr_assert_eq(allreduce_split(900, some, 3, 0, p), 0);
-    cr_assert(p[0] == 200 && p[1] == 300 && p[2] == 400, "%zu %zu %zu", p[0], p[1], p[2]);
+    cr_assert(p[0] == 0 && p[1] == 257 && p[2] == 643, "%zu %zu %zu", p[0], p[1], p[2]);
     cr_assert_eq(allreduce_split(10, zeros, 3, 0, p), -ENODATA);
     cr_assert_eq(allreduce_split(10, bad, 2, 0, p), -EINVAL);
     cr_assert_eq(allreduce_split(10, inf, 2, 0, p), -EINVAL);
@@ -591,41 +594,107 @@ Test(butterfly, split_follows_hivemind_rules)
 
 /* min_part (hivemind's min_vector_size): shares worth fewer elements go
  * to 0 and the rest share their elements; unless every share is that
- * small, when nothing changes. */
+ * small, when nothing changes. Bandwidths 5, 4, 4: the program's shares
+ * 7/13, 3/13, 3/13 (23.08 elements of 100 each for the last two). */
 Test(butterfly, split_drops_parts_below_min_part)
 {
     size_t p[3], q[3];
-    double bw[3] = { 5, 4, 1 };
+    double bw[3] = { 5, 4, 4 };
 
-    cr_assert_eq(allreduce_split(100, bw, 3, 11, p), 0);
-    cr_assert(p[0] == 56 && p[1] == 44 && p[2] == 0, "%zu %zu %zu", p[0], p[1], p[2]);
-    cr_assert_eq(allreduce_split(100, bw, 3, 10, p), 0);
-    cr_assert(p[0] == 50 && p[1] == 40 && p[2] == 10, "10 is not below 10: %zu", p[2]);
+    cr_assert_eq(allreduce_split(100, bw, 3, 24, p), 0);
+    cr_assert(p[0] == 100 && p[1] == 0 && p[2] == 0, "%zu %zu %zu", p[0], p[1], p[2]);
+    cr_assert_eq(allreduce_split(100, bw, 3, 23, p), 0);
+    cr_assert(p[0] == 54 && p[1] == 23 && p[2] == 23, "23.08 is not below 23: %zu %zu %zu",
+              p[0], p[1], p[2]);
     cr_assert_eq(allreduce_split(100, bw, 3, 60, p), 0);
     cr_assert_eq(allreduce_split(100, bw, 3, 0, q), 0);
     cr_assert(memcmp(p, q, sizeof(p)) == 0, "every share below 60: as without min_part");
 }
 
-Test(butterfly, split_is_proportional_and_whole)
+/* Two members: every split takes one vector each way, so the shares
+ * follow the bandwidths. */
+Test(butterfly, split_of_two_follows_the_bandwidths)
 {
-    size_t p[6];
-    double bw[6] = { 0.3, 0.5, 0.9, 0, 1e-3, 7 };
+    size_t p[2];
+    double bw[2] = { 1, 3 };
 
-    for (size_t count = 0; count < 3000; count += 97) {
-        double total = 0;
+    cr_assert_eq(allreduce_split(100, bw, 2, 0, p), 0);
+    cr_assert(p[0] == 25 && p[1] == 75, "%zu %zu", p[0], p[1]);
+}
 
-        cr_assert_eq(allreduce_split(count, bw, 6, 0, p), 0);
-        cr_assert_eq(sum_of(p, 6), count);
-        cr_assert_eq(p[3], 0, "bandwidth 0 reduces nothing");
-        for (size_t i = 0; i < 6; i++)
-            total += bw[i];
-        /* The floor of its exact share, and fewer than n of the
-         * elements left over after the floors. */
-        for (size_t i = 0; i < 6; i++) {
-            double exact = (double)count * bw[i] / total;
+/* The round time of a split, hivemind's model: max over the members of
+ * positive bandwidth of (1 + (g - 2) w_i) / b_i. */
+static double round_time(const double *bw, const size_t *p, size_t n, size_t count)
+{
+    double t = 0;
 
-            cr_assert(p[i] >= (size_t)floor(exact) && (double)p[i] < exact + 6,
-                      "count %zu member %zu: %zu of %g", count, i, p[i], exact);
+    for (size_t i = 0; i < n; i++)
+        if (bw[i] > 0) {
+            double ti = (1 + ((double)n - 2) * (double)p[i] / (double)count) / bw[i];
+
+            t = ti > t ? ti : t;
         }
+    return t;
+}
+
+/* The least round time any split can reach, found apart from the code
+ * under test: the least R (by bisection) at which the members can take
+ * the whole vector, w_i <= (R b_i - 1) / (g - 2) each, and no less than
+ * any member's time to send its vector alone. */
+static double best_round_time(const double *bw, size_t n)
+{
+    double lo = 0, hi = 0, floor_t = 0;
+
+    for (size_t i = 0; i < n; i++)
+        if (bw[i] > 0) {
+            hi = fmax(hi, ((double)n - 1) / bw[i]);
+            floor_t = fmax(floor_t, 1 / bw[i]);
+        }
+    for (int it = 0; it < 200; it++) {
+        double mid = (lo + hi) / 2, f = 0;
+
+        for (size_t i = 0; i < n; i++)
+            if (bw[i] > 0)
+                f += fmin(1, fmax(0, (mid * bw[i] - 1) / ((double)n - 2)));
+        if (f >= 1)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    return fmax(hi, floor_t);
+}
+
+/* hivemind's program: over many groups of 3 to 8 with clients (0) mixed
+ * in, the split is whole, gives clients nothing, and ends the round as
+ * soon as any split can, up to the rounding to whole elements (each
+ * part within n elements of its exact share). */
+Test(butterfly, split_solves_hivemind_program)
+{
+    uint64_t seed = 0x9e3779b97f4a7c15ull;
+    size_t count = 1000000;
+
+    for (int trial = 0; trial < 400; trial++) {
+        size_t n = 3 + (size_t)(trial % 6), p[8], given = 0;
+        double bw[8], best, got, slack = 0;
+
+        for (size_t i = 0; i < n; i++) {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            /* Bandwidths spread over four decades; one in five a client. */
+            bw[i] = (seed >> 40) % 5 == 0 ? 0 : pow(10, (double)((seed >> 11) % 4000) / 1000);
+            given += bw[i] > 0;
+        }
+        if (!given)
+            bw[0] = 1;
+        cr_assert_eq(allreduce_split(count, bw, n, 0, p), 0);
+        cr_assert_eq(sum_of(p, n), count);
+        for (size_t i = 0; i < n; i++) {
+            cr_assert(bw[i] > 0 || p[i] == 0, "trial %d: a client reduces %zu", trial, p[i]);
+            if (bw[i] > 0)
+                slack = fmax(slack, ((double)n - 2) * (double)n / (double)count / bw[i]);
+        }
+        best = best_round_time(bw, n);
+        got = round_time(bw, p, n, count);
+        cr_assert(got <= best * (1 + 1e-9) + slack && got >= best * (1 - 1e-9) - slack,
+                  "trial %d (%zu members): round %.9g, best %.9g", trial, n, got, best);
     }
 }
