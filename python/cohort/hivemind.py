@@ -29,6 +29,10 @@ run's quantiles, a codebook of bucket means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
+An adaptive codec (below) is taken for `compression` when it chooses one
+codec for every averaged tensor, and the averager steps in that codec;
+one that chooses two is refused, since the engine sends the averaged
+tensors in one codec per step.
 
 `bandwidth` and `client_mode` balance the load as in hivemind: in a
 group where any peer gives a bandwidth or is a client, each peer reduces
@@ -54,16 +58,26 @@ the highest priority, in parallel parts when several are equal, every
 part checked against a manifest the donors MAC with the cohort's key, so
 a donor that lies or stalls is dropped and never mixed in. Donors run
 get_current_state() in this process, on a thread of the averager's, when
-a download begins. state_compression is NoCompression() or
-Float16Compression() (floating-point tensors travel as float16 and come
-back in their own dtype).
+a download begins. state_compression is any codec above, applied to
+each floating-point tensor of the state (integer and bool tensors travel
+as they are) and undone by the newcomer, the tensor coming back in its
+own dtype and shape: Float16Compression as float16, the others by the
+engine's codecs in runs of the engine's segment (part_size_bytes / 4
+elements, at least 342), so each run keeps its codec's error bound. Or
+one of hivemind's adaptive codecs, choosing a codec per tensor from its
+CompressionInfo: SizeAdaptiveCompression(threshold, less,
+greater_equal) by the tensor's element count, RoleAdaptiveCompression by
+its TensorRole (PARAMETER, OPTIMIZER or UNSPECIFIED for a state),
+PerTensorCompression by its key. The infos are what get_current_state()
+returns third: by default `tensor_infos`, else
+CompressionInfo.from_tensor(t, key=i) per tensor, as in hivemind.
+tensor_infos is refused unless compression or state_compression is
+adaptive: nothing else reads it.
 
 Arguments of hivemind's constructor that cohort does not carry out yet
-are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (the adaptive ones:
-SizeAdaptiveCompression, RoleAdaptiveCompression, PerTensorCompression),
-state_compression other than NoCompression and Float16Compression,
-daemon=False.
+are refused with a ValueError that says so, never ignored: a codec class
+cohort does not know, an adaptive `compression` that chooses two codecs
+for the averaged tensors, daemon=False.
 
 An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
 `auxiliary=True`): it joins groups of any tensors, learns their size and

@@ -12,6 +12,16 @@ averagers joined to a real broker with a key, with real torch tensors.
 - No donor: None within the timeout, also through wait=False's future.
 - Bad settings (a priority that is not finite, a declare period out of
   range, a state_compression cohort does not carry out) get clear errors.
+- Every codec carries a state (float32, float64, float16, integer-valued
+  floats, integers, bools) within its bound, computed here from the
+  values per run as engine/codec.h states it; the 8-bit codebooks are
+  checked to hold the mean of the values they stand for. Integers, and
+  everything under NoCompression, come back exactly.
+- The adaptive codecs choose per tensor: by size (a small tensor exact,
+  a large one 8-bit), by role (get_current_state's infos), by key, and
+  by the constructor's tensor_infos; what they choose for the averaged
+  tensors must be one codec. Coded states that lie (byte counts, codecs,
+  runs, shapes) are refused with the reason.
 
 tests/unit/test_avstate.c covers donors that lie (parts that do not match
 their digests, manifests without the key's MAC, sizes over the cap).
