@@ -529,3 +529,83 @@ def test_a_coded_state_that_does_not_decode_is_refused():
     for why, blob in bad.items():
         with pytest.raises(ValueError, match=why.strip()):
             hivemind._decode_state(blob)
+
+
+def test_an_adaptive_compression_of_one_codec_steps_in_it(keyed):
+    """SizeAdaptiveCompression that chooses uniform8 for every averaged
+    tensor groups with a plain Uniform8BitQuantization peer (the broker
+    refuses peers of different codecs) and averages in it: both end with
+    the same bytes, an 8-bit distance from the exact mean."""
+    b, _, make = keyed
+    g = torch.Generator().manual_seed(3)
+    xs = [[torch.randn(3000, generator=g), torch.randn(2000, generator=g)] for _ in range(2)]
+    exact = [(xs[0][i] + xs[1][i]) / 2 for i in range(2)]
+    size = hivemind.SizeAdaptiveCompression(1000, hivemind.NoCompression(),
+                                            hivemind.Uniform8BitQuantization())
+    kw = dict(prefix="state/step", target_group_size=2, min_matchmaking_time=1.0,
+              request_timeout=0.5, allow_state_sharing=False)
+    a = make("adaptive", [t.clone() for t in xs[0]], compression=size, **kw)
+    u = make("uniform8", [t.clone() for t in xs[1]],
+             compression=hivemind.Uniform8BitQuantization(), **kw)
+
+    def both_step():
+        ca, cu = a.step(wait=False, timeout=20), u.step(wait=False, timeout=20)
+        try:
+            return ca.result(timeout=60) is not None and cu.result(timeout=60) is not None
+        except hivemind.AllreduceException:
+            return False        # one asked before the other was up: again
+
+    eventually(both_step, "a round of the two")
+    with a.get_tensors() as ta, u.get_tensors() as tu:
+        assert all(torch.equal(p, q) for p, q in zip(ta, tu)), "the same bytes"
+        # Two encodings of bins 6 sigma / 256 wide (outliers clamped into
+        # the end bins move further).
+        err = torch.cat([(p - e).abs() for p, e in zip(ta, exact)])
+        assert 0 < err.mean().item() < 0.05 and err.max().item() < 2, \
+            "averaged in uniform8: %g from the exact mean at worst" % err.max().item()
+
+
+def test_the_codec_binding_checks_every_length():
+    from cohort import _cohort
+    x = torch.randn(1000).numpy().tobytes()
+    for codec in (0, 2 ** 40, -1, 4, 5, 9):
+        with pytest.raises((ValueError, OverflowError)):
+            _cohort.codec_encode(codec, x, 100)
+    with pytest.raises(ValueError, match="at least one element"):
+        _cohort.codec_encode(7, x, 0)
+    with pytest.raises(ValueError, match="whole float32s"):
+        _cohort.codec_encode(7, x[:-1], 100)
+    enc = _cohort.codec_encode(7, x, 300)      # 3 runs of 300 and one of 100
+    assert len(enc) == 3 * (1024 + 300) + 1024 + 100
+    assert len(_cohort.codec_decode(7, enc, 1000, 300)) == 4000
+    for count, run, blob in ((1001, 300, enc), (1000, 600, enc), (1000, 300, enc + b"\0"),
+                             (-1, 300, enc), (2 ** 62, 300, enc)):
+        with pytest.raises(ValueError):
+            _cohort.codec_decode(7, blob, count, run)
+
+
+def test_a_corrupted_coded_state_decodes_or_is_refused():
+    """Any byte of a coded state flipped: a ValueError or tensors of the
+    declared shapes, never another exception or a crash."""
+    import random
+    g = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(700, generator=g), torch.randn(3, 50, generator=g).double(),
+               torch.arange(9)]
+    codecs = [hivemind.Quantile8BitQuantization._codec, hivemind.BlockwiseQuantization._codec, 0]
+    good = hivemind._encode_state({"k": [1, 2]}, tensors, codecs, 342)
+    rng = random.Random(8)
+    refused = 0
+    for _ in range(400):
+        blob = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        try:
+            _, got = hivemind._decode_state(bytes(blob))
+        except ValueError:          # json's errors are ValueErrors too
+            refused += 1
+            continue
+        except UnicodeDecodeError:
+            refused += 1
+            continue
+        assert len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got)
+    assert refused > 0
