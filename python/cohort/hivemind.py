@@ -145,7 +145,8 @@ def _encode_state(metadata, tensors, codecs, run):
         if t.dim() > _STATE_NDIM_MAX:
             raise ValueError("a state tensor has more than %d dimensions" % _STATE_NDIM_MAX)
         t = t.detach().cpu().contiguous()
-        if not t.is_floating_point() or t.numel() == 0 or (codec == 1 and t.dtype == torch.float16):
+        if not t.is_floating_point() or t.numel() == 0 or \
+                (codec == 1 and t.dtype == torch.float16):
             codec = 0
         if codec == 0:
             body = memoryview(t.reshape(-1).view(torch.uint8).numpy())
