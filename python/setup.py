@@ -99,11 +99,14 @@ class BuildExt(build_ext):
             if os.path.exists(lib):
                 os.unlink(lib)
             self.spawn(["ar", "rcs", lib] + objs)
-        ext.include_dirs = [os.path.join(ROOT, "include")] + ext.include_dirs
+        # src/ for engine/codec.h: the state's codecs (cohort.hivemind).
+        ext.include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")] + \
+            ext.include_dirs
         ext.library_dirs = [tmp] + ext.library_dirs
         ext.libraries = ["cohort_pic"] + LIBS
         ext.extra_link_args = ["-Wl,--as-needed", "-Wl,--exclude-libs,ALL"] + pkg_config("--libs-only-L")
-        ext.depends = objs + [lib, os.path.join(ROOT, "include", "cohort.h")]
+        ext.depends = objs + [lib, os.path.join(ROOT, "include", "cohort.h"),
+                             os.path.join(ROOT, "src", "engine", "codec.h")]
         # A cohort.h whose engine reduces out of place into a results
         # region: .grad points there while a result is held.
         with open(os.path.join(ROOT, "include", "cohort.h")) as f:

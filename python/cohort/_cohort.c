@@ -16,6 +16,10 @@
  * at once when cohort/__init__.py has moved the model's tensors back to
  * private memory, later if the user still holds views of the region.
  *
+ * Besides them, codec_encode and codec_decode expose the engine's codecs
+ * (engine/codec.h) to cohort.hivemind, which encodes a donor's state with
+ * them.
+ *
  * Threads: a struct cohort is used by one thread at a time, and a call to
  * a sidecar blocks for up to its reply timeout, so each call runs with
  * the GIL released and under the Core's own lock. The lock is only ever
@@ -31,6 +35,7 @@
 #include <unistd.h>
 
 #include "cohort.h"
+#include "engine/codec.h"
 
 static PyObject *cohort_error;          /* cohort._cohort.Error */
 
@@ -1784,8 +1789,170 @@ static PyObject *mod_strerror(PyObject *mod, PyObject *arg)
     return PyUnicode_FromString(cohort_strerror((int)e));
 }
 
+/* ---- the engine's codecs, for the averager's state ---------------------
+ *
+ * cohort.hivemind encodes a donor's floating-point state tensors with the
+ * codecs the averaged tensors travel in, cut into runs as the engine cuts
+ * a reduction into segments, so each run carries the codec's own error
+ * bound. The codecs want 4-byte aligned buffers and an encoded run need
+ * not end on a multiple of 4 (int8's scales, uniform8's codebook), so
+ * every run passes through an aligned scratch buffer of one run. */
+
+/* The codecs a state may use: every real codec but the identity, which
+ * needs no encoding. */
+static bool state_codec_ok(long c)
+{
+    return c > 0 && c < CODEC_END && codec_valid((int)c);
+}
+
+/* Bytes that n elements cut into runs of `run` take, or false when that
+ * overflows a Py_ssize_t. */
+static bool state_coded_bytes(enum codec c, size_t n, size_t run, size_t *out)
+{
+    size_t whole = n / run, rest = n % run, per = codec_bytes(c, run), total;
+
+    if (per != 0 && whole > ((size_t)PY_SSIZE_T_MAX) / per)
+        return false;
+    total = whole * per;
+    if (rest && total > (size_t)PY_SSIZE_T_MAX - codec_bytes(c, rest))
+        return false;
+    *out = total + (rest ? codec_bytes(c, rest) : 0);
+    return true;
+}
+
+static int state_codec_args(long codec, long long run, long long n)
+{
+    if (!state_codec_ok(codec)) {
+        PyErr_Format(PyExc_ValueError, "%ld is not a codec of the engine", codec);
+        return -1;
+    }
+    if (run < 1 || (unsigned long long)run > (size_t)PY_SSIZE_T_MAX / sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "a run must hold at least one element");
+        return -1;
+    }
+    if (n < 0 || (unsigned long long)n > (size_t)PY_SSIZE_T_MAX / sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "an element count out of range");
+        return -1;
+    }
+    return 0;
+}
+
+/* codec_encode(codec, float32 bytes, run) -> bytes: the values cut into
+ * runs of `run` elements, each encoded alone. */
+static PyObject *mod_codec_encode(PyObject *mod, PyObject *args)
+{
+    long codec;
+    long long run;
+    Py_buffer b;
+    PyObject *out = NULL;
+    float *fin = NULL;
+    void *scratch = NULL;
+    size_t n, total, chunk;
+
+    if (!PyArg_ParseTuple(args, "ly*L", &codec, &b, &run))
+        return NULL;
+    if (b.len % (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "the values are not whole float32s");
+        goto out;
+    }
+    n = (size_t)b.len / sizeof(float);
+    if (state_codec_args(codec, run, (long long)n) < 0)
+        goto out;
+    if (!state_coded_bytes((enum codec)codec, n, (size_t)run, &total)) {
+        PyErr_SetString(PyExc_OverflowError, "the encoding is too large");
+        goto out;
+    }
+    chunk = n < (size_t)run ? n : (size_t)run;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    fin = PyMem_RawMalloc(chunk * sizeof(float) + 1);
+    scratch = PyMem_RawMalloc(codec_bytes((enum codec)codec, chunk) + 1);
+    if (!out || !fin || !scratch) {
+        Py_CLEAR(out);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto out;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    const unsigned char *src = b.buf;
+    for (size_t at = 0; at < n; at += chunk) {
+        size_t k = n - at < chunk ? n - at : chunk, nb = codec_bytes((enum codec)codec, k);
+
+        memcpy(fin, src + at * sizeof(float), k * sizeof(float));
+        codec_encode((enum codec)codec, scratch, fin, k);
+        memcpy(dst, scratch, nb);
+        dst += nb;
+    }
+    Py_END_ALLOW_THREADS
+out:
+    PyMem_RawFree(fin);
+    PyMem_RawFree(scratch);
+    PyBuffer_Release(&b);
+    return out;
+}
+
+/* codec_decode(codec, bytes, n, run) -> bytearray of n float32: what
+ * codec_encode wrote for n values in runs of `run`. ValueError unless the
+ * bytes are exactly that long, checked before anything is allocated, so
+ * the output is bounded by the input (at most 4x, for 8-bit codecs). */
+static PyObject *mod_codec_decode(PyObject *mod, PyObject *args)
+{
+    long codec;
+    long long run, count;
+    Py_buffer b;
+    PyObject *out = NULL;
+    float *fout = NULL;
+    void *scratch = NULL;
+    size_t n, total, chunk;
+
+    if (!PyArg_ParseTuple(args, "ly*LL", &codec, &b, &count, &run))
+        return NULL;
+    if (state_codec_args(codec, run, count) < 0)
+        goto out;
+    n = (size_t)count;
+    if (!state_coded_bytes((enum codec)codec, n, (size_t)run, &total) ||
+        total != (size_t)b.len) {
+        PyErr_Format(PyExc_ValueError, "%zd encoded bytes do not hold %lld values of %s in runs "
+                     "of %lld", b.len, count, codec_name((enum codec)codec), run);
+        goto out;
+    }
+    chunk = n < (size_t)run ? n : (size_t)run;
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(float)));
+    fout = PyMem_RawMalloc(chunk * sizeof(float) + 1);
+    scratch = PyMem_RawMalloc(codec_bytes((enum codec)codec, chunk) + 1);
+    if (!out || !fout || !scratch) {
+        Py_CLEAR(out);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto out;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char *dst = (unsigned char *)PyByteArray_AS_STRING(out);
+    const unsigned char *src = b.buf;
+    for (size_t at = 0; at < n; at += chunk) {
+        size_t k = n - at < chunk ? n - at : chunk, nb = codec_bytes((enum codec)codec, k);
+
+        memcpy(scratch, src, nb);
+        codec_decode((enum codec)codec, fout, scratch, k);
+        memcpy(dst + at * sizeof(float), fout, k * sizeof(float));
+        src += nb;
+    }
+    Py_END_ALLOW_THREADS
+out:
+    PyMem_RawFree(fout);
+    PyMem_RawFree(scratch);
+    PyBuffer_Release(&b);
+    return out;
+}
+
 static PyMethodDef mod_methods[] = {
     { "strerror", mod_strerror, METH_O, "strerror(errno): cohort_strerror's sentence." },
+    { "codec_encode", mod_codec_encode, METH_VARARGS,
+      "codec_encode(codec, float32 bytes, run) -> bytes: the engine's codec (engine/codec.h), "
+      "each run of `run` values encoded alone." },
+    { "codec_decode", mod_codec_decode, METH_VARARGS,
+      "codec_decode(codec, bytes, n, run) -> bytearray of n float32; ValueError unless the "
+      "bytes are exactly codec_encode's length for n values." },
     { NULL, NULL, 0, NULL },
 };
 

@@ -29,6 +29,10 @@ run's quantiles, a codebook of bucket means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
+An adaptive codec (below) is taken for `compression` when it chooses one
+codec for every averaged tensor, and the averager steps in that codec;
+one that chooses two is refused, since the engine sends the averaged
+tensors in one codec per step.
 
 `bandwidth` and `client_mode` balance the load as in hivemind: in a
 group where any peer gives a bandwidth or is a client, each peer reduces
@@ -54,16 +58,26 @@ the highest priority, in parallel parts when several are equal, every
 part checked against a manifest the donors MAC with the cohort's key, so
 a donor that lies or stalls is dropped and never mixed in. Donors run
 get_current_state() in this process, on a thread of the averager's, when
-a download begins. state_compression is NoCompression() or
-Float16Compression() (floating-point tensors travel as float16 and come
-back in their own dtype).
+a download begins. state_compression is any codec above, applied to
+each floating-point tensor of the state (integer and bool tensors travel
+as they are) and undone by the newcomer, the tensor coming back in its
+own dtype and shape: Float16Compression as float16, the others by the
+engine's codecs in runs of the engine's segment (part_size_bytes / 4
+elements, at least 342), so each run keeps its codec's error bound. Or
+one of hivemind's adaptive codecs, choosing a codec per tensor from its
+CompressionInfo: SizeAdaptiveCompression(threshold, less,
+greater_equal) by the tensor's element count, RoleAdaptiveCompression by
+its TensorRole (PARAMETER, OPTIMIZER or UNSPECIFIED for a state),
+PerTensorCompression by its key. The infos are what get_current_state()
+returns third: by default `tensor_infos`, else
+CompressionInfo.from_tensor(t, key=i) per tensor, as in hivemind.
+tensor_infos is refused unless compression or state_compression is
+adaptive: nothing else reads it.
 
 Arguments of hivemind's constructor that cohort does not carry out yet
-are refused with a ValueError that says so, never ignored: tensor_infos,
-compression of any other class (the adaptive ones:
-SizeAdaptiveCompression, RoleAdaptiveCompression, PerTensorCompression),
-state_compression other than NoCompression and Float16Compression,
-daemon=False.
+are refused with a ValueError that says so, never ignored: a codec class
+cohort does not know, an adaptive `compression` that chooses two codecs
+for the averaged tensors, daemon=False.
 
 An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
 `auxiliary=True`): it joins groups of any tensors, learns their size and
@@ -74,6 +88,7 @@ Gathered objects and state metadata cross as JSON (hivemind uses
 msgpack): peers may lie, and JSON cannot run code on the receiving side.
 """
 import concurrent.futures
+import enum
 import hashlib
 import json
 import logging
@@ -92,43 +107,59 @@ from . import _cohort
 
 __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression",
            "Float16Compression", "ScaledFloat16Compression", "BlockwiseQuantization",
-           "Uniform8BitQuantization", "Quantile8BitQuantization",
+           "Uniform8BitQuantization", "Quantile8BitQuantization", "SizeAdaptiveCompression",
+           "RoleAdaptiveCompression", "PerTensorCompression", "CompressionInfo",
+           "TensorRole", "TensorDescriptor",
            "StepControl", "averaging"]
 
 _GROUP_MAX = 256
 _GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
 _log = logging.getLogger("cohort.hivemind")
 
-# A state on the wire: b"CHS1", u32 metadata length, the metadata as JSON,
+# A state on the wire: b"CHS2", u32 metadata length, the metadata as JSON,
 # u32 tensor count, then per tensor: u8 dtype, u8 codec (0 as is, 1
-# float16), u8 ndim, u8 0, ndim x i64 shape, u64 byte count, the bytes.
-_STATE_MAGIC = b"CHS1"
+# float16, else an engine codec: engine/codec.h), u8 ndim, u8 0, u32 run
+# (the elements per encoded run, 0 for codecs 0 and 1), ndim x i64 shape,
+# u64 byte count, the bytes.
+_STATE_MAGIC = b"CHS2"
 _STATE_TENSORS_MAX = 1 << 16
 _STATE_NDIM_MAX = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_STATE_CODECS = (0, 1, 3, 6, 7, 8)     # as is, float16, and the engine's 8- and 16-bit
 
 
-def _encode_state(metadata, tensors, fp16):
-    """The bytes of (metadata, tensors); fp16: floating-point tensors
-    travel as float16 (Float16Compression)."""
+def _encode_state(metadata, tensors, codecs, run):
+    """The bytes of (metadata, tensors). codecs: one codec id per tensor
+    (_STATE_CODECS), applied to the floating-point ones (others travel as
+    they are); run: the elements per encoded run, as the engine cuts a
+    reduction into segments."""
     try:
         meta = json.dumps(metadata, sort_keys=True).encode()
     except (TypeError, ValueError) as e:
         raise TypeError("state metadata must be JSON-serialisable: %s" % e) from None
     out = [_STATE_MAGIC, struct.pack("<I", len(meta)), meta, struct.pack("<I", len(tensors))]
-    for t in tensors:
+    for t, codec in zip(tensors, codecs):
         if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
             raise TypeError("state tensors must be torch tensors of %s" % _DTYPES)
         if t.dim() > _STATE_NDIM_MAX:
             raise ValueError("a state tensor has more than %d dimensions" % _STATE_NDIM_MAX)
         t = t.detach().cpu().contiguous()
-        codec = 1 if fp16 and t.is_floating_point() and t.dtype != torch.float16 else 0
-        body = (t.to(torch.float16) if codec else t).reshape(-1).view(torch.uint8).numpy()
-        out.append(struct.pack("<BBBB", _DTYPES.index(t.dtype), codec, t.dim(), 0))
+        if not t.is_floating_point() or t.numel() == 0 or \
+                (codec == 1 and t.dtype == torch.float16):
+            codec = 0
+        if codec == 0:
+            body = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        elif codec == 1:
+            body = memoryview(t.to(torch.float16).reshape(-1).view(torch.uint8).numpy())
+        else:
+            flat = t.reshape(-1).to(torch.float32).contiguous()
+            body = _cohort.codec_encode(codec, flat.view(torch.uint8).numpy(), run)
+        out.append(struct.pack("<BBBBI", _DTYPES.index(t.dtype), codec, t.dim(), 0,
+                               run if codec > 1 else 0))
         out.append(struct.pack("<%dq" % t.dim(), *t.shape))
-        out.append(struct.pack("<Q", body.nbytes))
-        out.append(memoryview(body))        # joined below: one copy
+        out.append(struct.pack("<Q", body.nbytes if isinstance(body, memoryview) else len(body)))
+        out.append(body)        # joined below: one copy
     return b"".join(out)
 
 
@@ -154,23 +185,32 @@ def _decode_state(blob):
         raise ValueError("the state declares %d tensors" % count)
     tensors = []
     for _ in range(count):
-        code, codec, ndim, zero = struct.unpack("<BBBB", take(4))
-        if code >= len(_DTYPES) or codec > 1 or ndim > _STATE_NDIM_MAX or zero:
-            raise ValueError("a state tensor with a bad dtype, codec or rank")
+        code, codec, ndim, zero, run = struct.unpack("<BBBBI", take(8))
+        if code >= len(_DTYPES) or codec not in _STATE_CODECS or ndim > _STATE_NDIM_MAX \
+                or zero or (run == 0) != (codec < 2):
+            raise ValueError("a state tensor with a bad dtype, codec, rank or run")
         shape = struct.unpack("<%dq" % ndim, take(8 * ndim))
         if any(d < 0 for d in shape):
             raise ValueError("a state tensor with a negative dimension")
         dtype = _DTYPES[code]
-        wire = torch.float16 if codec else dtype
         if codec and not dtype.is_floating_point:
-            raise ValueError("float16 codec on a tensor that is not floating-point")
+            raise ValueError("a codec on a tensor that is not floating-point")
         (nbytes,) = struct.unpack("<Q", take(8))
         numel = math.prod(shape)
-        if nbytes != numel * torch.empty((), dtype=wire).element_size():
-            raise ValueError("a state tensor's byte count does not match its shape")
-        # One copy, which the tensor owns (frombuffer keeps it alive).
-        raw = bytearray(take(nbytes))
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(wire) if nbytes else \
+        if numel > len(view) * 8:       # more than any codec could carry in the blob
+            raise ValueError("a state tensor's shape is larger than the state")
+        if codec > 1:
+            # The binding checks nbytes against the codec's length for
+            # numel values before it allocates anything.
+            raw = _cohort.codec_decode(codec, take(nbytes), numel, run)
+            wire = torch.float32
+        else:
+            wire = torch.float16 if codec else dtype
+            if nbytes != numel * torch.empty((), dtype=wire).element_size():
+                raise ValueError("a state tensor's byte count does not match its shape")
+            # One copy, which the tensor owns (frombuffer keeps it alive).
+            raw = bytearray(take(nbytes))
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(wire) if len(raw) else \
             torch.empty(0, dtype=wire)
         tensors.append(t.reshape(shape).to(dtype))
     if at != len(view):
@@ -273,6 +313,177 @@ class Quantile8BitQuantization(CompressionBase):
 
     def __repr__(self):
         return "Quantile8BitQuantization()"
+
+
+class TensorRole(enum.Enum):
+    """hivemind.compression.TensorRole: what a tensor is, for
+    RoleAdaptiveCompression. A state's tensors are parameters, optimizer
+    state or unspecified (hivemind's TrainingStateAverager gives its
+    extra tensors UNSPECIFIED); the other two roles are hivemind's for
+    activations and gradients and are accepted here alike."""
+
+    ACTIVATION = "activation"
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    OPTIMIZER = "optimizer"
+    UNSPECIFIED = "unspecified"
+
+
+class TensorDescriptor:
+    """The part of hivemind's TensorDescriptor the codecs read: the
+    tensor's size and dtype."""
+
+    def __init__(self, size, dtype=torch.float32):
+        self.size = tuple(int(d) for d in size)
+        self.dtype = dtype
+
+    @classmethod
+    def from_tensor(cls, tensor):
+        return cls(tensor.shape, tensor.dtype)
+
+    def numel(self):
+        return math.prod(self.size)
+
+    def __repr__(self):
+        return "TensorDescriptor(size=%r, dtype=%r)" % (self.size, self.dtype)
+
+
+class CompressionInfo:
+    """hivemind.compression.CompressionInfo: what an adaptive codec
+    chooses by. `key` names the tensor (PerTensorCompression), `descriptor`
+    gives its size (SizeAdaptiveCompression, which looks at the whole
+    tensor, never at a part), `role` its TensorRole
+    (RoleAdaptiveCompression). The averager's default infos are
+    from_tensor(t, key=i) for the i-th tensor, as in hivemind."""
+
+    def __init__(self, key, descriptor, role=TensorRole.UNSPECIFIED, part_index=0,
+                 part_size=None):
+        if not isinstance(descriptor, TensorDescriptor):
+            raise TypeError("descriptor must be a cohort.hivemind.TensorDescriptor")
+        if not isinstance(role, TensorRole):
+            raise TypeError("role must be a cohort.hivemind.TensorRole")
+        self.key = key
+        self.descriptor = descriptor
+        self.role = role
+        self.part_index = part_index
+        self.part_size = part_size
+
+    @classmethod
+    def from_tensor(cls, tensor, key=None, descriptor=None, role=TensorRole.UNSPECIFIED):
+        return cls(key, descriptor or TensorDescriptor.from_tensor(tensor), role)
+
+    def __repr__(self):
+        return "CompressionInfo(key=%r, descriptor=%r, role=%r)" % (self.key, self.descriptor,
+                                                                     self.role)
+
+
+class AdaptiveCompressionBase(CompressionBase):
+    """hivemind's adaptive codecs: each chooses another codec per tensor
+    from its CompressionInfo (choose_compression); the choice may itself be
+    adaptive. The state applies the choice per tensor; the averaged
+    tensors travel in one codec per step, so `compression=` takes an
+    adaptive codec only when it chooses the same codec for every averaged
+    tensor."""
+
+    def choose_compression(self, info):
+        raise NotImplementedError
+
+
+class SizeAdaptiveCompression(AdaptiveCompressionBase):
+    """`greater_equal` for tensors of at least `threshold` elements (the
+    whole tensor's count), else `less`."""
+
+    def __init__(self, threshold, less, greater_equal):
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError("threshold must be an int from 0")
+        for c in (less, greater_equal):
+            if not isinstance(c, CompressionBase):
+                raise TypeError("less and greater_equal must be codecs of cohort.hivemind")
+        self.threshold, self.less, self.greater_equal = threshold, less, greater_equal
+
+    def choose_compression(self, info):
+        return self.greater_equal if info.descriptor.numel() >= self.threshold else self.less
+
+    def __repr__(self):
+        return "SizeAdaptiveCompression(%d, %r, %r)" % (self.threshold, self.less,
+                                                         self.greater_equal)
+
+
+class RoleAdaptiveCompression(AdaptiveCompressionBase):
+    """A codec per TensorRole; a role given None (or not given) takes
+    `default`."""
+
+    def __init__(self, *, activation=None, parameter=None, gradient=None, optimizer=None,
+                 default=NoCompression()):
+        given = {TensorRole.ACTIVATION: activation, TensorRole.PARAMETER: parameter,
+                 TensorRole.GRADIENT: gradient, TensorRole.OPTIMIZER: optimizer}
+        for c in list(given.values()) + [default]:
+            if c is not None and not isinstance(c, CompressionBase):
+                raise TypeError("RoleAdaptiveCompression takes codecs of cohort.hivemind")
+        if default is None:
+            raise TypeError("default must be a codec")
+        self.default = default
+        self.role_mapping = {r: c or default for r, c in given.items()}
+
+    def choose_compression(self, info):
+        return self.role_mapping.get(info.role, self.default)
+
+    def __repr__(self):
+        return "RoleAdaptiveCompression(%s, default=%r)" % (
+            ", ".join("%s=%r" % (r.value, c) for r, c in self.role_mapping.items()), self.default)
+
+
+class PerTensorCompression(AdaptiveCompressionBase):
+    """A codec per tensor key: a sequence (keys 0, 1, ...: the tensors'
+    positions, the default keys) or a mapping. A key it lacks is an
+    error."""
+
+    def __init__(self, tensor_compressions):
+        if isinstance(tensor_compressions, (list, tuple)):
+            tensor_compressions = dict(enumerate(tensor_compressions))
+        if not isinstance(tensor_compressions, dict):
+            raise TypeError("PerTensorCompression takes a list or a dict of codecs")
+        for c in tensor_compressions.values():
+            if not isinstance(c, CompressionBase):
+                raise TypeError("PerTensorCompression takes codecs of cohort.hivemind")
+        self.tensor_compressions = tensor_compressions
+
+    def choose_compression(self, info):
+        try:
+            return self.tensor_compressions[info.key]
+        except (KeyError, TypeError):
+            raise ValueError("PerTensorCompression has no codec for tensor key %r" %
+                             (info.key,)) from None
+
+    def __repr__(self):
+        return "PerTensorCompression(%r)" % (self.tensor_compressions,)
+
+
+_STATE_CLASSES = (NoCompression, Float16Compression, ScaledFloat16Compression,
+                  BlockwiseQuantization, Uniform8BitQuantization, Quantile8BitQuantization)
+
+
+def _resolve(compression, info, what):
+    """The codec an (adaptive) compression chooses for the tensor `info`
+    names; ValueError, naming the argument `what`, for a class cohort
+    does not know."""
+    for _ in range(16):
+        if type(compression) in _STATE_CLASSES:
+            return compression
+        if not isinstance(compression, AdaptiveCompressionBase):
+            raise ValueError("%s: %r is not supported; cohort's codecs are %s, or an adaptive "
+                             "codec over them" % (what, compression, ", ".join(
+                                 c.__name__ for c in _STATE_CLASSES)))
+        compression = compression.choose_compression(info)
+    raise ValueError("%s: adaptive codecs nested more than 16 deep" % what)
+
+
+def _is_adaptive(compression):
+    return isinstance(compression, AdaptiveCompressionBase)
+
+
+def _default_infos(tensors):
+    return [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
 
 
 def _through_sidecar():
@@ -424,21 +635,35 @@ class DecentralizedAverager:
         if isinstance(min_vector_size, bool) or not isinstance(min_vector_size, int) \
                 or not 0 <= min_vector_size < 2 ** 62:
             raise ValueError("min_vector_size must be an int from 0")
-        refuse = {
-            "tensor_infos": tensor_infos is not None,
-            "compression": type(compression) not in (NoCompression, Float16Compression,
-                                                     ScaledFloat16Compression,
-                                                     BlockwiseQuantization,
-                                                     Uniform8BitQuantization,
-                                                     Quantile8BitQuantization),
-            "state_compression": type(state_compression) not in (NoCompression,
-                                                                 Float16Compression),
-            "daemon": daemon is not True,
-        }
-        bad = [k for k, v in refuse.items() if v]
-        if bad:
-            raise ValueError("not supported by cohort's averager yet: %s (docs/architecture.md, "
-                             "\"Not built yet\")" % ", ".join(bad))
+        # tensor_infos feed the adaptive codecs' choices (key, size, role);
+        # with no adaptive codec they would change nothing.
+        if tensor_infos is not None:
+            if not (_is_adaptive(compression) or _is_adaptive(state_compression)):
+                raise ValueError("tensor_infos changes nothing unless compression or "
+                                 "state_compression is an adaptive codec: leave it None")
+            tensor_infos = list(tensor_infos)
+            if len(tensor_infos) != len(tensors) or \
+                    not all(isinstance(i, CompressionInfo) for i in tensor_infos):
+                raise ValueError("tensor_infos must hold one cohort.hivemind.CompressionInfo "
+                                 "per averaged tensor")
+        infos = tensor_infos if tensor_infos is not None else _default_infos(tensors)
+        # The engine sends the averaged tensors in one codec per step: an
+        # adaptive codec must choose one for all of them.
+        chosen = {repr(c): c for c in (_resolve(compression, i, "compression") for i in infos)} \
+            if tensors else {repr(compression): _resolve(compression, None, "compression")}
+        if len(chosen) != 1:
+            raise ValueError("compression %r chooses %s for the averaged tensors; the engine "
+                             "sends them in one codec per step" % (compression,
+                                                                   " and ".join(sorted(chosen))))
+        compression = next(iter(chosen.values()))
+        for i in infos:     # a state codec cohort lacks fails here, not in a download
+            _resolve(state_compression, i, "state_compression")
+        if not _is_adaptive(state_compression):
+            _resolve(state_compression, None, "state_compression")
+        if daemon is not True:
+            raise ValueError("not supported by cohort's averager yet: daemon (the averager "
+                             "runs on threads of this process; docs/architecture.md, "
+                             "\"Not built yet\")")
         # The engine gives every peer one silence timeout: the tightest of
         # those given stands for all of them.
         timeouts = [x for x in (allreduce_timeout, next_chunk_timeout, sender_timeout,
@@ -453,7 +678,8 @@ class DecentralizedAverager:
             if allow_state_sharing is None else bool(allow_state_sharing)
         self._priority = 0.0
         self._declare_ms = max(1, int(declare_state_period * 1000))
-        self._state_fp16 = isinstance(state_compression, Float16Compression)
+        self._state_compression = state_compression
+        self._tensor_infos = tensor_infos
         self._state_thread = None
         self._state_stop = threading.Event()
         self._codec = compression._codec
@@ -514,7 +740,7 @@ class DecentralizedAverager:
         self._state_stop.clear()
         self._state_thread = threading.Thread(
             target=DecentralizedAverager._serve_state,
-            args=(weakref.ref(self), self._core, self._state_stop, self._state_fp16),
+            args=(weakref.ref(self), self._core, self._state_stop),
             name="cohort-avg-state", daemon=True)
         self._state_thread.start()
         if await_ready:
@@ -559,10 +785,22 @@ class DecentralizedAverager:
         to share more (optimizer state, an epoch in the metadata);
         metadata must be JSON-serialisable."""
         with self.get_tensors() as tensors:
-            return None, [t.detach().cpu().clone() for t in tensors], None
+            return None, [t.detach().cpu().clone() for t in tensors], self._tensor_infos
+
+    def _state_codecs(self, tensors, infos):
+        """The engine codec id state_compression chooses for each tensor:
+        by infos (CompressionInfo per tensor) when given, else by
+        from_tensor(t, key=i) as hivemind does."""
+        if infos is None:
+            infos = _default_infos(tensors)
+        infos = list(infos)
+        if len(infos) != len(tensors):
+            raise ValueError("get_current_state gave %d infos for %d tensors" %
+                             (len(infos), len(tensors)))
+        return [_resolve(self._state_compression, i, "state_compression")._codec for i in infos]
 
     @staticmethod
-    def _serve_state(ref, core, stop, fp16):
+    def _serve_state(ref, core, stop):
         """The donor's side: a snapshot whenever a download needs one. It
         holds the averager only through `ref`, so that an averager dropped
         without shutdown() is still collected (and leaves)."""
@@ -574,9 +812,12 @@ class DecentralizedAverager:
                 if self is None:
                     return
                 state = self.get_current_state()
+                metadata, tensors = state[0], list(state[1])
+                codecs = self._state_codecs(tensors, state[2] if len(state) > 2 else None)
+                # The engine's segment, at least one an 8-bit codebook fits.
+                run = max(self._segment, 1368) // 4
                 del self
-                metadata, tensors = state[0], state[1]
-                core.provide_state(_encode_state(metadata, list(tensors), fp16))
+                core.provide_state(_encode_state(metadata, tensors, codecs, run))
             except Exception as e:      # a bad override must not end the thread
                 _log.warning("get_current_state failed; this donor serves no new state: %r", e)
                 stop.wait(0.2)
