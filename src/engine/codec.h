@@ -43,12 +43,15 @@
  *               255), and a codebook of 256 float32: the mean of the
  *               run's x in each bin (in double; 0 for an empty bin);
  *               decoded as codebook[q]. Error per element at most h
- *               (a bin's width: its mean lies in it) for values within
- *               [-128.5 h, 127.5 h] of m, else at most their distance
- *               from that range (the outliers clamped into bins 0 and
- *               255, beyond 2.96 s: under 12 % of the run by
- *               Chebyshev), plus float32's half ulp. A run of one value (s = 0) decodes
- *               exactly; a run holding NaN or Inf decodes as NaN.
+ *               (a bin's width: its mean lies in it) for values in bins
+ *               1 to 254, plus float32's half ulp. Bins 0 and 255 also
+ *               take the outliers clamped into them (beyond 2.96 s:
+ *               under 12 % of the run by Chebyshev), whose pull can move
+ *               those bins' means out of the bins, so a value there errs
+ *               by at most the span of its bin's values, from the
+ *               farthest outlier to the bin's inner edge. A run of one
+ *               value (s = 0) decodes exactly; a run holding NaN or Inf
+ *               decodes as NaN.
  *   CODEC_QUANTILE8  hivemind's Quantile8BitQuantization (QUANTILE_8BIT)
  *               over the run: 255 borders, the quantiles at k / 256
  *               (k = 1..255) of a sample of m = min(n,
