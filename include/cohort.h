@@ -621,6 +621,13 @@ struct cohort_averager_config {
  * cohort_averager_destroy(). */
 int cohort_averager_create(const struct cohort_averager_config *cfg,
                            struct cohort_averager **out);
+/* cohort_averager_create, and on failure through a sidecar the sidecar's
+ * sentence (why it refused: a vector or state larger than it hosts, its
+ * cap of averagers, a bad field) in why[why_len], NUL-terminated and
+ * borrowed from the caller; "" where there is none (in process, where
+ * the -errno says it). why may be NULL. */
+int cohort_averager_create_why(const struct cohort_averager_config *cfg,
+                               struct cohort_averager **out, char *why, size_t why_len);
 /* Leaves the cohort and frees. NULL is fine. */
 void cohort_averager_destroy(struct cohort_averager *a);
 /* Waits until the averager has joined the cohort. 0 or -ETIMEDOUT. */

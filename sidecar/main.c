@@ -63,7 +63,8 @@ static const char usage[] =
     "  --integrity none|mac      none (default): with --secret-file, peers prove the\n"
     "                            key when they connect; mac: every data-plane frame\n"
     "                            carries a MAC too (needs --secret-file; every\n"
-    "                            member must agree)\n"
+    "                            member must agree), the trainer's averagers'\n"
+    "                            frames too\n"
     "  --model-version N         model version to join with (default 0)\n"
     "  --virtual-batch-size N    pin the trainer's virtual batch size to N (1 to\n"
     "                            2^63-1): rounds commit at N samples from the\n"
@@ -225,7 +226,8 @@ static int serve_trainer(const struct member_config *mc, bool integrity_mac, con
         .gpu_host_staged = pin->gpu_host_staged,
     };
     struct avserve_config ac = { .broker = mc->broker, .cohort = mc->cohort, .id = mc->id,
-                                 .host = host, .key = mc->key, .tls_ca_pem = mc->tls_ca_pem,
+                                 .host = host, .key = mc->key, .integrity_mac = integrity_mac,
+                                 .tls_ca_pem = mc->tls_ca_pem,
                                  .tls_server_name = mc->tls_server_name };
     struct avserve *av;
     struct trainerd *t;

@@ -1425,6 +1425,7 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
     int compression = COHORT_COMPRESSION_NONE;
     Py_buffer schema = { 0 };
     struct cohort_averager *a = NULL;
+    char why[256] = "";
     int rc;
 
     if (self->a || self->lock) {
@@ -1463,9 +1464,19 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
         return -1;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = cohort_averager_create(&c, &a);
+    rc = cohort_averager_create_why(&c, &a, why, sizeof(why));
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&schema);
+    if (rc < 0 && why[0]) {
+        /* A sidecar's refusal says why itself. */
+        PyObject *e = Py_BuildValue("(is)", -rc, why);
+
+        if (e) {
+            PyErr_SetObject(cohort_error, e);
+            Py_DECREF(e);
+        }
+        return -1;
+    }
     if (rc < 0) {
         averager_raise(self, "cannot start the averager (check the broker address, cohort, "
                        "id, prefix, group bits and group sizes)", rc);

@@ -89,6 +89,7 @@ msgpack): peers may lie, and JSON cannot run code on the receiving side.
 """
 import concurrent.futures
 import enum
+import errno
 import hashlib
 import json
 import logging
@@ -730,12 +731,20 @@ class DecentralizedAverager:
         cohort's averager runs in this one, its heartbeats on a thread)."""
         if self._core is not None:
             return
-        self._core = _cohort.Averager(
-            self._dht.broker, self._dht.cohort, self._dht.peer_id, self._prefix, self._bits,
-            self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
-            self._count, self._segment, _schema(self._tensors), _GATHER_MAX, self._shutdown_ms,
-            self._codec, self._bandwidth, self._client_mode, self._min_vector_size,
-            self._declare_ms)
+        try:
+            self._core = _cohort.Averager(
+                self._dht.broker, self._dht.cohort, self._dht.peer_id, self._prefix, self._bits,
+                self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
+                self._count, self._segment, _schema(self._tensors), _GATHER_MAX,
+                self._shutdown_ms, self._codec, self._bandwidth, self._client_mode,
+                self._min_vector_size, self._declare_ms)
+        except _cohort.Error as e:
+            # A refusal of the configuration (the sidecar's sentence through
+            # a sidecar) is the caller's to fix; anything else is not.
+            if self._dht._averager is self:
+                self._dht._averager = None
+            bad = e.errno in (errno.EINVAL, errno.EFBIG, errno.EMSGSIZE, errno.ENAMETOOLONG)
+            raise (ValueError if bad else RuntimeError)(e.strerror) from None
         self._core.set_state_sharing(self._allow_sharing, self._priority)
         self._state_stop.clear()
         self._state_thread = threading.Thread(

@@ -79,6 +79,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +105,8 @@
 /* Beyond the step's own timeout, how long the broker's answer may take to
  * arrive before the call is abandoned, unless configured. */
 #define DEFAULT_REQUEST_TIMEOUT_MS 5000u
+/* How soon a matchmaking wait sees averager_abort. */
+#define ABORT_SLICE_MS 100u
 
 struct averager {
     char *cohort, *id, *prefix;
@@ -125,6 +128,8 @@ struct averager {
     bool stop;
 
     bool no_tensors;                /* count, codec and min_part come from each group */
+    bool integrity;                 /* frames carry a MAC (integrity_mac) */
+    atomic_bool aborted;            /* averager_abort: every step fails at once */
     size_t min_part;                /* min_vector_size */
     size_t max_count;               /* without tensors: the most it takes */
     bool has_bandwidth, client;     /* what this member asks with */
@@ -269,8 +274,17 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
 
     uint64_t min_part = 0;
 
-    if (schema->len < 17 || !codec_valid(schema->data[0])) {
+    if (schema->len < 17 || !codec_valid(schema->data[0] & ~AVERAGER_SCHEMA_MAC)) {
         *why = "a group schema that is not an averager's";
+        return -EPROTO;
+    }
+    /* An averager without tensors joins any schema: the frame integrity
+     * it cannot speak is refused here, not by the engine mid-round. */
+    if (((schema->data[0] & AVERAGER_SCHEMA_MAC) != 0) != a->integrity) {
+        *why = a->integrity ? "a group without frame integrity (--integrity none); this "
+                              "averager's is mac"
+                            : "a group with frame integrity (--integrity mac); this averager "
+                              "has none";
         return -EPROTO;
     }
     for (int i = 8; i >= 1; i--)
@@ -278,7 +292,7 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
     for (int i = 16; i >= 9; i--)
         min_part = min_part << 8 | schema->data[i];
     a->min_part = min_part > SIZE_MAX ? SIZE_MAX : (size_t)min_part;
-    codec = (enum codec)schema->data[0];
+    codec = (enum codec)(schema->data[0] & ~AVERAGER_SCHEMA_MAC);
     if (count == 0) {
         *why = "a group schema of no elements";
         return -EPROTO;
@@ -406,12 +420,22 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                  log_strerror(rc));
         goto out;
     }
-    ts = clock_deadline(timeout_ms + a->request_timeout_ms);
-    pthread_mutex_lock(&w.lock);
-    while (!w.ended)
-        if (pthread_cond_timedwait(&w.cond, &w.lock, &ts) == ETIMEDOUT)
-            break;
-    pthread_mutex_unlock(&w.lock);
+    {
+        /* In slices, so that averager_abort is seen within one. */
+        uint64_t end = clock_now_ms() + timeout_ms + a->request_timeout_ms;
+
+        pthread_mutex_lock(&w.lock);
+        while (!w.ended && !atomic_load(&a->aborted)) {
+            uint64_t now = clock_now_ms();
+
+            if (now >= end)
+                break;
+            ts = clock_deadline((uint32_t)(end - now < ABORT_SLICE_MS ? end - now
+                                                                      : ABORT_SLICE_MS));
+            pthread_cond_timedwait(&w.cond, &w.lock, &ts);
+        }
+        pthread_mutex_unlock(&w.lock);
+    }
     rpc_watch_close(watch);         /* waits for mm_end */
     if (w.st.code != RPC_OK || !w.rep) {
         bool schema;
@@ -421,16 +445,18 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
              : w.st.code == RPC_FAILED_PRECONDITION ? -EPROTO
              : w.st.code == RPC_OK ? -EPROTO
                                    : rpc_code_to_errno(w.st.code);
-        /* The broker sees the codec only as a schema byte: name it here,
-         * so that a refusal for compression reads as one. */
+        /* The broker sees the codec and the integrity only as a schema
+         * byte: name them here, so that a refusal for either reads as one. */
         schema = rc == -EPROTO && strstr(w.st.message, "schema");
-        snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s%s%s%s",
+        snprintf(a->err, sizeof(a->err), "matchmaking failed (%s): %s%s%s%s%s",
                  rpc_code_name(w.st.code), w.st.code == RPC_OK ? "no group in the reply"
                                                                 : w.st.message,
-                 schema ? " (the schema includes the compression, which must match: "
-                          "this averager's is "
+                 schema ? " (the schema includes the compression and the frame integrity, "
+                          "which must match: this averager's are "
                         : "",
-                 schema ? codec_name(a->codec) : "", schema ? ")" : "");
+                 schema ? codec_name(a->codec) : "",
+                 schema ? (a->integrity ? " and --integrity mac" : " and --integrity none") : "",
+                 schema ? ")" : "");
         goto out;
     }
     {
@@ -633,8 +659,8 @@ static void move_bits(struct averager *a, size_t index)
 }
 
 /* Sleeps until wall-clock time begin_at_ms (0: not at all), or until the
- * monotonic `end`, whichever comes first. */
-static void wait_for_schedule(uint64_t begin_at_ms, uint64_t end)
+ * monotonic `end`, whichever comes first, or until aborted. */
+static void wait_for_schedule(const atomic_bool *aborted, uint64_t begin_at_ms, uint64_t end)
 {
     for (;;) {
         struct timespec ts;
@@ -642,12 +668,18 @@ static void wait_for_schedule(uint64_t begin_at_ms, uint64_t end)
 
         clock_gettime(CLOCK_REALTIME, &ts);
         wall = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-        if (!begin_at_ms || wall >= begin_at_ms || now >= end)
+        if (!begin_at_ms || wall >= begin_at_ms || now >= end || atomic_load(aborted))
             return;
         nap = begin_at_ms - wall < end - now ? begin_at_ms - wall : end - now;
         /* In naps, so that a wall clock stepped meanwhile is seen. */
         usleep((useconds_t)(nap > 50 ? 50 : nap) * 1000);
     }
+}
+
+static int step_aborted(struct averager *a)
+{
+    snprintf(a->err, sizeof(a->err), "the step was aborted: the averager is leaving");
+    return -ECANCELED;
 }
 
 int averager_step(struct averager *a, const struct averager_step *s,
@@ -677,10 +709,17 @@ int averager_step(struct averager *a, const struct averager_step *s,
         struct epoch *e = NULL;
         double total = 0;
 
+        if (atomic_load(&a->aborted))
+            return step_aborted(a);
         if (now >= end)
             break;
         rc = matchmake(a, (uint32_t)(end - now), &e);
         mm_ms = (uint32_t)(clock_now_ms() - now);
+        if (atomic_load(&a->aborted)) {
+            if (rc == 0)
+                epoch_unref(e);
+            return step_aborted(a);
+        }
         if (rc == -ENOTCONN) {          /* not joined yet (or rejoining) */
             snprintf(a->err, sizeof(a->err), "the averager has not joined the cohort (is the "
                      "broker up, and does it take this cohort's key?)");
@@ -690,9 +729,13 @@ int averager_step(struct averager *a, const struct averager_step *s,
         if (rc < 0)
             return rc;
         if (attempts == 0)
-            wait_for_schedule(s->begin_at_ms, end);
+            wait_for_schedule(&a->aborted, s->begin_at_ms, end);
         attempts++;
         rc = attempt(a, e, s, &total, &r);
+        if (rc < 0 && atomic_load(&a->aborted)) {
+            epoch_unref(e);
+            return step_aborted(a);
+        }
         if (rc == 0) {
             long me = epoch_find(e, a->id);
 
@@ -711,7 +754,12 @@ int averager_step(struct averager *a, const struct averager_step *s,
             *out = r;
             return 0;
         }
-        if (!a->err[0] || retryable(rc))
+        if (rc == -EACCES)
+            snprintf(a->err, sizeof(a->err), "averaging in group %llu of %zu failed: a "
+                     "groupmate refused this averager's data connection or could not prove "
+                     "the cohort's key (the members' keys or --integrity settings differ)",
+                     (unsigned long long)e->number, e->n_members);
+        else if (!a->err[0] || retryable(rc))
             snprintf(a->err, sizeof(a->err), "averaging in group %llu of %zu failed: %s",
                      (unsigned long long)e->number, e->n_members, log_strerror(rc));
         log_info("averager", "An averaging attempt failed.", LF_S("id", a->id),
@@ -737,6 +785,24 @@ void averager_result_free(struct averager_result *r)
     free(r->gathered);
     free(r->gathered_len);
     free(r);
+}
+
+void averager_abort(struct averager *a)
+{
+    struct epoch_member self = { .id = a->id, .address = a->address };
+    struct epoch *e = NULL;
+
+    if (atomic_exchange(&a->aborted, true))
+        return;
+    /* An epoch past every group's: the run in flight stops with -ESTALE
+     * and its connections close, so the groupmates see this member gone
+     * at once (as a killed one) and retry without it; no later group can
+     * be adopted. Without memory for it the run ends at its member
+     * timeout instead. */
+    if (epoch_create(a->cohort, UINT64_MAX, 0, &self, 1, &e) == 0) {
+        allreduce_set_epoch(a->ar, e);
+        epoch_unref(e);
+    }
 }
 
 const char *averager_last_error(const struct averager *a)
@@ -955,12 +1021,12 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         cfg->gather_max > AVERAGER_GATHER_MAX ||
         !isfinite(cfg->state_priority) || cfg->declare_period_ms > MATCHMAKER_EXPIRY_MAX_MS / 2 ||
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
-        (cfg->schema_len && !cfg->schema))
+        (cfg->schema_len && !cfg->schema) || (cfg->integrity_mac && !cfg->key))
         return -EINVAL;
     /* The codec and the count are part of what the broker compares (see
      * the top); an averager without tensors gives no schema and takes
      * both from its group (take_schema). */
-    schema[0] = (uint8_t)cfg->codec;
+    schema[0] = (uint8_t)((unsigned)cfg->codec | (cfg->integrity_mac ? AVERAGER_SCHEMA_MAC : 0));
     for (int i = 0; i < 8; i++) {
         schema[1 + i] = (uint8_t)((uint64_t)cfg->count >> (8 * i));
         schema[9 + i] = (uint8_t)((uint64_t)cfg->min_vector_size >> (8 * i));
@@ -1030,6 +1096,8 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         ac.small_bytes = meta > CODED_SMALL_BYTES ? meta : CODED_SMALL_BYTES;
     }
     ac.key = cfg->key;
+    ac.integrity_mac = cfg->integrity_mac;
+    a->integrity = cfg->integrity_mac;
     ac.on_peer_lost = on_peer_lost;
     ac.peer_lost_arg = a;
     rc = allreduce_create(&ac, &a->ar);

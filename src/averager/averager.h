@@ -71,10 +71,12 @@ struct averager;
 #define AVERAGER_GATHER_MAX 65536u      /* bytes one member may gather */
 #define AVERAGER_DEFAULT_TIMEOUT_MS 30000u
 /* The broker compares a schema of MATCHMAKER_SCHEMA_MAX (64) bytes: the
- * averager's codec takes one, its count eight and its min_vector_size
+ * averager's codec takes one (with AVERAGER_SCHEMA_MAC set in it under
+ * integrity_mac, so that averagers of different integrity never group), its count eight and its min_vector_size
  * eight (so that groups agree on them, and an averager without tensors
  * learns them from its group), the caller's schema the rest. */
 #define AVERAGER_SCHEMA_MAX 47u
+#define AVERAGER_SCHEMA_MAC 0x80u
 /* The most elements an averager without tensors takes from a group,
  * unless configured. */
 #define AVERAGER_AUX_COUNT_DEFAULT ((size_t)1 << 26)
@@ -85,6 +87,10 @@ struct averager_config {
     const char *id;                 /* this averager's member id; copied */
     const char *host;               /* numeric address to listen on and advertise */
     const struct secret *key;       /* the cohort's key, copied; NULL: none */
+    bool integrity_mac;             /* authenticate every data-plane frame (needs key),
+                                     * as the node's --integrity mac. Part of what the
+                                     * broker compares: averagers group only with those
+                                     * of the same setting */
     const char *tls_ca_pem;         /* TLS to the broker (member.h): CA PEM, copied;
                                      * NULL: plaintext */
     const char *tls_server_name;    /* the broker certificate's name; NULL: the
@@ -143,8 +149,8 @@ struct averager_config {
 };
 
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
- * 0, -EINVAL (bad names, host, sizes, prefix, bits, schema or codec),
- * -ENOMEM, or a socket or thread -errno. The caller frees *out with averager_destroy(). */
+ * 0, -EINVAL (bad names, host, sizes, prefix, bits, schema or codec, or
+ * integrity_mac without a key), -ENOMEM, or a socket or thread -errno. The caller frees *out with averager_destroy(). */
 int averager_create(const struct averager_config *cfg, struct averager **out);
 /* Leaves the cohort and frees. No step may be in flight. NULL is fine. */
 void averager_destroy(struct averager *a);
@@ -199,11 +205,21 @@ struct averager_result {
  *               members disagree on the call;
  *   -ENODATA    every member of the group was auxiliary, or none of them
  *               can reduce (all clients or of bandwidth 0);
- *   -EACCES     the members' keys differ; -ENOMEM.
+ *   -EACCES     the members' keys (or integrity settings) differ;
+ *   -ECANCELED  averager_abort() was called; -ENOMEM.
  * averager_last_error() says more. */
 int averager_step(struct averager *a, const struct averager_step *s,
                   struct averager_result **out);
 void averager_result_free(struct averager_result *r);     /* NULL is fine */
+
+/* Makes the step in flight, if any, and every later one fail with
+ * -ECANCELED within about 100 ms: a matchmaking wait stops at its next
+ * slice, an all-reduce at once (its connections close, so that the
+ * groupmates retry without this member as they do for a killed one).
+ * For a host whose caller is gone (avserve: a trainer that died
+ * mid-step); what is left to do is averager_destroy. Safe from any
+ * thread, more than once. */
+void averager_abort(struct averager *a);
 
 /* The broker's or the engine's sentence about the last failure (owned by
  * the averager, valid until the next step). */

@@ -2,7 +2,9 @@
 #include "averager/avserve.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +40,7 @@ struct avserve {
     char *broker, *cohort, *id, *host, *ca, *server_name;
     struct secret key;
     bool keyed;
+    bool integrity;         /* integrity_mac for every averager hosted */
     uint64_t max_count, max_state;
     struct host *hosts[AVSERVE_AVERAGERS_MAX];
     unsigned links;
@@ -143,7 +146,7 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
     }
     cfg = (struct averager_config){
         .broker = s->broker, .cohort = s->cohort, .id = id, .host = s->host,
-        .key = s->keyed ? &s->key : NULL, .tls_ca_pem = s->ca,
+        .key = s->keyed ? &s->key : NULL, .integrity_mac = s->integrity, .tls_ca_pem = s->ca,
         .tls_server_name = s->server_name, .prefix = c->prefix, .initial_bits = c->bits,
         .target_group_size = c->target_group_size, .min_group_size = c->min_group_size,
         .min_matchmaking_ms = c->min_matchmaking_ms, .allreduce_timeout_ms = c->allreduce_timeout_ms,
@@ -249,6 +252,34 @@ static void leave(struct link *l)
     pthread_mutex_unlock(&l->srv->mu);
 }
 
+/* While a step runs its link's thread is in it, so a watcher of its own
+ * sees the trainer go: the socket hung up (the trainer closed it, or
+ * died) aborts the step, and the averager leaves once it returns. It
+ * asks for no POLLIN: whatever the trainer sends meanwhile waits for the
+ * link's thread. */
+struct hangup_watch {
+    int sock;
+    struct averager *a;
+    atomic_bool done;
+};
+
+static void *hangup_main(void *arg)
+{
+    struct hangup_watch *w = arg;
+
+    while (!atomic_load(&w->done)) {
+        struct pollfd p = { .fd = w->sock, .events = POLLRDHUP };
+
+        if (poll(&p, 1, POLL_MS) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+            log_info("sidecar", "The trainer's averager link closed mid-step; the step is "
+                     "aborted.", LF_S("id", averager_id(w->a)));
+            averager_abort(w->a);
+            break;
+        }
+    }
+    return NULL;
+}
+
 static int step(struct link *l, const struct avlink_step *st)
 {
     struct host *h = l->h;
@@ -267,7 +298,17 @@ static int step(struct link *l, const struct avlink_step *st)
 
     if (st->gather_len > h->gather_max)
         return refuse(l->sock, -EINVAL, "The gathered bytes exceed gather_max.");
+    struct hangup_watch w = { .sock = l->sock, .a = h->a };
+    pthread_t watcher;
+    bool watching;
+
+    atomic_init(&w.done, false);
+    /* Without the thread the step still ends, within its timeout. */
+    watching = pthread_create(&watcher, NULL, hangup_main, &w) == 0;
     rc = averager_step(h->a, &as, &r);
+    atomic_store(&w.done, true);
+    if (watching)
+        pthread_join(watcher, NULL);
     if (rc < 0)
         return refuse(l->sock, rc, averager_last_error(h->a));
     bytes = sizeof(*hdr) + r->n * sizeof(*e);
@@ -606,7 +647,7 @@ int avserve_create(const struct avserve_config *cfg, struct avserve **out)
     struct avserve *s;
 
     if (!cfg || !cfg->broker || !cfg->cohort || !cfg->id || !cfg->host || !out ||
-        strlen(cfg->id) + 24 > IDENT_NAME_MAX)
+        strlen(cfg->id) + 24 > IDENT_NAME_MAX || (cfg->integrity_mac && !cfg->key))
         return -EINVAL;
     s = calloc(1, sizeof(*s));
     if (!s)
@@ -626,6 +667,7 @@ int avserve_create(const struct avserve_config *cfg, struct avserve **out)
         s->key = *cfg->key;
         s->keyed = true;
     }
+    s->integrity = cfg->integrity_mac;
     s->max_count = cfg->max_count && cfg->max_count < AVLINK_COUNT_MAX ? cfg->max_count
                                                                        : AVLINK_COUNT_MAX;
     s->max_state = cfg->max_state_bytes && cfg->max_state_bytes < AVLINK_STATE_MAX

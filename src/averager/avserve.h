@@ -15,8 +15,10 @@
  * changes nothing; a malformed message (bad framing, a wrong size, an
  * unexpected descriptor) ends the link. When the link that created an
  * averager closes (its trainer shut it down, or died), the averager
- * leaves the cohort: at once, or when the step in flight ends (within the
- * step's timeout).
+ * leaves the cohort at once: a step in flight is aborted within half a
+ * second (averager_abort), and its groupmates go on without it as they
+ * do without a killed peer. With integrity_mac every hosted averager's
+ * engine authenticates every frame, as the sidecar's own node does.
  *
  * Each link is served on a thread of its own, so that a step, a state
  * download and a wait for a state request of one averager run side by
@@ -25,6 +27,7 @@
 #ifndef COHORT_AVSERVE_H
 #define COHORT_AVSERVE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 struct secret;
@@ -40,6 +43,8 @@ struct avserve_config {
     const char *id;                 /* the sidecar's member id; copied */
     const char *host;               /* numeric address the averagers listen on; copied */
     const struct secret *key;       /* copied; NULL: none */
+    bool integrity_mac;             /* the averagers' engines authenticate every frame
+                                     * (needs key), as the sidecar's own node does */
     const char *tls_ca_pem;         /* TLS to the broker, as the sidecar's own member
                                      * reaches it; copied; NULL: plaintext */
     const char *tls_server_name;    /* copied; NULL: the broker address's host */
@@ -48,7 +53,8 @@ struct avserve_config {
 };
 
 /* Ready to adopt links. Needs rpc_init(). Returns 0, -EINVAL (a missing
- * name, or an id that leaves no room for the suffix) or -ENOMEM. The
+ * name, an id that leaves no room for the suffix, or integrity_mac
+ * without a key) or -ENOMEM. The
  * caller frees *out with avserve_destroy(). */
 int avserve_create(const struct avserve_config *cfg, struct avserve **out);
 /* Ends every link (their averagers leave, each once its call in flight

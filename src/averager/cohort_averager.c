@@ -49,7 +49,8 @@ static const char *sidecar_path(const char *broker, bool keyed)
     return strncmp(sock, "unix:", 5) == 0 ? sock + 5 : sock;
 }
 
-static int link_create(const struct cohort_averager_config *c, const char *path,
+static int link_create(const struct cohort_averager_config *c, const char *path, char *why,
+                       size_t why_len,
                        struct cohort_averager **out)
 {
     struct avlink_config lc = { .path = path };
@@ -93,7 +94,7 @@ static int link_create(const struct cohort_averager_config *c, const char *path,
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;
-    rc = avlink_open(&lc, &ca->l, NULL, 0);
+    rc = avlink_open(&lc, &ca->l, why, why_len);
     if (rc < 0) {
         free(ca);
         return rc;
@@ -103,6 +104,12 @@ static int link_create(const struct cohort_averager_config *c, const char *path,
 }
 
 int cohort_averager_create(const struct cohort_averager_config *c, struct cohort_averager **out)
+{
+    return cohort_averager_create_why(c, out, NULL, 0);
+}
+
+int cohort_averager_create_why(const struct cohort_averager_config *c,
+                               struct cohort_averager **out, char *why, size_t why_len)
 {
     const char *key_file = getenv("COHORT_SECRET_FILE");
     struct averager_config cfg = { 0 };
@@ -119,7 +126,7 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
             c->compression != COHORT_COMPRESSION_MEANSTD16 &&
             c->compression != COHORT_COMPRESSION_UNIFORM8)
             return -EINVAL;
-        return link_create(c, sidecar_path(c->broker, keyed), out);
+        return link_create(c, sidecar_path(c->broker, keyed), why, why_len, out);
     }
     cfg.broker = c->broker ? c->broker : getenv("COHORT_BROKER");
     cfg.cohort = c->cohort ? c->cohort : getenv("COHORT_COHORT");

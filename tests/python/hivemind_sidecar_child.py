@@ -28,14 +28,16 @@ def main():
     else:
         dht = hivemind.DHT(initial_peers=[route], start=True, cohort="hm", peer_id=peer)
     if scenario == "weighted":
-        # ARGS: k, n, weight. One round in a group of n; gathers its k.
+        # ARGS: k, n, weight[, timeout]. One round in a group of n (the
+        # step's timeout 60 s unless given); gathers its k.
         k, n, weight = int(rest[0]), int(rest[1]), float(rest[2])
+        timeout = float(rest[3]) if len(rest) > 3 else 60.0
         a = hivemind.DecentralizedAverager(
             tensors_of(k), dht, start=True, prefix="test/side", target_group_size=n,
             min_group_size=n, min_matchmaking_time=1.0, request_timeout=0.5,
             allreduce_timeout=5.0)
         out(stepping=a.peer_id)
-        control = a.step(gather={"k": k}, weight=weight, timeout=60, wait=False)
+        control = a.step(gather={"k": k}, weight=weight, timeout=timeout, wait=False)
         try:
             got = control.result(timeout=120)
         except hivemind.AllreduceException as e:
@@ -46,6 +48,16 @@ def main():
             out(me=a.peer_id, gathered=got, tensors=[x.tolist() for x in t],
                 last=a.last_group[2], bits=a.get_group_bits())
         a.shutdown()
+    elif scenario == "refused":
+        # An averager whose prefix the matchmaker refuses: what create raises.
+        try:
+            hivemind.DecentralizedAverager(
+                tensors_of(0), dht, start=True, prefix="not a prefix!",
+                min_matchmaking_time=1.0, request_timeout=0.5)
+        except (ValueError, RuntimeError) as e:
+            out(type=type(e).__name__, error=str(e), free=dht._averager is None)
+            return
+        out(error=None)
     elif scenario == "donor":
         # ARGS: k, priority. Shares state_tensors_of(k) until killed; its
         # snapshot comes from get_current_state in this process.

@@ -11,7 +11,15 @@ key, a real broker that demands it, real torch in every peer.
   donor of lower priority in process.
 - The sidecar killed mid-step: the trainer's step fails at once with a
   sentence saying so, well within its timeout.
-- The trainer killed mid-step: its averager leaves the cohort.
+- The trainer killed mid-step: its step is aborted and its averager
+  leaves the cohort well within the step's timeout.
+- Sidecars under --integrity mac: their averagers average exactly with
+  each other; beside an in-process averager without integrity the
+  round never happens, and the refused one says why.
+- A create the sidecar refuses: a ValueError with the sidecar's
+  sentence, and the DHT free for another averager.
+- A broker serving TLS: averagers through sidecars that reach it with
+  its CA average exactly.
 """
 import json
 import os
@@ -21,7 +29,7 @@ import time
 import pytest
 
 from cohorttest import finish, make_tmp, remove_tmp, start_broker, start_sidecar, wait_until
-from cohorttest.programs import write_key
+from cohorttest.programs import TLS_NAME, make_tls, write_key
 from hivemind_child import state_tensors_of, tensors_of
 from pyproc import HERE, spawn
 
@@ -35,14 +43,15 @@ def pod():
     tmp = make_tmp()
     key = os.path.join(tmp, "key")
     write_key(key)
+    # At debug the broker logs each averager's request for a group.
     broker = start_broker("--allow-any-cohort", "--heartbeat-interval", "250ms",
-                          "--member-timeout", "2s", secret_file=key)
+                          "--member-timeout", "2s", "--log-level", "debug", secret_file=key)
     sidecars = []
 
-    def sidecar(name):
+    def sidecar(name, *extra):
         path = os.path.join(tmp, name + ".sock")
         s = start_sidecar(broker.address, "hm", name, "--socket", path,
-                          "--heartbeat-interval", "250ms", "--member-timeout", "2s",
+                          "--heartbeat-interval", "250ms", "--member-timeout", "2s", *extra,
                           secret_file=key)
         s.wait_log("Waiting for the trainer.")
         s.path = path
@@ -139,9 +148,89 @@ def test_the_trainer_killed_mid_step_has_its_averager_leave(pod):
     s = sidecar("pod-t")
     kid = keyless("unix:" + s.path, "t-0", "weighted", 0, 2, 1)
     line = kid.stdout.readline()
-    assert json.loads(line)["stepping"], line
+    me = json.loads(line)["stepping"]
+    # The step is in flight: the sidecar's averager waits for a group.
+    assert broker.wait_log("An averager asks for a group.", pred=lambda l: l.get("id") == me)
+    began = time.monotonic()
     os.killpg(kid.pid, signal.SIGKILL)
     finish(kid)
-    # Its step waits for a group up to its timeout (60 s) at most.
+    assert s.wait_log("The trainer's averager link closed mid-step; the step is aborted.",
+                      timeout=120)
     assert s.wait_log("The trainer's averager link closed; the averager leaves.", timeout=120)
+    took = time.monotonic() - began
+    # Without the abort it would wait for a group to its timeout (60 s).
+    assert took < 30, "the step's timeout is 60 s; its averager left after %.1f s" % took
+    assert broker.wait_log("Member left.", pred=lambda l: l.get("id") == me)
     assert s.alive()
+
+
+def test_integrity_mac_reaches_the_sidecars_averagers(pod):
+    broker, key, sidecar = pod
+    s0, s1 = sidecar("pod-m0", "--integrity", "mac"), sidecar("pod-m1", "--integrity", "mac")
+    kids = [keyless("unix:" + s0.path, "m-0", "weighted", 0, 2, 1),
+            keyless("unix:" + s1.path, "m-1", "weighted", 1, 2, 3)]
+    got = [lines_of(k)[-1] for k in kids]
+    ref = [(tensors_of(0)[i] + 3 * tensors_of(1)[i]) / 4 for i in range(2)]
+    for g in got:
+        assert g["tensors"] == [r.tolist() for r in ref], g
+
+    # Beside an in-process averager without integrity: no round, and the
+    # one the broker refused (whichever asked second) names the setting.
+    kids = [keyless("unix:" + s0.path, "m-2", "weighted", 0, 2, 1, 15),
+            spawn([CHILD, broker.address, "p-2", "weighted", "1", "2", "1", "15"],
+                  COHORT_SECRET_FILE=key)]
+    got = [lines_of(k)[-1] for k in kids]
+    assert all("error" in g for g in got), got
+    said = [g["error"] for g in got if "--integrity" in g["error"]]
+    assert said and ("--integrity mac" in said[0] or "--integrity none" in said[0]), got
+
+
+def test_a_refused_create_raises_with_the_sidecars_sentence(pod):
+    broker, key, sidecar = pod
+    s = sidecar("pod-r")
+    got = lines_of(keyless("unix:" + s.path, "r-0", "refused"))[-1]
+    assert got["type"] == "ValueError", got
+    assert "The averager's configuration is invalid" in got["error"], got
+    assert got["free"], "the DHT still holds the averager that never started"
+    # In process the same refusal is a ValueError too.
+    got = lines_of(spawn([CHILD, broker.address, "r-1", "refused"], COHORT_SECRET_FILE=key))[-1]
+    assert got["type"] == "ValueError" and "cannot start the averager" in got["error"], got
+    assert s.alive()
+
+
+def test_averagers_through_sidecars_join_a_tls_broker_with_its_ca():
+    tmp = make_tmp()
+    procs = []
+    try:
+        tls = make_tls(tmp)
+        key = os.path.join(tmp, "key")
+        write_key(key)
+        broker = start_broker("--allow-any-cohort", "--tls-cert", tls["cert"],
+                              "--tls-key", tls["key"], secret_file=key)
+        procs.append(broker)
+        assert broker.last("Broker is listening.")["tls"] is True
+        paths = []
+        for name in ("pod-s0", "pod-s1"):
+            path = os.path.join(tmp, name + ".sock")
+            s = start_sidecar(broker.address, "hm", name, "--socket", path,
+                              "--broker-ca", tls["ca"], "--broker-server-name", TLS_NAME,
+                              secret_file=key)
+            procs.append(s)
+            s.wait_log("Waiting for the trainer.")
+            paths.append(path)
+        kids = [keyless("unix:" + paths[0], "s-0", "weighted", 0, 2, 2),
+                keyless("env", "s-1", "weighted", 1, 2, 1, COHORT_SOCKET=paths[1])]
+        got = [lines_of(k)[-1] for k in kids]
+        ref = [(2 * tensors_of(0)[i] + tensors_of(1)[i]) / 3 for i in range(2)]
+        for g, pod_name in zip(got, ("pod-s0", "pod-s1")):
+            assert g["me"].startswith(pod_name + "_av"), g
+            assert g["tensors"] == [r.tolist() for r in ref], g
+        for s in procs[1:]:
+            s.wait_log("The trainer's averager link closed; the averager leaves.")
+    finally:
+        for p in reversed(procs):
+            if p.alive():
+                p.stop()
+        for p in procs:
+            assert not p.sanitizer_report()
+        remove_tmp(tmp)

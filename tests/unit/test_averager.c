@@ -3,10 +3,13 @@
  * average exactly, auxiliary members, gather, groups that mix by their
  * bits, a stalled peer excluded with the result naming who was averaged,
  * too few averagers, and refusals (bad steps, disagreeing schemas, and
- * Matchmake requests that prove nothing or name no member). */
+ * Matchmake requests that prove nothing or name no member); averager_abort
+ * mid-all-reduce and the others finishing without an aborted averager;
+ * integrity_mac as part of the schema. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -299,6 +302,219 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
     pthread_join(s.t, NULL);
     member_destroy(s.m);
     close(s.fd);
+}
+
+/* averager_abort from another thread while the step is in its all-reduce
+ * with a peer that never answers (a listener nobody accepts on; the
+ * averager, first in the group's order, dials it): the step ends with
+ * -ECANCELED well within the engine's member timeout (30 s), and every
+ * later step at once. */
+Test(averager, abort_ends_a_step_in_its_all_reduce_promptly)
+{
+    Cohort__V1__MatchmakeRequest q = COHORT__V1__MATCHMAKE_REQUEST__INIT;
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = "ab-0", .host = "127.0.0.1", .key = &key,
+        .prefix = "run/abort", .initial_bits = "", .target_group_size = 2,
+        .min_group_size = 2, .min_matchmaking_ms = 300, .allreduce_timeout_ms = 30000,
+        .count = COUNT, .schema = "f32x16", .schema_len = 6,
+    };
+    struct member_config mc = { 0 };
+    struct stalled s = { 0 };
+    struct rpc_watch *w = NULL;
+    struct peer p = { 0 };
+    struct pollfd pfd;
+    uint64_t t0;
+    char addr[64];
+
+    cr_assert_eq(allreduce_listen("127.0.0.1", &s.fd, addr, sizeof(addr)), 0);
+    mc.broker = broker;
+    mc.cohort = "avg";
+    mc.id = "zz-stalled";
+    mc.address = addr;
+    mc.key = &key;
+    mc.quiet = true;
+    cr_assert_eq(member_create(&mc, &s.m), 0);
+    cr_assert_eq(pthread_create(&s.t, NULL, stalled_poll, &s), 0);
+    cr_assert(fixture_wait_until(joined, s.m, FIXTURE_WAIT_MS));
+    q.prefix = "run/abort";
+    q.group_bits = "";
+    q.target_group_size = 2;
+    q.min_group_size = 2;
+    q.min_matchmaking_ms = 300;
+    q.timeout_ms = 60000;
+    q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0f32x16";
+    q.schema.len = 23;
+    cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
+
+    cr_assert_eq(averager_create(&c, &p.a), 0);
+    cr_assert_eq(averager_wait(p.a, FIXTURE_WAIT_MS), 0);
+    p.weight = 1;
+    p.timeout_ms = 120000;
+    cr_assert_eq(pthread_create(&p.t, NULL, step_main, &p), 0);
+    /* The averager's dial reaching the stalled listener: the group formed
+     * and its all-reduce is under way. */
+    pfd = (struct pollfd){ .fd = s.fd, .events = POLLIN };
+    cr_assert_eq(poll(&pfd, 1, FIXTURE_WAIT_MS), 1, "the averager never dialled its groupmate");
+    t0 = clock_now_ms();
+    averager_abort(p.a);
+    averager_abort(p.a);        /* more than once is fine */
+    pthread_join(p.t, NULL);
+    cr_assert_eq(p.rc, -ECANCELED, "rc %d: %s", p.rc, averager_last_error(p.a));
+    cr_assert_lt(clock_now_ms() - t0, 15000, "the step ran on to the member timeout");
+    cr_assert(strstr(averager_last_error(p.a), "aborted"), "%s", averager_last_error(p.a));
+    step_main(&p);
+    cr_assert_eq(p.rc, -ECANCELED);
+    free_all(&p, 1);
+    rpc_watch_close(w);
+    __atomic_store_n(&s.stop, true, __ATOMIC_RELEASE);
+    pthread_join(s.t, NULL);
+    member_destroy(s.m);
+    close(s.fd);
+}
+
+static bool asked(void *arg)
+{
+    struct peer *p = arg;
+
+    /* The step has begun (asking for a group, or about to). */
+    return __atomic_load_n(&p->rc, __ATOMIC_ACQUIRE) == 1;
+}
+
+static void *step_flagged(void *arg)
+{
+    struct peer *p = arg;
+
+    __atomic_store_n(&p->rc, 1, __ATOMIC_RELEASE);
+    return step_main(p);
+}
+
+/* An averager aborted once its step has begun, still a member (as a
+ * sidecar's is until its step returns): two that ask after it average
+ * with each other, not with it, well within the engine's member timeout,
+ * and the result names only them. (test_py_hivemind_sidecar.py aborts
+ * one seen waiting at the broker; the test above, one in its all-reduce.) */
+Test(averager, the_others_finish_without_an_aborted_averager)
+{
+    struct peer p[3] = { 0 };
+    uint64_t t0;
+
+    for (int i = 0; i < 3; i++) {
+        char id[16];
+        struct averager_config c = {
+            .broker = broker, .cohort = "avg", .id = id, .host = "127.0.0.1", .key = &key,
+            .prefix = "run/gone", .initial_bits = "", .target_group_size = 3,
+            .min_group_size = 2, .min_matchmaking_ms = 1000, .allreduce_timeout_ms = 30000,
+            .count = COUNT, .schema = "f32x16", .schema_len = 6,
+        };
+
+        snprintf(id, sizeof(id), "g-%d", i);
+        cr_assert_eq(averager_create(&c, &p[i].a), 0);
+        cr_assert_eq(averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].weight = 1;
+        p[i].timeout_ms = 120000;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(2 * i + 2 * j);
+    }
+    cr_assert_eq(pthread_create(&p[0].t, NULL, step_flagged, &p[0]), 0);
+    cr_assert(fixture_wait_until(asked, &p[0], FIXTURE_WAIT_MS));
+    averager_abort(p[0].a);
+    pthread_join(p[0].t, NULL);
+    cr_assert_eq(p[0].rc, -ECANCELED, "%s", averager_last_error(p[0].a));
+    t0 = clock_now_ms();
+    for (int i = 1; i < 3; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+    for (int i = 1; i < 3; i++)
+        pthread_join(p[i].t, NULL);
+    for (int i = 1; i < 3; i++) {
+        cr_assert_eq(p[i].rc, 0, "%s", averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, 2);
+        cr_assert_str_eq(p[i].res->ids[0], "g-1");
+        cr_assert_str_eq(p[i].res->ids[1], "g-2");
+        /* the mean of 2 + 2 j and 4 + 2 j */
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)(3 + 2 * j));
+    }
+    cr_assert_lt(clock_now_ms() - t0, 15000, "the round waited on the aborted averager");
+    free_all(p, 3);
+}
+
+/* An averager under integrity_mac without a key is refused at create; two
+ * of them average exactly, and one asking beside an averager without
+ * integrity is refused by the broker with a sentence naming both
+ * settings, since the integrity is part of the schema. */
+Test(averager, integrity_mac_is_part_of_the_schema)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avg", .id = "mac-0", .host = "127.0.0.1",
+        .integrity_mac = true, .prefix = "run/mac", .initial_bits = "",
+        .target_group_size = 2, .min_group_size = 2, .min_matchmaking_ms = 300,
+        .allreduce_timeout_ms = 3000, .count = COUNT, .schema = "f32x16", .schema_len = 6,
+    };
+    struct peer p[2] = { 0 };
+    struct averager *none = NULL;
+    struct peer q = { 0 };
+
+    cr_assert_eq(averager_create(&c, &p[0].a), -EINVAL, "integrity_mac without a key");
+    c.key = &key;
+    for (int i = 0; i < 2; i++) {
+        c.id = i ? "mac-1" : "mac-0";
+        cr_assert_eq(averager_create(&c, &p[i].a), 0);
+        cr_assert_eq(averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].weight = 1;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(2 * i + 2 * j);
+    }
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, 0, "%s", averager_last_error(p[i].a));
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)(1 + 2 * j));
+        averager_result_free(p[i].res);
+        p[i].res = NULL;
+    }
+    /* mac-0 waits; an averager without integrity asks beside it. */
+    p[0].timeout_ms = 8000;
+    cr_assert_eq(pthread_create(&p[0].t, NULL, step_main, &p[0]), 0);
+    c.integrity_mac = false;
+    c.id = "plain-0";
+    cr_assert_eq(averager_create(&c, &none), 0);
+    cr_assert_eq(averager_wait(none, FIXTURE_WAIT_MS), 0);
+    q.a = none;
+    q.weight = 1;
+    q.timeout_ms = 8000;
+    /* Whichever asks second is refused; the other finds no group. */
+    step_main(&q);
+    pthread_join(p[0].t, NULL);
+    cr_assert(q.rc < 0 && p[0].rc < 0, "averagers of different integrity averaged");
+    if (q.rc == -EPROTO)
+        cr_assert(strstr(averager_last_error(none), "--integrity none"), "%s",
+                  averager_last_error(none));
+    else
+        cr_assert(p[0].rc == -EPROTO && strstr(averager_last_error(p[0].a), "--integrity mac"),
+                  "rc %d %d: %s / %s", q.rc, p[0].rc, averager_last_error(p[0].a),
+                  averager_last_error(none));
+    averager_result_free(q.res);
+    averager_destroy(none);
+    /* An auxiliary averager joins any schema, and refuses the group's
+     * integrity when it is not its own. */
+    c.id = "plain-aux";
+    c.count = 0;
+    c.schema = NULL;
+    c.schema_len = 0;
+    memset(&q, 0, sizeof(q));
+    cr_assert_eq(averager_create(&c, &q.a), 0);
+    cr_assert_eq(averager_wait(q.a, FIXTURE_WAIT_MS), 0);
+    q.timeout_ms = 8000;
+    p[1].timeout_ms = 8000;
+    cr_assert_eq(pthread_create(&p[1].t, NULL, step_main, &p[1]), 0);
+    step_main(&q);
+    pthread_join(p[1].t, NULL);
+    cr_assert_eq(q.rc, -EPROTO, "rc %d: %s", q.rc, averager_last_error(q.a));
+    cr_assert(strstr(averager_last_error(q.a), "--integrity mac"), "%s",
+              averager_last_error(q.a));
+    cr_assert(p[1].rc < 0, "mac-1 averaged with an averager of another integrity");
+    averager_destroy(q.a);
+    free_all(p, 2);
 }
 
 Test(averager, too_few_fail_within_the_timeout_with_the_brokers_reason)

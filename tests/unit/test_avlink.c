@@ -10,7 +10,8 @@
  *   an attached link and a wrong token are refused.
  * - The cap of averagers per sidecar: the next is refused (-EBUSY) and
  *   nothing changes; one that leaves makes room.
- * - A trainer gone mid-step: its averager leaves once the step ends.
+ * - A trainer gone mid-step: the step is aborted and its averager leaves,
+ *   long before the step's timeout.
  * - A sidecar gone mid-step: the step fails at once with a sentence.
  * - The Accumulator's session and averager links share the socket: a
  *   second Accumulator is still refused before it says anything.
@@ -421,7 +422,9 @@ Test(avlink, the_cap_of_averagers_refuses_the_next_and_changes_nothing)
 Test(avlink, a_trainer_gone_mid_step_has_its_averager_leave)
 {
     struct avlink_create c;
-    struct avlink_step st = { .weight = 1, .alpha = 1, .timeout_ms = 2000 };
+    /* A step's timeout four times the wait below: the averager leaving
+     * within the wait is the step aborted, not the step ending. */
+    struct avlink_step st = { .weight = 1, .alpha = 1, .timeout_ms = 4 * FIXTURE_WAIT_MS };
     char why[AVLINK_ERROR_MAX];
     int s = dial();
 
@@ -431,7 +434,7 @@ Test(avlink, a_trainer_gone_mid_step_has_its_averager_leave)
     cr_assert_eq(tlink_send(s, AVL_STEP, 0, &st, sizeof(st), NULL, 0), 0);
     close(s);
     FIXTURE_WAIT_FOR(avserve_averagers(av) == 0 && avserve_links(av) == 0,
-                     "the averager left once its step ended");
+                     "the averager left with its step aborted");
 }
 
 /* ---- a sidecar that goes away mid-step ---------------------------------- */
