@@ -244,31 +244,30 @@ static bool joined(void *arg)
     return member_joins(arg) > 0;
 }
 
-/* A member that asks for a group and then never answers on its data
- * address (a listener nobody accepts on): the others' attempt times out,
- * they ask again without it, and their result names only themselves. */
-Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
+/* Starts a member `id` that asks the broker for a group of `target` (at
+ * least 2) with prefix `prefix` and the schema of an "f32x16" averager
+ * without a codec, then never answers its groupmates: its address is a
+ * listener nobody accepts on. */
+static void stalled_start(struct stalled *s, const char *id, const char *prefix,
+                          uint32_t target, struct rpc_watch **w)
 {
     Cohort__V1__MatchmakeRequest q = COHORT__V1__MATCHMAKE_REQUEST__INIT;
     struct member_config mc = { 0 };
-    struct stalled s = { 0 };
-    struct rpc_watch *w = NULL;
-    struct peer p[2] = { 0 };
     char addr[64];
 
-    cr_assert_eq(allreduce_listen("127.0.0.1", &s.fd, addr, sizeof(addr)), 0);
+    cr_assert_eq(allreduce_listen("127.0.0.1", &s->fd, addr, sizeof(addr)), 0);
     mc.broker = broker;
     mc.cohort = "avg";
-    mc.id = "w-stalled";
+    mc.id = id;
     mc.address = addr;
     mc.key = &key;
     mc.quiet = true;
-    cr_assert_eq(member_create(&mc, &s.m), 0);
-    cr_assert_eq(pthread_create(&s.t, NULL, stalled_poll, &s), 0);
-    cr_assert(fixture_wait_until(joined, s.m, FIXTURE_WAIT_MS));
-    q.prefix = "run/avg";
+    cr_assert_eq(member_create(&mc, &s->m), 0);
+    cr_assert_eq(pthread_create(&s->t, NULL, stalled_poll, s), 0);
+    cr_assert(fixture_wait_until(joined, s->m, FIXTURE_WAIT_MS));
+    q.prefix = (char *)prefix;
     q.group_bits = "";
-    q.target_group_size = 3;
+    q.target_group_size = target;
     q.min_group_size = 2;
     q.min_matchmaking_ms = 300;
     q.timeout_ms = 60000;
@@ -277,7 +276,28 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
      * min_vector_size (0, eight bytes), then its schema. */
     q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0f32x16";
     q.schema.len = 23;
-    cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
+    cr_assert_eq(member_matchmake(s->m, &q, ignore_msg, ignore_end, NULL, w), 0);
+}
+
+static void stalled_stop(struct stalled *s, struct rpc_watch *w)
+{
+    rpc_watch_close(w);
+    __atomic_store_n(&s->stop, true, __ATOMIC_RELEASE);
+    pthread_join(s->t, NULL);
+    member_destroy(s->m);
+    close(s->fd);
+}
+
+/* A member that asks for a group and then never answers on its data
+ * address (a listener nobody accepts on): the others' attempt times out,
+ * they ask again without it, and their result names only themselves. */
+Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
+{
+    struct stalled s = { 0 };
+    struct rpc_watch *w = NULL;
+    struct peer p[2] = { 0 };
+
+    stalled_start(&s, "w-stalled", "run/avg", 3, &w);
 
     p[0].a = make("w-a", 3, 2, "", "f32x16");
     p[1].a = make("w-b", 3, 2, "", "f32x16");
@@ -297,11 +317,7 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
             cr_assert_eq(p[i].data[j], (float)(1 + 2 * j));
     }
     free_all(p, 2);
-    rpc_watch_close(w);
-    __atomic_store_n(&s.stop, true, __ATOMIC_RELEASE);
-    pthread_join(s.t, NULL);
-    member_destroy(s.m);
-    close(s.fd);
+    stalled_stop(&s, w);
 }
 
 /* averager_abort from another thread while the step is in its all-reduce
@@ -311,40 +327,19 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
  * later step at once. */
 Test(averager, abort_ends_a_step_in_its_all_reduce_promptly)
 {
-    Cohort__V1__MatchmakeRequest q = COHORT__V1__MATCHMAKE_REQUEST__INIT;
     struct averager_config c = {
         .broker = broker, .cohort = "avg", .id = "ab-0", .host = "127.0.0.1", .key = &key,
         .prefix = "run/abort", .initial_bits = "", .target_group_size = 2,
         .min_group_size = 2, .min_matchmaking_ms = 300, .allreduce_timeout_ms = 30000,
         .count = COUNT, .schema = "f32x16", .schema_len = 6,
     };
-    struct member_config mc = { 0 };
     struct stalled s = { 0 };
     struct rpc_watch *w = NULL;
     struct peer p = { 0 };
     struct pollfd pfd;
     uint64_t t0;
-    char addr[64];
 
-    cr_assert_eq(allreduce_listen("127.0.0.1", &s.fd, addr, sizeof(addr)), 0);
-    mc.broker = broker;
-    mc.cohort = "avg";
-    mc.id = "zz-stalled";
-    mc.address = addr;
-    mc.key = &key;
-    mc.quiet = true;
-    cr_assert_eq(member_create(&mc, &s.m), 0);
-    cr_assert_eq(pthread_create(&s.t, NULL, stalled_poll, &s), 0);
-    cr_assert(fixture_wait_until(joined, s.m, FIXTURE_WAIT_MS));
-    q.prefix = "run/abort";
-    q.group_bits = "";
-    q.target_group_size = 2;
-    q.min_group_size = 2;
-    q.min_matchmaking_ms = 300;
-    q.timeout_ms = 60000;
-    q.schema.data = (uint8_t *)"\0\x10\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0f32x16";
-    q.schema.len = 23;
-    cr_assert_eq(member_matchmake(s.m, &q, ignore_msg, ignore_end, NULL, &w), 0);
+    stalled_start(&s, "zz-stalled", "run/abort", 2, &w);
 
     cr_assert_eq(averager_create(&c, &p.a), 0);
     cr_assert_eq(averager_wait(p.a, FIXTURE_WAIT_MS), 0);
@@ -365,11 +360,7 @@ Test(averager, abort_ends_a_step_in_its_all_reduce_promptly)
     step_main(&p);
     cr_assert_eq(p.rc, -ECANCELED);
     free_all(&p, 1);
-    rpc_watch_close(w);
-    __atomic_store_n(&s.stop, true, __ATOMIC_RELEASE);
-    pthread_join(s.t, NULL);
-    member_destroy(s.m);
-    close(s.fd);
+    stalled_stop(&s, w);
 }
 
 static bool asked(void *arg)
