@@ -163,17 +163,23 @@ def gpu_reduce_of(pod):
 def test_gpu_reduce_is_the_sidecars_argument_and_a_change_rolls_the_pods(cluster):
     c = cluster
     apply(c, manifest("gr", {"mode": "dra", "reduce": "host"}))
-    pods = wait_until(lambda: len(live_pods(c, "gr")) == 2 and live_pods(c, "gr"),
-                      "two pods of gr")
+
+    # One list per poll: each call is a snapshot of its own, and a roll
+    # in flight can differ between two.
+    def two(fresh=lambda p: True):
+        pods = live_pods(c, "gr")
+        return len(pods) == 2 and all(fresh(p) for p in pods) and pods
+
+    pods = wait_until(two, "two pods of gr")
     assert [gpu_reduce_of(p) for p in pods] == ["host", "host"]
     old_hash = pods[0]["metadata"]["labels"]["cohort.dev/template-hash"]
     c.kubectl("patch", "tc", "gr", "--type", "merge", "-p",
               json.dumps({"spec": {"gpu": {"reduce": None}}}))
-    pods = wait_until(lambda: len(live_pods(c, "gr")) == 2 and all(
-        p["metadata"]["labels"]["cohort.dev/template-hash"] != old_hash
-        for p in live_pods(c, "gr")) and live_pods(c, "gr"), "gr's pods to roll", timeout=120)
+    pods = wait_until(lambda: two(lambda p: p["metadata"]["labels"]["cohort.dev/template-hash"]
+                                  != old_hash), "gr's pods to roll", timeout=120)
     assert [gpu_reduce_of(p) for p in pods] == ["nccl", "nccl"], "the default, nccl"
     c.kubectl("delete", "tc", "gr", "--wait=true")
+    wait_until(lambda: not live_pods(c, "gr"), "gr's pods to go with it")
 
 
 def test_a_template_deleted_by_hand_is_made_again_before_new_pods(cluster):
