@@ -532,31 +532,42 @@ Test(codec, uniform8_matches_a_reference_within_its_bound)
     free(x);
 }
 
-Test(codec, uniform8_constant_runs_and_non_finite)
+/* The two codebook codecs (uniform8, quantile8) on one wire form: a run
+ * of one value comes back exact; a run holding NaN, -Inf or +Inf comes
+ * back all NaN; any bytes decode to codebook entries, garbage in, no
+ * fault. */
+static void codebook_edges(enum codec c)
 {
     float x[64], back[64];
     uint8_t w[4 * CODEC_UNIFORM8_BINS + 64];
 
-    cr_assert_eq(codec_bytes(CODEC_UNIFORM8, 64), sizeof w);
+    cr_assert_eq(codec_bytes(c, 64), sizeof w);
     for (size_t i = 0; i < 64; i++)
         x[i] = -7.125f;
-    codec_encode(CODEC_UNIFORM8, w, x, 64);
-    codec_decode(CODEC_UNIFORM8, back, w, 64);
+    codec_encode(c, w, x, 64);
+    codec_decode(c, back, w, 64);
     for (size_t i = 0; i < 64; i++)
         cr_assert_eq(back[i], -7.125f);
-    for (int bad = 0; bad < 2; bad++) {
+    for (int bad = 0; bad < 3; bad++) {
         for (size_t i = 0; i < 64; i++)
             x[i] = (float)i;
-        x[40] = bad ? -INFINITY : NAN;
-        codec_encode(CODEC_UNIFORM8, w, x, 64);
-        codec_decode(CODEC_UNIFORM8, back, w, 64);
+        x[40] = bad == 0 ? NAN : bad == 1 ? -INFINITY : INFINITY;
+        codec_encode(c, w, x, 64);
+        codec_decode(c, back, w, 64);
         for (size_t i = 0; i < 64; i++)
-            cr_assert(isnan(back[i]), "%s: element %zu is %a", bad ? "inf" : "nan", i, back[i]);
+            cr_assert(isnan(back[i]), "%s case %d: element %zu is %a", codec_name(c), bad, i,
+                      back[i]);
     }
-    /* Any bytes decode to codebook entries: garbage in, no fault. */
     for (size_t i = 0; i < sizeof w; i++)
         w[i] = (uint8_t)(i * 37 + 11);
-    codec_decode(CODEC_UNIFORM8, back, w, 64);
+    codec_decode(c, back, w, 64);
+    for (size_t i = 0; i < 64; i++)
+        cr_assert_eq(memcmp(&back[i], w + 4 * (size_t)w[1024 + i], 4), 0);
+}
+
+Test(codec, uniform8_constant_runs_and_non_finite)
+{
+    codebook_edges(CODEC_UNIFORM8);
 }
 
 /* quantile8 against a reference built here from codec.h's definition:
@@ -696,31 +707,7 @@ Test(codec, quantile8_keeps_the_bulk_fine_beside_outliers)
 
 Test(codec, quantile8_constant_runs_and_non_finite)
 {
-    float x[64], back[64];
-    uint8_t w[4 * CODEC_UNIFORM8_BINS + 64];
-
-    cr_assert_eq(codec_bytes(CODEC_QUANTILE8, 64), sizeof w);
-    for (size_t i = 0; i < 64; i++)
-        x[i] = -7.125f;
-    codec_encode(CODEC_QUANTILE8, w, x, 64);
-    codec_decode(CODEC_QUANTILE8, back, w, 64);
-    for (size_t i = 0; i < 64; i++)
-        cr_assert_eq(back[i], -7.125f);
-    for (int bad = 0; bad < 3; bad++) {
-        for (size_t i = 0; i < 64; i++)
-            x[i] = (float)i;
-        x[40] = bad == 0 ? NAN : bad == 1 ? -INFINITY : INFINITY;
-        codec_encode(CODEC_QUANTILE8, w, x, 64);
-        codec_decode(CODEC_QUANTILE8, back, w, 64);
-        for (size_t i = 0; i < 64; i++)
-            cr_assert(isnan(back[i]), "case %d: element %zu is %a", bad, i, back[i]);
-    }
-    /* Any bytes decode to codebook entries: garbage in, no fault. */
-    for (size_t i = 0; i < sizeof w; i++)
-        w[i] = (uint8_t)(i * 37 + 11);
-    codec_decode(CODEC_QUANTILE8, back, w, 64);
-    for (size_t i = 0; i < 64; i++)
-        cr_assert_eq(memcmp(&back[i], w + 4 * (size_t)w[1024 + i], 4), 0);
+    codebook_edges(CODEC_QUANTILE8);
 }
 
 /* The sanitized build does not vectorise; bench/compression.sh runs the
