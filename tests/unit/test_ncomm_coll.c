@@ -454,6 +454,25 @@ static void setup_shrinkable(struct fake_nccl_world *w, struct member *ms, size_
     }
 }
 
+/* Epoch 1 of a, b and c on shrinkable communicators, in which c holds its
+ * part of an all-reduce, and a and b, having queued theirs, see a newer
+ * epoch (*flag set): what a and b face when c dies mid-collective. */
+static void stale_in_flight(struct fake_nccl_world *w, struct member *ms, atomic_bool *flag,
+                            struct setup_arg *a)
+{
+    static const int abc[] = { 0, 1, 2 };
+    struct staler st = { .ms = ms, .flag = flag };
+    pthread_t t;
+
+    setup_shrinkable(w, ms, 3);
+    ms[2].f.hold = true;
+    for (int i = 0; i < 3; i++)
+        ms[i].stale = flag;
+    cr_assert_eq(pthread_create(&t, NULL, staler_main, &st), 0);
+    run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a);
+    pthread_join(t, NULL);
+}
+
 static void clear_logs(struct member *ms, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -519,21 +538,13 @@ Test(ncomm_setup, members_that_only_leave_shrink_and_a_joiner_rebuilds)
  * NCCL_SHRINK_ABORT; their next all-reduce sums the two of them. */
 Test(ncomm_setup, a_collective_in_flight_is_shrunk_away_with_shrink_abort)
 {
-    static const int abc[] = { 0, 1, 2 }, ab[] = { 0, 1 };
+    static const int ab[] = { 0, 1 };
     struct fake_nccl_world w;
     struct member ms[3];
     struct setup_arg a[SETUP_MAX];
     atomic_bool flag = false;
-    struct staler st = { .ms = ms, .flag = &flag };
-    pthread_t t;
 
-    setup_shrinkable(&w, ms, 3);
-    ms[2].f.hold = true;
-    for (int i = 0; i < 3; i++)
-        ms[i].stale = &flag;
-    cr_assert_eq(pthread_create(&t, NULL, staler_main, &st), 0);
-    run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a);
-    pthread_join(t, NULL);
+    stale_in_flight(&w, ms, &flag, a);
     for (int i = 0; i < 3; i++) {
         cr_assert_eq(a[i].rc_setup, 0);
         cr_assert_eq(ms[i].rc_reduce, -ESTALE, "member %d", i);
@@ -596,22 +607,14 @@ Test(ncomm_setup, a_shrink_that_fails_falls_back_to_a_rebuild)
  * deadline ends the wait, and every member rebuilds in the same epoch. */
 Test(ncomm_setup, a_default_shrink_under_work_in_flight_times_out_and_rebuilds)
 {
-    static const int abc[] = { 0, 1, 2 }, ab[] = { 0, 1 };
+    static const int ab[] = { 0, 1 };
     struct fake_nccl_world w;
     struct member ms[3];
     struct setup_arg a[SETUP_MAX];
     atomic_bool flag = false;
-    struct staler st = { .ms = ms, .flag = &flag };
-    pthread_t t;
     uint64_t t0;
 
-    setup_shrinkable(&w, ms, 3);
-    ms[2].f.hold = true;
-    for (int i = 0; i < 3; i++)
-        ms[i].stale = &flag;
-    cr_assert_eq(pthread_create(&t, NULL, staler_main, &st), 0);
-    run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a);
-    pthread_join(t, NULL);
+    stale_in_flight(&w, ms, &flag, a);
     atomic_store(&flag, false);
     ncomm_set_busy(ms[0].c, false);
     ncomm_set_busy(ms[1].c, false);
