@@ -279,7 +279,7 @@ int cohort_connect(struct cohort *c, const char *address)
     const char *ca_file = getenv("COHORT_BROKER_CA");
     struct secret key;
     char *ca = NULL;
-    bool mac;
+    bool mac = false;
     int rc;
 
     if (c->link)
