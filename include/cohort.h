@@ -169,8 +169,12 @@ uint64_t cohort_gpu_grads(const struct cohort *c);
  * when set, holding the cohort's key: see docs/security.md, and
  * $COHORT_BROKER_CA, when set, a PEM file of the CA that signed the
  * broker's TLS certificate, with $COHORT_BROKER_SERVER_NAME the name it
- * carries if not the broker's host). Returns 0, -EINVAL (also: a key file
- * that is not 64 hex digits, a CA file with no PEM in it), -EFBIG (a CA
+ * carries if not the broker's host, and $COHORT_INTEGRITY the frame
+ * integrity: "none" (the default) or "mac", every data-plane frame
+ * authenticated with the key, as the sidecar's --integrity mac; every
+ * member must agree). Returns 0, -EINVAL (also: a key file
+ * that is not 64 hex digits, a CA file with no PEM in it, a
+ * $COHORT_INTEGRITY other than none or mac, or mac without a key), -EFBIG (a CA
  * file over 256 KiB), -ECONNREFUSED/-ENOENT (no sidecar there, or no key
  * or CA file), -EPROTO (a sidecar of another API version), -EALREADY. */
 int cohort_connect(struct cohort *c, const char *address);
@@ -400,10 +404,12 @@ struct cohort_group;
 /* Joins the cohort as a member of a group. `broker` is "host:port"; NULL
  * means $COHORT_BROKER. `cohort` and `id` NULL mean $COHORT_COHORT and
  * $COHORT_ID; the listen address is $COHORT_HOST (127.0.0.1), the key
- * $COHORT_SECRET_FILE and TLS to the broker $COHORT_BROKER_CA and
- * $COHORT_BROKER_SERVER_NAME, as for cohort_connect(). Does not wait for
+ * $COHORT_SECRET_FILE, TLS to the broker $COHORT_BROKER_CA and
+ * $COHORT_BROKER_SERVER_NAME, and the frame integrity $COHORT_INTEGRITY,
+ * as for cohort_connect(). Does not wait for
  * an epoch (cohort_group_wait). Returns 0, -EINVAL (a missing or invalid
- * address, cohort or id), -ENOMEM, or the key's, CA's or socket's
+ * address, cohort or id, a bad $COHORT_INTEGRITY or mac without a key),
+ * -ENOMEM, or the key's, CA's or socket's
  * -errno. The caller frees *out with cohort_group_destroy(). */
 int cohort_group_create(const char *broker, const char *cohort, const char *id,
                         struct cohort_group **out);
@@ -557,7 +563,15 @@ const char *cohort_group_strerror(int err);
  * not through the socket. It leaves when cohort_averager_destroy closes
  * the link, or the trainer dies. A sidecar that goes away fails the call
  * in flight at once (-ENOTCONN, "The sidecar went away.") and every call
- * after it. A sidecar hosts at most 8 averagers (-EBUSY beyond). */
+ * after it. A sidecar hosts at most 8 averagers (-EBUSY beyond).
+ *
+ * Frame integrity. In process, $COHORT_INTEGRITY=mac (it needs the key)
+ * authenticates every data-plane frame of the averager's rounds, as the
+ * sidecar's --integrity mac does for the averagers it hosts; "none" or
+ * unset, the default, does not. Averagers group only with those of the
+ * same setting: the broker refuses the one that asks beside the others
+ * (-EPROTO, with a sentence naming both). Through a sidecar the variable
+ * is not read: the sidecar's --integrity decides, as its key does. */
 
 struct cohort_averager;
 struct cohort_averager_result;
@@ -614,18 +628,20 @@ struct cohort_averager_config {
     size_t max_state_bytes;         /* the largest state served or loaded; 0: 1 GiB */
 };
 
-/* Joins the cohort as an averager; the key, the listen address and TLS to
- * the broker come from the environment as for cohort_group_create().
- * Returns 0, -EINVAL (a missing or invalid field), -ENOMEM, or the key's,
- * CA's or socket's -errno. The caller frees *out with
- * cohort_averager_destroy(). */
+/* Joins the cohort as an averager; the key, the listen address, TLS to
+ * the broker and the frame integrity come from the environment as for
+ * cohort_group_create(). Returns 0, -EINVAL (a missing or invalid field,
+ * a $COHORT_INTEGRITY other than none or mac, or mac without a key),
+ * -ENOMEM, or the key's, CA's or socket's -errno. The caller frees *out
+ * with cohort_averager_destroy(). */
 int cohort_averager_create(const struct cohort_averager_config *cfg,
                            struct cohort_averager **out);
-/* cohort_averager_create, and on failure through a sidecar the sidecar's
- * sentence (why it refused: a vector or state larger than it hosts, its
- * cap of averagers, a bad field) in why[why_len], NUL-terminated and
- * borrowed from the caller; "" where there is none (in process, where
- * the -errno says it). why may be NULL. */
+/* cohort_averager_create, and on failure a sentence in why[why_len],
+ * NUL-terminated and borrowed from the caller: through a sidecar the
+ * sidecar's (why it refused: a vector or state larger than it hosts, its
+ * cap of averagers, a bad field), in process why the environment was
+ * refused ($COHORT_INTEGRITY); "" where there is none (where the -errno
+ * says it). why may be NULL. */
 int cohort_averager_create_why(const struct cohort_averager_config *cfg,
                                struct cohort_averager **out, char *why, size_t why_len);
 /* Leaves the cohort and frees. NULL is fine. */

@@ -1468,7 +1468,7 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&schema);
     if (rc < 0 && why[0]) {
-        /* A sidecar's refusal says why itself. */
+        /* A refusal that says why itself: the sidecar's, or the environment's. */
         PyObject *e = Py_BuildValue("(is)", -rc, why);
 
         if (e) {

@@ -503,7 +503,12 @@ class DHT:
     cohort's trainer container ($COHORT_SOCKET set, no
     $COHORT_SECRET_FILE), averagers live in the pod's cohort-sidecar,
     which joins them with its key; `peer_id` is then the id the sidecar
-    gives the averager once it runs (docs/architecture.md)."""
+    gives the averager once it runs (docs/architecture.md).
+
+    In process the key is $COHORT_SECRET_FILE and the frame integrity
+    $COHORT_INTEGRITY: "mac" (it needs the key) authenticates every
+    data-plane frame, as a sidecar's --integrity mac, and averagers group
+    only with those of the same setting; "none" or unset does not."""
 
     def __init__(self, initial_peers=(), start=True, *, cohort=None, peer_id=None):
         if not start:

@@ -279,6 +279,7 @@ int cohort_connect(struct cohort *c, const char *address)
     const char *ca_file = getenv("COHORT_BROKER_CA");
     struct secret key;
     char *ca = NULL;
+    bool mac = false;
     int rc;
 
     if (c->link)
@@ -296,6 +297,10 @@ int cohort_connect(struct cohort *c, const char *address)
     cohort = c->ident_cohort ? c->ident_cohort : getenv("COHORT_COHORT");
     id = c->ident_id ? c->ident_id : getenv("COHORT_ID");
     host = getenv("COHORT_HOST") ? getenv("COHORT_HOST") : "127.0.0.1";
+    /* The frame integrity, as the sidecar's --integrity (needs the key). */
+    if (secret_integrity_parse(getenv("COHORT_INTEGRITY"), &mac) < 0 ||
+        (mac && !(key_file && *key_file)))
+        return -EINVAL;
     if (key_file && *key_file) {
         rc = secret_load(key_file, &key);
         if (rc < 0)
@@ -305,8 +310,8 @@ int cohort_connect(struct cohort *c, const char *address)
      * --broker-server-name. */
     if (ca_file && *ca_file && (rc = rpc_pem_load(ca_file, &ca)) < 0)
         goto out;
-    rc = link_node_connect(address, cohort, id, host, key_file && *key_file ? &key : NULL, ca,
-                           getenv("COHORT_BROKER_SERVER_NAME"), &c->mem, &c->link);
+    rc = link_node_connect(address, cohort, id, host, key_file && *key_file ? &key : NULL, mac,
+                           ca, getenv("COHORT_BROKER_SERVER_NAME"), &c->mem, &c->link);
 out:
     rpc_pem_free(ca);
     if (key_file && *key_file)

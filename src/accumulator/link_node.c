@@ -126,13 +126,14 @@ static const struct link_ops node_ops = {
 };
 
 int link_node_connect(const char *broker, const char *cohort, const char *id, const char *host,
-                      const struct secret *key, const char *tls_ca_pem,
+                      const struct secret *key, bool integrity_mac, const char *tls_ca_pem,
                       const char *tls_server_name,
                       const struct link_memory *m, struct link **out)
 {
     const struct tlink_register *lay = m->layout;
     struct node_config nc = { .broker = broker, .cohort = cohort, .id = id, .host = host,
-                              .key = key, .tls_ca_pem = tls_ca_pem,
+                              .key = key, .integrity_mac = integrity_mac,
+                              .tls_ca_pem = tls_ca_pem,
                               .tls_server_name = tls_server_name, .on_view = publish };
     struct node_tensors t = {
         .params = (char *)m->map + lay->params_off, .params_bytes = lay->params_bytes,

@@ -6,6 +6,7 @@
 #include "cohort.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,18 +109,38 @@ int cohort_averager_create(const struct cohort_averager_config *c, struct cohort
     return cohort_averager_create_why(c, out, NULL, 0);
 }
 
+/* Writes the sentence of a refusal into the caller's why, if any. */
+__attribute__((format(printf, 4, 5)))
+static int refuse(char *why, size_t why_len, int rc, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (why && why_len) {
+        va_start(ap, fmt);
+        vsnprintf(why, why_len, fmt, ap);
+        va_end(ap);
+    }
+    return rc;
+}
+
 int cohort_averager_create_why(const struct cohort_averager_config *c,
                                struct cohort_averager **out, char *why, size_t why_len)
 {
-    const char *key_file = getenv("COHORT_SECRET_FILE");
+    const char *key_file = getenv("COHORT_SECRET_FILE"), *ca_file = getenv("COHORT_BROKER_CA");
+    const char *integrity = getenv("COHORT_INTEGRITY");
     struct averager_config cfg = { 0 };
     struct cohort_averager *ca;
     struct secret key;
     bool keyed = key_file && *key_file;
+    char *pem = NULL;
     int rc;
 
+    if (why && why_len)
+        why[0] = '\0';
     if (!c || !out)
         return -EINVAL;
+    /* Through the sidecar, the frames are the sidecar's to authenticate
+     * (its --integrity), as the key is its own: neither variable is read. */
     if (sidecar_path(c->broker, keyed)) {
         if (((int)c->compression < COHORT_COMPRESSION_NONE ||
              (int)c->compression > COHORT_COMPRESSION_INT8) &&
@@ -167,18 +188,37 @@ int cohort_averager_create_why(const struct cohort_averager_config *c,
     cfg.state_priority = c->state_sharing_priority;
     cfg.declare_period_ms = (uint32_t)c->declare_state_period_ms;
     cfg.max_state_bytes = c->max_state_bytes;
+    /* The frame integrity, as the sidecar's --integrity: refused here
+     * with its reason, since an averager of the wrong setting would only
+     * find no group later. */
+    if (secret_integrity_parse(integrity, &cfg.integrity_mac) < 0)
+        return refuse(why, why_len, -EINVAL,
+                      "COHORT_INTEGRITY=\"%.64s\" is not a frame integrity setting: none or mac",
+                      integrity);
+    if (cfg.integrity_mac && !keyed)
+        return refuse(why, why_len, -EINVAL,
+                      "COHORT_INTEGRITY=mac authenticates every frame with the cohort's key, "
+                      "and there is none: set COHORT_SECRET_FILE");
     ca = calloc(1, sizeof(*ca));
     if (!ca)
         return -ENOMEM;
     if (keyed && (rc = secret_load(key_file, &key)) < 0)
         goto out_free;
+    /* TLS to the broker, as cohort_group_create() and the sidecar's
+     * --broker-ca and --broker-server-name. */
+    if (ca_file && *ca_file && (rc = rpc_pem_load(ca_file, &pem)) < 0)
+        goto out_key;
     cfg.key = keyed ? &key : NULL;
+    cfg.tls_ca_pem = pem;
+    cfg.tls_server_name = getenv("COHORT_BROKER_SERVER_NAME");
     rc = rpc_init();
     if (rc < 0)
-        goto out_key;
+        goto out_pem;
     rc = averager_create(&cfg, &ca->a);
     if (rc < 0)
         rpc_shutdown();
+out_pem:
+    rpc_pem_free(pem);
 out_key:
     if (keyed)
         secret_wipe(&key);

@@ -261,3 +261,16 @@ void secret_wipe(struct secret *s)
 {
     OPENSSL_cleanse(s, sizeof(*s));
 }
+
+int secret_integrity_parse(const char *text, bool *mac)
+{
+    if (!text || !*text || strcmp(text, "none") == 0) {
+        *mac = false;
+        return 0;
+    }
+    if (strcmp(text, "mac") == 0) {
+        *mac = true;
+        return 0;
+    }
+    return -EINVAL;
+}

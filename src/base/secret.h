@@ -80,4 +80,11 @@ int secret_random(void *buf, size_t n);
 /* Overwrites the key so that it does not linger in freed memory. */
 void secret_wipe(struct secret *s);
 
+/* Parses a frame integrity setting, the words of the sidecar's
+ * --integrity and of $COHORT_INTEGRITY: "mac" (every data-plane frame
+ * carries a MAC under the key) sets *mac, "none", "" or NULL (peers prove
+ * the key when they connect, frames carry none) clears it. Returns 0, or
+ * -EINVAL for anything else, *mac untouched. */
+int secret_integrity_parse(const char *text, bool *mac);
+
 #endif

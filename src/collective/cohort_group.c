@@ -81,6 +81,10 @@ int cohort_group_create(const char *broker, const char *cohort, const char *id,
     cfg.host = getenv("COHORT_HOST") ? getenv("COHORT_HOST") : "127.0.0.1";
     if (!cfg.broker || !*cfg.broker || !cfg.cohort || !cfg.id)
         return -EINVAL;
+    /* The frame integrity, as the sidecar's --integrity (needs the key). */
+    if (secret_integrity_parse(getenv("COHORT_INTEGRITY"), &cfg.integrity_mac) < 0 ||
+        (cfg.integrity_mac && !keyed))
+        return -EINVAL;
     cg = calloc(1, sizeof(*cg));
     if (!cg)
         return -ENOMEM;

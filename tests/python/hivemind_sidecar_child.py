@@ -58,6 +58,18 @@ def main():
             out(type=type(e).__name__, error=str(e), free=dht._averager is None)
             return
         out(error=None)
+    elif scenario == "create":
+        # An averager of a valid configuration: what create raises, if
+        # anything (the environment may refuse it: COHORT_INTEGRITY).
+        try:
+            a = hivemind.DecentralizedAverager(
+                tensors_of(0), dht, start=True, prefix="test/side",
+                min_matchmaking_time=1.0, request_timeout=0.5)
+        except (ValueError, RuntimeError) as e:
+            out(type=type(e).__name__, error=str(e), free=dht._averager is None)
+            return
+        out(me=a.peer_id)
+        a.shutdown()
     elif scenario == "donor":
         # ARGS: k, priority. Shares state_tensors_of(k) until killed; its
         # snapshot comes from get_current_state in this process.

@@ -16,10 +16,16 @@ key, a real broker that demands it, real torch in every peer.
 - Sidecars under --integrity mac: their averagers average exactly with
   each other; beside an in-process averager without integrity the
   round never happens, and the refused one says why.
+- In-process averagers under COHORT_INTEGRITY=mac average exactly with
+  one hosted by a sidecar under --integrity mac; beside an in-process
+  averager without integrity the round never happens. A value other
+  than none or mac, or mac without the key, is a ValueError that says
+  so, and the DHT is free for another averager.
 - A create the sidecar refuses: a ValueError with the sidecar's
   sentence, and the DHT free for another averager.
 - A broker serving TLS: averagers through sidecars that reach it with
-  its CA average exactly.
+  its CA, and one in process given it by $COHORT_BROKER_CA, average
+  exactly.
 """
 import json
 import os
@@ -185,6 +191,53 @@ def test_integrity_mac_reaches_the_sidecars_averagers(pod):
     assert said and ("--integrity mac" in said[0] or "--integrity none" in said[0]), got
 
 
+def test_in_process_averagers_under_cohort_integrity_mac_average_with_a_sidecars(pod):
+    broker, key, sidecar = pod
+    s = sidecar("pod-i0", "--integrity", "mac")
+    weights = [1, 2, 1]
+    kids = [keyless("unix:" + s.path, "i-0", "weighted", 0, 3, weights[0]),
+            spawn([CHILD, broker.address, "p-i1", "weighted", "1", "3", str(weights[1])],
+                  COHORT_SECRET_FILE=key, COHORT_INTEGRITY="mac"),
+            spawn([CHILD, broker.address, "p-i2", "weighted", "2", "3", str(weights[2])],
+                  COHORT_SECRET_FILE=key, COHORT_INTEGRITY="mac")]
+    got = [lines_of(k)[-1] for k in kids]
+    ref = [sum(weights[k] * tensors_of(k)[i] for k in range(3)) / sum(weights) for i in range(2)]
+    assert got[0]["me"].startswith("pod-i0_av"), got
+    ids = [g["me"] for g in got]
+    for g in got:
+        assert g["tensors"] == [r.tolist() for r in ref], g
+        assert g["gathered"] == {ids[j]: {"k": j} for j in range(3)}, g
+
+    # An in-process averager under mac beside one without (COHORT_INTEGRITY
+    # unset): no round, and the one the broker refused names the setting.
+    kids = [spawn([CHILD, broker.address, "p-i3", "weighted", "0", "2", "1", "15"],
+                  COHORT_SECRET_FILE=key, COHORT_INTEGRITY="mac"),
+            spawn([CHILD, broker.address, "p-i4", "weighted", "1", "2", "1", "15"],
+                  COHORT_SECRET_FILE=key)]
+    got = [lines_of(k)[-1] for k in kids]
+    assert all("error" in g for g in got), got
+    said = [g["error"] for g in got if "--integrity" in g["error"]]
+    assert said and ("--integrity mac" in said[0] or "--integrity none" in said[0]), got
+
+
+@pytest.mark.parametrize("integrity,keyed,words", [
+    ("hmac", True, 'COHORT_INTEGRITY="hmac" is not a frame integrity setting: none or mac'),
+    ("mac", False, "COHORT_INTEGRITY=mac authenticates every frame with the cohort's key, and "
+                   "there is none: set COHORT_SECRET_FILE"),
+])
+def test_a_bad_cohort_integrity_or_mac_without_a_key_is_a_value_error(pod, integrity, keyed,
+                                                                       words):
+    broker, key, sidecar = pod
+    got = lines_of(spawn([CHILD, broker.address, "c-0", "create"],
+                         COHORT_SECRET_FILE=key if keyed else "", COHORT_INTEGRITY=integrity))[-1]
+    assert got.get("type") == "ValueError" and words in got["error"], got
+    assert got["free"], "the DHT still holds the averager that never started"
+    # "none" is the default's word.
+    got = lines_of(spawn([CHILD, broker.address, "c-1", "create"], COHORT_SECRET_FILE=key,
+                         COHORT_INTEGRITY="none"))[-1]
+    assert got == {"me": "c-1"}, got
+
+
 def test_a_refused_create_raises_with_the_sidecars_sentence(pod):
     broker, key, sidecar = pod
     s = sidecar("pod-r")
@@ -218,12 +271,19 @@ def test_averagers_through_sidecars_join_a_tls_broker_with_its_ca():
             procs.append(s)
             s.wait_log("Waiting for the trainer.")
             paths.append(path)
-        kids = [keyless("unix:" + paths[0], "s-0", "weighted", 0, 2, 2),
-                keyless("env", "s-1", "weighted", 1, 2, 1, COHORT_SOCKET=paths[1])]
+        # Two through the sidecars, and one in process that reaches the
+        # broker with its CA from $COHORT_BROKER_CA, as the Accumulator
+        # and the group do.
+        kids = [keyless("unix:" + paths[0], "s-0", "weighted", 0, 3, 2),
+                keyless("env", "s-1", "weighted", 1, 3, 1, COHORT_SOCKET=paths[1]),
+                spawn([CHILD, broker.address, "p-s2", "weighted", "2", "3", "1"],
+                      COHORT_SECRET_FILE=key, COHORT_BROKER_CA=tls["ca"],
+                      COHORT_BROKER_SERVER_NAME=TLS_NAME)]
         got = [lines_of(k)[-1] for k in kids]
-        ref = [(2 * tensors_of(0)[i] + tensors_of(1)[i]) / 3 for i in range(2)]
-        for g, pod_name in zip(got, ("pod-s0", "pod-s1")):
-            assert g["me"].startswith(pod_name + "_av"), g
+        ref = [(2 * tensors_of(0)[i] + tensors_of(1)[i] + tensors_of(2)[i]) / 4
+               for i in range(2)]
+        for g, name in zip(got, ("pod-s0_av", "pod-s1_av", "p-s2")):
+            assert g["me"].startswith(name), g
             assert g["tensors"] == [r.tolist() for r in ref], g
         for s in procs[1:]:
             s.wait_log("The trainer's averager link closed; the averager leaves.")

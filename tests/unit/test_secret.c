@@ -203,3 +203,24 @@ Test(secret, wipe_clears_the_key)
     secret_wipe(&s);
     cr_assert_eq(memcmp(s.key, zero, sizeof(zero)), 0);
 }
+
+Test(secret, integrity_parse_takes_none_and_mac_only)
+{
+    static const char *const bad[] = { "MAC", "mac ", " none", "hmac", "1", "true", "macx" };
+    bool mac = true;
+
+    cr_assert_eq(secret_integrity_parse(NULL, &mac), 0);
+    cr_assert_not(mac);
+    mac = true;
+    cr_assert_eq(secret_integrity_parse("", &mac), 0);
+    cr_assert_not(mac);
+    mac = true;
+    cr_assert_eq(secret_integrity_parse("none", &mac), 0);
+    cr_assert_not(mac);
+    cr_assert_eq(secret_integrity_parse("mac", &mac), 0);
+    cr_assert(mac);
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cr_assert_eq(secret_integrity_parse(bad[i], &mac), -EINVAL, "\"%s\"", bad[i]);
+        cr_assert(mac, "a refused \"%s\" changed the setting", bad[i]);
+    }
+}
