@@ -7,8 +7,12 @@ cohort's plain all-reduce, in the same run, on loopback.
   (cohort.hivemind, group bits that keep groups of --group).
   With --compression A,B,... (hivemind's class names: NoCompression,
   Float16Compression, ScaledFloat16Compression, BlockwiseQuantization,
-  Uniform8BitQuantization, Quantile8BitQuantization) the averagers run a
-  set of rounds with each in turn, a row each. With --butterfly each
+  Uniform8BitQuantization, Quantile8BitQuantization, or PerTensor: the
+  vector as two tensors, the first half under NoCompression and the
+  second under Float16Compression, by PerTensorCompression, so a codec
+  per tensor in one step; its exact half runs as a butterfly, as a call
+  that another follows must, and its fp16 half on the ring) the
+  averagers run a set of rounds with each in turn, a row each. With --butterfly each
   codec runs a further set with bandwidth=1 on every peer, which puts
   the round on the butterfly all-reduce (equal parts; with a codec each
   contribution and each part's result encoded once) instead of the
@@ -46,6 +50,7 @@ from benchlib import BUILD, start_broker, wait_members
 
 sys.path.insert(0, os.path.join(BUILD, "python"))
 BUTTERFLY = "butterfly:"        # a variant's prefix: the codec on the butterfly
+PER_TENSOR = "PerTensor"        # half the vector exact, half fp16, in one step
 
 
 def averager_child(a, broker, k, turns, out):
@@ -60,13 +65,20 @@ def averager_child(a, broker, k, turns, out):
         dht = hivemind.DHT(initial_peers=[broker], start=True, cohort="bench-avg",
                            peer_id="avg-%d-%s" % (k, codec.replace(":", "-")))
         butterfly = codec.startswith(BUTTERFLY)
+        name = codec[len(BUTTERFLY):] if butterfly else codec
+        if name == PER_TENSOR:
+            tensors = [torch.full((n // 2,), float(k)), torch.full((n - n // 2,), float(k))]
+            compression = hivemind.PerTensorCompression(
+                [hivemind.NoCompression(), hivemind.Float16Compression()])
+        else:
+            tensors = [torch.full((n,), float(k))]
+            compression = getattr(hivemind, name)()
         av = hivemind.DecentralizedAverager(
-            [torch.full((n,), float(k))], dht, start=True,
+            tensors, dht, start=True,
             prefix="bench-" + codec.replace(":", "-"),
             target_group_size=a.group, min_group_size=a.group, initial_group_bits=bits,
             min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=60,
-            compression=getattr(hivemind, codec[len(BUTTERFLY):] if butterfly else codec)(),
-            bandwidth=1.0 if butterfly else None)
+            compression=compression, bandwidth=1.0 if butterfly else None)
         times = []
         for rep in range(a.reps + 1):
             turns.wait()                # the averagers' turn
@@ -117,14 +129,16 @@ def main():
     ap.add_argument("--compression", default="NoCompression",
                     help="comma-separated: NoCompression, Float16Compression, "
                          "ScaledFloat16Compression, BlockwiseQuantization, "
-                         "Uniform8BitQuantization, Quantile8BitQuantization")
+                         "Uniform8BitQuantization, Quantile8BitQuantization, PerTensor "
+                         "(half NoCompression, half Float16Compression)")
     ap.add_argument("--butterfly", action="store_true",
                     help="one more set of rounds per codec on the butterfly (bandwidth=1 "
                          "everywhere)")
     a = ap.parse_args()
     a.compression = a.compression.split(",")
     known = ("NoCompression", "Float16Compression", "ScaledFloat16Compression",
-             "BlockwiseQuantization", "Uniform8BitQuantization", "Quantile8BitQuantization")
+             "BlockwiseQuantization", "Uniform8BitQuantization", "Quantile8BitQuantization",
+             PER_TENSOR)
     if not all(c in known for c in a.compression) or len(set(a.compression)) != len(
             a.compression):
         ap.error("--compression takes distinct names among " + ", ".join(known))

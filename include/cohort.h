@@ -576,6 +576,13 @@ const char *cohort_group_strerror(int err);
 struct cohort_averager;
 struct cohort_averager_result;
 
+/* One range of an averager's codec plan (cohort_averager_config). */
+struct cohort_codec_range {
+    size_t count;                           /* values, > 0 */
+    enum cohort_compression compression;    /* one of the codecs compression takes */
+};
+#define COHORT_CODEC_PLAN_MAX 256
+
 struct cohort_averager_config {
     const char *broker;             /* "host:port"; NULL: $COHORT_BROKER, or the
                                      * sidecar (above); "unix:PATH": the sidecar at
@@ -606,6 +613,17 @@ struct cohort_averager_config {
                                      * or QUANTILE8 (float32 sums, weights and
                                      * gathered bytes exact); only averagers of one
                                      * compression group */
+    /* A codec per tensor, as hivemind's adaptive compression chooses one:
+     * codec_plan_len ranges (at most COHORT_CODEC_PLAN_MAX), in order,
+     * covering the count values exactly, each travelling in its
+     * compression; compression stays NONE. Copied. The NONE ranges are
+     * averaged exactly, each other codec's in a call of its own, all in
+     * one step that succeeds or changes nothing. Only averagers of the
+     * same plan group; with a plan the schema is at most 39 bytes, and an
+     * averager without tensors cannot join. NULL/0: compression for every
+     * value. */
+    const struct cohort_codec_range *codec_plan;
+    size_t codec_plan_len;
     /* Load balancing (hivemind's bandwidth and client_mode). In a group
      * where any member gives a bandwidth or is a client, each member
      * reduces a share of the round by a butterfly all-reduce, the shares
@@ -639,9 +657,9 @@ int cohort_averager_create(const struct cohort_averager_config *cfg,
 /* cohort_averager_create, and on failure a sentence in why[why_len],
  * NUL-terminated and borrowed from the caller: through a sidecar the
  * sidecar's (why it refused: a vector or state larger than it hosts, its
- * cap of averagers, a bad field), in process why the environment was
- * refused ($COHORT_INTEGRITY); "" where there is none (where the -errno
- * says it). why may be NULL. */
+ * cap of averagers, a bad field), in process why the environment
+ * ($COHORT_INTEGRITY) or the codec plan was refused; "" where there is
+ * none (where the -errno says it). why may be NULL. */
 int cohort_averager_create_why(const struct cohort_averager_config *cfg,
                                struct cohort_averager **out, char *why, size_t why_len);
 /* Leaves the cohort and frees. NULL is fine. */

@@ -1368,10 +1368,12 @@ static int pygroup_add(PyObject *m)
  * _cohort.Averager(broker, cohort, id, prefix, bits, target, min,
  * min_matchmaking_ms, request_timeout_ms, allreduce_timeout_ms, count,
  * segment_bytes, schema, gather_max, leave_timeout_ms[, compression,
- * bandwidth, client_mode, min_vector_size, declare_state_period_ms]): one
- * struct cohort_averager, for cohort.hivemind (compression: an enum
- * cohort_compression value, 0 by default; bandwidth: a float, or None when
- * not given; client_mode: a bool). The averaged floats cross as a
+ * bandwidth, client_mode, min_vector_size, declare_state_period_ms,
+ * codec_plan]): one struct cohort_averager, for cohort.hivemind
+ * (compression: an enum cohort_compression value, 0 by default;
+ * bandwidth: a float, or None when not given; client_mode: a bool;
+ * codec_plan: None, or (count, compression) pairs, a codec per range of
+ * the vector, with compression 0). The averaged floats cross as a
  * writable buffer of exactly count float32; every call runs with the GIL
  * released and under the Averager's lock. */
 
@@ -1409,6 +1411,40 @@ static int averager_open(struct pyaverager *self)
     return 0;
 }
 
+/* codec_plan: a sequence of (count, compression) pairs, at most
+ * COHORT_CODEC_PLAN_MAX, into plan[*n]; the averager checks the rest
+ * (that the counts cover the vector, that each is a codec). */
+static int averager_plan_arg(PyObject *obj, struct cohort_codec_range *plan, size_t *n)
+{
+    PyObject *seq = PySequence_Fast(obj, "codec_plan must be a sequence of (count, codec)");
+    Py_ssize_t len;
+
+    if (!seq)
+        return -1;
+    len = PySequence_Fast_GET_SIZE(seq);
+    if (len > COHORT_CODEC_PLAN_MAX) {
+        PyErr_Format(PyExc_ValueError, "a codec plan of %zd ranges: at most %d", len,
+                     COHORT_CODEC_PLAN_MAX);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < len; k++) {
+        unsigned long long count;
+        int codec;
+
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "Ki;codec_plan holds "
+                              "(count, codec) pairs", &count, &codec)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        plan[k] = (struct cohort_codec_range){ .count = (size_t)count,
+                                               .compression = (enum cohort_compression)codec };
+    }
+    *n = (size_t)len;
+    Py_DECREF(seq);
+    return 0;
+}
+
 static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = { "broker", "cohort", "id", "prefix", "bits", "target", "min",
@@ -1416,7 +1452,9 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
                               "allreduce_timeout_ms", "count", "segment_bytes", "schema",
                               "gather_max", "leave_timeout_ms", "compression", "bandwidth",
                               "client_mode", "min_vector_size", "declare_state_period_ms",
-                              NULL };
+                              "codec_plan", NULL };
+    struct cohort_codec_range plan[COHORT_CODEC_PLAN_MAX];
+    PyObject *plan_obj = Py_None;
     struct cohort_averager_config c = { 0 };
     PyObject *bandwidth = Py_None;
     int client_mode = 0;
@@ -1432,15 +1470,20 @@ static int pyaverager_init(struct pyaverager *self, PyObject *args, PyObject *kw
         PyErr_SetString(PyExc_RuntimeError, "Averager.__init__ may be called once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOpKi", kwlist, &c.broker,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zzzssIIIIIKKy*KI|iOpKiO", kwlist, &c.broker,
                                      &c.cohort, &c.id, &c.prefix, &c.initial_bits,
                                      &c.target_group_size, &c.min_group_size,
                                      &c.min_matchmaking_ms, &c.request_timeout_ms,
                                      &c.allreduce_timeout_ms, &count, &segment, &schema,
                                      &gather_max, &c.leave_timeout_ms, &compression,
                                      &bandwidth, &client_mode, &min_vector_size,
-                                     &c.declare_state_period_ms))
+                                     &c.declare_state_period_ms, &plan_obj))
         return -1;
+    if (plan_obj != Py_None && averager_plan_arg(plan_obj, plan, &c.codec_plan_len) < 0) {
+        PyBuffer_Release(&schema);
+        return -1;
+    }
+    c.codec_plan = c.codec_plan_len ? plan : NULL;
     c.min_vector_size = (size_t)min_vector_size;
     if (bandwidth != Py_None) {
         c.has_bandwidth = true;

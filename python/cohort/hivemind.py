@@ -29,10 +29,11 @@ run's quantiles, a codebook of bucket means per run); with a
 codec only the tensors travel encoded, the weights and gathered objects
 stay exact, and every member still ends with the same bytes. Averagers
 with different compression never group: the broker refuses the step.
-An adaptive codec (below) is taken for `compression` when it chooses one
-codec for every averaged tensor, and the averager steps in that codec;
-one that chooses two is refused, since the engine sends the averaged
-tensors in one codec per step.
+An adaptive codec (below) chooses a codec per averaged tensor from its
+CompressionInfo, as in hivemind: each tensor travels in the codec chosen
+for it (those of one codec in a call of their own within the step, which
+succeeds or changes nothing), and only averagers whose tensors choose
+alike group. One that chooses one codec for every tensor is that codec.
 
 `bandwidth` and `client_mode` balance the load as in hivemind: in a
 group where any peer gives a bandwidth or is a client, each peer reduces
@@ -76,8 +77,8 @@ adaptive: nothing else reads it.
 
 Arguments of hivemind's constructor that cohort does not carry out yet
 are refused with a ValueError that says so, never ignored: a codec class
-cohort does not know, an adaptive `compression` that chooses two codecs
-for the averaged tensors, daemon=False.
+cohort does not know, an adaptive `compression` whose choice changes
+more than 256 times along the averaged tensors, daemon=False.
 
 An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
 `auxiliary=True`): it joins groups of any tensors, learns their size and
@@ -115,6 +116,7 @@ __all__ = ["DHT", "DecentralizedAverager", "AllreduceException", "NoCompression"
 
 _GROUP_MAX = 256
 _GATHER_MAX = 4096      # bytes of a serialised gather; every round carries room for it
+_PLAN_MAX = 256         # runs of one codec along the averaged tensors (the averager's cap)
 _log = logging.getLogger("cohort.hivemind")
 
 # A state on the wire: b"CHS2", u32 metadata length, the metadata as JSON,
@@ -381,9 +383,7 @@ class CompressionInfo:
 class AdaptiveCompressionBase(CompressionBase):
     """hivemind's adaptive codecs: each chooses another codec per tensor
     from its CompressionInfo (choose_compression); the choice may itself be
-    adaptive. The state applies the choice per tensor; the averaged
-    tensors travel in one codec per step, so `compression=` takes an
-    adaptive codec only when it chooses the same codec for every averaged
+    adaptive. The state and the averaged tensors apply the choice per
     tensor."""
 
     def choose_compression(self, info):
@@ -653,15 +653,28 @@ class DecentralizedAverager:
                 raise ValueError("tensor_infos must hold one cohort.hivemind.CompressionInfo "
                                  "per averaged tensor")
         infos = tensor_infos if tensor_infos is not None else _default_infos(tensors)
-        # The engine sends the averaged tensors in one codec per step: an
-        # adaptive codec must choose one for all of them.
-        chosen = {repr(c): c for c in (_resolve(compression, i, "compression") for i in infos)} \
-            if tensors else {repr(compression): _resolve(compression, None, "compression")}
-        if len(chosen) != 1:
-            raise ValueError("compression %r chooses %s for the averaged tensors; the engine "
-                             "sends them in one codec per step" % (compression,
-                                                                   " and ".join(sorted(chosen))))
-        compression = next(iter(chosen.values()))
+        # A codec per tensor, as hivemind's adaptive codecs choose: one
+        # codec for all of them is that codec; several make a plan, a
+        # codec per run of the flat vector, adjacent tensors of one codec
+        # merged (the averager sends each codec's runs in a call of its
+        # own, all in one step).
+        per_tensor = [_resolve(compression, i, "compression") for i in infos] \
+            if tensors else [_resolve(compression, None, "compression")]
+        plan = []
+        for t, c in zip(tensors, per_tensor):
+            if t.numel() == 0:
+                continue
+            if plan and plan[-1][1] == c._codec:
+                plan[-1][0] += t.numel()
+            else:
+                plan.append([t.numel(), c._codec])
+        codecs = {c._codec for c in per_tensor}
+        if len(plan) > _PLAN_MAX:
+            raise ValueError("compression %r alternates codecs %d times along the averaged "
+                             "tensors: the averager takes at most %d runs of one codec"
+                             % (compression, len(plan), _PLAN_MAX))
+        self._codec_plan = [tuple(r) for r in plan] if len(codecs) > 1 else None
+        compression = per_tensor[0] if len(codecs) == 1 else NoCompression()
         for i in infos:     # a state codec cohort lacks fails here, not in a download
             _resolve(state_compression, i, "state_compression")
         if not _is_adaptive(state_compression):
@@ -706,8 +719,8 @@ class DecentralizedAverager:
         # The engine's segment: a multiple of 8 that holds its encoding
         # (ScaledFloat16Compression's mean and deviation from 16 bytes on,
         # the 8-bit quantizations' codebooks from 1368).
-        floor = 1368 if isinstance(compression, (Uniform8BitQuantization,
-                                                 Quantile8BitQuantization)) else 16
+        floor = 1368 if any(isinstance(c, (Uniform8BitQuantization, Quantile8BitQuantization))
+                            for c in per_tensor) else 16
         self._segment = max(floor, int(part_size_bytes) // 8 * 8)
         self._auxiliary = bool(auxiliary)
         self._shutdown_ms = max(1, int(shutdown_timeout * 1000))
@@ -742,7 +755,7 @@ class DecentralizedAverager:
                 self._target, self._min, self._min_wait_ms, self._request_ms, self._silence_ms,
                 self._count, self._segment, _schema(self._tensors), _GATHER_MAX,
                 self._shutdown_ms, self._codec, self._bandwidth, self._client_mode,
-                self._min_vector_size, self._declare_ms)
+                self._min_vector_size, self._declare_ms, self._codec_plan)
         except _cohort.Error as e:
             # A refusal of the configuration (the sidecar's sentence through
             # a sidecar) is the caller's to fix; anything else is not.

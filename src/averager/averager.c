@@ -46,6 +46,32 @@
  * only averagers of one codec group (the engine would refuse the frames
  * of another anyway, but only after the group had formed).
  *
+ * A codec per tensor (a plan: ranges of the caller's vector, each in a
+ * codec, as hivemind's adaptive compression picks one per tensor). The
+ * engine applies one codec to a call, so the attempt's buffer is laid
+ * out by codec: the CODEC_NONE ranges first, in order, then the metadata,
+ * so that the exact call carries both (w x summed and divided by the
+ * total, as without a codec: integers stay exact); then one group per
+ * other codec, in the order of its first range, each holding its ranges
+ * in order on 8 bytes of its own. After the exact call every coded group
+ * follows in a call of its own, round 2, 3, ..., each contributing
+ * (w / total) x as above. Calls in a row are safe as above only when
+ * each but the last is recursive doubling or a butterfly, so a call that
+ * another follows runs as a butterfly (equal shares when no member gave
+ * a bandwidth) unless it is the metadata alone; the last keeps the
+ * engine's choice. The caller's data is written only after every call
+ * succeeded, range by range from its place, so a step whose later call
+ * fails changes nothing, and the result is the same bytes everywhere
+ * since each call's is. A coded group's runs span its tensors as the
+ * engine's segments fall, as a single codec's do: each segment is one
+ * run of its codec. With a plan the schema's first byte is
+ * AVERAGER_SCHEMA_PLAN and eight bytes after min_part carry a digest of
+ * the plan (FNV-1a over each range's count and codec), so that only
+ * averagers of one plan group. A plan of one codec is that codec, and
+ * groups with averagers given it. An averager without tensors would
+ * need the plan itself, which the schema does not hold: it refuses such
+ * a group.
+ *
  * Load balancing. The broker hands every member of a group each member's
  * bandwidth and client flag, as they asked. When any is given the round
  * is the engine's butterfly (allreduce_run_parts) with parts from
@@ -61,7 +87,8 @@
  * round stays on the ring: the same equal shares, and its pipelining.
  *
  * Without tensors. The schema the broker compares is the codec's byte,
- * the count's eight, min_vector_size's eight and the caller's bytes, so
+ * the count's eight, min_vector_size's eight (a plan's digest's eight)
+ * and the caller's bytes, so
  * an auxiliary averager without tensors asks for any schema
  * (matchmaker.h) and learns them from the group's reply (take_schema), sizing its buffer then:
  * it reduces its share like any member and contributes weight 0. The
@@ -108,6 +135,23 @@
 /* How soon a matchmaking wait sees averager_abort. */
 #define ABORT_SLICE_MS 100u
 
+/* A run of the caller's values in one codec, and where the attempt's
+ * buffer holds it. */
+struct av_range {
+    size_t count;
+    enum codec codec;
+    size_t src;                     /* its first element in the caller's data */
+    size_t dst;                     /* ... in the attempt's buffer */
+};
+
+/* The values of one codec other than CODEC_NONE, contiguous in the
+ * attempt's buffer, averaged by one engine call of their own. */
+struct av_group {
+    enum codec codec;
+    size_t count, off;              /* elements, and the first one's place */
+    int h;                          /* registered over them */
+};
+
 struct averager {
     char *cohort, *id, *prefix;
     char bits[MATCHMAKER_BITS_MAX + 1];
@@ -139,9 +183,17 @@ struct averager {
     double grp_bw[MATCHMAKER_GROUP_MAX];    /* -1: not given; 0 for clients */
     size_t grp_parts[MATCHMAKER_GROUP_MAX];
 
-    float *sum;                 /* layout_floats(target): the attempt's buffer */
-    int h_sum;
-    int h_meta;                 /* its metadata part, from meta_offset() */
+    /* The codec plan (averager_config.plan; one range without one) and
+     * where the attempt's buffer holds each range (see the top). */
+    struct av_range *ranges;
+    size_t n_ranges;
+    bool plan;                      /* more than one codec: the schema holds its digest */
+    struct av_group groups[CODEC_END];  /* the coded groups, in order of first range */
+    size_t n_groups;
+    size_t n_exact;                 /* CODEC_NONE values, at the buffer's start */
+    size_t sum_floats;              /* the buffer's size */
+    float *sum;                     /* the attempt's buffer */
+    int h_exact;                    /* its exact part: CODEC_NONE values and metadata */
     char err[RPC_MESSAGE_MAX + 192];
 
     /* State sharing: the server, and the declaring thread's wishes
@@ -238,11 +290,15 @@ static size_t gather_words(size_t bytes)
     return (bytes + 1) / 2;
 }
 
-/* Where the metadata starts: after the values, rounded up to 8 bytes so
- * that it can be registered as a buffer of its own. */
+static size_t even(size_t floats)
+{
+    return (floats + 1) & ~(size_t)1;
+}
+
+/* Where the metadata starts: after the CODEC_NONE values, on 8 bytes. */
 static size_t meta_offset(const struct averager *a)
 {
-    return (a->count + 1) & ~(size_t)1;
+    return even(a->n_exact);
 }
 
 /* Floats of the metadata part for a group of n. */
@@ -251,29 +307,112 @@ static size_t meta_floats(const struct averager *a, size_t n)
     return n * (2 + gather_words(a->gather_max));
 }
 
-/* Floats of one attempt's buffer for a group of n. */
-static size_t layout_floats(const struct averager *a, size_t n)
+/* Floats of the exact call for a group of n: CODEC_NONE values and
+ * metadata. */
+static size_t exact_floats(const struct averager *a, size_t n)
 {
     return meta_offset(a) + meta_floats(a, n);
 }
 
+/* Places a->ranges in the attempt's buffer (see the top): the CODEC_NONE
+ * ranges first, in order, then the metadata of a full group, then one
+ * group per other codec, in the order of its first range, each holding
+ * its ranges in order and starting on 8 bytes (the engine registers it). */
+static void layout(struct averager *a)
+{
+    size_t at = 0;
+
+    a->n_groups = 0;
+    for (size_t r = 0; r < a->n_ranges; r++) {
+        struct av_range *x = &a->ranges[r];
+        size_t g = 0;
+
+        if (x->codec == CODEC_NONE) {
+            x->dst = at;
+            at += x->count;
+            continue;
+        }
+        while (g < a->n_groups && a->groups[g].codec != x->codec)
+            g++;
+        if (g == a->n_groups)
+            a->groups[a->n_groups++] = (struct av_group){ .codec = x->codec, .h = -1 };
+        a->groups[g].count += x->count;
+    }
+    a->n_exact = at;
+    at = even(exact_floats(a, a->target));
+    for (size_t g = 0; g < a->n_groups; g++) {
+        a->groups[g].off = at;
+        at += even(a->groups[g].count);
+    }
+    a->sum_floats = at;
+    for (size_t g = 0; g < a->n_groups; g++) {
+        size_t put = a->groups[g].off;
+
+        for (size_t r = 0; r < a->n_ranges; r++) {
+            if (a->ranges[r].codec != a->groups[g].codec)
+                continue;
+            a->ranges[r].dst = put;
+            put += a->ranges[r].count;
+        }
+    }
+}
+
 static int reg(struct averager *a, void *p, size_t bytes, int *h);
+
+static void buffer_free(struct averager *a)
+{
+    if (a->h_exact >= 0)
+        allreduce_unregister(a->ar, a->h_exact);
+    a->h_exact = -1;
+    for (size_t g = 0; g < a->n_groups; g++) {
+        if (a->groups[g].h >= 0)
+            allreduce_unregister(a->ar, a->groups[g].h);
+        a->groups[g].h = -1;
+    }
+    free(a->sum);
+    a->sum = NULL;
+}
+
+/* Lays out a->ranges and allocates and registers the attempt's buffer:
+ * its exact part and each coded group. Returns 0, -ENOMEM or the
+ * engine's -ENOSPC (out of handles; not with the averager's few). */
+static int buffer_alloc(struct averager *a)
+{
+    int rc;
+
+    buffer_free(a);
+    layout(a);
+    a->sum = calloc(a->sum_floats, sizeof(float));
+    if (!a->sum)
+        return -ENOMEM;
+    rc = reg(a, a->sum, exact_floats(a, a->target) * sizeof(float), &a->h_exact);
+    for (size_t g = 0; g < a->n_groups && rc == 0; g++)
+        rc = reg(a, a->sum + a->groups[g].off, a->groups[g].count * sizeof(float),
+                 &a->groups[g].h);
+    if (rc < 0)
+        buffer_free(a);
+    return rc;
+}
 
 /* Without tensors: takes the group's count, codec and min_part from its
  * schema
  * (see averager_create) and sizes the buffer for them. Returns 0,
- * -EPROTO (a schema that is not an averager's, with *why), -EMSGSIZE
- * (more than max_count, or metadata a coded round cannot carry here,
- * with *why) or -ENOMEM. */
+ * -EPROTO (a schema that is not an averager's, or one of a codec plan,
+ * with *why), -EMSGSIZE (more than max_count, or metadata a coded round
+ * cannot carry here, with *why) or -ENOMEM. */
 static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, const char **why)
 {
     uint64_t count = 0;
-    size_t old_count = a->count;
     enum codec codec;
     int rc;
 
     uint64_t min_part = 0;
 
+    if (schema->len >= 1 && (schema->data[0] & ~AVERAGER_SCHEMA_MAC) == AVERAGER_SCHEMA_PLAN) {
+        *why = "a group with a codec per tensor (a codec plan), which an averager without "
+               "tensors cannot learn from the schema: give it the group's tensors and plan";
+        return -EPROTO;
+    }
     if (schema->len < 17 || !codec_valid(schema->data[0] & ~AVERAGER_SCHEMA_MAC)) {
         *why = "a group schema that is not an averager's";
         return -EPROTO;
@@ -302,7 +441,6 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
                "(max_count)";
         return -EMSGSIZE;
     }
-    a->codec = codec;
     /* A coded round's metadata call must be recursive doubling at every
      * member (see the top); this engine has the default threshold. */
     if (codec != CODEC_NONE && meta_floats(a, a->target) * sizeof(float) > CODED_SMALL_BYTES) {
@@ -310,30 +448,15 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
                "(its metadata exceeds the engine's recursive doubling)";
         return -EMSGSIZE;
     }
-    if (a->sum && count == old_count)
+    if (a->sum && count == a->count && codec == a->codec)
         return 0;
-    if (a->h_sum >= 0)
-        allreduce_unregister(a->ar, a->h_sum);
-    if (a->h_meta >= 0)
-        allreduce_unregister(a->ar, a->h_meta);
-    a->h_sum = a->h_meta = -1;
-    free(a->sum);
     a->count = (size_t)count;
-    a->sum = calloc(layout_floats(a, a->target), sizeof(float));
-    if (!a->sum) {
-        a->count = 0;
-        return -ENOMEM;
-    }
-    if ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
-        (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
-                  &a->h_meta)) < 0) {
-        /* Cannot happen with two free handles; if it did, start over
-         * at the next group. */
-        if (a->h_sum >= 0)
-            allreduce_unregister(a->ar, a->h_sum);
-        a->h_sum = -1;
-        free(a->sum);
-        a->sum = NULL;
+    a->codec = codec;
+    a->ranges[0] = (struct av_range){ .count = a->count, .codec = codec };
+    a->n_ranges = 1;
+    rc = buffer_alloc(a);
+    if (rc < 0) {
+        /* Cannot fail but for memory; the next group starts over. */
         a->count = 0;
         return rc;
     }
@@ -454,7 +577,7 @@ static int matchmake(struct averager *a, uint32_t timeout_ms, struct epoch **out
                  schema ? " (the schema includes the compression and the frame integrity, "
                           "which must match: this averager's are "
                         : "",
-                 schema ? codec_name(a->codec) : "",
+                 schema ? (a->plan ? "a codec plan" : codec_name(a->codec)) : "",
                  schema ? (a->integrity ? " and --integrity mac" : " and --integrity none") : "",
                  schema ? ")" : "");
         goto out;
@@ -508,10 +631,11 @@ static bool retryable(int rc)
 }
 
 /* The parts of `floats` elements among the group's n members by their
- * bandwidths, into a->grp_parts (every member computes the same). */
-static int split_parts(struct averager *a, size_t floats, size_t n)
+ * bandwidths (bw: -1 each for equal shares), into a->grp_parts (every
+ * member computes the same). */
+static int split_parts(struct averager *a, const double *bw, size_t floats, size_t n)
 {
-    int rc = allreduce_split(floats, a->grp_bw, n, a->min_part, a->grp_parts);
+    int rc = allreduce_split(floats, bw, n, a->min_part, a->grp_parts);
 
     if (rc == -ENODATA)
         snprintf(a->err, sizeof(a->err), "no member of the group can reduce: every one is "
@@ -519,9 +643,38 @@ static int split_parts(struct averager *a, size_t floats, size_t n)
     return rc;
 }
 
+/* One call of the attempt over `floats` elements of registered buffer h
+ * in `codec` (see the top): a butterfly when the round is balanced, and
+ * when another call follows a large one (a ring must be the last call);
+ * otherwise the engine's choice (the ring, or recursive doubling when
+ * small). `small` says the call is within the doubling threshold. */
+static int one_call(struct averager *a, int h, size_t floats, size_t n, enum codec codec,
+                    bool last, bool small, uint64_t round)
+{
+    double equal[MATCHMAKER_GROUP_MAX];
+    const double *bw = a->grp_bw;
+    int rc;
+
+    if (!a->balanced && (last || small))
+        return codec == CODEC_NONE
+                   ? allreduce_run(a->ar, h, floats, DTYPE_F32, DTYPE_SUM, 0, round)
+                   : allreduce_run_codec(a->ar, h, h, floats, DTYPE_F32, DTYPE_SUM, 0, codec,
+                                         round);
+    if (!a->balanced) {
+        for (size_t i = 0; i < n; i++)
+            equal[i] = -1;
+        bw = equal;
+    }
+    rc = split_parts(a, bw, floats, n);
+    if (rc < 0)
+        return rc;
+    return allreduce_run_parts_codec(a->ar, h, h, floats, DTYPE_F32, DTYPE_SUM, 0,
+                                     a->grp_parts, n, codec, round);
+}
+
 /* Runs the attempt in group e (see the top). On 0 fills *res and leaves
- * the weighted sum in a->sum[0, count) and the total weight in *total
- * (with a codec the sum is the average already, and *total is 1). */
+ * in a->sum the weighted sum of each CODEC_NONE range and the average of
+ * each coded one, and the total weight in *total. */
 static int attempt(struct averager *a, struct epoch *e, const struct averager_step *s,
                    double *total, struct averager_result **res)
 {
@@ -536,9 +689,13 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
     rc = allreduce_set_epoch(a->ar, e);
     if (rc < 0)
         return rc;
-    memset(a->sum, 0, layout_floats(a, n) * sizeof(float));
-    for (size_t i = 0; i < a->count && s->weight > 0 && a->codec == CODEC_NONE; i++)
-        a->sum[i] = (float)s->weight * s->data[i];
+    memset(a->sum, 0, a->sum_floats * sizeof(float));
+    for (size_t k = 0; k < a->n_ranges && s->weight > 0; k++) {
+        const struct av_range *x = &a->ranges[k];
+
+        for (size_t i = 0; i < x->count && x->codec == CODEC_NONE; i++)
+            a->sum[x->dst + i] = (float)s->weight * s->data[x->src + i];
+    }
     weights[me] = (float)s->weight;
     lens[me] = (float)s->gather_len;
     for (size_t b = 0; b < s->gather_len; b++) {
@@ -546,21 +703,11 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
 
         words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
     }
-    if (a->balanced) {
-        /* Every member splits the same buffer by the same bandwidths:
-         * values and metadata at once, or, coded, the metadata alone
-         * first (the values follow below). */
-        size_t floats = a->codec == CODEC_NONE ? layout_floats(a, n) : meta_floats(a, n);
-
-        rc = split_parts(a, floats, n);
-        if (rc == 0)
-            rc = allreduce_run_parts(a->ar, a->codec == CODEC_NONE ? a->h_sum : a->h_meta,
-                                     a->codec == CODEC_NONE ? a->h_sum : a->h_meta, floats,
-                                     DTYPE_F32, DTYPE_SUM, 0, a->grp_parts, n, 1);
-    } else if (a->codec == CODEC_NONE)
-        rc = allreduce_run(a->ar, a->h_sum, layout_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
-    else
-        rc = allreduce_run(a->ar, a->h_meta, meta_floats(a, n), DTYPE_F32, DTYPE_SUM, 0, 1);
+    /* The exact call: the CODEC_NONE values and the metadata. Followed by
+     * coded calls, it is small when it holds the metadata alone (the
+     * engine's threshold covers a full group's: see averager_create). */
+    rc = one_call(a, a->h_exact, exact_floats(a, n), n, CODEC_NONE, a->n_groups == 0,
+                  a->n_exact == 0, 1);
     if (rc < 0)
         return rc;
     /* What the others wrote is checked: a peer may lie, and the caller
@@ -584,22 +731,26 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
         snprintf(a->err, sizeof(a->err), "every member of the group was auxiliary");
         return -ENODATA;
     }
-    if (a->codec != CODEC_NONE) {
+    if (a->n_groups) {
         /* Every member summed the same weights in the same order, so
          * each scales by the same total. */
         float share = (float)((double)weights[me] / w);
 
-        for (size_t i = 0; i < a->count && s->weight > 0; i++)
-            a->sum[i] = share * s->data[i];
-        if (!a->balanced)
-            rc = allreduce_run_codec(a->ar, a->h_sum, a->h_sum, a->count, DTYPE_F32, DTYPE_SUM, 0,
-                                     a->codec, 2);
-        else if ((rc = split_parts(a, a->count, n)) == 0)
-            rc = allreduce_run_parts_codec(a->ar, a->h_sum, a->h_sum, a->count, DTYPE_F32,
-                                           DTYPE_SUM, 0, a->grp_parts, n, a->codec, 2);
-        if (rc < 0)
-            return rc;
-        w = 1;
+        for (size_t k = 0; k < a->n_ranges && s->weight > 0; k++) {
+            const struct av_range *x = &a->ranges[k];
+
+            for (size_t i = 0; i < x->count && x->codec != CODEC_NONE; i++)
+                a->sum[x->dst + i] = share * s->data[x->src + i];
+        }
+        /* One call per codec, in the plan's order, numbered on from the
+         * exact call's: nothing reaches the caller unless every one
+         * succeeds. */
+        for (size_t g = 0; g < a->n_groups; g++) {
+            rc = one_call(a, a->groups[g].h, a->groups[g].count, n, a->groups[g].codec,
+                          g + 1 == a->n_groups, false, 2 + g);
+            if (rc < 0)
+                return rc;
+        }
     }
     r = calloc(1, sizeof(*r));
     copy = malloc(n * a->gather_max + 1);
@@ -739,12 +890,16 @@ int averager_step(struct averager *a, const struct averager_step *s,
         if (rc == 0) {
             long me = epoch_find(e, a->id);
 
-            if (s->weight > 0) {
-                for (size_t i = 0; i < a->count; i++) {
-                    float avg = (float)((double)a->sum[i] / total);
+            for (size_t k = 0; k < a->n_ranges && s->weight > 0; k++) {
+                const struct av_range *x = &a->ranges[k];
+                /* A coded range holds the average already. */
+                double div = x->codec == CODEC_NONE ? total : 1;
 
-                    s->data[i] = s->alpha == 1 ? avg
-                                               : s->data[i] + (float)s->alpha * (avg - s->data[i]);
+                for (size_t i = 0; i < x->count; i++) {
+                    float avg = (float)((double)a->sum[x->dst + i] / div);
+                    float *d = &s->data[x->src + i];
+
+                    *d = s->alpha == 1 ? avg : *d + (float)s->alpha * (avg - *d);
                 }
             }
             move_bits(a, (size_t)me);
@@ -1005,6 +1160,91 @@ static int reg(struct averager *a, void *p, size_t bytes, int *h)
     return *h < 0 ? *h : 0;
 }
 
+/* FNV-1a, 64 bits: a digest of a plan for the schema, so that averagers
+ * of different plans never group. Not a defence against a liar, who can
+ * send any values anyway: it tells honest configurations apart. */
+static uint64_t plan_digest(const struct av_range *r, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+
+    for (size_t k = 0; k < n; k++)
+        for (int i = 0; i < 9; i++) {
+            uint8_t b = i < 8 ? (uint8_t)((uint64_t)r[k].count >> (8 * i)) : (uint8_t)r[k].codec;
+
+            h = (h ^ b) * 0x100000001b3ull;
+        }
+    return h;
+}
+
+int averager_plan_check(const struct averager_range *plan, size_t n, size_t count,
+                        enum codec codec, size_t schema_len, char *why, size_t why_len)
+{
+    size_t total = 0;
+
+    if (!n)
+        return 0;
+    if (!plan || n > AVERAGER_PLAN_MAX) {
+        snprintf(why, why_len, "a codec plan of %zu ranges: at most %u", n, AVERAGER_PLAN_MAX);
+        return -EINVAL;
+    }
+    if (codec != CODEC_NONE) {
+        snprintf(why, why_len, "a codec plan with a codec for the whole vector too: give one "
+                 "or the other");
+        return -EINVAL;
+    }
+    for (size_t k = 0; k < n; k++) {
+        if (!codec_valid((int)plan[k].codec)) {
+            snprintf(why, why_len, "range %zu of the codec plan names %d, which is not a codec",
+                     k, (int)plan[k].codec);
+            return -EINVAL;
+        }
+        if (plan[k].count == 0 || plan[k].count > count - total) {
+            snprintf(why, why_len, "range %zu of the codec plan is empty or runs past the "
+                     "%zu averaged elements", k, count);
+            return -EINVAL;
+        }
+        total += plan[k].count;
+    }
+    if (total != count) {
+        snprintf(why, why_len, "the codec plan covers %zu of the %zu averaged elements", total,
+                 count);
+        return -EINVAL;
+    }
+    if (schema_len > AVERAGER_SCHEMA_PLAN_MAX) {
+        snprintf(why, why_len, "a schema of %zu bytes with a codec plan: at most %u", schema_len,
+                 AVERAGER_SCHEMA_PLAN_MAX);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* Takes cfg's plan (checked), adjacent ranges of one codec merged, or its
+ * codec over the whole vector, into a->ranges. A plan of one codec is
+ * that codec (an averager given it groups with those given the codec). */
+static int take_plan(struct averager *a, const struct averager_config *cfg)
+{
+    a->ranges = calloc(cfg->plan_len ? cfg->plan_len : 1, sizeof(*a->ranges));
+    if (!a->ranges)
+        return -ENOMEM;
+    a->ranges[0] = (struct av_range){ .count = cfg->count, .codec = cfg->codec };
+    a->n_ranges = 1;
+    for (size_t k = 0; k < cfg->plan_len; k++) {
+        struct av_range *last = &a->ranges[a->n_ranges - 1];
+
+        if (k == 0)
+            *last = (struct av_range){ .count = cfg->plan[0].count, .codec = cfg->plan[0].codec };
+        else if (cfg->plan[k].codec == last->codec)
+            last->count += cfg->plan[k].count;
+        else
+            a->ranges[a->n_ranges++] = (struct av_range){
+                .count = cfg->plan[k].count, .codec = cfg->plan[k].codec,
+                .src = last->src + last->count };
+    }
+    a->plan = a->n_ranges > 1;
+    a->codec = a->plan ? CODEC_NONE : a->ranges[0].codec;
+    return 0;
+}
+
 int averager_create(const struct averager_config *cfg, struct averager **out)
 {
     struct member_config mc = { 0 };
@@ -1021,38 +1261,47 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
         cfg->gather_max > AVERAGER_GATHER_MAX ||
         !isfinite(cfg->state_priority) || cfg->declare_period_ms > MATCHMAKER_EXPIRY_MAX_MS / 2 ||
         !codec_valid((int)cfg->codec) || cfg->schema_len > AVERAGER_SCHEMA_MAX ||
-        (cfg->schema_len && !cfg->schema) || (cfg->integrity_mac && !cfg->key))
-        return -EINVAL;
-    /* The codec and the count are part of what the broker compares (see
-     * the top); an averager without tensors gives no schema and takes
-     * both from its group (take_schema). */
-    schema[0] = (uint8_t)((unsigned)cfg->codec | (cfg->integrity_mac ? AVERAGER_SCHEMA_MAC : 0));
-    for (int i = 0; i < 8; i++) {
-        schema[1 + i] = (uint8_t)((uint64_t)cfg->count >> (8 * i));
-        schema[9 + i] = (uint8_t)((uint64_t)cfg->min_vector_size >> (8 * i));
-    }
-    if (cfg->schema_len)
-        memcpy(schema + 17, cfg->schema, cfg->schema_len);
-    /* The broker would refuse what the matchmaker refuses: say so now. */
-    check = (struct matchmaker_request){
-        .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
-        .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
-        .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
-        .schema = schema, .schema_len = cfg->count ? cfg->schema_len + 17 : 0,
-        .has_bandwidth = cfg->has_bandwidth, .bandwidth = cfg->bandwidth,
-        .client = cfg->client_mode, .any_schema = cfg->count == 0,
-    };
-    if (matchmaker_check(&check, why, sizeof(why)) < 0)
+        (cfg->schema_len && !cfg->schema) || (cfg->integrity_mac && !cfg->key) ||
+        averager_plan_check(cfg->plan, cfg->plan_len, cfg->count, cfg->codec, cfg->schema_len,
+                            why, sizeof(why)) < 0)
         return -EINVAL;
     a = calloc(1, sizeof(*a));
     if (!a)
         return -ENOMEM;
     a->data_fd = -1;
-    a->h_sum = -1;
-    a->h_meta = -1;
+    a->h_exact = -1;
     pthread_mutex_init(&a->lock, NULL);
     clock_cond_init(&a->member_cond);
     clock_cond_init(&a->donor_cond);
+    rc = take_plan(a, cfg);
+    if (rc < 0)
+        goto err;
+    /* The codec and the count are part of what the broker compares (see
+     * the top); with a plan, the plan's marker and digest; an averager
+     * without tensors gives no schema and takes both from its group
+     * (take_schema). */
+    schema[0] = (uint8_t)((a->plan ? AVERAGER_SCHEMA_PLAN : (unsigned)a->codec) |
+                          (cfg->integrity_mac ? AVERAGER_SCHEMA_MAC : 0));
+    for (int i = 0; i < 8; i++) {
+        schema[1 + i] = (uint8_t)((uint64_t)cfg->count >> (8 * i));
+        schema[9 + i] = (uint8_t)((uint64_t)cfg->min_vector_size >> (8 * i));
+        schema[17 + i] = (uint8_t)(plan_digest(a->ranges, a->n_ranges) >> (8 * i));
+    }
+    if (cfg->schema_len)
+        memcpy(schema + (a->plan ? 25 : 17), cfg->schema, cfg->schema_len);
+    /* The broker would refuse what the matchmaker refuses: say so now. */
+    check = (struct matchmaker_request){
+        .cohort = cfg->cohort, .id = cfg->id, .address = "127.0.0.1:1", .prefix = cfg->prefix,
+        .bits = cfg->initial_bits ? cfg->initial_bits : "", .target = cfg->target_group_size,
+        .min = cfg->min_group_size, .min_wait_ms = 0, .timeout_ms = 1,
+        .schema = schema, .schema_len = cfg->count ? cfg->schema_len + (a->plan ? 25 : 17) : 0,
+        .has_bandwidth = cfg->has_bandwidth, .bandwidth = cfg->bandwidth,
+        .client = cfg->client_mode, .any_schema = cfg->count == 0,
+    };
+    if (matchmaker_check(&check, why, sizeof(why)) < 0) {
+        rc = -EINVAL;
+        goto err;
+    }
     a->cohort = strdup(cfg->cohort);
     a->id = strdup(cfg->id);
     a->prefix = strdup(cfg->prefix);
@@ -1071,13 +1320,10 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     a->no_tensors = cfg->count == 0;
     a->min_part = cfg->min_vector_size;
     a->max_count = cfg->max_count ? cfg->max_count : AVERAGER_AUX_COUNT_DEFAULT;
-    a->codec = cfg->codec;
     a->has_bandwidth = cfg->has_bandwidth;
     a->bandwidth = cfg->bandwidth;
     a->client = cfg->client_mode;
-    /* Without tensors the buffer waits for the first group's count. */
-    a->sum = a->no_tensors ? NULL : calloc(layout_floats(a, a->target), sizeof(float));
-    if (!a->cohort || !a->id || !a->prefix || (!a->sum && !a->no_tensors)) {
+    if (!a->cohort || !a->id || !a->prefix) {
         rc = -ENOMEM;
         goto err;
     }
@@ -1090,7 +1336,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     ac.member_timeout_ms = cfg->allreduce_timeout_ms ? cfg->allreduce_timeout_ms
                                                      : AVERAGER_DEFAULT_TIMEOUT_MS;
     ac.segment_bytes = cfg->segment_bytes;
-    if (a->codec != CODEC_NONE) {
+    if (a->plan || a->codec != CODEC_NONE) {
         size_t meta = meta_floats(a, a->target) * sizeof(float);
 
         ac.small_bytes = meta > CODED_SMALL_BYTES ? meta : CODED_SMALL_BYTES;
@@ -1103,10 +1349,8 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     rc = allreduce_create(&ac, &a->ar);
     if (rc < 0)
         goto err;
-    if (!a->no_tensors &&
-        ((rc = reg(a, a->sum, layout_floats(a, a->target) * sizeof(float), &a->h_sum)) < 0 ||
-         (rc = reg(a, a->sum + meta_offset(a), meta_floats(a, a->target) * sizeof(float),
-                   &a->h_meta)) < 0))
+    /* Without tensors the buffer waits for the first group's count. */
+    if (!a->no_tensors && (rc = buffer_alloc(a)) < 0)
         goto err;
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;
@@ -1163,10 +1407,13 @@ err:
     avstate_server_stop(a->srv);
     secret_wipe(&a->key);
     member_destroy(a->member);
+    if (a->ar)
+        buffer_free(a);
     allreduce_destroy(a->ar);
     if (a->data_fd >= 0)
         close(a->data_fd);
     free(a->sum);
+    free(a->ranges);
     free(a->cohort);
     free(a->id);
     free(a->prefix);
@@ -1203,6 +1450,7 @@ void averager_destroy(struct averager *a)
     avstate_server_stop(a->srv);
     secret_wipe(&a->key);
     free(a->sum);
+    free(a->ranges);
     free(a->cohort);
     free(a->id);
     free(a->prefix);

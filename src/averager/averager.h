@@ -36,6 +36,13 @@
  *     (n + 1) x 2^-11 x max|x| among n members (codec.h gives each
  *     codec's bound per encoding). Averagers of different codecs never
  *     group: the codec is part of the schema the broker compares.
+ *   - With a codec plan (cfg.plan: a codec per range of the vector, as
+ *     hivemind picks one per tensor) each range travels in its codec:
+ *     the CODEC_NONE ranges exactly, in the call that carries the
+ *     weights, and each other codec's ranges in a call of their own, with
+ *     that codec's bound. The step is one: nothing is written unless
+ *     every call succeeded, and every member ends with the same bytes.
+ *     Averagers of different plans never group.
  *   - Load balancing: in a group where a member declared a bandwidth or
  *     is a client, member i reduces a part of the round's buffer in
  *     proportion to its bandwidth (a client, none; not given, the mean
@@ -77,6 +84,18 @@ struct averager;
  * learns them from its group), the caller's schema the rest. */
 #define AVERAGER_SCHEMA_MAX 47u
 #define AVERAGER_SCHEMA_MAC 0x80u
+/* With a codec plan (below) the codec's byte is this marker and the
+ * plan's digest takes eight more, so the caller's schema is shorter. */
+#define AVERAGER_SCHEMA_PLAN 0x7fu
+#define AVERAGER_SCHEMA_PLAN_MAX 39u
+/* The most ranges of a codec plan. */
+#define AVERAGER_PLAN_MAX 256u
+
+/* One range of a codec plan: the next `count` values travel in `codec`. */
+struct averager_range {
+    size_t count;                   /* > 0 */
+    enum codec codec;
+};
 /* The most elements an averager without tensors takes from a group,
  * unless configured. */
 #define AVERAGER_AUX_COUNT_DEFAULT ((size_t)1 << 26)
@@ -127,6 +146,18 @@ struct averager_config {
                                      * CODEC_NONE (0): float32, exact. Part of what
                                      * the broker compares: averagers group only
                                      * with those that give the same codec */
+    /* A codec per tensor (hivemind's adaptive compression): plan_len
+     * ranges, in order, covering the count values exactly, each sent in
+     * its codec; codec is then CODEC_NONE. Copied. Adjacent ranges of one
+     * codec are one range, and a plan of one codec is that codec. A step
+     * runs the CODEC_NONE values with the weights and gathered bytes in
+     * the exact call, then one call per other codec (see averager.c).
+     * Part of what the broker compares, by a digest: averagers group only
+     * with those of the same plan. An averager without tensors cannot
+     * join a group with a plan (its step fails with -EPROTO). 0: codec
+     * for every value. */
+    const struct averager_range *plan;
+    size_t plan_len;                /* at most AVERAGER_PLAN_MAX */
     /* Load balancing (hivemind's). In a group where any member gives a
      * bandwidth or is a client, the round is a butterfly whose parts
      * follow the bandwidths (allreduce_split); otherwise the ring's equal
@@ -148,8 +179,17 @@ struct averager_config {
     size_t max_state_bytes;         /* the largest state served or loaded; 0: 1 GiB */
 };
 
+/* Checks a codec plan for `count` values and a caller's schema of
+ * schema_len bytes, as averager_create does: 0, or -EINVAL with the
+ * sentence in why (too many ranges, an empty range, ranges that do not
+ * cover the count exactly, a value that is not a codec, a codec given
+ * beside the plan, or a schema too long to share with the plan's
+ * digest). n of 0 is no plan, and fine. */
+int averager_plan_check(const struct averager_range *plan, size_t n, size_t count,
+                        enum codec codec, size_t schema_len, char *why, size_t why_len);
+
 /* Joins the cohort (heartbeats start at once). Needs rpc_init(). Returns
- * 0, -EINVAL (bad names, host, sizes, prefix, bits, schema or codec, or
+ * 0, -EINVAL (bad names, host, sizes, prefix, bits, schema, codec or plan, or
  * integrity_mac without a key), -ENOMEM, or a socket or thread -errno. The caller frees *out with averager_destroy(). */
 int averager_create(const struct averager_config *cfg, struct averager **out);
 /* Leaves the cohort and frees. No step may be in flight. NULL is fine. */

@@ -54,17 +54,28 @@ long avlink_body_size(uint16_t type, bool reply)
     }
 }
 
-int avlink_region_bytes(uint64_t count, uint64_t gather_max, uint64_t *bytes, uint64_t *gather_off)
+int avlink_region_layout(uint64_t count, uint64_t gather_max, uint64_t plan_len,
+                         uint64_t *bytes, uint64_t *gather_off, uint64_t *plan_off)
 {
-    uint64_t off;
+    uint64_t off, poff;
 
-    if (count > AVLINK_COUNT_MAX || gather_max > UINT32_MAX)
+    if (count > AVLINK_COUNT_MAX || gather_max > UINT32_MAX || plan_len > AVLINK_PLAN_MAX)
         return -EOVERFLOW;
     /* The gathered bytes start on a cache line of their own. */
     off = (count * sizeof(float) + 63) / 64 * 64;
     *gather_off = off;
     *bytes = off + (gather_max ? gather_max : 1);
+    poff = (*bytes + 7) / 8 * 8;
+    if (plan_off)
+        *plan_off = poff;
+    if (plan_len)
+        *bytes = poff + plan_len * sizeof(struct avlink_range);
     return 0;
+}
+
+int avlink_region_bytes(uint64_t count, uint64_t gather_max, uint64_t *bytes, uint64_t *gather_off)
+{
+    return avlink_region_layout(count, gather_max, 0, bytes, gather_off, NULL);
 }
 
 int avlink_memfd(const char *name, const void *data, size_t len, bool frozen)
@@ -312,16 +323,18 @@ int avlink_open(const struct avlink_config *cfg, struct avlink **out, char *why,
     struct avlink_hello hello = { .version = AVLINK_VERSION };
     struct avlink_created created;
     struct avlink_create cr;
-    uint64_t bytes, goff;
+    uint64_t bytes, goff, poff;
     struct avlink *l;
     int fd = -1, rc;
 
     say(why, why_len, "");
-    if (!cfg || !cfg->path || !*cfg->path || !out)
+    if (!cfg || !cfg->path || !*cfg->path || !out || (cfg->create.plan_len && !cfg->plan))
         return -EINVAL;
     cr = cfg->create;
-    if (avlink_region_bytes(cr.count, cr.gather_max, &bytes, &goff) < 0) {
-        say(why, why_len, "The averaged vector is larger than a sidecar hosts.");
+    if (avlink_region_layout(cr.count, cr.gather_max, cr.plan_len, &bytes, &goff, &poff) < 0) {
+        say(why, why_len, cr.plan_len > AVLINK_PLAN_MAX
+                              ? "The codec plan has more ranges than a sidecar takes (256)."
+                              : "The averaged vector is larger than a sidecar hosts.");
         return -EINVAL;
     }
     cr.region_bytes = bytes;
@@ -353,6 +366,9 @@ int avlink_open(const struct avlink_config *cfg, struct avlink **out, char *why,
     l->map_len = bytes;
     l->data = l->map;
     l->gather = (uint8_t *)l->map + goff;
+    /* The sidecar reads the plan once, at CREATE. */
+    if (cr.plan_len)
+        memcpy((uint8_t *)l->map + poff, cfg->plan, cr.plan_len * sizeof(*cfg->plan));
     rc = dial_first(l->path, AVL_HELLO, &hello, sizeof(hello), &l->c[MAIN].sock, why, why_len);
     if (rc == -ENOENT || rc == -ECONNREFUSED)
         say(why, why_len, "No sidecar answers on the trainer socket.");

@@ -43,6 +43,7 @@
 #define AVLINK_SCHEMA_MAX 47
 #define AVLINK_ID_MAX 253
 #define AVLINK_ERROR_MAX 1000       /* a refusal's sentence, NUL included */
+#define AVLINK_PLAN_MAX 256         /* ranges of a codec plan (AVERAGER_PLAN_MAX) */
 /* The most float32 elements and bytes of state a sidecar hosts for one
  * averager unless configured: a trainer's memory is the sidecar's. */
 #define AVLINK_COUNT_MAX ((uint64_t)1 << 28)        /* 1 GiB of float32 */
@@ -103,7 +104,17 @@ struct avlink_create {
     uint32_t allreduce_timeout_ms, leave_timeout_ms, declare_period_ms, codec;
     uint64_t count, max_count, segment_bytes, gather_max, min_vector_size, max_state_bytes;
     double bandwidth, state_priority;
-    uint64_t region_bytes;      /* the memfd's size: avlink_region_bytes() */
+    uint64_t region_bytes;      /* the memfd's size: avlink_region_layout() */
+    uint32_t plan_len;          /* ranges of the codec plan in the region, at most
+                                 * AVLINK_PLAN_MAX; 0: codec for every value */
+    uint32_t zero;
+};
+
+/* One range of a codec plan in the shared region (averager_range): read
+ * by the sidecar once, at CREATE, into its own copy, and checked there. */
+struct avlink_range {
+    uint64_t count;
+    uint32_t codec, zero;
 };
 
 struct avlink_created {
@@ -154,6 +165,11 @@ long avlink_body_size(uint16_t type, bool reply);
  * (at the returned *gather_off). 0, or -EOVERFLOW. */
 int avlink_region_bytes(uint64_t count, uint64_t gather_max, uint64_t *bytes,
                         uint64_t *gather_off);
+/* The same with a codec plan of plan_len ranges after the gathered bytes
+ * (at *plan_off, 8-byte aligned): -EOVERFLOW also for more than
+ * AVLINK_PLAN_MAX ranges. */
+int avlink_region_layout(uint64_t count, uint64_t gather_max, uint64_t plan_len,
+                         uint64_t *bytes, uint64_t *gather_off, uint64_t *plan_off);
 
 /* A sealed memfd (TLINK_SEALS and F_SEAL_WRITE when `frozen`) of len
  * bytes holding a copy of data (NULL: zeros). Returns the fd or -errno. */
@@ -172,6 +188,7 @@ struct avlink_result;
 struct avlink_config {
     const char *path;           /* the sidecar's socket, without "unix:" */
     struct avlink_create create;
+    const struct avlink_range *plan;    /* create.plan_len ranges, borrowed */
 };
 
 /* Connects to the sidecar at cfg->path and has it create the averager.

@@ -91,7 +91,9 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
     struct avserve *s = l->srv;
     struct averager_config cfg = { 0 };
     struct avlink_created out;
-    uint64_t bytes, goff, max_state;
+    struct averager_range plan[AVLINK_PLAN_MAX];
+    char why[256];
+    uint64_t bytes, goff, poff, max_state;
     char id[IDENT_NAME_MAX + 1];
     struct host *h = NULL;
     int slot = -1, rc, n;
@@ -109,7 +111,11 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
     max_state = c->max_state_bytes ? c->max_state_bytes : s->max_state;
     if (max_state > s->max_state)
         return refuse(l->sock, -EFBIG, "max_state_bytes is larger than this sidecar hosts.");
-    if (avlink_region_bytes(c->count, c->gather_max ? c->gather_max : 4096, &bytes, &goff) < 0 ||
+    if (c->plan_len > AVLINK_PLAN_MAX || c->zero)
+        return refuse(l->sock, -EINVAL, "The codec plan has more ranges than a sidecar takes "
+                                        "(256).");
+    if (avlink_region_layout(c->count, c->gather_max ? c->gather_max : 4096, c->plan_len, &bytes,
+                             &goff, &poff) < 0 ||
         bytes != c->region_bytes || avlink_memfd_check(fd, bytes) < 0)
         return refuse(l->sock, -EINVAL, "The shared region is not a sealed memfd of the "
                                         "averager's size.");
@@ -128,6 +134,23 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
         return refuse(l->sock, rc, "The shared region could not be mapped.");
     }
     h->map_len = bytes;
+    /* The plan, copied out of the trainer's region before it is checked:
+     * the trainer may write the region at any time. */
+    for (uint32_t k = 0; k < c->plan_len; k++) {
+        struct avlink_range r;
+
+        memcpy(&r, (const uint8_t *)h->map + poff + k * sizeof(r), sizeof(r));
+        plan[k] = (struct averager_range){
+            .count = r.count > SIZE_MAX ? SIZE_MAX : (size_t)r.count,
+            /* Not a codec, whatever the trainer wrote past 8 bits or in
+             * zero: the check below says so. */
+            .codec = r.zero || r.codec > 0xff ? (enum codec)0xff : (enum codec)r.codec };
+    }
+    if (averager_plan_check(plan, c->plan_len, c->count, (enum codec)c->codec, c->schema_len,
+                            why, sizeof(why)) < 0) {
+        host_free(h);
+        return refuse(l->sock, -EINVAL, why);
+    }
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < AVSERVE_AVERAGERS_MAX && slot < 0; i++)
         if (!s->hosts[i])
@@ -157,7 +180,7 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
         .bandwidth = c->bandwidth, .client_mode = c->client_mode != 0,
         .min_vector_size = c->min_vector_size, .share_state = c->share_state != 0,
         .state_priority = c->state_priority, .declare_period_ms = c->declare_period_ms,
-        .max_state_bytes = max_state,
+        .max_state_bytes = max_state, .plan = plan, .plan_len = c->plan_len,
     };
     /* An averager without tensors sizes its buffer by max_count. */
     if (!c->count && c->max_count > s->max_count) {

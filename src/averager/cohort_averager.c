@@ -36,6 +36,38 @@ struct cohort_averager_result {
     struct avlink_result *lr;
 };
 
+/* The codecs an averager takes (top-k and PowerSGD keep state per member
+ * and are not stateless maps of a sum: engine/codec.h); through a
+ * sidecar, those its link carries. */
+static bool codec_ok(enum cohort_compression c, bool sidecar)
+{
+    return ((int)c >= COHORT_COMPRESSION_NONE && (int)c <= COHORT_COMPRESSION_INT8) ||
+           c == COHORT_COMPRESSION_MEANSTD16 || c == COHORT_COMPRESSION_UNIFORM8 ||
+           (!sidecar && c == COHORT_COMPRESSION_QUANTILE8);
+}
+
+/* The plan's codecs are those compression takes, and there are not more
+ * ranges than an averager holds; averager_plan_check says the rest. */
+static int plan_ok(const struct cohort_averager_config *c, bool sidecar, char *why,
+                   size_t why_len)
+{
+    if (c->codec_plan_len > COHORT_CODEC_PLAN_MAX || (c->codec_plan_len && !c->codec_plan)) {
+        if (why)
+            snprintf(why, why_len, "a codec plan of %zu ranges: at most %d", c->codec_plan_len,
+                     COHORT_CODEC_PLAN_MAX);
+        return -EINVAL;
+    }
+    for (size_t k = 0; k < c->codec_plan_len; k++)
+        if (!codec_ok(c->codec_plan[k].compression, sidecar)) {
+            if (why)
+                snprintf(why, why_len, "range %zu of the codec plan names compression %d, "
+                         "which an averager%s does not take", k,
+                         (int)c->codec_plan[k].compression, sidecar ? " in a sidecar" : "");
+            return -EINVAL;
+        }
+    return 0;
+}
+
 /* The sidecar's socket when the averager goes through it: a broker given
  * as "unix:PATH", or none given in an environment with $COHORT_SOCKET and
  * no key ($COHORT_SECRET_FILE), as a cohort's trainer container has. */
@@ -54,7 +86,8 @@ static int link_create(const struct cohort_averager_config *c, const char *path,
                        size_t why_len,
                        struct cohort_averager **out)
 {
-    struct avlink_config lc = { .path = path };
+    struct avlink_range plan[COHORT_CODEC_PLAN_MAX];
+    struct avlink_config lc = { .path = path, .plan = plan };
     struct avlink_create *cr = &lc.create;
     struct cohort_averager *ca;
     size_t n;
@@ -82,6 +115,11 @@ static int link_create(const struct cohort_averager_config *c, const char *path,
     cr->leave_timeout_ms = c->leave_timeout_ms;
     cr->declare_period_ms = (uint32_t)c->declare_state_period_ms;
     cr->codec = (uint32_t)c->compression;
+    /* Checked by the sidecar, which says why it refuses a plan. */
+    for (size_t k = 0; k < c->codec_plan_len; k++)
+        plan[k] = (struct avlink_range){ .count = c->codec_plan[k].count,
+                                         .codec = (uint32_t)c->codec_plan[k].compression };
+    cr->plan_len = (uint32_t)c->codec_plan_len;
     cr->count = c->count;
     cr->max_count = c->max_count;
     cr->segment_bytes = c->segment_bytes;
@@ -128,6 +166,8 @@ int cohort_averager_create_why(const struct cohort_averager_config *c,
 {
     const char *key_file = getenv("COHORT_SECRET_FILE"), *ca_file = getenv("COHORT_BROKER_CA");
     const char *integrity = getenv("COHORT_INTEGRITY");
+    struct averager_range plan[COHORT_CODEC_PLAN_MAX];
+    char bad[256];
     struct averager_config cfg = { 0 };
     struct cohort_averager *ca;
     struct secret key;
@@ -142,10 +182,7 @@ int cohort_averager_create_why(const struct cohort_averager_config *c,
     /* Through the sidecar, the frames are the sidecar's to authenticate
      * (its --integrity), as the key is its own: neither variable is read. */
     if (sidecar_path(c->broker, keyed)) {
-        if (((int)c->compression < COHORT_COMPRESSION_NONE ||
-             (int)c->compression > COHORT_COMPRESSION_INT8) &&
-            c->compression != COHORT_COMPRESSION_MEANSTD16 &&
-            c->compression != COHORT_COMPRESSION_UNIFORM8)
+        if (!codec_ok(c->compression, true) || plan_ok(c, true, why, why_len) < 0)
             return -EINVAL;
         return link_create(c, sidecar_path(c->broker, keyed), why, why_len, out);
     }
@@ -169,15 +206,20 @@ int cohort_averager_create_why(const struct cohort_averager_config *c,
     cfg.schema_len = c->schema_len;
     cfg.gather_max = c->gather_max;
     cfg.leave_timeout_ms = c->leave_timeout_ms;
-    /* The codecs only: top-k and PowerSGD keep state per member and are
-     * not stateless maps of a sum (engine/codec.h). */
-    if (((int)c->compression < COHORT_COMPRESSION_NONE ||
-         (int)c->compression > COHORT_COMPRESSION_INT8) &&
-        c->compression != COHORT_COMPRESSION_MEANSTD16 &&
-        c->compression != COHORT_COMPRESSION_UNIFORM8 &&
-        c->compression != COHORT_COMPRESSION_QUANTILE8)
+    if (!codec_ok(c->compression, false) || plan_ok(c, false, why, why_len) < 0)
         return -EINVAL;
     cfg.codec = (enum codec)c->compression;
+    for (size_t k = 0; k < c->codec_plan_len; k++)
+        plan[k] = (struct averager_range){ .count = c->codec_plan[k].count,
+                                           .codec = (enum codec)c->codec_plan[k].compression };
+    cfg.plan = plan;
+    cfg.plan_len = c->codec_plan_len;
+    if (averager_plan_check(cfg.plan, cfg.plan_len, c->count, cfg.codec, c->schema_len, bad,
+                            sizeof(bad)) < 0) {
+        if (why)
+            snprintf(why, why_len, "%s", bad);
+        return -EINVAL;
+    }
     cfg.has_bandwidth = c->has_bandwidth;
     cfg.bandwidth = c->bandwidth;
     cfg.client_mode = c->client_mode;

@@ -27,6 +27,14 @@ def coded_tensors_of(k):
     return [torch.randn(300, generator=g) * 7.3, torch.rand((4, 5), generator=g) - 0.5]
 
 
+def adaptive_tensors_of(k):
+    """A small integer-valued tensor and a large one of values no 16-bit
+    float holds: a size-adaptive codec's two sides."""
+    g = torch.Generator().manual_seed(500 + k)
+    return [torch.arange(10, dtype=torch.float32) * (k + 2) - 7 * k,
+            torch.randn(3000, generator=g) * (3.1 + k)]
+
+
 def state_tensors_of(k, n=50000):
     """Integer-valued tensors (float16 holds them exactly), distinct per k:
     a state large enough for several 64 KiB parts."""

@@ -13,7 +13,7 @@ import sys
 import time
 
 import cohort.hivemind as hivemind
-from hivemind_child import state_tensors_of, tensors_of
+from hivemind_child import adaptive_tensors_of, state_tensors_of, tensors_of
 
 
 def out(**kw):
@@ -69,6 +69,22 @@ def main():
             out(type=type(e).__name__, error=str(e), free=dht._averager is None)
             return
         out(me=a.peer_id)
+        a.shutdown()
+    elif scenario == "adaptive":
+        # ARGS: k, weight. One round in a group of 2 under
+        # SizeAdaptiveCompression(1000, NoCompression, Float16Compression)
+        # over adaptive_tensors_of(k); prints the result's float32 bytes.
+        k, weight = int(rest[0]), float(rest[1])
+        size = hivemind.SizeAdaptiveCompression(1000, less=hivemind.NoCompression(),
+                                                greater_equal=hivemind.Float16Compression())
+        a = hivemind.DecentralizedAverager(
+            adaptive_tensors_of(k), dht, start=True, prefix="test/sideplan",
+            target_group_size=2, min_group_size=2, min_matchmaking_time=1.0,
+            request_timeout=0.5, allreduce_timeout=5.0, compression=size)
+        got = a.step(weight=weight, timeout=60)
+        with a.get_tensors() as t:
+            out(me=a.peer_id, ok=got is not None, tensors=[x.tolist() for x in t],
+                raw=b"".join(x.contiguous().numpy().tobytes() for x in t).hex())
         a.shutdown()
     elif scenario == "donor":
         # ARGS: k, priority. Shares state_tensors_of(k) until killed; its

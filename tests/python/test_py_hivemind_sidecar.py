@@ -23,6 +23,9 @@ key, a real broker that demands it, real torch in every peer.
   so, and the DHT is free for another averager.
 - A create the sidecar refuses: a ValueError with the sidecar's
   sentence, and the DHT free for another averager.
+- An adaptive codec (SizeAdaptiveCompression) through a sidecar: its
+  codec per tensor reaches the sidecar's averager, which groups with an
+  in-process one; the small tensor exact, the large one in float16.
 - A broker serving TLS: averagers through sidecars that reach it with
   its CA, and one in process given it by $COHORT_BROKER_CA, average
   exactly.
@@ -33,10 +36,11 @@ import signal
 import time
 
 import pytest
+import torch
 
 from cohorttest import finish, make_tmp, remove_tmp, start_broker, start_sidecar, wait_until
 from cohorttest.programs import TLS_NAME, make_tls, write_key
-from hivemind_child import state_tensors_of, tensors_of
+from hivemind_child import adaptive_tensors_of, state_tensors_of, tensors_of
 from pyproc import HERE, spawn
 
 CHILD = os.path.join(HERE, "hivemind_sidecar_child.py")
@@ -236,6 +240,30 @@ def test_a_bad_cohort_integrity_or_mac_without_a_key_is_a_value_error(pod, integ
     got = lines_of(spawn([CHILD, broker.address, "c-1", "create"], COHORT_SECRET_FILE=key,
                          COHORT_INTEGRITY="none"))[-1]
     assert got == {"me": "c-1"}, got
+
+
+def test_an_adaptive_codec_through_a_sidecar_averages_per_tensor(pod):
+    """SizeAdaptiveCompression through a sidecar and in process: the plan
+    reaches the sidecar's averager whole (the two group), the small tensor
+    is averaged exactly, the large one within float16's bound, and both
+    end with the same bytes."""
+    broker, key, sidecar = pod
+    s = sidecar("pod-p")
+    weights = [1, 3]
+    kids = [keyless("unix:" + s.path, "ad-0", "adaptive", 0, weights[0]),
+            spawn([CHILD, broker.address, "ad-1", "adaptive", "1", str(weights[1])],
+                  COHORT_SECRET_FILE=key)]
+    got = [lines_of(k)[-1] for k in kids]
+    assert all(g["ok"] for g in got), got
+    assert got[0]["me"].startswith("pod-p_av"), got[0]["me"]
+    assert got[0]["raw"] == got[1]["raw"], "the peers ended with different bytes"
+    ins = [adaptive_tensors_of(k) for k in range(2)]
+    small = sum(w * t[0].double() for w, t in zip(weights, ins)) / sum(weights)
+    assert got[0]["tensors"][0] == small.float().tolist()
+    large = sum(w * t[1].double() for w, t in zip(weights, ins)) / sum(weights)
+    maxabs = max(float(t[1].abs().max()) for t in ins)
+    err = float((torch.tensor(got[0]["tensors"][1], dtype=torch.float64) - large).abs().max())
+    assert 0 < err <= 3 * 2.0 ** -11 * maxabs, (err, maxabs)
 
 
 def test_a_refused_create_raises_with_the_sidecars_sentence(pod):

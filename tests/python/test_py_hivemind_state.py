@@ -19,9 +19,10 @@ averagers joined to a real broker with a key, with real torch tensors.
   everything under NoCompression, come back exactly.
 - The adaptive codecs choose per tensor: by size (a small tensor exact,
   a large one 8-bit), by role (get_current_state's infos), by key, and
-  by the constructor's tensor_infos; what they choose for the averaged
-  tensors must be one codec. Coded states that lie (byte counts, codecs,
-  runs, shapes) are refused with the reason.
+  by the constructor's tensor_infos; for the averaged tensors they make
+  a codec per tensor (test_py_hivemind_codecs.py averages with them).
+  Coded states that lie (byte counts, codecs, runs, shapes) are refused
+  with the reason.
 
 tests/unit/test_avstate.c covers donors that lie (parts that do not match
 their digests, manifests without the key's MAC, sizes over the cap).
@@ -481,9 +482,11 @@ def test_adaptive_codecs_and_tensor_infos_are_checked(keyed):
     def averager(**kw):
         return hivemind.DecentralizedAverager(t, dht, start=False, prefix="x", **kw)
 
-    with pytest.raises(ValueError, match="Float16Compression.* and Uniform8BitQuantization.*"
-                                         "one codec per step"):
-        averager(compression=size)
+    # Two codecs for the averaged tensors: a codec per tensor (a plan).
+    a = averager(compression=size)
+    assert a._codec_plan == [(10, hivemind.Float16Compression._codec),
+                             (5000, hivemind.Uniform8BitQuantization._codec)]
+    a.shutdown()
     # One codec for every averaged tensor: the averager steps in it (and
     # groups only with averagers of that codec).
     a = averager(compression=hivemind.SizeAdaptiveCompression(

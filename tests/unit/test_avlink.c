@@ -13,12 +13,16 @@
  * - A trainer gone mid-step: the step is aborted and its averager leaves,
  *   long before the step's timeout.
  * - A sidecar gone mid-step: the step fails at once with a sentence.
+ * - A codec plan travels in the shared region: bad ones are refused with
+ *   the averager's sentence; a good one groups with an in-process
+ *   averager of the same plan, and the exact part averages exactly.
  * - The Accumulator's session and averager links share the socket: a
  *   second Accumulator is still refused before it says anything.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -417,6 +421,144 @@ Test(avlink, the_cap_of_averagers_refuses_the_next_and_changes_nothing)
     for (int i = 1; i <= AVSERVE_AVERAGERS_MAX; i++)
         close(s[i]);
     FIXTURE_WAIT_FOR(avserve_averagers(av) == 0 && avserve_links(av) == 0, "all left");
+}
+
+/* ---- a codec plan through the sidecar ---------------------------------- */
+
+/* A CREATE whose region carries `n` plan ranges after the gathered bytes;
+ * its status and sentence. */
+static int create_planned(const struct avlink_range *plan, uint32_t n, uint64_t region_plan_len,
+                          char *why, size_t why_len)
+{
+    struct avlink_create c;
+    uint64_t goff, poff;
+    uint8_t *m;
+    int s = dial(), fd, rc;
+
+    fill_create(&c, COUNT);
+    c.plan_len = n;
+    cr_assert_eq(avlink_region_layout(COUNT, 4096, region_plan_len, &c.region_bytes, &goff,
+                                      &poff), 0);
+    cr_assert_eq(hello(s), 0);
+    fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(ftruncate(fd, (off_t)c.region_bytes), 0);
+    m = mmap(NULL, c.region_bytes, PROT_WRITE, MAP_SHARED, fd, 0);
+    cr_assert(m != MAP_FAILED);
+    memcpy(m + poff, plan, region_plan_len * sizeof(*plan));
+    munmap(m, c.region_bytes);
+    cr_assert_eq(fcntl(fd, F_ADD_SEALS, TLINK_SEALS), 0);
+    rc = ask(s, AVL_CREATE, &c, sizeof(c), &fd, 1, NULL, 0, NULL, why, why_len);
+    close(fd);
+    close(s);
+    return rc;
+}
+
+/* Bad plans in the region are refused with the averager's sentence, and
+ * nothing is made; a good one is taken. */
+Test(avlink, a_bad_codec_plan_is_refused_with_a_sentence)
+{
+    static struct avlink_range many[AVLINK_PLAN_MAX + 1];
+    struct avlink_range plan[2] = { { 8, 0, 0 }, { 8, 1, 0 } };
+    char why[AVLINK_ERROR_MAX];
+
+    cr_assert_eq(create_planned(many, AVLINK_PLAN_MAX + 1, AVLINK_PLAN_MAX, why, sizeof(why)),
+                 -EINVAL);
+    cr_assert(strstr(why, "more ranges") != NULL, "%s", why);
+    /* The region without room for the plan it announces. */
+    cr_assert_eq(create_planned(plan, 2, 0, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "sealed memfd") != NULL, "%s", why);
+    plan[1].count = 7;
+    cr_assert_eq(create_planned(plan, 2, 2, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "covers 15 of the 16") != NULL, "%s", why);
+    plan[1].count = 8;
+    plan[1].codec = 5;          /* PowerSGD: not a codec */
+    cr_assert_eq(create_planned(plan, 2, 2, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "not a codec") != NULL, "%s", why);
+    plan[1].codec = 1;
+    plan[1].zero = 1;
+    cr_assert_eq(create_planned(plan, 2, 2, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "not a codec") != NULL, "%s", why);
+    cr_assert_eq(avserve_averagers(av), 0);
+    plan[1].zero = 0;
+    cr_assert_eq(create_planned(plan, 2, 2, why, sizeof(why)), 0, "%s", why);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0 && avserve_links(av) == 0, "it left");
+}
+
+/* One averager through the sidecar and one in process, both with the
+ * plan 8 exact, 8 fp16, through include/cohort.h: they group (the plan
+ * reached the sidecar whole: its digest is in the schema), the exact
+ * half is the exact average, the fp16 half within its bound, and both
+ * hold the same bytes. A plan that does not cover the count is refused
+ * with a sentence on either path. */
+Test(avlink, a_codec_plan_through_the_sidecar_groups_and_averages)
+{
+    const struct cohort_codec_range plan[2] = { { 8, COHORT_COMPRESSION_NONE },
+                                                { 8, COHORT_COMPRESSION_FP16 } };
+    const struct cohort_codec_range short_[1] = { { 15, COHORT_COMPRESSION_NONE } };
+    struct cohort_averager_config c = {
+        .cohort = "avl", .id = "plan-in", .prefix = "run/plan", .target_group_size = 2,
+        .min_group_size = 2, .min_matchmaking_ms = 300, .allreduce_timeout_ms = 3000,
+        .count = COUNT, .schema = "f32x16", .schema_len = 6, .codec_plan = short_,
+        .codec_plan_len = 1,
+    };
+    struct peer p[2] = { 0 };
+    char why[AVLINK_ERROR_MAX] = "", kf[128];
+    struct cohort_averager *bad = NULL;
+    FILE *f;
+
+    c.broker = addr;
+    cr_assert_eq(cohort_averager_create_why(&c, &bad, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "covers 15 of the 16") != NULL, "sidecar: %s", why);
+    c.codec_plan = plan;
+    c.codec_plan_len = 2;
+    cr_assert_eq(cohort_averager_create_why(&c, &p[0].a, why, sizeof(why)), 0, "%s", why);
+    snprintf(kf, sizeof(kf), "%s/key", dir);
+    f = fopen(kf, "w");
+    cr_assert_not_null(f);
+    for (size_t i = 0; i < sizeof(key.key); i++)
+        fprintf(f, "%02x", key.key[i]);
+    fclose(f);
+    cr_assert_eq(setenv("COHORT_SECRET_FILE", kf, 1), 0);
+    c.broker = broker;
+    c.codec_plan = short_;
+    c.codec_plan_len = 1;
+    why[0] = '\0';
+    cr_assert_eq(cohort_averager_create_why(&c, &bad, why, sizeof(why)), -EINVAL);
+    cr_assert(strstr(why, "covers 15 of the 16") != NULL, "in process: %s", why);
+    c.codec_plan = plan;
+    c.codec_plan_len = 2;
+    cr_assert_eq(cohort_averager_create_why(&c, &p[1].a, why, sizeof(why)), 0, "%s", why);
+    unsetenv("COHORT_SECRET_FILE");
+    unlink(kf);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(cohort_averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].weight = 1 + 2 * i;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = j < 8 ? (float)(4 * i + j) : (float)((i + 1) * 0.377 * j);
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(p[i].t, NULL);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(p[i].rc, 0, "peer %d: %d %s", i, p[i].rc, cohort_averager_error(p[i].a));
+    cr_assert_eq(memcmp(p[0].data, p[1].data, sizeof(p[0].data)), 0);
+    for (int j = 0; j < COUNT; j++) {
+        /* (1 x a + 3 x b) / 4 */
+        double want = j < 8 ? (j + 3.0 * (4 + j)) / 4 : (0.377 * j + 3 * 2 * 0.377 * j) / 4;
+
+        if (j < 8)
+            cr_assert_eq(p[0].data[j], (float)want, "[%d] %g != %g", j, p[0].data[j], want);
+        else
+            cr_assert(fabs(p[0].data[j] - want) <= 4.0 / 2048 * 2 * 0.377 * COUNT,
+                      "[%d] %g vs %g", j, p[0].data[j], want);
+    }
+    for (int i = 0; i < 2; i++) {
+        cohort_averager_result_free(p[i].res);
+        cohort_averager_destroy(p[i].a);
+    }
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the sidecar's averager left");
 }
 
 Test(avlink, a_trainer_gone_mid_step_has_its_averager_leave)

@@ -1,0 +1,422 @@
+/* tests/unit/test_avplan.c: averagers with a codec per tensor
+ * (averager_config.plan) on a real broker with a key, over loopback, each
+ * on its own thread: CODEC_NONE ranges averaged exactly and coded ones
+ * within their codec's bound, alike on every member, on the ring and the
+ * butterfly (with a client); a step whose last codec's call fails leaves
+ * every member's data untouched; averagers of different plans never
+ * group, and a plan of one codec groups with that codec; an averager
+ * without tensors refuses a group with a plan; bad plans are refused
+ * with a sentence that names the fault. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "averager/averager.h"
+#include "base/secret.h"
+#include "engine/codec.h"
+#include "fixture.h"
+#include "membership/brokerd.h"
+#include "rpc/rpc.h"
+
+#define N_MAX 4
+#define COUNT 16
+
+static struct brokerd *d;
+static char broker[64];
+static struct secret key;
+
+static void start(void)
+{
+    struct brokerd_config cfg;
+
+    cr_assert_eq(secret_generate(&key), 0);
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    cfg.key = &key;
+    d = fixture_broker_start_with(&cfg, "avp", broker, sizeof(broker));
+}
+
+static void stop(void)
+{
+    fixture_broker_stop(d);
+}
+
+TestSuite(avplan, .init = start, .fini = stop, .timeout = 240);
+
+/* Four tensors: 4 values exact, 6 in fp16, 3 exact, 3 in bf16. Two coded
+ * groups and an exact one split in two ranges, so that every value moves
+ * through the buffer's layout and back. */
+static const struct averager_range PLAN[] = {
+    { 4, CODEC_NONE }, { 6, CODEC_FP16 }, { 3, CODEC_NONE }, { 3, CODEC_BF16 },
+};
+#define PLAN_LEN (sizeof(PLAN) / sizeof(PLAN[0]))
+
+struct spec {
+    const char *prefix;
+    uint32_t target, min;
+    const struct averager_range *plan;
+    size_t plan_len;
+    enum codec codec;
+    size_t count;
+    size_t segment_bytes;
+    bool has_bandwidth, client;
+    double bandwidth;
+};
+
+static struct averager *make(const char *id, const struct spec *s)
+{
+    struct averager_config c = {
+        .broker = broker, .cohort = "avp", .id = id, .host = "127.0.0.1", .key = &key,
+        .prefix = s->prefix, .target_group_size = s->target,
+        .min_group_size = s->min ? s->min : s->target, .min_matchmaking_ms = 300,
+        .allreduce_timeout_ms = 3000, .count = s->count, .schema = "f32x16",
+        .schema_len = s->count ? 6 : 0, .plan = s->plan, .plan_len = s->plan_len,
+        .codec = s->codec, .segment_bytes = s->segment_bytes,
+        .has_bandwidth = s->has_bandwidth, .bandwidth = s->bandwidth, .client_mode = s->client,
+    };
+    struct averager *a = NULL;
+
+    cr_assert_eq(averager_create(&c, &a), 0, "averager_create(%s)", id);
+    cr_assert_eq(averager_wait(a, FIXTURE_WAIT_MS), 0);
+    return a;
+}
+
+struct peer {
+    struct averager *a;
+    float data[COUNT];
+    double weight;
+    uint32_t timeout_ms;
+    bool no_retries;
+    int rc;
+    struct averager_result *res;
+    pthread_t t;
+};
+
+static void *step_main(void *arg)
+{
+    struct peer *p = arg;
+    struct averager_step s = { .data = p->data, .weight = p->weight,
+                               .alpha = 1, .no_retries = p->no_retries,
+                               .timeout_ms = p->timeout_ms ? p->timeout_ms : FIXTURE_WAIT_MS };
+
+    p->res = NULL;
+    p->rc = averager_step(p->a, &s, &p->res);
+    return NULL;
+}
+
+static void run_all(struct peer *p, int n)
+{
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+    for (int i = 0; i < n; i++)
+        pthread_join(p[i].t, NULL);
+}
+
+static void free_all(struct peer *p, int n)
+{
+    for (int i = 0; i < n; i++) {
+        averager_result_free(p[i].res);
+        averager_destroy(p[i].a);
+    }
+}
+
+static enum codec codec_at(size_t j)
+{
+    size_t at = 0;
+
+    for (size_t k = 0; k < PLAN_LEN; k++) {
+        if (j < at + PLAN[k].count)
+            return PLAN[k].codec;
+        at += PLAN[k].count;
+    }
+    cr_assert_fail("element %zu past the plan", j);
+    return CODEC_NONE;
+}
+
+/* Member i's value j: integers in the exact ranges (so that their
+ * weighted average is exact in float32), fractions fp16 and bf16 round
+ * in the coded ones. */
+static float value(int i, size_t j)
+{
+    return codec_at(j) == CODEC_NONE ? (float)(3 * i + (int)j - 5)
+                                     : (float)((i + 1) * 13.37 * sin(0.9 * (double)j + i));
+}
+
+/* n members averaging PLAN (the last one a client when `client`), with
+ * weights 1, 3, 4, 8 (sums of powers of two over a total float32 divides
+ * exactly for these integers): the exact ranges end with exactly
+ * sum(w x) / sum(w), the coded ones within (n + 1) encodings of their
+ * codec of the exact average and not all equal to it (the codec ran),
+ * each a value of its codec, and every member holds the same bytes. */
+static void plan_round(const char *prefix, int n, bool client)
+{
+    static const double weights[N_MAX] = { 1, 3, 4, 8 };
+    struct peer p[N_MAX] = { 0 };
+    double total = 0, maxabs = 0;
+    bool differs[2] = { false, false };
+    char id[16];
+
+    for (int i = 0; i < n; i++) {
+        struct spec s = { .prefix = prefix, .target = (uint32_t)n, .plan = PLAN,
+                          .plan_len = PLAN_LEN, .count = COUNT,
+                          .client = client && i == n - 1 };
+
+        snprintf(id, sizeof(id), "p-%d", i);
+        p[i].a = make(id, &s);
+        p[i].weight = weights[i];
+        total += weights[i];
+        for (size_t j = 0; j < COUNT; j++) {
+            p[i].data[j] = value(i, j);
+            if (codec_at(j) != CODEC_NONE && fabs(p[i].data[j]) > maxabs)
+                maxabs = fabs(p[i].data[j]);
+        }
+    }
+    run_all(p, n);
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(p[i].rc, 0, "p-%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, (size_t)n);
+        cr_assert_eq(memcmp(p[i].data, p[0].data, sizeof(p[0].data)), 0,
+                     "p-%d ends with other bytes than p-0", i);
+    }
+    for (size_t j = 0; j < COUNT; j++) {
+        enum codec c = codec_at(j);
+        double exact = 0;
+
+        for (int i = 0; i < n; i++)
+            exact += weights[i] * value(i, j);
+        exact /= total;
+        if (c == CODEC_NONE) {
+            cr_assert_eq(p[0].data[j], (float)exact, "[%zu] %.9g is not the exact %.9g", j,
+                         p[0].data[j], exact);
+            continue;
+        }
+        {
+            /* fp16 2^-11 and bf16 2^-8 relative per encoding, of values
+             * at most max|x|: n + 1 encodings with room for float32's. */
+            double bound = (n + 2) * (c == CODEC_FP16 ? 1.0 / 2048 : 1.0 / 256) * maxabs;
+            float one = p[0].data[j];
+            uint8_t scratch[8];
+
+            cr_assert(fabs(p[0].data[j] - exact) <= bound, "[%zu] %s %.9g vs %.9g (bound %g)",
+                      j, codec_name(c), p[0].data[j], exact, bound);
+            differs[c == CODEC_FP16 ? 0 : 1] |= p[0].data[j] != (float)exact;
+            codec_round_trip(c, &one, scratch, 1);
+            cr_assert_eq(one, p[0].data[j], "[%zu] %.9g is not a value of %s", j, p[0].data[j],
+                         codec_name(c));
+        }
+    }
+    cr_assert(differs[0] && differs[1], "fp16 %d bf16 %d: was every codec applied?",
+              differs[0], differs[1]);
+    free_all(p, n);
+}
+
+/* Two members: the exact call (values and metadata) is a butterfly, the
+ * fp16 group's a butterfly, the bf16 group's, last, the ring. */
+Test(avplan, exact_and_coded_tensors_in_one_step_among_2)
+{
+    plan_round("run/p2", 2, false);
+}
+
+Test(avplan, exact_and_coded_tensors_in_one_step_among_3)
+{
+    plan_round("run/p3", 3, false);
+}
+
+/* A client among 4: every call is a balanced butterfly. */
+Test(avplan, exact_and_coded_tensors_with_a_client_among_4)
+{
+    plan_round("run/p4", 4, true);
+}
+
+/* uniform8 needs segments of 1368 bytes; with 512 the engine refuses its
+ * call, the last of the step, after the exact and the fp16 calls
+ * completed at both members: the step fails and neither member's data
+ * changed (nothing is applied before every call succeeded). */
+Test(avplan, a_step_whose_last_codec_fails_changes_nothing)
+{
+    static const struct averager_range plan[] = {
+        { 4, CODEC_NONE }, { 6, CODEC_FP16 }, { 6, CODEC_UNIFORM8 },
+    };
+    struct peer p[2] = { 0 };
+
+    for (int i = 0; i < 2; i++) {
+        struct spec s = { .prefix = "run/fail", .target = 2, .plan = plan, .plan_len = 3,
+                          .count = COUNT, .segment_bytes = 512 };
+        char id[16];
+
+        snprintf(id, sizeof(id), "f-%d", i);
+        p[i].a = make(id, &s);
+        p[i].weight = 1;
+        for (size_t j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(10 * i + (int)j);
+    }
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, -EINVAL, "f-%d: %d %s", i, p[i].rc, averager_last_error(p[i].a));
+        cr_assert_null(p[i].res);
+        for (size_t j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)(10 * i + (int)j),
+                         "f-%d [%zu] changed by a failed step", i, j);
+    }
+    free_all(p, 2);
+}
+
+/* Two averagers whose plans put the codecs in another order never group:
+ * the one that asks second is refused, told that the compression is part
+ * of the schema, and neither's data changes. */
+Test(avplan, averagers_of_different_plans_never_group)
+{
+    static const struct averager_range a[] = { { 8, CODEC_NONE }, { 8, CODEC_FP16 } };
+    static const struct averager_range b[] = { { 8, CODEC_FP16 }, { 8, CODEC_NONE } };
+    struct peer p[2] = { 0 };
+    int refused = -1;
+
+    for (int i = 0; i < 2; i++) {
+        struct spec s = { .prefix = "run/mis", .target = 2, .plan = i ? b : a, .plan_len = 2,
+                          .count = COUNT };
+
+        p[i].a = make(i ? "m-b" : "m-a", &s);
+        p[i].weight = 1;
+        p[i].timeout_ms = 3000;
+        for (size_t j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)j;
+    }
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(p[i].rc == -EPROTO || p[i].rc == -ETIMEDOUT, "%d: %s", p[i].rc,
+                  averager_last_error(p[i].a));
+        if (p[i].rc == -EPROTO)
+            refused = i;
+        for (size_t j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)j, "a refused step changed the data");
+    }
+    cr_assert(refused >= 0 && p[1 - refused].rc == -ETIMEDOUT, "%d %d", p[0].rc, p[1].rc);
+    cr_assert(strstr(averager_last_error(p[refused].a), "a codec plan"), "%s",
+              averager_last_error(p[refused].a));
+    free_all(p, 2);
+}
+
+/* A plan whose ranges are all fp16 is fp16: it groups with an averager
+ * given the codec, and both end with the same bytes. */
+Test(avplan, a_plan_of_one_codec_groups_with_that_codec)
+{
+    static const struct averager_range all16[] = { { 5, CODEC_FP16 }, { 11, CODEC_FP16 } };
+    struct peer p[2] = { 0 };
+
+    for (int i = 0; i < 2; i++) {
+        struct spec s = { .prefix = "run/one", .target = 2, .count = COUNT,
+                          .plan = i ? NULL : all16, .plan_len = i ? 0 : 2,
+                          .codec = i ? CODEC_FP16 : CODEC_NONE };
+
+        p[i].a = make(i ? "o-codec" : "o-plan", &s);
+        p[i].weight = 1;
+        for (size_t j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)((i + 1) * 0.123 * (double)j);
+    }
+    run_all(p, 2);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(p[i].rc, 0, "%d: %s", i, averager_last_error(p[i].a));
+    cr_assert_eq(memcmp(p[0].data, p[1].data, sizeof(p[0].data)), 0);
+    for (size_t j = 1; j < COUNT; j++)
+        cr_assert(fabs(p[0].data[j] - 1.5 * 0.123 * (double)j) <= 3.0 / 2048 * 2 * 0.123 * COUNT,
+                  "[%zu] %g", j, p[0].data[j]);
+    free_all(p, 2);
+}
+
+/* An averager without tensors cannot learn a plan from the schema: it
+ * joins the group, refuses it with a sentence that says so, and the
+ * others retry without it and complete. */
+Test(avplan, an_averager_without_tensors_refuses_a_group_with_a_plan)
+{
+    struct peer p[3] = { 0 };
+
+    for (int i = 0; i < 3; i++) {
+        struct spec s = { .prefix = "run/aux", .target = 3, .min = 2,
+                          .plan = i < 2 ? PLAN : NULL, .plan_len = i < 2 ? PLAN_LEN : 0,
+                          .count = i < 2 ? COUNT : 0 };
+        char id[16];
+
+        snprintf(id, sizeof(id), "x-%d", i);
+        p[i].a = make(id, &s);
+        p[i].weight = i < 2 ? 1 : 0;
+        p[i].no_retries = i == 2;
+        for (size_t j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(4 * i);
+    }
+    run_all(p, 3);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, 0, "x-%d: %s", i, averager_last_error(p[i].a));
+        cr_assert_eq(p[i].data[0], 2.0f, "x-%d", i);
+    }
+    /* The broker may form the first group of the two alone; the aux then
+     * waits for a group that never forms: either way it averages nothing. */
+    cr_assert(p[2].rc == -EPROTO || p[2].rc == -ETIMEDOUT, "%d: %s", p[2].rc,
+              averager_last_error(p[2].a));
+    if (p[2].rc == -EPROTO)
+        cr_assert(strstr(averager_last_error(p[2].a), "codec plan"), "%s",
+                  averager_last_error(p[2].a));
+    free_all(p, 3);
+}
+
+/* Bad plans: each refused by averager_plan_check with a sentence naming
+ * the fault, and by averager_create with -EINVAL. */
+Test(avplan, bad_plans_are_refused_with_a_sentence)
+{
+    static struct averager_range many[AVERAGER_PLAN_MAX + 1];
+    struct averager_range short_[] = { { 8, CODEC_NONE }, { 7, CODEC_FP16 } };
+    struct averager_range over[] = { { 8, CODEC_NONE }, { 9, CODEC_FP16 } };
+    struct averager_range empty[] = { { 16, CODEC_NONE }, { 0, CODEC_FP16 } };
+    struct averager_range topk[] = { { 8, CODEC_NONE }, { 8, (enum codec)4 } };
+    struct averager_range junk[] = { { 8, CODEC_NONE }, { 8, (enum codec)99 } };
+    struct averager_range good[] = { { 8, CODEC_NONE }, { 8, CODEC_FP16 } };
+    struct {
+        const struct averager_range *plan;
+        size_t n;
+        enum codec codec;
+        size_t schema_len;
+        const char *says;
+    } bad[] = {
+        { many, AVERAGER_PLAN_MAX + 1, CODEC_NONE, 6, "at most 256" },
+        { short_, 2, CODEC_NONE, 6, "covers 15 of the 16" },
+        { over, 2, CODEC_NONE, 6, "runs past the 16" },
+        { empty, 2, CODEC_NONE, 6, "empty" },
+        { topk, 2, CODEC_NONE, 6, "not a codec" },
+        { junk, 2, CODEC_NONE, 6, "not a codec" },
+        { good, 2, CODEC_FP16, 6, "one or the other" },
+        { good, 2, CODEC_NONE, AVERAGER_SCHEMA_PLAN_MAX + 1, "schema of 40 bytes" },
+    };
+    char schema[AVERAGER_SCHEMA_MAX] = { 0 };
+
+    for (size_t k = 0; k < AVERAGER_PLAN_MAX + 1; k++)
+        many[k] = (struct averager_range){ 1, k % 2 ? CODEC_FP16 : CODEC_NONE };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        struct averager_config c = {
+            .broker = broker, .cohort = "avp", .id = "bad", .host = "127.0.0.1", .key = &key,
+            .prefix = "run/bad", .target_group_size = 2, .min_group_size = 2,
+            .count = bad[i].n == AVERAGER_PLAN_MAX + 1 ? AVERAGER_PLAN_MAX + 1 : COUNT,
+            .schema = schema, .schema_len = bad[i].schema_len, .plan = bad[i].plan,
+            .plan_len = bad[i].n, .codec = bad[i].codec,
+        };
+        struct averager *a = NULL;
+        char why[256] = "";
+
+        cr_assert_eq(averager_plan_check(c.plan, c.plan_len, c.count, c.codec, c.schema_len,
+                                         why, sizeof(why)), -EINVAL, "case %zu", i);
+        cr_assert(strstr(why, bad[i].says), "case %zu: %s", i, why);
+        cr_assert_eq(averager_create(&c, &a), -EINVAL, "case %zu", i);
+        cr_assert_null(a);
+    }
+    /* The good plan, with the longest schema a plan leaves room for. */
+    {
+        char why[256] = "";
+
+        cr_assert_eq(averager_plan_check(good, 2, COUNT, CODEC_NONE, AVERAGER_SCHEMA_PLAN_MAX,
+                                         why, sizeof(why)), 0, "%s", why);
+        cr_assert_eq(averager_plan_check(NULL, 0, COUNT, CODEC_FP16, AVERAGER_SCHEMA_MAX, why,
+                                         sizeof(why)), 0, "no plan is fine");
+    }
+}
