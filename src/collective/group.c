@@ -469,9 +469,8 @@ static int attempt(struct group *g, const struct call *c, size_t *len)
  * moment carries the old epoch's round. It fails the epoch like any
  * other error; the next epoch's sync compares the calls themselves, and
  * every member learns there, alike, whether they differ. */
-static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
+static int run_attempts(struct group *g, const struct call *c, uint64_t deadline)
 {
-    uint64_t deadline = clock_now_ms() + (timeout_ms ? timeout_ms : GROUP_DEFAULT_CALL_TIMEOUT_MS);
     int rc;
 
     rc = buf_reserve(g, &g->out, c->bytes);
@@ -526,6 +525,21 @@ static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
         g->stats.retries++;
         pthread_mutex_unlock(&g->lock);
     }
+}
+
+/* run_attempts under the call's deadline, which bounds every engine wait
+ * too: an attempt the engine alone would bound only by the member timeout
+ * (60 s by default; a peer that refuses our greeting, say) ends with the
+ * call. */
+static int run_call(struct group *g, const struct call *c, uint32_t timeout_ms)
+{
+    uint64_t deadline = clock_now_ms() + (timeout_ms ? timeout_ms : GROUP_DEFAULT_CALL_TIMEOUT_MS);
+    int rc;
+
+    allreduce_set_call_deadline(g->ar, deadline);
+    rc = run_attempts(g, c, deadline);
+    allreduce_set_call_deadline(g->ar, 0);
+    return rc;
 }
 
 /* ---- API ------------------------------------------------------------------------ */

@@ -280,6 +280,11 @@ void allreduce_set_unreachable_ms(struct allreduce *a, uint32_t ms)
     atomic_store(&a->unreach_ms, ms && ms < REACH_MIN_MS ? REACH_MIN_MS : ms);
 }
 
+void allreduce_set_call_deadline(struct allreduce *a, uint64_t deadline_ms)
+{
+    a->call_deadline_ms = deadline_ms;
+}
+
 int allreduce_set_epoch(struct allreduce *a, struct epoch *e)
 {
     uint64_t one = 1;

@@ -115,6 +115,14 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
  * keepalive. Thread-safe. */
 void allreduce_set_unreachable_ms(struct allreduce *a, uint32_t ms);
 
+/* Bounds the calls that follow: each wait of a run ends it with -ETIMEDOUT
+ * once clock_now_ms() reaches deadline_ms, even where no peer has been
+ * silent for the member timeout (a peer that refuses the greeting, a dial
+ * that never completes). 0: only the member timeout bounds them. The
+ * member timeout still bounds every silence within the deadline. Called by
+ * the thread that runs the calls, between them. */
+void allreduce_set_call_deadline(struct allreduce *a, uint64_t deadline_ms);
+
 /* Stops the acceptor and closes every connection. No run may be in flight.
  * NULL is fine. The listening fd stays open (it is the caller's). */
 void allreduce_destroy(struct allreduce *a);

@@ -156,6 +156,8 @@ struct allreduce {
     void (*on_peer_unreachable)(void *arg, const char *peer_id, uint64_t epoch);
     void *peer_unreachable_arg;
     _Atomic uint32_t unreach_ms;    /* allreduce_set_unreachable_ms; 0: off */
+    uint64_t call_deadline_ms;  /* allreduce_set_call_deadline; 0: none. Read and
+                                 * written by the thread that runs calls */
     size_t seg_bytes, small_bytes;
     bool alg_used[3];           /* run_call logged this algorithm (ring, doubling, butterfly) */
     int abort_fd;               /* set_epoch -> run */

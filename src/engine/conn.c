@@ -501,6 +501,10 @@ static uint64_t reach_check(struct run *x, uint64_t now)
 
 int conn_wait(struct run *x, struct pollfd *pfd, nfds_t n, uint64_t deadline)
 {
+    /* Every wait of a run comes here: the caller's deadline bounds them
+     * all (allreduce_set_call_deadline). */
+    if (x->a->call_deadline_ms && x->a->call_deadline_ms < deadline)
+        deadline = x->a->call_deadline_ms;
     for (;;) {
         uint64_t now = clock_now_ms(), until = deadline, check;
         int k;

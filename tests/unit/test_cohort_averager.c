@@ -11,7 +11,8 @@
  *   and an in-process cohort_connect (the Accumulator), which read the
  *   same variable. "none" and unset are the default.
  * - Two groups under mac all-reduce exactly (that a group under mac and
- *   one without never do is the engine's: test_allreduce.c).
+ *   one without never do is the engine's: test_allreduce.c); beside one
+ *   without, a group's call ends by its own timeout, buffer untouched.
  *
  * Criterion runs each test in a process of its own, so the variables a
  * test sets end with it. */
@@ -23,6 +24,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/secret.h"
 #include "cohort.h"
 #include "fixture.h"
@@ -225,15 +227,18 @@ struct member {
     float buf[COUNT];
     int timeout_ms;
     int rc;
+    uint64_t took_ms;
     pthread_t t;
 };
 
 static void *reduce_main(void *arg)
 {
     struct member *m = arg;
+    uint64_t t0 = clock_now_ms();
 
     m->rc = cohort_group_allreduce(m->g, m->buf, COUNT, COHORT_GROUP_F32, COHORT_GROUP_SUM, 0,
                                    0, m->timeout_ms);
+    m->took_ms = clock_now_ms() - t0;
     return NULL;
 }
 
@@ -271,6 +276,26 @@ Test(cohort_averager, groups_under_mac_all_reduce_exactly)
         cr_assert_eq(m[i].rc, 0, "g-%d: %d", i, m[i].rc);
         for (int j = 0; j < COUNT; j++)
             cr_assert_eq(m[i].buf[j], (float)(10 + 2 * j));
+    }
+    for (int i = 0; i < 2; i++)
+        cohort_group_destroy(m[i].g);
+}
+
+/* A group under mac beside one without never reduces, and each call ends
+ * by its own timeout (3 s), not by the engine's member timeout (60 s),
+ * with its buffer untouched. */
+Test(cohort_averager, a_group_call_beside_another_integrity_ends_by_its_own_timeout)
+{
+    struct member m[2] = { 0 };
+
+    reduce_pair(m, "none", 3000);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(m[i].rc == -EACCES || m[i].rc == -ETIMEDOUT, "g-%d: %d", i, m[i].rc);
+        /* Generous for a loaded host, and far below the engine's 60 s. */
+        cr_assert_lt(m[i].took_ms, 20000, "g-%d's 3 s call took %llu ms", i,
+                     (unsigned long long)m[i].took_ms);
+        for (int j = 0; j < COUNT; j++)
+            cr_assert_eq(m[i].buf[j], (float)(10 * i + j), "g-%d's buffer changed", i);
     }
     for (int i = 0; i < 2; i++)
         cohort_group_destroy(m[i].g);
