@@ -76,13 +76,13 @@
  * new epoch's delivery and a reporter's queued heartbeats.
  *
  * So an epoch of up to LIMIT_REACH_ROUNDS * LIMIT_REACH_PROBES + 1
- * members is probed LIMIT_REACH_PROBES at a time, as before, and a larger
- * one wider, up to LIMIT_REACH_PROBES_MAX at a time: 1,250 at 10,000
+ * (513) members is probed LIMIT_REACH_PROBES at a time, and a larger one
+ * wider, up to LIMIT_REACH_PROBES_MAX at a time: 1,250 at 10,000
  * members. The cap bounds the sockets a waiting member holds at once
  * (each closed at the next check, a quarter second, once its host
  * answers) and the SYNs a host receives from one member per round; it
- * covers 16,385 members in LIMIT_REACH_ROUNDS rounds, past the broker's
- * largest cohorts, and a larger epoch takes more rounds, each counted by
+ * covers 16,385 members in LIMIT_REACH_ROUNDS rounds, past the 10,000 the
+ * broker is sized for, and a larger epoch takes more rounds, each counted by
  * the broker's window, so its reports only come later. */
 #define LIMIT_REACH_PROBES 64u
 #define LIMIT_REACH_ROUNDS 8u
