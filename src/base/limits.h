@@ -6,6 +6,8 @@
 #ifndef COHORT_LIMITS_H
 #define COHORT_LIMITS_H
 
+#include <stddef.h>
+
 #include "base/ident.h"
 
 /* ---- trainer state ----------------------------------------------------- */
@@ -57,13 +59,51 @@
  * (10h for 10s) from looking like a setting. */
 #define LIMIT_MEMBERSHIP_FLAG_MS (24ull * 3600 * 1000)
 
-/* How many members a waiting all-reduce probes at a time for
- * reachability (engine/conn.c, "REACHABILITY"): it covers an epoch of n
- * in ceil((n - 1) / LIMIT_REACH_PROBES) rounds of one member timeout
- * each, so the broker counts reports about one member over that many
- * timeouts (broker.h). 64 sockets per waiting member bound what probing
- * costs a member and the half-open dials a host receives at once. */
+/* How a waiting all-reduce probes the members of its epoch for
+ * reachability (engine/conn.c, "REACHABILITY"), and so how long the broker
+ * counts reports about one member together (broker.c, report_window):
+ * both sides compute limit_reach_probes() from the epoch's size, so that
+ * they agree without a word on the wire.
+ *
+ * A round probes limit_reach_probes(n) of the n - 1 others and lasts one
+ * member timeout, so a member probes everyone in limit_reach_rounds(n)
+ * rounds. The node gives up on a silent peer after its reduce timeout
+ * (60 s by default) and resyncs into a new epoch, which makes every
+ * report made so far stale; a cut-off member must therefore be reported
+ * by a majority before then. LIMIT_REACH_ROUNDS rounds of the default 5 s
+ * member timeout, plus one to judge the last probe, make 45 s: 15 s
+ * before the reduce timeout, for the broker's verdict settle (1 s), the
+ * new epoch's delivery and a reporter's queued heartbeats.
+ *
+ * So an epoch of up to LIMIT_REACH_ROUNDS * LIMIT_REACH_PROBES + 1
+ * (513) members is probed LIMIT_REACH_PROBES at a time, and a larger one
+ * wider, up to LIMIT_REACH_PROBES_MAX at a time: 1,250 at 10,000
+ * members. The cap bounds the sockets a waiting member holds at once
+ * (each closed at the next check, a quarter second, once its host
+ * answers) and the SYNs a host receives from one member per round; it
+ * covers 16,385 members in LIMIT_REACH_ROUNDS rounds, past the 10,000 the
+ * broker is sized for, and a larger epoch takes more rounds, each counted by
+ * the broker's window, so its reports only come later. */
 #define LIMIT_REACH_PROBES 64u
+#define LIMIT_REACH_ROUNDS 8u
+#define LIMIT_REACH_PROBES_MAX 2048u
+
+/* The members a waiting member of an epoch of n probes per round. */
+static inline size_t limit_reach_probes(size_t n)
+{
+    size_t want = n > 1 ? (n - 2) / LIMIT_REACH_ROUNDS + 1 : 1;
+
+    if (want < LIMIT_REACH_PROBES)
+        return LIMIT_REACH_PROBES;
+    return want > LIMIT_REACH_PROBES_MAX ? LIMIT_REACH_PROBES_MAX : want;
+}
+
+/* The rounds it takes to probe the n - 1 others of an epoch of n: at
+ * most LIMIT_REACH_ROUNDS up to 16,385 members. At least one. */
+static inline size_t limit_reach_rounds(size_t n)
+{
+    return n > 1 ? (n - 2) / limit_reach_probes(n) + 1 : 1;
+}
 
 /* ---- Kubernetes -------------------------------------------------------- */
 

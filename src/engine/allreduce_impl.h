@@ -55,11 +55,12 @@
 /* The shortest silence called unreachable: three keepalive intervals. */
 #define REACH_MIN_MS 3000u
 /* A call that has waited this long probes the members of its epoch it has
- * no connection to: a round of at most REACH_PROBES, and the next round
- * once they have settled and the unreachable time has passed, so that a
- * member is probed at most once per that time by each waiting peer. */
+ * no connection to: a round of limit_reach_probes(n) (base/limits.h), and
+ * the next round once they have settled and the unreachable time has
+ * passed, so that a member is probed at most once per that time by each
+ * waiting peer. */
 #define REACH_PROBE_AFTER_MS 500u
-#define REACH_PROBES LIMIT_REACH_PROBES
+#define REACH_PROBES_MAX LIMIT_REACH_PROBES_MAX
 
 /* A probe: a bare TCP dial to a member's data address, closed once its
  * host answers (conn.c, "REACHABILITY"). */
@@ -189,8 +190,9 @@ struct allreduce {
     /* The caller thread's. */
     uint64_t serial;            /* connections dialled so far */
     uint64_t reach_next;        /* the next reachability check */
-    struct probe probes[REACH_PROBES];
+    struct probe probes[REACH_PROBES_MAX];
     size_t n_probes;
+    bool probe_clamp_told;      /* the open-file limit's clamp was logged */
     size_t probe_next;          /* where the next round of probes starts */
     uint64_t probe_round_at;    /* no round of probes before this */
     struct dial *dials;         /* conn_connect_peers's dials while it waits */

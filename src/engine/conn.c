@@ -66,17 +66,23 @@
  * reset as soon as the host answers (a SYN-ACK, or a reset of its own: a
  * live host either way), which the member's acceptor drops silently
  * since no byte came; a probe still unanswered after the set time names
- * its member. A round probes at most REACH_PROBES members, in turn over
- * the epoch, and the next round starts once they have all settled and
- * the set time has passed since, so a waiting member probes each other
- * member at most once per that time (members on one host share one
- * source address, and the acceptor holds at most PENDING_PER_SOURCE
- * unfinished greetings from one). So the reports about a cut-off member
- * in an epoch of n come over ceil((n - 1) / REACH_PROBES) rounds, and the
- * broker counts them over that many timeouts (broker.h); rounds that
- * outlast the engine's own silence timeout (12 at the defaults, 5 s each
- * in 60 s) cannot all come in time. The call goes
- * on: the broker decides, and its new epoch ends the call with -ESTALE.
+ * its member. A round probes limit_reach_probes(n) members of an epoch
+ * of n (base/limits.h: 64, or an eighth of the others in an epoch of
+ * more than 513, up to 2048), in turn over the epoch, and the next round
+ * starts once they have all settled and the set time has passed since,
+ * so a waiting member probes each other member at most once per that
+ * time (members on one host share one source address, and the acceptor
+ * holds at most PENDING_PER_SOURCE unfinished greetings from one). So the
+ * reports about a cut-off member come over limit_reach_rounds(n) rounds,
+ * at most 8 up to 16,385 members, and the broker counts them over that
+ * many timeouts (broker.h): at the defaults, 8 rounds of 5 s end well
+ * before the engine's own silence timeout of 60 s, after which the node
+ * resyncs into a new epoch and the reports would be stale. A round holds
+ * one socket per probe until the next check, so it takes at most a
+ * quarter of the process's open-file limit (said once in the log when
+ * that is fewer than the epoch asks for; the broker's window then ends
+ * before this member has probed everyone). The call goes on: the broker
+ * decides, and its new epoch ends the call with -ESTALE.
  *
  * CONNECTING
  *
@@ -100,6 +106,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -407,7 +414,9 @@ static void reach_probe_start(struct run *x, size_t peer, uint64_t now)
     a->probes[a->n_probes++] = (struct probe){ .fd = fd, .peer = peer, .started = now };
 }
 
-/* Whether x's member `peer` has a connection, a dial or a probe. */
+/* Whether x's member `peer` has a connection or a dial. A round starts
+ * with no probe in flight and visits each member once, so no probe can
+ * cover it yet. */
 static bool reach_covered(const struct run *x, size_t peer)
 {
     const struct allreduce *a = x->a;
@@ -417,10 +426,31 @@ static bool reach_covered(const struct run *x, size_t peer)
     for (size_t k = 0; k < a->n_dials; k++)
         if (a->dials[k].peer == peer)
             return true;
-    for (size_t k = 0; k < a->n_probes; k++)
-        if (a->probes[k].peer == peer)
-            return true;
     return false;
+}
+
+/* How many members a round of x probes: limit_reach_probes of its epoch,
+ * but at most a quarter of the open-file limit, since each probe holds a
+ * socket until the next check and the call's own connections must still
+ * open. */
+static size_t reach_round_size(struct run *x)
+{
+    struct allreduce *a = x->a;
+    size_t want = limit_reach_probes(x->n), can = want;
+    struct rlimit rl;
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        rl.rlim_cur / 4 < want)
+        can = rl.rlim_cur / 4 ? (size_t)(rl.rlim_cur / 4) : 1;
+    if (can < want && !a->probe_clamp_told) {
+        a->probe_clamp_told = true;
+        log_warn(COMPONENT, "The open-file limit allows fewer reachability probes a round than "
+                            "the epoch's size asks for; a cut-off member may stall the rounds "
+                            "until the heal. Raise the limit (ulimit -n) to four times the probes.",
+                 LF_S("cohort", a->cohort), LF_U("n_members", x->n), LF_U("probes", want),
+                 LF_U("allowed", can), LF_U("nofile", (uint64_t)rl.rlim_cur));
+    }
+    return can;
 }
 
 /* Settles the probes in flight (an answered one is closed; one
@@ -429,6 +459,7 @@ static bool reach_covered(const struct run *x, size_t peer)
 static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
 {
     struct allreduce *a = x->a;
+    size_t round, from;
 
     for (size_t k = 0; k < a->n_probes;) {
         struct probe *p = &a->probes[k];
@@ -450,8 +481,10 @@ static void reach_probe(struct run *x, uint32_t ms, uint64_t now)
     if (a->n_probes > 0 || now - x->started < REACH_PROBE_AFTER_MS || now < a->probe_round_at)
         return;
     a->probe_round_at = now + ms;
-    for (size_t i = 0; i < x->n && a->n_probes < REACH_PROBES; i++) {
-        size_t peer = (a->probe_next + i) % x->n;
+    round = reach_round_size(x);
+    from = a->probe_next;       /* probe_next moves as the round goes */
+    for (size_t i = 0; i < x->n && a->n_probes < round; i++) {
+        size_t peer = (from + i) % x->n;
 
         if (peer == x->me || reach_covered(x, peer))
             continue;

@@ -27,8 +27,8 @@
  * it counts. A bitmap is allocated at a member's first accusation and
  * cleared, not freed, when the epoch or the window moves on; at most
  * one per member, of the epoch's size. The window the reports count
- * in grows with the epoch (report_window), because a member probes its
- * peers LIMIT_REACH_PROBES at a time. Pairs of members that report each
+ * in grows with the epoch (report_window), as the rounds a member needs
+ * to probe its peers do (limit_reach_rounds). Pairs of members that report each
  * other are kept, at most PAIRS_MAX, by the one of the two placed first
  * in the epoch, with when they were first and last seen to, so that a
  * cut between two members only is judged once it has lasted a window;
@@ -1202,18 +1202,18 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
 }
 
 /* How long reports about member m, in an epoch of n members, count
- * together: one member timeout for every LIMIT_REACH_PROBES of its peers.
- * A waiting member probes that many of the others per round, one round
- * per timeout, so a member that every other one cannot reach is reported
- * by each of them within that many timeouts; a shorter window would never
+ * together: one member timeout for every round a member needs to probe
+ * all the others (limit_reach_rounds, base/limits.h). A waiting member
+ * probes limit_reach_probes(n) of the others per round, one round per
+ * timeout, so a member that every other one cannot reach is reported by
+ * each of them within that many timeouts; a shorter window would never
  * hold a majority of an epoch of more than about 2 x LIMIT_REACH_PROBES.
- * 64 timeouts at the default 4096 members; an epoch has far fewer than
- * 2^32 members, so the product fits in 64 bits. */
+ * At most LIMIT_REACH_ROUNDS timeouts up to 16,385 members (40 s at the
+ * default 5 s), which ends before the engine's silence timeout (60 s)
+ * would make the reports stale. */
 static uint64_t report_window(const struct entry *m, size_t n)
 {
-    uint64_t rounds = n > 1 ? (n - 2) / LIMIT_REACH_PROBES + 1 : 1;
-
-    return rounds * m->timeout_ms;
+    return (uint64_t)limit_reach_rounds(n) * m->timeout_ms;
 }
 
 /* Whether m's count is live: of `epoch`, its window not yet over. */

@@ -32,8 +32,9 @@
  * - Members report peers they cannot reach (broker_report_unreachable),
  *   each in a heartbeat that runs in the current epoch; the reports about
  *   one member count together within its report window: one member
- *   timeout per LIMIT_REACH_PROBES peers it has (base/limits.h), since
- *   that is how long it takes every peer to have probed it. A member is
+ *   timeout per round a member needs to probe all its peers
+ *   (limit_reach_rounds, base/limits.h: at most 8 up to 16,385 members),
+ *   since that is how long it takes every peer to have probed it. A member is
  *   evicted at once and benched (its joins refused for a while,
  *   BROKER_BENCH_* below, so that a member cut from its peers but not
  *   from the broker does not rejoin, stall the next epoch's rounds and be
@@ -286,8 +287,8 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
  * report about an older membership says nothing of this one); a
  * reporter counts once per accused, and the reports about one accused
  * count together only within its report window of the first (the
- * accused's timeout times ceil((n - 1) / LIMIT_REACH_PROBES) for an
- * epoch of n). When the rules above (more than half; exactly half with
+ * accused's timeout times limit_reach_rounds(n) for an epoch of n).
+ * When the rules above (more than half; exactly half with
  * the leader; a mutual pair that lasted a window) name a member, `peer`
  * or the reporter itself, it is evicted at the next tick and benched.
  * Returns 0 (counted), -ESTALE (another epoch, or not both in it:

@@ -27,6 +27,13 @@
 #define POLL_MAX_MS 100u
 #define JOIN_TIMEOUT_MS 2000u
 #define FAIL_LOG_EVERY 10u     /* repeated identical failures are logged this rarely */
+/* Heartbeats sent early for queued unreachable peers, per heartbeat
+ * interval at most. Each carries WIRE_LOST_PEERS_MAX of them, so a member
+ * that finds many at once (a side of a partition) reports 32 an interval;
+ * with the regular heartbeats they replace, that stays within the pace
+ * the broker allows a stream (brokerd.c, SESSION_BEAT_BURST: 4 an
+ * interval, sustained), with room for declares and lost peers. */
+#define UNREACH_PACE 2u
 
 enum state { ST_JOINING, ST_JOINED, ST_LEFT };
 
@@ -41,12 +48,20 @@ struct member {
      * goes out at the next poll (member_report_lost). */
     char *lost[WIRE_LOST_PEERS_MAX];
     size_t n_lost;
-    /* Peers of the latest epoch this member's host cannot reach, for the
-     * next heartbeat likewise (member_report_unreachable); cleared when
-     * another epoch arrives, since the broker counts them for this one
-     * only. */
-    char *unreach[WIRE_LOST_PEERS_MAX];
-    size_t n_unreach;
+    /* Peers of the latest epoch this member's host cannot reach
+     * (member_report_unreachable), by their position in it: a queue,
+     * oldest first, of which each heartbeat carries the first
+     * WIRE_LOST_PEERS_MAX, and a bitmap of the positions queued, so that a
+     * peer is queued once. Both have room for the whole epoch, which
+     * bounds them; cleared when another epoch arrives, since the broker
+     * counts reports for the epoch they name only. */
+    uint32_t *unreach;          /* unreach_cap entries; [unreach_head, n_unreach) queued */
+    uint64_t *unreach_bits;     /* (unreach_cap + 63) / 64 words */
+    size_t unreach_cap, unreach_head, n_unreach;
+    uint64_t unreach_epoch;     /* the epoch the positions are of; 0: none */
+    /* The earliest a heartbeat goes out for queued unreachable peers
+     * alone: UNREACH_PACE per heartbeat interval at most (above). */
+    uint64_t next_unreach_at;
     bool weighs_unreachable;    /* the broker's JoinReply said so */
     uint64_t ckpt_version, ckpt_skipped_version;    /* reported in heartbeats */
     uint32_t ckpt_skipped_reason;
@@ -261,11 +276,78 @@ static void log_epoch(const struct member *m, const struct epoch *e)
              LF_U("n_members", e->n_members), LF_S("members", ids), LOG_END);
 }
 
+/* Forgets the queued unreachable peers and their epoch. */
 static void unreach_clear_locked(struct member *m)
 {
-    for (size_t i = 0; i < m->n_unreach; i++)
-        free(m->unreach[i]);
-    m->n_unreach = 0;
+    free(m->unreach);
+    free(m->unreach_bits);
+    m->unreach = NULL;
+    m->unreach_bits = NULL;
+    m->unreach_cap = m->unreach_head = m->n_unreach = 0;
+    m->unreach_epoch = 0;
+}
+
+static bool unreach_pending(const struct member *m)
+{
+    return m->unreach_head < m->n_unreach;
+}
+
+/* Queues position `pos` of the latest epoch, once. Lock held. */
+static int unreach_push_locked(struct member *m, size_t pos)
+{
+    const struct epoch *e = m->epoch;
+
+    if (m->unreach_epoch != e->number) {
+        unreach_clear_locked(m);
+        m->unreach = calloc(e->n_members, sizeof(*m->unreach));
+        m->unreach_bits = calloc((e->n_members + 63) / 64, sizeof(*m->unreach_bits));
+        if (!m->unreach || !m->unreach_bits) {
+            unreach_clear_locked(m);
+            return -ENOMEM;
+        }
+        m->unreach_cap = e->n_members;
+        m->unreach_epoch = e->number;
+    }
+    if (m->unreach_bits[pos / 64] >> (pos % 64) & 1u)
+        return 0;
+    if (m->n_unreach == m->unreach_cap) {
+        /* Never full: a position is queued once and the cap is the
+         * epoch's size, so the sent ones at the head make room. */
+        memmove(m->unreach, m->unreach + m->unreach_head,
+                (m->n_unreach - m->unreach_head) * sizeof(*m->unreach));
+        m->n_unreach -= m->unreach_head;
+        m->unreach_head = 0;
+    }
+    m->unreach[m->n_unreach++] = (uint32_t)pos;
+    m->unreach_bits[pos / 64] |= 1ull << (pos % 64);
+    return 0;
+}
+
+/* Points `ids` at the ids of the oldest queued peers, at most
+ * WIRE_LOST_PEERS_MAX, and returns how many. Lock held. */
+static size_t unreach_batch_locked(const struct member *m, char *ids[WIRE_LOST_PEERS_MAX])
+{
+    size_t k = 0;
+
+    if (!m->epoch || m->epoch->number != m->unreach_epoch)
+        return 0;
+    for (size_t i = m->unreach_head; i < m->n_unreach && k < WIRE_LOST_PEERS_MAX; i++)
+        ids[k++] = m->epoch->members[m->unreach[i]].id;
+    return k;
+}
+
+/* The oldest `k` queued peers went out. Lock held. */
+static void unreach_sent_locked(struct member *m, size_t k, uint64_t now)
+{
+    for (size_t i = 0; i < k; i++) {
+        uint32_t pos = m->unreach[m->unreach_head++];
+
+        m->unreach_bits[pos / 64] &= ~(1ull << (pos % 64));
+    }
+    if (m->unreach_head == m->n_unreach)
+        m->unreach_head = m->n_unreach = 0;
+    if (k)
+        m->next_unreach_at = now + m->hb_ms / UNREACH_PACE;
 }
 
 static void session_msg(void *arg, ProtobufCMessage *msg)
@@ -378,10 +460,11 @@ static void lost_clear_locked(struct member *m)
 }
 
 /* Fills heartbeat `q` with what the member reports now, signed with the
- * next seq. `skip`, `pf` and `mac` must outlive the send. */
+ * next seq: the oldest queued unreachable peers, whose ids it points
+ * `ids` at. `skip`, `pf`, `mac` and `ids` must outlive the send. */
 static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
                              Cohort__V1__CheckpointSkipped *skip, Cohort__V1__Proof *pf,
-                             uint8_t mac[SECRET_MAC_BYTES])
+                             uint8_t mac[SECRET_MAC_BYTES], char *ids[WIRE_LOST_PEERS_MAX])
 {
     q->protocol_version = WIRE_PROTOCOL_VERSION;
     q->cohort = m->cohort;
@@ -395,8 +478,8 @@ static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
     q->epoch = m->epoch ? m->epoch->number : 0;
     q->n_lost_peers = m->n_lost;
     q->lost_peers = m->lost;
-    q->n_unreachable_peers = m->n_unreach;
-    q->unreachable_peers = m->unreach;
+    q->n_unreachable_peers = unreach_batch_locked(m, ids);
+    q->unreachable_peers = q->n_unreachable_peers ? ids : NULL;
     q->checkpoint_version = m->ckpt_version;
     if (m->ckpt_skipped_version) {
         skip->version = m->ckpt_skipped_version;
@@ -406,14 +489,15 @@ static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
     sign_locked(m, &q->base, &q->proof, pf, mac);
 }
 
-/* What a heartbeat reported went out: declares and lost peers are sent
- * once (a report is evidence of a moment, and a lost heartbeat's is not
- * worth a retry: the timeout still works). */
-static void beat_sent_locked(struct member *m, uint64_t now)
+/* What a heartbeat reported went out, `n_unreach` unreachable peers
+ * among it: declares and lost peers are sent once (a report is evidence
+ * of a moment, and a lost heartbeat's is not worth a retry: the timeout
+ * still works), and the unreachable peers still queued go in the next. */
+static void beat_sent_locked(struct member *m, size_t n_unreach, uint64_t now)
 {
     m->declare_pending = false;
     lost_clear_locked(m);
-    unreach_clear_locked(m);
+    unreach_sent_locked(m, n_unreach, now);
     m->next_hb_at = now + m->hb_ms;
 }
 
@@ -423,12 +507,13 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
     Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
+    char *ids[WIRE_LOST_PEERS_MAX];
     int rc;
 
-    fill_beat_locked(m, &q, &skip, &pf, mac);
+    fill_beat_locked(m, &q, &skip, &pf, mac, ids);
     rc = rpc_watch_send(m->watch, &q.base);
     if (rc == 0)
-        beat_sent_locked(m, now);
+        beat_sent_locked(m, q.n_unreachable_peers, now);
     else if (rc == -EBUSY)
         m->next_hb_at = now + POLL_MAX_MS / 4;    /* the previous one is still going out */
     else
@@ -443,8 +528,9 @@ static void open_watch_locked(struct member *m, uint64_t now)
     Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
+    char *ids[WIRE_LOST_PEERS_MAX];
 
-    fill_beat_locked(m, &q, &skip, &pf, mac);
+    fill_beat_locked(m, &q, &skip, &pf, mac, ids);
     m->watch_ended = false;
     m->watch_reopen = false;
     if (rpc_watch_open(m->ch, WIRE_BROKER_SESSION, &q.base, &cohort__v1__session_reply__descriptor,
@@ -453,7 +539,7 @@ static void open_watch_locked(struct member *m, uint64_t now)
         m->next_watch_at = backoff_next(m, now);
         return;
     }
-    beat_sent_locked(m, now);
+    beat_sent_locked(m, q.n_unreachable_peers, now);
 }
 
 static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
@@ -536,9 +622,12 @@ uint32_t member_poll(struct member *m, uint64_t now)
         if (!m->watch)
             wait = until(m->next_watch_at, now, wait);
         if (m->watch && !m->watch_ended &&
-            (now >= m->next_hb_at || m->declare_pending || m->n_lost || m->n_unreach))
+            (now >= m->next_hb_at || m->declare_pending || m->n_lost ||
+             (unreach_pending(m) && now >= m->next_unreach_at)))
             start_heartbeat_locked(m, now);
         wait = until(m->next_hb_at, now, wait);
+        if (unreach_pending(m) && m->next_unreach_at > now)
+            wait = until(m->next_unreach_at, now, wait);
         break;
     }
     pthread_mutex_unlock(&m->lock);
@@ -619,8 +708,7 @@ void member_set_model_version(struct member *m, uint64_t version, bool declare)
     pthread_mutex_unlock(&m->lock);
 }
 
-/* Queues `peer` on one of the two report lists (`list`, `n`), once.
- * Lock held. */
+/* Queues `peer` on the lost peers (`list`, `n`), once. Lock held. */
 static int report_locked(char **list, size_t *n, const char *peer)
 {
     char *dup;
@@ -651,6 +739,7 @@ int member_report_lost(struct member *m, const char *peer)
 
 int member_report_unreachable(struct member *m, const char *peer, uint64_t epoch)
 {
+    long pos;
     int rc;
 
     if (!ident_valid_member_id(peer) || strcmp(peer, m->id) == 0)
@@ -660,8 +749,10 @@ int member_report_unreachable(struct member *m, const char *peer, uint64_t epoch
         rc = -EOPNOTSUPP;
     else if (!m->epoch || m->epoch->number != epoch)
         rc = -ESTALE;
+    else if ((pos = epoch_find(m->epoch, peer)) < 0)
+        rc = -ENOENT;
     else
-        rc = report_locked(m->unreach, &m->n_unreach, peer);
+        rc = unreach_push_locked(m, (size_t)pos);
     pthread_mutex_unlock(&m->lock);
     return rc;
 }

@@ -98,13 +98,17 @@ int member_report_lost(struct member *m, const char *peer);
 /* Reports that this member's host has heard nothing from member `peer`'s
  * host (copied) for the member timeout while it had a connection to it
  * open or being dialled, in epoch `epoch`: evidence that peer is cut off,
- * which the broker weighs (broker_report_unreachable). Sent in a
- * heartbeat at the next member_poll(), once, and dropped if another
- * epoch arrives first. Returns 0 (queued, or already queued), -EINVAL
- * (an invalid id, or this member's own), -EOPNOTSUPP (not joined, or the
- * broker does not weigh such reports), -ESTALE (`epoch` is not the latest
- * this member received), -ENOSPC (WIRE_LOST_PEERS_MAX are queued
- * already), -ENOMEM. */
+ * which the broker weighs (broker_report_unreachable). Queued, oldest
+ * first, once while it waits: the next member_poll() sends a heartbeat
+ * with the first WIRE_LOST_PEERS_MAX queued, and the rest follow, as many
+ * in each later heartbeat, two an interval at most (brokerd.c bounds a
+ * stream's pace). The queue holds each member of the epoch once at most;
+ * another epoch's arrival drops it, since the broker counts a report for
+ * the epoch it names only. Returns 0 (queued, or already queued),
+ * -EINVAL (an invalid id, or this member's own), -EOPNOTSUPP (not
+ * joined, or the broker does not weigh such reports), -ESTALE (`epoch`
+ * is not the latest this member received), -ENOENT (`peer` is not a
+ * member of it), -ENOMEM. */
 int member_report_unreachable(struct member *m, const char *peer, uint64_t epoch);
 
 /* Records what the member's heartbeats report of checkpoints (the

@@ -23,6 +23,7 @@
 
 #include "engine/allreduce.h"
 #include "base/clock.h"
+#include "base/limits.h"
 #include "base/secret.h"
 #include "engine/peerauth.h"
 #include "engine/peerwire.h"
@@ -1293,6 +1294,113 @@ Test(allreduce, a_member_without_a_connection_is_probed_and_reported, .timeout =
         if (i != 2)
             close(c.p[i].fd);
     epoch_unref(e);
+    epoch_unref(e2);
+}
+
+/* The distinct peers an engine reported unreachable and when it first
+ * reported each (on_peer_unreachable), for an epoch of up to WIDE. */
+#define WIDE 1025u
+
+struct wide_note {
+    pthread_mutex_t lock;
+    struct epoch *e;
+    uint64_t at[WIDE];          /* 0: not reported */
+    size_t n;
+};
+
+static void note_wide(void *arg, const char *peer, uint64_t epoch)
+{
+    struct wide_note *w = arg;
+    long i = epoch_find(w->e, peer);
+
+    pthread_mutex_lock(&w->lock);
+    if (i >= 0 && epoch == w->e->number && !w->at[i]) {
+        w->at[i] = clock_now_ms();
+        w->n++;
+    }
+    pthread_mutex_unlock(&w->lock);
+}
+
+static bool wide_round_done(void *arg)
+{
+    struct wide_note *w = arg;
+    bool done;
+
+    pthread_mutex_lock(&w->lock);
+    done = w->n >= limit_reach_probes(WIDE);
+    pthread_mutex_unlock(&w->lock);
+    return done;
+}
+
+/* An epoch of 1,025 whose members other than m-0 are all behind a host
+ * that drops SYNs: a waiting m-0 probes limit_reach_probes(1025) = 128 of
+ * them in its first round, not 64, so that it has probed everyone within
+ * LIMIT_REACH_ROUNDS rounds, as the broker's report window expects; the
+ * second round comes a whole unreachable time later. */
+Test(allreduce, a_large_epoch_is_probed_wider_per_round, .timeout = 60)
+{
+    static struct wide_note w = { .lock = PTHREAD_MUTEX_INITIALIZER };
+    static struct epoch_member em[WIDE];
+    static char wids[WIDE][16];
+    struct peer me = { .hin = -1 };
+    struct allreduce_config cfg = { .cohort = COHORT, .member_id = "m-0",
+                                    .member_timeout_ms = 60000,
+                                    .small_bytes = ALLREDUCE_SMALL_NONE,
+                                    .on_peer_unreachable = note_wide,
+                                    .peer_unreachable_arg = &w };
+    char deaf_addr[64];
+    struct epoch *e2;
+    int held[8], deaf;
+    uint64_t first = UINT64_MAX;
+    size_t in_round = 0;
+
+    quiet();
+    cr_assert_eq(limit_reach_probes(WIDE), 128);
+    cr_assert_eq(limit_reach_rounds(WIDE), LIMIT_REACH_ROUNDS);
+    cr_assert_eq(allreduce_listen("127.0.0.1", &me.fd, me.addr, sizeof(me.addr)), 0);
+    deaf = deaf_listener(deaf_addr, sizeof(deaf_addr), held, 8);
+    for (size_t i = 0; i < WIDE; i++) {
+        snprintf(wids[i], sizeof(wids[i]), "m-%zu", i);
+        em[i] = (struct epoch_member){ .id = wids[i], .address = i ? deaf_addr : me.addr };
+    }
+    cr_assert_eq(epoch_create(COHORT, 7, 0, em, WIDE, &w.e), 0);
+    cfg.listen_fd = me.fd;
+    cr_assert_eq(allreduce_create(&cfg, &me.ar), 0);
+    allreduce_set_unreachable_ms(me.ar, 3000);
+    cr_assert_eq(allreduce_set_epoch(me.ar, w.e), 0);
+    cr_assert_eq(posix_memalign(&me.buf, 64, 4096), 0);
+    me.h = allreduce_register(me.ar, me.buf, 4096);
+
+    call_start(&me, 1024, DTYPE_F32, DTYPE_SUM, 0, 1);
+    cr_assert(fixture_wait_until(wide_round_done, &w, 30000), "only %zu peers were reported",
+              w.n);
+    /* The first round's reports come together (they all time out at one
+     * check, give or take the dials of the ring's two neighbours); the
+     * next round's, 3 s later. */
+    pthread_mutex_lock(&w.lock);
+    for (size_t i = 0; i < WIDE; i++)
+        if (w.at[i] && w.at[i] < first)
+            first = w.at[i];
+    for (size_t i = 0; i < WIDE; i++)
+        in_round += w.at[i] && w.at[i] < first + 2000;
+    pthread_mutex_unlock(&w.lock);
+    cr_assert_geq(in_round, limit_reach_probes(WIDE), "the first round reported %zu peers",
+                  in_round);
+    cr_assert_leq(in_round, limit_reach_probes(WIDE) + 2, "the first round reported %zu peers",
+                  in_round);
+    cr_assert_eq(me.rc, 1, "the call ended: %s", log_strerror(me.rc));
+    cr_assert_eq(epoch_create(COHORT, 8, 0, em, 1, &e2), 0);
+    cr_assert_eq(allreduce_set_epoch(me.ar, e2), 0);
+    call_join(&me);
+    cr_assert_eq(me.rc, -ESTALE, "got %s", log_strerror(me.rc));
+
+    allreduce_destroy(me.ar);
+    free(me.buf);
+    for (size_t i = 0; i < 8; i++)
+        close(held[i]);
+    close(deaf);
+    close(me.fd);
+    epoch_unref(w.e);
     epoch_unref(e2);
 }
 

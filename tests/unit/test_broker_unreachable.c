@@ -9,7 +9,8 @@
  * older epoch, a one-sided report, a pair that lapses and a wider cut
  * whose pairs are each reported by several evict no one by the pair rule;
  * at 256 members, reports spread over the rounds a member needs to probe
- * everyone still add up. The evicted member is benched, and its bench
+ * everyone still add up, and at 10,000 members, probed wider, they add up
+ * before the engine's silence timeout would make them stale. The evicted member is benched, and its bench
  * doubles while it keeps being cut off. Under the fake host of
  * fixture.h, on an injected clock. */
 #include <criterion/criterion.h>
@@ -586,6 +587,101 @@ Test(broker, at_256_members_reports_over_the_probing_rounds_add_up)
      * the rounds a member needs to probe all the others. */
     cr_assert_gt(out - first, TIMEOUT, "evicted after %lu ms", (unsigned long)(out - first));
     cr_assert_leq(out - first, 4 * TIMEOUT);
+}
+
+/* ---- an epoch of 10,000: probing wide enough to finish in time ---- */
+
+#define HUGE 10000u
+#define HUGE_CUT 7777u
+/* The node's silence timeout (node.h, reduce_timeout_ms's default): past
+ * it the engine gives up on the cut-off member and the node resyncs into
+ * a new epoch, which makes every report made so far stale. */
+#define NODE_SILENCE_MS 60000u
+
+/* HUGE members h0.. (sessions 100000 + i) in one epoch, under a broker
+ * with room for them. */
+static uint64_t start_huge(char (*hids)[8])
+{
+    struct broker_config cfg;
+
+    broker_config_default(&cfg);
+    cfg.startup_hold_ms = FIXTURE_HOLD - FIXTURE_T0;
+    cfg.max_members = HUGE;
+    fixture_sm_start(&cfg);
+    for (size_t i = 0; i < HUGE; i++) {
+        snprintf(hids[i], sizeof(hids[i]), "h%zu", i);
+        cr_assert_eq(fixture_sm_join(hids[i], 1, 100000 + i, FIXTURE_T0), 0);
+    }
+    cr_assert_eq(fixture_sm_tick_members(FIXTURE_HOLD), HUGE);
+    return fixture_sm_last_pub()->number;
+}
+
+/* A member cut off from every other one in an epoch of 10,000, each
+ * member probing as conn.c does (limit_reach_probes of the others per
+ * round, in turn from where its last round ended, a round per timeout,
+ * the rounds of different members at moments spread over a timeout and
+ * their places spread over the epoch, so that some probed the cut member
+ * just before the cut): the majority gathers, and the member is out,
+ * before the node's silence timeout would make the reports stale. With
+ * 64 probes a round, a member needs 157 rounds to probe everyone, and
+ * the majority would take about 79 of them. */
+Test(broker, at_10000_members_the_cut_member_is_out_before_the_engine_gives_up, .timeout = 240)
+{
+    static char hids[HUGE][8];
+    static size_t next[HUGE];
+    static uint64_t round_at[HUGE], when[HUGE];
+    size_t per_round = limit_reach_probes(HUGE);
+    uint64_t e = start_huge(hids), t0 = FIXTURE_HOLD + 1000, out = 0, first = 0;
+    size_t reports = 0;
+
+    cr_assert_leq(limit_reach_rounds(HUGE), LIMIT_REACH_ROUNDS);
+    for (size_t i = 0; i < HUGE; i++) {
+        next[i] = (i * 7919 + 1) % HUGE;
+        round_at[i] = t0 + (i * 37) % TIMEOUT;
+        when[i] = 0;
+    }
+    for (uint64_t now = t0; now < t0 + NODE_SILENCE_MS && !out; now += 50) {
+        if ((now - t0) % 1000 == 0)
+            for (size_t i = 0; i < HUGE; i++)
+                cr_assert_eq(fixture_sm_beat(now, "demo", hids[i], 100000 + i, 1, false, NULL),
+                             0);
+        for (size_t i = 0; i < HUGE; i++) {
+            size_t span, d_cut, d_self;
+
+            if (i == HUGE_CUT || now < round_at[i])
+                continue;
+            /* The round probes the next per_round members from next[i],
+             * itself skipped: it spans one more when it passes itself. */
+            round_at[i] += TIMEOUT;
+            d_self = (i + HUGE - next[i]) % HUGE;
+            span = per_round + (d_self < per_round);
+            d_cut = (HUGE_CUT + HUGE - next[i]) % HUGE;
+            if (d_cut < span)
+                when[i] = now + TIMEOUT;    /* unanswered: reported at the round's end */
+            next[i] = (next[i] + span) % HUGE;
+        }
+        for (size_t i = 0; i < HUGE; i++)
+            if (when[i] && when[i] <= now) {
+                cr_assert_eq(report(now, hids[i], 100000 + i, e, hids[HUGE_CUT]), 0);
+                first = first ? first : now;
+                reports++;
+                when[i] = 0;
+            }
+        if (fixture_sm_tick_members(now) < HUGE)
+            out = now;
+    }
+    cr_assert(out, "the cut member was still in when the node would have given up (%zu reports)",
+              reports);
+    cr_assert_eq(fixture_sm_tick_members(out), HUGE - 1, "only the cut member goes");
+    broker_tick(fixture_sm, out + BROKER_VERDICT_SETTLE_MS + 100);
+    cr_assert_eq(fixture_sm_last_pub()->n_members, HUGE - 1);
+    cr_assert_lt(epoch_find(fixture_sm_last_pub(), hids[HUGE_CUT]), 0);
+    /* Out with time to spare for the verdict's settle and the new epoch's
+     * delivery; the majority needed more than a timeout of reports. */
+    cr_assert_lt(out + BROKER_VERDICT_SETTLE_MS + 5000, t0 + NODE_SILENCE_MS,
+                 "evicted %lu ms after the cut", (unsigned long)(out - t0));
+    cr_assert_gt(out - first, TIMEOUT);
+    cr_assert_gt(reports, HUGE / 2);
 }
 
 Test(broker, the_bench_doubles_while_a_member_stays_cut_off)
