@@ -92,6 +92,15 @@ static const char *algorithm_field(const cJSON *spec)
     return reduction_choice(spec, "algorithm", names, sizeof(names) / sizeof(names[0]));
 }
 
+/* spec.reduction.integrity: "none" (absent too) or "mac", the sidecar's
+ * --integrity; NULL for anything else. */
+static const char *integrity_field(const cJSON *spec)
+{
+    static const char *const names[] = { "none", "mac" };
+
+    return reduction_choice(spec, "integrity", names, sizeof(names) / sizeof(names[0]));
+}
+
 /* "topk:RATIO"'s RATIO: a decimal in (0, 1], a leading 0 or 1 (or none),
  * at most six fraction digits. */
 static bool topk_ratio_ok(const char *s)
@@ -272,7 +281,7 @@ static bool has_named(const cJSON *arr, const char *name)
 int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_why *why)
 {
     const cJSON *meta = get(tc, "metadata"), *spec = get(tc, "spec"), *tmpl, *pspec, *conts;
-    const char *name = str(meta, "name");
+    const char *name = str(meta, "name"), *integrity;
     long v;
 
     memset(s, 0, sizeof(*s));
@@ -335,6 +344,13 @@ int reconcile_parse(const cJSON *tc, struct reconcile_spec *s, struct reconcile_
         return refuse(why, "InvalidSpec", "spec.reduction.compression must be none, fp16, bf16, "
                       "int8, topk:RATIO (0 < RATIO <= 1, six decimals at most) or "
                       "powersgd:RANK (1 to 1024)");
+    /* Every pod's sidecar has the cohort's key (the operator makes the
+     * Secret before any pod, and refuses the cohort when it cannot), so
+     * mac never lacks the key it needs. */
+    integrity = integrity_field(spec);
+    if (!integrity)
+        return refuse(why, "InvalidSpec", "spec.reduction.integrity must be none or mac");
+    s->integrity_mac = strcmp(integrity, "mac") == 0;
     if (parse_checkpoint(get(spec, "checkpoint"), s, why) < 0)
         return -EINVAL;
     if (parse_gpu(get(spec, "gpu"), s, why) < 0)
@@ -422,6 +438,22 @@ static void set_env(cJSON *c, const char *cohort_key, const char *broker)
     cJSON_AddItemToArray(env, env_field("COHORT_ID", "metadata.name"));
     cJSON_AddItemToArray(env, env_value("COHORT_BROKER", broker));
     cJSON_AddItemToArray(env, env_field("COHORT_POD_IP", "status.podIP"));
+}
+
+/* COHORT_INTEGRITY in a trainer container, replacing the template's: a
+ * trainer that joins the broker itself (given the key by its template)
+ * must speak what the cohort's sidecars speak, or the greetings between
+ * them are refused. set_env() has left one env array. */
+static void set_integrity(cJSON *c, const char *integrity)
+{
+    cJSON *env = cJSON_GetObjectItemCaseSensitive(c, "env");
+
+    for (int i = cJSON_GetArraySize(env) - 1; i >= 0; i--) {
+        const char *n = str(cJSON_GetArrayItem(env, i), "name");
+        if (n && strcmp(n, "COHORT_INTEGRITY") == 0)
+            cJSON_DeleteItemFromArray(env, i);
+    }
+    cJSON_AddItemToArray(env, env_value("COHORT_INTEGRITY", integrity));
 }
 
 static void add_mount(cJSON *c)
@@ -559,6 +591,7 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
     const char *image = str(sc, "image"), *pull = str(sc, "imagePullPolicy");
     const char *level = str(sc, "logLevel"), *alg = algorithm_field(get(tc, "spec"));
     const char *codec = compression_field(get(tc, "spec"));
+    const char *integrity = integrity_field(get(tc, "spec"));
     const cJSON *acc = get(get(tc, "spec"), "accumulator");
     cJSON *c = cJSON_CreateObject(), *cmd, *args;
     char num[32];
@@ -593,6 +626,9 @@ static cJSON *sidecar_container(const cJSON *tc, const struct reconcile_env *env
         cJSON_AddItemToArray(args, cJSON_CreateString("--compression"));
         cJSON_AddItemToArray(args, cJSON_CreateString(codec));
     }
+    /* The key it needs is always there: add_key() below. */
+    if (integrity && strcmp(integrity, "mac") == 0)
+        add_arg(args, "--integrity", "mac");
     if (int_field(acc, "virtualBatchSize", 0, 1, RECONCILE_VBS_MAX, &v) == 0 && v > 0) {
         snprintf(num, sizeof(num), "%ld", v);
         cJSON_AddItemToArray(args, cJSON_CreateString("--virtual-batch-size"));
@@ -715,11 +751,13 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
     const cJSON *meta = get(tc, "metadata"), *tmpl = get(get(tc, "spec"), "template");
     const cJSON *tmeta = get(tmpl, "metadata"), *it, *src;
     const char *name = str(meta, "name"), *ns = str(meta, "namespace"), *uid = str(meta, "uid");
+    const char *integrity = integrity_field(get(tc, "spec"));
     char pod_name[320], ord[16], key[LIMIT_KUBE_KEY_MAX], secret_name[IDENT_NAME_MAX + 1];
     cJSON *pod, *pm, *labels, *spec, *inits, *vols, *vol, *sec, *conts, *cont;
 
     *out = NULL;
-    if (!name || !ns || !uid || !cJSON_IsObject(get(tmpl, "spec")) ||
+    /* A bad integrity must never fall back to none: no pod at all. */
+    if (!name || !ns || !uid || !integrity || !cJSON_IsObject(get(tmpl, "spec")) ||
         reconcile_secret_name(name, secret_name, sizeof(secret_name)) < 0)
         return -EINVAL;
     snprintf(pod_name, sizeof(pod_name), "%s-%u", name, ordinal);
@@ -765,6 +803,7 @@ int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *
     conts = cJSON_GetObjectItemCaseSensitive(spec, "containers");
     cJSON_ArrayForEach(cont, conts) {
         set_env(cont, key, env->broker_address);
+        set_integrity(cont, integrity);
         add_mount(cont);
     }
     /* The trainers' and the pod's defaults; the sidecar, added below,
@@ -859,13 +898,18 @@ int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1])
 {
     const cJSON *tmpl = get(get(tc, "spec"), "template"), *ck = get(get(tc, "spec"), "checkpoint");
     const cJSON *gpu = get(get(tc, "spec"), "gpu");
+    const char *integrity = integrity_field(get(tc, "spec"));
     uint64_t h = 0xcbf29ce484222325ull;
+    bool mac;
     cJSON *copy;
     char *text;
 
-    if (!cJSON_IsObject(tmpl))
+    if (!cJSON_IsObject(tmpl) || !integrity)
         return -EINVAL;
-    if (ck || gpu) {
+    /* Members of different integrity refuse each other's greetings: a
+     * change must replace every pod. */
+    mac = strcmp(integrity, "mac") == 0;
+    if (ck || gpu || mac) {
         copy = cJSON_CreateObject();
         if (copy) {
             cJSON_AddItemToObject(copy, "template", cJSON_Duplicate(tmpl, 1));
@@ -873,8 +917,10 @@ int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1])
                 cJSON_AddItemToObject(copy, "checkpoint", cJSON_Duplicate(ck, 1));
             if (gpu)
                 cJSON_AddItemToObject(copy, "gpu", cJSON_Duplicate(gpu, 1));
+            if (mac)
+                cJSON_AddStringToObject(copy, "integrity", "mac");
             if (!get(copy, "template") || (ck && !get(copy, "checkpoint")) ||
-                (gpu && !get(copy, "gpu"))) {
+                (gpu && !get(copy, "gpu")) || (mac && !get(copy, "integrity"))) {
                 cJSON_Delete(copy);
                 copy = NULL;
             }

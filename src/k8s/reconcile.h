@@ -128,6 +128,11 @@ struct reconcile_spec {
      * the object parsed): the sidecar's default, which a trainer's
      * set_compression replaces. */
     const char *compression;
+    /* spec.reduction.integrity: true for "mac", the sidecars'
+     * --integrity mac (a Poly1305 tag on every data-plane frame under the
+     * cohort's key, which every pod's sidecar has) and the trainers'
+     * COHORT_INTEGRITY=mac; false for "none", the default. */
+    bool integrity_mac;
     /* spec.checkpoint: periods (0: that one unset; one at least is set)
      * and how many to keep. */
     bool checkpoint;
@@ -157,7 +162,8 @@ struct reconcile_why {
  * *why filled: a name too long for the pod names and labels, replicas out
  * of range, durations that do not parse or timeout <= heartbeat,
  * spec.accumulator or spec.reduction values the CRD does not allow
- * (reduction.compression that cohort-sidecar --compression would refuse), a
+ * (reduction.compression that cohort-sidecar --compression would refuse,
+ * a reduction.integrity other than none or mac), a
  * spec.checkpoint without one volume source (or with a read-only one:
  * configMap, secret, downwardAPI, projected, image) or without a period,
  * or with keep out of range, a spec.gpu without a known mode, with a
@@ -194,7 +200,10 @@ const char *reconcile_pull_policy(const char *s);
  * spec.reduction.compression other than none (--compression) and, when
  * set, spec.accumulator's virtualBatchSize and parallelGradients
  * (--virtual-batch-size, --parallel-gradients), which it pins on the
- * trainer's Accumulator. With spec.checkpoint, the pod gets its volume
+ * trainer's Accumulator. With spec.reduction.integrity mac the sidecar
+ * is told --integrity mac; every trainer container gets COHORT_INTEGRITY
+ * (none or mac, replacing the template's), so that a trainer that joins
+ * the broker itself speaks what the sidecars speak. With spec.checkpoint, the pod gets its volume
  * (named RECONCILE_CKPT_VOLUME), the sidecar alone mounts it at
  * RECONCILE_CKPT_MOUNT with subPath NAMESPACE/NAME and is told
  * --checkpoint-dir, --checkpoint-every and/or --checkpoint-interval, and
@@ -221,18 +230,21 @@ const char *reconcile_pull_policy(const char *s);
  * annotation. restartPolicy defaults to Never, so that a failure reaches
  * the operator, which replaces the pod and counts it. Returns 0 and sets
  * *out (caller frees with cJSON_Delete), -EINVAL (tc lacks a name,
- * namespace, uid or template, or a spec.gpu reconcile_parse() refuses),
- * -ENOMEM. */
+ * namespace, uid or template, or has a spec.gpu or
+ * spec.reduction.integrity reconcile_parse() refuses), -ENOMEM. */
 int reconcile_pod(const cJSON *tc, const struct reconcile_env *env, const char *key_id,
                   uint32_t ordinal, cJSON **out);
 
 /* The hash of cohort `tc`'s spec.template (borrowed) as the user wrote
- * it, and of spec.checkpoint and spec.gpu when they are set (they change
- * the pod too): FNV-1a 64 of their canonical JSON (object keys sorted, no
- * spaces), as 16 hex digits into out. Without either the hash is the
- * template's alone, as before they existed, so that pods made then are
- * not replaced. reconcile_pod() labels each pod with it.
- * Returns 0, -EINVAL (no template), -ENOMEM. */
+ * it, of spec.checkpoint and spec.gpu when they are set, and of
+ * spec.reduction.integrity when it is mac (they change the pod too):
+ * FNV-1a 64 of their canonical JSON (object keys sorted, no spaces), as
+ * 16 hex digits into out. Without any of them the hash is the template's
+ * alone, as before they existed, so that pods made then are not replaced
+ * (integrity none, the default the API server fills in, is left out for
+ * the same reason). reconcile_pod() labels each pod with it.
+ * Returns 0, -EINVAL (no template, an integrity other than none or mac),
+ * -ENOMEM. */
 int reconcile_template_hash(const cJSON *tc, char out[RECONCILE_HASH_CHARS + 1]);
 
 /* The name of cohort `cohort`'s ResourceClaimTemplate, NAME-gpu, into

@@ -133,7 +133,8 @@ def test_kubectl_applies_crd_and_cohort_and_shows_columns(kubectl, cluster):
         {"NamesAccepted": "True", "Established": "True"}
     tc = cluster.ok("GET", TC + "/logreg")
     assert tc["spec"]["replicas"] == 3
-    assert tc["spec"]["reduction"] == {"algorithm": "auto", "compression": "none"}
+    assert tc["spec"]["reduction"] == {"algorithm": "auto", "compression": "none",
+                                       "integrity": "none"}
     assert tc["spec"]["sidecar"]["logLevel"] == "info"       # a schema default
     assert tc["spec"]["suspend"] is False
     # The operator's view of the world, written through /status.
@@ -234,6 +235,14 @@ def test_cohort_crd_rules(kubectl, cluster):
         assert ok["spec"]["reduction"]["compression"] == good
         cluster.ok("DELETE", TC + "/t9")
     assert 'Unsupported value: "tree"' in refused("t5", {"reduction": {"algorithm": "tree"}})
+    # The sidecar's --integrity words, exactly.
+    for bad in ("hmac", "MAC", ""):
+        assert 'Unsupported value: "%s"' % bad in refused(
+            "t5", {"reduction": {"integrity": bad}})
+    ok = cluster.ok("POST", TC, cohort("t9", {"reduction": {"integrity": "mac"}}))
+    assert ok["spec"]["reduction"] == {"algorithm": "auto", "compression": "none",
+                                       "integrity": "mac"}
+    cluster.ok("DELETE", TC + "/t9")
     assert "spec.accumulator.parallelGradients" in refused(
         "t5", {"accumulator": {"parallelGradients": 9}})
     assert "reserved for the injected sidecar" in refused("t6", {"template": {"spec": {

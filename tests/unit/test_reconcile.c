@@ -1834,3 +1834,162 @@ Test(reconcile, template_hash_covers_gpu_and_only_when_set)
     for (int i = 0; i < 6; i++)
         cJSON_Delete(all[i]);
 }
+
+/* ---- spec.reduction.integrity ------------------------------------------- */
+
+Test(reconcile, parse_reads_integrity_with_its_default)
+{
+    static const struct {
+        const char *fields;
+        bool mac;
+    } cases[] = {
+        { "", false },
+        { "\"reduction\":{}", false },
+        { "\"reduction\":{\"integrity\":\"none\"}", false },
+        { "\"reduction\":{\"integrity\":\"mac\"}", true },
+        { "\"reduction\":{\"algorithm\":\"ring\",\"integrity\":\"mac\"}", true },
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        cJSON *tc = cohort("lr", cases[i].fields);
+        struct reconcile_spec s;
+        struct reconcile_why why;
+
+        cr_assert_eq(reconcile_parse(tc, &s, &why), 0, "%s: %s", cases[i].fields, why.message);
+        cr_assert_eq(s.integrity_mac, cases[i].mac, "%s", cases[i].fields);
+        cJSON_Delete(tc);
+    }
+}
+
+/* Only the sidecar's two words, spelled exactly: anything else is refused
+ * with a sentence that names the field, and no pod is made of it. */
+Test(reconcile, bad_integrity_is_refused_and_renders_no_pod)
+{
+    static const char *const bad[] = {
+        "\"integrity\":\"MAC\"", "\"integrity\":\"hmac\"", "\"integrity\":\"\"",
+        "\"integrity\":\"mac \"", "\"integrity\":1", "\"integrity\":true",
+        "\"integrity\":null", "\"integrity\":[\"mac\"]",
+    };
+
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char fields[128];
+        char hash[RECONCILE_HASH_CHARS + 1];
+        struct reconcile_spec s;
+        struct reconcile_why why;
+        cJSON *tc, *pod = (cJSON *)1;
+
+        snprintf(fields, sizeof(fields), "\"reduction\":{%s}", bad[i]);
+        tc = cohort("lr", fields);
+        cr_assert_eq(reconcile_parse(tc, &s, &why), -EINVAL, "%s should be refused", fields);
+        cr_assert_str_eq(why.reason, "InvalidSpec");
+        cr_assert(strstr(why.message, "spec.reduction.integrity must be none or mac"), "%s",
+                  why.message);
+        cr_assert_eq(reconcile_pod(tc, &env, "00ff00ff00ff00ff", 0, &pod), -EINVAL, "%s", fields);
+        cr_assert_null(pod, "nothing rendered for %s", fields);
+        cr_assert_eq(reconcile_template_hash(tc, hash), -EINVAL, "%s", fields);
+        cJSON_Delete(tc);
+    }
+}
+
+/* COHORT_INTEGRITY's value in container c, and how many times it is set. */
+static const char *integrity_env(const cJSON *c, int *n)
+{
+    const cJSON *it;
+    const char *v = NULL;
+
+    *n = 0;
+    cJSON_ArrayForEach(it, cJSON_GetObjectItem(c, "env"))
+        if (strcmp(sget(it, "name"), "COHORT_INTEGRITY") == 0) {
+            v = sget(it, "value");
+            (*n)++;
+        }
+    return v;
+}
+
+/* mac: the sidecar is told --integrity mac (and has the key it needs),
+ * every trainer container COHORT_INTEGRITY=mac in place of the
+ * template's; none (or unset): no flag, and the trainers are told none,
+ * whatever the template said. */
+Test(reconcile, pod_renders_integrity_in_the_sidecar_and_every_trainer)
+{
+    static const struct {
+        const char *reduction, *want;
+    } cases[] = {
+        { "{\"integrity\":\"mac\"}", "mac" },
+        { "{\"integrity\":\"none\"}", "none" },
+        { "{}", "none" },
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char buf[1024], args[1024];
+        const cJSON *spec, *side, *c;
+        const char *at;
+        cJSON *tc, *pod = NULL;
+        int n, trainers = 0;
+
+        snprintf(buf, sizeof(buf),
+                 "{\"metadata\":{\"name\":\"lr\",\"namespace\":\"ns\",\"uid\":\"u\"},"
+                 "\"spec\":{\"reduction\":%s,\"template\":{\"spec\":{\"containers\":["
+                 "{\"name\":\"a\",\"env\":[{\"name\":\"COHORT_INTEGRITY\",\"value\":\"%s\"}]},"
+                 "{\"name\":\"b\"}]}}}}", cases[i].reduction,
+                 strcmp(cases[i].want, "mac") == 0 ? "none" : "mac");
+        tc = parse(buf);
+        cr_assert_eq(reconcile_pod(tc, &env, "00ff00ff00ff00ff", 0, &pod), 0, "%s", buf);
+        sidecar_args(pod, args, sizeof(args));
+        at = strstr(args, "--integrity");
+        if (strcmp(cases[i].want, "mac") == 0)
+            cr_assert(at && strncmp(at, "--integrity mac", 15) == 0 &&
+                      !strstr(at + 1, "--integrity"), "once, with mac: %s", args);
+        else
+            cr_assert_null(at, "%s: %s", cases[i].reduction, args);
+        spec = cJSON_GetObjectItem(pod, "spec");
+        side = cJSON_GetArrayItem(cJSON_GetObjectItem(spec, "initContainers"), 0);
+        cr_assert(has_env(side, "COHORT_SECRET_FILE"), "the key --integrity mac needs");
+        cr_assert_not(has_env(side, "COHORT_INTEGRITY"), "the sidecar's flag decides");
+        cJSON_ArrayForEach(c, cJSON_GetObjectItem(spec, "containers")) {
+            const char *v = integrity_env(c, &n);
+            cr_assert_eq(n, 1, "%s: one COHORT_INTEGRITY in %s", cases[i].reduction,
+                         sget(c, "name"));
+            cr_assert_str_eq(v, cases[i].want, "%s in %s", cases[i].reduction, sget(c, "name"));
+            trainers++;
+        }
+        cr_assert_eq(trainers, 2);
+        cJSON_Delete(pod);
+        cJSON_Delete(tc);
+    }
+}
+
+/* mac is in the template hash, so that a change replaces every pod (old
+ * and new members would refuse each other); none, written or defaulted,
+ * leaves the hash as it was before the field existed. */
+Test(reconcile, template_hash_covers_integrity_mac_only)
+{
+    cJSON *plain = cohort("lr", ""), *none = cohort("lr", "\"reduction\":{\"integrity\":\"none\"}");
+    cJSON *mac = cohort("lr", "\"reduction\":{\"integrity\":\"mac\"}");
+    cJSON *ck = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":50}");
+    cJSON *ck_mac = cohort("lr", "\"checkpoint\":{" CKPT_HOSTPATH ",\"everyVersions\":50},"
+                                 "\"reduction\":{\"integrity\":\"mac\"}");
+    char hp[RECONCILE_HASH_CHARS + 1], hn[RECONCILE_HASH_CHARS + 1];
+    char hm[RECONCILE_HASH_CHARS + 1], hc[RECONCILE_HASH_CHARS + 1];
+    char hcm[RECONCILE_HASH_CHARS + 1];
+    cJSON *pod = NULL;
+
+    cr_assert_eq(reconcile_template_hash(plain, hp), 0);
+    cr_assert_eq(reconcile_template_hash(none, hn), 0);
+    cr_assert_eq(reconcile_template_hash(mac, hm), 0);
+    cr_assert_eq(reconcile_template_hash(ck, hc), 0);
+    cr_assert_eq(reconcile_template_hash(ck_mac, hcm), 0);
+    cr_assert_str_eq(hp, hn, "none is the default: no roll");
+    cr_assert_str_neq(hp, hm, "none to mac rolls the pods");
+    cr_assert_str_neq(hc, hcm, "with spec.checkpoint too");
+    cr_assert_str_neq(hm, hcm);
+    cr_assert_eq(reconcile_pod(mac, &env, NULL, 0, &pod), 0);
+    cr_assert_str_eq(dotted(pod, "metadata.labels", RECONCILE_LABEL_TEMPLATE_HASH), hm,
+                     "the pod carries the hash that covers mac");
+    cJSON_Delete(pod);
+    cJSON_Delete(plain);
+    cJSON_Delete(none);
+    cJSON_Delete(mac);
+    cJSON_Delete(ck);
+    cJSON_Delete(ck_mac);
+}
