@@ -619,9 +619,10 @@ struct cohort_averager_config {
      * compression; compression stays NONE. Copied. The NONE ranges are
      * averaged exactly, each other codec's in a call of its own, all in
      * one step that succeeds or changes nothing. Only averagers of the
-     * same plan group; with a plan the schema is at most 39 bytes, and an
-     * averager without tensors cannot join. NULL/0: compression for every
-     * value. */
+     * same plan group; with a plan the schema is at most 39 bytes. An
+     * averager without tensors joins such a group too: it learns the plan
+     * in the step's first call, checked against the plan's digest in the
+     * schema. NULL/0: compression for every value. */
     const struct cohort_codec_range *codec_plan;
     size_t codec_plan_len;
     /* Load balancing (hivemind's bandwidth and client_mode). In a group

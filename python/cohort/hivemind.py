@@ -82,8 +82,10 @@ more than 256 times along the averaged tensors, daemon=False.
 
 An auxiliary peer may have no tensors (`averaged_tensors=None` or [],
 `auxiliary=True`): it joins groups of any tensors, learns their size and
-compression from its group, and reduces its share of each round like any
-peer; get_tensors() gives it an empty list.
+compression from its group (an adaptive codec's choice per tensor in the
+step's first call, checked against the digest the group formed under),
+and reduces its share of each round like any peer; get_tensors() gives
+it an empty list.
 
 Gathered objects and state metadata cross as JSON (hivemind uses
 msgpack): peers may lie, and JSON cannot run code on the receiving side.

@@ -49,28 +49,40 @@
  * A codec per tensor (a plan: ranges of the caller's vector, each in a
  * codec, as hivemind's adaptive compression picks one per tensor). The
  * engine applies one codec to a call, so the attempt's buffer is laid
- * out by codec: the CODEC_NONE ranges first, in order, then the metadata,
- * so that the exact call carries both (w x summed and divided by the
- * total, as without a codec: integers stay exact); then one group per
- * other codec, in the order of its first range, each holding its ranges
- * in order on 8 bytes of its own. After the exact call every coded group
- * follows in a call of its own, round 2, 3, ..., each contributing
- * (w / total) x as above. Calls in a row are safe as above only when
- * each but the last is recursive doubling or a butterfly, so a call that
- * another follows runs as a butterfly (equal shares when no member gave
- * a bandwidth) unless it is the metadata alone; the last keeps the
- * engine's choice. The caller's data is written only after every call
+ * out by codec: first the plan's area (AVERAGER_PLAN_FLOATS) and the
+ * metadata, the exact call; then one group per codec, CODEC_NONE
+ * included, in the order of its first range, each holding its ranges
+ * in order on 8 bytes of its own. After the exact call every group
+ * follows in a call of its own, round 2, 3, ...: the CODEC_NONE group
+ * contributes w x, summed and divided by the total (integers stay
+ * exact), each coded one (w / total) x as above. The plan rides in the
+ * exact call because an averager without tensors has only the plan's
+ * digest from the schema and cannot size any later call without the
+ * plan: every member with tensors adds its plan there (so the sum is k
+ * copies of one plan, exact in float32), each of them checks that the
+ * sum is its own plan and the averager without tensors that its digest
+ * is the schema's, then lays it out in a buffer take_schema sized for
+ * any plan of the count and runs the same calls with zeros. Every member
+ * reads the same sum, so a member that lies about the plan fails the
+ * step at every honest member before any later call; one that sends
+ * members different sums fails some of them there and the rest in the
+ * next call, which those never join. A plan group thus runs one call
+ * more than a single codec's when it has CODEC_NONE ranges, in exchange
+ * for the exact call's size not depending on the plan. Calls in a row
+ * are safe as above only when each but the last is recursive doubling
+ * or a butterfly, so a call that another follows runs as a butterfly
+ * (equal shares when no member gave a bandwidth) unless it holds no
+ * values (the metadata, and the plan); the last keeps the engine's
+ * choice. The caller's data is written only after every call
  * succeeded, range by range from its place, so a step whose later call
  * fails changes nothing, and the result is the same bytes everywhere
  * since each call's is. A coded group's runs span its tensors as the
  * engine's segments fall, as a single codec's do: each segment is one
  * run of its codec. With a plan the schema's first byte is
- * AVERAGER_SCHEMA_PLAN and eight bytes after min_part carry a digest of
- * the plan (FNV-1a over each range's count and codec), so that only
- * averagers of one plan group. A plan of one codec is that codec, and
- * groups with averagers given it. An averager without tensors would
- * need the plan itself, which the schema does not hold: it refuses such
- * a group.
+ * AVERAGER_SCHEMA_PLAN and eight bytes after min_part carry the plan's
+ * digest (plan_digest: SHA-256, so that a liar cannot find another plan
+ * with the digest), so that only averagers of one plan group. A plan of
+ * one codec is that codec, and groups with averagers given it.
  *
  * Load balancing. The broker hands every member of a group each member's
  * bandwidth and client flag, as they asked. When any is given the round
@@ -88,11 +100,13 @@
  *
  * Without tensors. The schema the broker compares is the codec's byte,
  * the count's eight, min_vector_size's eight (a plan's digest's eight)
- * and the caller's bytes, so
- * an auxiliary averager without tensors asks for any schema
- * (matchmaker.h) and learns them from the group's reply (take_schema), sizing its buffer then:
- * it reduces its share like any member and contributes weight 0. The
- * count comes from another member, so it is capped (max_count).
+ * and the caller's bytes, so an auxiliary averager without tensors asks
+ * for any schema (matchmaker.h) and learns them from the group's reply
+ * (take_schema), sizing its buffer then, and a plan from the exact call
+ * (plan_take): it reduces its share like any member and contributes
+ * weight 0. The count comes from another member, so it is capped
+ * (max_count), and so is a plan (AVERAGER_PLAN_MAX ranges, covering the
+ * count).
  *
  * Exclusion. The engine fails a call at every member within its member
  * timeout when a peer stalls or dies. The members that are still alive
@@ -112,6 +126,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <openssl/evp.h>
 
 #include "base/clock.h"
 #include "base/limits.h"
@@ -144,8 +160,9 @@ struct av_range {
     size_t dst;                     /* ... in the attempt's buffer */
 };
 
-/* The values of one codec other than CODEC_NONE, contiguous in the
- * attempt's buffer, averaged by one engine call of their own. */
+/* The values of one codec other than CODEC_NONE (with a plan, of any
+ * codec), contiguous in the attempt's buffer, averaged by one engine call
+ * of their own. */
 struct av_group {
     enum codec codec;
     size_t count, off;              /* elements, and the first one's place */
@@ -191,8 +208,11 @@ struct averager {
     struct av_group groups[CODEC_END];  /* the coded groups, in order of first range */
     size_t n_groups;
     size_t n_exact;                 /* CODEC_NONE values, at the buffer's start */
-    size_t sum_floats;              /* the buffer's size */
+    size_t sum_floats;              /* the buffer's laid-out size */
+    size_t sum_cap;                 /* its allocated size (more without tensors, whose
+                                     * plan arrives in the exact call) */
     float *sum;                     /* the attempt's buffer */
+    uint64_t digest;                /* with a plan: its digest, the schema's */
     int h_exact;                    /* its exact part: CODEC_NONE values and metadata */
     char err[RPC_MESSAGE_MAX + 192];
 
@@ -295,10 +315,11 @@ static size_t even(size_t floats)
     return (floats + 1) & ~(size_t)1;
 }
 
-/* Where the metadata starts: after the CODEC_NONE values, on 8 bytes. */
+/* Where the metadata starts: after the CODEC_NONE values, on 8 bytes;
+ * with a plan, after the plan's area (AVERAGER_PLAN_FLOATS, even). */
 static size_t meta_offset(const struct averager *a)
 {
-    return even(a->n_exact);
+    return a->plan ? AVERAGER_PLAN_FLOATS : even(a->n_exact);
 }
 
 /* Floats of the metadata part for a group of n. */
@@ -317,7 +338,9 @@ static size_t exact_floats(const struct averager *a, size_t n)
 /* Places a->ranges in the attempt's buffer (see the top): the CODEC_NONE
  * ranges first, in order, then the metadata of a full group, then one
  * group per other codec, in the order of its first range, each holding
- * its ranges in order and starting on 8 bytes (the engine registers it). */
+ * its ranges in order and starting on 8 bytes (the engine registers it).
+ * With a plan the plan's area and the metadata come first, and the
+ * CODEC_NONE ranges are a group too. */
 static void layout(struct averager *a)
 {
     size_t at = 0;
@@ -327,7 +350,7 @@ static void layout(struct averager *a)
         struct av_range *x = &a->ranges[r];
         size_t g = 0;
 
-        if (x->codec == CODEC_NONE) {
+        if (x->codec == CODEC_NONE && !a->plan) {
             x->dst = at;
             at += x->count;
             continue;
@@ -358,62 +381,77 @@ static void layout(struct averager *a)
 }
 
 static int reg(struct averager *a, void *p, size_t bytes, int *h);
+static void groups_unregister(struct averager *a);
 
 static void buffer_free(struct averager *a)
 {
     if (a->h_exact >= 0)
         allreduce_unregister(a->ar, a->h_exact);
     a->h_exact = -1;
+    groups_unregister(a);
+    free(a->sum);
+    a->sum = NULL;
+}
+
+/* Registers each group laid out (unregistered before). Returns 0 or
+ * the engine's -ENOSPC (out of handles; not with the averager's few). */
+static int groups_register(struct averager *a)
+{
+    int rc = 0;
+
+    for (size_t g = 0; g < a->n_groups && rc == 0; g++)
+        rc = reg(a, a->sum + a->groups[g].off, a->groups[g].count * sizeof(float),
+                 &a->groups[g].h);
+    return rc;
+}
+
+static void groups_unregister(struct averager *a)
+{
     for (size_t g = 0; g < a->n_groups; g++) {
         if (a->groups[g].h >= 0)
             allreduce_unregister(a->ar, a->groups[g].h);
         a->groups[g].h = -1;
     }
-    free(a->sum);
-    a->sum = NULL;
 }
 
-/* Lays out a->ranges and allocates and registers the attempt's buffer:
- * its exact part and each coded group. Returns 0, -ENOMEM or the
- * engine's -ENOSPC (out of handles; not with the averager's few). */
-static int buffer_alloc(struct averager *a)
+/* Lays out a->ranges and allocates (at least `cap` floats) and registers
+ * the attempt's buffer: its exact part and each coded group. Returns 0,
+ * -ENOMEM or the engine's -ENOSPC. */
+static int buffer_alloc(struct averager *a, size_t cap)
 {
     int rc;
 
     buffer_free(a);
     layout(a);
-    a->sum = calloc(a->sum_floats, sizeof(float));
+    a->sum_cap = cap > a->sum_floats ? cap : a->sum_floats;
+    a->sum = calloc(a->sum_cap, sizeof(float));
     if (!a->sum)
         return -ENOMEM;
     rc = reg(a, a->sum, exact_floats(a, a->target) * sizeof(float), &a->h_exact);
-    for (size_t g = 0; g < a->n_groups && rc == 0; g++)
-        rc = reg(a, a->sum + a->groups[g].off, a->groups[g].count * sizeof(float),
-                 &a->groups[g].h);
+    if (rc == 0)
+        rc = groups_register(a);
     if (rc < 0)
         buffer_free(a);
     return rc;
 }
 
 /* Without tensors: takes the group's count, codec and min_part from its
- * schema
- * (see averager_create) and sizes the buffer for them. Returns 0,
- * -EPROTO (a schema that is not an averager's, or one of a codec plan,
- * with *why), -EMSGSIZE (more than max_count, or metadata a coded round
- * cannot carry here, with *why) or -ENOMEM. */
+ * schema (see averager_create), or with a codec plan its count and the
+ * plan's digest (the plan itself arrives in the exact call: plan_take),
+ * and sizes the buffer for them. Returns 0, -EPROTO (a schema that is
+ * not an averager's, with *why), -EMSGSIZE (more than max_count, or
+ * metadata a coded round cannot carry here, with *why) or -ENOMEM. */
 static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, const char **why)
 {
-    uint64_t count = 0;
-    enum codec codec;
+    uint64_t count = 0, min_part = 0, digest = 0;
+    enum codec codec = CODEC_NONE;
+    bool plan;
+    size_t meta;
     int rc;
 
-    uint64_t min_part = 0;
-
-    if (schema->len >= 1 && (schema->data[0] & ~AVERAGER_SCHEMA_MAC) == AVERAGER_SCHEMA_PLAN) {
-        *why = "a group with a codec per tensor (a codec plan), which an averager without "
-               "tensors cannot learn from the schema: give it the group's tensors and plan";
-        return -EPROTO;
-    }
-    if (schema->len < 17 || !codec_valid(schema->data[0] & ~AVERAGER_SCHEMA_MAC)) {
+    plan = schema->len >= 1 && (schema->data[0] & ~AVERAGER_SCHEMA_MAC) == AVERAGER_SCHEMA_PLAN;
+    if (schema->len < (plan ? 25u : 17u) ||
+        (!plan && !codec_valid(schema->data[0] & ~AVERAGER_SCHEMA_MAC))) {
         *why = "a group schema that is not an averager's";
         return -EPROTO;
     }
@@ -426,12 +464,15 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
                               "has none";
         return -EPROTO;
     }
-    for (int i = 8; i >= 1; i--)
+    for (int i = 8; i >= 1; i--) {
         count = count << 8 | schema->data[i];
-    for (int i = 16; i >= 9; i--)
-        min_part = min_part << 8 | schema->data[i];
+        min_part = min_part << 8 | schema->data[i + 8];
+        if (plan)
+            digest = digest << 8 | schema->data[i + 16];
+    }
     a->min_part = min_part > SIZE_MAX ? SIZE_MAX : (size_t)min_part;
-    codec = (enum codec)(schema->data[0] & ~AVERAGER_SCHEMA_MAC);
+    if (!plan)
+        codec = (enum codec)(schema->data[0] & ~AVERAGER_SCHEMA_MAC);
     if (count == 0) {
         *why = "a group schema of no elements";
         return -EPROTO;
@@ -443,18 +484,25 @@ static int take_schema(struct averager *a, const ProtobufCBinaryData *schema, co
     }
     /* A coded round's metadata call must be recursive doubling at every
      * member (see the top); this engine has the default threshold. */
-    if (codec != CODEC_NONE && meta_floats(a, a->target) * sizeof(float) > CODED_SMALL_BYTES) {
+    meta = (meta_floats(a, a->target) + (plan ? AVERAGER_PLAN_FLOATS : 0)) * sizeof(float);
+    if ((plan || codec != CODEC_NONE) && meta > CODED_SMALL_BYTES) {
         *why = "an averager without tensors cannot join a compressed group this large "
                "(its metadata exceeds the engine's recursive doubling)";
         return -EMSGSIZE;
     }
-    if (a->sum && count == a->count && codec == a->codec)
+    if (a->sum && count == a->count && codec == a->codec && plan == a->plan &&
+        digest == a->digest)
         return 0;
     a->count = (size_t)count;
     a->codec = codec;
+    a->plan = plan;
+    a->digest = digest;
     a->ranges[0] = (struct av_range){ .count = a->count, .codec = codec };
-    a->n_ranges = 1;
-    rc = buffer_alloc(a);
+    /* With a plan nothing is laid out past the exact part until the plan
+     * arrives; the buffer has room for any plan of the count: each group
+     * rounds up to 8 bytes. */
+    a->n_ranges = plan ? 0 : 1;
+    rc = buffer_alloc(a, plan ? even(exact_floats(a, a->target)) + a->count + CODEC_END : 0);
     if (rc < 0) {
         /* Cannot fail but for memory; the next group starts over. */
         a->count = 0;
@@ -622,6 +670,147 @@ out:
     return rc;
 }
 
+/* ---- the plan's digest and its area of the exact call --------------------- */
+
+/* SHA-256 over each range's count (eight bytes, little-endian) and codec
+ * (one byte), its first eight bytes little-endian: the digest the schema
+ * carries. Honest averagers of different plans never group by it, and a
+ * member that sends an averager without tensors another plan cannot
+ * make it match (plan_take). */
+static uint64_t plan_digest(const struct av_range *r, size_t n)
+{
+    uint8_t bytes[9 * AVERAGER_PLAN_MAX], md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    uint64_t h = 0;
+
+    for (size_t k = 0; k < n && k < AVERAGER_PLAN_MAX; k++) {
+        for (int i = 0; i < 8; i++)
+            bytes[9 * k + (size_t)i] = (uint8_t)((uint64_t)r[k].count >> (8 * i));
+        bytes[9 * k + 8] = (uint8_t)r[k].codec;
+    }
+    /* libcrypto does not fail to hash memory; if it did, 0 matches no
+     * plan's digest but by chance, and such a group fails its step. */
+    if (EVP_Digest(bytes, 9 * (n < AVERAGER_PLAN_MAX ? n : AVERAGER_PLAN_MAX), md, &len,
+                   EVP_sha256(), NULL) != 1 || len < 8)
+        return 0;
+    for (int i = 7; i >= 0; i--)
+        h = h << 8 | md[i];
+    return h;
+}
+
+/* Writes this averager's plan into the plan's area p (see the top and
+ * averager.h): one writer, the number of ranges, then each range's count
+ * in two 16-bit halves and its codec. */
+static void plan_put(const struct averager *a, float *p)
+{
+    p[0] = 1;
+    p[1] = (float)a->n_ranges;
+    for (size_t k = 0; k < a->n_ranges; k++) {
+        p[2 + 3 * k] = (float)(a->ranges[k].count & 0xffff);
+        p[3 + 3 * k] = (float)(a->ranges[k].count >> 16);
+        p[4 + 3 * k] = (float)a->ranges[k].codec;
+    }
+}
+
+/* Whether v is exactly k times an integer from 0 to max, which *out gets.
+ * Every member with tensors adds the same plan, so each word of the sum
+ * is k times the plan's (exact: k <= 256 and words below 2^16, so every
+ * partial sum is an integer below 2^24). */
+static bool plan_word(float v, size_t k, size_t max, size_t *out)
+{
+    double q = (double)v / (double)k;
+
+    if (!(q >= 0 && q <= (double)max) || q != floor(q) || q * (double)k != (double)v)
+        return false;
+    *out = (size_t)q;
+    return true;
+}
+
+/* Reads the summed plan's area p of a group of n: into r (room for
+ * AVERAGER_PLAN_MAX) and *len on 0; -EPROTO with *why when the sum is
+ * not k copies of one plan of a->count values. */
+static int plan_read(const struct averager *a, const float *p, size_t n, struct av_range *r,
+                     size_t *len, const char **why)
+{
+    size_t k, nr, at = 0;
+
+    if (!plan_word(p[0], 1, n, &k) || k == 0 || !plan_word(p[1], k, AVERAGER_PLAN_MAX, &nr) ||
+        nr == 0) {
+        *why = "its count of writers or of ranges is not a whole plan's";
+        return -EPROTO;
+    }
+    for (size_t i = 0; i < AVERAGER_PLAN_MAX; i++) {
+        const float *w = p + 2 + 3 * i;
+        size_t lo, hi, codec;
+
+        if (i >= nr) {
+            if (w[0] != 0 || w[1] != 0 || w[2] != 0) {
+                *why = "it holds words past its last range";
+                return -EPROTO;
+            }
+            continue;
+        }
+        if (!plan_word(w[0], k, 0xffff, &lo) || !plan_word(w[1], k, 0x3fff, &hi) ||
+            !plan_word(w[2], k, CODEC_END, &codec) || !codec_valid((int)codec)) {
+            *why = "a range's count or codec is not one";
+            return -EPROTO;
+        }
+        r[i] = (struct av_range){ .count = hi << 16 | lo, .codec = (enum codec)codec,
+                                  .src = at };
+        if (r[i].count == 0 || r[i].count > a->count - at) {
+            *why = "a range is empty or runs past the averaged elements";
+            return -EPROTO;
+        }
+        at += r[i].count;
+    }
+    if (at != a->count) {
+        *why = "its ranges do not cover the averaged elements";
+        return -EPROTO;
+    }
+    *len = nr;
+    return 0;
+}
+
+/* After the exact call of a group of n with a plan: checks the plan the
+ * members sent. A member with tensors must find its own; an averager
+ * without tensors one whose digest is the schema's, which it then lays
+ * out and registers, its groups zero (it contributes nothing). Returns
+ * 0, -EPROTO (with a->err) or the engine's -ENOSPC. */
+static int plan_take(struct averager *a, size_t n)
+{
+    struct av_range got[AVERAGER_PLAN_MAX];
+    const char *why = NULL;
+    size_t len = 0;
+    int rc = plan_read(a, a->sum, n, got, &len, &why);
+
+    if (rc == 0 && !a->no_tensors) {
+        bool same = len == a->n_ranges;
+
+        for (size_t k = 0; k < len && same; k++)
+            same = got[k].count == a->ranges[k].count && got[k].codec == a->ranges[k].codec;
+        if (!same) {
+            why = "it is not this averager's";
+            rc = -EPROTO;
+        }
+    } else if (rc == 0 && plan_digest(got, len) != a->digest) {
+        why = "its digest is not the one the group formed under";
+        rc = -EPROTO;
+    }
+    if (rc < 0) {
+        snprintf(a->err, sizeof(a->err), "a member of the group sent a bad codec plan: %s",
+                 why);
+        return rc;
+    }
+    if (!a->no_tensors)
+        return 0;
+    groups_unregister(a);
+    memcpy(a->ranges, got, len * sizeof(*got));
+    a->n_ranges = len;
+    /* Within sum_cap: the ranges cover a->count (take_schema). */
+    layout(a);
+    return groups_register(a);
+}
+
 /* ---- one attempt ------------------------------------------------------------ */
 
 static bool retryable(int rc)
@@ -689,7 +878,9 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
     rc = allreduce_set_epoch(a->ar, e);
     if (rc < 0)
         return rc;
-    memset(a->sum, 0, a->sum_floats * sizeof(float));
+    memset(a->sum, 0, a->sum_cap * sizeof(float));
+    if (a->plan && !a->no_tensors)
+        plan_put(a, a->sum);
     for (size_t k = 0; k < a->n_ranges && s->weight > 0; k++) {
         const struct av_range *x = &a->ranges[k];
 
@@ -703,11 +894,12 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
 
         words[(size_t)me * gw + b / 2] += (float)(b % 2 ? g[b] : g[b] << 8);
     }
-    /* The exact call: the CODEC_NONE values and the metadata. Followed by
-     * coded calls, it is small when it holds the metadata alone (the
-     * engine's threshold covers a full group's: see averager_create). */
-    rc = one_call(a, a->h_exact, exact_floats(a, n), n, CODEC_NONE, a->n_groups == 0,
-                  a->n_exact == 0, 1);
+    /* The exact call: the CODEC_NONE values and the metadata, or with a
+     * plan the plan and the metadata. Followed by more calls, it is small
+     * when it holds no values (the engine's threshold covers a full
+     * group's: see averager_create). */
+    rc = one_call(a, a->h_exact, exact_floats(a, n), n, CODEC_NONE,
+                  !a->plan && a->n_groups == 0, a->n_exact == 0, 1);
     if (rc < 0)
         return rc;
     /* What the others wrote is checked: a peer may lie, and the caller
@@ -731,6 +923,10 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
         snprintf(a->err, sizeof(a->err), "every member of the group was auxiliary");
         return -ENODATA;
     }
+    /* Every member reads the same sum: each one that fails here fails
+     * before any later call, and the others' calls then fail with it. */
+    if (a->plan && (rc = plan_take(a, n)) < 0)
+        return rc;
     if (a->n_groups) {
         /* Every member summed the same weights in the same order, so
          * each scales by the same total. */
@@ -739,6 +935,7 @@ static int attempt(struct averager *a, struct epoch *e, const struct averager_st
         for (size_t k = 0; k < a->n_ranges && s->weight > 0; k++) {
             const struct av_range *x = &a->ranges[k];
 
+            /* CODEC_NONE values were written before the exact call. */
             for (size_t i = 0; i < x->count && x->codec != CODEC_NONE; i++)
                 a->sum[x->dst + i] = share * s->data[x->src + i];
         }
@@ -1160,22 +1357,6 @@ static int reg(struct averager *a, void *p, size_t bytes, int *h)
     return *h < 0 ? *h : 0;
 }
 
-/* FNV-1a, 64 bits: a digest of a plan for the schema, so that averagers
- * of different plans never group. Not a defence against a liar, who can
- * send any values anyway: it tells honest configurations apart. */
-static uint64_t plan_digest(const struct av_range *r, size_t n)
-{
-    uint64_t h = 0xcbf29ce484222325ull;
-
-    for (size_t k = 0; k < n; k++)
-        for (int i = 0; i < 9; i++) {
-            uint8_t b = i < 8 ? (uint8_t)((uint64_t)r[k].count >> (8 * i)) : (uint8_t)r[k].codec;
-
-            h = (h ^ b) * 0x100000001b3ull;
-        }
-    return h;
-}
-
 int averager_plan_check(const struct averager_range *plan, size_t n, size_t count,
                         enum codec codec, size_t schema_len, char *why, size_t why_len)
 {
@@ -1223,7 +1404,9 @@ int averager_plan_check(const struct averager_range *plan, size_t n, size_t coun
  * that codec (an averager given it groups with those given the codec). */
 static int take_plan(struct averager *a, const struct averager_config *cfg)
 {
-    a->ranges = calloc(cfg->plan_len ? cfg->plan_len : 1, sizeof(*a->ranges));
+    /* Without tensors, room for any group's plan (plan_take). */
+    a->ranges = calloc(cfg->count == 0 ? AVERAGER_PLAN_MAX : cfg->plan_len ? cfg->plan_len : 1,
+                       sizeof(*a->ranges));
     if (!a->ranges)
         return -ENOMEM;
     a->ranges[0] = (struct av_range){ .count = cfg->count, .codec = cfg->codec };
@@ -1337,7 +1520,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
                                                      : AVERAGER_DEFAULT_TIMEOUT_MS;
     ac.segment_bytes = cfg->segment_bytes;
     if (a->plan || a->codec != CODEC_NONE) {
-        size_t meta = meta_floats(a, a->target) * sizeof(float);
+        size_t meta = exact_floats(a, a->target) * sizeof(float);
 
         ac.small_bytes = meta > CODED_SMALL_BYTES ? meta : CODED_SMALL_BYTES;
     }
@@ -1350,7 +1533,7 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     if (rc < 0)
         goto err;
     /* Without tensors the buffer waits for the first group's count. */
-    if (!a->no_tensors && (rc = buffer_alloc(a)) < 0)
+    if (!a->no_tensors && (rc = buffer_alloc(a, 0)) < 0)
         goto err;
     mc.broker = cfg->broker;
     mc.cohort = cfg->cohort;

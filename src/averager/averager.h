@@ -38,11 +38,14 @@
  *     group: the codec is part of the schema the broker compares.
  *   - With a codec plan (cfg.plan: a codec per range of the vector, as
  *     hivemind picks one per tensor) each range travels in its codec:
- *     the CODEC_NONE ranges exactly, in the call that carries the
- *     weights, and each other codec's ranges in a call of their own, with
- *     that codec's bound. The step is one: nothing is written unless
- *     every call succeeded, and every member ends with the same bytes.
- *     Averagers of different plans never group.
+ *     the plan and the weights go first in an exact call, then the
+ *     CODEC_NONE ranges exactly and each other codec's ranges in a call
+ *     of their own, with that codec's bound. The step is one: nothing is
+ *     written unless every call succeeded, and every member ends with the
+ *     same bytes. Averagers of different plans never group; an averager
+ *     without tensors joins any plan's group, learns the plan in the
+ *     first call (checked against the schema's digest) and reduces its
+ *     share of every call, contributing nothing.
  *   - Load balancing: in a group where a member declared a bandwidth or
  *     is a client, member i reduces a part of the round's buffer in
  *     proportion to its bandwidth (a client, none; not given, the mean
@@ -90,6 +93,17 @@ struct averager;
 #define AVERAGER_SCHEMA_PLAN_MAX 39u
 /* The most ranges of a codec plan. */
 #define AVERAGER_PLAN_MAX 256u
+/* With a plan the step's exact call begins with the plan, so that an
+ * averager without tensors, which has only the digest from the schema,
+ * learns it: this many floats, summed over the group: the number of
+ * members that wrote it (each member with tensors writes 1), the number
+ * of ranges, then for each range its count's low 16 bits, its count's
+ * high bits and its codec, every member with tensors writing its own
+ * plan (so the sum is k times one plan, exact), zeros after the last. A
+ * member with tensors that finds another plan than its own, and an
+ * averager without tensors that finds one whose digest is not the
+ * schema's, fails the step (-EPROTO) before any later call. */
+#define AVERAGER_PLAN_FLOATS (2u + 3u * AVERAGER_PLAN_MAX)
 
 /* One range of a codec plan: the next `count` values travel in `codec`. */
 struct averager_range {
@@ -131,7 +145,8 @@ struct averager_config {
                                      * steps with weight 0 (data unused), joins its
                                      * bucket whatever the others' schema, and
                                      * averages what its group does (count and codec
-                                     * from the group's schema) */
+                                     * from the group's schema, a codec plan from
+                                     * the step's first call) */
     size_t max_count;               /* without tensors: the largest count it takes
                                      * from a group (its buffer is sized by it);
                                      * 0: AVERAGER_AUX_COUNT_DEFAULT */
@@ -153,8 +168,8 @@ struct averager_config {
      * runs the CODEC_NONE values with the weights and gathered bytes in
      * the exact call, then one call per other codec (see averager.c).
      * Part of what the broker compares, by a digest: averagers group only
-     * with those of the same plan. An averager without tensors cannot
-     * join a group with a plan (its step fails with -EPROTO). 0: codec
+     * with those of the same plan. An averager without tensors learns a
+     * group's plan from its first call (AVERAGER_PLAN_FLOATS). 0: codec
      * for every value. */
     const struct averager_range *plan;
     size_t plan_len;                /* at most AVERAGER_PLAN_MAX */
@@ -236,13 +251,14 @@ struct averager_result {
  *               gather over gather_max, a weight other than 0 without
  *               tensors;
  *   -EMSGSIZE   without tensors: the group averages more than max_count
- *               elements, or a codec with metadata beyond the exact call's
- *               recursive doubling;
+ *               elements, or a codec or plan with metadata beyond the exact
+ *               call's recursive doubling;
  *   -ETIMEDOUT  no group completed the round within timeout_ms (too few
  *               averagers, or every attempt stalled);
  *   -EPROTO     the broker refused the request as disagreeing with the
  *               others waiting (group sizes, schema or codec), or the group's
- *               members disagree on the call;
+ *               members disagree on the call, or one sent a codec plan
+ *               other than the group's (see AVERAGER_PLAN_FLOATS);
  *   -ENODATA    every member of the group was auxiliary, or none of them
  *               can reduce (all clients or of bandwidth 0);
  *   -EACCES     the members' keys (or integrity settings) differ;

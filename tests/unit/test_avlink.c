@@ -16,6 +16,9 @@
  * - A codec plan travels in the shared region: bad ones are refused with
  *   the averager's sentence; a good one groups with an in-process
  *   averager of the same plan, and the exact part averages exactly.
+ * - An auxiliary averager without tensors hosted by the sidecar helps two
+ *   in-process averagers with a codec plan: it learns the plan in the
+ *   step's first call, and the exact part averages exactly.
  * - The Accumulator's session and averager links share the socket: a
  *   second Accumulator is still refused before it says anything.
  */
@@ -558,6 +561,110 @@ Test(avlink, a_codec_plan_through_the_sidecar_groups_and_averages)
         cohort_averager_result_free(p[i].res);
         cohort_averager_destroy(p[i].a);
     }
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the sidecar's averager left");
+}
+
+struct inproc {
+    struct averager *a;
+    float data[COUNT];
+    double weight;
+    int rc;
+    struct averager_result *res;
+    pthread_t t;
+};
+
+static void *inproc_main(void *arg)
+{
+    struct inproc *p = arg;
+    struct averager_step s = { .data = p->data, .weight = p->weight, .alpha = 1,
+                               .timeout_ms = FIXTURE_WAIT_MS };
+
+    p->rc = averager_step(p->a, &s, &p->res);
+    return NULL;
+}
+
+/* Two in-process averagers with the plan 8 exact, 8 fp16 and an
+ * auxiliary averager without tensors hosted by the sidecar: the group
+ * of three averages (the sidecar's averager learned the plan from the
+ * first call and reduced its share of each), every result names all
+ * three, the sidecar's with weight 0, the exact half is the exact
+ * average and both in-process members hold the same bytes. */
+Test(avlink, an_auxiliary_in_the_sidecar_helps_a_plan_group)
+{
+    static const struct averager_range plan[2] = { { 8, CODEC_NONE }, { 8, CODEC_FP16 } };
+    struct cohort_averager_config c = {
+        .broker = addr, .cohort = "avl", .id = "aux", .prefix = "run/auxplan",
+        .target_group_size = 3, .min_group_size = 3, .min_matchmaking_ms = 300,
+        .allreduce_timeout_ms = 3000,
+    };
+    struct peer aux = { 0 };
+    struct inproc p[2] = { 0 };
+    char why[AVLINK_ERROR_MAX] = "";
+    const char *aux_id;
+
+    cr_assert_eq(cohort_averager_create_why(&c, &aux.a, why, sizeof(why)), 0, "%s", why);
+    cr_assert_eq(cohort_averager_wait(aux.a, FIXTURE_WAIT_MS), 0);
+    for (int i = 0; i < 2; i++) {
+        struct averager_config ac = {
+            .broker = broker, .cohort = "avl", .id = i ? "plan-b" : "plan-a",
+            .host = "127.0.0.1", .key = &key, .prefix = "run/auxplan",
+            .target_group_size = 3, .min_group_size = 3, .min_matchmaking_ms = 300,
+            .allreduce_timeout_ms = 3000, .count = COUNT, .schema = "f32x16",
+            .schema_len = 6, .plan = plan, .plan_len = 2,
+        };
+
+        cr_assert_eq(averager_create(&ac, &p[i].a), 0);
+        cr_assert_eq(averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].weight = 1 + 2 * i;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = j < 8 ? (float)(4 * i + j) : (float)((i + 1) * 0.377 * j);
+    }
+    cr_assert_eq(pthread_create(&aux.t, NULL, step_main, &aux), 0);
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, inproc_main, &p[i]), 0);
+    pthread_join(aux.t, NULL);
+    for (int i = 0; i < 2; i++)
+        pthread_join(p[i].t, NULL);
+    cr_assert_eq(aux.rc, 0, "sidecar: %d %s", aux.rc, cohort_averager_error(aux.a));
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(p[i].rc, 0, "%d: %d %s", i, p[i].rc, averager_last_error(p[i].a));
+    cr_assert_eq(cohort_averager_result_size(aux.res), 3);
+    aux_id = NULL;
+    for (size_t k = 0; k < 3; k++) {
+        const char *id = cohort_averager_result_id(aux.res, k);
+
+        if (strcmp(id, "plan-a") != 0 && strcmp(id, "plan-b") != 0) {
+            cr_assert_null(aux_id, "two members other than plan-a and plan-b");
+            aux_id = id;
+            cr_assert_eq(cohort_averager_result_weight(aux.res, k), 0.0);
+        }
+    }
+    cr_assert_not_null(aux_id, "the sidecar's averager is named");
+    for (int i = 0; i < 2; i++) {
+        bool named = false;
+
+        cr_assert_eq(p[i].res->n, 3);
+        for (size_t k = 0; k < 3; k++)
+            named |= strcmp(p[i].res->ids[k], aux_id) == 0 && p[i].res->weights[k] == 0;
+        cr_assert(named, "%d: the result names the auxiliary with weight 0", i);
+    }
+    cr_assert_eq(memcmp(p[0].data, p[1].data, sizeof(p[0].data)), 0);
+    for (int j = 0; j < COUNT; j++) {
+        /* (1 x a + 3 x b) / 4 */
+        double want = j < 8 ? (j + 3.0 * (4 + j)) / 4 : (0.377 * j + 3 * 2 * 0.377 * j) / 4;
+
+        if (j < 8)
+            cr_assert_eq(p[0].data[j], (float)want, "[%d] %g != %g", j, p[0].data[j], want);
+        else
+            cr_assert(fabs(p[0].data[j] - want) <= 5.0 / 2048 * 2 * 0.377 * COUNT,
+                      "[%d] %g vs %g", j, p[0].data[j], want);
+    }
+    for (int i = 0; i < 2; i++) {
+        averager_result_free(p[i].res);
+        averager_destroy(p[i].a);
+    }
+    cohort_averager_result_free(aux.res);
+    cohort_averager_destroy(aux.a);
     FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the sidecar's averager left");
 }
 

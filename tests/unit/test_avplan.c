@@ -5,8 +5,12 @@
  * butterfly (with a client); a step whose last codec's call fails leaves
  * every member's data untouched; averagers of different plans never
  * group, and a plan of one codec groups with that codec; an averager
- * without tensors refuses a group with a plan; bad plans are refused
- * with a sentence that names the fault. */
+ * without tensors joins a group with a plan, learns the plan in the
+ * step's first call and helps reduce, contributing nothing; a member
+ * that sends another plan than the group's digest fails the step at
+ * every honest member, the averager without tensors included, and
+ * changes nothing; bad plans are refused with a sentence that names the
+ * fault. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
@@ -15,11 +19,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <unistd.h>
+
 #include "averager/averager.h"
+#include "base/clock.h"
 #include "base/secret.h"
+#include "cohort.pb-c.h"
+#include "engine/allreduce.h"
 #include "engine/codec.h"
 #include "fixture.h"
 #include "membership/brokerd.h"
+#include "membership/epoch.h"
+#include "membership/member.h"
 #include "rpc/rpc.h"
 
 #define N_MAX 4
@@ -148,20 +159,24 @@ static float value(int i, size_t j)
 
 /* n members averaging PLAN (the last one a client when `client`), with
  * weights 1, 3, 4, 8 (sums of powers of two over a total float32 divides
- * exactly for these integers): the exact ranges end with exactly
- * sum(w x) / sum(w), the coded ones within (n + 1) encodings of their
- * codec of the exact average and not all equal to it (the codec ran),
- * each a value of its codec, and every member holds the same bytes. */
-static void plan_round(const char *prefix, int n, bool client)
+ * exactly for these integers), and with `aux` an averager without
+ * tensors beside them ("a-aux", first in the group's order): the exact
+ * ranges end with exactly sum(w x) / sum(w), the coded ones within
+ * (members + 1) encodings of their codec of the exact average and not
+ * all equal to it (the codec ran), each a value of its codec, and every
+ * member holds the same bytes; every result names the whole group, the
+ * averager without tensors with weight 0. */
+static void plan_round(const char *prefix, int n, bool client, bool aux)
 {
     static const double weights[N_MAX] = { 1, 3, 4, 8 };
-    struct peer p[N_MAX] = { 0 };
+    struct peer p[N_MAX + 1] = { 0 };
+    int members = n + (aux ? 1 : 0);
     double total = 0, maxabs = 0;
     bool differs[2] = { false, false };
     char id[16];
 
     for (int i = 0; i < n; i++) {
-        struct spec s = { .prefix = prefix, .target = (uint32_t)n, .plan = PLAN,
+        struct spec s = { .prefix = prefix, .target = (uint32_t)members, .plan = PLAN,
                           .plan_len = PLAN_LEN, .count = COUNT,
                           .client = client && i == n - 1 };
 
@@ -175,13 +190,29 @@ static void plan_round(const char *prefix, int n, bool client)
                 maxabs = fabs(p[i].data[j]);
         }
     }
-    run_all(p, n);
-    for (int i = 0; i < n; i++) {
-        cr_assert_eq(p[i].rc, 0, "p-%d: %s", i, averager_last_error(p[i].a));
-        cr_assert_eq(p[i].res->n, (size_t)n);
-        cr_assert_eq(memcmp(p[i].data, p[0].data, sizeof(p[0].data)), 0,
-                     "p-%d ends with other bytes than p-0", i);
+    if (aux) {
+        struct spec s = { .prefix = prefix, .target = (uint32_t)members };
+
+        p[n].a = make("a-aux", &s);
+        for (size_t j = 0; j < COUNT; j++)
+            p[n].data[j] = 1234.5f;
     }
+    run_all(p, members);
+    for (int i = 0; i < members; i++) {
+        cr_assert_eq(p[i].rc, 0, "%s: %s", averager_id(p[i].a), averager_last_error(p[i].a));
+        cr_assert_eq(p[i].res->n, (size_t)members);
+        if (aux) {
+            cr_assert_str_eq(p[i].res->ids[0], "a-aux", "the group names the auxiliary");
+            cr_assert_eq(p[i].res->weights[0], 0.0);
+            cr_assert_eq(p[i].res->weights[1], weights[0]);
+        }
+        if (i < n)
+            cr_assert_eq(memcmp(p[i].data, p[0].data, sizeof(p[0].data)), 0,
+                         "p-%d ends with other bytes than p-0", i);
+    }
+    if (aux)
+        for (size_t j = 0; j < COUNT; j++)
+            cr_assert_eq(p[n].data[j], 1234.5f, "the auxiliary's buffer was written");
     for (size_t j = 0; j < COUNT; j++) {
         enum codec c = codec_at(j);
         double exact = 0;
@@ -196,8 +227,9 @@ static void plan_round(const char *prefix, int n, bool client)
         }
         {
             /* fp16 2^-11 and bf16 2^-8 relative per encoding, of values
-             * at most max|x|: n + 1 encodings with room for float32's. */
-            double bound = (n + 2) * (c == CODEC_FP16 ? 1.0 / 2048 : 1.0 / 256) * maxabs;
+             * at most max|x|: members + 1 encodings with room for
+             * float32's. */
+            double bound = (members + 2) * (c == CODEC_FP16 ? 1.0 / 2048 : 1.0 / 256) * maxabs;
             float one = p[0].data[j];
             uint8_t scratch[8];
 
@@ -211,25 +243,25 @@ static void plan_round(const char *prefix, int n, bool client)
     }
     cr_assert(differs[0] && differs[1], "fp16 %d bf16 %d: was every codec applied?",
               differs[0], differs[1]);
-    free_all(p, n);
+    free_all(p, members);
 }
 
 /* Two members: the exact call (values and metadata) is a butterfly, the
  * fp16 group's a butterfly, the bf16 group's, last, the ring. */
 Test(avplan, exact_and_coded_tensors_in_one_step_among_2)
 {
-    plan_round("run/p2", 2, false);
+    plan_round("run/p2", 2, false, false);
 }
 
 Test(avplan, exact_and_coded_tensors_in_one_step_among_3)
 {
-    plan_round("run/p3", 3, false);
+    plan_round("run/p3", 3, false, false);
 }
 
 /* A client among 4: every call is a balanced butterfly. */
 Test(avplan, exact_and_coded_tensors_with_a_client_among_4)
 {
-    plan_round("run/p4", 4, true);
+    plan_round("run/p4", 4, true, false);
 }
 
 /* uniform8 needs segments of 1368 bytes; with 512 the engine refuses its
@@ -327,39 +359,212 @@ Test(avplan, a_plan_of_one_codec_groups_with_that_codec)
     free_all(p, 2);
 }
 
-/* An averager without tensors cannot learn a plan from the schema: it
- * joins the group, refuses it with a sentence that says so, and the
- * others retry without it and complete. */
-Test(avplan, an_averager_without_tensors_refuses_a_group_with_a_plan)
+/* An averager without tensors beside 2 and beside 3 members with a plan:
+ * it learns the plan in the step's first call, reduces its share of
+ * every call with nothing of its own, and the members' results are
+ * those of plan_round, exact where exact, alike everywhere. */
+Test(avplan, an_averager_without_tensors_helps_a_plan_group_of_2)
 {
-    struct peer p[3] = { 0 };
+    plan_round("run/aux2", 2, false, true);
+}
 
+Test(avplan, an_averager_without_tensors_helps_a_plan_group_of_3)
+{
+    plan_round("run/aux3", 3, false, true);
+}
+
+/* ---- a member that lies about the plan ------------------------------------ */
+
+struct liar {
+    struct member *m;
+    struct allreduce *ar;
+    int fd, rc;
+    bool stop;
+    pthread_t poll, t;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    bool ended;
+    Cohort__V1__MatchmakeReply *rep;
+};
+
+static void *liar_poll(void *arg)
+{
+    struct liar *l = arg;
+
+    while (!__atomic_load_n(&l->stop, __ATOMIC_ACQUIRE)) {
+        member_poll(l->m, clock_now_ms());
+        usleep(20000);
+    }
+    return NULL;
+}
+
+static void liar_msg(void *arg, ProtobufCMessage *msg)
+{
+    struct liar *l = arg;
+
+    pthread_mutex_lock(&l->lock);
+    if (l->rep)
+        protobuf_c_message_free_unpacked(&l->rep->base, NULL);
+    l->rep = (Cohort__V1__MatchmakeReply *)msg;
+    pthread_mutex_unlock(&l->lock);
+}
+
+static void liar_end(void *arg, const struct rpc_status *st)
+{
+    struct liar *l = arg;
+
+    pthread_mutex_lock(&l->lock);
+    l->ended = true;
+    pthread_cond_signal(&l->cond);
+    pthread_mutex_unlock(&l->lock);
+}
+
+static bool liar_joined(void *arg)
+{
+    return member_joins(arg) > 0;
+}
+
+/* The liar's step: it asks for a group as an averager without tensors
+ * does (any schema), then runs the exact call of a plan group of n with
+ * a plan of its own in the plan's area: PLAN with its fp16 range's codec
+ * word 7 where the others write 1, so that the sum of three writers is
+ * 3 x (PLAN with that range in int8), a plan that reads whole but is not
+ * the group's. Its call completes; the honest members must refuse what
+ * it delivered. */
+static void *liar_main(void *arg)
+{
+    struct liar *l = arg;
+    Cohort__V1__MatchmakeRequest q = COHORT__V1__MATCHMAKE_REQUEST__INIT;
+    struct rpc_watch *w = NULL;
+    struct epoch *e = NULL;
+    const char *why = NULL;
+    float *buf = NULL;
+    size_t floats;
+    int h = -1;
+
+    q.prefix = "run/liar";
+    q.group_bits = "";
+    q.target_group_size = 4;
+    q.min_group_size = 4;
+    q.min_matchmaking_ms = 300;
+    q.timeout_ms = FIXTURE_WAIT_MS;
+    q.any_schema = true;
+    l->rc = member_matchmake(l->m, &q, liar_msg, liar_end, l, &w);
+    if (l->rc < 0)
+        return NULL;
+    pthread_mutex_lock(&l->lock);
+    while (!l->ended)
+        pthread_cond_wait(&l->cond, &l->lock);
+    pthread_mutex_unlock(&l->lock);
+    rpc_watch_close(w);
+    l->rc = -EPROTO;
+    if (!l->rep)
+        return NULL;
+    {
+        Cohort__V1__Epoch p = COHORT__V1__EPOCH__INIT;
+
+        p.cohort = "avp";
+        p.epoch = l->rep->group_id;
+        p.n_members = l->rep->n_members;
+        p.members = l->rep->members;
+        p.leader = l->rep->members[0]->id;
+        if (epoch_from_proto(&p, &e, &why) < 0)
+            return NULL;
+    }
+    /* The plan's area, then the metadata of 4 members (weight, length,
+     * 2048 words of gathered bytes each: the default gather_max), all 0
+     * here but the plan. */
+    floats = AVERAGER_PLAN_FLOATS + 4 * (2 + 2048);
+    buf = calloc(floats, sizeof(float));
+    if (!buf)
+        goto out;
+    buf[0] = 1;
+    buf[1] = (float)PLAN_LEN;
+    for (size_t k = 0; k < PLAN_LEN; k++) {
+        buf[2 + 3 * k] = (float)(PLAN[k].count & 0xffff);
+        buf[3 + 3 * k] = (float)(PLAN[k].count >> 16);
+        buf[4 + 3 * k] = PLAN[k].codec == CODEC_FP16 ? 7.0f : (float)PLAN[k].codec;
+    }
+    h = allreduce_register(l->ar, buf, floats * sizeof(float));
+    if (h < 0 || (l->rc = allreduce_set_epoch(l->ar, e)) < 0)
+        goto out;
+    l->rc = allreduce_run(l->ar, h, floats, DTYPE_F32, DTYPE_SUM, 0, 1);
+out:
+    if (h >= 0)
+        allreduce_unregister(l->ar, h);
+    free(buf);
+    epoch_unref(e);
+    return NULL;
+}
+
+/* Two members with PLAN, an averager without tensors, and a liar that
+ * sends another plan in the exact call: each member with tensors finds a
+ * plan that is not its own, the averager without tensors one whose
+ * digest is not the schema's; all three fail the step with -EPROTO and a
+ * sentence that says so, and no one's data changes. */
+Test(avplan, a_member_that_sends_another_plan_fails_the_step_for_everyone)
+{
+    struct liar l = { .fd = -1 };
+    struct member_config mc = { 0 };
+    struct allreduce_config ac = { 0 };
+    struct peer p[3] = { 0 };
+    char addr[64];
+
+    pthread_mutex_init(&l.lock, NULL);
+    pthread_cond_init(&l.cond, NULL);
+    cr_assert_eq(allreduce_listen("127.0.0.1", &l.fd, addr, sizeof(addr)), 0);
+    ac.cohort = "avp";
+    ac.member_id = "l-liar";
+    ac.listen_fd = l.fd;
+    ac.member_timeout_ms = 3000;
+    ac.small_bytes = (size_t)256 << 10;
+    ac.key = &key;
+    cr_assert_eq(allreduce_create(&ac, &l.ar), 0);
+    mc.broker = broker;
+    mc.cohort = "avp";
+    mc.id = "l-liar";
+    mc.address = addr;
+    mc.key = &key;
+    mc.quiet = true;
+    cr_assert_eq(member_create(&mc, &l.m), 0);
+    cr_assert_eq(pthread_create(&l.poll, NULL, liar_poll, &l), 0);
+    cr_assert(fixture_wait_until(liar_joined, l.m, FIXTURE_WAIT_MS));
     for (int i = 0; i < 3; i++) {
-        struct spec s = { .prefix = "run/aux", .target = 3, .min = 2,
-                          .plan = i < 2 ? PLAN : NULL, .plan_len = i < 2 ? PLAN_LEN : 0,
-                          .count = i < 2 ? COUNT : 0 };
+        struct spec s = { .prefix = "run/liar", .target = 4, .plan = i < 2 ? PLAN : NULL,
+                          .plan_len = i < 2 ? PLAN_LEN : 0, .count = i < 2 ? COUNT : 0 };
         char id[16];
 
         snprintf(id, sizeof(id), "x-%d", i);
         p[i].a = make(id, &s);
         p[i].weight = i < 2 ? 1 : 0;
-        p[i].no_retries = i == 2;
+        p[i].timeout_ms = 3 * FIXTURE_WAIT_MS;
         for (size_t j = 0; j < COUNT; j++)
-            p[i].data[j] = (float)(4 * i);
+            p[i].data[j] = (float)(4 * i + (int)j);
     }
+    cr_assert_eq(pthread_create(&l.t, NULL, liar_main, &l), 0);
     run_all(p, 3);
-    for (int i = 0; i < 2; i++) {
-        cr_assert_eq(p[i].rc, 0, "x-%d: %s", i, averager_last_error(p[i].a));
-        cr_assert_eq(p[i].data[0], 2.0f, "x-%d", i);
+    pthread_join(l.t, NULL);
+    cr_assert_eq(l.rc, 0, "the liar's exact call: %d", l.rc);
+    for (int i = 0; i < 3; i++) {
+        const char *err = averager_last_error(p[i].a);
+
+        cr_assert_eq(p[i].rc, -EPROTO, "x-%d: %d %s", i, p[i].rc, err);
+        cr_assert_null(p[i].res);
+        cr_assert(strstr(err, "bad codec plan"), "x-%d: %s", i, err);
+        cr_assert(strstr(err, i < 2 ? "not this averager's" : "digest"), "x-%d: %s", i, err);
+        for (size_t j = 0; j < COUNT; j++)
+            cr_assert_eq(p[i].data[j], (float)(4 * i + (int)j), "x-%d [%zu] changed", i, j);
     }
-    /* The broker may form the first group of the two alone; the aux then
-     * waits for a group that never forms: either way it averages nothing. */
-    cr_assert(p[2].rc == -EPROTO || p[2].rc == -ETIMEDOUT, "%d: %s", p[2].rc,
-              averager_last_error(p[2].a));
-    if (p[2].rc == -EPROTO)
-        cr_assert(strstr(averager_last_error(p[2].a), "codec plan"), "%s",
-                  averager_last_error(p[2].a));
     free_all(p, 3);
+    __atomic_store_n(&l.stop, true, __ATOMIC_RELEASE);
+    pthread_join(l.poll, NULL);
+    if (l.rep)
+        protobuf_c_message_free_unpacked(&l.rep->base, NULL);
+    member_destroy(l.m);
+    allreduce_destroy(l.ar);
+    close(l.fd);
+    pthread_cond_destroy(&l.cond);
+    pthread_mutex_destroy(&l.lock);
 }
 
 /* Bad plans: each refused by averager_plan_check with a sentence naming
