@@ -6,7 +6,8 @@
  * every member's data untouched; averagers of different plans never
  * group, and a plan of one codec groups with that codec; an averager
  * without tensors joins a group with a plan, learns the plan in the
- * step's first call and helps reduce, contributing nothing; a member
+ * step's first call and helps reduce, contributing nothing, and moves
+ * between groups of different plans and of none; a member
  * that sends another plan than the group's digest fails the step at
  * every honest member, the averager without tensors included, and
  * changes nothing; bad plans are refused with a sentence that names the
@@ -371,6 +372,64 @@ Test(avplan, an_averager_without_tensors_helps_a_plan_group_of_2)
 Test(avplan, an_averager_without_tensors_helps_a_plan_group_of_3)
 {
     plan_round("run/aux3", 3, false, true);
+}
+
+/* One averager without tensors steps with two members of PLAN, then two
+ * without a codec, then two of another plan (fp16 first, 8 values of
+ * int8 laid out before the exact ones), all on one prefix: it lays its
+ * buffer out anew for each group and every step is exact where exact,
+ * alike at both members. */
+Test(avplan, an_averager_without_tensors_moves_between_plans_and_none)
+{
+    static const struct averager_range other[] = {
+        { 4, CODEC_FP16 }, { 4, CODEC_NONE }, { 8, CODEC_BF16 },
+    };
+    struct spec as = { .prefix = "run/move", .target = 3 };
+    struct averager *aux = make("a-aux", &as);
+
+    for (int round = 0; round < 3; round++) {
+        const struct averager_range *plan = round == 0 ? PLAN : round == 2 ? other : NULL;
+        size_t plan_len = round == 0 ? PLAN_LEN : round == 2 ? 3 : 0;
+        struct peer p[3] = { 0 };
+
+        for (int i = 0; i < 2; i++) {
+            struct spec s = { .prefix = "run/move", .target = 3, .plan = plan,
+                              .plan_len = plan_len, .count = COUNT };
+            char id[32];
+
+            snprintf(id, sizeof(id), "m%d-%d", round, i);
+            p[i].a = make(id, &s);
+            p[i].weight = 1 + 2 * i;
+            for (size_t j = 0; j < COUNT; j++)
+                p[i].data[j] = (float)(4 * i + (int)j);
+        }
+        p[2].a = aux;
+        run_all(p, 3);
+        for (int i = 0; i < 3; i++) {
+            cr_assert_eq(p[i].rc, 0, "round %d, %s: %s", round, averager_id(p[i].a),
+                         averager_last_error(p[i].a));
+            cr_assert_eq(p[i].res->n, 3);
+            cr_assert_str_eq(p[i].res->ids[0], "a-aux");
+            averager_result_free(p[i].res);
+        }
+        cr_assert_eq(memcmp(p[0].data, p[1].data, sizeof(p[0].data)), 0, "round %d", round);
+        for (size_t j = 0; j < COUNT; j++) {
+            /* (1 x j + 3 x (4 + j)) / 4 = 3 + j: exact where exact, and
+             * within a few of bf16's steps of it where coded. */
+            bool exact = plan == NULL || (round == 0 ? codec_at(j) == CODEC_NONE
+                                                     : j >= 4 && j < 8);
+
+            if (exact)
+                cr_assert_eq(p[0].data[j], (float)(3 + j), "round %d [%zu] %g", round, j,
+                             p[0].data[j]);
+            else
+                cr_assert(fabs(p[0].data[j] - (3.0 + (double)j)) <= 5.0 / 256 * 20,
+                          "round %d [%zu] %g", round, j, p[0].data[j]);
+        }
+        for (int i = 0; i < 2; i++)
+            averager_destroy(p[i].a);
+    }
+    averager_destroy(aux);
 }
 
 /* ---- a member that lies about the plan ------------------------------------ */
