@@ -9,6 +9,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
+#include <linux/tcp.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -428,6 +429,118 @@ Test(allreduce, ring_medium_prime_count)
     static const size_t counts[] = { 100003 };
 
     matrix(0, 0, counts, 1, 2, MAXP, false, false, "ring, medium");
+}
+
+/* --- folding a short tail (ring.c, "Folding a tail") --------------------- */
+
+/* Payload and header bytes this process's TCP connections have had
+ * acknowledged, summed, once none has bytes in flight (the last ACKs of
+ * a call may trail its return). The members are threads of this
+ * process, so that is every byte any of them put on the wire. */
+static bool sockets_idle(void *arg)
+{
+    uint64_t *sum = arg;
+
+    *sum = 0;
+    for (int fd = 3; fd < 4096; fd++) {
+        struct tcp_info ti;
+        socklen_t len = sizeof(ti);
+
+        if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) < 0)
+            continue;
+        if (ti.tcpi_unacked != 0)
+            return false;
+        *sum += ti.tcpi_bytes_acked;
+    }
+    return true;
+}
+
+static uint64_t wire_bytes(void)
+{
+    uint64_t sum = 0;
+
+    cr_assert(fixture_wait_until(sockets_idle, &sum, FIXTURE_WAIT_MS), "bytes still in flight");
+    return sum;
+}
+
+/* Frames every member together sent in one call of `count` float32
+ * elements, checked against the reference: the bytes on the wire less
+ * the payload, which a ring, recursive doubling or a butterfly moves
+ * whatever the cut, over the header's length. */
+static size_t frames_of(struct cluster *c, size_t count, uint64_t round, size_t payload,
+                        const char *what)
+{
+    uint64_t before = wire_bytes(), sent;
+
+    reduce_and_check(c, count, DTYPE_F32, DTYPE_SUM, 0, round, what);
+    sent = wire_bytes() - before;
+    cr_assert_geq(sent, payload, "%s: %zu elements, %llu bytes sent", what, count,
+                  (unsigned long long)sent);
+    cr_assert_eq((sent - payload) % PEERWIRE_FRAME_BYTES, 0, "%s: %zu elements: %llu bytes more",
+                 what, count, (unsigned long long)(sent - payload));
+    return (size_t)((sent - payload) / PEERWIRE_FRAME_BYTES);
+}
+
+/* Buffers of whole segments (one window of two segments a chunk, and
+ * three whole windows) with 1, 8, 36 (the 144 bytes of a few counters),
+ * n x seg / 64 (the most that folds: seg / 64 a chunk) and one more
+ * float32 elements behind them, on 2, 3 and 4 members, with the ring
+ * forced and with the algorithm chosen by size (the ring, for the larger
+ * base): the results are the reference's on every member, and every tail
+ * up to the limit is carried in as many frames as the buffer without it,
+ * counted on the wire, and in as many as ring_segments() says; past the
+ * limit, one window of whole segments takes more (over several windows,
+ * one more window may cut into chunks that fold again). Then every type,
+ * averaged, at those sizes (16-bit types fold in their float32 partial
+ * sums, over shorter windows). */
+Test(allreduce, ring_folds_a_short_tail_into_the_last_segments, .timeout = 240)
+{
+    const size_t seg_bytes = 16 << 10, seg = seg_bytes / 4, fold = seg / 64;
+
+    for (int forced = 1; forced >= 0; forced--)
+        for (size_t n = 2; n <= 4; n++) {
+            size_t units = n == 2 ? 8 : 16;
+            const size_t bases[] = { n * 2 * seg, 3 * n * units * seg };
+            const size_t tails[] = { 1, 8, 36, n * fold, n * fold + 1 };
+            size_t most = bases[1] + n * fold + 1;
+            struct cluster c;
+            uint64_t round = 0;
+
+            quiet();
+            cluster_init(&c, n, most * 8, seg_bytes, forced ? ALLREDUCE_SMALL_NONE : 0, 60000);
+            adopt(&c, 1, NULL);
+            /* Connections come up in the first call that needs them, and
+             * recursive doubling needs others: count from the next ring. */
+            reduce_and_check(&c, bases[1], DTYPE_F32, DTYPE_SUM, 0, ++round, "warm-up");
+            /* Chosen by size, the smaller base is recursive doubling,
+             * whose payload differs: only the larger, a ring. */
+            for (size_t b = forced ? 0 : 1; b < 2; b++) {
+                size_t base = bases[b];
+                size_t whole = frames_of(&c, base, ++round, 2 * (n - 1) * base * 4, "whole");
+
+                cr_assert_eq(whole, 2 * (n - 1) * ring_segments(n, base, seg),
+                             "n=%zu: %zu elements", n, base);
+                for (size_t k = 0; k < sizeof tails / sizeof tails[0]; k++) {
+                    size_t count = base + tails[k];
+                    bool folds = tails[k] <= n * fold;
+                    size_t got = frames_of(&c, count, ++round, 2 * (n - 1) * count * 4,
+                                           forced ? "ring, folded" : "chosen, folded");
+
+                    cr_assert_eq(got, 2 * (n - 1) * ring_segments(n, count, seg),
+                                 "n=%zu: %zu + %zu elements", n, base, tails[k]);
+                    if (folds)
+                        cr_assert_eq(got, whole, "n=%zu: %zu + %zu elements: %zu frames, not %zu",
+                                     n, base, tails[k], got, whole);
+                    else if (b == 0)
+                        cr_assert_gt(got, whole, "n=%zu: %zu + %zu elements: %zu frames", n, base,
+                                     tails[k], got);
+                    for (int t = 0; forced && t < DTYPE_COUNT; t++)
+                        reduce_and_check(&c, count, (enum dtype)t, DTYPE_AVG, 0, ++round,
+                                         "ring, folded, every type");
+                }
+            }
+            cluster_fini(&c);
+        }
 }
 
 static void big(size_t n, size_t count, enum dtype t, enum dtype_op op, size_t seg)
@@ -2346,8 +2459,10 @@ Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
 
 /* A few elements appended to a buffer cost no exchange unless they add a
  * ring segment (or change the algorithm): 1 MiB of float32 on 2 members
- * is two whole 256 KiB segments per chunk, so 36 more elements make each
- * chunk three segments (cut evenly); 1,000,000 bytes already need three. */
+ * is two whole 256 KiB segments per chunk, and up to n x 1/64 of a
+ * segment more (2 x 1024 elements) is folded into them (ring.c, "Folding
+ * a tail"); one element beyond that makes each chunk three segments
+ * (cut evenly). 1,000,000 bytes already need three. */
 Test(allreduce, same_exchanges_counts_ring_segments)
 {
     struct allreduce_config c = { .cohort = "c", .member_id = "m" };
@@ -2358,11 +2473,21 @@ Test(allreduce, same_exchanges_counts_ring_segments)
     cr_assert_eq(allreduce_listen("127.0.0.1", &fd, addr, sizeof(addr)), 0);
     c.listen_fd = fd;
     cr_assert_eq(allreduce_create(&c, &a), 0);
-    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 2048, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 2049, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 4, 262144, 4096, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 4, 262144, 4097, DTYPE_F32));
+    /* float64: 32768-element segments, 512 elements (4 KiB) fold. */
+    cr_assert(allreduce_same_exchanges(a, 2, 131072, 1024, DTYPE_F64));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 131072, 1025, DTYPE_F64));
     cr_assert(allreduce_same_exchanges(a, 2, 250000, 36, DTYPE_F32));
     cr_assert(allreduce_same_exchanges(a, 4, 250000, 36, DTYPE_F32));
-    /* 64 MiB: a last window of 36 elements. */
-    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32));
+    /* 64 MiB: sixteen whole windows; 36 elements more would be a
+     * seventeenth window without folding. */
+    cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 4, 16u << 20, 36, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 2049, DTYPE_F32));
     /* Recursive doubling (up to 256 KiB): one exchange a step, whatever
      * the length; but not across the switch to the ring. */
     cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32));
