@@ -113,35 +113,40 @@ size_t ring_needs(size_t n, size_t me, size_t *need)
  * the same bytes in parts of nearly equal time.
  *
  * Folding a tail. A length just past a whole number of parts, such as a
- * buffer of whole segments with the Accumulator's 144 bytes of counters
+ * buffer of whole segments with the Accumulator's 208 bytes of counters
  * behind it, would still need one more part, and a short segment costs an
- * exchange at every step (about as much as a full one on loopback). So
- * an uncompressed call folds a tail of at most FOLD_SHARE-th of a segment
- * into the parts before it (parts_folded): a chunk of u segments and up to
- * seg / FOLD_SHARE elements more is cut into u segments, each at most
- * seg + seg / FOLD_SHARE long, and a buffer of w windows and up to n times
- * that into w windows, whose chunks then fold the same way. 1/64 of the
- * 256 KiB default is 4 KiB, which holds the Accumulator's counters at
- * any member count that carries them (at most 13 counters of 64 one-bit
- * float32 digits, 3,328 bytes; 208 for 2 to 8 members, 260 for 16),
- * and makes a segment at most 1.6% longer, which the pipeline does not
- * notice. A share rather than a fixed size keeps the bound on the slots
- * proportional to a configured segment; a larger share buys nothing the
- * counters need and moves whole segments' worth of bytes into others. The staging
- * slots are that much longer (ring_slot_bytes), allocated once with the
- * engine. Coded calls do not fold (fold 0): a codec's bound on a
- * segment's encoding is set for whole segments (allreduce.c).
+ * exchange at every step, about what a full one costs on loopback. So an
+ * uncompressed call folds a tail of at most 1/FOLD_SHARE of a segment
+ * into the parts before it (parts_folded): a chunk of u segments and up
+ * to seg / FOLD_SHARE elements more is cut into u segments, each at most
+ * seg + seg / FOLD_SHARE long, and a buffer of w windows and up to n
+ * times that into w windows, whose chunks then fold the same way (a
+ * window is then at most n x fold longer, so its chunks at most fold).
+ * 1/64 of the 256 KiB default is 4 KiB, which holds the Accumulator's
+ * counters at any member count that carries them (at most 13 counters of
+ * 64 one-bit float32 digits, 3,328 bytes; 208 for 2 to 8 members, 260 for
+ * 16) and lengthens a segment by 1.6% at most. A share rather than a
+ * fixed size keeps the slots' growth proportional to a configured
+ * segment; a larger one would hold nothing the counters need. The
+ * staging slots are that much longer (ring_slot_bytes), allocated once
+ * with the engine, and a chunk still has at most as many segments as a
+ * window allows, so the slot accounting above holds. Coded calls do not
+ * fold (fold 0): a codec's bound on a segment's encoding is checked for
+ * whole segments (allreduce.c).
  *
  * A fold changes which window and chunk an element of a folded size
  * falls in, so at 3 or more members the order in which its sum is taken
  * may differ from an engine without folding; every member computes the
- * same cut, so every member still ends with the same bytes. An engine
- * without folding in the same epoch cuts those sizes differently: its
- * first frame then names an offset or length other than the one due, and
- * the receiver's header check (conn.c) fails the call with -EPROTO
- * before a byte of it lands; sizes that fold nothing are cut as before.
- * A frame the check accepts names the step, so it carries the partial
- * sum of the same members either way. */
+ * same cut, so every member still ends with the same bytes. The wire
+ * format is unchanged, so the greeting's version is too: an engine
+ * without folding in the same epoch cuts those sizes differently, the
+ * first frame of a chunk it cuts differently names an offset or length
+ * other than the one due, and the receiver's header check (conn.c) fails
+ * the call with -EPROTO before that frame's payload lands (the buffer's
+ * contents are then unspecified, as after any failed call); sizes that
+ * fold nothing are cut as before and work across the two. A frame the
+ * check accepts names its step, so it carries the partial sum of the
+ * same members either way: no wrong bytes are ever combined. */
 #define FOLD_SHARE 64
 
 size_t ring_slot_bytes(size_t seg_bytes)

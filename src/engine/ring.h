@@ -33,9 +33,10 @@ size_t ring_segments(size_t n, size_t count, size_t seg);
 size_t ring_slot_bytes(size_t seg_bytes);
 
 /* How the ring cuts a length (windows, a window's chunks, a chunk's
- * segments, before any tail is folded): ring_parts(len, most) parts, as few as hold len in parts of
- * at most most (> 0), part c of n starting at ring_part_start(len, n, c)
- * (c = n gives len), lengths differing by one at most. */
+ * segments, before any tail is folded): ring_parts(len, most) parts, as
+ * few as hold len in parts of at most most (> 0), part c of n starting
+ * at ring_part_start(len, n, c) (c = n gives len), lengths differing by
+ * one at most. */
 size_t ring_parts(size_t len, size_t most);
 size_t ring_part_start(size_t total, size_t n, size_t c);
 

@@ -2419,6 +2419,56 @@ Test(allreduce, a_peer_with_another_codec_is_refused)
     }
 }
 
+/* A peer that cuts a folded size as an engine without folding would (1
+ * MiB of float32 and 36 elements on 2 members: chunks of 131090
+ * elements, three segments of 43697 or 43696 where this engine folds the
+ * tail into two of 65545) is refused at its first frame with -EPROTO,
+ * fast and before the payload is read; the segment this engine expects
+ * there is the folded one, which it accepts and waits out. */
+Test(allreduce, a_peer_that_does_not_fold_is_refused)
+{
+    static const uint32_t lengths[] = { 43697 * 4, 65545 * 4 };
+    const size_t count = 262144 + 36;
+
+    for (size_t k = 0; k < 2; k++) {
+        struct cluster c;
+        uint8_t b[PEERWIRE_HELLO_BYTES], hdr[PEERWIRE_FRAME_BYTES];
+        struct peerwire_frame f = { .magic = PEERWIRE_FRAME_DATA, .length = lengths[k],
+                                    .cohort = peerwire_cohort_hash(COHORT), .epoch = 1,
+                                    .round = 1, .offset = 0, .count = count,
+                                    .dtype = DTYPE_F32, .op = DTYPE_SUM,
+                                    .phase = PEERWIRE_PHASE_RS, .codec = CODEC_NONE, .step = 0 };
+        uint64_t t0;
+        int fd;
+
+        quiet();
+        cluster_init(&c, 2, count * 4, 0, ALLREDUCE_SMALL_NONE, k ? 1000 : 20000);
+        adopt(&c, 1, NULL);
+        /* m-0 is played here: greet m-1 as it, then send the header of
+         * the first segment m-1 receives (chunk 0, segment 0). */
+        fd = dial(c.p[1].addr);
+        greet_bytes(b, 1, "m-0", 0, 77, 1, NULL);
+        cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+        cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+        answer_of(b, PEERWIRE_ACCEPT);
+        t0 = clock_now_ms();
+        call_start(&c.p[1], count, DTYPE_F32, DTYPE_SUM, 0, 1);
+        peerwire_frame_encode(hdr, &f);
+        cr_assert_eq(send(fd, hdr, sizeof(hdr), MSG_NOSIGNAL), (ssize_t)sizeof(hdr));
+        call_join(&c.p[1]);
+        if (k == 0) {
+            cr_assert_eq(c.p[1].rc, -EPROTO, "%s", log_strerror(c.p[1].rc));
+            cr_assert_lt(clock_now_ms() - t0, 5000, "refused fast, not by timeout");
+        } else {
+            /* The header is the one due: m-1 waits for the payload that
+             * never comes, until its 1 s member timeout. */
+            cr_assert_eq(c.p[1].rc, -ETIMEDOUT, "%s", log_strerror(c.p[1].rc));
+        }
+        close(fd);
+        cluster_fini(&c);
+    }
+}
+
 /* A peer that names the right codec but sends the uncompressed length
  * (or any other) is refused before a payload byte is read as data. */
 Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
