@@ -67,10 +67,13 @@
  * sum is thrown away and the compressed gradient step runs. Only float32 and
  * float64 gradients carry them, and only while m <= SPARE_MEMBERS_MAX
  * (tally.h gives the digits), and only where the digits add no exchange
- * to the all-reduce (allreduce_same_exchanges: a buffer whose ring chunks
- * are whole segments, such as 1 MiB on 2 members, would gain a short
- * segment at every step, which costs more than the count step saves).
- * Every member sees the same counts, so all decide alike.
+ * to the all-reduce (allreduce_same_exchanges). A buffer whose ring
+ * chunks are whole segments, such as 1 MiB on 2 members, would gain a
+ * short segment at every step, which costs more than the count step
+ * saves; the ring folds a tail of up to 1/64 of a segment (4 KiB by
+ * default, more than the digits of any member count that carries them)
+ * into the segments before it instead, so such buffers take this step
+ * too. Every member sees the same counts, so all decide alike.
  *
  * Compression: a gradient step may carry its payload encoded (a codec,
  * engine/codec.h: fp16, bf16 or int8 on the wire, float32 accumulation).
@@ -1255,8 +1258,8 @@ static size_t spare_digits(const struct node *n, uint32_t m)
         COUNTERS * per * dtype_size(t) > n->t.results_spare)
         return 0;
     /* Where the digits would add a short ring segment to every step (a
-     * buffer of whole segments, such as 1 MiB), the count step costs
-     * less. */
+     * tail too long for the ring to fold, engine/ring.c), the count step
+     * costs less. */
     if (!allreduce_same_exchanges(n->ar, m, n->t.grad_count, COUNTERS * per, t))
         return 0;
     return per;

@@ -218,7 +218,8 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
     rc = -ENOMEM;
     a->cohort = strdup(cfg->cohort);
     a->id = strdup(cfg->member_id);
-    a->stage = malloc((SLOTS + 2) * seg);
+    a->slot_bytes = ring_slot_bytes(seg);
+    a->stage = malloc((SLOTS + 2) * a->slot_bytes);
     if (!a->cohort || !a->id || !a->stage)
         goto err_alloc;
     if (small != ALLREDUCE_SMALL_NONE) {

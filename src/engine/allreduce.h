@@ -99,7 +99,8 @@ int allreduce_listen(const char *host, int *fd, char *address, size_t address_le
 /* Starts an engine with no epoch yet: it accepts connections at once and
  * holds greetings from members of epochs it has not adopted for up to the
  * member timeout. Allocates every scratch buffer it will ever need, once:
- * 7 x segment_bytes of staging and 2 x small_bytes for recursive doubling.
+ * 8 staging slots of segment_bytes + 1/64 (a ring segment with a folded
+ * tail: ring.c) and 2 x small_bytes for recursive doubling.
  * Draws the engine's random incarnation, which tells its greetings from
  * those of an earlier engine under the same id (acceptor.c).
  * Returns 0, -EINVAL (bad config: integrity_mac without a key, too),
@@ -290,10 +291,13 @@ bool allreduce_busy(const struct allreduce *a);
 
 /* Whether an uncompressed all-reduce of count + extra elements of `type`
  * among n members makes as many exchanges as one of `count`: the same
- * algorithm, and for the ring as many segments (a few elements appended
- * to a buffer whose chunks are whole segments would add a short one to
- * every step). For a caller that can carry a few values with a buffer or
- * in a call of their own (the Accumulator's counters). */
+ * algorithm, and for the ring as many segments. The ring folds a tail of
+ * up to 1/64 of a segment per chunk into the segments before it (ring.c,
+ * "Folding a tail"), so a few elements appended to a buffer whose chunks
+ * are whole segments add none; more would add a short one to every
+ * step. 16-bit types are not counted (false beyond recursive doubling).
+ * For a caller that can carry a few values with a buffer or in a call of
+ * their own (the Accumulator's counters). */
 bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count, size_t extra,
                               enum dtype type);
 

@@ -197,7 +197,8 @@ struct allreduce {
     uint64_t probe_round_at;    /* no round of probes before this */
     struct dial *dials;         /* conn_connect_peers's dials while it waits */
     size_t n_dials;
-    uint8_t *stage;             /* SLOTS + 2 segments */
+    size_t slot_bytes;          /* a staging slot: ring_slot_bytes(seg_bytes) */
+    uint8_t *stage;             /* SLOTS + 2 slots */
     uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
 };

@@ -81,6 +81,7 @@ struct cursor {
 
 struct ring {
     size_t seg;                 /* elements per segment */
+    size_t fold;                /* the longest tail a chunk folds in: "Folding a tail" */
     size_t win;                 /* the most elements in a window */
     size_t n_windows;
     size_t steps;               /* 2(n - 1) */
@@ -109,8 +110,63 @@ size_t ring_needs(size_t n, size_t me, size_t *need)
  * length that does not divide ends in no tiny part. A tiny last segment
  * would cost a frame and a pipeline step like a full one, and a tiny last
  * window 2(n - 1) of them; cut evenly, the same number of frames carry
- * the same bytes in parts of nearly equal time. No part outgrows its
- * bound, so the staging slots and their accounting above are unchanged. */
+ * the same bytes in parts of nearly equal time.
+ *
+ * Folding a tail. A length just past a whole number of parts, such as a
+ * buffer of whole segments with the Accumulator's 208 bytes of counters
+ * behind it, would still need one more part, and a short segment costs an
+ * exchange at every step, about what a full one costs on loopback. So an
+ * uncompressed call folds a tail of at most 1/FOLD_SHARE of a segment
+ * into the parts before it (parts_folded): a chunk of u segments and up
+ * to seg / FOLD_SHARE elements more is cut into u segments, each at most
+ * seg + seg / FOLD_SHARE long, and a buffer of w windows and up to n
+ * times that into w windows, whose chunks then fold the same way (a
+ * window is then at most n x fold longer, so its chunks at most fold).
+ * 1/64 of the 256 KiB default is 4 KiB, which holds the Accumulator's
+ * counters at any member count that carries them (at most 13 counters of
+ * 64 one-bit float32 digits, 3,328 bytes; 208 for 2 to 8 members, 260 for
+ * 16) and lengthens a segment by 1.6% at most. A share rather than a
+ * fixed size keeps the slots' growth proportional to a configured
+ * segment; a larger one would hold nothing the counters need. The
+ * staging slots are that much longer (ring_slot_bytes), allocated once
+ * with the engine, and a chunk still has at most as many segments as a
+ * window allows, so the slot accounting above holds. Coded calls do not
+ * fold (fold 0): a codec's bound on a segment's encoding is checked for
+ * whole segments (allreduce.c).
+ *
+ * A fold changes which window and chunk an element of a folded size
+ * falls in, so at 3 or more members the order in which its sum is taken
+ * may differ from an engine without folding; every member computes the
+ * same cut, so every member still ends with the same bytes. The wire
+ * format is unchanged, so the greeting's version is too: an engine
+ * without folding in the same epoch cuts those sizes differently, the
+ * first frame of a chunk it cuts differently names an offset or length
+ * other than the one due, and the receiver's header check (conn.c) fails
+ * the call with -EPROTO before that frame's payload lands (the buffer's
+ * contents are then unspecified, as after any failed call); sizes that
+ * fold nothing are cut as before and work across the two. A frame the
+ * check accepts names its step, so it carries the partial sum of the
+ * same members either way: no wrong bytes are ever combined. */
+#define FOLD_SHARE 64
+
+size_t ring_slot_bytes(size_t seg_bytes)
+{
+    size_t b = seg_bytes + seg_bytes / FOLD_SHARE;
+
+    return (b + 7) / 8 * 8;
+}
+
+/* As ring_parts, except that a last part of at most fold is spread over
+ * the others (see "Folding a tail"). */
+static size_t parts_folded(size_t len, size_t most, size_t fold)
+{
+    size_t p = ring_parts(len, most);
+
+    if (p > 1 && len - (p - 1) * most <= fold)
+        p--;
+    return p;
+}
+
 size_t ring_part_start(size_t total, size_t n, size_t c)
 {
     size_t q = total / n, r = total % n;
@@ -126,13 +182,15 @@ size_t ring_parts(size_t len, size_t most)
 size_t ring_segments(size_t n, size_t count, size_t seg)
 {
     size_t win = n * seg * (n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS), total = 0;
-    size_t windows = ring_parts(count, win);
+    size_t fold = seg / FOLD_SHARE;
+    size_t windows = parts_folded(count, win, n * fold);
 
     for (size_t w = 0; w < windows; w++) {
         size_t wl = ring_part_start(count, windows, w + 1) - ring_part_start(count, windows, w);
 
         for (size_t c = 0; c < n; c++)
-            total += ring_parts(ring_part_start(wl, n, c + 1) - ring_part_start(wl, n, c), seg);
+            total += parts_folded(ring_part_start(wl, n, c + 1) - ring_part_start(wl, n, c), seg,
+                                  fold);
     }
     return total;
 }
@@ -150,7 +208,7 @@ static void cursor_settle(const struct run *x, const struct ring *g, struct curs
             size_t c = (x->me + 2 * x->n - k->t - shift) % x->n;
             size_t cs = ring_part_start(wl, x->n, c);
             size_t cl = ring_part_start(wl, x->n, c + 1) - cs;
-            size_t units = ring_parts(cl, g->seg);
+            size_t units = parts_folded(cl, g->seg, g->fold);
 
             if (k->j < units) {
                 size_t us = ring_part_start(cl, units, k->j);
@@ -188,7 +246,7 @@ static bool received(const struct ring *g, size_t w, size_t t, size_t j)
 
 static uint8_t *slot_ptr(const struct run *x, int slot)
 {
-    return x->a->stage + (size_t)slot * x->a->seg_bytes;
+    return x->a->stage + (size_t)slot * x->a->slot_bytes;
 }
 
 static bool ring_send_ready(const struct ring *g)
@@ -417,7 +475,8 @@ int ring_run(struct run *x)
     g.win = x->n * g.seg *
             (x->wide || x->coded ? WINDOW_UNITS_WIDE
                                  : x->n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS);
-    g.n_windows = ring_parts(x->count, g.win);
+    g.fold = x->coded ? 0 : g.seg / FOLD_SHARE;
+    g.n_windows = parts_folded(x->count, g.win, x->n * g.fold);
     g.steps = 2 * (x->n - 1);
     cursor_settle(x, &g, &g.s, 0);
     cursor_settle(x, &g, &g.q, 1);

@@ -21,15 +21,22 @@ int ring_run(struct run *x);
 
 /* The segments each chunk of a ring all-reduce of `count` elements among
  * n members (n >= 2) is cut into, summed over chunks and windows, with
- * `seg` elements a segment and plain (not 16-bit, not coded) elements:
- * what one member sends per step, summed. Equal for two counts, a call
- * makes as many exchanges with either. */
+ * `seg` elements a segment and plain (not 16-bit, not coded) elements,
+ * a short tail folded in as ring_run does: what one member sends per
+ * step, summed. Equal for two counts, a call makes as many exchanges with
+ * either. */
 size_t ring_segments(size_t n, size_t count, size_t seg);
 
+/* The bytes a staging slot needs for a ring of segment_bytes segments:
+ * a segment with a folded tail (ring.c, "Folding a tail") is up to
+ * 1/64 longer. A multiple of 8. */
+size_t ring_slot_bytes(size_t seg_bytes);
+
 /* How the ring cuts a length (windows, a window's chunks, a chunk's
- * segments): ring_parts(len, most) parts, as few as hold len in parts of
- * at most most (> 0), part c of n starting at ring_part_start(len, n, c)
- * (c = n gives len), lengths differing by one at most. */
+ * segments, before any tail is folded): ring_parts(len, most) parts, as
+ * few as hold len in parts of at most most (> 0), part c of n starting
+ * at ring_part_start(len, n, c) (c = n gives len), lengths differing by
+ * one at most. */
 size_t ring_parts(size_t len, size_t most);
 size_t ring_part_start(size_t total, size_t n, size_t c);
 

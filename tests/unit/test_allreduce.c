@@ -9,6 +9,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
+#include <linux/tcp.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -428,6 +429,121 @@ Test(allreduce, ring_medium_prime_count)
     static const size_t counts[] = { 100003 };
 
     matrix(0, 0, counts, 1, 2, MAXP, false, false, "ring, medium");
+}
+
+/* --- folding a short tail (ring.c, "Folding a tail") --------------------- */
+
+/* Payload and header bytes this process's TCP connections have had
+ * acknowledged, summed, once none has bytes in flight (the last ACKs of
+ * a call may trail its return). The members are threads of this
+ * process, so that is every byte any of them put on the wire. */
+static bool sockets_idle(void *arg)
+{
+    uint64_t *sum = arg;
+
+    *sum = 0;
+    for (int fd = 3; fd < 4096; fd++) {
+        struct tcp_info ti;
+        socklen_t len = sizeof(ti);
+
+        if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) < 0)
+            continue;
+        if (ti.tcpi_unacked != 0)
+            return false;
+        *sum += ti.tcpi_bytes_acked;
+    }
+    return true;
+}
+
+static uint64_t wire_bytes(void)
+{
+    uint64_t sum = 0;
+
+    cr_assert(fixture_wait_until(sockets_idle, &sum, FIXTURE_WAIT_MS), "bytes still in flight");
+    return sum;
+}
+
+/* Frames every member together sent in one call of `count` float32
+ * elements, checked against the reference: the bytes on the wire less
+ * the payload, which a ring, recursive doubling or a butterfly moves
+ * whatever the cut, over the header's length. */
+static size_t frames_of(struct cluster *c, size_t count, uint64_t round, size_t payload,
+                        const char *what)
+{
+    uint64_t before = wire_bytes(), sent;
+
+    reduce_and_check(c, count, DTYPE_F32, DTYPE_SUM, 0, round, what);
+    sent = wire_bytes() - before;
+    cr_assert_geq(sent, payload, "%s: %zu elements, %llu bytes sent", what, count,
+                  (unsigned long long)sent);
+    cr_assert_eq((sent - payload) % PEERWIRE_FRAME_BYTES, 0, "%s: %zu elements: %llu bytes more",
+                 what, count, (unsigned long long)(sent - payload));
+    return (size_t)((sent - payload) / PEERWIRE_FRAME_BYTES);
+}
+
+/* Buffers of whole segments (one window of two segments a chunk, and
+ * three whole windows) with 1, 8, 36 (the 144 bytes of a few counters),
+ * n x seg / 64 (the most that folds: seg / 64 a chunk) and one more
+ * float32 elements behind them, on 2, 3 and 4 members, with the ring
+ * forced and with the algorithm chosen by size (the ring, for the larger
+ * base): the results are the reference's on every member, and every tail
+ * up to the limit is carried in as many frames as the buffer without it,
+ * counted on the wire, and in as many as ring_segments() says; past the
+ * limit, one window of whole segments takes more (over several windows,
+ * one more window may cut into chunks that fold again). Then every type,
+ * averaged, at those sizes (16-bit types fold in their float32 partial
+ * sums, over shorter windows). On 3 members out of place. */
+Test(allreduce, ring_folds_a_short_tail_into_the_last_segments, .timeout = 240)
+{
+    const size_t seg_bytes = 16 << 10, seg = seg_bytes / 4, fold = seg / 64;
+
+    for (int forced = 1; forced >= 0; forced--)
+        for (size_t n = 2; n <= 4; n++) {
+            size_t units = n == 2 ? 8 : 16;
+            const size_t bases[] = { n * 2 * seg, 3 * n * units * seg };
+            const size_t tails[] = { 1, 8, 36, n * fold, n * fold + 1 };
+            size_t most = bases[1] + n * fold + 1;
+            struct cluster c;
+            uint64_t round = 0;
+
+            quiet();
+            cluster_init(&c, n, most * 8, seg_bytes, forced ? ALLREDUCE_SMALL_NONE : 0, 60000);
+            /* Out of place on 3 members: contributions read, never written. */
+            if (n == 3)
+                cluster_out_of_place(&c);
+            adopt(&c, 1, NULL);
+            /* Connections come up in the first call that needs them, and
+             * recursive doubling needs others: count from the next ring. */
+            reduce_and_check(&c, bases[1], DTYPE_F32, DTYPE_SUM, 0, ++round, "warm-up");
+            /* Chosen by size, the smaller base is recursive doubling,
+             * whose payload differs: only the larger, a ring. */
+            for (size_t b = forced ? 0 : 1; b < 2; b++) {
+                size_t base = bases[b];
+                size_t whole = frames_of(&c, base, ++round, 2 * (n - 1) * base * 4, "whole");
+
+                cr_assert_eq(whole, 2 * (n - 1) * ring_segments(n, base, seg),
+                             "n=%zu: %zu elements", n, base);
+                for (size_t k = 0; k < sizeof tails / sizeof tails[0]; k++) {
+                    size_t count = base + tails[k];
+                    bool folds = tails[k] <= n * fold;
+                    size_t got = frames_of(&c, count, ++round, 2 * (n - 1) * count * 4,
+                                           forced ? "ring, folded" : "chosen, folded");
+
+                    cr_assert_eq(got, 2 * (n - 1) * ring_segments(n, count, seg),
+                                 "n=%zu: %zu + %zu elements", n, base, tails[k]);
+                    if (folds)
+                        cr_assert_eq(got, whole, "n=%zu: %zu + %zu elements: %zu frames, not %zu",
+                                     n, base, tails[k], got, whole);
+                    else if (b == 0)
+                        cr_assert_gt(got, whole, "n=%zu: %zu + %zu elements: %zu frames", n, base,
+                                     tails[k], got);
+                    for (int t = 0; forced && t < DTYPE_COUNT; t++)
+                        reduce_and_check(&c, count, (enum dtype)t, DTYPE_AVG, 0, ++round,
+                                         "ring, folded, every type");
+                }
+            }
+            cluster_fini(&c);
+        }
 }
 
 static void big(size_t n, size_t count, enum dtype t, enum dtype_op op, size_t seg)
@@ -2306,6 +2422,56 @@ Test(allreduce, a_peer_with_another_codec_is_refused)
     }
 }
 
+/* A peer that cuts a folded size as an engine without folding would (1
+ * MiB of float32 and 36 elements on 2 members: chunks of 131090
+ * elements, three segments of 43697 or 43696 where this engine folds the
+ * tail into two of 65545) is refused at its first frame with -EPROTO,
+ * fast and before the payload is read; the segment this engine expects
+ * there is the folded one, which it accepts and waits out. */
+Test(allreduce, a_peer_that_does_not_fold_is_refused)
+{
+    static const uint32_t lengths[] = { 43697 * 4, 65545 * 4 };
+    const size_t count = 262144 + 36;
+
+    for (size_t k = 0; k < 2; k++) {
+        struct cluster c;
+        uint8_t b[PEERWIRE_HELLO_BYTES], hdr[PEERWIRE_FRAME_BYTES];
+        struct peerwire_frame f = { .magic = PEERWIRE_FRAME_DATA, .length = lengths[k],
+                                    .cohort = peerwire_cohort_hash(COHORT), .epoch = 1,
+                                    .round = 1, .offset = 0, .count = count,
+                                    .dtype = DTYPE_F32, .op = DTYPE_SUM,
+                                    .phase = PEERWIRE_PHASE_RS, .codec = CODEC_NONE, .step = 0 };
+        uint64_t t0;
+        int fd;
+
+        quiet();
+        cluster_init(&c, 2, count * 4, 0, ALLREDUCE_SMALL_NONE, k ? 1000 : 20000);
+        adopt(&c, 1, NULL);
+        /* m-0 is played here: greet m-1 as it, then send the header of
+         * the first segment m-1 receives (chunk 0, segment 0). */
+        fd = dial(c.p[1].addr);
+        greet_bytes(b, 1, "m-0", 0, 77, 1, NULL);
+        cr_assert_eq(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
+        cr_assert(read_exact(fd, b, sizeof(b), 5000), "no answer");
+        answer_of(b, PEERWIRE_ACCEPT);
+        t0 = clock_now_ms();
+        call_start(&c.p[1], count, DTYPE_F32, DTYPE_SUM, 0, 1);
+        peerwire_frame_encode(hdr, &f);
+        cr_assert_eq(send(fd, hdr, sizeof(hdr), MSG_NOSIGNAL), (ssize_t)sizeof(hdr));
+        call_join(&c.p[1]);
+        if (k == 0) {
+            cr_assert_eq(c.p[1].rc, -EPROTO, "%s", log_strerror(c.p[1].rc));
+            cr_assert_lt(clock_now_ms() - t0, 5000, "refused fast, not by timeout");
+        } else {
+            /* The header is the one due: m-1 waits for the payload that
+             * never comes, until its 1 s member timeout. */
+            cr_assert_eq(c.p[1].rc, -ETIMEDOUT, "%s", log_strerror(c.p[1].rc));
+        }
+        close(fd);
+        cluster_fini(&c);
+    }
+}
+
 /* A peer that names the right codec but sends the uncompressed length
  * (or any other) is refused before a payload byte is read as data. */
 Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
@@ -2346,8 +2512,10 @@ Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
 
 /* A few elements appended to a buffer cost no exchange unless they add a
  * ring segment (or change the algorithm): 1 MiB of float32 on 2 members
- * is two whole 256 KiB segments per chunk, so 36 more elements make each
- * chunk three segments (cut evenly); 1,000,000 bytes already need three. */
+ * is two whole 256 KiB segments per chunk, and up to n x 1/64 of a
+ * segment more (2 x 1024 elements) is folded into them (ring.c, "Folding
+ * a tail"); one element beyond that makes each chunk three segments
+ * (cut evenly). 1,000,000 bytes already need three. */
 Test(allreduce, same_exchanges_counts_ring_segments)
 {
     struct allreduce_config c = { .cohort = "c", .member_id = "m" };
@@ -2358,11 +2526,21 @@ Test(allreduce, same_exchanges_counts_ring_segments)
     cr_assert_eq(allreduce_listen("127.0.0.1", &fd, addr, sizeof(addr)), 0);
     c.listen_fd = fd;
     cr_assert_eq(allreduce_create(&c, &a), 0);
-    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 2048, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 2049, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 4, 262144, 4096, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 4, 262144, 4097, DTYPE_F32));
+    /* float64: 32768-element segments, 512 elements (4 KiB) fold. */
+    cr_assert(allreduce_same_exchanges(a, 2, 131072, 1024, DTYPE_F64));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 131072, 1025, DTYPE_F64));
     cr_assert(allreduce_same_exchanges(a, 2, 250000, 36, DTYPE_F32));
     cr_assert(allreduce_same_exchanges(a, 4, 250000, 36, DTYPE_F32));
-    /* 64 MiB: a last window of 36 elements. */
-    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32));
+    /* 64 MiB: sixteen whole windows; 36 elements more would be a
+     * seventeenth window without folding. */
+    cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 4, 16u << 20, 36, DTYPE_F32));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 2049, DTYPE_F32));
     /* Recursive doubling (up to 256 KiB): one exchange a step, whatever
      * the length; but not across the switch to the ring. */
     cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32));

@@ -1472,3 +1472,136 @@ Test(node, topk_residuals_carry_over_an_epoch_change_and_a_joiner_starts_at_zero
     for (int i = 0; i < 3; i++)
         cmember_free(&ms[i]);
 }
+
+/* ---- the spare step on a buffer of whole ring segments ---- */
+
+#define WG (256u << 10)             /* 1 MiB of float32: on 2 members, chunks of two
+                                     * whole 256 KiB ring segments */
+#define WROUNDS 8
+
+struct wmember {
+    int index;
+    struct node *n;
+    _Alignas(64) double params[1];
+    float *grads, *results;         /* WG, then SPARE_FLOATS for the node */
+    uint64_t made, applied;
+    uint64_t bad;                   /* results that were not the exact mean */
+    int rc;
+    pthread_t t;
+};
+
+/* Small integers per member, entry and round: sums exact in float32. */
+static float wvalue(int member, size_t i, uint64_t round)
+{
+    return (float)((int)((i * 7 + (size_t)member * 13 + round * 31) % 41) - 20);
+}
+
+/* One contribution a round, each checked against the mean of both
+ * members' for the version it made. */
+static void *wmember_main(void *arg)
+{
+    struct wmember *m = arg;
+    uint64_t end = clock_now_ms() + 120000;
+    struct node_view v;
+
+    while (clock_now_ms() < end) {
+        node_view(m->n, &v);
+        if (v.model_version >= WROUNDS && !v.has_gradients)
+            return NULL;
+        if (!v.connected) {
+            clock_sleep_ms(1);
+            continue;
+        }
+        if (v.wants_state)
+            node_set_state(m->n, "s", 1);
+        if (v.has_new_state) {
+            void *s;
+            size_t len;
+            if (node_take_state(m->n, &s, &len) == 0)
+                free(s);
+        }
+        if (v.has_gradients) {
+            /* Version v came from round v - 1 of both members. */
+            for (size_t i = 0; i < WG; i++)
+                m->bad += v.num_gradients != 2 ||
+                          m->results[i] != (wvalue(0, i, v.model_version - 1) +
+                                            wvalue(1, i, v.model_version - 1)) / 2.0f;
+            memset(m->grads, 0, WG * sizeof(float));
+            if (node_consume(m->n, v.rounds_committed) < 0)
+                m->rc = -EPROTO;
+            m->applied++;
+        } else if (v.wants_gradients && v.size == 2) {
+            for (size_t i = 0; i < WG; i++)
+                m->grads[i] = wvalue(m->index, i, m->made);
+            if (node_contribute(m->n, 1) == 0)
+                m->made++;
+            else
+                memset(m->grads, 0, WG * sizeof(float));
+        } else {
+            clock_sleep_ms(1);
+        }
+    }
+    m->rc = -ETIMEDOUT;
+    return NULL;
+}
+
+/* 1 MiB of float32 on 2 members with room for the counters: the counters'
+ * 208 bytes are folded into the ring's last segments (engine/ring.c,
+ * "Folding a tail") instead of adding a segment, so every round after
+ * the epoch's first is the spare step, one all-reduce: no count step, no
+ * copy. Every result is the exact mean, the same on both members. */
+Test(node, a_buffer_of_whole_ring_segments_takes_the_spare_step)
+{
+    static uint64_t rows[64][NODE_STAGES];
+    struct node_trace trace = { .ns = rows, .cap = 64 };
+    struct wmember ms[2];
+    struct node_view v;
+    size_t one_step = 0;
+
+    memset(rows, 0, sizeof(rows));
+    for (int i = 0; i < 2; i++) {
+        struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
+                                 .reduce_timeout_ms = 20000, .trace = i == 0 ? &trace : NULL };
+        struct node_tensors t;
+        char id[16];
+
+        memset(&ms[i], 0, sizeof(ms[i]));
+        ms[i].index = i;
+        ms[i].grads = aligned_alloc(64, (WG + SPARE_FLOATS) * sizeof(float));
+        ms[i].results = aligned_alloc(64, (WG + SPARE_FLOATS) * sizeof(float));
+        cr_assert(ms[i].grads && ms[i].results);
+        snprintf(id, sizeof(id), "s-%d", i);
+        c.id = id;
+        cr_assert_eq(node_start(&c, &ms[i].n), 0);
+        t = (struct node_tensors){ .params = ms[i].params, .params_bytes = sizeof(ms[i].params),
+                                   .grads = ms[i].grads, .grad_count = WG,
+                                   .grad_type = DTYPE_F32, .results = ms[i].results,
+                                   .grads_spare = SPARE_FLOATS * sizeof(float),
+                                   .results_spare = SPARE_FLOATS * sizeof(float) };
+        cr_assert_eq(node_register(ms[i].n, &t), 0);
+        cr_assert_eq(node_set_virtual_batch_size(ms[i].n, 2), 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_create(&ms[i].t, NULL, wmember_main, &ms[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(ms[i].t, NULL);
+    node_view(ms[0].n, &v);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(ms[i].rc, 0, "s-%d: %d", i, ms[i].rc);
+        cr_assert_geq(ms[i].applied, WROUNDS - 1, "s-%d applied %llu", i,
+                      (unsigned long long)ms[i].applied);
+        cr_assert_eq(ms[i].bad, 0, "s-%d: %llu entries not the exact mean", i,
+                     (unsigned long long)ms[i].bad);
+    }
+    for (size_t r = 0; r < trace.rounds; r++)
+        one_step += rows[r][NODE_STAGE_COUNT] == 0 && rows[r][NODE_STAGE_COPY_OUT] == 0;
+    cr_assert_geq(trace.rounds, WROUNDS - 2, "%zu rows", trace.rounds);
+    /* All but the first round of each epoch. */
+    cr_assert_geq(one_step + v.epochs_seen, trace.rounds, "%zu of %zu rows, %llu epochs",
+                  one_step, trace.rounds, (unsigned long long)v.epochs_seen);
+    for (int i = 0; i < 2; i++) {
+        node_stop(ms[i].n);
+        free(ms[i].grads);
+        free(ms[i].results);
+    }
+}
