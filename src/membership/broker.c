@@ -34,7 +34,9 @@
  * cut between two members only is judged once it has lasted a window;
  * each accused also keeps the count of the window before its current
  * one (prev_accusers), so that a count that just started over does not
- * pass for a member reported by one.
+ * pass for a member reported by one. A report costs two bisections of
+ * the members (reporter and accused) and a bit: each entry remembers its
+ * place in the current epoch (epoch_at), checked before use.
  * Benched ids (evicted as unreachable) are a small array per cohort,
  * searched only by joins of ids the cohort does not hold.
  */
@@ -109,6 +111,9 @@ struct entry {
     uint64_t cut_off_at;        /* its epoch's reports agreed: evict now; 0: not */
     /* When this session joined: of a mutual pair, the later joiner goes. */
     uint64_t joined_at;
+    /* Its position in the current epoch when last looked up (epoch_at),
+     * checked before use: a hint that spares a report's lookups. */
+    size_t epoch_pos;
     struct pair *pairs;         /* PAIRS_MAX, allocated at its first pair */
 };
 
@@ -1173,17 +1178,41 @@ int broker_stream_lost(struct broker *b, uint64_t now, const char *cohort, const
     return 0;
 }
 
-/* A report's two parties: the reporter, a member of this session, and
- * the accused, another member of the cohort. */
+/* A report's two parties: the reporter, a member of this session
+ * (*reporter, when asked for), and the accused, another member of the
+ * cohort. */
 static int report_parties(struct cohort *c, const char *id, uint64_t session, const char *peer,
-                          struct entry **accused)
+                          struct entry **reporter, struct entry **accused)
 {
-    if (!session || !entry_get(c, id, session))
+    struct entry *r = session ? entry_get(c, id, session) : NULL;
+
+    if (!r)
         return -ENOENT;
+    if (reporter)
+        *reporter = r;
     if (!peer || strcmp(peer, id) == 0)
         return -EINVAL;
     *accused = entry_get(c, peer, 0);
     return *accused ? 0 : -ENOENT;
+}
+
+/* Member m's position in c's current epoch, with its session, or -1.
+ * Its last position is tried first (a session and a string compare), so
+ * that the reports of a heartbeat, each of which names both parties,
+ * cost two bisections of the members in all, not four. */
+static long epoch_at(const struct cohort *c, struct entry *m)
+{
+    size_t p = m->epoch_pos;
+    long f;
+
+    if (p < c->cur->n_members && c->cur_sessions[p] == m->session &&
+        strcmp(c->cur->members[p].id, m->id) == 0)
+        return (long)p;
+    f = epoch_find(c->cur, m->id);
+    if (f < 0 || c->cur_sessions[f] != m->session)
+        return -1;
+    m->epoch_pos = (size_t)f;
+    return f;
 }
 
 int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
@@ -1191,7 +1220,7 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
 {
     struct cohort *c = cohort_get(b, cohort);
     struct entry *m;
-    int rc = report_parties(c, id, session, peer, &m);
+    int rc = report_parties(c, id, session, peer, NULL, &m);
 
     if (rc < 0)
         return rc;
@@ -1343,17 +1372,16 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
     struct entry *m, *r;
     long ri, mi;
     size_t words, n, half;
-    int rc = report_parties(c, id, session, peer, &m);
+    int rc = report_parties(c, id, session, peer, &r, &m);
 
     if (rc < 0)
         return rc;
     if (!c->cur || epoch != c->cur->number)
         return -ESTALE;
-    ri = epoch_find(c->cur, id);
-    mi = epoch_find(c->cur, peer);
-    if (ri < 0 || mi < 0 || c->cur_sessions[ri] != session || c->cur_sessions[mi] != m->session)
+    ri = epoch_at(c, r);
+    mi = epoch_at(c, m);
+    if (ri < 0 || mi < 0)
         return -ESTALE;
-    r = entry_get(c, id, session);
     n = c->cur->n_members;
     half = n / 2;
     words = (n + 63) / 64;
