@@ -43,9 +43,9 @@ int epoch_create(const char *cohort, uint64_t number, size_t leader,
     }
     e->number = number;
     e->leader = leader;
-    /* Checked once here, so that epoch_find can bisect: the broker looks
-     * up both parties of every unreachability report (up to
-     * WIRE_UNREACHABLE_MAX a heartbeat) in epochs of up to 10,000. */
+    /* Checked once here, so that epoch_find can bisect: a member looks
+     * up every peer its engine reports unreachable, thousands at once in
+     * a partition of an epoch of up to 10,000. */
     e->ordered = true;
     for (size_t i = 1; i < n && e->ordered; i++)
         e->ordered = ident_natural_cmp(e->members[i - 1].id, e->members[i].id) < 0;

@@ -111,11 +111,10 @@ Test(epoch, received_epochs_are_checked)
     epoch_unref(e);
 }
 
-/* Lookups bisect an epoch in member order (the broker looks up both
- * parties of up to WIRE_UNREACHABLE_MAX reports a heartbeat in epochs of
- * 10,000) and find exactly what a scan finds; an epoch out of member
- * order, which neither the broker nor a member's checks produce, is
- * scanned. */
+/* Lookups bisect an epoch in member order (a member looks up each peer
+ * its engine reports, thousands at once in epochs of up to 10,000) and
+ * find exactly what a scan finds; an epoch out of member order, which
+ * neither the broker nor a member's checks produce, is scanned. */
 Test(epoch, find_bisects_in_member_order_and_scans_otherwise)
 {
     static struct epoch_member ms[10000];
