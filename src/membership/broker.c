@@ -1442,8 +1442,10 @@ static bool verdicts_pending(const struct cohort *c, uint64_t now)
     stays = calloc(words, sizeof(*stays));
     if (!stays)
         return false;
+    /* The live entry of each position, with the session the epoch lists
+     * (cur_entries: no search). */
     for (size_t k = 0; k < e->n_members; k++)
-        if (entry_get(c, e->members[k].id, c->cur_sessions[k]))
+        if (c->cur_entries[k] && c->cur_entries[k]->session == c->cur_sessions[k])
             stays[k / 64] |= 1ull << (k % 64);
     for (size_t i = 0; i < c->n_members && !pending; i++) {
         const struct entry *m = c->members[i];
