@@ -1,10 +1,12 @@
 /* tests/unit/test_member.c: the member's side of unreachability reports
- * (member_report_unreachable) against the broker service over real gRPC
- * on loopback: a member that finds more peers unreachable at once than
- * one heartbeat carries (WIRE_LOST_PEERS_MAX) queues the rest and sends
- * them in the following heartbeats, at a pace the broker's stream allows,
- * and the broker counts every one; reports the member cannot make are
- * refused and queue nothing. */
+ * (member_report_unreachable) over real gRPC on loopback. Against the
+ * broker service: a side of a partition is reported in full, at a pace
+ * the broker's stream allows, and the broker counts every one; reports
+ * the member cannot make are refused and queue nothing. Against a
+ * stand-in for the broker's wire side with an epoch of 2,001: a member
+ * that finds more peers unreachable at once than one heartbeat carries
+ * (the JoinReply's unreachable_max, 16 from a broker that names none)
+ * queues the rest and sends them in the following heartbeats. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
@@ -155,10 +157,11 @@ Test(member, a_side_of_a_partition_is_reported_in_full_over_the_following_heartb
     /* Side A finds all of side B at once, as after a cut, each member
      * in its own order (an engine probes from where its last round
      * ended), and reports each one again (the engine repeats a report
-     * every timeout): queued once. Only the first WIRE_LOST_PEERS_MAX fit
-     * a heartbeat, so every member of side B is in some member's third
-     * heartbeat, and none is evicted before those arrive: no epoch forms
-     * while the queues drain. */
+     * every timeout): queued once. This broker takes them all in one
+     * heartbeat (unreachable_max); an older one would take 16, and
+     * member_reports below covers the queue over several heartbeats. No
+     * member of side B is evicted before every report of side A arrives:
+     * no epoch forms while they come. */
     cr_assert_gt(SIDE_B, 2 * WIRE_LOST_PEERS_MAX);
     for (size_t i = 0; i < SIDE_A; i++)
         for (size_t j = 0; j < SIDE_B; j++) {
