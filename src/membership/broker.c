@@ -34,7 +34,10 @@
  * cut between two members only is judged once it has lasted a window;
  * each accused also keeps the count of the window before its current
  * one (prev_accusers), so that a count that just started over does not
- * pass for a member reported by one.
+ * pass for a member reported by one. A report costs two lookups in a
+ * hash index of the current epoch's ids (built once per epoch, with the
+ * entry each position names, cleared as entries go: entry_forget) and a
+ * bit; only a report the index cannot place searches the members.
  * Benched ids (evicted as unreachable) are a small array per cohort,
  * searched only by joins of ids the cohort does not hold.
  */
@@ -48,6 +51,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 /* A joiner's last_epoch is read from the wire. Refusing absurd values keeps
  * `number + 1` from ever wrapping to 0, which would break "epochs only
@@ -109,6 +113,9 @@ struct entry {
     uint64_t cut_off_at;        /* its epoch's reports agreed: evict now; 0: not */
     /* When this session joined: of a mutual pair, the later joiner goes. */
     uint64_t joined_at;
+    /* Its position in the current epoch when last looked up (epoch_at),
+     * checked before use: a hint that spares a report's lookups. */
+    size_t epoch_pos;
     struct pair *pairs;         /* PAIRS_MAX, allocated at its first pair */
 };
 
@@ -137,6 +144,14 @@ struct cohort {
     size_t n_members, cap_members;
     struct epoch *cur;          /* latest published (one reference), or NULL */
     uint64_t *cur_sessions;     /* parallel to cur->members */
+    /* Parallel to cur->members too: the entry each position names, NULL
+     * once it is freed (entry_forget), so that a report finds both its
+     * parties without a search; and an open-addressing index of the
+     * positions by id hash (cur_index_mask + 1 slots of position + 1, 0
+     * empty), NULL when it could not be allocated (then reports search). */
+    struct entry **cur_entries;
+    uint32_t *cur_index;
+    size_t cur_index_mask;
     uint64_t floor;             /* highest epoch published or reported by a joiner */
     uint64_t next_evict;        /* no member is due before this; UINT64_MAX if none */
     uint64_t pending_since;     /* first change not yet in an epoch */
@@ -151,6 +166,7 @@ struct cohort {
 
 struct broker {
     struct broker_config cfg;
+    uint64_t hash_seed;         /* of the epochs' id indexes, random per broker */
     struct broker_watch_ops ops;
     uint64_t hold_until;        /* no epoch forms before this */
     struct cohort **cohorts;    /* sorted by name, in natural order */
@@ -559,6 +575,70 @@ static size_t epoch_index(const struct cohort *c, size_t at)
     return k;
 }
 
+/* The hash of an id in the current epoch's index: FNV-1a from a
+ * per-broker random basis, then a 64-bit finalizer, so that ids chosen
+ * to collide on one broker are unlikely to on another. */
+static uint64_t id_hash(uint64_t seed, const char *id)
+{
+    uint64_t h = 14695981039346656037ull ^ seed;
+
+    for (const unsigned char *p = (const unsigned char *)id; *p; p++)
+        h = (h ^ *p) * 1099511628211ull;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    return h;
+}
+
+/* Indexes epoch e's ids (*index, *mask) for cur_find. Returns 0 or
+ * -ENOMEM. Twice as many slots as members, at least 16. */
+static int index_build(uint64_t seed, const struct epoch *e, uint32_t **index, size_t *mask)
+{
+    size_t slots = 16;
+    uint32_t *t;
+
+    while (slots < 2 * e->n_members)
+        slots *= 2;
+    t = calloc(slots, sizeof(*t));
+    if (!t)
+        return -ENOMEM;
+    for (size_t k = 0; k < e->n_members; k++) {
+        size_t i = (size_t)id_hash(seed, e->members[k].id) & (slots - 1);
+
+        while (t[i])
+            i = (i + 1) & (slots - 1);
+        t[i] = (uint32_t)k + 1;
+    }
+    *index = t;
+    *mask = slots - 1;
+    return 0;
+}
+
+/* The position of `id` in c's current epoch, or -1: by the index, else
+ * by epoch_find. */
+static long cur_find(const struct broker *b, const struct cohort *c, const char *id)
+{
+    if (!c->cur_index)
+        return epoch_find(c->cur, id);
+    for (size_t i = (size_t)id_hash(b->hash_seed, id) & c->cur_index_mask; c->cur_index[i];
+         i = (i + 1) & c->cur_index_mask) {
+        size_t k = c->cur_index[i] - 1;
+
+        if (strcmp(c->cur->members[k].id, id) == 0)
+            return (long)k;
+    }
+    return -1;
+}
+
+/* Entry m is about to be freed: the current epoch's position for it no
+ * longer names it. */
+static void entry_forget(struct cohort *c, const struct entry *m)
+{
+    if (c->cur_entries && c->cur && m->epoch_pos < c->cur->n_members &&
+        c->cur_entries[m->epoch_pos] == m)
+        c->cur_entries[m->epoch_pos] = NULL;
+}
+
 /* ---- cohorts ---- */
 
 static void cohort_free(const struct broker *b, struct cohort *c, int err)
@@ -571,6 +651,8 @@ static void cohort_free(const struct broker *b, struct cohort *c, int err)
     bench_free(c);
     epoch_unref(c->cur);
     free(c->cur_sessions);
+    free(c->cur_entries);
+    free(c->cur_index);
     free(c->name);
     free(c);
 }
@@ -657,6 +739,9 @@ static int cohort_form(const struct broker *b, struct cohort *c)
     struct epoch_member *view;
     struct epoch *e;
     uint64_t *sessions;
+    struct entry **entries;
+    uint32_t *index = NULL;
+    size_t mask = 0;
     void **watchers;
     int err = -ENOMEM;
 
@@ -676,13 +761,16 @@ static int cohort_form(const struct broker *b, struct cohort *c)
     sessions = calloc(n ? n : 1, sizeof *sessions);
     if (!sessions)
         goto free_view;
+    entries = calloc(n ? n : 1, sizeof *entries);
+    if (!entries)
+        goto free_sessions;
     watchers = calloc(n ? n : 1, sizeof *watchers);
     if (!watchers)
-        goto free_sessions;
+        goto free_entries;
     /* Draining members are left out of the epoch but still hear it: that
      * is how they learn to stop. */
     for (size_t i = 0; i < n; i++) {
-        const struct entry *m = c->members[i];
+        struct entry *m = c->members[i];
 
         if (m->watcher)
             watchers[n_watchers++] = m->watcher;
@@ -691,17 +779,28 @@ static int cohort_form(const struct broker *b, struct cohort *c)
         view[n_view] = (struct epoch_member){
             .id = m->id, .address = m->address, .model_version = m->model_version,
         };
+        entries[n_view] = m;
         sessions[n_view++] = m->session;
     }
     err = epoch_create(c->name, c->floor + 1, leader, view, n_view, &e);
     if (err)
         goto free_watchers;
+    /* Without the index (out of memory) reports search instead. */
+    (void)index_build(b->hash_seed, e, &index, &mask);
+    for (size_t k = 0; k < n_view; k++)
+        entries[k]->epoch_pos = k;
 
     epoch_unref(c->cur);
     free(c->cur_sessions);
+    free(c->cur_entries);
+    free(c->cur_index);
     c->cur = e;
     c->cur_sessions = sessions;
+    c->cur_entries = entries;
+    c->cur_index = index;
+    c->cur_index_mask = mask;
     sessions = NULL;
+    entries = NULL;
     c->floor = e->number;
     c->pending = false;
     c->leader_dirty = false;
@@ -712,6 +811,8 @@ static int cohort_form(const struct broker *b, struct cohort *c)
 
 free_watchers:
     free(watchers);
+free_entries:
+    free(entries);
 free_sessions:
     free(sessions);
 free_view:
@@ -740,6 +841,7 @@ static void cohort_evict(struct broker *b, struct cohort *c, uint64_t now)
             }
             detach(b, m, m->cut_off_at ? -EHOSTUNREACH : -ETIMEDOUT);
             retire(b, c, m, now, false);
+            entry_forget(c, m);
             entry_free(m);
             evicted = true;
             continue;
@@ -785,6 +887,8 @@ int broker_create(const struct broker_config *cfg, const struct broker_watch_ops
     b->cfg = *cfg;
     if (ops)
         b->ops = *ops;
+    if (getrandom(&b->hash_seed, sizeof(b->hash_seed), 0) != sizeof(b->hash_seed))
+        b->hash_seed = (uint64_t)(uintptr_t)b ^ now;
     b->hold_until = now + cfg->startup_hold_ms;
     *out = b;
     return 0;
@@ -1107,6 +1211,7 @@ int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char 
         c->next_evict = UINT64_MAX;
     detach(b, m, -ENOENT);
     retire(b, c, m, now, true);
+    entry_forget(c, m);
     entry_free(m);
     mark_pending(c, now);
     return 0;
@@ -1173,17 +1278,41 @@ int broker_stream_lost(struct broker *b, uint64_t now, const char *cohort, const
     return 0;
 }
 
-/* A report's two parties: the reporter, a member of this session, and
- * the accused, another member of the cohort. */
+/* A report's two parties: the reporter, a member of this session
+ * (*reporter, when asked for), and the accused, another member of the
+ * cohort. */
 static int report_parties(struct cohort *c, const char *id, uint64_t session, const char *peer,
-                          struct entry **accused)
+                          struct entry **reporter, struct entry **accused)
 {
-    if (!session || !entry_get(c, id, session))
+    struct entry *r = session ? entry_get(c, id, session) : NULL;
+
+    if (!r)
         return -ENOENT;
+    if (reporter)
+        *reporter = r;
     if (!peer || strcmp(peer, id) == 0)
         return -EINVAL;
     *accused = entry_get(c, peer, 0);
     return *accused ? 0 : -ENOENT;
+}
+
+/* Member m's position in c's current epoch, with its session, or -1.
+ * Its last position is tried first (a session and a string compare), so
+ * that the reports of a heartbeat, each of which names both parties,
+ * cost two bisections of the members in all, not four. */
+static long epoch_at(const struct cohort *c, struct entry *m)
+{
+    size_t p = m->epoch_pos;
+    long f;
+
+    if (p < c->cur->n_members && c->cur_sessions[p] == m->session &&
+        strcmp(c->cur->members[p].id, m->id) == 0)
+        return (long)p;
+    f = epoch_find(c->cur, m->id);
+    if (f < 0 || c->cur_sessions[f] != m->session)
+        return -1;
+    m->epoch_pos = (size_t)f;
+    return f;
 }
 
 int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const char *id,
@@ -1191,7 +1320,7 @@ int broker_report_lost(struct broker *b, uint64_t now, const char *cohort, const
 {
     struct cohort *c = cohort_get(b, cohort);
     struct entry *m;
-    int rc = report_parties(c, id, session, peer, &m);
+    int rc = report_parties(c, id, session, peer, NULL, &m);
 
     if (rc < 0)
         return rc;
@@ -1313,8 +1442,10 @@ static bool verdicts_pending(const struct cohort *c, uint64_t now)
     stays = calloc(words, sizeof(*stays));
     if (!stays)
         return false;
+    /* The live entry of each position, with the session the epoch lists
+     * (cur_entries: no search). */
     for (size_t k = 0; k < e->n_members; k++)
-        if (entry_get(c, e->members[k].id, c->cur_sessions[k]))
+        if (c->cur_entries[k] && c->cur_entries[k]->session == c->cur_sessions[k])
             stays[k / 64] |= 1ull << (k % 64);
     for (size_t i = 0; i < c->n_members && !pending; i++) {
         const struct entry *m = c->members[i];
@@ -1340,20 +1471,34 @@ int broker_report_unreachable(struct broker *b, uint64_t now, const char *cohort
                               uint64_t session, uint64_t epoch, const char *peer)
 {
     struct cohort *c = cohort_get(b, cohort);
-    struct entry *m, *r;
-    long ri, mi;
+    struct entry *m = NULL, *r = NULL;
+    long ri = -1, mi = -1;
     size_t words, n, half;
-    int rc = report_parties(c, id, session, peer, &m);
 
-    if (rc < 0)
-        return rc;
-    if (!c->cur || epoch != c->cur->number)
-        return -ESTALE;
-    ri = epoch_find(c->cur, id);
-    mi = epoch_find(c->cur, peer);
-    if (ri < 0 || mi < 0 || c->cur_sessions[ri] != session || c->cur_sessions[mi] != m->session)
-        return -ESTALE;
-    r = entry_get(c, id, session);
+    /* The common case without a search of the members: both parties
+     * found by the epoch's index, each the live entry of its position
+     * with the session the epoch lists. */
+    if (c && c->cur && c->cur_entries && epoch == c->cur->number && session && id && peer &&
+        strcmp(peer, id) != 0) {
+        ri = cur_find(b, c, id);
+        mi = cur_find(b, c, peer);
+        r = ri >= 0 ? c->cur_entries[ri] : NULL;
+        m = mi >= 0 ? c->cur_entries[mi] : NULL;
+    }
+    if (!r || !m || r->session != session || r->session != c->cur_sessions[ri] ||
+        m->session != c->cur_sessions[mi]) {
+        /* Anything else takes the searches, which say why it is refused. */
+        int rc = report_parties(c, id, session, peer, &r, &m);
+
+        if (rc < 0)
+            return rc;
+        if (!c->cur || epoch != c->cur->number)
+            return -ESTALE;
+        ri = epoch_at(c, r);
+        mi = epoch_at(c, m);
+        if (ri < 0 || mi < 0)
+            return -ESTALE;
+    }
     n = c->cur->n_members;
     half = n / 2;
     words = (n + 63) / 64;

@@ -378,16 +378,17 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
     rep.timeout_ms = res.timeout_ms;
     rep.epoch = res.epoch;
     rep.weighs_unreachable = true;
+    rep.unreachable_max = WIRE_UNREACHABLE_MAX;
     rpc_reply_ok(r, &rep.base);
 }
 
-/* A list of peers a heartbeat reports: at most WIRE_LOST_PEERS_MAX valid
- * member ids. Otherwise fills `why`. */
-static bool peers_valid(const char *what, char *const *peers, size_t n, char *why, size_t len)
+/* A list of peers a heartbeat reports: at most `max` valid member ids.
+ * Otherwise fills `why`. */
+static bool peers_valid(const char *what, char *const *peers, size_t n, size_t max, char *why,
+                        size_t len)
 {
-    if (n > WIRE_LOST_PEERS_MAX) {
-        snprintf(why, len, "a heartbeat reports at most %u %s peers, not %zu",
-                 WIRE_LOST_PEERS_MAX, what, n);
+    if (n > max) {
+        snprintf(why, len, "a heartbeat reports at most %zu %s peers, not %zu", max, what, n);
         return false;
     }
     for (size_t i = 0; i < n; i++) {
@@ -400,11 +401,14 @@ static bool peers_valid(const char *what, char *const *peers, size_t n, char *wh
     return true;
 }
 
-/* A heartbeat's lost_peers and unreachable_peers. */
+/* A heartbeat's lost_peers and unreachable_peers: at most
+ * WIRE_LOST_PEERS_MAX and the WIRE_UNREACHABLE_MAX this broker's
+ * JoinReply announces. */
 static bool lost_peers_valid(const Cohort__V1__HeartbeatRequest *q, char *why, size_t len)
 {
-    return peers_valid("lost", q->lost_peers, q->n_lost_peers, why, len) &&
-           peers_valid("unreachable", q->unreachable_peers, q->n_unreachable_peers, why, len);
+    return peers_valid("lost", q->lost_peers, q->n_lost_peers, WIRE_LOST_PEERS_MAX, why, len) &&
+           peers_valid("unreachable", q->unreachable_peers, q->n_unreachable_peers,
+                       WIRE_UNREACHABLE_MAX, why, len);
 }
 
 /* Protocol 1's unary Heartbeat and its Watch: heartbeats ride the Session

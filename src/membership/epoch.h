@@ -25,6 +25,7 @@ struct epoch {
     size_t n_members;
     struct epoch_member *members;       /* in member order */
     int refs;                           /* private: epoch_ref/epoch_unref */
+    bool ordered;                       /* private: ids strictly in member order */
 };
 
 /* Builds an epoch from copies of `cohort` and `members`. Returns 0,
@@ -37,7 +38,9 @@ void epoch_unref(struct epoch *e);              /* NULL is fine */
 
 /* The leader's id, or NULL for an empty epoch. */
 const char *epoch_leader_id(const struct epoch *e);
-/* Index of `id` in the member list, or -1. */
+/* Index of `id` in the member list, or -1. O(log n) for an epoch in
+ * member order (every epoch the broker forms or a member accepts), by
+ * bisection; a scan otherwise. */
 long epoch_find(const struct epoch *e, const char *id);
 
 /* Fills `p` to describe `e`, pointing into e's strings (borrowed) and into

@@ -28,11 +28,14 @@
 #define JOIN_TIMEOUT_MS 2000u
 #define FAIL_LOG_EVERY 10u     /* repeated identical failures are logged this rarely */
 /* Heartbeats sent early for queued unreachable peers, per heartbeat
- * interval at most. Each carries WIRE_LOST_PEERS_MAX of them, so a member
- * that finds many at once (a side of a partition) reports 32 an interval;
- * with the regular heartbeats they replace, that stays within the pace
- * the broker allows a stream (brokerd.c, SESSION_BEAT_BURST: 4 an
- * interval, sustained), with room for declares and lost peers. */
+ * interval at most. Each carries as many as the broker takes (its
+ * JoinReply's unreachable_max: WIRE_UNREACHABLE_MAX, or
+ * WIRE_LOST_PEERS_MAX from a broker that names none), so a member that
+ * finds many at once (a side of a partition) reports 2,048 an interval,
+ * or 32 to an older broker; with the regular heartbeats they replace,
+ * that stays within the pace the broker allows a stream (brokerd.c,
+ * SESSION_BEAT_BURST: 4 an interval, sustained), with room for declares
+ * and lost peers. */
 #define UNREACH_PACE 2u
 
 enum state { ST_JOINING, ST_JOINED, ST_LEFT };
@@ -51,8 +54,8 @@ struct member {
     /* Peers of the latest epoch this member's host cannot reach
      * (member_report_unreachable), by their position in it: a queue,
      * oldest first, of which each heartbeat carries the first
-     * WIRE_LOST_PEERS_MAX, and a bitmap of the positions queued, so that a
-     * peer is queued once. Both have room for the whole epoch, which
+     * unreach_max (and WIRE_UNREACHABLE_BYTES of ids), and a bitmap of
+     * the positions queued, so that a peer is queued once. Both have room for the whole epoch, which
      * bounds them; cleared when another epoch arrives, since the broker
      * counts reports for the epoch they name only. */
     uint32_t *unreach;          /* unreach_cap entries; [unreach_head, n_unreach) queued */
@@ -63,6 +66,10 @@ struct member {
      * alone: UNREACH_PACE per heartbeat interval at most (above). */
     uint64_t next_unreach_at;
     bool weighs_unreachable;    /* the broker's JoinReply said so */
+    /* Unreachable peers per heartbeat: the JoinReply's unreachable_max,
+     * at most WIRE_UNREACHABLE_MAX (no more can be signed);
+     * WIRE_LOST_PEERS_MAX where it names none. */
+    uint32_t unreach_max;
     uint64_t ckpt_version, ckpt_skipped_version;    /* reported in heartbeats */
     uint32_t ckpt_skipped_reason;
     uint32_t want_hb_ms, want_to_ms;    /* asked for; 0: the cohort's */
@@ -200,6 +207,9 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
         m->state = ST_JOINED;
         m->hb_ms = r->heartbeat_ms ? r->heartbeat_ms : WIRE_DEFAULT_HEARTBEAT_MS;
         m->weighs_unreachable = r->weighs_unreachable;
+        m->unreach_max = r->unreachable_max == 0 ? WIRE_LOST_PEERS_MAX
+                         : r->unreachable_max > WIRE_UNREACHABLE_MAX ? WIRE_UNREACHABLE_MAX
+                                                                     : r->unreachable_max;
         m->to_ms = r->timeout_ms ? r->timeout_ms : WIRE_DEFAULT_TIMEOUT_MS;
         if (m->joins == 0 && ((m->want_hb_ms && m->want_hb_ms != m->hb_ms) ||
                               (m->want_to_ms && m->want_to_ms != m->to_ms)))
@@ -323,16 +333,32 @@ static int unreach_push_locked(struct member *m, size_t pos)
     return 0;
 }
 
-/* Points `ids` at the ids of the oldest queued peers, at most
- * WIRE_LOST_PEERS_MAX, and returns how many. Lock held. */
-static size_t unreach_batch_locked(const struct member *m, char *ids[WIRE_LOST_PEERS_MAX])
+/* The bytes `id` adds to a heartbeat's unreachable_peers: its tag, its
+ * length as a varint (two bytes up to 16,383) and itself. */
+static size_t id_wire_bytes(const char *id)
 {
-    size_t k = 0;
+    size_t n = strlen(id);
+
+    return 1 + (n < 128 ? 1 : 2) + n;
+}
+
+/* Points `ids` at the ids of the oldest queued peers, at most
+ * unreach_max of them and WIRE_UNREACHABLE_BYTES as encoded, and returns
+ * how many. Lock held. */
+static size_t unreach_batch_locked(const struct member *m, char *ids[WIRE_UNREACHABLE_MAX])
+{
+    size_t k = 0, bytes = 0;
 
     if (!m->epoch || m->epoch->number != m->unreach_epoch)
         return 0;
-    for (size_t i = m->unreach_head; i < m->n_unreach && k < WIRE_LOST_PEERS_MAX; i++)
-        ids[k++] = m->epoch->members[m->unreach[i]].id;
+    for (size_t i = m->unreach_head; i < m->n_unreach && k < m->unreach_max; i++) {
+        char *id = m->epoch->members[m->unreach[i]].id;
+
+        bytes += id_wire_bytes(id);
+        if (bytes > WIRE_UNREACHABLE_BYTES)
+            break;
+        ids[k++] = id;
+    }
     return k;
 }
 
@@ -464,7 +490,7 @@ static void lost_clear_locked(struct member *m)
  * `ids` at. `skip`, `pf`, `mac` and `ids` must outlive the send. */
 static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
                              Cohort__V1__CheckpointSkipped *skip, Cohort__V1__Proof *pf,
-                             uint8_t mac[SECRET_MAC_BYTES], char *ids[WIRE_LOST_PEERS_MAX])
+                             uint8_t mac[SECRET_MAC_BYTES], char *ids[WIRE_UNREACHABLE_MAX])
 {
     q->protocol_version = WIRE_PROTOCOL_VERSION;
     q->cohort = m->cohort;
@@ -507,7 +533,7 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
     Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
-    char *ids[WIRE_LOST_PEERS_MAX];
+    char *ids[WIRE_UNREACHABLE_MAX];
     int rc;
 
     fill_beat_locked(m, &q, &skip, &pf, mac, ids);
@@ -528,7 +554,7 @@ static void open_watch_locked(struct member *m, uint64_t now)
     Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
-    char *ids[WIRE_LOST_PEERS_MAX];
+    char *ids[WIRE_UNREACHABLE_MAX];
 
     fill_beat_locked(m, &q, &skip, &pf, mac, ids);
     m->watch_ended = false;

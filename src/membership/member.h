@@ -100,9 +100,11 @@ int member_report_lost(struct member *m, const char *peer);
  * open or being dialled, in epoch `epoch`: evidence that peer is cut off,
  * which the broker weighs (broker_report_unreachable). Queued, oldest
  * first, once while it waits: the next member_poll() sends a heartbeat
- * with the first WIRE_LOST_PEERS_MAX queued, and the rest follow, as many
- * in each later heartbeat, two an interval at most (brokerd.c bounds a
- * stream's pace). The queue holds each member of the epoch once at most;
+ * with the first queued, as many as the broker takes (its JoinReply's
+ * unreachable_max, up to WIRE_UNREACHABLE_MAX and WIRE_UNREACHABLE_BYTES
+ * of ids; WIRE_LOST_PEERS_MAX from a broker that names none), and the
+ * rest follow, as many in each later heartbeat, two an interval at most
+ * (brokerd.c bounds a stream's pace). The queue holds each member of the epoch once at most;
  * another epoch's arrival drops it, since the broker counts a report for
  * the epoch it names only. Returns 0 (queued, or already queued),
  * -EINVAL (an invalid id, or this member's own), -EOPNOTSUPP (not

@@ -7,9 +7,11 @@
 
 #include "membership/wire.h"
 
-/* Join's 12; Heartbeat's 10, 3 for checkpoints, and two counts of up to
- * WIRE_LOST_PEERS_MAX ids each (lost and unreachable peers). */
-#define MAX_PARTS (15 + 2 * WIRE_LOST_PEERS_MAX)
+/* Join's 12; Heartbeat's 10, 3 for checkpoints, and two counts with
+ * their ids: up to WIRE_LOST_PEERS_MAX lost peers and up to
+ * WIRE_UNREACHABLE_MAX unreachable ones (about 17 KiB of parts on the
+ * stack at most). */
+#define MAX_PARTS (15 + WIRE_LOST_PEERS_MAX + WIRE_UNREACHABLE_MAX)
 
 uint64_t proof_now_ms(void)
 {
@@ -136,7 +138,8 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
             parts[n++] = SECRET_U64(v->f);
             parts[n++] = SECRET_U64(v->g);
         }
-        if (q->n_lost_peers > WIRE_LOST_PEERS_MAX || q->n_unreachable_peers > WIRE_LOST_PEERS_MAX)
+        if (q->n_lost_peers > WIRE_LOST_PEERS_MAX ||
+            q->n_unreachable_peers > WIRE_UNREACHABLE_MAX)
             return 0;           /* nothing this long is signed or accepted */
         /* The lost peers' count goes in, even 0, when unreachable ones
          * follow, so that the two lists can never be read as one. */

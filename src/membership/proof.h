@@ -24,8 +24,8 @@ uint64_t proof_now_ms(void);
  * Status request; its own proof field is not read) under key `k`, with
  * this seq and time. p->mac points at `mac`, which must live as long as
  * *p. Returns 0, -EINVAL for another message type (or a Heartbeat with
- * more than WIRE_LOST_PEERS_MAX lost_peers or unreachable_peers, which no
- * proof covers), or
+ * more than WIRE_LOST_PEERS_MAX lost_peers or WIRE_UNREACHABLE_MAX
+ * unreachable_peers, which no proof covers), or
  * -EIO. */
 int proof_sign(const struct secret *k, const ProtobufCMessage *req, uint64_t seq,
                uint64_t time_ms, Cohort__V1__Proof *p, uint8_t mac[SECRET_MAC_BYTES]);

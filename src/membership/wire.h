@@ -57,7 +57,8 @@
  *                 A member that reports no checkpoint signs what a member
  *                 before checkpoints signed;
  *                 stripping the fields breaks the proof, as any change does;
- *                 and, only when it reports any lost or unreachable peers,
+ *                 and, only when it reports any lost or unreachable peers
+ *               (at most WIRE_LOST_PEERS_MAX and WIRE_UNREACHABLE_MAX),
  *                 the number of lost_peers (8 bytes) and each of them;
  *                 then, only when it reports any unreachable_peers, their
  *                 number (8 bytes) and each of them (so a heartbeat that
@@ -96,9 +97,44 @@
  * Status proof can be replayed within its window (a read). TLS keeps
  * proofs from being captured at all.
  */
-/* The most peers one heartbeat may report lost, and the most it may
- * report unreachable; a heartbeat with more is INVALID_ARGUMENT. */
+/* The most peers one heartbeat may report lost; a heartbeat with more is
+ * INVALID_ARGUMENT. Also the most unreachable peers a member sends a
+ * broker whose JoinReply names no `unreachable_max` (a release before
+ * the field, which refuses more), so mixed releases keep working. A
+ * reset comes from a ring's two neighbours or a group's few peers, so 16
+ * is plenty for lost peers. */
 #define WIRE_LOST_PEERS_MAX 16u
+
+/* The most unreachable peers one heartbeat may report to this broker,
+ * which its JoinReply announces as `unreachable_max`; a heartbeat with
+ * more is INVALID_ARGUMENT. A member on the larger side of a partition
+ * must report every member of the other side, up to about 5,000 in the
+ * 10,000-member epoch the broker is sized for, within the report window
+ * and again every member timeout while the cut lasts (broker.c,
+ * report_window; docs/architecture.md, "Eviction"). At two heartbeats
+ * an interval, 1,024 a heartbeat is 2,048 a second: a side of 5,000
+ * found at once is reported in full within 3 s, and the repeats take
+ * under half the rate. What bounds it:
+ * - size: WIRE_UNREACHABLE_BYTES below keeps the message under the
+ *   broker's request cap (LIMIT_RPC_REQUEST_BYTES, 64 KiB) whatever the
+ *   ids' length;
+ * - the proof: each id is one more part of the HMAC, about 18 bytes of
+ *   SHA-256 input for a 10-byte id, some 20 KiB at 1,024;
+ * - the broker's work: a report costs two lookups in a hash index of
+ *   the epoch's ids and a bit (broker_report_unreachable), about 0.2 us
+ *   under its lock, so 1,024 take about 0.2 ms (bench/broker_reports.c).
+ * A member never sends more than its epoch has members: its queue holds
+ * each of them once. */
+#define WIRE_UNREACHABLE_MAX 1024u
+
+/* The most bytes of unreachable_peers a member puts in one heartbeat, as
+ * encoded (each id with its tag and length): 48 KiB, so that the rest of
+ * a heartbeat at its largest (a cohort name and an id of IDENT_NAME_MAX,
+ * 16 lost peers of as much, the proof and the integers: under 5 KiB)
+ * stays under the broker's 64 KiB request cap. 1,024 ids of up to 44
+ * bytes fit (pod names are usually shorter); of the longest, 253 bytes,
+ * 192 do, and the member sends more heartbeats. */
+#define WIRE_UNREACHABLE_BYTES (48u * 1024u)
 #define WIRE_PROOF_LABEL "cohort/broker/v1"
 #define WIRE_PROOF_SKEW_MS 120000u
 #define WIRE_PROOF_SEQ_WINDOW 64u

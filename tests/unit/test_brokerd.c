@@ -300,7 +300,8 @@ Test(brokerd, invalid_fields_are_invalid_argument)
 }
 
 /* A JoinReply says the broker weighs unreachable_peers, so that members
- * send them (an older broker, which leaves it false, gets none). */
+ * send them (an older broker, which leaves it false, gets none), and how
+ * many one heartbeat may carry (an older one names none: 16). */
 Test(brokerd, a_join_reply_says_unreachable_reports_are_weighed)
 {
     Cohort__V1__JoinRequest q = COHORT__V1__JOIN_REQUEST__INIT;
@@ -315,6 +316,7 @@ Test(brokerd, a_join_reply_says_unreachable_reports_are_weighed)
     cr_assert_eq(rpc_call(ch, WIRE_BROKER_JOIN, &q.base, &cohort__v1__join_reply__descriptor,
                           CALL_MS, RPC_WAIT_FOR_READY, &out, &st), 0, "%s", st.message);
     cr_assert(((Cohort__V1__JoinReply *)out)->weighs_unreachable);
+    cr_assert_eq(((Cohort__V1__JoinReply *)out)->unreachable_max, WIRE_UNREACHABLE_MAX);
     protobuf_c_message_free_unpacked(out, NULL);
 }
 
@@ -1040,10 +1042,11 @@ Test(brokerd_keys, a_heartbeats_unreachable_peers_are_bound_and_checked)
     Cohort__V1__Proof pf;
     uint8_t mac[SECRET_MAC_BYTES];
     struct rpc_status st;
-    char *peers[WIRE_LOST_PEERS_MAX + 1], *other[] = { "c" }, *bad[] = { "NOT VALID" };
+    static char *peers[WIRE_UNREACHABLE_MAX + 1];
+    char *other[] = { "c" }, *bad[] = { "NOT VALID" };
     uint64_t seq = 2;
 
-    for (size_t i = 0; i <= WIRE_LOST_PEERS_MAX; i++)
+    for (size_t i = 0; i <= WIRE_UNREACHABLE_MAX; i++)
         peers[i] = "b";
     cr_assert_eq(kjoin(&key_a, "demo", "a", 7, 1, 0, &st), 0);
     cr_assert_eq(kjoin(&key_a, "demo", "b", 8, 1, 0, &st), 0);
@@ -1077,12 +1080,22 @@ Test(brokerd_keys, a_heartbeats_unreachable_peers_are_bound_and_checked)
     cr_assert_eq(beat_call(&h.base, &st), 0, "%s", st.message);
     cr_assert_eq(held("demo"), 2);
 
+    /* More than the 16 of a broker before unreachable_max, up to the
+     * WIRE_UNREACHABLE_MAX its JoinReply names, are signed and taken. */
     h.n_unreachable_peers = WIRE_LOST_PEERS_MAX + 1;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+    cr_assert_eq(beat_call(&h.base, &st), 0, "%s", st.message);
+    h.n_unreachable_peers = WIRE_UNREACHABLE_MAX;
+    cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);
+    cr_assert_eq(beat_call(&h.base, &st), 0, "%s", st.message);
+    cr_assert_eq(held("demo"), 2);
+
+    h.n_unreachable_peers = WIRE_UNREACHABLE_MAX + 1;
     cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), -EINVAL,
                  "nothing too long is signed");
     cr_assert_eq(beat_call(&h.base, &st), -EINVAL);
     cr_assert_eq(st.code, RPC_INVALID_ARGUMENT, "%s", st.message);
-    cr_assert(strstr(st.message, "at most 16 unreachable peers"), "%s", st.message);
+    cr_assert(strstr(st.message, "at most 1024 unreachable peers"), "%s", st.message);
     h.unreachable_peers = bad;
     h.n_unreachable_peers = 1;
     cr_assert_eq(proof_sign(&key_a, &h.base, seq++, proof_now_ms(), &pf, mac), 0);

@@ -2,6 +2,7 @@
  * epoch a member receives. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "membership/epoch.h"
@@ -107,5 +108,40 @@ Test(epoch, received_epochs_are_checked)
     cr_assert_null(e);
     cr_assert_eq(round_trip(NULL, 0, "", &e, &why), 0);
     cr_assert_eq(e->n_members, 0);
+    epoch_unref(e);
+}
+
+/* Lookups bisect an epoch in member order (a member looks up each peer
+ * its engine reports, thousands at once in epochs of up to 10,000) and
+ * find exactly what a scan finds; an epoch out of member order, which
+ * neither the broker nor a member's checks produce, is scanned. */
+Test(epoch, find_bisects_in_member_order_and_scans_otherwise)
+{
+    static struct epoch_member ms[10000];
+    static char ids[10000][16], addr[] = "127.0.0.1:1";
+    const struct epoch_member shuffled[] = {
+        { "m-10", "127.0.0.1:1", 0 }, { "m-2", "127.0.0.1:1", 0 }, { "m-11", "127.0.0.1:1", 0 },
+    };
+    struct epoch *e;
+
+    for (size_t i = 0; i < 10000; i++) {
+        /* "m-0002" sorts with "m-2"'s value: zero padding on some. */
+        snprintf(ids[i], sizeof(ids[i]), i % 3 ? "m-%zu" : "m-%04zu", i);
+        ms[i] = (struct epoch_member){ ids[i], addr, 0 };
+    }
+    cr_assert_eq(epoch_create("demo", 1, 0, ms, 10000, &e), 0);
+    for (size_t i = 0; i < 10000; i++)
+        cr_assert_eq(epoch_find(e, ids[i]), (long)i, "%s", ids[i]);
+    cr_assert_eq(epoch_find(e, "m-10000"), -1);
+    cr_assert_eq(epoch_find(e, "m-3"), -1, "m-0003 is there, m-3 is not");
+    cr_assert_eq(epoch_find(e, ""), -1);
+    cr_assert_eq(epoch_find(e, "n-1"), -1);
+    epoch_unref(e);
+
+    cr_assert_eq(epoch_create("demo", 1, 0, shuffled, 3, &e), 0);
+    cr_assert_eq(epoch_find(e, "m-10"), 0);
+    cr_assert_eq(epoch_find(e, "m-2"), 1);
+    cr_assert_eq(epoch_find(e, "m-11"), 2);
+    cr_assert_eq(epoch_find(e, "m-3"), -1);
     epoch_unref(e);
 }
