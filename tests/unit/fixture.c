@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/secret.h"
 #include "membership/brokerd.h"
 #include "rpc/rpc.h"
 
@@ -61,6 +62,18 @@ struct brokerd *fixture_broker_start(const char *cohort, char *addr, size_t addr
     struct brokerd_config cfg;
 
     fixture_broker_config(&cfg);
+    return fixture_broker_start_with(&cfg, cohort, addr, addr_len);
+}
+
+struct brokerd *fixture_keyed_broker_start(const char *cohort, struct secret *key, char *addr,
+                                           size_t addr_len)
+{
+    struct brokerd_config cfg;
+
+    cr_assert_eq(secret_generate(key), 0);
+    fixture_broker_config(&cfg);
+    cfg.open = false;
+    cfg.key = key;
     return fixture_broker_start_with(&cfg, cohort, addr, addr_len);
 }
 

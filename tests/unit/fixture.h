@@ -75,6 +75,13 @@ struct brokerd *fixture_broker_start_with(const struct brokerd_config *cfg, cons
 /* fixture_broker_start_with() on fixture_broker_config()'s settings. */
 struct brokerd *fixture_broker_start(const char *cohort, char *addr, size_t addr_len);
 
+/* A fresh key into *key, then fixture_broker_start_with() serving
+ * `cohort` under it and refusing keyless cohorts: the broker a pod's
+ * members meet. *key is the caller's, and must outlive the broker. */
+struct secret;
+struct brokerd *fixture_keyed_broker_start(const char *cohort, struct secret *key, char *addr,
+                                           size_t addr_len);
+
 /* brokerd_stop(), then rpc_shutdown(). */
 void fixture_broker_stop(struct brokerd *d);
 

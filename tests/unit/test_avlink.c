@@ -56,17 +56,12 @@ static struct trainerd *td;
 
 static void start(void)
 {
-    struct brokerd_config cfg;
     struct avserve_config ac = { .cohort = "avl", .id = "sc", .host = "127.0.0.1", .key = &key,
                                  .max_count = 1 << 20, .max_state_bytes = 1 << 20 };
     struct trainerd_config tc = { .node = { .cohort = "avl", .id = "sc", .host = "127.0.0.1",
                                             .key = &key } };
 
-    cr_assert_eq(secret_generate(&key), 0);
-    fixture_broker_config(&cfg);
-    cfg.open = false;
-    cfg.key = &key;
-    d = fixture_broker_start_with(&cfg, "avl", broker, sizeof(broker));
+    d = fixture_keyed_broker_start("avl", &key, broker, sizeof(broker));
     snprintf(dir, sizeof(dir), "/tmp/cohort-avl-XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
     snprintf(path, sizeof(path), "%s/sc.sock", dir);

@@ -169,13 +169,7 @@ static struct secret key;
 
 static void start_broker(void)
 {
-    struct brokerd_config cfg;
-
-    cr_assert_eq(secret_generate(&key), 0);
-    fixture_broker_config(&cfg);
-    cfg.open = false;
-    cfg.key = &key;
-    d = fixture_broker_start_with(&cfg, "avs", broker, sizeof(broker));
+    d = fixture_keyed_broker_start("avs", &key, broker, sizeof(broker));
 }
 
 static void stop_broker(void)

@@ -38,13 +38,7 @@ static struct secret key;
 
 static void start(void)
 {
-    struct brokerd_config cfg;
-
-    cr_assert_eq(secret_generate(&key), 0);
-    fixture_broker_config(&cfg);
-    cfg.open = false;
-    cfg.key = &key;
-    d = fixture_broker_start_with(&cfg, "cav", broker, sizeof(broker));
+    d = fixture_keyed_broker_start("cav", &key, broker, sizeof(broker));
     snprintf(dir, sizeof(dir), "/tmp/cohort-cav-XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
     snprintf(key_file, sizeof(key_file), "%s/key", dir);
