@@ -3,8 +3,8 @@
  * One thread drives the steps; the trainer's calls only change fields
  * under the lock and wake it, and only when it has something to do: on a
  * machine with as many busy threads as cores, a needless wakeup preempts
- * the very thread a round is waiting for (the member thread, which only
- * heartbeats, has its own condition for the same reason).
+ * the very thread a round is waiting for (the member's heartbeat thread,
+ * heartbeat.h, has its own lock and condition for the same reason).
  *
  * Every member performs the same sequence of all-reduces in an epoch
  * (sync steps, then count and gradient steps), so the engine's round
@@ -139,6 +139,7 @@
 #include "base/ident.h"
 #include "base/limits.h"
 #include "base/log.h"
+#include "membership/heartbeat.h"
 #include "membership/member.h"
 #include "accumulator/ckpt.h"
 #include "accumulator/compress.h"
@@ -183,15 +184,15 @@ struct slot {
 struct node {
     pthread_mutex_t lock;
     pthread_cond_t cond;        /* the node thread's: a state change */
-    pthread_cond_t member_cond; /* the member thread's: registered or stopping */
     struct node_config cfg;
     char *cohort, *id;
     char address[IDENT_ADDRESS_MAX + 1];
     int data_fd;
     bool own_fd;
     struct member *member;
+    struct heartbeat *beat;     /* polls the member from once registered */
     struct allreduce *ar;
-    pthread_t thread, member_thread;
+    pthread_t thread;
     bool stop;
     atomic_uint changes;        /* bumped by changed_locked: what the node thread
                                  * watches while it spins (node_spin) */
@@ -403,42 +404,33 @@ static void report_checkpoints_locked(struct node *n)
                           c->skipped_version, c->skipped_reason);
 }
 
-/* Membership runs on a thread of its own: heartbeats must go on while
- * the node thread waits in an all-reduce, or a slow step would get this
- * member evicted. It joins only once tensors are registered: a member in
- * the epoch that cannot take part would stall everyone's steps. */
-static void *member_main(void *arg)
+/* Membership runs on a thread of its own (heartbeat.h): heartbeats must
+ * go on while the node thread waits in an all-reduce, or a slow step
+ * would get this member evicted. It joins only once tensors are
+ * registered: a member in the epoch that cannot take part would stall
+ * everyone's steps. */
+static bool member_ready(void *arg)
 {
     struct node *n = arg;
+    bool ready;
 
     pthread_mutex_lock(&n->lock);
-    while (!n->stop) {
-        uint32_t wait = 20;
-        struct timespec ts;
-
-        if (n->registered) {
-            report_checkpoints_locked(n);
-            pthread_mutex_unlock(&n->lock);
-            wait = member_poll(n->member, clock_now_ms());
-            pthread_mutex_lock(&n->lock);
-        }
-        ts = clock_deadline(wait > 50 ? 50 : wait);
-        pthread_cond_timedwait(&n->member_cond, &n->lock, &ts);
-    }
+    ready = n->registered;
+    if (ready)
+        report_checkpoints_locked(n);
     pthread_mutex_unlock(&n->lock);
-    return NULL;
+    return ready;
 }
 
 /* The engine saw a peer's connection reset with no BYE (its process
  * died): the broker hears it in a heartbeat sent at once. Runs on the
- * node thread, inside a failed run; signalled without n->lock, since a
- * missed wakeup costs one poll interval at most. */
+ * node thread, inside a failed run, without n->lock: the heartbeat's
+ * own lock is all a wake takes. */
 static void on_peer_lost(void *arg, const char *peer)
 {
     struct node *n = arg;
 
-    if (member_report_lost(n->member, peer) == 0)
-        pthread_cond_signal(&n->member_cond);
+    (void)heartbeat_report_lost(n->beat, peer);
 }
 
 /* The engine has heard nothing from a peer's host for the member
@@ -449,8 +441,7 @@ static void on_peer_unreachable(void *arg, const char *peer, uint64_t epoch)
 {
     struct node *n = arg;
 
-    if (member_report_unreachable(n->member, peer, epoch) == 0)
-        pthread_cond_signal(&n->member_cond);
+    (void)heartbeat_report_unreachable(n->beat, peer, epoch);
 }
 
 /* ---- helpers run on the node thread ------------------------------------- */
@@ -1674,7 +1665,6 @@ int node_start(const struct node_config *cfg, struct node **out)
     n->phase = PH_WAIT_EPOCH;
     pthread_mutex_init(&n->lock, NULL);
     clock_cond_init(&n->cond);
-    clock_cond_init(&n->member_cond);
     if (!n->cohort || !n->id) {
         rc = -ENOMEM;
         goto err;
@@ -1715,22 +1705,17 @@ int node_start(const struct node_config *cfg, struct node **out)
     rc = member_create(&mc, &n->member);
     if (rc < 0)
         goto err;
-    if (pthread_create(&n->thread, NULL, node_main, n) != 0) {
-        rc = -EAGAIN;
+    rc = heartbeat_create(n->member, member_ready, n, &n->beat);
+    if (rc < 0)
         goto err;
-    }
-    if (pthread_create(&n->member_thread, NULL, member_main, n) != 0) {
-        pthread_mutex_lock(&n->lock);
-        n->stop = true;
-        changed_locked(n);
-        pthread_mutex_unlock(&n->lock);
-        pthread_join(n->thread, NULL);
+    if (pthread_create(&n->thread, NULL, node_main, n) != 0) {
         rc = -EAGAIN;
         goto err;
     }
     *out = n;
     return 0;
 err:
+    heartbeat_destroy(n->beat);
     member_destroy(n->member);
     allreduce_destroy(n->ar);
     if (n->own_fd)
@@ -1738,7 +1723,6 @@ err:
     free(n->cohort);
     free(n->id);
     pthread_cond_destroy(&n->cond);
-    pthread_cond_destroy(&n->member_cond);
     pthread_mutex_destroy(&n->lock);
     free(n);
     return rc;
@@ -1750,10 +1734,9 @@ void node_stop(struct node *n)
         return;
     pthread_mutex_lock(&n->lock);
     n->stop = true;
-    pthread_cond_broadcast(&n->member_cond);
     changed_locked(n);
     pthread_mutex_unlock(&n->lock);
-    pthread_join(n->member_thread, NULL);
+    heartbeat_stop(n->beat);
     /* Leaving publishes a new epoch to the others. Our own step in flight
      * is aborted with an empty epoch newer than any we adopted: nobody is
      * left to reduce with. */
@@ -1770,6 +1753,7 @@ void node_stop(struct node *n)
     pthread_mutex_unlock(&n->lock);
     pthread_join(n->thread, NULL);
     ckpt_writer_destroy(n->ckpt);   /* a checkpoint being written is finished */
+    heartbeat_destroy(n->beat);
     member_destroy(n->member);
     reducers_free(n);
     layout_free(n->layout);
@@ -1790,7 +1774,6 @@ void node_stop(struct node *n)
     free(n->cohort);
     free(n->id);
     pthread_cond_destroy(&n->cond);
-    pthread_cond_destroy(&n->member_cond);
     pthread_mutex_destroy(&n->lock);
     free(n);
 }
@@ -1897,7 +1880,7 @@ int node_register(struct node *n, const struct node_tensors *t)
     if (n->cfg.checkpoint_dir && (rc = open_checkpoints_locked(n)) < 0)
         goto out;
     n->registered = true;
-    pthread_cond_broadcast(&n->member_cond);   /* it joins now */
+    heartbeat_wake(n->beat);    /* it joins now */
     changed_locked(n);
 out:
     pthread_mutex_unlock(&n->lock);

@@ -136,6 +136,7 @@
 #include "cohort.pb-c.h"
 #include "engine/allreduce.h"
 #include "membership/epoch.h"
+#include "membership/heartbeat.h"
 #include "membership/matchmaker.h"
 #include "membership/member.h"
 #include "rpc/rpc.h"
@@ -183,9 +184,8 @@ struct averager {
     int data_fd;
     struct allreduce *ar;
     struct member *member;
-    pthread_t member_thread;
+    struct heartbeat *beat;
     pthread_mutex_t lock;
-    pthread_cond_t member_cond;
     bool stop;
 
     bool no_tensors;                /* count, codec and min_part come from each group */
@@ -232,31 +232,11 @@ struct averager {
 
 /* ---- membership ---------------------------------------------------------- */
 
-static void *member_main(void *arg)
-{
-    struct averager *a = arg;
-
-    pthread_mutex_lock(&a->lock);
-    while (!a->stop) {
-        uint32_t wait;
-        struct timespec ts;
-
-        pthread_mutex_unlock(&a->lock);
-        wait = member_poll(a->member, clock_now_ms());
-        pthread_mutex_lock(&a->lock);
-        ts = clock_deadline(wait > 50 ? 50 : wait);
-        pthread_cond_timedwait(&a->member_cond, &a->lock, &ts);
-    }
-    pthread_mutex_unlock(&a->lock);
-    return NULL;
-}
-
 static void on_peer_lost(void *arg, const char *peer)
 {
     struct averager *a = arg;
 
-    if (member_report_lost(a->member, peer) == 0)
-        pthread_cond_signal(&a->member_cond);
+    (void)heartbeat_report_lost(a->beat, peer);
 }
 
 int averager_wait(struct averager *a, uint32_t timeout_ms)
@@ -1454,7 +1434,6 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     a->data_fd = -1;
     a->h_exact = -1;
     pthread_mutex_init(&a->lock, NULL);
-    clock_cond_init(&a->member_cond);
     clock_cond_init(&a->donor_cond);
     rc = take_plan(a, cfg);
     if (rc < 0)
@@ -1571,22 +1550,17 @@ int averager_create(const struct averager_config *cfg, struct averager **out)
     a->priority = cfg->state_priority;
     a->declare_now = cfg->share_state;
     avstate_server_allow(a->srv, a->share);
-    if (pthread_create(&a->member_thread, NULL, member_main, a) != 0) {
-        rc = -EAGAIN;
+    rc = heartbeat_create(a->member, NULL, NULL, &a->beat);
+    if (rc < 0)
         goto err;
-    }
     if (pthread_create(&a->donor_thread, NULL, donor_main, a) != 0) {
-        pthread_mutex_lock(&a->lock);
-        a->stop = true;
-        pthread_cond_broadcast(&a->member_cond);
-        pthread_mutex_unlock(&a->lock);
-        pthread_join(a->member_thread, NULL);
         rc = -EAGAIN;
         goto err;
     }
     *out = a;
     return 0;
 err:
+    heartbeat_destroy(a->beat);
     avstate_server_stop(a->srv);
     secret_wipe(&a->key);
     member_destroy(a->member);
@@ -1601,7 +1575,6 @@ err:
     free(a->id);
     free(a->prefix);
     pthread_cond_destroy(&a->donor_cond);
-    pthread_cond_destroy(&a->member_cond);
     pthread_mutex_destroy(&a->lock);
     free(a);
     return rc;
@@ -1613,10 +1586,9 @@ void averager_destroy(struct averager *a)
         return;
     pthread_mutex_lock(&a->lock);
     a->stop = true;
-    pthread_cond_broadcast(&a->member_cond);
     pthread_cond_broadcast(&a->donor_cond);
     pthread_mutex_unlock(&a->lock);
-    pthread_join(a->member_thread, NULL);
+    heartbeat_destroy(a->beat);
     pthread_join(a->donor_thread, NULL);
     /* Withdrawn first, so that no newcomer is sent to a server that is
      * about to close; its refusals cover the moment in between. */
@@ -1638,7 +1610,6 @@ void averager_destroy(struct averager *a)
     free(a->id);
     free(a->prefix);
     pthread_cond_destroy(&a->donor_cond);
-    pthread_cond_destroy(&a->member_cond);
     pthread_mutex_destroy(&a->lock);
     free(a);
 }

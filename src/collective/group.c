@@ -63,6 +63,7 @@
 #include "base/log.h"
 #include "engine/allreduce.h"
 #include "membership/epoch.h"
+#include "membership/heartbeat.h"
 #include "membership/member.h"
 
 #define INDEX_BITS 20                   /* members per cohort < 2^20 */
@@ -87,16 +88,14 @@ struct buf {
 
 struct group {
     pthread_mutex_t lock;
-    pthread_cond_t cond;        /* a new epoch, or stop */
-    pthread_cond_t member_cond; /* the member thread's: stop, or a lost peer */
+    pthread_cond_t cond;        /* a new epoch */
     char *cohort, *id;
     char address[IDENT_ADDRESS_MAX + 1];
     int data_fd;
     size_t max_bytes;
     struct member *member;
+    struct heartbeat *beat;
     struct allreduce *ar;
-    pthread_t member_thread;
-    bool stop;
     struct epoch *latest;       /* under lock, from the watch */
     bool running;               /* under lock: a run is in the engine, or about to be */
     bool interrupted;           /* under lock: a newer epoch reached the engine during it */
@@ -145,28 +144,7 @@ static void on_peer_lost(void *arg, const char *peer)
 {
     struct group *g = arg;
 
-    if (member_report_lost(g->member, peer) == 0)
-        pthread_cond_signal(&g->member_cond);
-}
-
-/* Heartbeats go on while the caller's thread waits in a call. */
-static void *member_main(void *arg)
-{
-    struct group *g = arg;
-
-    pthread_mutex_lock(&g->lock);
-    while (!g->stop) {
-        uint32_t wait;
-        struct timespec ts;
-
-        pthread_mutex_unlock(&g->lock);
-        wait = member_poll(g->member, clock_now_ms());
-        pthread_mutex_lock(&g->lock);
-        ts = clock_deadline(wait > 50 ? 50 : wait);
-        pthread_cond_timedwait(&g->member_cond, &g->lock, &ts);
-    }
-    pthread_mutex_unlock(&g->lock);
-    return NULL;
+    (void)heartbeat_report_lost(g->beat, peer);
 }
 
 /* ---- buffers --------------------------------------------------------------- */
@@ -725,7 +703,6 @@ int group_create(const struct group_config *cfg, struct group **out)
     g->max_bytes = cfg->max_bytes ? cfg->max_bytes : GROUP_DEFAULT_MAX_BYTES;
     pthread_mutex_init(&g->lock, NULL);
     clock_cond_init(&g->cond);
-    clock_cond_init(&g->member_cond);
     g->cohort = strdup(cfg->cohort);
     g->id = strdup(cfg->id);
     if (!g->cohort || !g->id) {
@@ -766,10 +743,10 @@ int group_create(const struct group_config *cfg, struct group **out)
     rc = member_create(&mc, &g->member);
     if (rc < 0)
         goto err;
-    if (pthread_create(&g->member_thread, NULL, member_main, g) != 0) {
-        rc = -EAGAIN;
+    /* Heartbeats go on while the caller's thread waits in a call. */
+    rc = heartbeat_create(g->member, NULL, NULL, &g->beat);
+    if (rc < 0)
         goto err;
-    }
     *out = g;
     return 0;
 err:
@@ -780,7 +757,6 @@ err:
     free(g->cohort);
     free(g->id);
     pthread_cond_destroy(&g->cond);
-    pthread_cond_destroy(&g->member_cond);
     pthread_mutex_destroy(&g->lock);
     free(g);
     return rc;
@@ -790,11 +766,7 @@ void group_destroy(struct group *g)
 {
     if (!g)
         return;
-    pthread_mutex_lock(&g->lock);
-    g->stop = true;
-    pthread_cond_broadcast(&g->member_cond);
-    pthread_mutex_unlock(&g->lock);
-    pthread_join(g->member_thread, NULL);
+    heartbeat_destroy(g->beat);
     /* Leaving publishes a new epoch to the others at once, rather than
      * after the member timeout. */
     member_leave(g->member, LIMIT_LEAVE_TIMEOUT_MS);
@@ -809,7 +781,6 @@ void group_destroy(struct group *g)
     free(g->cohort);
     free(g->id);
     pthread_cond_destroy(&g->cond);
-    pthread_cond_destroy(&g->member_cond);
     pthread_mutex_destroy(&g->lock);
     free(g);
 }
