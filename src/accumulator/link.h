@@ -78,6 +78,21 @@ struct link_ops {
     void (*destroy)(struct link *l);
 };
 
+/* The table of a link whose file defines each operation above as a
+ * static function named after its field: both links bind theirs with it,
+ * so the list is written once, and a link that lacks an operation fails
+ * to compile rather than calling NULL. */
+#define LINK_OPS(kind_)                                                             \
+    {                                                                               \
+        .kind = (kind_), .update = update, .up = up, .gone = gone,                  \
+        .contribute = contribute, .consume = consume, .set_state = set_state,       \
+        .take_state = take_state, .set_model_version = set_model_version,           \
+        .set_virtual_batch_size = set_virtual_batch_size,                           \
+        .set_parallel_gradients = set_parallel_gradients,                           \
+        .set_compression = set_compression, .set_tensor_shapes = set_tensor_shapes, \
+        .destroy = destroy,                                                         \
+    }
+
 /* The common head of both links; each implementation embeds it first. */
 struct link {
     const struct link_ops *ops;

@@ -108,22 +108,7 @@ static void destroy(struct link *l)
     free(l);
 }
 
-static const struct link_ops node_ops = {
-    .kind = "in-process",
-    .update = update,
-    .up = up,
-    .gone = gone,
-    .contribute = contribute,
-    .consume = consume,
-    .set_state = set_state,
-    .take_state = take_state,
-    .set_model_version = set_model_version,
-    .set_virtual_batch_size = set_virtual_batch_size,
-    .set_parallel_gradients = set_parallel_gradients,
-    .set_compression = set_compression,
-    .set_tensor_shapes = set_tensor_shapes,
-    .destroy = destroy,
-};
+static const struct link_ops node_ops = LINK_OPS("in-process");
 
 int link_node_connect(const char *broker, const char *cohort, const char *id, const char *host,
                       const struct secret *key, bool integrity_mac, const char *tls_ca_pem,

@@ -252,22 +252,7 @@ static void destroy(struct link *l)
     free(l);
 }
 
-static const struct link_ops sidecar_ops = {
-    .kind = "sidecar",
-    .update = update,
-    .up = up,
-    .gone = gone,
-    .contribute = contribute,
-    .consume = consume,
-    .set_state = set_state,
-    .take_state = take_state,
-    .set_model_version = set_model_version,
-    .set_virtual_batch_size = set_virtual_batch_size,
-    .set_parallel_gradients = set_parallel_gradients,
-    .set_compression = set_compression,
-    .set_tensor_shapes = set_tensor_shapes,
-    .destroy = destroy,
-};
+static const struct link_ops sidecar_ops = LINK_OPS("sidecar");
 
 int link_sidecar_connect(const char *path, const struct link_memory *m, struct link **out)
 {
