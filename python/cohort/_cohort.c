@@ -810,15 +810,31 @@ static PyTypeObject region_type = {
  * group is used by one thread at a time). The group owns its top-k
  * reducers: Python names them by index, and they go before the group. */
 
+/* What the Group needs of one kind of reducer with error feedback (top-k,
+ * PowerSGD): both are named by index, reduce float32 in place and keep
+ * what they left out between calls, so one table serves them. The kinds'
+ * functions take their own types; each has wrappers taking void *. */
+struct reducer_kind {
+    const char *name;                   /* in errors: "top-k", "PowerSGD" */
+    size_t (*floats)(const void *r);    /* what a reduce takes, and what it keeps */
+    size_t (*shown)(const void *r);     /* the first of info(): top-k's k, PowerSGD's floats */
+    const float *(*kept)(const void *r);        /* the error feedback, floats() of it */
+    int (*reduce)(void *r, float *buf, enum cohort_group_op op, int timeout_ms);
+    void (*destroy)(void *r);
+};
+
+/* One kind's reducers, in the order they were made; under the Group's
+ * lock. */
+struct reducers {
+    void **r;
+    size_t n;
+};
+
 struct pygroup {
     PyObject_HEAD
     struct cohort_group *g;             /* NULL once closed */
     PyThread_type_lock lock;
-    struct cohort_group_topk **topk;    /* n_topk, under lock */
-    size_t n_topk;
-    struct cohort_group_powersgd **power;       /* n_power, under lock */
-    size_t *power_cells;                /* rows x cols of each */
-    size_t n_power;
+    struct reducers topk, power;
 };
 
 static PyObject *group_raise(const char *what, int rc)
@@ -874,6 +890,43 @@ static int pygroup_init(struct pygroup *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+static size_t topk_floats(const void *r) { return cohort_group_topk_n(r); }
+static size_t topk_shown(const void *r) { return cohort_group_topk_k(r); }
+static const float *topk_kept(const void *r) { return cohort_group_topk_residual(r); }
+static int topk_reduce(void *r, float *buf, enum cohort_group_op op, int timeout_ms)
+{
+    return cohort_group_topk_reduce(r, buf, op, timeout_ms);
+}
+static void topk_destroy(void *r) { cohort_group_topk_destroy(r); }
+
+static const struct reducer_kind topk_kind = {
+    .name = "top-k", .floats = topk_floats, .shown = topk_shown, .kept = topk_kept,
+    .reduce = topk_reduce, .destroy = topk_destroy,
+};
+
+static size_t powersgd_floats(const void *r) { return cohort_group_powersgd_size(r); }
+static const float *powersgd_kept(const void *r) { return cohort_group_powersgd_error(r); }
+static int powersgd_reduce(void *r, float *buf, enum cohort_group_op op, int timeout_ms)
+{
+    return cohort_group_powersgd_reduce(r, buf, op, timeout_ms);
+}
+static void powersgd_destroy(void *r) { cohort_group_powersgd_destroy(r); }
+
+static const struct reducer_kind powersgd_kind = {
+    .name = "PowerSGD", .floats = powersgd_floats, .shown = powersgd_floats,
+    .kept = powersgd_kept, .reduce = powersgd_reduce, .destroy = powersgd_destroy,
+};
+
+/* Destroys every reducer of the table and empties it. Under the lock. */
+static void reducers_clear(struct reducers *t, const struct reducer_kind *kind)
+{
+    for (size_t i = 0; i < t->n; i++)
+        kind->destroy(t->r[i]);
+    free(t->r);
+    t->r = NULL;
+    t->n = 0;
+}
+
 static void pygroup_close_now(struct pygroup *self)
 {
     struct cohort_group *g = self->g;
@@ -883,18 +936,8 @@ static void pygroup_close_now(struct pygroup *self)
     self->g = NULL;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    for (size_t i = 0; i < self->n_topk; i++)
-        cohort_group_topk_destroy(self->topk[i]);
-    free(self->topk);
-    self->topk = NULL;
-    self->n_topk = 0;
-    for (size_t i = 0; i < self->n_power; i++)
-        cohort_group_powersgd_destroy(self->power[i]);
-    free(self->power);
-    free(self->power_cells);
-    self->power = NULL;
-    self->power_cells = NULL;
-    self->n_power = 0;
+    reducers_clear(&self->topk, &topk_kind);
+    reducers_clear(&self->power, &powersgd_kind);
     cohort_group_destroy(g);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
@@ -1056,6 +1099,79 @@ static PyObject *pygroup_allgather(struct pygroup *self, PyObject *args)
     return res;
 }
 
+/* Appends r (which the table then owns) and returns its index, the
+ * Python name of it; without memory, destroys r. */
+static PyObject *reducers_add(struct reducers *t, const struct reducer_kind *kind, void *r)
+{
+    void **more = realloc(t->r, (t->n + 1) * sizeof(*more));
+
+    if (!more) {
+        kind->destroy(r);
+        return PyErr_NoMemory();
+    }
+    t->r = more;
+    t->r[t->n] = r;
+    return PyLong_FromSize_t(t->n++);
+}
+
+/* The reducer named `i`, borrowed; NULL with a ValueError when the group
+ * is closed or has no such reducer. */
+static void *reducers_find(struct pygroup *self, const struct reducers *t,
+                           const struct reducer_kind *kind, unsigned long long i)
+{
+    if (group_open(self) < 0)
+        return NULL;
+    if (i >= t->n) {
+        PyErr_Format(PyExc_ValueError, "no such %s reducer", kind->name);
+        return NULL;
+    }
+    return t->r[i];
+}
+
+/* X_reduce(reducer, buffer, op, timeout_ms): the reducer's floats in a
+ * writable buffer of exactly that many x 4 bytes, in place. */
+static PyObject *reducers_reduce(struct pygroup *self, const struct reducers *t,
+                                 const struct reducer_kind *kind, PyObject *args)
+{
+    unsigned long long i;
+    Py_buffer b;
+    void *r;
+    int op, timeout_ms, rc;
+
+    if (!PyArg_ParseTuple(args, "Kw*ii", &i, &b, &op, &timeout_ms))
+        return NULL;
+    r = reducers_find(self, t, kind, i);
+    if (!r || buffer_fits(&b, kind->floats(r) * sizeof(float), kind->name) < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = kind->reduce(r, b.buf, (enum cohort_group_op)op, timeout_ms);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (rc < 0)
+        return group_raise(kind->name, rc);
+    Py_RETURN_NONE;
+}
+
+/* X_info(reducer) -> (shown, the error feedback as float32 bytes). */
+static PyObject *reducers_info(struct pygroup *self, const struct reducers *t,
+                               const struct reducer_kind *kind, PyObject *arg)
+{
+    unsigned long long i = PyLong_AsUnsignedLongLong(arg);
+    void *r;
+
+    if (PyErr_Occurred())
+        return NULL;
+    r = reducers_find(self, t, kind, i);
+    if (!r)
+        return NULL;
+    return Py_BuildValue("(ny#)", (Py_ssize_t)kind->shown(r), (const char *)kind->kept(r),
+                         (Py_ssize_t)(kind->floats(r) * sizeof(float)));
+}
+
 /* topk_create(n, ratio) -> int: a new top-k reducer of n float32 values;
  * n may be a sequence of segment sizes (a model's layers), each keeping
  * its own ceil(ratio x size) per call. */
@@ -1063,7 +1179,7 @@ static PyObject *pygroup_topk_create(struct pygroup *self, PyObject *args)
 {
     PyObject *sizes_arg, *seq = NULL;
     double ratio;
-    struct cohort_group_topk *t = NULL, **more;
+    struct cohort_group_topk *t = NULL;
     size_t *sizes = NULL, n_sizes;
     int rc;
 
@@ -1109,68 +1225,20 @@ static PyObject *pygroup_topk_create(struct pygroup *self, PyObject *args)
     }
     if (rc < 0)
         return group_raise("top-k", rc);
-    more = realloc(self->topk, (self->n_topk + 1) * sizeof(*more));
-    if (!more) {
-        cohort_group_topk_destroy(t);
-        return PyErr_NoMemory();
-    }
-    self->topk = more;
-    self->topk[self->n_topk] = t;
-    return PyLong_FromSize_t(self->n_topk++);
-}
-
-static struct cohort_group_topk *topk_of(struct pygroup *self, unsigned long long i)
-{
-    if (group_open(self) < 0)
-        return NULL;
-    if (i >= self->n_topk) {
-        PyErr_SetString(PyExc_ValueError, "no such top-k reducer");
-        return NULL;
-    }
-    return self->topk[i];
+    return reducers_add(&self->topk, &topk_kind, t);
 }
 
 /* topk_reduce(reducer, buffer, op, timeout_ms): the reducer's n float32
- * in a writable buffer of exactly n x 4 bytes, in place. */
+ * in place. */
 static PyObject *pygroup_topk_reduce(struct pygroup *self, PyObject *args)
 {
-    unsigned long long i;
-    Py_buffer b;
-    struct cohort_group_topk *t;
-    int op, timeout_ms, rc;
-
-    if (!PyArg_ParseTuple(args, "Kw*ii", &i, &b, &op, &timeout_ms))
-        return NULL;
-    t = topk_of(self, i);
-    if (!t || buffer_fits(&b, cohort_group_topk_n(t) * sizeof(float), "top-k") < 0) {
-        PyBuffer_Release(&b);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = cohort_group_topk_reduce(t, b.buf, (enum cohort_group_op)op, timeout_ms);
-    PyThread_release_lock(self->lock);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&b);
-    if (rc < 0)
-        return group_raise("top-k", rc);
-    Py_RETURN_NONE;
+    return reducers_reduce(self, &self->topk, &topk_kind, args);
 }
 
 /* topk_info(reducer) -> (k, residual bytes). */
 static PyObject *pygroup_topk_info(struct pygroup *self, PyObject *arg)
 {
-    unsigned long long i = PyLong_AsUnsignedLongLong(arg);
-    struct cohort_group_topk *t;
-
-    if (PyErr_Occurred())
-        return NULL;
-    t = topk_of(self, i);
-    if (!t)
-        return NULL;
-    return Py_BuildValue("(ny#)", (Py_ssize_t)cohort_group_topk_k(t),
-                         (const char *)cohort_group_topk_residual(t),
-                         (Py_ssize_t)(cohort_group_topk_n(t) * sizeof(float)));
+    return reducers_info(self, &self->topk, &topk_kind, arg);
 }
 
 /* powersgd_create(shapes, vectors, rank, seed, reuse_query) -> int: a
@@ -1182,8 +1250,8 @@ static PyObject *pygroup_powersgd_create(struct pygroup *self, PyObject *args)
     PyObject *shapes, *seq;
     int reuse, rc;
     struct cohort_group_matrix *mats = NULL;
-    struct cohort_group_powersgd *p = NULL, **more;
-    size_t *cells, n;
+    struct cohort_group_powersgd *p = NULL;
+    size_t n;
 
     if (group_open(self) < 0)
         return NULL;
@@ -1217,72 +1285,20 @@ static PyObject *pygroup_powersgd_create(struct pygroup *self, PyObject *args)
     free(mats);
     if (rc < 0)
         return group_raise("PowerSGD", rc);
-    more = realloc(self->power, (self->n_power + 1) * sizeof(*more));
-    if (more)
-        self->power = more;
-    cells = more ? realloc(self->power_cells, (self->n_power + 1) * sizeof(*cells)) : NULL;
-    if (!cells) {
-        cohort_group_powersgd_destroy(p);
-        return PyErr_NoMemory();
-    }
-    self->power_cells = cells;
-    self->power[self->n_power] = p;
-    self->power_cells[self->n_power] = cohort_group_powersgd_size(p);
-    return PyLong_FromSize_t(self->n_power++);
-}
-
-static struct cohort_group_powersgd *power_of(struct pygroup *self, unsigned long long i)
-{
-    if (group_open(self) < 0)
-        return NULL;
-    if (i >= self->n_power) {
-        PyErr_SetString(PyExc_ValueError, "no such PowerSGD reducer");
-        return NULL;
-    }
-    return self->power[i];
+    return reducers_add(&self->power, &powersgd_kind, p);
 }
 
 /* powersgd_reduce(reducer, buffer, op, timeout_ms): the reducer's floats
- * in a writable buffer of exactly that many x 4 bytes, in place. */
+ * in place. */
 static PyObject *pygroup_powersgd_reduce(struct pygroup *self, PyObject *args)
 {
-    unsigned long long i;
-    Py_buffer b;
-    struct cohort_group_powersgd *p;
-    int op, timeout_ms, rc;
-
-    if (!PyArg_ParseTuple(args, "Kw*ii", &i, &b, &op, &timeout_ms))
-        return NULL;
-    p = power_of(self, i);
-    if (!p || buffer_fits(&b, cohort_group_powersgd_size(p) * sizeof(float), "PowerSGD") < 0) {
-        PyBuffer_Release(&b);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = cohort_group_powersgd_reduce(p, b.buf, (enum cohort_group_op)op, timeout_ms);
-    PyThread_release_lock(self->lock);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&b);
-    if (rc < 0)
-        return group_raise("PowerSGD", rc);
-    Py_RETURN_NONE;
+    return reducers_reduce(self, &self->power, &powersgd_kind, args);
 }
 
 /* powersgd_info(reducer) -> (floats, error bytes). */
 static PyObject *pygroup_powersgd_info(struct pygroup *self, PyObject *arg)
 {
-    unsigned long long i = PyLong_AsUnsignedLongLong(arg);
-    struct cohort_group_powersgd *p;
-
-    if (PyErr_Occurred())
-        return NULL;
-    p = power_of(self, i);
-    if (!p)
-        return NULL;
-    return Py_BuildValue("(ny#)", (Py_ssize_t)cohort_group_powersgd_size(p),
-                         (const char *)cohort_group_powersgd_error(p),
-                         (Py_ssize_t)(self->power_cells[i] * sizeof(float)));
+    return reducers_info(self, &self->power, &powersgd_kind, arg);
 }
 
 static PyObject *pygroup_stats(struct pygroup *self, PyObject *unused)

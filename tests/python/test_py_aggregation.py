@@ -367,6 +367,12 @@ def test_sparsified_refuses_bad_input(broker):
         h = g.topk_create([4, 4], 0.5)
         with pytest.raises(ValueError, match="holds 28 bytes, the call needs 32"):
             g.topk_reduce(h, memoryview(bytearray(28)), agg._cohort.OP_SUM, 1000)
+        # Reducers are named by index: one never made is refused by name.
+        assert g.topk_info(h) == (4, bytes(32))
+        with pytest.raises(ValueError, match="no such top-k reducer"):
+            g.topk_reduce(h + 1, memoryview(bytearray(32)), agg._cohort.OP_SUM, 1000)
+        with pytest.raises(ValueError, match="no such top-k reducer"):
+            g.topk_info(h + 1)
     finally:
         agg.shutdown()
 
@@ -412,5 +418,16 @@ def test_power_refuses_bad_input(broker):
         assert torch.allclose(m.weight.grad, torch.tensor([[1., 2, 3], [4, 5, 6]]), atol=1e-4)
         assert m.bias.grad.tolist() == [1, 2]
         assert a.error().shape == (8,)
+        # The extension's PowerSGD reducers: one 2 x 3 matrix and 2
+        # vectors is 8 floats, and a reducer never made is refused.
+        g = agg._g()
+        h = g.powersgd_create([(2, 3)], 2, 1, 0, True)
+        assert g.powersgd_info(h) == (8, bytes(32))
+        with pytest.raises(ValueError, match="PowerSGD: the buffer holds 28 bytes, the call needs 32"):
+            g.powersgd_reduce(h, memoryview(bytearray(28)), agg._cohort.OP_SUM, 1000)
+        with pytest.raises(ValueError, match="no such PowerSGD reducer"):
+            g.powersgd_reduce(h + 1, memoryview(bytearray(32)), agg._cohort.OP_SUM, 1000)
+        with pytest.raises(ValueError, match="no such PowerSGD reducer"):
+            g.powersgd_info(h + 1)
     finally:
         agg.shutdown()
