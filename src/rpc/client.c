@@ -347,32 +347,51 @@ static void watch_send_done(struct rpc_tag *t, bool ok)
     pthread_mutex_unlock(&w->lock);
 }
 
+/* A duplex watch has one send in flight at most: a message or the
+ * half-close. Whether one may start now: 0, or the -errno that
+ * rpc_watch_send() and rpc_watch_done_sending() give. Lock held. */
+static int send_may_start_locked(const struct rpc_watch *w)
+{
+    if (!w->duplex)
+        return -EINVAL;
+    if (w->status_done || w->ended || w->send_closed)
+        return -EPIPE;
+    if (w->send_inflight)
+        return -EBUSY;
+    return 0;
+}
+
+/* Starts `op` as the watch's send; -EPIPE, with nothing in flight, when
+ * gRPC refuses it. Lock held. */
+static int send_start_locked(struct rpc_watch *w, grpc_op *op)
+{
+    w->batches++;
+    w->send_inflight = true;
+    if (grpc_call_start_batch(w->call, op, 1, &w->send_tag, NULL) != GRPC_CALL_OK) {
+        w->batches--;
+        w->send_inflight = false;
+        return -EPIPE;
+    }
+    return 0;
+}
+
 int rpc_watch_send(struct rpc_watch *w, const ProtobufCMessage *msg)
 {
     grpc_op op;
-    int rc = 0;
+    int rc;
 
     pthread_mutex_lock(&w->lock);
-    if (!w->duplex) {
-        rc = -EINVAL;
-    } else if (w->status_done || w->ended || w->send_closed) {
-        rc = -EPIPE;
-    } else if (w->send_inflight) {
-        rc = -EBUSY;
-    } else if (!(w->out_bb = rpc_pack_bb(msg))) {
+    rc = send_may_start_locked(w);
+    if (rc == 0 && !(w->out_bb = rpc_pack_bb(msg)))
         rc = -ENOMEM;
-    } else {
+    if (rc == 0) {
         memset(&op, 0, sizeof(op));
         op.op = GRPC_OP_SEND_MESSAGE;
         op.data.send_message.send_message = w->out_bb;
-        w->batches++;
-        w->send_inflight = true;
-        if (grpc_call_start_batch(w->call, &op, 1, &w->send_tag, NULL) != GRPC_CALL_OK) {
-            w->batches--;
-            w->send_inflight = false;
+        rc = send_start_locked(w, &op);
+        if (rc < 0) {
             grpc_byte_buffer_destroy(w->out_bb);
             w->out_bb = NULL;
-            rc = -EPIPE;
         }
     }
     pthread_mutex_unlock(&w->lock);
@@ -382,26 +401,15 @@ int rpc_watch_send(struct rpc_watch *w, const ProtobufCMessage *msg)
 int rpc_watch_done_sending(struct rpc_watch *w)
 {
     grpc_op op;
-    int rc = 0;
+    int rc;
 
     pthread_mutex_lock(&w->lock);
-    if (!w->duplex) {
-        rc = -EINVAL;
-    } else if (w->status_done || w->ended || w->send_closed) {
-        rc = -EPIPE;
-    } else if (w->send_inflight) {
-        rc = -EBUSY;
-    } else {
+    rc = send_may_start_locked(w);
+    if (rc == 0) {
         memset(&op, 0, sizeof(op));
         op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-        w->batches++;
-        w->send_inflight = true;
         w->send_closed = true;
-        if (grpc_call_start_batch(w->call, &op, 1, &w->send_tag, NULL) != GRPC_CALL_OK) {
-            w->batches--;
-            w->send_inflight = false;
-            rc = -EPIPE;
-        }
+        rc = send_start_locked(w, &op);
     }
     pthread_mutex_unlock(&w->lock);
     return rc;
