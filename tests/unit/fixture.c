@@ -65,6 +65,15 @@ struct brokerd *fixture_broker_start(const char *cohort, char *addr, size_t addr
     return fixture_broker_start_with(&cfg, cohort, addr, addr_len);
 }
 
+struct brokerd *fixture_held_broker_start(const char *cohort, char *addr, size_t addr_len)
+{
+    struct brokerd_config cfg;
+
+    fixture_broker_config(&cfg);
+    cfg.broker.startup_hold_ms = FIXTURE_START_HOLD_MS;
+    return fixture_broker_start_with(&cfg, cohort, addr, addr_len);
+}
+
 struct brokerd *fixture_keyed_broker_start(const char *cohort, struct secret *key, char *addr,
                                            size_t addr_len)
 {

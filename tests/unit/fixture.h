@@ -75,6 +75,14 @@ struct brokerd *fixture_broker_start_with(const struct brokerd_config *cfg, cons
 /* fixture_broker_start_with() on fixture_broker_config()'s settings. */
 struct brokerd *fixture_broker_start(const char *cohort, char *addr, size_t addr_len);
 
+/* How long fixture_held_broker_start()'s broker holds its first epoch. */
+#define FIXTURE_START_HOLD_MS 1000u
+
+/* fixture_broker_start() with a startup hold of FIXTURE_START_HOLD_MS:
+ * the nodes or groups a test starts together join within it and land in
+ * one first epoch, instead of the first one leading an epoch of its own. */
+struct brokerd *fixture_held_broker_start(const char *cohort, char *addr, size_t addr_len);
+
 /* A fresh key into *key, then fixture_broker_start_with() serving
  * `cohort` under it and refusing keyless cohorts: the broker a pod's
  * members meet. *key is the caller's, and must outlive the broker. */

@@ -14,12 +14,8 @@ static const char *cohort_name;
 
 void groups_start(const char *cohort)
 {
-    struct brokerd_config cfg;
-
-    fixture_broker_config(&cfg);
-    cfg.broker.startup_hold_ms = 1000;
     cohort_name = cohort;
-    d = fixture_broker_start_with(&cfg, cohort, broker, sizeof(broker));
+    d = fixture_held_broker_start(cohort, broker, sizeof(broker));
 }
 
 void groups_stop(void)

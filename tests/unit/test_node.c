@@ -44,15 +44,10 @@ static bool spare[MAXN];
 #define VERSIONS 64             /* results recorded per trainer, by version */
 
 /* The fixture's broker with a startup hold: the trainers a test starts
- * together join within it and land in one first epoch, instead of the
- * first one leading an epoch of its own (see trainer_main). */
+ * together land in one first epoch (see trainer_main). */
 static void start(void)
 {
-    struct brokerd_config cfg;
-
-    fixture_broker_config(&cfg);
-    cfg.broker.startup_hold_ms = 1000;
-    d = fixture_broker_start_with(&cfg, "train", broker, sizeof(broker));
+    d = fixture_held_broker_start("train", broker, sizeof(broker));
 }
 
 static void stop(void)

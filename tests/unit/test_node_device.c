@@ -40,11 +40,7 @@ static uint64_t leave_after;
 
 static void start(void)
 {
-    struct brokerd_config cfg;
-
-    fixture_broker_config(&cfg);
-    cfg.broker.startup_hold_ms = 1000;
-    d = fixture_broker_start_with(&cfg, "train", broker, sizeof(broker));
+    d = fixture_held_broker_start("train", broker, sizeof(broker));
 }
 
 static void stop(void)
