@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "averager/averager.h"
+#include "avpeers.h"
 #include "base/clock.h"
 #include "base/secret.h"
 #include "cohort.pb-c.h"
@@ -29,7 +30,7 @@
 #include "rpc/rpc.h"
 
 #define N_MAX 8
-#define COUNT 16
+#define COUNT AVPEERS_COUNT
 
 static struct brokerd *d;
 static char broker[64];
@@ -63,53 +64,12 @@ static struct averager *make(const char *id, uint32_t target, uint32_t min, cons
     return a;
 }
 
-struct peer {
-    struct averager *a;
-    float data[COUNT];
-    double weight;
-    double alpha;               /* 0: 1 */
-    char gather[32];
-    uint32_t timeout_ms;
-    int rc;
-    struct averager_result *res;
-    pthread_t t;
-};
-
-static void *step_main(void *arg)
-{
-    struct peer *p = arg;
-    struct averager_step s = { .data = p->data, .weight = p->weight,
-                               .alpha = p->alpha ? p->alpha : 1,
-                               .gather = p->gather, .gather_len = strlen(p->gather),
-                               .timeout_ms = p->timeout_ms ? p->timeout_ms : FIXTURE_WAIT_MS };
-
-    p->res = NULL;
-    p->rc = averager_step(p->a, &s, &p->res);
-    return NULL;
-}
-
-static void run_all(struct peer *p, int n)
-{
-    for (int i = 0; i < n; i++)
-        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
-    for (int i = 0; i < n; i++)
-        pthread_join(p[i].t, NULL);
-}
-
-static void free_all(struct peer *p, int n)
-{
-    for (int i = 0; i < n; i++) {
-        averager_result_free(p[i].res);
-        averager_destroy(p[i].a);
-    }
-}
-
 /* Four contributors weighted 1..4 and one auxiliary member: the average is
  * exactly sum(w x) / 10 at every contributor, the auxiliary member's data
  * is untouched, and every member gathers every member's bytes. */
 Test(averager, weighted_average_is_exact_with_an_auxiliary_member)
 {
-    struct peer p[5] = { 0 };
+    struct avpeer p[5] = { 0 };
     char id[16];
 
     for (int i = 0; i < 5; i++) {
@@ -120,7 +80,7 @@ Test(averager, weighted_average_is_exact_with_an_auxiliary_member)
         for (int j = 0; j < COUNT; j++)
             p[i].data[j] = i < 4 ? (float)(10 * (i + 1) + j) : -7.0f;
     }
-    run_all(p, 5);
+    avpeers_run(p, 5);
     for (int i = 0; i < 5; i++) {
         cr_assert_eq(p[i].rc, 0, "w-%d: %s", i, averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->n, 5);
@@ -138,14 +98,14 @@ Test(averager, weighted_average_is_exact_with_an_auxiliary_member)
             cr_assert_eq(memcmp(p[i].res->gathered[k], want, strlen(want)), 0);
         }
     }
-    free_all(p, 5);
+    avpeers_free(p, 5);
 }
 
 /* Eight averagers in pairs whose bits move after each round (the key
  * manager's shift): after three rounds every one holds the global mean. */
 Test(averager, pairs_that_mix_by_bits_reach_the_global_mean_in_three_rounds)
 {
-    struct peer p[N_MAX] = { 0 };
+    struct avpeer p[N_MAX] = { 0 };
     char id[16], bits[3];
 
     for (int i = 0; i < N_MAX; i++) {
@@ -159,7 +119,7 @@ Test(averager, pairs_that_mix_by_bits_reach_the_global_mean_in_three_rounds)
             p[i].data[j] = (float)(8 * i + j);
     }
     for (int round = 0; round < 3; round++) {
-        run_all(p, N_MAX);
+        avpeers_run(p, N_MAX);
         for (int i = 0; i < N_MAX; i++) {
             cr_assert_eq(p[i].rc, 0, "round %d w-%d: %s", round, i,
                          averager_last_error(p[i].a));
@@ -172,14 +132,14 @@ Test(averager, pairs_that_mix_by_bits_reach_the_global_mean_in_three_rounds)
     for (int i = 0; i < N_MAX; i++)
         for (int j = 0; j < COUNT; j++)
             cr_assert_eq(p[i].data[j], (float)(28 + j), "w-%d[%d] = %g", i, j, p[i].data[j]);
-    free_all(p, N_MAX);
+    avpeers_free(p, N_MAX);
 }
 
 /* averaging_alpha moves each member's data that far toward the average;
  * a member with no gather bytes gathers an empty entry. */
 Test(averager, alpha_moves_toward_the_average_by_that_fraction)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
 
     p[0].a = make("w-0", 2, 2, "", "f32x16");
     p[1].a = make("w-1", 2, 2, "", "f32x16");
@@ -190,7 +150,7 @@ Test(averager, alpha_moves_toward_the_average_by_that_fraction)
             p[i].data[j] = (float)(4 * i + 8 * j);
     }
     snprintf(p[0].gather, sizeof(p[0].gather), "x");
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert_eq(p[i].rc, 0, "%s", averager_last_error(p[i].a));
         /* average 2 + 8 j; halfway from 8 j is 1 + 8 j, from 4 + 8 j is 3 + 8 j */
@@ -201,7 +161,7 @@ Test(averager, alpha_moves_toward_the_average_by_that_fraction)
         cr_assert_eq(p[i].res->gathered[0][0], 'x');
         cr_assert_eq(p[i].res->gathered_len[1], 0);
     }
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* ---- a stalled peer ------------------------------------------------------- */
@@ -289,7 +249,7 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
 {
     struct stalled s = { 0 };
     struct rpc_watch *w = NULL;
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
 
     stalled_start(&s, "w-stalled", "run/avg", 3, &w);
 
@@ -300,7 +260,7 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
         for (int j = 0; j < COUNT; j++)
             p[i].data[j] = (float)(2 * i + 2 * j);
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert_eq(p[i].rc, 0, "%s", averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->attempts, 2, "the first group held the stalled peer");
@@ -310,7 +270,7 @@ Test(averager, a_stalled_peer_is_excluded_and_the_result_names_who_was_averaged)
         for (int j = 0; j < COUNT; j++)
             cr_assert_eq(p[i].data[j], (float)(1 + 2 * j));
     }
-    free_all(p, 2);
+    avpeers_free(p, 2);
     stalled_stop(&s, w);
 }
 
@@ -329,7 +289,7 @@ Test(averager, abort_ends_a_step_in_its_all_reduce_promptly)
     };
     struct stalled s = { 0 };
     struct rpc_watch *w = NULL;
-    struct peer p = { 0 };
+    struct avpeer p = { 0 };
     struct pollfd pfd;
     uint64_t t0;
 
@@ -339,7 +299,7 @@ Test(averager, abort_ends_a_step_in_its_all_reduce_promptly)
     cr_assert_eq(averager_wait(p.a, FIXTURE_WAIT_MS), 0);
     p.weight = 1;
     p.timeout_ms = 120000;
-    cr_assert_eq(pthread_create(&p.t, NULL, step_main, &p), 0);
+    cr_assert_eq(pthread_create(&p.t, NULL, avpeers_step, &p), 0);
     /* The averager's dial reaching the stalled listener: the group formed
      * and its all-reduce is under way. */
     pfd = (struct pollfd){ .fd = s.fd, .events = POLLIN };
@@ -351,15 +311,15 @@ Test(averager, abort_ends_a_step_in_its_all_reduce_promptly)
     cr_assert_eq(p.rc, -ECANCELED, "rc %d: %s", p.rc, averager_last_error(p.a));
     cr_assert_lt(clock_now_ms() - t0, 15000, "the step ran on to the member timeout");
     cr_assert(strstr(averager_last_error(p.a), "aborted"), "%s", averager_last_error(p.a));
-    step_main(&p);
+    avpeers_step(&p);
     cr_assert_eq(p.rc, -ECANCELED);
-    free_all(&p, 1);
+    avpeers_free(&p, 1);
     stalled_stop(&s, w);
 }
 
 static bool asked(void *arg)
 {
-    struct peer *p = arg;
+    struct avpeer *p = arg;
 
     /* The step has begun (asking for a group, or about to). */
     return __atomic_load_n(&p->rc, __ATOMIC_ACQUIRE) == 1;
@@ -367,10 +327,10 @@ static bool asked(void *arg)
 
 static void *step_flagged(void *arg)
 {
-    struct peer *p = arg;
+    struct avpeer *p = arg;
 
     __atomic_store_n(&p->rc, 1, __ATOMIC_RELEASE);
-    return step_main(p);
+    return avpeers_step(p);
 }
 
 /* An averager aborted once its step has begun, still a member (as a
@@ -380,7 +340,7 @@ static void *step_flagged(void *arg)
  * one seen waiting at the broker; the test above, one in its all-reduce.) */
 Test(averager, the_others_finish_without_an_aborted_averager)
 {
-    struct peer p[3] = { 0 };
+    struct avpeer p[3] = { 0 };
     uint64_t t0;
 
     for (int i = 0; i < 3; i++) {
@@ -407,7 +367,7 @@ Test(averager, the_others_finish_without_an_aborted_averager)
     cr_assert_eq(p[0].rc, -ECANCELED, "%s", averager_last_error(p[0].a));
     t0 = clock_now_ms();
     for (int i = 1; i < 3; i++)
-        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+        cr_assert_eq(pthread_create(&p[i].t, NULL, avpeers_step, &p[i]), 0);
     for (int i = 1; i < 3; i++)
         pthread_join(p[i].t, NULL);
     for (int i = 1; i < 3; i++) {
@@ -420,7 +380,7 @@ Test(averager, the_others_finish_without_an_aborted_averager)
             cr_assert_eq(p[i].data[j], (float)(3 + 2 * j));
     }
     cr_assert_lt(clock_now_ms() - t0, 15000, "the round waited on the aborted averager");
-    free_all(p, 3);
+    avpeers_free(p, 3);
 }
 
 /* An averager under integrity_mac without a key is refused at create; two
@@ -435,9 +395,9 @@ Test(averager, integrity_mac_is_part_of_the_schema)
         .target_group_size = 2, .min_group_size = 2, .min_matchmaking_ms = 300,
         .allreduce_timeout_ms = 3000, .count = COUNT, .schema = "f32x16", .schema_len = 6,
     };
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     struct averager *none = NULL;
-    struct peer q = { 0 };
+    struct avpeer q = { 0 };
 
     cr_assert_eq(averager_create(&c, &p[0].a), -EINVAL, "integrity_mac without a key");
     c.key = &key;
@@ -449,7 +409,7 @@ Test(averager, integrity_mac_is_part_of_the_schema)
         for (int j = 0; j < COUNT; j++)
             p[i].data[j] = (float)(2 * i + 2 * j);
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert_eq(p[i].rc, 0, "%s", averager_last_error(p[i].a));
         for (int j = 0; j < COUNT; j++)
@@ -459,7 +419,7 @@ Test(averager, integrity_mac_is_part_of_the_schema)
     }
     /* mac-0 waits; an averager without integrity asks beside it. */
     p[0].timeout_ms = 8000;
-    cr_assert_eq(pthread_create(&p[0].t, NULL, step_main, &p[0]), 0);
+    cr_assert_eq(pthread_create(&p[0].t, NULL, avpeers_step, &p[0]), 0);
     c.integrity_mac = false;
     c.id = "plain-0";
     cr_assert_eq(averager_create(&c, &none), 0);
@@ -468,7 +428,7 @@ Test(averager, integrity_mac_is_part_of_the_schema)
     q.weight = 1;
     q.timeout_ms = 8000;
     /* Whichever asks second is refused; the other finds no group. */
-    step_main(&q);
+    avpeers_step(&q);
     pthread_join(p[0].t, NULL);
     cr_assert(q.rc < 0 && p[0].rc < 0, "averagers of different integrity averaged");
     if (q.rc == -EPROTO)
@@ -491,20 +451,20 @@ Test(averager, integrity_mac_is_part_of_the_schema)
     cr_assert_eq(averager_wait(q.a, FIXTURE_WAIT_MS), 0);
     q.timeout_ms = 8000;
     p[1].timeout_ms = 8000;
-    cr_assert_eq(pthread_create(&p[1].t, NULL, step_main, &p[1]), 0);
-    step_main(&q);
+    cr_assert_eq(pthread_create(&p[1].t, NULL, avpeers_step, &p[1]), 0);
+    avpeers_step(&q);
     pthread_join(p[1].t, NULL);
     cr_assert_eq(q.rc, -EPROTO, "rc %d: %s", q.rc, averager_last_error(q.a));
     cr_assert(strstr(averager_last_error(q.a), "--integrity mac"), "%s",
               averager_last_error(q.a));
     cr_assert(p[1].rc < 0, "mac-1 averaged with an averager of another integrity");
     averager_destroy(q.a);
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 Test(averager, too_few_fail_within_the_timeout_with_the_brokers_reason)
 {
-    struct peer p = { 0 };
+    struct avpeer p = { 0 };
     uint64_t t0;
 
     p.a = make("alone", 4, 2, "", "f32x16");
@@ -513,7 +473,7 @@ Test(averager, too_few_fail_within_the_timeout_with_the_brokers_reason)
     for (int j = 0; j < COUNT; j++)
         p.data[j] = (float)j;
     t0 = clock_now_ms();
-    step_main(&p);
+    avpeers_step(&p);
     cr_assert_eq(p.rc, -ETIMEDOUT);
     cr_assert_lt(clock_now_ms() - t0, 1500 + 10000);
     cr_assert(strstr(averager_last_error(p.a), "too few"), "%s", averager_last_error(p.a));
@@ -524,7 +484,7 @@ Test(averager, too_few_fail_within_the_timeout_with_the_brokers_reason)
 
 Test(averager, bad_steps_and_disagreeing_schemas_get_clear_errors)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     struct averager_step s = { .weight = -1, .alpha = 1 };
     struct averager_result *r = NULL;
 
@@ -539,17 +499,17 @@ Test(averager, bad_steps_and_disagreeing_schemas_get_clear_errors)
     /* w-x waits; w-y asks with another schema and is refused at once. */
     p[0].weight = 1;
     p[0].timeout_ms = 3000;
-    cr_assert_eq(pthread_create(&p[0].t, NULL, step_main, &p[0]), 0);
+    cr_assert_eq(pthread_create(&p[0].t, NULL, avpeers_step, &p[0]), 0);
     usleep(300000);
     p[1].weight = 1;
     p[1].timeout_ms = 2000;
-    step_main(&p[1]);
+    avpeers_step(&p[1]);
     pthread_join(p[0].t, NULL);
     cr_assert_eq(p[1].rc, -EPROTO, "%d: %s", p[1].rc, averager_last_error(p[1].a));
     cr_assert(strstr(averager_last_error(p[1].a), "schema"), "%s",
               averager_last_error(p[1].a));
     cr_assert_eq(p[0].rc, -ETIMEDOUT);
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* An averager with another key never joins: its step fails within the
@@ -680,7 +640,7 @@ static struct averager *make_coded(const char *id, uint32_t target, enum codec c
  * weights, lengths and gathered bytes arrive exactly. */
 static void coded_round(enum codec codec, int n, bool aux, double bound)
 {
-    struct peer p[N_MAX] = { 0 };
+    struct avpeer p[N_MAX] = { 0 };
     double exact[COUNT] = { 0 }, total = 0, maxabs = 0;
     bool differs = false;
     char id[16];
@@ -701,7 +661,7 @@ static void coded_round(enum codec codec, int n, bool aux, double bound)
         for (int j = 0; j < COUNT; j++)
             exact[j] += (float)p[i].weight * (double)p[i].data[j];
     }
-    run_all(p, n);
+    avpeers_run(p, n);
     for (int i = 0; i < n; i++) {
         cr_assert_eq(p[i].rc, 0, "c-%d: %s", i, averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->n, (size_t)n);
@@ -734,7 +694,7 @@ static void coded_round(enum codec codec, int n, bool aux, double bound)
         for (int j = 0; j < COUNT; j++)
             cr_assert_eq(p[n - 1].data[j], (float)(n * 37.3 * sin(0.7 * j + n - 1) + 0.001 * j),
                          "the auxiliary member's data changed");
-    free_all(p, n);
+    avpeers_free(p, n);
 }
 
 /* fp16: each of the n - 1 partial sums and the result is encoded once,
@@ -769,7 +729,7 @@ Test(averager, int8_round_is_within_the_codec_bound_and_alike_everywhere)
  * other finds no partner. */
 Test(averager, averagers_of_different_codecs_are_refused)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     int refused = -1;
 
     p[0].a = make_coded("c-none", 2, CODEC_NONE);
@@ -778,7 +738,7 @@ Test(averager, averagers_of_different_codecs_are_refused)
         p[i].weight = 1;
         p[i].timeout_ms = 3000;
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert(p[i].rc == -EPROTO || p[i].rc == -ETIMEDOUT, "%d: %s", p[i].rc,
                   averager_last_error(p[i].a));
@@ -792,7 +752,7 @@ Test(averager, averagers_of_different_codecs_are_refused)
               averager_last_error(p[refused].a));
     cr_assert(strstr(averager_last_error(p[refused].a), refused ? "fp16" : "none"), "%s",
               averager_last_error(p[refused].a));
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* An unknown codec, and a schema that leaves no room for the codec's
@@ -934,7 +894,7 @@ static struct averager *make_balanced(const char *id, uint32_t target, double ba
  * order puts the clients first, and the auxiliary member is untouched. */
 Test(averager, clients_and_bandwidths_average_exactly)
 {
-    struct peer p[5] = { 0 };
+    struct avpeer p[5] = { 0 };
     const double bw[5] = { 3, -1, 1, -1, -1 };
     const bool client[5] = { false, false, false, true, true };
     const double weight[5] = { 3, 4, 0, 1, 2 };
@@ -949,7 +909,7 @@ Test(averager, clients_and_bandwidths_average_exactly)
         for (int j = 0; j < COUNT; j++)
             p[i].data[j] = weight[i] > 0 ? (float)(10 * (i + 1) + j) : -7.0f;
     }
-    run_all(p, 5);
+    avpeers_run(p, 5);
     for (int i = 0; i < 5; i++) {
         cr_assert_eq(p[i].rc, 0, "b-%d: %s", i, averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->n, 5);
@@ -966,14 +926,14 @@ Test(averager, clients_and_bandwidths_average_exactly)
                          want);
         }
     }
-    free_all(p, 5);
+    avpeers_free(p, 5);
 }
 
 /* A group in which nobody can reduce fails at once, alike everywhere,
  * with a sentence that says why; nothing is written. */
 Test(averager, a_group_of_clients_and_zero_bandwidth_fails_clearly)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
 
     p[0].a = make_balanced("z-0", 2, -1, true);
     p[1].a = make_balanced("z-1", 2, 0, false);
@@ -983,7 +943,7 @@ Test(averager, a_group_of_clients_and_zero_bandwidth_fails_clearly)
         for (int j = 0; j < COUNT; j++)
             p[i].data[j] = (float)(i + j);
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert_eq(p[i].rc, -ENODATA, "z-%d: %d", i, p[i].rc);
         cr_assert(strstr(averager_last_error(p[i].a), "no member of the group can reduce"),
@@ -991,7 +951,7 @@ Test(averager, a_group_of_clients_and_zero_bandwidth_fails_clearly)
         for (int j = 0; j < COUNT; j++)
             cr_assert_eq(p[i].data[j], (float)(i + j), "untouched");
     }
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* With a codec, clients and bandwidths: the exact metadata call and the
@@ -1002,7 +962,7 @@ Test(averager, a_group_of_clients_and_zero_bandwidth_fails_clearly)
  * are exact. */
 static void coded_balanced_round(enum codec codec, double bound)
 {
-    struct peer p[4] = { 0 };
+    struct avpeer p[4] = { 0 };
     const double bw[4] = { 2, -1, 0, -1 };
     const bool client[4] = { false, false, false, true };
     const double weight[4] = { 1.5, 2, 0.25, 1 };
@@ -1022,7 +982,7 @@ static void coded_balanced_round(enum codec codec, double bound)
         }
         total += (float)weight[i];
     }
-    run_all(p, 4);
+    avpeers_run(p, 4);
     for (int i = 0; i < 4; i++) {
         cr_assert_eq(p[i].rc, 0, "k-%d: %s", i, averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->n, 4);
@@ -1046,7 +1006,7 @@ static void coded_balanced_round(enum codec codec, double bound)
         differs |= p[0].data[j] != (float)avg;
     }
     cr_assert(differs, "every value equals the float32 average: was the codec applied?");
-    free_all(p, 4);
+    avpeers_free(p, 4);
 }
 
 Test(averager, clients_and_bandwidths_with_fp16_alike_within_its_bound)
@@ -1077,7 +1037,7 @@ Test(averager, a_bandwidth_that_is_not_a_number_is_refused)
 
 static void *scheduled_main(void *arg)
 {
-    struct peer *p = arg;
+    struct avpeer *p = arg;
     struct timespec ts;
     struct averager_step s = { .data = p->data, .weight = 1, .alpha = 1,
                                .timeout_ms = FIXTURE_WAIT_MS };
@@ -1093,7 +1053,7 @@ static void *scheduled_main(void *arg)
  * the scheduled time. */
 Test(averager, a_scheduled_round_waits_for_its_time)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     uint64_t t0 = clock_now_ms();
 
     p[0].a = make("s-0", 2, 2, "", "f32x16s");
@@ -1108,7 +1068,7 @@ Test(averager, a_scheduled_round_waits_for_its_time)
         cr_assert_lt(p[i].res->matchmaking_ms, 1400, "the group formed early");
     }
     cr_assert_geq(clock_now_ms() - t0, 1450, "the round waited for its time");
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* ---- auxiliary averagers without tensors ----------------------------- */
@@ -1152,7 +1112,7 @@ static struct averager *make_clothed(const char *id, uint32_t target, double ban
  * weight 0. Twice, on the ring (no bandwidth) and the butterfly. */
 static void bare_round(bool balanced)
 {
-    struct peer p[3] = { 0 };
+    struct avpeer p[3] = { 0 };
 
     p[0].a = make_bare(balanced ? "x-0" : "y-0", 3, balanced ? 6 : -1, 0);
     p[1].a = make_clothed(balanced ? "x-1" : "y-1", 3, balanced ? 1 : -1);
@@ -1163,7 +1123,7 @@ static void bare_round(bool balanced)
             p[i].data[j] = (float)(30 * i + j);
     }
     snprintf(p[0].gather, sizeof(p[0].gather), "helper");
-    run_all(p, 3);
+    avpeers_run(p, 3);
     for (int i = 0; i < 3; i++) {
         cr_assert_eq(p[i].rc, 0, "%d: %s", i, averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->n, 3);
@@ -1174,7 +1134,7 @@ static void bare_round(bool balanced)
         for (int j = 0; j < COUNT; j++)
             /* (1 x (30 + j) + 2 x (60 + j)) / 3 */
             cr_assert_eq(p[i].data[j], (float)(50 + j), "%d[%d] = %g", i, j, p[i].data[j]);
-    free_all(p, 3);
+    avpeers_free(p, 3);
 }
 
 Test(averager, an_auxiliary_averager_without_tensors_helps_on_the_ring)
@@ -1191,7 +1151,7 @@ Test(averager, an_auxiliary_averager_without_tensors_reduces_its_part)
  * fails it with -EMSGSIZE, saying so; a weight other than 0 is refused. */
 Test(averager, an_averager_without_tensors_refuses_a_group_too_large)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     float dummy[1];
     struct averager_step s = { .data = dummy, .weight = 1, .alpha = 1 };
     struct averager_result *r = NULL;
@@ -1202,12 +1162,12 @@ Test(averager, an_averager_without_tensors_refuses_a_group_too_large)
     cr_assert(strstr(averager_last_error(p[0].a), "weight must be 0"));
     p[1].weight = 1;
     p[0].timeout_ms = p[1].timeout_ms = 6000;
-    run_all(p, 2);
+    avpeers_run(p, 2);
     cr_assert_eq(p[0].rc, -EMSGSIZE, "%d: %s", p[0].rc, averager_last_error(p[0].a));
     cr_assert(strstr(averager_last_error(p[0].a), "max_count"), "%s",
               averager_last_error(p[0].a));
     cr_assert_neq(p[1].rc, 0, "its partner is left without a group");
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 static struct averager *make_minvec(const char *id, uint32_t target, double bandwidth,
@@ -1232,7 +1192,7 @@ static struct averager *make_minvec(const char *id, uint32_t target, double band
  * average is still exact. */
 Test(averager, min_vector_size_keeps_the_average_exact)
 {
-    struct peer p[3] = { 0 };
+    struct avpeer p[3] = { 0 };
     char id[16];
 
     for (int i = 0; i < 3; i++) {
@@ -1242,14 +1202,14 @@ Test(averager, min_vector_size_keeps_the_average_exact)
         for (int j = 0; j < COUNT; j++)
             p[i].data[j] = (float)(6 * i + j);
     }
-    run_all(p, 3);
+    avpeers_run(p, 3);
     for (int i = 0; i < 3; i++) {
         cr_assert_eq(p[i].rc, 0, "v-%d: %s", i, averager_last_error(p[i].a));
         for (int j = 0; j < COUNT; j++)
             /* (1 x j + 2 x (6 + j) + 3 x (12 + j)) / 6 */
             cr_assert_eq(p[i].data[j], (float)(8 + j), "v-%d[%d] = %g", i, j, p[i].data[j]);
     }
-    free_all(p, 3);
+    avpeers_free(p, 3);
 }
 
 /* min_vector_size is part of what a group agrees on: of two averagers
@@ -1257,7 +1217,7 @@ Test(averager, min_vector_size_keeps_the_average_exact)
  * refused, and the first finds too few. */
 Test(averager, averagers_of_different_min_vector_size_do_not_group)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
 
     p[0].a = make_minvec("u-0", 2, 1, 1000);
     p[1].a = make_minvec("u-1", 2, 1, 10);
@@ -1265,8 +1225,8 @@ Test(averager, averagers_of_different_min_vector_size_do_not_group)
         p[i].weight = 1;
         p[i].timeout_ms = 3000;
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     cr_assert((p[0].rc == -EPROTO && p[1].rc == -ETIMEDOUT) ||
               (p[0].rc == -ETIMEDOUT && p[1].rc == -EPROTO), "%d %d", p[0].rc, p[1].rc);
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }

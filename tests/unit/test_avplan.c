@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "averager/averager.h"
+#include "avpeers.h"
 #include "base/clock.h"
 #include "base/secret.h"
 #include "cohort.pb-c.h"
@@ -35,7 +36,7 @@
 #include "rpc/rpc.h"
 
 #define N_MAX 4
-#define COUNT 16
+#define COUNT AVPEERS_COUNT
 
 static struct brokerd *d;
 static char broker[64];
@@ -91,45 +92,6 @@ static struct averager *make(const char *id, const struct spec *s)
     return a;
 }
 
-struct peer {
-    struct averager *a;
-    float data[COUNT];
-    double weight;
-    uint32_t timeout_ms;
-    bool no_retries;
-    int rc;
-    struct averager_result *res;
-    pthread_t t;
-};
-
-static void *step_main(void *arg)
-{
-    struct peer *p = arg;
-    struct averager_step s = { .data = p->data, .weight = p->weight,
-                               .alpha = 1, .no_retries = p->no_retries,
-                               .timeout_ms = p->timeout_ms ? p->timeout_ms : FIXTURE_WAIT_MS };
-
-    p->res = NULL;
-    p->rc = averager_step(p->a, &s, &p->res);
-    return NULL;
-}
-
-static void run_all(struct peer *p, int n)
-{
-    for (int i = 0; i < n; i++)
-        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
-    for (int i = 0; i < n; i++)
-        pthread_join(p[i].t, NULL);
-}
-
-static void free_all(struct peer *p, int n)
-{
-    for (int i = 0; i < n; i++) {
-        averager_result_free(p[i].res);
-        averager_destroy(p[i].a);
-    }
-}
-
 static enum codec codec_at(size_t j)
 {
     size_t at = 0;
@@ -164,7 +126,7 @@ static float value(int i, size_t j)
 static void plan_round(const char *prefix, int n, bool client, bool aux)
 {
     static const double weights[N_MAX] = { 1, 3, 4, 8 };
-    struct peer p[N_MAX + 1] = { 0 };
+    struct avpeer p[N_MAX + 1] = { 0 };
     int members = n + (aux ? 1 : 0);
     double total = 0, maxabs = 0;
     bool differs[2] = { false, false };
@@ -192,7 +154,7 @@ static void plan_round(const char *prefix, int n, bool client, bool aux)
         for (size_t j = 0; j < COUNT; j++)
             p[n].data[j] = 1234.5f;
     }
-    run_all(p, members);
+    avpeers_run(p, members);
     for (int i = 0; i < members; i++) {
         cr_assert_eq(p[i].rc, 0, "%s: %s", averager_id(p[i].a), averager_last_error(p[i].a));
         cr_assert_eq(p[i].res->n, (size_t)members);
@@ -238,7 +200,7 @@ static void plan_round(const char *prefix, int n, bool client, bool aux)
     }
     cr_assert(differs[0] && differs[1], "fp16 %d bf16 %d: was every codec applied?",
               differs[0], differs[1]);
-    free_all(p, members);
+    avpeers_free(p, members);
 }
 
 /* Two members: the exact call (values and metadata) is a butterfly, the
@@ -268,7 +230,7 @@ Test(avplan, a_step_whose_last_codec_fails_changes_nothing)
     static const struct averager_range plan[] = {
         { 4, CODEC_NONE }, { 6, CODEC_FP16 }, { 6, CODEC_UNIFORM8 },
     };
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
 
     for (int i = 0; i < 2; i++) {
         struct spec s = { .prefix = "run/fail", .target = 2, .plan = plan, .plan_len = 3,
@@ -281,7 +243,7 @@ Test(avplan, a_step_whose_last_codec_fails_changes_nothing)
         for (size_t j = 0; j < COUNT; j++)
             p[i].data[j] = (float)(10 * i + (int)j);
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert_eq(p[i].rc, -EINVAL, "f-%d: %d %s", i, p[i].rc, averager_last_error(p[i].a));
         cr_assert_null(p[i].res);
@@ -289,7 +251,7 @@ Test(avplan, a_step_whose_last_codec_fails_changes_nothing)
             cr_assert_eq(p[i].data[j], (float)(10 * i + (int)j),
                          "f-%d [%zu] changed by a failed step", i, j);
     }
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* Two averagers whose plans put the codecs in another order never group:
@@ -299,7 +261,7 @@ Test(avplan, averagers_of_different_plans_never_group)
 {
     static const struct averager_range a[] = { { 8, CODEC_NONE }, { 8, CODEC_FP16 } };
     static const struct averager_range b[] = { { 8, CODEC_FP16 }, { 8, CODEC_NONE } };
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     int refused = -1;
 
     for (int i = 0; i < 2; i++) {
@@ -312,7 +274,7 @@ Test(avplan, averagers_of_different_plans_never_group)
         for (size_t j = 0; j < COUNT; j++)
             p[i].data[j] = (float)j;
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++) {
         cr_assert(p[i].rc == -EPROTO || p[i].rc == -ETIMEDOUT, "%d: %s", p[i].rc,
                   averager_last_error(p[i].a));
@@ -324,7 +286,7 @@ Test(avplan, averagers_of_different_plans_never_group)
     cr_assert(refused >= 0 && p[1 - refused].rc == -ETIMEDOUT, "%d %d", p[0].rc, p[1].rc);
     cr_assert(strstr(averager_last_error(p[refused].a), "a codec plan"), "%s",
               averager_last_error(p[refused].a));
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* A plan whose ranges are all fp16 is fp16: it groups with an averager
@@ -332,7 +294,7 @@ Test(avplan, averagers_of_different_plans_never_group)
 Test(avplan, a_plan_of_one_codec_groups_with_that_codec)
 {
     static const struct averager_range all16[] = { { 5, CODEC_FP16 }, { 11, CODEC_FP16 } };
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
 
     for (int i = 0; i < 2; i++) {
         struct spec s = { .prefix = "run/one", .target = 2, .count = COUNT,
@@ -344,14 +306,14 @@ Test(avplan, a_plan_of_one_codec_groups_with_that_codec)
         for (size_t j = 0; j < COUNT; j++)
             p[i].data[j] = (float)((i + 1) * 0.123 * (double)j);
     }
-    run_all(p, 2);
+    avpeers_run(p, 2);
     for (int i = 0; i < 2; i++)
         cr_assert_eq(p[i].rc, 0, "%d: %s", i, averager_last_error(p[i].a));
     cr_assert_eq(memcmp(p[0].data, p[1].data, sizeof(p[0].data)), 0);
     for (size_t j = 1; j < COUNT; j++)
         cr_assert(fabs(p[0].data[j] - 1.5 * 0.123 * (double)j) <= 3.0 / 2048 * 2 * 0.123 * COUNT,
                   "[%zu] %g", j, p[0].data[j]);
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
 
 /* An averager without tensors beside 2 and beside 3 members with a plan:
@@ -384,7 +346,7 @@ Test(avplan, an_averager_without_tensors_moves_between_plans_and_none)
     for (int round = 0; round < 3; round++) {
         const struct averager_range *plan = round == 0 ? PLAN : round == 2 ? other : NULL;
         size_t plan_len = round == 0 ? PLAN_LEN : round == 2 ? 3 : 0;
-        struct peer p[3] = { 0 };
+        struct avpeer p[3] = { 0 };
 
         for (int i = 0; i < 2; i++) {
             struct spec s = { .prefix = "run/move", .target = 3, .plan = plan,
@@ -398,7 +360,7 @@ Test(avplan, an_averager_without_tensors_moves_between_plans_and_none)
                 p[i].data[j] = (float)(4 * i + (int)j);
         }
         p[2].a = aux;
-        run_all(p, 3);
+        avpeers_run(p, 3);
         for (int i = 0; i < 3; i++) {
             cr_assert_eq(p[i].rc, 0, "round %d, %s: %s", round, averager_id(p[i].a),
                          averager_last_error(p[i].a));
@@ -560,7 +522,7 @@ Test(avplan, a_member_that_sends_another_plan_fails_the_step_for_everyone)
     struct liar l = { .fd = -1 };
     struct member_config mc = { 0 };
     struct allreduce_config ac = { 0 };
-    struct peer p[3] = { 0 };
+    struct avpeer p[3] = { 0 };
     char addr[64];
 
     pthread_mutex_init(&l.lock, NULL);
@@ -595,7 +557,7 @@ Test(avplan, a_member_that_sends_another_plan_fails_the_step_for_everyone)
             p[i].data[j] = (float)(4 * i + (int)j);
     }
     cr_assert_eq(pthread_create(&l.t, NULL, liar_main, &l), 0);
-    run_all(p, 3);
+    avpeers_run(p, 3);
     pthread_join(l.t, NULL);
     cr_assert_eq(l.rc, 0, "the liar's exact call: %d", l.rc);
     for (int i = 0; i < 3; i++) {
@@ -608,7 +570,7 @@ Test(avplan, a_member_that_sends_another_plan_fails_the_step_for_everyone)
         for (size_t j = 0; j < COUNT; j++)
             cr_assert_eq(p[i].data[j], (float)(4 * i + (int)j), "x-%d [%zu] changed", i, j);
     }
-    free_all(p, 3);
+    avpeers_free(p, 3);
     __atomic_store_n(&l.stop, true, __ATOMIC_RELEASE);
     pthread_join(l.poll, NULL);
     if (l.rep)
