@@ -26,52 +26,16 @@ import time
 
 import pytest
 
-from cohorttest import (ApiServer, Kubectl, Kubelet, Operator, bin_dir, cohort_manifest,
-                        free_port, make_tmp, remove_tmp, sidecar_speaks_tls, wait_until)
+from cohorttest import (Operator, bin_dir, cohort_manifest, operator_cluster, sidecar_speaks_tls,
+                        wait_until)
 
 NS = "default"
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
 
 
-class Cluster:
-    pass
-
-
-def start_cluster(prefix, tls=None):
-    """An API server, a kubelet, kubectl with the CRD, and operator op-a
-    (see Operator for tls), as a generator for a fixture."""
-    if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
-        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
-    c = Cluster()
-    c.tmp = make_tmp(prefix)
-    c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5")
-    c.kubelet = Kubelet(c.server, c.tmp)
-    c.kubectl = Kubectl(c.server, c.tmp)
-    c.operators = []
-    try:
-        if not c.kubectl.available():
-            pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not "
-                        "fetch it")
-        c.kubectl("apply", "-f", os.path.join(os.path.dirname(__file__), "..", "..", "crds",
-                                              "trainingcohorts.cohort.dev.yaml"))
-        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
-        c.broker_port = free_port()
-        c.operators.append(Operator(c.server, c.tmp, "op-a", c.broker_port, tls=tls))
-        wait_until(lambda: c.operators[0].metrics().get("is_leader") == 1, "op-a to lead")
-        yield c
-    finally:
-        for op in c.operators:
-            if op.p.poll() is None:
-                rc = op.stop()
-                assert rc == 0, "operator %s exited with %d:\n%s" % (op.name, rc, op.text()[-4000:])
-        c.kubelet.stop()
-        c.server.stop()
-        remove_tmp(c.tmp)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    yield from start_cluster("cop-")
+    yield from operator_cluster("cop-")
 
 
 def tc(c, name):
@@ -601,7 +565,7 @@ def test_bad_tls_flags_are_usage_errors(flag, value):
 
 @pytest.fixture(scope="module")
 def tls_cluster():
-    yield from start_cluster("coptls-", tls=True)
+    yield from operator_cluster("coptls-", tls=True)
 
 
 def handshake(port, ca_pem=None, name="cohort-broker.default.svc"):

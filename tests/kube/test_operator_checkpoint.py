@@ -25,45 +25,15 @@ import sys
 
 import pytest
 
-from cohorttest import (CRD_FILE, ROOT, ApiServer, Kubectl, Kubelet, Operator, bin_dir,
-                        cohort_manifest, free_port, make_tmp, remove_tmp, wait_until)
+from cohorttest import (CRD_FILE, ROOT, cohort_manifest, operator_cluster, wait_until)
 
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
 CKPT_RE = re.compile(r"^ckpt-(\d{20})\.cohort$")
 
 
-class Cluster:
-    pass
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
-        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
-    c = Cluster()
-    c.tmp = make_tmp("tck-")
-    c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5")
-    c.kubelet = Kubelet(c.server, c.tmp)
-    c.kubectl = Kubectl(c.server, c.tmp)
-    c.operators = []
-    try:
-        if not c.kubectl.available():
-            pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not "
-                        "fetch it")
-        c.kubectl("apply", "-f", CRD_FILE)
-        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
-        c.broker_port = free_port()
-        c.operators.append(Operator(c.server, c.tmp, "op-a", c.broker_port, tls=False))
-        wait_until(lambda: c.operators[0].metrics().get("is_leader") == 1, "op-a to lead")
-        yield c
-    finally:
-        for op in c.operators:
-            if op.p.poll() is None:
-                rc = op.stop()
-                assert rc == 0, "operator exited with %d:\n%s" % (rc, op.text()[-4000:])
-        c.kubelet.stop()
-        c.server.stop()
-        remove_tmp(c.tmp)
+    yield from operator_cluster("tck-", tls=False)
 
 
 def status(c, name):

@@ -24,53 +24,20 @@ what the operator asks of Kubernetes, not a GPU reaching a container.
 Every wait is on a condition with a generous deadline, never a fixed sleep.
 """
 import json
-import os
 
 import pytest
 
-from cohorttest import (CRD_FILE, ApiServer, Kubectl, Kubelet, Operator, bin_dir,
-                        cohort_manifest, free_port, make_tmp, remove_tmp, wait_until)
+from cohorttest import (cohort_manifest, operator_cluster, wait_until)
 
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
 RCT_PATH = "/apis/resource.k8s.io/v1beta1/namespaces/default/resourceclaimtemplates"
 CLAIM = "cohort-gpu"
 
 
-class Cluster:
-    pass
-
-
-def start_cluster(prefix, *server_args):
-    if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
-        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
-    c = Cluster()
-    c.tmp = make_tmp(prefix)
-    c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5", *server_args)
-    c.kubelet = Kubelet(c.server, c.tmp)
-    c.kubectl = Kubectl(c.server, c.tmp)
-    c.operators = []
-    try:
-        if not c.kubectl.available():
-            pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not "
-                        "fetch it")
-        c.kubectl("apply", "-f", CRD_FILE)
-        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
-        c.operators.append(Operator(c.server, c.tmp, "op-a", free_port(), tls=False))
-        wait_until(lambda: c.operators[0].metrics().get("is_leader") == 1, "op-a to lead")
-        yield c
-    finally:
-        for op in c.operators:
-            if op.p.poll() is None:
-                rc = op.stop()
-                assert rc == 0, "operator exited with %d:\n%s" % (rc, op.text()[-4000:])
-        c.kubelet.stop()
-        c.server.stop()
-        remove_tmp(c.tmp)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    yield from start_cluster("tgpu-", "--runtime-config", "resource.k8s.io/v1beta1=true")
+    yield from operator_cluster("tgpu-", "--runtime-config", "resource.k8s.io/v1beta1=true",
+                                tls=False)
 
 
 def manifest(name, gpu, replicas=2):
@@ -288,7 +255,7 @@ def test_the_standin_refuses_a_bad_claim_template_and_a_change_of_one(cluster):
 
 @pytest.fixture(scope="module")
 def nodra():
-    yield from start_cluster("tgpn-")
+    yield from operator_cluster("tgpn-", tls=False)
 
 
 def test_dra_without_the_api_fails_the_cohort_and_device_plugin_runs(nodra):

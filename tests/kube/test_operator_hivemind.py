@@ -21,8 +21,7 @@ import os
 
 import pytest
 
-from cohorttest import (ROOT, ApiServer, Kubectl, Kubelet, Operator, bin_dir, free_port,
-                        make_tmp, remove_tmp, wait_until)
+from cohorttest import (ROOT, operator_cluster, wait_until)
 
 PYTHON = "/usr/bin/python3"
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hivemind_pod.py")
@@ -41,8 +40,6 @@ def package_dir():
 
 @pytest.fixture(scope="module")
 def cluster():
-    if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
-        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
     pkg = package_dir()
     if not pkg:
         pytest.skip("no cohort Python package in build/python or $PYTHONPATH (make python)")
@@ -50,32 +47,9 @@ def cluster():
         import torch  # noqa: F401
     except ImportError:
         pytest.skip("no torch for /usr/bin/python3")
-
-    class Cluster:
-        pass
-    c = Cluster()
-    c.pkg = pkg
-    c.tmp = make_tmp("cav-")
-    c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5")
-    c.kubelet = Kubelet(c.server, c.tmp)
-    c.kubectl = Kubectl(c.server, c.tmp)
-    c.op = None
-    try:
-        if not c.kubectl.available():
-            pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not "
-                        "fetch it")
-        c.kubectl("apply", "-f", os.path.join(ROOT, "crds", "trainingcohorts.cohort.dev.yaml"))
-        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
-        c.op = Operator(c.server, c.tmp, "op-a", free_port())
-        wait_until(lambda: c.op.metrics().get("is_leader") == 1, "op-a to lead")
+    for c in operator_cluster("cav-"):
+        c.pkg = pkg
         yield c
-    finally:
-        if c.op and c.op.p.poll() is None:
-            rc = c.op.stop()
-            assert rc == 0, "the operator exited with %d:\n%s" % (rc, c.op.text()[-4000:])
-        c.kubelet.stop()
-        c.server.stop()
-        remove_tmp(c.tmp)
 
 
 def manifest(name, replicas, out_dir, pkg):

@@ -27,43 +27,15 @@ import os
 
 import pytest
 
-from cohorttest import (CRD_FILE, ApiServer, Kubectl, Kubelet, Operator, bin_dir,
-                        cohort_manifest, free_port, make_tmp, remove_tmp, wait_until)
+from cohorttest import (cohort_manifest, operator_cluster, wait_until)
 
 TC_PATH = "/apis/cohort.dev/v1alpha1/namespaces/default/trainingcohorts"
 HASH = "cohort.dev/template-hash"
 
 
-class Cluster:
-    pass
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
-        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
-    c = Cluster()
-    c.tmp = make_tmp("tin-")
-    c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5")
-    c.kubelet = Kubelet(c.server, c.tmp)
-    c.kubectl = Kubectl(c.server, c.tmp)
-    c.op = None
-    try:
-        if not c.kubectl.available():
-            pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not "
-                        "fetch it")
-        c.kubectl("apply", "-f", CRD_FILE)
-        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
-        c.op = Operator(c.server, c.tmp, "op-a", free_port())
-        wait_until(lambda: c.op.metrics().get("is_leader") == 1, "op-a to lead")
-        yield c
-    finally:
-        if c.op and c.op.p.poll() is None:
-            rc = c.op.stop()
-            assert rc == 0, "the operator exited with %d:\n%s" % (rc, c.op.text()[-4000:])
-        c.kubelet.stop()
-        c.server.stop()
-        remove_tmp(c.tmp)
+    yield from operator_cluster("tin-")
 
 
 def status(c, name):

@@ -6,7 +6,8 @@ tests/python, and the sandbox and the operator benchmark.
   groups killed on timeout)
 - programs: cohort's binaries (brokers, sidecars, cohortctl, `cohortctl run`)
 - kube: the Kubernetes stand-in's processes (API server and its client,
-  process kubelet, operator, kubectl)
+  process kubelet, operator, kubectl), and the cluster of them the
+  operator's suites start alike
 - helm: the real helm, and the cohort chart as the stand-in runs it
 - image: podman's configuration and a current build of the project's
   image, for the podman kubelet's tests (imported as cohorttest.image)
@@ -22,7 +23,8 @@ from .programs import (BIN, RUN_TIMEOUT, all_see, bin_dir, bin_path, cohortctl,
                        cohortctl_run, explain_run, latest_epoch, start_broker, start_sidecar,
                        status_json)
 from .kube import (CRD_FILE, EXAMPLES, ApiServer, Controllers, Kubectl, Kubelet, Operator,
-                   cohort_manifest, pod_path_dir, sidecar_speaks_tls)
+                   OperatorCluster, cohort_manifest, operator_cluster, pod_path_dir,
+                   sidecar_speaks_tls)
 from .helm import CHART, HELM, QUICK_SETS, STANDIN_SETS, Helm
 
 __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "remove_tmp",
@@ -30,6 +32,6 @@ __all__ = ["DEADLINE", "KEEP", "ROOT", "free_port", "make_tmp", "read_text", "re
            "PROC_TIMEOUT", "RUN_TIMEOUT", "all_see", "bin_dir", "bin_path", "cohortctl",
            "cohortctl_run", "explain_run", "latest_epoch", "start_broker", "start_sidecar",
            "status_json", "CRD_FILE", "EXAMPLES", "ApiServer", "Controllers", "Kubectl", "Kubelet",
-           "Operator",
+           "Operator", "OperatorCluster", "operator_cluster",
            "cohort_manifest", "pod_path_dir", "sidecar_speaks_tls", "CHART", "HELM", "QUICK_SETS",
            "STANDIN_SETS", "Helm"]

@@ -21,7 +21,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from .core import DEADLINE, ROOT, tool_available, wait_until
+from .core import DEADLINE, ROOT, free_port, make_tmp, remove_tmp, tool_available, wait_until
 from .procs import stop_process
 from .programs import bin_dir
 
@@ -262,6 +262,54 @@ class Kubectl:
 
     def json(self, *args):
         return json.loads(self(*args, "-o", "json").stdout)
+
+
+class OperatorCluster:
+    """What operator_cluster() yields: tmp, server, kubelet, kubectl,
+    broker_port, and operators, op-a first (a test may add more)."""
+
+    @property
+    def op(self):
+        """op-a, the operator the cluster started with."""
+        return self.operators[0]
+
+
+def operator_cluster(prefix, *server_args, tls=None):
+    """The stand-in cluster the operator's suites start alike, as a
+    generator for a module fixture: the API server (with server_args),
+    the process kubelet, kubectl with the CRD established, and operator
+    op-a (see Operator for tls) leading, in a new temp directory named
+    with prefix. At the end every operator in c.operators is stopped and
+    must exit 0, and the rest is stopped and removed. Skips the test
+    without a cohort-operator binary or kubectl."""
+    import pytest  # only the suites call this; the sandbox imports this module too
+
+    if not os.access(os.path.join(bin_dir(), "cohort-operator"), os.X_OK):
+        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
+    c = OperatorCluster()
+    c.tmp = make_tmp(prefix)
+    c.server = ApiServer(c.tmp, "--bookmark-interval", "0.5", *server_args)
+    c.kubelet = Kubelet(c.server, c.tmp)
+    c.kubectl = Kubectl(c.server, c.tmp)
+    c.operators = []
+    try:
+        if not c.kubectl.available():
+            pytest.skip("kubectl is not in build/tools and scripts/install-kubectl.sh could not "
+                        "fetch it")
+        c.kubectl("apply", "-f", CRD_FILE)
+        c.kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
+        c.broker_port = free_port()
+        c.operators.append(Operator(c.server, c.tmp, "op-a", c.broker_port, tls=tls))
+        wait_until(lambda: c.op.metrics().get("is_leader") == 1, "op-a to lead")
+        yield c
+    finally:
+        for op in c.operators:
+            if op.p.poll() is None:
+                rc = op.stop()
+                assert rc == 0, "operator %s exited with %d:\n%s" % (op.name, rc, op.text()[-4000:])
+        c.kubelet.stop()
+        c.server.stop()
+        remove_tmp(c.tmp)
 
 
 def cohort_manifest(name, replicas, args=None, min_replicas=1, max_restarts=5, extra_spec=None):
