@@ -22,6 +22,7 @@
 #include "engine/allreduce.h"
 #include "membership/brokerd.h"
 #include "cli.h"
+#include "stats.h"
 #include "base/clock.h"
 #include "cohort.h"
 #include "base/log.h"
@@ -294,20 +295,6 @@ out:
     return rc;
 }
 
-static int cmp_double(const void *x, const void *y)
-{
-    double a = *(const double *)x, b = *(const double *)y;
-
-    return (a > b) - (a < b);
-}
-
-/* Sorts v in place. */
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 /* Each stage's median over the trace's rows, in microseconds; and the
  * median of the rows' sums. `v` has room for every row. */
 static void trace_medians(const struct node_trace *t, double *v, double us[NODE_STAGES + 1])
@@ -323,7 +310,7 @@ static void trace_medians(const struct node_trace *t, double *v, double us[NODE_
                     ns += t->ns[r][k];
             v[r] = (double)ns / 1000.0;
         }
-        us[s] = t->rounds ? median(v, (int)t->rounds) : 0;
+        us[s] = t->rounds ? stats_median(v, (int)t->rounds) : 0;
     }
 }
 
@@ -437,9 +424,9 @@ int cli_bench_accumulator(int argc, char **argv)
             status = 1;
             continue;
         }
-        direct = median(d, reps);
-        acc = median(a, reps);
-        ratio = median(r, reps);
+        direct = stats_median(d, reps);
+        acc = stats_median(a, reps);
+        ratio = stats_median(r, reps);
         if (json)
             printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
                    "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d", peers, bytes, direct, acc,

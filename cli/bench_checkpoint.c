@@ -32,6 +32,7 @@
 #include "base/log.h"
 #include "base/opt.h"
 #include "cli.h"
+#include "stats.h"
 #include "membership/brokerd.h"
 #include "rpc/rpc.h"
 
@@ -71,19 +72,6 @@ static const char usage[] =
     "  -h, --help     show this text\n";
 
 /* ---- write throughput ---- */
-
-static int cmp_double(const void *x, const void *y)
-{
-    double a = *(const double *)x, b = *(const double *)y;
-
-    return (a > b) - (a < b);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 /* Removes the files in `dir` (checkpoints and temporary files: no
  * folders), then `dir`. */
@@ -130,7 +118,7 @@ static int bench_writes(const char *dir, size_t bytes, int writes, double *med, 
     free(params);
     if (rc < 0)
         return rc;
-    *med = median(mibs, writes);
+    *med = stats_median(mibs, writes);
     *lo = mibs[0];
     *hi = mibs[writes - 1];
     return 0;
@@ -452,7 +440,7 @@ int cli_bench_checkpoint(int argc, char **argv)
             printf("%10s %5s %14s %10s %7s %10s %12s\n", "MiB", "peers", "checkpoint", "rounds/s",
                    "ratio", "written", "write MiB/s");
         for (size_t e = 0; e <= n_every; e++) {
-            double r = median(rps[e], reps), q = median(ratio[e], reps);
+            double r = stats_median(rps[e], reps), q = stats_median(ratio[e], reps);
             /* The writes of every repetition together. */
             double w = wus[e] ? (double)wbytes[e] / (1 << 20) / ((double)wus[e] / 1e6) : 0;
             char label[32];
