@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "accumulator/node.h"
 #include "base/clock.h"
 #include "base/secret.h"
 #include "membership/brokerd.h"
@@ -90,6 +91,19 @@ void fixture_broker_stop(struct brokerd *d)
 {
     brokerd_stop(d);
     rpc_shutdown();
+}
+
+/* ---- a node's trainer ---- */
+
+void fixture_node_trade_state(struct node *n, const struct node_view *v)
+{
+    void *s;
+    size_t len;
+
+    if (v->wants_state)
+        node_set_state(n, "s", 1);
+    if (v->has_new_state && node_take_state(n, &s, &len) == 0)
+        free(s);
 }
 
 /* ---- TLS ---- */

@@ -3,6 +3,8 @@
  * - Waiting on a condition with a deadline, for the tests that poll.
  * - A broker service on loopback (brokerd), for the tests whose members,
  *   nodes and trainers need one.
+ * - A node's trainer's answer to the state its view asks for, for the
+ *   node suites whose trainers carry no state of their own.
  * - The broker state machine under a fake host, driven by an injected
  *   clock, for the broker suite (test_broker_*.c).
  * - A test CA and a server certificate made with the openssl command, for
@@ -92,6 +94,16 @@ struct brokerd *fixture_keyed_broker_start(const char *cohort, struct secret *ke
 
 /* brokerd_stop(), then rpc_shutdown(). */
 void fixture_broker_stop(struct brokerd *d);
+
+/* ---- a node's trainer ---- */
+
+struct node;
+struct node_view;
+
+/* What the node's view `v` asks of a trainer whose state the test does
+ * not check: a one-byte state when the node wants one, and a new state
+ * taken and dropped. */
+void fixture_node_trade_state(struct node *n, const struct node_view *v);
 
 /* ---- TLS ---- */
 

@@ -891,14 +891,7 @@ static void *cmember_main(void *arg)
             clock_sleep_ms(1);
             continue;
         }
-        if (v.wants_state)
-            node_set_state(m->n, "s", 1);
-        if (v.has_new_state) {
-            void *s;
-            size_t len;
-            if (node_take_state(m->n, &s, &len) == 0)
-                free(s);
-        }
+        fixture_node_trade_state(m->n, &v);
         if (v.has_gradients) {
             if (v.model_version >= 1 && v.model_version <= CROUNDS) {
                 memcpy(m->seen + (v.model_version - 1) * CG, m->results, CG * sizeof(float));
@@ -1507,14 +1500,7 @@ static void *wmember_main(void *arg)
             clock_sleep_ms(1);
             continue;
         }
-        if (v.wants_state)
-            node_set_state(m->n, "s", 1);
-        if (v.has_new_state) {
-            void *s;
-            size_t len;
-            if (node_take_state(m->n, &s, &len) == 0)
-                free(s);
-        }
+        fixture_node_trade_state(m->n, &v);
         if (v.has_gradients) {
             /* Version v came from round v - 1 of both members. */
             for (size_t i = 0; i < WG; i++)

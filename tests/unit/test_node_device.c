@@ -155,15 +155,7 @@ static void *member_main(void *arg)
             clock_sleep_ms(1);
             continue;
         }
-        if (v.wants_state)
-            node_set_state(m->n, "s", 1);
-        if (v.has_new_state) {
-            void *s;
-            size_t len;
-
-            if (node_take_state(m->n, &s, &len) == 0)
-                free(s);
-        }
+        fixture_node_trade_state(m->n, &v);
         if (v.has_gradients) {
             if (v.model_version >= 1 && v.model_version <= ROUNDS) {
                 memcpy(m->seen[v.model_version], m->dresults, sizeof(m->dresults));
