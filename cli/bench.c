@@ -570,6 +570,7 @@ int cli_bench(int argc, char **argv)
     uint64_t v;
     ssize_t n;
     int opt;
+    bool json;
 
     if (argc >= 2 && strcmp(argv[1], "allreduce") == 0)
         return cli_bench_allreduce(argc - 1, argv + 1);
@@ -634,8 +635,8 @@ int cli_bench(int argc, char **argv)
     }
     if (opt_no_operands(PROG, argc, argv, optind))
         return OPT_EXIT_USAGE;
-    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
+    if (opt_output(PROG, output, &json) != 0)
+        return OPT_EXIT_USAGE;
     if (b.n_cohorts > b.n_members / 2)
         return opt_usage(PROG, "want at least two members per cohort");
     n = readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -649,5 +650,5 @@ int cli_bench(int argc, char **argv)
         return OPT_EXIT_USAGE;
     signal(SIGPIPE, SIG_IGN);
     pthread_mutex_init(&b.lock, NULL);
-    return run_broker_bench(&b, strcmp(output, "json") == 0, self);
+    return run_broker_bench(&b, json, self);
 }

@@ -377,8 +377,8 @@ int cli_bench_accumulator(int argc, char **argv)
     }
     if (opt_no_operands(PROG, argc, argv, optind))
         return OPT_EXIT_USAGE;
-    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
+    if (opt_output(PROG, output, &json) != 0)
+        return OPT_EXIT_USAGE;
     bad = opt_bytes_list(list, MAX_BYTES, sizes, MAX_SIZES, &n_sizes);
     for (size_t i = 0; bad == 0 && i < n_sizes; i++)
         if (sizes[i] % 4 != 0)
@@ -386,7 +386,6 @@ int cli_bench_accumulator(int argc, char **argv)
     if (bad < 0)
         return opt_usage(PROG, "bad --bytes \"%s\" (at most %d sizes, each a multiple of 4 "
                          "bytes up to 1G, K M G suffixes)", list, MAX_SIZES);
-    json = strcmp(output, "json") == 0;
     if (tracing) {
         trace.cap = TRACE_ROWS;
         trace.ns = calloc(TRACE_ROWS, sizeof(trace.ns[0]));

@@ -370,9 +370,8 @@ int cli_bench_checkpoint(int argc, char **argv)
     }
     if (opt_no_operands(PROG, argc, argv, optind))
         return OPT_EXIT_USAGE;
-    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
-    json = strcmp(output, "json") == 0;
+    if (opt_output(PROG, output, &json) != 0)
+        return OPT_EXIT_USAGE;
     if (opt_bytes_list(list, MAX_BYTES, sizes, MAX_SIZES, &n_sizes) < 0)
         return opt_usage(PROG, "bad --bytes \"%s\" (at most %d sizes up to 1G, K M G suffixes)",
                          list, MAX_SIZES);

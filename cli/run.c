@@ -416,9 +416,8 @@ int cli_run(int argc, char **argv)
         return opt_usage(PROG, "bad --id-prefix \"%s\": letters, digits, '.', '_', '-'", r.prefix);
     if (r.member_timeout_ms <= r.heartbeat_ms)
         return opt_usage(PROG, "--member-timeout must be longer than --heartbeat");
-    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
-    r.json = strcmp(output, "json") == 0;
+    if (opt_output(PROG, output, &r.json) != 0)
+        return OPT_EXIT_USAGE;
     if (schedule && (rc = run_parse_schedule(schedule, &r.events, &r.n_events)) != 0)
         return rc;
     if (opt_logging(PROG, r.logf, r.logl) < 0) {

@@ -164,6 +164,7 @@ int cli_status(int argc, char **argv)
     uint8_t mac[SECRET_MAC_BYTES];
     char *ca = NULL;
     int have_key;
+    bool json;
     struct rpc_channel *ch = NULL;
     ProtobufCMessage *reply = NULL;
     struct rpc_status st;
@@ -199,8 +200,8 @@ int cli_status(int argc, char **argv)
         return opt_usage(PROG, "--broker is required");
     if (cohort[0] && !ident_valid_cohort(cohort))
         return opt_usage(PROG, "bad --cohort \"%s\"", cohort);
-    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
-        return opt_usage(PROG, "-o must be table or json, not \"%s\"", output);
+    if (opt_output(PROG, output, &json) != 0)
+        return OPT_EXIT_USAGE;
 
     if (co.tls_server_name && !*co.tls_server_name)
         co.tls_server_name = NULL;
@@ -246,7 +247,7 @@ int cli_status(int argc, char **argv)
                     "--secret-file PATH) or the admin key (--admin-secret-file PATH)\n");
         goto out;
     }
-    if (strcmp(output, "json") == 0)
+    if (json)
         status = print_json((const Cohort__V1__StatusReply *)reply);
     else {
         print_tables((const Cohort__V1__StatusReply *)reply);

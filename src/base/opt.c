@@ -202,3 +202,11 @@ int opt_no_operands(const char *prog, int argc, char *const argv[], int first)
         return 0;
     return opt_usage(prog, "unexpected argument \"%s\"", argv[first]);
 }
+
+int opt_output(const char *prog, const char *output, bool *json)
+{
+    if (strcmp(output, "table") != 0 && strcmp(output, "json") != 0)
+        return opt_usage(prog, "-o must be table or json, not \"%s\"", output);
+    *json = strcmp(output, "json") == 0;
+    return 0;
+}

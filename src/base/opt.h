@@ -6,6 +6,7 @@
 #ifndef COHORT_OPT_H
 #define COHORT_OPT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -58,5 +59,10 @@ int opt_next(const char *prog, int argc, char **argv, const char *shortopts,
  * empty, else reports the first one as unexpected and returns
  * OPT_EXIT_USAGE. Call it with getopt's optind. */
 int opt_no_operands(const char *prog, int argc, char *const argv[], int first);
+
+/* The value of -o/--output, which every command that prints a report
+ * takes: "table" or "json". Returns 0 and sets *json, or reports a usage
+ * error and returns OPT_EXIT_USAGE. */
+int opt_output(const char *prog, const char *output, bool *json);
 
 #endif

@@ -283,3 +283,25 @@ Test(opt, logging_values_refused_as_usage_errors)
                           "not \"loud\"\nTry 'cohortctl thing --help'.\n");
     cr_assert_eq(opt_logging("cohortctl thing", NULL, NULL), 0, "nothing asked, nothing refused");
 }
+
+Test(opt, output_is_table_or_json)
+{
+    struct capture c;
+    const char *err;
+    bool json = true;
+
+    cr_assert_eq(opt_output("cohortctl thing", "table", &json), 0);
+    cr_assert_not(json);
+    cr_assert_eq(opt_output("cohortctl thing", "json", &json), 0);
+    cr_assert(json);
+    capture_begin(&c);
+    json = false;
+    cr_assert_eq(opt_output("cohortctl thing", "JSON", &json), OPT_EXIT_USAGE);
+    cr_assert_eq(opt_output("cohortctl thing", "", &json), OPT_EXIT_USAGE);
+    err = capture_end(&c);
+    cr_assert_not(json, "a refused value changes nothing");
+    cr_assert_str_eq(err, "cohortctl thing: -o must be table or json, not \"JSON\"\n"
+                          "Try 'cohortctl thing --help'.\n"
+                          "cohortctl thing: -o must be table or json, not \"\"\n"
+                          "Try 'cohortctl thing --help'.\n");
+}
