@@ -17,12 +17,20 @@ static struct brokerd *d;
 static char addr[64];
 static struct member *m;
 
+/* The member timeout: fifteen of the fixture's 200 ms heartbeat
+ * intervals, so that only a thread that stopped sending, not a loaded
+ * machine, gets the member evicted. */
+#define TIMEOUT_MS 3000u
+
 static void start(void)
 {
     struct member_config mc = { .cohort = "demo", .id = "m-0", .address = "127.0.0.1:4000",
                                 .quiet = true };
+    struct brokerd_config cfg;
 
-    d = fixture_broker_start("demo", addr, sizeof(addr));
+    fixture_broker_config(&cfg);
+    cfg.broker.timeout_ms = TIMEOUT_MS;
+    d = fixture_broker_start_with(&cfg, "demo", addr, sizeof(addr));
     mc.broker = addr;
     cr_assert_eq(member_create(&mc, &m), 0);
 }
@@ -65,10 +73,10 @@ Test(heartbeat, joins_the_member_and_keeps_it_in_the_cohort)
 
     cr_assert_eq(heartbeat_create(m, NULL, NULL, &h), 0);
     FIXTURE_WAIT_FOR(member_in_cohort(m), "the member never joined");
-    /* Watched through four member timeouts (the fixture's is 1.5 s): only
-     * heartbeats sent all along keep it from being evicted and joining
-     * again. A window, not a wait: nothing ends it sooner. */
-    for (uint64_t end = fixture_deadline(4 * 1500); fixture_before(end);) {
+    /* Watched through two member timeouts: only heartbeats sent all along
+     * keep it from being evicted and joining again. A window, not a wait:
+     * nothing ends it sooner. */
+    for (uint64_t end = fixture_deadline(2 * TIMEOUT_MS); fixture_before(end);) {
         cr_assert(member_in_cohort(m), "the member fell out of the cohort");
         clock_sleep_ms(FIXTURE_POLL_MS);
     }
