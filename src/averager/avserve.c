@@ -598,13 +598,16 @@ static void *link_main(void *arg)
     for (;;) {
         int rc = serve_one(l, POLL_MS);
 
+        /* The deadline is checked after every message too, not only when
+         * the link falls idle: one that keeps sending HELLO (or requests
+         * refused for want of an averager) makes nothing either. */
+        if ((rc == 0 || rc == -ETIMEDOUT) && !l->h && clock_now_ms() > deadline) {
+            log_warn("sidecar", "A trainer's averager link made no averager in time; closing it.");
+            break;
+        }
         if (rc == -ETIMEDOUT) {
             if (stopping(l->srv))
                 break;
-            if (!l->h && clock_now_ms() > deadline) {
-                log_warn("sidecar", "A trainer's averager link made no averager in time; closing it.");
-                break;
-            }
             if (l->h && !l->owner) {
                 bool gone;
                 pthread_mutex_lock(&l->srv->mu);

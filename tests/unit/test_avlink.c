@@ -786,3 +786,27 @@ Test(avlink, the_accumulators_session_and_averager_links_share_the_socket)
     cohort_averager_destroy(a);
     FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the averager left");
 }
+
+/* The deadline to create or attach holds for a link that keeps talking:
+ * one that says HELLO every 100 ms, and makes nothing, is closed once
+ * TLINK_HELLO_DEADLINE_MS has passed, as a silent one is, so that no
+ * process that can reach the socket holds the sidecar's links by
+ * chattering. */
+Test(avlink, a_link_that_chatters_without_creating_is_closed_at_its_deadline)
+{
+    uint64_t began = clock_now_ms(), end = began + TLINK_HELLO_DEADLINE_MS + FIXTURE_WAIT_MS;
+    int s = dial(), rc = 0;
+
+    while (clock_now_ms() < end) {
+        rc = hello(s);
+        if (rc != 0)
+            break;
+        /* The chatter's pace: well under the sidecar's idle poll. */
+        usleep(100000);
+    }
+    cr_assert(rc == -ECONNRESET || rc == -EPIPE, "the link was still served after %llu ms (%d)",
+              (unsigned long long)(clock_now_ms() - began), rc);
+    cr_assert_geq(clock_now_ms() - began, TLINK_HELLO_DEADLINE_MS, "not before its deadline");
+    close(s);
+    FIXTURE_WAIT_FOR(avserve_links(av) == 0, "the sidecar let the link go");
+}
