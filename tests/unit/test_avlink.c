@@ -810,3 +810,40 @@ Test(avlink, a_link_that_chatters_without_creating_is_closed_at_its_deadline)
     close(s);
     FIXTURE_WAIT_FOR(avserve_links(av) == 0, "the sidecar let the link go");
 }
+
+/* A trainer that dies in a wait for its averager to join: the wait ends
+ * with it, not at the timeout the trainer gave (here ten minutes; up to
+ * 49 days fit the field), so the averager leaves, the link is let go and
+ * the sidecar can stop. The averager here holds another key than the
+ * broker's, so it never joins and only the hang-up can end the wait. */
+Test(avlink, a_trainer_gone_mid_wait_ends_the_wait_and_its_averager_leaves)
+{
+    struct secret other;
+    struct avserve_config ac = { .broker = broker, .cohort = "avl", .id = "lone",
+                                 .host = "127.0.0.1", .key = &other, .max_count = 1 << 20,
+                                 .max_state_bytes = 1 << 20 };
+    struct avlink_u32 u = { 600000, 0 };
+    struct avlink_create c;
+    struct avlink_created out;
+    struct avserve *lone;
+    char why[AVLINK_ERROR_MAX];
+    uint64_t began;
+    int sv[2];
+
+    cr_assert_eq(secret_random(other.key, sizeof(other.key)), 0);
+    cr_assert_eq(avserve_create(&ac, &lone), 0);
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+    cr_assert_eq(avserve_adopt(lone, sv[1]), 0);
+    fill_create(&c, COUNT);
+    cr_assert_eq(create_raw(sv[0], &c, true, &out, why, sizeof(why)), 0, "%s", why);
+    cr_assert_eq(avserve_averagers(lone), 1);
+    cr_assert_eq(tlink_send(sv[0], AVL_WAIT, 0, &u, sizeof(u), NULL, 0), 0);
+    /* Whether the sidecar has read the WAIT yet or not, it reads it
+     * (queued before the close) and so waits with its trainer gone. */
+    began = clock_now_ms();
+    close(sv[0]);
+    FIXTURE_WAIT_FOR(avserve_links(lone) == 0 && avserve_averagers(lone) == 0,
+                     "the wait ended with its trainer and the averager left");
+    cr_assert_lt(clock_now_ms() - began, FIXTURE_WAIT_MS);
+    avserve_destroy(lone);
+}
