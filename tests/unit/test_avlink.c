@@ -847,3 +847,42 @@ Test(avlink, a_trainer_gone_mid_wait_ends_the_wait_and_its_averager_leaves)
     cr_assert_lt(clock_now_ms() - began, FIXTURE_WAIT_MS);
     avserve_destroy(lone);
 }
+
+/* Quantile8 (hivemind's Quantile8BitQuantization) through the sidecar, as
+ * include/cohort.h offers it: the link carries every codec an averager
+ * takes, so two averagers hosted by the sidecar average with it, alike
+ * at both and within the codec's bound (each value's error at most the
+ * run's range; with 16 distinct values among 256 buckets, far less). */
+Test(avlink, quantile8_travels_through_the_sidecar)
+{
+    struct cohort_averager_config c = {
+        .broker = addr, .cohort = "avl", .id = "q8", .prefix = "run/avl-q8",
+        .target_group_size = 2, .min_group_size = 2, .min_matchmaking_ms = 300,
+        .allreduce_timeout_ms = 3000, .count = COUNT, .schema = "f32x16", .schema_len = 6,
+        .compression = COHORT_COMPRESSION_QUANTILE8,
+    };
+    struct peer p[2] = { 0 };
+
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(cohort_averager_create(&c, &p[i].a), 0, "quantile8 in a sidecar");
+        cr_assert_eq(cohort_averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].weight = 1;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(16 * i + j);
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(p[i].t, NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, 0, "peer %d: %d %s", i, p[i].rc, cohort_averager_error(p[i].a));
+        for (int j = 0; j < COUNT; j++)
+            cr_assert(fabsf(p[i].data[j] - (float)(8 + j)) <= 0.5f, "peer %d [%d]: %g", i, j,
+                      p[i].data[j]);
+        cohort_averager_result_free(p[i].res);
+    }
+    cr_assert(memcmp(p[0].data, p[1].data, sizeof(p[0].data)) == 0, "alike at both");
+    for (int i = 0; i < 2; i++)
+        cohort_averager_destroy(p[i].a);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the sidecar's averagers left");
+}
