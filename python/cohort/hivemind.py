@@ -940,7 +940,8 @@ class DecentralizedAverager:
              allow_retries=True, require_trigger=False, wait=True):
         """One round: on success the tensors hold the group's weighted
         average (moved by averaging_alpha) and the result maps each
-        averaged peer's id to what it gathered; on failure None (wait=True)
+        averaged peer's id to what it gathered (None for one whose bytes
+        are not JSON: peers may lie); on failure None (wait=True)
         or a StepControl whose result() raises AllreduceException."""
         if scheduled_time is not None:
             if isinstance(scheduled_time, bool) or not isinstance(scheduled_time, (int, float)) \
@@ -1019,7 +1020,7 @@ class DecentralizedAverager:
                             off += n
             out = {}
             for peer, w, data in members:
-                out[peer] = json.loads(data.decode()) if data else None
+                out[peer] = _gathered(peer, data)
             self.last_group = (group, attempts, {peer: w for peer, w, _ in members}, mm_ms / 1000)
             control._result = out
         except AllreduceException as e:
@@ -1028,6 +1029,21 @@ class DecentralizedAverager:
             control._error = AllreduceException("averaging step failed: %r" % (e,))
         finally:
             control._done.set()
+
+
+def _gathered(peer, data):
+    """A groupmate's gathered object, or None when it sent none or bytes
+    that are not JSON (peers may lie): by then the round has succeeded and
+    the tensors hold the average, so one liar's bytes must not make the
+    step report a failure."""
+    if not data:
+        return None
+    try:
+        return json.loads(data.decode())
+    except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
+        _log.warning("step: %s gathered bytes that are not JSON (%r); it is named with None",
+                     peer, e)
+        return None
 
 
 class _Averaging:

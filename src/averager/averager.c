@@ -118,6 +118,7 @@
 #include "averager/avstate.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -1024,11 +1025,14 @@ int averager_step(struct averager *a, const struct averager_step *s,
                  "its weight must be 0");
         return -EINVAL;
     }
+    /* The weight travels as a float32 (attempt): one past FLT_MAX would
+     * arrive as +Inf, which every groupmate takes for a lie. */
     if ((!s->data && !a->no_tensors) || !isfinite(s->weight) || s->weight < 0 ||
-        !(s->alpha > 0 && s->alpha <= 1) || s->gather_len > a->gather_max ||
-        (s->gather_len && !s->gather)) {
-        snprintf(a->err, sizeof(a->err), "bad step: the weight must be finite and at least 0, "
-                 "alpha in (0, 1], and the gather at most %zu bytes", a->gather_max);
+        s->weight > FLT_MAX || !(s->alpha > 0 && s->alpha <= 1) ||
+        s->gather_len > a->gather_max || (s->gather_len && !s->gather)) {
+        snprintf(a->err, sizeof(a->err), "bad step: the weight must be finite (within float32's "
+                 "range) and at least 0, alpha in (0, 1], and the gather at most %zu bytes",
+                 a->gather_max);
         return -EINVAL;
     }
     for (;;) {

@@ -247,9 +247,9 @@ struct averager_result {
 /* One round (see the top). On 0 sets *out (the caller frees it with
  * averager_result_free) and has written data. Otherwise data is
  * untouched and:
- *   -EINVAL     a negative or non-finite weight, alpha outside (0, 1], a
- *               gather over gather_max, a weight other than 0 without
- *               tensors;
+ *   -EINVAL     a negative or non-finite weight, or one past FLT_MAX (it
+ *               travels as a float32), alpha outside (0, 1], a gather over
+ *               gather_max, a weight other than 0 without tensors;
  *   -EMSGSIZE   without tensors: the group averages more than max_count
  *               elements, or a codec or plan with metadata beyond the exact
  *               call's recursive doubling;

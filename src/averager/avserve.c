@@ -410,6 +410,40 @@ static int load(struct link *l, uint32_t ms)
     return rc;
 }
 
+/* Whether the trainer's end of sock hung up (closed, or died). */
+static bool hung_up(int sock)
+{
+    struct pollfd p = { .fd = sock, .events = POLLRDHUP };
+
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+/* averager_wait for up to ms, in slices of POLL_MS: the trainer gives the
+ * bound (up to 49 days fit the field), so a trainer that hangs up, a link
+ * whose averager's owner left, or a sidecar that stops ends the wait
+ * within a slice. Otherwise the link's thread would sit in it, the owner's
+ * averager could not leave (link_end waits for the calls that hold it)
+ * and avserve_destroy would wait too. Returns 0, -ETIMEDOUT or
+ * -ECANCELED. */
+static int wait_joined(struct link *l, uint32_t ms)
+{
+    uint64_t end = clock_now_ms() + ms;
+
+    for (;;) {
+        uint64_t now = clock_now_ms(), left = end > now ? end - now : 0;
+        int rc = averager_wait(l->h->a, (uint32_t)(left < POLL_MS ? left : POLL_MS));
+        bool closing;
+
+        if (rc == 0 || left <= POLL_MS)
+            return rc;
+        pthread_mutex_lock(&l->srv->mu);
+        closing = l->srv->stop || l->h->closing;
+        pthread_mutex_unlock(&l->srv->mu);
+        if (closing || hung_up(l->sock))
+            return -ECANCELED;
+    }
+}
+
 /* Serves one request of a link that holds an averager. */
 static int serve(struct link *l, const struct tlink_hdr *hd, const void *body, int fd)
 {
@@ -424,7 +458,7 @@ static int serve(struct link *l, const struct tlink_hdr *hd, const void *body, i
     switch (hd->type) {
     case AVL_WAIT: {
         const struct avlink_u32 *u = body;
-        rc = averager_wait(h->a, u->value);
+        rc = wait_joined(l, u->value);
         rc = rc < 0 ? refuse(l->sock, rc, "The averager has not joined the cohort yet.")
                     : reply(l->sock, 0, NULL, 0, NULL, 0);
         break;
@@ -598,13 +632,16 @@ static void *link_main(void *arg)
     for (;;) {
         int rc = serve_one(l, POLL_MS);
 
+        /* The deadline is checked after every message too, not only when
+         * the link falls idle: one that keeps sending HELLO (or requests
+         * refused for want of an averager) makes nothing either. */
+        if ((rc == 0 || rc == -ETIMEDOUT) && !l->h && clock_now_ms() > deadline) {
+            log_warn("sidecar", "A trainer's averager link made no averager in time; closing it.");
+            break;
+        }
         if (rc == -ETIMEDOUT) {
             if (stopping(l->srv))
                 break;
-            if (!l->h && clock_now_ms() > deadline) {
-                log_warn("sidecar", "A trainer's averager link made no averager in time; closing it.");
-                break;
-            }
             if (l->h && !l->owner) {
                 bool gone;
                 pthread_mutex_lock(&l->srv->mu);

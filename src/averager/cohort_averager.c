@@ -37,19 +37,18 @@ struct cohort_averager_result {
 };
 
 /* The codecs an averager takes (top-k and PowerSGD keep state per member
- * and are not stateless maps of a sum: engine/codec.h); through a
- * sidecar, those its link carries. */
-static bool codec_ok(enum cohort_compression c, bool sidecar)
+ * and are not stateless maps of a sum: engine/codec.h), in process and
+ * through a sidecar alike: the link carries the codec's id as it is. */
+static bool codec_ok(enum cohort_compression c)
 {
     return ((int)c >= COHORT_COMPRESSION_NONE && (int)c <= COHORT_COMPRESSION_INT8) ||
            c == COHORT_COMPRESSION_MEANSTD16 || c == COHORT_COMPRESSION_UNIFORM8 ||
-           (!sidecar && c == COHORT_COMPRESSION_QUANTILE8);
+           c == COHORT_COMPRESSION_QUANTILE8;
 }
 
 /* The plan's codecs are those compression takes, and there are not more
  * ranges than an averager holds; averager_plan_check says the rest. */
-static int plan_ok(const struct cohort_averager_config *c, bool sidecar, char *why,
-                   size_t why_len)
+static int plan_ok(const struct cohort_averager_config *c, char *why, size_t why_len)
 {
     if (c->codec_plan_len > COHORT_CODEC_PLAN_MAX || (c->codec_plan_len && !c->codec_plan)) {
         if (why)
@@ -58,11 +57,11 @@ static int plan_ok(const struct cohort_averager_config *c, bool sidecar, char *w
         return -EINVAL;
     }
     for (size_t k = 0; k < c->codec_plan_len; k++)
-        if (!codec_ok(c->codec_plan[k].compression, sidecar)) {
+        if (!codec_ok(c->codec_plan[k].compression)) {
             if (why)
                 snprintf(why, why_len, "range %zu of the codec plan names compression %d, "
-                         "which an averager%s does not take", k,
-                         (int)c->codec_plan[k].compression, sidecar ? " in a sidecar" : "");
+                         "which an averager does not take", k,
+                         (int)c->codec_plan[k].compression);
             return -EINVAL;
         }
     return 0;
@@ -182,7 +181,7 @@ int cohort_averager_create_why(const struct cohort_averager_config *c,
     /* Through the sidecar, the frames are the sidecar's to authenticate
      * (its --integrity), as the key is its own: neither variable is read. */
     if (sidecar_path(c->broker, keyed)) {
-        if (!codec_ok(c->compression, true) || plan_ok(c, true, why, why_len) < 0)
+        if (!codec_ok(c->compression) || plan_ok(c, why, why_len) < 0)
             return -EINVAL;
         return link_create(c, sidecar_path(c->broker, keyed), why, why_len, out);
     }
@@ -206,7 +205,7 @@ int cohort_averager_create_why(const struct cohort_averager_config *c,
     cfg.schema_len = c->schema_len;
     cfg.gather_max = c->gather_max;
     cfg.leave_timeout_ms = c->leave_timeout_ms;
-    if (!codec_ok(c->compression, false) || plan_ok(c, false, why, why_len) < 0)
+    if (!codec_ok(c->compression) || plan_ok(c, why, why_len) < 0)
         return -EINVAL;
     cfg.codec = (enum codec)c->compression;
     for (size_t k = 0; k < c->codec_plan_len; k++)

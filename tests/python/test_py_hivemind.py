@@ -486,3 +486,41 @@ def test_an_auxiliary_peer_without_tensors_helps_average(keyed):
     g = lines_of(bare)[-1]
     assert g["tensors"] == []
     assert g["last"] == {"a-0": 0.0, "a-1": 1.0, "a-2": 2.0}
+
+
+def test_a_groupmate_whose_gathered_bytes_are_not_json_is_named_with_none(keyed, monkeypatch):
+    """Peers may lie, gathered bytes included: a groupmate whose bytes do
+    not decode as JSON (here a core step given raw bytes, as a peer of
+    another library could send) is named in the result with None. The
+    round itself succeeded and the tensors hold the average, so the step
+    reports it rather than failing after it changed them."""
+    import threading
+    broker, key = keyed
+    monkeypatch.setenv("COHORT_SECRET_FILE", key)
+    peers = []
+    for name in ("honest", "liar"):
+        dht = hivemind.DHT(initial_peers=[broker.address], start=True, cohort="hm-gather",
+                           peer_id=name)
+        t = torch.full((4,), 2.0 if name == "honest" else 4.0)
+        peers.append((t, hivemind.DecentralizedAverager(
+            [t], dht, start=True, prefix="gather-json", target_group_size=2,
+            min_group_size=2, min_matchmaking_time=0.5, request_timeout=0.2)))
+    (t0, honest), (t1, liar) = peers
+    got = {}
+
+    def lie():
+        buf = memoryview(liar._flat.copy_(t1).view(torch.uint8).numpy())
+        got["liar"] = liar._core.step(buf, 1.0, 1.0, b"{not json", 30000, True)
+
+    try:
+        th = threading.Thread(target=lie)
+        th.start()
+        control = honest.step(gather={"batch": 32}, timeout=30, wait=False)
+        result = control.result(timeout=60)
+        th.join(60)
+        assert result == {"honest": {"batch": 32}, "liar": None}, result
+        assert t0.tolist() == [3.0] * 4
+        assert got["liar"][3] and {m[0] for m in got["liar"][3]} == {"honest", "liar"}
+    finally:
+        honest.shutdown()
+        liar.shutdown()

@@ -1230,3 +1230,30 @@ Test(averager, averagers_of_different_min_vector_size_do_not_group)
               (p[0].rc == -ETIMEDOUT && p[1].rc == -EPROTO), "%d %d", p[0].rc, p[1].rc);
     avpeers_free(p, 2);
 }
+
+/* A weight is a float32 on the wire: one that is finite as a double but
+ * beyond float32's range (1e39) is refused at once, like an infinite one,
+ * rather than sent as +Inf, which every groupmate reads as a lying peer
+ * and fails its own step on. Its partner, left alone, only times out. */
+Test(averager, a_weight_beyond_float32_is_refused_before_it_travels)
+{
+    struct peer p[2] = { 0 };
+    uint64_t began;
+
+    p[0].a = make("big-w0", 2, 2, "", "f32x16");
+    p[1].a = make("big-w1", 2, 2, "", "f32x16");
+    p[0].weight = 1e39;
+    p[1].weight = 1;
+    p[0].timeout_ms = p[1].timeout_ms = 3000;
+    began = clock_now_ms();
+    run_all(p, 2);
+    cr_assert_eq(p[0].rc, -EINVAL, "%d: %s", p[0].rc, averager_last_error(p[0].a));
+    cr_assert(strstr(averager_last_error(p[0].a), "weight"), "%s", averager_last_error(p[0].a));
+    cr_assert_eq(p[1].rc, -ETIMEDOUT, "the partner is not failed by it: %d: %s", p[1].rc,
+                 averager_last_error(p[1].a));
+    cr_assert_lt(clock_now_ms() - began, FIXTURE_WAIT_MS);
+    for (int j = 0; j < COUNT; j++)
+        cr_assert_eq(p[0].data[j], 0.0f, "data untouched");
+    cr_assert_null(p[0].res);
+    free_all(p, 2);
+}

@@ -786,3 +786,103 @@ Test(avlink, the_accumulators_session_and_averager_links_share_the_socket)
     cohort_averager_destroy(a);
     FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the averager left");
 }
+
+/* The deadline to create or attach holds for a link that keeps talking:
+ * one that says HELLO every 100 ms, and makes nothing, is closed once
+ * TLINK_HELLO_DEADLINE_MS has passed, as a silent one is, so that no
+ * process that can reach the socket holds the sidecar's links by
+ * chattering. */
+Test(avlink, a_link_that_chatters_without_creating_is_closed_at_its_deadline)
+{
+    uint64_t began = clock_now_ms(), end = began + TLINK_HELLO_DEADLINE_MS + FIXTURE_WAIT_MS;
+    int s = dial(), rc = 0;
+
+    while (clock_now_ms() < end) {
+        rc = hello(s);
+        if (rc != 0)
+            break;
+        /* The chatter's pace: well under the sidecar's idle poll. */
+        usleep(100000);
+    }
+    cr_assert(rc == -ECONNRESET || rc == -EPIPE, "the link was still served after %llu ms (%d)",
+              (unsigned long long)(clock_now_ms() - began), rc);
+    cr_assert_geq(clock_now_ms() - began, TLINK_HELLO_DEADLINE_MS, "not before its deadline");
+    close(s);
+    FIXTURE_WAIT_FOR(avserve_links(av) == 0, "the sidecar let the link go");
+}
+
+/* A trainer that dies in a wait for its averager to join: the wait ends
+ * with it, not at the timeout the trainer gave (here ten minutes; up to
+ * 49 days fit the field), so the averager leaves, the link is let go and
+ * the sidecar can stop. The averager here holds another key than the
+ * broker's, so it never joins and only the hang-up can end the wait. */
+Test(avlink, a_trainer_gone_mid_wait_ends_the_wait_and_its_averager_leaves)
+{
+    struct secret other;
+    struct avserve_config ac = { .broker = broker, .cohort = "avl", .id = "lone",
+                                 .host = "127.0.0.1", .key = &other, .max_count = 1 << 20,
+                                 .max_state_bytes = 1 << 20 };
+    struct avlink_u32 u = { 600000, 0 };
+    struct avlink_create c;
+    struct avlink_created out;
+    struct avserve *lone;
+    char why[AVLINK_ERROR_MAX];
+    uint64_t began;
+    int sv[2];
+
+    cr_assert_eq(secret_random(other.key, sizeof(other.key)), 0);
+    cr_assert_eq(avserve_create(&ac, &lone), 0);
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+    cr_assert_eq(avserve_adopt(lone, sv[1]), 0);
+    fill_create(&c, COUNT);
+    cr_assert_eq(create_raw(sv[0], &c, true, &out, why, sizeof(why)), 0, "%s", why);
+    cr_assert_eq(avserve_averagers(lone), 1);
+    cr_assert_eq(tlink_send(sv[0], AVL_WAIT, 0, &u, sizeof(u), NULL, 0), 0);
+    /* Whether the sidecar has read the WAIT yet or not, it reads it
+     * (queued before the close) and so waits with its trainer gone. */
+    began = clock_now_ms();
+    close(sv[0]);
+    FIXTURE_WAIT_FOR(avserve_links(lone) == 0 && avserve_averagers(lone) == 0,
+                     "the wait ended with its trainer and the averager left");
+    cr_assert_lt(clock_now_ms() - began, FIXTURE_WAIT_MS);
+    avserve_destroy(lone);
+}
+
+/* Quantile8 (hivemind's Quantile8BitQuantization) through the sidecar, as
+ * include/cohort.h offers it: the link carries every codec an averager
+ * takes, so two averagers hosted by the sidecar average with it, alike
+ * at both and within the codec's bound (each value's error at most the
+ * run's range; with 16 distinct values among 256 buckets, far less). */
+Test(avlink, quantile8_travels_through_the_sidecar)
+{
+    struct cohort_averager_config c = {
+        .broker = addr, .cohort = "avl", .id = "q8", .prefix = "run/avl-q8",
+        .target_group_size = 2, .min_group_size = 2, .min_matchmaking_ms = 300,
+        .allreduce_timeout_ms = 3000, .count = COUNT, .schema = "f32x16", .schema_len = 6,
+        .compression = COHORT_COMPRESSION_QUANTILE8,
+    };
+    struct peer p[2] = { 0 };
+
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(cohort_averager_create(&c, &p[i].a), 0, "quantile8 in a sidecar");
+        cr_assert_eq(cohort_averager_wait(p[i].a, FIXTURE_WAIT_MS), 0);
+        p[i].weight = 1;
+        for (int j = 0; j < COUNT; j++)
+            p[i].data[j] = (float)(16 * i + j);
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&p[i].t, NULL, step_main, &p[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(p[i].t, NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(p[i].rc, 0, "peer %d: %d %s", i, p[i].rc, cohort_averager_error(p[i].a));
+        for (int j = 0; j < COUNT; j++)
+            cr_assert(fabsf(p[i].data[j] - (float)(8 + j)) <= 0.5f, "peer %d [%d]: %g", i, j,
+                      p[i].data[j]);
+        cohort_averager_result_free(p[i].res);
+    }
+    cr_assert(memcmp(p[0].data, p[1].data, sizeof(p[0].data)) == 0, "alike at both");
+    for (int i = 0; i < 2; i++)
+        cohort_averager_destroy(p[i].a);
+    FIXTURE_WAIT_FOR(avserve_averagers(av) == 0, "the sidecar's averagers left");
+}
