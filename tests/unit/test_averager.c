@@ -1237,7 +1237,7 @@ Test(averager, averagers_of_different_min_vector_size_do_not_group)
  * and fails its own step on. Its partner, left alone, only times out. */
 Test(averager, a_weight_beyond_float32_is_refused_before_it_travels)
 {
-    struct peer p[2] = { 0 };
+    struct avpeer p[2] = { 0 };
     uint64_t began;
 
     p[0].a = make("big-w0", 2, 2, "", "f32x16");
@@ -1246,14 +1246,14 @@ Test(averager, a_weight_beyond_float32_is_refused_before_it_travels)
     p[1].weight = 1;
     p[0].timeout_ms = p[1].timeout_ms = 3000;
     began = clock_now_ms();
-    run_all(p, 2);
+    avpeers_run(p, 2);
     cr_assert_eq(p[0].rc, -EINVAL, "%d: %s", p[0].rc, averager_last_error(p[0].a));
     cr_assert(strstr(averager_last_error(p[0].a), "weight"), "%s", averager_last_error(p[0].a));
     cr_assert_eq(p[1].rc, -ETIMEDOUT, "the partner is not failed by it: %d: %s", p[1].rc,
                  averager_last_error(p[1].a));
     cr_assert_lt(clock_now_ms() - began, FIXTURE_WAIT_MS);
-    for (int j = 0; j < COUNT; j++)
+    for (int j = 0; j < AVPEERS_COUNT; j++)
         cr_assert_eq(p[0].data[j], 0.0f, "data untouched");
     cr_assert_null(p[0].res);
-    free_all(p, 2);
+    avpeers_free(p, 2);
 }
