@@ -96,6 +96,7 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
     uint64_t bytes, goff, poff, max_state;
     char id[IDENT_NAME_MAX + 1];
     struct host *h = NULL;
+    struct averager *a = NULL;
     int slot = -1, rc, n;
 
     memset(&out, 0, sizeof(out));
@@ -191,9 +192,15 @@ static int create(struct link *l, const struct avlink_create *c, int fd)
         cfg.max_count = s->max_count < AVERAGER_AUX_COUNT_DEFAULT ? s->max_count : 0;
     rc = secret_random(h->token, sizeof(h->token));
     if (rc == 0)
-        rc = averager_create(&cfg, &h->a);
+        rc = averager_create(&cfg, &a);
     if (rc < 0)
         goto err;
+    /* Published under the lock, after the token: attach() reads both
+     * under it, so it never finds the averager beside a token not yet
+     * written. */
+    pthread_mutex_lock(&s->mu);
+    h->a = a;
+    pthread_mutex_unlock(&s->mu);
     l->h = h;
     l->owner = true;
     memcpy(out.token, h->token, sizeof(out.token));
