@@ -5,6 +5,14 @@
  * all-reduce) and of 256 KiB (one ring segment, in cache). Medians of
  * --reps runs (default 9), each variant run in turn inside a repetition.
  *
+ * Two rows more at the large size take a ring's shape: the buffer walked
+ * one 256 KiB segment at a time, each combined with the same 256 KiB
+ * staging slot (in cache, as a received segment is), in place
+ * (ring_inplace: the engine's own buffer) and out of place (ring_into:
+ * the Accumulator's gradients into its results). Out of place writes
+ * lines it has not read, which a write-allocate cache reads first, so
+ * past the caches it moves one more buffer's bytes than in place.
+ *
  *   cc -O2 -Isrc -Iinclude bench/dtype_kernels.c build/lib/libcohort-core.a -lm
  *   nice ./a.out [--bytes N] [--reps K]
  *
@@ -39,8 +47,28 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-enum kernel { K_COMBINE, K_COMBINE_INTO, K_SCALE, K_COUNT };
-static const char *const kernel_names[K_COUNT] = { "combine", "combine_into", "scale" };
+enum kernel { K_COMBINE, K_COMBINE_INTO, K_SCALE, K_RING_INPLACE, K_RING_INTO, K_COUNT };
+static const char *const kernel_names[K_COUNT] = { "combine", "combine_into", "scale",
+                                                   "ring_inplace", "ring_into" };
+
+#define RING_SEG ((size_t)256 << 10)
+
+/* One pass in a ring's shape over n elements of t: segment by segment,
+ * each with the one slot b of RING_SEG bytes (see the top). */
+static void ring_pass(enum kernel k, enum dtype t, enum dtype_op op, uint8_t *d,
+                      const uint8_t *a, const uint8_t *b, size_t n)
+{
+    size_t seg = RING_SEG / dtype_size(t), esz = dtype_size(t);
+
+    for (size_t o = 0; o < n; o += seg) {
+        size_t m = n - o < seg ? n - o : seg;
+
+        if (k == K_RING_INPLACE)
+            dtype_combine(t, op, d + o * esz, b, m);
+        else
+            dtype_combine_into(t, op, d + o * esz, a + o * esz, b, m);
+    }
+}
 
 /* Seconds for one pass of kernel k over n elements of t. */
 static double run_once(enum kernel k, enum dtype t, enum dtype_op op, void *d, void *a,
@@ -52,6 +80,8 @@ static double run_once(enum kernel k, enum dtype t, enum dtype_op op, void *d, v
         switch (k) {
         case K_COMBINE: dtype_combine(t, op, d, b, n); break;
         case K_COMBINE_INTO: dtype_combine_into(t, op, d, a, b, n); break;
+        case K_RING_INPLACE:
+        case K_RING_INTO: ring_pass(k, t, op, d, a, b, n); break;
         /* By 3, then by 1/3: the values stay normal (subnormals would
          * time the FPU's slow path, not the kernel). */
         default: dtype_scale(t, d, n, p % 2 ? 1.0 / 3.0 : 3.0); break;
@@ -93,6 +123,9 @@ int main(int argc, char **argv)
         for (size_t ti = 0; ti < 2; ti++)
             for (int k = 0; k < K_COUNT; k++) {
                 enum dtype t = types[ti];
+
+                if ((k == K_RING_INPLACE || k == K_RING_INTO) && (si == 0 || bytes < RING_SEG))
+                    continue;       /* a ring's shape needs more than one segment */
                 size_t n = bytes / dtype_size(t);
                 double ts[8][MAX_REPS];
                 bool same[8];

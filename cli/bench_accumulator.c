@@ -51,7 +51,11 @@ static const char usage[] =
     "the engine alone, which gives the same result when each member\n"
     "contributes once, followed by a memset of it (the zeroing any trainer\n"
     "pays to start its next batch), in the same run. float32 gradients.\n"
-    "Each repetition times the engine and then the Accumulator; the figures\n"
+    "The engine is timed twice: in place, as a trainer's own all-reduce\n"
+    "runs, and out of place (from one buffer into another, the memset on\n"
+    "the first), as the Accumulator runs it so that a step that fails leaves\n"
+    "the gradients for its retry: \"into\" and its ratio. Each repetition\n"
+    "times the engine both ways and then the Accumulator; the figures\n"
     "are the medians over repetitions, the ratio the median of each\n"
     "repetition's ratio, so that a busy moment on a shared machine skews one\n"
     "repetition only.\n"
@@ -82,9 +86,9 @@ static const char usage[] =
 
 struct direct {
     struct allreduce *ar;
-    float *buf;
+    float *buf, *out;           /* out: the results when out of place, else NULL */
     size_t count;
-    int h, rounds, rc;
+    int h, h_out, rounds, rc;
     double ms;
     pthread_t t;
 };
@@ -97,7 +101,8 @@ static void *direct_main(void *arg)
     for (int r = 0; r < WARMUP + d->rounds; r++) {
         if (r == WARMUP)
             t0 = clock_now_us();
-        d->rc = allreduce_run(d->ar, d->h, d->count, DTYPE_F32, DTYPE_AVG, 0, (uint64_t)r + 1);
+        d->rc = allreduce_run_into(d->ar, d->h, d->out ? d->h_out : d->h, d->count, DTYPE_F32,
+                                   DTYPE_AVG, 0, (uint64_t)r + 1);
         if (d->rc < 0)
             return NULL;
         memset(d->buf, 0, d->count * sizeof(float));
@@ -106,7 +111,9 @@ static void *direct_main(void *arg)
     return NULL;
 }
 
-static int run_direct(int n, size_t bytes, int rounds, double *ms)
+/* Out of place (into): each member reduces its buffer into a second one,
+ * as the node reduces a trainer's gradients into its results. */
+static int run_direct(int n, size_t bytes, int rounds, bool into, double *ms)
 {
     struct direct d[MAX_PEERS];
     struct epoch_member m[MAX_PEERS];
@@ -116,6 +123,7 @@ static int run_direct(int n, size_t bytes, int rounds, double *ms)
     int rc = 0;
 
     memset(d, 0, sizeof(d));
+    memset(m, 0, sizeof(m));
     for (int i = 0; i < n; i++) {
         snprintf(ids[i], sizeof(ids[i]), "d-%d", i);
         if ((rc = allreduce_listen("127.0.0.1", &fds[i], addrs[i], sizeof(addrs[i]))) < 0)
@@ -129,11 +137,16 @@ static int run_direct(int n, size_t bytes, int rounds, double *ms)
         d[i].count = bytes / 4;
         d[i].rounds = rounds;
         d[i].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!d[i].buf || allreduce_create(&c, &d[i].ar) < 0)
+        d[i].out = into ? aligned_alloc(64, (bytes + 63) / 64 * 64) : NULL;
+        if (!d[i].buf || (into && !d[i].out) || allreduce_create(&c, &d[i].ar) < 0)
             return -ENOMEM;
         memset(d[i].buf, 0, bytes);
         allreduce_set_epoch(d[i].ar, e);
         d[i].h = allreduce_register(d[i].ar, d[i].buf, bytes);
+        if (into) {
+            memset(d[i].out, 0, bytes);
+            d[i].h_out = allreduce_register(d[i].ar, d[i].out, bytes);
+        }
     }
     for (int i = 0; i < n; i++)
         pthread_create(&d[i].t, NULL, direct_main, &d[i]);
@@ -147,6 +160,7 @@ static int run_direct(int n, size_t bytes, int rounds, double *ms)
         allreduce_destroy(d[i].ar);
         close(fds[i]);
         free(d[i].buf);
+        free(d[i].out);
     }
     epoch_unref(e);
     return rc;
@@ -403,19 +417,23 @@ int cli_bench_accumulator(int argc, char **argv)
         goto out;
     }
     if (strcmp(output, "table") == 0)
-        printf("%10s %5s %12s %16s %7s %10s\n", "bytes", "peers", "engine ms", "accumulator ms",
-               "ratio", "added us");
+        printf("%10s %5s %12s %16s %7s %10s %10s %7s\n", "bytes", "peers", "engine ms",
+               "accumulator ms", "ratio", "added us", "into ms", "ratio");
     for (size_t i = 0; i < n_sizes; i++) {
-        double d[MAX_REPS], a[MAX_REPS], r[MAX_REPS], direct, acc, ratio;
+        double d[MAX_REPS], di[MAX_REPS], a[MAX_REPS], r[MAX_REPS], ri[MAX_REPS];
+        double direct, into, acc, ratio, ratio_into;
         size_t bytes = (size_t)sizes[i];
         int rc = 0;
 
         trace.rounds = 0;
         for (int k = 0; k < reps && rc == 0; k++) {
-            rc = run_direct(peers, bytes, rounds, &d[k]);
+            rc = run_direct(peers, bytes, rounds, false, &d[k]);
+            if (rc == 0)
+                rc = run_direct(peers, bytes, rounds, true, &di[k]);
             if (rc == 0)
                 rc = run_accumulator(peers, bytes, rounds, &a[k], tracing);
             r[k] = a[k] / d[k];
+            ri[k] = a[k] / di[k];
         }
         if (rc < 0) {
             fprintf(stderr, "cohortctl bench accumulator: %zu bytes failed: %s\n", bytes,
@@ -426,13 +444,16 @@ int cli_bench_accumulator(int argc, char **argv)
         direct = stats_median(d, reps);
         acc = stats_median(a, reps);
         ratio = stats_median(r, reps);
+        into = stats_median(di, reps);
+        ratio_into = stats_median(ri, reps);
         if (json)
             printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
-                   "\"ratio\":%.3f,\"added_us\":%.1f,\"reps\":%d", peers, bytes, direct, acc,
-                   ratio, (acc - direct) * 1000.0, reps);
+                   "\"ratio\":%.3f,\"added_us\":%.1f,\"engine_into_ms\":%.4f,"
+                   "\"ratio_into\":%.3f,\"reps\":%d", peers, bytes, direct, acc, ratio,
+                   (acc - direct) * 1000.0, into, ratio_into, reps);
         else
-            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f\n", bytes, peers, direct, acc, ratio,
-                   (acc - direct) * 1000.0);
+            printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f %10.3f %7.2f\n", bytes, peers, direct,
+                   acc, ratio, (acc - direct) * 1000.0, into, ratio_into);
         if (tracing) {
             double us[NODE_STAGES + 1];
 

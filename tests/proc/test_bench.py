@@ -30,6 +30,8 @@ def test_bench_accumulator_reports_each_size():
     for r in rows:
         assert r["peers"] == 2 and r["reps"] == 1
         assert r["engine_ms"] > 0 and r["accumulator_ms"] > 0 and r["ratio"] > 0
+        # The engine out of place, as the Accumulator runs it, beside it.
+        assert r["engine_into_ms"] > 0 and r["ratio_into"] > 0
 
 
 def test_bench_accumulator_traces_its_stages():
