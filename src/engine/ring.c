@@ -394,7 +394,10 @@ static void ring_combine(struct run *x, struct ring *g)
         void *dst = x->buf + q->base * x->esz;
 
         /* Out of place, our contribution is read where it is and the sum
-         * written once: no more memory traffic than in place. */
+         * written once, with no copy; but the sum's lines were not read,
+         * and a write-allocate cache reads them first: one more read per
+         * byte than in place once past the caches (README, "The
+         * Accumulator's overhead"). */
         if (x->src != x->buf)
             dtype_combine_into(x->acc, x->op, dst, x->src + q->base * x->esz, slot, q->len);
         else
