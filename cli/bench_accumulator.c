@@ -54,8 +54,8 @@ static const char usage[] =
     "The engine is timed twice: in place, as a trainer's own all-reduce\n"
     "runs, and out of place (from one buffer into another, the memset on\n"
     "the first), as the Accumulator runs it so that a step that fails leaves\n"
-    "the gradients for its retry: \"into\" and its ratio. Each repetition\n"
-    "times the engine both ways and then the Accumulator; the figures\n"
+    "the gradients for its retry: the columns \"into ms\" and \"vs into\". Each\n"
+    "repetition times the engine both ways and then the Accumulator; the figures\n"
     "are the medians over repetitions, the ratio the median of each\n"
     "repetition's ratio, so that a busy moment on a shared machine skews one\n"
     "repetition only.\n"
@@ -418,7 +418,7 @@ int cli_bench_accumulator(int argc, char **argv)
     }
     if (strcmp(output, "table") == 0)
         printf("%10s %5s %12s %16s %7s %10s %10s %7s\n", "bytes", "peers", "engine ms",
-               "accumulator ms", "ratio", "added us", "into ms", "ratio");
+               "accumulator ms", "ratio", "added us", "into ms", "vs into");
     for (size_t i = 0; i < n_sizes; i++) {
         double d[MAX_REPS], di[MAX_REPS], a[MAX_REPS], r[MAX_REPS], ri[MAX_REPS];
         double direct, into, acc, ratio, ratio_into;
