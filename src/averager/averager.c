@@ -191,7 +191,7 @@ struct averager {
 
     bool no_tensors;                /* count, codec and min_part come from each group */
     bool integrity;                 /* frames carry a MAC (integrity_mac) */
-    atomic_bool aborted;            /* averager_abort: every step fails at once */
+    atomic_bool aborted;            /* averager_abort: every step and download fails */
     size_t min_part;                /* min_vector_size */
     size_t max_count;               /* without tensors: the most it takes */
     bool has_bandwidth, client;     /* what this member asks with */
@@ -1303,13 +1303,18 @@ int averager_load_state(struct averager *a, uint32_t timeout_ms, void **blob, si
     struct avstate_load_config lc = {
         .cohort = a->cohort, .id = a->id, .key = a->keyed ? &a->key : NULL,
         .io_timeout_ms = a->request_timeout_ms,
-        .max_bytes = a->max_state_bytes,
+        .max_bytes = a->max_state_bytes, .cancel = &a->aborted,
     };
     char why[1024];
     size_t n = 0;
     int rc;
 
     a->load_err[0] = '\0';
+    if (atomic_load(&a->aborted)) {
+        snprintf(a->load_err, sizeof(a->load_err), "the download was cancelled: the averager "
+                 "is leaving");
+        return -ECANCELED;
+    }
     lc.timeout_ms = timeout_ms ? timeout_ms : AVERAGER_DEFAULT_TIMEOUT_MS;
     rc = donors_call(a, false, false, 0, &r, a->load_err, sizeof(a->load_err));
     if (rc < 0)

@@ -271,10 +271,11 @@ void averager_result_free(struct averager_result *r);     /* NULL is fine */
 /* Makes the step in flight, if any, and every later one fail with
  * -ECANCELED within about 100 ms: a matchmaking wait stops at its next
  * slice, an all-reduce at once (its connections close, so that the
- * groupmates retry without this member as they do for a killed one).
- * For a host whose caller is gone (avserve: a trainer that died
- * mid-step); what is left to do is averager_destroy. Safe from any
- * thread, more than once. */
+ * groupmates retry without this member as they do for a killed one). A
+ * state download in flight (averager_load_state), and every later one,
+ * ends with -ECANCELED within about a second. For a host whose caller is
+ * gone (avserve: a trainer that died mid-step or mid-download); what is
+ * left to do is averager_destroy. Safe from any thread, more than once. */
 void averager_abort(struct averager *a);
 
 /* The broker's or the engine's sentence about the last failure (owned by
@@ -319,8 +320,8 @@ int averager_provide_state(struct averager *a, const void *blob, size_t len);
  * equal donors, every part checked), within timeout_ms (0: 30 s); each
  * answer of a donor within the request timeout. On 0 *blob (the
  * caller frees it) holds *len bytes. Otherwise -ENODATA (no donor, or
- * none served a whole state), -ETIMEDOUT, -ENOTCONN (not joined), or the
- * broker call's -errno; averager_load_error() says which donors failed
+ * none served a whole state), -ETIMEDOUT, -ECANCELED (averager_abort),
+ * -ENOTCONN (not joined), or the broker call's -errno; averager_load_error() says which donors failed
  * how. May run while a step runs on another thread; not two at once. */
 int averager_load_state(struct averager *a, uint32_t timeout_ms, void **blob, size_t *len);
 /* The last load's failure as a sentence (owned by the averager, valid

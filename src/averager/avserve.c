@@ -282,15 +282,17 @@ static void leave(struct link *l)
     pthread_mutex_unlock(&l->srv->mu);
 }
 
-/* While a step runs its link's thread is in it, so a watcher of its own
- * sees the trainer go: the socket hung up (the trainer closed it, or
- * died) aborts the step, and the averager leaves once it returns. It
- * asks for no POLLIN: whatever the trainer sends meanwhile waits for the
- * link's thread. */
+/* While a step or a state download runs its link's thread is in it, so
+ * a watcher of its own sees the trainer go: the socket hung up (the
+ * trainer closed it, or died) aborts the call (averager_abort), and the
+ * averager leaves once it returns. It asks for no POLLIN: whatever the
+ * trainer sends meanwhile waits for the link's thread. */
 struct hangup_watch {
     int sock;
     struct averager *a;
     atomic_bool done;
+    pthread_t t;
+    bool watching;
 };
 
 static void *hangup_main(void *arg)
@@ -301,13 +303,30 @@ static void *hangup_main(void *arg)
         struct pollfd p = { .fd = w->sock, .events = POLLRDHUP };
 
         if (poll(&p, 1, POLL_MS) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
-            log_info("sidecar", "The trainer's averager link closed mid-step; the step is "
+            log_info("sidecar", "The trainer's averager link closed mid-call; the call is "
                      "aborted.", LF_S("id", averager_id(w->a)));
             averager_abort(w->a);
             break;
         }
     }
     return NULL;
+}
+
+/* Starts watching l's socket for its averager; without the thread the
+ * call still ends, within its timeout. */
+static void watch_start(struct hangup_watch *w, struct link *l)
+{
+    w->sock = l->sock;
+    w->a = l->h->a;
+    atomic_init(&w->done, false);
+    w->watching = pthread_create(&w->t, NULL, hangup_main, w) == 0;
+}
+
+static void watch_end(struct hangup_watch *w)
+{
+    atomic_store(&w->done, true);
+    if (w->watching)
+        pthread_join(w->t, NULL);
 }
 
 static int step(struct link *l, const struct avlink_step *st)
@@ -328,17 +347,11 @@ static int step(struct link *l, const struct avlink_step *st)
 
     if (st->gather_len > h->gather_max)
         return refuse(l->sock, -EINVAL, "The gathered bytes exceed gather_max.");
-    struct hangup_watch w = { .sock = l->sock, .a = h->a };
-    pthread_t watcher;
-    bool watching;
+    struct hangup_watch w;
 
-    atomic_init(&w.done, false);
-    /* Without the thread the step still ends, within its timeout. */
-    watching = pthread_create(&watcher, NULL, hangup_main, &w) == 0;
+    watch_start(&w, l);
     rc = averager_step(h->a, &as, &r);
-    atomic_store(&w.done, true);
-    if (watching)
-        pthread_join(watcher, NULL);
+    watch_end(&w);
     if (rc < 0)
         return refuse(l->sock, rc, averager_last_error(h->a));
     bytes = sizeof(*hdr) + r->n * sizeof(*e);
@@ -404,7 +417,11 @@ static int load(struct link *l, uint32_t ms)
     size_t len = 0;
     int rc, fd;
 
+    struct hangup_watch w;
+
+    watch_start(&w, l);
     rc = averager_load_state(l->h->a, ms, &blob, &len);
+    watch_end(&w);
     if (rc < 0)
         return refuse(l->sock, rc, averager_load_error(l->h->a));
     fd = tlink_memfd_from("cohort-avg-state", blob, len);

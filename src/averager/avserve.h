@@ -17,7 +17,8 @@
  * averager closes (its trainer shut it down, or died), the averager
  * leaves the cohort at once: a step in flight is aborted within half a
  * second (averager_abort), and its groupmates go on without it as they
- * do without a killed peer. A wait for the averager to join (AVL_WAIT,
+ * do without a killed peer; a state download in flight ends within a
+ * second the same way. A wait for the averager to join (AVL_WAIT,
  * bounded by the trainer) ends as soon as its link hangs up, its owner
  * leaves or the sidecar stops. With integrity_mac every hosted averager's
  * engine authenticates every frame, as the sidecar's own node does.

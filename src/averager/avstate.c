@@ -75,9 +75,17 @@ static uint64_t get64(const uint8_t *p)
     return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
 }
 
-/* Moves all len bytes, or fails at `deadline` (clock_now_ms). Returns 0,
- * -ETIMEDOUT, -ECONNRESET (the peer closed or reset) or -EPIPE. */
-static int io_full(int fd, void *buf, size_t len, uint64_t deadline, bool out)
+/* Whether a download's cancel flag (avstate_load_config.cancel) is up. */
+static bool cancelled(const atomic_bool *cancel)
+{
+    return cancel && atomic_load(cancel);
+}
+
+/* Moves all len bytes, or fails at `deadline` (clock_now_ms), or within
+ * a poll slice (1 s) of *cancel turning true. Returns 0, -ETIMEDOUT,
+ * -ECANCELED, -ECONNRESET (the peer closed or reset) or -EPIPE. */
+static int io_until(int fd, void *buf, size_t len, uint64_t deadline, bool out,
+                    const atomic_bool *cancel)
 {
     uint8_t *p = buf;
 
@@ -87,6 +95,8 @@ static int io_full(int fd, void *buf, size_t len, uint64_t deadline, bool out)
         ssize_t n;
         int r;
 
+        if (cancelled(cancel))
+            return -ECANCELED;
         if (now >= deadline)
             return -ETIMEDOUT;
         r = poll(&pfd, 1, (int)(deadline - now > 1000 ? 1000 : deadline - now));
@@ -107,6 +117,12 @@ static int io_full(int fd, void *buf, size_t len, uint64_t deadline, bool out)
         len -= (size_t)n;
     }
     return 0;
+}
+
+/* io_until for the donor's side, which no flag cancels. */
+static int io_full(int fd, void *buf, size_t len, uint64_t deadline, bool out)
+{
+    return io_until(fd, buf, len, deadline, out, NULL);
 }
 
 static uint64_t deadline_of(uint32_t ms, uint64_t cap)
@@ -705,8 +721,9 @@ static void peer_fail(struct peer *p, const char *what, int rc)
                  rc ? log_strerror(rc) : "");
 }
 
-/* Connects to address by `deadline`. Returns the socket or -errno. */
-static int dial(const char *address, uint64_t deadline)
+/* Connects to address by `deadline`, or within a poll slice of *cancel
+ * turning true. Returns the socket or -errno. */
+static int dial(const char *address, uint64_t deadline, const atomic_bool *cancel)
 {
     struct addrinfo hints = { .ai_socktype = SOCK_STREAM,
                               .ai_flags = AI_NUMERICSERV | AI_NUMERICHOST };
@@ -748,9 +765,9 @@ static int dial(const char *address, uint64_t deadline)
     for (;;) {
         uint64_t now = clock_now_ms();
 
-        if (now >= deadline) {
+        if (cancelled(cancel) || now >= deadline) {
             close(fd);
-            return -ETIMEDOUT;
+            return cancelled(cancel) ? -ECANCELED : -ETIMEDOUT;
         }
         pfd = (struct pollfd){ .fd = fd, .events = POLLOUT };
         rc = poll(&pfd, 1, (int)(deadline - now > 1000 ? 1000 : deadline - now));
@@ -762,6 +779,13 @@ static int dial(const char *address, uint64_t deadline)
         return err ? -err : -ECONNREFUSED;
     }
     return fd;
+}
+
+/* io_until on p's connection: by one io timeout from now, no later than
+ * `cap`, cancelled with the download. */
+static int peer_io(struct peer *p, void *buf, size_t len, uint64_t cap, bool out)
+{
+    return io_until(p->fd, buf, len, deadline_of(p->c->io_timeout_ms, cap), out, p->c->cancel);
 }
 
 /* Connects, proves the key both ways, and reads a checked manifest. */
@@ -781,7 +805,7 @@ static int peer_manifest(struct peer *p)
         peer_fail(p, "a name too long", 0);
         return -EINVAL;
     }
-    p->fd = dial(p->d->address, deadline_of(c->io_timeout_ms, p->deadline));
+    p->fd = dial(p->d->address, deadline_of(c->io_timeout_ms, p->deadline), c->cancel);
     if (p->fd < 0) {
         rc = p->fd;
         peer_fail(p, "cannot connect", rc);
@@ -800,10 +824,9 @@ static int peer_manifest(struct peer *p)
     memcpy(hello + HELLO_BYTES, c->cohort, cl);
     memcpy(hello + HELLO_BYTES + cl, c->id, il);
     memcpy(hello + HELLO_BYTES + cl + il, p->d->id, sl);
-    rc = io_full(p->fd, hello, HELLO_BYTES + cl + il + sl,
-                 deadline_of(c->io_timeout_ms, p->deadline), true);
+    rc = peer_io(p, hello, HELLO_BYTES + cl + il + sl, p->deadline, true);
     if (rc == 0)
-        rc = io_full(p->fd, ch, sizeof(ch), deadline_of(c->io_timeout_ms, p->deadline), false);
+        rc = peer_io(p, ch, sizeof(ch), p->deadline, false);
     if (rc < 0) {
         peer_fail(p, "no answer to the hello", rc);
         return rc;
@@ -821,12 +844,12 @@ static int peer_manifest(struct peer *p)
     }
     rc = avstate_mac(p->key, "confirm", c->cohort, c->id, p->d->id, nc, ch + 8, NULL, 0, mac);
     if (rc == 0)
-        rc = io_full(p->fd, mac, sizeof(mac), deadline_of(c->io_timeout_ms, p->deadline), true);
+        rc = peer_io(p, mac, sizeof(mac), p->deadline, true);
     put32(req, AVSTATE_OP_MANIFEST);
     if (rc == 0)
-        rc = io_full(p->fd, req, sizeof(req), deadline_of(c->io_timeout_ms, p->deadline), true);
+        rc = peer_io(p, req, sizeof(req), p->deadline, true);
     if (rc == 0)
-        rc = io_full(p->fd, hdr, sizeof(hdr), deadline_of(c->io_timeout_ms, p->deadline), false);
+        rc = peer_io(p, hdr, sizeof(hdr), p->deadline, false);
     if (rc < 0) {
         peer_fail(p, "no manifest", rc);
         return rc;
@@ -852,8 +875,7 @@ static int peer_manifest(struct peer *p)
     if (!body)
         return -ENOMEM;
     memcpy(body, hdr, sizeof(hdr));
-    rc = io_full(p->fd, body + MANIFEST_HDR_BYTES, dl + SECRET_MAC_BYTES,
-                 deadline_of(c->io_timeout_ms, p->deadline), false);
+    rc = peer_io(p, body + MANIFEST_HDR_BYTES, dl + SECRET_MAC_BYTES, p->deadline, false);
     if (rc < 0) {
         free(body);
         peer_fail(p, "no manifest", rc);
@@ -905,10 +927,9 @@ static int fetch_part(struct peer *p, uint32_t i)
     put32(req, AVSTATE_OP_PART);
     put32(req + 4, i);
     memcpy(req + 8, p->root, AVSTATE_DIGEST_BYTES);
-    rc = io_full(p->fd, req, sizeof(req), deadline_of(p->c->io_timeout_ms, j->deadline), true);
+    rc = peer_io(p, req, sizeof(req), j->deadline, true);
     if (rc == 0)
-        rc = io_full(p->fd, hdr, sizeof(hdr), deadline_of(p->c->io_timeout_ms, j->deadline),
-                     false);
+        rc = peer_io(p, hdr, sizeof(hdr), j->deadline, false);
     if (rc < 0) {
         peer_fail(p, "stalled or closed during a part", rc);
         return rc;
@@ -920,8 +941,7 @@ static int fetch_part(struct peer *p, uint32_t i)
         return -EPROTO;
     }
     /* Each part's bytes are written by the one worker that holds it. */
-    rc = io_full(p->fd, j->blob + off, want, deadline_of(p->c->io_timeout_ms, j->deadline),
-                 false);
+    rc = peer_io(p, j->blob + off, want, j->deadline, false);
     if (rc < 0) {
         peer_fail(p, "stalled or closed during a part", rc);
         return rc;
@@ -1147,7 +1167,7 @@ static int load_tier(const struct avstate_load_config *c, const struct secret *k
         if (best == n)
             break;
         rc = run_job(peers, n, peers[best].root, deadline, blob, len);
-        if (rc == 0 || rc == -ENOMEM || clock_now_ms() >= deadline)
+        if (rc == 0 || rc == -ENOMEM || clock_now_ms() >= deadline || cancelled(c->cancel))
             break;
     }
     if (rc < 0)
@@ -1175,7 +1195,7 @@ int avstate_load(const struct avstate_load_config *c, const struct avstate_donor
         snprintf(why, why_len, "no averager of this prefix shares its state");
         return -ENODATA;
     }
-    for (size_t i = 0; i < n && clock_now_ms() < deadline;) {
+    for (size_t i = 0; i < n && clock_now_ms() < deadline && !cancelled(c->cancel);) {
         size_t e = i;
 
         while (e < n && donors[e].priority == donors[i].priority)
@@ -1184,6 +1204,10 @@ int avstate_load(const struct avstate_load_config *c, const struct avstate_donor
         if (rc == 0 || rc == -ENOMEM)
             return rc;
         i = e;
+    }
+    if (cancelled(c->cancel)) {
+        snprintf(why, why_len, "the download was cancelled (the averager is leaving)");
+        return -ECANCELED;
     }
     if (clock_now_ms() >= deadline && rc != 0)
         rc = -ETIMEDOUT;

@@ -54,6 +54,7 @@
 #ifndef COHORT_AVSTATE_H
 #define COHORT_AVSTATE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -141,6 +142,8 @@ struct avstate_load_config {
     uint32_t timeout_ms;            /* the whole download */
     uint32_t io_timeout_ms;         /* each read and write; 0: 10 s */
     size_t max_bytes;               /* refuse larger states; 0: AVSTATE_DEFAULT_MAX_BYTES */
+    const atomic_bool *cancel;      /* borrowed; once true the download ends within a
+                                     * second with -ECANCELED (NULL: never) */
 };
 
 /* Downloads a state from donors[0..n), which are ordered best first (as
@@ -150,8 +153,8 @@ struct avstate_load_config {
  * parts fetched from the others; when none of them can finish, the next
  * root, then the next priority. On 0 *blob (the caller frees it) holds
  * *len bytes exactly as one donor's host provided them. Otherwise -ENODATA
- * (no donor, or none could serve a whole state) or -ETIMEDOUT, and `why`
- * says which donors failed how. */
+ * (no donor, or none could serve a whole state), -ETIMEDOUT or -ECANCELED
+ * (c->cancel), and `why` says which donors failed how. */
 int avstate_load(const struct avstate_load_config *c, const struct avstate_donor *donors,
                  size_t n, void **blob, size_t *len, char *why, size_t why_len);
 

@@ -15,10 +15,12 @@
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "averager/averager.h"
@@ -666,6 +668,61 @@ Test(avstate, a_donor_that_never_answers_is_left_within_the_timeout)
     free(b);
 }
 
+/* The flag a download is cancelled by, raised from another thread after
+ * `after_ms`, as an averager_abort() from a sidecar's watcher would. */
+struct raiser {
+    atomic_bool flag;
+    uint32_t after_ms;
+    pthread_t t;
+};
+
+static void *raise_main(void *arg)
+{
+    struct raiser *r = arg;
+    struct timespec ts = { .tv_sec = r->after_ms / 1000,
+                           .tv_nsec = (long)(r->after_ms % 1000) * 1000000L };
+
+    nanosleep(&ts, NULL);
+    atomic_store(&r->flag, true);
+    return NULL;
+}
+
+/* A download from a donor that never answers, with an io timeout of a
+ * minute, ends within a poll slice of its cancel flag rising, with
+ * -ECANCELED and a sentence; one whose flag is up already connects to
+ * nobody. */
+Test(avstate, a_cancelled_download_ends_within_a_second)
+{
+    struct raiser r = { .after_ms = 300 };
+    struct avstate_load_config lc = {
+        .cohort = "avs", .id = "newcomer", .key = &key, .timeout_ms = 120000,
+        .io_timeout_ms = 60000, .cancel = &r.flag,
+    };
+    char address[64], why[1024];
+    void *out = NULL;
+    size_t len = 0;
+    uint64_t t0;
+    int lfd, rc;
+
+    /* Listening, never accepting: connects, then silence. */
+    cr_assert_eq(allreduce_listen("127.0.0.1", &lfd, address, sizeof(address)), 0);
+    struct avstate_donor ds[] = { { "silent", address, 9 } };
+    atomic_init(&r.flag, false);
+    cr_assert_eq(pthread_create(&r.t, NULL, raise_main, &r), 0);
+    t0 = clock_now_ms();
+    rc = avstate_load(&lc, ds, 1, &out, &len, why, sizeof(why));
+    pthread_join(r.t, NULL);
+    cr_assert_eq(rc, -ECANCELED, "%d: %s", rc, why);
+    cr_assert(strstr(why, "cancelled"), "%s", why);
+    cr_assert_null(out);
+    /* The flag rose at 300 ms; a poll slice is 1 s. */
+    cr_assert_lt(clock_now_ms() - t0, 5000, "not its io timeout of a minute");
+    t0 = clock_now_ms();
+    cr_assert_eq(avstate_load(&lc, ds, 1, &out, &len, why, sizeof(why)), -ECANCELED);
+    cr_assert_lt(clock_now_ms() - t0, 1000);
+    close(lfd);
+}
+
 /* ---- averagers end to end, through the broker ------------------------------------ */
 
 TestSuite(averager_state, .init = start_broker, .fini = stop_broker, .timeout = 120);
@@ -734,6 +791,21 @@ static bool nobody_shares(void *arg)
 
     free(out);
     return rc == -ENODATA && strstr(averager_load_error(a), "no averager of this prefix shares");
+}
+
+/* averager_abort() cancels state downloads too: one after it fails at
+ * once, with the reason, and asks the broker nothing. */
+Test(averager_state, an_aborted_averager_loads_nothing)
+{
+    struct averager *a = make_averager("gone", false, 0);
+    void *out = NULL;
+    size_t len = 0;
+
+    averager_abort(a);
+    cr_assert_eq(averager_load_state(a, 60000, &out, &len), -ECANCELED);
+    cr_assert(strstr(averager_load_error(a), "cancelled"), "%s", averager_load_error(a));
+    cr_assert_null(out);
+    averager_destroy(a);
 }
 
 Test(averager_state, a_newcomer_loads_the_sharing_donor_and_follows_its_setting)
