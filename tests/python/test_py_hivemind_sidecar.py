@@ -164,7 +164,7 @@ def test_the_trainer_killed_mid_step_has_its_averager_leave(pod):
     began = time.monotonic()
     os.killpg(kid.pid, signal.SIGKILL)
     finish(kid)
-    assert s.wait_log("The trainer's averager link closed mid-step; the step is aborted.",
+    assert s.wait_log("The trainer's averager link closed mid-call; the call is aborted.",
                       timeout=120)
     assert s.wait_log("The trainer's averager link closed; the averager leaves.", timeout=120)
     took = time.monotonic() - began
