@@ -187,6 +187,11 @@ static void *run_loop(void *arg)
     return NULL;
 }
 
+static bool alone_in_an_epoch(struct cohort *c)
+{
+    return cohort_update(c) == 0 && cohort_connected(c) && cohort_size(c) == 1;
+}
+
 /* Two trainers reach `target` and end bytewise identical; the joiner
  * receives the leader's opaque state. `via[i]` is trainer i's link, so a
  * cohort may mix them. */
@@ -233,6 +238,11 @@ static void train_pair(const enum via via[2], uint64_t target)
         cr_assert_eq(cohort_set_compression_with(l[i].c, COHORT_COMPRESSION_TOPK, 1.5), -EINVAL);
         cr_assert_eq(cohort_set_compression_with(l[i].c, COHORT_COMPRESSION_POWERSGD, 2.5), -EINVAL);
         cr_assert_eq(cohort_set_compression_with(l[i].c, COHORT_COMPRESSION_INT8, 1), -EINVAL);
+        /* a-0 leads because it is in the epoch first: a-1 joins only
+         * then, or on a loaded machine its join could reach the broker
+         * before a-0's (the member joins from its own thread). */
+        if (i == 0)
+            FIXTURE_WAIT_FOR(alone_in_an_epoch(l[0].c), "a-0 never joined an epoch alone");
     }
     for (int i = 0; i < 2; i++)
         pthread_create(&l[i].t, NULL, run_loop, &l[i]);
