@@ -282,11 +282,20 @@ static void leave(struct link *l)
     pthread_mutex_unlock(&l->srv->mu);
 }
 
+/* Whether the trainer's end of sock hung up (closed, or died), waiting up
+ * to timeout_ms for it. Asks for no POLLIN: whatever the trainer sends
+ * waits for the link's thread. */
+static bool hung_up(int sock, int timeout_ms)
+{
+    struct pollfd p = { .fd = sock, .events = POLLRDHUP };
+
+    return poll(&p, 1, timeout_ms) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
 /* While a step or a state download runs its link's thread is in it, so
  * a watcher of its own sees the trainer go: the socket hung up (the
  * trainer closed it, or died) aborts the call (averager_abort), and the
- * averager leaves once it returns. It asks for no POLLIN: whatever the
- * trainer sends meanwhile waits for the link's thread. */
+ * averager leaves once it returns (hung_up). */
 struct hangup_watch {
     int sock;
     struct averager *a;
@@ -300,9 +309,7 @@ static void *hangup_main(void *arg)
     struct hangup_watch *w = arg;
 
     while (!atomic_load(&w->done)) {
-        struct pollfd p = { .fd = w->sock, .events = POLLRDHUP };
-
-        if (poll(&p, 1, POLL_MS) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+        if (hung_up(w->sock, POLL_MS)) {
             log_info("sidecar", "The trainer's averager link closed mid-call; the call is "
                      "aborted.", LF_S("id", averager_id(w->a)));
             averager_abort(w->a);
@@ -434,14 +441,6 @@ static int load(struct link *l, uint32_t ms)
     return rc;
 }
 
-/* Whether the trainer's end of sock hung up (closed, or died). */
-static bool hung_up(int sock)
-{
-    struct pollfd p = { .fd = sock, .events = POLLRDHUP };
-
-    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
-}
-
 /* averager_wait for up to ms, in slices of POLL_MS: the trainer gives the
  * bound (up to 49 days fit the field), so a trainer that hangs up, a link
  * whose averager's owner left, or a sidecar that stops ends the wait
@@ -463,7 +462,7 @@ static int wait_joined(struct link *l, uint32_t ms)
         pthread_mutex_lock(&l->srv->mu);
         closing = l->srv->stop || l->h->closing;
         pthread_mutex_unlock(&l->srv->mu);
-        if (closing || hung_up(l->sock))
+        if (closing || hung_up(l->sock, 0))
             return -ECANCELED;
     }
 }
