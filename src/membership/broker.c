@@ -1255,6 +1255,17 @@ int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t 
     return 0;
 }
 
+void *broker_watcher(const struct broker *b, const char *cohort, const char *id,
+                     uint64_t session)
+{
+    const struct entry *m;
+
+    if (!session)
+        return NULL;
+    m = entry_get(cohort_get(b, cohort), id, session);
+    return m ? m->watcher : NULL;
+}
+
 void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher)
 {
     struct entry *m = entry_get(cohort_get(b, cohort), id, 0);

@@ -256,6 +256,11 @@ int broker_leave(struct broker *b, uint64_t now, const char *cohort, const char 
  * to the new watcher at once through ops->publish. Returns 0 or -ENOENT. */
 int broker_watch(struct broker *b, const char *cohort, const char *id, uint64_t session,
                  void *watcher);
+/* The watcher attached to member `id` with `session`, or NULL (no such
+ * member session, or none attached). Borrowed: valid while the host
+ * holds the lock it calls the broker under. */
+void *broker_watcher(const struct broker *b, const char *cohort, const char *id,
+                     uint64_t session);
 /* The host's side of a watcher went away (the client hung up). Forgets it
  * if it is still the member's watcher; no detach callback. */
 void broker_unwatch(struct broker *b, const char *cohort, const char *id, void *watcher);

@@ -29,13 +29,18 @@
 #include "base/secret.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "cohort.pb-c.h"
+#include "membership/dgram.h"
 #include "membership/epoch.h"
 #include "base/ident.h"
 #include "base/log.h"
@@ -81,6 +86,16 @@ struct brokerd {
     struct matchmaker *mm;
     pthread_t mm_thread;
     bool mm_stopping;
+    /* Datagram heartbeats (wire.h): the UDP sockets on the broker's port,
+     * none when they are off, and the thread that reads them, which an
+     * eventfd stops. Set at start, read-only after. */
+    int dg_fds[DGRAM_LISTEN_MAX];
+    int n_dg;
+    int dg_stop;
+    bool dg_deaf;
+    pthread_t dg_thread;
+    /* What became of the datagrams (brokerd_datagrams). */
+    _Atomic uint64_t dg_count[BROKERD_DG_KINDS];
 };
 
 /* One Matchmake call while it waits for its group. Freed when the stream
@@ -104,12 +119,16 @@ struct watcher {
     char cohort[IDENT_NAME_MAX + 1];
     char id[IDENT_NAME_MAX + 1];
     uint64_t session;
-    /* Read and written only by the stream's heartbeats, which come one at
-     * a time: when the last acknowledgement went out, and what it said. */
-    uint64_t acked_at;
-    bool told_drained;
+    /* Under the brokerd's lock: when the last acknowledgement went out,
+     * and what it said; the same for the datagrams' own (dg_one). */
+    uint64_t acked_at, dg_acked_at;
+    bool told_drained, dg_told_drained, dg_acked;
+    /* Written once, under the lock, when the stream attaches. */
     uint64_t beat_cost_ms;      /* a quarter of the granted heartbeat */
-    uint64_t beat_due;          /* the pace's clock: when the heartbeats sent would be paid */
+    /* The pace's clocks: when the heartbeats sent would be paid. The
+     * stream's is read and written only by its heartbeats, which come one
+     * at a time; the datagrams' only under the lock. */
+    uint64_t beat_due, dg_due;
 };
 
 /* ---- refusals ---------------------------------------------------------- */
@@ -379,6 +398,7 @@ static void on_join(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
     rep.epoch = res.epoch;
     rep.weighs_unreachable = true;
     rep.unreachable_max = WIRE_UNREACHABLE_MAX;
+    rep.takes_datagrams = d->n_dg > 0 && j.seq != 0;
     rpc_reply_ok(r, &rep.base);
 }
 
@@ -618,6 +638,18 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
     /* A wakeup only when the heartbeat can change an epoch. */
     if (reported || unreachable || (rc == 0 && attached && q->declare_version))
         pthread_cond_signal(&d->wake);
+    /* An acknowledgement costs a send, so most heartbeats get none: the
+     * member needs one when something changed for it, and often enough to
+     * know that its heartbeats arrive (at least every half timeout, since
+     * the next heartbeat may come a whole interval later). */
+    ack = rc == 0 && attached &&
+          (first || q->declare_version || q->n_lost_peers || q->n_unreachable_peers ||
+           res.drained != w->told_drained ||
+           now + res.heartbeat_ms >= w->acked_at + res.timeout_ms / 2);
+    if (ack && session_ack(w->s, &res) == 0) {
+        w->acked_at = now;
+        w->told_drained = res.drained;
+    }
     pthread_mutex_unlock(&d->lock);
     if (reported && log_allowed(d, &held))
         log_info("broker", "A member reported peers' data connections reset.",
@@ -642,19 +674,6 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
                      LF_S("cohort", q->cohort), LF_S("id", q->id), LF_U("held_back", held));
         rpc_stream_finish(w->s, rpc_code_from_errno(rc), why);
         return -EPIPE;
-    }
-    if (!attached)
-        return 0;    /* detached (replaced, evicted): its stream is ending */
-    /* An acknowledgement costs a send, so most heartbeats get none: the
-     * member needs one when something changed for it, and often enough to
-     * know that its heartbeats arrive (at least every half timeout, since
-     * the next heartbeat may come a whole interval later). */
-    ack = first || q->declare_version || q->n_lost_peers || q->n_unreachable_peers ||
-          res.drained != w->told_drained ||
-          now + res.heartbeat_ms >= w->acked_at + res.timeout_ms / 2;
-    if (ack && session_ack(w->s, &res) == 0) {
-        w->acked_at = now;
-        w->told_drained = res.drained;
     }
     return 0;
 }
@@ -693,6 +712,210 @@ static void on_session(void *arg, const ProtobufCMessage *req, struct rpc_stream
      * and frees the watcher (rpc runs it only after any message callback
      * has returned). It takes the lock itself. */
     rpc_stream_on_close(s, watcher_closed, w);
+}
+
+/* ---- datagram heartbeats (wire.h) -------------------------------------- */
+
+static void dg_count(struct brokerd *d, enum brokerd_dg_kind k)
+{
+    atomic_fetch_add_explicit(&d->dg_count[k], 1, memory_order_relaxed);
+}
+
+/* Sends the acknowledgement of datagram `seq` to where it came from. */
+static void dg_ack(struct brokerd *d, const Cohort__V1__HeartbeatDatagram *q,
+                   const struct broker_beat_result *res, int fd,
+                   const struct sockaddr_storage *to, socklen_t to_len)
+{
+    Cohort__V1__HeartbeatDatagramAck a = COHORT__V1__HEARTBEAT_DATAGRAM_ACK__INIT;
+    uint8_t mac[SECRET_MAC_BYTES], buf[WIRE_DATAGRAM_MAX];
+    struct secret k;
+    ssize_t n;
+
+    if (!key_for(d, q->cohort, &k))
+        return;                 /* its key was removed meanwhile */
+    a.session = q->session;
+    a.seq = q->proof->seq;
+    a.epoch = res->epoch;
+    a.drained = res->drained;
+    n = proof_sign_ack(&k, q->cohort, q->id, &a, mac) == 0 ? dgram_pack_ack(&a, buf) : -EIO;
+    secret_wipe(&k);
+    if (n > 0 && dgram_send_to(fd, to, to_len, buf, (size_t)n) == 0)
+        dg_count(d, BROKERD_DG_ACKED);
+}
+
+/* One datagram: judged as a stream's plain heartbeat is, except that a
+ * refusal only drops it, counted and unlogged. Its sender is nobody until
+ * the proof checks, a stranger chooses how many it sends, and nothing
+ * goes back to an address that has not proved the key. Only proved
+ * datagrams count (a source address proves nothing), and only for a
+ * member session whose stream is attached: a stream cut without a Leave
+ * is a death that datagrams must not hide. */
+static void dg_one(struct brokerd *d, int fd, const struct dgram_batch *b, size_t i)
+{
+    Cohort__V1__HeartbeatDatagram *q = NULL;
+    struct broker_beat_result res = { 0 };
+    struct watcher *w;
+    char why[RPC_MESSAGE_MAX];
+    uint64_t now, due;
+    bool ack = false;
+    int rc;
+
+    if (dgram_unpack(b->buf[i], b->len[i], &q) < 0 ||
+        q->protocol_version != WIRE_PROTOCOL_VERSION || q->session == 0 ||
+        !ident_valid_cohort(q->cohort) || !ident_valid_member_id(q->id)) {
+        dg_count(d, BROKERD_DG_MALFORMED);
+        goto out;
+    }
+    if (authenticate(d, &q->base, q->proof, q->cohort, false, why, sizeof(why)) != 1) {
+        dg_count(d, BROKERD_DG_UNPROVED);
+        goto out;
+    }
+    struct broker_beat beat = {
+        .model_version = q->model_version, .adopted = q->epoch,
+        .ckpt = { .version = q->checkpoint_version,
+                  .skipped_version = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0,
+                  .skipped_reason = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0 },
+    };
+    pthread_mutex_lock(&d->lock);
+    now = clock_now_ms();
+    w = broker_watcher(d->b, q->cohort, q->id, q->session);
+    if (!w || !w->attached) {
+        pthread_mutex_unlock(&d->lock);
+        dg_count(d, BROKERD_DG_UNATTACHED);
+        goto out;
+    }
+    /* The stream's pace, on a clock of their own; too fast is dropped. */
+    due = (w->dg_due > now ? w->dg_due : now) + w->beat_cost_ms;
+    if (due > now + SESSION_BEAT_BURST * w->beat_cost_ms) {
+        pthread_mutex_unlock(&d->lock);
+        dg_count(d, BROKERD_DG_PACED);
+        goto out;
+    }
+    rc = broker_accept_seq(d->b, q->cohort, q->id, q->session, q->proof->seq);
+    if (rc == 0)
+        rc = broker_heartbeat(d->b, now, q->cohort, q->id, q->session, &beat, &res);
+    if (rc == 0) {
+        w->dg_due = due;
+        /* As the stream's acknowledgements (session_beat), and the first
+         * datagram of a stream at once: that is how the member learns
+         * that its datagrams arrive. */
+        ack = !w->dg_acked || res.drained != w->dg_told_drained ||
+              now + res.heartbeat_ms >= w->dg_acked_at + res.timeout_ms / 2;
+        if (ack) {
+            w->dg_acked = true;
+            w->dg_acked_at = now;
+            w->dg_told_drained = res.drained;
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    dg_count(d, rc == 0 ? BROKERD_DG_ACCEPTED
+                : rc == -EALREADY ? BROKERD_DG_REPLAYED : BROKERD_DG_UNATTACHED);
+    if (ack)
+        dg_ack(d, q, &res, fd, &b->from[i], b->from_len[i]);
+out:
+    if (q)
+        protobuf_c_message_free_unpacked(&q->base, NULL);
+}
+
+/* Reads the datagram sockets until brokerd_stop writes the eventfd. A
+ * socket gets at most DG_ROUNDS batches before the others get theirs. */
+#define DG_ROUNDS 8
+static void *dg_main(void *arg)
+{
+    struct brokerd *d = arg;
+    struct pollfd pfd[DGRAM_LISTEN_MAX + 1];
+    struct dgram_batch *b = malloc(sizeof(*b));
+    int n = d->n_dg;
+
+    if (!b) {
+        log_emit(LOG_ERROR, "broker", "Datagram heartbeats stopped: out of memory; members "
+                 "fall back to their streams.", LOG_END);
+        return NULL;
+    }
+    for (int i = 0; i < n; i++)
+        pfd[i] = (struct pollfd){ .fd = d->dg_fds[i], .events = POLLIN };
+    pfd[n] = (struct pollfd){ .fd = d->dg_stop, .events = POLLIN };
+    for (;;) {
+        if (poll(pfd, (nfds_t)n + 1, -1) < 0 && errno != EINTR)
+            break;
+        if (pfd[n].revents)
+            break;
+        for (int i = 0; i < n; i++) {
+            int k = DGRAM_BATCH;
+
+            for (int r = 0; r < DG_ROUNDS && k == (int)DGRAM_BATCH; r++) {
+                k = dgram_recv(pfd[i].fd, b);
+                for (int j = 0; j < k; j++) {
+                    if (d->dg_deaf)
+                        dg_count(d, BROKERD_DG_DROPPED);
+                    else
+                        dg_one(d, pfd[i].fd, b, (size_t)j);
+                }
+            }
+        }
+    }
+    free(b);
+    return NULL;
+}
+
+/* Binds the datagram sockets and starts their thread; where either
+ * fails, datagrams are off (members keep heartbeats on their streams)
+ * and a warning says why. */
+static void dg_start(struct brokerd *d, const struct brokerd_config *cfg)
+{
+    int rc;
+
+    d->n_dg = 0;
+    d->dg_stop = -1;
+    if (cfg->no_datagrams)
+        return;
+    rc = dgram_listen(cfg->listen, rpc_server_port(d->srv), d->dg_fds);
+    if (rc < 0)
+        goto off;
+    d->n_dg = rc;
+    d->dg_deaf = cfg->deaf_datagrams;
+    d->dg_stop = eventfd(0, EFD_CLOEXEC);
+    if (d->dg_stop < 0) {
+        rc = -errno;
+        goto off_close;
+    }
+    if (pthread_create(&d->dg_thread, NULL, dg_main, d) != 0) {
+        rc = -EAGAIN;
+        close(d->dg_stop);
+        d->dg_stop = -1;
+        goto off_close;
+    }
+    return;
+
+off_close:
+    for (int i = 0; i < d->n_dg; i++)
+        close(d->dg_fds[i]);
+    d->n_dg = 0;
+off:
+    log_warn("broker", "Datagram heartbeats are off: members keep their heartbeats on their "
+             "streams.", LF_U("port", rpc_server_port(d->srv)), LF_ERR(rc));
+}
+
+static void dg_stop(struct brokerd *d)
+{
+    uint64_t one = 1;
+
+    if (d->n_dg == 0)
+        return;
+    if (write(d->dg_stop, &one, sizeof(one)) != sizeof(one))
+        log_error("broker", "Could not stop the datagram thread.", LF_ERR(-errno));
+    pthread_join(d->dg_thread, NULL);
+    close(d->dg_stop);
+    for (int i = 0; i < d->n_dg; i++)
+        close(d->dg_fds[i]);
+    d->n_dg = 0;
+}
+
+bool brokerd_datagrams(const struct brokerd *d, uint64_t counts[BROKERD_DG_KINDS])
+{
+    for (int k = 0; counts && k < BROKERD_DG_KINDS; k++)
+        counts[k] = atomic_load_explicit(&d->dg_count[k], memory_order_relaxed);
+    return d->n_dg > 0;
 }
 
 /* ---- matchmaking ----------------------------------------------------- */
@@ -1279,6 +1502,7 @@ int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out)
     }
     if (rc < 0)
         goto err_matchmaker;
+    dg_start(d, cfg);
     if (pthread_create(&d->ticker, NULL, tick_main, d) != 0) {
         rc = -EAGAIN;
         goto err_server;
@@ -1297,6 +1521,7 @@ err_ticker:
     pthread_mutex_unlock(&d->lock);
     pthread_join(d->ticker, NULL);
 err_server:
+    dg_stop(d);
     rpc_server_destroy(d->srv);
 err_matchmaker:
     matchmaker_destroy(d->mm);
@@ -1422,6 +1647,7 @@ void brokerd_stop(struct brokerd *d)
     pthread_cond_signal(&d->mm_wake);
     pthread_mutex_unlock(&d->mm_lock);
     pthread_join(d->mm_thread, NULL);
+    dg_stop(d);
     /* Streams close first (their on_close takes the lock and unwatches),
      * then the broker detaches whatever is left. */
     rpc_server_destroy(d->srv);

@@ -36,6 +36,26 @@ struct brokerd_config {
     /* TLS certificate chain and key, PEM (copied); NULL: plaintext. */
     const char *tls_cert_pem;
     const char *tls_key_pem;
+    /* Datagram heartbeats (wire.h) are taken on the TCP port's number
+     * over UDP, for cohorts with a key, unless `no_datagrams`; a port
+     * that cannot be bound for UDP turns them off with a warning.
+     * `deaf_datagrams` (tests only) offers them but drops every one
+     * unread, as a network that blocks UDP to the broker would. */
+    bool no_datagrams;
+    bool deaf_datagrams;
+};
+
+/* What became of the datagrams the broker read, by kind. */
+enum brokerd_dg_kind {
+    BROKERD_DG_ACCEPTED,        /* a heartbeat of an attached member session */
+    BROKERD_DG_MALFORMED,       /* too long, another magic or version, bad fields */
+    BROKERD_DG_UNPROVED,        /* no key for the cohort, or a wrong proof */
+    BROKERD_DG_UNATTACHED,      /* no such member session, or its stream is not attached */
+    BROKERD_DG_REPLAYED,        /* a seq already seen, or too old */
+    BROKERD_DG_PACED,           /* faster than the stream's pace allows */
+    BROKERD_DG_DROPPED,         /* read and dropped unread (deaf_datagrams) */
+    BROKERD_DG_ACKED,           /* acknowledgements sent back (of accepted ones) */
+    BROKERD_DG_KINDS
 };
 
 /* Binds, starts serving and ticking. Needs rpc_init(). Returns 0,
@@ -44,6 +64,10 @@ struct brokerd_config {
 int brokerd_start(const struct brokerd_config *cfg, struct brokerd **out);
 /* The bound TCP port. */
 int brokerd_port(const struct brokerd *d);
+/* Whether datagram heartbeats are taken (a UDP socket is bound on the
+ * port), and the counts of what came of them so far, by enum
+ * brokerd_dg_kind (counts[] has BROKERD_DG_KINDS entries). */
+bool brokerd_datagrams(const struct brokerd *d, uint64_t counts[BROKERD_DG_KINDS]);
 /* Sets the key cohort `cohort`'s members must prove (copied), replacing
  * any; NULL removes it (the config's key applies again). Requests
  * already verified are not affected; the next ones must prove the new

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "base/clock.h"
@@ -15,6 +16,7 @@
 #include "base/limits.h"
 #include "base/log.h"
 #include "base/secret.h"
+#include "membership/dgram.h"
 #include "membership/proof.h"
 #include "rpc/rpc.h"
 #include "membership/wire.h"
@@ -98,6 +100,21 @@ struct member {
     uint64_t next_watch_at;
     uint64_t behind_since;      /* heartbeat saw a newer epoch than the watch */
     bool drained;               /* the last acknowledgement said so */
+    bool watch_heard;           /* the current stream has brought a message */
+
+    /* Datagram heartbeats (wire.h): offered by the broker's JoinReply, and
+     * only sent with a key. For the current stream: a UDP socket
+     * connected to where the stream goes (-1: none yet), whether they were
+     * given up on, since when the broker owes an acknowledgement (the
+     * first datagram's send, then each acknowledgement; 0: none sent),
+     * and the seqs an acknowledgement may name: above the last one
+     * acknowledged and from the stream's first datagram on. */
+    bool dg_offered;
+    int dg_fd;
+    bool dg_failed;
+    uint64_t dg_heard_at;
+    uint64_t dg_first_seq, dg_acked_seq;
+    unsigned dg_giveups;        /* how often, for the log's level */
 
     struct epoch *epoch;
     uint64_t last_epoch;
@@ -211,6 +228,7 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
                          : r->unreachable_max > WIRE_UNREACHABLE_MAX ? WIRE_UNREACHABLE_MAX
                                                                      : r->unreachable_max;
         m->to_ms = r->timeout_ms ? r->timeout_ms : WIRE_DEFAULT_TIMEOUT_MS;
+        m->dg_offered = r->takes_datagrams && m->has_key;
         if (m->joins == 0 && ((m->want_hb_ms && m->want_hb_ms != m->hb_ms) ||
                               (m->want_to_ms && m->want_to_ms != m->to_ms)))
             log_emit(m->quiet ? LOG_DEBUG : LOG_WARN, "member",
@@ -390,6 +408,7 @@ static void session_msg(void *arg, ProtobufCMessage *msg)
     pthread_mutex_lock(&m->lock);
     if (m->state == ST_JOINED) {
         m->last_ok_at = now;
+        m->watch_heard = true;
         m->fails = 0;
         m->last_fail = RPC_OK;
         if (r->beat)
@@ -527,6 +546,132 @@ static void beat_sent_locked(struct member *m, size_t n_unreach, uint64_t now)
     m->next_hb_at = now + m->hb_ms;
 }
 
+/* Closes the datagram socket of a stream that is over or given up. */
+static void dg_close_locked(struct member *m)
+{
+    if (m->dg_fd >= 0)
+        close(m->dg_fd);
+    m->dg_fd = -1;
+    m->dg_heard_at = 0;
+}
+
+/* Datagrams stop for the rest of this stream: the plain heartbeats go up
+ * it again, the next one at once. */
+static void dg_give_up_locked(struct member *m, const char *why, int err, uint64_t now)
+{
+    /* Once at warn: a network that drops UDP to the broker does so for
+     * every stream, and saying it each time tells nothing new. */
+    log_emit(m->dg_giveups++ == 0 && !m->quiet ? LOG_WARN : LOG_DEBUG, "member",
+             "Heartbeats go up the session stream again: the broker's datagram port did not "
+             "answer.", LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("reason", why),
+             LF_ERR(err), LOG_END);
+    m->dg_failed = true;
+    dg_close_locked(m);
+    m->next_hb_at = now;
+}
+
+/* Whether this heartbeat may go as a datagram: offered, not given up on,
+ * and the stream connected (the socket goes where it goes). */
+static bool dg_ready_locked(struct member *m, uint64_t now)
+{
+    struct sockaddr_storage sa;
+    socklen_t len = sizeof(sa);
+    int rc;
+
+    if (!m->dg_offered || m->dg_failed || !m->watch || !m->watch_heard)
+        return false;
+    if (m->dg_fd >= 0)
+        return true;
+    rc = rpc_watch_peer(m->watch, &sa, &len);
+    if (rc == -ENOTCONN)
+        return false;
+    if (rc == 0)
+        rc = dgram_connect((struct sockaddr *)&sa, len);
+    if (rc < 0) {
+        dg_give_up_locked(m, "no address to send datagrams to", rc, now);
+        return false;
+    }
+    m->dg_fd = rc;
+    return true;
+}
+
+/* Sends a plain heartbeat as one datagram, signed with the next seq.
+ * Returns 0 (sent, or dropped by a full socket buffer as a network may
+ * drop it), or -errno: the socket cannot send. */
+static int dg_send_locked(struct member *m, uint64_t now)
+{
+    Cohort__V1__HeartbeatDatagram q = COHORT__V1__HEARTBEAT_DATAGRAM__INIT;
+    Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
+    Cohort__V1__Proof pf;
+    uint8_t mac[SECRET_MAC_BYTES], buf[WIRE_DATAGRAM_MAX];
+    ssize_t n;
+    int rc;
+
+    q.protocol_version = WIRE_PROTOCOL_VERSION;
+    q.cohort = m->cohort;
+    q.id = m->id;
+    q.session = m->session;
+    q.model_version = m->model_version;
+    q.epoch = m->epoch ? m->epoch->number : 0;
+    q.checkpoint_version = m->ckpt_version;
+    if (m->ckpt_skipped_version) {
+        skip.version = m->ckpt_skipped_version;
+        skip.reason = m->ckpt_skipped_reason;
+        q.checkpoint_skipped = &skip;
+    }
+    rc = proof_sign(&m->key, &q.base, ++m->seq, proof_now_ms(), &pf, mac);
+    if (rc < 0)
+        return rc;
+    q.proof = &pf;
+    n = dgram_pack(&q, buf);
+    if (n < 0)
+        return (int)n;
+    if (send(m->dg_fd, buf, (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno != EAGAIN &&
+        errno != EWOULDBLOCK && errno != ENOBUFS)
+        return -errno;
+    if (!m->dg_heard_at) {
+        m->dg_heard_at = now;
+        m->dg_first_seq = m->seq;
+        m->dg_acked_seq = m->seq - 1;
+    }
+    return 0;
+}
+
+/* Reads the broker's acknowledgements waiting on the datagram socket. One
+ * that proves the key and names a datagram of this stream not yet
+ * acknowledged counts as the stream's acknowledgements do (session_msg);
+ * anything else is dropped. Returns 0, or -errno when the socket cannot
+ * receive (ECONNREFUSED: nothing listens on the broker's UDP port). */
+static int dg_read_locked(struct member *m, uint64_t now)
+{
+    uint8_t buf[WIRE_DATAGRAM_MAX + 1];
+
+    for (int i = 0; i < 8; i++) {
+        Cohort__V1__HeartbeatDatagramAck *a = NULL;
+        ssize_t n = recv(m->dg_fd, buf, sizeof(buf), MSG_DONTWAIT | MSG_TRUNC);
+
+        if (n < 0)
+            return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -errno;
+        if (dgram_unpack_ack(buf, (size_t)n, &a) < 0)
+            continue;
+        if (a->session == m->session && a->seq > m->dg_acked_seq && a->seq >= m->dg_first_seq &&
+            a->seq <= m->seq && proof_ack_valid(&m->key, m->cohort, m->id, a)) {
+            Cohort__V1__HeartbeatReply r = COHORT__V1__HEARTBEAT_REPLY__INIT;
+
+            m->dg_acked_seq = a->seq;
+            m->dg_heard_at = now;
+            m->last_ok_at = now;
+            m->fails = 0;
+            m->last_fail = RPC_OK;
+            r.epoch = a->epoch;
+            r.drained = a->drained;
+            beat_locked(m, &r, now);
+        }
+        protobuf_c_message_free_unpacked(&a->base, NULL);
+    }
+    return 0;
+}
+
 static void start_heartbeat_locked(struct member *m, uint64_t now)
 {
     Cohort__V1__HeartbeatRequest q = COHORT__V1__HEARTBEAT_REQUEST__INIT;
@@ -536,6 +681,17 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
     char *ids[WIRE_UNREACHABLE_MAX];
     int rc;
 
+    /* Plain heartbeats go as datagrams where they can; a declare or a
+     * report goes up the stream, which delivers it or says it did not. */
+    if (!m->declare_pending && m->n_lost == 0 && !unreach_pending(m) &&
+        dg_ready_locked(m, now)) {
+        rc = dg_send_locked(m, now);
+        if (rc == 0) {
+            beat_sent_locked(m, 0, now);
+            return;
+        }
+        dg_give_up_locked(m, "a datagram could not be sent", rc, now);
+    }
     fill_beat_locked(m, &q, &skip, &pf, mac, ids);
     rc = rpc_watch_send(m->watch, &q.base);
     if (rc == 0)
@@ -559,6 +715,9 @@ static void open_watch_locked(struct member *m, uint64_t now)
     fill_beat_locked(m, &q, &skip, &pf, mac, ids);
     m->watch_ended = false;
     m->watch_reopen = false;
+    m->watch_heard = false;
+    m->dg_failed = false;
+    dg_close_locked(m);
     if (rpc_watch_open(m->ch, WIRE_BROKER_SESSION, &q.base, &cohort__v1__session_reply__descriptor,
                        RPC_DUPLEX, session_msg, watch_end, m, &m->watch) < 0) {
         m->watch = NULL;
@@ -566,6 +725,17 @@ static void open_watch_locked(struct member *m, uint64_t now)
         return;
     }
     beat_sent_locked(m, q.n_unreachable_peers, now);
+}
+
+/* When datagrams are given up on without an acknowledgement: the broker
+ * acknowledges one at least every half timeout (brokerd.c), so half a
+ * timeout and some slack, but early enough that a heartbeat up the
+ * stream still arrives within the timeout. */
+static uint64_t dg_deadline(const struct member *m)
+{
+    uint32_t slack = m->hb_ms < m->to_ms / 4 ? m->hb_ms : m->to_ms / 4;
+
+    return m->dg_heard_at + m->to_ms / 2 + slack;
 }
 
 static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
@@ -600,6 +770,7 @@ static int leave_call(struct member *m, uint32_t timeout_ms, struct rpc_status *
 uint32_t member_poll(struct member *m, uint64_t now)
 {
     uint32_t wait = POLL_MAX_MS;
+    int rc;
 
     pthread_mutex_lock(&m->lock);
     if (m->rejoin_wanted && m->state == ST_JOINED) {
@@ -643,6 +814,10 @@ uint32_t member_poll(struct member *m, uint64_t now)
             wait = until(m->next_join_at, now, wait);
         break;
     case ST_JOINED:
+        if (m->dg_fd >= 0 && !m->dg_failed && (rc = dg_read_locked(m, now)) < 0)
+            dg_give_up_locked(m, "the datagram socket could not receive", rc, now);
+        if (m->dg_heard_at && now >= dg_deadline(m))
+            dg_give_up_locked(m, "no acknowledgement of a datagram in time", -ETIMEDOUT, now);
         if (!m->watch && now >= m->next_watch_at)
             open_watch_locked(m, now);
         if (!m->watch)
@@ -652,6 +827,8 @@ uint32_t member_poll(struct member *m, uint64_t now)
              (unreach_pending(m) && now >= m->next_unreach_at)))
             start_heartbeat_locked(m, now);
         wait = until(m->next_hb_at, now, wait);
+        if (m->dg_heard_at)
+            wait = until(dg_deadline(m), now, wait);
         if (unreach_pending(m) && m->next_unreach_at > now)
             wait = until(m->next_unreach_at, now, wait);
         break;
@@ -685,6 +862,7 @@ int member_create(const struct member_config *cfg, struct member **out)
     if (m->session == 0)
         m->session = 1;
     m->rng = m->session | 1;
+    m->dg_fd = -1;
     m->model_version = cfg->model_version;
     m->want_hb_ms = cfg->heartbeat_ms;
     m->want_to_ms = cfg->timeout_ms;
@@ -791,6 +969,16 @@ void member_set_checkpoint(struct member *m, uint64_t version, uint64_t skipped_
     m->ckpt_skipped_version = skipped_version;
     m->ckpt_skipped_reason = skipped_version ? skipped_reason : 0;
     pthread_mutex_unlock(&m->lock);
+}
+
+bool member_datagrams(struct member *m)
+{
+    bool on;
+
+    pthread_mutex_lock(&m->lock);
+    on = m->dg_fd >= 0 && !m->dg_failed;
+    pthread_mutex_unlock(&m->lock);
+    return on;
 }
 
 struct epoch *member_epoch(struct member *m)
@@ -911,6 +1099,7 @@ void member_destroy(struct member *m)
     if (m->own_ch)
         rpc_channel_destroy(m->ch);
     epoch_unref(m->epoch);
+    dg_close_locked(m);
     secret_wipe(&m->key);
     free(m->broker);
     free(m->cohort);

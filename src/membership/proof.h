@@ -20,8 +20,9 @@
 /* The wall clock, Unix milliseconds: the proofs' time_ms. */
 uint64_t proof_now_ms(void);
 
-/* Fills *p with a proof of `req` (a Join, Heartbeat, Leave, Watch or
- * Status request; its own proof field is not read) under key `k`, with
+/* Fills *p with a proof of `req` (a Join, Heartbeat, HeartbeatDatagram,
+ * Leave, Watch, Status, Matchmake or StateDonors request; its own proof
+ * field is not read) under key `k`, with
  * this seq and time. p->mac points at `mac`, which must live as long as
  * *p. Returns 0, -EINVAL for another message type (or a Heartbeat with
  * more than WIRE_LOST_PEERS_MAX lost_peers or WIRE_UNREACHABLE_MAX
@@ -35,5 +36,14 @@ int proof_sign(const struct secret *k, const ProtobufCMessage *req, uint64_t seq
  * time). NULL p, or a MAC of another length, is not. Neither seq nor time
  * is judged here. */
 bool proof_valid(const struct secret *k, const ProtobufCMessage *req, const Cohort__V1__Proof *p);
+
+/* Sets a->mac (pointing at `mac`, which must live as long as *a) to the
+ * MAC of the broker's acknowledgement `a` of member `id` of `cohort`
+ * (wire.h). Returns 0 or -EIO. */
+int proof_sign_ack(const struct secret *k, const char *cohort, const char *id,
+                   Cohort__V1__HeartbeatDatagramAck *a, uint8_t mac[SECRET_MAC_BYTES]);
+/* Whether a->mac is that MAC (compared in constant time). */
+bool proof_ack_valid(const struct secret *k, const char *cohort, const char *id,
+                     const Cohort__V1__HeartbeatDatagramAck *a);
 
 #endif

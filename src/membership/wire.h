@@ -63,6 +63,12 @@
  *                 then, only when it reports any unreachable_peers, their
  *                 number (8 bytes) and each of them (so a heartbeat that
  *                 reports none is signed as before the fields existed)
+ *   HeartbeatDatagram  model_version, epoch, checkpoint_version,
+ *                 checkpoint_skipped's version and reason (0 when absent),
+ *                 always all five
+ * The broker's HeartbeatDatagramAck has a MAC of its own, under the same
+ * label and key: "HeartbeatDatagramAck", the cohort, the member's id,
+ * then session, seq, epoch and drained (8 bytes each).
  *   Matchmake     prefix, group_bits, target_group_size, min_group_size,
  *                 min_matchmaking_ms, timeout_ms, schema (its bytes)
  *   StateDonors   prefix, declare, allow (8 bytes, 0 or 1 each),
@@ -135,6 +141,36 @@
  * bytes fit (pod names are usually shorter); of the longest, 253 bytes,
  * 192 do, and the member sends more heartbeats. */
 #define WIRE_UNREACHABLE_BYTES (48u * 1024u)
+
+/* ---- datagram heartbeats ------------------------------------------------
+ *
+ * A member whose JoinReply says takes_datagrams sends its plain heartbeats
+ * (nothing to declare, no peers to report) as UDP datagrams to the
+ * address its Session stream is connected to: the broker's port number,
+ * over UDP. One datagram is WIRE_DATAGRAM_MAGIC and then a packed
+ * HeartbeatDatagram, WIRE_DATAGRAM_MAX bytes at most (an IPv6 packet of
+ * the minimum MTU, 1,280 bytes, less its 40-byte header and UDP's 8): a
+ * cohort name and an id of IDENT_NAME_MAX take about 520 of them. Why: a
+ * heartbeat up a gRPC stream costs the broker a read, a window update
+ * written back and gRPC's per-message work (README, "Broker"); a datagram
+ * costs one batched read and the proof. Its proof and seq are the same as
+ * any request's (above): the session's seq window makes a datagram that
+ * overtakes another, or one replayed, count at most once. The broker
+ * acknowledges some (the first of each session stream, then at least one
+ * every half timeout) with a HeartbeatDatagramAck datagram back to the
+ * sender: WIRE_DATAGRAM_ACK_MAGIC and the packed message, smaller than
+ * the datagram it answers and sent only for a proved one seen for the
+ * first time, so nothing is amplified or reflected. An acknowledgement is
+ * how the member learns that its datagrams arrive and that the broker
+ * holds its session: without one for about half its timeout, or when a
+ * send fails, it goes back to its stream for as long as that stream
+ * lasts. A UDP acknowledgement costs the broker a send; one down the
+ * stream would cost a gRPC write and a window update to read. */
+#define WIRE_DATAGRAM_MAGIC "cHB2"
+#define WIRE_DATAGRAM_ACK_MAGIC "cHA2"
+#define WIRE_DATAGRAM_MAGIC_LEN 4u
+#define WIRE_DATAGRAM_MAX 1232u
+
 #define WIRE_PROOF_LABEL "cohort/broker/v1"
 #define WIRE_PROOF_SKEW_MS 120000u
 #define WIRE_PROOF_SEQ_WINDOW 64u

@@ -5,11 +5,13 @@
 #include "rpc/core.h"
 
 #include <errno.h>
+#include <netdb.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
 
 #include "base/limits.h"
 #include "base/log.h"
@@ -395,6 +397,64 @@ int rpc_watch_send(struct rpc_watch *w, const ProtobufCMessage *msg)
         }
     }
     pthread_mutex_unlock(&w->lock);
+    return rc;
+}
+
+/* "ipv4:1.2.3.4:7070" or "ipv6:[::1]:7070" (a zone written %25eth0) into
+ * *sa. */
+static int parse_peer(const char *peer, struct sockaddr_storage *sa, socklen_t *len)
+{
+    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM,
+                              .ai_flags = AI_NUMERICHOST | AI_NUMERICSERV };
+    struct addrinfo *res = NULL;
+    char host[128];
+    const char *h, *end, *port;
+    size_t n = 0;
+
+    if (strncmp(peer, "ipv4:", 5) == 0) {
+        h = peer + 5;
+        end = strrchr(h, ':');
+    } else if (strncmp(peer, "ipv6:[", 6) == 0) {
+        h = peer + 6;
+        end = strchr(h, ']');
+        if (end && end[1] != ':')
+            end = NULL;
+    } else {
+        return -EAFNOSUPPORT;
+    }
+    if (!end)
+        return -EAFNOSUPPORT;
+    port = end + (*end == ']' ? 2 : 1);
+    for (; h < end && n + 1 < sizeof(host); h++) {
+        if (strncmp(h, "%25", 3) == 0)
+            h += 2;
+        host[n++] = *h;
+    }
+    host[n] = '\0';
+    if (h < end || getaddrinfo(host, port, &hints, &res) != 0 || !res)
+        return -EAFNOSUPPORT;
+    if (res->ai_addrlen > sizeof(*sa)) {
+        freeaddrinfo(res);
+        return -EAFNOSUPPORT;
+    }
+    memcpy(sa, res->ai_addr, res->ai_addrlen);
+    *len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return 0;
+}
+
+int rpc_watch_peer(struct rpc_watch *w, struct sockaddr_storage *sa, socklen_t *len)
+{
+    char *peer;
+    int rc;
+
+    pthread_mutex_lock(&w->lock);
+    peer = w->call ? grpc_call_get_peer(w->call) : NULL;
+    pthread_mutex_unlock(&w->lock);
+    if (!peer)
+        return -ENOTCONN;
+    rc = parse_peer(peer, sa, len);
+    gpr_free(peer);
     return rc;
 }
 

@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include <protobuf-c/protobuf-c.h>
 
@@ -287,6 +288,12 @@ int rpc_watch_send(struct rpc_watch *w, const ProtobufCMessage *msg);
  * stream). Returns 0, -EBUSY while a message is going out, -EPIPE once
  * ended or already said, -EINVAL on a watch that is not duplex. */
 int rpc_watch_done_sending(struct rpc_watch *w);
+/* The address the watch's connection reached, as gRPC names its peer
+ * ("ipv4:a.b.c.d:port", "ipv6:[addr]:port"), into *sa and *len: known
+ * once the server has sent on the stream. Returns 0, -ENOTCONN (not
+ * known yet) or -EAFNOSUPPORT (another kind of address, a Unix socket's).
+ * membership/member.c sends its datagram heartbeats there. */
+int rpc_watch_peer(struct rpc_watch *w, struct sockaddr_storage *sa, socklen_t *len);
 /* Cancels the stream if it is still open, waits for on_end, and frees it.
  * Returns 0, or -EDEADLK on a completion thread (nothing is done). */
 int rpc_watch_close(struct rpc_watch *w);
