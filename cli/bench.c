@@ -55,7 +55,11 @@ static const char usage[] =
     "includes queueing behind the other simulated members. The broker runs\n"
     "with a key made for the benchmark, and every call and heartbeat of a\n"
     "member proves it, as in production (--insecure: no key and no proofs,\n"
-    "to see what they cost). Members that join again during the steady\n"
+    "to see what they cost). Members of cohorts with keys send their plain\n"
+    "heartbeats as UDP datagrams, as in production; the report counts how\n"
+    "many did at the end of the steady window (--no-datagrams: the broker\n"
+    "runs with --no-datagram-heartbeats and every heartbeat rides its\n"
+    "member's stream). Members that join again during the steady\n"
     "window are counted (rejoins): any means the run was not steady.\n"
     "\n"
     "  --members N        members in all (default 1000)\n"
@@ -68,7 +72,8 @@ static const char usage[] =
     "  --heartbeat DUR    heartbeat interval (default 1s)\n"
     "  --coalesce DUR     the broker's coalescing window (default 50ms)\n"
     "  --insecure         run the broker without keys (--insecure) and the\n"
-    "                     members without proofs\n"
+    "                     members without proofs (and so without datagrams)\n"
+    "  --no-datagrams     every heartbeat up the members' streams\n"
     "  -o, --output FMT   table (default) or json\n"
     "  --log-format text|json  format of log lines on stderr (default text)\n"
     "  --log-level LEVEL       debug, info, warn or error (default error)\n"
@@ -94,6 +99,7 @@ struct bench {
     struct secret key;              /* the broker's, in key_path while it runs */
     char key_path[64];
     bool insecure;                  /* no key, no proofs */
+    bool no_datagrams;              /* the broker takes no datagram heartbeats */
     atomic_bool stop;
     pthread_t drivers[2];
     pthread_mutex_t lock;           /* guards replacing sims[i].m */
@@ -252,8 +258,8 @@ static int start_broker(struct bench *b, const char *self_dir)
     char *argv[] = { exe, "--standalone", "--listen", "127.0.0.1:0", "--allow-any-cohort",
                      "--heartbeat-interval", hb, "--member-timeout", "5s", "--coalesce", co,
                      "--startup-hold", "0ms", "--max-members", maxm, "--log-level", "info",
-                     NULL, NULL, NULL };     /* the key file, or --insecure */
-    size_t n = sizeof(argv) / sizeof(argv[0]) - 3;
+                     NULL, NULL, NULL, NULL };  /* the key file, or --insecure; datagrams */
+    size_t n = sizeof(argv) / sizeof(argv[0]) - 4;
 
     if (b->insecure) {
         argv[n] = "--insecure";
@@ -263,6 +269,8 @@ static int start_broker(struct bench *b, const char *self_dir)
         argv[n] = "--secret-file";
         argv[n + 1] = b->key_path;
     }
+    if (b->no_datagrams)
+        argv[argv[n + 1] ? n + 2 : n + 1] = "--no-datagram-heartbeats";
     if (pipe2(pipefd, O_CLOEXEC) < 0) {
         drop_key(b);
         return -errno;
@@ -378,6 +386,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     size_t n_lat = 0, victim = 0;
     double cpu0, cpu1, self0, self1;
     uint64_t w0, w1, t_join0, t_joined, joins0, joins1;
+    size_t dgram_fds, on_dgram = 0;
     int rc, status = 1;
 
     /* One connection per member where the fd limit allows; beyond that,
@@ -388,8 +397,11 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     }
     if (b->n_channels == 0 || b->n_channels > b->n_members)
         b->n_channels = b->n_members;
-    if (rl.rlim_cur != RLIM_INFINITY && b->n_channels + FD_RESERVE > rl.rlim_cur)
-        b->n_channels = rl.rlim_cur > 2 * FD_RESERVE ? rl.rlim_cur - FD_RESERVE : 1;
+    /* A member heartbeating by datagram holds a UDP socket of its own. */
+    dgram_fds = b->insecure || b->no_datagrams ? 0 : b->n_members;
+    if (rl.rlim_cur != RLIM_INFINITY && b->n_channels + dgram_fds + FD_RESERVE > rl.rlim_cur)
+        b->n_channels = rl.rlim_cur > dgram_fds + 2 * FD_RESERVE
+                            ? rl.rlim_cur - dgram_fds - FD_RESERVE : 1;
 
     /* Two epochs a change, and room for a few more (an eviction). */
     b->cap_sends = b->n_changes * 2 + 64;
@@ -447,6 +459,10 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
     self1 = proc_cpu_s(getpid());
     w1 = clock_now_us();
     joins1 = count_joins(b);
+    pthread_mutex_lock(&b->lock);
+    for (size_t i = 0; i < b->n_members; i++)
+        on_dgram += member_datagrams(b->sims[i].m);
+    pthread_mutex_unlock(&b->lock);
 
     atomic_store(&b->timing, true);
     for (size_t c = 0; c < b->n_changes; c++) {
@@ -490,6 +506,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
             cJSON_AddNumberToObject(o, "broker_cpu_pct", cpu);
             cJSON_AddNumberToObject(o, "simulator_cpu_pct", self);
             cJSON_AddNumberToObject(o, "rejoins_steady", (double)(joins1 - joins0));
+            cJSON_AddNumberToObject(o, "members_on_datagrams", (double)on_dgram);
             cJSON_AddNumberToObject(o, "send_samples", (double)ns);
             cJSON_AddNumberToObject(o, "send_p50_ms", s50);
             cJSON_AddNumberToObject(o, "send_p99_ms", s99);
@@ -511,6 +528,7 @@ static int run_broker_bench(struct bench *b, bool json, const char *self_dir)
             printf("all joined in           %8.2f s\n", (double)(t_joined - t_join0) / 1000.0);
             printf("broker CPU, steady      %8.1f %% of one core (simulator: %.1f %%), %llu "
                    "rejoins meanwhile\n", cpu, self, (unsigned long long)(joins1 - joins0));
+            printf("heartbeating by datagram %7zu of %zu members\n", on_dgram, b->n_members);
             printf("epoch sent to all       p50 %.1f ms  p99 %.1f ms  max %.1f ms  (%zu epochs, "
                    "the broker's own measure)\n", s50, s99, smax, ns);
             printf("epoch change to member  first %.1f ms  p50 %.1f ms  p99 %.1f ms  max %.1f ms  "
@@ -557,6 +575,7 @@ int cli_bench(int argc, char **argv)
         { "heartbeat", required_argument, NULL, 'b' },
         { "coalesce", required_argument, NULL, 'q' },
         { "insecure", no_argument, NULL, 'I' },
+        { "no-datagrams", no_argument, NULL, 'D' },
         { "output", required_argument, NULL, 'o' },
         { "log-format", required_argument, NULL, 'F' },
         { "log-level", required_argument, NULL, 'L' },
@@ -623,6 +642,7 @@ int cli_bench(int argc, char **argv)
                 return opt_usage(PROG, "bad --coalesce \"%s\"", optarg);
             break;
         case 'I': b.insecure = true; break;
+        case 'D': b.no_datagrams = true; break;
         case 'o': output = optarg; break;
         case 'F': logf = optarg; break;
         case 'L': logl = optarg; break;
