@@ -10,6 +10,10 @@
 - `helm install`, `helm upgrade` (a changed value reaches the objects: a
   strategic merge patch for built-in kinds, a JSON merge patch for the
   ServiceMonitor) and `helm uninstall` (objects gone, the CRD stays);
+- broker.datagrams: its flag and policy rule, the real cohort-operator
+  run with the rendered args and environment (its broker holds the
+  declared UDP port, or none), and an upgrade from a chart that predates
+  it (helm's port patch, the documented repair, turning it off and on);
 - bad values refused by the schema, and a refused install leaves nothing;
 - the stand-in refuses what the real API server refuses for the kinds the
   chart uses, with its messages, and a dry run stores nothing;
@@ -24,13 +28,16 @@ when they cannot be had.
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import urllib.request
 
 import pytest
 import yaml
 
-from cohorttest import DEADLINE, ROOT, ApiServer, Kubectl, make_tmp, remove_tmp, wait_until
+from cohorttest import (CRD_FILE, DEADLINE, ROOT, ApiServer, Kubectl, bin_dir, free_port,
+                        make_tmp, remove_tmp, stop_process, wait_until)
 
 CHART = os.path.join(ROOT, "charts", "cohort")
 HELM = os.path.join(ROOT, "build", "tools", "helm")
@@ -53,6 +60,7 @@ COMBOS = {
     "pdb": ["podDisruptionBudget.enabled=true"],
     "sandbox": ["operator.listenOnPodIP=true",
                 "operator.extraArgs={--lease-duration,5s,--renew-deadline,3s}"],
+    "no-datagrams": ["broker.datagrams=false", "networkPolicy.enabled=true"],
 }
 
 # A small ServiceMonitor CRD, as a cluster with the Prometheus operator has
@@ -282,8 +290,8 @@ def test_operator_flags_and_environment(env):
     assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {
         "POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace",
         "POD_IP": "status.podIP"}
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"broker": 7070, "metrics": 8080}
+    assert [(p["name"], p["containerPort"], p["protocol"]) for p in c["ports"]] == [
+        ("broker", 7070, "TCP"), ("broker-udp", 7070, "UDP"), ("metrics", 8080, "TCP")]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "64Mi"},
@@ -323,8 +331,10 @@ def test_broker_service_is_named_exactly_and_selects_the_operator(env):
         assert svc["metadata"]["namespace"] == DRY_NS
         assert svc["spec"]["type"] == "ClusterIP"
         assert svc["spec"]["publishNotReadyAddresses"] is False
-        assert svc["spec"]["ports"] == [{"name": "broker", "port": 7070, "targetPort": "broker",
-                                         "protocol": "TCP"}]
+        # broker-udp whatever broker.datagrams says (templates/service-broker.yaml).
+        assert svc["spec"]["ports"] == [
+            {"name": "broker", "port": 7070, "targetPort": "broker", "protocol": "TCP"},
+            {"name": "broker-udp", "port": 7070, "targetPort": 7070, "protocol": "UDP"}]
         pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
         assert svc["spec"]["selector"].items() <= pod_labels.items()
         metrics = one(objs, "Service", "cohort-metrics")
@@ -415,6 +425,7 @@ def test_optional_objects_follow_their_values(env):
     assert kinds["networkpolicy"] == sorted(base + ["NetworkPolicy"])
     assert kinds["networkpolicy-namespaced"] == sorted(base + ["NetworkPolicy"] * 2)
     assert kinds["sandbox"] == base
+    assert kinds["no-datagrams"] == sorted(base + ["NetworkPolicy"])
 
     _, objs = render(env, "servicemonitor")
     sm = one(objs, "ServiceMonitor")
@@ -439,7 +450,7 @@ def test_network_policies(env):
     broker, metrics = op["spec"]["ingress"]
     assert broker["from"] == [{"podSelector": {"matchExpressions": exists},
                                "namespaceSelector": {}}]
-    assert broker["ports"] == [{"protocol": "TCP", "port": 7070}]
+    assert broker["ports"] == [{"protocol": "TCP", "port": 7070}, {"protocol": "UDP", "port": 7070}]
     assert metrics == {"ports": [{"protocol": "TCP", "port": 8080}]}
     assert op["spec"]["policyTypes"] == ["Ingress"]
     # One namespace: trainer pods of that namespace only, and a policy
@@ -456,6 +467,125 @@ def test_network_policies(env):
                                                  "endPort": 65535}]}]
 
 
+def broker_policy_ports(objs):
+    op = one(objs, "NetworkPolicy", "cohort")
+    return op["spec"]["ingress"][0]["ports"]
+
+
+def test_datagrams_value(env):
+    """broker.datagrams (default true): off, the operator gets
+    --no-datagram-heartbeats and the broker policy lets no UDP in. The
+    container's and the Service's ports are the same either way, so that
+    turning it on or off never patches those lists (helm keys them by
+    number alone)."""
+    _, on = render(env, "networkpolicy")
+    _, off = render(env, "no-datagrams")
+    on_args, off_args = operator_container(on)["args"], operator_container(off)["args"]
+    assert "--no-datagram-heartbeats" not in on_args
+    assert off_args.count("--no-datagram-heartbeats") == 1
+    assert [a for a in off_args if a != "--no-datagram-heartbeats"] == on_args
+    assert broker_policy_ports(on) == [{"protocol": "TCP", "port": 7070},
+                                       {"protocol": "UDP", "port": 7070}]
+    assert broker_policy_ports(off) == [{"protocol": "TCP", "port": 7070}]
+    assert operator_container(on)["ports"] == operator_container(off)["ports"]
+    assert one(on, "Service", "cohort-broker")["spec"] == one(off, "Service",
+                                                              "cohort-broker")["spec"]
+    # The default is on.
+    _, default = render(env, "default")
+    assert operator_container(default)["args"] == operator_container(on)["args"]
+
+
+def socket_ports(pid, proto, state=None):
+    """The local ports of process pid's sockets of /proc/net/<proto>
+    (udp, tcp; and their IPv6 tables), in that TCP state if given (0A:
+    listening). Only sockets the process holds count (their inodes)."""
+    inodes = set()
+    fd_dir = "/proc/%d/fd" % pid
+    for fd in os.listdir(fd_dir):
+        try:
+            m = re.match(r"socket:\[(\d+)\]$", os.readlink(os.path.join(fd_dir, fd)))
+        except OSError:
+            continue                # closed meanwhile
+        if m:
+            inodes.add(m.group(1))
+    ports = set()
+    for table in (proto, proto + "6"):
+        try:
+            with open("/proc/%d/net/%s" % (pid, table)) as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue                # no IPv6
+        for row in rows:
+            cols = row.split()
+            if cols[9] in inodes and (state is None or cols[3] == state):
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.parametrize("datagrams", [True, False], ids=["datagrams", "no-datagrams"])
+def test_rendered_operator_runs_with_its_args(env, datagrams):
+    """The real cohort-operator with the chart's rendered args and
+    environment, as a kubelet starts it (the env's fieldRefs filled in,
+    $(POD_IP) expanded), against the stand-in: it leads, and its broker
+    holds the UDP port the container declares when broker.datagrams is
+    on, no UDP socket when it is off. --in-cluster becomes --kubeconfig:
+    this runs outside a pod."""
+    exe = os.path.join(bin_dir(), "cohort-operator")
+    if not os.access(exe, os.X_OK):
+        pytest.skip("no cohort-operator in %s (make asan, or set COHORT_BIN)" % bin_dir())
+    kubectl, srv = env["kubectl"], env["server"]
+    ns = "run-dg" if datagrams else "run-nodg"
+    kubectl("create", "namespace", ns)
+    kubectl("apply", "-f", CRD_FILE)
+    kubectl("wait", "--for", "condition=Established", "crd/trainingcohorts.cohort.dev")
+    port = free_port()
+    mport = wait_until(lambda: (lambda p: p if p != port else None)(free_port()),
+                       "a second free port")
+    r = env["helm"]("template", "cohort", CHART, "--namespace", ns,
+                    "--set", "operator.listenOnPodIP=true",
+                    "--set", "broker.service.port=%d" % port, "--set", "metrics.port=%d" % mport,
+                    "--set", "broker.datagrams=%s" % str(datagrams).lower())
+    c = operator_container([o for o in yaml.safe_load_all(r.stdout) if o])
+    fields = {"metadata.name": "cohort-" + ns, "metadata.namespace": ns,
+              "status.podIP": "127.0.0.1"}
+    cenv = {e["name"]: fields[e["valueFrom"]["fieldRef"]["fieldPath"]] for e in c["env"]}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: cenv[m.group(1)], a) for a in c["args"]]
+    assert args.count("--in-cluster") == 1
+    i = args.index("--in-cluster")
+    args[i:i + 1] = ["--kubeconfig", srv.kubeconfig]
+    assert ("--no-datagram-heartbeats" in args) == (not datagrams)
+
+    tmp = make_tmp("cohort-chart-op-")
+    log_path = os.path.join(tmp, "operator.log")
+    log = open(log_path, "w")
+    p = subprocess.Popen([exe, *args], env=dict(os.environ, **cenv), stdout=log,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def text():
+        with open(log_path) as f:
+            return f.read()
+
+    def leading():
+        assert p.poll() is None, "the operator exited:\n" + text()
+        return "Leading: reconciling cohorts and serving the broker." in text()
+
+    rc = None
+    try:
+        # The broker binds its sockets before the controller starts, and
+        # "Leading" is logged once both run.
+        wait_until(leading, "the operator to lead")
+        assert port in socket_ports(p.pid, "tcp", "0A"), text()
+        declared = {cp["containerPort"] for cp in c["ports"] if cp["protocol"] == "UDP"}
+        assert declared == {port}
+        assert socket_ports(p.pid, "udp") == (declared if datagrams else set()), text()
+    finally:
+        rc = stop_process(p, 30)
+        log.close()
+        out = text()
+        remove_tmp(tmp)
+    assert rc == 0, out
+
+
 # ---------------------------------------------------------------------------
 # Bad values
 # ---------------------------------------------------------------------------
@@ -467,6 +597,7 @@ BAD_VALUES = [
     (["operator.replicas=two"], "operator.replicas"),
     (["operator.logLevel=loud"], "operator.logLevel"),
     (["broker.tls=on"], "broker.tls"),
+    (["broker.datagrams=yes"], "broker.datagrams"),
     (["broker.service.name=Cohort_Broker"], "broker.service.name"),
     (["broker.service.port=70000"], "broker.service.port"),
     (["image.pullPolicy=Sometimes"], "image.pullPolicy"),
@@ -581,6 +712,111 @@ def test_install_upgrade_uninstall(env):
     assert srv.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
                    "trainingcohorts.cohort.dev")
     assert kubectl("get", "tc", "-A").returncode == 0
+
+
+def chart_before_datagrams(tmp):
+    """A copy of the chart as it was before broker.datagrams: no value, no
+    broker-udp ports. Each cut must apply, so a change to what it cuts
+    fails here instead of testing something else."""
+    old = os.path.join(tmp, "cohort")
+    shutil.copytree(CHART, old)
+
+    def cut(rel, pattern):
+        path = os.path.join(old, rel)
+        with open(path) as f:
+            text = f.read()
+        text, n = re.subn(pattern, "", text, flags=re.S)
+        assert n == 1, "%s: %r matched %d times" % (rel, pattern, n)
+        with open(path, "w") as f:
+            f.write(text)
+
+    cut("values.yaml", r"  # Datagram heartbeats:.*?\n  datagrams: true\n")
+    cut("templates/service-broker.yaml",
+        r"    - name: broker-udp\n.*?protocol: UDP\n")
+    cut("templates/deployment.yaml",
+        r"            # The same number over UDP.*?protocol: UDP\n")
+    with open(os.path.join(old, "values.schema.json")) as f:
+        schema = json.load(f)
+    del schema["properties"]["broker"]["properties"]["datagrams"]
+    with open(os.path.join(old, "values.schema.json"), "w") as f:
+        json.dump(schema, f)
+    return old
+
+
+def repair_command():
+    """The kubectl command docs/install.md ("Upgrading") gives to add the
+    broker-udp port, as argv."""
+    with open(os.path.join(ROOT, "docs", "install.md")) as f:
+        text = f.read()
+    m = re.search(r"^kubectl -n cohort-system patch service cohort-broker .*?\n(?:    .*\n)*",
+                  text, re.M)
+    assert m, "docs/install.md no longer prints the kubectl patch of broker-udp"
+    return shlex.split(m.group(0).replace("\\\n", " "))
+
+
+def test_upgrade_from_a_chart_before_datagrams(env):
+    """A release of the chart from before broker.datagrams, upgraded with
+    --reuse-values: the missing value means on, helm's patch cannot add
+    the UDP Service port (docs/install.md says so and gives the fix), the
+    documented kubectl patch adds it once, and from then on turning
+    broker.datagrams off and on keeps both broker ports."""
+    srv, kubectl, helm = env["server"], env["kubectl"], env["helm"]
+    ns = "upgrade"
+    svc_path = "/api/v1/namespaces/%s/services/cohort-broker" % ns
+    deploy_path = "/apis/apps/v1/namespaces/%s/deployments/up-cohort" % ns
+    policy_path = "/apis/networking.k8s.io/v1/namespaces/%s/networkpolicies/up-cohort" % ns
+    tmp = make_tmp("cohort-chart-old-")
+    try:
+        helm("install", "up", chart_before_datagrams(tmp), "-n", ns, "--create-namespace",
+             "--set", "networkPolicy.enabled=true")
+    finally:
+        remove_tmp(tmp)
+
+    def ports():
+        return [(p["name"], p["port"], p["protocol"]) for p in srv.get(svc_path)["spec"]["ports"]]
+
+    def args():
+        return srv.get(deploy_path)["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    def policy_protocols():
+        return [p["protocol"] for p in srv.get(policy_path)["spec"]["ingress"][0]["ports"]]
+
+    tcp, udp = ("broker", 7070, "TCP"), ("broker-udp", 7070, "UDP")
+    assert ports() == [tcp]
+    cluster_ip = srv.get(svc_path)["spec"]["clusterIP"]
+
+    helm("upgrade", "up", CHART, "-n", ns, "--reuse-values")
+    # helm reused the old release's values, which have no broker.datagrams.
+    got = json.loads(helm("get", "values", "up", "-n", ns, "--all", "-o", "json").stdout)
+    assert "datagrams" not in got["broker"]
+    assert "--no-datagram-heartbeats" not in args()
+    assert policy_protocols() == ["TCP", "UDP"]
+    # The patch helm sent named both ports by the number 7070 alone: the
+    # UDP one was merged into the TCP one. TCP, which every sidecar needs,
+    # is intact.
+    assert ports() == [tcp]
+
+    argv = repair_command()
+    assert argv[:5] == ["kubectl", "-n", "cohort-system", "patch", "service"]
+    argv[2] = ns
+    kubectl(*argv[1:])
+    assert ports() == [tcp, udp]
+    assert srv.get(svc_path)["spec"]["clusterIP"] == cluster_ip
+    # Given twice, it is refused and changes nothing.
+    r = kubectl(*argv[1:], check=False)
+    assert r.returncode != 0 and "Duplicate value" in r.stderr, r.stderr
+    assert ports() == [tcp, udp]
+
+    helm("upgrade", "up", CHART, "-n", ns, "--reuse-values", "--set", "broker.datagrams=false")
+    assert args().count("--no-datagram-heartbeats") == 1
+    assert policy_protocols() == ["TCP"]
+    assert ports() == [tcp, udp]
+    helm("upgrade", "up", CHART, "-n", ns, "--reuse-values", "--set", "broker.datagrams=true")
+    assert "--no-datagram-heartbeats" not in args()
+    assert policy_protocols() == ["TCP", "UDP"]
+    assert ports() == [tcp, udp]
+    assert srv.get(svc_path)["spec"]["clusterIP"] == cluster_ip
+    helm("uninstall", "up", "-n", ns)
 
 
 # ---------------------------------------------------------------------------
