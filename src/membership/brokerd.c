@@ -120,8 +120,9 @@ struct watcher {
     char id[IDENT_NAME_MAX + 1];
     uint64_t session;
     /* Under the brokerd's lock: when the last acknowledgement went out,
-     * and what it said; the same for the datagrams' own (dg_one). */
-    uint64_t acked_at, dg_acked_at;
+     * and what it said; whether a datagram was acknowledged, and what the
+     * last such said (dg_one). */
+    uint64_t acked_at;
     bool told_drained, dg_told_drained, dg_acked;
     /* Written once, under the lock, when the stream attaches. */
     uint64_t beat_cost_ms;      /* a quarter of the granted heartbeat */
@@ -796,14 +797,13 @@ static void dg_one(struct brokerd *d, int fd, const struct dgram_batch *b, size_
         rc = broker_heartbeat(d->b, now, q->cohort, q->id, q->session, &beat, &res);
     if (rc == 0) {
         w->dg_due = due;
-        /* As the stream's acknowledgements (session_beat), and the first
-         * datagram of a stream at once: that is how the member learns
-         * that its datagrams arrive. */
-        ack = !w->dg_acked || res.drained != w->dg_told_drained ||
-              now + res.heartbeat_ms >= w->dg_acked_at + res.timeout_ms / 2;
+        /* The first datagram of a stream at once, then those that ask
+         * (the member's dg_fresh keeps it within half its timeout of the
+         * last, and asks every one while none arrives), and a change of
+         * the drained flag. The pace above bounds how many. */
+        ack = !w->dg_acked || q->want_ack || res.drained != w->dg_told_drained;
         if (ack) {
             w->dg_acked = true;
-            w->dg_acked_at = now;
             w->dg_told_drained = res.drained;
         }
     }

@@ -24,6 +24,8 @@
 #define DGRAM_LISTEN_MAX 4u
 /* Datagrams one dgram_recv call reads at most. */
 #define DGRAM_BATCH 32u
+/* The receive buffer the broker's sockets ask for (dgram.c says why). */
+#define DGRAM_RCVBUF (4 * 1024 * 1024)
 
 /* Packs `q` (its proof already set) as one datagram into `buf`. Returns
  * its length, or -EMSGSIZE when it would not fit WIRE_DATAGRAM_MAX. */

@@ -104,17 +104,17 @@ struct member {
 
     /* Datagram heartbeats (wire.h): offered by the broker's JoinReply, and
      * only sent with a key. For the current stream: a UDP socket
-     * connected to where the stream goes (-1: none yet), whether they were
-     * given up on, since when the broker owes an acknowledgement (the
-     * first datagram's send, then each acknowledgement; 0: none sent),
-     * and the seqs an acknowledgement may name: above the last one
-     * acknowledged and from the stream's first datagram on. */
+     * connected to where the stream goes (-1: none yet), whether it
+     * failed, when the last acknowledgement came (0: none yet), and the
+     * seqs an acknowledgement may name: above the last one acknowledged
+     * and from the stream's first datagram on (dg_sent). */
     bool dg_offered;
     int dg_fd;
-    bool dg_failed;
+    bool dg_failed, dg_sent;
+    unsigned dg_n;              /* datagrams sent on this stream */
     uint64_t dg_heard_at;
     uint64_t dg_first_seq, dg_acked_seq;
-    unsigned dg_giveups;        /* how often, for the log's level */
+    bool dg_told;               /* the warning that none arrive went out once */
 
     struct epoch *epoch;
     uint64_t last_epoch;
@@ -553,32 +553,52 @@ static void dg_close_locked(struct member *m)
         close(m->dg_fd);
     m->dg_fd = -1;
     m->dg_heard_at = 0;
+    m->dg_sent = false;
+    m->dg_n = 0;
 }
 
-/* Datagrams stop for the rest of this stream: the plain heartbeats go up
- * it again, the next one at once. */
-static void dg_give_up_locked(struct member *m, const char *why, int err, uint64_t now)
+/* Once at warn, then at debug: a network that drops UDP to the broker
+ * does so for every stream, and saying it each time tells nothing new. */
+static void dg_say_locked(struct member *m, const char *why, int err)
 {
-    /* Once at warn: a network that drops UDP to the broker does so for
-     * every stream, and saying it each time tells nothing new. */
-    log_emit(m->dg_giveups++ == 0 && !m->quiet ? LOG_WARN : LOG_DEBUG, "member",
-             "Heartbeats go up the session stream again: the broker's datagram port did not "
-             "answer.", LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("reason", why),
-             LF_ERR(err), LOG_END);
+    log_emit(!m->dg_told && !m->quiet ? LOG_WARN : LOG_DEBUG, "member",
+             "The broker's datagram port does not answer; heartbeats go up the session stream.",
+             LF_S("cohort", m->cohort), LF_S("id", m->id), LF_S("reason", why), LF_ERR(err),
+             LOG_END);
+    m->dg_told = true;
+}
+
+/* The socket cannot be used: datagrams stop for the rest of this stream. */
+static void dg_fail_locked(struct member *m, const char *why, int err)
+{
+    dg_say_locked(m, why, err);
     m->dg_failed = true;
     dg_close_locked(m);
-    m->next_hb_at = now;
 }
 
-/* Whether this heartbeat may go as a datagram: offered, not given up on,
- * and the stream connected (the socket goes where it goes). */
-static bool dg_ready_locked(struct member *m, uint64_t now)
+/* Whether the broker acknowledged a datagram recently enough that a plain
+ * heartbeat may go as a datagram alone: within half the timeout. Past
+ * that, one lost acknowledgement or a network that stopped carrying UDP
+ * would leave the member silent to the broker for more than half its
+ * timeout, so the stream carries each heartbeat too until an
+ * acknowledgement comes. An interval shorter than half the timeout
+ * (dg_ready_locked) keeps a heartbeat up the stream in time. */
+static bool dg_fresh(const struct member *m, uint64_t now)
+{
+    return m->dg_heard_at && now - m->dg_heard_at <= m->to_ms / 2;
+}
+
+/* Whether this heartbeat may go as a datagram: offered, the socket
+ * sound, the stream connected (the socket goes where it goes), and a
+ * timeout of more than two intervals (dg_fresh). */
+static bool dg_ready_locked(struct member *m)
 {
     struct sockaddr_storage sa;
     socklen_t len = sizeof(sa);
     int rc;
 
-    if (!m->dg_offered || m->dg_failed || !m->watch || !m->watch_heard)
+    if (!m->dg_offered || m->dg_failed || !m->watch || !m->watch_heard ||
+        m->to_ms <= 2 * m->hb_ms)
         return false;
     if (m->dg_fd >= 0)
         return true;
@@ -588,17 +608,18 @@ static bool dg_ready_locked(struct member *m, uint64_t now)
     if (rc == 0)
         rc = dgram_connect((struct sockaddr *)&sa, len);
     if (rc < 0) {
-        dg_give_up_locked(m, "no address to send datagrams to", rc, now);
+        dg_fail_locked(m, "no address to send datagrams to", rc);
         return false;
     }
     m->dg_fd = rc;
     return true;
 }
 
-/* Sends a plain heartbeat as one datagram, signed with the next seq.
- * Returns 0 (sent, or dropped by a full socket buffer as a network may
- * drop it), or -errno: the socket cannot send. */
-static int dg_send_locked(struct member *m, uint64_t now)
+/* Sends a plain heartbeat as one datagram, signed with the next seq,
+ * asking for an acknowledgement when `want_ack`. Returns 0 (sent, or
+ * dropped by a full socket buffer as a network may drop it), or -errno:
+ * the socket cannot send. */
+static int dg_send_locked(struct member *m, bool want_ack)
 {
     Cohort__V1__HeartbeatDatagram q = COHORT__V1__HEARTBEAT_DATAGRAM__INIT;
     Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
@@ -619,6 +640,7 @@ static int dg_send_locked(struct member *m, uint64_t now)
         skip.reason = m->ckpt_skipped_reason;
         q.checkpoint_skipped = &skip;
     }
+    q.want_ack = want_ack;
     rc = proof_sign(&m->key, &q.base, ++m->seq, proof_now_ms(), &pf, mac);
     if (rc < 0)
         return rc;
@@ -629,8 +651,9 @@ static int dg_send_locked(struct member *m, uint64_t now)
     if (send(m->dg_fd, buf, (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno != EAGAIN &&
         errno != EWOULDBLOCK && errno != ENOBUFS)
         return -errno;
-    if (!m->dg_heard_at) {
-        m->dg_heard_at = now;
+    m->dg_n++;
+    if (!m->dg_sent) {
+        m->dg_sent = true;
         m->dg_first_seq = m->seq;
         m->dg_acked_seq = m->seq - 1;
     }
@@ -682,15 +705,22 @@ static void start_heartbeat_locked(struct member *m, uint64_t now)
     int rc;
 
     /* Plain heartbeats go as datagrams where they can; a declare or a
-     * report goes up the stream, which delivers it or says it did not. */
-    if (!m->declare_pending && m->n_lost == 0 && !unreach_pending(m) &&
-        dg_ready_locked(m, now)) {
-        rc = dg_send_locked(m, now);
-        if (rc == 0) {
+     * report goes up the stream, which delivers it or says it did not.
+     * The broker acknowledges a datagram that asks: one does every
+     * quarter timeout, and every one while none is fresh. */
+    if (!m->declare_pending && m->n_lost == 0 && !unreach_pending(m) && dg_ready_locked(m)) {
+        bool fresh = dg_fresh(m, now);
+
+        rc = dg_send_locked(m, !fresh || now - m->dg_heard_at >= m->to_ms / 4);
+        if (rc < 0) {
+            dg_fail_locked(m, "a datagram could not be sent", rc);
+        } else if (fresh) {
             beat_sent_locked(m, 0, now);
             return;
+        } else if (m->dg_heard_at == 0 && m->dg_n >= 3 && !m->dg_told) {
+            dg_say_locked(m, "three datagrams of this stream, none acknowledged", -ETIMEDOUT);
         }
-        dg_give_up_locked(m, "a datagram could not be sent", rc, now);
+        /* Not fresh: the stream carries this heartbeat too. */
     }
     fill_beat_locked(m, &q, &skip, &pf, mac, ids);
     rc = rpc_watch_send(m->watch, &q.base);
@@ -725,17 +755,6 @@ static void open_watch_locked(struct member *m, uint64_t now)
         return;
     }
     beat_sent_locked(m, q.n_unreachable_peers, now);
-}
-
-/* When datagrams are given up on without an acknowledgement: the broker
- * acknowledges one at least every half timeout (brokerd.c), so half a
- * timeout and some slack, but early enough that a heartbeat up the
- * stream still arrives within the timeout. */
-static uint64_t dg_deadline(const struct member *m)
-{
-    uint32_t slack = m->hb_ms < m->to_ms / 4 ? m->hb_ms : m->to_ms / 4;
-
-    return m->dg_heard_at + m->to_ms / 2 + slack;
 }
 
 static uint32_t until(uint64_t at, uint64_t now, uint32_t cur)
@@ -815,9 +834,7 @@ uint32_t member_poll(struct member *m, uint64_t now)
         break;
     case ST_JOINED:
         if (m->dg_fd >= 0 && !m->dg_failed && (rc = dg_read_locked(m, now)) < 0)
-            dg_give_up_locked(m, "the datagram socket could not receive", rc, now);
-        if (m->dg_heard_at && now >= dg_deadline(m))
-            dg_give_up_locked(m, "no acknowledgement of a datagram in time", -ETIMEDOUT, now);
+            dg_fail_locked(m, "the datagram socket could not receive", rc);
         if (!m->watch && now >= m->next_watch_at)
             open_watch_locked(m, now);
         if (!m->watch)
@@ -827,8 +844,6 @@ uint32_t member_poll(struct member *m, uint64_t now)
              (unreach_pending(m) && now >= m->next_unreach_at)))
             start_heartbeat_locked(m, now);
         wait = until(m->next_hb_at, now, wait);
-        if (m->dg_heard_at)
-            wait = until(dg_deadline(m), now, wait);
         if (unreach_pending(m) && m->next_unreach_at > now)
             wait = until(m->next_unreach_at, now, wait);
         break;
@@ -976,7 +991,7 @@ bool member_datagrams(struct member *m)
     bool on;
 
     pthread_mutex_lock(&m->lock);
-    on = m->dg_fd >= 0 && !m->dg_failed;
+    on = m->dg_fd >= 0 && !m->dg_failed && dg_fresh(m, clock_now_ms());
     pthread_mutex_unlock(&m->lock);
     return on;
 }

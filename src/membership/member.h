@@ -119,9 +119,10 @@ int member_report_unreachable(struct member *m, const char *peer, uint64_t epoch
 void member_set_checkpoint(struct member *m, uint64_t version, uint64_t skipped_version,
                            unsigned skipped_reason);
 
-/* True while this member's plain heartbeats go as datagrams (wire.h,
- * "datagram heartbeats"): the broker offered them, and they have not been
- * given up on for the current session stream. */
+/* True while this member's plain heartbeats go as datagrams alone
+ * (wire.h, "datagram heartbeats"): the broker offered them and
+ * acknowledged one within half the member's timeout. Otherwise they go up
+ * the session stream (as well, while datagrams are tried). */
 bool member_datagrams(struct member *m);
 /* The latest epoch received, with a reference for the caller, or NULL. */
 struct epoch *member_epoch(struct member *m);

@@ -78,6 +78,7 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         id = q->id;
         v->session = q->session;
         v->a = q->model_version;
+        v->b = q->want_ack ? 1 : 0;
         v->c = q->epoch;
         v->more = true;
         v->e = q->checkpoint_version;
@@ -170,6 +171,7 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         }
     } else if (d == &cohort__v1__heartbeat_datagram__descriptor) {
         parts[n++] = SECRET_U64(v->a);
+        parts[n++] = SECRET_U64(v->b);
         parts[n++] = SECRET_U64(v->c);
         parts[n++] = SECRET_U64(v->e);
         parts[n++] = SECRET_U64(v->f);

@@ -63,9 +63,9 @@
  *                 then, only when it reports any unreachable_peers, their
  *                 number (8 bytes) and each of them (so a heartbeat that
  *                 reports none is signed as before the fields existed)
- *   HeartbeatDatagram  model_version, epoch, checkpoint_version,
- *                 checkpoint_skipped's version and reason (0 when absent),
- *                 always all five
+ *   HeartbeatDatagram  model_version, want_ack (8 bytes, 0 or 1), epoch,
+ *                 checkpoint_version, checkpoint_skipped's version and
+ *                 reason (0 when absent), always all six
  * The broker's HeartbeatDatagramAck has a MAC of its own, under the same
  * label and key: "HeartbeatDatagramAck", the cohort, the member's id,
  * then session, seq, epoch and drained (8 bytes each).
@@ -156,15 +156,17 @@
  * costs one batched read and the proof. Its proof and seq are the same as
  * any request's (above): the session's seq window makes a datagram that
  * overtakes another, or one replayed, count at most once. The broker
- * acknowledges some (the first of each session stream, then at least one
- * every half timeout) with a HeartbeatDatagramAck datagram back to the
- * sender: WIRE_DATAGRAM_ACK_MAGIC and the packed message, smaller than
- * the datagram it answers and sent only for a proved one seen for the
- * first time, so nothing is amplified or reflected. An acknowledgement is
- * how the member learns that its datagrams arrive and that the broker
- * holds its session: without one for about half its timeout, or when a
- * send fails, it goes back to its stream for as long as that stream
- * lasts. A UDP acknowledgement costs the broker a send; one down the
+ * acknowledges some (the first of each session stream, those that ask
+ * with want_ack, and one when the drained flag changes) with a
+ * HeartbeatDatagramAck datagram back to the sender:
+ * WIRE_DATAGRAM_ACK_MAGIC and the packed message, smaller than the
+ * datagram it answers and sent only for a proved one seen for the first
+ * time, so nothing is amplified or reflected. An acknowledgement is how
+ * the member learns that its datagrams arrive and that the broker holds
+ * its session: it asks for one every quarter timeout, and without one for
+ * half its timeout it sends each heartbeat up its stream as well until
+ * one comes (a send or receive that fails stops datagrams for that
+ * stream). A UDP acknowledgement costs the broker a send; one down the
  * stream would cost a gRPC write and a window update to read. */
 #define WIRE_DATAGRAM_MAGIC "cHB2"
 #define WIRE_DATAGRAM_ACK_MAGIC "cHA2"

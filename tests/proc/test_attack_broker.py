@@ -13,6 +13,8 @@ tests/tools/broker_call.c, and members without the key or the CA.
   a flood of strangers' requests: the broker's log stays bounded.
 - TLS: a sidecar given the CA joins; without it, or with another CA, it
   cannot.
+- The datagram port: a stranger's 20,000 datagrams (garbage, and frames
+  naming a member with made-up proofs) change nothing and get no answer.
 Each fails on the broker before proofs, clamps and TLS flags existed.
 """
 import json
@@ -348,3 +350,67 @@ def test_a_tls_broker_takes_members_with_the_ca_only(procs, tmp_path):
     env.pop("COHORT_SOCKET", None)
     rc, out, err = finish(spawn_group([LOGREG, "--steps", "20", "--linger", "0s"], env=env))
     assert rc == 0 and "final model_version=20" in out, err[-3000:]
+
+
+# ---- the datagram port ---------------------------------------------------------
+
+def test_a_strangers_datagrams_change_nothing(procs, tmp_path):
+    """The broker's UDP port (datagram heartbeats) takes anything a
+    stranger sends it: garbage, frames with the right magic and random
+    bytes, frames that name the cohort's members with a made-up proof. The
+    members' own datagrams keep them in: no epoch changes, nobody says its
+    datagrams go unanswered, and the broker answers nothing it was sent."""
+    import random
+    import socket
+    key = write_key(tmp_path / "key")
+    b = procs.add(start_broker("--cohort", "demo", secret_file=key))
+    assert b.last("Broker is listening.")["datagrams"] is True
+    sidecars = [procs.add(start_sidecar(b.address, "demo", "m-%d" % i, secret_file=key))
+                for i in range(2)]
+    e = wait_until(lambda: agree(sidecars, 2), "both members in one epoch")
+
+    host, port = b.address.rsplit(":", 1)
+    rng = random.Random(16)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect((host, int(port)))
+    s.setblocking(False)
+    sent = 0
+    for i in range(20000):
+        kind = i % 4
+        if kind == 0:
+            body = bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 1500)))
+        elif kind == 1:
+            body = b"cHB2" + bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 200)))
+        else:
+            # A HeartbeatDatagram (proto/cohort.proto) of m-0 with a proof
+            # of the right shape and a made-up MAC: protocol_version 2,
+            # cohort, id, session, then proof {seq, time_ms, mac}.
+            mac = bytes(rng.getrandbits(8) for _ in range(32))
+            proof = b"\x08" + bytes([1 + i % 100]) + b"\x10\x01\x1a\x20" + mac
+            body = (b"cHB2\x08\x02\x12\x04demo\x1a\x03m-0\x20\x07" +
+                    b"\x4a" + bytes([len(proof)]) + proof)
+        try:
+            s.send(body)
+            sent += 1
+        except BlockingIOError:
+            time.sleep(0.001)
+        except OSError:
+            pass            # an ICMP error of a datagram before: sending goes on
+    assert sent > 10000
+    # Nothing answered: the broker sends only to proved, fresh datagrams.
+    try:
+        got = s.recv(2048)
+    except (BlockingIOError, ConnectionRefusedError):
+        got = None
+    assert got is None, got
+    s.close()
+    # Two member timeouts later the members are still in the same epoch.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = agree(sidecars, 2)
+        assert now and now["epoch"] == e["epoch"], (e, now)
+        time.sleep(0.2)
+    for sc in sidecars:
+        assert not sc.logs("The broker's datagram port does not answer; heartbeats go up the "
+                           "session stream."), sc.logs()
+    assert broker_call("status", b.address, "demo", "--secret-file", key)[0] == 0
