@@ -828,8 +828,8 @@ static void *dg_main(void *arg)
     int n = d->n_dg;
 
     if (!b) {
-        log_emit(LOG_ERROR, "broker", "Datagram heartbeats stopped: out of memory; members "
-                 "fall back to their streams.", LOG_END);
+        log_emit(LOG_ERROR, "broker", "Datagram heartbeats are read by nobody: out of memory; "
+                 "members send their heartbeats up their streams as well.", LOG_END);
         return NULL;
     }
     for (int i = 0; i < n; i++)

@@ -4,6 +4,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -29,10 +30,13 @@ struct fixture {
     struct rpc_channel *self;   /* for the nested call */
     int duplex_msgs;            /* messages after the first on duplex streams */
     bool duplex_in_callback;    /* a duplex message callback is running */
+    /* Checks that failed on a handler's thread, where an assertion cannot
+     * fail the test: stop() asserts there were none. */
+    atomic_int handler_errors;
 };
 
 static struct fixture fx = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, NULL,
-                             0, false };
+                             0, false, 0 };
 
 /* Status echoes the cohort it was asked about; "fail" asks for an error. */
 static void on_status(void *arg, const ProtobufCMessage *req, struct rpc_reply *r)
@@ -72,16 +76,43 @@ static void on_stream_close(void *arg, struct rpc_stream *s)
     pthread_mutex_unlock(&fx.lock);
 }
 
-static void send_epoch(struct rpc_stream *s, uint64_t n)
+/* Sends epoch n down `s`. Returns 0 or -errno: the handlers run on the
+ * server's threads, where cr_assert cannot fail the test. */
+static int try_send_epoch(struct rpc_stream *s, uint64_t n)
 {
     Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
     struct rpc_buf *b;
+    int rc;
 
     e.cohort = "c";
     e.epoch = n;
-    cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
-    cr_assert_eq(rpc_stream_send(s, b), 0);
+    rc = rpc_buf_pack(&e.base, &b);
+    if (rc < 0)
+        return rc;
+    rc = rpc_stream_send(s, b);
     rpc_buf_unref(b);
+    return rc;
+}
+
+/* A check on a handler's thread: a failure is said and counted for
+ * stop(). Takes no lock, so it may run under fx.lock. */
+static void handler_check(bool ok, const char *what)
+{
+    if (!ok) {
+        fprintf(stderr, "test_rpc: a handler's check failed: %s\n", what);
+        atomic_fetch_add(&fx.handler_errors, 1);
+    }
+}
+
+static void handler_send_epoch(struct rpc_stream *s, uint64_t n)
+{
+    handler_check(try_send_epoch(s, n) == 0, "an epoch could not be sent");
+}
+
+/* try_send_epoch on the test's thread. */
+static void send_epoch(struct rpc_stream *s, uint64_t n)
+{
+    cr_assert_eq(try_send_epoch(s, n), 0);
 }
 
 /* Watch: "three" sends epochs 1..3 and finishes; "keep" keeps the stream
@@ -97,14 +128,14 @@ static void on_watch(void *arg, const ProtobufCMessage *req, struct rpc_stream *
     }
     if (strcmp(q->cohort, "three") == 0) {
         for (uint64_t i = 1; i <= 3; i++)
-            send_epoch(s, i);
+            handler_send_epoch(s, i);
         rpc_stream_finish(s, RPC_OK, "");
         rpc_stream_unref(s);
         return;
     }
     rpc_stream_on_close(s, on_stream_close, NULL);
     /* Sent before the stream is shared, so the test's later sends follow. */
-    send_epoch(s, 7);
+    handler_send_epoch(s, 7);
     pthread_mutex_lock(&fx.lock);
     fx.stream = s;
     pthread_cond_broadcast(&fx.cond);
@@ -120,7 +151,7 @@ static void on_duplex_msg(void *arg, struct rpc_stream *s, const ProtobufCMessag
     int n;
 
     pthread_mutex_lock(&fx.lock);
-    cr_assert(!fx.duplex_in_callback, "two message callbacks of one stream at once");
+    handler_check(!fx.duplex_in_callback, "two message callbacks of one stream at once");
     fx.duplex_in_callback = true;
     n = msg ? ++fx.duplex_msgs : fx.duplex_msgs;
     pthread_mutex_unlock(&fx.lock);
@@ -128,11 +159,15 @@ static void on_duplex_msg(void *arg, struct rpc_stream *s, const ProtobufCMessag
         Cohort__V1__Epoch e = COHORT__V1__EPOCH__INIT;
         struct rpc_buf *b;
 
-        cr_assert_str_eq(((const Cohort__V1__WatchRequest *)msg)->cohort, "more");
+        handler_check(strcmp(((const Cohort__V1__WatchRequest *)msg)->cohort, "more") == 0,
+                      "a later message names cohort \"more\"");
         e.epoch = (uint64_t)n;
-        cr_assert_eq(rpc_buf_pack(&e.base, &b), 0);
-        rpc_stream_send(s, b);      /* -EPIPE once the client hung up */
-        rpc_buf_unref(b);
+        if (rpc_buf_pack(&e.base, &b) == 0) {
+            rpc_stream_send(s, b);      /* -EPIPE once the client hung up */
+            rpc_buf_unref(b);
+        } else {
+            handler_check(false, "an epoch could not be packed");
+        }
     } else {
         snprintf(done, sizeof(done), "%d messages", n);
         rpc_stream_finish(s, RPC_OK, done);
@@ -146,7 +181,7 @@ static void on_duplex_msg(void *arg, struct rpc_stream *s, const ProtobufCMessag
 static void on_duplex_close(void *arg, struct rpc_stream *s)
 {
     pthread_mutex_lock(&fx.lock);
-    cr_assert(!fx.duplex_in_callback, "on_close ran while a message callback ran");
+    handler_check(!fx.duplex_in_callback, "on_close ran while a message callback ran");
     fx.closes++;
     pthread_cond_broadcast(&fx.cond);
     pthread_mutex_unlock(&fx.lock);
@@ -179,11 +214,21 @@ static void start(void)
     fx.self = ch;
 }
 
+/* Fails the test if a handler_check failed during it. */
+static void check_handlers(void)
+{
+    int errors = atomic_exchange(&fx.handler_errors, 0);
+
+    cr_assert_eq(errors, 0, "%d checks failed on the handlers' threads (stderr says which)",
+                 errors);
+}
+
 static void stop(void)
 {
     rpc_channel_destroy(ch);
     rpc_server_destroy(srv);
     rpc_shutdown();
+    check_handlers();
 }
 
 static int status_call(const char *cohort, uint32_t version, ProtobufCMessage **out, struct rpc_status *st)
@@ -632,6 +677,7 @@ static void stop_tls(void)
     rpc_server_destroy(plain_srv);
     rpc_shutdown();
     fixture_tls_cleanup(&tls);
+    check_handlers();
 }
 
 TestSuite(rpc_tls, .init = start_tls, .fini = stop_tls, .timeout = 60);
