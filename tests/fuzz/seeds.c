@@ -2,7 +2,8 @@
  * encoders the programs themselves use, so that every harness starts from
  * real traffic: greetings and frames (peerwire), trainer-link messages as
  * tlink_send puts them on the socket, scripted sidecar replies, packed
- * broker requests and epochs, probe requests, key files, names, flag
+ * broker requests and epochs, heartbeat datagrams and their
+ * acknowledgements as dgram_pack writes them, probe requests, key files, names, flag
  * values, and coded payloads as codec_encode writes them. `make fuzz-seeds` runs it, and tests/fuzz/seeds.py for the
  * Kubernetes JSON.
  *
@@ -24,6 +25,7 @@
 #include "cohort.pb-c.h"
 #include "engine/codec.h"
 #include "engine/peerwire.h"
+#include "membership/dgram.h"
 
 static const char *root;
 
@@ -493,6 +495,52 @@ static void text(void)
     put("opt", "list", "\xf7" "1M,64K,4096", 12);
 }
 
+/* A heartbeat datagram and an acknowledgement as member.c and brokerd.c
+ * send them, each behind the harness's selector byte. */
+static void dgram(void)
+{
+    Cohort__V1__HeartbeatDatagram q = COHORT__V1__HEARTBEAT_DATAGRAM__INIT;
+    Cohort__V1__HeartbeatDatagramAck a = COHORT__V1__HEARTBEAT_DATAGRAM_ACK__INIT;
+    Cohort__V1__CheckpointSkipped skip = COHORT__V1__CHECKPOINT_SKIPPED__INIT;
+    Cohort__V1__Proof pf = COHORT__V1__PROOF__INIT;
+    uint8_t mac[32], buf[1 + WIRE_DATAGRAM_MAX];
+    ssize_t n;
+
+    memset(mac, 0x42, sizeof(mac));
+    pf.seq = 7;
+    pf.time_ms = 1764300000000ull;
+    pf.mac.data = mac;
+    pf.mac.len = sizeof(mac);
+    q.protocol_version = 2;
+    q.cohort = "default/logreg";
+    q.id = "logreg-0";
+    q.session = 42;
+    q.model_version = 9;
+    q.epoch = 6;
+    q.want_ack = 1;
+    q.proof = &pf;
+    buf[0] = 0;
+    n = dgram_pack(&q, buf + 1);
+    if (n > 0)
+        put("dgram", "heartbeat", buf, (size_t)n + 1);
+    q.checkpoint_version = 12;
+    skip.version = 13;
+    skip.reason = 2;
+    q.checkpoint_skipped = &skip;
+    n = dgram_pack(&q, buf + 1);
+    if (n > 0)
+        put("dgram", "heartbeat-checkpoint", buf, (size_t)n + 1);
+    a.session = 42;
+    a.seq = 7;
+    a.epoch = 6;
+    a.mac.data = mac;
+    a.mac.len = sizeof(mac);
+    buf[0] = 1;
+    n = dgram_pack_ack(&a, buf + 1);
+    if (n > 0)
+        put("dgram", "ack", buf, (size_t)n + 1);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -509,6 +557,7 @@ int main(int argc, char **argv)
     tlink();
     tlink_trainer();
     broker();
+    dgram();
     epoch();
     text();
     return 0;
