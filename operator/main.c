@@ -292,12 +292,36 @@ static void metric(struct probe_reply *r, const char *name, const char *type, co
                  "cohort_operator_%s %llu\n", name, help, name, type, name, v);
 }
 
+/* What became of the broker's datagram heartbeats, by kind: a member
+ * count that stays near zero beside many refused or none at all tells of
+ * UDP blocked, mangled or spoofed on the way (docs/architecture.md,
+ * "Datagram heartbeats"). */
+static void datagram_metrics(struct probe_reply *r, const uint64_t dg[BROKERD_DG_KINDS])
+{
+    static const char *const kinds[BROKERD_DG_KINDS] = {
+        [BROKERD_DG_ACCEPTED] = "accepted", [BROKERD_DG_MALFORMED] = "malformed",
+        [BROKERD_DG_UNPROVED] = "unproved", [BROKERD_DG_UNATTACHED] = "unattached",
+        [BROKERD_DG_REPLAYED] = "replayed", [BROKERD_DG_PACED] = "paced",
+        [BROKERD_DG_ACKED] = "acknowledged",
+    };
+
+    probe_printf(r, "# HELP cohort_operator_broker_datagrams_total Datagram heartbeats the "
+                 "broker read, by what became of them; acknowledged: acknowledgements sent.\n"
+                 "# TYPE cohort_operator_broker_datagrams_total counter\n");
+    /* BROKERD_DG_DROPPED is the tests' deaf broker's alone. */
+    for (int k = 0; k < BROKERD_DG_KINDS; k++)
+        if (kinds[k])
+            probe_printf(r, "cohort_operator_broker_datagrams_total{kind=\"%s\"} %llu\n",
+                         kinds[k], (unsigned long long)dg[k]);
+}
+
 static void serve_probe(void *arg, const char *path, struct probe_reply *r)
 {
     struct op *op = arg;
     struct controller_stats cs = { 0 }, now = { 0 };
     struct kube_stats ks = { 0 };
-    bool leading, running;
+    uint64_t dg[BROKERD_DG_KINDS] = { 0 };
+    bool leading, running, datagrams = false;
     size_t members = 0;
 
     pthread_mutex_lock(&op->lock);
@@ -319,6 +343,7 @@ static void serve_probe(void *arg, const char *path, struct probe_reply *r)
                 members += st->cohorts[i].n_members;
             broker_status_free(st);
         }
+        datagrams = brokerd_datagrams(op->broker, dg);
     }
     pthread_mutex_unlock(&op->lock);
 
@@ -356,6 +381,9 @@ static void serve_probe(void *arg, const char *path, struct probe_reply *r)
         metric(r, "cohorts", "gauge", "TrainingCohorts in the cache.", cs.cohorts);
         metric(r, "pods", "gauge", "Trainer pods in the cache.", cs.pods);
         metric(r, "broker_members", "gauge", "Members the broker holds, all cohorts.", members);
+        metric(r, "broker_datagrams", "gauge", "1 while the broker takes datagram heartbeats "
+               "(UDP on its port).", datagrams);
+        datagram_metrics(r, dg);
         metric(r, "pods_created_total", "counter", "Trainer pods created.", cs.pods_created);
         metric(r, "pods_deleted_total", "counter", "Trainer pods deleted.", cs.pods_deleted);
         metric(r, "pods_replaced_total", "counter", "Failed trainer pods replaced.",

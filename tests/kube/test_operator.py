@@ -200,6 +200,13 @@ def test_cohort_trains_scales_recovers_drains_and_is_deleted(cluster):
                "the operator to forget lr")
     m = op.metrics()
     assert m["pods_created_total"] >= 6 and m["reconcile_errors_total"] == 0, m
+    # The broker's datagram counters, one per kind; the sandbox's service
+    # proxy relays TCP only, so its sidecars' datagrams reach no UDP port.
+    assert m["broker_datagrams"] == 1, m
+    kinds = {k[len('broker_datagrams_total{kind="'):-2] for k in m
+             if k.startswith("broker_datagrams_total{")}
+    assert kinds == {"accepted", "malformed", "unproved", "unattached", "replayed", "paced",
+                     "acknowledged"}, m
 
 
 def test_accumulator_and_reduction_fields_reach_every_member(cluster):
