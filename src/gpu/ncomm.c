@@ -287,10 +287,10 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel 
     return 0;
 }
 
-/* One word summed over `ch`: how many members' shrink failed. Returns
- * the count, or the channel's -errno, or -EPROTO for a count no honest
- * set of members gives. */
-static int64_t shrink_failures(const struct ncomm_channel *ch, size_t n, bool failed)
+/* One word summed over `ch`: how many members' shrink or start failed.
+ * Returns the count, or the channel's -errno, or -EPROTO for a count no
+ * honest set of members gives. */
+static int64_t failures(const struct ncomm_channel *ch, size_t n, bool failed)
 {
     uint64_t w = failed ? 1 : 0;
     int rc = ch->sum_u64(ch->arg, &w, 1);
@@ -321,11 +321,11 @@ int ncomm_setup(struct ncomm *c, uint64_t epoch, const char *const *members, siz
          * the survivors, so one that failed anywhere holds the others up
          * until their deadline, and the epoch would go without NCCL. */
         rc = ncomm_start(c, epoch, members, n, self, &plan);
-        failed = shrink_failures(ch, n, rc < 0);
+        failed = failures(ch, n, rc < 0);
         if (failed == 0) {
             rc = ncomm_wait(c, deadline_ms, cancel);
             stale = rc == -ESTALE;
-            failed = shrink_failures(ch, n, rc < 0);
+            failed = failures(ch, n, rc < 0);
             if (failed == 0) {
                 *shrunk = true;
                 return 0;
@@ -349,8 +349,22 @@ int ncomm_setup(struct ncomm *c, uint64_t epoch, const char *const *members, siz
             return -ESTALE;
     }
     rc = ncomm_start(c, epoch, members, n, self, &plan);
-    if (rc < 0)
-        return rc;
+    /* Every member learns whether every rank's start went through. A rank
+     * whose start failed never joins, so the others would wait for it
+     * until their deadline while it, with nothing to wait for, went on to
+     * its next step and waited for them there: whichever wait ended first
+     * decided whether the epoch went host-staged or failed a step. A
+     * non-blocking start returns at once, so every member is here soon. */
+    failed = failures(ch, n, rc < 0);
+    if (failed != 0) {
+        if (rc == 0)
+            ncomm_abort(c, NCOMM_ABORT_MS);
+        if (failed > 0 && rc == 0)
+            log_warn("gpu", "Another member's NCCL communicator could not be made; this one is "
+                     "given up too.", LF_U("epoch", epoch), LF_U("members_failed",
+                     (uint64_t)failed));
+        return failed < 0 ? (int)failed : rc < 0 ? rc : -ECONNABORTED;
+    }
     return ncomm_wait(c, deadline_ms, cancel);
 }
 

@@ -41,8 +41,9 @@
 /* Words of the id exchange: the count of members that gave an id, then the id. */
 #define NCOMM_XCHG_WORDS (1 + NCOMM_ID_WORDS)
 #define NCOMM_MEMBERS_MAX 4096  /* a longer member list is refused */
-/* Sums ncomm_setup takes at most: the vote, a shrink's two checks, the id. */
-#define NCOMM_SETUP_SUMS 4
+/* Sums ncomm_setup takes at most: the vote, a shrink's two checks, the
+ * id, and whether every rank's start went through. */
+#define NCOMM_SETUP_SUMS 5
 /* How long an abort inside ncomm_start, ncomm_wait and ncomm_destroy may
  * take before it is left to its thread (ncomm_leaked). */
 #define NCOMM_ABORT_MS 10000
@@ -154,10 +155,13 @@ int ncomm_wait(struct ncomm *c, uint32_t deadline_ms, const struct ncomm_cancel 
  * shrink, start it, then one sum over `ch` says whether every member
  * started one, and after the wait another whether every child is ready;
  * if any is not, every member aborts what it has and rebuilds (the id's
- * sum, start, wait), in the same epoch. *shrunk says which. At most
+ * sum, start), in the same epoch. After a rebuild's start one more sum
+ * says whether every rank started, and only then does each wait (a rank
+ * that could not start never joins). *shrunk says which. At most
  * NCOMM_SETUP_SUMS sums, the same number on every member. Returns 0
- * (READY), or as ncomm_agree and ncomm_wait; on failure the state is
- * NONE, or, for -ESTALE, whatever a newer epoch's setup will undo. */
+ * (READY), -ECONNABORTED when another member's start failed, or as
+ * ncomm_agree and ncomm_wait; on failure the state is NONE, or, for
+ * -ESTALE, whatever a newer epoch's setup will undo. */
 int ncomm_setup(struct ncomm *c, uint64_t epoch, const char *const *members, size_t n,
                 const char *self, const struct ncomm_channel *ch, uint32_t deadline_ms,
                 const struct ncomm_cancel *cancel, bool *shrunk);

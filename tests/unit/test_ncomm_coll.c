@@ -492,7 +492,8 @@ Test(ncomm_setup, members_that_only_leave_shrink_and_a_joiner_rebuilds)
     struct setup_arg a[SETUP_MAX];
 
     setup_shrinkable(&w, ms, 4);
-    cr_assert_eq(run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a), 2, "a vote, then the id");
+    cr_assert_eq(run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a), 3,
+                 "a vote, the id, then whether every rank started");
     for (int i = 0; i < 3; i++) {
         cr_assert_eq(a[i].rc_setup, 0);
         cr_assert_not(a[i].shrunk);
@@ -518,7 +519,7 @@ Test(ncomm_setup, members_that_only_leave_shrink_and_a_joiner_rebuilds)
     cr_assert_str_eq(ms[1].f.log, "", "b calls nothing");
     clear_logs(ms, 4);
 
-    cr_assert_eq(run_setup(ms, acd, 3, ACD, 3, FIXTURE_WAIT_MS, a), 2);
+    cr_assert_eq(run_setup(ms, acd, 3, ACD, 3, FIXTURE_WAIT_MS, a), 3);
     for (int i = 0; i < 3; i++) {
         cr_assert_eq(a[i].rc_setup, 0);
         cr_assert_not(a[i].shrunk, "a joiner: rebuilt");
@@ -531,6 +532,35 @@ Test(ncomm_setup, members_that_only_leave_shrink_and_a_joiner_rebuilds)
      * a's, c's and d's of epoch 3 are live. */
     cr_assert_eq(fake_nccl_live(&w), 4);
     teardown(&w, ms, 4);
+}
+
+/* A rank whose start fails never joins the communicator. Every member
+ * learns it in one sum and gives its own up at once, rather than waiting
+ * for that rank until the deadline while the failed one, with nothing to
+ * wait for, waits for them in its next step. */
+Test(ncomm_setup, a_start_that_fails_on_one_member_ends_every_setup_at_once)
+{
+    static const int abc[] = { 0, 1, 2 };
+    struct fake_nccl_world w;
+    struct member ms[3];
+    struct setup_arg a[SETUP_MAX];
+    uint64_t t0;
+
+    setup_shrinkable(&w, ms, 3);
+    ms[1].f.fail_init = -EIO;
+    t0 = clock_now_ms();
+    cr_assert_eq(run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a), 3,
+                 "a vote, the id, then whether every rank started");
+    cr_assert_lt(clock_now_ms() - t0, FIXTURE_WAIT_MS / 2, "no member waited for its deadline");
+    cr_assert_eq(a[0].rc_setup, -ECONNABORTED);
+    cr_assert_eq(a[1].rc_setup, -EIO);
+    cr_assert_eq(a[2].rc_setup, -ECONNABORTED);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(ncomm_state(ms[i].c), NCOMM_NONE, "member %d", i);
+        cr_assert_eq(ms[i].rc_reduce, 1, "member %d ran no collective", i);
+    }
+    cr_assert_eq(fake_nccl_live(&w), 0, "the started communicators are aborted");
+    teardown(&w, ms, 3);
 }
 
 /* c dies in the middle of an all-reduce: a and b see the newer epoch,
@@ -586,8 +616,8 @@ Test(ncomm_setup, a_shrink_that_fails_falls_back_to_a_rebuild)
     run_setup(ms, abc, 3, ABC, 1, FIXTURE_WAIT_MS, a);
     clear_logs(ms, 3);
     ms[1].f.fail_shrink = -ENOMEM;
-    cr_assert_eq(run_setup(ms, ab, 2, AB, 2, FIXTURE_WAIT_MS, a), 3,
-                 "the vote, the failed start, the id");
+    cr_assert_eq(run_setup(ms, ab, 2, AB, 2, FIXTURE_WAIT_MS, a), 4,
+                 "the vote, the failed start, the id, whether every rank started");
     for (int i = 0; i < 2; i++) {
         cr_assert_eq(a[i].rc_setup, 0);
         cr_assert_not(a[i].shrunk);
@@ -620,7 +650,8 @@ Test(ncomm_setup, a_default_shrink_under_work_in_flight_times_out_and_rebuilds)
     ncomm_set_busy(ms[1].c, false);
     clear_logs(ms, 3);
     t0 = clock_now_ms();
-    cr_assert_eq(run_setup(ms, ab, 2, AB, 2, 1000, a), 4, "the vote, started, ready, the id");
+    cr_assert_eq(run_setup(ms, ab, 2, AB, 2, 1000, a), 5,
+                 "the vote, started, ready, the id, whether every rank started");
     cr_assert_geq(clock_now_ms() - t0, 1000, "the shrink's deadline");
     for (int i = 0; i < 2; i++) {
         char want[128];
