@@ -91,7 +91,7 @@ struct brokerd {
      * eventfd stops. Set at start, read-only after. */
     int dg_fds[DGRAM_LISTEN_MAX];
     int n_dg;
-    int dg_stop;
+    int dg_stop_fd;
     bool dg_deaf;
     pthread_t dg_thread;
     /* What became of the datagrams (brokerd_datagrams). */
@@ -522,6 +522,15 @@ static void watcher_closed(void *arg, struct rpc_stream *s)
     free(w);
 }
 
+/* What a heartbeat, up a stream or as a datagram, reports of checkpoints. */
+static struct broker_checkpoint checkpoint_of(uint64_t version,
+                                              const Cohort__V1__CheckpointSkipped *skipped)
+{
+    return (struct broker_checkpoint){ .version = version,
+                                       .skipped_version = skipped ? skipped->version : 0,
+                                       .skipped_reason = skipped ? skipped->reason : 0 };
+}
+
 /* Ends a session stream with a refusal: the refused heartbeat changed
  * nothing, and the member's membership is untouched (a stream the broker
  * ends is not a death; the member reopens or times out). */
@@ -563,9 +572,7 @@ static int session_beat(struct watcher *w, const Cohort__V1__HeartbeatRequest *q
     struct brokerd *d = w->d;
     struct broker_beat beat = {
         .model_version = q->model_version, .declare = q->declare_version, .adopted = q->epoch,
-        .ckpt = { .version = q->checkpoint_version,
-                  .skipped_version = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0,
-                  .skipped_reason = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0 },
+        .ckpt = checkpoint_of(q->checkpoint_version, q->checkpoint_skipped),
     };
     struct broker_beat_result res = { 0 };
     char why[RPC_MESSAGE_MAX];
@@ -773,9 +780,7 @@ static void dg_one(struct brokerd *d, int fd, const struct dgram_batch *b, size_
     }
     struct broker_beat beat = {
         .model_version = q->model_version, .adopted = q->epoch,
-        .ckpt = { .version = q->checkpoint_version,
-                  .skipped_version = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0,
-                  .skipped_reason = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0 },
+        .ckpt = checkpoint_of(q->checkpoint_version, q->checkpoint_skipped),
     };
     pthread_mutex_lock(&d->lock);
     now = clock_now_ms();
@@ -834,7 +839,7 @@ static void *dg_main(void *arg)
     }
     for (int i = 0; i < n; i++)
         pfd[i] = (struct pollfd){ .fd = d->dg_fds[i], .events = POLLIN };
-    pfd[n] = (struct pollfd){ .fd = d->dg_stop, .events = POLLIN };
+    pfd[n] = (struct pollfd){ .fd = d->dg_stop_fd, .events = POLLIN };
     for (;;) {
         if (poll(pfd, (nfds_t)n + 1, -1) < 0 && errno != EINTR)
             break;
@@ -866,7 +871,7 @@ static void dg_start(struct brokerd *d, const struct brokerd_config *cfg)
     int rc;
 
     d->n_dg = 0;
-    d->dg_stop = -1;
+    d->dg_stop_fd = -1;
     if (cfg->no_datagrams)
         return;
     rc = dgram_listen(cfg->listen, rpc_server_port(d->srv), d->dg_fds);
@@ -874,15 +879,15 @@ static void dg_start(struct brokerd *d, const struct brokerd_config *cfg)
         goto off;
     d->n_dg = rc;
     d->dg_deaf = cfg->deaf_datagrams;
-    d->dg_stop = eventfd(0, EFD_CLOEXEC);
-    if (d->dg_stop < 0) {
+    d->dg_stop_fd = eventfd(0, EFD_CLOEXEC);
+    if (d->dg_stop_fd < 0) {
         rc = -errno;
         goto off_close;
     }
     if (pthread_create(&d->dg_thread, NULL, dg_main, d) != 0) {
         rc = -EAGAIN;
-        close(d->dg_stop);
-        d->dg_stop = -1;
+        close(d->dg_stop_fd);
+        d->dg_stop_fd = -1;
         goto off_close;
     }
     return;
@@ -902,10 +907,10 @@ static void dg_stop(struct brokerd *d)
 
     if (d->n_dg == 0)
         return;
-    if (write(d->dg_stop, &one, sizeof(one)) != sizeof(one))
+    if (write(d->dg_stop_fd, &one, sizeof(one)) != sizeof(one))
         log_error("broker", "Could not stop the datagram thread.", LF_ERR(-errno));
     pthread_join(d->dg_thread, NULL);
-    close(d->dg_stop);
+    close(d->dg_stop_fd);
     for (int i = 0; i < d->n_dg; i++)
         close(d->dg_fds[i]);
     d->n_dg = 0;

@@ -107,10 +107,10 @@ struct member {
      * connected to where the stream goes (-1: none yet), whether it
      * failed, when the last acknowledgement came (0: none yet), and the
      * seqs an acknowledgement may name: above the last one acknowledged
-     * and from the stream's first datagram on (dg_sent). */
+     * and from the stream's first datagram on. */
     bool dg_offered;
     int dg_fd;
-    bool dg_failed, dg_sent;
+    bool dg_failed;
     unsigned dg_n;              /* datagrams sent on this stream */
     uint64_t dg_heard_at;
     uint64_t dg_first_seq, dg_acked_seq;
@@ -262,6 +262,15 @@ static void join_done(void *arg, const struct rpc_status *st, ProtobufCMessage *
         protobuf_c_message_free_unpacked(reply, NULL);
 }
 
+/* The broker answered: it holds this member's session and its heartbeats
+ * arrive, down the stream or as a datagram's acknowledgement. Lock held. */
+static void heard_locked(struct member *m, uint64_t now)
+{
+    m->last_ok_at = now;
+    m->fails = 0;
+    m->last_fail = RPC_OK;
+}
+
 /* An acknowledgement of this member's heartbeats. Lock held. */
 static void beat_locked(struct member *m, const Cohort__V1__HeartbeatReply *r, uint64_t now)
 {
@@ -407,10 +416,8 @@ static void session_msg(void *arg, ProtobufCMessage *msg)
      * member's session and its heartbeats arrive. */
     pthread_mutex_lock(&m->lock);
     if (m->state == ST_JOINED) {
-        m->last_ok_at = now;
+        heard_locked(m, now);
         m->watch_heard = true;
-        m->fails = 0;
-        m->last_fail = RPC_OK;
         if (r->beat)
             beat_locked(m, r->beat, now);
     }
@@ -504,6 +511,18 @@ static void lost_clear_locked(struct member *m)
     m->n_lost = 0;
 }
 
+/* What the member reports of a checkpoint it skipped, in `skip`; NULL for
+ * none. */
+static Cohort__V1__CheckpointSkipped *skipped_locked(const struct member *m,
+                                                     Cohort__V1__CheckpointSkipped *skip)
+{
+    if (!m->ckpt_skipped_version)
+        return NULL;
+    skip->version = m->ckpt_skipped_version;
+    skip->reason = m->ckpt_skipped_reason;
+    return skip;
+}
+
 /* Fills heartbeat `q` with what the member reports now, signed with the
  * next seq: the oldest queued unreachable peers, whose ids it points
  * `ids` at. `skip`, `pf`, `mac` and `ids` must outlive the send. */
@@ -526,11 +545,7 @@ static void fill_beat_locked(struct member *m, Cohort__V1__HeartbeatRequest *q,
     q->n_unreachable_peers = unreach_batch_locked(m, ids);
     q->unreachable_peers = q->n_unreachable_peers ? ids : NULL;
     q->checkpoint_version = m->ckpt_version;
-    if (m->ckpt_skipped_version) {
-        skip->version = m->ckpt_skipped_version;
-        skip->reason = m->ckpt_skipped_reason;
-        q->checkpoint_skipped = skip;
-    }
+    q->checkpoint_skipped = skipped_locked(m, skip);
     sign_locked(m, &q->base, &q->proof, pf, mac);
 }
 
@@ -553,7 +568,6 @@ static void dg_close_locked(struct member *m)
         close(m->dg_fd);
     m->dg_fd = -1;
     m->dg_heard_at = 0;
-    m->dg_sent = false;
     m->dg_n = 0;
 }
 
@@ -635,11 +649,7 @@ static int dg_send_locked(struct member *m, bool want_ack)
     q.model_version = m->model_version;
     q.epoch = m->epoch ? m->epoch->number : 0;
     q.checkpoint_version = m->ckpt_version;
-    if (m->ckpt_skipped_version) {
-        skip.version = m->ckpt_skipped_version;
-        skip.reason = m->ckpt_skipped_reason;
-        q.checkpoint_skipped = &skip;
-    }
+    q.checkpoint_skipped = skipped_locked(m, &skip);
     q.want_ack = want_ack;
     rc = proof_sign(&m->key, &q.base, ++m->seq, proof_now_ms(), &pf, mac);
     if (rc < 0)
@@ -651,9 +661,7 @@ static int dg_send_locked(struct member *m, bool want_ack)
     if (send(m->dg_fd, buf, (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno != EAGAIN &&
         errno != EWOULDBLOCK && errno != ENOBUFS)
         return -errno;
-    m->dg_n++;
-    if (!m->dg_sent) {
-        m->dg_sent = true;
+    if (m->dg_n++ == 0) {
         m->dg_first_seq = m->seq;
         m->dg_acked_seq = m->seq - 1;
     }
@@ -683,9 +691,7 @@ static int dg_read_locked(struct member *m, uint64_t now)
 
             m->dg_acked_seq = a->seq;
             m->dg_heard_at = now;
-            m->last_ok_at = now;
-            m->fails = 0;
-            m->last_fail = RPC_OK;
+            heard_locked(m, now);
             r.epoch = a->epoch;
             r.drained = a->drained;
             beat_locked(m, &r, now);

@@ -33,6 +33,15 @@ static const char *str(const char *s)
     return s ? s : "";
 }
 
+/* A heartbeat's checkpoint parts (wire.h), either kind. */
+static void checkpoint_ints(struct ints *v, uint64_t version,
+                            const Cohort__V1__CheckpointSkipped *skipped)
+{
+    v->e = version;
+    v->f = skipped ? skipped->version : 0;
+    v->g = skipped ? skipped->reason : 0;
+}
+
 /* Fills parts[] with wire.h's MAC input for `req`. Returns the count, or
  * 0 for a message that carries no proof. */
 static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time_ms,
@@ -67,9 +76,7 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         v->b = q->declare_version ? 1 : 0;
         v->c = q->epoch;
         v->more = q->checkpoint_version != 0 || q->checkpoint_skipped != NULL;
-        v->e = q->checkpoint_version;
-        v->f = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0;
-        v->g = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0;
+        checkpoint_ints(v, q->checkpoint_version, q->checkpoint_skipped);
     } else if (d == &cohort__v1__heartbeat_datagram__descriptor) {
         const Cohort__V1__HeartbeatDatagram *q = (const Cohort__V1__HeartbeatDatagram *)req;
         method = "HeartbeatDatagram";
@@ -81,9 +88,7 @@ static size_t mac_input(const ProtobufCMessage *req, uint64_t seq, uint64_t time
         v->b = q->want_ack ? 1 : 0;
         v->c = q->epoch;
         v->more = true;
-        v->e = q->checkpoint_version;
-        v->f = q->checkpoint_skipped ? q->checkpoint_skipped->version : 0;
-        v->g = q->checkpoint_skipped ? q->checkpoint_skipped->reason : 0;
+        checkpoint_ints(v, q->checkpoint_version, q->checkpoint_skipped);
     } else if (d == &cohort__v1__leave_request__descriptor) {
         const Cohort__V1__LeaveRequest *q = (const Cohort__V1__LeaveRequest *)req;
         method = "Leave";
