@@ -23,8 +23,10 @@
 #else
 #define HAVE_F16C 0
 #endif
-/* Kernel variants for wider vector units: see "kernel variants". */
+/* Kernel variants for wider vector units: see "kernel variants". SSE2
+ * (the streaming copy) is every x86-64 CPU's. */
 #if defined(__x86_64__)
+#include <emmintrin.h>
 #define HAVE_X86_VARIANTS 1
 #else
 #define HAVE_X86_VARIANTS 0
@@ -338,6 +340,14 @@ __attribute__((target("avx,f16c"))) static void combine_widen_f16c(enum dtype_op
                             const T *restrict b, size_t n)                          \
     {                                                                               \
         COMBINE_BODY(MINF, MAXF, ADD, T, a)                                         \
+    }                                                                               \
+    /* b is d itself (based on it, so restrict holds): element i reads and   */    \
+    /* writes only index i, which vectorises as the other two do.            */    \
+    INLINE void name##_onto(enum dtype_op op, T *restrict d, const T *restrict a,   \
+                            size_t n)                                               \
+    {                                                                               \
+        const T *b = d;                                                             \
+        COMBINE_BODY(MINF, MAXF, ADD, T, a)                                         \
     }
 #define FADD(T, x, y) ((x) + (y))
 #define IADD32(T, x, y) ((T)((uint32_t)(x) + (uint32_t)(y)))
@@ -357,6 +367,18 @@ INLINE void combine_any(enum dtype acc, enum dtype_op op, void *restrict dst,
     case DTYPE_I32: combine_i32_inplace(op, dst, src, n); break;
     case DTYPE_I64: combine_i64_inplace(op, dst, src, n); break;
     default: break;             /* 16-bit types are never accumulated as such */
+    }
+}
+
+INLINE void combine_onto_any(enum dtype acc, enum dtype_op op, void *restrict dst,
+                             const void *restrict a, size_t n)
+{
+    switch (acc) {
+    case DTYPE_F32: combine_f32_onto(op, dst, a, n); break;
+    case DTYPE_F64: combine_f64_onto(op, dst, a, n); break;
+    case DTYPE_I32: combine_i32_onto(op, dst, a, n); break;
+    case DTYPE_I64: combine_i64_onto(op, dst, a, n); break;
+    default: break;
     }
 }
 
@@ -448,6 +470,7 @@ struct kernels {
     void (*combine)(enum dtype, enum dtype_op, void *restrict, const void *restrict, size_t);
     void (*combine_into)(enum dtype, enum dtype_op, void *restrict, const void *restrict,
                          const void *restrict, size_t);
+    void (*combine_onto)(enum dtype, enum dtype_op, void *restrict, const void *restrict, size_t);
     void (*widen)(enum dtype, float *restrict, const uint16_t *restrict, size_t);
     void (*narrow)(enum dtype, uint16_t *restrict, const float *restrict, size_t);
     void (*combine_widen)(enum dtype, enum dtype_op, float *restrict, const uint16_t *restrict,
@@ -466,6 +489,11 @@ struct kernels {
                                         size_t n)                                        \
     {                                                                                    \
         combine_into_any(acc, op, d, a, b, n);                                           \
+    }                                                                                    \
+    TARGET static void combine_onto_##V(enum dtype acc, enum dtype_op op, void *restrict d, \
+                                        const void *restrict a, size_t n)                 \
+    {                                                                                    \
+        combine_onto_any(acc, op, d, a, n);                                              \
     }                                                                                    \
     TARGET static void widen_##V(enum dtype t, float *restrict d, const uint16_t *restrict s, \
                                  size_t n)                                               \
@@ -487,7 +515,7 @@ struct kernels {
     {                                                                                    \
         scale_float_any(acc, d, n, divisor);                                             \
     }
-#define VARIANT(V) { #V, combine_##V, combine_into_##V, widen_##V, narrow_##V, \
+#define VARIANT(V) { #V, combine_##V, combine_into_##V, combine_onto_##V, widen_##V, narrow_##V, \
                      combine_widen_##V, scale_float_##V }
 
 DEFINE_VARIANT(baseline, )
@@ -591,6 +619,43 @@ void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
                         const void *restrict a, const void *restrict b, size_t n)
 {
     kernels()->combine_into(acc, op, dst, a, b, n);
+}
+
+void dtype_combine_onto(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict a, size_t n)
+{
+    kernels()->combine_onto(acc, op, dst, a, n);
+}
+
+void dtype_copy_streaming(void *restrict dst, const void *restrict src, size_t bytes)
+{
+#if HAVE_X86_VARIANTS
+    /* SSE2, so every x86-64 CPU: the store unit, not the vector width,
+     * bounds a copy to memory. Unaligned ends go through memcpy. */
+    uint8_t *d = dst;
+    const uint8_t *s = src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+
+    if (head > bytes)
+        head = bytes;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    bytes -= head;
+    for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
+        _mm_stream_si128((__m128i *)(void *)d, _mm_loadu_si128((const __m128i *)(const void *)s));
+    memcpy(d, s, bytes);
+    /* Streaming stores are weakly ordered: whatever publishes dst after
+     * this call must not overtake them. */
+    _mm_sfence();
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
+
+bool dtype_copy_streams(void)
+{
+    return HAVE_X86_VARIANTS;
 }
 
 void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict d,

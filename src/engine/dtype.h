@@ -75,6 +75,24 @@ void dtype_combine(enum dtype acc, enum dtype_op op, void *restrict dst,
 void dtype_combine_into(enum dtype acc, enum dtype_op op, void *restrict dst,
                         const void *restrict a, const void *restrict b, size_t n);
 
+/* dst[i] = a[i] op dst[i]: dtype_combine_into with b being dst, with its
+ * bytes: min and max keep a tie's first operand, a, as into does; only a
+ * sum of two NaNs may keep the other one's payload, since the compiler
+ * may order a commutative add either way (in either kernel). dst and a
+ * do not overlap. */
+void dtype_combine_onto(enum dtype acc, enum dtype_op op, void *restrict dst,
+                        const void *restrict a, size_t n);
+
+/* memcpy that writes dst with non-temporal stores (x86-64; a plain memcpy
+ * elsewhere): a destination that will not be read again soon is neither
+ * read from memory first (write-allocate) nor left to push other lines
+ * out of the cache. The stores are fenced before it returns. */
+void dtype_copy_streaming(void *restrict dst, const void *restrict src, size_t bytes);
+
+/* True where dtype_copy_streaming streams (x86-64), false where it is a
+ * memcpy. */
+bool dtype_copy_streams(void);
+
 /* The same with src a float16 or bfloat16 (`t`) array widened on the fly:
  * dst[i] = dst[i] op (float)src[i]. */
 void dtype_combine_widen(enum dtype t, enum dtype_op op, float *restrict dst,

@@ -459,6 +459,33 @@ static void awkward(uint8_t *p, size_t n, enum dtype t, uint64_t *s)
     }
 }
 
+static bool is_nan(enum dtype t, const uint8_t *p)
+{
+    float f;
+    double d;
+
+    if (t == DTYPE_F32) {
+        memcpy(&f, p, 4);
+        return f != f;
+    }
+    if (t == DTYPE_F64) {
+        memcpy(&d, p, 8);
+        return d != d;
+    }
+    return false;
+}
+
+/* One element of two results: the same bytes, or, for a sum of two NaNs,
+ * NaNs both. */
+static bool same_or_nan_sum(enum dtype t, enum dtype_op op, const uint8_t *x, const uint8_t *y,
+                            const uint8_t *a, const uint8_t *b)
+{
+    if (memcmp(x, y, dtype_size(t)) == 0)
+        return true;
+    return op != DTYPE_MIN && op != DTYPE_MAX && is_nan(t, a) && is_nan(t, b) && is_nan(t, x) &&
+           is_nan(t, y);
+}
+
 /* Runs `call` (which writes `out`) with every supported variant and
  * compares its bytes with the baseline's. */
 #define FOR_EVERY_VARIANT(out, bytes, setup, call, what, ...)                        \
@@ -508,6 +535,32 @@ Test(dtype, variants_write_the_same_bytes)
                                       dtype_combine_into(t, (enum dtype_op)op, pd, pa, pb, n),
                                       "combine_into %s op %d n %zu off %zu", dtype_name(t), op,
                                       n, off);
+                    /* Onto: dst plays b's part; every variant writes the
+                     * bytes of the baseline's into, but for a sum of two
+                     * NaNs, whose payload follows the order the compiler
+                     * gives a commutative add. */
+                    {
+                        static uint8_t into[4096 + 64];
+
+                        cr_assert_eq(dtype_kernels_use(0), 0);
+                        memset(into, 0xa5, sizeof(into));
+                        dtype_combine_into(t, (enum dtype_op)op, into + off * es, pa, pb, n);
+                        for (size_t v = 0; v < dtype_kernels_count(); v++) {
+                            if (!dtype_kernels_supported(v))
+                                continue;
+                            cr_assert_eq(dtype_kernels_use(v), 0);
+                            memset(d, 0xa5, sizeof(d));
+                            memcpy(pd, pb, n * es);
+                            dtype_combine_onto(t, (enum dtype_op)op, pd, pa, n);
+                            for (size_t i = 0; i < n; i++)
+                                cr_assert(same_or_nan_sum(t, (enum dtype_op)op, pd + i * es,
+                                                          into + (off + i) * es, pa + i * es,
+                                                          pb + i * es),
+                                          "%s: combine_onto differs from combine_into: %s op %d "
+                                          "n %zu off %zu at %zu", dtype_kernels_name(v),
+                                          dtype_name(t), op, n, off, i);
+                        }
+                    }
                     tried++;
                 }
     cr_assert_gt(tried, 500);
@@ -579,4 +632,33 @@ Test(dtype, variants_are_chosen_and_named)
             cr_assert_eq(dtype_kernels_use(i), -ENOTSUP);
     cr_assert_eq(dtype_kernels_use(0), 0);
     cr_assert_eq(dtype_kernels_current(), 0);
+}
+
+/* The streaming copy writes exactly the source's bytes at every alignment
+ * of either end and every length around the 16-byte stores, and nothing
+ * beside them. */
+Test(dtype, streaming_copy_is_exact_at_every_alignment)
+{
+    static uint8_t src[1024 + 64], dst[1024 + 64];
+    uint64_t seed = 0x243f6a8885a308d3u;
+    size_t tried = 0;
+
+    awkward(src, sizeof(src), DTYPE_I64, &seed);
+    for (size_t so = 0; so < 17; so++)
+        for (size_t dof = 0; dof < 17; dof++)
+            for (size_t len = 0; len < 70; len += (len < 40 ? 1 : 7)) {
+                memset(dst, 0x5a, sizeof(dst));
+                dtype_copy_streaming(dst + dof, src + so, len);
+                cr_assert(memcmp(dst + dof, src + so, len) == 0, "so %zu do %zu len %zu", so, dof,
+                          len);
+                for (size_t i = 0; i < sizeof(dst); i++)
+                    if (i < dof || i >= dof + len)
+                        cr_assert_eq(dst[i], 0x5a, "byte %zu written: so %zu do %zu len %zu", i,
+                                     so, dof, len);
+                tried++;
+            }
+    memset(dst, 0, sizeof(dst));
+    dtype_copy_streaming(dst + 3, src + 5, 1024);
+    cr_assert(memcmp(dst + 3, src + 5, 1024) == 0);
+    cr_assert_gt(tried, 10000);
 }
