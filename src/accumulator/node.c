@@ -1251,7 +1251,7 @@ static size_t spare_digits(const struct node *n, uint32_t m)
     /* Where the digits would add a short ring segment to every step (a
      * tail too long for the ring to fold, engine/ring.c), the count step
      * costs less. */
-    if (!allreduce_same_exchanges(n->ar, m, n->t.grad_count, COUNTERS * per, t))
+    if (!allreduce_same_exchanges(n->ar, m, n->t.grad_count, COUNTERS * per, t, true))
         return 0;
     return per;
 }

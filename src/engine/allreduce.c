@@ -801,7 +801,7 @@ finish:
 }
 
 bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count, size_t extra,
-                              enum dtype type)
+                              enum dtype type, bool into)
 {
     size_t asz, seg;
     bool small_a, small_b;
@@ -823,7 +823,8 @@ bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count,
     if (dtype_is_16bit_float(type))
         return false;
     seg = a->seg_bytes / asz;
-    return ring_segments(n, count, seg) == ring_segments(n, count + extra, seg);
+    return ring_segments(n, count, seg, ring_staged(into, count * asz)) ==
+           ring_segments(n, count + extra, seg, ring_staged(into, (count + extra) * asz));
 }
 
 size_t allreduce_members(struct allreduce *a)

@@ -290,7 +290,8 @@ size_t allreduce_members(struct allreduce *a);
 bool allreduce_busy(const struct allreduce *a);
 
 /* Whether an uncompressed all-reduce of count + extra elements of `type`
- * among n members makes as many exchanges as one of `count`: the same
+ * among n members, out of place (`into`) or in place, makes as many
+ * exchanges as one of `count`: the same
  * algorithm, and for the ring as many segments. The ring folds a tail of
  * up to 1/64 of a segment per chunk into the segments before it (ring.c,
  * "Folding a tail"), so a few elements appended to a buffer whose chunks
@@ -299,6 +300,6 @@ bool allreduce_busy(const struct allreduce *a);
  * For a caller that can carry a few values with a buffer or in a call of
  * their own (the Accumulator's counters). */
 bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count, size_t extra,
-                              enum dtype type);
+                              enum dtype type, bool into);
 
 #endif

@@ -30,8 +30,8 @@
  * writes it. */
 #define COMPONENT "allreduce"
 
-/* Segments per chunk per window for 16-bit types and coded calls, and the
- * staging slots that makes necessary: see ring.c. Behind the slots the
+/* Segments per chunk per window for 16-bit types, coded calls and staged
+ * sums, and the staging slots that makes necessary: see ring.c. Behind the slots the
  * staging area has a spare segment (SLOTS: what step 0 sends, widened or
  * encoded) and a scratch one (SCRATCH: a coded segment decoded). */
 #ifndef WINDOW_UNITS_WIDE

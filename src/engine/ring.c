@@ -52,7 +52,23 @@
  * except at the last step, which nobody forwards. So every slot that is
  * not the last step's is queued to be sent, in the order received, which
  * is the order of the sends that forward them: the 16-bit scheme above,
- * extended to the all-gather, with the same window length and slots. */
+ * extended to the all-gather, with the same window length and slots.
+ *
+ * Staged sums. Out of place (the Accumulator's call: gradients in,
+ * results out), summing a received segment with ours straight into the
+ * results writes lines of them that were never read, and a write-allocate
+ * cache reads each from memory first: past the caches, one more read of
+ * every byte this member reduces than in place, which costs most where
+ * the ring is bound by memory bandwidth. So from RING_STAGED_MIN_BYTES
+ * up, on CPUs with streaming stores, a reduce-scatter sum stays in the
+ * staging slot it arrived in (our contribution folded in with
+ * dtype_combine_onto, ours first as everywhere) and is
+ * forwarded from there, as 16-bit partial sums are, with their window
+ * length and slots; a chunk's final sum is also copied into the results
+ * with non-temporal stores, which read nothing, and the all-gather's
+ * first step forwards it from the slot, still in the cache. Below that
+ * size the results are in the cache anyway and the copy would cost more
+ * than the read it saves. */
 #include "engine/ring.h"
 
 #include <errno.h>
@@ -63,6 +79,7 @@
 #include "base/log.h"
 #include "engine/allreduce_impl.h"
 #include "engine/conn.h"
+#include "engine/dtype.h"
 
 /* Segments per chunk per window; 16-bit types use WINDOW_UNITS_WIDE
  * (allreduce_impl.h, since it sizes the staging area). */
@@ -89,8 +106,9 @@ struct ring {
     int tx_slot;                /* slot the frame in flight is sent from, or -1 */
     int rx_slot;
     bool slot_busy[SLOTS];
-    int fifo[SLOTS];            /* 16-bit: slots holding sums to forward, in order */
+    int fifo[SLOTS];            /* 16-bit, coded, staged: slots to forward, in order */
     size_t fifo_head, fifo_len;
+    bool staged;                /* "Staged sums" */
 };
 
 size_t ring_needs(size_t n, size_t me, size_t *need)
@@ -179,9 +197,20 @@ size_t ring_parts(size_t len, size_t most)
     return (len + most - 1) / most;
 }
 
-size_t ring_segments(size_t n, size_t count, size_t seg)
+bool ring_staged(bool into, size_t bytes)
 {
-    size_t win = n * seg * (n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS), total = 0;
+    return into && dtype_copy_streams() && bytes >= RING_STAGED_MIN_BYTES;
+}
+
+/* Segments per chunk per window: shorter where sums wait in the slots. */
+static size_t window_units(size_t n, bool in_slots)
+{
+    return in_slots ? WINDOW_UNITS_WIDE : n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS;
+}
+
+size_t ring_segments(size_t n, size_t count, size_t seg, bool staged)
+{
+    size_t win = n * seg * window_units(n, staged), total = 0;
     size_t fold = seg / FOLD_SHARE;
     size_t windows = parts_folded(count, win, n * fold);
 
@@ -249,6 +278,23 @@ static uint8_t *slot_ptr(const struct run *x, int slot)
     return x->a->stage + (size_t)slot * x->a->slot_bytes;
 }
 
+/* The slot that received a sum to forward joins the queue of sends. */
+static void fifo_push(struct ring *g, int slot)
+{
+    g->fifo[(g->fifo_head + g->fifo_len) % SLOTS] = slot;
+    g->fifo_len++;
+}
+
+/* The next send's slot: it is busy until that send completes. */
+static int fifo_pop(struct ring *g)
+{
+    int slot = g->fifo[g->fifo_head];
+
+    g->fifo_head = (g->fifo_head + 1) % SLOTS;
+    g->fifo_len--;
+    return slot;
+}
+
 static bool ring_send_ready(const struct ring *g)
 {
     return g->s.t == 0 || received(g, g->s.w, g->s.t - 1, g->s.j);
@@ -258,8 +304,9 @@ static bool ring_send_ready(const struct ring *g)
  * send cursor's unit and sets *bytes to their wire length. Step 0 sends
  * our own contribution; every later step sends a partial sum or a result,
  * which live in buf, except that 16-bit partial sums travel as float32
- * from a staging slot (g->tx_slot, freed once sent), and coded calls send
- * every later step from its slot, encoded. */
+ * from a staging slot (g->tx_slot, freed once sent), staged sums up to
+ * the all-gather's first step from theirs, and coded calls send every
+ * later step from its slot, encoded. */
 static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
 {
     const struct cursor *s = &g->s;
@@ -273,9 +320,12 @@ static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
             codec_encode(x->codec, slot_ptr(x, SLOTS), (const float *)src, s->len);
             return slot_ptr(x, SLOTS);
         }
-        g->tx_slot = g->fifo[g->fifo_head];
-        g->fifo_head = (g->fifo_head + 1) % SLOTS;
-        g->fifo_len--;
+        g->tx_slot = fifo_pop(g);
+        return slot_ptr(x, g->tx_slot);
+    }
+    if (g->staged && s->t > 0 && s->t < x->n) {
+        /* Partial sums, and at step n - 1 our final one: in their slots. */
+        g->tx_slot = fifo_pop(g);
         return slot_ptr(x, g->tx_slot);
     }
     if (x->wide && s->t < x->n - 1) {
@@ -285,9 +335,7 @@ static const void *ring_stage(struct run *x, struct ring *g, size_t *bytes)
             dtype_widen(x->type, (float *)slot_ptr(x, SLOTS), (const uint16_t *)src, s->len);
             src = slot_ptr(x, SLOTS);
         } else {
-            g->tx_slot = g->fifo[g->fifo_head];
-            g->fifo_head = (g->fifo_head + 1) % SLOTS;
-            g->fifo_len--;
+            g->tx_slot = fifo_pop(g);
             src = slot_ptr(x, g->tx_slot);
         }
     }
@@ -369,8 +417,7 @@ static void ring_combine_coded(struct run *x, struct ring *g)
             return;
         }
     }
-    g->fifo[(g->fifo_head + g->fifo_len) % SLOTS] = g->rx_slot;
-    g->fifo_len++;
+    fifo_push(g, g->rx_slot);
 }
 
 /* Where a received payload is combined: a reduce-scatter segment arrived
@@ -390,14 +437,22 @@ static void ring_combine(struct run *x, struct ring *g)
     if (q->t >= x->n - 1)
         return;                 /* all-gather: it landed in the user buffer */
     slot = slot_ptr(x, g->rx_slot);
+    if (g->staged) {
+        dtype_combine_onto(x->acc, x->op, slot, x->src + q->base * x->esz, q->len);
+        if (last) {
+            dtype_scale(x->acc, slot, q->len, x->div);
+            dtype_copy_streaming(x->buf + q->base * x->esz, slot, q->len * x->esz);
+        }
+        fifo_push(g, g->rx_slot);
+        return;
+    }
     if (!x->wide) {
         void *dst = x->buf + q->base * x->esz;
 
         /* Out of place, our contribution is read where it is and the sum
-         * written once, with no copy; but the sum's lines were not read,
-         * and a write-allocate cache reads them first: one more read per
-         * byte than in place once past the caches (README, "The
-         * Accumulator's overhead"). */
+         * written once, with no copy; the sum's lines were not read, and
+         * a write-allocate cache reads them first, which matters only
+         * past the caches ("Staged sums"). */
         if (x->src != x->buf)
             dtype_combine_into(x->acc, x->op, dst, x->src + q->base * x->esz, slot, q->len);
         else
@@ -414,8 +469,7 @@ static void ring_combine(struct run *x, struct ring *g)
         g->slot_busy[g->rx_slot] = false;
         return;
     }
-    g->fifo[(g->fifo_head + g->fifo_len) % SLOTS] = g->rx_slot;
-    g->fifo_len++;
+    fifo_push(g, g->rx_slot);
 }
 
 /* Sleeps until L can receive, R can send, R's control side has something
@@ -475,9 +529,8 @@ int ring_run(struct run *x)
     int rc;
 
     g.seg = a->seg_bytes / x->asz;
-    g.win = x->n * g.seg *
-            (x->wide || x->coded ? WINDOW_UNITS_WIDE
-                                 : x->n == 2 ? WINDOW_UNITS_PAIR : WINDOW_UNITS);
+    g.staged = !x->wide && !x->coded && ring_staged(x->src != x->buf, x->count * x->esz);
+    g.win = x->n * g.seg * window_units(x->n, x->wide || x->coded || g.staged);
     g.fold = x->coded ? 0 : g.seg / FOLD_SHARE;
     g.n_windows = parts_folded(x->count, g.win, x->n * g.fold);
     g.steps = 2 * (x->n - 1);

@@ -5,6 +5,7 @@
 #ifndef COHORT_RING_H
 #define COHORT_RING_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 struct run;
@@ -19,13 +20,25 @@ size_t ring_needs(size_t n, size_t me, size_t *need);
  * (see conn.h), -ESTALE, or -EIO if the schedule ever stalled. */
 int ring_run(struct run *x);
 
+/* Out of place (`into`), a call of plain elements (not 16-bit, not
+ * coded) from this many bytes up keeps its sums in the staging slots and
+ * streams only final ones into the results (ring.c, "Staged sums"): twice
+ * the last-level cache share of a core on the 2-core development VM, so
+ * that a member's contribution and results no longer fit in it. */
+#define RING_STAGED_MIN_BYTES ((size_t)8 << 20)
+
+/* Whether a call of plain elements of `bytes`, out of place or not, is
+ * staged: from RING_STAGED_MIN_BYTES up, where the CPU has streaming
+ * stores (dtype_copy_streams). */
+bool ring_staged(bool into, size_t bytes);
+
 /* The segments each chunk of a ring all-reduce of `count` elements among
  * n members (n >= 2) is cut into, summed over chunks and windows, with
  * `seg` elements a segment and plain (not 16-bit, not coded) elements,
- * a short tail folded in as ring_run does: what one member sends per
- * step, summed. Equal for two counts, a call makes as many exchanges with
- * either. */
-size_t ring_segments(size_t n, size_t count, size_t seg);
+ * staged (ring_staged: shorter windows) or not, a short tail folded in as
+ * ring_run does: what one member sends per step, summed. Equal for two
+ * counts, a call makes as many exchanges with either. */
+size_t ring_segments(size_t n, size_t count, size_t seg, bool staged);
 
 /* The bytes a staging slot needs for a ring of segment_bytes segments:
  * a segment with a folded tail (ring.c, "Folding a tail") is up to

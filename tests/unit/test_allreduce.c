@@ -521,7 +521,8 @@ Test(allreduce, ring_folds_a_short_tail_into_the_last_segments, .timeout = 240)
                 size_t base = bases[b];
                 size_t whole = frames_of(&c, base, ++round, 2 * (n - 1) * base * 4, "whole");
 
-                cr_assert_eq(whole, 2 * (n - 1) * ring_segments(n, base, seg),
+                cr_assert_eq(whole,
+                             2 * (n - 1) * ring_segments(n, base, seg, ring_staged(n == 3, base * 4)),
                              "n=%zu: %zu elements", n, base);
                 for (size_t k = 0; k < sizeof tails / sizeof tails[0]; k++) {
                     size_t count = base + tails[k];
@@ -529,7 +530,9 @@ Test(allreduce, ring_folds_a_short_tail_into_the_last_segments, .timeout = 240)
                     size_t got = frames_of(&c, count, ++round, 2 * (n - 1) * count * 4,
                                            forced ? "ring, folded" : "chosen, folded");
 
-                    cr_assert_eq(got, 2 * (n - 1) * ring_segments(n, count, seg),
+                    cr_assert_eq(got,
+                                 2 * (n - 1) *
+                                     ring_segments(n, count, seg, ring_staged(n == 3, count * 4)),
                                  "n=%zu: %zu + %zu elements", n, base, tails[k]);
                     if (folds)
                         cr_assert_eq(got, whole, "n=%zu: %zu + %zu elements: %zu frames, not %zu",
@@ -576,6 +579,90 @@ Test(allreduce, out_of_place_bf16_and_f32_over_many_windows)
     adopt(&c, 1, NULL);
     reduce_and_check(&c, count, DTYPE_BF16, DTYPE_AVG, 3, 1, "large bf16, out of place");
     reduce_and_check(&c, count, DTYPE_F32, DTYPE_AVG_BY, 3, 2, "large f32, out of place");
+    cluster_fini(&c);
+}
+
+/* Out of place from RING_STAGED_MIN_BYTES up, sums stay in the staging
+ * slots and only final ones are streamed into the results (ring.c,
+ * "Staged sums"): every op in float32, and the other plain types, on 2
+ * and 3 members over many windows, against the reference; the
+ * contributions are left as they were (check). */
+Test(allreduce, out_of_place_staged_sums_match_the_reference, .timeout = 240)
+{
+    size_t count = RING_STAGED_MIN_BYTES / 4 + 7;
+
+    cr_assert(ring_staged(true, count * 4) || !dtype_copy_streams());
+    for (size_t n = 2; n <= 3; n++) {
+        struct cluster c;
+        uint64_t round = 0;
+
+        quiet();
+        cluster_init(&c, n, count * 8, 64 << 10, 0, 60000);
+        cluster_out_of_place(&c);
+        adopt(&c, 1, NULL);
+        for (int op = 0; op < DTYPE_OP_COUNT; op++)
+            reduce_and_check(&c, count, DTYPE_F32, (enum dtype_op)op, 3, ++round, "staged f32");
+        reduce_and_check(&c, count, DTYPE_F64, DTYPE_AVG, 3, ++round, "staged f64");
+        reduce_and_check(&c, count, DTYPE_I32, DTYPE_MAX, 3, ++round, "staged i32");
+        reduce_and_check(&c, count, DTYPE_I64, DTYPE_AVG_BY, 3, ++round, "staged i64");
+        cluster_fini(&c);
+    }
+}
+
+/* Staged, with NaNs of several payloads and signed zeros: every member
+ * ends with the same bytes (one member finishes each chunk); a result is a
+ * NaN exactly where an input is, and otherwise the exact sum, minimum or
+ * maximum. Which NaN payload or which zero a tie keeps depends on the
+ * order the ring sums in, which the cut decides, as "Folding a tail" in
+ * ring.c says (tests/unit/test_dtype.c holds dtype_combine_onto to
+ * dtype_combine_into's bytes). */
+Test(allreduce, staged_sums_agree_everywhere_on_nan_and_signed_zero, .timeout = 240)
+{
+    static const uint32_t vals[] = { 0x7fc00000u, 0x7fc00123u, 0xffc00001u, 0x00000000u,
+                                     0x80000000u, 0x3f800000u, 0xbf800000u };
+    size_t count = RING_STAGED_MIN_BYTES / 4 + 5, bytes = count * 4;
+    struct cluster c;
+    uint64_t round = 0;
+
+    cluster_start(&c, 3, bytes, 64 << 10, 0, 60000);
+    cluster_out_of_place(&c);
+    for (int op = DTYPE_SUM; op <= DTYPE_MAX; op++) {
+        if (op == DTYPE_AVG)
+            continue;
+        for (size_t k = 0; k < c.n; k++) {
+            uint32_t *in = c.p[k].in;
+
+            for (size_t i = 0; i < count; i++)
+                in[i] = vals[(i * 5 + k * 3 + i / 7) % 7];
+            memset(c.p[k].buf, 0xa5, bytes);
+        }
+        call_all(&c, count, DTYPE_F32, (enum dtype_op)op, 0, ++round);
+        for (size_t k = 0; k < c.n; k++) {
+            cr_assert_eq(c.p[k].rc, 0);
+            cr_assert(memcmp(c.p[k].buf, c.p[0].buf, bytes) == 0, "op %d: member %zu", op, k);
+            for (size_t i = 0; i < count; i++)
+                cr_assert_eq(((uint32_t *)c.p[k].in)[i], vals[(i * 5 + k * 3 + i / 7) % 7]);
+        }
+        for (size_t i = 0; i < count; i++) {
+            float got = ((float *)c.p[0].buf)[i], sum = 0, lo = INFINITY, hi = -INFINITY;
+            bool nan = false;
+
+            for (size_t k = 0; k < c.n; k++) {
+                float x = ((float *)c.p[k].in)[i];
+
+                nan |= x != x;
+                sum += x;
+                lo = x < lo ? x : lo;
+                hi = x > hi ? x : hi;
+            }
+            if (nan) {
+                cr_assert(got != got, "op %d element %zu: %g, not a NaN", op, i, (double)got);
+                continue;
+            }
+            cr_assert_eq(got, op == DTYPE_SUM ? sum : op == DTYPE_MIN ? lo : hi,
+                         "op %d element %zu: %g", op, i, (double)got);
+        }
+    }
     cluster_fini(&c);
 }
 
@@ -2526,30 +2613,38 @@ Test(allreduce, same_exchanges_counts_ring_segments)
     cr_assert_eq(allreduce_listen("127.0.0.1", &fd, addr, sizeof(addr)), 0);
     c.listen_fd = fd;
     cr_assert_eq(allreduce_create(&c, &a), 0);
-    cr_assert(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32));
-    cr_assert(allreduce_same_exchanges(a, 2, 262144, 2048, DTYPE_F32));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 2049, DTYPE_F32));
-    cr_assert(allreduce_same_exchanges(a, 4, 262144, 4096, DTYPE_F32));
-    cr_assert_not(allreduce_same_exchanges(a, 4, 262144, 4097, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 2048, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 2049, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 4, 262144, 4096, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 4, 262144, 4097, DTYPE_F32, false));
     /* float64: 32768-element segments, 512 elements (4 KiB) fold. */
-    cr_assert(allreduce_same_exchanges(a, 2, 131072, 1024, DTYPE_F64));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 131072, 1025, DTYPE_F64));
-    cr_assert(allreduce_same_exchanges(a, 2, 250000, 36, DTYPE_F32));
-    cr_assert(allreduce_same_exchanges(a, 4, 250000, 36, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 131072, 1024, DTYPE_F64, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 131072, 1025, DTYPE_F64, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 250000, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 4, 250000, 36, DTYPE_F32, false));
     /* 64 MiB: sixteen whole windows; 36 elements more would be a
      * seventeenth window without folding. */
-    cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32));
-    cr_assert(allreduce_same_exchanges(a, 4, 16u << 20, 36, DTYPE_F32));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 2049, DTYPE_F32));
+    cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 4, 16u << 20, 36, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 2049, DTYPE_F32, false));
+    /* Out of place that size is staged (ring.c, "Staged sums"), in
+     * windows of four segments a chunk: 32 of them, whole, which fold the
+     * same tail. */
+    cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32, true));
+    cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 2048, DTYPE_F32, true));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 2049, DTYPE_F32, true));
+    cr_assert_eq(ring_segments(2, 16u << 20, 65536, true), 2 * 32 * 4);
+    cr_assert_eq(ring_segments(2, 16u << 20, 65536, false), 2 * 16 * 8);
     /* Recursive doubling (up to 256 KiB): one exchange a step, whatever
      * the length; but not across the switch to the ring. */
-    cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 36, DTYPE_F32));
-    cr_assert(allreduce_same_exchanges(a, 2, 16384, 36, DTYPE_F64));
+    cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 16384, 36, DTYPE_F64, false));
     /* Alone, or nothing appended: nothing changes. */
-    cr_assert(allreduce_same_exchanges(a, 1, 262144, 36, DTYPE_F32));
-    cr_assert(allreduce_same_exchanges(a, 2, 262144, 0, DTYPE_F32));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 36, (enum dtype)99));
+    cr_assert(allreduce_same_exchanges(a, 1, 262144, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 262144, 0, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 262144, 36, (enum dtype)99, false));
     allreduce_destroy(a);
     close(fd);
 }
