@@ -344,7 +344,14 @@ Test(dtype, combine_widen_matches_widen_then_combine)
             dtype_combine_widen((enum dtype)t, (enum dtype_op)op, d1, src, N);
             dtype_widen((enum dtype)t, w, src, N);
             dtype_combine(DTYPE_F32, (enum dtype_op)op, d2, w, N);
-            cr_assert_eq(memcmp(d1, d2, sizeof d1), 0, "type %d op %d", t, op);
+            /* The same bits, but for a sum of two NaNs (i = 67), which may
+             * carry either operand's payload: which one is the compiler's
+             * choice of operand order, not the kernel's. */
+            for (int i = 0; i < N; i++)
+                cr_assert(fbits(d1[i]) == fbits(d2[i]) ||
+                              (op != DTYPE_MIN && op != DTYPE_MAX && i % 13 == 2 && isnan(w[i]) &&
+                               isnan(d1[i]) && isnan(d2[i])),
+                          "type %d op %d element %d", t, op, i);
         }
 }
 
