@@ -16,7 +16,7 @@ PY_TMP   := $(BUILD)/python-tmp
 .PHONY: python python-test
 
 python:
-	cd python && COHORT_WERROR=1 $(PYTHON) setup.py -q build -j $$(nproc) \
+	cd python && COHORT_WERROR=1 COHORT_GPU=$(GPU) CUDA_HOME=$(CUDA_HOME) $(PYTHON) setup.py -q build -j $$(nproc) \
 		--build-base $(abspath $(PY_TMP)) --build-lib $(abspath $(PY_BUILD)) \
 		--build-temp $(abspath $(PY_TMP))/temp
 
@@ -24,6 +24,11 @@ python:
 # the release build, a cohort of torch trainers is slow enough on two cores
 # without sanitizers under its sidecars, and the C side's sanitizer
 # coverage comes from tests/proc.
-python-test: python $(BUILD)/cohort-operator $(BUILD)/cohort-sidecar $(BUILD)/cohortctl
+# With GPU support, tests/python/test_py_gpu.py runs a CUDA model's path
+# against the stand-in driver (tests/gpu/fake_cuda.c, not sanitized), which
+# the sidecars and the trainers load from COHORT_FAKE_CUDA_DIR.
+python-test: python $(BUILD)/cohort-operator $(BUILD)/cohort-sidecar $(BUILD)/cohortctl \
+		$(if $(filter on,$(GPU)),$(FAKE_CUDA))
 	PYTHONPATH=$(abspath $(PY_BUILD)) COHORT_BIN=$(abspath $(BUILD)) \
+		$(if $(filter on,$(GPU)),COHORT_FAKE_CUDA_DIR=$(abspath $(dir $(FAKE_CUDA)))) \
 		$(PYTHON) -m pytest -q -p no:cacheprovider tests/python

@@ -9,6 +9,10 @@ sources that protoc-c generates from proto/. It needs what `make` needs:
 a C compiler, protoc-c, and the development packages of gRPC, protobuf-c,
 cJSON, libcurl and libyaml (scripts/install-deps.sh installs them).
 
+Where cuda.h and nccl.h are under $CUDA_HOME (default /usr/local/cuda),
+src/gpu/ is compiled with GPU support, as make does ($COHORT_GPU=off
+leaves it out); nothing links CUDA, which src/gpu/ loads at run time.
+
 The repository is the directory above this one, or $COHORT_SOURCE_DIR when
 the package directory was copied elsewhere.
 """
@@ -43,6 +47,20 @@ def pkg_config(*args):
     return shlex.split(out)
 
 
+def gpu_cflags():
+    """The Makefile's GPU support for src/gpu/ (docs/gpu.md): -DCOHORT_GPU
+    and CUDA's include directory where cuda.h and nccl.h are under
+    $CUDA_HOME (default /usr/local/cuda), unless $COHORT_GPU is "off"
+    (make passes its GPU). Nothing links CUDA: src/gpu/ loads the driver
+    and NCCL at run time."""
+    if os.environ.get("COHORT_GPU", "on") == "off":
+        return []
+    inc = os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "include")
+    if not all(os.path.exists(os.path.join(inc, h)) for h in ("cuda.h", "nccl.h")):
+        return []
+    return ["-DCOHORT_GPU", "-I" + inc]
+
+
 def newer(target, sources):
     """True when target is missing or older than any of sources."""
     if not os.path.exists(target):
@@ -62,7 +80,10 @@ class BuildExt(build_ext):
                      "repository" % ROOT)
         tmp = os.path.abspath(self.build_temp)
         gen = os.path.join(tmp, "gen")
-        objdir = os.path.join(tmp, "obj")
+        gpu = gpu_cflags()
+        # Objects built with and without GPU support live apart, so that
+        # turning it on or off recompiles src/gpu/.
+        objdir = os.path.join(tmp, "obj-gpu" if gpu else "obj")
         os.makedirs(gen, exist_ok=True)
         os.makedirs(objdir, exist_ok=True)
         for proto in sorted(glob.glob(os.path.join(ROOT, "proto", "*.proto"))):
@@ -86,7 +107,8 @@ class BuildExt(build_ext):
             rel = os.path.relpath(src, ROOT if src.startswith(ROOT + os.sep) else gen)
             obj = os.path.join(objdir, rel[:-2].replace(os.sep, "_") + ".o")
             if newer(obj, [src] + headers):
-                cmd = cc + cflags + ["-c", src, "-o", obj]
+                extra = gpu if os.path.basename(os.path.dirname(src)) == "gpu" else []
+                cmd = cc + cflags + extra + ["-c", src, "-o", obj]
                 print(" ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
             return obj
@@ -94,7 +116,7 @@ class BuildExt(build_ext):
         jobs = self.parallel if isinstance(self.parallel, int) and self.parallel > 1 else os.cpu_count()
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or 1) as pool:
             objs = list(pool.map(compile_one, sources))
-        lib = os.path.join(tmp, "libcohort_pic.a")
+        lib = os.path.join(objdir, "libcohort_pic.a")
         if newer(lib, objs):
             if os.path.exists(lib):
                 os.unlink(lib)
@@ -102,7 +124,7 @@ class BuildExt(build_ext):
         # src/ for engine/codec.h: the state's codecs (cohort.hivemind).
         ext.include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")] + \
             ext.include_dirs
-        ext.library_dirs = [tmp] + ext.library_dirs
+        ext.library_dirs = [objdir] + ext.library_dirs
         ext.libraries = ["cohort_pic"] + LIBS
         ext.extra_link_args = ["-Wl,--as-needed", "-Wl,--exclude-libs,ALL"] + pkg_config("--libs-only-L")
         ext.depends = objs + [lib, os.path.join(ROOT, "include", "cohort.h"),
@@ -114,7 +136,14 @@ class BuildExt(build_ext):
                 ext.define_macros = ext.define_macros + [("COHORT_BINDING_RESULTS", "1")]
         if os.environ.get("COHORT_WERROR") == "1":
             ext.extra_compile_args = ext.extra_compile_args + ["-Werror"]
+        # Back to the other archive after turning GPU support off and on:
+        # it may be older than the extension, which must be linked again.
+        stamp = os.path.join(tmp, "linked-with")
+        if not os.path.exists(stamp) or open(stamp).read() != lib:
+            self.force = True
         super().build_extension(ext)
+        with open(stamp, "w") as f:
+            f.write(lib)
 
 
 setup(

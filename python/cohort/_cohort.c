@@ -282,6 +282,33 @@ static PyObject *core_connect(struct core *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* use_gpu(uuid): the gradients move to that GPU (cohort_use_gpu), before
+ * connect. The errno says why not: EOPNOTSUPP (this build has no GPU
+ * support), ELIBACC (no CUDA driver), ENXIO (no device with that UUID). */
+static PyObject *core_use_gpu(struct core *self, PyObject *arg)
+{
+    const char *uuid;
+    int rc;
+
+    if (check_open(self) < 0)
+        return NULL;
+    uuid = PyUnicode_AsUTF8(arg);
+    if (!uuid)
+        return NULL;
+    LOCKED(self, rc = cohort_use_gpu(c, uuid));
+    if (rc < 0)
+        return raise_rc(uuid, rc);
+    Py_RETURN_NONE;
+}
+
+/* The gradients' device address (a CUdeviceptr) after use_gpu; 0 before. */
+static PyObject *core_gpu_grads(struct core *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong((unsigned long long)cohort_gpu_grads(self->c));
+}
+
 static PyObject *core_set_identity(struct core *self, PyObject *args)
 {
     const char *cohort_name, *id;
@@ -695,6 +722,10 @@ static PyMethodDef core_methods[] = {
     { "connect", (PyCFunction)core_connect, METH_VARARGS,
       "connect(address=None): 'unix:PATH' (a sidecar), 'host:port' (a broker; the node runs "
       "in this process) or None ($COHORT_SOCKET, else $COHORT_BROKER)." },
+    { "use_gpu", (PyCFunction)core_use_gpu, METH_O,
+      "use_gpu(uuid): the gradients move to the GPU with that UUID ('GPU-...'), before connect." },
+    { "gpu_grads", (PyCFunction)core_gpu_grads, METH_NOARGS,
+      "The gradients' device address after use_gpu (0 before)." },
     { "set_identity", (PyCFunction)core_set_identity, METH_VARARGS,
       "set_identity(cohort, member_id): names used when joining a broker directly." },
     { "update", (PyCFunction)core_update, METH_NOARGS, "Refreshes the view." },
