@@ -110,8 +110,11 @@ asan: $(FAKE_CUDA) $(FAKE_NCCL_DIR)/libnccl.so.2 $(FAKE_NCCL_DIR)/libcuda.so.1
 endif
 .PHONY: test-gpu
 test-gpu: deps
-	$(MAKE) -j$$(nproc) $(GPU_CHECK)
+	$(MAKE) -j$$(nproc) $(GPU_CHECK) python $(BUILD)/cohort-operator $(BUILD)/cohort-sidecar \
+		$(BUILD)/cohortctl
 	$(GPU_CHECK)
+	PYTHONPATH=$(abspath $(PY_BUILD)) COHORT_BIN=$(abspath $(BUILD)) $(PYTHON) -m pytest -q -rs \
+		-p no:cacheprovider tests/python/test_py_gpu.py -k real_gpu
 # ---- end of GPU support -----------------------------------------------------
 
 PROTOS     := $(wildcard proto/*.proto)

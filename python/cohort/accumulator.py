@@ -9,6 +9,15 @@ into the block in place, reduce_gradients() hands it over without a copy,
 and a state sync writes the leader's parameters and buffers straight into
 the model.
 
+A model on a CUDA device (docs/gpu.md) registers its gradients on that
+device instead: cohort allocates them with the driver's virtual-memory
+API (cohort_use_gpu), each `.grad` becomes a view of that device memory
+(torch.as_tensor over __cuda_array_interface__), and the sidecar reduces
+them where they are. The parameters and buffers stay the model's own
+device tensors; their host copies in the shared block are what state
+transfer moves, refreshed from the device when this member sends its
+state and copied to the device when the leader's arrives.
+
 Where the seed API leaves room, this module follows include/cohort.h:
 - reduce_gradients(batch_size) contributes what `.grad` holds; the result
   is the sum of the contributions divided by their number (pass a
@@ -24,6 +33,7 @@ Where the seed API leaves room, this module follows include/cohort.h:
   without has_gradients, anything after close()) raises.
 """
 import atexit
+import ctypes
 import errno
 import os
 import pickle
@@ -82,17 +92,89 @@ def _check_tensor(t, what, i):
 
 def _device_refusal(device):
     """Why a tensor on `device` cannot be registered, as the end of a
-    sentence; None for the CPU. A CUDA device is told apart by whether this
-    process can reach CUDA at all (docs/gpu.md)."""
+    sentence; None for the CPU and for a CUDA device this process reaches
+    (docs/gpu.md)."""
     if device.type == "cpu":
         return None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return ("is on %s, but CUDA is not available to this process "
                     "(torch.cuda.is_available() is False: no driver or no device)" % device)
-        return ("is on %s; the Python Accumulator registers CPU tensors only: GPU gradients "
-                "are registered through the C API's cohort_use_gpu (docs/gpu.md)" % device)
-    return "is on %s; cohort's shared memory holds CPU tensors only" % device
+        return None
+    return "is on %s; cohort registers CPU and CUDA tensors only" % device
+
+
+class _DeviceMemory:
+    """cohort's device gradients as __cuda_array_interface__ bytes, for
+    torch.as_tensor, which keeps this object as long as the tensor's
+    storage lives. It holds the shared block's Region, and the Region its
+    Core, whose cohort_destroy frees the device memory: so the memory
+    outlives every tensor on it, as the host block does."""
+
+    def __init__(self, address, nbytes, region):
+        self._address = address
+        self._nbytes = nbytes
+        self._region = region
+
+    @property
+    def __cuda_array_interface__(self):
+        # Version 2: no stream to synchronise with on import. cohort's
+        # calls order the device work themselves (docs/gpu.md, "Ordering").
+        return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._address, False),
+                "strides": None, "version": 2}
+
+
+class _Cuda:
+    """What the Accumulator asks of CUDA, through torch. The tests of
+    tests/python/test_py_gpu.py put a stand-in here that plays the device
+    with the stand-in driver's host-mapped memory (tests/gpu/fake_cuda.c),
+    which no torch without CUDA can wrap."""
+
+    def device_of(self, t):
+        """The CUDA device `t` is on, or None for host memory."""
+        return t.device if t.device.type == "cuda" else None
+
+    def uuid(self, device):
+        """The device's UUID ("GPU-..."), which is how cohort names a
+        device: CUDA_VISIBLE_DEVICES renumbers them in each container.
+        Asked of the driver (not every torch has device UUIDs): torch's
+        index is the driver's ordinal in this process, both counted after
+        CUDA_VISIBLE_DEVICES."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise Error(errno.ELIBACC, "%s: no CUDA driver: %s" % (device, e)) from None
+        get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+        dev, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+        for what, rc in (("cuInit", lambda: lib.cuInit(0)),
+                         ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), index)),
+                         ("cuDeviceGetUuid", lambda: get_uuid(raw, dev))):
+            code = rc()
+            if code:
+                raise Error(errno.ENXIO, "%s: the driver's %s failed with CUresult %d"
+                            % (device, what, code))
+        h = bytes(raw).hex()
+        return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
+
+    def tensor(self, address, nbytes, region, device):
+        """A uint8 tensor over device memory at `address`."""
+        return torch.as_tensor(_DeviceMemory(address, nbytes, region), device=device)
+
+    def synchronize(self, device):
+        torch.cuda.synchronize(device)
+
+
+_cuda = _Cuda()
+
+# Why a GPU registration failed, by errno (cohort_use_gpu in include/cohort.h).
+_GPU_CAUSES = {
+    errno.EOPNOTSUPP: "this build of cohort has no GPU support (cuda.h and nccl.h were not "
+                      "found under CUDA_HOME when it was compiled)",
+    errno.ELIBACC: "no usable CUDA driver (libcuda.so.1) could be loaded",
+    errno.ENXIO: "cohort's driver sees no device with that UUID",
+    errno.EINVAL: "torch gave a UUID cohort cannot read",
+}
 
 
 def _sanitize(name):
@@ -155,11 +237,13 @@ class Accumulator:
 
     Accumulator(name, parameters, buffers=None, group=None)
 
-    name: the accumulator's name; parameters: e.g. model.parameters() (CPU,
-    one floating dtype); buffers: e.g. model.buffers(), kept in step with
+    name: the accumulator's name; parameters: e.g. model.parameters() (one
+    floating dtype, all on the CPU or all on one CUDA device); buffers:
+    e.g. model.buffers(), on the parameters' device, kept in step with
     the leader's; group: a cohort.Group, whose name becomes the cohort's
     name and whose Rpc's name becomes this member's id when joining a
-    broker directly.
+    broker directly. A model on a CUDA device needs a sidecar
+    (connect("unix:PATH")) built with GPU support (docs/gpu.md).
     """
 
     def __init__(self, name, parameters, buffers=None, group=None):
@@ -191,25 +275,41 @@ class Accumulator:
             raise ValueError("the parameters have no elements")
         if group is not None and not isinstance(group, Group):
             raise TypeError("group must be a cohort.Group, not %s" % type(group).__name__)
+        for what, ts in (("parameter", params), ("buffer", bufs)):
+            for i, t in enumerate(ts):
+                if t.device != params[0].device:
+                    raise ValueError("%s %d is on %s but parameter 0 is on %s; cohort registers "
+                                     "one device's tensors" % (what, i, t.device,
+                                                              params[0].device))
+        gpu = _cuda.device_of(params[0])
 
         self._name = name
         self._group = group
         self._core = _cohort.Core(name, [(_PARAM_DTYPES[dtype], p.numel()) for p in params],
                                   [_buffer_spec(b) for b in bufs])
         self._region = self._core.region()
+        self._gpu = gpu
         self._params = params
         self._buffers = bufs
         self._pviews, self._gviews, self._rviews, self._bviews = [], [], [], []
+        device_grads = self._use_gpu(dtype) if gpu is not None else None
         with torch.no_grad():
             for i, p in enumerate(params):
                 pv = self._view(self._core.param_offset(i), p.dtype, p.shape)
-                gv = self._view(self._core.grad_offset(i), p.dtype, p.shape)
-                roff = self._core.result_offset(i)
-                rv = gv if roff == self._core.grad_offset(i) else self._view(roff, p.dtype, p.shape)
+                if device_grads is None:
+                    gv = self._view(self._core.grad_offset(i), p.dtype, p.shape)
+                    roff = self._core.result_offset(i)
+                    rv = gv if roff == self._core.grad_offset(i) else \
+                        self._view(roff, p.dtype, p.shape)
+                else:
+                    # On the device the results land in place (cohort_use_gpu).
+                    at = (self._core.grad_offset(i) - self._core.grad_offset(0)) // p.element_size()
+                    gv = rv = device_grads[at:at + p.numel()].view(p.shape)
                 pv.copy_(p.detach())
                 if p.grad is not None:
                     gv.copy_(p.grad)
-                p.data = pv
+                if device_grads is None:
+                    p.data = pv
                 p.grad = gv
                 self._pviews.append(pv)
                 self._gviews.append(gv)
@@ -217,9 +317,12 @@ class Accumulator:
             for i, b in enumerate(bufs):
                 bv = self._view(self._core.buffer_offset(i), b.dtype, b.shape)
                 bv.copy_(b.detach())
-                b.data = bv
+                if device_grads is None:
+                    b.data = bv
                 self._bviews.append(bv)
-        self._grads = self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
+        self._grads = device_grads if device_grads is not None else \
+            self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
+        self._states_seen = 0       # states_received copied to the device
         self._shapes = _tensor_shapes(params)
         self._on_results = False    # .grad points at the round's result
         self._pending = None        # (batch_size or 0 for a skip, contributions_dropped)
@@ -231,6 +334,24 @@ class Accumulator:
         self._retry_at = 0.0
         with _live_lock:
             _live.add(self)
+
+    def _use_gpu(self, dtype):
+        """Moves the gradients to the parameters' CUDA device (before
+        connect) and returns them there as one flat tensor of `dtype`."""
+        uuid = None
+        try:
+            uuid = _cuda.uuid(self._gpu)
+            self._core.use_gpu(uuid)
+        except Error as e:
+            self._core.close()
+            if uuid is None:
+                raise           # the driver's own sentence, from uuid()
+            raise Error(e.errno, "the parameters are on %s (%s): %s (docs/gpu.md)"
+                        % (self._gpu, uuid, _GPU_CAUSES.get(e.errno, e.strerror))) from None
+        numel = self._core.numel()
+        size = torch.empty((), dtype=dtype).element_size()
+        return _cuda.tensor(self._core.gpu_grads(), numel * size, self._region,
+                            self._gpu).view(dtype)
 
     def _view(self, offset, dtype, shape):
         n = 1
@@ -261,6 +382,11 @@ class Accumulator:
             raise ValueError("no address: pass one, or set COHORT_SOCKET (unix:PATH) or "
                              "COHORT_BROKER (host:port)")
         if not (target.startswith("unix:") or target.startswith("/")):
+            if self._gpu is not None:
+                raise Error(errno.EOPNOTSUPP,
+                            "connect(%r): the parameters are on %s, whose gradients only a "
+                            "sidecar (unix:PATH) reduces; the node in this process stages no "
+                            "device memory (docs/gpu.md)" % (target, self._gpu))
             core.set_identity(*self._identity())
         self._address = None
         self._attempted = True
@@ -307,6 +433,8 @@ class Accumulator:
         if not self._linked:
             return              # nothing to ask yet: every question answers False
         core.update()
+        if self._gpu is not None and core.has_new_state():
+            self._state_to_device()
         if core.has_gradients():
             self._point_at_results()
         self._asked = False
@@ -357,6 +485,8 @@ class Accumulator:
             data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             raise TypeError("set_state: the state must be picklable: %s" % e) from e
+        if self._gpu is not None and wanted:
+            self._state_from_device()
         try:
             core.set_state(data)
         except Error as e:
@@ -469,7 +599,10 @@ class Accumulator:
     def _check_moved(self):
         """Puts back on the shared memory a parameter or buffer whose data
         the user replaced (p.data = ..., load into a new tensor), so that
-        state syncs keep landing in the model."""
+        state syncs keep landing in the model. On a GPU the model keeps
+        its own tensors and nothing needs moving."""
+        if self._gpu is not None:
+            return
         with torch.no_grad():
             for what, ts, views in (("parameter", self._params, self._pviews),
                                     ("buffer", self._buffers, self._bviews)):
@@ -483,6 +616,36 @@ class Accumulator:
                                                                  t.device, v.dtype, tuple(v.shape)))
                     v.copy_(t.detach())
                     t.data = v
+
+    def _state_from_device(self):
+        """On a GPU, before this member sends its state: the parameters
+        and buffers into their host copies, which state transfer reads.
+        A copy to pageable host memory waits for the device's work on
+        them."""
+        with torch.no_grad():
+            for t, v in zip(self._params + self._buffers, self._pviews + self._bviews):
+                self._check_same(t, v)
+                v.copy_(t.detach())
+
+    def _state_to_device(self):
+        """On a GPU, once per state received: the leader's parameters and
+        buffers, which the node wrote into the host copies, onto the
+        device, before has_new_state() says they are there."""
+        seen = self._c().view()["stats"]["states_received"]
+        if seen == self._states_seen:
+            return
+        with torch.no_grad():
+            for t, v in zip(self._params + self._buffers, self._pviews + self._bviews):
+                self._check_same(t, v)
+                t.copy_(v)
+        _cuda.synchronize(self._gpu)
+        self._states_seen = seen
+
+    def _check_same(self, t, v):
+        if t.dtype != v.dtype or t.shape != v.shape or _cuda.device_of(t) != self._gpu:
+            raise ValueError("a tensor changed to %s %s on %s after the Accumulator was created; "
+                             "cohort keeps it as %s %s on %s" % (t.dtype, tuple(t.shape), t.device,
+                                                                 v.dtype, tuple(v.shape), self._gpu))
 
     # ---- versions and settings -------------------------------------------
 
@@ -598,13 +761,15 @@ class Accumulator:
 
     def gradients(self):
         """All gradients as one flat tensor: the shared memory the .grad
-        tensors are views of."""
+        tensors are views of (device memory for a model on a GPU)."""
         self._c()
         return self._grads
 
     def memory_span(self):
         """(address, length) of the shared memory that holds the
-        parameters, gradients and buffers."""
+        parameters, gradients and buffers (for a model on a GPU: the host
+        copies of its parameters and buffers, and the sidecar's staging of
+        the gradients)."""
         return self._c().span()
 
     # ---- lifetime --------------------------------------------------------------
@@ -618,6 +783,12 @@ class Accumulator:
         if core is None or core.closed:
             return
         with torch.no_grad():
+            if self._gpu is not None:
+                # The device memory goes with the last view (cohort_destroy
+                # frees it), and a tensor's deleter does not wait for the
+                # stream: the user's work on the gradients finishes first,
+                # and the clones below before the views are dropped.
+                _cuda.synchronize(self._gpu)
             for p, pv, gv, rv in zip(self._params, self._pviews, self._gviews, self._rviews):
                 if p.data_ptr() == pv.data_ptr() and pv.numel():
                     p.data = pv.clone()
@@ -627,6 +798,8 @@ class Accumulator:
             for b, bv in zip(self._buffers, self._bviews):
                 if b.data_ptr() == bv.data_ptr() and bv.numel():
                     b.data = bv.clone()
+            if self._gpu is not None:
+                _cuda.synchronize(self._gpu)
         self._pviews = self._gviews = self._rviews = self._bviews = []
         self._grads = None
         self._region = None
