@@ -50,9 +50,11 @@ def test_broker_reports_runs_on_a_small_epoch(tmp):
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
     beats = {r["reports"]: r for r in rows if "us_per_heartbeat" in r}
     assert sorted(beats) == [0, 16, 1024], rows
+    # Every heartbeat was taken (the benchmark fails on a refusal); what
+    # the reports cost is the benchmark's to say, not a test's: on a
+    # loaded machine 20 beats with reports can time below 20 without.
     for k, r in beats.items():
         assert r["members"] == 2048 and r["us_per_heartbeat"] > 0, r
-        if k:
-            assert r["us_per_heartbeat"] > beats[0]["us_per_heartbeat"], rows
+        assert "us_per_report" in r and "x_plain" in r, r
     # The reference line: the two scans a report cost before the index.
     assert any("scan_us_per_report" in r for r in rows), rows
