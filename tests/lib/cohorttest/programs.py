@@ -108,11 +108,12 @@ def start_sidecar(broker, cohort, member_id, *extra, secret_file=None):
     return p
 
 
-def broker_call(method, broker, cohort, *args, timeout=60):
+def broker_call(method, broker, cohort, *args, timeout=60, env=None):
     """One raw call with tests/tools/broker_call.c: (exit status, its JSON
     outcome: code, message and the reply's fields)."""
     r = subprocess.run([tool_path("broker_call"), method, "--broker", broker, "--cohort", cohort,
-                        *[str(a) for a in args]], capture_output=True, text=True, timeout=timeout)
+                        *[str(a) for a in args]], capture_output=True, text=True, timeout=timeout,
+                       env=env)
     lines = r.stdout.strip().splitlines()
     assert lines, "broker_call %s printed nothing (exit %d): %s" % (method, r.returncode,
                                                                     r.stderr[-2000:])
