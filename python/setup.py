@@ -139,7 +139,11 @@ class BuildExt(build_ext):
         # Back to the other archive after turning GPU support off and on:
         # it may be older than the extension, which must be linked again.
         stamp = os.path.join(tmp, "linked-with")
-        if not os.path.exists(stamp) or open(stamp).read() != lib:
+        linked = None
+        if os.path.exists(stamp):
+            with open(stamp) as f:
+                linked = f.read()
+        if linked != lib:
             self.force = True
         super().build_extension(ext)
         with open(stamp, "w") as f:
