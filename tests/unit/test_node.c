@@ -36,6 +36,13 @@ static const char *ckpt_dir;
 static bool start_held;
 /* The trainer started while this is set (w-0) keeps its trace there. */
 static struct node_trace *trace_next;
+/* Trainers started while these are set take them as their pause_at and
+ * pause_until, and with linger_next linger (trainer.linger). Set before
+ * the trainer's thread starts: once it runs, a loaded machine may take it
+ * past any version the test meant to stop it at. */
+static uint64_t pause_next_at;
+static uint32_t pause_next_until;
+static bool linger_next;
 /* Trainers started while spare[index] is set give the node room after
  * their gradients and results (node_tensors.grads_spare), as cohort.c
  * does; the others give none. */
@@ -68,6 +75,8 @@ struct trainer {
     uint32_t together;                  /* members to wait for before training */
     uint64_t pause_at;                  /* from this version (0: never), contribute */
     uint32_t pause_until;               /* only in epochs of this many members */
+    bool linger;                        /* at the target, keep answering until quit */
+    atomic_bool at_target;              /* reached its target (lingering or done) */
     bool started;                       /* an epoch had them: contributing */
     atomic_int budget;                  /* contributions left to make; -1: no limit */
     atomic_int made;                    /* contributions made (accepted) */
@@ -91,6 +100,19 @@ struct trainer {
     atomic_uint_fast64_t applied_version;   /* the newest it applied */
 };
 
+/* The trainer's side of a state sync: takes the leader's state. */
+static void take_state(struct trainer *tr)
+{
+    void *s;
+    size_t len;
+
+    if (node_take_state(tr->n, &s, &len) == 0) {
+        tr->states++;
+        snprintf(tr->last_state, sizeof(tr->last_state), "%.*s", (int)len, (char *)s);
+        free(s);
+    }
+}
+
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
  * element, with batch size 1: a committed result is then exactly the mean
  * of (index + 1) over the contributions it reduced.
@@ -106,13 +128,27 @@ static void *trainer_main(void *arg)
     struct node_view v;
 
     while (!atomic_load(&tr->quit)) {
+        bool done;
+
         node_view(tr->n, &v);
         if (v.model_version < tr->highest)
             tr->went_back = true;
         if (v.model_version > tr->highest)
             tr->highest = v.model_version;
-        if (v.model_version >= tr->target && !v.has_gradients)
-            break;
+        /* At the target a trainer stops contributing. A lingering one
+         * still answers its node: a joiner admitted after the cohort got
+         * there syncs from the leader's trainer, and one that had left
+         * its loop would stall every epoch (each sync timing out). */
+        done = v.model_version >= tr->target && !v.has_gradients;
+        if (done) {
+            /* A joiner whose sync brought it to the target still counts
+             * the state it received. */
+            if (v.has_new_state)
+                take_state(tr);
+            atomic_store(&tr->at_target, true);
+            if (!tr->linger)
+                break;
+        }
         if (!v.connected) {
             clock_sleep_ms(2);
             continue;
@@ -122,15 +158,8 @@ static void *trainer_main(void *arg)
             snprintf(s, sizeof(s), "state of %d at %llu", tr->index, (unsigned long long)v.model_version);
             node_set_state(tr->n, s, strlen(s) + 1);
         }
-        if (v.has_new_state) {
-            void *s;
-            size_t len;
-            if (node_take_state(tr->n, &s, &len) == 0) {
-                tr->states++;
-                snprintf(tr->last_state, sizeof(tr->last_state), "%.*s", (int)len, (char *)s);
-                free(s);
-            }
-        }
+        if (v.has_new_state && !done)
+            take_state(tr);
         if (v.has_gradients) {
             /* The mean of (index + 1) over contributions: a multiple of
              * 1/num_gradients, between 1 and MAXN. */
@@ -162,7 +191,7 @@ static void *trainer_main(void *arg)
             memset(tr->grads, 0, sizeof(tr->grads));
             if (node_consume(tr->n, v.rounds_committed) < 0)
                 tr->sum_check_failures++;
-        } else if (v.wants_gradients && (tr->started || v.size >= tr->together) &&
+        } else if (!done && v.wants_gradients && (tr->started || v.size >= tr->together) &&
                    !(tr->pause_at && v.model_version >= tr->pause_at && v.size < tr->pause_until) &&
                    atomic_load(&tr->budget) != 0) {
             tr->started = true;
@@ -201,6 +230,9 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
     tr->index = index;
     tr->target = target;
     tr->together = together;
+    tr->pause_at = pause_next_at;
+    tr->pause_until = pause_next_until;
+    tr->linger = linger_next;
     atomic_store(&tr->budget, start_held ? 0 : -1);
     /* Different initial parameters: state sync must make them equal. */
     for (int i = 0; i < P; i++)
@@ -444,7 +476,11 @@ static void leave_and_join(bool with_room)
     for (int i = 0; i < 4; i++)
         spare[i] = with_room;
     trace_next = &trace;
+    /* On a loaded machine w-0 and w-2 may reach 40 before the joiner is
+     * in an epoch: lingering, they still serve its sync. */
+    linger_next = true;
     trainers_start(trs, 3, 40, 1);
+    linger_next = false;
     trace_next = NULL;
     /* Let training run, then take w-1 away mid-run. */
     cr_assert(fixture_wait_until(reached_version_10, trs[0].n, 60000),
@@ -458,9 +494,13 @@ static void leave_and_join(bool with_room)
     trainer_start(&trs[3], 3, 40, 3);
     memset(spare, 0, sizeof(spare));
     node_set_virtual_batch_size(trs[3].n, 1);
+    trainer_join(&trs[3]);
+    FIXTURE_WAIT_FOR(atomic_load(&trs[0].at_target) && atomic_load(&trs[2].at_target),
+                     "w-0 and w-2 never reached 40");
+    atomic_store(&trs[0].quit, true);
+    atomic_store(&trs[2].quit, true);
     trainer_join(&trs[0]);
     trainer_join(&trs[2]);
-    trainer_join(&trs[3]);
     for (int i = 0; i < 4; i++) {
         if (i == 1)
             continue;
@@ -710,11 +750,13 @@ Test(node, a_checkpoint_behind_the_cohort_never_pulls_a_member_back)
     struct node_view v;
 
     ckpt_dir_make();
-    trainers_start(trs, 2, 40, 1);
     /* They wait at 12 for the joiner (their loops must still answer its
      * sync when it comes). */
-    trs[0].pause_at = trs[1].pause_at = 12;
-    trs[0].pause_until = trs[1].pause_until = 3;
+    pause_next_at = 12;
+    pause_next_until = 3;
+    trainers_start(trs, 2, 40, 1);
+    pause_next_at = 0;
+    pause_next_until = 0;
     cr_assert(fixture_wait_until(w0_reached_12, &trs[0], 60000), "w-0 never reached 12");
     /* The writer runs at nice 19 beside the rounds: on a busy machine the
      * file of version 5 (due at its commit, so always written) may come
