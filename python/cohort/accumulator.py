@@ -260,6 +260,10 @@ class Accumulator:
         for what, ts in (("parameter", params), ("buffer", bufs)):
             for i, t in enumerate(ts):
                 _check_tensor(t, what, i)
+                if t.device != params[0].device:
+                    raise ValueError("%s %d is on %s but parameter 0 is on %s; cohort registers "
+                                     "one device's tensors" % (what, i, t.device,
+                                                              params[0].device))
                 if id(t) in seen:
                     raise ValueError("%s %d is given twice" % (what, i))
                 seen.add(id(t))
@@ -275,12 +279,6 @@ class Accumulator:
             raise ValueError("the parameters have no elements")
         if group is not None and not isinstance(group, Group):
             raise TypeError("group must be a cohort.Group, not %s" % type(group).__name__)
-        for what, ts in (("parameter", params), ("buffer", bufs)):
-            for i, t in enumerate(ts):
-                if t.device != params[0].device:
-                    raise ValueError("%s %d is on %s but parameter 0 is on %s; cohort registers "
-                                     "one device's tensors" % (what, i, t.device,
-                                                              params[0].device))
         gpu = _cuda.device_of(params[0])
 
         self._name = name
@@ -604,18 +602,31 @@ class Accumulator:
         if self._gpu is not None:
             return
         with torch.no_grad():
-            for what, ts, views in (("parameter", self._params, self._pviews),
-                                    ("buffer", self._buffers, self._bviews)):
-                for i, (t, v) in enumerate(zip(ts, views)):
-                    if t.data_ptr() == v.data_ptr() or v.numel() == 0:
-                        continue
-                    if t.dtype != v.dtype or t.device != v.device or t.shape != v.shape:
-                        raise ValueError(
-                            "%s %d changed to %s %s on %s after the Accumulator was created; "
-                            "cohort keeps it as %s %s on cpu" % (what, i, t.dtype, tuple(t.shape),
-                                                                 t.device, v.dtype, tuple(v.shape)))
-                    v.copy_(t.detach())
-                    t.data = v
+            for what, i, t, v in self._registered():
+                if t.data_ptr() == v.data_ptr() or v.numel() == 0:
+                    continue
+                self._check_kept(what, i, t, v)
+                v.copy_(t.detach())
+                t.data = v
+
+    def _registered(self):
+        """(what, index, the model's tensor, its view in the shared block)
+        for every parameter and buffer."""
+        for what, ts, views in (("parameter", self._params, self._pviews),
+                                ("buffer", self._buffers, self._bviews)):
+            for i, (t, v) in enumerate(zip(ts, views)):
+                yield what, i, t, v
+
+    def _check_kept(self, what, i, t, v):
+        """Raises ValueError when the model's tensor t changed dtype, shape
+        or device since it was registered as v."""
+        device = v.device if self._gpu is None else self._gpu
+        on = t.device if self._gpu is None else _cuda.device_of(t)
+        if t.dtype != v.dtype or t.shape != v.shape or on != device:
+            raise ValueError("%s %d changed to %s %s on %s after the Accumulator was created; "
+                             "cohort keeps it as %s %s on %s" % (what, i, t.dtype, tuple(t.shape),
+                                                                 t.device, v.dtype, tuple(v.shape),
+                                                                 device))
 
     def _state_from_device(self):
         """On a GPU, before this member sends its state: the parameters
@@ -623,8 +634,8 @@ class Accumulator:
         A copy to pageable host memory waits for the device's work on
         them."""
         with torch.no_grad():
-            for t, v in zip(self._params + self._buffers, self._pviews + self._bviews):
-                self._check_same(t, v)
+            for what, i, t, v in self._registered():
+                self._check_kept(what, i, t, v)
                 v.copy_(t.detach())
 
     def _state_to_device(self):
@@ -635,17 +646,11 @@ class Accumulator:
         if seen == self._states_seen:
             return
         with torch.no_grad():
-            for t, v in zip(self._params + self._buffers, self._pviews + self._bviews):
-                self._check_same(t, v)
+            for what, i, t, v in self._registered():
+                self._check_kept(what, i, t, v)
                 t.copy_(v)
         _cuda.synchronize(self._gpu)
         self._states_seen = seen
-
-    def _check_same(self, t, v):
-        if t.dtype != v.dtype or t.shape != v.shape or _cuda.device_of(t) != self._gpu:
-            raise ValueError("a tensor changed to %s %s on %s after the Accumulator was created; "
-                             "cohort keeps it as %s %s on %s" % (t.dtype, tuple(t.shape), t.device,
-                                                                 v.dtype, tuple(v.shape), self._gpu))
 
     # ---- versions and settings -------------------------------------------
 
