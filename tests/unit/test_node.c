@@ -100,19 +100,6 @@ struct trainer {
     atomic_uint_fast64_t applied_version;   /* the newest it applied */
 };
 
-/* The trainer's side of a state sync: takes the leader's state. */
-static void take_state(struct trainer *tr)
-{
-    void *s;
-    size_t len;
-
-    if (node_take_state(tr->n, &s, &len) == 0) {
-        tr->states++;
-        snprintf(tr->last_state, sizeof(tr->last_state), "%.*s", (int)len, (char *)s);
-        free(s);
-    }
-}
-
 /* moolib's loop. Each contribution adds (index + 1) to every gradient
  * element, with batch size 1: a committed result is then exactly the mean
  * of (index + 1) over the contributions it reduced.
@@ -135,16 +122,23 @@ static void *trainer_main(void *arg)
             tr->went_back = true;
         if (v.model_version > tr->highest)
             tr->highest = v.model_version;
+        /* First, so that a joiner whose sync brought it to the target
+         * still counts the state it received. */
+        if (v.has_new_state) {
+            void *s;
+            size_t len;
+            if (node_take_state(tr->n, &s, &len) == 0) {
+                tr->states++;
+                snprintf(tr->last_state, sizeof(tr->last_state), "%.*s", (int)len, (char *)s);
+                free(s);
+            }
+        }
         /* At the target a trainer stops contributing. A lingering one
          * still answers its node: a joiner admitted after the cohort got
          * there syncs from the leader's trainer, and one that had left
          * its loop would stall every epoch (each sync timing out). */
         done = v.model_version >= tr->target && !v.has_gradients;
         if (done) {
-            /* A joiner whose sync brought it to the target still counts
-             * the state it received. */
-            if (v.has_new_state)
-                take_state(tr);
             atomic_store(&tr->at_target, true);
             if (!tr->linger)
                 break;
@@ -158,8 +152,6 @@ static void *trainer_main(void *arg)
             snprintf(s, sizeof(s), "state of %d at %llu", tr->index, (unsigned long long)v.model_version);
             node_set_state(tr->n, s, strlen(s) + 1);
         }
-        if (v.has_new_state && !done)
-            take_state(tr);
         if (v.has_gradients) {
             /* The mean of (index + 1) over contributions: a multiple of
              * 1/num_gradients, between 1 and MAXN. */
