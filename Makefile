@@ -265,12 +265,29 @@ export ASAN_OPTIONS  := detect_leaks=1:abort_on_error=0:halt_on_error=1
 export UBSAN_OPTIONS := print_stacktrace=1:halt_on_error=1
 export LSAN_OPTIONS  := suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0
 
+# Each stage says how long it took (scripts/stage.sh).
 test: deps
 	scripts/check-layers.py
 	scripts/install-kubectl.sh
-	$(MAKE) -j$$(nproc) asan all
-	$(MAKE) unit proc netfault kube python-test image-test
-	$(MAKE) -j$$(nproc) fuzz-check
+	scripts/stage.sh build $(MAKE) -j$$(nproc) asan all
+	scripts/stage.sh unit $(MAKE) unit
+	scripts/stage.sh proc $(MAKE) proc
+	scripts/stage.sh netfault $(MAKE) netfault
+	scripts/stage.sh kube $(MAKE) kube
+	scripts/stage.sh python $(MAKE) python-test
+	scripts/stage.sh image $(MAKE) image-test
+	scripts/stage.sh fuzz $(MAKE) -j$$(nproc) fuzz-check
+
+# The pytest suites that run many processes per test (proc, kube,
+# python-test) run TEST_JOBS test processes side by side (pytest-xdist):
+# a test spends most of its time waiting on its processes, so two of them
+# take about two thirds of the time one does on two cores. --dist loadfile
+# keeps each file's tests, and its module fixtures, in one process.
+# TEST_JOBS=0 runs them one by one in pytest's own process, as does a
+# machine without pytest-xdist (scripts/install-deps.sh installs it).
+TEST_JOBS ?= 2
+PYTEST_PAR = $(PYTHON) -m pytest -q -p no:cacheprovider \
+	$(shell $(PYTHON) -c 'import xdist' 2>/dev/null && printf '%s' '-n $(TEST_JOBS) --dist loadfile')
 
 # No folder of src/ includes above the layers its README.md names.
 layers:
@@ -283,7 +300,7 @@ unit:
 # with the operator killed in the Kubernetes stand-in, about two minutes on
 # two loaded cores.
 proc:
-	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -p no:cacheprovider tests/proc tests/chaos
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTEST_PAR) tests/proc tests/chaos
 
 # The long chaos trials (tests/chaos/README.md) against the release build:
 #   make chaos [TRIALS=100] [SEED=S] [CHAOS_ARGS='--kinds broker --keep']
@@ -306,7 +323,7 @@ netfault:
 # 10 to 15 minutes cold), once; image-test then finds it in the cache.
 # Skips are listed with their reasons (-rs).
 kube:
-	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/kube
+	COHORT_BIN=$(CURDIR)/$(ASAN_DIR) $(PYTEST_PAR) -rs tests/kube
 
 # A Kubernetes stand-in in the foreground: kubectl works against it.
 sandbox: deps

@@ -31,4 +31,4 @@ python-test: python $(BUILD)/cohort-operator $(BUILD)/cohort-sidecar $(BUILD)/co
 		$(if $(filter on,$(GPU)),$(FAKE_CUDA))
 	PYTHONPATH=$(abspath $(PY_BUILD)) COHORT_BIN=$(abspath $(BUILD)) \
 		$(if $(filter on,$(GPU)),COHORT_FAKE_CUDA_DIR=$(abspath $(dir $(FAKE_CUDA)))) \
-		$(PYTHON) -m pytest -q -p no:cacheprovider tests/python
+		$(PYTEST_PAR) tests/python

@@ -93,6 +93,13 @@ if [ $conf_only = 1 ]; then
     exit 0
 fi
 
+# One build at a time from this checkout: test processes running side by
+# side each ask for the image, and two cold builds at once would race to
+# make the base image and do all the work twice. The second waits here,
+# then finds every layer in the cache.
+exec 9>"$CONF_DIR/build.lock"
+flock -w 3600 9 || { echo "image: another build held $CONF_DIR/build.lock for an hour" >&2; exit 1; }
+
 # ---- the base image --------------------------------------------------------
 # This machine's Debian mirror: the first URI of its deb822 sources, else of
 # sources.list; deb.debian.org when it has neither.

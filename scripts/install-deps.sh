@@ -7,7 +7,7 @@ set -eu
 
 PKGS="gcc make pkg-config libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
 libcjson-dev libcurl4-openssl-dev libyaml-dev libssl-dev openssl libcriterion-dev python3 python3-pytest
-python3-dev python3-setuptools python3-yaml python3-torch clang libclang-rt-dev
+python3-pytest-xdist python3-dev python3-setuptools python3-yaml python3-torch clang libclang-rt-dev
 iproute2 iptables"
 
 missing=""

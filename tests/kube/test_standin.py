@@ -12,6 +12,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -21,8 +22,8 @@ import urllib.request
 import pytest
 
 from apiserver import CelError, cel_compile, cel_eval   # the CEL evaluator, in-process
-from cohorttest import (CRD_FILE, DEADLINE, EXAMPLES, ApiServer, Kubectl, Kubelet, make_tmp,
-                        remove_tmp, wait_until)
+from cohorttest import (CRD_FILE, DEADLINE, EXAMPLES, ROOT, ApiServer, Kubectl, Kubelet,
+                        make_tmp, remove_tmp, wait_until)
 
 PYTHON = sys.executable
 
@@ -489,6 +490,44 @@ def test_too_old_resource_version_gets_410(fresh_tmp):
         assert w.done.wait(DEADLINE) and w.snapshot() == []
     finally:
         srv.stop()
+
+
+SVCS = "/api/v1/namespaces/default/services"
+
+
+def test_service_ip_blocks_keep_side_by_side_clusters_apart(fresh_tmp):
+    """Each API server hands out clusterIPs from its --service-ip-block's
+    127.96.B.0/24 only (the kubernetes Service .1 of it, others .10
+    upward, a dry run taking none), so that two clusters alive at once
+    never have their service proxies listen on one address; a block out
+    of range is refused at the start."""
+    svc = {"metadata": {"name": "web"}, "spec": {"ports": [{"port": 80}]}}
+    kube = {"metadata": {"name": "kubernetes"}, "spec": {"ports": [{"port": 443}]}}
+    servers = []
+    try:
+        for block in (7, 8):
+            d = os.path.join(fresh_tmp, str(block))
+            os.mkdir(d)
+            servers.append(ApiServer(d, "--service-ip-block", str(block)))
+        for block, srv in zip((7, 8), servers):
+            dry = srv.ok("POST", SVCS + "?dryRun=All", svc)["spec"]["clusterIP"]
+            assert dry == "127.96.%d.10" % block
+            assert srv.ok("POST", SVCS, svc)["spec"]["clusterIP"] == dry
+            svc2 = dict(svc, metadata={"name": "web2"})
+            assert srv.ok("POST", SVCS, svc2)["spec"]["clusterIP"] == "127.96.%d.11" % block
+            # The bootstrap controller's Service, posted without an address.
+            code, got, _ = srv.call("POST", SVCS, kube)
+            if code == 409:     # the controllers were quicker
+                got = srv.ok("GET", SVCS + "/kubernetes")
+            assert got["spec"]["clusterIP"] == "127.96.%d.1" % block
+    finally:
+        for srv in servers:
+            srv.stop()
+    for bad in ("256", "-1", "x"):
+        r = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "kube", "apiserver.py"),
+                            "--service-ip-block", bad], capture_output=True, text=True,
+                           timeout=DEADLINE)
+        assert r.returncode == 2 and "--service-ip-block" in r.stderr, (bad, r.stderr)
 
 
 def test_list_pages_are_one_consistent_snapshot(cluster):

@@ -83,6 +83,7 @@ tests/kube/apiserver.py is the command:
 
     apiserver.py [--port 0] [--port-file F] [--kubeconfig F] [--token T]
                  [--tls] [--client-ca-file F] [--authorization-mode RBAC]
+                 [--service-ip-block B]
 """
 from .cel import CelError, cel_compile, cel_eval
 from .cli import main

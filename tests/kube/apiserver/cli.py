@@ -77,6 +77,10 @@ def parse_args(argv=None):
                     "port (same objects, same authentication and authorization, like the old "
                     "--insecure-port but not exempt from them) and write a kubeconfig for it "
                     "here, for clients that speak only HTTP (the process kubelet)")
+    ap.add_argument("--service-ip-block", type=int, default=0, choices=range(256),
+                    metavar="B", help="Services get clusterIPs from 127.96.B.0/24 (the "
+                    "kubernetes Service .1, others .10 upward), so that clusters side by side "
+                    "on one machine never share one (0 to 255, default 0)")
     ap.add_argument("--history-size", type=int, default=1000,
                     help="events kept for watches and consistent pages; older resourceVersions "
                     "get 410 Gone (default 1000)")
@@ -112,7 +116,7 @@ def main(argv=None):
             raise SystemExit("apiserver: --runtime-config: unknown or malformed %r" % item)
         if on != "false":
             apis.add(gv)
-    store = Store(args.history_size, args.strict_namespaces, apis)
+    store = Store(args.history_size, args.strict_namespaces, apis, args.service_ip_block)
     server = Server((args.host, args.port), store, args)
     if args.authorization_mode == "RBAC":
         bootstrap(store)

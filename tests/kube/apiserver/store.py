@@ -76,7 +76,8 @@ class Store:
     that touches state takes the lock; watchers wait on the condition and
     copy events out, so a slow watcher never holds up a writer."""
 
-    def __init__(self, history_size=1000, strict_namespaces=False, runtime_config=()):
+    def __init__(self, history_size=1000, strict_namespaces=False, runtime_config=(),
+                 service_block=0):
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.rv = 0
@@ -88,7 +89,12 @@ class Store:
         self.history_size = max(1, history_size)
         self.compacted = 0          # events up to this resourceVersion are forgotten
         self.strict_namespaces = strict_namespaces
-        self.next_cluster_ip = 10
+        # Services' clusterIPs come from 127.96.B.0/24 for
+        # --service-ip-block B (create() below), so that clusters side by
+        # side on one machine (test processes in parallel, a sandbox)
+        # never proxy the same address.
+        self.service_block = service_block
+        self.next_cluster_ip = 0
         self.gc_wake = threading.Event()
         for rt in builtin_types(runtime_config):
             self.types[rt.key] = rt
@@ -360,12 +366,19 @@ class Store:
             spec.setdefault("type", "ClusterIP")
             if not spec.get("clusterIP"):
                 # Loopback, apart from the pods' 127.x.y.z, so that the
-                # process kubelet's service proxy can listen on it; .0.1
-                # is the kubernetes Service's (tests/kube/controllers). A
-                # dry run shows the address it would get and keeps it free.
-                spec["clusterIP"] = "127.96.%d.%d" % divmod(self.next_cluster_ip, 256)
-                if not dry:
-                    self.next_cluster_ip += 1
+                # process kubelet's service proxy can listen on it: .1 of
+                # the block is the kubernetes Service's (tests/kube/
+                # controllers), the others .10 to .254 in turn, into the
+                # next block after 245. A dry run shows the address it
+                # would get and keeps it free.
+                if (ns, meta.get("name")) == ("default", "kubernetes"):
+                    spec["clusterIP"] = "127.96.%d.1" % self.service_block
+                else:
+                    n = self.next_cluster_ip
+                    spec["clusterIP"] = "127.96.%d.%d" % ((self.service_block + n // 245) % 256,
+                                                          10 + n % 245)
+                    if not dry:
+                        self.next_cluster_ip += 1
             spec["clusterIPs"] = [spec["clusterIP"]]
             obj["status"] = {"loadBalancer": {}}
         elif rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):

@@ -6,8 +6,6 @@ serviceaccounts controller makes them.
 """
 from .base import Controller
 
-KUBERNETES_CLUSTER_IP = "127.96.0.1"
-
 
 class Bootstrap(Controller):
     name = "bootstrap-controller"
@@ -24,7 +22,9 @@ class Bootstrap(Controller):
                 "apiVersion": "v1", "kind": "Service",
                 "metadata": {"name": "kubernetes", "namespace": "default",
                              "labels": {"component": "apiserver", "provider": "kubernetes"}},
-                "spec": {"clusterIP": KUBERNETES_CLUSTER_IP, "type": "ClusterIP",
+                # No clusterIP: the API server gives this Service its
+                # range's first address (apiserver/store.py).
+                "spec": {"type": "ClusterIP",
                          "ports": [{"name": "https", "port": 443, "protocol": "TCP",
                                     "targetPort": self.port}]}}, ok=(409,))
         ep = {"apiVersion": "v1", "kind": "Endpoints",

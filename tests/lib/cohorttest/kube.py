@@ -11,6 +11,7 @@ The operator serves its broker with TLS by default; it is turned off
 (--broker-tls off) when the sidecar built here cannot speak TLS to a
 broker yet (no --broker-ca in its --help), so that the pods can still join.
 """
+import itertools
 import json
 import os
 import random
@@ -55,6 +56,23 @@ def pod_path_dir(tmp, bindir=None):
     return d
 
 
+_service_blocks = itertools.count()
+
+
+def service_ip_block():
+    """A block of Service clusterIPs (127.96.B.0/24, the API server's
+    --service-ip-block) that no other cluster of this test run is using:
+    the kubelet's service proxy listens on those addresses, so two clusters
+    alive at once in parallel test processes (pytest-xdist's workers gwN)
+    must not share one. Each worker takes its own 32 blocks in turn; 0 is
+    left to a sandbox."""
+    try:
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    except ValueError:
+        worker = 0
+    return 1 + (worker * 32 + next(_service_blocks) % 32) % 255
+
+
 class ApiServer:
     """The API server stand-in as a child process on a free port, and a
     client of it. Its log is tmp/apiserver.log, its kubeconfig
@@ -67,6 +85,7 @@ class ApiServer:
         self.log = open(os.path.join(tmp, "apiserver.log"), "w")
         self.p = subprocess.Popen([PYTHON, os.path.join(STANDIN, "apiserver.py"), "--quiet",
                                    "--port-file", port_file, "--kubeconfig", self.kubeconfig,
+                                   "--service-ip-block", str(service_ip_block()),
                                    *extra], stdout=self.log, stderr=subprocess.STDOUT)
         wait_until(lambda: os.path.exists(port_file) or self.p.poll() is not None,
                    "the API server's port file")
