@@ -272,6 +272,7 @@ struct node {
     bool state_out_ready;
     void *state_in;             /* received */
     size_t state_in_len;
+    uint64_t state_in_version;  /* the model version that came with it */
     bool has_new_state;
     bool drop_grads;            /* zero the gradients at the trainer's next call */
     bool sync_refused;          /* a contribution was refused with -EAGAIN during a
@@ -758,9 +759,31 @@ static int sync_state(struct node *n, bool *all_device)
         pthread_mutex_unlock(&n->lock);
         return -ESTALE;
     }
+    if (n->leader && n->has_new_state && n->state_in_version == n->version) {
+        /* Its trainer has not taken the state this member was given (the
+         * leader's or a checkpoint's), and no round has committed since:
+         * that state is this member's, and it is what the others get. The
+         * trainer is not asked, because what it would send is the state it
+         * had before: moolib's loop answers wants_state before it looks at
+         * has_new_state. */
+        void *copy = malloc(n->state_in_len ? n->state_in_len : 1);
+
+        if (!copy) {
+            pthread_mutex_unlock(&n->lock);
+            return -ENOMEM;
+        }
+        if (n->state_in_len)
+            memcpy(copy, n->state_in, n->state_in_len);
+        free(n->state_out);
+        n->state_out = copy;
+        n->state_out_len = n->state_in_len;
+        n->state_out_ready = true;
+    }
     if (n->leader) {
-        n->wants_state = true;
-        publish_locked(n);
+        if (!n->state_out_ready) {
+            n->wants_state = true;
+            publish_locked(n);
+        }
         while (!n->state_out_ready && !n->stop && !epoch_moved_locked(n))
             pthread_cond_wait(&n->cond, &n->lock);
         if (!n->state_out_ready) {
@@ -834,6 +857,7 @@ static int sync_state(struct node *n, bool *all_device)
         free(n->state_in);
         n->state_in = state;
         n->state_in_len = state_len;
+        n->state_in_version = vmax;
         state = NULL;
         n->has_new_state = true;
         n->stats.states_received++;
@@ -1808,6 +1832,7 @@ static int open_checkpoints_locked(struct node *n)
         free(n->state_in);
         n->state_in = got.state;
         n->state_in_len = got.state_len;
+        n->state_in_version = got.version;
         n->has_new_state = true;
         n->ckpt_info.loaded_version = got.version;
         member_set_model_version(n->member, got.version, true);

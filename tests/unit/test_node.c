@@ -205,10 +205,9 @@ static void *trainer_main(void *arg)
     return NULL;
 }
 
-/* Trainer w-<index>, training to model version `target` once an epoch has
- * `together` members. Its loop ends at the target (or on tr->quit); the
- * caller joins it with trainer_join() and stops its node with node_stop(). */
-static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32_t together)
+/* Trainer w-<index>'s node, started and registered, with no loop: the
+ * test drives it (trainer_start runs moolib's loop on it). */
+static void trainer_open(struct trainer *tr, int index, uint64_t target, uint32_t together)
 {
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
                              .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5,
@@ -240,6 +239,14 @@ static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32
                                .results_spare = spare[index] ? SPARE_FLOATS * sizeof(float) : 0 };
     cr_assert_eq(node_register(tr->n, &t), 0);
     cr_assert_eq(node_register(tr->n, &t), -EBUSY);
+}
+
+/* Trainer w-<index>, training to model version `target` once an epoch has
+ * `together` members. Its loop ends at the target (or on tr->quit); the
+ * caller joins it with trainer_join() and stops its node with node_stop(). */
+static void trainer_start(struct trainer *tr, int index, uint64_t target, uint32_t together)
+{
+    trainer_open(tr, index, target, together);
     pthread_create(&tr->t, NULL, trainer_main, tr);
 }
 
@@ -534,6 +541,72 @@ Test(node, member_leaves_and_joiner_catches_up_with_counters_in_spare_bytes)
     leave_and_join(true);
 }
 
+static struct node_view view_of(struct trainer *tr)
+{
+    struct node_view v;
+
+    node_view(tr->n, &v);
+    return v;
+}
+
+/* One lap of moolib's loop as its example orders it, wants_state first,
+ * by a trainer that never takes a new state: it answers with the state
+ * it has, "stale". */
+static void answer_first(struct trainer *tr, bool *asked)
+{
+    struct node_view v;
+
+    node_view(tr->n, &v);
+    if (v.wants_state) {
+        *asked = true;
+        node_set_state(tr->n, "stale", 6);
+    }
+}
+
+/* A member given the leader's state, whose trainer has not taken it yet,
+ * is elected leader: the joiner must get the state it was given, not the
+ * one its trainer would send (it answers wants_state before it looks at
+ * has_new_state, as moolib's example loop does). The cohort once ended
+ * with a member whose optimizer state was another's initial one. */
+Test(node, a_leader_forwards_the_state_its_trainer_has_not_taken)
+{
+    static struct trainer trs[3];
+    bool asked = false;
+    void *s;
+    size_t len;
+
+    /* w-0 trains alone to version 3, then lingers, answering its node. */
+    linger_next = true;
+    trainer_start(&trs[0], 0, 3, 1);
+    linger_next = false;
+    FIXTURE_WAIT_FOR(atomic_load(&trs[0].at_target), "w-0 never reached version 3");
+    /* w-1 joins and receives w-0's state, which its trainer leaves. */
+    trainer_open(&trs[1], 1, 3, 1);
+    FIXTURE_WAIT_FOR((answer_first(&trs[1], &asked), view_of(&trs[1]).has_new_state),
+                     "w-1 never received w-0's state");
+    cr_assert_eq(view_of(&trs[1]).model_version, 3);
+    cr_assert_not(asked, "w-1 was asked for state while w-0 led");
+    /* w-0 leaves; w-1, the only member at version 3, leads w-2's sync. */
+    atomic_store(&trs[0].quit, true);
+    trainer_join(&trs[0]);
+    node_stop(trs[0].n);
+    trainer_start(&trs[2], 2, 3, 1);
+    FIXTURE_WAIT_FOR((answer_first(&trs[1], &asked), atomic_load(&trs[2].at_target)),
+                     "w-2 never received the state");
+    trainer_join(&trs[2]);
+    cr_assert_eq(trs[2].states, 1);
+    cr_assert_str_eq(trs[2].last_state, "state of 0 at 3", "w-2 got \"%s\"", trs[2].last_state);
+    cr_assert_not(asked, "w-1's trainer was asked for the state it had not taken");
+    cr_assert_eq(memcmp(trs[2].params, trs[0].params, sizeof(trs[0].params)), 0);
+    cr_assert_eq(memcmp(trs[1].params, trs[0].params, sizeof(trs[0].params)), 0);
+    /* w-1's trainer still finds the state waiting for it. */
+    cr_assert_eq(node_take_state(trs[1].n, &s, &len), 0);
+    cr_assert_str_eq((char *)s, "state of 0 at 3");
+    free(s);
+    node_stop(trs[1].n);
+    node_stop(trs[2].n);
+}
+
 Test(node, misuse_is_refused)
 {
     struct node_config c = { .broker = broker, .cohort = "train", .id = "lonely", .host = "127.0.0.1" };
@@ -770,14 +843,6 @@ Test(node, a_checkpoint_behind_the_cohort_never_pulls_a_member_back)
     }
     trainers_stop(trs, 3);
     ckpt_dir_remove();
-}
-
-static struct node_view view_of(struct trainer *tr)
-{
-    struct node_view v;
-
-    node_view(tr->n, &v);
-    return v;
 }
 
 /* w-0 and w-1 (contributions of 1 and 2, batch 1 each, virtual batch 3),
