@@ -135,8 +135,9 @@ void *cohort_grads(struct cohort *c);
 void *cohort_results(struct cohort *c);
 size_t cohort_numel(const struct cohort *c);
 
-/* GPU gradients (docs/gpu.md). Before cohort_connect: the gradient buffer
- * moves to the GPU whose UUID is `device_uuid` (nvidia-smi -L's
+/* GPU tensors (docs/gpu.md). Before cohort_connect: the gradient buffer,
+ * and the parameters and buffers with it (cohort_gpu_param below),
+ * move to the GPU whose UUID is `device_uuid` (nvidia-smi -L's
  * "GPU-..." form, never an index: CUDA_VISIBLE_DEVICES numbers devices
  * differently in each container), in memory allocated with the driver's
  * virtual-memory API and handed to the sidecar as a file descriptor;
@@ -161,6 +162,18 @@ int cohort_use_gpu(struct cohort *c, const char *device_uuid);
  * cohort_numel() elements of the parameters' dtype, results in place;
  * 0 without. */
 uint64_t cohort_gpu_grads(const struct cohort *c);
+/* Parameter i's and buffer i's device addresses after cohort_use_gpu (0
+ * without, or for an index out of range): the region holds them too,
+ * zeroed, and they are then the trainer's model, which it writes before
+ * connecting. cohort_params() and cohort_buffer() become their host
+ * copies, which state transfer moves: cohort_set_state copies the
+ * device's values there first (after this process's queued work on the
+ * device, so it may fail with -EIO), and cohort_update copies a state
+ * that arrived onto the device, visible to every stream, before the view
+ * says cohort_has_new_state() (a failed copy there returns -EIO and is
+ * tried again at the next call). */
+uint64_t cohort_gpu_param(const struct cohort *c, size_t i);
+uint64_t cohort_gpu_buffer(const struct cohort *c, size_t i);
 
 /* Connects to a sidecar ("unix:/path/to/socket") or to a broker
  * ("host:port": the node then runs inside this process, with no sidecar).

@@ -282,8 +282,24 @@ static PyObject *core_connect(struct core *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* use_gpu(uuid): the gradients move to that GPU (cohort_use_gpu), before
- * connect. The errno says why not: EOPNOTSUPP (this build has no GPU
+/* Tensor index `arg` of `n` (the core open): 0 with *out set, or -1 with
+ * Python's error (IndexError naming `what`). */
+static int index_arg(struct core *self, PyObject *arg, size_t n, const char *what, size_t *out)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+
+    if ((i == -1 && PyErr_Occurred()) || check_open(self) < 0)
+        return -1;
+    if (i < 0 || (size_t)i >= n) {
+        PyErr_Format(PyExc_IndexError, "%s index %zd out of range (%zu)", what, i, n);
+        return -1;
+    }
+    *out = (size_t)i;
+    return 0;
+}
+
+/* use_gpu(uuid): the gradients, parameters and buffers move to that GPU
+ * (cohort_use_gpu), before connect. The errno says why not: EOPNOTSUPP (this build has no GPU
  * support), ELIBACC (no CUDA driver), ENXIO (no device with that UUID). */
 static PyObject *core_use_gpu(struct core *self, PyObject *arg)
 {
@@ -307,6 +323,28 @@ static PyObject *core_gpu_grads(struct core *self, PyObject *unused)
     if (check_open(self) < 0)
         return NULL;
     return PyLong_FromUnsignedLongLong((unsigned long long)cohort_gpu_grads(self->c));
+}
+
+/* gpu_param(i), gpu_buffer(i): parameter i's and buffer i's device
+ * addresses after use_gpu (cohort_gpu_param); 0 before. */
+static PyObject *gpu_at(struct core *self, PyObject *arg, uint64_t (*at)(const struct cohort *, size_t),
+                        size_t n, const char *what)
+{
+    size_t i;
+
+    if (index_arg(self, arg, n, what, &i) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong((unsigned long long)at(self->c, i));
+}
+
+static PyObject *core_gpu_param(struct core *self, PyObject *arg)
+{
+    return gpu_at(self, arg, cohort_gpu_param, self->n_params, "parameter");
+}
+
+static PyObject *core_gpu_buffer(struct core *self, PyObject *arg)
+{
+    return gpu_at(self, arg, cohort_gpu_buffer, self->n_buffers, "buffer");
 }
 
 static PyObject *core_set_identity(struct core *self, PyObject *args)
@@ -643,17 +681,11 @@ static PyObject *core_view(struct core *self, PyObject *unused)
 static PyObject *offset_of(struct core *self, PyObject *arg, void *(*at)(struct cohort *, size_t),
                            size_t n, const char *what)
 {
-    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    size_t i;
 
-    if (i == -1 && PyErr_Occurred())
+    if (index_arg(self, arg, n, what, &i) < 0)
         return NULL;
-    if (check_open(self) < 0)
-        return NULL;
-    if (i < 0 || (size_t)i >= n) {
-        PyErr_Format(PyExc_IndexError, "%s index %zd out of range (%zu)", what, i, n);
-        return NULL;
-    }
-    return PyLong_FromSize_t((size_t)((char *)at(self->c, (size_t)i) - (char *)cohort_params(self->c)));
+    return PyLong_FromSize_t((size_t)((char *)at(self->c, i) - (char *)cohort_params(self->c)));
 }
 
 static PyObject *core_param_offset(struct core *self, PyObject *arg)
@@ -723,9 +755,14 @@ static PyMethodDef core_methods[] = {
       "connect(address=None): 'unix:PATH' (a sidecar), 'host:port' (a broker; the node runs "
       "in this process) or None ($COHORT_SOCKET, else $COHORT_BROKER)." },
     { "use_gpu", (PyCFunction)core_use_gpu, METH_O,
-      "use_gpu(uuid): the gradients move to the GPU with that UUID ('GPU-...'), before connect." },
+      "use_gpu(uuid): the gradients, parameters and buffers move to the GPU with that UUID "
+      "('GPU-...'), before connect." },
     { "gpu_grads", (PyCFunction)core_gpu_grads, METH_NOARGS,
       "The gradients' device address after use_gpu (0 before)." },
+    { "gpu_param", (PyCFunction)core_gpu_param, METH_O,
+      "Parameter i's device address after use_gpu (0 before)." },
+    { "gpu_buffer", (PyCFunction)core_gpu_buffer, METH_O,
+      "Buffer i's device address after use_gpu (0 before)." },
     { "set_identity", (PyCFunction)core_set_identity, METH_VARARGS,
       "set_identity(cohort, member_id): names used when joining a broker directly." },
     { "update", (PyCFunction)core_update, METH_NOARGS, "Refreshes the view." },

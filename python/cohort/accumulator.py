@@ -9,14 +9,15 @@ into the block in place, reduce_gradients() hands it over without a copy,
 and a state sync writes the leader's parameters and buffers straight into
 the model.
 
-A model on a CUDA device (docs/gpu.md) registers its gradients on that
-device instead: cohort allocates them with the driver's virtual-memory
-API (cohort_use_gpu), each `.grad` becomes a view of that device memory
-(torch.as_tensor over __cuda_array_interface__), and the sidecar reduces
-them where they are. The parameters and buffers stay the model's own
-device tensors; their host copies in the shared block are what state
-transfer moves, refreshed from the device when this member sends its
-state and copied to the device when the leader's arrives.
+A model on a CUDA device (docs/gpu.md) is registered on that device
+instead: cohort allocates its gradients, parameters and buffers with the
+driver's virtual-memory API (cohort_use_gpu), each parameter's data, its
+`.grad` and each buffer become views of that device memory (torch.as_tensor
+over __cuda_array_interface__), and the sidecar reduces the gradients
+where they are. State transfer moves the host copies of the parameters
+and buffers in the shared block: cohort copies the device's values there
+when this member sends its state, and the leader's onto the device before
+has_new_state() says they arrived (include/cohort.h, cohort_gpu_param).
 
 Where the seed API leaves room, this module follows include/cohort.h:
 - reduce_gradients(batch_size) contributes what `.grad` holds; the result
@@ -293,7 +294,10 @@ class Accumulator:
         device_grads = self._use_gpu(dtype) if gpu is not None else None
         with torch.no_grad():
             for i, p in enumerate(params):
-                pv = self._view(self._core.param_offset(i), p.dtype, p.shape)
+                if device_grads is None:
+                    pv = self._view(self._core.param_offset(i), p.dtype, p.shape)
+                else:
+                    pv = self._device_view(self._core.gpu_param(i), p)
                 if device_grads is None:
                     gv = self._view(self._core.grad_offset(i), p.dtype, p.shape)
                     roff = self._core.result_offset(i)
@@ -306,21 +310,21 @@ class Accumulator:
                 pv.copy_(p.detach())
                 if p.grad is not None:
                     gv.copy_(p.grad)
-                if device_grads is None:
-                    p.data = pv
+                p.data = pv
                 p.grad = gv
                 self._pviews.append(pv)
                 self._gviews.append(gv)
                 self._rviews.append(rv)
             for i, b in enumerate(bufs):
-                bv = self._view(self._core.buffer_offset(i), b.dtype, b.shape)
-                bv.copy_(b.detach())
                 if device_grads is None:
-                    b.data = bv
+                    bv = self._view(self._core.buffer_offset(i), b.dtype, b.shape)
+                else:
+                    bv = self._device_view(self._core.gpu_buffer(i), b)
+                bv.copy_(b.detach())
+                b.data = bv
                 self._bviews.append(bv)
         self._grads = device_grads if device_grads is not None else \
             self._view(self._core.grad_offset(0), dtype, (self._core.numel(),))
-        self._states_seen = 0       # states_received copied to the device
         self._shapes = _tensor_shapes(params)
         self._on_results = False    # .grad points at the round's result
         self._pending = None        # (batch_size or 0 for a skip, contributions_dropped)
@@ -334,8 +338,9 @@ class Accumulator:
             _live.add(self)
 
     def _use_gpu(self, dtype):
-        """Moves the gradients to the parameters' CUDA device (before
-        connect) and returns them there as one flat tensor of `dtype`."""
+        """Moves the gradients, parameters and buffers to the parameters'
+        CUDA device (before connect) and returns the gradients there as one
+        flat tensor of `dtype`."""
         uuid = None
         try:
             uuid = _cuda.uuid(self._gpu)
@@ -350,6 +355,13 @@ class Accumulator:
         size = torch.empty((), dtype=dtype).element_size()
         return _cuda.tensor(self._core.gpu_grads(), numel * size, self._region,
                             self._gpu).view(dtype)
+
+    def _device_view(self, address, t):
+        """A tensor like t over cohort's device memory at `address`."""
+        if t.numel() == 0:
+            return t.detach()       # no bytes to share
+        return _cuda.tensor(address, t.numel() * t.element_size(), self._region,
+                            self._gpu).view(t.dtype).view(t.shape)
 
     def _view(self, offset, dtype, shape):
         n = 1
@@ -431,8 +443,6 @@ class Accumulator:
         if not self._linked:
             return              # nothing to ask yet: every question answers False
         core.update()
-        if self._gpu is not None and core.has_new_state():
-            self._state_to_device()
         if core.has_gradients():
             self._point_at_results()
         self._asked = False
@@ -483,8 +493,6 @@ class Accumulator:
             data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             raise TypeError("set_state: the state must be picklable: %s" % e) from e
-        if self._gpu is not None and wanted:
-            self._state_from_device()
         try:
             core.set_state(data)
         except Error as e:
@@ -595,27 +603,19 @@ class Accumulator:
                 p.grad = g
 
     def _check_moved(self):
-        """Puts back on the shared memory a parameter or buffer whose data
-        the user replaced (p.data = ..., load into a new tensor), so that
-        state syncs keep landing in the model. On a GPU the model keeps
-        its own tensors and nothing needs moving."""
-        if self._gpu is not None:
-            return
+        """Puts back on the shared memory (or cohort's device memory) a
+        parameter or buffer whose data the user replaced (p.data = ...,
+        load into a new tensor), so that state syncs keep landing in the
+        model."""
         with torch.no_grad():
-            for what, i, t, v in self._registered():
-                if t.data_ptr() == v.data_ptr() or v.numel() == 0:
-                    continue
-                self._check_kept(what, i, t, v)
-                v.copy_(t.detach())
-                t.data = v
-
-    def _registered(self):
-        """(what, index, the model's tensor, its view in the shared block)
-        for every parameter and buffer."""
-        for what, ts, views in (("parameter", self._params, self._pviews),
-                                ("buffer", self._buffers, self._bviews)):
-            for i, (t, v) in enumerate(zip(ts, views)):
-                yield what, i, t, v
+            for what, ts, views in (("parameter", self._params, self._pviews),
+                                    ("buffer", self._buffers, self._bviews)):
+                for i, (t, v) in enumerate(zip(ts, views)):
+                    if t.data_ptr() == v.data_ptr() or v.numel() == 0:
+                        continue
+                    self._check_kept(what, i, t, v)
+                    v.copy_(t.detach())
+                    t.data = v
 
     def _check_kept(self, what, i, t, v):
         """Raises ValueError when the model's tensor t changed dtype, shape
@@ -627,30 +627,6 @@ class Accumulator:
                              "cohort keeps it as %s %s on %s" % (what, i, t.dtype, tuple(t.shape),
                                                                  t.device, v.dtype, tuple(v.shape),
                                                                  device))
-
-    def _state_from_device(self):
-        """On a GPU, before this member sends its state: the parameters
-        and buffers into their host copies, which state transfer reads.
-        A copy to pageable host memory waits for the device's work on
-        them."""
-        with torch.no_grad():
-            for what, i, t, v in self._registered():
-                self._check_kept(what, i, t, v)
-                v.copy_(t.detach())
-
-    def _state_to_device(self):
-        """On a GPU, once per state received: the leader's parameters and
-        buffers, which the node wrote into the host copies, onto the
-        device, before has_new_state() says they are there."""
-        seen = self._c().view()["stats"]["states_received"]
-        if seen == self._states_seen:
-            return
-        with torch.no_grad():
-            for what, i, t, v in self._registered():
-                self._check_kept(what, i, t, v)
-                t.copy_(v)
-        _cuda.synchronize(self._gpu)
-        self._states_seen = seen
 
     # ---- versions and settings -------------------------------------------
 

@@ -57,7 +57,13 @@ struct cohort {
     uint32_t seen_gen;                  /* publications counted at the last update */
     void *state;                        /* last received opaque state */
     size_t state_len;
-    struct gputrainer *gpu;             /* cohort_use_gpu's device gradients, or NULL */
+    struct gputrainer *gpu;             /* cohort_use_gpu's device region, or NULL */
+    /* The host copies of the parameters and buffers hold a state that
+     * arrived (from the leader, or a checkpoint) and is not on the device
+     * yet; what the last view said of the states, to see the next one. */
+    bool gpu_pending;
+    bool gpu_seen_new;
+    uint64_t gpu_states;
 };
 
 static size_t align_up(size_t v)
@@ -240,13 +246,42 @@ int cohort_set_identity(struct cohort *c, const char *cohort_name, const char *m
     return c->ident_cohort && c->ident_id ? 0 : -ENOMEM;
 }
 
+/* On a GPU, a state that arrived goes onto the device before a view says
+ * it is there. The node wrote it into the host copies of the parameters
+ * and buffers: a leader's counts in states_received, a checkpoint's only
+ * in has_new_state, so a rise of that counts too. A copy that failed
+ * says nothing new and is tried again at the next update. */
+static int gpu_state_in(struct cohort *c)
+{
+    int rc;
+
+    if (c->view.states_received != c->gpu_states || (c->view.has_new_state && !c->gpu_seen_new))
+        c->gpu_pending = true;
+    c->gpu_states = c->view.states_received;
+    c->gpu_seen_new = c->view.has_new_state;
+    if (!c->gpu_pending)
+        return 0;
+    rc = gputrainer_state_in(c->gpu, cohort_params(c), (char *)c->map + c->layout.buffers_off);
+    if (rc < 0) {
+        c->view.has_new_state = false;
+        return rc;
+    }
+    c->gpu_pending = false;
+    return 0;
+}
+
 /* Refreshes the view from the link. The publication count is read first:
  * a publication in between makes the next cohort_wait() return at once
  * rather than miss it. */
 static int refresh(struct cohort *c)
 {
+    int rc;
+
     c->seen_gen = viewpage_gen(link_shared_page(&c->mem));
-    return c->link->ops->update(c->link, &c->view);
+    rc = c->link->ops->update(c->link, &c->view);
+    if (rc == 0 && c->gpu)
+        rc = gpu_state_in(c);
+    return rc;
 }
 
 /* Brings the view up to date: a lost link (found now or earlier) takes
@@ -399,12 +434,22 @@ int cohort_zero_gradients(struct cohort *c)
     return settle(c, c->link->ops->consume(c->link, c->view.rounds_committed));
 }
 
+/* On a GPU the node sends (and checkpoints) the host copies of the
+ * parameters and buffers, refreshed here from the device whether or not
+ * the view still says the state is wanted: a view a moment old must not
+ * send stale copies. */
 int cohort_set_state(struct cohort *c, const void *state, size_t len)
 {
     if (len > LIMIT_STATE_BYTES)
         return -E2BIG;
     if (!c->link)
         return -ENOTCONN;
+    if (c->gpu) {
+        int rc = gputrainer_state_out(c->gpu, cohort_params(c),
+                                      (char *)c->map + c->layout.buffers_off);
+        if (rc < 0)
+            return rc;
+    }
     return settle(c, c->link->ops->set_state(c->link, state, len));
 }
 
@@ -419,6 +464,10 @@ int cohort_state(struct cohort *c, const void **state, size_t *len)
     rc = c->link->ops->take_state(c->link, &data, &n);
     if (rc < 0)
         return settle(c, rc);
+    /* A state no view showed (a checkpoint's, taken blind) is copied to
+     * the device by the settle below all the same. */
+    if (c->gpu && !c->gpu_seen_new)
+        c->gpu_pending = true;
     free(c->state);
     c->state = data;
     c->state_len = n;
@@ -557,7 +606,9 @@ int cohort_use_gpu(struct cohort *c, const char *device_uuid)
 
     if (c->link || c->gpu)
         return -EALREADY;
-    rc = gputrainer_open(device_uuid, c->layout.grad_count * dtype_size(c->dtype), &c->gpu);
+    rc = gputrainer_open(device_uuid, c->layout.grad_count * dtype_size(c->dtype),
+                         c->layout.grad_count * dtype_size(c->dtype), c->layout.buffers_bytes,
+                         &c->gpu);
     if (rc < 0)
         return rc;
     gputrainer_describe(c->gpu, &c->layout);
@@ -568,4 +619,14 @@ int cohort_use_gpu(struct cohort *c, const char *device_uuid)
 uint64_t cohort_gpu_grads(const struct cohort *c)
 {
     return c->gpu ? gputrainer_addr(c->gpu) : 0;
+}
+
+uint64_t cohort_gpu_param(const struct cohort *c, size_t i)
+{
+    return c->gpu && i < c->n_params ? gputrainer_params_addr(c->gpu) + c->param_off[i] : 0;
+}
+
+uint64_t cohort_gpu_buffer(const struct cohort *c, size_t i)
+{
+    return c->gpu && i < c->n_buffers ? gputrainer_buffers_addr(c->gpu) + c->buffer_off[i] : 0;
 }

@@ -6,9 +6,9 @@ torch side is a stand-in too (StandIn below): it calls CPU tensors "on
 cuda:0" and wraps device memory with torch.frombuffer where torch would
 use __cuda_array_interface__. Everything else is the Accumulator's real
 path: cohort_use_gpu through the binding, the UUID asked of the driver,
-.grad as views of the device memory, the host copies of the parameters
-that state transfer moves, and a sidecar that imports the memory and
-reduces it host-staged.
+parameters, .grad and buffers as views of the device memory, cohort's
+copies between them and the host copies that state transfer moves, and
+a sidecar that imports the memory and reduces it host-staged.
 
     gpu_child.py ADDRESS INDEX [cuda] one of two members on sidecars
     gpu_child.py --refuse CASE        one refusal, printed as JSON
@@ -17,8 +17,9 @@ With "cuda" the model is on the real cuda:0 and nothing is stood in for
 (make test-gpu, on a machine with a GPU and a torch with CUDA).
 
 A member: member INDEX builds the model from seed INDEX, then moves its
-parameters by 0.5 after the Accumulator took them (so a leader that sent
-the host copies taken at construction would send stale values). Once
+parameters by 0.5 on the device after the Accumulator took them (so a
+leader that sent host copies taken at construction would send stale
+values, and a joiner whose device kept its own would disagree). Once
 both members are in, it prints per round one JSON line: a digest of its
 parameters and of the round's result, the contributions, and the checks
 below; "ok" last. Rounds: 0 writes each .grad in place, 1 sets .grad to
@@ -87,6 +88,15 @@ def on_device(acc, t):
         and not inside_host
 
 
+def in_cohorts_memory(acc, params, buffers):
+    """Every parameter and buffer is the view of its place in cohort's
+    device memory, not of the host block."""
+    lo, span = acc.memory_span()
+    places = [(t, acc._core.gpu_param(i)) for i, t in enumerate(params)] + \
+             [(t, acc._core.gpu_buffer(i)) for i, t in enumerate(buffers)]
+    return all(at != 0 and t.data_ptr() == at and not lo <= at < lo + span for t, at in places)
+
+
 def pair(address, index, cuda):
     stand_in = None if cuda else StandIn()
     if stand_in:
@@ -100,6 +110,8 @@ def pair(address, index, cuda):
             p.add_(0.5)
     assert all(on_device(acc, p.grad) for p in params), "a .grad is not in device memory"
     assert not any(on_device(acc, p) for p in params), "a parameter moved into the gradients"
+    buffers = list(model.buffers())
+    assert in_cohorts_memory(acc, params, buffers), "a parameter or buffer is not cohort's"
     join_pair(acc, address)
     for r in range(2):
         c = [torch.arange(p.numel(), dtype=torch.float32, device=device).view(p.shape) + 3 * r + i
@@ -115,7 +127,8 @@ def pair(address, index, cuda):
         acc.reduce_gradients(1)
         wait(acc, acc.has_gradients, "round %d" % r)
         exact = all(torch.equal(p.grad, 1.5 * ci) for p, ci in zip(params, c))
-        placed = all(on_device(acc, p.grad) for p in params)
+        placed = all(on_device(acc, p.grad) for p in params) and \
+            in_cohorts_memory(acc, params, buffers)
         print(json.dumps({
             "round": r,
             "digest": digest(params + [p.grad for p in params] + list(model.buffers())),
@@ -129,13 +142,16 @@ def pair(address, index, cuda):
         assert bool((acc.gradients() == 0).all()), "zero_gradients left device gradients"
         wait(acc, acc.wants_gradients, "wants_gradients after round %d" % r)
     syncs, base = stand_in.syncs if stand_in else 0, acc._core.gpu_grads()
-    end = base + acc._core.numel() * 4
+    end = acc._core.gpu_buffer(len(buffers) - 1) + 8
+    before = digest(params + buffers)
     acc.close()
     assert not stand_in or stand_in.syncs >= syncs + 2, "close() did not wait for the device"
-    # The model keeps its gradients (zeroed last), moved to private memory.
-    for p in params:
-        assert not base <= p.grad.data_ptr() < end, "a .grad still points at device memory"
-        assert bool((p.grad == 0).all())
+    # The model keeps its parameters, buffers and gradients (zeroed last),
+    # moved to private memory.
+    for t in params + [p.grad for p in params] + buffers:
+        assert not base <= t.data_ptr() < end, "a tensor still points at cohort's device memory"
+    assert all(bool((p.grad == 0).all()) for p in params)
+    assert digest(params + buffers) == before, "close() changed the model"
     print("ok", flush=True)
 
 

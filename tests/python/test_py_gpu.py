@@ -5,15 +5,18 @@ it (CUDA tensors over cohort's device memory) played by CPU tensors over
 the stand-in's memory. Two trainers on two sidecars, which import the
 memory and reduce it host-staged:
 
-- every .grad is a view of the device memory, not of the host block, in
-  each round, including one where autograd made a new .grad;
+- every parameter, .grad and buffer is a view of cohort's device memory,
+  not of the host block, in each round, including one where autograd made
+  a new .grad;
 - each round's result is the exact mean of both members' gradients, in
   place on the device, and both members hold the same bytes;
-- the members start from different parameters, and the leader moves its
-  own after registering them: both end with the leader's current values
-  (its host copies refreshed from the device before it sends, the
-  joiner's copied to the device when they arrive);
-- close() waits for the device and leaves the gradients in private memory.
+- the members start from different parameters, and each moves its own
+  on the device after registering them: both end with the leader's
+  current values (cohort_set_state copies the leader's device values to
+  the host copies that state transfer sends, cohort_update the joiner's
+  onto its device);
+- close() waits for the device and leaves the parameters, buffers and
+  gradients in private memory, unchanged.
 
 And the refusals, each with its cause: a UUID the driver does not have, no
 driver at all, a driver without a device, and a broker address (only a

@@ -661,17 +661,25 @@ Test(gpu_driver, gpu_gradients_are_reduced_host_staged_and_land_on_every_device,
 
 #define CN 300000               /* floats: one partial staging segment */
 
+static void *dev(uint64_t addr)
+{
+    return (void *)(uintptr_t)addr;
+}
+
 static void *gpu_addr(const struct cohort *c)
 {
-    return (void *)(uintptr_t)cohort_gpu_grads(c);
+    return dev(cohort_gpu_grads(c));
 }
 
 Test(gpu_driver, a_trainer_registers_gpu_gradients_through_the_public_api, .timeout = 120)
 {
     struct cudrv *d = fake_driver();
     char broker[64], dir[64] = "/tmp/cohort-gpu-XXXXXX", path[2][128], addr[160];
-    struct cohort_tensor p = { "w", COHORT_F32, CN };
-    struct cohort_config cfg = { .name = "m", .parameters = &p, .n_parameters = 1 };
+    struct cohort_tensor p = { "w", COHORT_F32, CN }, b[2] = { { "n", COHORT_F64, 3 },
+                                                              { "s", COHORT_F16, 5 } };
+    struct cohort_config cfg = { .name = "m", .parameters = &p, .n_parameters = 1,
+                                 .buffers = b, .n_buffers = 2 };
+    int leader;
     struct trainerd *sd[2];
     struct cohort *c[2], *x = NULL;
     struct brokerd *bd;
@@ -687,8 +695,16 @@ Test(gpu_driver, a_trainer_registers_gpu_gradients_through_the_public_api, .time
     cr_assert_eq(cohort_use_gpu(x, "GPU-nonsense"), -EINVAL);
     cr_assert_eq(cohort_use_gpu(x, "GPU-00000000-0000-0000-0000-00000000000c"), -ENXIO);
     cr_assert_eq(cohort_gpu_grads(x), 0);
+    cr_assert_eq(cohort_gpu_param(x, 0), 0, "no device parameters before cohort_use_gpu");
     cr_assert_eq(cohort_use_gpu(x, DEV_A), 0);
     cr_assert_eq(cohort_use_gpu(x, DEV_A), -EALREADY);
+    /* One region: gradients, then parameters, then buffers, apart. */
+    cr_assert_geq(cohort_gpu_param(x, 0), cohort_gpu_grads(x) + CN * sizeof(float));
+    cr_assert_eq(cohort_gpu_param(x, 0) % 256, 0);
+    cr_assert_geq(cohort_gpu_buffer(x, 0), cohort_gpu_param(x, 0) + CN * sizeof(float));
+    cr_assert_eq(cohort_gpu_buffer(x, 1), cohort_gpu_buffer(x, 0) + 3 * sizeof(double));
+    cr_assert_eq(cohort_gpu_param(x, 1), 0, "out of range");
+    cr_assert_eq(cohort_gpu_buffer(x, 2), 0, "out of range");
     cr_assert_eq(cohort_connect(x, broker), -EOPNOTSUPP, "an in-process node stages nothing");
     cohort_destroy(x);
     cr_assert_eq(fake_live(), 0, "the device region went with the cohort");
@@ -702,6 +718,12 @@ Test(gpu_driver, a_trainer_registers_gpu_gradients_through_the_public_api, .time
         cr_assert_eq(cohort_use_gpu(c[i], DEV_A), 0);
         for (size_t k = 0; k < CN; k++)
             ((float *)gpu_addr(c[i]))[k] = (float)(k % 77) + 100.0f * (float)i;
+        /* Each member's model on its device; the host copies stay zero. */
+        for (size_t k = 0; k < CN; k++)
+            ((float *)dev(cohort_gpu_param(c[i], 0)))[k] = (float)k + 0.5f + (float)i;
+        for (size_t k = 0; k < 3; k++)
+            ((double *)dev(cohort_gpu_buffer(c[i], 0)))[k] = -1.0 - (double)i;
+        memset(dev(cohort_gpu_buffer(c[i], 1)), 0x10 + i, 10);
         snprintf(addr, sizeof(addr), "unix:%s", path[i]);
         cr_assert_eq(cohort_connect(c[i], addr), 0);
         cr_assert_eq(cohort_set_virtual_batch_size(c[i], 2), 0);
@@ -724,6 +746,24 @@ Test(gpu_driver, a_trainer_registers_gpu_gradients_through_the_public_api, .time
     }
     cr_assert_arr_eq(gpu_addr(c[0]), gpu_addr(c[1]), CN * sizeof(float),
                      "the same result on both devices");
+    /* The joiner's device holds the leader's device values, taken at its
+     * set_state: the host copies were never written by a trainer. */
+    leader = cohort_is_leader(c[0]) ? 0 : 1;
+    cr_assert(cohort_is_leader(c[leader]) && !cohort_is_leader(c[1 - leader]));
+    for (int i = 0; i < 2; i++) {
+        const float *w = dev(cohort_gpu_param(c[i], 0));
+        const double *n = dev(cohort_gpu_buffer(c[i], 0));
+        const unsigned char *h = dev(cohort_gpu_buffer(c[i], 1));
+
+        for (size_t k = 0; k < CN; k++)
+            if (w[k] != (float)k + 0.5f + (float)leader)
+                cr_assert_fail("member %d parameter %zu: %g, not the leader's", i, k, (double)w[k]);
+        for (size_t k = 0; k < 3; k++)
+            cr_assert_eq(n[k], -1.0 - (double)leader, "member %d buffer 0", i);
+        for (size_t k = 0; k < 10; k++)
+            cr_assert_eq(h[k], 0x10 + leader, "member %d buffer 1", i);
+        cr_assert_arr_eq(cohort_params(c[i]), w, CN * sizeof(float), "the host copies too");
+    }
     for (size_t k = 0; k < CN; k++) {
         float want = ((float)(k % 77) * 2.0f + 100.0f) / 2.0f;
         if (((float *)gpu_addr(c[0]))[k] != want)
