@@ -16,7 +16,8 @@
  *   2. MAX of "I need state" (a version other than the leader's, or never
  *      had state).
  *   3. If anyone needs state: the leader waits for its trainer's
- *      set_state; then MAX of the state's length; then the parameters, the
+ *      set_state (or sends the state it was given, if its trainer has not
+ *      taken it yet); then MAX of the state's length; then the parameters, the
  *      buffers and the opaque state are broadcast as a SUM over 64-bit
  *      integers in which only the leader contributes non-zero words (x + 0
  *      is x exactly, whatever the bits). The leader's own buffers are never
