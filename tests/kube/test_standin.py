@@ -527,7 +527,8 @@ def test_service_ip_blocks_keep_side_by_side_clusters_apart(fresh_tmp):
         r = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "kube", "apiserver.py"),
                             "--service-ip-block", bad], capture_output=True, text=True,
                            timeout=DEADLINE)
-        assert r.returncode == 2 and "--service-ip-block" in r.stderr, (bad, r.stderr)
+        assert r.returncode == 2 and "--service-ip-block: a block is 0 to 255" in r.stderr, \
+            (bad, r.stderr)
 
 
 def test_list_pages_are_one_consistent_snapshot(cluster):

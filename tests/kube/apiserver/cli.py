@@ -37,6 +37,16 @@ def write_atomic(path, text):
     os.replace(tmp, path)
 
 
+def service_ip_block(text):
+    try:
+        block = int(text)
+    except ValueError:
+        block = -1
+    if not 0 <= block <= 255:
+        raise argparse.ArgumentTypeError("a block is 0 to 255, not %r" % text)
+    return block
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Kubernetes API server stand-in for cohort's tests.")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -77,7 +87,7 @@ def parse_args(argv=None):
                     "port (same objects, same authentication and authorization, like the old "
                     "--insecure-port but not exempt from them) and write a kubeconfig for it "
                     "here, for clients that speak only HTTP (the process kubelet)")
-    ap.add_argument("--service-ip-block", type=int, default=0, choices=range(256),
+    ap.add_argument("--service-ip-block", type=service_ip_block, default=0,
                     metavar="B", help="Services get clusterIPs from 127.96.B.0/24 (the "
                     "kubernetes Service .1, others .10 upward), so that clusters side by side "
                     "on one machine never share one (0 to 255, default 0)")
