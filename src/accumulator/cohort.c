@@ -225,9 +225,16 @@ void *cohort_result(struct cohort *c, size_t i)
     return i < c->n_params ? (char *)cohort_results(c) + c->param_off[i] : NULL;
 }
 
+/* Where the buffers begin, whether or not there are any: cohort_buffer()
+ * answers NULL for a model with none, and a GPU copy needs an address. */
+static char *host_buffers(struct cohort *c)
+{
+    return (char *)c->map + c->layout.buffers_off;
+}
+
 void *cohort_buffer(struct cohort *c, size_t i)
 {
-    return i < c->n_buffers ? (char *)c->map + c->layout.buffers_off + c->buffer_off[i] : NULL;
+    return i < c->n_buffers ? host_buffers(c) + c->buffer_off[i] : NULL;
 }
 
 size_t cohort_numel(const struct cohort *c)
@@ -261,7 +268,7 @@ static int gpu_state_in(struct cohort *c)
     c->gpu_seen_new = c->view.has_new_state;
     if (!c->gpu_pending)
         return 0;
-    rc = gputrainer_state_in(c->gpu, cohort_params(c), (char *)c->map + c->layout.buffers_off);
+    rc = gputrainer_state_in(c->gpu, cohort_params(c), host_buffers(c));
     if (rc < 0) {
         c->view.has_new_state = false;
         return rc;
@@ -445,8 +452,7 @@ int cohort_set_state(struct cohort *c, const void *state, size_t len)
     if (!c->link)
         return -ENOTCONN;
     if (c->gpu) {
-        int rc = gputrainer_state_out(c->gpu, cohort_params(c),
-                                      (char *)c->map + c->layout.buffers_off);
+        int rc = gputrainer_state_out(c->gpu, cohort_params(c), host_buffers(c));
         if (rc < 0)
             return rc;
     }
