@@ -43,7 +43,7 @@
 
 static const char usage[] =
     "Usage: cohortctl bench accumulator [--peers N] [--bytes LIST] [--rounds K]\n"
-    "                                   [--reps R] [--trace] [-o json]\n"
+    "                                   [--reps R] [--pin] [--trace] [-o json]\n"
     "\n"
     "Times one round of the Accumulator (reduce_gradients through a sidecar\n"
     "service until the result is there, then zero_gradients, as a trainer\n"
@@ -66,6 +66,14 @@ static const char usage[] =
     "                 (default 4K,64M)\n"
     "  --rounds K     timed rounds per repetition (default 20; 3 more warm up)\n"
     "  --reps R       repetitions (default 5)\n"
+    "  --pin          each member's threads on a CPU of its own (member i on\n"
+    "                 the i-th CPU this process may use, modulo their count),\n"
+    "                 the engine's and the Accumulator's alike: as pods given\n"
+    "                 exclusive cores by the kubelet's static CPU manager run,\n"
+    "                 a trainer and its sidecar on their pod's. Without it the\n"
+    "                 scheduler places every thread, and on a machine with no\n"
+    "                 more cores than members, where it puts two members'\n"
+    "                 threads moves the figures more than cohort does\n"
     "  --trace        also print, per size, the median time of each stage of\n"
     "                 the first member's rounds through the Accumulator, over\n"
     "                 every timed round of every repetition: wake (the\n"
@@ -81,6 +89,72 @@ static const char usage[] =
     "                 Untraced runs read no clock for it.\n"
     "  -o, --output   table (default) or json\n"
     "  -h, --help     show this text\n";
+
+/* ---- --pin ---- */
+
+/* Threads take their creator's CPU mask: the calling thread takes member
+ * i's CPU while it starts that member's threads (the engine's acceptor,
+ * the sidecar's thread, which starts the node's and the heartbeat's, the
+ * trainer's) and takes the whole set back after. The broker and the RPC
+ * threads, started before any member, stay unpinned. pin_check() tries
+ * each member's CPU once before anything runs; a change that fails later
+ * (the process's CPU set changed under it) is reported after the figures,
+ * and the command exits 1. */
+static bool pinning;
+static atomic_bool pin_failed;
+static cpu_set_t all_cpus;
+
+static int pin_set(const cpu_set_t *set)
+{
+    return -pthread_setaffinity_np(pthread_self(), sizeof(*set), set);
+}
+
+/* The member's CPU: the (i mod count)-th of those the process may use. */
+static void member_cpu(int i, cpu_set_t *one)
+{
+    int k = 0, target = i % CPU_COUNT(&all_cpus);
+
+    CPU_ZERO(one);
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (CPU_ISSET(c, &all_cpus) && k++ == target) {
+            CPU_SET(c, one);
+            return;
+        }
+    }
+}
+
+static void pin_member(int i)
+{
+    cpu_set_t one;
+
+    if (!pinning)
+        return;
+    member_cpu(i, &one);
+    if (pin_set(&one) < 0)
+        atomic_store(&pin_failed, true);
+}
+
+static void pin_restore(void)
+{
+    if (pinning && pin_set(&all_cpus) < 0)
+        atomic_store(&pin_failed, true);
+}
+
+static int pin_check(int peers)
+{
+    int rc;
+
+    if (sched_getaffinity(0, sizeof(all_cpus), &all_cpus) < 0)
+        return -errno;
+    for (int i = 0; i < peers && i < CPU_COUNT(&all_cpus); i++) {
+        cpu_set_t one;
+
+        member_cpu(i, &one);
+        if ((rc = pin_set(&one)) < 0)
+            return rc;
+    }
+    return pin_set(&all_cpus);
+}
 
 /* ---- the engine alone ---- */
 
@@ -134,12 +208,19 @@ static int run_direct(int n, size_t bytes, int rounds, bool into, double *ms)
         return rc;
     for (int i = 0; i < n; i++) {
         struct allreduce_config c = { .cohort = "direct", .member_id = ids[i], .listen_fd = fds[i] };
+        int made;
+
         d[i].count = bytes / 4;
         d[i].rounds = rounds;
         d[i].buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
         d[i].out = into ? aligned_alloc(64, (bytes + 63) / 64 * 64) : NULL;
-        if (!d[i].buf || (into && !d[i].out) || allreduce_create(&c, &d[i].ar) < 0)
+        if (!d[i].buf || (into && !d[i].out))
             return -ENOMEM;
+        pin_member(i);
+        made = allreduce_create(&c, &d[i].ar);
+        pin_restore();
+        if (made < 0)
+            return made;
         memset(d[i].buf, 0, bytes);
         allreduce_set_epoch(d[i].ar, e);
         d[i].h = allreduce_register(d[i].ar, d[i].buf, bytes);
@@ -148,8 +229,11 @@ static int run_direct(int n, size_t bytes, int rounds, bool into, double *ms)
             d[i].h_out = allreduce_register(d[i].ar, d[i].out, bytes);
         }
     }
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        pin_member(i);
         pthread_create(&d[i].t, NULL, direct_main, &d[i]);
+        pin_restore();
+    }
     for (int i = 0; i < n; i++) {
         pthread_join(d[i].t, NULL);
         if (d[i].rc < 0)
@@ -275,7 +359,10 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct n
         snprintf(path[i], sizeof(path[i]), "%s/%d.sock", dir, i);
         tc.socket_path = path[i];
         tc.node.id = id;
-        if ((rc = trainerd_start(&tc, &sd[i])) < 0 || (rc = cohort_create(&cc, &tr[i].c)) < 0)
+        pin_member(i);
+        rc = trainerd_start(&tc, &sd[i]);
+        pin_restore();
+        if (rc < 0 || (rc = cohort_create(&cc, &tr[i].c)) < 0)
             goto out;
         if (snprintf(addr, sizeof(addr), "unix:%s", path[i]) >= (int)sizeof(addr)) {
             rc = -ENAMETOOLONG;
@@ -287,8 +374,11 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct n
         tr[i].rounds = rounds;
         tr[i].peers = (uint32_t)n;
     }
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        pin_member(i);
         pthread_create(&tr[i].t, NULL, trainer_main, &tr[i]);
+        pin_restore();
+    }
     for (int i = 0; i < n; i++) {
         pthread_join(tr[i].t, NULL);
         if (tr[i].rc < 0)
@@ -350,6 +440,7 @@ int cli_bench_accumulator(int argc, char **argv)
         { "bytes", required_argument, NULL, 'b' },
         { "rounds", required_argument, NULL, 'r' },
         { "reps", required_argument, NULL, 'R' },
+        { "pin", no_argument, NULL, 'p' },
         { "trace", no_argument, NULL, 't' },
         { "output", required_argument, NULL, 'o' },
         { "help", no_argument, NULL, 'h' },
@@ -383,6 +474,7 @@ int cli_bench_accumulator(int argc, char **argv)
                 return opt_usage(PROG, "bad --reps \"%s\" (1 to %d)", optarg, MAX_REPS);
             reps = (int)v;
             break;
+        case 'p': pinning = true; break;
         case 't': tracing = &trace; break;
         case 'o': output = optarg; break;
         case 'h': fputs(usage, stdout); return 0;
@@ -411,11 +503,19 @@ int cli_bench_accumulator(int argc, char **argv)
             return 1;
         }
     }
+    if (pinning && (bad = pin_check(peers)) < 0) {
+        fprintf(stderr, PROG ": cannot pin threads to CPUs: %s\n", log_strerror(bad));
+        status = 1;
+        goto out;
+    }
     log_set_level(LOG_ERROR);
     if (rpc_init() < 0) {
         status = 1;
         goto out;
     }
+    if (pinning && !json)
+        printf("each member's threads on a CPU of its own (--pin), of %d\n",
+               CPU_COUNT(&all_cpus));
     if (strcmp(output, "table") == 0)
         printf("%10s %5s %12s %16s %7s %10s %10s %7s\n", "bytes", "peers", "engine ms",
                "accumulator ms", "ratio", "added us", "into ms", "vs into");
@@ -449,8 +549,9 @@ int cli_bench_accumulator(int argc, char **argv)
         if (json)
             printf("{\"peers\":%d,\"bytes\":%zu,\"engine_ms\":%.4f,\"accumulator_ms\":%.4f,"
                    "\"ratio\":%.3f,\"added_us\":%.1f,\"engine_into_ms\":%.4f,"
-                   "\"ratio_into\":%.3f,\"reps\":%d", peers, bytes, direct, acc, ratio,
-                   (acc - direct) * 1000.0, into, ratio_into, reps);
+                   "\"ratio_into\":%.3f,\"reps\":%d,\"pinned\":%s", peers, bytes, direct, acc,
+                   ratio, (acc - direct) * 1000.0, into, ratio_into, reps,
+                   pinning ? "true" : "false");
         else
             printf("%10zu %5d %12.3f %16.3f %7.2f %10.1f %10.3f %7.2f\n", bytes, peers, direct,
                    acc, ratio, (acc - direct) * 1000.0, into, ratio_into);
@@ -464,6 +565,11 @@ int cli_bench_accumulator(int argc, char **argv)
             printf("}\n");
     }
     rpc_shutdown();
+    if (atomic_load(&pin_failed)) {
+        fprintf(stderr, PROG ": a thread could not be pinned to its member's CPU; the figures "
+                "above are not pinned ones\n");
+        status = 1;
+    }
 out:
     free(trace.ns);
     free(scratch);

@@ -34,6 +34,31 @@ def test_bench_accumulator_reports_each_size():
         assert r["engine_into_ms"] > 0 and r["ratio_into"] > 0
 
 
+@pytest.mark.parametrize("cpus", [None, "0"])
+def test_bench_accumulator_pins_each_member_to_a_cpu(cpus):
+    """--pin: member i's threads on the i-th CPU the process may use,
+    modulo their count, so one CPU serves both members; without it the
+    figures say they are not pinned."""
+    args = ["bench", "accumulator", "--peers", "2", "--bytes", "4K", "--reps", "1",
+            "--rounds", "3", "-o", "json"]
+    if cpus is None:
+        rc, out, err = cohortctl(*args)
+        assert rc == 0, err[-4000:]
+        assert [r["pinned"] for r in json_lines(out)] == [False]
+        rc, out, err = cohortctl(*args, "--pin")
+    else:
+        rc, out, err = run_group(["taskset", "-c", cpus, bin_path("cohortctl"), *args, "--pin"],
+                                 4 * DEADLINE, what="cohortctl on one CPU")
+    assert rc == 0, err[-4000:]
+    rows = json_lines(out)
+    assert [r["pinned"] for r in rows] == [True]
+    assert rows[0]["engine_ms"] > 0 and rows[0]["accumulator_ms"] > 0
+    rc, out, err = cohortctl("bench", "accumulator", "--bytes", "4K", "--reps", "1",
+                             "--rounds", "3", "--pin")
+    assert rc == 0, err[-4000:]
+    assert out.startswith("each member's threads on a CPU of its own (--pin)")
+
+
 def test_bench_accumulator_traces_its_stages():
     """--trace: each stage's median over the timed rounds of every
     repetition (warm-up rounds dropped), and a table line per size."""
