@@ -140,6 +140,17 @@ static void pin_restore(void)
         atomic_store(&pin_failed, true);
 }
 
+/* Starts fn(arg) as member i's thread: pinned to its CPU with --pin. */
+static int start_pinned(int i, pthread_t *t, void *(*fn)(void *), void *arg)
+{
+    int rc;
+
+    pin_member(i);
+    rc = -pthread_create(t, NULL, fn, arg);
+    pin_restore();
+    return rc;
+}
+
 static int pin_check(int peers)
 {
     int rc;
@@ -194,7 +205,7 @@ static int run_direct(int n, size_t bytes, int rounds, bool into, double *ms)
     char ids[MAX_PEERS][16], addrs[MAX_PEERS][64];
     int fds[MAX_PEERS];
     struct epoch *e = NULL;
-    int rc = 0;
+    int rc = 0, started = 0;
 
     memset(d, 0, sizeof(d));
     memset(m, 0, sizeof(m));
@@ -229,14 +240,14 @@ static int run_direct(int n, size_t bytes, int rounds, bool into, double *ms)
             d[i].h_out = allreduce_register(d[i].ar, d[i].out, bytes);
         }
     }
-    for (int i = 0; i < n; i++) {
-        pin_member(i);
-        pthread_create(&d[i].t, NULL, direct_main, &d[i]);
-        pin_restore();
-    }
-    for (int i = 0; i < n; i++) {
+    /* A member that failed to start leaves the others to time out in
+     * their round; only the started ones are joined. */
+    while (started < n &&
+           (rc = start_pinned(started, &d[started].t, direct_main, &d[started])) == 0)
+        started++;
+    for (int i = 0; i < started; i++) {
         pthread_join(d[i].t, NULL);
-        if (d[i].rc < 0)
+        if (d[i].rc < 0 && rc == 0)
             rc = d[i].rc;
     }
     *ms = d[0].ms;
@@ -334,7 +345,7 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct n
     struct brokerd *b = NULL;
     char dir[] = "/tmp/cohort-benchacc-XXXXXX", broker[64], path[MAX_PEERS][128];
     size_t first_row = trace ? trace->rounds : 0;
-    int rc;
+    int rc, started = 0;
 
     memset(tr, 0, sizeof(tr));
     if (!mkdtemp(dir))
@@ -374,14 +385,12 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct n
         tr[i].rounds = rounds;
         tr[i].peers = (uint32_t)n;
     }
-    for (int i = 0; i < n; i++) {
-        pin_member(i);
-        pthread_create(&tr[i].t, NULL, trainer_main, &tr[i]);
-        pin_restore();
-    }
-    for (int i = 0; i < n; i++) {
+    while (started < n &&
+           (rc = start_pinned(started, &tr[started].t, trainer_main, &tr[started])) == 0)
+        started++;
+    for (int i = 0; i < started; i++) {
         pthread_join(tr[i].t, NULL);
-        if (tr[i].rc < 0)
+        if (tr[i].rc < 0 && rc == 0)
             rc = tr[i].rc;
     }
     *ms = tr[0].ms;
