@@ -693,6 +693,41 @@ static int broadcast_tensor(struct node *n, bool receive, int h, void *buf, size
     return n->cfg.device->broadcast(n->cfg.device->arg, buf, bytes, (int)leader, receive, &cancel);
 }
 
+/* The leader's wait for its trainer's state (node_set_state, after the
+ * view said wants_state), until it comes, the node stops or the epoch
+ * moves on. Lock held. Every other member waits in this sync meanwhile,
+ * and gives up after the engine's silence timeout, to try again in a new
+ * epoch: a trainer away from its loop (an evaluation, a stall) would
+ * stall the cohort with nothing in any log naming why. So at half that
+ * timeout the leader says so, once per sync. */
+static void wait_for_state_locked(struct node *n)
+{
+    uint32_t warn_ms = (n->cfg.reduce_timeout_ms ? n->cfg.reduce_timeout_ms
+                                                 : DEFAULT_REDUCE_TIMEOUT_MS) / 2;
+    uint64_t from = clock_now_ms();
+    bool warned = false;
+
+    while (!n->state_out_ready && !n->stop && !epoch_moved_locked(n)) {
+        uint64_t waited = clock_now_ms() - from;
+        struct timespec ts;
+
+        if (warned) {
+            pthread_cond_wait(&n->cond, &n->lock);
+            continue;
+        }
+        if (waited >= warn_ms) {
+            log_warn("node", "This member leads and its trainer has not sent the state the "
+                             "others wait for; they go on once it calls update() and answers "
+                             "wants_state.",
+                     LF_S("cohort", n->cohort), LF_S("id", n->id), LF_U("waited_ms", waited));
+            warned = true;
+            continue;
+        }
+        ts = clock_deadline((uint32_t)(warn_ms - waited));
+        pthread_cond_timedwait(&n->cond, &n->lock, &ts);
+    }
+}
+
 /* The sync steps of a new epoch, and whether every member voted to
  * reduce on its device. Returns 0, or the engine's error. */
 static int sync_state(struct node *n, bool *all_device)
@@ -785,8 +820,7 @@ static int sync_state(struct node *n, bool *all_device)
             n->wants_state = true;
             publish_locked(n);
         }
-        while (!n->state_out_ready && !n->stop && !epoch_moved_locked(n))
-            pthread_cond_wait(&n->cond, &n->lock);
+        wait_for_state_locked(n);
         if (!n->state_out_ready) {
             pthread_mutex_unlock(&n->lock);
             return -ESTALE;

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "fixture.h"
@@ -43,6 +44,9 @@ static struct node_trace *trace_next;
 static uint64_t pause_next_at;
 static uint32_t pause_next_until;
 static bool linger_next;
+/* Trainers started while this is set take it as their engine's silence
+ * timeout (node_config.reduce_timeout_ms); 0: 20 s. */
+static uint32_t reduce_timeout_next;
 /* Trainers started while spare[index] is set give the node room after
  * their gradients and results (node_tensors.grads_spare), as cohort.c
  * does; the others give none. */
@@ -210,8 +214,8 @@ static void *trainer_main(void *arg)
 static void trainer_open(struct trainer *tr, int index, uint64_t target, uint32_t together)
 {
     struct node_config c = { .broker = broker, .cohort = "train", .host = "127.0.0.1",
-                             .reduce_timeout_ms = 20000, .buffer_sync_rounds = 5,
-                             .checkpoint_dir = ckpt_dir,
+                             .reduce_timeout_ms = reduce_timeout_next ? reduce_timeout_next : 20000,
+                             .buffer_sync_rounds = 5, .checkpoint_dir = ckpt_dir,
                              .checkpoint_every_versions = ckpt_dir ? CKPT_EVERY : 0,
                              .trace = index == 0 ? trace_next : NULL };
     struct node_tensors t;
@@ -605,6 +609,82 @@ Test(node, a_leader_forwards_the_state_its_trainer_has_not_taken)
     free(s);
     node_stop(trs[1].n);
     node_stop(trs[2].n);
+}
+
+/* Whether the file at fd holds a line with both `a` and `b` (its first
+ * 64 KiB). */
+static bool file_has_line(int fd, const char *a, const char *b)
+{
+    static char buf[65536];
+    ssize_t got = pread(fd, buf, sizeof(buf) - 1, 0);
+
+    buf[got > 0 ? got : 0] = '\0';
+    for (char *line = buf, *end; *line; line = end + 1) {
+        end = strchrnul(line, '\n');
+        if (memmem(line, (size_t)(end - line), a, strlen(a)) &&
+            memmem(line, (size_t)(end - line), b, strlen(b)))
+            return true;
+        if (!*end)
+            break;
+    }
+    return false;
+}
+
+/* A trainer back in its loop, answering wants_state with "late state";
+ * *took once the node took it. */
+static void answer_late(struct trainer *tr, bool *took)
+{
+    if (view_of(tr).wants_state && node_set_state(tr->n, "late state", 11) == 0)
+        *took = true;
+}
+
+/* A leader whose trainer is away from its loop holds every other member
+ * in the sync. Its log says so at half the engine's silence timeout
+ * (every joiner's says only that a step timed out), and the joiner gets
+ * the state as soon as the trainer answers. */
+Test(node, a_leader_whose_trainer_withholds_the_state_says_so)
+{
+    static struct trainer trs[2];
+    char path[] = "/tmp/cohort-test-node-XXXXXX";
+    int log_fd = mkstemp(path), saved = dup(STDERR_FILENO);
+    const char *said = "its trainer has not sent the state";
+    bool warned, took = false;
+    void *s;
+    size_t len;
+
+    cr_assert(log_fd >= 0 && saved >= 0);
+    unlink(path);
+    /* w-0 trains alone to version 3 and leaves its loop: it leads, and
+     * nothing answers its node. */
+    reduce_timeout_next = 4000;
+    trainer_start(&trs[0], 0, 3, 1);
+    trainer_join(&trs[0]);
+    cr_assert_eq(view_of(&trs[0]).model_version, 3);
+    /* Only the nodes' threads log from here on, into the file. */
+    dup2(log_fd, STDERR_FILENO);
+    trainer_open(&trs[1], 1, 3, 1);
+    reduce_timeout_next = 0;
+    warned = false;
+    for (uint64_t end = fixture_deadline(FIXTURE_WAIT_MS); !warned && fixture_before(end);) {
+        warned = file_has_line(log_fd, said, "id=w-0");
+        clock_sleep_ms(FIXTURE_POLL_MS);
+    }
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    cr_assert(warned, "w-0 never said its trainer withholds the state");
+    cr_assert_not(view_of(&trs[1]).has_new_state);
+    close(log_fd);
+    /* w-0's trainer comes back: w-1 gets what it sends now. */
+    FIXTURE_WAIT_FOR((answer_late(&trs[0], &took), view_of(&trs[1]).has_new_state),
+                     "w-1 never received the state w-0's trainer sent late");
+    cr_assert(took);
+    cr_assert_eq(node_take_state(trs[1].n, &s, &len), 0);
+    cr_assert_str_eq((char *)s, "late state");
+    free(s);
+    cr_assert_eq(view_of(&trs[1]).model_version, 3);
+    cr_assert_eq(memcmp(trs[1].params, trs[0].params, sizeof(trs[0].params)), 0);
+    node_stop(trs[0].n);
+    node_stop(trs[1].n);
 }
 
 Test(node, misuse_is_refused)
