@@ -31,7 +31,9 @@ static void remove_dir(void)
     char cmd[128];
 
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    cr_assert_eq(system(cmd), 0);
+    /* A .fini cannot fail a test (docs/architecture.md, Tests): say it. */
+    if (system(cmd) != 0)
+        fprintf(stderr, "%s: could not remove %s\n", __FILE__, dir);
     strcpy(dir + strlen(dir) - 6, "XXXXXX");
 }
 
