@@ -105,10 +105,15 @@ int opt_duration_ms(const char *s, uint64_t max_ms, uint64_t *ms)
 
     if (!s || !isdigit((unsigned char)*p))
         return -EINVAL;
+    /* Exact: every whole number up to UINT64_MAX parses, so a max_ms of
+     * UINT64_MAX takes them all (tests/fuzz/fuzz_opt.c found
+     * "18446744073709551615ms" refused). */
     for (; isdigit((unsigned char)*p); p++) {
-        if (whole > UINT64_MAX / 10 - 10)
+        uint64_t d = (uint64_t)(*p - '0');
+
+        if (whole > (UINT64_MAX - d) / 10)
             return -ERANGE;
-        whole = whole * 10 + (uint64_t)(*p - '0');
+        whole = whole * 10 + d;
     }
     if (*p == '.') {
         p++;
