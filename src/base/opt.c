@@ -102,19 +102,10 @@ int opt_duration_ms(const char *s, uint64_t max_ms, uint64_t *ms)
     };
     uint64_t whole = 0, frac = 0, frac_div = 1;
     const char *p = s;
+    int rc = digits(&p, &whole);
 
-    if (!s || !isdigit((unsigned char)*p))
-        return -EINVAL;
-    /* Exact: every whole number up to UINT64_MAX parses, so a max_ms of
-     * UINT64_MAX takes them all (tests/fuzz/fuzz_opt.c found
-     * "18446744073709551615ms" refused). */
-    for (; isdigit((unsigned char)*p); p++) {
-        uint64_t d = (uint64_t)(*p - '0');
-
-        if (whole > (UINT64_MAX - d) / 10)
-            return -ERANGE;
-        whole = whole * 10 + d;
-    }
+    if (rc < 0)
+        return rc;
     if (*p == '.') {
         p++;
         if (!isdigit((unsigned char)*p))
