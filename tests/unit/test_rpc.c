@@ -237,20 +237,17 @@ static void stop(void)
  * .fini tears down only what a test that failed before its end left. */
 static void (*teardown)(void);     /* the suite's; set by its .init */
 
-static void end_test(void)
-{
-    void (*t)(void) = teardown;
-
-    teardown = NULL;
-    t();
-    check_handlers();
-}
-
 static void fini_left(void)
 {
     if (teardown)
         teardown();
     teardown = NULL;
+}
+
+static void end_test(void)
+{
+    fini_left();
+    check_handlers();
 }
 
 #define RPC_TEST(suite, name)                                                      \
