@@ -613,6 +613,14 @@ Test(node, a_leader_forwards_the_state_its_trainer_has_not_taken)
 
 /* Whether the file at fd holds a line with both `a` and `b` (its first
  * 64 KiB). */
+static bool file_has_line(int fd, const char *a, const char *b);
+
+/* fixture_wait_until's predicate: w-0's warning in the log at *fd. */
+static bool w0_warned(void *fd)
+{
+    return file_has_line(*(int *)fd, "its trainer has not sent the state", "id=w-0");
+}
+
 static bool file_has_line(int fd, const char *a, const char *b)
 {
     static char buf[65536];
@@ -647,7 +655,6 @@ Test(node, a_leader_whose_trainer_withholds_the_state_says_so)
     static struct trainer trs[2];
     char path[] = "/tmp/cohort-test-node-XXXXXX";
     int log_fd = mkstemp(path), saved = dup(STDERR_FILENO);
-    const char *said = "its trainer has not sent the state";
     bool warned, took = false;
     void *s;
     size_t len;
@@ -664,11 +671,7 @@ Test(node, a_leader_whose_trainer_withholds_the_state_says_so)
     dup2(log_fd, STDERR_FILENO);
     trainer_open(&trs[1], 1, 3, 1);
     reduce_timeout_next = 0;
-    warned = false;
-    for (uint64_t end = fixture_deadline(FIXTURE_WAIT_MS); !warned && fixture_before(end);) {
-        warned = file_has_line(log_fd, said, "id=w-0");
-        clock_sleep_ms(FIXTURE_POLL_MS);
-    }
+    warned = fixture_wait_until(w0_warned, &log_fd, FIXTURE_WAIT_MS);
     dup2(saved, STDERR_FILENO);
     close(saved);
     cr_assert(warned, "w-0 never said its trainer withholds the state");
