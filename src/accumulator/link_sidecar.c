@@ -6,7 +6,12 @@
  * update() reads the page with no call. CONSUME is the one request with
  * no reply: zero_gradients() must not wait for the sidecar. Until a later
  * reply shows the sidecar has read it, a page that still holds the
- * consumed round is corrected here, so a result is never seen twice. */
+ * consumed round is corrected here, so a result is never seen twice.
+ *
+ * CONTRIBUTE and CONSUME take the page's doorbell instead (viewpage.h)
+ * while the node's thread listens there, as it does for a moment after
+ * each round: the node takes them itself, with no message and no wake of
+ * the sidecar's link thread on a round's path. */
 #include "accumulator/link_sidecar.h"
 
 #include <errno.h>
@@ -18,6 +23,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/limits.h"
 #include "accumulator/layout.h"
 
@@ -30,6 +36,8 @@ struct sidecar {
     bool answered;                  /* the last request was answered, or a one-way one
                                      * taken: the sidecar is alive, no need to look */
     bool consume_posted;            /* the sidecar may not have read it yet */
+    bool one_way_unread;            /* a CONSUME went on the socket and no reply
+                                     * followed: the doorbell would pass it */
     uint64_t consumed_round;        /* the rounds_committed it consumes */
 };
 
@@ -45,7 +53,15 @@ static void lost(struct sidecar *s)
         close(s->sock);
     s->sock = -1;
     s->consume_posted = false;
+    s->one_way_unread = false;
     s->answered = false;
+}
+
+/* A status is 0 or a negative errno (-4095, the kernel's MAX_ERRNO, at
+ * most): anything else would reach the trainer as neither. */
+static bool is_status(int64_t status)
+{
+    return status <= 0 && status >= -4095;
 }
 
 /* One request and its reply. A dead sidecar is -ENOTCONN from here on. */
@@ -68,10 +84,9 @@ static int call(struct sidecar *s, uint16_t type, const void *body, uint32_t len
     /* The sidecar read every request before this one, a one-way consume
      * included, and published their effects before it answered. */
     s->consume_posted = false;
+    s->one_way_unread = false;
     s->answered = true;
-    /* A status is 0 or a negative errno (-4095, the kernel's MAX_ERRNO, at
-     * most): anything else would reach the trainer as neither. */
-    if (h.type != TL_REPLY || h.status > 0 || h.status < -4095 ||
+    if (h.type != TL_REPLY || !is_status(h.status) ||
         (h.status == 0 && out_len >= 0 && h.len != (uint32_t)out_len)) {
         for (int i = 0; i < ngot; i++)
             close(got[i]);
@@ -102,6 +117,43 @@ static bool readable(const struct sidecar *s)
     struct pollfd p = { s->sock, POLLIN, 0 };
 
     return poll(&p, 1, 0) != 0;
+}
+
+/* A CONTRIBUTE or CONSUME through the doorbell. Returns 1 with *status
+ * once the node's thread answered, 0 when it did not take the request (send
+ * it on the socket), -ENOTCONN (the link is lost: the sidecar went away, or
+ * did not answer within REPLY_TIMEOUT_MS, as a call), or -EPROTO (it broke
+ * the bell's protocol). Not while a CONSUME sent on the socket may still be
+ * unread: the socket keeps the order of requests, the bell would not. */
+static int ring(struct sidecar *s, uint16_t type, uint64_t value, int *status)
+{
+    struct viewpage *p = link_shared_page(s->mem);
+    uint64_t end;
+
+    if (s->sock < 0)
+        return -ENOTCONN;
+    if (s->one_way_unread || viewpage_ring(p, type, value) == 0)
+        return 0;
+    end = clock_now_ms() + REPLY_TIMEOUT_MS;
+    for (;;) {
+        int64_t st;
+        /* In slices: a sidecar that died after its take cannot answer. */
+        int rc = viewpage_bell_wait(p, 50, &st);
+
+        if (rc == 0 && is_status(st)) {
+            s->answered = true;
+            *status = (int)st;
+            return 1;
+        }
+        if (rc != -ETIMEDOUT) {
+            lost(s);
+            return -EPROTO;
+        }
+        if (readable(s) || clock_now_ms() >= end) {
+            lost(s);
+            return -ENOTCONN;
+        }
+    }
 }
 
 static bool up(const struct link *l)
@@ -147,6 +199,10 @@ static int update(struct link *l, struct tlink_view *view)
 
 static int contribute(struct link *l, uint64_t batch_size)
 {
+    int status, rc = ring(of(l), TL_CONTRIBUTE, batch_size, &status);
+
+    if (rc != 0)
+        return rc < 0 ? rc : status;
     return call_u64(of(l), TL_CONTRIBUTE, batch_size);
 }
 
@@ -154,9 +210,11 @@ static int consume(struct link *l, uint64_t round)
 {
     struct sidecar *s = of(l);
     struct tlink_u64 u = { round };
+    int status, rc = ring(s, TL_CONSUME, round, &status);
 
-    if (s->sock < 0)
-        return -ENOTCONN;
+    /* Through the bell the node has consumed, and published, already. */
+    if (rc != 0)
+        return rc < 0 ? -ENOTCONN : 0;
     if (tlink_send(s->sock, TL_CONSUME, 0, &u, sizeof(u), NULL, 0) < 0) {
         lost(s);
         return -ENOTCONN;
@@ -164,6 +222,7 @@ static int consume(struct link *l, uint64_t round)
     /* Taken by the socket: the sidecar was there a moment ago, so the
      * refresh that follows need not look again. */
     s->consume_posted = true;
+    s->one_way_unread = true;
     s->consumed_round = round;
     s->answered = true;
     return 0;

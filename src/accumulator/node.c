@@ -1611,18 +1611,30 @@ static void adopt_epoch_locked(struct node *n)
 }
 
 /* Spins up to NODE_SPIN_US, lock released, for a change (changed_locked).
- * Lock held on entry and return; true when one came. */
+ * Lock held on entry and return; true when one came. The spin hook
+ * (node_config.on_spin) may bring it itself: a sidecar's node thread takes
+ * its trainer's next move from the doorbell rather than wait for the link
+ * thread to wake and pass it on. */
 static bool node_spin(struct node *n)
 {
+    void (*hook)(void *, struct node *, enum node_spin) = n->cfg.on_spin;
     unsigned seen = atomic_load(&n->changes);
     uint64_t from = clock_now_us();
-    bool moved;
 
     pthread_mutex_unlock(&n->lock);
-    while (!(moved = atomic_load(&n->changes) != seen) && clock_now_us() - from < NODE_SPIN_US)
+    if (hook)
+        hook(n->cfg.view_arg, n, NODE_SPIN_BEGIN);
+    for (;;) {
+        if (hook)
+            hook(n->cfg.view_arg, n, NODE_SPIN_POLL);
+        if (atomic_load(&n->changes) != seen || clock_now_us() - from >= NODE_SPIN_US)
+            break;
         sched_yield();
+    }
+    if (hook)
+        hook(n->cfg.view_arg, n, NODE_SPIN_END);
     pthread_mutex_lock(&n->lock);
-    return moved;
+    return atomic_load(&n->changes) != seen;
 }
 
 static void *node_main(void *arg)

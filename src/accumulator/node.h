@@ -161,6 +161,9 @@ struct node_device {
     void *arg;
 };
 
+/* Where the node's thread is in a spin (node_config.on_spin). */
+enum node_spin { NODE_SPIN_BEGIN, NODE_SPIN_POLL, NODE_SPIN_END };
+
 struct node_config {
     const char *broker;         /* broker address */
     const char *cohort;
@@ -203,7 +206,14 @@ struct node_config {
      * changed, from any of its threads: copy it and return; never call
      * into the node. May be NULL. */
     void (*on_view)(void *arg, const struct node_view *v);
-    void *view_arg;             /* borrowed */
+    void *view_arg;             /* borrowed; also on_spin's */
+    /* Called from the node's thread while it spins for the trainer's next
+     * move (node.c, NODE_SPIN_US), with the lock released: NODE_SPIN_BEGIN
+     * once, NODE_SPIN_POLL on each turn, NODE_SPIN_END once as the spin
+     * ends. It may call node_contribute() and node_consume() on `n`, and
+     * nothing else of the node; a contribution ends the spin. The sidecar
+     * serves its trainer's doorbell there (viewpage.h). May be NULL. */
+    void (*on_spin)(void *arg, struct node *n, enum node_spin phase);
     /* Per-stage times of each round (see node_stage), borrowed until
      * node_stop(); NULL: none taken, and no clock is read for it. */
     struct node_trace *trace;

@@ -40,6 +40,7 @@ struct trainerd {
     pthread_t thread;
     atomic_bool stop;
     atomic_uint sessions;
+    atomic_uint_fast64_t rung;      /* requests served from the doorbell */
     bool gpu_host_staged;
     int (*adopt)(void *arg, int sock);
     void *adopt_arg;
@@ -77,6 +78,7 @@ struct session {
     uint64_t gpu_round;         /* the last round whose result went to the device */
     bool gpu_drop;              /* the last view published had drop_pending */
     atomic_bool gpu_failed;     /* a copy to the device failed: the session ends */
+    atomic_uint_fast64_t *rung; /* the trainerd's count */
 };
 
 /* A GPU session's result is the trainer's only once it is on the device:
@@ -121,6 +123,32 @@ static void publish_view(void *arg, const struct node_view *v)
     if (s->gpu && !gpu_result_ready(s, v))
         w.has_gradients = 0;
     viewpage_publish(s->shared, &w);
+}
+
+/* node_config.on_spin: while the node's thread spins, it serves the
+ * trainer's doorbell itself (viewpage.h), as serve_one would the same
+ * request: a CONTRIBUTE's answer is its status, a CONSUME's is 0, whatever
+ * node_consume said (on the socket it has no reply at all). Anything else
+ * posted there is answered -EPROTO. */
+static void serve_bell(void *arg, struct node *n, enum node_spin phase)
+{
+    struct session *s = arg;
+    uint32_t type;
+    uint64_t value;
+
+    if (phase != NODE_SPIN_POLL)
+        viewpage_listen(s->shared, phase == NODE_SPIN_BEGIN);
+    if (phase == NODE_SPIN_BEGIN || !viewpage_take(s->shared, &type, &value))
+        return;
+    atomic_fetch_add(s->rung, 1);
+    if (type == TL_CONTRIBUTE) {
+        viewpage_answer(s->shared, node_contribute(n, value));
+    } else if (type == TL_CONSUME) {
+        node_consume(n, value);
+        viewpage_answer(s->shared, 0);
+    } else {
+        viewpage_answer(s->shared, -EPROTO);
+    }
 }
 
 /* Replies name their request's type only through the conversation: one
@@ -308,7 +336,9 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
         nc.device = &s->dev;
     }
     nc.on_view = publish_view;
+    nc.on_spin = serve_bell;
     nc.view_arg = s;
+    s->rung = &t->rung;
     rc = node_start(&nc, &s->node);
     if (rc < 0)
         return rc;
@@ -762,4 +792,9 @@ void trainerd_stop(struct trainerd *t)
 unsigned trainerd_sessions(struct trainerd *t)
 {
     return atomic_load(&t->sessions);
+}
+
+uint64_t trainerd_bell_served(struct trainerd *t)
+{
+    return atomic_load(&t->rung);
 }

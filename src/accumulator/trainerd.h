@@ -65,4 +65,8 @@ int trainerd_check_gpu(const struct tlink_register *r, const char **why);
 /* Trainers served so far (for tests). */
 unsigned trainerd_sessions(struct trainerd *t);
 
+/* Requests its trainers' doorbells brought to the node's thread so far,
+ * rather than the socket (viewpage.h; for tests and the benchmark). */
+uint64_t trainerd_bell_served(struct trainerd *t);
+
 #endif

@@ -27,6 +27,7 @@
 #include "fixture.h"
 #include "accumulator/tlink.h"
 #include "accumulator/trainerd.h"
+#include "accumulator/viewpage.h"
 #include "gpu/cudrv.h"
 #include "gpu/gpuid.h"
 
@@ -755,6 +756,69 @@ Test(cohort, the_trainer_link_is_sealed_private_and_bounded_in_time)
     close(idle);
     snprintf(addr, sizeof(addr), "unix:%s", p);
     cr_assert_eq(cohort_connect(c, addr), 0);
+    cohort_destroy(c);
+    trainerd_stop(s);
+}
+
+/* The view page of this process's only Accumulator: the last
+ * VIEWPAGE_BYTES of its tensors memfd, mapped anew (the caller unmaps
+ * *len bytes at the page's base less the offset). */
+static struct viewpage *own_page(void **map, size_t *len)
+{
+    int fd = find_memfd("cohort-tensors");
+    struct stat st;
+
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(fstat(fd, &st), 0);
+    *len = (size_t)st.st_size;
+    *map = mmap(NULL, *len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    cr_assert_neq(*map, MAP_FAILED);
+    return (struct viewpage *)((char *)*map + *len - VIEWPAGE_BYTES);
+}
+
+/* Right after a round, the sidecar's node thread takes the trainer's next
+ * move from the view page's doorbell. A request of a type it does not
+ * serve there is answered -EPROTO, and the rounds go on, each result
+ * exact, with the trainer's own requests through the bell. */
+Test(cohort, a_doorbell_request_of_another_type_is_refused_and_rounds_go_on)
+{
+    char p[128], addr[160];
+    struct trainerd *s = sidecar("b-0", p, sizeof(p));
+    struct cohort *c = trainer();
+    float *g = cohort_grads(c), *r = cohort_results(c);
+    uint64_t end = clock_now_ms() + 60000, served;
+    bool refused = false;
+    struct viewpage *page;
+    size_t len;
+    void *map;
+
+    snprintf(addr, sizeof(addr), "unix:%s", p);
+    cr_assert_eq(cohort_connect(c, addr), 0);
+    page = own_page(&map, &len);
+    FIXTURE_WAIT_FOR(alone_in_an_epoch(c), "b-0 never joined an epoch");
+    /* Until the bell has served the trainer too, a few times over. */
+    for (uint64_t k = 1; clock_now_ms() < end && (!refused || trainerd_bell_served(s) < 4); k++) {
+        until_wanted(c);
+        for (size_t i = 0; i < NP; i++)
+            g[i] = (float)k;
+        cr_assert_eq(cohort_reduce_gradients(c, 1), 0);
+        until_result(c);
+        /* The node's thread spins for the trainer's next move now. */
+        if (!refused && viewpage_ring(page, TL_VIEW, 0) == 1) {
+            int64_t st = 0;
+            cr_assert_eq(viewpage_bell_wait(page, 30000, &st), 0);
+            cr_assert_eq(st, -EPROTO);
+            refused = true;
+        }
+        for (size_t i = 0; i < NP; i++)
+            cr_assert_eq(r[i], (float)k, "round %lu, element %zu: %g", (unsigned long)k, i, r[i]);
+        cr_assert_eq(cohort_zero_gradients(c), 0);
+    }
+    cr_assert(refused, "the node's thread never took a request from the bell");
+    served = trainerd_bell_served(s);
+    cr_assert_geq(served, 4, "the trainer's own requests never came through the bell");
+    cr_log_info("cohort: %lu requests through the bell", (unsigned long)served);
+    munmap(map, len);
     cohort_destroy(c);
     trainerd_stop(s);
 }

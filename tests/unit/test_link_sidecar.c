@@ -7,6 +7,8 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +17,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "accumulator/link_sidecar.h"
 
 struct scripted {
@@ -27,10 +30,16 @@ struct fake {
     int lfd;
     const struct scripted *replies;
     size_t n;
+    bool hold;              /* after the script, answer -ENOSYS until the trainer
+                             * hangs up */
+    uint16_t types[16];     /* the requests received, in order */
+    atomic_uint received;
+    atomic_int conn;        /* the trainer's connection, once accepted */
     pthread_t thread;
 };
 
-/* One connection: a reply per request (none to a CONSUME), then hang up. */
+/* One connection: a reply per request (none to a CONSUME), then hang up,
+ * or with `hold`, answer -ENOSYS until the trainer does. */
 static void *fake_main(void *arg)
 {
     struct fake *f = arg;
@@ -38,16 +47,27 @@ static void *fake_main(void *arg)
     int c = accept(f->lfd, NULL, NULL);
     size_t next = 0;
 
+    atomic_store(&f->conn, c);
     memset(body, 'A', sizeof(body));
-    while (c >= 0 && next < f->n) {
+    while (c >= 0 && (next < f->n || f->hold)) {
         struct tlink_hdr h;
         ssize_t n = recv(c, buf, sizeof(buf), 0);
+        unsigned k;
 
         if (n < (ssize_t)sizeof(h))
             break;
         memcpy(&h, buf, sizeof(h));
+        k = atomic_load(&f->received);
+        if (k < sizeof(f->types) / sizeof(f->types[0]))
+            f->types[k] = h.type;
+        atomic_store(&f->received, k + 1);
         if (tlink_one_way(h.type))
             continue;
+        if (next == f->n) {
+            if (tlink_send(c, TL_REPLY, -ENOSYS, NULL, 0, NULL, 0) < 0)
+                break;
+            continue;
+        }
         if (tlink_send(c, TL_REPLY, f->replies[next].status, body, f->replies[next].len, NULL,
                        0) < 0)
             break;
@@ -58,7 +78,7 @@ static void *fake_main(void *arg)
     return NULL;
 }
 
-static void fake_start(struct fake *f, const struct scripted *replies, size_t n)
+static void fake_start_as(struct fake *f, const struct scripted *replies, size_t n, bool hold)
 {
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
 
@@ -73,7 +93,15 @@ static void fake_start(struct fake *f, const struct scripted *replies, size_t n)
     cr_assert_eq(listen(f->lfd, 1), 0);
     f->replies = replies;
     f->n = n;
+    f->hold = hold;
+    atomic_init(&f->received, 0);
+    atomic_init(&f->conn, -1);
     cr_assert_eq(pthread_create(&f->thread, NULL, fake_main, f), 0);
+}
+
+static void fake_start(struct fake *f, const struct scripted *replies, size_t n)
+{
+    fake_start_as(f, replies, n, false);
 }
 
 static void fake_stop(struct fake *f)
@@ -162,6 +190,200 @@ Test(link_sidecar, a_status_that_is_no_errno_is_a_protocol_error)
     fake_start(&f, huge, 3);
     cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
     cr_assert_eq(l->ops->contribute(l, 1), -EPROTO);
+    l->ops->destroy(l);
+    fake_stop(&f);
+    memory_free(&m);
+}
+
+/* ---- The doorbell --------------------------------------------------------- */
+
+/* The node's thread of a fake sidecar: it listens on the trainer's page
+ * and answers each request it takes with the next status of its script.
+ * Past the script it takes and never answers, as a sidecar that died
+ * after its take, and with `hangup` the fake's connection ends then. */
+struct bell {
+    struct viewpage *p;
+    const int64_t *answers;
+    size_t n;
+    struct fake *hangup;
+    atomic_uint taken;
+    uint32_t types[8];
+    uint64_t values[8];
+    atomic_bool stop;
+    pthread_t thread;
+};
+
+static void *bell_main(void *arg)
+{
+    struct bell *b = arg;
+
+    viewpage_listen(b->p, true);
+    while (!atomic_load(&b->stop)) {
+        uint32_t type;
+        uint64_t value;
+        unsigned k;
+
+        if (!viewpage_take(b->p, &type, &value)) {
+            sched_yield();
+            continue;
+        }
+        k = atomic_load(&b->taken);
+        if (k < 8) {
+            b->types[k] = type;
+            b->values[k] = value;
+        }
+        atomic_store(&b->taken, k + 1);
+        if (k < b->n)
+            viewpage_answer(b->p, b->answers[k]);
+        else if (b->hangup)
+            shutdown(atomic_load(&b->hangup->conn), SHUT_RDWR);
+    }
+    viewpage_listen(b->p, false);
+    return NULL;
+}
+
+static void bell_start(struct bell *b, struct link_memory *m, const int64_t *answers, size_t n,
+                       struct fake *hangup)
+{
+    memset(b, 0, sizeof(*b));
+    b->p = link_shared_page(m);
+    b->answers = answers;
+    b->n = n;
+    b->hangup = hangup;
+    cr_assert_eq(pthread_create(&b->thread, NULL, bell_main, b), 0);
+    while (!__atomic_load_n(&b->p->bell.listening, __ATOMIC_SEQ_CST))
+        sched_yield();
+}
+
+static void bell_stop(struct bell *b)
+{
+    atomic_store(&b->stop, true);
+    pthread_join(b->thread, NULL);
+}
+
+/* Calls `op` until the bell takes its request, and returns what that call
+ * returned. The trainer withdraws a request whose take is late (a loaded
+ * machine) and sends it on the socket, where the holding fake refuses it
+ * with -ENOSYS (a CONSUME gets no reply at all): then it goes again. */
+static int through_bell(struct bell *b, struct link *l, int (*op)(struct link *, uint64_t),
+                        uint64_t value)
+{
+    uint64_t end = clock_now_ms() + 60000;
+
+    for (;;) {
+        unsigned before = atomic_load(&b->taken);
+        int rc = op(l, value);
+
+        if (atomic_load(&b->taken) != before)
+            return rc;
+        cr_assert(rc == -ENOSYS || (rc == 0 && op == l->ops->consume),
+                  "a request on the socket: %d", rc);
+        cr_assert_lt(clock_now_ms(), end, "the bell never took a request");
+    }
+}
+
+/* While the node's thread listens, CONTRIBUTE and CONSUME go through the
+ * page, and a contribution's status comes back. */
+Test(link_sidecar, the_doorbell_carries_contributions_and_consumes)
+{
+    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };     /* HELLO, REGISTER */
+    static const int64_t answers[] = { -EAGAIN, 0, 0 };
+    struct link_memory m = memory();
+    struct fake f;
+    struct bell b;
+    struct link *l = NULL;
+
+    fake_start_as(&f, replies, 2, true);
+    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
+    bell_start(&b, &m, answers, 3, NULL);
+    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 3), -EAGAIN);
+    cr_assert_eq(through_bell(&b, l, l->ops->consume, 9), 0);
+    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 0), 0);
+    cr_assert(l->ops->up(l));
+    bell_stop(&b);
+    cr_assert_eq(atomic_load(&b.taken), 3);
+    cr_assert_eq(b.types[0], TL_CONTRIBUTE);
+    cr_assert_eq(b.values[0], 3);
+    cr_assert_eq(b.types[1], TL_CONSUME);
+    cr_assert_eq(b.values[1], 9);
+    cr_assert_eq(b.types[2], TL_CONTRIBUTE);
+    cr_assert_eq(b.values[2], 0);
+    l->ops->destroy(l);
+    fake_stop(&f);
+    memory_free(&m);
+}
+
+/* A CONSUME sent on the socket may be unread when the node's thread
+ * begins to listen: the next request follows it on the socket, or the
+ * node would see the contribution before the consume. */
+Test(link_sidecar, a_request_after_a_consume_on_the_socket_follows_it_there)
+{
+    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };
+    static const int64_t answers[] = { -EAGAIN };
+    struct link_memory m = memory();
+    struct fake f;
+    struct bell b;
+    struct link *l = NULL;
+
+    fake_start_as(&f, replies, 2, true);
+    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
+    cr_assert_eq(l->ops->consume(l, 1), 0, "nobody listens: on the socket");
+    bell_start(&b, &m, answers, 1, NULL);
+    cr_assert_eq(l->ops->contribute(l, 2), -ENOSYS, "not on the socket after the consume");
+    cr_assert_eq(atomic_load(&b.taken), 0);
+    cr_assert_eq(atomic_load(&f.received), 4);
+    cr_assert_eq(f.types[2], TL_CONSUME);
+    cr_assert_eq(f.types[3], TL_CONTRIBUTE);
+    /* Its reply shows the sidecar read the consume: the bell is free. */
+    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 2), -EAGAIN);
+    bell_stop(&b);
+    l->ops->destroy(l);
+    fake_stop(&f);
+    memory_free(&m);
+}
+
+/* An answer that is no errno is a broken sidecar, as in a reply. */
+Test(link_sidecar, a_doorbell_answer_that_is_no_errno_is_a_protocol_error)
+{
+    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };
+    static const int64_t answers[] = { 5 };
+    struct link_memory m = memory();
+    struct fake f;
+    struct bell b;
+    struct link *l = NULL;
+
+    fake_start_as(&f, replies, 2, true);
+    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
+    bell_start(&b, &m, answers, 1, NULL);
+    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 1), -EPROTO);
+    cr_assert(!l->ops->up(l), "the link goes on with a sidecar that broke the protocol");
+    cr_assert_eq(l->ops->contribute(l, 1), -ENOTCONN);
+    bell_stop(&b);
+    l->ops->destroy(l);
+    fake_stop(&f);
+    memory_free(&m);
+}
+
+/* A sidecar that took a request and then went away cannot answer it: the
+ * trainer finds it gone within a slice of its wait, not at the reply
+ * timeout. */
+Test(link_sidecar, a_sidecar_gone_after_its_take_is_noticed)
+{
+    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };
+    struct link_memory m = memory();
+    struct fake f;
+    struct bell b;
+    struct link *l = NULL;
+    uint64_t t0;
+
+    fake_start_as(&f, replies, 2, true);
+    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
+    bell_start(&b, &m, NULL, 0, &f);            /* takes, hangs up, never answers */
+    t0 = clock_now_ms();
+    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 1), -ENOTCONN);
+    cr_assert_lt(clock_now_ms() - t0, 20000, "noticed only at the reply timeout");
+    cr_assert(!l->ops->up(l));
+    bell_stop(&b);
     l->ops->destroy(l);
     fake_stop(&f);
     memory_free(&m);
