@@ -86,6 +86,9 @@ static const char usage[] =
     "                 trainer, woken, has zeroed its gradients and its consume\n"
     "                 reached the sidecar) and next (from there to its next\n"
     "                 contribution reaching the node); their sum is one round.\n"
+    "                 Then the share of the first member's contributions and\n"
+    "                 consumes that its node's thread took from the view\n"
+    "                 page's doorbell rather than the trainer link's socket.\n"
     "                 Untraced runs read no clock for it.\n"
     "  -o, --output   table (default) or json\n"
     "  -h, --help     show this text\n";
@@ -268,6 +271,7 @@ struct trainer {
     int rounds, rc;
     uint32_t peers;             /* rounds are timed only with all of them in */
     double ms;
+    uint64_t requests;          /* contributions and consumes made */
     pthread_t t;
 };
 
@@ -306,12 +310,14 @@ static void *trainer_main(void *arg)
             t0 = clock_now_us();
         if (cohort_has_gradients(tr->c)) {
             cohort_zero_gradients(tr->c);
+            tr->requests++;
             if (cohort_model_version(tr->c) >= target) {
                 tr->ms = (double)(clock_now_us() - t0) / 1000.0 / tr->rounds;
                 return NULL;
             }
         } else if (cohort_wants_gradients(tr->c)) {
             cohort_reduce_gradients(tr->c, 1);
+            tr->requests++;
         } else {
             cohort_wait(tr->c, 100);
         }
@@ -335,8 +341,11 @@ static void trace_keep(struct node_trace *t, size_t first, bool ok)
 }
 
 /* The first member's node keeps its rounds' stages in *trace when it is
- * not NULL; the warm-up rounds are dropped from it. */
-static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct node_trace *trace)
+ * not NULL; the warm-up rounds are dropped from it. bell[0] and bell[1]
+ * grow by the first member's requests served from the view page's
+ * doorbell and by all it made, warm-up included. */
+static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct node_trace *trace,
+                           uint64_t bell[2])
 {
     struct secret key;
     struct brokerd_config bc = { .listen = "127.0.0.1:0", .key = &key };
@@ -394,6 +403,8 @@ static int run_accumulator(int n, size_t bytes, int rounds, double *ms, struct n
             rc = tr[i].rc;
     }
     *ms = tr[0].ms;
+    bell[0] += trainerd_bell_served(sd[0]);
+    bell[1] += tr[0].requests;
 out:
     for (int i = 0; i < n; i++) {
         cohort_destroy(tr[i].c);
@@ -427,19 +438,22 @@ static void trace_medians(const struct node_trace *t, double *v, double us[NODE_
     }
 }
 
-static void print_trace(const struct node_trace *t, const double us[NODE_STAGES + 1], bool json)
+static void print_trace(const struct node_trace *t, const double us[NODE_STAGES + 1],
+                        const uint64_t bell[2], bool json)
 {
+    double share = bell[1] ? 100.0 * (double)bell[0] / (double)bell[1] : 0;
+
     if (json) {
         printf(",\"trace_rounds\":%zu,\"trace_us\":{", t->rounds);
         for (int s = 0; s < NODE_STAGES; s++)
             printf("%s\"%s\":%.1f", s ? "," : "", node_stage_name((enum node_stage)s), us[s]);
-        printf(",\"round\":%.1f}", us[NODE_STAGES]);
+        printf(",\"round\":%.1f},\"doorbell_pct\":%.1f", us[NODE_STAGES], share);
         return;
     }
     printf("%10s trace, median us over %zu rounds:", "", t->rounds);
     for (int s = 0; s < NODE_STAGES; s++)
         printf(" %s %.1f", node_stage_name((enum node_stage)s), us[s]);
-    printf(" | round %.1f\n", us[NODE_STAGES]);
+    printf(" | round %.1f | doorbell %.0f%%\n", us[NODE_STAGES], share);
 }
 
 int cli_bench_accumulator(int argc, char **argv)
@@ -532,6 +546,7 @@ int cli_bench_accumulator(int argc, char **argv)
         double d[MAX_REPS], di[MAX_REPS], a[MAX_REPS], r[MAX_REPS], ri[MAX_REPS];
         double direct, into, acc, ratio, ratio_into;
         size_t bytes = (size_t)sizes[i];
+        uint64_t bell[2] = { 0, 0 };
         int rc = 0;
 
         trace.rounds = 0;
@@ -540,7 +555,7 @@ int cli_bench_accumulator(int argc, char **argv)
             if (rc == 0)
                 rc = run_direct(peers, bytes, rounds, true, &di[k]);
             if (rc == 0)
-                rc = run_accumulator(peers, bytes, rounds, &a[k], tracing);
+                rc = run_accumulator(peers, bytes, rounds, &a[k], tracing, bell);
             r[k] = a[k] / d[k];
             ri[k] = a[k] / di[k];
         }
@@ -568,7 +583,7 @@ int cli_bench_accumulator(int argc, char **argv)
             double us[NODE_STAGES + 1];
 
             trace_medians(&trace, scratch, us);
-            print_trace(&trace, us, json);
+            print_trace(&trace, us, bell, json);
         }
         if (json)
             printf("}\n");
