@@ -282,35 +282,56 @@ static int through_bell(struct bell *b, struct link *l, int (*op)(struct link *,
     }
 }
 
+/* A trainer's link, connected to a holding fake sidecar, and the fake's
+ * bell thread once bell_start() has started it. */
+struct rig {
+    struct link_memory m;
+    struct fake f;
+    struct bell b;
+    struct link *l;
+};
+
+static void rig_connect(struct rig *r)
+{
+    static const struct scripted hello_register[] = { { 0, 0 }, { 0, 0 } };
+
+    memset(r, 0, sizeof(*r));
+    r->m = memory();
+    fake_start_as(&r->f, hello_register, 2, true);
+    cr_assert_eq(link_sidecar_connect(r->f.path, &r->m, &r->l), 0);
+}
+
+static void rig_stop(struct rig *r)
+{
+    bell_stop(&r->b);
+    r->l->ops->destroy(r->l);
+    fake_stop(&r->f);
+    memory_free(&r->m);
+}
+
 /* While the node's thread listens, CONTRIBUTE and CONSUME go through the
  * page, and a contribution's status comes back. */
 Test(link_sidecar, the_doorbell_carries_contributions_and_consumes)
 {
-    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };     /* HELLO, REGISTER */
     static const int64_t answers[] = { -EAGAIN, 0, 0 };
-    struct link_memory m = memory();
-    struct fake f;
-    struct bell b;
-    struct link *l = NULL;
+    struct rig r;
+    struct link *l;
 
-    fake_start_as(&f, replies, 2, true);
-    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
-    bell_start(&b, &m, answers, 3, NULL);
-    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 3), -EAGAIN);
-    cr_assert_eq(through_bell(&b, l, l->ops->consume, 9), 0);
-    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 0), 0);
+    rig_connect(&r);
+    l = r.l;
+    bell_start(&r.b, &r.m, answers, 3, NULL);
+    cr_assert_eq(through_bell(&r.b, l, l->ops->contribute, 3), -EAGAIN);
+    cr_assert_eq(through_bell(&r.b, l, l->ops->consume, 9), 0);
+    cr_assert_eq(through_bell(&r.b, l, l->ops->contribute, 0), 0);
     cr_assert(l->ops->up(l));
-    bell_stop(&b);
-    cr_assert_eq(atomic_load(&b.taken), 3);
-    cr_assert_eq(b.types[0], TL_CONTRIBUTE);
-    cr_assert_eq(b.values[0], 3);
-    cr_assert_eq(b.types[1], TL_CONSUME);
-    cr_assert_eq(b.values[1], 9);
-    cr_assert_eq(b.types[2], TL_CONTRIBUTE);
-    cr_assert_eq(b.values[2], 0);
-    l->ops->destroy(l);
-    fake_stop(&f);
-    memory_free(&m);
+    rig_stop(&r);
+    cr_assert_eq(atomic_load(&r.b.taken), 3);
+    cr_assert_eq(r.b.types[0], TL_CONTRIBUTE);
+    cr_assert_eq(r.b.values[0], 3);
+    cr_assert_eq(r.b.types[1], TL_CONSUME);
+    cr_assert_eq(r.b.values[1], 9);
+    cr_assert_eq(r.b.types[2], TL_CONTRIBUTE);
+    cr_assert_eq(r.b.values[2], 0);
 }
 
 /* A CONSUME sent on the socket may be unread when the node's thread
@@ -318,50 +339,38 @@ Test(link_sidecar, the_doorbell_carries_contributions_and_consumes)
  * node would see the contribution before the consume. */
 Test(link_sidecar, a_request_after_a_consume_on_the_socket_follows_it_there)
 {
-    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };
     static const int64_t answers[] = { -EAGAIN };
-    struct link_memory m = memory();
-    struct fake f;
-    struct bell b;
-    struct link *l = NULL;
+    struct rig r;
+    struct link *l;
 
-    fake_start_as(&f, replies, 2, true);
-    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
+    rig_connect(&r);
+    l = r.l;
     cr_assert_eq(l->ops->consume(l, 1), 0, "nobody listens: on the socket");
-    bell_start(&b, &m, answers, 1, NULL);
+    bell_start(&r.b, &r.m, answers, 1, NULL);
     cr_assert_eq(l->ops->contribute(l, 2), -ENOSYS, "not on the socket after the consume");
-    cr_assert_eq(atomic_load(&b.taken), 0);
-    cr_assert_eq(atomic_load(&f.received), 4);
-    cr_assert_eq(f.types[2], TL_CONSUME);
-    cr_assert_eq(f.types[3], TL_CONTRIBUTE);
+    cr_assert_eq(atomic_load(&r.b.taken), 0);
+    cr_assert_eq(atomic_load(&r.f.received), 4);
+    cr_assert_eq(r.f.types[2], TL_CONSUME);
+    cr_assert_eq(r.f.types[3], TL_CONTRIBUTE);
     /* Its reply shows the sidecar read the consume: the bell is free. */
-    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 2), -EAGAIN);
-    bell_stop(&b);
-    l->ops->destroy(l);
-    fake_stop(&f);
-    memory_free(&m);
+    cr_assert_eq(through_bell(&r.b, l, l->ops->contribute, 2), -EAGAIN);
+    rig_stop(&r);
 }
 
 /* An answer that is no errno is a broken sidecar, as in a reply. */
 Test(link_sidecar, a_doorbell_answer_that_is_no_errno_is_a_protocol_error)
 {
-    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };
     static const int64_t answers[] = { 5 };
-    struct link_memory m = memory();
-    struct fake f;
-    struct bell b;
-    struct link *l = NULL;
+    struct rig r;
+    struct link *l;
 
-    fake_start_as(&f, replies, 2, true);
-    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
-    bell_start(&b, &m, answers, 1, NULL);
-    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 1), -EPROTO);
+    rig_connect(&r);
+    l = r.l;
+    bell_start(&r.b, &r.m, answers, 1, NULL);
+    cr_assert_eq(through_bell(&r.b, l, l->ops->contribute, 1), -EPROTO);
     cr_assert(!l->ops->up(l), "the link goes on with a sidecar that broke the protocol");
     cr_assert_eq(l->ops->contribute(l, 1), -ENOTCONN);
-    bell_stop(&b);
-    l->ops->destroy(l);
-    fake_stop(&f);
-    memory_free(&m);
+    rig_stop(&r);
 }
 
 /* A sidecar that took a request and then went away cannot answer it: the
@@ -369,22 +378,17 @@ Test(link_sidecar, a_doorbell_answer_that_is_no_errno_is_a_protocol_error)
  * timeout. */
 Test(link_sidecar, a_sidecar_gone_after_its_take_is_noticed)
 {
-    static const struct scripted replies[] = { { 0, 0 }, { 0, 0 } };
-    struct link_memory m = memory();
-    struct fake f;
-    struct bell b;
-    struct link *l = NULL;
+    struct rig r;
+    struct link *l;
     uint64_t t0;
 
-    fake_start_as(&f, replies, 2, true);
-    cr_assert_eq(link_sidecar_connect(f.path, &m, &l), 0);
-    bell_start(&b, &m, NULL, 0, &f);            /* takes, hangs up, never answers */
+    rig_connect(&r);
+    l = r.l;
+    bell_start(&r.b, &r.m, NULL, 0, &r.f);      /* takes, hangs up, never answers */
     t0 = clock_now_ms();
-    cr_assert_eq(through_bell(&b, l, l->ops->contribute, 1), -ENOTCONN);
+    cr_assert_eq(through_bell(&r.b, l, l->ops->contribute, 1), -ENOTCONN);
     cr_assert_lt(clock_now_ms() - t0, 20000, "noticed only at the reply timeout");
     cr_assert(!l->ops->up(l));
-    bell_stop(&b);
-    l->ops->destroy(l);
-    fake_stop(&f);
-    memory_free(&m);
+    cr_assert_eq(atomic_load(&r.b.taken), 1);
+    rig_stop(&r);
 }
