@@ -102,6 +102,19 @@
 #define MAX_SEGMENT_BYTES ((size_t)64 << 20)
 #define MAX_SMALL_BYTES ALLREDUCE_SMALL_MAX
 
+/* Recursive doubling folds a tail of up to 1/64 of small_bytes, as the
+ * ring folds one into a segment (ring.c, "Folding a tail"): a buffer of
+ * small_bytes with a few elements appended, such as the Accumulator's
+ * counters behind 256 KiB of gradients, stays in recursive doubling, so
+ * appending them changes no exchange (allreduce_same_exchanges) and they
+ * ride with no copy. The scratch buffers hold this much. Every member of
+ * an epoch runs one build, so all choose alike: mixed versions are not
+ * served (docs/architecture.md, "Heartbeats"). */
+static size_t doubling_cap(size_t small)
+{
+    return small + small / 64;
+}
+
 #define ABORT_GRACE_MS 50       /* finishing half-sent frames before a BYE */
 
 _Static_assert(MAX_NEED + 1 >= ALLREDUCE_PARTS_MAX,
@@ -223,8 +236,8 @@ int allreduce_create(const struct allreduce_config *cfg, struct allreduce **out)
     if (!a->cohort || !a->id || !a->stage)
         goto err_alloc;
     if (small != ALLREDUCE_SMALL_NONE) {
-        a->rd_a = malloc(small);
-        a->rd_b = malloc(small);
+        a->rd_a = malloc(doubling_cap(small));
+        a->rd_b = malloc(doubling_cap(small));
         if (!a->rd_a || !a->rd_b)
             goto err_alloc;
     }
@@ -405,16 +418,28 @@ static const struct algorithm algorithms[] = {
                               .in_place = false },
 };
 
+/* Whether `count` elements of accumulation size `asz` (`coded` bytes on
+ * the wire, when coded; else 0) take recursive doubling: up to
+ * doubling_cap(small_bytes), which its scratch buffers hold. */
+static bool doubling_fits(const struct allreduce *a, size_t count, size_t asz, size_t coded)
+{
+    size_t cap;
+
+    if (a->small_bytes == ALLREDUCE_SMALL_NONE)
+        return false;
+    cap = doubling_cap(a->small_bytes);
+    return count <= cap / asz && coded <= cap;
+}
+
 /* The one place a call's algorithm is chosen: the butterfly when the caller
  * gave parts (allreduce_run_parts), else recursive doubling up to
- * small_bytes on the wire (its scratch buffers hold no more), the ring
+ * small_bytes on the wire and a folded tail (doubling_cap), the ring
  * beyond. */
 static const struct algorithm *choose_algorithm(const struct allreduce *a, const struct run *x)
 {
     /* Coded, the scratch must hold the encoded buffer too (int8 of one
      * element is 5 bytes). */
-    bool small = a->small_bytes != ALLREDUCE_SMALL_NONE && x->count <= a->small_bytes / x->asz &&
-                 (!x->coded || codec_bytes(x->codec, x->count) <= a->small_bytes);
+    bool small = doubling_fits(a, x->count, x->asz, x->coded ? codec_bytes(x->codec, x->count) : 0);
 
     if (x->parts)
         return &algorithms[ALGORITHM_BUTTERFLY];    /* its caller chose it by giving parts */
@@ -812,8 +837,8 @@ bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count,
         return true;
     /* As choose_algorithm() decides, for an uncompressed call. */
     asz = dtype_size(dtype_acc(type));
-    small_a = a->small_bytes != ALLREDUCE_SMALL_NONE && count <= a->small_bytes / asz;
-    small_b = a->small_bytes != ALLREDUCE_SMALL_NONE && count + extra <= a->small_bytes / asz;
+    small_a = doubling_fits(a, count, asz, 0);
+    small_b = doubling_fits(a, count + extra, asz, 0);
     if (small_a != small_b)
         return false;
     /* Recursive doubling sends the whole buffer once per step. 16-bit

@@ -38,7 +38,8 @@ struct allreduce;
 #define ALLREDUCE_DEFAULT_TIMEOUT_MS 10000u
 /* small_bytes that turns recursive doubling off: the ring for every size. */
 #define ALLREDUCE_SMALL_NONE ((size_t)-1)
-/* The largest small_bytes: recursive doubling's scratch is 2 x this. */
+/* The largest small_bytes: recursive doubling's scratch is 2 x this and
+ * 1/64 more. */
 #define ALLREDUCE_SMALL_MAX ((size_t)64 << 20)
 #define ALLREDUCE_MAX_BUFFERS 1024
 /* Members of a butterfly call (allreduce_run_parts) at most. */
@@ -60,7 +61,8 @@ struct allreduce_config {
     size_t segment_bytes;           /* ring pipelining unit, a multiple of 8, at least
                                      * 8; 0: the measured default (allreduce.c) */
     size_t small_bytes;             /* all-reduces of at most this many bytes on the
-                                     * wire (count x accumulation size) use recursive
+                                     * wire (count x accumulation size), and a tail
+                                     * of up to 1/64 of it more, use recursive
                                      * doubling; 0: the measured default;
                                      * ALLREDUCE_SMALL_NONE: never; at most
                                      * ALLREDUCE_SMALL_MAX. The first all-reduce
@@ -100,7 +102,7 @@ int allreduce_listen(const char *host, int *fd, char *address, size_t address_le
  * holds greetings from members of epochs it has not adopted for up to the
  * member timeout. Allocates every scratch buffer it will ever need, once:
  * 8 staging slots of segment_bytes + 1/64 (a ring segment with a folded
- * tail: ring.c) and 2 x small_bytes for recursive doubling.
+ * tail: ring.c) and 2 x small_bytes + 1/64 for recursive doubling.
  * Draws the engine's random incarnation, which tells its greetings from
  * those of an earlier engine under the same id (acceptor.c).
  * Returns 0, -EINVAL (bad config: integrity_mac without a key, too),

@@ -199,7 +199,8 @@ struct allreduce {
     size_t n_dials;
     size_t slot_bytes;          /* a staging slot: ring_slot_bytes(seg_bytes) */
     uint8_t *stage;             /* SLOTS + 2 slots */
-    uint8_t *rd_a, *rd_b;       /* small_bytes each, or NULL */
+    uint8_t *rd_a, *rd_b;       /* doubling_cap(small_bytes) each (allreduce.c),
+                                 * or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
 };
 

@@ -355,6 +355,17 @@ Test(allreduce, recursive_doubling_matrix)
            false, "recursive doubling");
 }
 
+/* A 1 KiB threshold folds a tail of 16 bytes: 256 to 260 float32 (128 to
+ * 130 float64) elements go by recursive doubling in scratch buffers of
+ * 1040 bytes, one more by the ring. ASan watches the scratch. */
+static const size_t fold_counts[] = { 256, 257, 259, 260, 261, 300 };
+
+Test(allreduce, recursive_doubling_folds_a_tail_into_its_scratch)
+{
+    matrix(0, 1024, fold_counts, sizeof fold_counts / sizeof fold_counts[0], 1, MAXP, false,
+           false, "recursive doubling with a tail");
+}
+
 Test(allreduce, ring_matrix_tiny_segments)
 {
     /* 16-byte segments: many windows, partial windows, and chunks that are
@@ -2634,13 +2645,22 @@ Test(allreduce, same_exchanges_counts_ring_segments)
     cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 36, DTYPE_F32, true));
     cr_assert(allreduce_same_exchanges(a, 2, 16u << 20, 2048, DTYPE_F32, true));
     cr_assert_not(allreduce_same_exchanges(a, 2, 16u << 20, 2049, DTYPE_F32, true));
+    /* Just under 8 MiB out of place, the digits cross into staging
+     * (RING_STAGED_MIN_BYTES), whose windows cut the same segments. */
+    cr_assert(allreduce_same_exchanges(a, 2, (2u << 20) - 10, 36, DTYPE_F32, true));
     cr_assert_eq(ring_segments(2, 16u << 20, 65536, true), 2 * 32 * 4);
     cr_assert_eq(ring_segments(2, 16u << 20, 65536, false), 2 * 16 * 8);
-    /* Recursive doubling (up to 256 KiB): one exchange a step, whatever
-     * the length; but not across the switch to the ring. */
+    /* Recursive doubling (up to 256 KiB, and a tail of 1/64 of that
+     * folded in): one exchange a step, whatever the length; but not
+     * across the switch to the ring, 65536 + 1024 float32 elements. */
     cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32, false));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 65536, 36, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 65536, 1024, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 1025, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 66560, 1, DTYPE_F32, false));
     cr_assert(allreduce_same_exchanges(a, 2, 16384, 36, DTYPE_F64, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 32768, 512, DTYPE_F64, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 32768, 513, DTYPE_F64, false));
     /* Alone, or nothing appended: nothing changes. */
     cr_assert(allreduce_same_exchanges(a, 1, 262144, 36, DTYPE_F32, false));
     cr_assert(allreduce_same_exchanges(a, 2, 262144, 0, DTYPE_F32, false));
