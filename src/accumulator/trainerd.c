@@ -125,6 +125,15 @@ static void publish_view(void *arg, const struct node_view *v)
     viewpage_publish(s->shared, &w);
 }
 
+/* CONTRIBUTE. A GPU session's gradients stay on the device: the node
+ * reduces them there with NCCL, or gathers them into the memfd itself at
+ * the step of a host-staged epoch (node_device.gather), when the trainer
+ * has contributed and writes no gradient. */
+static int contribute(struct node *n, uint64_t batch_size)
+{
+    return node_contribute(n, batch_size);
+}
+
 /* node_config.on_spin: while the node's thread spins, it serves the
  * trainer's doorbell itself (viewpage.h), as serve_one would the same
  * request: a CONTRIBUTE's answer is its status, a CONSUME's is 0, whatever
@@ -142,7 +151,7 @@ static void serve_bell(void *arg, struct node *n, enum node_spin phase)
         return;
     atomic_fetch_add(s->rung, 1);
     if (type == TL_CONTRIBUTE) {
-        viewpage_answer(s->shared, node_contribute(n, value));
+        viewpage_answer(s->shared, contribute(n, value));
     } else if (type == TL_CONSUME) {
         node_consume(n, value);
         viewpage_answer(s->shared, 0);
@@ -359,15 +368,6 @@ static int do_register(struct trainerd *t, struct session *s, const struct tlink
     return rc;
 }
 
-/* CONTRIBUTE. A GPU session's gradients stay on the device: the node
- * reduces them there with NCCL, or gathers them into the memfd itself at
- * the step of a host-staged epoch (node_device.gather), when the trainer
- * has contributed and writes no gradient. */
-static int contribute(struct session *s, uint64_t batch_size)
-{
-    return node_contribute(s->node, batch_size);
-}
-
 /* Refuses a request with `err`; `end`: the session ends too. A one-way
  * request has no reply to carry the error, so it always ends the session:
  * the trainer learns of it from the closed connection. Returns what
@@ -443,7 +443,7 @@ static int serve_one(struct trainerd *t, struct session *s)
         return reply(s->sock, h.type, 0, &w, sizeof(w), NULL, 0);
     }
     case TL_CONTRIBUTE:
-        return reply(s->sock, h.type, contribute(s, b.u.value), NULL, 0, NULL, 0);
+        return reply(s->sock, h.type, contribute(s->node, b.u.value), NULL, 0, NULL, 0);
     case TL_CONSUME:
         /* One-way: the trainer does not wait. A consume that finds its
          * result already dropped by a state transfer has nothing to do. */
