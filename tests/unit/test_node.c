@@ -613,14 +613,6 @@ Test(node, a_leader_forwards_the_state_its_trainer_has_not_taken)
 
 /* Whether the file at fd holds a line with both `a` and `b` (its first
  * 64 KiB). */
-static bool file_has_line(int fd, const char *a, const char *b);
-
-/* fixture_wait_until's predicate: w-0's warning in the log at *fd. */
-static bool w0_warned(void *fd)
-{
-    return file_has_line(*(int *)fd, "its trainer has not sent the state", "id=w-0");
-}
-
 static bool file_has_line(int fd, const char *a, const char *b)
 {
     static char buf[65536];
@@ -636,6 +628,12 @@ static bool file_has_line(int fd, const char *a, const char *b)
             break;
     }
     return false;
+}
+
+/* fixture_wait_until's predicate: w-0's warning in the log at *fd. */
+static bool w0_warned(void *fd)
+{
+    return file_has_line(*(int *)fd, "its trainer has not sent the state", "id=w-0");
 }
 
 /* A trainer back in its loop, answering wants_state with "late state";
