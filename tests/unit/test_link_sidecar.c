@@ -19,6 +19,7 @@
 
 #include "base/clock.h"
 #include "accumulator/link_sidecar.h"
+#include "fixture.h"
 
 struct scripted {
     int32_t status;
@@ -251,8 +252,8 @@ static void bell_start(struct bell *b, struct link_memory *m, const int64_t *ans
     b->n = n;
     b->hangup = hangup;
     cr_assert_eq(pthread_create(&b->thread, NULL, bell_main, b), 0);
-    while (!__atomic_load_n(&b->p->bell.listening, __ATOMIC_SEQ_CST))
-        sched_yield();
+    FIXTURE_WAIT_FOR(__atomic_load_n(&b->p->bell.listening, __ATOMIC_SEQ_CST),
+                     "the bell thread never listened");
 }
 
 static void bell_stop(struct bell *b)
