@@ -68,7 +68,9 @@
  * sum is thrown away and the compressed gradient step runs. Only float32 and
  * float64 gradients carry them, and only while m <= SPARE_MEMBERS_MAX
  * (tally.h gives the digits), and only where the digits add no exchange
- * to the all-reduce (allreduce_same_exchanges). A buffer whose ring
+ * to the all-reduce (allreduce_same_exchanges). They go as the call's
+ * rider (allreduce_run_rider), so they never move gradients of up to
+ * recursive doubling's crossover onto the ring. A buffer whose ring
  * chunks are whole segments, such as 1 MiB on 2 members, would gain a
  * short segment at every step, which costs more than the count step
  * saves; the ring folds a tail of up to 1/64 of a segment (4 KiB by
@@ -1353,8 +1355,10 @@ static int spare_step(struct node *n, bool slots, uint64_t *c, uint32_t m, size_
             ((double *)(void *)tail)[i] *= (double)m;
     }
     trace_lap(n, NODE_STAGE_COPY_IN);
-    rc = allreduce_run_into(n->ar, src, n->h_results, n->t.grad_count + k, n->t.grad_type,
-                            DTYPE_AVG_BY, (double)m, round_of(n));
+    /* The digits are a rider: the gradients alone choose the algorithm,
+     * as for the gradient step they replace. */
+    rc = allreduce_run_rider(n->ar, src, n->h_results, n->t.grad_count + k, k, n->t.grad_type,
+                             DTYPE_AVG_BY, (double)m, round_of(n));
     trace_lap(n, NODE_STAGE_ENGINE);
     if (rc < 0)
         return rc;

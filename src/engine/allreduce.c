@@ -102,17 +102,15 @@
 #define MAX_SEGMENT_BYTES ((size_t)64 << 20)
 #define MAX_SMALL_BYTES ALLREDUCE_SMALL_MAX
 
-/* Recursive doubling folds a tail of up to 1/64 of small_bytes, as the
- * ring folds one into a segment (ring.c, "Folding a tail"): a buffer of
- * small_bytes with a few elements appended, such as the Accumulator's
- * counters behind 256 KiB of gradients, stays in recursive doubling, so
- * appending them changes no exchange (allreduce_same_exchanges) and they
- * ride with no copy. The scratch buffers hold this much. Every member of
- * an epoch runs one build, so all choose alike: mixed versions are not
- * served (docs/architecture.md, "Heartbeats"). */
+/* Recursive doubling's scratch: small_bytes and a rider. A call chooses
+ * by its payload, the elements before its rider (allreduce_run_rider),
+ * so the Accumulator's counters behind gradients of up to small_bytes
+ * keep the call in recursive doubling: appending them changes no exchange
+ * (allreduce_same_exchanges) and they ride with no copy, whatever the
+ * gradients' length. */
 static size_t doubling_cap(size_t small)
 {
-    return small + small / 64;
+    return small + ALLREDUCE_RIDER_MAX_BYTES;
 }
 
 #define ABORT_GRACE_MS 50       /* finishing half-sent frames before a BYE */
@@ -418,28 +416,28 @@ static const struct algorithm algorithms[] = {
                               .in_place = false },
 };
 
-/* Whether `count` elements of accumulation size `asz` (`coded` bytes on
- * the wire, when coded; else 0) take recursive doubling: up to
- * doubling_cap(small_bytes), which its scratch buffers hold. */
+/* Whether a payload of `count` elements of accumulation size `asz`
+ * (`coded` bytes on the wire, when coded; else 0), a rider aside, takes
+ * recursive doubling: up to small_bytes. The scratch holds a rider more
+ * (doubling_cap). */
 static bool doubling_fits(const struct allreduce *a, size_t count, size_t asz, size_t coded)
 {
-    size_t cap;
-
     if (a->small_bytes == ALLREDUCE_SMALL_NONE)
         return false;
-    cap = doubling_cap(a->small_bytes);
-    return count <= cap / asz && coded <= cap;
+    return count <= a->small_bytes / asz && coded <= a->small_bytes;
 }
 
 /* The one place a call's algorithm is chosen: the butterfly when the caller
  * gave parts (allreduce_run_parts), else recursive doubling up to
- * small_bytes on the wire and a folded tail (doubling_cap), the ring
- * beyond. */
+ * small_bytes of payload on the wire (its rider aside), the ring beyond.
+ * Every member of an epoch runs one build, so all choose alike: mixed
+ * versions are not served (docs/architecture.md, "Heartbeats"). */
 static const struct algorithm *choose_algorithm(const struct allreduce *a, const struct run *x)
 {
     /* Coded, the scratch must hold the encoded buffer too (int8 of one
-     * element is 5 bytes). */
-    bool small = doubling_fits(a, x->count, x->asz, x->coded ? codec_bytes(x->codec, x->count) : 0);
+     * element is 5 bytes); a coded call has no rider. */
+    bool small = doubling_fits(a, x->count - x->rider, x->asz,
+                               x->coded ? codec_bytes(x->codec, x->count) : 0);
 
     if (x->parts)
         return &algorithms[ALGORITHM_BUTTERFLY];    /* its caller chose it by giving parts */
@@ -571,15 +569,20 @@ static int run_buffers(struct run *x, int in, int out)
     return rc;
 }
 
-int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
-                        enum dtype_op op, double denominator, enum codec codec, uint64_t round)
+/* One call over the whole buffer (not the butterfly): allreduce_run_rider
+ * and allreduce_run_codec; a coded call has no rider. */
+static int run_single(struct allreduce *a, int in, int out, size_t count, size_t rider,
+                      enum dtype type, enum dtype_op op, double denominator, enum codec codec,
+                      uint64_t round)
 {
-    struct run x = { .a = a, .round = round, .count = count, .type = type, .op = op,
-                     .div = denominator, .codec = codec, .coded = codec != CODEC_NONE,
-                     .fail_peer = SIZE_MAX };
+    struct run x = { .a = a, .round = round, .count = count, .rider = rider, .type = type,
+                     .op = op, .div = denominator, .codec = codec,
+                     .coded = codec != CODEC_NONE, .fail_peer = SIZE_MAX };
 
     if (!a || !handle_ok(a, in) || !handle_ok(a, out) || !dtype_valid((int)type) ||
         !dtype_op_valid((int)op) || !codec_valid((int)codec) || !codec_supports(codec, type))
+        return -EINVAL;
+    if (rider > count || rider > ALLREDUCE_RIDER_MAX_BYTES / dtype_size(dtype_acc(type)))
         return -EINVAL;
     /* A staging slot is one segment: a whole segment's encoding must fit
      * it (meanstd16's 8 bytes of mean and deviation do from 16 bytes on,
@@ -591,6 +594,18 @@ int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum
     x.asz = dtype_size(x.acc);
     x.wide = dtype_is_16bit_float(type);
     return run_buffers(&x, in, out);
+}
+
+int allreduce_run_rider(struct allreduce *a, int in, int out, size_t count, size_t rider,
+                        enum dtype type, enum dtype_op op, double denominator, uint64_t round)
+{
+    return run_single(a, in, out, count, rider, type, op, denominator, CODEC_NONE, round);
+}
+
+int allreduce_run_codec(struct allreduce *a, int in, int out, size_t count, enum dtype type,
+                        enum dtype_op op, double denominator, enum codec codec, uint64_t round)
+{
+    return run_single(a, in, out, count, 0, type, op, denominator, codec, round);
 }
 
 int allreduce_run_parts(struct allreduce *a, int in, int out, size_t count, enum dtype type,
@@ -829,21 +844,19 @@ bool allreduce_same_exchanges(const struct allreduce *a, size_t n, size_t count,
                               enum dtype type, bool into)
 {
     size_t asz, seg;
-    bool small_a, small_b;
 
     if (!a || !dtype_valid((int)type) || count > SIZE_MAX - extra)
         return false;
     if (n < 2 || extra == 0)
         return true;
-    /* As choose_algorithm() decides, for an uncompressed call. */
     asz = dtype_size(dtype_acc(type));
-    small_a = doubling_fits(a, count, asz, 0);
-    small_b = doubling_fits(a, count + extra, asz, 0);
-    if (small_a != small_b)
+    if (extra > ALLREDUCE_RIDER_MAX_BYTES / asz)
         return false;
-    /* Recursive doubling sends the whole buffer once per step. 16-bit
-     * types run the ring with shorter windows: not counted here. */
-    if (small_a)
+    /* As choose_algorithm() decides, for an uncompressed call: on the
+     * payload, the same with its rider. Recursive doubling sends the
+     * whole buffer once per step. 16-bit types run the ring with shorter
+     * windows: not counted here. */
+    if (doubling_fits(a, count, asz, 0))
         return true;
     if (dtype_is_16bit_float(type))
         return false;

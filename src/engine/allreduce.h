@@ -39,8 +39,14 @@ struct allreduce;
 /* small_bytes that turns recursive doubling off: the ring for every size. */
 #define ALLREDUCE_SMALL_NONE ((size_t)-1)
 /* The largest small_bytes: recursive doubling's scratch is 2 x this and
- * 1/64 more. */
+ * a rider. */
 #define ALLREDUCE_SMALL_MAX ((size_t)64 << 20)
+/* The longest rider (allreduce_run_rider), in accumulation bytes: the
+ * Accumulator's counters (13 of up to 64 float64 digits, 6.5 KiB) fit,
+ * and so does the tail the ring folds into default segments on 4
+ * members (4 x 4 KiB), so that there the ring's limit decides
+ * (allreduce_same_exchanges). */
+#define ALLREDUCE_RIDER_MAX_BYTES ((size_t)16 << 10)
 #define ALLREDUCE_MAX_BUFFERS 1024
 /* Members of a butterfly call (allreduce_run_parts) at most. */
 #define ALLREDUCE_PARTS_MAX 256
@@ -61,8 +67,8 @@ struct allreduce_config {
     size_t segment_bytes;           /* ring pipelining unit, a multiple of 8, at least
                                      * 8; 0: the measured default (allreduce.c) */
     size_t small_bytes;             /* all-reduces of at most this many bytes on the
-                                     * wire (count x accumulation size), and a tail
-                                     * of up to 1/64 of it more, use recursive
+                                     * wire (count x accumulation size, less a
+                                     * rider) use recursive
                                      * doubling; 0: the measured default;
                                      * ALLREDUCE_SMALL_NONE: never; at most
                                      * ALLREDUCE_SMALL_MAX. The first all-reduce
@@ -102,7 +108,7 @@ int allreduce_listen(const char *host, int *fd, char *address, size_t address_le
  * holds greetings from members of epochs it has not adopted for up to the
  * member timeout. Allocates every scratch buffer it will ever need, once:
  * 8 staging slots of segment_bytes + 1/64 (a ring segment with a folded
- * tail: ring.c) and 2 x small_bytes + 1/64 for recursive doubling.
+ * tail: ring.c) and 2 x small_bytes and a rider for recursive doubling.
  * Draws the engine's random incarnation, which tells its greetings from
  * those of an earlier engine under the same id (acceptor.c).
  * Returns 0, -EINVAL (bad config: integrity_mac without a key, too),
@@ -185,6 +191,16 @@ int allreduce_run(struct allreduce *a, int handle, size_t count, enum dtype type
  * either registration. */
 int allreduce_run_into(struct allreduce *a, int in, int out, size_t count, enum dtype type,
                        enum dtype_op op, double denominator, uint64_t round);
+
+/* allreduce_run_into whose last `rider` of the count elements are values
+ * that travel with a payload, such as the Accumulator's counters behind
+ * its gradients: reduced as the rest, but the algorithm is chosen for the
+ * count - rider elements before them, so a rider never moves a call from
+ * recursive doubling to the ring. Every member must give the same rider.
+ * Same returns; -EINVAL also when rider exceeds count or
+ * ALLREDUCE_RIDER_MAX_BYTES of accumulation (dtype_acc) elements. */
+int allreduce_run_rider(struct allreduce *a, int in, int out, size_t count, size_t rider,
+                        enum dtype type, enum dtype_op op, double denominator, uint64_t round);
 
 /* allreduce_run_into with the payloads compressed by `codec`
  * (engine/codec.h), which every member must give alike: data on the wire
@@ -292,9 +308,10 @@ size_t allreduce_members(struct allreduce *a);
 bool allreduce_busy(const struct allreduce *a);
 
 /* Whether an uncompressed all-reduce of count + extra elements of `type`
- * among n members, out of place (`into`) or in place, makes as many
- * exchanges as one of `count`: the same
- * algorithm, and for the ring as many segments. The ring folds a tail of
+ * among n members, out of place (`into`) or in place, the extra ones a
+ * rider (allreduce_run_rider), makes as many exchanges as one of `count`:
+ * the same algorithm, which a rider never changes (false for one too long
+ * to be a rider), and for the ring as many segments. The ring folds a tail of
  * up to 1/64 of a segment per chunk into the segments before it (ring.c,
  * "Folding a tail"), so a few elements appended to a buffer whose chunks
  * are whole segments add none; more would add a short one to every

@@ -199,8 +199,8 @@ struct allreduce {
     size_t n_dials;
     size_t slot_bytes;          /* a staging slot: ring_slot_bytes(seg_bytes) */
     uint8_t *stage;             /* SLOTS + 2 slots */
-    uint8_t *rd_a, *rd_b;       /* doubling_cap(small_bytes) each (allreduce.c),
-                                 * or NULL */
+    uint8_t *rd_a, *rd_b;       /* doubling_cap(small_bytes) each (allreduce.c):
+                                 * a payload and its rider; or NULL */
     struct reg regs[];          /* ALLREDUCE_MAX_BUFFERS, allocated with the struct */
 };
 
@@ -213,6 +213,7 @@ struct run {
     size_t me, n;
     uint64_t round;
     size_t count;
+    size_t rider;               /* the last elements of count, chosen without */
     enum dtype type, acc;
     enum dtype_op op;
     double div;

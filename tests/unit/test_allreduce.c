@@ -54,6 +54,7 @@ struct peer {
     enum dtype_op op;
     double denom;
     enum codec codec;           /* CODEC_NONE unless a test sets it */
+    size_t rider;               /* allreduce_run_rider's, when a test sets it */
     uint64_t round;
     int rc;
     uint64_t done_ms;
@@ -171,6 +172,9 @@ static void *call_main(void *arg)
     if (p->codec != CODEC_NONE)
         p->rc = allreduce_run_codec(p->ar, p->hin >= 0 ? p->hin : p->h, p->h, p->count, p->type,
                                     p->op, p->denom, p->codec, p->round);
+    else if (p->rider)
+        p->rc = allreduce_run_rider(p->ar, p->hin >= 0 ? p->hin : p->h, p->h, p->count, p->rider,
+                                    p->type, p->op, p->denom, p->round);
     else if (p->hin >= 0)
         p->rc = allreduce_run_into(p->ar, p->hin, p->h, p->count, p->type, p->op, p->denom,
                                    p->round);
@@ -355,15 +359,39 @@ Test(allreduce, recursive_doubling_matrix)
            false, "recursive doubling");
 }
 
-/* A 1 KiB threshold folds a tail of 16 bytes: 256 to 260 float32 (128 to
- * 130 float64) elements go by recursive doubling in scratch buffers of
- * 1040 bytes, one more by the ring. ASan watches the scratch. */
-static const size_t fold_counts[] = { 256, 257, 259, 260, 261, 300 };
-
-Test(allreduce, recursive_doubling_folds_a_tail_into_its_scratch)
+static void set_rider(struct cluster *c, size_t rider)
 {
-    matrix(0, 1024, fold_counts, sizeof fold_counts / sizeof fold_counts[0], 1, MAXP, false,
-           false, "recursive doubling with a tail");
+    for (size_t i = 0; i < c->n; i++)
+        c->p[i].rider = rider;
+}
+
+/* A 1 KiB threshold, a payload of exactly that and the longest rider
+ * behind it, of every type and op, in place and out of place, on 1 to 8
+ * members: recursive doubling in its scratch of 1 KiB and a rider, which
+ * ASan watches (a scratch with no room for the rider overflows). */
+Test(allreduce, a_rider_rides_recursive_doubling_in_its_scratch, .timeout = 240)
+{
+    for (int oop = 0; oop <= 1; oop++)
+        for (size_t n = 1; n <= MAXP; n++) {
+            struct cluster c;
+            uint64_t round = 0;
+
+            quiet();
+            cluster_init(&c, n, 1024 + ALLREDUCE_RIDER_MAX_BYTES, 0, 1024, 30000);
+            if (oop)
+                cluster_out_of_place(&c);
+            adopt(&c, 1, NULL);
+            for (int t = 0; t < DTYPE_COUNT; t++) {
+                size_t asz = dtype_size(dtype_acc((enum dtype)t));
+                size_t rider = ALLREDUCE_RIDER_MAX_BYTES / asz;
+
+                set_rider(&c, rider);
+                for (int op = 0; op < DTYPE_OP_COUNT; op++)
+                    reduce_and_check(&c, 1024 / asz + rider, (enum dtype)t, (enum dtype_op)op, 3,
+                                     ++round, "recursive doubling with a rider");
+            }
+            cluster_fini(&c);
+        }
 }
 
 Test(allreduce, ring_matrix_tiny_segments)
@@ -2608,6 +2636,68 @@ Test(allreduce, a_coded_frame_of_the_wrong_length_is_refused)
     }
 }
 
+/* The rider leaves the choice to the payload: with a 1 KiB threshold,
+ * 256 float32 and a rider of 36 go by recursive doubling (one frame from
+ * each of 2 members), the same 292 elements without a rider and 257 with
+ * one by the ring (two frames a chunk from each). The payload on the wire
+ * is the same on 2 members either way. */
+Test(allreduce, a_rider_leaves_the_algorithm_to_the_payload)
+{
+    struct cluster c;
+    uint64_t round = 0;
+
+    cluster_start(&c, 2, 4096, 0, 1024, 30000);
+    /* Connections come up in the first call: count from the next. */
+    reduce_and_check(&c, 292, DTYPE_F32, DTYPE_SUM, 0, ++round, "warm-up");
+    set_rider(&c, 36);
+    cr_assert_eq(frames_of(&c, 292, ++round, 2 * 292 * 4, "a rider"), 2);
+    cr_assert_eq(frames_of(&c, 293, ++round, 2 * 293 * 4, "a payload past the threshold"),
+                 2 * ring_segments(2, 293, 65536, false));
+    set_rider(&c, 0);
+    cr_assert_eq(frames_of(&c, 292, ++round, 2 * 292 * 4, "no rider"),
+                 2 * ring_segments(2, 292, 65536, false));
+    cr_assert_gt(ring_segments(2, 292, 65536, false), 1);
+    cluster_fini(&c);
+}
+
+/* A rider longer than the call, or than ALLREDUCE_RIDER_MAX_BYTES of
+ * accumulation, is -EINVAL before anything is sent: the buffers are as
+ * they were, and the same call with a rider that fits then succeeds. */
+Test(allreduce, a_rider_too_long_is_invalid_and_changes_nothing)
+{
+    static const struct {
+        size_t count, rider;
+        enum dtype t;
+    } bad[] = {
+        { 100, 101, DTYPE_F32 },
+        { 5000, 4097, DTYPE_F32 },
+        { 5000, 4097, DTYPE_F16 },      /* accumulated in float32 */
+        { 5000, 2049, DTYPE_F64 },
+    };
+    struct cluster c;
+    void *before[2];
+
+    cluster_start(&c, 2, 5000 * 8, 0, 1024, 30000);
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        fill(&c, bad[k].count, bad[k].t);
+        for (size_t i = 0; i < 2; i++) {
+            before[i] = malloc(c.p[i].bytes);
+            cr_assert(before[i]);
+            memcpy(before[i], c.p[i].buf, c.p[i].bytes);
+            cr_assert_eq(allreduce_run_rider(c.p[i].ar, c.p[i].h, c.p[i].h, bad[k].count,
+                                             bad[k].rider, bad[k].t, DTYPE_SUM, 0, k + 1),
+                         -EINVAL, "%zu of %zu", bad[k].rider, bad[k].count);
+            cr_assert_eq(memcmp(before[i], c.p[i].buf, c.p[i].bytes), 0);
+            free(before[i]);
+        }
+        set_rider(&c, bad[k].rider - 1);
+        call_all(&c, bad[k].count, bad[k].t, DTYPE_SUM, 0, k + 1);
+        check(&c, bad[k].count, bad[k].t, DTYPE_SUM, 0, "a rider that fits");
+        set_rider(&c, 0);
+    }
+    cluster_fini(&c);
+}
+
 /* A few elements appended to a buffer cost no exchange unless they add a
  * ring segment (or change the algorithm): 1 MiB of float32 on 2 members
  * is two whole 256 KiB segments per chunk, and up to n x 1/64 of a
@@ -2650,17 +2740,17 @@ Test(allreduce, same_exchanges_counts_ring_segments)
     cr_assert(allreduce_same_exchanges(a, 2, (2u << 20) - 10, 36, DTYPE_F32, true));
     cr_assert_eq(ring_segments(2, 16u << 20, 65536, true), 2 * 32 * 4);
     cr_assert_eq(ring_segments(2, 16u << 20, 65536, false), 2 * 16 * 8);
-    /* Recursive doubling (up to 256 KiB, and a tail of 1/64 of that
-     * folded in): one exchange a step, whatever the length; but not
-     * across the switch to the ring, 65536 + 1024 float32 elements. */
+    /* Recursive doubling (a payload of up to 256 KiB): one exchange a
+     * step, whatever the length, and a rider never moves the call to the
+     * ring; but a rider is at most 16 KiB (4096 float32, 2048 float64). */
     cr_assert(allreduce_same_exchanges(a, 2, 1024, 36, DTYPE_F32, false));
     cr_assert(allreduce_same_exchanges(a, 2, 65536, 36, DTYPE_F32, false));
-    cr_assert(allreduce_same_exchanges(a, 2, 65536, 1024, DTYPE_F32, false));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 1025, DTYPE_F32, false));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 66560, 1, DTYPE_F32, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 65536, 4096, DTYPE_F32, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 65536, 4097, DTYPE_F32, false));
     cr_assert(allreduce_same_exchanges(a, 2, 16384, 36, DTYPE_F64, false));
-    cr_assert(allreduce_same_exchanges(a, 2, 32768, 512, DTYPE_F64, false));
-    cr_assert_not(allreduce_same_exchanges(a, 2, 32768, 513, DTYPE_F64, false));
+    cr_assert(allreduce_same_exchanges(a, 2, 32768, 2048, DTYPE_F64, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 32768, 2049, DTYPE_F64, false));
+    cr_assert_not(allreduce_same_exchanges(a, 2, 1024, 4097, DTYPE_F32, false));
     /* Alone, or nothing appended: nothing changes. */
     cr_assert(allreduce_same_exchanges(a, 1, 262144, 36, DTYPE_F32, false));
     cr_assert(allreduce_same_exchanges(a, 2, 262144, 0, DTYPE_F32, false));

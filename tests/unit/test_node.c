@@ -1649,9 +1649,10 @@ Test(node, topk_residuals_carry_over_an_epoch_change_and_a_joiner_starts_at_zero
 
 struct wmember {
     int index;
+    size_t count;                   /* float32 gradients: WG, or what a test sets */
     struct node *n;
     _Alignas(64) double params[1];
-    float *grads, *results;         /* WG, then SPARE_FLOATS for the node */
+    float *grads, *results;         /* count, then SPARE_FLOATS for the node */
     uint64_t made, applied;
     uint64_t bad;                   /* results that were not the exact mean */
     int rc;
@@ -1683,21 +1684,21 @@ static void *wmember_main(void *arg)
         fixture_node_trade_state(m->n, &v);
         if (v.has_gradients) {
             /* Version v came from round v - 1 of both members. */
-            for (size_t i = 0; i < WG; i++)
+            for (size_t i = 0; i < m->count; i++)
                 m->bad += v.num_gradients != 2 ||
                           m->results[i] != (wvalue(0, i, v.model_version - 1) +
                                             wvalue(1, i, v.model_version - 1)) / 2.0f;
-            memset(m->grads, 0, WG * sizeof(float));
+            memset(m->grads, 0, m->count * sizeof(float));
             if (node_consume(m->n, v.rounds_committed) < 0)
                 m->rc = -EPROTO;
             m->applied++;
         } else if (v.wants_gradients && v.size == 2) {
-            for (size_t i = 0; i < WG; i++)
+            for (size_t i = 0; i < m->count; i++)
                 m->grads[i] = wvalue(m->index, i, m->made);
             if (node_contribute(m->n, 1) == 0)
                 m->made++;
             else
-                memset(m->grads, 0, WG * sizeof(float));
+                memset(m->grads, 0, m->count * sizeof(float));
         } else {
             clock_sleep_ms(1);
         }
@@ -1706,12 +1707,11 @@ static void *wmember_main(void *arg)
     return NULL;
 }
 
-/* 1 MiB of float32 on 2 members with room for the counters: the counters'
- * 208 bytes are folded into the ring's last segments (engine/ring.c,
- * "Folding a tail") instead of adding a segment, so every round after
- * the epoch's first is the spare step, one all-reduce: no count step, no
- * copy. Every result is the exact mean, the same on both members. */
-Test(node, a_buffer_of_whole_ring_segments_takes_the_spare_step)
+/* `count` float32 on 2 members with room for the counters: every round
+ * after the epoch's first is the spare step, one all-reduce: no count
+ * step, no copy. Every result is the exact mean, the same on both
+ * members. */
+static void spare_step_rounds(size_t count)
 {
     static uint64_t rows[64][NODE_STAGES];
     struct node_trace trace = { .ns = rows, .cap = 64 };
@@ -1728,14 +1728,16 @@ Test(node, a_buffer_of_whole_ring_segments_takes_the_spare_step)
 
         memset(&ms[i], 0, sizeof(ms[i]));
         ms[i].index = i;
-        ms[i].grads = aligned_alloc(64, (WG + SPARE_FLOATS) * sizeof(float));
-        ms[i].results = aligned_alloc(64, (WG + SPARE_FLOATS) * sizeof(float));
+        ms[i].count = count;
+        /* aligned_alloc wants a multiple of the alignment. */
+        ms[i].grads = aligned_alloc(64, ((count + SPARE_FLOATS) * sizeof(float) + 63) / 64 * 64);
+        ms[i].results = aligned_alloc(64, ((count + SPARE_FLOATS) * sizeof(float) + 63) / 64 * 64);
         cr_assert(ms[i].grads && ms[i].results);
         snprintf(id, sizeof(id), "s-%d", i);
         c.id = id;
         cr_assert_eq(node_start(&c, &ms[i].n), 0);
         t = (struct node_tensors){ .params = ms[i].params, .params_bytes = sizeof(ms[i].params),
-                                   .grads = ms[i].grads, .grad_count = WG,
+                                   .grads = ms[i].grads, .grad_count = count,
                                    .grad_type = DTYPE_F32, .results = ms[i].results,
                                    .grads_spare = SPARE_FLOATS * sizeof(float),
                                    .results_spare = SPARE_FLOATS * sizeof(float) };
@@ -1765,4 +1767,20 @@ Test(node, a_buffer_of_whole_ring_segments_takes_the_spare_step)
         free(ms[i].grads);
         free(ms[i].results);
     }
+}
+
+/* 1 MiB: the counters' 208 bytes are folded into the ring's last
+ * segments (engine/ring.c, "Folding a tail") instead of adding a
+ * segment. */
+Test(node, a_buffer_of_whole_ring_segments_takes_the_spare_step)
+{
+    spare_step_rounds(WG);
+}
+
+/* 20 elements under recursive doubling's 256 KiB crossover: the counters
+ * behind them would pass it, but they ride as the call's rider
+ * (allreduce_run_rider), which leaves the choice to the gradients. */
+Test(node, gradients_just_under_the_doubling_crossover_take_the_spare_step)
+{
+    spare_step_rounds((256u << 10) / sizeof(float) - 20);
 }
